@@ -1,0 +1,550 @@
+//! The command line: `demo`, `run`, `serve`, `check`, `audit`, `holds` (and the hidden
+//! `synth` that makes the demo fixtures). Each command is a function returning an exit code;
+//! `main` only parses and dispatches.
+
+use crate::config::Config;
+use crate::model::{AuditRow, HoldState};
+use crate::notify::delivery::Deliverer;
+use crate::pipeline::{Engine, RunOptions};
+use crate::store::AuditFilter;
+use crate::util::rfc3339;
+use clap::{Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(name = "zonewatch", version, about = "Watch municipal zoning layers; alert subscribers of real changes, exactly once.")]
+pub struct Cli {
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+pub enum AuditFormat {
+    Table,
+    Jsonl,
+    Csv,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Self-contained tour: temp store, bundled demo county, built-in webhook receiver.
+    Demo,
+    /// One pass: ingest every (or one) source, then deliver until the outbox is empty.
+    Run {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        source: Option<String>,
+        /// Update snapshots and prime idempotency keys without sending anything.
+        #[arg(long)]
+        reprocess: bool,
+    },
+    /// Long-running: re-ingest each source every `every`, deliver continuously.
+    Serve {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Validate the config and every AOI file.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Show the audit ledger (one row per outcome).
+    Audit {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        parcel: Option<String>,
+        #[arg(long)]
+        watcher: Option<String>,
+        #[arg(long)]
+        source: Option<String>,
+        /// One event: every outcome of this idempotency key.
+        #[arg(long)]
+        key: Option<String>,
+        /// One source run: every outcome of this lineage id.
+        #[arg(long)]
+        lineage: Option<String>,
+        #[arg(long, value_enum, default_value_t = AuditFormat::Table)]
+        format: AuditFormat,
+    },
+    /// List, release or prime runs held by the publication gate.
+    Holds {
+        #[command(subcommand)]
+        action: HoldAction,
+    },
+    /// Generate synthetic data (the demo county fixtures).
+    #[command(hide = true)]
+    Synth {
+        #[command(subcommand)]
+        what: SynthWhat,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum HoldAction {
+    List {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Deliver a held run.
+    Release {
+        run_id: u64,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Accept a held run silently (snapshot and keys updated, nothing sent).
+    Prime {
+        run_id: u64,
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SynthWhat {
+    /// Write the demo county fixtures into a folder.
+    Demo {
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+/// Exit codes: 0 ok, 1 runtime failure (a source failed, delivery error), 2 config/store error.
+pub fn dispatch(cli: Cli) -> i32 {
+    match cli.command {
+        Command::Demo => match crate::demo::run_demo() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("demo failed: {e:#}");
+                1
+            }
+        },
+        Command::Run { config, source, reprocess } => cmd_run(&config, source.as_deref(), reprocess),
+        Command::Serve { config } => cmd_serve(&config),
+        Command::Check { config } => cmd_check(&config),
+        Command::Audit { config, parcel, watcher, source, key, lineage, format } => {
+            let filter = AuditFilter { parcel, watcher, source, key, lineage, ..Default::default() };
+            cmd_audit(&config, filter, format)
+        }
+        Command::Holds { action } => cmd_holds(action),
+        Command::Synth { what: SynthWhat::Demo { out } } => match crate::synth::write_demo_fixtures(&out) {
+            Ok(f) => {
+                println!("wrote {} parcels and {} rezonings to {}", f.parcels, f.rezonings.len(), out.display());
+                for r in f.rezonings {
+                    println!("  {} {} -> {}", r.id, r.from, r.to);
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+    }
+}
+
+fn load_config(path: &std::path::Path) -> Result<Config, i32> {
+    Config::load(path).map_err(|e| {
+        eprintln!("error: {e}");
+        2
+    })
+}
+
+fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
+    let config = load_config(path)?;
+    Engine::open(config).map_err(|e| {
+        eprintln!("error: {e}");
+        2
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, i32> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| {
+        eprintln!("error: cannot start the async runtime: {e}");
+        1
+    })
+}
+
+fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool) -> i32 {
+    let engine = match open_engine(config) {
+        Ok(e) => e,
+        Err(code) => return code,
+    };
+    let sources: Vec<_> = match only {
+        Some(id) => match engine.config.source(id) {
+            Some(s) => vec![s.clone()],
+            None => {
+                eprintln!("error: no source {id:?} in {}", config.display());
+                return 2;
+            }
+        },
+        None => engine.config.sources.clone(),
+    };
+    let mut failed = 0;
+    for src in &sources {
+        match engine.run_source(src, RunOptions { reprocess }) {
+            Ok(report) => println!("{}", report.line()),
+            Err(e) => {
+                failed += 1;
+                println!("{}: failed error={:?}", src.id, e.to_string());
+            }
+        }
+    }
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(c) => return c,
+    };
+    let code = rt.block_on(async {
+        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
+        match deliverer.drain(Instant::now() + engine.config.delivery.run_wait).await {
+            Ok(s) => {
+                let left = engine.store.outbox_len().unwrap_or(0);
+                println!("delivery: sent={} retried={} dead_letters={} outbox_remaining={}", s.sent, s.retried, s.dead, left);
+                0
+            }
+            Err(e) => {
+                eprintln!("error: delivery: {e}");
+                1
+            }
+        }
+    });
+    if let Err(e) = engine.store.sweep_expired_keys(crate::util::now_ms(), 10_000) {
+        eprintln!("warning: sweeping expired idempotency keys failed: {e}");
+    }
+    if failed > 0 {
+        eprintln!("error: {failed} of {} sources failed (see above); their watermarks did not move", sources.len());
+        return 1;
+    }
+    code
+}
+
+fn cmd_serve(config: &std::path::Path) -> i32 {
+    let engine = match open_engine(config) {
+        Ok(e) => Arc::new(e),
+        Err(code) => return code,
+    };
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(c) => return c,
+    };
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        let signals = signals.clone();
+        if let Err(e) = ctrlc::set_handler(move || {
+            let n = signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if n == 0 {
+                eprintln!("zonewatch: stopping (in-flight work finishes; signal again to exit at once)");
+                let _ = tx.send(true);
+            } else {
+                eprintln!("zonewatch: exiting now (the outbox makes this safe)");
+                std::process::exit(130);
+            }
+        }) {
+            eprintln!("error: cannot install the signal handler: {e}");
+            return 1;
+        }
+    }
+    rt.block_on(async move {
+        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let mut tasks = tokio::task::JoinSet::new();
+        {
+            let d = deliverer.clone();
+            let rx = rx.clone();
+            let wake = wake.clone();
+            tasks.spawn(async move { d.run(rx, wake).await });
+        }
+        for src in engine.config.sources.clone() {
+            let engine = engine.clone();
+            let mut rx = rx.clone();
+            let wake = wake.clone();
+            tasks.spawn(async move {
+                loop {
+                    if *rx.borrow() {
+                        break;
+                    }
+                    let e = engine.clone();
+                    let s = src.clone();
+                    match tokio::task::spawn_blocking(move || e.run_source(&s, RunOptions::default())).await {
+                        Ok(Ok(report)) => {
+                            tracing::info!("{}", report.line());
+                            wake.notify_one();
+                        }
+                        Ok(Err(err)) => tracing::error!(source = %src.id, "run failed: {err}"),
+                        Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(src.every) => {}
+                        _ = rx.changed() => {}
+                    }
+                }
+            });
+        }
+        {
+            let store = engine.store.clone();
+            let mut rx = rx.clone();
+            tasks.spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = tokio::time::sleep(std::time::Duration::from_secs(600)) => {}
+                        _ = rx.changed() => break,
+                    }
+                    let s = store.clone();
+                    match tokio::task::spawn_blocking(move || s.sweep_expired_keys(crate::util::now_ms(), 10_000)).await {
+                        Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "expired idempotency keys removed"),
+                        Ok(Err(e)) => tracing::warn!("key sweep failed: {e}"),
+                        _ => {}
+                    }
+                }
+            });
+        }
+        tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
+        while tasks.join_next().await.is_some() {}
+        tracing::info!("zonewatch stopped cleanly");
+        0
+    })
+}
+
+fn cmd_check(config: &std::path::Path) -> i32 {
+    let cfg = match load_config(config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    println!("config {}: ok", config.display());
+    println!("store: {}", cfg.store_path.display());
+    let mut bad = 0;
+    for s in &cfg.sources {
+        let crate::config::SourceKind::File { path } = &s.kind;
+        let exists = if path.exists() { "exists" } else { "MISSING" };
+        println!(
+            "source {}: kind=file path={} ({exists}) every={} max_change_ratio={} fields: id={} zoning={}",
+            s.id,
+            path.display(),
+            crate::util::format_duration(s.every),
+            s.max_change_ratio,
+            s.fields.parcel_id,
+            s.fields.zoning
+        );
+        if !path.exists() {
+            bad += 1;
+        }
+    }
+    for s in &cfg.subscribers {
+        match crate::notify::aoi::load_aoi(&s.aoi_path) {
+            Ok(mp) => {
+                use geo::GeodesicArea;
+                println!(
+                    "subscriber {}: aoi ok ({} polygon(s), {:.0} m²) target={} min_severity={} signed={}",
+                    s.id,
+                    mp.0.len(),
+                    mp.geodesic_area_unsigned(),
+                    s.target,
+                    s.min_severity,
+                    s.secret.is_some()
+                );
+            }
+            Err(e) => {
+                bad += 1;
+                println!("subscriber {}: ERROR {e}", s.id);
+            }
+        }
+    }
+    if bad > 0 {
+        eprintln!("error: {bad} problem(s) found");
+        2
+    } else {
+        println!("all good: {} source(s), {} subscriber(s)", cfg.sources.len(), cfg.subscribers.len());
+        0
+    }
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// The audit row as the JSON object `audit --format jsonl` prints.
+pub fn audit_json(r: &AuditRow) -> serde_json::Value {
+    serde_json::json!({
+        "seq": r.seq, "ts": rfc3339(r.ts_ms), "outcome": r.outcome.as_str(),
+        "idempotency_key": r.idempotency_key, "watcher_id": r.watcher_id, "source_id": r.source_id,
+        "parcel_id": r.parcel_id, "lineage_id": r.lineage_id, "detail": r.detail,
+    })
+}
+
+fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat) -> i32 {
+    let cfg = match load_config(config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let store = match crate::store::Store::open(&cfg.store_path) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let rows = match store.audit(&filter) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let cols = ["seq", "ts", "outcome", "idempotency_key", "watcher_id", "source_id", "parcel_id", "lineage_id", "detail"];
+    let cells = |r: &AuditRow| -> Vec<String> {
+        vec![
+            r.seq.to_string(),
+            rfc3339(r.ts_ms),
+            r.outcome.as_str().to_string(),
+            r.idempotency_key.clone().unwrap_or_default(),
+            r.watcher_id.clone().unwrap_or_default(),
+            r.source_id.clone().unwrap_or_default(),
+            r.parcel_id.clone().unwrap_or_default(),
+            r.lineage_id.clone().unwrap_or_default(),
+            r.detail.clone(),
+        ]
+    };
+    match format {
+        AuditFormat::Jsonl => {
+            for r in &rows {
+                println!("{}", audit_json(r));
+            }
+        }
+        AuditFormat::Csv => {
+            println!("{}", cols.join(","));
+            for r in &rows {
+                println!("{}", cells(r).iter().map(|c| csv_field(c)).collect::<Vec<_>>().join(","));
+            }
+        }
+        AuditFormat::Table => {
+            let mut table: Vec<Vec<String>> = rows.iter().map(cells).collect();
+            for row in &mut table {
+                if row[3].len() > 16 {
+                    row[3] = format!("{}…", &row[3][..16]);
+                }
+            }
+            let mut widths: Vec<usize> = cols.iter().map(|c| c.len()).collect();
+            for row in &table {
+                for (i, c) in row.iter().enumerate() {
+                    widths[i] = widths[i].max(c.chars().count());
+                }
+            }
+            let line = |cells: Vec<String>| {
+                cells.iter().enumerate().map(|(i, c)| format!("{:<w$}", c, w = widths[i])).collect::<Vec<_>>().join("  ")
+            };
+            println!("{}", line(cols.iter().map(|c| c.to_string()).collect()));
+            for row in table {
+                println!("{}", line(row));
+            }
+            println!("({} rows)", rows.len());
+        }
+    }
+    0
+}
+
+fn cmd_holds(action: HoldAction) -> i32 {
+    let (config, op) = match &action {
+        HoldAction::List { config } => (config, None),
+        HoldAction::Release { run_id, config } => (config, Some((*run_id, false))),
+        HoldAction::Prime { run_id, config } => (config, Some((*run_id, true))),
+    };
+    let engine = match open_engine(config) {
+        Ok(e) => e,
+        Err(code) => return code,
+    };
+    match op {
+        None => {
+            let holds = match engine.store.holds() {
+                Ok(h) => h,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
+            };
+            println!("{:<8} {:<24} {:<11} {:<25} {:>8}  reason", "run_id", "source", "state", "created", "changes");
+            for h in &holds {
+                println!(
+                    "{:<8} {:<24} {:<11} {:<25} {:>8}  {}",
+                    h.run_id,
+                    h.source_id,
+                    h.state.label(),
+                    rfc3339(h.created_ms),
+                    h.changes,
+                    h.reason
+                );
+            }
+            println!("({} holds, {} open)", holds.len(), holds.iter().filter(|h| h.state == HoldState::Open).count());
+            0
+        }
+        Some((run_id, prime)) => match engine.resolve_hold(run_id, prime) {
+            Ok(rec) => {
+                println!(
+                    "hold {run_id} {}: run {} committed, {} changes, {} queued, {} suppressed",
+                    if prime { "primed" } else { "released" },
+                    rec.run_id,
+                    rec.counts.changes,
+                    rec.counts.queued,
+                    rec.counts.suppressed
+                );
+                if prime {
+                    return 0;
+                }
+                let rt = match runtime() {
+                    Ok(rt) => rt,
+                    Err(c) => return c,
+                };
+                rt.block_on(async {
+                    match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()) {
+                        Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
+                            Ok(s) => {
+                                println!("delivery: sent={} retried={} dead_letters={}", s.sent, s.retried, s.dead);
+                                0
+                            }
+                            Err(e) => {
+                                eprintln!("error: delivery: {e}");
+                                1
+                            }
+                        },
+                        Err(e) => {
+                            eprintln!("error: {e}");
+                            1
+                        }
+                    }
+                })
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+    }
+}

@@ -1,0 +1,434 @@
+//! The TOML configuration: what operators write. Parsing is strict (unknown keys are errors, so
+//! a typo never silently disables a gate) and every problem is reported with the key it is
+//! about. Relative paths resolve against the config file's folder.
+
+use crate::model::Severity;
+use crate::util::parse_duration;
+use serde::Deserialize;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Everything that can be wrong with a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {path} is not valid TOML for zonewatch: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    store: RawStore,
+    #[serde(default)]
+    delivery: RawDelivery,
+    #[serde(default, rename = "source")]
+    sources: Vec<RawSource>,
+    #[serde(default, rename = "subscriber")]
+    subscribers: Vec<RawSubscriber>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    path: PathBuf,
+}
+
+#[derive(Deserialize, Debug, Clone, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDelivery {
+    concurrency: Option<usize>,
+    max_attempts: Option<u32>,
+    base_delay_ms: Option<u64>,
+    max_delay_ms: Option<u64>,
+    timeout_ms: Option<u64>,
+    idem_ttl: Option<String>,
+    run_wait: Option<String>,
+    allow_private_targets: Option<bool>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    id: String,
+    jurisdiction: String,
+    kind: String,
+    path: Option<PathBuf>,
+    every: Option<String>,
+    bbox: Option<[f64; 4]>,
+    max_change_ratio: Option<f64>,
+    fields: RawFields,
+    severity: Option<RawSeverity>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct RawFields {
+    parcel_id: String,
+    zoning: String,
+    effective_date: Option<String>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct RawSeverity {
+    residential: Option<Vec<String>>,
+    intensive: Option<Vec<String>>,
+    large_parcel_m2: Option<f64>,
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+struct RawSubscriber {
+    id: String,
+    aoi: PathBuf,
+    target: String,
+    secret: Option<String>,
+    min_severity: Option<String>,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The file it was read from (None for configs built in code, e.g. the demo).
+    pub path: Option<PathBuf>,
+    pub store_path: PathBuf,
+    pub delivery: DeliveryConfig,
+    pub sources: Vec<SourceConfig>,
+    pub subscribers: Vec<SubscriberConfig>,
+}
+
+/// `[delivery]`: how webhooks are sent.
+#[derive(Debug, Clone)]
+pub struct DeliveryConfig {
+    pub concurrency: usize,
+    pub max_attempts: u32,
+    pub base_delay: Duration,
+    pub max_delay: Duration,
+    pub timeout: Duration,
+    pub idem_ttl: Duration,
+    /// How long `zonewatch run` waits for retries that fall due before it exits.
+    pub run_wait: Duration,
+    pub allow_private_targets: bool,
+}
+
+impl Default for DeliveryConfig {
+    fn default() -> Self {
+        DeliveryConfig {
+            concurrency: 16,
+            max_attempts: 5,
+            base_delay: Duration::from_millis(500),
+            max_delay: Duration::from_millis(30_000),
+            timeout: Duration::from_millis(15_000),
+            idem_ttl: Duration::from_secs(7 * 86_400),
+            run_wait: Duration::from_secs(60),
+            allow_private_targets: false,
+        }
+    }
+}
+
+/// Where a source's bytes come from. Later issues add HTTP kinds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SourceKind {
+    File { path: PathBuf },
+}
+
+/// Which properties carry the parcel id, zoning code and effective date.
+#[derive(Debug, Clone)]
+pub struct FieldMap {
+    pub parcel_id: String,
+    pub zoning: String,
+    pub effective_date: Option<String>,
+}
+
+/// Zoning-code classes and the area threshold used to rank severity.
+#[derive(Debug, Clone)]
+pub struct SeverityRules {
+    /// Patterns (`R*` = prefix, otherwise exact; case-insensitive) for residential codes.
+    pub residential: Vec<String>,
+    /// Patterns for intensive codes (commercial C3, manufacturing, industrial).
+    pub intensive: Vec<String>,
+    /// Upzoning on a parcel larger than this (geodesic m²) is `critical`.
+    pub large_parcel_m2: f64,
+}
+
+impl Default for SeverityRules {
+    fn default() -> Self {
+        SeverityRules {
+            residential: vec!["R*".into()],
+            intensive: vec!["C3*".into(), "M*".into(), "I*".into()],
+            large_parcel_m2: 5_000.0,
+        }
+    }
+}
+
+/// One `[[source]]`.
+#[derive(Debug, Clone)]
+pub struct SourceConfig {
+    pub id: String,
+    pub jurisdiction: String,
+    pub kind: SourceKind,
+    pub every: Duration,
+    /// `[min_lon, min_lat, max_lon, max_lat]`; features outside are quarantined.
+    pub bbox: Option<[f64; 4]>,
+    pub max_change_ratio: f64,
+    pub fields: FieldMap,
+    pub severity: SeverityRules,
+}
+
+/// One `[[subscriber]]`: who is told, about which area, how loudly.
+#[derive(Debug, Clone)]
+pub struct SubscriberConfig {
+    pub id: String,
+    pub aoi_path: PathBuf,
+    pub target: String,
+    pub secret: Option<String>,
+    pub min_severity: Severity,
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let mut cfg = Config::parse_str(&text, &base).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse { path: path.to_path_buf(), message },
+            ConfigError::Invalid { message, .. } => ConfigError::Invalid { path: path.to_path_buf(), message },
+            other => other,
+        })?;
+        cfg.path = Some(path.to_path_buf());
+        Ok(cfg)
+    }
+
+    /// Parses config text; relative paths resolve against `base`.
+    pub fn parse_str(text: &str, base: &Path) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: PathBuf::from("<config>"),
+            message: e.to_string(),
+        })?;
+        let invalid = |message: String| ConfigError::Invalid { path: PathBuf::from("<config>"), message };
+        let resolve = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+        let dur = |key: &str, v: &Option<String>, default: Duration| -> Result<Duration, ConfigError> {
+            match v {
+                None => Ok(default),
+                Some(s) => parse_duration(s).map_err(|e| invalid(format!("{key}: {e}"))),
+            }
+        };
+
+        let d = DeliveryConfig::default();
+        let rd = &raw.delivery;
+        let delivery = DeliveryConfig {
+            concurrency: rd.concurrency.unwrap_or(d.concurrency),
+            max_attempts: rd.max_attempts.unwrap_or(d.max_attempts),
+            base_delay: rd.base_delay_ms.map(Duration::from_millis).unwrap_or(d.base_delay),
+            max_delay: rd.max_delay_ms.map(Duration::from_millis).unwrap_or(d.max_delay),
+            timeout: rd.timeout_ms.map(Duration::from_millis).unwrap_or(d.timeout),
+            idem_ttl: dur("delivery.idem_ttl", &rd.idem_ttl, d.idem_ttl)?,
+            run_wait: dur("delivery.run_wait", &rd.run_wait, d.run_wait)?,
+            allow_private_targets: rd.allow_private_targets.unwrap_or(false),
+        };
+        if delivery.concurrency == 0 || delivery.concurrency > 4096 {
+            return Err(invalid("delivery.concurrency must be between 1 and 4096".into()));
+        }
+        if delivery.max_attempts == 0 {
+            return Err(invalid("delivery.max_attempts must be at least 1".into()));
+        }
+        if delivery.max_delay < delivery.base_delay {
+            return Err(invalid("delivery.max_delay_ms must be >= delivery.base_delay_ms".into()));
+        }
+        if delivery.timeout.is_zero() {
+            return Err(invalid("delivery.timeout_ms must be positive".into()));
+        }
+        if delivery.idem_ttl.is_zero() {
+            return Err(invalid("delivery.idem_ttl must be positive".into()));
+        }
+
+        let mut seen = HashSet::new();
+        let mut sources = Vec::new();
+        for (i, s) in raw.sources.iter().enumerate() {
+            let at = format!("source[{i}] ({:?})", s.id);
+            let id = s.id.trim().to_string();
+            if id.is_empty() || id.contains(['/', '\n', '\0']) {
+                return Err(invalid(format!("{at}: id must be non-empty and contain no '/'")));
+            }
+            if !seen.insert(id.clone()) {
+                return Err(invalid(format!("{at}: duplicate source id {id:?}")));
+            }
+            if s.jurisdiction.trim().is_empty() {
+                return Err(invalid(format!("{at}: jurisdiction must not be empty")));
+            }
+            let kind = match s.kind.as_str() {
+                "file" => {
+                    let p = s
+                        .path
+                        .as_ref()
+                        .ok_or_else(|| invalid(format!("{at}: kind = \"file\" needs `path`")))?;
+                    SourceKind::File { path: resolve(p) }
+                }
+                other => {
+                    return Err(invalid(format!(
+                        "{at}: unknown kind {other:?} (supported: \"file\")"
+                    )))
+                }
+            };
+            let every = dur(&format!("{at}.every"), &s.every, Duration::from_secs(3600))?;
+            if every < Duration::from_secs(1) {
+                return Err(invalid(format!("{at}: every must be at least 1s")));
+            }
+            if let Some(b) = s.bbox {
+                if b.iter().any(|v| !v.is_finite())
+                    || b[0] >= b[2]
+                    || b[1] >= b[3]
+                    || b[0] < -180.0
+                    || b[2] > 180.0
+                    || b[1] < -90.0
+                    || b[3] > 90.0
+                {
+                    return Err(invalid(format!(
+                        "{at}: bbox must be [min_lon, min_lat, max_lon, max_lat] in degrees with min < max"
+                    )));
+                }
+            }
+            let ratio = s.max_change_ratio.unwrap_or(0.05);
+            if !(ratio > 0.0 && ratio <= 1.0) {
+                return Err(invalid(format!("{at}: max_change_ratio must be in (0, 1]")));
+            }
+            if s.fields.parcel_id.trim().is_empty() || s.fields.zoning.trim().is_empty() {
+                return Err(invalid(format!("{at}: fields.parcel_id and fields.zoning must be set")));
+            }
+            let mut severity = SeverityRules::default();
+            if let Some(rs) = &s.severity {
+                if let Some(r) = &rs.residential {
+                    severity.residential = r.clone();
+                }
+                if let Some(r) = &rs.intensive {
+                    severity.intensive = r.clone();
+                }
+                if let Some(a) = rs.large_parcel_m2 {
+                    if !(a.is_finite() && a >= 0.0) {
+                        return Err(invalid(format!("{at}: severity.large_parcel_m2 must be >= 0")));
+                    }
+                    severity.large_parcel_m2 = a;
+                }
+            }
+            sources.push(SourceConfig {
+                id,
+                jurisdiction: s.jurisdiction.trim().to_string(),
+                kind,
+                every,
+                bbox: s.bbox,
+                max_change_ratio: ratio,
+                fields: FieldMap {
+                    parcel_id: s.fields.parcel_id.clone(),
+                    zoning: s.fields.zoning.clone(),
+                    effective_date: s.fields.effective_date.clone(),
+                },
+                severity,
+            });
+        }
+
+        let mut seen = HashSet::new();
+        let mut subscribers = Vec::new();
+        for (i, s) in raw.subscribers.iter().enumerate() {
+            let at = format!("subscriber[{i}] ({:?})", s.id);
+            let id = s.id.trim().to_string();
+            if id.is_empty() {
+                return Err(invalid(format!("{at}: id must not be empty")));
+            }
+            if !seen.insert(id.clone()) {
+                return Err(invalid(format!("{at}: duplicate subscriber id {id:?}")));
+            }
+            let url = reqwest::Url::parse(&s.target)
+                .map_err(|e| invalid(format!("{at}: target {:?} is not a URL: {e}", s.target)))?;
+            if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+                return Err(invalid(format!("{at}: target must be an http(s) URL with a host")));
+            }
+            if let Some(secret) = &s.secret {
+                crate::notify::signing::decode_secret(secret)
+                    .map_err(|e| invalid(format!("{at}: secret: {e}")))?;
+            }
+            let min_severity = match &s.min_severity {
+                None => Severity::Notice,
+                Some(v) => Severity::parse(v).ok_or_else(|| {
+                    invalid(format!("{at}: min_severity {v:?} is not one of info, notice, material, critical"))
+                })?,
+            };
+            subscribers.push(SubscriberConfig {
+                id,
+                aoi_path: resolve(&s.aoi),
+                target: s.target.clone(),
+                secret: s.secret.clone(),
+                min_severity,
+            });
+        }
+
+        Ok(Config {
+            path: None,
+            store_path: resolve(&raw.store.path),
+            delivery,
+            sources,
+            subscribers,
+        })
+    }
+
+    pub fn source(&self, id: &str) -> Option<&SourceConfig> {
+        self.sources.iter().find(|s| s.id == id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[store]
+path = "zw.redb"
+[delivery]
+idem_ttl = "7d"
+allow_private_targets = true
+[[source]]
+id = "s1"
+jurisdiction = "town"
+kind = "file"
+path = "layers/z.geojson"
+bbox = [-72.0, 42.0, -71.0, 43.0]
+[source.fields]
+parcel_id = "APN"
+zoning = "ZONE"
+[[subscriber]]
+id = "w1"
+aoi = "aoi/w1.geojson"
+target = "http://127.0.0.1:9/hook"
+min_severity = "material"
+"#;
+
+    #[test]
+    fn parses_and_resolves_paths() {
+        let cfg = Config::parse_str(GOOD, Path::new("/etc/zw")).unwrap();
+        assert_eq!(cfg.store_path, PathBuf::from("/etc/zw/zw.redb"));
+        assert_eq!(cfg.sources[0].kind, SourceKind::File { path: "/etc/zw/layers/z.geojson".into() });
+        assert_eq!(cfg.sources[0].max_change_ratio, 0.05);
+        assert_eq!(cfg.subscribers[0].min_severity, Severity::Material);
+        assert_eq!(cfg.delivery.run_wait, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn rejects_unknown_keys_and_bad_values() {
+        let typo = GOOD.replace("max_change_ratio", "x").replace("idem_ttl = \"7d\"", "idem_tl = \"7d\"");
+        assert!(matches!(Config::parse_str(&typo, Path::new(".")), Err(ConfigError::Parse { .. })));
+        let bad_bbox = GOOD.replace("[-72.0, 42.0, -71.0, 43.0]", "[-71.0, 42.0, -72.0, 43.0]");
+        let err = Config::parse_str(&bad_bbox, Path::new(".")).unwrap_err().to_string();
+        assert!(err.contains("bbox"), "{err}");
+        let bad_sev = GOOD.replace("\"material\"", "\"loud\"");
+        assert!(Config::parse_str(&bad_sev, Path::new(".")).is_err());
+        let bad_kind = GOOD.replace("kind = \"file\"", "kind = \"ftp\"");
+        assert!(Config::parse_str(&bad_kind, Path::new(".")).unwrap_err().to_string().contains("ftp"));
+    }
+}

@@ -1,0 +1,137 @@
+//! Canonical hashing of parcels. Two publications of the same parcel hash the same when they
+//! differ only in feature order, number formatting, ring start point or ring orientation:
+//! coordinates are rounded to 1e-7° (≈1 cm), repeated points dropped, exterior rings made
+//! counter-clockwise and holes clockwise, each ring rotated to start at its smallest vertex,
+//! and holes and polygons sorted.
+
+use geo::{LineString, MultiPolygon};
+use sha2::{Digest, Sha256};
+
+type Ring = Vec<(i64, i64)>;
+
+fn round(v: f64) -> i64 {
+    (v * 1e7).round() as i64
+}
+
+fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
+    let mut pts: Ring = Vec::with_capacity(ring.0.len());
+    for c in &ring.0 {
+        let p = (round(c.x), round(c.y));
+        if pts.last() != Some(&p) {
+            pts.push(p);
+        }
+    }
+    while pts.len() > 1 && pts.first() == pts.last() {
+        pts.pop();
+    }
+    if pts.len() < 3 {
+        return pts;
+    }
+    let mut twice_area: i128 = 0;
+    for i in 0..pts.len() {
+        let (x1, y1) = pts[i];
+        let (x2, y2) = pts[(i + 1) % pts.len()];
+        twice_area += x1 as i128 * y2 as i128 - x2 as i128 * y1 as i128;
+    }
+    if (twice_area > 0) != want_ccw && twice_area != 0 {
+        pts.reverse();
+    }
+    // Rotate to the lexicographically smallest rotation among those starting at the minimum.
+    let min = *pts.iter().min().unwrap_or(&(0, 0));
+    let n = pts.len();
+    let mut best: Option<usize> = None;
+    for (i, p) in pts.iter().enumerate() {
+        if *p != min {
+            continue;
+        }
+        best = Some(match best {
+            None => i,
+            Some(b) => {
+                let a_seq = (0..n).map(|k| pts[(i + k) % n]);
+                let b_seq = (0..n).map(|k| pts[(b + k) % n]);
+                if a_seq.lt(b_seq) {
+                    i
+                } else {
+                    b
+                }
+            }
+        });
+    }
+    let start = best.unwrap_or(0);
+    pts.rotate_left(start);
+    pts
+}
+
+/// The canonical form of a (multi)polygon: sorted polygons of [exterior, sorted holes...].
+pub fn canonical_form(mp: &MultiPolygon<f64>) -> Vec<Vec<Ring>> {
+    let mut polys: Vec<Vec<Ring>> = mp
+        .0
+        .iter()
+        .map(|p| {
+            let mut holes: Vec<Ring> = p.interiors().iter().map(|r| canon_ring(r, false)).collect();
+            holes.sort();
+            let mut rings = vec![canon_ring(p.exterior(), true)];
+            rings.extend(holes);
+            rings
+        })
+        .collect();
+    polys.sort();
+    polys
+}
+
+/// sha256 of the canonical geometry.
+pub fn geometry_hash(mp: &MultiPolygon<f64>) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for poly in canonical_form(mp) {
+        h.update(b"P");
+        for ring in poly {
+            h.update(b"R");
+            h.update((ring.len() as u64).to_le_bytes());
+            for (x, y) in ring {
+                h.update(x.to_le_bytes());
+                h.update(y.to_le_bytes());
+            }
+        }
+    }
+    h.finalize().into()
+}
+
+/// Case- and space-insensitive form of a zoning code, used for comparison and keys.
+pub fn normalize_code(code: &str) -> String {
+    code.trim().to_uppercase()
+}
+
+/// sha256 over the normalised zoning code, effective date and geometry hash.
+pub fn content_hash(zoning: &str, effective_date: Option<&str>, geom_hash: &[u8; 32]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(normalize_code(zoning).as_bytes());
+    h.update([0x1f]);
+    h.update(effective_date.map(str::trim).unwrap_or("").as_bytes());
+    h.update([0x1f]);
+    h.update(geom_hash);
+    h.finalize().into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use geo::{polygon, MultiPolygon};
+
+    #[test]
+    fn rotation_orientation_and_float_noise_do_not_change_the_hash() {
+        let a = polygon![(x: 0.0, y: 0.0), (x: 1.0, y: 0.0), (x: 1.0, y: 1.0), (x: 0.0, y: 1.0)];
+        // Same ring, clockwise, starting elsewhere, with 1e-12 noise.
+        let b = polygon![(x: 1.0, y: 1.0 + 1e-12), (x: 1.0, y: 0.0), (x: 0.0, y: 0.0), (x: 0.0, y: 1.0)];
+        assert_eq!(geometry_hash(&MultiPolygon::new(vec![a.clone()])), geometry_hash(&MultiPolygon::new(vec![b])));
+        let moved = polygon![(x: 0.0, y: 0.0), (x: 1.0, y: 0.0), (x: 1.0, y: 1.001), (x: 0.0, y: 1.0)];
+        assert_ne!(geometry_hash(&MultiPolygon::new(vec![a])), geometry_hash(&MultiPolygon::new(vec![moved])));
+    }
+
+    #[test]
+    fn codes_compare_case_insensitively() {
+        let g = [0u8; 32];
+        assert_eq!(content_hash(" r-1 ", None, &g), content_hash("R-1", None, &g));
+        assert_ne!(content_hash("R-1", None, &g), content_hash("R-2", None, &g));
+        assert_ne!(content_hash("R-1", Some("2024-01-01"), &g), content_hash("R-1", None, &g));
+    }
+}

@@ -1,0 +1,93 @@
+//! The publication gate: whether a run's events may be published.
+//!
+//! * first ingest of a source → baseline (nothing sent);
+//! * `--reprocess` → keys primed, nothing sent;
+//! * change spike (changed parcels above `max_change_ratio` of the layer) or quarantine spike
+//!   (more than half the features quarantined as `missing_field` / `out_of_bounds`, the sign
+//!   of a renamed field or a datum drift) → held until an operator releases or primes it.
+
+/// The gate's decision for one run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GateDecision {
+    Baseline,
+    Deliver,
+    Reprocess,
+    Hold(String),
+}
+
+/// What the gate looks at.
+#[derive(Debug, Clone, Copy)]
+pub struct GateInput {
+    pub first_ingest: bool,
+    pub reprocess: bool,
+    /// Parcels in the stored snapshot before this run.
+    pub previous_parcels: u64,
+    /// Parcels with a change event in this run.
+    pub changed: u64,
+    /// Features read this run.
+    pub features: u64,
+    /// Features quarantined for a systemic reason (`missing_field`, `out_of_bounds`).
+    pub systemic_quarantined: u64,
+    pub max_change_ratio: f64,
+}
+
+/// Applies the gate.
+pub fn decide(i: GateInput) -> GateDecision {
+    if i.features > 0 && i.systemic_quarantined * 2 > i.features {
+        return GateDecision::Hold(format!(
+            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds (renamed field or datum drift?)",
+            i.systemic_quarantined, i.features
+        ));
+    }
+    if i.features == 0 && i.previous_parcels > 0 {
+        return GateDecision::Hold(format!(
+            "empty_layer: the layer has no features but the snapshot has {} parcels",
+            i.previous_parcels
+        ));
+    }
+    if i.reprocess {
+        return GateDecision::Reprocess;
+    }
+    if i.first_ingest {
+        return GateDecision::Baseline;
+    }
+    let base = i.previous_parcels.max(1) as f64;
+    let ratio = i.changed as f64 / base;
+    if ratio > i.max_change_ratio {
+        return GateDecision::Hold(format!(
+            "change_spike: {} of {} parcels changed ({:.1}% > max_change_ratio {:.1}%)",
+            i.changed,
+            i.previous_parcels,
+            ratio * 100.0,
+            i.max_change_ratio * 100.0
+        ));
+    }
+    GateDecision::Deliver
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input() -> GateInput {
+        GateInput {
+            first_ingest: false,
+            reprocess: false,
+            previous_parcels: 1000,
+            changed: 10,
+            features: 1000,
+            systemic_quarantined: 0,
+            max_change_ratio: 0.05,
+        }
+    }
+
+    #[test]
+    fn decisions() {
+        assert_eq!(decide(input()), GateDecision::Deliver);
+        assert!(matches!(decide(GateInput { changed: 51, ..input() }), GateDecision::Hold(r) if r.starts_with("change_spike")));
+        assert!(matches!(decide(GateInput { systemic_quarantined: 501, ..input() }), GateDecision::Hold(r) if r.starts_with("quarantine_spike")));
+        assert_eq!(decide(GateInput { first_ingest: true, previous_parcels: 0, changed: 1000, ..input() }), GateDecision::Baseline);
+        assert_eq!(decide(GateInput { reprocess: true, changed: 900, ..input() }), GateDecision::Reprocess);
+        assert!(matches!(decide(GateInput { features: 0, ..input() }), GateDecision::Hold(_)));
+    }
+}

@@ -1,0 +1,12 @@
+//! `detect/`: from two versions of a layer to the changes that matter.
+//!
+//! * [`canonical`] hashes a parcel so that re-publishes (reordered, reformatted, rotated
+//!   rings) hash the same;
+//! * [`diff`] compares a new layer with the stored snapshot and emits [`crate::model::ChangeEvent`]s;
+//! * [`gate`] decides whether a run's events may be published (baseline, reprocess, holds);
+//! * [`severity`] ranks a change.
+
+pub mod canonical;
+pub mod diff;
+pub mod gate;
+pub mod severity;

@@ -1,0 +1,363 @@
+//! One raw feature → a normalised [`Parcel`], or a quarantine reason.
+//!
+//! Steps: read the configured properties (trimmed), parse the geometry into polygons, reject
+//! non-finite coordinates, drop repeated points, check the sanity bbox, repair invalid
+//! polygons (geo's `MakeValid`, keeping polygonal parts) and orient rings as RFC 7946 says.
+//! Geometry work on untrusted input runs under `catch_unwind`: a panic inside a geometry
+//! algorithm quarantines the feature instead of taking the process down.
+
+use crate::config::FieldMap;
+use crate::detect::canonical;
+use crate::model::{Parcel, ParcelState, QuarantineReason, StoredGeometry};
+use geo::{
+    BoundingRect, Coord, GeodesicArea, LineString, MakeValid, MultiPolygon, Orient, Polygon,
+    Validation,
+};
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::collections::HashMap;
+use std::fmt;
+
+/// A feature that could not be taken, with why.
+#[derive(Debug, Clone)]
+pub struct Rejected {
+    pub parcel_id: Option<String>,
+    pub reason: QuarantineReason,
+    pub detail: String,
+}
+
+/// What normalising needs to know about the source.
+#[derive(Debug, Clone)]
+pub struct NormalizeRules<'a> {
+    pub fields: &'a FieldMap,
+    pub bbox: Option<[f64; 4]>,
+}
+
+/// The result for one feature; `repaired` says the geometry needed repair.
+#[derive(Debug)]
+pub struct Normalized {
+    pub parcel: Parcel,
+    pub repaired: bool,
+}
+
+#[derive(Deserialize)]
+struct RawFeature<'a> {
+    #[serde(borrow, default)]
+    properties: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    geometry: Option<&'a RawValue>,
+}
+
+/// Normalises one feature given as raw JSON.
+pub fn normalize_feature(raw: &RawValue, rules: &NormalizeRules) -> Result<Normalized, Rejected> {
+    let reject = |pid: Option<String>, reason, detail: String| Rejected { parcel_id: pid, reason, detail };
+    let feature: RawFeature = serde_json::from_str(raw.get())
+        .map_err(|e| reject(None, QuarantineReason::MalformedFeature, format!("feature is not a JSON object: {e}")))?;
+    let props: HashMap<String, serde_json::Value> = match feature.properties {
+        None => HashMap::new(),
+        Some(p) => serde_json::from_str::<Option<HashMap<String, serde_json::Value>>>(p.get())
+            .map_err(|e| reject(None, QuarantineReason::MalformedFeature, format!("properties: {e}")))?
+            .unwrap_or_default(),
+    };
+    let id = prop_text(&props, &rules.fields.parcel_id);
+    let Some(id) = id else {
+        return Err(reject(None, QuarantineReason::MissingField, format!("missing {}", rules.fields.parcel_id)));
+    };
+    let Some(zoning) = prop_text(&props, &rules.fields.zoning) else {
+        return Err(reject(Some(id), QuarantineReason::MissingField, format!("missing {}", rules.fields.zoning)));
+    };
+    let effective_date = rules.fields.effective_date.as_ref().and_then(|f| prop_text(&props, f));
+
+    let geometry_raw = match feature.geometry {
+        Some(g) => g,
+        None => return Err(reject(Some(id), QuarantineReason::EmptyGeometry, "geometry is null".into())),
+    };
+    let geom = parse_geometry(geometry_raw.get()).map_err(|(reason, detail)| reject(Some(id.clone()), reason, detail))?;
+    let (geometry, repaired) =
+        clean_geometry(geom, rules.bbox).map_err(|(reason, detail)| reject(Some(id.clone()), reason, detail))?;
+
+    let geom_hash = canonical::geometry_hash(&geometry);
+    let content_hash = canonical::content_hash(&zoning, effective_date.as_deref(), &geom_hash);
+    let area_m2 = geometry.geodesic_area_unsigned();
+    Ok(Normalized {
+        parcel: Parcel {
+            id,
+            state: ParcelState { zoning, effective_date, content_hash, geom_hash, area_m2 },
+            geometry: StoredGeometry::from_geo(&geometry),
+        },
+        repaired,
+    })
+}
+
+/// A property as trimmed text; numbers are written in their JSON form. Empty → None.
+fn prop_text(props: &HashMap<String, serde_json::Value>, name: &str) -> Option<String> {
+    let text = match props.get(name)? {
+        serde_json::Value::String(s) => s.trim().to_string(),
+        serde_json::Value::Number(n) => n.to_string(),
+        serde_json::Value::Bool(b) => b.to_string(),
+        _ => return None,
+    };
+    if text.is_empty() {
+        None
+    } else {
+        Some(text)
+    }
+}
+
+/// Nested coordinate arrays of any depth; `null` (a sanitised `NaN`) reads as NaN.
+enum Coords {
+    Num(f64),
+    List(Vec<Coords>),
+}
+
+impl<'de> Deserialize<'de> for Coords {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Coords;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a number or an array of coordinates")
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Coords, E> {
+                Ok(Coords::Num(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Coords, E> {
+                Ok(Coords::Num(v as f64))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Coords, E> {
+                Ok(Coords::Num(v as f64))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Coords, E> {
+                Ok(Coords::Num(f64::NAN))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Coords, E> {
+                Ok(Coords::Num(f64::NAN))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Coords, A::Error> {
+                let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(4));
+                while let Some(c) = seq.next_element()? {
+                    v.push(c);
+                }
+                Ok(Coords::List(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Deserialize)]
+struct RawGeometry {
+    #[serde(rename = "type")]
+    kind: String,
+    coordinates: Option<Coords>,
+    geometries: Option<Vec<RawGeometry>>,
+}
+
+type GeomError = (QuarantineReason, String);
+
+/// Parses a GeoJSON geometry into polygons (polygonal parts of collections are kept).
+pub fn parse_geometry(json: &str) -> Result<MultiPolygon<f64>, GeomError> {
+    let g: RawGeometry = serde_json::from_str(json)
+        .map_err(|e| (QuarantineReason::MalformedFeature, format!("geometry: {e}")))?;
+    let mut polys = Vec::new();
+    collect_polygons(&g, &mut polys, 0)?;
+    if polys.is_empty() {
+        return Err((QuarantineReason::EmptyGeometry, format!("{} has no polygons", g.kind)));
+    }
+    Ok(MultiPolygon::new(polys))
+}
+
+fn collect_polygons(g: &RawGeometry, out: &mut Vec<Polygon<f64>>, depth: usize) -> Result<(), GeomError> {
+    let malformed = |m: String| (QuarantineReason::MalformedFeature, m);
+    match g.kind.as_str() {
+        "Polygon" => {
+            if let Some(c) = &g.coordinates {
+                if let Some(p) = polygon_from(c).map_err(malformed)? {
+                    out.push(p);
+                }
+            }
+        }
+        "MultiPolygon" => {
+            if let Some(Coords::List(polys)) = &g.coordinates {
+                for c in polys {
+                    if let Some(p) = polygon_from(c).map_err(malformed)? {
+                        out.push(p);
+                    }
+                }
+            } else if g.coordinates.is_some() {
+                return Err(malformed("MultiPolygon coordinates must be an array".into()));
+            }
+        }
+        "GeometryCollection" => {
+            if depth > 8 {
+                return Err(malformed("GeometryCollection nested too deeply".into()));
+            }
+            for child in g.geometries.iter().flatten() {
+                match collect_polygons(child, out, depth + 1) {
+                    Ok(()) => {}
+                    Err((QuarantineReason::NotPolygonal, _)) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        "Point" | "MultiPoint" | "LineString" | "MultiLineString" => {
+            return Err((QuarantineReason::NotPolygonal, format!("{} is not polygonal", g.kind)))
+        }
+        other => return Err(malformed(format!("unknown geometry type {other:?}"))),
+    }
+    Ok(())
+}
+
+fn polygon_from(c: &Coords) -> Result<Option<Polygon<f64>>, String> {
+    let Coords::List(rings) = c else {
+        return Err("Polygon coordinates must be an array of rings".into());
+    };
+    let mut out_rings = Vec::with_capacity(rings.len());
+    for ring in rings {
+        let Coords::List(positions) = ring else {
+            return Err("a ring must be an array of positions".into());
+        };
+        let mut coords = Vec::with_capacity(positions.len());
+        for pos in positions {
+            let Coords::List(xy) = pos else {
+                return Err("a position must be an array of numbers".into());
+            };
+            let num = |i: usize| match xy.get(i) {
+                Some(Coords::Num(v)) => Ok(*v),
+                _ => Err("a position needs two numbers".to_string()),
+            };
+            coords.push(Coord { x: num(0)?, y: num(1)? });
+        }
+        out_rings.push(LineString::new(coords));
+    }
+    let mut it = out_rings.into_iter();
+    match it.next() {
+        None => Ok(None),
+        Some(ext) if ext.0.is_empty() => Ok(None),
+        Some(ext) => Ok(Some(Polygon::new(ext, it.collect()))),
+    }
+}
+
+/// Finite check, repeated points, bbox, repair, orientation. Returns the clean geometry and
+/// whether it needed repair.
+pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(MultiPolygon<f64>, bool), GeomError> {
+    if mp.0.iter().any(|p| {
+        std::iter::once(p.exterior()).chain(p.interiors()).any(|r| r.0.iter().any(|c| !c.x.is_finite() || !c.y.is_finite()))
+    }) {
+        return Err((QuarantineReason::NonFinite, "coordinates are NaN or infinite".into()));
+    }
+    if let (Some(b), Some(rect)) = (bbox, mp.bounding_rect()) {
+        if rect.min().x < b[0] || rect.min().y < b[1] || rect.max().x > b[2] || rect.max().y > b[3] {
+            return Err((
+                QuarantineReason::OutOfBounds,
+                format!(
+                    "extent [{:.6}, {:.6}, {:.6}, {:.6}] is outside the source bbox",
+                    rect.min().x,
+                    rect.min().y,
+                    rect.max().x,
+                    rect.max().y
+                ),
+            ));
+        }
+    }
+    let tidy = tidy_rings(mp);
+    if tidy.0.is_empty() {
+        return Err((QuarantineReason::EmptyGeometry, "no ring with at least 3 distinct points".into()));
+    }
+    let result = std::panic::catch_unwind(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
+        if tidy.is_valid() {
+            return Ok((tidy.orient(geo::orient::Direction::Default), false));
+        }
+        let fixed = tidy
+            .make_valid()
+            .map_err(|e| (QuarantineReason::Unrepairable, format!("repair failed: {e}")))?;
+        let fixed = tidy_rings(fixed);
+        if fixed.0.is_empty() || geo::Area::unsigned_area(&fixed) == 0.0 {
+            return Err((QuarantineReason::Unrepairable, "repair left no area".into()));
+        }
+        Ok((fixed.orient(geo::orient::Direction::Default), true))
+    });
+    match result {
+        Ok(r) => r,
+        Err(_) => Err((QuarantineReason::Unrepairable, "geometry algorithm failed on this input".into())),
+    }
+}
+
+/// Closes rings, removes consecutive repeated points, drops rings with fewer than 3 distinct
+/// points and polygons whose exterior is gone.
+fn tidy_rings(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
+    fn tidy(ring: &LineString<f64>) -> Option<LineString<f64>> {
+        let mut pts: Vec<Coord<f64>> = Vec::with_capacity(ring.0.len() + 1);
+        for c in &ring.0 {
+            if pts.last() != Some(c) {
+                pts.push(*c);
+            }
+        }
+        while pts.len() > 1 && pts.first() == pts.last() {
+            pts.pop();
+        }
+        if pts.len() < 3 {
+            return None;
+        }
+        pts.push(pts[0]);
+        Some(LineString::new(pts))
+    }
+    MultiPolygon::new(
+        mp.0.iter()
+            .filter_map(|p| {
+                let ext = tidy(p.exterior())?;
+                Some(Polygon::new(ext, p.interiors().iter().filter_map(tidy).collect()))
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::FieldMap;
+
+    fn rules(fields: &FieldMap) -> NormalizeRules<'_> {
+        NormalizeRules { fields, bbox: Some([-1.0, -1.0, 20.0, 20.0]) }
+    }
+    fn fields() -> FieldMap {
+        FieldMap { parcel_id: "APN".into(), zoning: "ZONE".into(), effective_date: None }
+    }
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_string()).unwrap()
+    }
+
+    #[test]
+    fn bowtie_is_repaired_into_polygonal_parts() {
+        let f = fields();
+        let r = normalize_feature(
+            &raw(r#"{"type":"Feature","properties":{"APN":" 7 ","ZONE":"R-1"},"geometry":{"type":"Polygon","coordinates":[[[0,0],[0,10],[10,0],[10,10],[0,0]]]}}"#),
+            &rules(&f),
+        )
+        .unwrap();
+        assert!(r.repaired);
+        assert_eq!(r.parcel.id, "7");
+        assert_eq!(r.parcel.geometry.0.len(), 2);
+        assert!(r.parcel.geometry.to_geo().is_valid());
+    }
+
+    #[test]
+    fn bad_features_get_reasons() {
+        let f = fields();
+        let cases = [
+            (r#"{"properties":{"ZONE":"R"},"geometry":{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}}"#, QuarantineReason::MissingField),
+            (r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Polygon","coordinates":[[[0,0],[null,0],[1,1],[0,0]]]}}"#, QuarantineReason::NonFinite),
+            (r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":null}"#, QuarantineReason::EmptyGeometry),
+            (r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Point","coordinates":[0,0]}}"#, QuarantineReason::NotPolygonal),
+            (r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Polygon","coordinates":[[[50,50],[51,50],[51,51],[50,50]]]}}"#, QuarantineReason::OutOfBounds),
+            (r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Polygon","coordinates":"x"}}"#, QuarantineReason::MalformedFeature),
+            (r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Polygon","coordinates":[[[0,0],[1,1],[0,0]]]}}"#, QuarantineReason::EmptyGeometry),
+            (r#"[1]"#, QuarantineReason::MalformedFeature),
+        ];
+        for (json, want) in cases {
+            let err = normalize_feature(&raw(json), &rules(&f)).unwrap_err();
+            assert_eq!(err.reason, want, "{json}: {}", err.detail);
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! zonewatch watches municipal GIS zoning and parcel layers, detects real zoning changes
+//! parcel by parcel, and alerts exactly the subscribers whose areas of interest they touch —
+//! once. Everything it remembers lives in one redb file. See `docs/ARCHITECTURE.md`.
+
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod detect;
+pub mod ingest;
+pub mod model;
+pub mod notify;
+pub mod pipeline;
+pub mod receiver;
+pub mod store;
+pub mod synth;
+pub mod util;

@@ -1,0 +1,420 @@
+//! Domain types shared by every layer: what a parcel looks like once normalised, what a change
+//! is, and the records the store keeps (watermarks, runs, holds, outbox rows, audit rows).
+//! They are plain data so that `store/` can encode them and `ingest/`, `detect/` and `notify/`
+//! can pass them along without knowing about each other.
+
+use geo::{Coord, LineString, MultiPolygon, Polygon};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// How much a change matters to a subscriber. Ordered: `Info < Notice < Material < Critical`.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug, Hash)]
+pub enum Severity {
+    Info,
+    Notice,
+    Material,
+    Critical,
+}
+
+impl Severity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Info => "info",
+            Severity::Notice => "notice",
+            Severity::Material => "material",
+            Severity::Critical => "critical",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Severity> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "info" => Some(Severity::Info),
+            "notice" => Some(Severity::Notice),
+            "material" => Some(Severity::Material),
+            "critical" => Some(Severity::Critical),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Severity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What happened to one parcel between two versions of a layer.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug, Hash)]
+pub enum ChangeKind {
+    /// The zoning code changed.
+    Rezoned,
+    /// The parcel id is new in this version.
+    Added,
+    /// The parcel id disappeared from this version.
+    Removed,
+    /// Same zoning code, different shape.
+    GeometryChanged,
+}
+
+impl ChangeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeKind::Rezoned => "rezoned",
+            ChangeKind::Added => "added",
+            ChangeKind::Removed => "removed",
+            ChangeKind::GeometryChanged => "geometry_changed",
+        }
+    }
+}
+
+impl fmt::Display for ChangeKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A (multi)polygon as stored: polygons → rings → `[lon, lat]` positions, rings closed.
+/// Kept separate from `geo::MultiPolygon` so its encoding is ours and stable.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
+pub struct StoredGeometry(pub Vec<Vec<Vec<[f64; 2]>>>);
+
+impl StoredGeometry {
+    pub fn from_geo(mp: &MultiPolygon<f64>) -> Self {
+        StoredGeometry(
+            mp.0.iter()
+                .map(|p| {
+                    std::iter::once(p.exterior())
+                        .chain(p.interiors())
+                        .map(|ring| ring.0.iter().map(|c| [c.x, c.y]).collect())
+                        .collect()
+                })
+                .collect(),
+        )
+    }
+
+    pub fn to_geo(&self) -> MultiPolygon<f64> {
+        MultiPolygon::new(
+            self.0
+                .iter()
+                .filter(|rings| !rings.is_empty())
+                .map(|rings| {
+                    let mut it = rings.iter().map(|r| {
+                        LineString::new(r.iter().map(|p| Coord { x: p[0], y: p[1] }).collect())
+                    });
+                    let exterior = it.next().unwrap_or_else(|| LineString::new(vec![]));
+                    Polygon::new(exterior, it.collect())
+                })
+                .collect(),
+        )
+    }
+
+    /// GeoJSON geometry object (`MultiPolygon`, or `Polygon` when there is one part).
+    pub fn to_geojson(&self) -> serde_json::Value {
+        if self.0.len() == 1 {
+            serde_json::json!({"type": "Polygon", "coordinates": self.0[0]})
+        } else {
+            serde_json::json!({"type": "MultiPolygon", "coordinates": self.0})
+        }
+    }
+}
+
+/// The stored state of one parcel in a source's snapshot (geometry lives in its own table).
+#[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
+pub struct ParcelState {
+    /// Zoning code as published (trimmed). Compared case-insensitively.
+    pub zoning: String,
+    pub effective_date: Option<String>,
+    /// Canonical hash of zoning + effective date + geometry: equal hashes mean "no change".
+    pub content_hash: [u8; 32],
+    /// Canonical hash of the geometry alone, to tell `rezoned` from `geometry_changed`.
+    pub geom_hash: [u8; 32],
+    /// Geodesic area in square metres.
+    pub area_m2: f64,
+}
+
+/// One parcel as read from a feed, normalised and validated.
+#[derive(Clone, Debug)]
+pub struct Parcel {
+    pub id: String,
+    pub state: ParcelState,
+    pub geometry: StoredGeometry,
+}
+
+/// A real change to one parcel, detected by the diff. Subscriber-independent.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ChangeEvent {
+    pub source_id: String,
+    pub jurisdiction: String,
+    pub parcel_id: String,
+    pub kind: ChangeKind,
+    pub from: Option<String>,
+    pub to: Option<String>,
+    pub effective_date: Option<String>,
+    pub old_geometry: Option<StoredGeometry>,
+    pub new_geometry: Option<StoredGeometry>,
+    /// Geodesic area (m²) of the current parcel (the old one for `removed`).
+    pub area_m2: f64,
+    pub observed_at_ms: u64,
+    pub severity: Severity,
+}
+
+impl ChangeEvent {
+    /// The geometry a subscriber is shown: the new shape, or the old one for a removal.
+    pub fn display_geometry(&self) -> Option<&StoredGeometry> {
+        self.new_geometry.as_ref().or(self.old_geometry.as_ref())
+    }
+}
+
+/// Idempotency key: hex sha256 over the stable fields of (watcher, change). Never volatile.
+#[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct IdemKey(pub String);
+
+impl fmt::Display for IdemKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Terminal and intermediate outcomes recorded in the audit ledger.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum Outcome {
+    Queued,
+    Sent,
+    Duplicate,
+    Suppressed,
+    DeadLetter,
+    Quarantined,
+    Held,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Queued => "queued",
+            Outcome::Sent => "sent",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Suppressed => "suppressed",
+            Outcome::DeadLetter => "dead_letter",
+            Outcome::Quarantined => "quarantined",
+            Outcome::Held => "held",
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One immutable row of the audit ledger. `seq` is the ledger's monotonic key.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct AuditRow {
+    pub seq: u64,
+    pub ts_ms: u64,
+    pub outcome: Outcome,
+    pub idempotency_key: Option<String>,
+    pub watcher_id: Option<String>,
+    pub source_id: Option<String>,
+    pub parcel_id: Option<String>,
+    pub lineage_id: Option<String>,
+    pub detail: String,
+}
+
+/// A webhook waiting to be delivered. The body is fixed when the key is claimed, so a retry
+/// sends the same bytes; the signature and `webhook-timestamp` are made at each attempt.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct OutboxEntry {
+    pub id: u64,
+    pub key: IdemKey,
+    pub watcher_id: String,
+    pub target: String,
+    pub source_id: String,
+    pub parcel_id: String,
+    pub lineage_id: String,
+    pub severity: Severity,
+    pub body: Vec<u8>,
+    pub attempts: u32,
+    pub created_ms: u64,
+    pub next_attempt_ms: u64,
+    pub last_error: Option<String>,
+}
+
+/// An outbox entry that will not be delivered without a person: kept until resolved.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct DeadLetter {
+    pub entry: OutboxEntry,
+    pub reason: String,
+    pub dead_at_ms: u64,
+}
+
+/// Why a feature could not be taken into the snapshot.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum QuarantineReason {
+    MissingField,
+    OutOfBounds,
+    DuplicateId,
+    NonFinite,
+    EmptyGeometry,
+    NotPolygonal,
+    InvalidGeometry,
+    Unrepairable,
+    MalformedFeature,
+}
+
+impl QuarantineReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QuarantineReason::MissingField => "missing_field",
+            QuarantineReason::OutOfBounds => "out_of_bounds",
+            QuarantineReason::DuplicateId => "duplicate_id",
+            QuarantineReason::NonFinite => "non_finite",
+            QuarantineReason::EmptyGeometry => "empty_geometry",
+            QuarantineReason::NotPolygonal => "not_polygonal",
+            QuarantineReason::InvalidGeometry => "invalid_geometry",
+            QuarantineReason::Unrepairable => "unrepairable",
+            QuarantineReason::MalformedFeature => "malformed_feature",
+        }
+    }
+
+    /// Reasons that point at a systematic feed problem (a renamed field, a datum drift)
+    /// rather than one bad feature: these count towards the quarantine-spike gate.
+    pub fn is_systemic(self) -> bool {
+        matches!(self, QuarantineReason::MissingField | QuarantineReason::OutOfBounds)
+    }
+}
+
+/// A feature set aside with its reason; the rest of the layer carries on without it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct QuarantineRecord {
+    pub source_id: String,
+    pub run_id: u64,
+    pub lineage_id: String,
+    pub feature_index: u64,
+    pub parcel_id: Option<String>,
+    pub reason: QuarantineReason,
+    pub detail: String,
+    /// The feature's JSON, truncated to 16 KiB.
+    pub raw: String,
+    pub ts_ms: u64,
+}
+
+/// What one run concluded about a source.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Verdict {
+    /// First ingest: snapshot stored, keys primed, nothing sent.
+    Baseline,
+    /// New content diffed and committed; alerts queued.
+    Run,
+    /// Same bytes as the watermark's digest: nothing to do.
+    Identical,
+    /// Probe said nothing moved (HTTP sources).
+    Skip,
+    /// Held by the publication gate until an operator decides.
+    Held,
+    /// `--reprocess`: committed with keys primed and nothing sent.
+    Reprocessed,
+    /// The run failed before committing; nothing of it exists but this record.
+    Failed,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Baseline => "baseline",
+            Verdict::Run => "run",
+            Verdict::Identical => "identical",
+            Verdict::Skip => "skip",
+            Verdict::Held => "held",
+            Verdict::Reprocessed => "reprocessed",
+            Verdict::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Per source: what was last consumed. The watermark never describes data not yet committed.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct Watermark {
+    pub digest: String,
+    pub size: u64,
+    pub run_id: u64,
+    pub consumed_at_ms: u64,
+    /// When the content (digest) last changed.
+    pub content_changed_at_ms: u64,
+    pub publisher_ts_ms: Option<u64>,
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+}
+
+/// Counts a run produced; also what `run` prints per source.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct RunCounts {
+    pub features: u64,
+    pub parcels: u64,
+    pub quarantined: u64,
+    pub repaired: u64,
+    pub changes: u64,
+    pub queued: u64,
+    pub duplicates: u64,
+    pub suppressed: u64,
+    pub below_min_severity: u64,
+}
+
+/// The record of one run of one source, kept forever (small).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct RunRecord {
+    pub run_id: u64,
+    pub source_id: String,
+    pub lineage_id: String,
+    pub started_ms: u64,
+    pub finished_ms: u64,
+    pub verdict: Verdict,
+    pub digest: String,
+    pub counts: RunCounts,
+    /// The hold this run created or is waiting on.
+    pub hold_id: Option<u64>,
+    pub warnings: Vec<String>,
+    pub error: Option<String>,
+}
+
+/// What became of a held run.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum HoldState {
+    Open,
+    Released { at_ms: u64, run_id: u64 },
+    Primed { at_ms: u64, run_id: u64 },
+    Superseded { at_ms: u64, by_run: u64 },
+}
+
+impl HoldState {
+    pub fn label(&self) -> &'static str {
+        match self {
+            HoldState::Open => "open",
+            HoldState::Released { .. } => "released",
+            HoldState::Primed { .. } => "primed",
+            HoldState::Superseded { .. } => "superseded",
+        }
+    }
+}
+
+/// A run the publication gate stopped. Its staged snapshot delta and change events are kept
+/// beside it until an operator releases (deliver) or primes (accept silently) it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Hold {
+    pub run_id: u64,
+    pub source_id: String,
+    pub lineage_id: String,
+    pub created_ms: u64,
+    pub reason: String,
+    pub state: HoldState,
+    pub digest: String,
+    /// The watermark the source gets if the hold is released or primed.
+    pub watermark: Watermark,
+    pub changes: u64,
+    pub features: u64,
+}

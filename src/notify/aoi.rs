@@ -1,0 +1,85 @@
+//! Areas of interest: a GeoJSON Polygon, MultiPolygon, Feature or FeatureCollection file,
+//! read into one MultiPolygon, checked for finite coordinates and repaired when invalid.
+
+use geo::{MultiPolygon, Validation};
+use std::path::Path;
+
+/// Why an AOI cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AoiError {
+    #[error("cannot read AOI {path}: {message}")]
+    Read { path: String, message: String },
+    #[error("AOI {path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+/// Loads and validates an AOI file.
+pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
+    let text = std::fs::read_to_string(path).map_err(|e| AoiError::Read {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    parse_aoi(&text).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
+}
+
+/// Parses AOI GeoJSON text into a valid MultiPolygon.
+pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
+    let clean = crate::ingest::geojson::sanitize_non_finite(text.as_bytes());
+    let value: serde_json::Value = serde_json::from_slice(&clean).map_err(|e| format!("not JSON: {e}"))?;
+    let mut polys = Vec::new();
+    collect(&value, &mut polys, 0)?;
+    if polys.is_empty() {
+        return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
+    }
+    let mp = MultiPolygon::new(polys);
+    let (clean, _) = crate::ingest::normalize::clean_geometry(mp, None)
+        .map_err(|(reason, detail)| format!("{}: {detail}", reason.as_str()))?;
+    if !clean.is_valid() {
+        return Err("geometry is invalid and could not be repaired".into());
+    }
+    Ok(clean)
+}
+
+fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, depth: usize) -> Result<(), String> {
+    if depth > 8 {
+        return Err("nested too deeply".into());
+    }
+    match v.get("type").and_then(|t| t.as_str()) {
+        Some("FeatureCollection") => {
+            let features = v.get("features").and_then(|f| f.as_array()).ok_or("FeatureCollection without features")?;
+            for f in features {
+                collect(f, out, depth + 1)?;
+            }
+            Ok(())
+        }
+        Some("Feature") => match v.get("geometry") {
+            Some(g) if !g.is_null() => collect(g, out, depth + 1),
+            _ => Err("Feature without geometry".into()),
+        },
+        Some("Polygon") | Some("MultiPolygon") | Some("GeometryCollection") => {
+            let mp = crate::ingest::normalize::parse_geometry(&v.to_string())
+                .map_err(|(reason, detail)| format!("{}: {detail}", reason.as_str()))?;
+            out.extend(mp.0);
+            Ok(())
+        }
+        Some(other) => Err(format!("{other} is not an area (use Polygon or MultiPolygon)")),
+        None => Err("missing \"type\"".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_the_four_shapes_and_rejects_others() {
+        let poly = r#"{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1],[0,0]]]}"#;
+        assert!(parse_aoi(poly).is_ok());
+        assert!(parse_aoi(&format!(r#"{{"type":"Feature","properties":{{}},"geometry":{poly}}}"#)).is_ok());
+        assert!(parse_aoi(&format!(r#"{{"type":"FeatureCollection","features":[{{"type":"Feature","geometry":{poly}}}]}}"#)).is_ok());
+        assert!(parse_aoi(r#"{"type":"MultiPolygon","coordinates":[[[[0,0],[1,0],[1,1],[0,0]]]]}"#).is_ok());
+        assert!(parse_aoi(r#"{"type":"Point","coordinates":[0,0]}"#).is_err());
+        assert!(parse_aoi(r#"{"type":"Polygon","coordinates":[[[0,0],[NaN,0],[1,1],[0,0]]]}"#).is_err());
+        assert!(parse_aoi("nope").is_err());
+    }
+}

@@ -1,0 +1,307 @@
+//! Delivery workers: take due outbox rows, POST them (signed), and record each outcome in the
+//! store in batches (group commit).
+//!
+//! * 2xx → `sent`; 408/429/5xx, timeouts and connection errors → retry with capped
+//!   exponential backoff and full jitter, honouring `Retry-After`; any other status (including
+//!   3xx: redirects are never followed) → dead letter `rejected_<status>`; attempts exhausted
+//!   → dead letter `retries_exhausted`.
+//! * A target resolving to a loopback, private or link-local address is refused unless
+//!   `allow_private_targets` is set.
+
+use crate::config::DeliveryConfig;
+use crate::model::OutboxEntry;
+use crate::notify::matcher::SubscriberIndex;
+use crate::notify::signing;
+use crate::store::{DeliveryResult, Store, StoreError};
+use crate::util::now_ms;
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+/// Errors that stop delivery (a failed send is a retry or a dead letter, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum DeliveryError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot build the HTTP client: {0}")]
+    Client(String),
+}
+
+/// What one delivery pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct PassStats {
+    pub attempted: u64,
+    pub sent: u64,
+    pub retried: u64,
+    pub dead: u64,
+}
+
+impl std::ops::AddAssign for PassStats {
+    fn add_assign(&mut self, o: PassStats) {
+        self.attempted += o.attempted;
+        self.sent += o.sent;
+        self.retried += o.retried;
+        self.dead += o.dead;
+    }
+}
+
+/// Sends the outbox. Cheap to clone (all shared state is behind `Arc`).
+#[derive(Clone)]
+pub struct Deliverer {
+    store: Arc<Store>,
+    subscribers: Arc<SubscriberIndex>,
+    cfg: DeliveryConfig,
+    client: reqwest::Client,
+    in_flight: Arc<Mutex<HashSet<u64>>>,
+}
+
+impl Deliverer {
+    pub fn new(store: Arc<Store>, subscribers: Arc<SubscriberIndex>, cfg: DeliveryConfig) -> Result<Deliverer, DeliveryError> {
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(cfg.timeout)
+            .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
+            .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| DeliveryError::Client(e.to_string()))?;
+        Ok(Deliverer { store, subscribers, cfg, client, in_flight: Arc::new(Mutex::new(HashSet::new())) })
+    }
+
+    /// One pass: send every due entry (bounded by `concurrency`), then record all outcomes
+    /// in one transaction.
+    pub async fn deliver_due(&self) -> Result<PassStats, DeliveryError> {
+        let exclude = self.in_flight.lock().map(|g| g.clone()).unwrap_or_default();
+        let batch = self.store.due_outbox(now_ms(), self.cfg.concurrency * 8, &exclude)?;
+        if batch.is_empty() {
+            return Ok(PassStats::default());
+        }
+        if let Ok(mut g) = self.in_flight.lock() {
+            g.extend(batch.iter().map(|e| e.id));
+        }
+        let sem = Arc::new(Semaphore::new(self.cfg.concurrency));
+        let mut tasks = tokio::task::JoinSet::new();
+        for entry in batch.iter().cloned() {
+            let this = self.clone();
+            let sem = sem.clone();
+            tasks.spawn(async move {
+                let _permit = sem.acquire_owned().await;
+                this.attempt(&entry).await
+            });
+        }
+        let mut results = Vec::with_capacity(batch.len());
+        while let Some(r) = tasks.join_next().await {
+            match r {
+                Ok(res) => results.push(res),
+                Err(e) => tracing::error!("delivery task failed: {e}"),
+            }
+        }
+        let mut stats = PassStats { attempted: results.len() as u64, ..Default::default() };
+        for r in &results {
+            match r {
+                DeliveryResult::Sent { .. } => stats.sent += 1,
+                DeliveryResult::Retry { .. } => stats.retried += 1,
+                DeliveryResult::Dead { .. } => stats.dead += 1,
+            }
+        }
+        let store = self.store.clone();
+        let write = tokio::task::spawn_blocking(move || store.record_deliveries(&results, now_ms())).await;
+        if let Ok(mut g) = self.in_flight.lock() {
+            for e in &batch {
+                g.remove(&e.id);
+            }
+        }
+        match write {
+            Ok(r) => r?,
+            Err(e) => tracing::error!("recording deliveries failed: {e}"),
+        }
+        Ok(stats)
+    }
+
+    /// Delivers until the outbox is empty, waiting for retries that fall due before
+    /// `deadline`; later ones are left for the next run or for `serve`.
+    pub async fn drain(&self, deadline: Instant) -> Result<PassStats, DeliveryError> {
+        let mut total = PassStats::default();
+        loop {
+            total += self.deliver_due().await?;
+            let Some(next) = self.store.next_due_ms()? else { break };
+            let now = now_ms();
+            if next > now {
+                let wait = Duration::from_millis(next - now);
+                if Instant::now() + wait > deadline {
+                    break;
+                }
+                tokio::time::sleep(wait).await;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Runs until `shutdown` flips, waking when `wake` is notified or a retry falls due.
+    pub async fn run(&self, mut shutdown: tokio::sync::watch::Receiver<bool>, wake: Arc<tokio::sync::Notify>) {
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            if let Err(e) = self.deliver_due().await {
+                tracing::error!("delivery pass failed: {e}");
+            }
+            let wait = match self.store.next_due_ms() {
+                Ok(Some(next)) => Duration::from_millis(next.saturating_sub(now_ms()).clamp(10, 60_000)),
+                Ok(None) => Duration::from_secs(60),
+                Err(e) => {
+                    tracing::error!("reading the outbox failed: {e}");
+                    Duration::from_secs(5)
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = wake.notified() => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+
+    async fn attempt(&self, entry: &OutboxEntry) -> DeliveryResult {
+        let id = entry.id;
+        let sub = self.subscribers.get(&entry.watcher_id);
+        let target = sub.map(|s| s.target.clone()).unwrap_or_else(|| entry.target.clone());
+        if let Err(reason) = self.check_target(&target).await {
+            return DeliveryResult::Dead { id, reason };
+        }
+        let ts = now_ms() / 1000;
+        let mut req = self
+            .client
+            .post(&target)
+            .header("content-type", "application/json")
+            .header("webhook-id", &entry.key.0)
+            .header("webhook-timestamp", ts.to_string())
+            .body(entry.body.clone());
+        if let Some(secret) = sub.and_then(|s| s.secret.as_deref()) {
+            match signing::decode_secret(secret) {
+                Ok(key) => req = req.header("webhook-signature", signing::sign(&key, &entry.key.0, ts, &entry.body)),
+                Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
+            }
+        }
+        let attempts_after = entry.attempts + 1;
+        let (retry_after, error) = match req.send().await {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                if resp.status().is_success() {
+                    return DeliveryResult::Sent { id, status };
+                }
+                if !(status == 408 || status == 429 || (500..600).contains(&status)) {
+                    return DeliveryResult::Dead { id, reason: format!("rejected_{status}") };
+                }
+                let ra = resp
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(parse_retry_after);
+                (ra, format!("http_{status}"))
+            }
+            Err(e) if e.is_timeout() => (None, "timeout".to_string()),
+            Err(e) => (None, format!("connection: {e}")),
+        };
+        if attempts_after >= self.cfg.max_attempts {
+            return DeliveryResult::Dead { id, reason: "retries_exhausted".into() };
+        }
+        let delay = backoff(&self.cfg, attempts_after, retry_after);
+        DeliveryResult::Retry { id, next_attempt_ms: now_ms() + delay.as_millis() as u64, error }
+    }
+
+    async fn check_target(&self, target: &str) -> Result<(), String> {
+        if self.cfg.allow_private_targets {
+            return Ok(());
+        }
+        let url = reqwest::Url::parse(target).map_err(|e| format!("bad_target: {e}"))?;
+        let host = url.host_str().ok_or("bad_target: no host")?.trim_matches(['[', ']']).to_string();
+        let port = url.port_or_known_default().unwrap_or(443);
+        let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
+            Ok(ip) => vec![ip],
+            Err(_) => tokio::net::lookup_host((host.as_str(), port))
+                .await
+                .map_err(|e| format!("dns: {e}"))?
+                .map(|a| a.ip())
+                .collect(),
+        };
+        if let Some(ip) = addrs.iter().find(|ip| is_private(ip)) {
+            return Err(format!("private_target_refused: {host} resolves to {ip}"));
+        }
+        Ok(())
+    }
+}
+
+/// Loopback, private, link-local, unspecified, CGNAT or unique-local addresses.
+pub fn is_private(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || (o[0] == 100 && (64..128).contains(&o[1]))
+        }
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80
+                || v6.to_ipv4_mapped().map(|v4| is_private(&IpAddr::V4(v4))).unwrap_or(false)
+        }
+    }
+}
+
+/// `Retry-After` as seconds or an HTTP-date.
+pub fn parse_retry_after(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(Duration::from_secs(secs.min(86_400)));
+    }
+    let when = httpdate::parse_http_date(v).ok()?;
+    Some(when.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO).min(Duration::from_secs(86_400)))
+}
+
+/// Capped exponential backoff with full jitter; `Retry-After` is a floor.
+pub fn backoff(cfg: &DeliveryConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    let exp = cfg
+        .base_delay
+        .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX))
+        .min(cfg.max_delay);
+    let jittered = Duration::from_millis(rand::random_range(0..=exp.as_millis() as u64));
+    match retry_after {
+        Some(ra) => jittered.max(ra),
+        None => jittered,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_capped_and_honours_retry_after() {
+        let cfg = DeliveryConfig { base_delay: Duration::from_millis(100), max_delay: Duration::from_millis(1000), ..Default::default() };
+        for attempt in 1..30 {
+            assert!(backoff(&cfg, attempt, None) <= Duration::from_millis(1000));
+        }
+        assert!(backoff(&cfg, 1, Some(Duration::from_secs(5))) >= Duration::from_secs(5));
+        assert_eq!(parse_retry_after("7"), Some(Duration::from_secs(7)));
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
+        assert_eq!(parse_retry_after("soon"), None);
+    }
+
+    #[test]
+    fn private_addresses() {
+        for ip in ["127.0.0.1", "10.1.2.3", "192.168.1.1", "169.254.1.1", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "100.64.0.1"] {
+            assert!(is_private(&ip.parse().unwrap()), "{ip}");
+        }
+        for ip in ["8.8.8.8", "2001:4860::8888"] {
+            assert!(!is_private(&ip.parse().unwrap()), "{ip}");
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Subscriber matching: an R-tree over AOI bounding rectangles finds candidates, then an exact
+//! `geo` intersects test against the old and the new parcel geometry decides. (geo 0.33 does
+//! not implement rstar 0.14's traits, so the tree holds rectangles tagged with an index into
+//! a Vec of subscribers.)
+
+use crate::config::SubscriberConfig;
+use crate::model::{ChangeEvent, Severity, StoredGeometry};
+use geo::{BoundingRect, Intersects, MultiPolygon};
+use rstar::primitives::{GeomWithData, Rectangle};
+use rstar::{RTree, AABB};
+
+/// A subscriber with its AOI loaded.
+#[derive(Debug, Clone)]
+pub struct Subscriber {
+    pub id: String,
+    pub target: String,
+    pub secret: Option<String>,
+    pub min_severity: Severity,
+    pub aoi: MultiPolygon<f64>,
+}
+
+impl Subscriber {
+    pub fn from_config(cfg: &SubscriberConfig, aoi: MultiPolygon<f64>) -> Subscriber {
+        Subscriber {
+            id: cfg.id.clone(),
+            target: cfg.target.clone(),
+            secret: cfg.secret.clone(),
+            min_severity: cfg.min_severity,
+            aoi,
+        }
+    }
+}
+
+type Entry = GeomWithData<Rectangle<[f64; 2]>, u32>;
+
+/// The spatial index of all subscribers.
+pub struct SubscriberIndex {
+    tree: RTree<Entry>,
+    subscribers: Vec<Subscriber>,
+}
+
+impl SubscriberIndex {
+    pub fn build(subscribers: Vec<Subscriber>) -> SubscriberIndex {
+        let entries: Vec<Entry> = subscribers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let r = s.aoi.bounding_rect()?;
+                Some(GeomWithData::new(
+                    Rectangle::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]),
+                    i as u32,
+                ))
+            })
+            .collect();
+        SubscriberIndex { tree: RTree::bulk_load(entries), subscribers }
+    }
+
+    pub fn subscribers(&self) -> &[Subscriber] {
+        &self.subscribers
+    }
+
+    pub fn get(&self, id: &str) -> Option<&Subscriber> {
+        self.subscribers.iter().find(|s| s.id == id)
+    }
+
+    /// Subscribers whose AOI intersects any of the given geometries (touching counts).
+    pub fn matching(&self, geometries: &[&MultiPolygon<f64>]) -> Vec<&Subscriber> {
+        let mut hits: Vec<u32> = Vec::new();
+        for g in geometries {
+            let Some(r) = g.bounding_rect() else { continue };
+            let env = AABB::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]);
+            for cand in self.tree.locate_in_envelope_intersecting(env) {
+                if hits.contains(&cand.data) {
+                    continue;
+                }
+                if let Some(sub) = self.subscribers.get(cand.data as usize) {
+                    if sub.aoi.intersects(*g) {
+                        hits.push(cand.data);
+                    }
+                }
+            }
+        }
+        hits.sort_unstable();
+        hits.into_iter().filter_map(|i| self.subscribers.get(i as usize)).collect()
+    }
+
+    /// Subscribers a change event touches, through its old or its new geometry.
+    pub fn matching_event(&self, event: &ChangeEvent) -> Vec<&Subscriber> {
+        let old = event.old_geometry.as_ref().map(StoredGeometry::to_geo);
+        let new = event.new_geometry.as_ref().map(StoredGeometry::to_geo);
+        let geoms: Vec<&MultiPolygon<f64>> = old.iter().chain(new.iter()).collect();
+        self.matching(&geoms)
+    }
+}

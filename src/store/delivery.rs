@@ -1,0 +1,353 @@
+//! Claims (idempotency keys → outbox rows) and delivery outcomes. An outbox row is removed
+//! only in the transaction that writes its terminal audit row.
+
+use super::codec::{decode, encode};
+use super::runs::{append_audit, codec_err};
+use super::tables::*;
+use super::{Store, StoreError};
+use crate::model::*;
+use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+
+/// One (change event, subscriber) pair the matcher found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim {
+    /// Index into the commit's `events`.
+    pub event: usize,
+    pub watcher_id: String,
+    pub target: String,
+    pub min_severity: Severity,
+    pub key: IdemKey,
+}
+
+/// Whether claimed keys are queued for delivery or only primed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ClaimMode {
+    Deliver,
+    /// Claim the key and audit `suppressed` with this detail; nothing is sent.
+    Prime { detail: &'static str },
+}
+
+/// What the claims of one commit came to.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClaimCounts {
+    pub queued: u64,
+    pub duplicates: u64,
+    pub suppressed: u64,
+    pub below_min_severity: u64,
+}
+
+/// What a delivery attempt came to, recorded by [`Store::record_deliveries`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeliveryResult {
+    Sent { id: u64, status: u16 },
+    Retry { id: u64, next_attempt_ms: u64, error: String },
+    Dead { id: u64, reason: String },
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
+enum IdemState {
+    Queued,
+    Sent,
+    Suppressed,
+    DeadLetter,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug)]
+struct IdemRecord {
+    claimed_ms: u64,
+    expires_ms: u64,
+    lineage_id: String,
+    state: IdemState,
+}
+
+pub(super) fn claim_in_txn(
+    wtx: &WriteTransaction,
+    events: &[ChangeEvent],
+    claims: &[Claim],
+    lineage: &str,
+    mode: ClaimMode,
+    now_ms: u64,
+    ttl_ms: u64,
+) -> Result<ClaimCounts, StoreError> {
+    let mut counts = ClaimCounts::default();
+    let mut keys = wtx.open_table(IDEM_KEYS)?;
+    let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
+    let mut outbox = wtx.open_table(OUTBOX)?;
+    let mut due = wtx.open_table(OUTBOX_DUE)?;
+    let mut meta = wtx.open_table(META)?;
+    let mut next_id = meta
+        .get(META_NEXT_OUTBOX_ID)?
+        .map(|v| {
+            let mut b = [0u8; 8];
+            let n = v.value().len().min(8);
+            b[..n].copy_from_slice(&v.value()[..n]);
+            u64::from_le_bytes(b)
+        })
+        .unwrap_or(1);
+    let mut pending_audit = Vec::with_capacity(claims.len());
+
+    for claim in claims {
+        let Some(event) = events.get(claim.event) else {
+            return Err(StoreError::Conflict(format!(
+                "claim for watcher {} points at event {} of {}",
+                claim.watcher_id,
+                claim.event,
+                events.len()
+            )));
+        };
+        let mut row = AuditRow {
+            seq: 0,
+            ts_ms: now_ms,
+            outcome: Outcome::Queued,
+            idempotency_key: Some(claim.key.0.clone()),
+            watcher_id: Some(claim.watcher_id.clone()),
+            source_id: Some(event.source_id.clone()),
+            parcel_id: Some(event.parcel_id.clone()),
+            lineage_id: Some(lineage.to_string()),
+            detail: format!("{} {}", event.kind.as_str(), event.severity.as_str()),
+        };
+        if event.severity < claim.min_severity {
+            counts.below_min_severity += 1;
+            row.outcome = Outcome::Suppressed;
+            row.detail = format!(
+                "below_min_severity: {} < {}",
+                event.severity.as_str(),
+                claim.min_severity.as_str()
+            );
+            pending_audit.push(row);
+            continue;
+        }
+        let existing: Option<IdemRecord> = match keys.get(claim.key.0.as_str())? {
+            Some(v) => Some(decode(v.value()).map_err(|m| codec_err("idem_keys", m))?),
+            None => None,
+        };
+        if let Some(rec) = existing {
+            if rec.expires_ms > now_ms {
+                counts.duplicates += 1;
+                row.outcome = Outcome::Duplicate;
+                row.detail = format!("key claimed by {}", rec.lineage_id);
+                pending_audit.push(row);
+                continue;
+            }
+            // Expired but not yet swept: the claim is free again.
+            expiry.remove((rec.expires_ms, claim.key.0.as_str()))?;
+        }
+        let expires_ms = now_ms.saturating_add(ttl_ms);
+        let state = match mode {
+            ClaimMode::Deliver => IdemState::Queued,
+            ClaimMode::Prime { .. } => IdemState::Suppressed,
+        };
+        let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state };
+        keys.insert(claim.key.0.as_str(), encode(&rec).as_slice())?;
+        expiry.insert((expires_ms, claim.key.0.as_str()), ())?;
+        match mode {
+            ClaimMode::Prime { detail } => {
+                counts.suppressed += 1;
+                row.outcome = Outcome::Suppressed;
+                row.detail = detail.to_string();
+            }
+            ClaimMode::Deliver => {
+                let id = next_id;
+                next_id += 1;
+                let body = crate::notify::payload::build_body(event, &claim.watcher_id, &claim.key, lineage, now_ms);
+                let entry = OutboxEntry {
+                    id,
+                    key: claim.key.clone(),
+                    watcher_id: claim.watcher_id.clone(),
+                    target: claim.target.clone(),
+                    source_id: event.source_id.clone(),
+                    parcel_id: event.parcel_id.clone(),
+                    lineage_id: lineage.to_string(),
+                    severity: event.severity,
+                    body,
+                    attempts: 0,
+                    created_ms: now_ms,
+                    next_attempt_ms: now_ms,
+                    last_error: None,
+                };
+                outbox.insert(id, encode(&entry).as_slice())?;
+                due.insert((now_ms, id), ())?;
+                counts.queued += 1;
+            }
+        }
+        pending_audit.push(row);
+    }
+    meta.insert(META_NEXT_OUTBOX_ID, next_id.to_le_bytes().as_slice())?;
+    drop((keys, expiry, outbox, due, meta));
+    for mut row in pending_audit {
+        append_audit(wtx, &mut row)?;
+    }
+    Ok(counts)
+}
+
+fn update_idem_state(wtx: &WriteTransaction, key: &str, state: IdemState) -> Result<(), StoreError> {
+    let mut keys = wtx.open_table(IDEM_KEYS)?;
+    let current: Option<IdemRecord> = match keys.get(key)? {
+        Some(v) => Some(decode(v.value()).map_err(|m| codec_err("idem_keys", m))?),
+        None => None,
+    };
+    if let Some(mut rec) = current {
+        rec.state = state;
+        keys.insert(key, encode(&rec).as_slice())?;
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Claims keys and queues deliveries for already-detected events outside a run (the path
+    /// used to re-inject events, and by tests of the claim race). One transaction.
+    pub fn enqueue(
+        &self,
+        events: &[ChangeEvent],
+        claims: &[Claim],
+        lineage: &str,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> Result<ClaimCounts, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let counts = claim_in_txn(&wtx, events, claims, lineage, ClaimMode::Deliver, now_ms, ttl_ms)?;
+        wtx.commit()?;
+        Ok(counts)
+    }
+
+    /// Outbox entries due at `now_ms`, oldest due first, skipping ids in `exclude` (in flight).
+    pub fn due_outbox(
+        &self,
+        now_ms: u64,
+        limit: usize,
+        exclude: &HashSet<u64>,
+    ) -> Result<Vec<OutboxEntry>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let due = rtx.open_table(OUTBOX_DUE)?;
+        let outbox = rtx.open_table(OUTBOX)?;
+        let mut out = Vec::new();
+        for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, _) = item?;
+            let (_, id) = k.value();
+            if exclude.contains(&id) {
+                continue;
+            }
+            if let Some(v) = outbox.get(id)? {
+                out.push(decode(v.value()).map_err(|m| codec_err("outbox", m))?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// When the earliest outbox entry falls due (None when the outbox is empty).
+    pub fn next_due_ms(&self) -> Result<Option<u64>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let due = rtx.open_table(OUTBOX_DUE)?;
+        let first = due.first()?.map(|(k, _)| k.value().0);
+        Ok(first)
+    }
+
+    /// Records a batch of delivery outcomes in one transaction (group commit).
+    pub fn record_deliveries(&self, results: &[DeliveryResult], now_ms: u64) -> Result<(), StoreError> {
+        if results.is_empty() {
+            return Ok(());
+        }
+        let wtx = self.db.begin_write()?;
+        for result in results {
+            let id = match result {
+                DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
+            };
+            let entry: OutboxEntry = {
+                let outbox = wtx.open_table(OUTBOX)?;
+                let Some(v) = outbox.get(id)? else {
+                    // Already resolved (e.g. by a concurrent recovery); nothing to record.
+                    continue;
+                };
+                decode(v.value()).map_err(|m| codec_err("outbox", m))?
+            };
+            let attempts = entry.attempts + 1;
+            let mut audit = AuditRow {
+                seq: 0,
+                ts_ms: now_ms,
+                outcome: Outcome::Sent,
+                idempotency_key: Some(entry.key.0.clone()),
+                watcher_id: Some(entry.watcher_id.clone()),
+                source_id: Some(entry.source_id.clone()),
+                parcel_id: Some(entry.parcel_id.clone()),
+                lineage_id: Some(entry.lineage_id.clone()),
+                detail: String::new(),
+            };
+            match result {
+                DeliveryResult::Sent { status, .. } => {
+                    remove_outbox(&wtx, &entry)?;
+                    update_idem_state(&wtx, &entry.key.0, IdemState::Sent)?;
+                    audit.detail = format!("http_{status} attempt {attempts}");
+                    append_audit(&wtx, &mut audit)?;
+                }
+                DeliveryResult::Dead { reason, .. } => {
+                    remove_outbox(&wtx, &entry)?;
+                    update_idem_state(&wtx, &entry.key.0, IdemState::DeadLetter)?;
+                    let mut dead_entry = entry.clone();
+                    dead_entry.attempts = attempts;
+                    let dl = DeadLetter { entry: dead_entry, reason: reason.clone(), dead_at_ms: now_ms };
+                    wtx.open_table(DEAD_LETTERS)?.insert(entry.id, encode(&dl).as_slice())?;
+                    audit.outcome = Outcome::DeadLetter;
+                    audit.detail = reason.clone();
+                    append_audit(&wtx, &mut audit)?;
+                }
+                DeliveryResult::Retry { next_attempt_ms, error, .. } => {
+                    let mut updated = entry.clone();
+                    updated.attempts = attempts;
+                    updated.next_attempt_ms = *next_attempt_ms;
+                    updated.last_error = Some(error.clone());
+                    let mut due = wtx.open_table(OUTBOX_DUE)?;
+                    due.remove((entry.next_attempt_ms, entry.id))?;
+                    due.insert((*next_attempt_ms, entry.id), ())?;
+                    wtx.open_table(OUTBOX)?.insert(entry.id, encode(&updated).as_slice())?;
+                }
+            }
+        }
+        wtx.commit()?;
+        Ok(())
+    }
+
+    /// Deletes idempotency keys that expired before `now_ms`, at most `max` per call, so the
+    /// sweep never holds the write lock for long.
+    pub fn sweep_expired_keys(&self, now_ms: u64, max: usize) -> Result<usize, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let mut n = 0;
+        {
+            let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
+            let mut keys = wtx.open_table(IDEM_KEYS)?;
+            let mut victims = Vec::new();
+            for item in expiry.range(..(now_ms, ""))? {
+                if victims.len() >= max {
+                    break;
+                }
+                let (k, _) = item?;
+                let (t, key) = k.value();
+                victims.push((t, key.to_string()));
+            }
+            for (t, key) in victims {
+                expiry.remove((t, key.as_str()))?;
+                // Only delete the key if this expiry entry is still its current one.
+                let current: Option<IdemRecord> = match keys.get(key.as_str())? {
+                    Some(v) => decode(v.value()).ok(),
+                    None => None,
+                };
+                if current.map(|r| r.expires_ms == t).unwrap_or(false) {
+                    keys.remove(key.as_str())?;
+                }
+                n += 1;
+            }
+        }
+        wtx.commit()?;
+        Ok(n)
+    }
+}
+
+fn remove_outbox(wtx: &WriteTransaction, entry: &OutboxEntry) -> Result<(), StoreError> {
+    wtx.open_table(OUTBOX)?.remove(entry.id)?;
+    wtx.open_table(OUTBOX_DUE)?.remove((entry.next_attempt_ms, entry.id))?;
+    Ok(())
+}

@@ -1,0 +1,183 @@
+//! `store/` owns every redb table and every transaction. Nothing outside this module opens a
+//! table, so the invariants below can be checked here:
+//!
+//! * one write transaction commits a run's new snapshot, its watermark (and history row), its
+//!   run record, the claimed idempotency keys, the outbox rows and their `queued` audit rows;
+//! * the audit ledger is append-only with a monotonic `seq`;
+//! * an outbox row leaves the outbox only in the same transaction that writes its terminal
+//!   audit row (`sent` or `dead_letter`), so every claimed key ends in exactly one terminal state.
+//!
+//! Values are postcard-encoded with a leading version byte (see [`codec`]). A schema-version
+//! record in `meta` lets the file format evolve; opening a file of an unknown version fails.
+
+pub mod codec;
+mod delivery;
+mod queries;
+mod runs;
+mod tables;
+
+pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
+pub use queries::{AuditFilter, StoreStats};
+pub use runs::{CommitMode, QuarantineDraft, RunCommit};
+
+use redb::{Database, ReadableDatabase, ReadableTable};
+use std::path::{Path, PathBuf};
+use tables::*;
+
+/// The file format version this build writes and understands.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Everything that can go wrong in the store layer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store {path}: {message}")]
+    Open { path: PathBuf, message: String },
+    #[error("store file {path} has schema version {found}; this zonewatch understands version {expected}. Use the zonewatch release that wrote it, or restore a backup")]
+    SchemaVersion { path: PathBuf, found: u32, expected: u32 },
+    #[error("database error: {0}")]
+    Db(#[from] redb::Error),
+    #[error("cannot decode a stored record in table {table}: {message}")]
+    Codec { table: &'static str, message: String },
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("simulated failure before commit: {0}")]
+    Injected(String),
+}
+
+macro_rules! from_redb {
+    ($($t:ty),*) => {$(
+        impl From<$t> for StoreError {
+            fn from(e: $t) -> Self { StoreError::Db(e.into()) }
+        }
+    )*};
+}
+from_redb!(
+    redb::DatabaseError,
+    redb::TransactionError,
+    redb::TableError,
+    redb::StorageError,
+    redb::CommitError
+);
+
+/// The one redb file holding everything zonewatch remembers.
+pub struct Store {
+    db: Database,
+    path: PathBuf,
+    /// Test hook: when set, the next run commit fails just before `commit()` (crash simulation).
+    fail_next_commit: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("path", &self.path).finish()
+    }
+}
+
+impl Store {
+    /// Opens (or creates) the store at `path`, creating missing tables and checking the schema.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        if let Some(parent) = path.parent() {
+            if !parent.as_os_str().is_empty() && !parent.exists() {
+                std::fs::create_dir_all(parent).map_err(|e| StoreError::Open {
+                    path: path.to_path_buf(),
+                    message: format!("cannot create folder {}: {e}", parent.display()),
+                })?;
+            }
+        }
+        let db = Database::create(path).map_err(|e| StoreError::Open {
+            path: path.to_path_buf(),
+            message: match e {
+                redb::DatabaseError::DatabaseAlreadyOpen => {
+                    "already open by another zonewatch process (only one may use a store at a time)".into()
+                }
+                other => other.to_string(),
+            },
+        })?;
+        let store = Store {
+            db,
+            path: path.to_path_buf(),
+            fail_next_commit: std::sync::atomic::AtomicBool::new(false),
+        };
+        store.init_schema()?;
+        Ok(store)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn init_schema(&self) -> Result<(), StoreError> {
+        // Check first with a read transaction so that a newer file is never modified.
+        {
+            let rtx = self.db.begin_read()?;
+            match rtx.open_table(META) {
+                Ok(meta) => {
+                    if let Some(v) = meta.get(META_SCHEMA)? {
+                        let found = decode_u32(v.value());
+                        if found != SCHEMA_VERSION {
+                            return Err(StoreError::SchemaVersion {
+                                path: self.path.clone(),
+                                found,
+                                expected: SCHEMA_VERSION,
+                            });
+                        }
+                    }
+                }
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let wtx = self.db.begin_write()?;
+        {
+            let mut meta = wtx.open_table(META)?;
+            if meta.get(META_SCHEMA)?.is_none() {
+                meta.insert(META_SCHEMA, SCHEMA_VERSION.to_le_bytes().as_slice())?;
+            }
+            wtx.open_table(WATERMARKS)?;
+            wtx.open_table(WATERMARK_HISTORY)?;
+            wtx.open_table(PARCELS)?;
+            wtx.open_table(PARCEL_GEOMS)?;
+            wtx.open_table(IDEM_KEYS)?;
+            wtx.open_table(IDEM_EXPIRY)?;
+            wtx.open_table(OUTBOX)?;
+            wtx.open_table(OUTBOX_DUE)?;
+            wtx.open_table(AUDIT)?;
+            wtx.open_table(DEAD_LETTERS)?;
+            wtx.open_table(QUARANTINE)?;
+            wtx.open_table(RUNS)?;
+            wtx.open_table(HOLDS)?;
+            wtx.open_table(HELD_PARCELS)?;
+            wtx.open_table(HELD_EVENTS)?;
+        }
+        wtx.commit()?;
+        Ok(())
+    }
+
+    /// Test hook for crash-before-commit: the next run commit builds its whole transaction and
+    /// then aborts instead of committing, exactly as if the process had died there.
+    pub fn fail_next_commit(&self) {
+        self.fail_next_commit.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn take_injected_failure(&self) -> bool {
+        self.fail_next_commit.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Writes the file's schema version (used by tests of the version check).
+    #[doc(hidden)]
+    pub fn force_schema_version(&self, version: u32) -> Result<(), StoreError> {
+        let wtx = self.db.begin_write()?;
+        wtx.open_table(META)?.insert(META_SCHEMA, version.to_le_bytes().as_slice())?;
+        wtx.commit()?;
+        Ok(())
+    }
+}
+
+fn decode_u32(bytes: &[u8]) -> u32 {
+    let mut b = [0u8; 4];
+    let n = bytes.len().min(4);
+    b[..n].copy_from_slice(&bytes[..n]);
+    u32::from_le_bytes(b)
+}

@@ -1,0 +1,241 @@
+//! Read-only queries: snapshots for the diff, the audit ledger, holds, runs, dead letters,
+//! quarantine and summary counts. Each uses one read transaction (a consistent view).
+
+use super::codec::decode;
+use super::runs::codec_err;
+use super::tables::*;
+use super::{Store, StoreError};
+use crate::model::*;
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use std::collections::HashMap;
+
+/// Filters for the audit ledger; `None` matches everything.
+#[derive(Debug, Clone, Default)]
+pub struct AuditFilter {
+    pub parcel: Option<String>,
+    pub watcher: Option<String>,
+    pub source: Option<String>,
+    pub key: Option<String>,
+    pub lineage: Option<String>,
+    pub since_seq: Option<u64>,
+    pub limit: Option<usize>,
+}
+
+impl AuditFilter {
+    fn matches(&self, row: &AuditRow) -> bool {
+        fn eq(f: &Option<String>, v: &Option<String>) -> bool {
+            f.as_ref().is_none_or(|f| v.as_deref() == Some(f.as_str()))
+        }
+        eq(&self.parcel, &row.parcel_id)
+            && eq(&self.watcher, &row.watcher_id)
+            && eq(&self.source, &row.source_id)
+            && eq(&self.key, &row.idempotency_key)
+            && eq(&self.lineage, &row.lineage_id)
+    }
+}
+
+/// Totals for summaries (the demo's table, `/metrics` later).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StoreStats {
+    pub runs: u64,
+    pub changes: u64,
+    pub queued: u64,
+    pub sent: u64,
+    pub duplicates: u64,
+    pub suppressed: u64,
+    pub dead_letters: u64,
+    pub quarantined: u64,
+    pub held: u64,
+    pub outbox: u64,
+    pub open_holds: u64,
+}
+
+impl Store {
+    pub fn watermark(&self, source_id: &str) -> Result<Option<Watermark>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(WATERMARKS)?;
+        match t.get(source_id)? {
+            Some(v) => Ok(Some(decode(v.value()).map_err(|m| codec_err("watermarks", m))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The watermark history of a source, oldest first.
+    pub fn watermark_history(&self, source_id: &str) -> Result<Vec<Watermark>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(WATERMARK_HISTORY)?;
+        let mut out = Vec::new();
+        for item in t.range((source_id, 0u64)..)? {
+            let (k, v) = item?;
+            if k.value().0 != source_id {
+                break;
+            }
+            out.push(decode(v.value()).map_err(|m| codec_err("watermark_history", m))?);
+        }
+        Ok(out)
+    }
+
+    /// The stored parcel states of a source (no geometries), keyed by parcel id.
+    pub fn snapshot_states(&self, source_id: &str) -> Result<HashMap<String, ParcelState>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(PARCELS)?;
+        let mut out = HashMap::new();
+        for item in t.range((source_id, "")..)? {
+            let (k, v) = item?;
+            let (s, pid) = k.value();
+            if s != source_id {
+                break;
+            }
+            out.insert(pid.to_string(), decode(v.value()).map_err(|m| codec_err("parcels", m))?);
+        }
+        Ok(out)
+    }
+
+    /// Stored geometries of the given parcels of a source.
+    pub fn parcel_geometries<'a>(
+        &self,
+        source_id: &str,
+        ids: impl IntoIterator<Item = &'a str>,
+    ) -> Result<HashMap<String, StoredGeometry>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(PARCEL_GEOMS)?;
+        let mut out = HashMap::new();
+        for id in ids {
+            if let Some(v) = t.get((source_id, id))? {
+                out.insert(id.to_string(), decode(v.value()).map_err(|m| codec_err("parcel_geoms", m))?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Audit rows matching `filter`, in ledger order.
+    pub fn audit(&self, filter: &AuditFilter) -> Result<Vec<AuditRow>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(AUDIT)?;
+        let mut out = Vec::new();
+        let limit = filter.limit.unwrap_or(usize::MAX);
+        for item in t.range(filter.since_seq.unwrap_or(0)..)? {
+            let (_, v) = item?;
+            let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
+            if filter.matches(&row) {
+                out.push(row);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn holds(&self) -> Result<Vec<Hold>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(HOLDS)?;
+        let mut out = Vec::new();
+        for item in t.iter()? {
+            let (_, v) = item?;
+            out.push(decode(v.value()).map_err(|m| codec_err("holds", m))?);
+        }
+        Ok(out)
+    }
+
+    pub fn hold(&self, run_id: u64) -> Result<Option<Hold>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(HOLDS)?;
+        match t.get(run_id)? {
+            Some(v) => Ok(Some(decode(v.value()).map_err(|m| codec_err("holds", m))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Run records, newest first, optionally for one source.
+    pub fn runs(&self, source_id: Option<&str>, limit: usize) -> Result<Vec<RunRecord>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(RUNS)?;
+        let mut out = Vec::new();
+        for item in t.iter()?.rev() {
+            if out.len() >= limit {
+                break;
+            }
+            let (_, v) = item?;
+            let r: RunRecord = decode(v.value()).map_err(|m| codec_err("runs", m))?;
+            if source_id.is_none_or(|s| s == r.source_id) {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn dead_letters(&self) -> Result<Vec<DeadLetter>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(DEAD_LETTERS)?;
+        let mut out = Vec::new();
+        for item in t.iter()? {
+            let (_, v) = item?;
+            out.push(decode(v.value()).map_err(|m| codec_err("dead_letters", m))?);
+        }
+        Ok(out)
+    }
+
+    pub fn quarantine(&self) -> Result<Vec<QuarantineRecord>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(QUARANTINE)?;
+        let mut out = Vec::new();
+        for item in t.iter()? {
+            let (_, v) = item?;
+            out.push(decode(v.value()).map_err(|m| codec_err("quarantine", m))?);
+        }
+        Ok(out)
+    }
+
+    pub fn outbox(&self) -> Result<Vec<OutboxEntry>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(OUTBOX)?;
+        let mut out = Vec::new();
+        for item in t.iter()? {
+            let (_, v) = item?;
+            out.push(decode(v.value()).map_err(|m| codec_err("outbox", m))?);
+        }
+        Ok(out)
+    }
+
+    pub fn outbox_len(&self) -> Result<u64, StoreError> {
+        let rtx = self.db.begin_read()?;
+        Ok(rtx.open_table(OUTBOX)?.len()?)
+    }
+
+    /// Totals over runs, the audit ledger, the outbox and holds.
+    pub fn stats(&self) -> Result<StoreStats, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let mut s = StoreStats::default();
+        for item in rtx.open_table(RUNS)?.iter()? {
+            let (_, v) = item?;
+            let r: RunRecord = decode(v.value()).map_err(|m| codec_err("runs", m))?;
+            s.runs += 1;
+            if matches!(r.verdict, Verdict::Run | Verdict::Reprocessed) {
+                s.changes += r.counts.changes;
+            }
+        }
+        for item in rtx.open_table(AUDIT)?.iter()? {
+            let (_, v) = item?;
+            let r: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
+            match r.outcome {
+                Outcome::Queued => s.queued += 1,
+                Outcome::Sent => s.sent += 1,
+                Outcome::Duplicate => s.duplicates += 1,
+                Outcome::Suppressed => s.suppressed += 1,
+                Outcome::DeadLetter => s.dead_letters += 1,
+                Outcome::Quarantined => s.quarantined += 1,
+                Outcome::Held => s.held += 1,
+            }
+        }
+        s.outbox = rtx.open_table(OUTBOX)?.len()?;
+        for item in rtx.open_table(HOLDS)?.iter()? {
+            let (_, v) = item?;
+            let h: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;
+            if h.state == HoldState::Open {
+                s.open_holds += 1;
+            }
+        }
+        Ok(s)
+    }
+}

@@ -1,0 +1,422 @@
+//! Run commits: the one write transaction per source run, holds and their resolution.
+
+use super::codec::{decode, encode};
+use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
+use super::tables::*;
+use super::{Store, StoreError};
+use crate::model::*;
+use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+
+/// How a run's events are treated when it commits.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CommitMode {
+    /// First ingest of a source: snapshot stored, keys primed, nothing sent.
+    Baseline,
+    /// Normal run: new keys are queued for delivery.
+    Deliver,
+    /// `--reprocess`: snapshot updated, keys primed, audit `suppressed`, nothing sent.
+    Reprocess,
+    /// The publication gate held the run: stage its delta and events, touch nothing else.
+    Hold { reason: String },
+    /// An operator resolves hold `hold_id`: `prime = false` delivers it, `true` accepts silently.
+    ResolveHold { hold_id: u64, prime: bool },
+}
+
+/// A feature the run could not take, before it gets its run and lineage ids.
+#[derive(Debug, Clone)]
+pub struct QuarantineDraft {
+    pub feature_index: u64,
+    pub parcel_id: Option<String>,
+    pub reason: QuarantineReason,
+    pub detail: String,
+    pub raw: String,
+}
+
+/// Everything one run wants to commit, atomically.
+#[derive(Debug, Clone)]
+pub struct RunCommit {
+    pub source_id: String,
+    pub started_ms: u64,
+    pub now_ms: u64,
+    pub mode: CommitMode,
+    /// The watermark the source gets (its `run_id` is filled in by the store).
+    pub watermark: Watermark,
+    pub upserts: Vec<Parcel>,
+    pub removals: Vec<String>,
+    pub events: Vec<ChangeEvent>,
+    pub claims: Vec<Claim>,
+    pub quarantine: Vec<QuarantineDraft>,
+    pub counts: RunCounts,
+    pub warnings: Vec<String>,
+    pub idem_ttl_ms: u64,
+}
+
+/// One staged parcel of a held run: `None` removes the parcel.
+#[derive(Serialize, Deserialize)]
+struct StagedParcel(Option<(ParcelState, StoredGeometry)>);
+
+pub(super) fn next_key(last: Option<u64>) -> u64 {
+    last.map(|k| k + 1).unwrap_or(1)
+}
+
+pub(super) fn append_audit(
+    wtx: &WriteTransaction,
+    row: &mut AuditRow,
+) -> Result<u64, StoreError> {
+    let mut audit = wtx.open_table(AUDIT)?;
+    let seq = next_key(audit.last()?.map(|(k, _)| k.value()));
+    row.seq = seq;
+    audit.insert(seq, encode(row).as_slice())?;
+    Ok(seq)
+}
+
+pub(super) fn lineage_for(source_id: &str, run_id: u64, digest: &str) -> String {
+    let short: String = digest.chars().take(12).collect();
+    format!("{source_id}:{run_id}:{short}")
+}
+
+impl Store {
+    /// Commits one run in one write transaction (see the module invariants).
+    pub fn commit_run(&self, mut run: RunCommit) -> Result<RunRecord, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let run_id = {
+            let runs = wtx.open_table(RUNS)?;
+            let last = runs.last()?.map(|(k, _)| k.value());
+            next_key(last)
+        };
+        let lineage = lineage_for(&run.source_id, run_id, &run.watermark.digest);
+        run.watermark.run_id = run_id;
+        let mut verdict = match run.mode {
+            CommitMode::Baseline => Verdict::Baseline,
+            CommitMode::Deliver => Verdict::Run,
+            CommitMode::Reprocess => Verdict::Reprocessed,
+            CommitMode::Hold { .. } => Verdict::Held,
+            CommitMode::ResolveHold { .. } => Verdict::Run,
+        };
+        let mut hold_id = None;
+
+        // Quarantined features: a record and an audit row each.
+        {
+            let mut q = wtx.open_table(QUARANTINE)?;
+            for draft in &run.quarantine {
+                let seq = next_key(q.last()?.map(|(k, _)| k.value()));
+                let rec = QuarantineRecord {
+                    source_id: run.source_id.clone(),
+                    run_id,
+                    lineage_id: lineage.clone(),
+                    feature_index: draft.feature_index,
+                    parcel_id: draft.parcel_id.clone(),
+                    reason: draft.reason,
+                    detail: draft.detail.clone(),
+                    raw: draft.raw.clone(),
+                    ts_ms: run.now_ms,
+                };
+                q.insert(seq, encode(&rec).as_slice())?;
+            }
+        }
+        for draft in &run.quarantine {
+            append_audit(
+                &wtx,
+                &mut AuditRow {
+                    seq: 0,
+                    ts_ms: run.now_ms,
+                    outcome: Outcome::Quarantined,
+                    idempotency_key: None,
+                    watcher_id: None,
+                    source_id: Some(run.source_id.clone()),
+                    parcel_id: draft.parcel_id.clone(),
+                    lineage_id: Some(lineage.clone()),
+                    detail: format!("{}: {}", draft.reason.as_str(), draft.detail),
+                },
+            )?;
+        }
+
+        // Close older open holds of this source: a newer run supersedes them.
+        let resolving = match run.mode {
+            CommitMode::ResolveHold { hold_id, .. } => Some(hold_id),
+            _ => None,
+        };
+        {
+            let mut holds = wtx.open_table(HOLDS)?;
+            let mut to_update = Vec::new();
+            for item in holds.iter()? {
+                let (k, v) = item?;
+                let hold: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;
+                if hold.source_id == run.source_id && hold.state == HoldState::Open {
+                    to_update.push((k.value(), hold));
+                }
+            }
+            for (id, mut hold) in to_update {
+                hold.state = if Some(id) == resolving {
+                    match run.mode {
+                        CommitMode::ResolveHold { prime: true, .. } => {
+                            HoldState::Primed { at_ms: run.now_ms, run_id }
+                        }
+                        _ => HoldState::Released { at_ms: run.now_ms, run_id },
+                    }
+                } else {
+                    HoldState::Superseded { at_ms: run.now_ms, by_run: run_id }
+                };
+                holds.insert(id, encode(&hold).as_slice())?;
+                clear_staged(&wtx, id)?;
+            }
+        }
+
+        let mut counts = run.counts.clone();
+        match &run.mode {
+            CommitMode::Hold { reason } => {
+                hold_id = Some(run_id);
+                let hold = Hold {
+                    run_id,
+                    source_id: run.source_id.clone(),
+                    lineage_id: lineage.clone(),
+                    created_ms: run.now_ms,
+                    reason: reason.clone(),
+                    state: HoldState::Open,
+                    digest: run.watermark.digest.clone(),
+                    watermark: run.watermark.clone(),
+                    changes: run.events.len() as u64,
+                    features: run.counts.features,
+                };
+                wtx.open_table(HOLDS)?.insert(run_id, encode(&hold).as_slice())?;
+                {
+                    let mut staged = wtx.open_table(HELD_PARCELS)?;
+                    for p in &run.upserts {
+                        let s = StagedParcel(Some((p.state.clone(), p.geometry.clone())));
+                        staged.insert((run_id, p.id.as_str()), encode(&s).as_slice())?;
+                    }
+                    for id in &run.removals {
+                        staged.insert((run_id, id.as_str()), encode(&StagedParcel(None)).as_slice())?;
+                    }
+                    let mut events = wtx.open_table(HELD_EVENTS)?;
+                    for (i, e) in run.events.iter().enumerate() {
+                        events.insert((run_id, i as u64), encode(e).as_slice())?;
+                    }
+                }
+                append_audit(
+                    &wtx,
+                    &mut AuditRow {
+                        seq: 0,
+                        ts_ms: run.now_ms,
+                        outcome: Outcome::Held,
+                        idempotency_key: None,
+                        watcher_id: None,
+                        source_id: Some(run.source_id.clone()),
+                        parcel_id: None,
+                        lineage_id: Some(lineage.clone()),
+                        detail: format!("hold {run_id}: {reason}"),
+                    },
+                )?;
+            }
+            mode => {
+                // Snapshot.
+                {
+                    let mut parcels = wtx.open_table(PARCELS)?;
+                    let mut geoms = wtx.open_table(PARCEL_GEOMS)?;
+                    for p in &run.upserts {
+                        parcels.insert((run.source_id.as_str(), p.id.as_str()), encode(&p.state).as_slice())?;
+                        geoms.insert((run.source_id.as_str(), p.id.as_str()), encode(&p.geometry).as_slice())?;
+                    }
+                    for id in &run.removals {
+                        parcels.remove((run.source_id.as_str(), id.as_str()))?;
+                        geoms.remove((run.source_id.as_str(), id.as_str()))?;
+                    }
+                }
+                // Watermark + history.
+                write_watermark(&wtx, &run.source_id, &run.watermark)?;
+                // Claims, outbox, audit.
+                let claim_mode = match mode {
+                    CommitMode::Baseline => ClaimMode::Prime { detail: "baseline" },
+                    CommitMode::Reprocess => ClaimMode::Prime { detail: "reprocess" },
+                    CommitMode::ResolveHold { prime: true, .. } => ClaimMode::Prime { detail: "hold_primed" },
+                    _ => ClaimMode::Deliver,
+                };
+                if let CommitMode::ResolveHold { hold_id: h, .. } = mode {
+                    hold_id = Some(*h);
+                }
+                let c: ClaimCounts = claim_in_txn(
+                    &wtx,
+                    &run.events,
+                    &run.claims,
+                    &lineage,
+                    claim_mode,
+                    run.now_ms,
+                    run.idem_ttl_ms,
+                )?;
+                counts.queued = c.queued;
+                counts.duplicates = c.duplicates;
+                counts.suppressed = c.suppressed;
+                counts.below_min_severity = c.below_min_severity;
+                if let CommitMode::ResolveHold { prime: true, .. } = mode {
+                    verdict = Verdict::Reprocessed;
+                }
+            }
+        }
+
+        let record = RunRecord {
+            run_id,
+            source_id: run.source_id.clone(),
+            lineage_id: lineage,
+            started_ms: run.started_ms,
+            finished_ms: crate::util::now_ms(),
+            verdict,
+            digest: run.watermark.digest.clone(),
+            counts,
+            hold_id,
+            warnings: run.warnings.clone(),
+            error: None,
+        };
+        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+
+        if self.take_injected_failure() {
+            wtx.abort()?;
+            return Err(StoreError::Injected(format!("run {run_id} of {}", run.source_id)));
+        }
+        wtx.commit()?;
+        Ok(record)
+    }
+
+    /// Records a run whose bytes matched the watermark's digest: only the consumed time moves.
+    pub fn commit_identical(
+        &self,
+        source_id: &str,
+        started_ms: u64,
+        now_ms: u64,
+        features_hint: u64,
+    ) -> Result<RunRecord, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let mut wm: Watermark = {
+            let t = wtx.open_table(WATERMARKS)?;
+            let v = t
+                .get(source_id)?
+                .ok_or_else(|| StoreError::NotFound(format!("source {source_id} has no watermark")))?;
+            decode(v.value()).map_err(|m| codec_err("watermarks", m))?
+        };
+        let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
+        wm.consumed_at_ms = now_ms;
+        wtx.open_table(WATERMARKS)?.insert(source_id, encode(&wm).as_slice())?;
+        let record = RunRecord {
+            run_id,
+            source_id: source_id.to_string(),
+            lineage_id: lineage_for(source_id, run_id, &wm.digest),
+            started_ms,
+            finished_ms: now_ms,
+            verdict: Verdict::Identical,
+            digest: wm.digest.clone(),
+            counts: RunCounts { features: features_hint, ..Default::default() },
+            hold_id: None,
+            warnings: vec![],
+            error: None,
+        };
+        // Content identical to what was committed: any open hold is stale (the publisher
+        // went back to the committed version), so it is superseded.
+        supersede_open_holds(&wtx, source_id, run_id, now_ms)?;
+        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        wtx.commit()?;
+        Ok(record)
+    }
+
+    /// Records a run that changed nothing because it re-read the content of an open hold, or
+    /// that failed before committing. Such runs leave the watermark and snapshot alone.
+    pub fn record_run_note(
+        &self,
+        source_id: &str,
+        started_ms: u64,
+        verdict: Verdict,
+        digest: &str,
+        hold_id: Option<u64>,
+        error: Option<String>,
+    ) -> Result<RunRecord, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
+        let record = RunRecord {
+            run_id,
+            source_id: source_id.to_string(),
+            lineage_id: lineage_for(source_id, run_id, digest),
+            started_ms,
+            finished_ms: crate::util::now_ms(),
+            verdict,
+            digest: digest.to_string(),
+            counts: RunCounts::default(),
+            hold_id,
+            warnings: vec![],
+            error,
+        };
+        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        wtx.commit()?;
+        Ok(record)
+    }
+
+    /// A hold's staged snapshot delta and change events.
+    pub fn held_delta(
+        &self,
+        hold_id: u64,
+    ) -> Result<(Vec<Parcel>, Vec<String>, Vec<ChangeEvent>), StoreError> {
+        let rtx = self.db.begin_read()?;
+        let staged = rtx.open_table(HELD_PARCELS)?;
+        let mut upserts = Vec::new();
+        let mut removals = Vec::new();
+        for item in staged.range((hold_id, "")..)? {
+            let (k, v) = item?;
+            let (h, pid) = k.value();
+            if h != hold_id {
+                break;
+            }
+            let s: StagedParcel = decode(v.value()).map_err(|m| codec_err("held_parcels", m))?;
+            match s.0 {
+                Some((state, geometry)) => upserts.push(Parcel { id: pid.to_string(), state, geometry }),
+                None => removals.push(pid.to_string()),
+            }
+        }
+        let events_t = rtx.open_table(HELD_EVENTS)?;
+        let mut events = Vec::new();
+        for item in events_t.range((hold_id, 0u64)..(hold_id + 1, 0u64))? {
+            let (_, v) = item?;
+            events.push(decode(v.value()).map_err(|m| codec_err("held_events", m))?);
+        }
+        Ok((upserts, removals, events))
+    }
+}
+
+fn write_watermark(wtx: &WriteTransaction, source_id: &str, wm: &Watermark) -> Result<(), StoreError> {
+    let bytes = encode(wm);
+    wtx.open_table(WATERMARKS)?.insert(source_id, bytes.as_slice())?;
+    wtx.open_table(WATERMARK_HISTORY)?.insert((source_id, wm.run_id), bytes.as_slice())?;
+    Ok(())
+}
+
+fn supersede_open_holds(
+    wtx: &WriteTransaction,
+    source_id: &str,
+    by_run: u64,
+    now_ms: u64,
+) -> Result<(), StoreError> {
+    let mut holds = wtx.open_table(HOLDS)?;
+    let mut open = Vec::new();
+    for item in holds.iter()? {
+        let (k, v) = item?;
+        let hold: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;
+        if hold.source_id == source_id && hold.state == HoldState::Open {
+            open.push((k.value(), hold));
+        }
+    }
+    for (id, mut hold) in open {
+        hold.state = HoldState::Superseded { at_ms: now_ms, by_run };
+        holds.insert(id, encode(&hold).as_slice())?;
+        clear_staged(wtx, id)?;
+    }
+    Ok(())
+}
+
+fn clear_staged(wtx: &WriteTransaction, hold_id: u64) -> Result<(), StoreError> {
+    let mut staged = wtx.open_table(HELD_PARCELS)?;
+    staged.retain_in((hold_id, "")..(hold_id + 1, ""), |_, _| false)?;
+    let mut events = wtx.open_table(HELD_EVENTS)?;
+    events.retain_in((hold_id, 0u64)..(hold_id + 1, 0u64), |_, _| false)?;
+    Ok(())
+}
+
+pub(super) fn codec_err(table: &'static str, message: String) -> StoreError {
+    StoreError::Codec { table, message }
+}

@@ -1,0 +1,41 @@
+//! The redb table definitions. Keys are chosen so the common scans are range scans:
+//! a source's snapshot is the `(source, *)` range, the outbox due index is ordered by time.
+
+use redb::TableDefinition;
+
+/// Schema version and counters.
+pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+pub const META_SCHEMA: &str = "schema_version";
+pub const META_NEXT_OUTBOX_ID: &str = "next_outbox_id";
+
+/// source id → current `Watermark`.
+pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("watermarks");
+/// (source id, run id) → `Watermark` as committed by that run (append-only history).
+pub const WATERMARK_HISTORY: TableDefinition<(&str, u64), &[u8]> =
+    TableDefinition::new("watermark_history");
+/// (source id, parcel id) → `ParcelState`.
+pub const PARCELS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcels");
+/// (source id, parcel id) → `StoredGeometry` (kept apart so diffs read only the small states).
+pub const PARCEL_GEOMS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_geoms");
+/// idempotency key → `IdemRecord`.
+pub const IDEM_KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("idem_keys");
+/// (expires at ms, key) → () — swept periodically.
+pub const IDEM_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("idem_expiry");
+/// outbox id → `OutboxEntry`.
+pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox");
+/// (next attempt at ms, outbox id) → ().
+pub const OUTBOX_DUE: TableDefinition<(u64, u64), ()> = TableDefinition::new("outbox_due");
+/// seq → `AuditRow` (append-only).
+pub const AUDIT: TableDefinition<u64, &[u8]> = TableDefinition::new("audit");
+/// outbox id → `DeadLetter`.
+pub const DEAD_LETTERS: TableDefinition<u64, &[u8]> = TableDefinition::new("dead_letters");
+/// seq → `QuarantineRecord`.
+pub const QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("quarantine");
+/// run id → `RunRecord`.
+pub const RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("runs");
+/// run id → `Hold`.
+pub const HOLDS: TableDefinition<u64, &[u8]> = TableDefinition::new("holds");
+/// (hold run id, parcel id) → `StagedParcel` (the held snapshot delta).
+pub const HELD_PARCELS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_parcels");
+/// (hold run id, n) → `ChangeEvent` (the held events).
+pub const HELD_EVENTS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("held_events");

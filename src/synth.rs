@@ -1,0 +1,371 @@
+//! Synthetic counties, deterministic from a seed: blocks of lots 10–60 m wide, some large
+//! parcels, a zoning mix by neighbourhood. Used to make the bundled demo county
+//! (`zonewatch synth demo`), by tests, and (later) by `zonewatch bench`.
+//!
+//! Also holds [`republish`]: the same layer as a county re-publishes it — features shuffled,
+//! numbers reformatted, ring start points rotated and orientation flipped — which must
+//! produce zero changes.
+//!
+//! The PRNG is a local SplitMix64 so that a seed means the same county in every version of
+//! zonewatch, whatever the `rand` crate does.
+
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+
+/// Deterministic pseudo-random numbers (SplitMix64).
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn range(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        if n == 0 {
+            0
+        } else {
+            (self.next_u64() % n as u64) as usize
+        }
+    }
+}
+
+/// One synthetic parcel: id, zoning code, closed exterior ring in lon/lat.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthParcel {
+    pub id: String,
+    pub zoning: String,
+    pub ring: Vec<[f64; 2]>,
+}
+
+/// Parameters of a synthetic county.
+#[derive(Debug, Clone)]
+pub struct CountySpec {
+    pub seed: u64,
+    pub parcels: usize,
+    /// South-west corner of the county.
+    pub origin: [f64; 2],
+}
+
+impl Default for CountySpec {
+    fn default() -> Self {
+        CountySpec { seed: 7, parcels: 2_000, origin: [-93.30, 44.95] }
+    }
+}
+
+const METRES_PER_DEG_LAT: f64 = 111_320.0;
+
+fn q7(v: f64) -> f64 {
+    (v * 1e7).round() / 1e7
+}
+
+/// Zoning for a neighbourhood cell: mostly residential, a commercial spine, an industrial edge.
+fn zoning_for(col: usize, row: usize, rng: &mut SplitMix64) -> &'static str {
+    let r = rng.unit();
+    match (col % 6, row % 5) {
+        (5, _) => if r < 0.5 { "M-1" } else { "I-2" },
+        (_, 2) => if r < 0.4 { "C-1" } else if r < 0.8 { "C-2" } else { "C3" },
+        _ => if r < 0.5 { "R-1" } else if r < 0.85 { "R-2" } else { "R-3" },
+    }
+}
+
+/// Generates a county of about `spec.parcels` lots.
+pub fn generate_county(spec: &CountySpec) -> Vec<SynthParcel> {
+    let mut rng = SplitMix64::new(spec.seed);
+    let lat0 = spec.origin[1];
+    let m_lon = METRES_PER_DEG_LAT * lat0.to_radians().cos();
+    let (block_len, block_depth, street) = (220.0, 70.0, 14.0);
+    let blocks_per_row = 12usize;
+    let mut parcels = Vec::with_capacity(spec.parcels);
+    let mut block = 0usize;
+    while parcels.len() < spec.parcels {
+        let (bx, by) = (block % blocks_per_row, block / blocks_per_row);
+        let x0 = bx as f64 * (block_len + street);
+        let y0 = by as f64 * (block_depth + street);
+        let zone = zoning_for(bx / 2, by / 2, &mut rng);
+        let big = rng.unit() < 0.04;
+        for half in 0..2 {
+            let ya = y0 + half as f64 * block_depth / 2.0;
+            let yb = ya + block_depth / 2.0;
+            let mut x = x0;
+            while x < x0 + block_len - 5.0 && parcels.len() < spec.parcels {
+                let width = if big { block_len } else { rng.range(10.0, 60.0).min(x0 + block_len - x) };
+                let xe = (x + width).min(x0 + block_len);
+                let to_ll = |mx: f64, my: f64| [q7(spec.origin[0] + mx / m_lon), q7(spec.origin[1] + my / METRES_PER_DEG_LAT)];
+                // Counter-clockwise; some lots get a fifth vertex (a bent back line).
+                let mut ring = vec![to_ll(x, ya), to_ll(xe, ya)];
+                if rng.unit() < 0.2 {
+                    ring.push(to_ll(xe, (ya + yb) / 2.0));
+                    ring.push(to_ll(xe - 1.5, yb));
+                } else {
+                    ring.push(to_ll(xe, yb));
+                }
+                ring.push(to_ll(x, yb));
+                ring.push(ring[0]);
+                let zoning = if big && zone.starts_with('R') { "R-1" } else { zone };
+                parcels.push(SynthParcel { id: format!("DC-{:06}", parcels.len() + 1), zoning: zoning.to_string(), ring });
+                x = xe;
+            }
+        }
+        block += 1;
+    }
+    parcels
+}
+
+/// The layer as GeoJSON (fields `APN`, `ZONE_CODE`, `EFF_DATE`).
+pub fn to_geojson(parcels: &[SynthParcel], eff_date: &str) -> String {
+    let features: Vec<Value> = parcels
+        .iter()
+        .map(|p| {
+            json!({
+                "type": "Feature",
+                "properties": {"APN": p.id, "ZONE_CODE": p.zoning, "EFF_DATE": eff_date},
+                "geometry": {"type": "Polygon", "coordinates": [p.ring]},
+            })
+        })
+        .collect();
+    let fc = json!({"type": "FeatureCollection", "name": "demo-county-parcels", "features": features});
+    let mut s = String::new();
+    s.push_str("{\"type\":\"FeatureCollection\",\"name\":\"demo-county-parcels\",\"features\":[\n");
+    if let Some(arr) = fc["features"].as_array() {
+        for (i, f) in arr.iter().enumerate() {
+            if i > 0 {
+                s.push_str(",\n");
+            }
+            s.push_str(&f.to_string());
+        }
+    }
+    s.push_str("\n]}\n");
+    s
+}
+
+/// A rezoning applied to make a new version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rezoning {
+    pub id: String,
+    pub from: String,
+    pub to: String,
+}
+
+/// Picks `n` parcels and rezones them with a realistic mix: residential → industrial on a
+/// large parcel, residential → commercial, commercial → residential, residential → residential.
+pub fn rezone(parcels: &mut [SynthParcel], seed: u64, n: usize) -> Vec<Rezoning> {
+    let mut rng = SplitMix64::new(seed ^ 0xA5A5);
+    let mut done = Vec::new();
+    let targets = ["M-1", "C3", "R-2", "C-2", "R-3", "I-2"];
+    let mut tries = 0;
+    while done.len() < n && tries < 100_000 {
+        tries += 1;
+        let i = rng.below(parcels.len());
+        if done.iter().any(|r: &Rezoning| r.id == parcels[i].id) {
+            continue;
+        }
+        let to = targets[done.len() % targets.len()];
+        if parcels[i].zoning == to {
+            continue;
+        }
+        let from = std::mem::replace(&mut parcels[i].zoning, to.to_string());
+        done.push(Rezoning { id: parcels[i].id.clone(), from, to: to.to_string() });
+    }
+    done
+}
+
+/// Re-publishes a FeatureCollection: shuffled features, reformatted numbers, rotated ring
+/// starts and flipped orientation. The content is unchanged.
+pub fn republish(geojson: &[u8], seed: u64) -> Result<Vec<u8>, String> {
+    let mut fc: Value = serde_json::from_slice(geojson).map_err(|e| e.to_string())?;
+    let mut features = match fc.get_mut("features").map(Value::take) {
+        Some(Value::Array(a)) => a,
+        _ => return Err("not a FeatureCollection".into()),
+    };
+    let mut rng = SplitMix64::new(seed);
+    for i in (1..features.len()).rev() {
+        let j = rng.below(i + 1);
+        features.swap(i, j);
+    }
+    let mut out = String::with_capacity(geojson.len() * 2);
+    out.push_str("{\n  \"features\": [\n");
+    for (i, f) in features.iter().enumerate() {
+        if i > 0 {
+            out.push_str(",\n");
+        }
+        out.push_str("    {\"properties\": ");
+        out.push_str(&f.get("properties").cloned().unwrap_or(Value::Null).to_string());
+        out.push_str(", \"type\": \"Feature\", \"geometry\": ");
+        write_geometry(&mut out, f.get("geometry").unwrap_or(&Value::Null), &mut rng);
+        out.push('}');
+    }
+    out.push_str("\n  ],\n  \"type\": \"FeatureCollection\"\n}\n");
+    Ok(out.into_bytes())
+}
+
+fn write_number(out: &mut String, v: f64, rng: &mut SplitMix64) {
+    let _ = match rng.below(3) {
+        0 => write!(out, "{v:.12}"),
+        1 => write!(out, "{v:e}"),
+        _ => write!(out, "{v}"),
+    };
+}
+
+fn write_ring(out: &mut String, ring: &[Value], rng: &mut SplitMix64) {
+    let mut pts: Vec<[f64; 2]> = ring
+        .iter()
+        .filter_map(|p| Some([p.get(0)?.as_f64()?, p.get(1)?.as_f64()?]))
+        .collect();
+    if pts.len() > 3 && pts.first() == pts.last() {
+        pts.pop();
+        let k = rng.below(pts.len());
+        pts.rotate_left(k);
+        if rng.unit() < 0.5 {
+            pts.reverse();
+        }
+        pts.push(pts[0]);
+    }
+    out.push('[');
+    for (i, p) in pts.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push('[');
+        write_number(out, p[0], rng);
+        out.push_str(", ");
+        write_number(out, p[1], rng);
+        out.push(']');
+    }
+    out.push(']');
+}
+
+fn write_polygon(out: &mut String, rings: &[Value], rng: &mut SplitMix64) {
+    out.push('[');
+    for (i, r) in rings.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        write_ring(out, r.as_array().map(Vec::as_slice).unwrap_or(&[]), rng);
+    }
+    out.push(']');
+}
+
+fn write_geometry(out: &mut String, g: &Value, rng: &mut SplitMix64) {
+    let kind = g.get("type").and_then(Value::as_str).unwrap_or("");
+    let coords = g.get("coordinates").and_then(Value::as_array);
+    match (kind, coords) {
+        ("Polygon", Some(rings)) => {
+            out.push_str("{\"coordinates\": ");
+            write_polygon(out, rings, rng);
+            out.push_str(", \"type\": \"Polygon\"}");
+        }
+        ("MultiPolygon", Some(polys)) => {
+            out.push_str("{\"coordinates\": [");
+            for (i, p) in polys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_polygon(out, p.as_array().map(Vec::as_slice).unwrap_or(&[]), rng);
+            }
+            out.push_str("], \"type\": \"MultiPolygon\"}");
+        }
+        _ => out.push_str(&g.to_string()),
+    }
+}
+
+/// A rectangle AOI as GeoJSON around lon/lat bounds.
+pub fn rect_aoi(min: [f64; 2], max: [f64; 2]) -> Value {
+    json!({"type": "Polygon", "coordinates": [[[min[0], min[1]], [max[0], min[1]], [max[0], max[1]], [min[0], max[1]], [min[0], min[1]]]]})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deterministic_and_sized() {
+        let spec = CountySpec { parcels: 300, ..Default::default() };
+        let a = generate_county(&spec);
+        assert_eq!(a.len(), 300);
+        assert_eq!(a, generate_county(&spec));
+        let mut b = a.clone();
+        let r = rezone(&mut b, 1, 5);
+        assert_eq!(r.len(), 5);
+        assert_eq!(a.iter().zip(&b).filter(|(x, y)| x.zoning != y.zoning).count(), 5);
+    }
+}
+
+/// What `write_demo_fixtures` produced.
+#[derive(Debug, Clone)]
+pub struct DemoFixtures {
+    pub rezonings: Vec<Rezoning>,
+    pub parcels: usize,
+}
+
+/// Writes the bundled demo county: `county-v1.geojson`, `county-v2.geojson` (a handful of
+/// rezonings) and `aoi/*.geojson` (three subscribers placed so that some rezonings touch
+/// them and some do not).
+pub fn write_demo_fixtures(dir: &std::path::Path) -> std::io::Result<DemoFixtures> {
+    let spec = CountySpec::default();
+    let v1 = generate_county(&spec);
+    let mut v2 = v1.clone();
+    let width = |p: &SynthParcel| p.ring.iter().map(|c| c[0]).fold(f64::MIN, f64::max) - p.ring.iter().map(|c| c[0]).fold(f64::MAX, f64::min);
+    let mut rezonings = Vec::new();
+    // One large residential parcel goes industrial: the critical case.
+    if let Some(i) = (0..v2.len()).filter(|&i| v2[i].zoning.starts_with('R')).max_by(|&a, &b| width(&v2[a]).total_cmp(&width(&v2[b]))) {
+        let from = std::mem::replace(&mut v2[i].zoning, "M-1".to_string());
+        rezonings.push(Rezoning { id: v2[i].id.clone(), from, to: "M-1".into() });
+    }
+    let mut more = rezone(&mut v2, spec.seed, 5);
+    more.retain(|r| !rezonings.iter().any(|x| x.id == r.id));
+    rezonings.extend(more);
+
+    std::fs::create_dir_all(dir.join("aoi"))?;
+    std::fs::write(dir.join("county-v1.geojson"), to_geojson(&v1, "2026-01-15"))?;
+    std::fs::write(dir.join("county-v2.geojson"), to_geojson(&v2, "2026-01-15"))?;
+
+    let find = |id: &str| v1.iter().find(|p| p.id == id);
+    let bounds = |p: &SynthParcel| {
+        let xs = p.ring.iter().map(|c| c[0]);
+        let ys = p.ring.iter().map(|c| c[1]);
+        ([xs.clone().fold(f64::MAX, f64::min), ys.clone().fold(f64::MAX, f64::min)], [xs.fold(f64::MIN, f64::max), ys.fold(f64::MIN, f64::max)])
+    };
+    let pad = 0.0004;
+    // portfolio-7: a box around the first two rezoned parcels.
+    let mut aoi_min = [f64::MAX, f64::MAX];
+    let mut aoi_max = [f64::MIN, f64::MIN];
+    for r in rezonings.iter().take(2) {
+        if let Some(p) = find(&r.id) {
+            let (lo, hi) = bounds(p);
+            aoi_min = [aoi_min[0].min(lo[0] - pad), aoi_min[1].min(lo[1] - pad)];
+            aoi_max = [aoi_max[0].max(hi[0] + pad), aoi_max[1].max(hi[1] + pad)];
+        }
+    }
+    let portfolio = json!({"type": "Feature", "properties": {"name": "Portfolio 7 holdings"}, "geometry": rect_aoi(aoi_min, aoi_max)});
+    std::fs::write(dir.join("aoi/portfolio-7.geojson"), serde_json::to_string_pretty(&portfolio)?)?;
+    // neighbours-3: a small box around the third rezoned parcel.
+    if let Some(p) = rezonings.get(2).and_then(|r| find(&r.id)) {
+        let (lo, hi) = bounds(p);
+        let g = rect_aoi([lo[0] - 0.0002, lo[1] - 0.0002], [hi[0] + 0.0002, hi[1] + 0.0002]);
+        std::fs::write(dir.join("aoi/neighbours-3.geojson"), serde_json::to_string_pretty(&g)?)?;
+    }
+    // county-planning: everything, but only material and critical changes.
+    let (mut lo, mut hi) = ([f64::MAX, f64::MAX], [f64::MIN, f64::MIN]);
+    for p in &v1 {
+        let (a, b) = bounds(p);
+        lo = [lo[0].min(a[0]), lo[1].min(a[1])];
+        hi = [hi[0].max(b[0]), hi[1].max(b[1])];
+    }
+    let fc = json!({"type": "FeatureCollection", "features": [{"type": "Feature", "properties": {}, "geometry": rect_aoi(lo, hi)}]});
+    std::fs::write(dir.join("aoi/county-planning.geojson"), serde_json::to_string_pretty(&fc)?)?;
+    Ok(DemoFixtures { rezonings, parcels: v1.len() })
+}

@@ -1,0 +1,172 @@
+//! Small shared helpers: wall-clock time in milliseconds, human durations ("7d", "1h30m"),
+//! and RFC 3339 formatting. They live here so every layer speaks the same units.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Milliseconds since the Unix epoch. Every timestamp zonewatch stores uses this unit.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Parses durations such as `500ms`, `60s`, `5m`, `1h`, `7d`, `1h30m` (units may be chained).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let s = text.trim();
+    if s.is_empty() {
+        return Err("empty duration".into());
+    }
+    let mut total_ms: u128 = 0;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let digits = rest.chars().take_while(|c| c.is_ascii_digit()).count();
+        if digits == 0 {
+            return Err(format!("duration {text:?}: expected a number at {rest:?}"));
+        }
+        let (num, tail) = rest.split_at(digits);
+        let value: u128 = num
+            .parse()
+            .map_err(|_| format!("duration {text:?}: number {num:?} is too large"))?;
+        let unit_len = tail.chars().take_while(|c| c.is_ascii_alphabetic()).count();
+        let (unit, tail) = tail.split_at(unit_len);
+        let factor: u128 = match unit {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            "w" => 7 * 86_400_000,
+            "" => return Err(format!("duration {text:?}: missing unit (use ms, s, m, h, d or w)")),
+            other => return Err(format!("duration {text:?}: unknown unit {other:?}")),
+        };
+        total_ms = total_ms
+            .checked_add(value.saturating_mul(factor))
+            .ok_or_else(|| format!("duration {text:?} is too large"))?;
+        rest = tail.trim_start();
+    }
+    u64::try_from(total_ms)
+        .map(Duration::from_millis)
+        .map_err(|_| format!("duration {text:?} is too large"))
+}
+
+/// Formats a duration the way `parse_duration` reads it (largest exact unit).
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis() as u64;
+    for (unit, f) in [("d", 86_400_000u64), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms >= f && ms % f == 0 {
+            return format!("{}{}", ms / f, unit);
+        }
+    }
+    format!("{ms}ms")
+}
+
+/// RFC 3339 UTC timestamp (`2026-11-30T03:53:01.123Z`) for a millisecond epoch time.
+pub fn rfc3339(ms: u64) -> String {
+    let secs = ms / 1000;
+    let millis = ms % 1000;
+    let days = (secs / 86_400) as i64;
+    let sod = secs % 86_400;
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        sod / 3600,
+        (sod / 60) % 60,
+        sod % 60
+    )
+}
+
+/// Parses an RFC 3339 / ISO 8601 UTC time (`2026-11-30T03:53:01Z`, fractional seconds and
+/// `+00:00` offsets accepted, or a bare date) into epoch milliseconds.
+pub fn parse_rfc3339(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let (date, time) = match t.find(['T', 't', ' ']) {
+        Some(i) => (&t[..i], &t[i + 1..]),
+        None => (t, "00:00:00Z"),
+    };
+    let mut dp = date.split('-');
+    let y: i64 = dp.next()?.parse().ok()?;
+    let mo: u32 = dp.next()?.parse().ok()?;
+    let d: u32 = dp.next()?.parse().ok()?;
+    if dp.next().is_some() || !(1..=12).contains(&mo) || !(1..=31).contains(&d) {
+        return None;
+    }
+    let (clock, offset_min): (&str, i64) = if let Some(c) = time.strip_suffix(['Z', 'z']) {
+        (c, 0)
+    } else if let Some(i) = time.rfind(['+', '-']) {
+        let (c, off) = time.split_at(i);
+        let sign = if off.starts_with('-') { -1 } else { 1 };
+        let mut op = off[1..].split(':');
+        let oh: i64 = op.next()?.parse().ok()?;
+        let om: i64 = op.next().unwrap_or("0").parse().ok()?;
+        (c, sign * (oh * 60 + om))
+    } else {
+        (time, 0)
+    };
+    let mut cp = clock.split(':');
+    let h: i64 = cp.next()?.parse().ok()?;
+    let mi: i64 = cp.next()?.parse().ok()?;
+    let sec_text = cp.next().unwrap_or("0");
+    let sec: f64 = sec_text.parse().ok()?;
+    if h > 23 || mi > 59 || !(0.0..61.0).contains(&sec) {
+        return None;
+    }
+    let days = days_from_civil(y, mo, d);
+    let total = days * 86_400_000 + h * 3_600_000 + mi * 60_000 + (sec * 1000.0).round() as i64
+        - offset_min * 60_000;
+    u64::try_from(total).ok()
+}
+
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = if z >= 0 { z } else { z - 146_096 } / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = if y >= 0 { y } else { y - 399 } / 400;
+    let yoe = y - era * 400;
+    let m = m as i64;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d as i64 - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// Lower-case hex of a byte slice.
+pub fn hex(bytes: &[u8]) -> String {
+    hex::encode(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_and_chain() {
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5_400));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("3x").is_err());
+        assert!(parse_duration("").is_err());
+        assert_eq!(format_duration(Duration::from_secs(3600)), "1h");
+    }
+
+    #[test]
+    fn rfc3339_round_trips() {
+        let ms = 1_796_011_981_123;
+        let text = rfc3339(ms);
+        assert_eq!(parse_rfc3339(&text), Some(ms));
+        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(parse_rfc3339("1970-01-01T01:00:00+01:00"), Some(0));
+        assert_eq!(parse_rfc3339("2024-02-30x"), None);
+    }
+}
