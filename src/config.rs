@@ -190,6 +190,23 @@ pub struct SubscriberConfig {
     pub min_severity: Severity,
 }
 
+impl SourceConfig {
+    /// Fingerprint of the settings that decide how a layer's bytes become parcels (field
+    /// mapping and bbox). Stored with the watermark and with holds: the same bytes read with a
+    /// new mapping are a new reading, not an identical one.
+    pub fn read_fingerprint(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let text = format!(
+            "{}|{}|{}|{:?}",
+            self.fields.parcel_id,
+            self.fields.zoning,
+            self.fields.effective_date.as_deref().unwrap_or(""),
+            self.bbox
+        );
+        crate::util::hex(&Sha256::digest(text.as_bytes())[..8])
+    }
+}
+
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {

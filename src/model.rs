@@ -349,6 +349,9 @@ pub struct Watermark {
     pub publisher_ts_ms: Option<u64>,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
+    /// Fingerprint of how the bytes were read (field mapping, bbox): the same bytes read
+    /// with a different mapping are not "identical".
+    pub read_fingerprint: String,
 }
 
 /// Counts a run produced; also what `run` prints per source.

@@ -183,9 +183,10 @@ impl Engine {
     fn run_source_inner(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
         let fetched = source::fetch(src)?;
         let wm = self.store.watermark(&src.id)?;
+        let fingerprint = src.read_fingerprint();
         if !opts.reprocess {
             if let Some(w) = &wm {
-                if w.digest == fetched.digest {
+                if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
                     let record = self.store.commit_identical(&src.id, started, now_ms(), 0)?;
                     return Ok(SourceReport { record, hold_reason: None });
                 }
@@ -194,7 +195,12 @@ impl Engine {
                 .store
                 .holds()?
                 .into_iter()
-                .find(|h| h.source_id == src.id && h.state == HoldState::Open && h.digest == fetched.digest);
+                .find(|h| {
+                h.source_id == src.id
+                    && h.state == HoldState::Open
+                    && h.digest == fetched.digest
+                    && h.watermark.read_fingerprint == fingerprint
+            });
             if let Some(h) = open_same {
                 let record = self.store.record_run_note(&src.id, started, Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
                 return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
@@ -225,10 +231,14 @@ impl Engine {
             size: fetched.bytes.len() as u64,
             run_id: 0,
             consumed_at_ms: now,
-            content_changed_at_ms: now,
+            content_changed_at_ms: match &wm {
+                Some(w) if w.digest == fetched.digest => w.content_changed_at_ms,
+                _ => now,
+            },
             publisher_ts_ms: None,
             etag: None,
             last_modified: None,
+            read_fingerprint: fingerprint,
         };
         let (mode, hold_reason) = match decision {
             GateDecision::Baseline => (CommitMode::Baseline, None),

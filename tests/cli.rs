@@ -1,0 +1,136 @@
+//! The command line as operators' scripts use it: exit codes, output formats, clear errors.
+
+mod common;
+use common::*;
+use std::process::{Command, Output};
+
+fn zonewatch(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(args).output().expect("binary runs")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+#[test]
+fn demo_runs_end_to_end() {
+    let o = zonewatch(&["demo"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "demo failed:\n{out}\n{err}");
+    for needle in ["1. baseline", "2. the county re-publishes", "3. v2", "4. v2 again", "summary", "signature ok", "critical"] {
+        assert!(out.contains(needle), "demo output lacks {needle:?}:\n{out}");
+    }
+    assert!(!out.contains("SIGNATURE BAD"));
+}
+
+#[test]
+fn check_reports_good_and_bad_configs() {
+    let ws = Workspace::new(&[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: "http://127.0.0.1:9/h".into(), min_severity: "info", secret: None }], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    let cfg = ws.config_path();
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains("subscriber w: aoi ok"), "{out}");
+
+    std::fs::write(ws.path().join("aoi/w.geojson"), r#"{"type":"Point","coordinates":[0,0]}"#).unwrap();
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).0.contains("not an area"), "{:?}", text(&o));
+
+    ws.edit_config("max_attempts = 3", "max_atempts = 3");
+    let o = zonewatch(&["run", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("max_atempts"), "the error names the bad key: {:?}", text(&o));
+
+    let o = zonewatch(&["run", "--config", "/nonexistent/zw.toml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("cannot read config"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_audit_and_holds_from_the_command_line() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw") }],
+        "",
+        "",
+    );
+    let cfg = ws.config_path().to_str().unwrap().to_string();
+    let v1 = grid(40);
+    ws.write_layer(&layer(&v1));
+    let run_cli = |extra: &[&str]| {
+        let mut args = vec!["run", "--config", cfg.as_str()];
+        args.extend_from_slice(extra);
+        zonewatch(&args)
+    };
+    let o = tokio::task::block_in_place(|| run_cli(&[]));
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("s1: baseline features=40"), "{:?}", text(&o));
+
+    let mut v2 = v1.clone();
+    v2[0].zone = "C3".into();
+    v2[3].zone = "C3".into();
+    ws.write_layer(&layer(&v2));
+    let o = tokio::task::block_in_place(|| run_cli(&["--source", "s1"]));
+    let (out, _) = text(&o);
+    assert!(out.contains("s1: run features=40 changes=2 queued=2"), "{out}");
+    assert!(out.contains("delivery: sent=2"), "{out}");
+    let got = rx.received();
+    assert_eq!(got.len(), 2);
+    assert!(got.iter().all(|r| r.header("webhook-signature").is_some_and(|s| s.starts_with("v1,"))));
+
+    // audit in three formats, with filters.
+    let o = zonewatch(&["audit", "--config", &cfg, "--format", "jsonl"]);
+    let rows: Vec<serde_json::Value> = text(&o).0.lines().map(|l| serde_json::from_str(l).expect("jsonl line")).collect();
+    assert!(rows.iter().any(|r| r["outcome"] == "sent" && r["parcel_id"] == "P0000"));
+    for r in &rows {
+        for k in ["seq", "ts", "outcome", "idempotency_key", "watcher_id", "source_id", "parcel_id", "lineage_id", "detail"] {
+            assert!(r.get(k).is_some(), "row lacks {k}: {r}");
+        }
+    }
+    let o = zonewatch(&["audit", "--config", &cfg, "--format", "csv", "--parcel", "P0003"]);
+    let out = text(&o).0;
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("seq,ts,outcome,idempotency_key,watcher_id,source_id,parcel_id,lineage_id,detail"));
+    let outcomes: Vec<&str> = lines.map(|l| l.split(',').nth(2).unwrap_or("")).collect();
+    assert!(outcomes.contains(&"queued") && outcomes.contains(&"sent"), "{out}");
+    let o = zonewatch(&["audit", "--config", &cfg, "--watcher", "w"]);
+    assert!(text(&o).0.contains("rows)"));
+
+    // A spike is held; holds list shows it; holds release delivers it.
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    let mut v3 = v2.clone();
+    for p in v3.iter_mut().take(10) {
+        p.zone = "M-1".into();
+    }
+    ws.write_layer(&layer(&v3));
+    let o = tokio::task::block_in_place(|| run_cli(&[]));
+    let out = text(&o).0;
+    assert!(out.contains("s1: held") && out.contains("change_spike"), "{out}");
+    let o = zonewatch(&["holds", "list", "--config", &cfg]);
+    let list = text(&o).0;
+    let hold_line = list.lines().find(|l| l.contains("open")).expect("an open hold").to_string();
+    let hold_id = hold_line.split_whitespace().next().unwrap().to_string();
+    let o = tokio::task::block_in_place(|| zonewatch(&["holds", "release", &hold_id, "--config", &cfg]));
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("released"), "{:?}", text(&o));
+    assert_eq!(rx.received().len(), 2 + 10);
+    let o = zonewatch(&["holds", "prime", &hold_id, "--config", &cfg]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("not open"));
+}
+
+#[test]
+fn unknown_store_version_is_refused_clearly() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    {
+        let store = zonewatch::store::Store::open(&ws.path().join("zw.redb")).unwrap();
+        store.force_schema_version(99).unwrap();
+    }
+    let o = zonewatch(&["run", "--config", ws.config_path().to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o).1;
+    assert!(err.contains("schema version 99"), "{err}");
+}

@@ -1,0 +1,132 @@
+//! The publication gate: renamed fields and change spikes are held, never sent blindly;
+//! holds are released or primed by an operator; a newer run supersedes an older hold.
+
+mod common;
+use common::*;
+use std::time::Duration;
+use zonewatch::model::{HoldState, Verdict};
+use zonewatch::pipeline::PipelineError;
+
+fn with_zones(v: &[P], ids: &[usize], to: &str) -> Vec<P> {
+    let mut out = v.to_vec();
+    for &i in ids {
+        out[i].zone = to.into();
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renamed_zoning_field_is_held_until_mapped() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    let engine = ws.engine();
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let wm = engine.store.watermark("s1").unwrap().unwrap();
+
+    // The county renames ZONE_CODE to ZONING and, in the same publication, rezones 3 parcels.
+    let v2 = with_zones(&v1, &[0, 3, 6], "C3");
+    ws.write_layer(&layer_with_field(&v2, "ZONING"));
+    let held = run(&engine, false);
+    assert_eq!(held.record.verdict, Verdict::Held);
+    let reason = held.hold_reason.clone().unwrap();
+    assert!(reason.starts_with("quarantine_spike"), "{reason}");
+    assert_eq!(engine.store.watermark("s1").unwrap().unwrap(), wm, "watermark unchanged");
+    assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 100, "no parcel removed");
+    deliver(&engine, Duration::from_secs(1)).await;
+    assert!(rx.received().is_empty());
+    let holds = engine.store.holds().unwrap();
+    assert_eq!((holds.len(), &holds[0].state), (1, &HoldState::Open));
+
+    // Re-reading the same bytes does not create a second hold.
+    let still = run(&engine, false);
+    assert_eq!((still.record.verdict, still.record.hold_id), (Verdict::Held, Some(holds[0].run_id)));
+    assert_eq!(engine.store.holds().unwrap().len(), 1);
+
+    // The operator maps the new field name; the next run sends only the real changes.
+    ws.edit_config("zoning = \"ZONE_CODE\"", "zoning = \"ZONING\"");
+    let engine = { drop(engine); ws.engine() };
+    let fixed = run(&engine, false);
+    assert_eq!((fixed.record.verdict, fixed.record.counts.changes, fixed.record.counts.queued), (Verdict::Run, 3, 3));
+    deliver(&engine, Duration::from_secs(5)).await;
+    let mut got: Vec<String> = rx.received().iter().filter_map(|r| r.json()?["data"]["parcel_id"].as_str().map(String::from)).collect();
+    got.sort();
+    assert_eq!(got, vec!["P0000", "P0003", "P0006"]);
+    let old = engine.store.hold(holds[0].run_id).unwrap().unwrap();
+    assert!(matches!(old.state, HoldState::Superseded { .. }), "{:?}", old.state);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn change_spike_is_held_then_released_and_superseded_holds_stay_closed() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    let engine = ws.engine();
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+
+    // Version A: 20 of 100 parcels rezoned → held.
+    let a = with_zones(&v1, &(0..20).collect::<Vec<_>>(), "M-1");
+    ws.write_layer(&layer(&a));
+    let ra = run(&engine, false);
+    assert_eq!(ra.record.verdict, Verdict::Held);
+    assert!(ra.hold_reason.as_deref().unwrap().starts_with("change_spike"));
+    let hold_a = ra.record.hold_id.unwrap();
+
+    // Version B (also a spike) supersedes A.
+    let b = with_zones(&v1, &(0..30).collect::<Vec<_>>(), "I-2");
+    ws.write_layer(&layer(&b));
+    let rb = run(&engine, false);
+    let hold_b = rb.record.hold_id.unwrap();
+    assert!(matches!(engine.store.hold(hold_a).unwrap().unwrap().state, HoldState::Superseded { by_run, .. } if by_run == rb.record.run_id));
+    match engine.resolve_hold(hold_a, false) {
+        Err(PipelineError::HoldNotOpen { id, state }) => assert_eq!((id, state.as_str()), (hold_a, "superseded")),
+        other => panic!("releasing a superseded hold must fail, got {other:?}"),
+    }
+    deliver(&engine, Duration::from_secs(1)).await;
+    assert!(rx.received().is_empty(), "held runs send nothing");
+
+    // Releasing B delivers its 30 changes and advances the watermark to B.
+    let released = engine.resolve_hold(hold_b, false).unwrap();
+    assert_eq!((released.counts.changes, released.counts.queued), (30, 30));
+    deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(rx.received().len(), 30);
+    assert!(matches!(engine.store.hold(hold_b).unwrap().unwrap().state, HoldState::Released { .. }));
+    assert_eq!(engine.store.watermark("s1").unwrap().unwrap().digest, engine.store.hold(hold_b).unwrap().unwrap().digest);
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);
+    assert!(engine.resolve_hold(hold_b, false).is_err(), "a hold is resolved once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn primed_hold_is_accepted_silently() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    let engine = ws.engine();
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let v2 = with_zones(&v1, &(0..50).collect::<Vec<_>>(), "C-9");
+    ws.write_layer(&layer(&v2));
+    let h = run(&engine, false).record.hold_id.unwrap();
+    let primed = engine.resolve_hold(h, true).unwrap();
+    assert_eq!((primed.counts.queued, primed.counts.suppressed), (0, 50));
+    deliver(&engine, Duration::from_secs(1)).await;
+    assert!(rx.received().is_empty());
+    assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0001"].zoning, "C-9");
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);
+}

@@ -1,0 +1,69 @@
+//! Bad input never panics and never loses the rest of the layer.
+
+mod common;
+use common::*;
+use zonewatch::model::{QuarantineReason, Verdict};
+
+#[test]
+fn bowtie_repaired_and_nan_quarantined_while_the_rest_ingests() {
+    let ws = Workspace::new(&[], "", "");
+    let engine = ws.engine();
+    let mut parcels = grid(10);
+    parcels.push(P {
+        id: "BOWTIE".into(),
+        zone: "R-1".into(),
+        ring: vec![[-71.05, 42.40], [-71.05, 42.41], [-71.04, 42.40], [-71.04, 42.41], [-71.05, 42.40]],
+    });
+    let mut text = layer(&parcels);
+    // A feature with NaN coordinates, written the way Python's json module writes them.
+    let nan_feature = r#"{"type":"Feature","properties":{"APN":"NANLOT","ZONE_CODE":"R-1"},"geometry":{"type":"Polygon","coordinates":[[[-71.0,42.0],[NaN,42.0],[-71.0,42.1],[-71.0,42.0]]]}}"#;
+    text = text.replacen("\"features\":[", &format!("\"features\":[{nan_feature},"), 1);
+    ws.write_layer(&text);
+    let r = run(&engine, false);
+    assert_eq!(r.record.verdict, Verdict::Baseline);
+    assert_eq!((r.record.counts.features, r.record.counts.parcels, r.record.counts.quarantined, r.record.counts.repaired), (12, 11, 1, 1));
+    let snap = engine.store.snapshot_states("s1").unwrap();
+    assert!(snap.contains_key("BOWTIE"));
+    assert!(!snap.contains_key("NANLOT"));
+    let q = engine.store.quarantine().unwrap();
+    assert_eq!(q.len(), 1);
+    assert_eq!((q[0].reason, q[0].parcel_id.as_deref()), (QuarantineReason::NonFinite, Some("NANLOT")));
+    assert!(q[0].raw.contains("NANLOT"));
+    let geoms = engine.store.parcel_geometries("s1", ["BOWTIE"]).unwrap();
+    assert_eq!(geoms["BOWTIE"].0.len(), 2, "the bowtie becomes two triangles");
+    assert_eq!(outcomes(&engine).get("quarantined"), Some(&1));
+}
+
+#[test]
+fn duplicate_ids_out_of_bounds_and_missing_fields_are_quarantined() {
+    let ws = Workspace::new(&[], "", "");
+    let engine = ws.engine();
+    let mut parcels = grid(20);
+    parcels.push(square("P0001", "C-1", -71.0, 42.45, 0.001)); // duplicate id
+    parcels.push(square("FAR", "C-1", -80.0, 42.45, 0.001)); // outside bbox
+    let mut text = layer(&parcels);
+    text = text.replacen("\"features\":[", "\"features\":[{\"type\":\"Feature\",\"properties\":{\"APN\":\"NOZONE\"},\"geometry\":null},", 1);
+    ws.write_layer(&text);
+    let r = run(&engine, false);
+    assert_eq!(r.record.counts.quarantined, 4, "two duplicates, one out of bounds, one missing field");
+    let mut reasons: Vec<_> = engine.store.quarantine().unwrap().iter().map(|q| q.reason.as_str()).collect();
+    reasons.sort();
+    assert_eq!(reasons, vec!["duplicate_id", "duplicate_id", "missing_field", "out_of_bounds"]);
+    assert!(!engine.store.snapshot_states("s1").unwrap().contains_key("P0001"));
+}
+
+#[test]
+fn malformed_feed_fails_the_run_cleanly() {
+    let ws = Workspace::new(&[], "", "");
+    let engine = ws.engine();
+    ws.write_layer(&layer(&grid(10)));
+    run(&engine, false);
+    let wm = engine.store.watermark("s1").unwrap();
+    for bad in ["{\"type\":\"FeatureCollection\",\"features\":[", "<html>502 Bad Gateway</html>", "{\"type\":\"Topology\"}", ""] {
+        ws.write_layer(bad);
+        let err = engine.run_source_id("s1", Default::default()).unwrap_err();
+        assert!(err.to_string().contains("GeoJSON FeatureCollection"), "{err}");
+        assert_eq!(engine.store.watermark("s1").unwrap(), wm, "watermark untouched by {bad:?}");
+    }
+    assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 10);
+}
