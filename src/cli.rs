@@ -84,6 +84,19 @@ pub enum Command {
         #[command(subcommand)]
         action: HoldAction,
     },
+    /// Write a consistent copy of the store to DEST (works while `serve` runs: it asks the
+    /// running daemon over the control port).
+    Backup {
+        dest: PathBuf,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Replace the store with a backup. Refuses while a zonewatch is using the store.
+    Restore {
+        src: PathBuf,
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Generate synthetic data (the demo county fixtures).
     #[command(hide = true)]
     Synth {
@@ -139,6 +152,8 @@ pub fn dispatch(cli: Cli) -> i32 {
             cmd_audit(&config, filter, format)
         }
         Command::Holds { action } => cmd_holds(action),
+        Command::Backup { dest, config } => cmd_backup(&config, &dest),
+        Command::Restore { src, config } => cmd_restore(&config, &src),
         Command::Synth { what: SynthWhat::Demo { out } } => match crate::synth::write_demo_fixtures(&out) {
             Ok(f) => {
                 println!("wrote {} parcels and {} rezonings to {}", f.parcels, f.rezonings.len(), out.display());
@@ -272,7 +287,38 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             }
         };
         let wake = Arc::new(tokio::sync::Notify::new());
+        let runs = Arc::new(crate::schedule::SourceRuns::default());
         let mut tasks = tokio::task::JoinSet::new();
+        // The control port.
+        let token = match crate::control::auth::load_or_create_token(&engine.config.control.token_file) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 2;
+            }
+        };
+        let listener = match crate::control::bind(engine.config.control.listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("error: cannot listen on control.listen {}: {e}", engine.config.control.listen);
+                return 2;
+            }
+        };
+        let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        if let Err(e) = std::fs::write(control_addr_file(&engine.config), &addr) {
+            tracing::warn!("cannot write {}: {e}", control_addr_file(&engine.config).display());
+        }
+        tracing::info!(%addr, "control port listening");
+        {
+            let state = Arc::new(crate::control::ControlState {
+                engine: engine.clone(),
+                token,
+                runs: runs.clone(),
+                wake: wake.clone(),
+                started_ms: crate::util::now_ms(),
+            });
+            tasks.spawn(crate::control::serve(listener, state, rx.clone()));
+        }
         {
             let d = deliverer.clone();
             let rx = rx.clone();
@@ -283,6 +329,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             let engine = engine.clone();
             let mut rx = rx.clone();
             let wake = wake.clone();
+            let runs = runs.clone();
             tasks.spawn(async move {
                 loop {
                     if *rx.borrow() {
@@ -290,14 +337,22 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     }
                     let e = engine.clone();
                     let s = src.clone();
-                    match tokio::task::spawn_blocking(move || e.run_source(&s, RunOptions::default())).await {
-                        Ok(Ok(report)) => {
+                    let r = runs.clone();
+                    let result = tokio::task::spawn_blocking(move || match r.try_start(&s.id) {
+                        Some(_lease) => Some(e.run_source(&s, RunOptions::default())),
+                        None => None,
+                    })
+                    .await;
+                    match result {
+                        Ok(Some(Ok(report))) => {
                             tracing::info!("{}", report.line());
                             wake.notify_one();
                         }
-                        Ok(Err(err)) => tracing::error!(source = %src.id, "run failed: {err}"),
+                        Ok(Some(Err(err))) => tracing::error!(source = %src.id, "run failed: {err}"),
+                        Ok(None) => tracing::warn!(source = %src.id, "skipped_overlap: a run of this source is still going"),
                         Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
                     }
+                    runs.set_next_run(&src.id, crate::util::now_ms() + src.every.as_millis() as u64);
                     tokio::select! {
                         _ = tokio::time::sleep(src.every) => {}
                         _ = rx.changed() => {}
@@ -328,6 +383,120 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         tracing::info!("zonewatch stopped cleanly");
         0
     })
+}
+
+/// Where the running daemon writes its control port address (beside the store).
+pub fn control_addr_file(cfg: &Config) -> PathBuf {
+    cfg.store_path.with_extension("control-addr")
+}
+
+/// Where `POST /v1/backup` writes backups (beside the store).
+pub fn backup_dir(cfg: &Config) -> PathBuf {
+    cfg.store_path.parent().map(|p| p.join("backups")).unwrap_or_else(|| PathBuf::from("backups"))
+}
+
+fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
+    let cfg = match load_config(config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if dest.exists() {
+        eprintln!("error: {} exists; choose a new file name", dest.display());
+        return 2;
+    }
+    match crate::store::Store::open(&cfg.store_path) {
+        Ok(store) => match store.backup_to(dest) {
+            Ok(info) => {
+                println!("backup: {} ({} bytes, {} tables, {} rows)", info.path.display(), info.bytes, info.tables, info.rows);
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+        Err(crate::store::StoreError::InUse { .. }) => backup_via_daemon(&cfg, dest),
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+/// The store is open in a running `serve`: ask it for a backup over the control port, then
+/// copy the file it wrote to `dest` and check it.
+fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
+    let addr = match std::fs::read_to_string(control_addr_file(cfg)) {
+        Ok(a) => a.trim().to_string(),
+        Err(_) => cfg.control.listen.to_string(),
+    };
+    let token = match std::fs::read_to_string(&cfg.control.token_file) {
+        Ok(t) => t.trim().to_string(),
+        Err(e) => {
+            eprintln!("error: the store is in use and the control token {} cannot be read: {e}", cfg.control.token_file.display());
+            return 2;
+        }
+    };
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(c) => return c,
+    };
+    let result: Result<String, String> = rt.block_on(async {
+        let client = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
+        let resp = client
+            .post(format!("http://{addr}/v1/backup"))
+            .bearer_auth(&token)
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .map_err(|e| format!("the store is in use and the daemon's control port {addr} did not answer: {e}"))?;
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("daemon refused the backup ({status}): {body}"));
+        }
+        body["path"].as_str().map(str::to_string).ok_or_else(|| "daemon answer lacks path".to_string())
+    });
+    let src = match result {
+        Ok(p) => PathBuf::from(p),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    if let Err(e) = std::fs::copy(&src, dest) {
+        eprintln!("error: cannot copy {} to {}: {e}", src.display(), dest.display());
+        return 1;
+    }
+    match crate::store::backup::verify_file(dest) {
+        Ok(()) => {
+            let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
+            println!("backup: {} ({bytes} bytes, taken by the running daemon; its copy stays at {})", dest.display(), src.display());
+            0
+        }
+        Err(e) => {
+            eprintln!("error: the copied backup does not verify: {e}");
+            1
+        }
+    }
+}
+
+fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
+    let cfg = match load_config(config) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match crate::store::backup::restore(src, &cfg.store_path) {
+        Ok(()) => {
+            println!("restored {} to {}", src.display(), cfg.store_path.display());
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
 }
 
 fn cmd_check(config: &std::path::Path) -> i32 {

@@ -30,6 +30,16 @@ struct RawConfig {
     sources: Vec<RawSource>,
     #[serde(default, rename = "subscriber")]
     subscribers: Vec<RawSubscriber>,
+    #[serde(default)]
+    control: RawControl,
+}
+
+#[derive(Deserialize, Debug, Clone, Default)]
+#[serde(deny_unknown_fields)]
+struct RawControl {
+    listen: Option<String>,
+    token_file: Option<PathBuf>,
+    max_body_bytes: Option<usize>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -100,6 +110,18 @@ pub struct Config {
     pub delivery: DeliveryConfig,
     pub sources: Vec<SourceConfig>,
     pub subscribers: Vec<SubscriberConfig>,
+    pub control: ControlConfig,
+}
+
+/// `[control]`: the operator's HTTP port (served by `zonewatch serve`).
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    /// Default `127.0.0.1:8645`; port 0 picks a free port (written next to the store).
+    pub listen: std::net::SocketAddr,
+    /// File holding the bearer token; created with a random token on first start if absent.
+    pub token_file: PathBuf,
+    /// Largest request body accepted (default 1 MiB).
+    pub max_body_bytes: usize,
 }
 
 /// `[delivery]`: how webhooks are sent.
@@ -386,7 +408,21 @@ impl Config {
             });
         }
 
+        let listen_text = raw.control.listen.clone().unwrap_or_else(|| "127.0.0.1:8645".into());
+        let listen: std::net::SocketAddr = listen_text
+            .parse()
+            .map_err(|_| invalid(format!("control.listen {listen_text:?} is not an address like 127.0.0.1:8645")))?;
+        let control = ControlConfig {
+            listen,
+            token_file: resolve(raw.control.token_file.as_deref().unwrap_or(Path::new("control.token"))),
+            max_body_bytes: raw.control.max_body_bytes.unwrap_or(1 << 20),
+        };
+        if control.max_body_bytes < 1024 {
+            return Err(invalid("control.max_body_bytes must be at least 1024".into()));
+        }
+
         Ok(Config {
+            control,
             path: None,
             store_path: resolve(&raw.store.path),
             delivery,

@@ -1,9 +1,11 @@
+#![recursion_limit = "512"]
 //! zonewatch watches municipal GIS zoning and parcel layers, detects real zoning changes
 //! parcel by parcel, and alerts exactly the subscribers whose areas of interest they touch —
 //! once. Everything it remembers lives in one redb file. See `docs/ARCHITECTURE.md`.
 
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod demo;
 pub mod detect;
 pub mod ingest;
@@ -11,6 +13,8 @@ pub mod model;
 pub mod notify;
 pub mod pipeline;
 pub mod receiver;
+pub mod schedule;
 pub mod store;
 pub mod synth;
+pub mod telemetry;
 pub mod util;

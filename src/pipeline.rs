@@ -83,11 +83,37 @@ pub struct Engine {
 
 /// Loads every subscriber's AOI and builds the index.
 pub fn load_subscribers(config: &Config) -> Result<SubscriberIndex, AoiError> {
+    Ok(SubscriberIndex::build(config_subscribers(config)?))
+}
+
+fn config_subscribers(config: &Config) -> Result<Vec<Subscriber>, AoiError> {
     let mut subs = Vec::with_capacity(config.subscribers.len());
     for s in &config.subscribers {
         subs.push(Subscriber::from_config(s, load_aoi(&s.aoi_path)?));
     }
-    Ok(SubscriberIndex::build(subs))
+    Ok(subs)
+}
+
+/// Subscribers from the store (managed over the control port). One with an AOI that no longer
+/// parses is skipped with an error log rather than taking every other subscriber down.
+fn stored_subscribers(store: &Store, config: &Config) -> Result<Vec<Subscriber>, StoreError> {
+    let mut out = Vec::new();
+    for s in store.stored_subscribers()? {
+        if config.subscribers.iter().any(|c| c.id == s.id) {
+            continue; // the config file wins
+        }
+        match crate::notify::aoi::parse_aoi(&s.aoi_geojson) {
+            Ok(aoi) => out.push(Subscriber {
+                id: s.id,
+                target: s.target,
+                secret: s.secret,
+                min_severity: s.min_severity,
+                aoi,
+            }),
+            Err(e) => tracing::error!(subscriber = %s.id, "stored AOI no longer valid, subscriber skipped: {e}"),
+        }
+    }
+    Ok(out)
 }
 
 /// Parsed layer: the parcels, what was quarantined, and counts.
@@ -154,9 +180,21 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
 impl Engine {
     /// Opens the store and loads the subscribers of `config`.
     pub fn open(config: Config) -> Result<Engine, PipelineError> {
-        let subscribers = Arc::new(load_subscribers(&config)?);
+        let mut subs = config_subscribers(&config)?;
         let store = Arc::new(Store::open(&config.store_path)?);
+        subs.extend(stored_subscribers(&store, &config)?);
+        let subscribers = Arc::new(SubscriberIndex::build(subs));
         Ok(Engine { config, store, subscribers })
+    }
+
+    /// Rebuilds the subscriber index from the config and the store (after an edit over the
+    /// control port). The new index is built aside and swapped in; ingest is never blocked.
+    pub fn reload_subscribers(&self) -> Result<usize, PipelineError> {
+        let mut subs = config_subscribers(&self.config)?;
+        subs.extend(stored_subscribers(&self.store, &self.config)?);
+        let n = subs.len();
+        self.subscribers.replace(subs);
+        Ok(n)
     }
 
     /// Runs one source by id.

@@ -11,6 +11,12 @@
 //! dropped, each ring replaced by the lexicographically smallest of its rotations in either
 //! direction, holes sorted, polygons sorted).
 //!
+//! Then the same 2016 content is republished with other ring start points, ring directions,
+//! hole, polygon and feature order, and must produce no change — except, today, for parcels
+//! whose published geometry is invalid: production repairs them with geo's `MakeValid` before
+//! hashing, and that repair depends on vertex order (a known bug, printed loudly; the strict
+//! `#[ignore]`d test below fails until it is fixed).
+//!
 //! The data is not redistributable, so it is not in the repository. When the folder is missing
 //! (a fresh clone has no `../shared/`) the test says so loudly on stderr and passes.
 //! `ZONEWATCH_REAL_DATA_DIR` overrides the folder (e.g. to exercise the skip path).
@@ -151,6 +157,16 @@ fn read_layer(path: &Path) -> Layer {
     layer
 }
 
+/// Canonical shapes by id of an in-memory layer.
+fn read_layer_value(doc: &Value) -> HashMap<String, Shape> {
+    doc["features"]
+        .as_array()
+        .expect("features")
+        .iter()
+        .filter_map(|f| Some((f["properties"][ID_FIELD].as_i64()?.to_string(), shape_form(&f["geometry"])?)))
+        .collect()
+}
+
 /// The expected change kind per parcel id, named as zonewatch names them.
 fn expected_changes(old: &Layer, new: &Layer) -> BTreeMap<String, &'static str> {
     let mut out = BTreeMap::new();
@@ -211,24 +227,27 @@ fn count_kinds<'a>(it: impl Iterator<Item = &'a str>) -> BTreeMap<&'a str, usize
 }
 
 // ---------------------------------------------------------------------------------------------
-// The test.
+// Driving production code.
 // ---------------------------------------------------------------------------------------------
 
-#[test]
-fn real_sanjose_consecutive_versions_detect_exactly_the_changed_parcels() {
-    let t0 = Instant::now();
+/// The two files, or None after a loud skip notice when they are not there.
+fn real_files() -> Option<(PathBuf, PathBuf)> {
     let dir = data_dir();
     let (old_path, new_path) = (dir.join(OLD_FILE), dir.join(NEW_FILE));
-    if !old_path.is_file() || !new_path.is_file() {
-        eprintln!();
-        eprintln!("==================================================================================");
-        eprintln!("SKIPPED real_data: {} not found", dir.display());
-        eprintln!("  (needs {OLD_FILE} and {NEW_FILE}; set ZONEWATCH_REAL_DATA_DIR to override)");
-        eprintln!("==================================================================================");
-        return;
+    if old_path.is_file() && new_path.is_file() {
+        return Some((old_path, new_path));
     }
+    eprintln!();
+    eprintln!("==================================================================================");
+    eprintln!("SKIPPED real_data: {} not found", dir.display());
+    eprintln!("  (needs {OLD_FILE} and {NEW_FILE}; set ZONEWATCH_REAL_DATA_DIR to override)");
+    eprintln!("==================================================================================");
+    None
+}
 
-    // --- Production run: baseline on 2015, then a normal run on 2016. ---
+/// A temp folder with a config for source `sj` (file `layer.geojson`, no bbox, change gate
+/// disabled) and one info-level subscriber whose AOI covers all of San José.
+fn sj_engine() -> (tempfile::TempDir, Engine, PathBuf) {
     let ws = tempfile::tempdir().expect("tempdir");
     std::fs::create_dir_all(ws.path().join("aoi")).expect("aoi dir");
     let aoi = serde_json::json!({"type": "Polygon", "coordinates": [[[-122.2, 37.0], [-121.5, 37.0], [-121.5, 37.6], [-122.2, 37.6], [-122.2, 37.0]]]});
@@ -257,15 +276,28 @@ min_severity = "info"
     std::fs::write(&config_path, toml).expect("config");
     let layer_path = ws.path().join("layer.geojson");
     let engine = Engine::open(Config::load(&config_path).expect("config loads")).expect("engine opens");
+    (ws, engine, layer_path)
+}
 
+// ---------------------------------------------------------------------------------------------
+// The tests.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn real_sanjose_consecutive_versions_detect_exactly_the_changed_parcels() {
+    let t0 = Instant::now();
+    let Some((old_path, new_path)) = real_files() else { return };
+
+    // --- Production run: baseline on 2015, then a normal run on 2016. ---
+    let (_ws, engine, layer_path) = sj_engine();
     std::fs::copy(&old_path, &layer_path).expect("copy 2015 layer");
     let base = engine.run_source_id("sj", RunOptions::default()).expect("baseline run");
-    eprintln!("baseline: {}", base.line());
+    eprintln!("baseline: {} ({:.1}s)", base.line(), t0.elapsed().as_secs_f64());
     assert_eq!(base.record.verdict, Verdict::Baseline, "{}", base.line());
 
     std::fs::copy(&new_path, &layer_path).expect("copy 2016 layer");
     let report = engine.run_source_id("sj", RunOptions::default()).expect("second run");
-    eprintln!("run:      {}", report.line());
+    eprintln!("run:      {} ({:.1}s)", report.line(), t0.elapsed().as_secs_f64());
     assert_eq!(report.record.verdict, Verdict::Run, "{}", report.line());
     let lineage = report.record.lineage_id.clone();
 
@@ -320,6 +352,7 @@ min_severity = "info"
     // --- Independent expectation. ---
     let old = read_layer(&old_path);
     let new = read_layer(&new_path);
+    eprintln!("independent parse done ({:.1}s)", t0.elapsed().as_secs_f64());
     assert!(old.duplicate_ids.is_empty() && new.duplicate_ids.is_empty(), "ZONING_ID is unique per version");
     assert_eq!(report.record.counts.features as usize, new.total);
     assert_eq!(base.record.counts.features as usize, old.total);
@@ -359,23 +392,17 @@ min_severity = "info"
         eprintln!("detected events on quarantined ids (excluded from comparison): {detected_on_quarantined:?}");
     }
 
-    // Raw geometries geo calls invalid (production repairs these with MakeValid before hashing):
-    // list them with what the independent diff expects, so a repair-induced disagreement shows.
-    let tv = Instant::now();
-    let mut invalid: Vec<String> = Vec::new();
-    for (label, layer) in [("2015", &old), ("2016", &new)] {
-        let mut ids: Vec<&String> = layer.features.keys().collect();
-        ids.sort_by_key(|id| id.parse::<i64>().unwrap_or(i64::MAX));
-        for id in ids {
-            let v = raw_validity(&layer.features[id].geometry);
-            if v != "valid" {
-                invalid.push(format!("{label} id {id}: expected {:?}, detected {:?}: {v}", expected.get(id), detected.get(id)));
+    // Raw geometries geo calls invalid (production repairs these with MakeValid before hashing)
+    // among the changed parcels, so a repair-related surprise is visible in the log.
+    for id in expected.keys().chain(detected.keys()).collect::<BTreeSet<_>>() {
+        for (label, layer) in [("2015", &old), ("2016", &new)] {
+            if let Some(f) = layer.features.get(id) {
+                let v = raw_validity(&f.geometry);
+                if v != "valid" {
+                    eprintln!("  note: changed parcel {id} ({:?}) has an invalid {label} geometry: {v}", expected.get(id));
+                }
             }
         }
-    }
-    eprintln!("raw geometries invalid per geo ({}, checked in {:.1}s):", invalid.len(), tv.elapsed().as_secs_f64());
-    for line in &invalid {
-        eprintln!("  {line}");
     }
 
     // Explain every disagreement before asserting.
@@ -415,5 +442,138 @@ min_severity = "info"
         mismatches.join("\n")
     );
     assert_eq!(detected_cmp, expected);
+
+    // --- The same 2016 content republished in another vertex/ring/feature order is no change
+    // (for every parcel with a valid published geometry; see `check_republication`). ---
+    check_republication(&engine, &new_path, &layer_path, false);
     eprintln!("real_data: OK in {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+/// Rings rotated to another start vertex, every other feature's rings reversed, polygon and
+/// feature order reversed: the same shapes, published differently.
+fn republish(doc: &mut Value) {
+    fn redo_ring(ring: &mut Value, shift: usize, reverse: bool) {
+        let Some(pts) = ring.as_array_mut() else { return };
+        if pts.len() < 4 || pts.first() != pts.last() {
+            return;
+        }
+        pts.pop();
+        let n = pts.len();
+        pts.rotate_left(shift % n);
+        if reverse {
+            pts.reverse();
+        }
+        let first = pts[0].clone();
+        pts.push(first);
+    }
+    fn redo_polygon(rings: &mut Value, shift: usize, reverse: bool) {
+        for (k, r) in rings.as_array_mut().into_iter().flatten().enumerate() {
+            redo_ring(r, shift + 3 * k, reverse);
+        }
+        if let Some(rs) = rings.as_array_mut() {
+            if rs.len() > 2 {
+                rs[1..].reverse();
+            }
+        }
+    }
+    let features = doc["features"].as_array_mut().expect("features");
+    for f in features.iter_mut() {
+        let id = f["properties"][ID_FIELD].as_u64().unwrap_or(0) as usize;
+        let (shift, reverse) = (id * 7 + 1, id % 2 == 1);
+        let g = &mut f["geometry"];
+        match g["type"].as_str() {
+            Some("Polygon") => redo_polygon(&mut g["coordinates"], shift, reverse),
+            Some("MultiPolygon") => {
+                if let Some(ps) = g["coordinates"].as_array_mut() {
+                    for p in ps.iter_mut() {
+                        redo_polygon(p, shift, reverse);
+                    }
+                    ps.reverse();
+                }
+            }
+            _ => {}
+        }
+    }
+    features.reverse();
+}
+
+/// Writes `src` republished by [`republish`] (same shapes, other vertex/ring/feature order)
+/// to the layer path, runs the source again, and returns the audit rows of that run as
+/// `(parcel id, outcome, detail)`. The engine's snapshot must already hold `src`'s content.
+/// With `strict`, any change fails; otherwise only parcels whose published geometry is invalid
+/// (i.e. repaired by production) may show one — the known bug, reported loudly.
+fn check_republication(engine: &Engine, src: &Path, layer_path: &Path, strict: bool) -> Vec<(String, String, String)> {
+    let mut doc: Value = serde_json::from_slice(&std::fs::read(src).expect("read")).expect("parse");
+    let raw: HashMap<String, Value> = doc["features"]
+        .as_array()
+        .expect("features")
+        .iter()
+        .filter_map(|f| Some((f["properties"][ID_FIELD].as_i64()?.to_string(), f["geometry"].clone())))
+        .collect();
+    let before = read_layer_value(&doc);
+    republish(&mut doc);
+    let after = read_layer_value(&doc);
+    // Our own canonical form agrees that the shapes are the same.
+    assert_eq!(before.len(), after.len());
+    for (id, shape) in &before {
+        assert_eq!(Some(shape), after.get(id), "independent canonical form of {id} changed");
+    }
+    std::fs::write(layer_path, serde_json::to_vec(&doc).expect("serialise")).expect("write");
+    let report = engine.run_source_id("sj", RunOptions::default()).expect("republication run");
+    eprintln!("republished: {}", report.line());
+    assert_eq!(report.record.verdict, Verdict::Run, "new bytes, so a real run: {}", report.line());
+    assert_eq!(report.record.counts.quarantined, 0);
+    let lineage = report.record.lineage_id.clone();
+    let rows: Vec<(String, String, String)> = engine
+        .store
+        .audit(&Default::default())
+        .expect("audit")
+        .into_iter()
+        .filter(|r| r.lineage_id.as_deref() == Some(lineage.as_str()))
+        .map(|r| (r.parcel_id.unwrap_or_default(), r.outcome.to_string(), r.detail))
+        .collect();
+    if strict {
+        let lines: Vec<String> = rows.iter().map(|(id, o, d)| format!("{id} {o} {d}")).collect();
+        assert!(
+            lines.is_empty() && report.record.counts.changes == 0,
+            "spurious changes after a vertex-order-only republication:\n{}",
+            lines.join("\n")
+        );
+        return rows;
+    }
+    let mut known_bug = Vec::new();
+    for (id, outcome, detail) in &rows {
+        let validity = raw.get(id).map(raw_validity).unwrap_or_else(|| "absent".into());
+        assert!(
+            validity.starts_with("INVALID"),
+            "parcel {id}: {outcome} {detail} although its published geometry is {validity} and only its vertex order changed"
+        );
+        known_bug.push(format!("{id} ({detail})"));
+    }
+    assert!(known_bug.len() as u64 <= report.record.counts.repaired);
+    if !known_bug.is_empty() {
+        eprintln!(
+            "KNOWN BUG real_data: {} repaired parcels report a spurious change after a vertex-order-only republication: {}",
+            known_bug.len(),
+            known_bug.join(", ")
+        );
+    }
+    rows
+}
+
+/// Strict form of the republication check in the test above: no change at all, repaired
+/// parcels included. Fails today (11 spurious `geometry_changed` on San José's
+/// self-intersecting parcels: geo's `MakeValid` runs before canonical hashing and its output
+/// depends on vertex order). Run it with
+/// `cargo test --release --test real_data -- --ignored` once the repair is made
+/// vertex-order-independent (e.g. canonicalise ring start/orientation before `MakeValid`).
+#[test]
+#[ignore = "known bug: MakeValid repair depends on vertex order, so repaired parcels hash differently"]
+fn real_sanjose_republished_in_another_vertex_order_is_not_a_change_strict() {
+    let Some((_, new_path)) = real_files() else { return };
+    let (_ws, engine, layer_path) = sj_engine();
+    std::fs::copy(&new_path, &layer_path).expect("copy 2016 layer");
+    let base = engine.run_source_id("sj", RunOptions::default()).expect("baseline run");
+    assert_eq!(base.record.verdict, Verdict::Baseline, "{}", base.line());
+    check_republication(&engine, &new_path, &layer_path, true);
 }

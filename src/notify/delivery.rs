@@ -166,7 +166,7 @@ impl Deliverer {
     async fn attempt(&self, entry: &OutboxEntry) -> DeliveryResult {
         let id = entry.id;
         let sub = self.subscribers.get(&entry.watcher_id);
-        let target = sub.map(|s| s.target.clone()).unwrap_or_else(|| entry.target.clone());
+        let target = sub.as_ref().map(|s| s.target.clone()).unwrap_or_else(|| entry.target.clone());
         if let Err(reason) = self.check_target(&target).await {
             return DeliveryResult::Dead { id, reason };
         }
@@ -178,7 +178,7 @@ impl Deliverer {
             .header("webhook-id", &entry.key.0)
             .header("webhook-timestamp", ts.to_string())
             .body(entry.body.clone());
-        if let Some(secret) = sub.and_then(|s| s.secret.as_deref()) {
+        if let Some(secret) = sub.as_ref().and_then(|s| s.secret.as_deref()) {
             match signing::decode_secret(secret) {
                 Ok(key) => req = req.header("webhook-signature", signing::sign(&key, &entry.key.0, ts, &entry.body)),
                 Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
@@ -189,6 +189,8 @@ impl Deliverer {
             Ok(resp) => {
                 let status = resp.status().as_u16();
                 if resp.status().is_success() {
+                    crate::telemetry::delivery_latency()
+                        .observe(Duration::from_millis(now_ms().saturating_sub(entry.created_ms)));
                     return DeliveryResult::Sent { id, status };
                 }
                 if !(status == 408 || status == 429 || (500..600).contains(&status)) {

@@ -8,6 +8,7 @@ use crate::model::{ChangeEvent, Severity, StoredGeometry};
 use geo::{BoundingRect, Intersects, MultiPolygon};
 use rstar::primitives::{GeomWithData, Rectangle};
 use rstar::{RTree, AABB};
+use std::sync::{Arc, RwLock};
 
 /// A subscriber with its AOI loaded.
 #[derive(Debug, Clone)]
@@ -33,14 +34,14 @@ impl Subscriber {
 
 type Entry = GeomWithData<Rectangle<[f64; 2]>, u32>;
 
-/// The spatial index of all subscribers.
-pub struct SubscriberIndex {
+/// One built index: the tree and the subscribers it points into. Immutable once built.
+struct IndexSnapshot {
     tree: RTree<Entry>,
-    subscribers: Vec<Subscriber>,
+    subscribers: Vec<Arc<Subscriber>>,
 }
 
-impl SubscriberIndex {
-    pub fn build(subscribers: Vec<Subscriber>) -> SubscriberIndex {
+impl IndexSnapshot {
+    fn build(subscribers: Vec<Arc<Subscriber>>) -> IndexSnapshot {
         let entries: Vec<Entry> = subscribers
             .iter()
             .enumerate()
@@ -52,28 +53,60 @@ impl SubscriberIndex {
                 ))
             })
             .collect();
-        SubscriberIndex { tree: RTree::bulk_load(entries), subscribers }
+        IndexSnapshot { tree: RTree::bulk_load(entries), subscribers }
+    }
+}
+
+/// The spatial index of all subscribers. The subscriber set can be replaced while ingest
+/// and delivery run (the control port edits subscribers): a new index is built off to the
+/// side and swapped in; readers keep the snapshot they started with.
+pub struct SubscriberIndex {
+    current: RwLock<Arc<IndexSnapshot>>,
+}
+
+impl SubscriberIndex {
+    pub fn build(subscribers: Vec<Subscriber>) -> SubscriberIndex {
+        let subs = subscribers.into_iter().map(Arc::new).collect();
+        SubscriberIndex { current: RwLock::new(Arc::new(IndexSnapshot::build(subs))) }
     }
 
-    pub fn subscribers(&self) -> &[Subscriber] {
-        &self.subscribers
+    fn snapshot(&self) -> Arc<IndexSnapshot> {
+        match self.current.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
     }
 
-    pub fn get(&self, id: &str) -> Option<&Subscriber> {
-        self.subscribers.iter().find(|s| s.id == id)
+    /// Replaces the whole subscriber set. The new tree is built before the write lock is taken.
+    pub fn replace(&self, subscribers: Vec<Subscriber>) {
+        let next = Arc::new(IndexSnapshot::build(subscribers.into_iter().map(Arc::new).collect()));
+        match self.current.write() {
+            Ok(mut g) => *g = next,
+            Err(p) => *p.into_inner() = next,
+        }
+    }
+
+    /// The current subscribers.
+    pub fn subscribers(&self) -> Vec<Arc<Subscriber>> {
+        self.snapshot().subscribers.clone()
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Subscriber>> {
+        self.snapshot().subscribers.iter().find(|s| s.id == id).cloned()
     }
 
     /// Subscribers whose AOI intersects any of the given geometries (touching counts).
-    pub fn matching(&self, geometries: &[&MultiPolygon<f64>]) -> Vec<&Subscriber> {
+    pub fn matching(&self, geometries: &[&MultiPolygon<f64>]) -> Vec<Arc<Subscriber>> {
+        let snap = self.snapshot();
         let mut hits: Vec<u32> = Vec::new();
         for g in geometries {
             let Some(r) = g.bounding_rect() else { continue };
             let env = AABB::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]);
-            for cand in self.tree.locate_in_envelope_intersecting(env) {
+            for cand in snap.tree.locate_in_envelope_intersecting(env) {
                 if hits.contains(&cand.data) {
                     continue;
                 }
-                if let Some(sub) = self.subscribers.get(cand.data as usize) {
+                if let Some(sub) = snap.subscribers.get(cand.data as usize) {
                     if sub.aoi.intersects(*g) {
                         hits.push(cand.data);
                     }
@@ -81,11 +114,11 @@ impl SubscriberIndex {
             }
         }
         hits.sort_unstable();
-        hits.into_iter().filter_map(|i| self.subscribers.get(i as usize)).collect()
+        hits.into_iter().filter_map(|i| snap.subscribers.get(i as usize).cloned()).collect()
     }
 
     /// Subscribers a change event touches, through its old or its new geometry.
-    pub fn matching_event(&self, event: &ChangeEvent) -> Vec<&Subscriber> {
+    pub fn matching_event(&self, event: &ChangeEvent) -> Vec<Arc<Subscriber>> {
         let old = event.old_geometry.as_ref().map(StoredGeometry::to_geo);
         let new = event.new_geometry.as_ref().map(StoredGeometry::to_geo);
         let geoms: Vec<&MultiPolygon<f64>> = old.iter().chain(new.iter()).collect();

@@ -10,15 +10,18 @@
 //! Values are postcard-encoded with a leading version byte (see [`codec`]). A schema-version
 //! record in `meta` lets the file format evolve; opening a file of an unknown version fails.
 
+pub mod backup;
 pub mod codec;
 mod delivery;
 mod queries;
 mod runs;
+mod subscribers;
 mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
 pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
+pub use subscribers::StoredSubscriber;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
@@ -32,6 +35,8 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub enum StoreError {
     #[error("store {path}: {message}")]
     Open { path: PathBuf, message: String },
+    #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
+    InUse { path: PathBuf },
     #[error("store file {path} has schema version {found}; this zonewatch understands version {expected}. Use the zonewatch release that wrote it, or restore a backup")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
@@ -86,13 +91,13 @@ impl Store {
                 })?;
             }
         }
-        let db = Database::create(path).map_err(|e| StoreError::Open {
-            path: path.to_path_buf(),
-            message: match e {
-                redb::DatabaseError::DatabaseAlreadyOpen => {
-                    "already open by another zonewatch process (only one may use a store at a time)".into()
-                }
-                other => other.to_string(),
+        let db = Database::create(path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
+            other => StoreError::Open {
+                path: path.to_path_buf(),
+                message: format!(
+                    "{other}. If the file is damaged, restore a backup: zonewatch restore BACKUP --config FILE"
+                ),
             },
         })?;
         let store = Store {
@@ -150,6 +155,7 @@ impl Store {
             wtx.open_table(HOLDS)?;
             wtx.open_table(HELD_PARCELS)?;
             wtx.open_table(HELD_EVENTS)?;
+            wtx.open_table(SUBSCRIBERS)?;
         }
         wtx.commit()?;
         Ok(())

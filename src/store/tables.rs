@@ -39,3 +39,5 @@ pub const HOLDS: TableDefinition<u64, &[u8]> = TableDefinition::new("holds");
 pub const HELD_PARCELS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_parcels");
 /// (hold run id, n) → `ChangeEvent` (the held events).
 pub const HELD_EVENTS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("held_events");
+/// subscriber id → `StoredSubscriber` (subscribers managed through the control port).
+pub const SUBSCRIBERS: TableDefinition<&str, &[u8]> = TableDefinition::new("subscribers");

@@ -80,6 +80,8 @@ impl Workspace {
             r#"
 [store]
 path = "zw.redb"
+[control]
+listen = "127.0.0.1:0"
 [delivery]
 concurrency = 4
 max_attempts = 3
@@ -168,4 +170,67 @@ pub fn outcomes(engine: &Engine) -> std::collections::BTreeMap<String, usize> {
         *m.entry(r.outcome.as_str().to_string()).or_insert(0) += 1;
     }
     m
+}
+
+/// A running `zonewatch serve` child process with its control port address and token.
+pub struct Daemon {
+    pub child: std::process::Child,
+    pub addr: String,
+    pub token: String,
+}
+
+impl Daemon {
+    /// Starts `zonewatch serve` for the workspace and waits for its control port.
+    pub fn start(ws: &Workspace) -> Daemon {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+            .args(["serve", "--config", ws.config_path().to_str().expect("utf-8 path")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("serve starts");
+        let addr_file = ws.path().join("zw.control-addr");
+        let start = Instant::now();
+        loop {
+            if let Ok(a) = std::fs::read_to_string(&addr_file) {
+                if !a.trim().is_empty() {
+                    let token = std::fs::read_to_string(ws.path().join("control.token")).expect("token file").trim().to_string();
+                    return Daemon { child, addr: a.trim().to_string(), token };
+                }
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "serve did not open its control port");
+            std::thread::sleep(Duration::from_millis(30));
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Sends SIGTERM and waits for a clean exit; returns the stderr log.
+    pub fn stop(mut self) -> String {
+        let pid = self.child.id().to_string();
+        let _ = std::process::Command::new("kill").args(["-TERM", &pid]).status();
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(start.elapsed() < Duration::from_secs(15), "serve did not stop after SIGTERM");
+            std::thread::sleep(Duration::from_millis(30));
+        };
+        let mut log = String::new();
+        use std::io::Read;
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut log);
+        }
+        assert!(status.success(), "serve exited with {status:?}\n{log}");
+        log
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -1,0 +1,88 @@
+//! The control port's bearer token: read from `control.token_file`, created with 32 random
+//! bytes (mode 0600) on first start when the file does not exist, compared in constant time.
+
+use base64::Engine as _;
+use std::path::Path;
+
+/// Loads the token, creating the file when it is absent.
+pub fn load_or_create_token(path: &Path) -> Result<String, String> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => {
+            let t = t.trim().to_string();
+            if t.len() < 16 {
+                return Err(format!("control token in {} is shorter than 16 characters", path.display()));
+            }
+            Ok(t)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let bytes: [u8; 32] = rand::random();
+            let token = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+            if let Some(parent) = path.parent() {
+                if !parent.as_os_str().is_empty() {
+                    std::fs::create_dir_all(parent).map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+                }
+            }
+            write_private(path, &format!("{token}\n")).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            tracing::warn!(path = %path.display(), "created a new control token");
+            Ok(token)
+        }
+        Err(e) => Err(format!("cannot read control token {}: {e}", path.display())),
+    }
+}
+
+#[cfg(unix)]
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(text.as_bytes())
+}
+
+#[cfg(not(unix))]
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    std::fs::write(path, text)
+}
+
+/// Constant-time comparison (length leaks, content does not).
+pub fn token_matches(expected: &str, presented: &str) -> bool {
+    let (a, b) = (expected.as_bytes(), presented.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Checks an `Authorization` header value against the token.
+pub fn authorized(expected: &str, header: Option<&str>) -> bool {
+    match header.and_then(|h| h.strip_prefix("Bearer ")) {
+        Some(t) => token_matches(expected, t.trim()),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_checks() {
+        assert!(authorized("secret-token-123456", Some("Bearer secret-token-123456")));
+        assert!(!authorized("secret-token-123456", Some("Bearer secret-token-123457")));
+        assert!(!authorized("secret-token-123456", Some("secret-token-123456")));
+        assert!(!authorized("secret-token-123456", None));
+        assert!(!authorized("secret-token-123456", Some("Bearer ")));
+    }
+
+    #[test]
+    fn creates_a_private_token_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t/control.token");
+        let a = load_or_create_token(&p).unwrap();
+        assert_eq!(load_or_create_token(&p).unwrap(), a);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! Request/response plumbing for the control port: JSON responses, JSON errors that name the
+//! problem, size-limited body reading and query-string parsing.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Response, StatusCode};
+use std::collections::HashMap;
+
+pub type Resp = Response<Full<Bytes>>;
+
+/// A JSON response.
+pub fn json(status: StatusCode, value: &serde_json::Value) -> Resp {
+    let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r
+}
+
+/// A JSON error: `{"error": {"code": ..., "message": ...}}`.
+pub fn error(status: StatusCode, code: &str, message: impl Into<String>) -> Resp {
+    json(status, &serde_json::json!({"error": {"code": code, "message": message.into()}}))
+}
+
+/// A response with an explicit content type.
+pub fn text(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Resp {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
+    r
+}
+
+/// Reads a body of at most `limit` bytes; too large → 413, broken → 400. An oversized body is
+/// drained (up to 16 MiB) before answering, so the client reads the 413 instead of a reset.
+pub async fn read_body(mut body: hyper::body::Incoming, limit: usize) -> Result<Bytes, Resp> {
+    const DRAIN_CAP: usize = 16 << 20;
+    let mut buf: Vec<u8> = Vec::new();
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| error(StatusCode::BAD_REQUEST, "bad_body", format!("cannot read the request body: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            total += data.len();
+            if total <= limit {
+                buf.extend_from_slice(&data);
+            } else if total > DRAIN_CAP {
+                break;
+            }
+        }
+    }
+    if total > limit {
+        return Err(error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes")));
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// Parses a JSON body into `T` (unknown fields are errors when `T` says so).
+pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Resp> {
+    serde_json::from_slice(bytes).map_err(|e| error(StatusCode::BAD_REQUEST, "bad_json", format!("invalid JSON body: {e}")))
+}
+
+/// Decodes `a=1&b=x%20y` into a map (later duplicates win).
+pub fn query(q: Option<&str>) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    for pair in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        out.insert(percent_decode(k), percent_decode(v));
+    }
+    out
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                    Ok(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A query parameter parsed as a number; a bad value is a 400 naming the parameter.
+pub fn query_u64(q: &HashMap<String, String>, name: &str) -> Result<Option<u64>, Resp> {
+    match q.get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| error(StatusCode::BAD_REQUEST, "bad_query", format!("query parameter {name} must be a non-negative integer, got {v:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_decoding() {
+        let q = query(Some("parcel=12%2D3&watcher=a+b&x&bad=%zz&tail=%4"));
+        assert_eq!(q["parcel"], "12-3");
+        assert_eq!(q["watcher"], "a b");
+        assert_eq!(q["x"], "");
+        assert_eq!(q["bad"], "%zz");
+        assert_eq!(q["tail"], "%4");
+        assert!(query_u64(&query(Some("limit=abc")), "limit").is_err());
+        assert_eq!(query_u64(&query(Some("limit=5")), "limit").unwrap(), Some(5));
+    }
+}

@@ -1,0 +1,96 @@
+//! `/metrics` in the Prometheus text exposition format (version 0.0.4). Counts come from the
+//! store (so they survive restarts and agree with the audit ledger); the latency histogram
+//! comes from [`crate::telemetry`].
+
+use crate::model::{HoldState, Verdict};
+use crate::pipeline::Engine;
+use crate::store::StoreError;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Renders every metric.
+pub fn render(engine: &Engine) -> Result<String, StoreError> {
+    let store = &engine.store;
+    let mut out = String::with_capacity(4096);
+
+    let runs = store.runs(None, usize::MAX)?;
+    let mut by_verdict: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
+    let mut changes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut features: BTreeMap<String, u64> = BTreeMap::new();
+    for src in &engine.config.sources {
+        changes.entry(src.id.clone()).or_default();
+    }
+    // `runs` is newest first: the first run with features is the latest layer size.
+    for r in &runs {
+        *by_verdict.entry((r.source_id.clone(), r.verdict.as_str())).or_default() += 1;
+        if matches!(r.verdict, Verdict::Run | Verdict::Reprocessed) {
+            *changes.entry(r.source_id.clone()).or_default() += r.counts.changes;
+        }
+        if r.counts.features > 0 {
+            features.entry(r.source_id.clone()).or_insert(r.counts.features);
+        }
+    }
+    header(&mut out, "zonewatch_runs_total", "counter", "Source runs by verdict.");
+    for ((source, verdict), n) in &by_verdict {
+        let _ = writeln!(out, "zonewatch_runs_total{{source=\"{}\",verdict=\"{verdict}\"}} {n}", esc(source));
+    }
+    header(&mut out, "zonewatch_source_features", "gauge", "Features in the latest ingested version of each source.");
+    for (source, n) in &features {
+        let _ = writeln!(out, "zonewatch_source_features{{source=\"{}\"}} {n}", esc(source));
+    }
+    header(&mut out, "zonewatch_changes_total", "counter", "Change events committed, per source.");
+    for (source, n) in &changes {
+        let _ = writeln!(out, "zonewatch_changes_total{{source=\"{}\"}} {n}", esc(source));
+    }
+
+    let stats = store.stats()?;
+    header(&mut out, "zonewatch_outcomes_total", "counter", "Audit ledger rows by outcome.");
+    for (outcome, n) in [
+        ("queued", stats.queued),
+        ("sent", stats.sent),
+        ("duplicate", stats.duplicates),
+        ("suppressed", stats.suppressed),
+        ("dead_letter", stats.dead_letters),
+        ("quarantined", stats.quarantined),
+        ("held", stats.held),
+    ] {
+        let _ = writeln!(out, "zonewatch_outcomes_total{{outcome=\"{outcome}\"}} {n}");
+    }
+    header(&mut out, "zonewatch_outbox_depth", "gauge", "Deliveries waiting in the outbox.");
+    let _ = writeln!(out, "zonewatch_outbox_depth {}", stats.outbox);
+    header(&mut out, "zonewatch_dead_letters", "gauge", "Dead letters kept for an operator.");
+    let _ = writeln!(out, "zonewatch_dead_letters {}", store.dead_letters()?.len());
+    header(&mut out, "zonewatch_quarantine", "gauge", "Quarantined features kept for an operator.");
+    let _ = writeln!(out, "zonewatch_quarantine {}", store.quarantine()?.len());
+
+    let holds = store.holds()?;
+    header(&mut out, "zonewatch_holds", "gauge", "Holds by state.");
+    for state in ["open", "released", "primed", "superseded"] {
+        let n = holds.iter().filter(|h| h.state.label() == state).count();
+        let _ = writeln!(out, "zonewatch_holds{{state=\"{state}\"}} {n}");
+    }
+    header(&mut out, "zonewatch_holds_open", "gauge", "Runs held by the publication gate, waiting for an operator.");
+    let _ = writeln!(out, "zonewatch_holds_open {}", holds.iter().filter(|h| h.state == HoldState::Open).count());
+
+    let (buckets, count, sum) = crate::telemetry::delivery_latency().read();
+    header(&mut out, "zonewatch_delivery_latency_seconds", "histogram", "Time from the commit that queued an alert to the receiver's 2xx.");
+    for (le, n) in crate::telemetry::LATENCY_BUCKETS.iter().zip(&buckets) {
+        let _ = writeln!(out, "zonewatch_delivery_latency_seconds_bucket{{le=\"{le}\"}} {n}");
+    }
+    let _ = writeln!(out, "zonewatch_delivery_latency_seconds_bucket{{le=\"+Inf\"}} {count}");
+    let _ = writeln!(out, "zonewatch_delivery_latency_seconds_sum {sum}");
+    let _ = writeln!(out, "zonewatch_delivery_latency_seconds_count {count}");
+
+    header(&mut out, "zonewatch_subscribers", "gauge", "Subscribers in the matching index.");
+    let _ = writeln!(out, "zonewatch_subscribers {}", engine.subscribers.subscribers().len());
+    Ok(out)
+}

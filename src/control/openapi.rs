@@ -1,0 +1,148 @@
+//! The OpenAPI 3 document for the control port, served at `/v1/openapi.json`. It is checked
+//! against the live port by schemathesis in the test suite (`tests/control_api.py`), so it
+//! must describe every route, parameter, status code and response shape the handlers produce.
+
+use serde_json::{json, Value};
+
+fn err_ref() -> Value {
+    json!({"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}})
+}
+
+fn ok(desc: &str, schema: Value) -> Value {
+    json!({"description": desc, "content": {"application/json": {"schema": schema}}})
+}
+
+fn list_of(item: &str) -> Value {
+    json!({"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {"$ref": format!("#/components/schemas/{item}")}}}})
+}
+
+fn page_of(item: &str) -> Value {
+    json!({"type": "object", "required": ["items", "next_cursor"], "properties": {
+        "items": {"type": "array", "items": {"$ref": format!("#/components/schemas/{item}")}},
+        "next_cursor": {"type": ["string", "null"]}}})
+}
+
+/// Standard error responses for an authenticated operation, plus extra codes.
+fn with_errors(mut responses: Value, extra: &[&str]) -> Value {
+    if let Some(m) = responses.as_object_mut() {
+        for code in ["401", "413"].iter().chain(extra) {
+            m.insert(code.to_string(), err_ref());
+        }
+    }
+    responses
+}
+
+fn path_param(name: &str, schema: Value) -> Value {
+    json!({"name": name, "in": "path", "required": true, "schema": schema})
+}
+
+fn query_param(name: &str, schema: Value) -> Value {
+    json!({"name": name, "in": "query", "required": false, "schema": schema})
+}
+
+/// The document.
+pub fn document() -> Value {
+    let s = |t: &str| json!({"type": t});
+    let ns = |t: &str| json!({"type": [t, "null"]});
+    let src_id = path_param("id", json!({"type": "string"}));
+    let run_id = path_param("run", json!({"type": "integer", "minimum": 0}));
+    let sub_id = path_param("id", json!({"type": "string"}));
+    let limit = query_param("limit", json!({"type": "integer", "minimum": 1, "maximum": 1000}));
+    let cursor = query_param("cursor", json!({"type": "integer", "minimum": 0}));
+    json!({
+        "openapi": "3.1.0",
+        "info": {"title": "zonewatch control port", "version": env!("CARGO_PKG_VERSION"),
+                 "description": "Operate a zonewatch appliance. Every route except /healthz and the dashboard shell (/) needs `Authorization: Bearer <token>`."},
+        "servers": [{"url": "/"}],
+        "security": [{"bearer": []}],
+        "paths": {
+            "/healthz": {"get": {"operationId": "healthz", "security": [], "responses": {
+                "200": ok("alive", json!({"type": "object", "required": ["status"], "properties": {"status": s("string"), "version": s("string"), "uptime_s": s("integer")}}))}}},
+            "/metrics": {"get": {"operationId": "metrics", "responses": with_errors(json!({
+                "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}), &[])}},
+            "/v1/openapi.json": {"get": {"operationId": "openapi", "responses": with_errors(json!({"200": ok("this document", json!({"type": "object"}))}), &[])}},
+            "/v1/sources": {"get": {"operationId": "listSources", "responses": with_errors(json!({"200": ok("sources", list_of("Source"))}), &[])}},
+            "/v1/sources/{id}/run": {"post": {"operationId": "runSource", "parameters": [src_id.clone()], "responses": with_errors(json!({
+                "200": ok("the run's record", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}, "hold_reason": ns("string")}})),
+                "409": ok("a run of this source is in progress (skipped_overlap)", json!({"type": "object", "required": ["status"], "properties": {"status": s("string"), "source_id": s("string"), "message": s("string")}}))
+            }), &["404", "422"])}},
+            "/v1/sources/{id}/watermarks": {"get": {"operationId": "sourceWatermarks", "parameters": [src_id], "responses": with_errors(json!({
+                "200": ok("watermark history, oldest first", json!({"type": "object", "required": ["source_id", "items"], "properties": {"source_id": s("string"), "items": {"type": "array", "items": {"$ref": "#/components/schemas/Watermark"}}}}))}), &["404"])}},
+            "/v1/runs": {"get": {"operationId": "listRuns", "parameters": [query_param("source", s("string")), limit.clone(), cursor.clone()],
+                "responses": with_errors(json!({"200": ok("runs, newest first", page_of("Run"))}), &["400"])}},
+            "/v1/holds": {"get": {"operationId": "listHolds", "responses": with_errors(json!({"200": ok("holds", list_of("Hold"))}), &[])}},
+            "/v1/holds/{run}/release": {"post": {"operationId": "releaseHold", "parameters": [run_id.clone()], "responses": with_errors(json!({
+                "200": ok("released: the held run was committed and its alerts queued", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
+            "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
+                "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
+            "/v1/subscribers": {
+                "get": {"operationId": "listSubscribers", "responses": with_errors(json!({"200": ok("subscribers", list_of("Subscriber"))}), &[])},
+                "post": {"operationId": "createSubscriber", "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubscriberInput"}}}},
+                    "responses": with_errors(json!({"201": ok("created", json!({"$ref": "#/components/schemas/Subscriber"}))}), &["400", "409"])}
+            },
+            "/v1/subscribers/{id}": {
+                "get": {"operationId": "getSubscriber", "parameters": [sub_id.clone()], "responses": with_errors(json!({"200": ok("subscriber", json!({"$ref": "#/components/schemas/Subscriber"}))}), &["404"])},
+                "put": {"operationId": "putSubscriber", "parameters": [sub_id.clone()], "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubscriberInput"}}}},
+                    "responses": with_errors(json!({"200": ok("replaced", json!({"$ref": "#/components/schemas/Subscriber"})), "201": ok("created", json!({"$ref": "#/components/schemas/Subscriber"}))}), &["400", "409"])},
+                "delete": {"operationId": "deleteSubscriber", "parameters": [sub_id], "responses": with_errors(json!({
+                    "200": ok("deleted", json!({"type": "object", "required": ["deleted"], "properties": {"deleted": s("string")}}))}), &["404", "409"])}
+            },
+            "/v1/audit": {"get": {"operationId": "audit", "parameters": [
+                    query_param("parcel", s("string")), query_param("watcher", s("string")), query_param("source", s("string")),
+                    query_param("key", s("string")), query_param("lineage", s("string")),
+                    query_param("since", json!({"type": "string", "format": "date-time"})),
+                    query_param("order", json!({"type": "string", "enum": ["asc", "desc"]})), limit.clone(), cursor],
+                "responses": with_errors(json!({"200": ok("audit rows in ledger order", page_of("AuditRow"))}), &["400"])}},
+            "/v1/changes/recent": {"get": {"operationId": "recentChanges", "parameters": [limit],
+                "responses": with_errors(json!({"200": ok("latest changed parcels with their current geometry", json!({"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
+                    "type": "object", "required": ["source_id", "parcel_id", "ts", "outcome"], "properties": {"source_id": s("string"), "parcel_id": s("string"), "ts": s("string"), "outcome": s("string"), "detail": s("string"), "geometry": {"type": ["object", "null"]}}}}}}))}), &["400"])}},
+            "/v1/deadletters": {"get": {"operationId": "listDeadLetters", "responses": with_errors(json!({"200": ok("dead letters", list_of("DeadLetter"))}), &[])}},
+            "/v1/quarantine": {"get": {"operationId": "listQuarantine", "responses": with_errors(json!({"200": ok("quarantined features", list_of("Quarantined"))}), &[])}},
+            "/v1/backup": {"post": {"operationId": "backup",
+                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"}}}}}},
+                "responses": with_errors(json!({"201": ok("backup written", json!({"type": "object", "required": ["path", "bytes", "tables", "rows"], "properties": {"path": s("string"), "bytes": s("integer"), "tables": s("integer"), "rows": s("integer")}}))}), &["400", "409"])}}
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {"code": s("string"), "message": s("string")}}}},
+                "Source": {"type": "object", "required": ["id", "jurisdiction", "every_s", "running", "open_holds"], "properties": {
+                    "id": s("string"), "jurisdiction": s("string"), "every_s": s("integer"), "last_verdict": ns("string"), "last_run_id": ns("integer"),
+                    "last_run": ns("string"), "age_s": ns("integer"), "last_change": ns("string"), "next_run": ns("string"), "running": s("boolean"), "open_holds": s("integer")}},
+                "Run": {"type": "object", "required": ["run_id", "source_id", "lineage_id", "verdict"], "properties": {
+                    "run_id": s("integer"), "source_id": s("string"), "lineage_id": s("string"), "started": s("string"), "finished": s("string"),
+                    "verdict": {"type": "string", "enum": ["baseline", "run", "identical", "skip", "held", "reprocessed", "failed"]},
+                    "digest": s("string"), "features": s("integer"), "parcels": s("integer"), "quarantined": s("integer"), "repaired": s("integer"),
+                    "changes": s("integer"), "queued": s("integer"), "duplicates": s("integer"), "suppressed": s("integer"), "below_min_severity": s("integer"),
+                    "hold_id": ns("integer"), "warnings": {"type": "array", "items": s("string")}, "error": ns("string")}},
+                "Watermark": {"type": "object", "required": ["run_id", "digest"], "properties": {
+                    "run_id": s("integer"), "digest": s("string"), "size": s("integer"), "consumed_at": s("string"), "content_changed_at": s("string"),
+                    "publisher_ts": ns("string"), "etag": ns("string"), "last_modified": ns("string")}},
+                "Hold": {"type": "object", "required": ["run_id", "source_id", "state", "reason"], "properties": {
+                    "run_id": s("integer"), "source_id": s("string"), "lineage_id": s("string"), "created": s("string"), "reason": s("string"),
+                    "state": {"type": "string", "enum": ["open", "released", "primed", "superseded"]}, "resolved": {"type": ["object", "null"]},
+                    "digest": s("string"), "changes": s("integer"), "features": s("integer")}},
+                "SubscriberInput": {"type": "object", "additionalProperties": false, "required": ["target", "aoi"], "properties": {
+                    "id": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,64}$"}, "target": {"type": "string", "format": "uri"},
+                    "secret": {"type": ["string", "null"], "description": "whsec_ + base64 of at least 16 bytes"},
+                    "min_severity": {"type": ["string", "null"], "enum": ["info", "notice", "material", "critical", null]},
+                    "aoi": {"type": "object", "description": "GeoJSON Polygon, MultiPolygon, Feature or FeatureCollection"}}},
+                "Subscriber": {"type": "object", "required": ["id", "target", "signed", "min_severity", "managed_by"], "properties": {
+                    "id": s("string"), "target": s("string"), "signed": s("boolean"), "min_severity": s("string"), "aoi": {},
+                    "managed_by": {"type": "string", "enum": ["config", "api"]}}},
+                "AuditRow": {"type": "object", "required": ["seq", "ts", "outcome", "detail"], "properties": {
+                    "seq": s("integer"), "ts": s("string"),
+                    "outcome": {"type": "string", "enum": ["queued", "sent", "duplicate", "suppressed", "dead_letter", "quarantined", "held"]},
+                    "idempotency_key": ns("string"), "watcher_id": ns("string"), "source_id": ns("string"), "parcel_id": ns("string"),
+                    "lineage_id": ns("string"), "detail": s("string")}},
+                "DeadLetter": {"type": "object", "required": ["id", "idempotency_key", "reason"], "properties": {
+                    "id": s("integer"), "idempotency_key": s("string"), "watcher_id": s("string"), "target": s("string"), "source_id": s("string"),
+                    "parcel_id": s("string"), "lineage_id": s("string"), "severity": s("string"), "attempts": s("integer"), "reason": s("string"),
+                    "dead_at": s("string"), "last_error": ns("string")}},
+                "Quarantined": {"type": "object", "required": ["source_id", "reason"], "properties": {
+                    "source_id": s("string"), "run_id": s("integer"), "lineage_id": s("string"), "feature_index": s("integer"), "parcel_id": ns("string"),
+                    "reason": s("string"), "detail": s("string"), "raw": s("string"), "ts": s("string")}}
+            }
+        }
+    })
+}

@@ -1,0 +1,561 @@
+//! The control port's routes. Each handler validates its input, does its work (blocking store
+//! work on the blocking pool) and answers JSON. Unknown routes are 404, wrong methods 405.
+
+use super::http::{error, json, parse_json, query, query_u64, read_body, text, Resp};
+use super::{auth, ControlState};
+use crate::cli::audit_json;
+use crate::model::*;
+use crate::pipeline::{PipelineError, RunOptions};
+use crate::store::{AuditFilter, StoredSubscriber};
+use crate::util::{now_ms, rfc3339};
+use hyper::{Method, Request, StatusCode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// Entry point for every request.
+pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming>) -> Resp {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let q = query(req.uri().query());
+    let segments: Vec<String> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).map(decode_segment).collect();
+    let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
+
+    // Known path, unsupported method → 405 with `Allow`; unknown path → 404.
+    match allowed_methods(&seg) {
+        None => return error(StatusCode::NOT_FOUND, "not_found", format!("no route {path}")),
+        Some(allow) if !allow.split(", ").any(|m| m == method.as_str()) => {
+            let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("{method} is not allowed on {path}; allowed: {allow}"));
+            r.headers_mut().insert(hyper::header::ALLOW, hyper::header::HeaderValue::from_static(allow));
+            return r;
+        }
+        Some(_) => {}
+    }
+
+    // Public: liveness and the dashboard shell (static HTML holding no data; its script asks
+    // the API with the token the operator gives it, kept in the URL fragment, never sent).
+    match (&method, seg.as_slice()) {
+        (&Method::GET, ["healthz"]) => {
+            return json(StatusCode::OK, &json!({"status": "ok", "version": env!("CARGO_PKG_VERSION"), "uptime_s": (now_ms() - state.started_ms) / 1000}))
+        }
+        (&Method::GET, []) => return text(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD),
+        _ => {}
+    }
+    let authz = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    if !auth::authorized(&state.token, authz) {
+        let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token from control.token_file>)");
+        r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+        return r;
+    }
+    let limit = state.engine.config.control.max_body_bytes;
+    let body = match read_body(req.into_body(), limit).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let st = state.clone();
+    let result = match (&method, seg.as_slice()) {
+        (&Method::GET, ["metrics"]) => blocking(move || match super::metrics::render(&st.engine) {
+            Ok(t) => text(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", t),
+            Err(e) => internal(e),
+        })
+        .await,
+        (&Method::GET, ["v1", "openapi.json"]) => json(StatusCode::OK, &super::openapi::document()),
+        (&Method::GET, ["v1", "sources"]) => blocking(move || list_sources(&st)).await,
+        (&Method::POST, ["v1", "sources", id, "run"]) => run_source(state.clone(), id.to_string()).await,
+        (&Method::GET, ["v1", "sources", id, "watermarks"]) => {
+            let id = id.to_string();
+            blocking(move || watermarks(&st, &id)).await
+        }
+        (&Method::GET, ["v1", "runs"]) => blocking(move || list_runs(&st, &q)).await,
+        (&Method::GET, ["v1", "holds"]) => blocking(move || match st.engine.store.holds() {
+            Ok(h) => json(StatusCode::OK, &json!({"items": h.iter().map(hold_json).collect::<Vec<_>>()})),
+            Err(e) => internal(e),
+        })
+        .await,
+        (&Method::POST, ["v1", "holds", run, action @ ("release" | "prime")]) => {
+            let prime = *action == "prime";
+            match run.parse::<u64>() {
+                Ok(id) => resolve_hold(state.clone(), id, prime).await,
+                Err(_) => error(StatusCode::BAD_REQUEST, "bad_path", format!("hold id must be a run id (integer), got {run:?}")),
+            }
+        }
+        (&Method::GET, ["v1", "subscribers"]) => blocking(move || list_subscribers(&st)).await,
+        (&Method::POST, ["v1", "subscribers"]) => blocking(move || put_subscriber(&st, None, &body)).await,
+        (&Method::GET, ["v1", "subscribers", id]) => {
+            let id = id.to_string();
+            blocking(move || get_subscriber(&st, &id)).await
+        }
+        (&Method::PUT, ["v1", "subscribers", id]) => {
+            let id = id.to_string();
+            blocking(move || put_subscriber(&st, Some(id), &body)).await
+        }
+        (&Method::DELETE, ["v1", "subscribers", id]) => {
+            let id = id.to_string();
+            blocking(move || delete_subscriber(&st, &id)).await
+        }
+        (&Method::GET, ["v1", "audit"]) => blocking(move || audit(&st, &q)).await,
+        (&Method::GET, ["v1", "changes", "recent"]) => blocking(move || recent_changes(&st, &q)).await,
+        (&Method::GET, ["v1", "deadletters"]) => blocking(move || match st.engine.store.dead_letters() {
+            Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(dead_letter_json).collect::<Vec<_>>()})),
+            Err(e) => internal(e),
+        })
+        .await,
+        (&Method::GET, ["v1", "quarantine"]) => blocking(move || match st.engine.store.quarantine() {
+            Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(quarantine_json).collect::<Vec<_>>()})),
+            Err(e) => internal(e),
+        })
+        .await,
+        (&Method::POST, ["v1", "backup"]) => blocking(move || backup(&st, &body)).await,
+        _ => error(StatusCode::NOT_FOUND, "not_found", format!("no route {path}")),
+    };
+    result
+}
+
+/// The methods a known path accepts (None: no such route).
+fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
+    Some(match seg {
+        [] | ["healthz"] | ["metrics"] => "GET",
+        ["v1", "openapi.json"] | ["v1", "sources"] | ["v1", "runs"] | ["v1", "holds"] | ["v1", "audit"] => "GET",
+        ["v1", "deadletters"] | ["v1", "quarantine"] | ["v1", "changes", "recent"] | ["v1", "sources", _, "watermarks"] => "GET",
+        ["v1", "sources", _, "run"] | ["v1", "holds", _, "release" | "prime"] | ["v1", "backup"] => "POST",
+        ["v1", "subscribers"] => "GET, POST",
+        ["v1", "subscribers", _] => "GET, PUT, DELETE",
+        _ => return None,
+    })
+}
+
+fn decode_segment(s: &str) -> String {
+    let q = query(Some(&format!("x={}", s.replace('+', "%2B"))));
+    q.get("x").cloned().unwrap_or_default()
+}
+
+async fn blocking<F: FnOnce() -> Resp + Send + 'static>(f: F) -> Resp {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("handler failed: {e}")),
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> Resp {
+    tracing::error!("control port: {e}");
+    error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
+}
+
+fn verdict_str(v: Verdict) -> &'static str {
+    v.as_str()
+}
+
+pub fn run_json(r: &RunRecord) -> Value {
+    json!({
+        "run_id": r.run_id, "source_id": r.source_id, "lineage_id": r.lineage_id,
+        "started": rfc3339(r.started_ms), "finished": rfc3339(r.finished_ms),
+        "verdict": verdict_str(r.verdict), "digest": r.digest,
+        "features": r.counts.features, "parcels": r.counts.parcels, "quarantined": r.counts.quarantined,
+        "repaired": r.counts.repaired, "changes": r.counts.changes, "queued": r.counts.queued,
+        "duplicates": r.counts.duplicates, "suppressed": r.counts.suppressed,
+        "below_min_severity": r.counts.below_min_severity,
+        "hold_id": r.hold_id, "warnings": r.warnings, "error": r.error,
+    })
+}
+
+pub fn hold_json(h: &Hold) -> Value {
+    let resolved = match &h.state {
+        HoldState::Open => Value::Null,
+        HoldState::Released { at_ms, run_id } | HoldState::Primed { at_ms, run_id } => json!({"at": rfc3339(*at_ms), "run_id": run_id}),
+        HoldState::Superseded { at_ms, by_run } => json!({"at": rfc3339(*at_ms), "run_id": by_run}),
+    };
+    json!({
+        "run_id": h.run_id, "source_id": h.source_id, "lineage_id": h.lineage_id, "created": rfc3339(h.created_ms),
+        "reason": h.reason, "state": h.state.label(), "resolved": resolved, "digest": h.digest,
+        "changes": h.changes, "features": h.features,
+    })
+}
+
+fn watermark_json(w: &Watermark) -> Value {
+    json!({
+        "run_id": w.run_id, "digest": w.digest, "size": w.size, "consumed_at": rfc3339(w.consumed_at_ms),
+        "content_changed_at": rfc3339(w.content_changed_at_ms),
+        "publisher_ts": w.publisher_ts_ms.map(rfc3339), "etag": w.etag, "last_modified": w.last_modified,
+    })
+}
+
+fn dead_letter_json(d: &DeadLetter) -> Value {
+    json!({
+        "id": d.entry.id, "idempotency_key": d.entry.key.0, "watcher_id": d.entry.watcher_id, "target": d.entry.target,
+        "source_id": d.entry.source_id, "parcel_id": d.entry.parcel_id, "lineage_id": d.entry.lineage_id,
+        "severity": d.entry.severity.as_str(), "attempts": d.entry.attempts, "reason": d.reason,
+        "dead_at": rfc3339(d.dead_at_ms), "last_error": d.entry.last_error,
+    })
+}
+
+fn quarantine_json(q: &QuarantineRecord) -> Value {
+    json!({
+        "source_id": q.source_id, "run_id": q.run_id, "lineage_id": q.lineage_id, "feature_index": q.feature_index,
+        "parcel_id": q.parcel_id, "reason": q.reason.as_str(), "detail": q.detail, "raw": q.raw, "ts": rfc3339(q.ts_ms),
+    })
+}
+
+fn list_sources(st: &ControlState) -> Resp {
+    let now = now_ms();
+    let mut items = Vec::new();
+    for src in &st.engine.config.sources {
+        let last = match st.engine.store.runs(Some(&src.id), 1) {
+            Ok(r) => r.into_iter().next(),
+            Err(e) => return internal(e),
+        };
+        let wm = match st.engine.store.watermark(&src.id) {
+            Ok(w) => w,
+            Err(e) => return internal(e),
+        };
+        let open_holds = match st.engine.store.holds() {
+            Ok(h) => h.iter().filter(|h| h.source_id == src.id && h.state == HoldState::Open).count(),
+            Err(e) => return internal(e),
+        };
+        items.push(json!({
+            "id": src.id, "jurisdiction": src.jurisdiction, "every_s": src.every.as_secs(),
+            "last_verdict": last.as_ref().map(|r| r.verdict.as_str()),
+            "last_run_id": last.as_ref().map(|r| r.run_id),
+            "last_run": last.as_ref().map(|r| rfc3339(r.finished_ms)),
+            "age_s": last.as_ref().map(|r| now.saturating_sub(r.finished_ms) / 1000),
+            "last_change": wm.as_ref().map(|w| rfc3339(w.content_changed_at_ms)),
+            "next_run": st.runs.next_run(&src.id).map(rfc3339),
+            "running": st.runs.is_running(&src.id),
+            "open_holds": open_holds,
+        }));
+    }
+    json(StatusCode::OK, &json!({"items": items}))
+}
+
+async fn run_source(st: Arc<ControlState>, id: String) -> Resp {
+    if st.engine.config.source(&id).is_none() {
+        return error(StatusCode::NOT_FOUND, "unknown_source", format!("no source {id:?}"));
+    }
+    let st2 = st.clone();
+    let r = blocking(move || {
+        let Some(_lease) = st2.runs.try_start(&id) else {
+            return json(StatusCode::CONFLICT, &json!({"status": "skipped_overlap", "source_id": id, "message": "a run of this source is in progress"}));
+        };
+        match st2.engine.run_source_id(&id, RunOptions::default()) {
+            Ok(report) => json(StatusCode::OK, &json!({"status": "done", "run": run_json(&report.record), "hold_reason": report.hold_reason})),
+            Err(e) => error(StatusCode::UNPROCESSABLE_ENTITY, "run_failed", e.to_string()),
+        }
+    })
+    .await;
+    st.wake.notify_one();
+    r
+}
+
+fn watermarks(st: &ControlState, id: &str) -> Resp {
+    if st.engine.config.source(id).is_none() {
+        return error(StatusCode::NOT_FOUND, "unknown_source", format!("no source {id:?}"));
+    }
+    match st.engine.store.watermark_history(id) {
+        Ok(h) => json(StatusCode::OK, &json!({"source_id": id, "items": h.iter().map(watermark_json).collect::<Vec<_>>()})),
+        Err(e) => internal(e),
+    }
+}
+
+fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Resp> {
+    match query_u64(q, "limit")? {
+        None => Ok(100),
+        Some(n) if (1..=1000).contains(&n) => Ok(n as usize),
+        Some(n) => Err(error(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}"))),
+    }
+}
+
+fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
+    let limit = match limit_of(q) {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    let cursor = match query_u64(q, "cursor") {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let source = q.get("source").filter(|s| !s.is_empty()).cloned();
+    let all = match st.engine.store.runs(source.as_deref(), usize::MAX) {
+        Ok(r) => r,
+        Err(e) => return internal(e),
+    };
+    let page: Vec<&RunRecord> = all.iter().filter(|r| cursor.is_none_or(|c| r.run_id < c)).take(limit).collect();
+    let next = if page.len() == limit { page.last().map(|r| r.run_id.to_string()) } else { None };
+    json(StatusCode::OK, &json!({"items": page.iter().map(|r| run_json(r)).collect::<Vec<_>>(), "next_cursor": next}))
+}
+
+fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
+    let limit = match limit_of(q) {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    let cursor = match query_u64(q, "cursor") {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let since_ms = match q.get("since") {
+        None => None,
+        Some(s) => match crate::util::parse_rfc3339(s) {
+            Some(t) => Some(t),
+            None => return error(StatusCode::BAD_REQUEST, "bad_query", format!("since must be an RFC 3339 time, got {s:?}")),
+        },
+    };
+    let get = |k: &str| q.get(k).filter(|s| !s.is_empty()).cloned();
+    let filter = AuditFilter {
+        parcel: get("parcel"),
+        watcher: get("watcher"),
+        source: get("source"),
+        key: get("key"),
+        lineage: get("lineage"),
+        since_seq: cursor.map(|c| c + 1),
+        limit: None,
+    };
+    let rows = match st.engine.store.audit(&filter) {
+        Ok(r) => r,
+        Err(e) => return internal(e),
+    };
+    let desc = match q.get("order").map(String::as_str) {
+        None | Some("asc") => false,
+        Some("desc") => true,
+        Some(other) => return error(StatusCode::BAD_REQUEST, "bad_query", format!("order must be asc or desc, got {other:?}")),
+    };
+    let keep = |r: &&AuditRow| since_ms.is_none_or(|s| r.ts_ms >= s);
+    let page: Vec<&AuditRow> = if desc {
+        // Newest first; the cursor continues below the last seq seen.
+        let all = match st.engine.store.audit(&AuditFilter { since_seq: None, ..filter.clone() }) {
+            Ok(r) => r,
+            Err(e) => return internal(e),
+        };
+        let rows: Vec<&AuditRow> = all.iter().rev().filter(|r| cursor.is_none_or(|c| r.seq < c)).filter(keep).take(limit).collect();
+        let next = if rows.len() == limit { rows.last().map(|r| r.seq.to_string()) } else { None };
+        return json(StatusCode::OK, &json!({"items": rows.iter().map(|r| audit_json(r)).collect::<Vec<_>>(), "next_cursor": next}));
+    } else {
+        rows.iter().filter(keep).take(limit).collect()
+    };
+    let next = if page.len() == limit { page.last().map(|r| r.seq.to_string()) } else { None };
+    json(StatusCode::OK, &json!({"items": page.iter().map(|r| audit_json(r)).collect::<Vec<_>>(), "next_cursor": next}))
+}
+
+/// The latest changed parcels (from the ledger) with their current geometry, for the map.
+fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
+    let limit = match limit_of(q) {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    let rows = match st.engine.store.audit(&AuditFilter::default()) {
+        Ok(r) => r,
+        Err(e) => return internal(e),
+    };
+    let mut seen = std::collections::HashSet::new();
+    let mut picked: Vec<&AuditRow> = Vec::new();
+    for r in rows.iter().rev() {
+        if picked.len() >= limit {
+            break;
+        }
+        let relevant = matches!(r.outcome, Outcome::Queued | Outcome::Sent) || (r.outcome == Outcome::Suppressed && r.detail != "baseline");
+        if let (true, Some(src), Some(pid)) = (relevant, &r.source_id, &r.parcel_id) {
+            if seen.insert((src.clone(), pid.clone())) {
+                picked.push(r);
+            }
+        }
+    }
+    let mut items = Vec::with_capacity(picked.len());
+    for r in picked {
+        let (src, pid) = (r.source_id.clone().unwrap_or_default(), r.parcel_id.clone().unwrap_or_default());
+        let geometry = match st.engine.store.parcel_geometries(&src, [pid.as_str()]) {
+            Ok(mut g) => g.remove(&pid).map(|g| g.to_geojson()).unwrap_or(Value::Null),
+            Err(e) => return internal(e),
+        };
+        items.push(json!({"source_id": src, "parcel_id": pid, "ts": rfc3339(r.ts_ms), "outcome": r.outcome.as_str(), "detail": r.detail, "geometry": geometry}));
+    }
+    json(StatusCode::OK, &json!({"items": items}))
+}
+
+async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
+    let st2 = st.clone();
+    let r = blocking(move || {
+        let source = match st2.engine.store.hold(id) {
+            Ok(Some(h)) => h.source_id,
+            Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_hold", format!("hold {id} does not exist")),
+            Err(e) => return internal(e),
+        };
+        let Some(_lease) = st2.runs.try_start(&source) else {
+            return error(StatusCode::CONFLICT, "source_busy", format!("a run of {source} is in progress; try again"));
+        };
+        match st2.engine.resolve_hold(id, prime) {
+            Ok(rec) => json(StatusCode::OK, &json!({"status": if prime { "primed" } else { "released" }, "run": run_json(&rec)})),
+            Err(PipelineError::UnknownHold(_)) => error(StatusCode::NOT_FOUND, "unknown_hold", format!("hold {id} does not exist")),
+            Err(e @ PipelineError::HoldNotOpen { .. }) => error(StatusCode::CONFLICT, "hold_not_open", e.to_string()),
+            Err(e) => internal(e),
+        }
+    })
+    .await;
+    st.wake.notify_one();
+    r
+}
+
+/// Body of `POST /v1/subscribers` and `PUT /v1/subscribers/{id}`.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct SubscriberBody {
+    id: Option<String>,
+    target: String,
+    secret: Option<String>,
+    min_severity: Option<String>,
+    aoi: Value,
+}
+
+fn subscriber_json(id: &str, target: &str, secret: bool, min_severity: Severity, aoi: Value, managed_by: &str) -> Value {
+    json!({"id": id, "target": target, "signed": secret, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
+}
+
+fn list_subscribers(st: &ControlState) -> Resp {
+    let mut items = Vec::new();
+    for c in &st.engine.config.subscribers {
+        let aoi = st.engine.subscribers.get(&c.id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
+        items.push(subscriber_json(&c.id, &c.target, c.secret.is_some(), c.min_severity, aoi, "config"));
+    }
+    match st.engine.store.stored_subscribers() {
+        Ok(list) => {
+            for s in list.iter().filter(|s| !st.engine.config.subscribers.iter().any(|c| c.id == s.id)) {
+                let aoi = serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null);
+                items.push(subscriber_json(&s.id, &s.target, s.secret.is_some(), s.min_severity, aoi, "api"));
+            }
+        }
+        Err(e) => return internal(e),
+    }
+    json(StatusCode::OK, &json!({"items": items}))
+}
+
+fn get_subscriber(st: &ControlState, id: &str) -> Resp {
+    if let Some(c) = st.engine.config.subscribers.iter().find(|c| c.id == id) {
+        let aoi = st.engine.subscribers.get(id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
+        return json(StatusCode::OK, &subscriber_json(&c.id, &c.target, c.secret.is_some(), c.min_severity, aoi, "config"));
+    }
+    match st.engine.store.stored_subscribers() {
+        Ok(list) => match list.into_iter().find(|s| s.id == id) {
+            Some(s) => json(
+                StatusCode::OK,
+                &subscriber_json(&s.id, &s.target, s.secret.is_some(), s.min_severity, serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null), "api"),
+            ),
+            None => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
+        },
+        Err(e) => internal(e),
+    }
+}
+
+fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Resp {
+    let b: SubscriberBody = match parse_json(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let creating = path_id.is_none();
+    let id = match (&path_id, &b.id) {
+        (Some(p), Some(i)) if p != i => return error(StatusCode::BAD_REQUEST, "id_mismatch", format!("body id {i:?} differs from path id {p:?}")),
+        (Some(p), _) => p.clone(),
+        (None, Some(i)) => i.clone(),
+        (None, None) => return error(StatusCode::BAD_REQUEST, "missing_field", "id is required"),
+    };
+    if !valid_id(&id) {
+        return error(StatusCode::BAD_REQUEST, "bad_id", "id must be 1-64 characters of letters, digits, '-', '_' or '.'");
+    }
+    if st.engine.config.subscribers.iter().any(|c| c.id == id) {
+        return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
+    }
+    match reqwest::Url::parse(&b.target) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some() => {}
+        _ => return error(StatusCode::BAD_REQUEST, "bad_target", format!("target {:?} is not an http(s) URL with a host", b.target)),
+    }
+    if let Some(secret) = &b.secret {
+        if let Err(e) = crate::notify::signing::decode_secret(secret) {
+            return error(StatusCode::BAD_REQUEST, "bad_secret", e);
+        }
+    }
+    let min_severity = match &b.min_severity {
+        None => Severity::Notice,
+        Some(s) => match Severity::parse(s) {
+            Some(v) => v,
+            None => return error(StatusCode::BAD_REQUEST, "bad_min_severity", format!("min_severity {s:?} is not one of info, notice, material, critical")),
+        },
+    };
+    let aoi_text = b.aoi.to_string();
+    if let Err(e) = crate::notify::aoi::parse_aoi(&aoi_text) {
+        return error(StatusCode::BAD_REQUEST, "bad_aoi", format!("aoi: {e}"));
+    }
+    let existing = match st.engine.store.stored_subscribers() {
+        Ok(l) => l.into_iter().find(|s| s.id == id),
+        Err(e) => return internal(e),
+    };
+    if creating && existing.is_some() {
+        return error(StatusCode::CONFLICT, "exists", format!("subscriber {id:?} exists; use PUT /v1/subscribers/{id}"));
+    }
+    let now = now_ms();
+    let rec = StoredSubscriber {
+        id: id.clone(),
+        target: b.target.clone(),
+        secret: b.secret.clone(),
+        min_severity,
+        aoi_geojson: aoi_text,
+        created_ms: existing.as_ref().map(|e| e.created_ms).unwrap_or(now),
+        updated_ms: now,
+    };
+    if let Err(e) = st.engine.store.put_subscriber(&rec) {
+        return internal(e);
+    }
+    if let Err(e) = st.engine.reload_subscribers() {
+        return internal(e);
+    }
+    let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
+    json(status, &subscriber_json(&rec.id, &rec.target, rec.secret.is_some(), rec.min_severity, b.aoi, "api"))
+}
+
+fn delete_subscriber(st: &ControlState, id: &str) -> Resp {
+    if st.engine.config.subscribers.iter().any(|c| c.id == id) {
+        return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
+    }
+    match st.engine.store.delete_subscriber(id) {
+        Ok(true) => match st.engine.reload_subscribers() {
+            Ok(_) => json(StatusCode::OK, &json!({"deleted": id})),
+            Err(e) => internal(e),
+        },
+        Ok(false) => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
+        Err(e) => internal(e),
+    }
+}
+
+/// Body of `POST /v1/backup` (optional).
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct BackupBody {
+    /// File name inside the store's `backups/` folder (letters, digits, '-', '_', '.').
+    name: Option<String>,
+}
+
+fn backup(st: &ControlState, body: &[u8]) -> Resp {
+    let b: BackupBody = if body.iter().all(u8::is_ascii_whitespace) {
+        BackupBody::default()
+    } else {
+        match parse_json(body) {
+            Ok(b) => b,
+            Err(r) => return r,
+        }
+    };
+    let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(now_ms()).replace([':', '.'], "-")));
+    if !valid_id(&name) || name.starts_with('.') {
+        return error(StatusCode::BAD_REQUEST, "bad_name", "name must be a plain file name (letters, digits, '-', '_', '.')");
+    }
+    let dir = crate::cli::backup_dir(&st.engine.config);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        return internal(format!("cannot create {}: {e}", dir.display()));
+    }
+    let dest = dir.join(&name);
+    match st.engine.store.backup_to(&dest) {
+        Ok(info) => json(StatusCode::CREATED, &json!({"path": info.path.display().to_string(), "bytes": info.bytes, "tables": info.tables, "rows": info.rows})),
+        Err(crate::store::StoreError::Conflict(m)) => error(StatusCode::CONFLICT, "exists", m),
+        Err(e) => internal(e),
+    }
+}

@@ -1,0 +1,207 @@
+//! The control port against a live `zonewatch serve`: auth, hostile requests, subscribers,
+//! holds, runs, audit, metrics, backup and restore — and, when the peers are installed by
+//! scripts/test, schemathesis against the OpenAPI document and a real Prometheus parser.
+
+mod common;
+use common::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build().unwrap()
+}
+
+fn peer_python() -> Option<std::path::PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/peers/venv/bin/python");
+    if p.exists() {
+        Some(p)
+    } else if std::env::var_os("CI").is_some() {
+        panic!("test peers missing under CI: scripts/test must install target/peers/venv");
+    } else {
+        eprintln!("SKIPPED (peers): target/peers/venv not found; run scripts/test to install schemathesis and prometheus_client");
+        None
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_port_end_to_end() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "cfg-watcher", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "every = \"1h\"",
+    );
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    let d = tokio::task::block_in_place(|| Daemon::start(&ws));
+    let c = client();
+    let auth = format!("Bearer {}", d.token);
+
+    tokio::task::block_in_place(|| {
+        // Public and protected.
+        assert_eq!(c.get(d.url("/healthz")).send().unwrap().status(), 200);
+        let page = c.get(d.url("/")).send().unwrap().text().unwrap();
+        assert!(page.contains("<title>zonewatch</title>") && !page.contains("http://") && !page.contains("https://"), "self-contained page");
+        for path in ["/v1/sources", "/metrics", "/v1/audit", "/v1/openapi.json"] {
+            let r = c.get(d.url(path)).send().unwrap();
+            assert_eq!(r.status(), 401, "{path} without a token");
+            let r = c.get(d.url(path)).header("authorization", "Bearer wrong-token-wrong-token").send().unwrap();
+            assert_eq!(r.status(), 401, "{path} with a wrong token");
+        }
+        let body: Value = c.get(d.url("/v1/sources")).header("authorization", "Bearer nope").send().unwrap().json().unwrap();
+        assert_eq!(body["error"]["code"], "unauthorized");
+
+        // Wait for the baseline run.
+        let start = std::time::Instant::now();
+        loop {
+            let s: Value = c.get(d.url("/v1/sources")).header("authorization", &auth).send().unwrap().json().unwrap();
+            if s["items"][0]["last_verdict"] == "baseline" {
+                assert!(s["items"][0]["next_run"].is_string());
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "no baseline: {s}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+
+        // Hostile subscriber requests: 400 with a message naming the problem.
+        let post = |body: &str| c.post(d.url("/v1/subscribers")).header("authorization", &auth).header("content-type", "application/json").body(body.to_string()).send().unwrap();
+        let aoi = json!({"type": "Polygon", "coordinates": [[[-71.2, 42.3], [-71.0, 42.3], [-71.0, 42.5], [-71.2, 42.3]]]});
+        for (body, needle) in [
+            ("{not json", "invalid JSON"),
+            (&json!({"id": "x", "target": rx.url("/api"), "aoi": aoi, "colour": "red"}).to_string(), "unknown field"),
+            (&json!({"id": "x", "target": "ftp://h/", "aoi": aoi}).to_string(), "target"),
+            (&json!({"id": "x", "target": rx.url("/api"), "aoi": {"type": "Point", "coordinates": [0, 0]}}).to_string(), "aoi"),
+            (&json!({"id": "x", "target": rx.url("/api"), "aoi": {"type": "Polygon", "coordinates": [[[0, 0], [1, 1]]]}}).to_string(), "aoi"),
+            (&json!({"id": "../etc", "target": rx.url("/api"), "aoi": aoi}).to_string(), "id"),
+            (&json!({"id": "x", "target": rx.url("/api"), "aoi": aoi, "min_severity": "loud"}).to_string(), "min_severity"),
+            (&json!({"id": "x", "target": rx.url("/api"), "aoi": aoi, "secret": "whsec_!!"}).to_string(), "secret"),
+        ] {
+            let r = post(body);
+            assert_eq!(r.status(), 400, "{body}");
+            let e: Value = r.json().unwrap();
+            assert!(e["error"]["message"].as_str().unwrap().contains(needle), "{body} → {e}");
+        }
+        let huge = format!("{{\"id\":\"x\",\"pad\":\"{}\"}}", "a".repeat(2 << 20));
+        assert_eq!(post(&huge).status(), 413);
+
+        // Subscriber CRUD; the index is rebuilt live.
+        let r = post(&json!({"id": "api-watcher", "target": rx.url("/api"), "aoi": aoi, "min_severity": "info"}).to_string());
+        assert_eq!(r.status(), 201);
+        assert_eq!(post(&json!({"id": "api-watcher", "target": rx.url("/api"), "aoi": aoi}).to_string()).status(), 409);
+        let got: Value = c.get(d.url("/v1/subscribers/api-watcher")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!((got["managed_by"].as_str(), got["min_severity"].as_str()), (Some("api"), Some("info")));
+        let list: Value = c.get(d.url("/v1/subscribers")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(list["items"].as_array().unwrap().len(), 2);
+        assert_eq!(c.delete(d.url("/v1/subscribers/cfg-watcher")).header("authorization", &auth).send().unwrap().status(), 409);
+        assert_eq!(c.get(d.url("/v1/subscribers/nobody")).header("authorization", &auth).send().unwrap().status(), 404);
+
+        // A rezoning of 20% is held; the API shows it; releasing it delivers to both watchers.
+        let mut v2 = v1.clone();
+        for p in v2.iter_mut().take(20) {
+            p.zone = "M-1".into();
+        }
+        ws.write_layer(&layer(&v2));
+        let run: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(run["run"]["verdict"], "held", "{run}");
+        let hold_id = run["run"]["hold_id"].as_u64().unwrap();
+        let holds: Value = c.get(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(holds["items"][0]["state"], "open");
+        assert_eq!(c.post(d.url("/v1/holds/abc/release")).header("authorization", &auth).send().unwrap().status(), 400);
+        assert_eq!(c.post(d.url("/v1/holds/999999/release")).header("authorization", &auth).send().unwrap().status(), 404);
+        let rel = c.post(d.url(&format!("/v1/holds/{hold_id}/release"))).header("authorization", &auth).send().unwrap();
+        assert_eq!(rel.status(), 200);
+        assert_eq!(c.post(d.url(&format!("/v1/holds/{hold_id}/prime"))).header("authorization", &auth).send().unwrap().status(), 409);
+        let start = std::time::Instant::now();
+        while rx.received().len() < 40 {
+            assert!(start.elapsed() < Duration::from_secs(20), "only {} deliveries", rx.received().len());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(rx.received().iter().filter(|r| r.path == "/api").count(), 20);
+        assert_eq!(c.post(d.url("/v1/sources/nope/run")).header("authorization", &auth).send().unwrap().status(), 404);
+
+        // Runs, audit with filters and cursors, watermarks, changes.
+        let runs: Value = c.get(d.url("/v1/runs?source=s1&limit=1")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(runs["items"].as_array().unwrap().len(), 1);
+        let cursor = runs["next_cursor"].as_str().unwrap();
+        let more: Value = c.get(d.url(&format!("/v1/runs?source=s1&limit=10&cursor={cursor}"))).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert!(more["items"].as_array().unwrap().iter().all(|r| r["run_id"].as_u64().unwrap() < cursor.parse::<u64>().unwrap()));
+        assert_eq!(c.get(d.url("/v1/runs?limit=abc")).header("authorization", &auth).send().unwrap().status(), 400);
+        let a: Value = c.get(d.url("/v1/audit?parcel=P0003&watcher=api-watcher")).header("authorization", &auth).send().unwrap().json().unwrap();
+        let outcomes: Vec<&str> = a["items"].as_array().unwrap().iter().map(|r| r["outcome"].as_str().unwrap()).collect();
+        assert_eq!(outcomes, vec!["queued", "sent"]);
+        let key = a["items"][0]["idempotency_key"].as_str().unwrap().to_string();
+        let by_key: Value = c.get(d.url(&format!("/v1/audit?key={key}"))).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(by_key["items"].as_array().unwrap().len(), 2);
+        assert_eq!(c.get(d.url("/v1/audit?since=yesterday")).header("authorization", &auth).send().unwrap().status(), 400);
+        let wm: Value = c.get(d.url("/v1/sources/s1/watermarks")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(wm["items"].as_array().unwrap().len(), 2);
+        let ch: Value = c.get(d.url("/v1/changes/recent?limit=5")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(ch["items"].as_array().unwrap().len(), 5);
+        assert!(ch["items"][0]["geometry"]["type"].is_string());
+
+        // Metrics.
+        let m = c.get(d.url("/metrics")).header("authorization", &auth).send().unwrap();
+        assert!(m.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+        let text = m.text().unwrap();
+        for needle in ["zonewatch_runs_total{source=\"s1\",verdict=\"baseline\"} 1", "zonewatch_outcomes_total{outcome=\"sent\"} 40", "zonewatch_outbox_depth 0",
+            "zonewatch_holds{state=\"released\"} 1", "zonewatch_delivery_latency_seconds_count 40"] {
+            assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
+        }
+
+        // Unknown routes and methods.
+        assert_eq!(c.get(d.url("/v1/nothing")).header("authorization", &auth).send().unwrap().status(), 404);
+        assert_eq!(c.delete(d.url("/v1/sources")).header("authorization", &auth).send().unwrap().status(), 405);
+
+        // Backup while running: over the API and with the CLI (which asks the daemon).
+        let b = c.post(d.url("/v1/backup")).header("authorization", &auth).body("").send().unwrap();
+        assert_eq!(b.status(), 201);
+        let info: Value = b.json().unwrap();
+        assert!(info["rows"].as_u64().unwrap() > 100);
+        let dest = ws.path().join("copy.redb");
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+            .args(["backup", dest.to_str().unwrap(), "--config", ws.config_path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        // Restore refuses while the daemon holds the store.
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+            .args(["restore", dest.to_str().unwrap(), "--config", ws.config_path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&o.stderr).contains("in use"), "{}", String::from_utf8_lossy(&o.stderr));
+
+        // Real Prometheus parser and schemathesis, when installed.
+        if let Some(py) = peer_python() {
+            let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/peers/check_metrics.py");
+            let o = std::process::Command::new(&py).arg(&script).arg(d.url("/metrics")).arg(&d.token).output().unwrap();
+            assert!(o.status.success(), "prometheus_client parse failed:\n{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+            let st = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/peers/venv/bin/schemathesis");
+            let o = std::process::Command::new(st)
+                .args(["run", &d.url("/v1/openapi.json"), "--header", &format!("Authorization: {auth}"), "--checks", "all",
+                       "--exclude-checks", "ignored_auth,positive_data_acceptance", "--max-examples", "30", "--seed", "1",
+                       "--exclude-path", "/v1/backup", "--exclude-path", "/v1/sources/{id}/run", "--no-color"])
+                .env("SCHEMATHESIS_HOOKS", "")
+                .output()
+                .unwrap();
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(o.status.success(), "schemathesis found problems:\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
+            eprintln!("schemathesis: {}", out.lines().rev().take(3).collect::<Vec<_>>().join(" | "));
+        }
+    });
+
+    let log = tokio::task::block_in_place(|| d.stop());
+    assert!(log.contains("stopped cleanly"), "{log}");
+
+    // Stopped: the backup restores over the store and the data is all there.
+    let dest = ws.path().join("copy.redb");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["restore", dest.to_str().unwrap(), "--config", ws.config_path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let engine = ws.engine();
+    assert_eq!(outcomes(&engine).get("sent"), Some(&40));
+    assert_eq!(engine.store.stored_subscribers().unwrap().len(), 1);
+}
