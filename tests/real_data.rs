@@ -12,10 +12,9 @@
 //! direction, holes sorted, polygons sorted).
 //!
 //! Then the same 2016 content is republished with other ring start points, ring directions,
-//! hole, polygon and feature order, and must produce no change — except, today, for parcels
-//! whose published geometry is invalid: production repairs them with geo's `MakeValid` before
-//! hashing, and that repair depends on vertex order (a known bug, printed loudly; the strict
-//! `#[ignore]`d test below fails until it is fixed).
+//! hole, polygon and feature order, and must produce no change at all — repaired
+//! (self-intersecting) parcels included: production repairs rings in a canonical order, so the
+//! same shape always repairs the same way.
 //!
 //! The data is not redistributable, so it is not in the repository. When the folder is missing
 //! (a fresh clone has no `../shared/`) the test says so loudly on stderr and passes.
@@ -445,7 +444,7 @@ fn real_sanjose_consecutive_versions_detect_exactly_the_changed_parcels() {
 
     // --- The same 2016 content republished in another vertex/ring/feature order is no change
     // (for every parcel with a valid published geometry; see `check_republication`). ---
-    check_republication(&engine, &new_path, &layer_path, false);
+    check_republication(&engine, &new_path, &layer_path, true);
     eprintln!("real_data: OK in {:.1}s", t0.elapsed().as_secs_f64());
 }
 
@@ -559,21 +558,4 @@ fn check_republication(engine: &Engine, src: &Path, layer_path: &Path, strict: b
         );
     }
     rows
-}
-
-/// Strict form of the republication check in the test above: no change at all, repaired
-/// parcels included. Fails today (11 spurious `geometry_changed` on San José's
-/// self-intersecting parcels: geo's `MakeValid` runs before canonical hashing and its output
-/// depends on vertex order). Run it with
-/// `cargo test --release --test real_data -- --ignored` once the repair is made
-/// vertex-order-independent (e.g. canonicalise ring start/orientation before `MakeValid`).
-#[test]
-#[ignore = "known bug: MakeValid repair depends on vertex order, so repaired parcels hash differently"]
-fn real_sanjose_republished_in_another_vertex_order_is_not_a_change_strict() {
-    let Some((_, new_path)) = real_files() else { return };
-    let (_ws, engine, layer_path) = sj_engine();
-    std::fs::copy(&new_path, &layer_path).expect("copy 2016 layer");
-    let base = engine.run_source_id("sj", RunOptions::default()).expect("baseline run");
-    assert_eq!(base.record.verdict, Verdict::Baseline, "{}", base.line());
-    check_republication(&engine, &new_path, &layer_path, true);
 }

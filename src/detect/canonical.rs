@@ -62,6 +62,62 @@ fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
     pts
 }
 
+/// The same (multi)polygon with its rings in a canonical order, on the exact coordinates:
+/// each ring starts at its smallest vertex, exteriors run counter-clockwise and holes
+/// clockwise, holes and polygons are sorted. Used before geometry repair so that the same
+/// shape, however it was written, is always repaired the same way.
+pub fn canonical_order(mp: &MultiPolygon<f64>) -> MultiPolygon<f64> {
+    use geo::{Coord, Polygon};
+    fn key(c: &Coord<f64>) -> (u64, u64) {
+        // Total order on finite floats, as integers.
+        let f = |v: f64| {
+            let b = v.to_bits();
+            if b >> 63 == 1 { !b } else { b | (1 << 63) }
+        };
+        (f(c.x), f(c.y))
+    }
+    fn ring(r: &LineString<f64>, want_ccw: bool) -> LineString<f64> {
+        let mut pts: Vec<Coord<f64>> = r.0.clone();
+        while pts.len() > 1 && pts.first() == pts.last() {
+            pts.pop();
+        }
+        if pts.len() < 3 {
+            return r.clone();
+        }
+        let twice: f64 = (0..pts.len()).map(|i| {
+            let (a, b) = (pts[i], pts[(i + 1) % pts.len()]);
+            a.x * b.y - b.x * a.y
+        }).sum();
+        if (twice > 0.0) != want_ccw && twice != 0.0 {
+            pts.reverse();
+        }
+        let n = pts.len();
+        let mut best = 0;
+        for i in 1..n {
+            let a = (0..n).map(|k| key(&pts[(i + k) % n]));
+            let b = (0..n).map(|k| key(&pts[(best + k) % n]));
+            if a.lt(b) {
+                best = i;
+            }
+        }
+        pts.rotate_left(best);
+        pts.push(pts[0]);
+        LineString::new(pts)
+    }
+    let ring_key = |r: &LineString<f64>| r.0.iter().map(key).collect::<Vec<_>>();
+    let mut polys: Vec<Polygon<f64>> = mp
+        .0
+        .iter()
+        .map(|p| {
+            let mut holes: Vec<LineString<f64>> = p.interiors().iter().map(|h| ring(h, false)).collect();
+            holes.sort_by_key(|h| ring_key(h));
+            Polygon::new(ring(p.exterior(), true), holes)
+        })
+        .collect();
+    polys.sort_by_key(|p| ring_key(p.exterior()));
+    MultiPolygon::new(polys)
+}
+
 /// The canonical form of a (multi)polygon: sorted polygons of [exterior, sorted holes...].
 pub fn canonical_form(mp: &MultiPolygon<f64>) -> Vec<Vec<Ring>> {
     let mut polys: Vec<Vec<Ring>> = mp

@@ -265,22 +265,50 @@ pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(
     if tidy.0.is_empty() {
         return Err((QuarantineReason::EmptyGeometry, "no ring with at least 3 distinct points".into()));
     }
+    // Put rings in a canonical order first: the repair algorithms depend on where a ring
+    // starts and which way it runs, and the same shape must always repair the same way.
+    let tidy = crate::detect::canonical::canonical_order(&tidy);
     let result = std::panic::catch_unwind(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
         if tidy.is_valid() {
             return Ok((tidy.orient(geo::orient::Direction::Default), false));
         }
-        let fixed = tidy
-            .make_valid()
-            .map_err(|e| (QuarantineReason::Unrepairable, format!("repair failed: {e}")))?;
-        let fixed = tidy_rings(fixed);
-        if fixed.0.is_empty() || geo::Area::unsigned_area(&fixed) == 0.0 {
-            return Err((QuarantineReason::Unrepairable, "repair left no area".into()));
-        }
-        Ok((fixed.orient(geo::orient::Direction::Default), true))
+        Ok((repair(&tidy)?, true))
     });
     match result {
         Ok(r) => r,
         Err(_) => Err((QuarantineReason::Unrepairable, "geometry algorithm failed on this input".into())),
+    }
+}
+
+/// Repairs an invalid (multi)polygon. Two candidates: the boolean-overlay union with nothing
+/// (non-zero fill; keeps the area of a ring that only grazes itself) and geo's triangulation
+/// `MakeValid` (odd-even fill). The valid candidate whose area is closest to the published
+/// rings' own area wins, so a tiny self-touch does not cost a parcel a slice of its area.
+fn repair(mp: &MultiPolygon<f64>) -> Result<MultiPolygon<f64>, GeomError> {
+    use geo::{Area, BooleanOps};
+    let published: f64 = mp
+        .0
+        .iter()
+        .map(|p| Area::unsigned_area(&Polygon::new(p.exterior().clone(), vec![])) - p.interiors().iter().map(|h| Area::unsigned_area(&Polygon::new(h.clone(), vec![]))).sum::<f64>())
+        .sum();
+    let mut candidates = Vec::new();
+    let unioned = tidy_rings(mp.union(&MultiPolygon::<f64>::new(vec![])));
+    if !unioned.0.is_empty() && unioned.is_valid() {
+        candidates.push(unioned);
+    }
+    if let Ok(fixed) = mp.make_valid() {
+        let fixed = tidy_rings(fixed);
+        if !fixed.0.is_empty() && fixed.is_valid() {
+            candidates.push(fixed);
+        }
+    }
+    let best = candidates
+        .into_iter()
+        .filter(|c| c.unsigned_area() > 0.0)
+        .min_by(|a, b| (a.unsigned_area() - published).abs().total_cmp(&(b.unsigned_area() - published).abs()));
+    match best {
+        Some(b) => Ok(crate::detect::canonical::canonical_order(&b).orient(geo::orient::Direction::Default)),
+        None => Err((QuarantineReason::Unrepairable, "no repair produced a valid polygon with area".into())),
     }
 }
 
