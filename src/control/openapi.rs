@@ -91,7 +91,9 @@ pub fn document() -> Value {
                     query_param("parcel", s("string")), query_param("watcher", s("string")), query_param("source", s("string")),
                     query_param("key", s("string")), query_param("lineage", s("string")),
                     query_param("since", json!({"type": "string", "format": "date-time"})),
-                    query_param("order", json!({"type": "string", "enum": ["asc", "desc"]})), limit.clone(), cursor],
+                    query_param("order", json!({"type": "string", "enum": ["asc", "desc"]})),
+                    query_param("outcome", json!({"type": "string", "pattern": "^(queued|sent|duplicate|suppressed|dead_letter|quarantined|held)(,(queued|sent|duplicate|suppressed|dead_letter|quarantined|held))*$", "description": "comma-separated outcomes"})),
+                    limit.clone(), cursor],
                 "responses": with_errors(json!({"200": ok("audit rows in ledger order", page_of("AuditRow"))}), &["400"])}},
             "/v1/changes/recent": {"get": {"operationId": "recentChanges", "parameters": [limit],
                 "responses": with_errors(json!({"200": ok("latest changed parcels with their current geometry", json!({"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {

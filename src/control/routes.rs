@@ -319,7 +319,16 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
         Some("desc") => true,
         Some(other) => return error(StatusCode::BAD_REQUEST, "bad_query", format!("order must be asc or desc, got {other:?}")),
     };
-    let keep = |r: &&AuditRow| since_ms.is_none_or(|s| r.ts_ms >= s);
+    let outcomes: Option<Vec<String>> = q.get("outcome").map(|o| o.split(',').map(|x| x.trim().to_string()).collect());
+    if let Some(list) = &outcomes {
+        const KNOWN: [&str; 7] = ["queued", "sent", "duplicate", "suppressed", "dead_letter", "quarantined", "held"];
+        if let Some(bad) = list.iter().find(|o| !KNOWN.contains(&o.as_str())) {
+            return error(StatusCode::BAD_REQUEST, "bad_query", format!("outcome {bad:?} is not one of {}", KNOWN.join(", ")));
+        }
+    }
+    let keep = |r: &&AuditRow| {
+        since_ms.is_none_or(|s| r.ts_ms >= s) && outcomes.as_ref().is_none_or(|l| l.iter().any(|o| o == r.outcome.as_str()))
+    };
     let page: Vec<&AuditRow> = if desc {
         // Newest first; the cursor continues below the last seq seen.
         let all = match st.engine.store.audit(&AuditFilter { since_seq: None, ..filter.clone() }) {
