@@ -339,7 +339,23 @@ fn cmd_check(config: &std::path::Path) -> i32 {
     println!("store: {}", cfg.store_path.display());
     let mut bad = 0;
     for s in &cfg.sources {
-        let crate::config::SourceKind::File { path } = &s.kind;
+        let path = match &s.kind {
+            crate::config::SourceKind::File { path } => path,
+            other => {
+                println!(
+                    "source {}: {} every={} floor={} stale_after={} max_change_ratio={} fields: id={} zoning={}",
+                    s.id,
+                    crate::ingest::settings::describe_kind(other),
+                    crate::util::format_duration(s.every),
+                    crate::util::format_duration(s.floor),
+                    crate::util::format_duration(s.stale_after),
+                    s.max_change_ratio,
+                    s.fields.parcel_id,
+                    s.fields.zoning
+                );
+                continue;
+            }
+        };
         let exists = if path.exists() { "exists" } else { "MISSING" };
         println!(
             "source {}: kind=file path={} ({exists}) every={} max_change_ratio={} fields: id={} zoning={}",

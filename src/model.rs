@@ -352,6 +352,8 @@ pub struct Watermark {
     /// Fingerprint of how the bytes were read (field mapping, bbox): the same bytes read
     /// with a different mapping are not "identical".
     pub read_fingerprint: String,
+    /// ArcGIS: hash of the layer's `fields[]` (names and types) at the last fetch.
+    pub schema_hash: Option<String>,
 }
 
 /// Counts a run produced; also what `run` prints per source.

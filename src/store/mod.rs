@@ -14,11 +14,13 @@ pub mod codec;
 mod delivery;
 mod queries;
 mod runs;
+mod probe;
 mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
 pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
+pub use probe::PortalSignals;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
