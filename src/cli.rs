@@ -49,6 +49,9 @@ pub enum Command {
         /// Update snapshots and prime idempotency keys without sending anything.
         #[arg(long)]
         reprocess: bool,
+        /// Re-process the payload staged by the source's last HTTP fetch (needs --source).
+        #[arg(long, requires = "source")]
+        from_staging: bool,
     },
     /// Long-running: re-ingest each source every `every`, deliver continuously.
     Serve {
@@ -131,7 +134,7 @@ pub fn dispatch(cli: Cli) -> i32 {
                 1
             }
         },
-        Command::Run { config, source, reprocess } => cmd_run(&config, source.as_deref(), reprocess),
+        Command::Run { config, source, reprocess, from_staging } => cmd_run(&config, source.as_deref(), reprocess, from_staging),
         Command::Serve { config } => cmd_serve(&config),
         Command::Check { config } => cmd_check(&config),
         Command::Audit { config, parcel, watcher, source, key, lineage, format } => {
@@ -177,7 +180,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, i32> {
     })
 }
 
-fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool) -> i32 {
+fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_staging: bool) -> i32 {
     let engine = match open_engine(config) {
         Ok(e) => e,
         Err(code) => return code,
@@ -194,7 +197,12 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool) -> i32
     };
     let mut failed = 0;
     for src in &sources {
-        match engine.run_source(src, RunOptions { reprocess }) {
+        let result = if from_staging {
+            engine.run_source_from_staging(src, RunOptions { reprocess })
+        } else {
+            engine.run_source(src, RunOptions { reprocess })
+        };
+        match result {
             Ok(report) => println!("{}", report.line()),
             Err(e) => {
                 failed += 1;
@@ -299,7 +307,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
                     }
                     tokio::select! {
-                        _ = tokio::time::sleep(src.every) => {}
+                        _ = tokio::time::sleep(crate::ingest::portal::jittered(src.every)) => {}
                         _ = rx.changed() => {}
                     }
                 }

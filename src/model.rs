@@ -315,6 +315,8 @@ pub enum Verdict {
     Reprocessed,
     /// The run failed before committing; nothing of it exists but this record.
     Failed,
+    /// Triggered while a run of the same source was still going: not run.
+    SkippedOverlap,
 }
 
 impl Verdict {
@@ -327,6 +329,7 @@ impl Verdict {
             Verdict::Held => "held",
             Verdict::Reprocessed => "reprocessed",
             Verdict::Failed => "failed",
+            Verdict::SkippedOverlap => "skipped_overlap",
         }
     }
 }

@@ -8,7 +8,7 @@ use crate::detect::gate::{decide, GateDecision, GateInput};
 use crate::detect::severity;
 use crate::ingest::normalize::{normalize_feature, NormalizeRules};
 use crate::ingest::portal::{self, PortalFetch, PortalMeta};
-use crate::ingest::{geojson, source, IngestError};
+use crate::ingest::{geojson, source, staging, IngestError};
 use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
@@ -181,8 +181,23 @@ impl Engine {
     /// Runs one source: see the module doc. Failures before the commit leave a `failed` run
     /// record and nothing else; the next run redoes the work.
     pub fn run_source(&self, src: &SourceConfig, opts: RunOptions) -> Result<SourceReport, PipelineError> {
+        self.run_source_with(src, opts, false)
+    }
+
+    /// `zonewatch run --source ID --from-staging`: re-processes the payload staged by the
+    /// source's last HTTP fetch (digest re-checked) without touching the portal.
+    pub fn run_source_from_staging(&self, src: &SourceConfig, opts: RunOptions) -> Result<SourceReport, PipelineError> {
+        self.run_source_with(src, opts, true)
+    }
+
+    fn run_source_with(&self, src: &SourceConfig, opts: RunOptions, from_staging: bool) -> Result<SourceReport, PipelineError> {
         let started = now_ms();
-        match self.run_source_inner(src, opts, started) {
+        // One run per source at a time: a trigger during a run is recorded, not run.
+        let Some(_lease) = staging::try_lease(self.store.path(), &src.id) else {
+            let record = self.store.record_run_note(&src.id, started, Verdict::SkippedOverlap, "", None, None)?;
+            return Ok(SourceReport { record, hold_reason: None });
+        };
+        match self.run_source_inner(src, opts, started, from_staging) {
             Ok(r) => Ok(r),
             Err(e) => {
                 if let Err(note_err) = self.store.record_run_note(&src.id, started, Verdict::Failed, "", None, Some(e.to_string())) {
@@ -193,10 +208,16 @@ impl Engine {
         }
     }
 
-    fn run_source_inner(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
+    fn run_source_inner(&self, src: &SourceConfig, opts: RunOptions, started: u64, from_staging: bool) -> Result<SourceReport, PipelineError> {
         let wm = self.store.watermark(&src.id)?;
-        // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
-        let (fetched, meta) = match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess).map_err(IngestError::from)? {
+        let fetch = if from_staging {
+            let (bytes, m) = staging::load(self.store.path(), &src.id)?;
+            Some(PortalFetch::Layer { bytes, meta: m.portal_meta() })
+        } else {
+            // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
+            portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess).map_err(IngestError::from)?
+        };
+        let (fetched, meta) = match fetch {
             None => (source::fetch(src)?, None),
             Some(PortalFetch::Skip { reason, meta }) => {
                 let mut warnings = vec![format!("probe: {reason}")];
@@ -205,7 +226,15 @@ impl Engine {
                 let record = self.store.commit_unchanged(&src.id, started, now_ms(), Verdict::Skip, &signals, 0, warnings)?;
                 return Ok(SourceReport { record, hold_reason: None });
             }
-            Some(PortalFetch::Layer { bytes, meta }) => (source::FetchedLayer { digest: source::digest(&bytes), bytes }, Some(meta)),
+            Some(PortalFetch::Layer { bytes, meta }) => {
+                let digest = source::digest(&bytes);
+                if !from_staging {
+                    if let Err(e) = staging::stage(self.store.path(), &src.id, &bytes, &digest, &meta, started) {
+                        tracing::warn!(source = %src.id, "could not stage the payload: {e}");
+                    }
+                }
+                (source::FetchedLayer { digest, bytes }, Some(meta))
+            }
         };
         let fingerprint = src.read_fingerprint();
         if !opts.reprocess {

@@ -636,3 +636,152 @@ fn koop_serves_a_real_layer_completely() {
     assert!(scan.pages >= (want.len() as u32).div_ceil(50), "paged at maxRecordCount 50: {} pages", scan.pages);
     println!("koop real layer: {} features in {} pages, {} ms", got.len(), scan.pages, session.elapsed().as_millis());
 }
+
+// ---------------------------------------------------------------------------------------------
+// pygeoapi: a real OGC API – Features server.
+
+struct Pygeoapi {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Pygeoapi {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_pygeoapi(work: &Path, layer_path: &Path) -> Option<Pygeoapi> {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/peers/pygeoapi-venv/bin");
+    if !venv.join("pygeoapi").exists() {
+        println!("SKIPPED pygeoapi tests: target/peers/pygeoapi-venv is not installed (scripts/test installs it)");
+        return None;
+    }
+    let port = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    // max_items defaults to 10 and must be raised; `openapi generate` needs languages,
+    // terms_of_service, license.url and provider.url.
+    let config = format!(
+        r#"server:
+  bind: {{host: 127.0.0.1, port: {port}}}
+  url: http://127.0.0.1:{port}
+  mimetype: application/json; charset=UTF-8
+  encoding: utf-8
+  languages: [en-US]
+  limits: {{default_items: 10, max_items: 10000}}
+  map:
+    url: "https://tile.openstreetmap.org/{{z}}/{{x}}/{{y}}.png"
+    attribution: osm
+logging: {{level: ERROR}}
+metadata:
+  identification: {{title: zonewatch test, description: test, keywords: [zoning], keywords_type: theme, terms_of_service: "https://example.org/tos", url: "https://example.org"}}
+  license: {{name: CC0, url: "https://example.org/license"}}
+  provider: {{name: zonewatch, url: "https://example.org"}}
+  contact: {{name: test, position: test, address: x, city: x, stateorprovince: x, postalcode: x, country: x, phone: x, fax: x, email: x@example.org, url: "https://example.org", hours: x, instructions: x, role: pointOfContact}}
+resources:
+  parcels:
+    type: collection
+    title: parcels
+    description: parcels
+    keywords: [parcels]
+    extents: {{spatial: {{bbox: [-180, -90, 180, 90], crs: "http://www.opengis.net/def/crs/OGC/1.3/CRS84"}}}}
+    providers:
+      - type: feature
+        name: GeoJSON
+        data: {}
+        id_field: APN
+"#,
+        layer_path.display()
+    );
+    let cfg = work.join("pygeoapi.yml");
+    let openapi = work.join("openapi.yml");
+    std::fs::write(&cfg, config).expect("pygeoapi config");
+    let gen = std::process::Command::new(venv.join("pygeoapi"))
+        .args(["openapi", "generate"])
+        .arg(&cfg)
+        .arg("--output-file")
+        .arg(&openapi)
+        .env("PYGEOAPI_CONFIG", &cfg)
+        .env("PYGEOAPI_OPENAPI", &openapi)
+        .output()
+        .expect("pygeoapi openapi generate runs");
+    assert!(gen.status.success(), "openapi generate: {}", String::from_utf8_lossy(&gen.stderr));
+    let child = std::process::Command::new(venv.join("python"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/peers/pygeoapi/serve.py"))
+        .arg(port.to_string())
+        .env("PYGEOAPI_CONFIG", &cfg)
+        .env("PYGEOAPI_OPENAPI", &openapi)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("pygeoapi starts");
+    let p = Pygeoapi { child, port };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "pygeoapi did not start listening");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Some(p)
+}
+
+#[test]
+fn ogcapi_follows_next_links_to_the_end() {
+    let work = tempfile::tempdir().expect("tmp");
+    let layer_path = work.path().join("parcels.geojson");
+    // 30 features with limit 10: the full last page links to an empty one.
+    let mut parcels = grid(30);
+    std::fs::write(&layer_path, layer(&parcels)).expect("layer");
+    let Some(pg) = start_pygeoapi(work.path(), &layer_path) else { return };
+    let url = format!("http://127.0.0.1:{}/collections/parcels", pg.port);
+    let engine = Engine::open(portal_config(work.path(), &source("ogc", "ogcapi", &url, "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
+    assert_eq!(r.record.verdict, Verdict::Baseline, "{}", r.line());
+    assert_eq!(r.record.counts.features, 30, "every feature exactly once");
+    assert_eq!(r.record.counts.parcels, 30);
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("second");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    parcels[29].zone = "I-1".into();
+    std::fs::write(&layer_path, layer(&parcels)).expect("layer");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("third");
+    assert_eq!(r.record.verdict, Verdict::Run, "{}", r.line());
+    assert_eq!(r.record.counts.changes, 1);
+    drop(pg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lease and staging.
+
+#[test]
+fn overlapping_triggers_are_skipped_and_staging_replays_without_the_portal() {
+    let text = layer(&grid(10));
+    let slow = Arc::new(AtomicU64::new(0));
+    let s2 = slow.clone();
+    let srv = Server::start(Arc::new(move |_req: &Req| Reply {
+        delay: Duration::from_millis(s2.load(Ordering::SeqCst)),
+        ..reply(200, "application/geo+json", text.clone())
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("g", "geojson_url", &srv.url("/l"), ""), "")).expect("engine");
+    slow.store(1500, Ordering::SeqCst);
+    let (first, second) = std::thread::scope(|s| {
+        let a = s.spawn(|| engine.run_source_id("g", RunOptions::default()));
+        // Wait until the first run's request has reached the server, then trigger again.
+        while srv.requests().is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let b = engine.run_source_id("g", RunOptions::default());
+        (a.join().expect("thread"), b)
+    });
+    assert_eq!(first.expect("first run").record.verdict, Verdict::Baseline);
+    assert_eq!(second.expect("overlap recorded").record.verdict, Verdict::SkippedOverlap);
+    assert_eq!(srv.requests().len(), 1, "the overlapping trigger never touched the portal");
+
+    // The payload was staged; re-processing it sends no request.
+    let before = srv.requests().len();
+    let r = engine
+        .run_source_from_staging(engine.config.source("g").expect("source"), RunOptions { reprocess: true })
+        .expect("staged run");
+    assert_eq!(r.record.verdict, Verdict::Reprocessed);
+    assert_eq!(r.record.counts.parcels, 10);
+    assert_eq!(srv.requests().len(), before);
+}

@@ -5,7 +5,8 @@
 //! * [`normalize`] turns one raw feature into a [`crate::model::Parcel`] or a quarantine reason,
 //!   validating and repairing its geometry;
 //! * [`portal`], [`arcgis`] and [`http`] fetch the HTTP source kinds (probe, page, retry,
-//!   rate-limit) and hand back one FeatureCollection; [`settings`] holds their config keys.
+//!   rate-limit) and hand back one FeatureCollection; [`settings`] holds their config keys;
+//!   [`staging`] keeps the last payload on disk and the per-source run lease.
 
 pub mod geojson;
 pub mod normalize;
@@ -14,6 +15,7 @@ pub mod arcgis;
 pub mod http;
 pub mod portal;
 pub mod settings;
+pub mod staging;
 
 /// Errors that stop a whole layer (a single bad feature is quarantined instead).
 #[derive(Debug, thiserror::Error)]

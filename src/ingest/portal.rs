@@ -71,6 +71,14 @@ pub fn stale(prev: Option<&Watermark>, now_ms: u64, stale_after: Duration) -> Op
     })
 }
 
+/// The scheduler's next wait: `every` ± 10 % (uniform), so sources configured alike do not
+/// hit one county server in lock-step. Only `serve` calls this (it owns the wall clock).
+pub fn jittered(every: Duration) -> Duration {
+    let ms = every.as_millis() as u64;
+    let spread = ms / 10;
+    Duration::from_millis(ms - spread + rand::random_range(0..=2 * spread))
+}
+
 /// Probes and (when needed) fetches an HTTP source. `force` skips the probe shortcut
 /// (`--reprocess`). `Ok(None)` for kinds that are not HTTP.
 pub fn fetch(src: &SourceConfig, cfg: &IngestConfig, prev: Option<&Watermark>, now_ms: u64, force: bool) -> Result<Option<PortalFetch>, FetchError> {
@@ -265,6 +273,14 @@ mod tests {
         let d45 = Duration::from_secs(45 * 86_400);
         assert!(stale(Some(&wm(None, 0, 1)), 46 * 86_400_000, d45).is_some());
         assert!(stale(Some(&wm(None, 0, 1)), 44 * 86_400_000, d45).is_none());
+    }
+
+    #[test]
+    fn jitter_stays_within_ten_percent() {
+        for _ in 0..100 {
+            let d = jittered(Duration::from_secs(100));
+            assert!(d >= Duration::from_secs(90) && d <= Duration::from_secs(110));
+        }
     }
 
     #[test]
