@@ -785,3 +785,40 @@ fn overlapping_triggers_are_skipped_and_staging_replays_without_the_portal() {
     assert_eq!(r.record.counts.parcels, 10);
     assert_eq!(srv.requests().len(), before);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Socrata (SODA): no real peer is installable, so the injection server plays the two SODA
+// endpoints zonewatch uses (view metadata and `$limit`/`$offset` paging).
+
+#[test]
+fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
+    let features: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let updated = Arc::new(AtomicU64::new(1_700_000_000));
+    let u2 = updated.clone();
+    let srv = Server::start(Arc::new(move |req: &Req| {
+        if req.target.starts_with("/api/views/abcd-1234.json") {
+            return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": u2.load(Ordering::SeqCst)}));
+        }
+        assert_eq!(req.param("$order").as_deref(), Some(":id"));
+        let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
+        let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let page: Vec<Value> = features.iter().skip(offset).take(limit).cloned().collect();
+        reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string())
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/resource/abcd-1234.geojson");
+    let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &url, "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("baseline");
+    assert_eq!(r.record.verdict, Verdict::Baseline, "{}", r.line());
+    assert_eq!(r.record.counts.parcels, 25);
+    let offsets: Vec<String> = srv.requests().iter().filter_map(|q| q.param("$offset")).collect();
+    assert_eq!(offsets, ["0", "10", "20"]);
+    assert_eq!(engine.store.watermark("soda").expect("wm").expect("some").publisher_ts_ms, Some(1_700_000_000_000));
+    let before = srv.requests().len();
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("skip");
+    assert_eq!(r.record.verdict, Verdict::Skip);
+    assert_eq!(srv.requests().len() - before, 1, "only the view metadata was read");
+    updated.store(1_700_000_100, Ordering::SeqCst);
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("identical");
+    assert_eq!(r.record.verdict, Verdict::Identical);
+}
