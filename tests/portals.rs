@@ -821,4 +821,16 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
     updated.store(1_700_000_100, Ordering::SeqCst);
     let r = engine.run_source_id("soda", RunOptions::default()).expect("identical");
     assert_eq!(r.record.verdict, Verdict::Identical);
+
+    // A due floor fetches although the probe says nothing moved; a long-unchanged source is
+    // flagged stale (both intervals set tiny here).
+    let dir2 = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir2.path(), &source("soda", "socrata", &url, "page_size = 10\nfloor = \"1ms\"\nstale_after = \"1ms\""), "")).expect("engine");
+    assert_eq!(engine.run_source_id("soda", RunOptions::default()).expect("baseline").record.verdict, Verdict::Baseline);
+    std::thread::sleep(Duration::from_millis(20));
+    let before = srv.requests().len();
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("floor run");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    assert!(srv.requests().len() - before > 1, "the floor fetched the rows");
+    assert!(r.record.warnings.iter().any(|w| w.starts_with("stale")), "{:?}", r.record.warnings);
 }
