@@ -380,6 +380,49 @@ fn arcgis_rescans_when_the_count_moves() {
 }
 
 #[test]
+fn arcgis_falls_back_to_the_id_field_when_the_object_id_order_is_ignored() {
+    let parcels = grid(30);
+    let mut feats = esri_features(&parcels);
+    // OBJECTIDs that do not follow the served order, and a server that orders by OBJECTID
+    // only "sometimes": pages asked for with orderByFields=OBJECTID come back shuffled per page.
+    for (i, f) in feats.iter_mut().enumerate() {
+        f["attributes"]["OBJECTID"] = json!((i * 7919) % 1009);
+    }
+    let feats = Arc::new(feats);
+    let f2 = feats.clone();
+    let srv = Server::start(Arc::new(move |req: &Req| {
+        let path = req.target.split('?').next().unwrap_or("");
+        if path.ends_with("/FeatureServer/0") {
+            return json_reply(&json!({"objectIdField": "OBJECTID", "maxRecordCount": 10,
+                "fields": [{"name": "OBJECTID", "type": "esriFieldTypeOID"}, {"name": "APN", "type": "esriFieldTypeString"}, {"name": "ZONE_CODE", "type": "esriFieldTypeString"}]}));
+        }
+        if req.param("returnCountOnly").as_deref() == Some("true") {
+            return json_reply(&json!({"count": f2.len()}));
+        }
+        let offset: usize = req.param("resultOffset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let n: usize = req.param("resultRecordCount").and_then(|v| v.parse().ok()).unwrap_or(10);
+        let mut all: Vec<Value> = f2.to_vec();
+        if req.param("orderByFields").as_deref() == Some("OBJECTID") {
+            // Unstable ordering: rotate by the offset so pages overlap.
+            all.rotate_left(offset / 2);
+        }
+        let page: Vec<Value> = all.iter().skip(offset).take(n).cloned().collect();
+        json_reply(&json!({"features": page, "exceededTransferLimit": offset + page.len() < all.len(), "spatialReference": {"wkid": 4326}}))
+    }));
+    let url = srv.url("/x/FeatureServer/0");
+    let session = Session::new(&ingest_cfg()).expect("session");
+    let scan = block_on(async {
+        let p = arcgis::probe(&session, &url, "APN").await?;
+        arcgis::scan(&session, &url, &p, 100, "APN").await
+    })
+    .expect("runtime")
+    .expect("scan");
+    assert_eq!(scan.features, 30);
+    assert_eq!(scan.scans, 2, "second scan ordered by the id field");
+    assert!(srv.requests().iter().any(|q| q.param("orderByFields").as_deref() == Some("APN")));
+}
+
+#[test]
 fn geojson_url_conditional_get_is_a_skip() {
     let body = Arc::new(Mutex::new((layer(&grid(12)), "\"v1\"".to_string())));
     let b2 = body.clone();

@@ -143,7 +143,7 @@ fn exceeded(v: &Value) -> Option<bool> {
 pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_size: u32, id_field: &str) -> Result<Scan, FetchError> {
     let mut expected = count(session, layer_url).await?;
     let page_cap = probe.max_record_count.unwrap_or(page_size).min(page_size).max(1);
-    let order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
+    let mut order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
     let mut pages = 0;
     for scan_no in 1..=3u32 {
         let mut collected: HashMap<String, Value> = HashMap::new();
@@ -167,6 +167,10 @@ pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_s
                 }
                 Err(e) => return Err(e),
             };
+            let wkid = v.get("spatialReference").and_then(|sr| sr.get("latestWkid").or_else(|| sr.get("wkid"))).and_then(Value::as_i64);
+            if let Some(w) = wkid.filter(|w| *w != 4326) {
+                return Err(FetchError::Protocol { url, reason: format!("the server answered in spatial reference {w} although outSR=4326 was asked") });
+            }
             let feats = v.get("features").and_then(Value::as_array).ok_or_else(|| FetchError::Protocol {
                 url: url.clone(),
                 reason: "query answer has no features[]".into(),
@@ -198,6 +202,13 @@ pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_s
         if after != expected {
             tracing::info!(url = layer_url, before = expected, after, "feature count moved during the scan; scanning again");
             expected = after;
+            continue;
+        }
+        if collected.len() as u64 != expected && duplicates > 0 && order != id_field {
+            // Pages overlapped: the server does not honour the object-id ordering. Scan again
+            // ordered by the configured id field.
+            tracing::info!(url = layer_url, duplicates, "pages overlapped; scanning again ordered by {id_field}");
+            order = id_field.to_string();
             continue;
         }
         if collected.len() as u64 != expected {
