@@ -49,6 +49,9 @@ pub enum Command {
         /// Update snapshots and prime idempotency keys without sending anything.
         #[arg(long)]
         reprocess: bool,
+        /// Re-process the payload staged by the source's last HTTP fetch (needs --source).
+        #[arg(long, requires = "source")]
+        from_staging: bool,
     },
     /// Long-running: re-ingest each source every `every`, deliver continuously.
     Serve {
@@ -144,7 +147,7 @@ pub fn dispatch(cli: Cli) -> i32 {
                 1
             }
         },
-        Command::Run { config, source, reprocess } => cmd_run(&config, source.as_deref(), reprocess),
+        Command::Run { config, source, reprocess, from_staging } => cmd_run(&config, source.as_deref(), reprocess, from_staging),
         Command::Serve { config } => cmd_serve(&config),
         Command::Check { config } => cmd_check(&config),
         Command::Audit { config, parcel, watcher, source, key, lineage, format } => {
@@ -192,7 +195,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, i32> {
     })
 }
 
-fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool) -> i32 {
+fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_staging: bool) -> i32 {
     let engine = match open_engine(config) {
         Ok(e) => e,
         Err(code) => return code,
@@ -209,7 +212,12 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool) -> i32
     };
     let mut failed = 0;
     for src in &sources {
-        match engine.run_source(src, RunOptions { reprocess }) {
+        let result = if from_staging {
+            engine.run_source_from_staging(src, RunOptions { reprocess })
+        } else {
+            engine.run_source(src, RunOptions { reprocess })
+        };
+        match result {
             Ok(report) => println!("{}", report.line()),
             Err(e) => {
                 failed += 1;
@@ -337,24 +345,20 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     }
                     let e = engine.clone();
                     let s = src.clone();
-                    let r = runs.clone();
-                    let result = tokio::task::spawn_blocking(move || match r.try_start(&s.id) {
-                        Some(_lease) => Some(e.run_source(&s, RunOptions::default())),
-                        None => None,
-                    })
-                    .await;
-                    match result {
-                        Ok(Some(Ok(report))) => {
+                    match tokio::task::spawn_blocking(move || e.run_source(&s, RunOptions::default())).await {
+                        Ok(Ok(report)) if report.record.verdict == crate::model::Verdict::SkippedOverlap => {
+                            tracing::warn!(source = %src.id, "skipped_overlap: a run of this source is still going")
+                        }
+                        Ok(Ok(report)) => {
                             tracing::info!("{}", report.line());
                             wake.notify_one();
                         }
-                        Ok(Some(Err(err))) => tracing::error!(source = %src.id, "run failed: {err}"),
-                        Ok(None) => tracing::warn!(source = %src.id, "skipped_overlap: a run of this source is still going"),
+                        Ok(Err(err)) => tracing::error!(source = %src.id, "run failed: {err}"),
                         Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
                     }
                     runs.set_next_run(&src.id, crate::util::now_ms() + src.every.as_millis() as u64);
                     tokio::select! {
-                        _ = tokio::time::sleep(src.every) => {}
+                        _ = tokio::time::sleep(crate::ingest::portal::jittered(src.every)) => {}
                         _ = rx.changed() => {}
                     }
                 }
@@ -508,7 +512,23 @@ fn cmd_check(config: &std::path::Path) -> i32 {
     println!("store: {}", cfg.store_path.display());
     let mut bad = 0;
     for s in &cfg.sources {
-        let crate::config::SourceKind::File { path } = &s.kind;
+        let path = match &s.kind {
+            crate::config::SourceKind::File { path } => path,
+            other => {
+                println!(
+                    "source {}: {} every={} floor={} stale_after={} max_change_ratio={} fields: id={} zoning={}",
+                    s.id,
+                    crate::ingest::settings::describe_kind(other),
+                    crate::util::format_duration(s.every),
+                    crate::util::format_duration(s.floor),
+                    crate::util::format_duration(s.stale_after),
+                    s.max_change_ratio,
+                    s.fields.parcel_id,
+                    s.fields.zoning
+                );
+                continue;
+            }
+        };
         let exists = if path.exists() { "exists" } else { "MISSING" };
         println!(
             "source {}: kind=file path={} ({exists}) every={} max_change_ratio={} fields: id={} zoning={}",

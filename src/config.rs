@@ -31,6 +31,7 @@ struct RawConfig {
     #[serde(default, rename = "subscriber")]
     subscribers: Vec<RawSubscriber>,
     #[serde(default)]
+    ingest: crate::ingest::settings::RawIngest,
     control: RawControl,
 }
 
@@ -73,6 +74,12 @@ struct RawSource {
     max_change_ratio: Option<f64>,
     fields: RawFields,
     severity: Option<RawSeverity>,
+    /// HTTP kinds: the layer / collection / resource URL.
+    url: Option<String>,
+    /// HTTP kinds: features per page (`arcgis`, `socrata`) or `limit` (`ogcapi`).
+    page_size: Option<u32>,
+    floor: Option<String>,
+    stale_after: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -110,6 +117,8 @@ pub struct Config {
     pub delivery: DeliveryConfig,
     pub sources: Vec<SourceConfig>,
     pub subscribers: Vec<SubscriberConfig>,
+    /// `[ingest]`: transport settings of the HTTP source kinds.
+    pub ingest: crate::ingest::settings::IngestConfig,
     pub control: ControlConfig,
 }
 
@@ -157,6 +166,14 @@ impl Default for DeliveryConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub enum SourceKind {
     File { path: PathBuf },
+    /// One URL returning a FeatureCollection; conditional GET.
+    GeojsonUrl { url: String },
+    /// An ArcGIS FeatureServer / MapServer layer URL (ending in the layer number).
+    Arcgis { url: String, page_size: u32 },
+    /// An OGC API – Features collection URL (`…/collections/{id}`).
+    Ogcapi { url: String, limit: u32 },
+    /// A SODA resource URL (`…/resource/{4x4}.geojson`).
+    Socrata { url: String, page_size: u32 },
 }
 
 /// Which properties carry the parcel id, zoning code and effective date.
@@ -200,6 +217,10 @@ pub struct SourceConfig {
     pub max_change_ratio: f64,
     pub fields: FieldMap,
     pub severity: SeverityRules,
+    /// Fetch anyway when this long has passed since the last fetch, whatever the probe says.
+    pub floor: Duration,
+    /// Flag the source when its content has not changed for this long.
+    pub stale_after: Duration,
 }
 
 /// One `[[subscriber]]`: who is told, about which area, how loudly.
@@ -311,11 +332,15 @@ impl Config {
                         .ok_or_else(|| invalid(format!("{at}: kind = \"file\" needs `path`")))?;
                     SourceKind::File { path: resolve(p) }
                 }
-                other => {
-                    return Err(invalid(format!(
-                        "{at}: unknown kind {other:?} (supported: \"file\")"
-                    )))
-                }
+                other => match crate::ingest::settings::http_kind(other, s.url.as_deref(), s.page_size) {
+                    Ok(Some(k)) => k,
+                    Ok(None) => {
+                        return Err(invalid(format!(
+                            "{at}: unknown kind {other:?} (supported: \"file\", \"geojson_url\", \"arcgis\", \"ogcapi\", \"socrata\")"
+                        )))
+                    }
+                    Err(e) => return Err(invalid(format!("{at}: {e}"))),
+                },
             };
             let every = dur(&format!("{at}.every"), &s.every, Duration::from_secs(3600))?;
             if every < Duration::from_secs(1) {
@@ -370,6 +395,8 @@ impl Config {
                     effective_date: s.fields.effective_date.clone(),
                 },
                 severity,
+                floor: dur(&format!("{at}.floor"), &s.floor, Duration::from_secs(86_400))?,
+                stale_after: dur(&format!("{at}.stale_after"), &s.stale_after, Duration::from_secs(45 * 86_400))?,
             });
         }
 
@@ -428,6 +455,7 @@ impl Config {
             delivery,
             sources,
             subscribers,
+            ingest: raw.ingest.validate().map_err(invalid)?,
         })
     }
 

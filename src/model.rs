@@ -315,6 +315,8 @@ pub enum Verdict {
     Reprocessed,
     /// The run failed before committing; nothing of it exists but this record.
     Failed,
+    /// Triggered while a run of the same source was still going: not run.
+    SkippedOverlap,
 }
 
 impl Verdict {
@@ -327,6 +329,7 @@ impl Verdict {
             Verdict::Held => "held",
             Verdict::Reprocessed => "reprocessed",
             Verdict::Failed => "failed",
+            Verdict::SkippedOverlap => "skipped_overlap",
         }
     }
 }
@@ -352,6 +355,8 @@ pub struct Watermark {
     /// Fingerprint of how the bytes were read (field mapping, bbox): the same bytes read
     /// with a different mapping are not "identical".
     pub read_fingerprint: String,
+    /// ArcGIS: hash of the layer's `fields[]` (names and types) at the last fetch.
+    pub schema_hash: Option<String>,
 }
 
 /// Counts a run produced; also what `run` prints per source.

@@ -7,12 +7,13 @@ use crate::detect::diff::{diff, RawChange};
 use crate::detect::gate::{decide, GateDecision, GateInput};
 use crate::detect::severity;
 use crate::ingest::normalize::{normalize_feature, NormalizeRules};
-use crate::ingest::{geojson, source, IngestError};
+use crate::ingest::portal::{self, PortalFetch, PortalMeta};
+use crate::ingest::{geojson, source, staging, IngestError};
 use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
-use crate::store::{Claim, CommitMode, QuarantineDraft, RunCommit, Store, StoreError};
+use crate::store::{Claim, CommitMode, PortalSignals, QuarantineDraft, RunCommit, Store, StoreError};
 use crate::util::now_ms;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -70,6 +71,9 @@ impl SourceReport {
         if let Some(e) = &r.error {
             s.push_str(&format!(" error={e:?}"));
         }
+        for w in &r.warnings {
+            s.push_str(&format!(" warning={w:?}"));
+        }
         s
     }
 }
@@ -122,6 +126,15 @@ struct ParsedLayer {
     quarantine: Vec<QuarantineDraft>,
     features: u64,
     repaired: u64,
+}
+
+fn portal_signals(m: &PortalMeta) -> PortalSignals {
+    PortalSignals {
+        publisher_ts_ms: m.publisher_ts_ms,
+        etag: m.etag.clone(),
+        last_modified: m.last_modified.clone(),
+        schema_hash: m.schema_hash.clone(),
+    }
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -206,8 +219,23 @@ impl Engine {
     /// Runs one source: see the module doc. Failures before the commit leave a `failed` run
     /// record and nothing else; the next run redoes the work.
     pub fn run_source(&self, src: &SourceConfig, opts: RunOptions) -> Result<SourceReport, PipelineError> {
+        self.run_source_with(src, opts, false)
+    }
+
+    /// `zonewatch run --source ID --from-staging`: re-processes the payload staged by the
+    /// source's last HTTP fetch (digest re-checked) without touching the portal.
+    pub fn run_source_from_staging(&self, src: &SourceConfig, opts: RunOptions) -> Result<SourceReport, PipelineError> {
+        self.run_source_with(src, opts, true)
+    }
+
+    fn run_source_with(&self, src: &SourceConfig, opts: RunOptions, from_staging: bool) -> Result<SourceReport, PipelineError> {
         let started = now_ms();
-        match self.run_source_inner(src, opts, started) {
+        // One run per source at a time: a trigger during a run is recorded, not run.
+        let Some(_lease) = staging::try_lease(self.store.path(), &src.id) else {
+            let record = self.store.record_run_note(&src.id, started, Verdict::SkippedOverlap, "", None, None)?;
+            return Ok(SourceReport { record, hold_reason: None });
+        };
+        match self.run_source_inner(src, opts, started, from_staging) {
             Ok(r) => Ok(r),
             Err(e) => {
                 if let Err(note_err) = self.store.record_run_note(&src.id, started, Verdict::Failed, "", None, Some(e.to_string())) {
@@ -218,14 +246,45 @@ impl Engine {
         }
     }
 
-    fn run_source_inner(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
-        let fetched = source::fetch(src)?;
+    fn run_source_inner(&self, src: &SourceConfig, opts: RunOptions, started: u64, from_staging: bool) -> Result<SourceReport, PipelineError> {
         let wm = self.store.watermark(&src.id)?;
+        let fetch = if from_staging {
+            let (bytes, m) = staging::load(self.store.path(), &src.id)?;
+            Some(PortalFetch::Layer { bytes, meta: m.portal_meta() })
+        } else {
+            // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
+            portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess).map_err(IngestError::from)?
+        };
+        let (fetched, meta) = match fetch {
+            None => (source::fetch(src)?, None),
+            Some(PortalFetch::Skip { reason, meta }) => {
+                let mut warnings = vec![format!("probe: {reason}")];
+                warnings.extend(portal::stale(wm.as_ref(), started, src.stale_after));
+                let signals = portal_signals(&meta);
+                let record = self.store.commit_unchanged(&src.id, started, now_ms(), Verdict::Skip, &signals, 0, warnings)?;
+                return Ok(SourceReport { record, hold_reason: None });
+            }
+            Some(PortalFetch::Layer { bytes, meta }) => {
+                let digest = source::digest(&bytes);
+                if !from_staging {
+                    if let Err(e) = staging::stage(self.store.path(), &src.id, &bytes, &digest, &meta, started) {
+                        tracing::warn!(source = %src.id, "could not stage the payload: {e}");
+                    }
+                }
+                (source::FetchedLayer { digest, bytes }, Some(meta))
+            }
+        };
         let fingerprint = src.read_fingerprint();
         if !opts.reprocess {
             if let Some(w) = &wm {
                 if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
-                    let record = self.store.commit_identical(&src.id, started, now_ms(), 0)?;
+                    let record = match &meta {
+                        None => self.store.commit_identical(&src.id, started, now_ms(), 0)?,
+                        Some(m) => {
+                            let warnings = portal::stale(wm.as_ref(), started, src.stale_after).into_iter().collect();
+                            self.store.commit_unchanged(&src.id, started, now_ms(), Verdict::Identical, &portal_signals(m), 0, warnings)?
+                        }
+                    };
                     return Ok(SourceReport { record, hold_reason: None });
                 }
             }
@@ -273,13 +332,20 @@ impl Engine {
                 Some(w) if w.digest == fetched.digest => w.content_changed_at_ms,
                 _ => now,
             },
-            publisher_ts_ms: None,
-            etag: None,
-            last_modified: None,
+            publisher_ts_ms: meta.as_ref().and_then(|m| m.publisher_ts_ms),
+            etag: meta.as_ref().and_then(|m| m.etag.clone()),
+            last_modified: meta.as_ref().and_then(|m| m.last_modified.clone()),
             read_fingerprint: fingerprint,
+            schema_hash: meta.as_ref().and_then(|m| m.schema_hash.clone()),
         };
+        // A publisher timestamp that went backwards is a restatement: held with its reason.
+        let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m)) };
         let (mode, hold_reason) = match decision {
             GateDecision::Baseline => (CommitMode::Baseline, None),
+            _ if restated.is_some() => {
+                let reason = restated.unwrap_or_default();
+                (CommitMode::Hold { reason: reason.clone() }, Some(reason))
+            }
             GateDecision::Deliver => (CommitMode::Deliver, None),
             GateDecision::Reprocess => (CommitMode::Reprocess, None),
             GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone() }, Some(reason)),

@@ -113,7 +113,7 @@ pub fn document() -> Value {
                     "last_run": ns("string"), "age_s": ns("integer"), "last_change": ns("string"), "next_run": ns("string"), "running": s("boolean"), "open_holds": s("integer")}},
                 "Run": {"type": "object", "required": ["run_id", "source_id", "lineage_id", "verdict"], "properties": {
                     "run_id": s("integer"), "source_id": s("string"), "lineage_id": s("string"), "started": s("string"), "finished": s("string"),
-                    "verdict": {"type": "string", "enum": ["baseline", "run", "identical", "skip", "held", "reprocessed", "failed"]},
+                    "verdict": {"type": "string", "enum": ["baseline", "run", "identical", "skip", "held", "reprocessed", "failed", "skipped_overlap"]},
                     "digest": s("string"), "features": s("integer"), "parcels": s("integer"), "quarantined": s("integer"), "repaired": s("integer"),
                     "changes": s("integer"), "queued": s("integer"), "duplicates": s("integer"), "suppressed": s("integer"), "below_min_severity": s("integer"),
                     "hold_id": ns("integer"), "warnings": {"type": "array", "items": s("string")}, "error": ns("string")}},

@@ -221,7 +221,7 @@ fn list_sources(st: &ControlState) -> Resp {
             "age_s": last.as_ref().map(|r| now.saturating_sub(r.finished_ms) / 1000),
             "last_change": wm.as_ref().map(|w| rfc3339(w.content_changed_at_ms)),
             "next_run": st.runs.next_run(&src.id).map(rfc3339),
-            "running": st.runs.is_running(&src.id),
+            "running": crate::ingest::staging::is_leased(st.engine.store.path(), &src.id),
             "open_holds": open_holds,
         }));
     }
@@ -234,10 +234,10 @@ async fn run_source(st: Arc<ControlState>, id: String) -> Resp {
     }
     let st2 = st.clone();
     let r = blocking(move || {
-        let Some(_lease) = st2.runs.try_start(&id) else {
-            return json(StatusCode::CONFLICT, &json!({"status": "skipped_overlap", "source_id": id, "message": "a run of this source is in progress"}));
-        };
         match st2.engine.run_source_id(&id, RunOptions::default()) {
+            Ok(report) if report.record.verdict == Verdict::SkippedOverlap => {
+                json(StatusCode::CONFLICT, &json!({"status": "skipped_overlap", "source_id": id, "message": "a run of this source is in progress"}))
+            }
             Ok(report) => json(StatusCode::OK, &json!({"status": "done", "run": run_json(&report.record), "hold_reason": report.hold_reason})),
             Err(e) => error(StatusCode::UNPROCESSABLE_ENTITY, "run_failed", e.to_string()),
         }
@@ -388,7 +388,7 @@ async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
             Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_hold", format!("hold {id} does not exist")),
             Err(e) => return internal(e),
         };
-        let Some(_lease) = st2.runs.try_start(&source) else {
+        let Some(_lease) = crate::ingest::staging::try_lease(st2.engine.store.path(), &source) else {
             return error(StatusCode::CONFLICT, "source_busy", format!("a run of {source} is in progress; try again"));
         };
         match st2.engine.resolve_hold(id, prime) {

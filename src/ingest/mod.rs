@@ -3,11 +3,19 @@
 //! * [`source`] reads the bytes of a configured source and digests them;
 //! * [`geojson`] streams the features of a FeatureCollection without building a document tree;
 //! * [`normalize`] turns one raw feature into a [`crate::model::Parcel`] or a quarantine reason,
-//!   validating and repairing its geometry.
+//!   validating and repairing its geometry;
+//! * [`portal`], [`arcgis`] and [`http`] fetch the HTTP source kinds (probe, page, retry,
+//!   rate-limit) and hand back one FeatureCollection; [`settings`] holds their config keys;
+//!   [`staging`] keeps the last payload on disk and the per-source run lease.
 
 pub mod geojson;
 pub mod normalize;
 pub mod source;
+pub mod arcgis;
+pub mod http;
+pub mod portal;
+pub mod settings;
+pub mod staging;
 
 /// Errors that stop a whole layer (a single bad feature is quarantined instead).
 #[derive(Debug, thiserror::Error)]
@@ -18,4 +26,6 @@ pub enum IngestError {
     Malformed(String),
     #[error("layer uses CRS {0:?}; zonewatch reads RFC 7946 GeoJSON in EPSG:4326 / CRS84 only")]
     UnsupportedCrs(String),
+    #[error("fetch failed: {0}")]
+    Fetch(#[from] http::FetchError),
 }

@@ -25,5 +25,7 @@ pub fn fetch(source: &SourceConfig) -> Result<FetchedLayer, IngestError> {
             let digest = digest(&bytes);
             Ok(FetchedLayer { bytes, digest })
         }
+        // HTTP kinds are fetched by `ingest::portal` (probe, paging, retries).
+        _ => Err(IngestError::Malformed(format!("source {} is an HTTP source; it is fetched by ingest::portal", source.id))),
     }
 }

@@ -16,12 +16,14 @@ mod delivery;
 mod queries;
 mod runs;
 mod subscribers;
+mod probe;
 mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
 pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
 pub use subscribers::StoredSubscriber;
+pub use probe::PortalSignals;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};

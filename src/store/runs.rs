@@ -379,14 +379,14 @@ impl Store {
     }
 }
 
-fn write_watermark(wtx: &WriteTransaction, source_id: &str, wm: &Watermark) -> Result<(), StoreError> {
+pub(super) fn write_watermark(wtx: &WriteTransaction, source_id: &str, wm: &Watermark) -> Result<(), StoreError> {
     let bytes = encode(wm);
     wtx.open_table(WATERMARKS)?.insert(source_id, bytes.as_slice())?;
     wtx.open_table(WATERMARK_HISTORY)?.insert((source_id, wm.run_id), bytes.as_slice())?;
     Ok(())
 }
 
-fn supersede_open_holds(
+pub(super) fn supersede_open_holds(
     wtx: &WriteTransaction,
     source_id: &str,
     by_run: u64,

@@ -1,0 +1,395 @@
+//! ArcGIS FeatureServer / MapServer layers. Exists because ArcGIS is the most common county
+//! portal and the least honest about completeness:
+//!
+//! * the layer metadata (`?f=json`) is the cheap probe: `editingInfo.dataLastEditDate` is the
+//!   publisher timestamp and a hash of `fields[]` detects schema edits;
+//! * the scan pages `query` with `resultOffset`/`resultRecordCount`, ordered by the object-id
+//!   field, **while `exceededTransferLimit` is true** (top level or under `properties`); when
+//!   the flag is absent the scan is complete only when the collected features equal the
+//!   `returnCountOnly` count; an empty page always ends the scan (never loops forever);
+//! * the count is taken before and after the scan; if it moved the layer is scanned again;
+//! * errors arrive as HTTP 200 with `{"error":{"code":…}}`: `code >= 500` is retried with half
+//!   the page size, 498/499 is an authentication error, anything else is permanent;
+//! * Esri JSON rings are converted to GeoJSON (outer rings clockwise, holes counter-clockwise)
+//!   and the object-id attribute is dropped: OBJECTIDs are reassigned on republish, so they are
+//!   never a key and never part of the digest. The configured id field is the key.
+
+use super::http::{FetchError, Session};
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+
+/// What the layer metadata says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerProbe {
+    /// `editingInfo.dataLastEditDate` (epoch ms), when the server reports it.
+    pub publisher_ts_ms: Option<u64>,
+    /// Hex sha256 (16 chars) of the fields' names and types.
+    pub schema_hash: String,
+    pub object_id_field: Option<String>,
+    pub max_record_count: Option<u32>,
+    pub field_names: Vec<String>,
+}
+
+/// One complete scan of a layer.
+#[derive(Debug, Clone)]
+pub struct Scan {
+    /// A GeoJSON FeatureCollection, features sorted by the configured id field.
+    pub bytes: Vec<u8>,
+    pub features: usize,
+    pub pages: u32,
+    pub scans: u32,
+}
+
+/// Checks an ArcGIS JSON body for the `{"error":…}` form that comes with HTTP 200.
+pub fn check_error(url: &str, v: &Value) -> Result<(), FetchError> {
+    let Some(err) = v.get("error") else { return Ok(()) };
+    let code = err.get("code").and_then(Value::as_i64).unwrap_or(500);
+    let mut message = err.get("message").and_then(Value::as_str).unwrap_or("").to_string();
+    if let Some(details) = err.get("details").and_then(Value::as_array) {
+        let d: Vec<&str> = details.iter().filter_map(Value::as_str).collect();
+        if !d.is_empty() {
+            message.push_str(&format!(" ({})", d.join("; ")));
+        }
+    }
+    Err(match code {
+        498 | 499 => FetchError::Auth { url: url.to_string(), code, message },
+        _ => FetchError::Arcgis { url: url.to_string(), code, message },
+    })
+}
+
+fn retryable_arcgis(e: &FetchError) -> bool {
+    matches!(e, FetchError::Arcgis { code, .. } if *code >= 500)
+}
+
+/// GET + JSON + ArcGIS error check; ArcGIS errors with `code >= 500` are retried within the
+/// session's attempts and budget.
+async fn get_json(session: &Session, url: &str) -> Result<Value, FetchError> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let v = session.get(url, &[]).await?.json()?;
+        match check_error(url, &v) {
+            Ok(()) => return Ok(v),
+            Err(e) if retryable_arcgis(&e) => session.pause_before_retry(url, attempt, &e.to_string(), None).await?,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Reads the layer metadata and checks the configured id field exists and is not the
+/// object-id field.
+pub async fn probe(session: &Session, layer_url: &str, id_field: &str) -> Result<LayerProbe, FetchError> {
+    let url = format!("{layer_url}?f=json");
+    let v = get_json(session, &url).await?;
+    let fields = v.get("fields").and_then(Value::as_array).ok_or_else(|| FetchError::Protocol {
+        url: url.clone(),
+        reason: "layer metadata has no fields[] (is this a layer URL ending in the layer number?)".into(),
+    })?;
+    let mut h = Sha256::new();
+    let mut names = Vec::new();
+    let mut oid_by_type = None;
+    for f in fields {
+        let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+        let ty = f.get("type").and_then(Value::as_str).unwrap_or("");
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(ty.as_bytes());
+        h.update([0]);
+        if ty == "esriFieldTypeOID" {
+            oid_by_type = Some(name.to_string());
+        }
+        names.push(name.to_string());
+    }
+    let object_id_field = v.get("objectIdField").and_then(Value::as_str).map(str::to_string).or(oid_by_type);
+    let publisher_ts_ms = v
+        .get("editingInfo")
+        .and_then(|e| e.get("dataLastEditDate").or_else(|| e.get("lastEditDate")))
+        .and_then(Value::as_u64);
+    if object_id_field.as_deref().is_some_and(|o| o.eq_ignore_ascii_case(id_field)) {
+        return Err(FetchError::Protocol {
+            url,
+            reason: format!("fields.parcel_id = {id_field:?} is the layer's object-id field; OBJECTIDs are reassigned on republish, configure a stable id field"),
+        });
+    }
+    if !names.iter().any(|n| n == id_field) {
+        return Err(FetchError::Protocol { url, reason: format!("the layer has no field {id_field:?} (fields.parcel_id); it has {names:?}") });
+    }
+    Ok(LayerProbe {
+        publisher_ts_ms,
+        schema_hash: crate::util::hex(&h.finalize()[..8]),
+        object_id_field,
+        max_record_count: v.get("maxRecordCount").and_then(Value::as_u64).map(|n| n.clamp(1, u32::MAX as u64) as u32),
+        field_names: names,
+    })
+}
+
+/// `returnCountOnly` of the whole layer.
+pub async fn count(session: &Session, layer_url: &str) -> Result<u64, FetchError> {
+    let url = format!("{layer_url}/query?where=1%3D1&returnCountOnly=true&f=json");
+    let v = get_json(session, &url).await?;
+    v.get("count")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| FetchError::Protocol { url, reason: "returnCountOnly answer has no count".into() })
+}
+
+fn exceeded(v: &Value) -> Option<bool> {
+    v.get("exceededTransferLimit")
+        .or_else(|| v.get("properties").and_then(|p| p.get("exceededTransferLimit")))
+        .and_then(Value::as_bool)
+}
+
+/// Scans the whole layer (see the module doc) into a FeatureCollection.
+pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_size: u32, id_field: &str) -> Result<Scan, FetchError> {
+    let mut expected = count(session, layer_url).await?;
+    let page_cap = probe.max_record_count.unwrap_or(page_size).min(page_size).max(1);
+    let mut order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
+    let mut pages = 0;
+    for scan_no in 1..=3u32 {
+        let mut collected: HashMap<String, Value> = HashMap::new();
+        let mut duplicates = 0u64;
+        let mut offset: u64 = 0;
+        let mut page = page_cap;
+        let mut failures = 0;
+        loop {
+            let url = format!(
+                "{layer_url}/query?where=1%3D1&outFields=*&outSR=4326&returnGeometry=true&f=json&orderByFields={}&resultOffset={offset}&resultRecordCount={page}",
+                urlencode(&order)
+            );
+            pages += 1;
+            let v = match session.get(&url, &[]).await?.json().and_then(|v| check_error(&url, &v).map(|_| v)) {
+                Ok(v) => v,
+                Err(e) if retryable_arcgis(&e) => {
+                    failures += 1;
+                    session.pause_before_retry(&url, failures, &e.to_string(), None).await?;
+                    page = (page / 2).max(1);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let wkid = v.get("spatialReference").and_then(|sr| sr.get("latestWkid").or_else(|| sr.get("wkid"))).and_then(Value::as_i64);
+            if let Some(w) = wkid.filter(|w| *w != 4326) {
+                return Err(FetchError::Protocol { url, reason: format!("the server answered in spatial reference {w} although outSR=4326 was asked") });
+            }
+            let feats = v.get("features").and_then(Value::as_array).ok_or_else(|| FetchError::Protocol {
+                url: url.clone(),
+                reason: "query answer has no features[]".into(),
+            })?;
+            let n = feats.len() as u64;
+            for (i, f) in feats.iter().enumerate() {
+                let attrs = f.get("attributes").and_then(Value::as_object).cloned().unwrap_or_default();
+                let key = match probe.object_id_field.as_deref().and_then(|o| attrs.get(o)) {
+                    Some(v) => v.to_string(),
+                    None => format!("#{}", offset + i as u64),
+                };
+                let feature = esri_feature_to_geojson(attrs, f.get("geometry"), probe.object_id_field.as_deref());
+                if collected.insert(key, feature).is_some() {
+                    duplicates += 1;
+                }
+            }
+            offset += n;
+            if n == 0 {
+                break;
+            }
+            match exceeded(&v) {
+                Some(true) => continue,
+                Some(false) => break,
+                None if collected.len() as u64 >= expected => break,
+                None => continue,
+            }
+        }
+        let after = count(session, layer_url).await?;
+        if after != expected {
+            tracing::info!(url = layer_url, before = expected, after, "feature count moved during the scan; scanning again");
+            expected = after;
+            continue;
+        }
+        if collected.len() as u64 != expected && duplicates > 0 && order != id_field {
+            // Pages overlapped: the server does not honour the object-id ordering. Scan again
+            // ordered by the configured id field.
+            tracing::info!(url = layer_url, duplicates, "pages overlapped; scanning again ordered by {id_field}");
+            order = id_field.to_string();
+            continue;
+        }
+        if collected.len() as u64 != expected {
+            return Err(FetchError::Protocol {
+                url: layer_url.to_string(),
+                reason: format!(
+                    "incomplete scan: {} distinct features collected ({duplicates} repeated) but returnCountOnly says {expected}",
+                    collected.len()
+                ),
+            });
+        }
+        let n = collected.len();
+        let bytes = feature_collection(collected.into_values().collect(), id_field);
+        return Ok(Scan { bytes, features: n, pages, scans: scan_no });
+    }
+    Err(FetchError::Protocol { url: layer_url.to_string(), reason: "the feature count kept moving over 3 scans; try again later".into() })
+}
+
+/// Serialises features as a FeatureCollection in a deterministic order (by the id field's
+/// value, then by the feature's JSON) so the digest does not depend on paging order.
+pub fn feature_collection(features: Vec<Value>, id_field: &str) -> Vec<u8> {
+    let mut keyed: Vec<(String, String)> = features
+        .into_iter()
+        .map(|f| {
+            let id = match f.get("properties").and_then(|p| p.get(id_field)) {
+                Some(Value::String(s)) => s.clone(),
+                Some(v) => v.to_string(),
+                None => String::new(),
+            };
+            (id, f.to_string())
+        })
+        .collect();
+    keyed.sort();
+    let mut out = Vec::with_capacity(keyed.iter().map(|k| k.1.len() + 1).sum::<usize>() + 64);
+    out.extend_from_slice(b"{\"type\":\"FeatureCollection\",\"features\":[");
+    for (i, (_, f)) in keyed.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(f.as_bytes());
+    }
+    out.extend_from_slice(b"]}");
+    out
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
+}
+
+/// One Esri JSON feature → a GeoJSON feature (object-id attribute dropped).
+pub fn esri_feature_to_geojson(mut attrs: Map<String, Value>, geometry: Option<&Value>, oid_field: Option<&str>) -> Value {
+    if let Some(o) = oid_field {
+        attrs.remove(o);
+    }
+    json!({"type": "Feature", "properties": Value::Object(attrs), "geometry": geometry.map(esri_geometry_to_geojson).unwrap_or(Value::Null)})
+}
+
+type Ring = Vec<[f64; 2]>;
+
+fn ring_of(v: &Value) -> Option<Ring> {
+    v.as_array()?
+        .iter()
+        .map(|p| {
+            let a = p.as_array()?;
+            Some([a.first()?.as_f64()?, a.get(1)?.as_f64()?])
+        })
+        .collect()
+}
+
+/// Twice the signed area (shoelace); negative = clockwise.
+fn signed_area2(r: &Ring) -> f64 {
+    r.windows(2).map(|w| w[0][0] * w[1][1] - w[1][0] * w[0][1]).sum()
+}
+
+fn point_in_ring(p: [f64; 2], r: &Ring) -> bool {
+    let mut inside = false;
+    let n = r.len();
+    if n < 3 {
+        return false;
+    }
+    let mut j = n - 1;
+    for i in 0..n {
+        let (a, b) = (r[i], r[j]);
+        if (a[1] > p[1]) != (b[1] > p[1]) && p[0] < (b[0] - a[0]) * (p[1] - a[1]) / (b[1] - a[1]) + a[0] {
+            inside = !inside;
+        }
+        j = i;
+    }
+    inside
+}
+
+/// Esri geometry → GeoJSON geometry. Polygons: clockwise rings are outers, counter-clockwise
+/// rings are holes of the outer that contains them (a hole inside none becomes an outer; a
+/// layer with no clockwise ring at all has every ring as an outer).
+pub fn esri_geometry_to_geojson(g: &Value) -> Value {
+    if let Some(rings) = g.get("rings").and_then(Value::as_array) {
+        let rings: Vec<Ring> = rings.iter().filter_map(ring_of).filter(|r| r.len() >= 4).collect();
+        if rings.is_empty() {
+            return Value::Null;
+        }
+        let any_cw = rings.iter().any(|r| signed_area2(r) < 0.0);
+        let mut polys: Vec<Vec<Ring>> = Vec::new();
+        let mut holes = Vec::new();
+        for r in rings {
+            if !any_cw || signed_area2(&r) < 0.0 {
+                polys.push(vec![r]);
+            } else {
+                holes.push(r);
+            }
+        }
+        for h in holes {
+            let probe = h[0];
+            match polys.iter_mut().find(|p| point_in_ring(probe, &p[0])) {
+                Some(p) => p.push(h),
+                None => polys.push(vec![h]),
+            }
+        }
+        return if polys.len() == 1 {
+            json!({"type": "Polygon", "coordinates": polys.remove(0)})
+        } else {
+            json!({"type": "MultiPolygon", "coordinates": polys})
+        };
+    }
+    if let Some(paths) = g.get("paths").and_then(Value::as_array) {
+        let lines: Vec<Ring> = paths.iter().filter_map(ring_of).collect();
+        return json!({"type": "MultiLineString", "coordinates": lines});
+    }
+    if let (Some(x), Some(y)) = (g.get("x").and_then(Value::as_f64), g.get("y").and_then(Value::as_f64)) {
+        return json!({"type": "Point", "coordinates": [x, y]});
+    }
+    if let Some(points) = g.get("points").and_then(Value::as_array) {
+        let pts: Vec<[f64; 2]> = ring_of(&Value::Array(points.clone())).unwrap_or_default();
+        return json!({"type": "MultiPoint", "coordinates": pts});
+    }
+    Value::Null
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rings_become_polygons_with_holes() {
+        // Outer clockwise square with a counter-clockwise hole, plus a second clockwise outer.
+        let g = json!({"rings": [
+            [[0.0,0.0],[0.0,10.0],[10.0,10.0],[10.0,0.0],[0.0,0.0]],
+            [[2.0,2.0],[4.0,2.0],[4.0,4.0],[2.0,4.0],[2.0,2.0]],
+            [[20.0,0.0],[20.0,5.0],[25.0,5.0],[25.0,0.0],[20.0,0.0]]
+        ]});
+        let out = esri_geometry_to_geojson(&g);
+        assert_eq!(out["type"], "MultiPolygon");
+        let polys = out["coordinates"].as_array().unwrap();
+        assert_eq!(polys.len(), 2);
+        assert_eq!(polys[0].as_array().unwrap().len(), 2, "hole attached to the first outer");
+        assert_eq!(polys[1].as_array().unwrap().len(), 1);
+        let single = esri_geometry_to_geojson(&json!({"rings": [[[0.0,0.0],[0.0,1.0],[1.0,1.0],[0.0,0.0]]]}));
+        assert_eq!(single["type"], "Polygon");
+        assert_eq!(esri_geometry_to_geojson(&json!({"rings": []})), Value::Null);
+    }
+
+    #[test]
+    fn error_bodies_are_classified() {
+        let e = check_error("u", &json!({"error": {"code": 498, "message": "Invalid token"}})).unwrap_err();
+        assert!(matches!(e, FetchError::Auth { code: 498, .. }));
+        let e = check_error("u", &json!({"error": {"code": 500, "message": "boom"}})).unwrap_err();
+        assert!(retryable_arcgis(&e));
+        let e = check_error("u", &json!({"error": {"code": 400, "message": "bad", "details": ["where"]}})).unwrap_err();
+        assert!(!retryable_arcgis(&e) && e.to_string().contains("where"));
+        assert!(check_error("u", &json!({"features": []})).is_ok());
+    }
+
+    #[test]
+    fn collection_order_is_deterministic_and_drops_objectid() {
+        let a = esri_feature_to_geojson(json!({"OBJECTID": 7, "APN": "b"}).as_object().unwrap().clone(), None, Some("OBJECTID"));
+        let b = esri_feature_to_geojson(json!({"OBJECTID": 3, "APN": "a"}).as_object().unwrap().clone(), None, Some("OBJECTID"));
+        let x = feature_collection(vec![a.clone(), b.clone()], "APN");
+        let y = feature_collection(vec![b, a], "APN");
+        assert_eq!(x, y);
+        let text = String::from_utf8(x).unwrap();
+        assert!(!text.contains("OBJECTID") && text.find("\"a\"") < text.find("\"b\""));
+    }
+}

@@ -1,0 +1,386 @@
+//! The HTTP transport of the portal source kinds. It exists so that every portal protocol
+//! (`geojson_url`, `arcgis`, `ogcapi`, `socrata`) gets the same discipline:
+//!
+//! * retry only 408/429/5xx, timeouts and connection errors (a truncated body is a connection
+//!   error); any other 4xx fails fast;
+//! * capped exponential backoff with full jitter, bounded by `max_attempts` per request **and**
+//!   by one wall-clock budget per source run ([`Session`]); `Retry-After` (seconds or HTTP-date)
+//!   is a floor, and a `Retry-After` beyond the budget fails at once;
+//! * a per-host token bucket shared by every source of the process (`rate_per_host`);
+//! * response bodies capped at `max_response_bytes`; compressed bodies are never requested,
+//!   and one sent anyway is refused (no gzip bomb can expand);
+//! * HTML / WAF pages where JSON was expected fail with the status, content type and first bytes;
+//! * redirects are followed by hand (at most 5) so every hop passes the private-target guard.
+
+use super::settings::IngestConfig;
+use crate::notify::delivery::{is_private, parse_retry_after};
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Why a portal request failed. Every variant names the URL it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("{url}: HTTP {status} (not retryable){detail}")]
+    Status { url: String, status: u16, detail: String },
+    #[error("{url}: gave up after {attempts} attempt(s): {last}")]
+    RetriesExhausted { url: String, attempts: u32, last: String },
+    #[error("{url}: retry budget of {budget_ms} ms spent after {attempts} attempt(s): {last}")]
+    BudgetExhausted { url: String, attempts: u32, budget_ms: u64, last: String },
+    #[error("{url}: expected JSON but got HTTP {status} content-type {content_type:?}, body starts {first_bytes:?}")]
+    NotJson { url: String, status: u16, content_type: String, first_bytes: String },
+    #[error("{url}: response is larger than the configured cap of {limit} bytes")]
+    TooLarge { url: String, limit: u64 },
+    #[error("{url}: response is content-encoded ({encoding}) although zonewatch asked for identity; refused")]
+    Encoded { url: String, encoding: String },
+    #[error("{url}: refused: {host} resolves to private address {ip} (set [ingest] allow_private_targets = true to allow)")]
+    PrivateTarget { url: String, host: String, ip: IpAddr },
+    #[error("{url}: bad URL: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("{url}: invalid JSON: {reason}")]
+    BadJson { url: String, reason: String },
+    #[error("{url}: ArcGIS error {code}: {message}")]
+    Arcgis { url: String, code: i64, message: String },
+    #[error("{url}: ArcGIS authentication error {code}: {message}")]
+    Auth { url: String, code: i64, message: String },
+    #[error("{url}: {reason}")]
+    Protocol { url: String, reason: String },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(String),
+}
+
+/// One received response (2xx or 304).
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub url: String,
+    pub status: u16,
+    pub content_type: String,
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    /// Checks the body looks like JSON (not an HTML / WAF page) and parses it.
+    pub fn json(&self) -> Result<serde_json::Value, FetchError> {
+        self.expect_json()?;
+        serde_json::from_slice(&self.body).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+    }
+
+    /// Refuses HTML (by content type or by a leading `<`) where JSON was expected.
+    pub fn expect_json(&self) -> Result<(), FetchError> {
+        let first = self.body.iter().find(|b| !b.is_ascii_whitespace()).copied();
+        if self.content_type.to_ascii_lowercase().contains("html") || first == Some(b'<') {
+            return Err(FetchError::NotJson {
+                url: self.url.clone(),
+                status: self.status,
+                content_type: self.content_type.clone(),
+                first_bytes: first_bytes(&self.body),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn first_bytes(body: &[u8]) -> String {
+    let s: String = String::from_utf8_lossy(&body[..body.len().min(120)]).chars().filter(|c| !c.is_control()).collect();
+    s
+}
+
+/// A token bucket: `rate` tokens per second, at most `burst` saved.
+struct Bucket {
+    tokens: f64,
+    last: Instant,
+}
+
+fn buckets() -> &'static Mutex<HashMap<String, Bucket>> {
+    static B: OnceLock<Mutex<HashMap<String, Bucket>>> = OnceLock::new();
+    B.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Reserves one request on `host`'s bucket and returns how long to wait before sending it.
+/// Reservations go negative, so concurrent callers queue fairly instead of racing.
+pub fn reserve(host: &str, rate: f64, now: Instant) -> Duration {
+    let burst = rate.max(1.0);
+    let Ok(mut map) = buckets().lock() else { return Duration::ZERO };
+    let b = map.entry(host.to_string()).or_insert(Bucket { tokens: burst, last: now });
+    let elapsed = now.saturating_duration_since(b.last).as_secs_f64();
+    b.tokens = (b.tokens + elapsed * rate).min(burst);
+    b.last = now;
+    b.tokens -= 1.0;
+    if b.tokens >= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::from_secs_f64(-b.tokens / rate)
+    }
+}
+
+/// Capped exponential backoff with full jitter: uniform in `[0, min(max, base·2^(attempt-1))]`;
+/// `Retry-After` is a floor.
+pub fn backoff(cfg: &IngestConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    let exp = cfg
+        .base_delay
+        .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX))
+        .min(cfg.max_delay);
+    let jittered = Duration::from_millis(rand::random_range(0..=exp.as_millis() as u64));
+    match retry_after {
+        Some(ra) => jittered.max(ra),
+        None => jittered,
+    }
+}
+
+/// One source run's view of the transport: the client, the settings and the run's retry
+/// budget (a deadline). Requests made through one session share the budget.
+pub struct Session {
+    client: reqwest::Client,
+    pub cfg: IngestConfig,
+    deadline: Instant,
+    started: Instant,
+    /// Requests sent (every attempt), for reports and tests.
+    pub requests: std::sync::atomic::AtomicU32,
+}
+
+/// What made an attempt fail in a way worth retrying.
+struct Retryable {
+    why: String,
+    retry_after: Option<Duration>,
+}
+
+impl Session {
+    pub fn new(cfg: &IngestConfig) -> Result<Session, FetchError> {
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(cfg.timeout)
+            .connect_timeout(cfg.timeout.min(Duration::from_secs(15)))
+            .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| FetchError::Client(e.to_string()))?;
+        let now = Instant::now();
+        Ok(Session { client, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, requests: Default::default() })
+    }
+
+    /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts
+    /// or the run's budget are spent.
+    pub async fn pause_before_retry(&self, url: &str, attempt: u32, why: &str, retry_after: Option<Duration>) -> Result<(), FetchError> {
+        if attempt >= self.cfg.max_attempts {
+            return Err(FetchError::RetriesExhausted { url: url.to_string(), attempts: attempt, last: why.to_string() });
+        }
+        let delay = backoff(&self.cfg, attempt, retry_after);
+        if Instant::now() + delay > self.deadline {
+            return Err(FetchError::BudgetExhausted {
+                url: url.to_string(),
+                attempts: attempt,
+                budget_ms: self.cfg.retry_budget.as_millis() as u64,
+                last: match retry_after {
+                    Some(ra) => format!("{why} (Retry-After {} ms)", ra.as_millis()),
+                    None => why.to_string(),
+                },
+            });
+        }
+        tokio::time::sleep(delay).await;
+        Ok(())
+    }
+
+    /// Time spent since the session started.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// GET with retries; returns a 2xx or 304 response. `headers` are sent as given.
+    pub async fn get(&self, url: &str, headers: &[(&str, String)]) -> Result<Response, FetchError> {
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match self.get_once(url, headers).await? {
+                Ok(resp) => return Ok(resp),
+                Err(r) => self.pause_before_retry(url, attempt, &r.why, r.retry_after).await?,
+            }
+        }
+    }
+
+    /// One attempt (following redirects). Outer error: permanent; inner error: retryable.
+    async fn get_once(&self, url: &str, headers: &[(&str, String)]) -> Result<Result<Response, Retryable>, FetchError> {
+        let mut current = reqwest::Url::parse(url).map_err(|e| FetchError::BadUrl { url: url.to_string(), reason: e.to_string() })?;
+        for _hop in 0..6 {
+            let shown = current.to_string();
+            if !matches!(current.scheme(), "http" | "https") {
+                return Err(FetchError::BadUrl { url: shown, reason: "only http and https are fetched".into() });
+            }
+            let host = current.host_str().unwrap_or("").trim_matches(['[', ']']).to_string();
+            self.guard(&shown, &host, current.port_or_known_default().unwrap_or(443)).await?;
+            let wait = reserve(&format!("{host}:{}", current.port_or_known_default().unwrap_or(0)), self.cfg.rate_per_host, Instant::now());
+            if !wait.is_zero() {
+                if Instant::now() + wait > self.deadline {
+                    return Err(FetchError::BudgetExhausted {
+                        url: shown,
+                        attempts: 0,
+                        budget_ms: self.cfg.retry_budget.as_millis() as u64,
+                        last: format!("rate limit of {} requests/s per host", self.cfg.rate_per_host),
+                    });
+                }
+                tokio::time::sleep(wait).await;
+            }
+            let mut req = self.client.get(current.clone()).header("accept-encoding", "identity");
+            for (k, v) in headers {
+                req = req.header(*k, v.as_str());
+            }
+            self.requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut resp = match req.send().await {
+                Ok(r) => r,
+                Err(e) if e.is_timeout() => return Ok(Err(Retryable { why: "timeout".into(), retry_after: None })),
+                Err(e) => return Ok(Err(Retryable { why: format!("connection: {}", error_chain(&e)), retry_after: None })),
+            };
+            let status = resp.status().as_u16();
+            let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+            if (300..400).contains(&status) && status != 304 {
+                let Some(loc) = header("location") else {
+                    return Err(FetchError::Status { url: shown, status, detail: ": redirect without Location".into() });
+                };
+                current = current.join(&loc).map_err(|e| FetchError::BadUrl { url: loc.clone(), reason: e.to_string() })?;
+                continue;
+            }
+            if status == 408 || status == 429 || (500..600).contains(&status) {
+                let retry_after = header("retry-after").and_then(|v| parse_retry_after(&v));
+                return Ok(Err(Retryable { why: format!("HTTP {status}"), retry_after }));
+            }
+            let content_type = header("content-type").unwrap_or_default();
+            if !(200..300).contains(&status) && status != 304 {
+                let body = read_capped(&mut resp, 4096).await.unwrap_or_default();
+                return Err(FetchError::Status {
+                    url: shown,
+                    status,
+                    detail: format!(", content-type {content_type:?}, body starts {:?}", first_bytes(&body)),
+                });
+            }
+            if let Some(enc) = header("content-encoding") {
+                if !enc.eq_ignore_ascii_case("identity") {
+                    return Err(FetchError::Encoded { url: shown, encoding: enc });
+                }
+            }
+            let etag = header("etag");
+            let last_modified = header("last-modified");
+            let cap = self.cfg.max_response_bytes;
+            if resp.content_length().is_some_and(|n| n > cap) {
+                return Err(FetchError::TooLarge { url: shown, limit: cap });
+            }
+            let body = match read_capped(&mut resp, cap).await {
+                Ok(b) => b,
+                Err(ReadError::TooLarge) => return Err(FetchError::TooLarge { url: shown, limit: cap }),
+                Err(ReadError::Timeout) => return Ok(Err(Retryable { why: "timeout reading the body".into(), retry_after: None })),
+                Err(ReadError::Broken(e)) => return Ok(Err(Retryable { why: format!("body cut short: {e}"), retry_after: None })),
+            };
+            return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, body }));
+        }
+        Err(FetchError::Protocol { url: url.to_string(), reason: "more than 5 redirects".into() })
+    }
+
+    /// Refuses loopback / private / link-local targets unless allowed.
+    async fn guard(&self, url: &str, host: &str, port: u16) -> Result<(), FetchError> {
+        if self.cfg.allow_private_targets {
+            return Ok(());
+        }
+        let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
+            Ok(ip) => vec![ip],
+            Err(_) => match tokio::net::lookup_host((host, port)).await {
+                Ok(a) => a.map(|a| a.ip()).collect(),
+                Err(e) => return Err(FetchError::BadUrl { url: url.to_string(), reason: format!("cannot resolve {host}: {e}") }),
+            },
+        };
+        if let Some(ip) = addrs.into_iter().find(is_private) {
+            return Err(FetchError::PrivateTarget { url: url.to_string(), host: host.to_string(), ip });
+        }
+        Ok(())
+    }
+}
+
+enum ReadError {
+    TooLarge,
+    Timeout,
+    Broken(String),
+}
+
+async fn read_capped(resp: &mut reqwest::Response, cap: u64) -> Result<Vec<u8>, ReadError> {
+    let mut out = Vec::new();
+    loop {
+        match resp.chunk().await {
+            Ok(Some(c)) => {
+                if out.len() as u64 + c.len() as u64 > cap {
+                    return Err(ReadError::TooLarge);
+                }
+                out.extend_from_slice(&c);
+            }
+            Ok(None) => return Ok(out),
+            Err(e) if e.is_timeout() => return Err(ReadError::Timeout),
+            Err(e) => return Err(ReadError::Broken(error_chain(&e))),
+        }
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+/// Runs an async portal fetch to completion on its own thread and runtime, so the synchronous
+/// pipeline can call it from anywhere (a plain thread, `spawn_blocking`, `block_in_place`).
+pub fn block_on<T: Send>(fut: impl std::future::Future<Output = T> + Send) -> Result<T, FetchError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| FetchError::Client(format!("cannot start a runtime: {e}")))?;
+            Ok(rt.block_on(fut))
+        })
+        .join()
+        .unwrap_or_else(|_| Err(FetchError::Client("the fetch thread panicked".into())))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_capped_with_retry_after_floor() {
+        let cfg = IngestConfig { base_delay: Duration::from_millis(10), max_delay: Duration::from_millis(100), ..Default::default() };
+        for a in 1..40 {
+            assert!(backoff(&cfg, a, None) <= Duration::from_millis(100));
+        }
+        assert!(backoff(&cfg, 1, Some(Duration::from_secs(2))) >= Duration::from_secs(2));
+    }
+
+    #[test]
+    fn bucket_spaces_requests_per_host() {
+        let t0 = Instant::now();
+        let host = "bucket-test.invalid:1";
+        assert_eq!(reserve(host, 2.0, t0), Duration::ZERO);
+        assert_eq!(reserve(host, 2.0, t0), Duration::ZERO);
+        // Burst of 2 spent: the third waits half a second, the fourth a second.
+        assert_eq!(reserve(host, 2.0, t0), Duration::from_millis(500));
+        assert_eq!(reserve(host, 2.0, t0), Duration::from_millis(1000));
+        // Another host is not affected.
+        assert_eq!(reserve("other-host.invalid:1", 2.0, t0), Duration::ZERO);
+    }
+
+    #[test]
+    fn html_is_refused_with_status_and_first_bytes() {
+        let r = Response {
+            url: "http://x/".into(),
+            status: 200,
+            content_type: "text/html".into(),
+            etag: None,
+            last_modified: None,
+            body: b"  <html><title>Access Denied</title>".to_vec(),
+        };
+        let e = r.json().unwrap_err().to_string();
+        assert!(e.contains("200") && e.contains("text/html") && e.contains("Access Denied"), "{e}");
+    }
+}

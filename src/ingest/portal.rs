@@ -1,0 +1,294 @@
+//! The HTTP source kinds end to end: probe cheaply, fetch only when something moved, and hand
+//! the pipeline one GeoJSON FeatureCollection plus the signals the watermark records. Also the
+//! pure watermark decisions (floor, restated, stale) so they are testable without a network.
+//!
+//! * `geojson_url`: conditional GET (`If-None-Match` / `If-Modified-Since`); 304 → skip.
+//! * `arcgis`: see [`super::arcgis`].
+//! * `ogcapi`: `…/items?limit=N`, then `links[rel=next]` until absent (never self-built offsets).
+//! * `socrata`: probe `rowsUpdatedAt` from `/api/views/{id}.json`, then page `$limit`/`$offset`
+//!   ordered by `:id` until a short or empty page.
+
+use super::arcgis;
+use super::http::{FetchError, Session};
+use super::settings::IngestConfig;
+use crate::config::{SourceConfig, SourceKind};
+use crate::model::Watermark;
+use serde_json::Value;
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// What a portal said about the version it served.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PortalMeta {
+    pub publisher_ts_ms: Option<u64>,
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+    pub schema_hash: Option<String>,
+    /// Requests sent, pages read (for the run line and tests).
+    pub requests: u32,
+    pub pages: u32,
+}
+
+/// The result of a portal fetch.
+#[derive(Debug, Clone)]
+pub enum PortalFetch {
+    /// The probe says nothing moved: recorded as `skip`, nothing fetched.
+    Skip { reason: String, meta: PortalMeta },
+    /// A whole layer as a FeatureCollection.
+    Layer { bytes: Vec<u8>, meta: PortalMeta },
+}
+
+/// True when the floor interval has passed since the last fetch (or there is none).
+pub fn floor_due(prev: Option<&Watermark>, now_ms: u64, floor: Duration) -> bool {
+    match prev {
+        None => true,
+        Some(w) => now_ms.saturating_sub(w.consumed_at_ms) >= floor.as_millis() as u64,
+    }
+}
+
+/// `Some(reason)` when the publisher timestamp went backwards: the layer was restated.
+pub fn restated(prev: Option<&Watermark>, meta: &PortalMeta) -> Option<String> {
+    let (Some(old), Some(new)) = (prev.and_then(|w| w.publisher_ts_ms), meta.publisher_ts_ms) else { return None };
+    (new < old).then(|| {
+        format!(
+            "restated: publisher timestamp went backwards from {} to {}",
+            crate::util::rfc3339(old),
+            crate::util::rfc3339(new)
+        )
+    })
+}
+
+/// `Some(warning)` when the content has not changed for longer than `stale_after`.
+pub fn stale(prev: Option<&Watermark>, now_ms: u64, stale_after: Duration) -> Option<String> {
+    let w = prev?;
+    let age = now_ms.saturating_sub(w.content_changed_at_ms);
+    (w.content_changed_at_ms > 0 && age > stale_after.as_millis() as u64).then(|| {
+        format!(
+            "stale: content unchanged for {} (stale_after {})",
+            crate::util::format_duration(Duration::from_millis(age - age % 1000)),
+            crate::util::format_duration(stale_after)
+        )
+    })
+}
+
+/// The scheduler's next wait: `every` ± 10 % (uniform), so sources configured alike do not
+/// hit one county server in lock-step. Only `serve` calls this (it owns the wall clock).
+pub fn jittered(every: Duration) -> Duration {
+    let ms = every.as_millis() as u64;
+    let spread = ms / 10;
+    Duration::from_millis(ms - spread + rand::random_range(0..=2 * spread))
+}
+
+/// Probes and (when needed) fetches an HTTP source. `force` skips the probe shortcut
+/// (`--reprocess`). `Ok(None)` for kinds that are not HTTP.
+pub fn fetch(src: &SourceConfig, cfg: &IngestConfig, prev: Option<&Watermark>, now_ms: u64, force: bool) -> Result<Option<PortalFetch>, FetchError> {
+    if matches!(src.kind, SourceKind::File { .. }) {
+        return Ok(None);
+    }
+    let due = force || floor_due(prev, now_ms, src.floor);
+    let session = Session::new(cfg)?;
+    let out = super::http::block_on(async {
+        let mut r = match &src.kind {
+            SourceKind::File { .. } => unreachable_file(),
+            SourceKind::GeojsonUrl { url } => geojson_url(&session, url, prev, due).await,
+            SourceKind::Arcgis { url, page_size } => arcgis_source(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
+            SourceKind::Ogcapi { url, limit } => ogcapi(&session, url, *limit, &src.fields.parcel_id).await,
+            SourceKind::Socrata { url, page_size } => socrata(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
+        }?;
+        let n = session.requests.load(std::sync::atomic::Ordering::Relaxed);
+        match &mut r {
+            PortalFetch::Skip { meta, .. } | PortalFetch::Layer { meta, .. } => meta.requests = n,
+        }
+        Ok(r)
+    })??;
+    Ok(Some(out))
+}
+
+fn unreachable_file() -> Result<PortalFetch, FetchError> {
+    Err(FetchError::Protocol { url: String::new(), reason: "a file source is not fetched over HTTP".into() })
+}
+
+async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due: bool) -> Result<PortalFetch, FetchError> {
+    let mut headers = vec![("accept", "application/geo+json, application/json;q=0.9".to_string())];
+    if !due {
+        if let Some(w) = prev {
+            if let Some(e) = &w.etag {
+                headers.push(("if-none-match", e.clone()));
+            }
+            if let Some(lm) = &w.last_modified {
+                headers.push(("if-modified-since", lm.clone()));
+            }
+        }
+    }
+    let resp = session.get(url, &headers).await?;
+    let meta = PortalMeta { etag: resp.etag.clone(), last_modified: resp.last_modified.clone(), pages: 1, ..Default::default() };
+    if resp.status == 304 {
+        let meta = PortalMeta {
+            etag: prev.and_then(|w| w.etag.clone()),
+            last_modified: prev.and_then(|w| w.last_modified.clone()),
+            ..meta
+        };
+        return Ok(PortalFetch::Skip { reason: "304 Not Modified".into(), meta });
+    }
+    resp.expect_json()?;
+    Ok(PortalFetch::Layer { bytes: resp.body, meta })
+}
+
+async fn arcgis_source(
+    session: &Session,
+    url: &str,
+    page_size: u32,
+    id_field: &str,
+    prev: Option<&Watermark>,
+    due: bool,
+) -> Result<PortalFetch, FetchError> {
+    let probe = arcgis::probe(session, url, id_field).await?;
+    let meta = PortalMeta { publisher_ts_ms: probe.publisher_ts_ms, schema_hash: Some(probe.schema_hash.clone()), ..Default::default() };
+    if !due {
+        if let Some(w) = prev {
+            if probe.publisher_ts_ms.is_some() && w.publisher_ts_ms == probe.publisher_ts_ms && w.schema_hash.as_deref() == Some(probe.schema_hash.as_str()) {
+                let ts = probe.publisher_ts_ms.map(crate::util::rfc3339).unwrap_or_default();
+                return Ok(PortalFetch::Skip { reason: format!("dataLastEditDate unchanged ({ts}) and fields unchanged"), meta });
+            }
+        }
+    }
+    let scan = arcgis::scan(session, url, &probe, page_size, id_field).await?;
+    Ok(PortalFetch::Layer { bytes: scan.bytes, meta: PortalMeta { pages: scan.pages, ..meta } })
+}
+
+fn features_of(url: &str, v: &Value) -> Result<Vec<Value>, FetchError> {
+    v.get("features")
+        .and_then(Value::as_array)
+        .cloned()
+        .ok_or_else(|| FetchError::Protocol { url: url.to_string(), reason: "answer has no features[]".into() })
+}
+
+async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<PortalFetch, FetchError> {
+    let accept = [("accept", "application/geo+json, application/json;q=0.9".to_string())];
+    let mut next = Some(format!("{collection_url}/items?f=json&limit={limit}"));
+    let mut seen = HashSet::new();
+    let mut features = Vec::new();
+    let mut pages = 0;
+    let mut first_meta = PortalMeta::default();
+    while let Some(url) = next.take() {
+        if !seen.insert(url.clone()) {
+            return Err(FetchError::Protocol { url, reason: "links[rel=next] points back to a page already read".into() });
+        }
+        let resp = session.get(&url, &accept).await?;
+        if pages == 0 {
+            first_meta.etag = resp.etag.clone();
+            first_meta.last_modified = resp.last_modified.clone();
+        }
+        pages += 1;
+        let v = resp.json()?;
+        let page = features_of(&url, &v)?;
+        let empty = page.is_empty();
+        features.extend(page);
+        if empty {
+            break;
+        }
+        next = v
+            .get("links")
+            .and_then(Value::as_array)
+            .and_then(|links| {
+                links.iter().find(|l| {
+                    l.get("rel").and_then(Value::as_str) == Some("next")
+                        && l.get("type").and_then(Value::as_str).is_none_or(|t| t.contains("json"))
+                })
+            })
+            .and_then(|l| l.get("href").and_then(Value::as_str))
+            .map(|href| reqwest::Url::parse(&url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
+    }
+    let bytes = arcgis::feature_collection(features, id_field);
+    Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..first_meta } })
+}
+
+/// `https://host/resource/abcd-1234.geojson` → `https://host/api/views/abcd-1234.json`.
+pub fn socrata_views_url(resource_url: &str) -> Option<String> {
+    let u = reqwest::Url::parse(resource_url).ok()?;
+    let path = u.path();
+    let idx = path.find("/resource/")?;
+    let id = path[idx + "/resource/".len()..].split('.').next()?.trim_matches('/');
+    if id.is_empty() {
+        return None;
+    }
+    let mut v = u.clone();
+    v.set_path(&format!("{}/api/views/{id}.json", &path[..idx]));
+    v.set_query(None);
+    Some(v.to_string())
+}
+
+async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, prev: Option<&Watermark>, due: bool) -> Result<PortalFetch, FetchError> {
+    let views = socrata_views_url(url)
+        .ok_or_else(|| FetchError::BadUrl { url: url.to_string(), reason: "expected a SODA resource URL like https://host/resource/abcd-1234.geojson".into() })?;
+    let v = session.get(&views, &[]).await?.json()?;
+    let publisher_ts_ms = v.get("rowsUpdatedAt").and_then(Value::as_u64).map(|s| s * 1000);
+    let meta = PortalMeta { publisher_ts_ms, ..Default::default() };
+    if !due {
+        if let (Some(w), Some(ts)) = (prev, publisher_ts_ms) {
+            if w.publisher_ts_ms == Some(ts) {
+                return Ok(PortalFetch::Skip { reason: format!("rowsUpdatedAt unchanged ({})", crate::util::rfc3339(ts)), meta });
+            }
+        }
+    }
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let mut features = Vec::new();
+    let mut offset: u64 = 0;
+    let mut pages = 0;
+    loop {
+        let page_url = format!("{url}{sep}$limit={page_size}&$offset={offset}&$order=:id");
+        let body = session.get(&page_url, &[]).await?.json()?;
+        pages += 1;
+        let page = features_of(&page_url, &body)?;
+        let n = page.len() as u64;
+        features.extend(page);
+        offset += n;
+        if n < page_size as u64 {
+            break;
+        }
+    }
+    let bytes = arcgis::feature_collection(features, id_field);
+    Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..meta } })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wm(ts: Option<u64>, consumed: u64, changed: u64) -> Watermark {
+        Watermark { publisher_ts_ms: ts, consumed_at_ms: consumed, content_changed_at_ms: changed, ..Default::default() }
+    }
+
+    #[test]
+    fn decisions() {
+        let day = Duration::from_secs(86_400);
+        assert!(floor_due(None, 5, day));
+        assert!(!floor_due(Some(&wm(None, 1_000, 0)), 1_000 + 3_600_000, day));
+        assert!(floor_due(Some(&wm(None, 1_000, 0)), 1_000 + 86_400_000, day));
+        let m = |ts| PortalMeta { publisher_ts_ms: ts, ..Default::default() };
+        assert!(restated(Some(&wm(Some(2_000), 0, 0)), &m(Some(1_000))).is_some());
+        assert!(restated(Some(&wm(Some(2_000), 0, 0)), &m(Some(2_000))).is_none());
+        assert!(restated(Some(&wm(None, 0, 0)), &m(Some(1_000))).is_none());
+        assert!(restated(None, &m(Some(1))).is_none());
+        let d45 = Duration::from_secs(45 * 86_400);
+        assert!(stale(Some(&wm(None, 0, 1)), 46 * 86_400_000, d45).is_some());
+        assert!(stale(Some(&wm(None, 0, 1)), 44 * 86_400_000, d45).is_none());
+    }
+
+    #[test]
+    fn jitter_stays_within_ten_percent() {
+        for _ in 0..100 {
+            let d = jittered(Duration::from_secs(100));
+            assert!(d >= Duration::from_secs(90) && d <= Duration::from_secs(110));
+        }
+    }
+
+    #[test]
+    fn socrata_url() {
+        assert_eq!(
+            socrata_views_url("https://data.example.gov/resource/abcd-1234.geojson").as_deref(),
+            Some("https://data.example.gov/api/views/abcd-1234.json")
+        );
+        assert_eq!(socrata_views_url("https://data.example.gov/other"), None);
+    }
+}

@@ -1,0 +1,167 @@
+//! `[ingest]` settings and the HTTP source kinds' config keys. They live here rather than in
+//! `config.rs` so the portal code owns its own knobs; `config.rs` only calls in.
+
+use crate::config::SourceKind;
+use crate::util::parse_duration;
+use serde::Deserialize;
+use std::time::Duration;
+
+/// The raw `[ingest]` table as written.
+#[derive(Deserialize, Debug, Clone, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawIngest {
+    max_attempts: Option<u32>,
+    retry_budget: Option<String>,
+    base_delay_ms: Option<u64>,
+    max_delay_ms: Option<u64>,
+    timeout_ms: Option<u64>,
+    max_response_bytes: Option<u64>,
+    rate_per_host: Option<f64>,
+    allow_private_targets: Option<bool>,
+}
+
+/// `[ingest]`: how HTTP sources talk to portals. One budget for every source; the token
+/// bucket is shared per host so several sources on one county server share its budget.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IngestConfig {
+    /// Attempts per request (the first try counts).
+    pub max_attempts: u32,
+    /// Wall-clock budget for all retries of one source run.
+    pub retry_budget: Duration,
+    pub base_delay: Duration,
+    pub max_delay: Duration,
+    /// Per request (connect + whole body).
+    pub timeout: Duration,
+    /// Cap on one response body. zonewatch never asks for or decodes compressed bodies, so
+    /// this is also the decompressed-size cap.
+    pub max_response_bytes: u64,
+    /// Requests per second per host (token bucket, burst = max(1, rate)).
+    pub rate_per_host: f64,
+    /// Allow portals on loopback / private addresses (tests, on-premise portals).
+    pub allow_private_targets: bool,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            max_attempts: 5,
+            retry_budget: Duration::from_secs(300),
+            base_delay: Duration::from_millis(500),
+            max_delay: Duration::from_secs(30),
+            timeout: Duration::from_secs(60),
+            max_response_bytes: 512 * 1024 * 1024,
+            rate_per_host: 2.0,
+            allow_private_targets: false,
+        }
+    }
+}
+
+impl RawIngest {
+    /// Validates `[ingest]`; errors name the key.
+    pub fn validate(&self) -> Result<IngestConfig, String> {
+        let d = IngestConfig::default();
+        let cfg = IngestConfig {
+            max_attempts: self.max_attempts.unwrap_or(d.max_attempts),
+            retry_budget: match &self.retry_budget {
+                Some(s) => parse_duration(s).map_err(|e| format!("ingest.retry_budget: {e}"))?,
+                None => d.retry_budget,
+            },
+            base_delay: self.base_delay_ms.map(Duration::from_millis).unwrap_or(d.base_delay),
+            max_delay: self.max_delay_ms.map(Duration::from_millis).unwrap_or(d.max_delay),
+            timeout: self.timeout_ms.map(Duration::from_millis).unwrap_or(d.timeout),
+            max_response_bytes: self.max_response_bytes.unwrap_or(d.max_response_bytes),
+            rate_per_host: self.rate_per_host.unwrap_or(d.rate_per_host),
+            allow_private_targets: self.allow_private_targets.unwrap_or(false),
+        };
+        if cfg.max_attempts == 0 || cfg.max_attempts > 100 {
+            return Err("ingest.max_attempts must be between 1 and 100".into());
+        }
+        if cfg.max_delay < cfg.base_delay {
+            return Err("ingest.max_delay_ms must be >= ingest.base_delay_ms".into());
+        }
+        if cfg.timeout.is_zero() {
+            return Err("ingest.timeout_ms must be positive".into());
+        }
+        if cfg.max_response_bytes < 1024 {
+            return Err("ingest.max_response_bytes must be at least 1024".into());
+        }
+        if !(cfg.rate_per_host.is_finite() && cfg.rate_per_host > 0.0) {
+            return Err("ingest.rate_per_host must be a positive number of requests per second".into());
+        }
+        Ok(cfg)
+    }
+}
+
+/// Builds an HTTP source kind from its `kind`, `url` and `page_size` keys; `Ok(None)` when
+/// `kind` is not an HTTP kind.
+pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>) -> Result<Option<SourceKind>, String> {
+    if !matches!(kind, "geojson_url" | "arcgis" | "ogcapi" | "socrata") {
+        return Ok(None);
+    }
+    let url = url.ok_or_else(|| format!("kind = {kind:?} needs `url`"))?.trim().to_string();
+    let parsed = reqwest::Url::parse(&url).map_err(|e| format!("url {url:?} is not a URL: {e}"))?;
+    if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+        return Err(format!("url {url:?} must be an http(s) URL with a host"));
+    }
+    if page_size == Some(0) {
+        return Err("page_size must be at least 1".into());
+    }
+    Ok(Some(match kind {
+        "geojson_url" => {
+            if page_size.is_some() {
+                return Err("page_size does not apply to kind = \"geojson_url\"".into());
+            }
+            SourceKind::GeojsonUrl { url }
+        }
+        "arcgis" => SourceKind::Arcgis { url: url.trim_end_matches('/').to_string(), page_size: page_size.unwrap_or(1000) },
+        "ogcapi" => SourceKind::Ogcapi { url: url.trim_end_matches('/').to_string(), limit: page_size.unwrap_or(10_000) },
+        _ => SourceKind::Socrata { url, page_size: page_size.unwrap_or(1000) },
+    }))
+}
+
+/// `kind=arcgis url=… page_size=…` for `zonewatch check`.
+pub fn describe_kind(kind: &SourceKind) -> String {
+    match kind {
+        SourceKind::File { path } => format!("kind=file path={}", path.display()),
+        SourceKind::GeojsonUrl { url } => format!("kind=geojson_url url={url}"),
+        SourceKind::Arcgis { url, page_size } => format!("kind=arcgis url={url} page_size={page_size}"),
+        SourceKind::Ogcapi { url, limit } => format!("kind=ogcapi url={url} limit={limit}"),
+        SourceKind::Socrata { url, page_size } => format!("kind=socrata url={url} page_size={page_size}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use std::path::Path;
+
+    fn cfg(kind_lines: &str, ingest: &str) -> Result<Config, String> {
+        let text = format!(
+            "[store]\npath = \"z.redb\"\n{ingest}\n[[source]]\nid = \"a\"\njurisdiction = \"t\"\n{kind_lines}\n[source.fields]\nparcel_id = \"APN\"\nzoning = \"Z\"\n"
+        );
+        Config::parse_str(&text, Path::new("/etc")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn http_kinds_parse_with_defaults() {
+        let c = cfg("kind = \"arcgis\"\nurl = \"https://gis.example.gov/arcgis/rest/services/P/FeatureServer/0/\"", "").unwrap();
+        assert_eq!(c.sources[0].kind, SourceKind::Arcgis { url: "https://gis.example.gov/arcgis/rest/services/P/FeatureServer/0".into(), page_size: 1000 });
+        assert_eq!(c.sources[0].floor, Duration::from_secs(86_400));
+        assert_eq!(c.sources[0].stale_after, Duration::from_secs(45 * 86_400));
+        assert_eq!(c.ingest, IngestConfig::default());
+        let c = cfg("kind = \"geojson_url\"\nurl = \"https://x.example/l.geojson\"\nfloor = \"6h\"", "[ingest]\nrate_per_host = 0.5\nretry_budget = \"2m\"").unwrap();
+        assert_eq!(c.sources[0].floor, Duration::from_secs(6 * 3600));
+        assert_eq!(c.ingest.rate_per_host, 0.5);
+        assert_eq!(c.ingest.retry_budget, Duration::from_secs(120));
+    }
+
+    #[test]
+    fn http_kinds_reject_bad_values() {
+        assert!(cfg("kind = \"arcgis\"", "").unwrap_err().contains("needs `url`"));
+        assert!(cfg("kind = \"ogcapi\"\nurl = \"ftp://x/y\"", "").unwrap_err().contains("http(s)"));
+        assert!(cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.json\"\npage_size = 0", "").unwrap_err().contains("page_size"));
+        assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nrate_per_host = 0.0").unwrap_err().contains("rate_per_host"));
+        assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nbogus = 1").is_err());
+    }
+}

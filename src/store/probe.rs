@@ -1,0 +1,80 @@
+//! Runs of HTTP sources that commit no data: `skip` (the cheap probe said nothing moved) and
+//! `identical` with the portal's new signals (ETag, Last-Modified, publisher timestamp, schema
+//! hash). Kept apart from `runs.rs` because only the portal kinds need it.
+
+use super::codec::{decode, encode};
+use super::runs::{codec_err, lineage_for, next_key, supersede_open_holds};
+use super::tables::*;
+use super::{Store, StoreError};
+use crate::model::*;
+use redb::ReadableTable;
+
+/// The portal signals an `identical` run moves the watermark to.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PortalSignals {
+    pub publisher_ts_ms: Option<u64>,
+    pub etag: Option<String>,
+    pub last_modified: Option<String>,
+    pub schema_hash: Option<String>,
+}
+
+impl Store {
+    /// Records a run that committed no data, in one transaction.
+    ///
+    /// * `Verdict::Skip`: only the run record (with `warnings`, e.g. `stale`) is written; the
+    ///   watermark stays, so the `floor` interval counts from the last real fetch.
+    /// * `Verdict::Identical`: the fetched bytes matched the watermark's digest. The consumed
+    ///   time and the portal signals move, a watermark history row is appended under this
+    ///   run's id, and open holds are superseded (the publisher went back to the committed
+    ///   version), exactly as `commit_identical` does for files.
+    pub fn commit_unchanged(
+        &self,
+        source_id: &str,
+        started_ms: u64,
+        now_ms: u64,
+        verdict: Verdict,
+        signals: &PortalSignals,
+        features_hint: u64,
+        warnings: Vec<String>,
+    ) -> Result<RunRecord, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
+        let wm: Option<Watermark> = {
+            let t = wtx.open_table(WATERMARKS)?;
+            let v = t.get(source_id)?;
+            match v {
+                Some(v) => Some(decode(v.value()).map_err(|m| codec_err("watermarks", m))?),
+                None => None,
+            }
+        };
+        let digest = wm.as_ref().map(|w| w.digest.clone()).unwrap_or_default();
+        if verdict == Verdict::Identical {
+            let mut wm = wm.ok_or_else(|| StoreError::NotFound(format!("source {source_id} has no watermark")))?;
+            wm.consumed_at_ms = now_ms;
+            wm.publisher_ts_ms = signals.publisher_ts_ms.or(wm.publisher_ts_ms);
+            wm.etag = signals.etag.clone();
+            wm.last_modified = signals.last_modified.clone();
+            wm.schema_hash = signals.schema_hash.clone().or(wm.schema_hash);
+            let bytes = encode(&wm);
+            wtx.open_table(WATERMARKS)?.insert(source_id, bytes.as_slice())?;
+            wtx.open_table(WATERMARK_HISTORY)?.insert((source_id, run_id), bytes.as_slice())?;
+            supersede_open_holds(&wtx, source_id, run_id, now_ms)?;
+        }
+        let record = RunRecord {
+            run_id,
+            source_id: source_id.to_string(),
+            lineage_id: lineage_for(source_id, run_id, &digest),
+            started_ms,
+            finished_ms: now_ms,
+            verdict,
+            digest,
+            counts: RunCounts { features: features_hint, ..Default::default() },
+            hold_id: None,
+            warnings,
+            error: None,
+        };
+        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        wtx.commit()?;
+        Ok(record)
+    }
+}
