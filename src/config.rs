@@ -32,6 +32,7 @@ struct RawConfig {
     subscribers: Vec<RawSubscriber>,
     #[serde(default)]
     ingest: crate::ingest::settings::RawIngest,
+    #[serde(default)]
     control: RawControl,
 }
 
