@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod derived;
 pub mod detect;
 pub mod ingest;
 pub mod model;

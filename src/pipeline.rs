@@ -32,6 +32,10 @@ pub enum PipelineError {
     UnknownHold(u64),
     #[error("hold {id} is {state}, not open")]
     HoldNotOpen { id: u64, state: String },
+    #[error("source {source_id:?} derives zoning onto parcel source {base:?}, which has not been ingested yet: run {base:?} first")]
+    BaseNotIngested { source_id: String, base: String },
+    #[error("source {0:?}: {1}")]
+    Derived(String, String),
 }
 
 /// Options for one run.
@@ -96,6 +100,8 @@ struct ParsedLayer {
     quarantine: Vec<QuarantineDraft>,
     features: u64,
     repaired: u64,
+    /// Run-record warnings (fields matched case-insensitively).
+    warnings: Vec<String>,
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -115,9 +121,15 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
     let mut quarantine = Vec::new();
     let mut repaired = 0;
     let mut raw_of: HashMap<String, (u64, String)> = HashMap::new();
+    let mut folded: Vec<(String, String)> = Vec::new();
     let features = geojson::for_each_feature(bytes, |index, raw| match normalize_feature(raw, &rules) {
         Ok(n) => {
             repaired += u64::from(n.repaired);
+            for f in n.folded_fields {
+                if !folded.contains(&f) {
+                    folded.push(f);
+                }
+            }
             raw_of.insert(n.parcel.id.clone(), (index, String::new()));
             parcels.push(n.parcel);
         }
@@ -148,7 +160,11 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
             });
         }
     }
-    Ok(ParsedLayer { parcels, quarantine, features, repaired })
+    let warnings = folded
+        .iter()
+        .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
+        .collect();
+    Ok(ParsedLayer { parcels, quarantine, features, repaired, warnings })
 }
 
 impl Engine {
@@ -181,6 +197,9 @@ impl Engine {
     }
 
     fn run_source_inner(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
+        if src.layer != crate::config::LayerKind::Parcels {
+            return self.run_derived(src, opts, started);
+        }
         let fetched = source::fetch(src)?;
         let wm = self.store.watermark(&src.id)?;
         let fingerprint = src.read_fingerprint();
@@ -267,7 +286,7 @@ impl Engine {
             claims,
             quarantine: layer.quarantine,
             counts,
-            warnings: vec![],
+            warnings: layer.warnings,
             idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
         })?;
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "run committed");
@@ -275,7 +294,7 @@ impl Engine {
     }
 
     /// Attaches geometries and severity to the diff's changes.
-    fn build_events(&self, src: &SourceConfig, changes: &[RawChange], upserts: &[Parcel], now: u64) -> Result<Vec<ChangeEvent>, PipelineError> {
+    pub(crate) fn build_events(&self, src: &SourceConfig, changes: &[RawChange], upserts: &[Parcel], now: u64) -> Result<Vec<ChangeEvent>, PipelineError> {
         let need_old: Vec<&str> = changes
             .iter()
             .filter(|c| c.kind != ChangeKind::Added)

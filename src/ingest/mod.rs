@@ -3,8 +3,10 @@
 //! * [`source`] reads the bytes of a configured source and digests them;
 //! * [`geojson`] streams the features of a FeatureCollection without building a document tree;
 //! * [`normalize`] turns one raw feature into a [`crate::model::Parcel`] or a quarantine reason,
-//!   validating and repairing its geometry.
+//!   validating and repairing its geometry;
+//! * [`districts`] reads district / overlay layers (code + polygon, no stable id).
 
+pub mod districts;
 pub mod geojson;
 pub mod normalize;
 pub mod source;
