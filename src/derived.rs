@@ -133,10 +133,7 @@ impl Engine {
     /// One run of a `districts` / `overlays` source (see the module doc).
     pub(crate) fn run_derived(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
         let Some(base_id) = src.parcels.clone() else {
-            return Err(PipelineError::Derived(
-                src.id.clone(),
-                "area mode (a districts layer without `parcels`) is not implemented yet; set parcels = \"<parcel source id>\"".into(),
-            ));
+            return self.run_area(src, opts, started);
         };
         let base_wm = self
             .store
@@ -276,6 +273,168 @@ impl Engine {
             idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
         })?;
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "derived run committed");
+        Ok(SourceReport { record, hold_reason })
+    }
+}
+
+impl Engine {
+    /// Area mode: a `districts` source without a parcel base. The source's snapshot holds the
+    /// district polygons themselves (key = feature position, which is not trusted to mean
+    /// anything across versions); the change is computed geometrically by
+    /// [`crate::detect::area::area_diff`].
+    fn run_area(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
+        use crate::detect::area::area_diff;
+        use crate::detect::canonical::geometry_hash;
+        use geo::GeodesicArea;
+        let fetched = source::fetch(src)?;
+        let wm = self.store.watermark(&src.id)?;
+        let fingerprint = src.read_fingerprint();
+        if !opts.reprocess {
+            if let Some(w) = &wm {
+                if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
+                    let record = self.store.commit_identical(&src.id, started, now_ms(), 0)?;
+                    return Ok(SourceReport { record, hold_reason: None });
+                }
+            }
+            let open_same = self.store.holds()?.into_iter().find(|h| {
+                h.source_id == src.id && h.state == HoldState::Open && h.digest == fetched.digest && h.watermark.read_fingerprint == fingerprint
+            });
+            if let Some(h) = open_same {
+                let record = self.store.record_run_note(&src.id, started, Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
+                return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
+            }
+        }
+        let layer = read_districts(&fetched.bytes, &src.fields.zoning, src.bbox)?;
+        let mut warnings: Vec<String> = layer
+            .folded_fields
+            .iter()
+            .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
+            .collect();
+        let old_states = self.store.snapshot_states(&src.id)?;
+        let mut old_ids: Vec<&String> = old_states.keys().collect();
+        old_ids.sort();
+        let old_geoms = self.store.parcel_geometries(&src.id, old_ids.iter().map(|s| s.as_str()))?;
+        let old: Vec<(String, geo::MultiPolygon<f64>)> = old_ids
+            .iter()
+            .filter_map(|id| Some((old_states.get(id.as_str())?.zoning.clone(), old_geoms.get(id.as_str())?.to_geo())))
+            .collect();
+        let new: Vec<(String, geo::MultiPolygon<f64>)> = layer.districts.iter().map(|d| (d.code.clone(), d.geometry.clone())).collect();
+        let first_ingest = wm.is_none() && old_states.is_empty();
+        let t0 = Instant::now();
+        let diff = if first_ingest { Default::default() } else { area_diff(&old, &new, src.min_change_area_m2, src.tolerance_m) };
+        warnings.push(format!(
+            "area mode: {} regions alert, {} dropped as noise (< {} m² or thinner than {} m), {} ms",
+            diff.regions.len(),
+            diff.noise,
+            src.min_change_area_m2,
+            src.tolerance_m,
+            t0.elapsed().as_millis()
+        ));
+        if diff.failed > 0 {
+            warnings.push(format!("{} overlay operations failed and were skipped", diff.failed));
+        }
+        let now = now_ms();
+        let events: Vec<ChangeEvent> = diff
+            .regions
+            .iter()
+            .map(|r| {
+                let opt = |c: &str| if c.is_empty() { None } else { Some(c.to_string()) };
+                ChangeEvent {
+                    source_id: src.id.clone(),
+                    jurisdiction: src.jurisdiction.clone(),
+                    parcel_id: format!("area:{}", r.id),
+                    kind: ChangeKind::AreaRezoned,
+                    from: opt(&r.from),
+                    to: opt(&r.to),
+                    effective_date: None,
+                    old_geometry: None,
+                    new_geometry: Some(StoredGeometry::from_geo(&r.geometry)),
+                    area_m2: r.area_m2,
+                    observed_at_ms: now,
+                    severity: crate::detect::severity::rank(ChangeKind::AreaRezoned, Some(&r.from), Some(&r.to), r.area_m2, &src.severity),
+                }
+            })
+            .collect();
+        // The new snapshot: the district polygons, keyed by position.
+        let upserts: Vec<Parcel> = layer
+            .districts
+            .iter()
+            .map(|d| {
+                let gh = geometry_hash(&d.geometry);
+                Parcel {
+                    id: format!("f{:07}", d.feature_index),
+                    state: ParcelState {
+                        zoning: d.code.clone(),
+                        effective_date: None,
+                        content_hash: content_hash(&d.code, None, &gh),
+                        geom_hash: gh,
+                        area_m2: d.geometry.geodesic_area_unsigned(),
+                    },
+                    geometry: StoredGeometry::from_geo(&d.geometry),
+                }
+            })
+            .collect();
+        let keep: HashSet<&str> = upserts.iter().map(|p| p.id.as_str()).collect();
+        let removals: Vec<String> = old_ids.iter().filter(|id| !keep.contains(id.as_str())).map(|s| (*s).clone()).collect();
+        let quarantine: Vec<QuarantineDraft> = layer
+            .rejected
+            .into_iter()
+            .map(|r| QuarantineDraft { feature_index: r.feature_index, parcel_id: None, reason: r.reason, detail: r.detail, raw: r.raw })
+            .collect();
+        let systemic = quarantine.iter().filter(|q| q.reason.is_systemic()).count() as u64;
+        let decision = decide(GateInput {
+            first_ingest,
+            reprocess: opts.reprocess,
+            previous_parcels: old_states.len() as u64,
+            changed: events.iter().filter(|e| e.severity > Severity::Info).count() as u64,
+            features: layer.features,
+            systemic_quarantined: systemic,
+            max_change_ratio: src.max_change_ratio,
+        });
+        let watermark = Watermark {
+            digest: fetched.digest.clone(),
+            size: fetched.bytes.len() as u64,
+            run_id: 0,
+            consumed_at_ms: now,
+            content_changed_at_ms: match &wm {
+                Some(w) if w.digest == fetched.digest => w.content_changed_at_ms,
+                _ => now,
+            },
+            publisher_ts_ms: None,
+            etag: None,
+            last_modified: None,
+            read_fingerprint: fingerprint,
+        };
+        let (mode, hold_reason) = match decision {
+            GateDecision::Baseline => (CommitMode::Baseline, None),
+            GateDecision::Deliver => (CommitMode::Deliver, None),
+            GateDecision::Reprocess => (CommitMode::Reprocess, None),
+            GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone() }, Some(reason)),
+        };
+        let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
+        let counts = RunCounts {
+            features: layer.features,
+            parcels: upserts.len() as u64,
+            quarantined: quarantine.len() as u64,
+            repaired: layer.repaired,
+            changes: events.len() as u64,
+            ..Default::default()
+        };
+        let record = self.store.commit_run(RunCommit {
+            source_id: src.id.clone(),
+            started_ms: started,
+            now_ms: now,
+            mode,
+            watermark,
+            upserts,
+            removals,
+            events,
+            claims,
+            quarantine,
+            counts,
+            warnings,
+            idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
+        })?;
         Ok(SourceReport { record, hold_reason })
     }
 }

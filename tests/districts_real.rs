@@ -368,3 +368,93 @@ min_severity = "info"
     assert_eq!(rx.received().len(), before);
     eprintln!("cambridge districts test: {:.1}s", t0.elapsed().as_secs_f64());
 }
+
+/// Chicago 2024-10-21 → 2025-04-17 in area mode (no parcel base): the new planned development
+/// `PD 1599` is found as `area_rezoned` regions; the boundary differences between the two
+/// differently simplified exports are dropped as noise; the run is held by the change-spike
+/// gate (the feed changed more than 5% of its polygons), released, delivered, and a re-run
+/// sends nothing. The 2025 file renames attributes (upper case) — `zone_class` is unchanged,
+/// so no case-folding warning is expected here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chicago_area_mode_finds_pd_1599() {
+    let dir = data_dir();
+    let (old_f, new_f) = (dir.join("chicago-zoning-2024-10-21.geojson"), dir.join("chicago-zoning-2025-04-17.geojson"));
+    if !old_f.exists() || !new_f.exists() {
+        eprintln!("SKIPPED chicago_area_mode_finds_pd_1599: {} not found (see SOURCES.md)", dir.display());
+        return;
+    }
+    let rx = receiver(200).await;
+    let ws = tempfile::tempdir().expect("tempdir");
+    std::fs::write(ws.path().join("city.geojson"), rect(-88.0, 41.6, -87.5, 42.1).to_string()).expect("aoi");
+    let config = format!(
+        r#"
+[store]
+path = "zw.redb"
+[delivery]
+concurrency = 16
+max_attempts = 3
+base_delay_ms = 20
+max_delay_ms = 100
+run_wait = "5s"
+allow_private_targets = true
+[[source]]
+id = "chicago-zoning"
+jurisdiction = "chicago-il"
+kind = "file"
+path = "zoning.geojson"
+layer = "districts"
+min_change_area_m2 = 200
+tolerance_m = 3
+[source.fields]
+zoning = "zone_class"
+[[subscriber]]
+id = "city"
+aoi = "city.geojson"
+target = "{}"
+min_severity = "info"
+"#,
+        rx.url("/hook")
+    );
+    std::fs::write(ws.path().join("zonewatch.toml"), config).expect("config");
+    let engine = zonewatch::pipeline::Engine::open(zonewatch::config::Config::load(&ws.path().join("zonewatch.toml")).expect("config"))
+        .expect("engine");
+    let run = || engine.run_source_id("chicago-zoning", RunOptions::default()).expect("run");
+    std::fs::copy(&old_f, ws.path().join("zoning.geojson")).expect("copy");
+    let b = run();
+    assert_eq!(b.record.verdict, Verdict::Baseline);
+    // The 4 features with empty MultiPolygon coordinates (and other unreadable ones) are
+    // quarantined, not a panic.
+    assert!(b.record.counts.quarantined >= 4, "{}", b.line());
+
+    std::fs::copy(&new_f, ws.path().join("zoning.geojson")).expect("copy");
+    let r = run();
+    eprintln!("chicago: {} warnings={:?}", r.line(), r.record.warnings);
+    let note = r.record.warnings.iter().find(|w| w.starts_with("area mode")).cloned().unwrap_or_default();
+    let noise: u64 = note.split(", ").nth(1).and_then(|s| s.split(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let alerts = r.record.counts.changes;
+    assert!(alerts > 0 && noise > 20 * alerts, "the noise filter must drop the bulk of the fragments: {note}");
+    if r.record.verdict == Verdict::Held {
+        engine.resolve_hold(r.record.hold_id.expect("hold"), false).expect("release");
+    }
+    deliver(&engine, Duration::from_secs(60)).await;
+    let got = received_since(&rx, 0);
+    assert_eq!(got.len() as u64, alerts, "one webhook per region");
+    assert!(got.iter().all(|g| g.change == "area_rezoned"));
+    let pd: Vec<&Got> = got.iter().filter(|g| g.to == "PD 1599").collect();
+    assert!(!pd.is_empty(), "PD 1599 not found");
+    let pd_area: f64 = rx
+        .received()
+        .iter()
+        .filter_map(|r| r.json())
+        .filter(|j| j["data"]["to"] == "PD 1599")
+        .filter_map(|j| j["data"]["area_m2"].as_f64())
+        .sum();
+    assert!(pd_area > 1.0e6, "PD 1599 covers {pd_area} m²");
+    let coverage = got.iter().filter(|g| g.from.is_empty() || g.to.is_empty()).count();
+    eprintln!("chicago: {alerts} regions alert ({coverage} coverage-only at info), {noise} fragments dropped as noise; PD 1599: {} regions, {:.0} m²", pd.len(), pd_area);
+
+    let before = rx.received().len();
+    assert_eq!(run().record.verdict, Verdict::Identical);
+    deliver(&engine, Duration::from_secs(2)).await;
+    assert_eq!(rx.received().len(), before, "re-run sent something");
+}

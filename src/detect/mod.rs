@@ -10,5 +10,6 @@
 pub mod canonical;
 pub mod diff;
 pub mod gate;
+pub mod area;
 pub mod overlay;
 pub mod severity;

@@ -269,11 +269,11 @@ mod tests {
         let b = sq(10.0, 0.0, 10.0);
         let idx = DistrictIndex::build([("R-1", &a), ("C-2", &b)]);
         // 70% in R-1, 30% in C-2.
-        let d = idx.derive(&sq(3.0, 1.0, 10.0).clone());
+        let d = idx.derive(&sq(3.0, 0.0, 10.0));
         assert_eq!(d.code, "R-1");
         assert!((d.share - 0.7).abs() < 1e-9, "{d:?}");
         // Exactly half and half: the smaller normalised code wins, in either index order.
-        let p = sq(5.0, 1.0, 10.0);
+        let p = sq(5.0, 0.0, 10.0);
         assert_eq!(idx.derive(&p).code, "C-2");
         let idx2 = DistrictIndex::build([("C-2", &b), ("R-1", &a)]);
         assert_eq!(idx2.derive(&p).code, "C-2");
