@@ -176,6 +176,40 @@ fn sampled_codes(path: &Path, samples: &BTreeMap<String, Vec<[f64; 2]>>) -> BTre
     out
 }
 
+/// Per parcel: the share of its sample points inside each overlay (by `Name`, upper-cased).
+fn sampled_overlays(path: &Path, samples: &BTreeMap<String, Vec<[f64; 2]>>) -> BTreeMap<String, BTreeMap<String, f64>> {
+    let doc: Value = serde_json::from_slice(&std::fs::read(path).expect("overlays")).expect("overlays json");
+    let mut polys: Vec<(String, Rings)> = Vec::new();
+    for f in doc["features"].as_array().expect("features") {
+        let Some(name) = f["properties"]["Name"].as_str() else { continue };
+        let rings = rings_of(&f["geometry"]);
+        if !rings.is_empty() {
+            polys.push((name.trim().to_uppercase(), rings));
+        }
+    }
+    let mut out = BTreeMap::new();
+    for (ml, pts) in samples {
+        if pts.is_empty() {
+            continue;
+        }
+        let mut hits: BTreeMap<String, f64> = BTreeMap::new();
+        for p in pts {
+            let mut names: BTreeSet<&str> = BTreeSet::new();
+            for (name, rings) in &polys {
+                let b = bbox(rings);
+                if p[0] >= b[0] && p[0] <= b[2] && p[1] >= b[1] && p[1] <= b[3] && inside(rings, p[0], p[1]) {
+                    names.insert(name);
+                }
+            }
+            for n in names {
+                *hits.entry(n.to_string()).or_default() += 1.0 / pts.len() as f64;
+            }
+        }
+        out.insert(ml.clone(), hits);
+    }
+    out
+}
+
 // ---------------------------------------------------------------------------------------------
 // The production run.
 // ---------------------------------------------------------------------------------------------
@@ -457,4 +491,120 @@ min_severity = "info"
     assert_eq!(run().record.verdict, Verdict::Identical);
     deliver(&engine, Duration::from_secs(2)).await;
     assert_eq!(rx.received().len(), before, "re-run sent something");
+}
+
+/// Cambridge overlay districts (which overlap one another) joined to the parcels: gaining or
+/// losing an overlay covering at least `overlay_min_share` (0.1) of a parcel sends
+/// `overlay_added` / `overlay_removed`. Expectation by point sampling, asserted where sampling
+/// is decisive (the overlay covers none or ≥ 30% of the parcel's points in both versions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cambridge_overlays_joined_to_parcels() {
+    let dir = data_dir();
+    let parcels_file = dir.join("cambridge-parcels-fy2014.geojson");
+    let (v1, v2) = ("2023-06-06", "2024-02-06");
+    let ov = |v: &str| dir.join(format!("cambridge-zoning-overlays-{v}.geojson"));
+    if !parcels_file.exists() || !ov(v1).exists() || !ov(v2).exists() {
+        eprintln!("SKIPPED cambridge_overlays_joined_to_parcels: {} not found (see SOURCES.md)", dir.display());
+        return;
+    }
+    let rx = receiver(200).await;
+    let ws = tempfile::tempdir().expect("tempdir");
+    std::fs::write(ws.path().join("city.geojson"), rect(-71.3, 42.2, -70.9, 42.5).to_string()).expect("aoi");
+    let config = format!(
+        r#"
+[store]
+path = "zw.redb"
+[delivery]
+concurrency = 16
+run_wait = "5s"
+base_delay_ms = 20
+max_delay_ms = 100
+allow_private_targets = true
+[[source]]
+id = "cambridge-parcels"
+jurisdiction = "cambridge-ma"
+kind = "file"
+path = "{}"
+[source.fields]
+parcel_id = "ML"
+[[source]]
+id = "cambridge-overlays"
+jurisdiction = "cambridge-ma"
+kind = "file"
+path = "overlays.geojson"
+layer = "overlays"
+parcels = "cambridge-parcels"
+max_change_ratio = 1.0
+[source.fields]
+zoning = "name"
+[[subscriber]]
+id = "city"
+aoi = "city.geojson"
+target = "{}"
+min_severity = "info"
+"#,
+        parcels_file.display(),
+        rx.url("/hook")
+    );
+    std::fs::write(ws.path().join("zonewatch.toml"), config).expect("config");
+    let engine = zonewatch::pipeline::Engine::open(zonewatch::config::Config::load(&ws.path().join("zonewatch.toml")).expect("config"))
+        .expect("engine");
+    let run = |id: &str| engine.run_source_id(id, RunOptions::default()).expect("run");
+    run("cambridge-parcels");
+    std::fs::copy(ov(v1), ws.path().join("overlays.geojson")).expect("copy");
+    let b = run("cambridge-overlays");
+    assert_eq!(b.record.verdict, Verdict::Baseline);
+    // `name` is configured, the file says `Name`: matched case-insensitively, with a warning.
+    assert!(b.record.warnings.iter().any(|w| w.contains("case-insensitively")), "{:?}", b.record.warnings);
+    std::fs::copy(ov(v2), ws.path().join("overlays.geojson")).expect("copy");
+    let r = run("cambridge-overlays");
+    assert_eq!(r.record.verdict, Verdict::Run, "{}", r.line());
+    deliver(&engine, Duration::from_secs(30)).await;
+    let got = received_since(&rx, 0);
+
+    let known: BTreeSet<String> = engine.store.snapshot_states("cambridge-parcels").expect("snapshot").into_keys().collect();
+    let samples: BTreeMap<String, Vec<[f64; 2]>> = parcel_samples(&parcels_file).into_iter().filter(|(ml, _)| known.contains(ml)).collect();
+    let (old, new) = (sampled_overlays(&ov(v1), &samples), sampled_overlays(&ov(v2), &samples));
+    let got_set: BTreeSet<(String, String, String)> = got
+        .iter()
+        .map(|g| (g.parcel.clone(), g.change.clone(), if g.change == "overlay_added" { g.to.to_uppercase() } else { g.from.to_uppercase() }))
+        .collect();
+    assert_eq!(got_set.len(), got.len(), "one webhook per (parcel, overlay, change)");
+    let (mut confirmed, mut borderline) = (0, 0);
+    for (ml, o) in &old {
+        let Some(n) = new.get(ml) else { continue };
+        let names: BTreeSet<&String> = o.keys().chain(n.keys()).collect();
+        for name in names {
+            let (a, b) = (o.get(name).copied().unwrap_or(0.0), n.get(name).copied().unwrap_or(0.0));
+            let decisive = |s: f64| s == 0.0 || s >= 0.3;
+            if !(decisive(a) && decisive(b)) {
+                borderline += 1;
+                continue;
+            }
+            let want = match (a > 0.0, b > 0.0) {
+                (false, true) => Some("overlay_added"),
+                (true, false) => Some("overlay_removed"),
+                _ => None,
+            };
+            let has = |c: &str| got_set.contains(&(ml.clone(), c.to_string(), name.clone()));
+            match want {
+                Some(c) => {
+                    assert!(has(c), "{ml}: expected {c} {name}");
+                    confirmed += 1;
+                }
+                None => assert!(!has("overlay_added") && !has("overlay_removed"), "{ml}: unexpected change of {name}"),
+            }
+        }
+    }
+    let added = got.iter().filter(|g| g.change == "overlay_added").count();
+    eprintln!(
+        "cambridge overlays {v1} → {v2}: {} webhooks ({added} added, {} removed), {confirmed} confirmed by sampling, {borderline} borderline (parcel, overlay) pairs not asserted",
+        got.len(),
+        got.len() - added
+    );
+    assert!(confirmed > 0);
+    let before = rx.received().len();
+    assert_eq!(run("cambridge-overlays").record.verdict, Verdict::Identical);
+    deliver(&engine, Duration::from_secs(2)).await;
+    assert_eq!(rx.received().len(), before);
 }
