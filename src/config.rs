@@ -511,6 +511,56 @@ impl Config {
 mod tests {
     use super::*;
 
+    #[test]
+    fn district_layers_and_their_parcel_base() {
+        let text = r#"
+[store]
+path = "zw.redb"
+[[source]]
+id = "p"
+jurisdiction = "town"
+kind = "file"
+path = "p.geojson"
+[source.fields]
+parcel_id = "ML"
+[[source]]
+id = "d"
+jurisdiction = "town"
+kind = "file"
+path = "d.geojson"
+layer = "districts"
+parcels = "p"
+[source.fields]
+zoning = "ZONE_TYPE"
+[[source]]
+id = "a"
+jurisdiction = "town"
+kind = "file"
+path = "a.geojson"
+layer = "districts"
+tolerance_m = 5
+[source.fields]
+zoning = "zone_class"
+"#;
+        let cfg = Config::parse_str(text, Path::new(".")).unwrap();
+        assert_eq!(cfg.sources[0].layer, LayerKind::Parcels);
+        assert_eq!(cfg.sources[0].fields.zoning, "");
+        assert_eq!(cfg.sources[1].layer, LayerKind::Districts);
+        assert_eq!(cfg.sources[1].parcels.as_deref(), Some("p"));
+        assert_eq!((cfg.sources[2].min_change_area_m2, cfg.sources[2].tolerance_m), (200.0, 5.0));
+        assert_ne!(cfg.sources[1].read_fingerprint(), cfg.sources[2].read_fingerprint());
+        // The base must exist and be a parcel layer.
+        let missing = text.replace("parcels = \"p\"", "parcels = \"nope\"");
+        assert!(Config::parse_str(&missing, Path::new(".")).unwrap_err().to_string().contains("nope"));
+        let not_parcels = text.replace("parcels = \"p\"", "parcels = \"a\"");
+        assert!(Config::parse_str(&not_parcels, Path::new(".")).is_err());
+        // A districts layer needs its code field; overlays need a base.
+        let no_code = text.replace("zoning = \"ZONE_TYPE\"", "");
+        assert!(Config::parse_str(&no_code, Path::new(".")).unwrap_err().to_string().contains("fields.zoning"));
+        let overlays = text.replace("layer = \"districts\"\ntolerance_m", "layer = \"overlays\"\ntolerance_m");
+        assert!(Config::parse_str(&overlays, Path::new(".")).unwrap_err().to_string().contains("overlays"));
+    }
+
     const GOOD: &str = r#"
 [store]
 path = "zw.redb"
@@ -552,6 +602,8 @@ min_severity = "material"
         assert!(err.contains("bbox"), "{err}");
         let bad_sev = GOOD.replace("\"material\"", "\"loud\"");
         assert!(Config::parse_str(&bad_sev, Path::new(".")).is_err());
+        let bad_layer = GOOD.replace("kind = \"file\"", "kind = \"file\"\nlayer = \"blocks\"");
+        assert!(Config::parse_str(&bad_layer, Path::new(".")).unwrap_err().to_string().contains("blocks"));
         let bad_kind = GOOD.replace("kind = \"file\"", "kind = \"ftp\"");
         assert!(Config::parse_str(&bad_kind, Path::new(".")).unwrap_err().to_string().contains("ftp"));
     }
