@@ -205,6 +205,8 @@ impl Engine {
         let old = self.store.snapshot_states(&src.id)?;
         let first_ingest = wm.is_none() && old.is_empty();
         let parcels_n = derivation.parcels.len() as u64;
+        let shares: Vec<(String, f64)> =
+            derivation.parcels.iter().map(|p| p.id.clone()).zip(derivation.shares.iter().copied()).collect();
         let d = diff(&old, derivation.parcels, &HashSet::new());
         let (changes, coverage_only) = alerting_changes(src.layer, d.changes);
         if coverage_only > 0 {
@@ -257,7 +259,7 @@ impl Engine {
             changes: events.len() as u64,
             ..Default::default()
         };
-        let record = self.store.commit_run(RunCommit {
+        let record = self.store.commit_run_with(RunCommit {
             source_id: src.id.clone(),
             started_ms: started,
             now_ms: now,
@@ -271,7 +273,7 @@ impl Engine {
             counts,
             warnings,
             idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
-        })?;
+        }, &shares)?;
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "derived run committed");
         Ok(SourceReport { record, hold_reason })
     }

@@ -360,12 +360,13 @@ impl Engine {
             return Err(PipelineError::HoldNotOpen { id: hold_id, state: hold.state.label().to_string() });
         }
         let (upserts, removals, events) = self.store.held_delta(hold_id)?;
+        let shares = self.store.held_shares(hold_id)?;
         let claims = self.claims_for(&events);
         let now = now_ms();
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;
         let counts = RunCounts { features: hold.features, parcels: 0, changes: events.len() as u64, ..Default::default() };
-        let record = self.store.commit_run(RunCommit {
+        let record = self.store.commit_run_with(RunCommit {
             source_id: hold.source_id.clone(),
             started_ms: now,
             now_ms: now,
@@ -379,7 +380,7 @@ impl Engine {
             counts,
             warnings: vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })],
             idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
-        })?;
+        }, &shares)?;
         Ok(record)
     }
 }

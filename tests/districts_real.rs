@@ -299,6 +299,12 @@ min_severity = "info"
     assert!(base.record.counts.parcels > 12_900, "{:?}", base.record.counts);
     let derive_note = base.record.warnings.iter().find(|w| w.starts_with("derived")).cloned().unwrap_or_default();
     eprintln!("cambridge baseline: {derive_note}");
+    // Each derived code is stored with its share of the parcel.
+    let shares = engine.store.derived_shares("cambridge-zoning").expect("shares");
+    assert_eq!(shares.len() as u64, base.record.counts.parcels);
+    assert!(shares.values().all(|s| (0.0..=1.0).contains(s)));
+    let whole = shares.values().filter(|s| **s > 0.999).count();
+    assert!(whole * 2 > shares.len(), "most parcels lie inside one district: {whole} of {}", shares.len());
     deliver(&engine, Duration::from_secs(5)).await;
     assert_eq!(rx.received().len(), 0);
 
@@ -375,6 +381,8 @@ min_severity = "info"
         prev = next;
     }
 
+    // The released 2025 hold brought its staged shares along.
+    assert_eq!(engine.store.derived_shares("cambridge-zoning").expect("shares").len() as u64, base.record.counts.parcels);
     let step = |v: &str| summary.iter().find(|s| s.0 == v).map(|s| s.1.clone()).expect("step");
     // 2016: the BA → BA-4 rezoning.
     let s2016 = step("2016-06-01");

@@ -12,6 +12,7 @@
 
 pub mod codec;
 mod delivery;
+mod derived;
 mod queries;
 mod runs;
 mod tables;
@@ -150,6 +151,8 @@ impl Store {
             wtx.open_table(HOLDS)?;
             wtx.open_table(HELD_PARCELS)?;
             wtx.open_table(HELD_EVENTS)?;
+            wtx.open_table(DERIVED_SHARES)?;
+            wtx.open_table(HELD_SHARES)?;
         }
         wtx.commit()?;
         Ok(())
