@@ -81,12 +81,19 @@ struct RawSource {
     page_size: Option<u32>,
     floor: Option<String>,
     stale_after: Option<String>,
+    layer: Option<String>,
+    parcels: Option<String>,
+    min_change_area_m2: Option<f64>,
+    tolerance_m: Option<f64>,
+    overlay_min_share: Option<f64>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 struct RawFields {
+    #[serde(default)]
     parcel_id: String,
+    #[serde(default)]
     zoning: String,
     effective_date: Option<String>,
 }
@@ -222,6 +229,37 @@ pub struct SourceConfig {
     pub floor: Duration,
     /// Flag the source when its content has not changed for this long.
     pub stale_after: Duration,
+    /// What the features are: parcels (default), zoning districts, or overlay districts.
+    pub layer: LayerKind,
+    /// For `districts` / `overlays`: the id of the `parcels` source whose parcels get derived
+    /// zoning. None = area mode (districts only).
+    pub parcels: Option<String>,
+    /// Area mode: change regions smaller than this (m²) are re-digitisation noise.
+    pub min_change_area_m2: f64,
+    /// Area mode: change regions thinner than this (m) are noise; also the snapping grid of a
+    /// region's content hash.
+    pub tolerance_m: f64,
+    /// Overlays: the share of a parcel's area an overlay must cover to count (0..1].
+    pub overlay_min_share: f64,
+}
+
+/// What a source's features are. Parcels carry a stable id and their own code; districts and
+/// overlays are polygons with a code and no stable id, joined to parcels (or diffed by area).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    Parcels,
+    Districts,
+    Overlays,
+}
+
+impl LayerKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LayerKind::Parcels => "parcels",
+            LayerKind::Districts => "districts",
+            LayerKind::Overlays => "overlays",
+        }
+    }
 }
 
 /// One `[[subscriber]]`: who is told, about which area, how loudly.
@@ -247,6 +285,19 @@ impl SourceConfig {
             self.fields.effective_date.as_deref().unwrap_or(""),
             self.bbox
         );
+        // Derived layers also depend on how they are joined; parcels keep their old text so
+        // existing watermarks stay valid.
+        let text = match self.layer {
+            LayerKind::Parcels => text,
+            layer => format!(
+                "{text}|{}|{}|{}|{}|{}",
+                layer.as_str(),
+                self.parcels.as_deref().unwrap_or(""),
+                self.min_change_area_m2,
+                self.tolerance_m,
+                self.overlay_min_share
+            ),
+        };
         crate::util::hex(&Sha256::digest(text.as_bytes())[..8])
     }
 }
@@ -365,8 +416,44 @@ impl Config {
             if !(ratio > 0.0 && ratio <= 1.0) {
                 return Err(invalid(format!("{at}: max_change_ratio must be in (0, 1]")));
             }
-            if s.fields.parcel_id.trim().is_empty() || s.fields.zoning.trim().is_empty() {
-                return Err(invalid(format!("{at}: fields.parcel_id and fields.zoning must be set")));
+            let layer = match s.layer.as_deref().map(str::trim) {
+                None | Some("parcels") => LayerKind::Parcels,
+                Some("districts") => LayerKind::Districts,
+                Some("overlays") => LayerKind::Overlays,
+                Some(other) => {
+                    return Err(invalid(format!(
+                        "{at}: unknown layer {other:?} (supported: \"parcels\", \"districts\", \"overlays\")"
+                    )))
+                }
+            };
+            match layer {
+                // A parcel layer needs its id; its zoning field may be absent (a pure parcel base
+                // whose zoning is derived from a district layer).
+                LayerKind::Parcels if s.fields.parcel_id.trim().is_empty() => {
+                    return Err(invalid(format!("{at}: fields.parcel_id must be set for a parcels layer")));
+                }
+                LayerKind::Parcels if s.parcels.is_some() => {
+                    return Err(invalid(format!("{at}: `parcels` is only for layer = \"districts\" or \"overlays\"")));
+                }
+                LayerKind::Districts | LayerKind::Overlays if s.fields.zoning.trim().is_empty() => {
+                    return Err(invalid(format!("{at}: fields.zoning must be set for a {} layer", layer.as_str())));
+                }
+                LayerKind::Overlays if s.parcels.is_none() => {
+                    return Err(invalid(format!("{at}: layer = \"overlays\" needs `parcels = \"<source id>\"`")));
+                }
+                _ => {}
+            }
+            let min_change_area_m2 = s.min_change_area_m2.unwrap_or(200.0);
+            if !(min_change_area_m2.is_finite() && min_change_area_m2 >= 0.0) {
+                return Err(invalid(format!("{at}: min_change_area_m2 must be >= 0")));
+            }
+            let tolerance_m = s.tolerance_m.unwrap_or(3.0);
+            if !(tolerance_m.is_finite() && tolerance_m > 0.0 && tolerance_m <= 1000.0) {
+                return Err(invalid(format!("{at}: tolerance_m must be in (0, 1000]")));
+            }
+            let overlay_min_share = s.overlay_min_share.unwrap_or(0.1);
+            if !(overlay_min_share > 0.0 && overlay_min_share <= 1.0) {
+                return Err(invalid(format!("{at}: overlay_min_share must be in (0, 1]")));
             }
             let mut severity = SeverityRules::default();
             if let Some(rs) = &s.severity {
@@ -398,6 +485,11 @@ impl Config {
                 severity,
                 floor: dur(&format!("{at}.floor"), &s.floor, Duration::from_secs(86_400))?,
                 stale_after: dur(&format!("{at}.stale_after"), &s.stale_after, Duration::from_secs(45 * 86_400))?,
+                layer,
+                parcels: s.parcels.as_ref().map(|p| p.trim().to_string()),
+                min_change_area_m2,
+                tolerance_m,
+                overlay_min_share,
             });
         }
 
@@ -448,6 +540,20 @@ impl Config {
         if control.max_body_bytes < 1024 {
             return Err(invalid("control.max_body_bytes must be at least 1024".into()));
         }
+        for s in &sources {
+            if let Some(base) = &s.parcels {
+                match sources.iter().find(|o| &o.id == base) {
+                    Some(o) if o.layer == LayerKind::Parcels => {}
+                    Some(_) => {
+                        return Err(invalid(format!(
+                            "source {:?}: parcels = {base:?} must name a layer = \"parcels\" source",
+                            s.id
+                        )))
+                    }
+                    None => return Err(invalid(format!("source {:?}: parcels = {base:?} is not a configured source", s.id))),
+                }
+            }
+        }
 
         Ok(Config {
             control,
@@ -468,6 +574,56 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn district_layers_and_their_parcel_base() {
+        let text = r#"
+[store]
+path = "zw.redb"
+[[source]]
+id = "p"
+jurisdiction = "town"
+kind = "file"
+path = "p.geojson"
+[source.fields]
+parcel_id = "ML"
+[[source]]
+id = "d"
+jurisdiction = "town"
+kind = "file"
+path = "d.geojson"
+layer = "districts"
+parcels = "p"
+[source.fields]
+zoning = "ZONE_TYPE"
+[[source]]
+id = "a"
+jurisdiction = "town"
+kind = "file"
+path = "a.geojson"
+layer = "districts"
+tolerance_m = 5
+[source.fields]
+zoning = "zone_class"
+"#;
+        let cfg = Config::parse_str(text, Path::new(".")).unwrap();
+        assert_eq!(cfg.sources[0].layer, LayerKind::Parcels);
+        assert_eq!(cfg.sources[0].fields.zoning, "");
+        assert_eq!(cfg.sources[1].layer, LayerKind::Districts);
+        assert_eq!(cfg.sources[1].parcels.as_deref(), Some("p"));
+        assert_eq!((cfg.sources[2].min_change_area_m2, cfg.sources[2].tolerance_m), (200.0, 5.0));
+        assert_ne!(cfg.sources[1].read_fingerprint(), cfg.sources[2].read_fingerprint());
+        // The base must exist and be a parcel layer.
+        let missing = text.replace("parcels = \"p\"", "parcels = \"nope\"");
+        assert!(Config::parse_str(&missing, Path::new(".")).unwrap_err().to_string().contains("nope"));
+        let not_parcels = text.replace("parcels = \"p\"", "parcels = \"a\"");
+        assert!(Config::parse_str(&not_parcels, Path::new(".")).is_err());
+        // A districts layer needs its code field; overlays need a base.
+        let no_code = text.replace("zoning = \"ZONE_TYPE\"", "");
+        assert!(Config::parse_str(&no_code, Path::new(".")).unwrap_err().to_string().contains("fields.zoning"));
+        let overlays = text.replace("layer = \"districts\"\ntolerance_m", "layer = \"overlays\"\ntolerance_m");
+        assert!(Config::parse_str(&overlays, Path::new(".")).unwrap_err().to_string().contains("overlays"));
+    }
 
     const GOOD: &str = r#"
 [store]
@@ -510,6 +666,8 @@ min_severity = "material"
         assert!(err.contains("bbox"), "{err}");
         let bad_sev = GOOD.replace("\"material\"", "\"loud\"");
         assert!(Config::parse_str(&bad_sev, Path::new(".")).is_err());
+        let bad_layer = GOOD.replace("kind = \"file\"", "kind = \"file\"\nlayer = \"blocks\"");
+        assert!(Config::parse_str(&bad_layer, Path::new(".")).unwrap_err().to_string().contains("blocks"));
         let bad_kind = GOOD.replace("kind = \"file\"", "kind = \"ftp\"");
         assert!(Config::parse_str(&bad_kind, Path::new(".")).unwrap_err().to_string().contains("ftp"));
     }

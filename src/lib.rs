@@ -7,6 +7,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod demo;
+pub mod derived;
 pub mod detect;
 pub mod ingest;
 pub mod model;

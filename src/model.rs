@@ -53,6 +53,12 @@ pub enum ChangeKind {
     Removed,
     /// Same zoning code, different shape.
     GeometryChanged,
+    /// Area mode (district layer, no parcel base): a connected region changed code.
+    AreaRezoned,
+    /// An overlay district now covers a meaningful share of the parcel.
+    OverlayAdded,
+    /// An overlay district no longer covers a meaningful share of the parcel.
+    OverlayRemoved,
 }
 
 impl ChangeKind {
@@ -62,6 +68,9 @@ impl ChangeKind {
             ChangeKind::Added => "added",
             ChangeKind::Removed => "removed",
             ChangeKind::GeometryChanged => "geometry_changed",
+            ChangeKind::AreaRezoned => "area_rezoned",
+            ChangeKind::OverlayAdded => "overlay_added",
+            ChangeKind::OverlayRemoved => "overlay_removed",
         }
     }
 }

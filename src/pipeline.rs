@@ -33,6 +33,10 @@ pub enum PipelineError {
     UnknownHold(u64),
     #[error("hold {id} is {state}, not open")]
     HoldNotOpen { id: u64, state: String },
+    #[error("source {source_id:?} derives zoning onto parcel source {base:?}, which has not been ingested yet: run {base:?} first")]
+    BaseNotIngested { source_id: String, base: String },
+    #[error("source {0:?}: {1}")]
+    Derived(String, String),
 }
 
 /// Options for one run.
@@ -126,6 +130,8 @@ struct ParsedLayer {
     quarantine: Vec<QuarantineDraft>,
     features: u64,
     repaired: u64,
+    /// Run-record warnings (fields matched case-insensitively).
+    warnings: Vec<String>,
 }
 
 fn portal_signals(m: &PortalMeta) -> PortalSignals {
@@ -154,9 +160,15 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
     let mut quarantine = Vec::new();
     let mut repaired = 0;
     let mut raw_of: HashMap<String, (u64, String)> = HashMap::new();
+    let mut folded: Vec<(String, String)> = Vec::new();
     let features = geojson::for_each_feature(bytes, |index, raw| match normalize_feature(raw, &rules) {
         Ok(n) => {
             repaired += u64::from(n.repaired);
+            for f in n.folded_fields {
+                if !folded.contains(&f) {
+                    folded.push(f);
+                }
+            }
             raw_of.insert(n.parcel.id.clone(), (index, String::new()));
             parcels.push(n.parcel);
         }
@@ -187,7 +199,11 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
             });
         }
     }
-    Ok(ParsedLayer { parcels, quarantine, features, repaired })
+    let warnings = folded
+        .iter()
+        .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
+        .collect();
+    Ok(ParsedLayer { parcels, quarantine, features, repaired, warnings })
 }
 
 impl Engine {
@@ -247,6 +263,9 @@ impl Engine {
     }
 
     fn run_source_inner(&self, src: &SourceConfig, opts: RunOptions, started: u64, from_staging: bool) -> Result<SourceReport, PipelineError> {
+        if src.layer != crate::config::LayerKind::Parcels {
+            return self.run_derived(src, opts, started);
+        }
         let wm = self.store.watermark(&src.id)?;
         let fetch = if from_staging {
             let (bytes, m) = staging::load(self.store.path(), &src.id)?;
@@ -371,7 +390,7 @@ impl Engine {
             claims,
             quarantine: layer.quarantine,
             counts,
-            warnings: vec![],
+            warnings: layer.warnings,
             idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
         })?;
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "run committed");
@@ -379,7 +398,7 @@ impl Engine {
     }
 
     /// Attaches geometries and severity to the diff's changes.
-    fn build_events(&self, src: &SourceConfig, changes: &[RawChange], upserts: &[Parcel], now: u64) -> Result<Vec<ChangeEvent>, PipelineError> {
+    pub(crate) fn build_events(&self, src: &SourceConfig, changes: &[RawChange], upserts: &[Parcel], now: u64) -> Result<Vec<ChangeEvent>, PipelineError> {
         let need_old: Vec<&str> = changes
             .iter()
             .filter(|c| c.kind != ChangeKind::Added)
@@ -445,12 +464,13 @@ impl Engine {
             return Err(PipelineError::HoldNotOpen { id: hold_id, state: hold.state.label().to_string() });
         }
         let (upserts, removals, events) = self.store.held_delta(hold_id)?;
+        let shares = self.store.held_shares(hold_id)?;
         let claims = self.claims_for(&events);
         let now = now_ms();
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;
         let counts = RunCounts { features: hold.features, parcels: 0, changes: events.len() as u64, ..Default::default() };
-        let record = self.store.commit_run(RunCommit {
+        let record = self.store.commit_run_with(RunCommit {
             source_id: hold.source_id.clone(),
             started_ms: now,
             now_ms: now,
@@ -464,7 +484,7 @@ impl Engine {
             counts,
             warnings: vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })],
             idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
-        })?;
+        }, &shares)?;
         Ok(record)
     }
 }

@@ -4,9 +4,12 @@
 //!   rings) hash the same;
 //! * [`diff`] compares a new layer with the stored snapshot and emits [`crate::model::ChangeEvent`]s;
 //! * [`gate`] decides whether a run's events may be published (baseline, reprocess, holds);
-//! * [`severity`] ranks a change.
+//! * [`severity`] ranks a change;
+//! * [`overlay`] derives a parcel's zoning from district polygons (largest share, R-tree).
 
 pub mod canonical;
 pub mod diff;
 pub mod gate;
+pub mod area;
+pub mod overlay;
 pub mod severity;

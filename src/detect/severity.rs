@@ -39,7 +39,10 @@ pub fn rank(kind: ChangeKind, from: Option<&str>, to: Option<&str>, area_m2: f64
     match kind {
         ChangeKind::GeometryChanged => Severity::Info,
         ChangeKind::Added | ChangeKind::Removed => Severity::Notice,
-        ChangeKind::Rezoned => {
+        ChangeKind::OverlayAdded | ChangeKind::OverlayRemoved => Severity::Notice,
+        // Zone ↔ no zone (streets, water) is coverage, not a rezoning.
+        ChangeKind::AreaRezoned if from.is_none_or(str::is_empty) || to.is_none_or(str::is_empty) => Severity::Info,
+        ChangeKind::Rezoned | ChangeKind::AreaRezoned => {
             let from = from.map(|c| classify(c, rules)).unwrap_or(CodeClass::Other);
             let to = to.map(|c| classify(c, rules)).unwrap_or(CodeClass::Other);
             match (from, to) {

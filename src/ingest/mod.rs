@@ -7,7 +7,9 @@
 //! * [`portal`], [`arcgis`] and [`http`] fetch the HTTP source kinds (probe, page, retry,
 //!   rate-limit) and hand back one FeatureCollection; [`settings`] holds their config keys;
 //!   [`staging`] keeps the last payload on disk and the per-source run lease.
+//! * [`districts`] reads district / overlay layers (code + polygon, no stable id).
 
+pub mod districts;
 pub mod geojson;
 pub mod normalize;
 pub mod source;

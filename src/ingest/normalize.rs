@@ -39,6 +39,9 @@ pub struct NormalizeRules<'a> {
 pub struct Normalized {
     pub parcel: Parcel,
     pub repaired: bool,
+    /// Configured field names that were absent and matched case-insensitively instead, as
+    /// (configured, found): the run record gets a warning.
+    pub folded_fields: Vec<(String, String)>,
 }
 
 #[derive(Deserialize)]
@@ -60,14 +63,24 @@ pub fn normalize_feature(raw: &RawValue, rules: &NormalizeRules) -> Result<Norma
             .map_err(|e| reject(None, QuarantineReason::MalformedFeature, format!("properties: {e}")))?
             .unwrap_or_default(),
     };
-    let id = prop_text(&props, &rules.fields.parcel_id);
+    let mut folded_fields = Vec::new();
+    let id = prop_text_folding(&props, &rules.fields.parcel_id, &mut folded_fields);
     let Some(id) = id else {
         return Err(reject(None, QuarantineReason::MissingField, format!("missing {}", rules.fields.parcel_id)));
     };
-    let Some(zoning) = prop_text(&props, &rules.fields.zoning) else {
-        return Err(reject(Some(id), QuarantineReason::MissingField, format!("missing {}", rules.fields.zoning)));
+    // An empty zoning field name means a pure parcel base (zoning derived from districts).
+    let zoning = if rules.fields.zoning.trim().is_empty() {
+        String::new()
+    } else {
+        match prop_text_folding(&props, &rules.fields.zoning, &mut folded_fields) {
+            Some(z) => z,
+            None => {
+                return Err(reject(Some(id), QuarantineReason::MissingField, format!("missing {}", rules.fields.zoning)))
+            }
+        }
     };
-    let effective_date = rules.fields.effective_date.as_ref().and_then(|f| prop_text(&props, f));
+    let effective_date =
+        rules.fields.effective_date.as_ref().and_then(|f| prop_text_folding(&props, f, &mut folded_fields));
 
     let geometry_raw = match feature.geometry {
         Some(g) => g,
@@ -87,7 +100,39 @@ pub fn normalize_feature(raw: &RawValue, rules: &NormalizeRules) -> Result<Norma
             geometry: StoredGeometry::from_geo(&geometry),
         },
         repaired,
+        folded_fields,
     })
+}
+
+/// Parsed `properties` of a feature (absent or null → empty).
+pub fn feature_properties(props: Option<&RawValue>) -> Result<HashMap<String, serde_json::Value>, String> {
+    match props {
+        None => Ok(HashMap::new()),
+        Some(p) => serde_json::from_str::<Option<HashMap<String, serde_json::Value>>>(p.get())
+            .map(Option::unwrap_or_default)
+            .map_err(|e| format!("properties: {e}")),
+    }
+}
+
+/// [`prop_text`], but when the exact name is absent a property whose name matches
+/// case-insensitively is used instead (publishers rename `ZONE_CLASS` → `zone_class`), and the
+/// substitution is recorded in `folded` (once per pair).
+pub fn prop_text_folding(
+    props: &HashMap<String, serde_json::Value>,
+    name: &str,
+    folded: &mut Vec<(String, String)>,
+) -> Option<String> {
+    if props.contains_key(name) {
+        return prop_text(props, name);
+    }
+    let mut keys: Vec<&String> = props.keys().filter(|k| k.eq_ignore_ascii_case(name)).collect();
+    keys.sort();
+    let key = keys.first()?;
+    let pair = (name.to_string(), (*key).clone());
+    if !folded.contains(&pair) {
+        folded.push(pair);
+    }
+    prop_text(props, key)
 }
 
 /// A property as trimmed text; numbers are written in their JSON form. Empty → None.

@@ -13,6 +13,7 @@
 pub mod backup;
 pub mod codec;
 mod delivery;
+mod derived;
 mod queries;
 mod runs;
 mod subscribers;
@@ -158,6 +159,8 @@ impl Store {
             wtx.open_table(HELD_PARCELS)?;
             wtx.open_table(HELD_EVENTS)?;
             wtx.open_table(SUBSCRIBERS)?;
+            wtx.open_table(DERIVED_SHARES)?;
+            wtx.open_table(HELD_SHARES)?;
         }
         wtx.commit()?;
         Ok(())

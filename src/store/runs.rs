@@ -78,7 +78,14 @@ pub(super) fn lineage_for(source_id: &str, run_id: u64, digest: &str) -> String 
 
 impl Store {
     /// Commits one run in one write transaction (see the module invariants).
-    pub fn commit_run(&self, mut run: RunCommit) -> Result<RunRecord, StoreError> {
+    pub fn commit_run(&self, run: RunCommit) -> Result<RunRecord, StoreError> {
+        self.commit_run_with(run, &[])
+    }
+
+    /// [`Store::commit_run`] for derived (district / overlay) runs: `shares` is the full set of
+    /// derived shares of the source, written (or staged with a hold) in the same transaction.
+    /// An empty slice leaves stored shares alone.
+    pub fn commit_run_with(&self, mut run: RunCommit, shares: &[(String, f64)]) -> Result<RunRecord, StoreError> {
         let wtx = self.db.begin_write()?;
         let run_id = {
             let runs = wtx.open_table(RUNS)?;
@@ -194,6 +201,7 @@ impl Store {
                         events.insert((run_id, i as u64), encode(e).as_slice())?;
                     }
                 }
+                super::derived::stage_shares(&wtx, run_id, shares)?;
                 append_audit(
                     &wtx,
                     &mut AuditRow {
@@ -223,6 +231,7 @@ impl Store {
                         geoms.remove((run.source_id.as_str(), id.as_str()))?;
                     }
                 }
+                super::derived::write_shares(&wtx, &run.source_id, shares)?;
                 // Watermark + history.
                 write_watermark(&wtx, &run.source_id, &run.watermark)?;
                 // Claims, outbox, audit.
@@ -414,6 +423,8 @@ fn clear_staged(wtx: &WriteTransaction, hold_id: u64) -> Result<(), StoreError> 
     staged.retain_in((hold_id, "")..(hold_id + 1, ""), |_, _| false)?;
     let mut events = wtx.open_table(HELD_EVENTS)?;
     events.retain_in((hold_id, 0u64)..(hold_id + 1, 0u64), |_, _| false)?;
+    let mut shares = wtx.open_table(HELD_SHARES)?;
+    shares.retain_in((hold_id, "")..(hold_id + 1, ""), |_, _| false)?;
     Ok(())
 }
 

@@ -1,0 +1,266 @@
+//! Area mode: what changed between two versions of a district layer when there is no parcel
+//! base to join to.
+//!
+//! Every new district polygon is intersected with the old polygons of a *different* code that
+//! overlap it (R-tree candidates, clipped to the new polygon's bounding box); the pieces are
+//! grouped by (old code → new code) and merged into connected regions. Coverage that appears
+//! (new polygon minus every old polygon) or disappears (old minus new) forms regions with an
+//! empty code on one side. A region whose parts at least `tolerance_m` wide (a morphological
+//! opening by half the tolerance) cover less than `min_change_area_m2` is re-digitisation
+//! noise: slivers between two differently simplified boundaries, however long. Region ids come from their content: the codes and a hash of the
+//! region snapped to the tolerance grid.
+
+use crate::detect::canonical::{geometry_hash, normalize_code};
+use geo::{Area, BooleanOps, BoundingRect, Buffer, Coord, GeodesicArea, Intersects, MapCoords, MultiPolygon, Polygon, Rect};
+use rstar::primitives::{GeomWithData, Rectangle};
+use rstar::{RTree, AABB};
+use std::collections::BTreeMap;
+
+type Entry = GeomWithData<Rectangle<[f64; 2]>, u32>;
+
+/// One connected change region.
+#[derive(Debug, Clone)]
+pub struct Region {
+    /// Old code ("" = no zone before).
+    pub from: String,
+    /// New code ("" = no zone now).
+    pub to: String,
+    pub geometry: MultiPolygon<f64>,
+    /// Geodesic area in m².
+    pub area_m2: f64,
+    /// Content id: hex of sha256 over the codes and the snapped region.
+    pub id: String,
+}
+
+/// The result of comparing two versions.
+#[derive(Debug, Default)]
+pub struct AreaDiff {
+    /// Regions that alert (code → code, and coverage changes, which rank `info`).
+    pub regions: Vec<Region>,
+    /// Regions dropped as noise (too small or too thin).
+    pub noise: u64,
+    /// Overlay operations that failed on their input (skipped, counted).
+    pub failed: u64,
+}
+
+struct Piece<'a> {
+    key: String,
+    code: &'a str,
+    polygon: &'a Polygon<f64>,
+    rect: Rect<f64>,
+}
+
+fn pieces<'a>(layer: &'a [(String, MultiPolygon<f64>)]) -> Vec<Piece<'a>> {
+    let mut out = Vec::new();
+    for (code, mp) in layer {
+        for p in &mp.0 {
+            if let Some(rect) = p.bounding_rect() {
+                out.push(Piece { key: normalize_code(code), code: code.as_str(), polygon: p, rect });
+            }
+        }
+    }
+    out
+}
+
+fn tree(p: &[Piece]) -> RTree<Entry> {
+    RTree::bulk_load(
+        p.iter()
+            .enumerate()
+            .map(|(i, p)| GeomWithData::new(Rectangle::from_corners([p.rect.min().x, p.rect.min().y], [p.rect.max().x, p.rect.max().y]), i as u32))
+            .collect(),
+    )
+}
+
+fn env(r: &Rect<f64>) -> AABB<[f64; 2]> {
+    AABB::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y])
+}
+
+fn guarded<F: FnOnce() -> MultiPolygon<f64> + std::panic::UnwindSafe>(f: F, failed: &mut u64) -> MultiPolygon<f64> {
+    match std::panic::catch_unwind(f) {
+        Ok(m) => m,
+        Err(_) => {
+            *failed += 1;
+            MultiPolygon::new(vec![])
+        }
+    }
+}
+
+/// For each polygon of `a`: its intersections with `b` polygons of another code, and (when
+/// `uncovered`) the part of it no `b` polygon covers. Returns (from, to, piece) triples with
+/// `from` the `b` code when `a_is_new`, else the other way round.
+fn cross(a: &[Piece], b: &[Piece], btree: &RTree<Entry>, a_is_new: bool, with_changes: bool, failed: &mut u64) -> Vec<(String, String, Polygon<f64>)> {
+    let mut out = Vec::new();
+    for pa in a {
+        let amp = MultiPolygon::new(vec![pa.polygon.clone()]);
+        let cands: Vec<&Piece> = btree.locate_in_envelope_intersecting(env(&pa.rect)).filter_map(|c| b.get(c.data as usize)).collect();
+        let mut rest = amp.clone();
+        for pb in &cands {
+            let bmp = MultiPolygon::new(vec![pb.polygon.clone()]);
+            if with_changes && pb.key != pa.key {
+                let inter = guarded(|| amp.intersection(&bmp), failed);
+                for poly in inter.0 {
+                    if poly.unsigned_area() > 0.0 {
+                        let (from, to) = if a_is_new { (pb.code, pa.code) } else { (pa.code, pb.code) };
+                        out.push((from.to_string(), to.to_string(), poly));
+                    }
+                }
+            }
+            if !rest.0.is_empty() {
+                let r = rest.clone();
+                rest = guarded(move || r.difference(&bmp), failed);
+            }
+        }
+        for poly in rest.0 {
+            if poly.unsigned_area() > 0.0 {
+                let (from, to) = if a_is_new { ("", pa.code) } else { (pa.code, "") };
+                out.push((from.to_string(), to.to_string(), poly));
+            }
+        }
+    }
+    out
+}
+
+/// Local metres around `lat0` (equirectangular; fine over a region).
+fn to_metres(mp: &MultiPolygon<f64>, lat0: f64) -> MultiPolygon<f64> {
+    let kx = 111_320.0 * lat0.to_radians().cos();
+    mp.map_coords(|c| Coord { x: c.x * kx, y: c.y * 110_540.0 })
+}
+
+/// Compares two versions of a district layer (`(code, geometry)` per feature).
+pub fn area_diff(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiPolygon<f64>)], min_area_m2: f64, tolerance_m: f64) -> AreaDiff {
+    let mut out = AreaDiff::default();
+    let op = pieces(old);
+    let np = pieces(new);
+    let otree = tree(&op);
+    let ntree = tree(&np);
+    let mut raw = cross(&np, &op, &otree, true, true, &mut out.failed);
+    raw.extend(cross(&op, &np, &ntree, false, false, &mut out.failed));
+
+    // Group by (from, to), then connected components of touching pieces.
+    let mut groups: BTreeMap<(String, String), Vec<(String, String, Polygon<f64>)>> = BTreeMap::new();
+    for (f, t, p) in raw {
+        groups.entry((normalize_code(&f), normalize_code(&t))).or_default().push((f, t, p));
+    }
+    for (_, items) in groups {
+        let rects: Vec<Rect<f64>> = items.iter().filter_map(|i| i.2.bounding_rect()).collect();
+        if rects.len() != items.len() {
+            continue;
+        }
+        let gtree: RTree<Entry> = RTree::bulk_load(
+            rects.iter().enumerate().map(|(i, r)| GeomWithData::new(Rectangle::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]), i as u32)).collect(),
+        );
+        let mut parent: Vec<usize> = (0..items.len()).collect();
+        fn find(p: &mut [usize], mut i: usize) -> usize {
+            while p[i] != i {
+                p[i] = p[p[i]];
+                i = p[i];
+            }
+            i
+        }
+        for i in 0..items.len() {
+            for c in gtree.locate_in_envelope_intersecting(env(&rects[i])) {
+                let j = c.data as usize;
+                if j > i && items[i].2.intersects(&items[j].2) {
+                    let (a, b) = (find(&mut parent, i), find(&mut parent, j));
+                    if a != b {
+                        parent[a.max(b)] = a.min(b);
+                    }
+                }
+            }
+        }
+        let mut comps: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for i in 0..items.len() {
+            let r = find(&mut parent, i);
+            comps.entry(r).or_default().push(i);
+        }
+        for (_, members) in comps {
+            let polys: Vec<Polygon<f64>> = members.iter().map(|&i| items[i].2.clone()).collect();
+            let region = if polys.len() == 1 {
+                MultiPolygon::new(polys)
+            } else {
+                guarded(move || geo::unary_union(polys.iter()), &mut out.failed)
+            };
+            if region.0.is_empty() {
+                continue;
+            }
+            let area_m2 = region.geodesic_area_unsigned();
+            let lat0 = region.bounding_rect().map(|r| (r.min().y + r.max().y) / 2.0).unwrap_or(0.0);
+            // Morphological opening (erode, then dilate, by half the tolerance) keeps only
+            // the parts of the region at least `tolerance_m` wide; what is left must still be
+            // `min_change_area_m2` (in local metres).
+            let thin = area_m2 < min_area_m2 || {
+                let m = to_metres(&region, lat0);
+                let opened = guarded(
+                    move || {
+                        let eroded = m.buffer(-tolerance_m / 2.0);
+                        if eroded.0.is_empty() {
+                            eroded
+                        } else {
+                            eroded.buffer(tolerance_m / 2.0)
+                        }
+                    },
+                    &mut out.failed,
+                );
+                opened.unsigned_area() < min_area_m2
+            };
+            if thin {
+                out.noise += 1;
+                continue;
+            }
+            let (from, to) = (items[members[0]].0.clone(), items[members[0]].1.clone());
+            let id = region_id(&from, &to, &region, tolerance_m);
+            out.regions.push(Region { from, to, geometry: region, area_m2, id });
+        }
+    }
+    out.regions.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+/// sha256 over the normalised codes and the region snapped to the tolerance grid (degrees
+/// per metre at the integer latitude below the region, so the grid is fixed per place).
+fn region_id(from: &str, to: &str, region: &MultiPolygon<f64>, tolerance_m: f64) -> String {
+    use sha2::{Digest, Sha256};
+    let lat_ref = region.bounding_rect().map(|r| r.min().y.floor()).unwrap_or(0.0);
+    let sy = tolerance_m / 110_540.0;
+    let sx = tolerance_m / (111_320.0 * lat_ref.to_radians().cos().max(0.01));
+    let snapped = region.map_coords(|c| Coord { x: (c.x / sx).round() * sx, y: (c.y / sy).round() * sy });
+    let mut h = Sha256::new();
+    h.update(normalize_code(from).as_bytes());
+    h.update([0x1f]);
+    h.update(normalize_code(to).as_bytes());
+    h.update([0x1f]);
+    h.update(geometry_hash(&snapped));
+    crate::util::hex(&h.finalize()[..16])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use geo::polygon;
+
+    fn rect_mp(x0: f64, y0: f64, x1: f64, y1: f64) -> MultiPolygon<f64> {
+        MultiPolygon::new(vec![polygon![(x: x0, y: y0), (x: x1, y: y0), (x: x1, y: y1), (x: x0, y: y1)]])
+    }
+
+    #[test]
+    fn real_change_alerts_and_boundary_noise_does_not() {
+        // ~0.001° ≈ 80 m east-west, 110 m north-south at 42°.
+        let old = vec![("R-1".to_string(), rect_mp(0.0, 42.0, 0.002, 42.001)), ("B-1".to_string(), rect_mp(0.002, 42.0, 0.004, 42.001))];
+        // The boundary moves by ~1.6 m (noise) and a block of R-1 becomes C-1.
+        let new = vec![
+            ("R-1".to_string(), rect_mp(0.0, 42.0, 0.00102, 42.001)),
+            ("C-1".to_string(), rect_mp(0.00102, 42.0, 0.00202, 42.001)),
+            ("B-1".to_string(), rect_mp(0.00202, 42.0, 0.004, 42.001)),
+        ];
+        let d = area_diff(&old, &new, 200.0, 3.0);
+        let alerts: Vec<(&str, &str)> = d.regions.iter().map(|r| (r.from.as_str(), r.to.as_str())).collect();
+        assert_eq!(alerts, vec![("R-1", "C-1")], "{d:?}");
+        assert!(d.regions[0].area_m2 > 5000.0);
+        assert!(d.noise >= 1);
+        // Same inputs, same ids.
+        let again = area_diff(&old, &new, 200.0, 3.0);
+        assert_eq!(again.regions[0].id, d.regions[0].id);
+        // Nothing changed: nothing at all.
+        assert!(area_diff(&old, &old, 200.0, 3.0).regions.is_empty());
+    }
+}
