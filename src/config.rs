@@ -49,6 +49,9 @@ struct RawDelivery {
     idem_ttl: Option<String>,
     run_wait: Option<String>,
     allow_private_targets: Option<bool>,
+    retry_schedule: Option<Vec<String>>,
+    retry_jitter: Option<f64>,
+    max_retry_window: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -114,19 +117,34 @@ pub struct DeliveryConfig {
     /// How long `zonewatch run` waits for retries that fall due before it exits.
     pub run_wait: Duration,
     pub allow_private_targets: bool,
+    /// Delay before each retry (after the first try). Empty: the legacy capped exponential
+    /// backoff from `base_delay`/`max_delay` (used when only those keys are set).
+    pub retry_schedule: Vec<Duration>,
+    /// ± fraction applied to each scheduled delay (0.2 = ±20%).
+    pub retry_jitter: f64,
+    /// No retry is scheduled later than this after the event was queued.
+    pub max_retry_window: Duration,
+}
+
+/// The default retry schedule after the first try: 5s, 5m, 30m, 2h, 5h, 10h, 10h.
+pub fn default_retry_schedule() -> Vec<Duration> {
+    [5, 300, 1_800, 7_200, 18_000, 36_000, 36_000].into_iter().map(Duration::from_secs).collect()
 }
 
 impl Default for DeliveryConfig {
     fn default() -> Self {
         DeliveryConfig {
             concurrency: 16,
-            max_attempts: 5,
+            max_attempts: 8,
             base_delay: Duration::from_millis(500),
             max_delay: Duration::from_millis(30_000),
             timeout: Duration::from_millis(15_000),
             idem_ttl: Duration::from_secs(7 * 86_400),
             run_wait: Duration::from_secs(60),
             allow_private_targets: false,
+            retry_schedule: default_retry_schedule(),
+            retry_jitter: 0.2,
+            max_retry_window: Duration::from_secs(3 * 86_400),
         }
     }
 }
@@ -241,16 +259,36 @@ impl Config {
 
         let d = DeliveryConfig::default();
         let rd = &raw.delivery;
+        // An explicit schedule wins; a config that only sets the exponential keys keeps the
+        // exponential backoff; otherwise the default schedule applies.
+        let retry_schedule = match &rd.retry_schedule {
+            Some(list) => list
+                .iter()
+                .map(|v| parse_duration(v).map_err(|e| invalid(format!("delivery.retry_schedule: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?,
+            None if rd.base_delay_ms.is_some() || rd.max_delay_ms.is_some() => Vec::new(),
+            None => default_retry_schedule(),
+        };
+        let default_attempts = if retry_schedule.is_empty() { 5 } else { retry_schedule.len() as u32 + 1 };
         let delivery = DeliveryConfig {
             concurrency: rd.concurrency.unwrap_or(d.concurrency),
-            max_attempts: rd.max_attempts.unwrap_or(d.max_attempts),
+            max_attempts: rd.max_attempts.unwrap_or(default_attempts),
             base_delay: rd.base_delay_ms.map(Duration::from_millis).unwrap_or(d.base_delay),
             max_delay: rd.max_delay_ms.map(Duration::from_millis).unwrap_or(d.max_delay),
             timeout: rd.timeout_ms.map(Duration::from_millis).unwrap_or(d.timeout),
             idem_ttl: dur("delivery.idem_ttl", &rd.idem_ttl, d.idem_ttl)?,
             run_wait: dur("delivery.run_wait", &rd.run_wait, d.run_wait)?,
             allow_private_targets: rd.allow_private_targets.unwrap_or(false),
+            retry_jitter: rd.retry_jitter.unwrap_or(d.retry_jitter),
+            max_retry_window: dur("delivery.max_retry_window", &rd.max_retry_window, d.max_retry_window)?,
+            retry_schedule,
         };
+        if !(0.0..1.0).contains(&delivery.retry_jitter) {
+            return Err(invalid("delivery.retry_jitter must be in [0, 1)".into()));
+        }
+        if rd.retry_schedule.as_ref().is_some_and(|l| l.is_empty()) {
+            return Err(invalid("delivery.retry_schedule must list at least one delay".into()));
+        }
         if delivery.concurrency == 0 || delivery.concurrency > 4096 {
             return Err(invalid("delivery.concurrency must be between 1 and 4096".into()));
         }

@@ -421,3 +421,25 @@ pub struct Hold {
     pub changes: u64,
     pub features: u64,
 }
+
+/// One delivery attempt as logged: kept per idempotency key so an operator can see exactly
+/// what each try of an event got back (`zonewatch dlq show`, `zonewatch attempts`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct AttemptRecord {
+    pub key: String,
+    pub outbox_id: u64,
+    /// 1-based attempt number.
+    pub attempt: u32,
+    pub ts_ms: u64,
+    pub duration_ms: u64,
+    /// HTTP status, when a response came back.
+    pub status: Option<u16>,
+    /// `sent`, `retry` or `dead_letter`.
+    pub result: String,
+    /// Timeout, connection error, refusal reason or dead-letter reason.
+    pub error: Option<String>,
+    /// The first 2 KiB of the response body (lossy UTF-8).
+    pub response_head: String,
+    /// When the next try is due (retries only).
+    pub next_attempt_ms: Option<u64>,
+}

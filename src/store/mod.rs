@@ -12,11 +12,13 @@
 
 pub mod codec;
 mod delivery;
+mod leases;
 mod queries;
 mod runs;
 mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
+pub use leases::LeasedBatch;
 pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
 
@@ -150,8 +152,17 @@ impl Store {
             wtx.open_table(HOLDS)?;
             wtx.open_table(HELD_PARCELS)?;
             wtx.open_table(HELD_EVENTS)?;
+            wtx.open_table(OUTBOX_LEASES)?;
+            wtx.open_table(OUTBOX_RETRY_DUE)?;
+            wtx.open_table(DELIVERY_ATTEMPTS)?;
         }
         wtx.commit()?;
+        // Only one process can hold the file, so every lease found now belongs to a process
+        // that died mid-delivery: its entries go back to the queue (at-least-once, same key).
+        let reclaimed = self.reclaim_leases(u64::MAX)?;
+        if reclaimed > 0 {
+            tracing::warn!(reclaimed, "in-flight deliveries of a stopped process returned to the queue");
+        }
         Ok(())
     }
 

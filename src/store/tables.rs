@@ -39,3 +39,12 @@ pub const HOLDS: TableDefinition<u64, &[u8]> = TableDefinition::new("holds");
 pub const HELD_PARCELS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_parcels");
 /// (hold run id, n) → `ChangeEvent` (the held events).
 pub const HELD_EVENTS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("held_events");
+
+/// outbox id → lease expiry (ms): the row is in flight until then. Cleared on open (the redb
+/// file lock proves the holder is dead) and whenever the outcome is recorded.
+pub const OUTBOX_LEASES: TableDefinition<u64, u64> = TableDefinition::new("outbox_leases");
+/// (next attempt at ms, outbox id) → () for entries that failed at least once. Kept apart from
+/// `OUTBOX_DUE` (fresh entries) so live alerts are served ahead of late retries.
+pub const OUTBOX_RETRY_DUE: TableDefinition<(u64, u64), ()> = TableDefinition::new("outbox_retry_due");
+/// (idempotency key, attempt number) → `AttemptRecord`: one row per delivery attempt.
+pub const DELIVERY_ATTEMPTS: TableDefinition<(&str, u32), &[u8]> = TableDefinition::new("delivery_attempts");
