@@ -92,6 +92,7 @@ struct RawSubscriber {
     target: String,
     secret: Option<String>,
     min_severity: Option<String>,
+    secret_old: Option<String>,
 }
 
 /// A validated configuration.
@@ -206,6 +207,8 @@ pub struct SubscriberConfig {
     pub target: String,
     pub secret: Option<String>,
     pub min_severity: Severity,
+    /// The previous secret during a rotation: deliveries carry both signatures.
+    pub secret_old: Option<String>,
 }
 
 impl SourceConfig {
@@ -409,6 +412,13 @@ impl Config {
                 crate::notify::signing::decode_secret(secret)
                     .map_err(|e| invalid(format!("{at}: secret: {e}")))?;
             }
+            if let Some(old) = &s.secret_old {
+                if s.secret.is_none() {
+                    return Err(invalid(format!("{at}: secret_old needs `secret` (the new secret)")));
+                }
+                crate::notify::signing::decode_secret(old)
+                    .map_err(|e| invalid(format!("{at}: secret_old: {e}")))?;
+            }
             let min_severity = match &s.min_severity {
                 None => Severity::Notice,
                 Some(v) => Severity::parse(v).ok_or_else(|| {
@@ -421,6 +431,7 @@ impl Config {
                 target: s.target.clone(),
                 secret: s.secret.clone(),
                 min_severity,
+                secret_old: s.secret_old.clone(),
             });
         }
 

@@ -213,10 +213,16 @@ impl Deliverer {
             .header("webhook-timestamp", ts.to_string())
             .body(entry.body.clone());
         if let Some(secret) = sub.and_then(|s| s.secret.as_deref()) {
-            match signing::decode_secret(secret) {
-                Ok(key) => req = req.header("webhook-signature", signing::sign(&key, &entry.key.0, ts, &entry.body)),
-                Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
+            // During a rotation both signatures go out, space-separated, new one first.
+            let secrets = std::iter::once(secret).chain(sub.and_then(|s| s.secret_old.as_deref()));
+            let mut sigs = Vec::with_capacity(2);
+            for s in secrets {
+                match signing::decode_secret(s) {
+                    Ok(key) => sigs.push(signing::sign(&key, &entry.key.0, ts, &entry.body)),
+                    Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
+                }
             }
+            req = req.header("webhook-signature", sigs.join(" "));
         }
         let attempts_after = entry.attempts + 1;
         let (retry_after, error) = match req.send().await {
