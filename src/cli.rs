@@ -84,6 +84,11 @@ pub enum Command {
         #[command(subcommand)]
         action: HoldAction,
     },
+    /// Dead letters: list, show (with every attempt), replay, recover.
+    Dlq {
+        #[command(subcommand)]
+        action: crate::cli_dlq::DlqAction,
+    },
     /// Generate synthetic data (the demo county fixtures).
     #[command(hide = true)]
     Synth {
@@ -139,6 +144,7 @@ pub fn dispatch(cli: Cli) -> i32 {
             cmd_audit(&config, filter, format)
         }
         Command::Holds { action } => cmd_holds(action),
+        Command::Dlq { action } => crate::cli_dlq::cmd_dlq(action),
         Command::Synth { what: SynthWhat::Demo { out } } => match crate::synth::write_demo_fixtures(&out) {
             Ok(f) => {
                 println!("wrote {} parcels and {} rezonings to {}", f.parcels, f.rezonings.len(), out.display());

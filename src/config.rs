@@ -52,6 +52,7 @@ struct RawDelivery {
     retry_schedule: Option<Vec<String>>,
     retry_jitter: Option<f64>,
     max_retry_window: Option<String>,
+    max_replays: Option<u32>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -125,6 +126,8 @@ pub struct DeliveryConfig {
     pub retry_jitter: f64,
     /// No retry is scheduled later than this after the event was queued.
     pub max_retry_window: Duration,
+    /// A dead letter replayed more than this many times goes to quarantine for a person.
+    pub max_replays: u32,
 }
 
 /// The default retry schedule after the first try: 5s, 5m, 30m, 2h, 5h, 10h, 10h.
@@ -146,6 +149,7 @@ impl Default for DeliveryConfig {
             retry_schedule: default_retry_schedule(),
             retry_jitter: 0.2,
             max_retry_window: Duration::from_secs(3 * 86_400),
+            max_replays: 3,
         }
     }
 }
@@ -285,6 +289,7 @@ impl Config {
             retry_jitter: rd.retry_jitter.unwrap_or(d.retry_jitter),
             max_retry_window: dur("delivery.max_retry_window", &rd.max_retry_window, d.max_retry_window)?,
             retry_schedule,
+            max_replays: rd.max_replays.unwrap_or(d.max_replays),
         };
         if !(0.0..1.0).contains(&delivery.retry_jitter) {
             return Err(invalid("delivery.retry_jitter must be in [0, 1)".into()));

@@ -191,7 +191,11 @@ impl Deliverer {
             }
             DeliveryResult::Dead { reason, .. } => {
                 rec.result = "dead_letter".into();
-                rec.error = Some(reason.clone());
+                // Keep what this try got (timeout, http_503) beside why it is final.
+                rec.error = Some(match rec.error.take() {
+                    Some(e) if e != *reason => format!("{e}; {reason}"),
+                    _ => reason.clone(),
+                });
             }
         }
         (result, rec)
@@ -246,6 +250,7 @@ impl Deliverer {
             Err(e) if e.is_timeout() => (None, "timeout".to_string()),
             Err(e) => (None, format!("connection: {e}")),
         };
+        rec.error = Some(error.clone());
         let now = now_ms();
         match next_retry(&self.cfg, attempts_after, retry_after) {
             None => DeliveryResult::Dead { id, reason: "retries_exhausted".into() },

@@ -12,6 +12,7 @@
 
 pub mod codec;
 mod delivery;
+mod dlq;
 mod leases;
 mod queries;
 mod runs;
@@ -19,6 +20,7 @@ mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
 pub use leases::LeasedBatch;
+pub use dlq::ReplayOutcome;
 pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
 
@@ -155,6 +157,8 @@ impl Store {
             wtx.open_table(OUTBOX_LEASES)?;
             wtx.open_table(OUTBOX_RETRY_DUE)?;
             wtx.open_table(DELIVERY_ATTEMPTS)?;
+            wtx.open_table(DLQ_REPLAYS)?;
+            wtx.open_table(DLQ_QUARANTINE)?;
         }
         wtx.commit()?;
         // Only one process can hold the file, so every lease found now belongs to a process

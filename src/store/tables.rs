@@ -48,3 +48,7 @@ pub const OUTBOX_LEASES: TableDefinition<u64, u64> = TableDefinition::new("outbo
 pub const OUTBOX_RETRY_DUE: TableDefinition<(u64, u64), ()> = TableDefinition::new("outbox_retry_due");
 /// (idempotency key, attempt number) → `AttemptRecord`: one row per delivery attempt.
 pub const DELIVERY_ATTEMPTS: TableDefinition<(&str, u32), &[u8]> = TableDefinition::new("delivery_attempts");
+/// idempotency key → how many times its dead letter was replayed (u32 LE).
+pub const DLQ_REPLAYS: TableDefinition<&str, u32> = TableDefinition::new("dlq_replays");
+/// outbox id → `DeadLetter` set aside for a person (replayed too often, invalid geometry).
+pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
