@@ -89,6 +89,11 @@ pub enum Command {
         #[command(subcommand)]
         action: crate::cli_dlq::DlqAction,
     },
+    /// Subscriber endpoints: list health, re-enable a disabled one.
+    Endpoints {
+        #[command(subcommand)]
+        action: crate::cli_dlq::EndpointsAction,
+    },
     /// Generate synthetic data (the demo county fixtures).
     #[command(hide = true)]
     Synth {
@@ -145,6 +150,7 @@ pub fn dispatch(cli: Cli) -> i32 {
         }
         Command::Holds { action } => cmd_holds(action),
         Command::Dlq { action } => crate::cli_dlq::cmd_dlq(action),
+        Command::Endpoints { action } => crate::cli_dlq::cmd_endpoints(action),
         Command::Synth { what: SynthWhat::Demo { out } } => match crate::synth::write_demo_fixtures(&out) {
             Ok(f) => {
                 println!("wrote {} parcels and {} rezonings to {}", f.parcels, f.rezonings.len(), out.display());

@@ -59,6 +59,85 @@ pub enum DlqAction {
     },
 }
 
+/// The `endpoints` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum EndpointsAction {
+    /// Every subscriber endpoint: enabled or disabled (and why), breaker, last success.
+    List {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Re-enable a disabled endpoint (by subscriber id); its waiting events are delivered.
+    Enable {
+        id: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+/// Runs an `endpoints` subcommand; returns the exit code.
+pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
+    match action {
+        EndpointsAction::List { config } => {
+            let engine = match open(&config) {
+                Ok(e) => e,
+                Err(c) => return c,
+            };
+            let states: std::collections::HashMap<String, crate::model::EndpointState> = match engine.store.endpoints() {
+                Ok(v) => v.into_iter().collect(),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
+            };
+            let now = now_ms();
+            println!("id	state	breaker	last_success	reason	target");
+            for sub in &engine.config.subscribers {
+                let s = states.get(&sub.id).cloned().unwrap_or_default();
+                let breaker = match s.breaker_open_until_ms {
+                    Some(t) if t > now => "open",
+                    Some(_) => "half_open",
+                    None => "closed",
+                };
+                println!(
+                    "{}	{}	{}	{}	{}	{}",
+                    sub.id,
+                    if s.disabled { "disabled" } else { "enabled" },
+                    breaker,
+                    s.last_success_ms.map(rfc3339).unwrap_or_else(|| "-".into()),
+                    s.disabled_reason.unwrap_or_default(),
+                    sub.target
+                );
+            }
+            0
+        }
+        EndpointsAction::Enable { id, config } => {
+            let engine = match open(&config) {
+                Ok(e) => e,
+                Err(c) => return c,
+            };
+            if !engine.config.subscribers.iter().any(|s| s.id == id) {
+                eprintln!("error: no subscriber {id:?} in the config");
+                return 2;
+            }
+            match engine.store.enable_endpoint(&id, now_ms()) {
+                Ok(true) => {
+                    println!("endpoint {id} enabled");
+                    0
+                }
+                Ok(false) => {
+                    println!("endpoint {id} was not disabled (breaker and history reset)");
+                    0
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    2
+                }
+            }
+        }
+    }
+}
+
 /// RFC 3339 time or a duration before now.
 fn parse_time(flag: &str, v: &str) -> Result<u64, String> {
     if let Some(t) = parse_rfc3339(v) {

@@ -53,6 +53,8 @@ struct RawDelivery {
     retry_jitter: Option<f64>,
     max_retry_window: Option<String>,
     max_replays: Option<u32>,
+    breaker_cooldown: Option<String>,
+    disable_after: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -128,6 +130,10 @@ pub struct DeliveryConfig {
     pub max_retry_window: Duration,
     /// A dead letter replayed more than this many times goes to quarantine for a person.
     pub max_replays: u32,
+    /// How long an open circuit breaker waits before its half-open probe.
+    pub breaker_cooldown: Duration,
+    /// An endpoint failing without a success for longer than this is disabled.
+    pub disable_after: Duration,
 }
 
 /// The default retry schedule after the first try: 5s, 5m, 30m, 2h, 5h, 10h, 10h.
@@ -150,6 +156,8 @@ impl Default for DeliveryConfig {
             retry_jitter: 0.2,
             max_retry_window: Duration::from_secs(3 * 86_400),
             max_replays: 3,
+            breaker_cooldown: Duration::from_secs(60),
+            disable_after: Duration::from_secs(5 * 86_400),
         }
     }
 }
@@ -290,6 +298,8 @@ impl Config {
             max_retry_window: dur("delivery.max_retry_window", &rd.max_retry_window, d.max_retry_window)?,
             retry_schedule,
             max_replays: rd.max_replays.unwrap_or(d.max_replays),
+            breaker_cooldown: dur("delivery.breaker_cooldown", &rd.breaker_cooldown, d.breaker_cooldown)?,
+            disable_after: dur("delivery.disable_after", &rd.disable_after, d.disable_after)?,
         };
         if !(0.0..1.0).contains(&delivery.retry_jitter) {
             return Err(invalid("delivery.retry_jitter must be in [0, 1)".into()));

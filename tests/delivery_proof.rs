@@ -126,15 +126,60 @@ async fn answer_429_with_retry_after_2_waits_at_least_2s() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn answer_410_is_not_retried() {
-    let rx = receiver(410).await;
+async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
+    let back = Arc::new(AtomicBool::new(false));
+    let b = back.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if b.load(Ordering::SeqCst) { 200 } else { 410 })), None).await.unwrap();
     let ws = ws_for(rx.url("/hook"), "");
     let engine = ws.engine();
     queue(&ws, &engine, &[0, 4]);
     let stats = deliver(&engine, Duration::from_secs(5)).await;
-    assert_eq!(stats.dead, 2);
-    assert_eq!(rx.received().len(), 2, "410 is final: one request per event");
-    assert!(engine.store.dead_letters().unwrap().iter().all(|d| d.reason == "rejected_410"));
+    assert_eq!((stats.sent, stats.dead), (0, 0), "{stats:?}");
+    assert_eq!(rx.received().len(), 2, "no further tries once the endpoint is gone");
+    assert_eq!(engine.store.outbox_len().unwrap(), 2, "events wait, they are not dropped");
+    let eps = engine.store.endpoints().unwrap();
+    assert_eq!(eps.len(), 1);
+    assert!(eps[0].1.disabled && eps[0].1.disabled_reason.as_deref() == Some("http_410_gone"), "{eps:?}");
+    drop(engine);
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let (ok, out, _) = zonewatch(&["endpoints", "list", "--config", cfg]);
+    assert!(ok && out.contains("w\tdisabled\t") && out.contains("http_410_gone"), "{out}");
+    back.store(true, Ordering::SeqCst);
+    let (ok, out, err) = zonewatch(&["endpoints", "enable", "w", "--config", cfg]);
+    assert!(ok && out.contains("enabled"), "{out}{err}");
+    let engine = ws.engine();
+    assert!(!engine.store.endpoints().unwrap()[0].1.disabled);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(stats.sent, 2, "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
+    let o = outcomes(&engine);
+    assert_eq!((o.get("endpoint_disabled"), o.get("endpoint_enabled"), o.get("sent")), (Some(&1), Some(&1), Some(&2)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn circuit_breaker_opens_probes_half_open_and_closes() {
+    let healthy = Arc::new(AtomicBool::new(false));
+    let h = healthy.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if h.load(Ordering::SeqCst) { 200 } else { 503 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "breaker_cooldown = \"1s\"");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    ws.edit_config("max_attempts = 5", "max_attempts = 20");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]);
+    let d = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
+    assert_eq!(d.deliver_due().await.unwrap().retried, 12, "12 of 12 failed: the breaker opens");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(d.deliver_due().await.unwrap().attempted, 0, "open: nothing goes out although retries are due");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(d.deliver_due().await.unwrap().attempted, 1, "half-open: one probe");
+    assert_eq!(d.deliver_due().await.unwrap().attempted, 0, "the failed probe re-opened it");
+    healthy.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let probe = d.deliver_due().await.unwrap();
+    assert_eq!((probe.attempted, probe.sent), (1, 1), "a successful probe closes the breaker");
+    assert_eq!(d.deliver_due().await.unwrap().sent, 11, "closed: the rest go out");
+    assert_eq!(rx.received().len(), 12 + 1 + 1 + 11);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,15 +296,15 @@ async fn leases_hide_in_flight_entries_and_fresh_events_go_ahead_of_retries() {
     ws.write_layer(&layer(&v1));
     run(&engine, false);
     let mut v2 = v1.clone();
-    for p in v2.iter_mut().skip(1) {
+    for p in v2.iter_mut().take(10).skip(1) {
         p.zone = "C3".into();
     }
     ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 1.0");
     let engine = { drop(engine); ws.engine() };
     ws.write_layer(&layer(&v2));
-    assert_eq!(run(&engine, false).record.counts.queued, 39, "parcels 1..40 only match `dead`");
+    assert_eq!(run(&engine, false).record.counts.queued, 9, "parcels 1..10 only match `dead` (9 < 10: the breaker stays closed)");
     let d = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
-    assert_eq!(d.deliver_due().await.unwrap().retried, 39);
+    assert_eq!(d.deliver_due().await.unwrap().retried, 9);
     // ... then a live alert arrives (parcel 0 matches both subscribers).
     let mut v3 = v2.clone();
     v3[0].zone = "C3".into();
@@ -272,19 +317,19 @@ async fn leases_hide_in_flight_entries_and_fresh_events_go_ahead_of_retries() {
     assert!(batch.entries[..2].iter().all(|e| e.attempts == 0) && batch.entries[2..].iter().all(|e| e.attempts == 1));
     // Leased entries are invisible to another pass until the lease expires ...
     let again = engine.store.lease_due(now, 60_000, 100, 1).unwrap();
-    assert_eq!(again.entries.len(), 37);
+    assert_eq!(again.entries.len(), 7);
     assert!(again.entries.iter().all(|e| !batch.entries.iter().any(|b| b.id == e.id)));
     assert_eq!(engine.store.lease_due(now, 60_000, 100, 1).unwrap().entries.len(), 0);
-    assert_eq!(engine.store.leased_len().unwrap(), 41);
+    assert_eq!(engine.store.leased_len().unwrap(), 11);
     // ... or the process that held them dies: reopening the store returns them to the queue.
     drop(d);
     drop(engine);
     let engine = ws.engine();
     assert_eq!(engine.store.leased_len().unwrap(), 0);
-    assert_eq!(engine.store.lease_due(now, 60_000, 100, 1).unwrap().entries.len(), 41);
+    assert_eq!(engine.store.lease_due(now, 60_000, 100, 1).unwrap().entries.len(), 11);
     // Expired leases are taken over without a restart.
-    assert_eq!(engine.store.lease_due(now + 60_001, 60_000, 100, 1).unwrap().entries.len(), 41);
-    assert_eq!(engine.store.reclaim_leases(now + 120_001).unwrap(), 41);
+    assert_eq!(engine.store.lease_due(now + 60_001, 60_000, 100, 1).unwrap().entries.len(), 11);
+    assert_eq!(engine.store.reclaim_leases(now + 120_001).unwrap(), 11);
     // And a real pass delivers the live alert even with the dead backlog in front of it.
     let d = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
     d.deliver_due().await.unwrap();

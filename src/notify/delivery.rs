@@ -114,7 +114,12 @@ impl Deliverer {
             }
         }
         let store = self.store.clone();
-        match tokio::task::spawn_blocking(move || store.record_outcomes(&results, &log, now_ms())).await {
+        let policy = crate::store::HealthPolicy {
+            breaker_cooldown_ms: self.cfg.breaker_cooldown.as_millis() as u64,
+            disable_after_ms: self.cfg.disable_after.as_millis() as u64,
+            ..Default::default()
+        };
+        match tokio::task::spawn_blocking(move || store.record_outcomes_with(&results, &log, now_ms(), Some(&policy))).await {
             Ok(r) => r?,
             Err(e) => tracing::error!("recording deliveries failed: {e}"),
         }
@@ -126,9 +131,14 @@ impl Deliverer {
     pub async fn drain(&self, deadline: Instant) -> Result<PassStats, DeliveryError> {
         let mut total = PassStats::default();
         loop {
-            total += self.deliver_due().await?;
+            let pass = self.deliver_due().await?;
+            total += pass;
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = now_ms();
+            if pass.attempted == 0 && next <= now {
+                // Due but held back (disabled endpoint, open breaker): left for later.
+                break;
+            }
             if next > now {
                 let wait = Duration::from_millis(next - now);
                 if Instant::now() + wait > deadline {
@@ -146,11 +156,18 @@ impl Deliverer {
             if *shutdown.borrow() {
                 break;
             }
-            if let Err(e) = self.deliver_due().await {
-                tracing::error!("delivery pass failed: {e}");
-            }
+            let idle = match self.deliver_due().await {
+                Ok(p) => p.attempted == 0,
+                Err(e) => {
+                    tracing::error!("delivery pass failed: {e}");
+                    true
+                }
+            };
+            // When due entries are all held back (disabled endpoint, open breaker), poll
+            // once a second instead of spinning.
+            let floor = if idle { 1_000 } else { 10 };
             let wait = match self.store.next_due_ms() {
-                Ok(Some(next)) => Duration::from_millis(next.saturating_sub(now_ms()).clamp(10, 60_000)),
+                Ok(Some(next)) => Duration::from_millis(next.saturating_sub(now_ms()).clamp(floor, 60_000)),
                 Ok(None) => Duration::from_secs(60),
                 Err(e) => {
                     tracing::error!("reading the outbox failed: {e}");
@@ -242,10 +259,14 @@ impl Deliverer {
                 if (200..300).contains(&status) {
                     return DeliveryResult::Sent { id, status };
                 }
-                if !(status == 408 || status == 429 || (500..600).contains(&status)) {
+                if status == 410 {
+                    // Gone: the store disables the endpoint; the event waits for re-enable.
+                    (ra, "http_410_gone".to_string())
+                } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
                     return DeliveryResult::Dead { id, reason: format!("rejected_{status}") };
+                } else {
+                    (ra, format!("http_{status}"))
                 }
-                (ra, format!("http_{status}"))
             }
             Err(e) if e.is_timeout() => (None, "timeout".to_string()),
             Err(e) => (None, format!("connection: {e}")),

@@ -261,6 +261,18 @@ impl Store {
     /// Records a batch of delivery outcomes and their attempt log rows in one transaction
     /// (group commit). Each entry's lease is dropped in the same transaction.
     pub fn record_outcomes(&self, results: &[DeliveryResult], attempts: &[AttemptRecord], now_ms: u64) -> Result<(), StoreError> {
+        self.record_outcomes_with(results, attempts, now_ms, None)
+    }
+
+    /// [`Store::record_outcomes`], also folding each result into its endpoint's health
+    /// (circuit breaker, 410, `disable_after`) when `health` is given.
+    pub fn record_outcomes_with(
+        &self,
+        results: &[DeliveryResult],
+        attempts: &[AttemptRecord],
+        now_ms: u64,
+        health: Option<&super::endpoints::HealthPolicy>,
+    ) -> Result<(), StoreError> {
         if results.is_empty() && attempts.is_empty() {
             return Ok(());
         }
@@ -281,6 +293,18 @@ impl Store {
                 decode(v.value()).map_err(|m| codec_err("outbox", m))?
             };
             wtx.open_table(OUTBOX_LEASES)?.remove(entry.id)?;
+            if let Some(policy) = health {
+                let (success, gone, local) = match result {
+                    DeliveryResult::Sent { .. } => (true, false, false),
+                    DeliveryResult::Retry { error, .. } => (false, error == "http_410_gone", false),
+                    DeliveryResult::Dead { reason, .. } => {
+                        (false, false, reason.starts_with("private_target") || reason.starts_with("bad_") || reason.starts_with("dns"))
+                    }
+                };
+                if !local {
+                    super::endpoints::observe(&wtx, &entry.watcher_id, success, gone, now_ms, policy)?;
+                }
+            }
             let attempts = entry.attempts + 1;
             let mut audit = AuditRow {
                 seq: 0,

@@ -37,6 +37,8 @@ impl Store {
         let wtx = self.db.begin_write()?;
         let mut batch = LeasedBatch { lease_until_ms: until, ..Default::default() };
         {
+            let health = super::endpoints::load_all(&wtx)?;
+            let mut probed = std::collections::HashSet::new();
             let outbox = wtx.open_table(OUTBOX)?;
             let mut leases = wtx.open_table(OUTBOX_LEASES)?;
             let mut pick = |table: TableDefinition<(u64, u64), ()>, limit: usize, out: &mut Vec<OutboxEntry>| -> Result<(), StoreError> {
@@ -44,7 +46,7 @@ impl Store {
                     return Ok(());
                 }
                 let due = wtx.open_table(table)?;
-                let mut ids = Vec::new();
+                let mut taken = 0;
                 for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
                     let (k, _) = item?;
                     let (_, id) = k.value();
@@ -53,15 +55,24 @@ impl Store {
                             continue;
                         }
                     }
-                    ids.push(id);
-                    if ids.len() >= limit {
-                        break;
+                    let Some(v) = outbox.get(id)? else { continue };
+                    let entry: OutboxEntry = decode(v.value()).map_err(|m| codec_err("outbox", m))?;
+                    // Disabled endpoints and open breakers hold their entries back; a
+                    // half-open breaker lets one probe through.
+                    match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
+                        super::endpoints::Gate::Closed => continue,
+                        super::endpoints::Gate::Probe => {
+                            if !probed.insert(entry.watcher_id.clone()) {
+                                continue;
+                            }
+                        }
+                        super::endpoints::Gate::Open => {}
                     }
-                }
-                for id in ids {
-                    if let Some(v) = outbox.get(id)? {
-                        out.push(decode(v.value()).map_err(|m| codec_err("outbox", m))?);
-                        leases.insert(id, until)?;
+                    leases.insert(id, until)?;
+                    out.push(entry);
+                    taken += 1;
+                    if taken >= limit {
+                        break;
                     }
                 }
                 Ok(())

@@ -13,6 +13,7 @@
 pub mod codec;
 mod delivery;
 mod dlq;
+mod endpoints;
 mod leases;
 mod queries;
 mod runs;
@@ -21,6 +22,7 @@ mod tables;
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
 pub use leases::LeasedBatch;
 pub use dlq::ReplayOutcome;
+pub use endpoints::HealthPolicy;
 pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
 
@@ -159,6 +161,7 @@ impl Store {
             wtx.open_table(DELIVERY_ATTEMPTS)?;
             wtx.open_table(DLQ_REPLAYS)?;
             wtx.open_table(DLQ_QUARANTINE)?;
+            wtx.open_table(ENDPOINTS)?;
         }
         wtx.commit()?;
         // Only one process can hold the file, so every lease found now belongs to a process

@@ -52,3 +52,5 @@ pub const DELIVERY_ATTEMPTS: TableDefinition<(&str, u32), &[u8]> = TableDefiniti
 pub const DLQ_REPLAYS: TableDefinition<&str, u32> = TableDefinition::new("dlq_replays");
 /// outbox id → `DeadLetter` set aside for a person (replayed too often, invalid geometry).
 pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
+/// subscriber id → `EndpointState` (disabled flag, circuit breaker, recent outcomes).
+pub const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
