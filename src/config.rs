@@ -55,6 +55,8 @@ struct RawDelivery {
     max_replays: Option<u32>,
     breaker_cooldown: Option<String>,
     disable_after: Option<String>,
+    endpoint_concurrency: Option<usize>,
+    endpoint_rate: Option<f64>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -134,6 +136,10 @@ pub struct DeliveryConfig {
     pub breaker_cooldown: Duration,
     /// An endpoint failing without a success for longer than this is disabled.
     pub disable_after: Duration,
+    /// At most this many requests in flight to one endpoint.
+    pub endpoint_concurrency: usize,
+    /// Requests per second to one endpoint (token bucket, burst 1); 0 = unlimited.
+    pub endpoint_rate: f64,
 }
 
 /// The default retry schedule after the first try: 5s, 5m, 30m, 2h, 5h, 10h, 10h.
@@ -158,6 +164,8 @@ impl Default for DeliveryConfig {
             max_replays: 3,
             breaker_cooldown: Duration::from_secs(60),
             disable_after: Duration::from_secs(5 * 86_400),
+            endpoint_concurrency: 8,
+            endpoint_rate: 0.0,
         }
     }
 }
@@ -300,7 +308,15 @@ impl Config {
             max_replays: rd.max_replays.unwrap_or(d.max_replays),
             breaker_cooldown: dur("delivery.breaker_cooldown", &rd.breaker_cooldown, d.breaker_cooldown)?,
             disable_after: dur("delivery.disable_after", &rd.disable_after, d.disable_after)?,
+            endpoint_concurrency: rd.endpoint_concurrency.unwrap_or(d.endpoint_concurrency),
+            endpoint_rate: rd.endpoint_rate.unwrap_or(d.endpoint_rate),
         };
+        if delivery.endpoint_concurrency == 0 {
+            return Err(invalid("delivery.endpoint_concurrency must be at least 1".into()));
+        }
+        if !(delivery.endpoint_rate.is_finite() && delivery.endpoint_rate >= 0.0) {
+            return Err(invalid("delivery.endpoint_rate must be >= 0 (0 = unlimited)".into()));
+        }
         if !(0.0..1.0).contains(&delivery.retry_jitter) {
             return Err(invalid("delivery.retry_jitter must be in [0, 1)".into()));
         }

@@ -335,3 +335,39 @@ async fn leases_hide_in_flight_entries_and_fresh_events_go_ahead_of_retries() {
     d.deliver_due().await.unwrap();
     assert_eq!(live.received().len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_endpoint_concurrency_and_rate_limits_hold() {
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let a = arrivals.clone();
+    let rx = Receiver::start_replies(
+        Arc::new(|_, _| Reply { status: 200, delay: Duration::from_millis(300), ..Default::default() }),
+        Some(Arc::new(move |_| a.lock().unwrap().push(std::time::Instant::now()))),
+    )
+    .await
+    .unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_concurrency = 2");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 2, 4, 6, 8, 10]);
+    assert_eq!(deliver(&engine, Duration::from_secs(10)).await.sent, 6);
+    let t = arrivals.lock().unwrap().clone();
+    assert_eq!(t.len(), 6);
+    // Two at a time: the third request only starts once one of the first two answered.
+    for i in 2..6 {
+        assert!(t[i] - t[i - 2] >= Duration::from_millis(250), "request {i} overlapped {} others", 2);
+    }
+    drop(engine);
+
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let a = arrivals.clone();
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(200)), Some(Arc::new(move |_| a.lock().unwrap().push(std::time::Instant::now())))).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_rate = 5.0");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 2, 4, 6, 8, 10]);
+    assert_eq!(deliver(&engine, Duration::from_secs(10)).await.sent, 6);
+    let t = arrivals.lock().unwrap().clone();
+    // 5 per second with a burst of 1: six requests span at least 5 × 200 ms.
+    assert!(t[5] - t[0] >= Duration::from_millis(950), "{:?}", t[5] - t[0]);
+}

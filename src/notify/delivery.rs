@@ -15,7 +15,9 @@ use crate::notify::signing;
 use crate::store::{DeliveryResult, Store, StoreError};
 use crate::util::now_ms;
 use std::net::IpAddr;
-use std::sync::Arc;
+use crate::notify::replay::TokenBucket;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
@@ -53,6 +55,9 @@ pub struct Deliverer {
     subscribers: Arc<SubscriberIndex>,
     cfg: DeliveryConfig,
     client: reqwest::Client,
+    /// Per-endpoint (subscriber) concurrency slots and token buckets.
+    endpoint_slots: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
+    endpoint_buckets: Arc<Mutex<HashMap<String, TokenBucket>>>,
 }
 
 impl Deliverer {
@@ -64,7 +69,7 @@ impl Deliverer {
             .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| DeliveryError::Client(e.to_string()))?;
-        Ok(Deliverer { store, subscribers, cfg, client })
+        Ok(Deliverer { store, subscribers, cfg, client, endpoint_slots: Default::default(), endpoint_buckets: Default::default() })
     }
 
     /// One pass: lease due entries (fresh ahead of retries), send them (bounded by
@@ -74,7 +79,14 @@ impl Deliverer {
     pub async fn deliver_due(&self) -> Result<PassStats, DeliveryError> {
         let limit = self.cfg.concurrency * 4;
         let rounds = limit.div_ceil(self.cfg.concurrency) as u32 + 1;
-        let lease_ms = self.cfg.timeout.saturating_mul(rounds).as_millis() as u64 + 5_000;
+        let mut lease_ms = self.cfg.timeout.saturating_mul(rounds).as_millis() as u64 + 5_000;
+        if self.cfg.endpoint_rate > 0.0 {
+            // A rate-limited endpoint may take limit/rate seconds for the whole batch.
+            lease_ms += (limit as f64 / self.cfg.endpoint_rate * 1000.0) as u64;
+        }
+        // Per-endpoint slots serialise an endpoint's share of the batch.
+        let ep_rounds = limit.div_ceil(self.cfg.endpoint_concurrency) as u32 + 1;
+        lease_ms = lease_ms.max(self.cfg.timeout.saturating_mul(ep_rounds).as_millis() as u64 + 5_000);
         let store = self.store.clone();
         let retry_floor = (limit / 4).max(1);
         let leased = tokio::task::spawn_blocking(move || store.lease_due(now_ms(), lease_ms, limit, retry_floor))
@@ -90,7 +102,10 @@ impl Deliverer {
             let this = self.clone();
             let sem = sem.clone();
             tasks.spawn(async move {
+                // The endpoint's slot first, so a slow endpoint never holds global slots idle.
+                let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
                 let _permit = sem.acquire_owned().await;
+                this.endpoint_rate_wait(&entry.watcher_id).await;
                 this.attempt(&entry).await
             });
         }
@@ -178,6 +193,28 @@ impl Deliverer {
                 _ = tokio::time::sleep(wait) => {}
                 _ = wake.notified() => {}
                 _ = shutdown.changed() => {}
+            }
+        }
+    }
+
+    fn endpoint_slot(&self, id: &str) -> Arc<Semaphore> {
+        let mut g = self.endpoint_slots.lock().unwrap_or_else(|p| p.into_inner());
+        g.entry(id.to_string()).or_insert_with(|| Arc::new(Semaphore::new(self.cfg.endpoint_concurrency))).clone()
+    }
+
+    async fn endpoint_rate_wait(&self, id: &str) {
+        if self.cfg.endpoint_rate <= 0.0 {
+            return;
+        }
+        loop {
+            let wait = {
+                let mut g = self.endpoint_buckets.lock().unwrap_or_else(|p| p.into_inner());
+                let b = g.entry(id.to_string()).or_insert_with(|| TokenBucket::new(self.cfg.endpoint_rate, 1.0, Instant::now()));
+                b.try_take(Instant::now())
+            };
+            match wait {
+                Ok(()) => return,
+                Err(d) => tokio::time::sleep(d).await,
             }
         }
     }
