@@ -241,6 +241,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool) -> i32
     if let Err(e) = engine.store.sweep_expired_keys(crate::util::now_ms(), 10_000) {
         eprintln!("warning: sweeping expired idempotency keys failed: {e}");
     }
+    let horizon = crate::util::now_ms().saturating_sub(engine.config.delivery.retention.as_millis() as u64);
+    if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
+        eprintln!("warning: retention sweep of delivery attempts failed: {e}");
+    }
     if failed > 0 {
         eprintln!("error: {failed} of {} sources failed (see above); their watermarks did not move", sources.len());
         return 1;
@@ -319,6 +323,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         }
         {
             let store = engine.store.clone();
+            let retention = engine.config.delivery.retention;
             let mut rx = rx.clone();
             tasks.spawn(async move {
                 loop {
@@ -330,6 +335,13 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     match tokio::task::spawn_blocking(move || s.sweep_expired_keys(crate::util::now_ms(), 10_000)).await {
                         Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "expired idempotency keys removed"),
                         Ok(Err(e)) => tracing::warn!("key sweep failed: {e}"),
+                        _ => {}
+                    }
+                    let s = store.clone();
+                    let horizon = crate::util::now_ms().saturating_sub(retention.as_millis() as u64);
+                    match tokio::task::spawn_blocking(move || s.sweep_attempts(horizon, 10_000)).await {
+                        Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "delivery attempts past retention removed"),
+                        Ok(Err(e)) => tracing::warn!("attempt retention sweep failed: {e}"),
                         _ => {}
                     }
                 }

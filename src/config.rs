@@ -57,6 +57,7 @@ struct RawDelivery {
     disable_after: Option<String>,
     endpoint_concurrency: Option<usize>,
     endpoint_rate: Option<f64>,
+    retention: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -140,6 +141,9 @@ pub struct DeliveryConfig {
     pub endpoint_concurrency: usize,
     /// Requests per second to one endpoint (token bucket, burst 1); 0 = unlimited.
     pub endpoint_rate: f64,
+    /// Delivery attempt rows (with their response heads) are swept after this; those of
+    /// unresolved dead letters stay.
+    pub retention: Duration,
 }
 
 /// The default retry schedule after the first try: 5s, 5m, 30m, 2h, 5h, 10h, 10h.
@@ -166,6 +170,7 @@ impl Default for DeliveryConfig {
             disable_after: Duration::from_secs(5 * 86_400),
             endpoint_concurrency: 8,
             endpoint_rate: 0.0,
+            retention: Duration::from_secs(30 * 86_400),
         }
     }
 }
@@ -310,6 +315,7 @@ impl Config {
             disable_after: dur("delivery.disable_after", &rd.disable_after, d.disable_after)?,
             endpoint_concurrency: rd.endpoint_concurrency.unwrap_or(d.endpoint_concurrency),
             endpoint_rate: rd.endpoint_rate.unwrap_or(d.endpoint_rate),
+            retention: dur("delivery.retention", &rd.retention, d.retention)?,
         };
         if delivery.endpoint_concurrency == 0 {
             return Err(invalid("delivery.endpoint_concurrency must be at least 1".into()));

@@ -371,3 +371,26 @@ async fn per_endpoint_concurrency_and_rate_limits_hold() {
     // 5 per second with a burst of 1: six requests span at least 5 × 200 ms.
     assert!(t[5] - t[0] >= Duration::from_millis(950), "{:?}", t[5] - t[0]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_sweeps_attempts_but_keeps_those_of_dead_letters() {
+    let rx = Receiver::start_replies(Arc::new(|n, _| Reply::status(if n == 0 { 400 } else { 200 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    ws.edit_config("concurrency = 4", "concurrency = 1");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4, 8]);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, stats.dead), (2, 1));
+    let dead_key = engine.store.dead_letters().unwrap()[0].entry.key.0.clone();
+    let keys: Vec<String> = rx.received().iter().filter_map(|r| r.header("webhook-id").map(String::from)).collect();
+    let now = zonewatch::util::now_ms();
+    assert_eq!(engine.store.sweep_attempts(now - 60_000, 100).unwrap(), 0, "nothing is older than the horizon");
+    // Bounded: one row per call at most.
+    assert_eq!(engine.store.sweep_attempts(now + 1, 1).unwrap(), 1);
+    assert_eq!(engine.store.sweep_attempts(now + 1, 100).unwrap(), 1);
+    assert_eq!(engine.store.sweep_attempts(now + 1, 100).unwrap(), 0);
+    for k in &keys {
+        let left = engine.store.attempts(k).unwrap().len();
+        assert_eq!(left, usize::from(*k == dead_key), "key {k}");
+    }
+}

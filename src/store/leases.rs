@@ -136,6 +136,52 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Retention sweep of the attempt log: deletes at most `max` attempt rows older than
+    /// `before_ms`, except those of events still in the dead letters or the delivery quarantine
+    /// (they stay until resolved). Bounded per call so the write lock is never held for long.
+    pub fn sweep_attempts(&self, before_ms: u64, max: usize) -> Result<usize, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let mut n = 0;
+        {
+            let mut keep = std::collections::HashSet::new();
+            for table in [DEAD_LETTERS, DLQ_QUARANTINE] {
+                for item in wtx.open_table(table)?.iter()? {
+                    let (_, v) = item?;
+                    let d: crate::model::DeadLetter = decode(v.value()).map_err(|m| codec_err("dead_letters", m))?;
+                    keep.insert(d.entry.key.0);
+                }
+            }
+            let mut t = wtx.open_table(DELIVERY_ATTEMPTS)?;
+            let mut victims = Vec::new();
+            for item in t.iter()? {
+                if victims.len() >= max {
+                    break;
+                }
+                let (k, v) = item?;
+                let (key, n) = k.value();
+                if keep.contains(key) {
+                    continue;
+                }
+                let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?;
+                if rec.ts_ms < before_ms {
+                    victims.push((key.to_string(), n));
+                }
+            }
+            for (key, a) in victims {
+                t.remove((key.as_str(), a))?;
+                n += 1;
+            }
+        }
+        if n == 0 {
+            wtx.abort()?;
+        } else {
+            wtx.commit()?;
+        }
+        Ok(n)
+    }
+}
+
 /// Writes one attempt row inside an outcome transaction. The attempt number is the key's
 /// next one in the log (so a replayed dead letter keeps counting instead of overwriting).
 pub(super) fn log_attempt(wtx: &redb::WriteTransaction, rec: &AttemptRecord) -> Result<(), StoreError> {
