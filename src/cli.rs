@@ -100,6 +100,16 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Dead letters: list, show (with every attempt), replay, recover.
+    Dlq {
+        #[command(subcommand)]
+        action: crate::cli_dlq::DlqAction,
+    },
+    /// Subscriber endpoints: list health, re-enable a disabled one.
+    Endpoints {
+        #[command(subcommand)]
+        action: crate::cli_dlq::EndpointsAction,
+    },
     /// Generate synthetic data (the demo county fixtures).
     #[command(hide = true)]
     Synth {
@@ -157,6 +167,8 @@ pub fn dispatch(cli: Cli) -> i32 {
         Command::Holds { action } => cmd_holds(action),
         Command::Backup { dest, config } => cmd_backup(&config, &dest),
         Command::Restore { src, config } => cmd_restore(&config, &src),
+        Command::Dlq { action } => crate::cli_dlq::cmd_dlq(action),
+        Command::Endpoints { action } => crate::cli_dlq::cmd_endpoints(action),
         Command::Synth { what: SynthWhat::Demo { out } } => match crate::synth::write_demo_fixtures(&out) {
             Ok(f) => {
                 println!("wrote {} parcels and {} rezonings to {}", f.parcels, f.rezonings.len(), out.display());
@@ -251,6 +263,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     });
     if let Err(e) = engine.store.sweep_expired_keys(crate::util::now_ms(), 10_000) {
         eprintln!("warning: sweeping expired idempotency keys failed: {e}");
+    }
+    let horizon = crate::util::now_ms().saturating_sub(engine.config.delivery.retention.as_millis() as u64);
+    if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
+        eprintln!("warning: retention sweep of delivery attempts failed: {e}");
     }
     if failed > 0 {
         eprintln!("error: {failed} of {} sources failed (see above); their watermarks did not move", sources.len());
@@ -366,6 +382,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         }
         {
             let store = engine.store.clone();
+            let retention = engine.config.delivery.retention;
             let mut rx = rx.clone();
             tasks.spawn(async move {
                 loop {
@@ -377,6 +394,13 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     match tokio::task::spawn_blocking(move || s.sweep_expired_keys(crate::util::now_ms(), 10_000)).await {
                         Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "expired idempotency keys removed"),
                         Ok(Err(e)) => tracing::warn!("key sweep failed: {e}"),
+                        _ => {}
+                    }
+                    let s = store.clone();
+                    let horizon = crate::util::now_ms().saturating_sub(retention.as_millis() as u64);
+                    match tokio::task::spawn_blocking(move || s.sweep_attempts(horizon, 10_000)).await {
+                        Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "delivery attempts past retention removed"),
+                        Ok(Err(e)) => tracing::warn!("attempt retention sweep failed: {e}"),
                         _ => {}
                     }
                 }

@@ -61,6 +61,15 @@ struct RawDelivery {
     idem_ttl: Option<String>,
     run_wait: Option<String>,
     allow_private_targets: Option<bool>,
+    retry_schedule: Option<Vec<String>>,
+    retry_jitter: Option<f64>,
+    max_retry_window: Option<String>,
+    max_replays: Option<u32>,
+    breaker_cooldown: Option<String>,
+    disable_after: Option<String>,
+    endpoint_concurrency: Option<usize>,
+    endpoint_rate: Option<f64>,
+    retention: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -114,6 +123,7 @@ struct RawSubscriber {
     target: String,
     secret: Option<String>,
     min_severity: Option<String>,
+    secret_old: Option<String>,
 }
 
 /// A validated configuration.
@@ -153,19 +163,53 @@ pub struct DeliveryConfig {
     /// How long `zonewatch run` waits for retries that fall due before it exits.
     pub run_wait: Duration,
     pub allow_private_targets: bool,
+    /// Delay before each retry (after the first try). Empty: the legacy capped exponential
+    /// backoff from `base_delay`/`max_delay` (used when only those keys are set).
+    pub retry_schedule: Vec<Duration>,
+    /// ± fraction applied to each scheduled delay (0.2 = ±20%).
+    pub retry_jitter: f64,
+    /// No retry is scheduled later than this after the event was queued.
+    pub max_retry_window: Duration,
+    /// A dead letter replayed more than this many times goes to quarantine for a person.
+    pub max_replays: u32,
+    /// How long an open circuit breaker waits before its half-open probe.
+    pub breaker_cooldown: Duration,
+    /// An endpoint failing without a success for longer than this is disabled.
+    pub disable_after: Duration,
+    /// At most this many requests in flight to one endpoint.
+    pub endpoint_concurrency: usize,
+    /// Requests per second to one endpoint (token bucket, burst 1); 0 = unlimited.
+    pub endpoint_rate: f64,
+    /// Delivery attempt rows (with their response heads) are swept after this; those of
+    /// unresolved dead letters stay.
+    pub retention: Duration,
+}
+
+/// The default retry schedule after the first try: 5s, 5m, 30m, 2h, 5h, 10h, 10h.
+pub fn default_retry_schedule() -> Vec<Duration> {
+    [5, 300, 1_800, 7_200, 18_000, 36_000, 36_000].into_iter().map(Duration::from_secs).collect()
 }
 
 impl Default for DeliveryConfig {
     fn default() -> Self {
         DeliveryConfig {
             concurrency: 16,
-            max_attempts: 5,
+            max_attempts: 8,
             base_delay: Duration::from_millis(500),
             max_delay: Duration::from_millis(30_000),
             timeout: Duration::from_millis(15_000),
             idem_ttl: Duration::from_secs(7 * 86_400),
             run_wait: Duration::from_secs(60),
             allow_private_targets: false,
+            retry_schedule: default_retry_schedule(),
+            retry_jitter: 0.2,
+            max_retry_window: Duration::from_secs(3 * 86_400),
+            max_replays: 3,
+            breaker_cooldown: Duration::from_secs(60),
+            disable_after: Duration::from_secs(5 * 86_400),
+            endpoint_concurrency: 8,
+            endpoint_rate: 0.0,
+            retention: Duration::from_secs(30 * 86_400),
         }
     }
 }
@@ -270,6 +314,8 @@ pub struct SubscriberConfig {
     pub target: String,
     pub secret: Option<String>,
     pub min_severity: Severity,
+    /// The previous secret during a rotation: deliveries carry both signatures.
+    pub secret_old: Option<String>,
 }
 
 impl SourceConfig {
@@ -336,16 +382,48 @@ impl Config {
 
         let d = DeliveryConfig::default();
         let rd = &raw.delivery;
+        // An explicit schedule wins; a config that only sets the exponential keys keeps the
+        // exponential backoff; otherwise the default schedule applies.
+        let retry_schedule = match &rd.retry_schedule {
+            Some(list) => list
+                .iter()
+                .map(|v| parse_duration(v).map_err(|e| invalid(format!("delivery.retry_schedule: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?,
+            None if rd.base_delay_ms.is_some() || rd.max_delay_ms.is_some() => Vec::new(),
+            None => default_retry_schedule(),
+        };
+        let default_attempts = if retry_schedule.is_empty() { 5 } else { retry_schedule.len() as u32 + 1 };
         let delivery = DeliveryConfig {
             concurrency: rd.concurrency.unwrap_or(d.concurrency),
-            max_attempts: rd.max_attempts.unwrap_or(d.max_attempts),
+            max_attempts: rd.max_attempts.unwrap_or(default_attempts),
             base_delay: rd.base_delay_ms.map(Duration::from_millis).unwrap_or(d.base_delay),
             max_delay: rd.max_delay_ms.map(Duration::from_millis).unwrap_or(d.max_delay),
             timeout: rd.timeout_ms.map(Duration::from_millis).unwrap_or(d.timeout),
             idem_ttl: dur("delivery.idem_ttl", &rd.idem_ttl, d.idem_ttl)?,
             run_wait: dur("delivery.run_wait", &rd.run_wait, d.run_wait)?,
             allow_private_targets: rd.allow_private_targets.unwrap_or(false),
+            retry_jitter: rd.retry_jitter.unwrap_or(d.retry_jitter),
+            max_retry_window: dur("delivery.max_retry_window", &rd.max_retry_window, d.max_retry_window)?,
+            retry_schedule,
+            max_replays: rd.max_replays.unwrap_or(d.max_replays),
+            breaker_cooldown: dur("delivery.breaker_cooldown", &rd.breaker_cooldown, d.breaker_cooldown)?,
+            disable_after: dur("delivery.disable_after", &rd.disable_after, d.disable_after)?,
+            endpoint_concurrency: rd.endpoint_concurrency.unwrap_or(d.endpoint_concurrency),
+            endpoint_rate: rd.endpoint_rate.unwrap_or(d.endpoint_rate),
+            retention: dur("delivery.retention", &rd.retention, d.retention)?,
         };
+        if delivery.endpoint_concurrency == 0 {
+            return Err(invalid("delivery.endpoint_concurrency must be at least 1".into()));
+        }
+        if !(delivery.endpoint_rate.is_finite() && delivery.endpoint_rate >= 0.0) {
+            return Err(invalid("delivery.endpoint_rate must be >= 0 (0 = unlimited)".into()));
+        }
+        if !(0.0..1.0).contains(&delivery.retry_jitter) {
+            return Err(invalid("delivery.retry_jitter must be in [0, 1)".into()));
+        }
+        if rd.retry_schedule.as_ref().is_some_and(|l| l.is_empty()) {
+            return Err(invalid("delivery.retry_schedule must list at least one delay".into()));
+        }
         if delivery.concurrency == 0 || delivery.concurrency > 4096 {
             return Err(invalid("delivery.concurrency must be between 1 and 4096".into()));
         }
@@ -513,6 +591,13 @@ impl Config {
                 crate::notify::signing::decode_secret(secret)
                     .map_err(|e| invalid(format!("{at}: secret: {e}")))?;
             }
+            if let Some(old) = &s.secret_old {
+                if s.secret.is_none() {
+                    return Err(invalid(format!("{at}: secret_old needs `secret` (the new secret)")));
+                }
+                crate::notify::signing::decode_secret(old)
+                    .map_err(|e| invalid(format!("{at}: secret_old: {e}")))?;
+            }
             let min_severity = match &s.min_severity {
                 None => Severity::Notice,
                 Some(v) => Severity::parse(v).ok_or_else(|| {
@@ -525,6 +610,7 @@ impl Config {
                 target: s.target.clone(),
                 secret: s.secret.clone(),
                 min_severity,
+                secret_old: s.secret_old.clone(),
             });
         }
 

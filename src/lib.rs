@@ -4,6 +4,7 @@
 //! once. Everything it remembers lives in one redb file. See `docs/ARCHITECTURE.md`.
 
 pub mod cli;
+pub mod cli_dlq;
 pub mod config;
 pub mod control;
 pub mod demo;

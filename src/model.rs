@@ -193,6 +193,10 @@ pub enum Outcome {
     DeadLetter,
     Quarantined,
     Held,
+    /// An endpoint was disabled (HTTP 410, failing longer than `disable_after`).
+    EndpointDisabled,
+    /// An operator re-enabled an endpoint.
+    EndpointEnabled,
 }
 
 impl Outcome {
@@ -205,6 +209,8 @@ impl Outcome {
             Outcome::DeadLetter => "dead_letter",
             Outcome::Quarantined => "quarantined",
             Outcome::Held => "held",
+            Outcome::EndpointDisabled => "endpoint_disabled",
+            Outcome::EndpointEnabled => "endpoint_enabled",
         }
     }
 }
@@ -434,4 +440,42 @@ pub struct Hold {
     pub watermark: Watermark,
     pub changes: u64,
     pub features: u64,
+}
+
+/// One delivery attempt as logged: kept per idempotency key so an operator can see exactly
+/// what each try of an event got back (`zonewatch dlq show`, `zonewatch attempts`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct AttemptRecord {
+    pub key: String,
+    pub outbox_id: u64,
+    /// 1-based attempt number.
+    pub attempt: u32,
+    pub ts_ms: u64,
+    pub duration_ms: u64,
+    /// HTTP status, when a response came back.
+    pub status: Option<u16>,
+    /// `sent`, `retry` or `dead_letter`.
+    pub result: String,
+    /// Timeout, connection error, refusal reason or dead-letter reason.
+    pub error: Option<String>,
+    /// The first 2 KiB of the response body (lossy UTF-8).
+    pub response_head: String,
+    /// When the next try is due (retries only).
+    pub next_attempt_ms: Option<u64>,
+}
+
+/// The health of one subscriber endpoint, kept by the store: a disabled endpoint's events wait
+/// in the outbox; an open circuit breaker holds them until its cool-down ends.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct EndpointState {
+    pub disabled: bool,
+    pub disabled_reason: Option<String>,
+    pub disabled_at_ms: Option<u64>,
+    pub last_success_ms: Option<u64>,
+    /// First failure since the last success (drives `disable_after`).
+    pub failing_since_ms: Option<u64>,
+    /// Recent attempt outcomes, newest last (true = success), at most 20.
+    pub recent: Vec<bool>,
+    /// Breaker open until then; after it one half-open probe is let through.
+    pub breaker_open_until_ms: Option<u64>,
 }

@@ -32,6 +32,25 @@ impl Received {
 /// How the receiver answers the n-th request (0-based).
 pub type Script = Arc<dyn Fn(usize, &Received) -> u16 + Send + Sync>;
 
+/// A full answer: status, an optional delay before answering (a slow endpoint), extra
+/// headers (e.g. `Retry-After`) and a body.
+#[derive(Debug, Clone, Default)]
+pub struct Reply {
+    pub status: u16,
+    pub delay: std::time::Duration,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn status(status: u16) -> Reply {
+        Reply { status, ..Default::default() }
+    }
+}
+
+/// How the receiver answers the n-th request (0-based), with full control of the reply.
+pub type ReplyScript = Arc<dyn Fn(usize, &Received) -> Reply + Send + Sync>;
+
 /// A running receiver. Dropping it stops accepting connections.
 pub struct Receiver {
     pub addr: SocketAddr,
@@ -53,6 +72,12 @@ impl Receiver {
 
     /// Starts a receiver with a response script and an optional callback per request.
     pub async fn start(script: Script, on_receive: Option<Arc<dyn Fn(&Received) + Send + Sync>>) -> std::io::Result<Receiver> {
+        Receiver::start_replies(Arc::new(move |n, r| Reply::status(script(n, r))), on_receive).await
+    }
+
+    /// Starts a receiver whose script chooses status, delay, headers and body per request.
+    /// The request is recorded when it arrives, before the delay.
+    pub async fn start_replies(script: ReplyScript, on_receive: Option<Arc<dyn Fn(&Received) + Send + Sync>>) -> std::io::Result<Receiver> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let received: Arc<Mutex<Vec<Received>>> = Arc::new(Mutex::new(Vec::new()));
@@ -89,12 +114,20 @@ impl Receiver {
                                 g.push(r.clone());
                                 g.len() - 1
                             };
-                            let status = script(n, &r);
+                            let reply = script(n, &r);
                             if let Some(cb) = &on_receive {
                                 cb(&r);
                             }
-                            let mut resp = Response::new(Full::new(Bytes::new()));
-                            *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                            if !reply.delay.is_zero() {
+                                tokio::time::sleep(reply.delay).await;
+                            }
+                            let mut resp = Response::new(Full::new(Bytes::from(reply.body)));
+                            *resp.status_mut() = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                            for (k, v) in &reply.headers {
+                                if let (Ok(k), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), hyper::header::HeaderValue::from_str(v)) {
+                                    resp.headers_mut().insert(k, v);
+                                }
+                            }
                             Ok(resp)
                         }
                     });

@@ -65,6 +65,7 @@ fn index_finds_candidates_by_envelope_then_tests_exactly() {
         secret: None,
         min_severity: zonewatch::model::Severity::Info,
         aoi: parse_aoi(&l_shape().to_string()).unwrap(),
+        secret_old: None,
     };
     let idx = SubscriberIndex::build(vec![sub]);
     let notch = parse_aoi(&rect(X0 + 1.4 * U, Y0 + 1.4 * U, X0 + 1.7 * U, Y0 + 1.7 * U).to_string()).unwrap();

@@ -9,13 +9,14 @@
 //!   `allow_private_targets` is set.
 
 use crate::config::DeliveryConfig;
-use crate::model::OutboxEntry;
+use crate::model::{AttemptRecord, OutboxEntry};
 use crate::notify::matcher::SubscriberIndex;
 use crate::notify::signing;
 use crate::store::{DeliveryResult, Store, StoreError};
 use crate::util::now_ms;
-use std::collections::HashSet;
 use std::net::IpAddr;
+use crate::notify::replay::TokenBucket;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
@@ -54,7 +55,9 @@ pub struct Deliverer {
     subscribers: Arc<SubscriberIndex>,
     cfg: DeliveryConfig,
     client: reqwest::Client,
-    in_flight: Arc<Mutex<HashSet<u64>>>,
+    /// Per-endpoint (subscriber) concurrency slots and token buckets.
+    endpoint_slots: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
+    endpoint_buckets: Arc<Mutex<HashMap<String, TokenBucket>>>,
 }
 
 impl Deliverer {
@@ -66,19 +69,32 @@ impl Deliverer {
             .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| DeliveryError::Client(e.to_string()))?;
-        Ok(Deliverer { store, subscribers, cfg, client, in_flight: Arc::new(Mutex::new(HashSet::new())) })
+        Ok(Deliverer { store, subscribers, cfg, client, endpoint_slots: Default::default(), endpoint_buckets: Default::default() })
     }
 
-    /// One pass: send every due entry (bounded by `concurrency`), then record all outcomes
-    /// in one transaction.
+    /// One pass: lease due entries (fresh ahead of retries), send them (bounded by
+    /// `concurrency`), then record all outcomes and attempt log rows in one transaction.
+    /// The lease outlives the worst case of the pass (every slot timing out in turn), so no
+    /// other pass can take an entry that is still in flight.
     pub async fn deliver_due(&self) -> Result<PassStats, DeliveryError> {
-        let exclude = self.in_flight.lock().map(|g| g.clone()).unwrap_or_default();
-        let batch = self.store.due_outbox(now_ms(), self.cfg.concurrency * 8, &exclude)?;
+        let limit = self.cfg.concurrency * 4;
+        let rounds = limit.div_ceil(self.cfg.concurrency) as u32 + 1;
+        let mut lease_ms = self.cfg.timeout.saturating_mul(rounds).as_millis() as u64 + 5_000;
+        if self.cfg.endpoint_rate > 0.0 {
+            // A rate-limited endpoint may take limit/rate seconds for the whole batch.
+            lease_ms += (limit as f64 / self.cfg.endpoint_rate * 1000.0) as u64;
+        }
+        // Per-endpoint slots serialise an endpoint's share of the batch.
+        let ep_rounds = limit.div_ceil(self.cfg.endpoint_concurrency) as u32 + 1;
+        lease_ms = lease_ms.max(self.cfg.timeout.saturating_mul(ep_rounds).as_millis() as u64 + 5_000);
+        let store = self.store.clone();
+        let retry_floor = (limit / 4).max(1);
+        let leased = tokio::task::spawn_blocking(move || store.lease_due(now_ms(), lease_ms, limit, retry_floor))
+            .await
+            .map_err(|e| DeliveryError::Client(format!("lease task failed: {e}")))??;
+        let batch = leased.entries;
         if batch.is_empty() {
             return Ok(PassStats::default());
-        }
-        if let Ok(mut g) = self.in_flight.lock() {
-            g.extend(batch.iter().map(|e| e.id));
         }
         let sem = Arc::new(Semaphore::new(self.cfg.concurrency));
         let mut tasks = tokio::task::JoinSet::new();
@@ -86,14 +102,21 @@ impl Deliverer {
             let this = self.clone();
             let sem = sem.clone();
             tasks.spawn(async move {
+                // The endpoint's slot first, so a slow endpoint never holds global slots idle.
+                let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
                 let _permit = sem.acquire_owned().await;
+                this.endpoint_rate_wait(&entry.watcher_id).await;
                 this.attempt(&entry).await
             });
         }
         let mut results = Vec::with_capacity(batch.len());
+        let mut log = Vec::with_capacity(batch.len());
         while let Some(r) = tasks.join_next().await {
             match r {
-                Ok(res) => results.push(res),
+                Ok((res, rec)) => {
+                    results.push(res);
+                    log.push(rec);
+                }
                 Err(e) => tracing::error!("delivery task failed: {e}"),
             }
         }
@@ -106,13 +129,12 @@ impl Deliverer {
             }
         }
         let store = self.store.clone();
-        let write = tokio::task::spawn_blocking(move || store.record_deliveries(&results, now_ms())).await;
-        if let Ok(mut g) = self.in_flight.lock() {
-            for e in &batch {
-                g.remove(&e.id);
-            }
-        }
-        match write {
+        let policy = crate::store::HealthPolicy {
+            breaker_cooldown_ms: self.cfg.breaker_cooldown.as_millis() as u64,
+            disable_after_ms: self.cfg.disable_after.as_millis() as u64,
+            ..Default::default()
+        };
+        match tokio::task::spawn_blocking(move || store.record_outcomes_with(&results, &log, now_ms(), Some(&policy))).await {
             Ok(r) => r?,
             Err(e) => tracing::error!("recording deliveries failed: {e}"),
         }
@@ -124,9 +146,14 @@ impl Deliverer {
     pub async fn drain(&self, deadline: Instant) -> Result<PassStats, DeliveryError> {
         let mut total = PassStats::default();
         loop {
-            total += self.deliver_due().await?;
+            let pass = self.deliver_due().await?;
+            total += pass;
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = now_ms();
+            if pass.attempted == 0 && next <= now {
+                // Due but held back (disabled endpoint, open breaker): left for later.
+                break;
+            }
             if next > now {
                 let wait = Duration::from_millis(next - now);
                 if Instant::now() + wait > deadline {
@@ -144,11 +171,18 @@ impl Deliverer {
             if *shutdown.borrow() {
                 break;
             }
-            if let Err(e) = self.deliver_due().await {
-                tracing::error!("delivery pass failed: {e}");
-            }
+            let idle = match self.deliver_due().await {
+                Ok(p) => p.attempted == 0,
+                Err(e) => {
+                    tracing::error!("delivery pass failed: {e}");
+                    true
+                }
+            };
+            // When due entries are all held back (disabled endpoint, open breaker), poll
+            // once a second instead of spinning.
+            let floor = if idle { 1_000 } else { 10 };
             let wait = match self.store.next_due_ms() {
-                Ok(Some(next)) => Duration::from_millis(next.saturating_sub(now_ms()).clamp(10, 60_000)),
+                Ok(Some(next)) => Duration::from_millis(next.saturating_sub(now_ms()).clamp(floor, 60_000)),
                 Ok(None) => Duration::from_secs(60),
                 Err(e) => {
                     tracing::error!("reading the outbox failed: {e}");
@@ -163,7 +197,65 @@ impl Deliverer {
         }
     }
 
-    async fn attempt(&self, entry: &OutboxEntry) -> DeliveryResult {
+    fn endpoint_slot(&self, id: &str) -> Arc<Semaphore> {
+        let mut g = self.endpoint_slots.lock().unwrap_or_else(|p| p.into_inner());
+        g.entry(id.to_string()).or_insert_with(|| Arc::new(Semaphore::new(self.cfg.endpoint_concurrency))).clone()
+    }
+
+    async fn endpoint_rate_wait(&self, id: &str) {
+        if self.cfg.endpoint_rate <= 0.0 {
+            return;
+        }
+        loop {
+            let wait = {
+                let mut g = self.endpoint_buckets.lock().unwrap_or_else(|p| p.into_inner());
+                let b = g.entry(id.to_string()).or_insert_with(|| TokenBucket::new(self.cfg.endpoint_rate, 1.0, Instant::now()));
+                b.try_take(Instant::now())
+            };
+            match wait {
+                Ok(()) => return,
+                Err(d) => tokio::time::sleep(d).await,
+            }
+        }
+    }
+
+    /// One try of one entry: its outcome and the attempt log row that goes with it.
+    async fn attempt(&self, entry: &OutboxEntry) -> (DeliveryResult, AttemptRecord) {
+        let started = Instant::now();
+        let mut rec = AttemptRecord {
+            key: entry.key.0.clone(),
+            outbox_id: entry.id,
+            attempt: entry.attempts + 1,
+            ts_ms: now_ms(),
+            duration_ms: 0,
+            status: None,
+            result: String::new(),
+            error: None,
+            response_head: String::new(),
+            next_attempt_ms: None,
+        };
+        let result = self.try_send(entry, &mut rec).await;
+        rec.duration_ms = started.elapsed().as_millis() as u64;
+        match &result {
+            DeliveryResult::Sent { .. } => rec.result = "sent".into(),
+            DeliveryResult::Retry { next_attempt_ms, error, .. } => {
+                rec.result = "retry".into();
+                rec.next_attempt_ms = Some(*next_attempt_ms);
+                rec.error = Some(error.clone());
+            }
+            DeliveryResult::Dead { reason, .. } => {
+                rec.result = "dead_letter".into();
+                // Keep what this try got (timeout, http_503) beside why it is final.
+                rec.error = Some(match rec.error.take() {
+                    Some(e) if e != *reason => format!("{e}; {reason}"),
+                    _ => reason.clone(),
+                });
+            }
+        }
+        (result, rec)
+    }
+
+    async fn try_send(&self, entry: &OutboxEntry, rec: &mut AttemptRecord) -> DeliveryResult {
         let id = entry.id;
         let sub = self.subscribers.get(&entry.watcher_id);
         let target = sub.as_ref().map(|s| s.target.clone()).unwrap_or_else(|| entry.target.clone());
@@ -179,38 +271,57 @@ impl Deliverer {
             .header("webhook-timestamp", ts.to_string())
             .body(entry.body.clone());
         if let Some(secret) = sub.as_ref().and_then(|s| s.secret.as_deref()) {
-            match signing::decode_secret(secret) {
-                Ok(key) => req = req.header("webhook-signature", signing::sign(&key, &entry.key.0, ts, &entry.body)),
-                Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
+            // During a rotation both signatures go out, space-separated, new one first.
+            let secrets = std::iter::once(secret).chain(sub.as_ref().and_then(|s| s.secret_old.as_deref()));
+            let mut sigs = Vec::with_capacity(2);
+            for s in secrets {
+                match signing::decode_secret(s) {
+                    Ok(key) => sigs.push(signing::sign(&key, &entry.key.0, ts, &entry.body)),
+                    Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
+                }
             }
+            req = req.header("webhook-signature", sigs.join(" "));
         }
         let attempts_after = entry.attempts + 1;
         let (retry_after, error) = match req.send().await {
-            Ok(resp) => {
+            Ok(mut resp) => {
                 let status = resp.status().as_u16();
-                if resp.status().is_success() {
-                    crate::telemetry::delivery_latency()
-                        .observe(Duration::from_millis(now_ms().saturating_sub(entry.created_ms)));
-                    return DeliveryResult::Sent { id, status };
-                }
-                if !(status == 408 || status == 429 || (500..600).contains(&status)) {
-                    return DeliveryResult::Dead { id, reason: format!("rejected_{status}") };
-                }
+                rec.status = Some(status);
                 let ra = resp
                     .headers()
                     .get("retry-after")
                     .and_then(|v| v.to_str().ok())
                     .and_then(parse_retry_after);
-                (ra, format!("http_{status}"))
+                rec.response_head = read_head(&mut resp, RESPONSE_HEAD_BYTES).await;
+                if (200..300).contains(&status) {
+                    crate::telemetry::delivery_latency()
+                        .observe(Duration::from_millis(now_ms().saturating_sub(entry.created_ms)));
+                    return DeliveryResult::Sent { id, status };
+                }
+                if status == 410 {
+                    // Gone: the store disables the endpoint; the event waits for re-enable.
+                    (ra, "http_410_gone".to_string())
+                } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
+                    return DeliveryResult::Dead { id, reason: format!("rejected_{status}") };
+                } else {
+                    (ra, format!("http_{status}"))
+                }
             }
             Err(e) if e.is_timeout() => (None, "timeout".to_string()),
             Err(e) => (None, format!("connection: {e}")),
         };
-        if attempts_after >= self.cfg.max_attempts {
-            return DeliveryResult::Dead { id, reason: "retries_exhausted".into() };
+        rec.error = Some(error.clone());
+        let now = now_ms();
+        match next_retry(&self.cfg, attempts_after, retry_after) {
+            None => DeliveryResult::Dead { id, reason: "retries_exhausted".into() },
+            Some(delay) => {
+                let next = now.saturating_add(delay.as_millis() as u64);
+                if next > entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64) {
+                    return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into() };
+                }
+                DeliveryResult::Retry { id, next_attempt_ms: next, error }
+            }
         }
-        let delay = backoff(&self.cfg, attempts_after, retry_after);
-        DeliveryResult::Retry { id, next_attempt_ms: now_ms() + delay.as_millis() as u64, error }
     }
 
     async fn check_target(&self, target: &str) -> Result<(), String> {
@@ -268,6 +379,41 @@ pub fn parse_retry_after(v: &str) -> Option<Duration> {
     Some(when.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO).min(Duration::from_secs(86_400)))
 }
 
+/// How much of a response body the attempt log keeps.
+pub const RESPONSE_HEAD_BYTES: usize = 2048;
+
+/// Reads at most `max` bytes of a response body (lossy UTF-8); the rest is not read.
+async fn read_head(resp: &mut reqwest::Response, max: usize) -> String {
+    let mut buf = Vec::new();
+    while buf.len() < max {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => buf.extend_from_slice(&chunk[..chunk.len().min(max - buf.len())]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// The delay before the next try after `attempts_done` tries, or `None` when the attempts are
+/// used up. With a schedule: its `attempts_done`-th delay ± `retry_jitter`; without: capped
+/// exponential backoff with full jitter. `Retry-After` is a floor either way.
+pub fn next_retry(cfg: &DeliveryConfig, attempts_done: u32, retry_after: Option<Duration>) -> Option<Duration> {
+    if attempts_done >= cfg.max_attempts {
+        return None;
+    }
+    if cfg.retry_schedule.is_empty() {
+        return Some(backoff(cfg, attempts_done, retry_after));
+    }
+    let base = *cfg.retry_schedule.get(attempts_done.saturating_sub(1) as usize)?;
+    let j = cfg.retry_jitter.clamp(0.0, 0.99);
+    let factor = if j > 0.0 { 1.0 + rand::random_range(-j..=j) } else { 1.0 };
+    let d = Duration::from_secs_f64(base.as_secs_f64() * factor);
+    Some(match retry_after {
+        Some(ra) => d.max(ra),
+        None => d,
+    })
+}
+
 /// Capped exponential backoff with full jitter; `Retry-After` is a floor.
 pub fn backoff(cfg: &DeliveryConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
     let exp = cfg
@@ -295,6 +441,22 @@ mod tests {
         assert_eq!(parse_retry_after("7"), Some(Duration::from_secs(7)));
         assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
         assert_eq!(parse_retry_after("soon"), None);
+    }
+
+    #[test]
+    fn schedule_with_jitter_and_retry_after() {
+        let cfg = DeliveryConfig::default();
+        assert_eq!(cfg.max_attempts, 8);
+        let expect = [5u64, 300, 1_800, 7_200, 18_000, 36_000, 36_000];
+        for _ in 0..200 {
+            for (i, base) in expect.iter().enumerate() {
+                let d = next_retry(&cfg, i as u32 + 1, None).unwrap().as_secs_f64();
+                let b = *base as f64;
+                assert!(d >= b * 0.8 - 1e-9 && d <= b * 1.2 + 1e-9, "retry {} = {d}s", i + 1);
+            }
+        }
+        assert_eq!(next_retry(&cfg, 8, None), None, "7 retries after the first try");
+        assert!(next_retry(&cfg, 1, Some(Duration::from_secs(60))).unwrap() >= Duration::from_secs(60));
     }
 
     #[test]

@@ -18,6 +18,8 @@ pub struct Subscriber {
     pub secret: Option<String>,
     pub min_severity: Severity,
     pub aoi: MultiPolygon<f64>,
+    /// The previous secret during a rotation (both signatures are sent).
+    pub secret_old: Option<String>,
 }
 
 impl Subscriber {
@@ -28,6 +30,7 @@ impl Subscriber {
             secret: cfg.secret.clone(),
             min_severity: cfg.min_severity,
             aoi,
+            secret_old: cfg.secret_old.clone(),
         }
     }
 }

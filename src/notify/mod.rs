@@ -12,3 +12,4 @@ pub mod idem;
 pub mod matcher;
 pub mod payload;
 pub mod signing;
+pub mod replay;

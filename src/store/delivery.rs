@@ -212,7 +212,8 @@ impl Store {
         Ok(counts)
     }
 
-    /// Outbox entries due at `now_ms`, oldest due first, skipping ids in `exclude` (in flight).
+    /// Outbox entries due at `now_ms` (fresh first, then retries, each oldest due first),
+    /// skipping ids in `exclude`. Read-only: delivery itself leases with [`Store::lease_due`].
     pub fn due_outbox(
         &self,
         now_ms: u64,
@@ -220,39 +221,65 @@ impl Store {
         exclude: &HashSet<u64>,
     ) -> Result<Vec<OutboxEntry>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let due = rtx.open_table(OUTBOX_DUE)?;
         let outbox = rtx.open_table(OUTBOX)?;
         let mut out = Vec::new();
-        for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
-            if out.len() >= limit {
-                break;
-            }
-            let (k, _) = item?;
-            let (_, id) = k.value();
-            if exclude.contains(&id) {
-                continue;
-            }
-            if let Some(v) = outbox.get(id)? {
-                out.push(decode(v.value()).map_err(|m| codec_err("outbox", m))?);
+        for table in [OUTBOX_DUE, OUTBOX_RETRY_DUE] {
+            let due = rtx.open_table(table)?;
+            for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
+                if out.len() >= limit {
+                    break;
+                }
+                let (k, _) = item?;
+                let (_, id) = k.value();
+                if exclude.contains(&id) {
+                    continue;
+                }
+                if let Some(v) = outbox.get(id)? {
+                    out.push(decode(v.value()).map_err(|m| codec_err("outbox", m))?);
+                }
             }
         }
         Ok(out)
     }
 
-    /// When the earliest outbox entry falls due (None when the outbox is empty).
+    /// When the earliest outbox entry (fresh or retry) falls due (None when the outbox is empty).
     pub fn next_due_ms(&self) -> Result<Option<u64>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let due = rtx.open_table(OUTBOX_DUE)?;
-        let first = due.first()?.map(|(k, _)| k.value().0);
-        Ok(first)
+        let fresh = rtx.open_table(OUTBOX_DUE)?.first()?.map(|(k, _)| k.value().0);
+        let retry = rtx.open_table(OUTBOX_RETRY_DUE)?.first()?.map(|(k, _)| k.value().0);
+        Ok(match (fresh, retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        })
     }
 
     /// Records a batch of delivery outcomes in one transaction (group commit).
     pub fn record_deliveries(&self, results: &[DeliveryResult], now_ms: u64) -> Result<(), StoreError> {
-        if results.is_empty() {
+        self.record_outcomes(results, &[], now_ms)
+    }
+
+    /// Records a batch of delivery outcomes and their attempt log rows in one transaction
+    /// (group commit). Each entry's lease is dropped in the same transaction.
+    pub fn record_outcomes(&self, results: &[DeliveryResult], attempts: &[AttemptRecord], now_ms: u64) -> Result<(), StoreError> {
+        self.record_outcomes_with(results, attempts, now_ms, None)
+    }
+
+    /// [`Store::record_outcomes`], also folding each result into its endpoint's health
+    /// (circuit breaker, 410, `disable_after`) when `health` is given.
+    pub fn record_outcomes_with(
+        &self,
+        results: &[DeliveryResult],
+        attempts: &[AttemptRecord],
+        now_ms: u64,
+        health: Option<&super::endpoints::HealthPolicy>,
+    ) -> Result<(), StoreError> {
+        if results.is_empty() && attempts.is_empty() {
             return Ok(());
         }
         let wtx = self.db.begin_write()?;
+        for rec in attempts {
+            super::leases::log_attempt(&wtx, rec)?;
+        }
         for result in results {
             let id = match result {
                 DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
@@ -265,6 +292,19 @@ impl Store {
                 };
                 decode(v.value()).map_err(|m| codec_err("outbox", m))?
             };
+            wtx.open_table(OUTBOX_LEASES)?.remove(entry.id)?;
+            if let Some(policy) = health {
+                let (success, gone, local) = match result {
+                    DeliveryResult::Sent { .. } => (true, false, false),
+                    DeliveryResult::Retry { error, .. } => (false, error == "http_410_gone", false),
+                    DeliveryResult::Dead { reason, .. } => {
+                        (false, false, reason.starts_with("private_target") || reason.starts_with("bad_") || reason.starts_with("dns"))
+                    }
+                };
+                if !local {
+                    super::endpoints::observe(&wtx, &entry.watcher_id, success, gone, now_ms, policy)?;
+                }
+            }
             let attempts = entry.attempts + 1;
             let mut audit = AuditRow {
                 seq: 0,
@@ -300,7 +340,8 @@ impl Store {
                     updated.attempts = attempts;
                     updated.next_attempt_ms = *next_attempt_ms;
                     updated.last_error = Some(error.clone());
-                    let mut due = wtx.open_table(OUTBOX_DUE)?;
+                    wtx.open_table(OUTBOX_DUE)?.remove((entry.next_attempt_ms, entry.id))?;
+                    let mut due = wtx.open_table(OUTBOX_RETRY_DUE)?;
                     due.remove((entry.next_attempt_ms, entry.id))?;
                     due.insert((*next_attempt_ms, entry.id), ())?;
                     wtx.open_table(OUTBOX)?.insert(entry.id, encode(&updated).as_slice())?;
@@ -349,5 +390,7 @@ impl Store {
 fn remove_outbox(wtx: &WriteTransaction, entry: &OutboxEntry) -> Result<(), StoreError> {
     wtx.open_table(OUTBOX)?.remove(entry.id)?;
     wtx.open_table(OUTBOX_DUE)?.remove((entry.next_attempt_ms, entry.id))?;
+    wtx.open_table(OUTBOX_RETRY_DUE)?.remove((entry.next_attempt_ms, entry.id))?;
+    wtx.open_table(OUTBOX_LEASES)?.remove(entry.id)?;
     Ok(())
 }

@@ -14,6 +14,9 @@ pub mod backup;
 pub mod codec;
 mod delivery;
 mod derived;
+mod dlq;
+mod endpoints;
+mod leases;
 mod queries;
 mod runs;
 mod subscribers;
@@ -21,6 +24,9 @@ mod probe;
 mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
+pub use leases::LeasedBatch;
+pub use dlq::ReplayOutcome;
+pub use endpoints::HealthPolicy;
 pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
 pub use subscribers::StoredSubscriber;
@@ -161,8 +167,20 @@ impl Store {
             wtx.open_table(SUBSCRIBERS)?;
             wtx.open_table(DERIVED_SHARES)?;
             wtx.open_table(HELD_SHARES)?;
+            wtx.open_table(OUTBOX_LEASES)?;
+            wtx.open_table(OUTBOX_RETRY_DUE)?;
+            wtx.open_table(DELIVERY_ATTEMPTS)?;
+            wtx.open_table(DLQ_REPLAYS)?;
+            wtx.open_table(DLQ_QUARANTINE)?;
+            wtx.open_table(ENDPOINTS)?;
         }
         wtx.commit()?;
+        // Only one process can hold the file, so every lease found now belongs to a process
+        // that died mid-delivery: its entries go back to the queue (at-least-once, same key).
+        let reclaimed = self.reclaim_leases(u64::MAX)?;
+        if reclaimed > 0 {
+            tracing::warn!(reclaimed, "in-flight deliveries of a stopped process returned to the queue");
+        }
         Ok(())
     }
 

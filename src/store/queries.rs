@@ -226,6 +226,7 @@ impl Store {
                 Outcome::DeadLetter => s.dead_letters += 1,
                 Outcome::Quarantined => s.quarantined += 1,
                 Outcome::Held => s.held += 1,
+                _ => {}
             }
         }
         s.outbox = rtx.open_table(OUTBOX)?.len()?;

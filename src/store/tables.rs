@@ -46,3 +46,18 @@ pub const SUBSCRIBERS: TableDefinition<&str, &[u8]> = TableDefinition::new("subs
 pub const DERIVED_SHARES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("derived_shares");
 /// (hold run id, parcel id) → share: the derived shares of a held run.
 pub const HELD_SHARES: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_shares");
+
+/// outbox id → lease expiry (ms): the row is in flight until then. Cleared on open (the redb
+/// file lock proves the holder is dead) and whenever the outcome is recorded.
+pub const OUTBOX_LEASES: TableDefinition<u64, u64> = TableDefinition::new("outbox_leases");
+/// (next attempt at ms, outbox id) → () for entries that failed at least once. Kept apart from
+/// `OUTBOX_DUE` (fresh entries) so live alerts are served ahead of late retries.
+pub const OUTBOX_RETRY_DUE: TableDefinition<(u64, u64), ()> = TableDefinition::new("outbox_retry_due");
+/// (idempotency key, attempt number) → `AttemptRecord`: one row per delivery attempt.
+pub const DELIVERY_ATTEMPTS: TableDefinition<(&str, u32), &[u8]> = TableDefinition::new("delivery_attempts");
+/// idempotency key → how many times its dead letter was replayed (u32 LE).
+pub const DLQ_REPLAYS: TableDefinition<&str, u32> = TableDefinition::new("dlq_replays");
+/// outbox id → `DeadLetter` set aside for a person (replayed too often, invalid geometry).
+pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
+/// subscriber id → `EndpointState` (disabled flag, circuit breaker, recent outcomes).
+pub const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");

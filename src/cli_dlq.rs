@@ -1,0 +1,336 @@
+//! `zonewatch dlq list|show|replay|recover`: the operator's view of dead letters and the
+//! way back into the outbox. Kept apart from `cli.rs` so the delivery commands evolve on their
+//! own; `cli.rs` only dispatches here.
+
+use crate::model::DeadLetter;
+use crate::notify::delivery::Deliverer;
+use crate::notify::replay;
+use crate::pipeline::Engine;
+use crate::util::{now_ms, parse_duration, parse_rfc3339, rfc3339};
+use clap::Subcommand;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The `dlq` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum DlqAction {
+    /// Dead letters (and quarantined ones) with their reasons.
+    List {
+        #[arg(long)]
+        config: PathBuf,
+        /// Dead since this time (RFC 3339, or a duration meaning "ago", e.g. `2h`).
+        #[arg(long)]
+        since: Option<String>,
+        #[arg(long)]
+        until: Option<String>,
+    },
+    /// One dead letter (by outbox id or idempotency key): its payload and every attempt.
+    Show {
+        id_or_key: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Re-submit dead letters under their original key, oldest observation first.
+    Replay {
+        /// Outbox ids; none means every dead letter in the time window.
+        ids: Vec<u64>,
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        since: Option<String>,
+        #[arg(long)]
+        until: Option<String>,
+        /// Replays per second (token bucket).
+        #[arg(long, default_value_t = 5.0)]
+        rate: f64,
+    },
+    /// Re-queue what failed and never succeeded inside a time window, capped in count.
+    Recover {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        since: String,
+        #[arg(long)]
+        until: Option<String>,
+        #[arg(long, default_value_t = 1000)]
+        max: usize,
+        #[arg(long, default_value_t = 5.0)]
+        rate: f64,
+    },
+}
+
+/// The `endpoints` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum EndpointsAction {
+    /// Every subscriber endpoint: enabled or disabled (and why), breaker, last success.
+    List {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Re-enable a disabled endpoint (by subscriber id); its waiting events are delivered.
+    Enable {
+        id: String,
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+/// Runs an `endpoints` subcommand; returns the exit code.
+pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
+    match action {
+        EndpointsAction::List { config } => {
+            let engine = match open(&config) {
+                Ok(e) => e,
+                Err(c) => return c,
+            };
+            let states: std::collections::HashMap<String, crate::model::EndpointState> = match engine.store.endpoints() {
+                Ok(v) => v.into_iter().collect(),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
+            };
+            let now = now_ms();
+            println!("id	state	breaker	last_success	reason	target");
+            for sub in &engine.config.subscribers {
+                let s = states.get(&sub.id).cloned().unwrap_or_default();
+                let breaker = match s.breaker_open_until_ms {
+                    Some(t) if t > now => "open",
+                    Some(_) => "half_open",
+                    None => "closed",
+                };
+                println!(
+                    "{}	{}	{}	{}	{}	{}",
+                    sub.id,
+                    if s.disabled { "disabled" } else { "enabled" },
+                    breaker,
+                    s.last_success_ms.map(rfc3339).unwrap_or_else(|| "-".into()),
+                    s.disabled_reason.unwrap_or_default(),
+                    sub.target
+                );
+            }
+            0
+        }
+        EndpointsAction::Enable { id, config } => {
+            let engine = match open(&config) {
+                Ok(e) => e,
+                Err(c) => return c,
+            };
+            if !engine.config.subscribers.iter().any(|s| s.id == id) {
+                eprintln!("error: no subscriber {id:?} in the config");
+                return 2;
+            }
+            match engine.store.enable_endpoint(&id, now_ms()) {
+                Ok(true) => {
+                    println!("endpoint {id} enabled");
+                    0
+                }
+                Ok(false) => {
+                    println!("endpoint {id} was not disabled (breaker and history reset)");
+                    0
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    2
+                }
+            }
+        }
+    }
+}
+
+/// RFC 3339 time or a duration before now.
+fn parse_time(flag: &str, v: &str) -> Result<u64, String> {
+    if let Some(t) = parse_rfc3339(v) {
+        return Ok(t);
+    }
+    parse_duration(v)
+        .map(|d| now_ms().saturating_sub(d.as_millis() as u64))
+        .map_err(|_| format!("--{flag} {v:?} is neither an RFC 3339 time nor a duration like 2h"))
+}
+
+fn window(since: Option<&str>, until: Option<&str>) -> Result<(u64, u64), String> {
+    let s = since.map(|v| parse_time("since", v)).transpose()?.unwrap_or(0);
+    let u = until.map(|v| parse_time("until", v)).transpose()?.unwrap_or(u64::MAX);
+    if s > u {
+        return Err("--since is after --until".into());
+    }
+    Ok((s, u))
+}
+
+fn open(config: &std::path::Path) -> Result<Engine, i32> {
+    let cfg = crate::config::Config::load(config).map_err(|e| {
+        eprintln!("error: {e}");
+        2
+    })?;
+    Engine::open(cfg).map_err(|e| {
+        eprintln!("error: {e}");
+        2
+    })
+}
+
+fn line(state: &str, d: &DeadLetter) -> String {
+    format!(
+        "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+        d.entry.id,
+        state,
+        rfc3339(d.dead_at_ms),
+        d.entry.watcher_id,
+        d.entry.parcel_id,
+        d.entry.attempts,
+        d.reason,
+        d.entry.key
+    )
+}
+
+/// Runs a `dlq` subcommand; returns the exit code (0 ok, 1 failure, 2 config/store/usage).
+pub fn cmd_dlq(action: DlqAction) -> i32 {
+    match action {
+        DlqAction::List { config, since, until } => {
+            let (s, u) = match window(since.as_deref(), until.as_deref()) {
+                Ok(w) => w,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
+            };
+            let engine = match open(&config) {
+                Ok(e) => e,
+                Err(c) => return c,
+            };
+            let (dead, quarantined) = match (engine.store.dead_letters(), engine.store.dlq_quarantine()) {
+                (Ok(d), Ok(q)) => (d, q),
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
+            };
+            println!("id\tstate\tdead_at\twatcher\tparcel\tattempts\treason\tkey");
+            for (state, list) in [("dead", &dead), ("quarantined", &quarantined)] {
+                for d in list.iter().filter(|d| d.dead_at_ms >= s && d.dead_at_ms <= u) {
+                    println!("{}", line(state, d));
+                }
+            }
+            0
+        }
+        DlqAction::Show { id_or_key, config } => {
+            let engine = match open(&config) {
+                Ok(e) => e,
+                Err(c) => return c,
+            };
+            let all = match (engine.store.dead_letters(), engine.store.dlq_quarantine()) {
+                (Ok(d), Ok(q)) => d.into_iter().map(|d| ("dead", d)).chain(q.into_iter().map(|d| ("quarantined", d))).collect::<Vec<_>>(),
+                (Err(e), _) | (_, Err(e)) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
+            };
+            let found = all.iter().find(|(_, d)| d.entry.id.to_string() == id_or_key || d.entry.key.0 == id_or_key);
+            let key = found.map(|(_, d)| d.entry.key.0.clone()).unwrap_or_else(|| id_or_key.clone());
+            let attempts = match engine.store.attempts(&key) {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
+            };
+            if found.is_none() && attempts.is_empty() {
+                eprintln!("error: no dead letter or delivery attempt for {id_or_key:?}");
+                return 1;
+            }
+            if let Some((state, d)) = found {
+                println!("dead letter {} ({state})", d.entry.id);
+                println!("  key:       {}", d.entry.key);
+                println!("  watcher:   {}  target: {}", d.entry.watcher_id, d.entry.target);
+                println!("  parcel:    {}  source: {}  lineage: {}", d.entry.parcel_id, d.entry.source_id, d.entry.lineage_id);
+                println!("  reason:    {}  at {}", d.reason, rfc3339(d.dead_at_ms));
+                println!("  replays:   {}", engine.store.replay_count(&d.entry.key.0).unwrap_or(0));
+                println!("  payload:   {}", String::from_utf8_lossy(&d.entry.body));
+            }
+            println!("attempts of {key}:");
+            println!("  #\tat\tresult\tstatus\tduration_ms\terror\tresponse (first 2 KiB)");
+            for a in attempts {
+                println!(
+                    "  {}\t{}\t{}\t{}\t{}\t{}\t{}",
+                    a.attempt,
+                    rfc3339(a.ts_ms),
+                    a.result,
+                    a.status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                    a.duration_ms,
+                    a.error.unwrap_or_default(),
+                    a.response_head.replace(['\n', '\r', '\t'], " ")
+                );
+            }
+            0
+        }
+        DlqAction::Replay { ids, config, since, until, rate } => run_replay(&config, ids, since, until, rate, None),
+        DlqAction::Recover { config, since, until, max, rate } => run_replay(&config, vec![], Some(since), until, rate, Some(max)),
+    }
+}
+
+fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, until: Option<String>, rate: f64, cap: Option<usize>) -> i32 {
+    if !(rate.is_finite() && rate > 0.0) {
+        eprintln!("error: --rate must be a positive number of replays per second");
+        return 2;
+    }
+    let (s, u) = match window(since.as_deref(), until.as_deref()) {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let engine = match open(config) {
+        Ok(e) => e,
+        Err(c) => return c,
+    };
+    let mut letters: Vec<DeadLetter> = match engine.store.dead_letters() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    letters.retain(|d| (ids.is_empty() || ids.contains(&d.entry.id)) && d.dead_at_ms >= s && d.dead_at_ms <= u);
+    for id in &ids {
+        if !letters.iter().any(|d| d.entry.id == *id) {
+            eprintln!("warning: no dead letter {id} (in the window)");
+        }
+    }
+    if let Some(cap) = cap {
+        letters.sort_by_key(|d| (replay::observed_ms(d), d.entry.id));
+        if letters.len() > cap {
+            eprintln!("note: {} dead letters in the window; recovering the oldest {cap} (--max)", letters.len());
+            letters.truncate(cap);
+        }
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return 1;
+        }
+    };
+    let cfg = engine.config.delivery.clone();
+    rt.block_on(async {
+        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), cfg.clone()) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
+        match replay::replay(&engine.store, &deliverer, letters, rate, cfg.max_replays, Instant::now() + cfg.run_wait).await {
+            Ok(r) => {
+                println!(
+                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={}",
+                    r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead
+                );
+                0
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        }
+    })
+}

@@ -1,0 +1,171 @@
+//! Endpoint health, updated in the same transaction as the delivery outcomes: a circuit
+//! breaker (opens when at least `breaker_ratio` of at least `breaker_min` recent attempts
+//! failed; one half-open probe after `breaker_cooldown`), HTTP 410 disables the endpoint, and
+//! an endpoint failing without a success for longer than `disable_after` is disabled. Disable
+//! and re-enable are audit rows. A disabled endpoint's events stay in the outbox.
+
+use super::codec::{decode, encode};
+use super::runs::{append_audit, codec_err};
+use super::tables::*;
+use super::{Store, StoreError};
+use crate::model::{AuditRow, EndpointState, Outcome};
+use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
+use std::collections::HashMap;
+
+/// Thresholds for endpoint health (from `[delivery]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HealthPolicy {
+    pub breaker_min: usize,
+    pub breaker_ratio: f64,
+    pub breaker_cooldown_ms: u64,
+    pub disable_after_ms: u64,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        HealthPolicy { breaker_min: 10, breaker_ratio: 0.7, breaker_cooldown_ms: 60_000, disable_after_ms: 5 * 86_400_000 }
+    }
+}
+
+/// Why an endpoint's entries may not be leased now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Gate {
+    Open,
+    /// Breaker cool-down over: one probe may go.
+    Probe,
+    Closed,
+}
+
+pub(super) fn load_all(wtx: &WriteTransaction) -> Result<HashMap<String, EndpointState>, StoreError> {
+    let t = wtx.open_table(ENDPOINTS)?;
+    let mut m = HashMap::new();
+    for item in t.iter()? {
+        let (k, v) = item?;
+        m.insert(k.value().to_string(), decode(v.value()).map_err(|e| codec_err("endpoints", e))?);
+    }
+    Ok(m)
+}
+
+pub(super) fn gate(state: Option<&EndpointState>, now_ms: u64) -> Gate {
+    match state {
+        None => Gate::Open,
+        Some(s) if s.disabled => Gate::Closed,
+        Some(s) => match s.breaker_open_until_ms {
+            Some(t) if t > now_ms => Gate::Closed,
+            Some(_) => Gate::Probe,
+            None => Gate::Open,
+        },
+    }
+}
+
+fn audit_endpoint(wtx: &WriteTransaction, id: &str, outcome: Outcome, detail: String, now_ms: u64) -> Result<(), StoreError> {
+    tracing::warn!(endpoint = id, "{}: {detail}", outcome.as_str());
+    let mut row = AuditRow {
+        seq: 0,
+        ts_ms: now_ms,
+        outcome,
+        idempotency_key: None,
+        watcher_id: Some(id.to_string()),
+        source_id: None,
+        parcel_id: None,
+        lineage_id: None,
+        detail,
+    };
+    append_audit(wtx, &mut row)?;
+    Ok(())
+}
+
+/// Folds one attempt's result into the endpoint's state. `gone` = the endpoint answered 410.
+pub(super) fn observe(
+    wtx: &WriteTransaction,
+    id: &str,
+    success: bool,
+    gone: bool,
+    now_ms: u64,
+    policy: &HealthPolicy,
+) -> Result<(), StoreError> {
+    let mut t = wtx.open_table(ENDPOINTS)?;
+    let mut s: EndpointState = match t.get(id)? {
+        Some(v) => decode(v.value()).map_err(|e| codec_err("endpoints", e))?,
+        None => EndpointState::default(),
+    };
+    let mut disable: Option<String> = None;
+    s.recent.push(success);
+    if s.recent.len() > 20 {
+        let cut = s.recent.len() - 20;
+        s.recent.drain(..cut);
+    }
+    if success {
+        s.last_success_ms = Some(now_ms);
+        s.failing_since_ms = None;
+        if s.breaker_open_until_ms.take().is_some() {
+            s.recent.clear();
+            tracing::info!(endpoint = id, "circuit breaker closed after a successful probe");
+        }
+    } else {
+        let since = *s.failing_since_ms.get_or_insert(now_ms);
+        if gone {
+            disable = Some("http_410_gone".into());
+        } else if now_ms.saturating_sub(since) > policy.disable_after_ms {
+            disable = Some(format!("failing without success since {}", crate::util::rfc3339(since)));
+        }
+        let failures = s.recent.iter().filter(|ok| !**ok).count();
+        let half_open = s.breaker_open_until_ms.is_some_and(|t| t <= now_ms);
+        if half_open || (s.recent.len() >= policy.breaker_min && failures as f64 >= policy.breaker_ratio * s.recent.len() as f64) {
+            if s.breaker_open_until_ms.is_none() {
+                tracing::warn!(endpoint = id, failures, of = s.recent.len(), "circuit breaker opened");
+            }
+            s.breaker_open_until_ms = Some(now_ms + policy.breaker_cooldown_ms);
+        }
+    }
+    let newly_disabled = disable.is_some() && !s.disabled;
+    if let Some(reason) = &disable {
+        if !s.disabled {
+            s.disabled = true;
+            s.disabled_reason = Some(reason.clone());
+            s.disabled_at_ms = Some(now_ms);
+        }
+    }
+    t.insert(id, encode(&s).as_slice())?;
+    drop(t);
+    if newly_disabled {
+        audit_endpoint(wtx, id, Outcome::EndpointDisabled, disable.unwrap_or_default(), now_ms)?;
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Every endpoint with a recorded state, by subscriber id.
+    pub fn endpoints(&self) -> Result<Vec<(String, EndpointState)>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(ENDPOINTS)?;
+        let mut out = Vec::new();
+        for item in t.iter()? {
+            let (k, v) = item?;
+            out.push((k.value().to_string(), decode(v.value()).map_err(|e| codec_err("endpoints", e))?));
+        }
+        Ok(out)
+    }
+
+    /// Re-enables an endpoint (clears the breaker and its history); audited. Returns false
+    /// when the endpoint was not disabled.
+    pub fn enable_endpoint(&self, id: &str, now_ms: u64) -> Result<bool, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let was;
+        {
+            let mut t = wtx.open_table(ENDPOINTS)?;
+            let mut s: EndpointState = match t.get(id)? {
+                Some(v) => decode(v.value()).map_err(|e| codec_err("endpoints", e))?,
+                None => EndpointState::default(),
+            };
+            was = s.disabled;
+            s = EndpointState { last_success_ms: s.last_success_ms, ..Default::default() };
+            t.insert(id, encode(&s).as_slice())?;
+        }
+        if was {
+            audit_endpoint(&wtx, id, Outcome::EndpointEnabled, "enabled by operator".into(), now_ms)?;
+        }
+        wtx.commit()?;
+        Ok(was)
+    }
+}

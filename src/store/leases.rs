@@ -1,0 +1,194 @@
+//! Outbox leases and the priority split. A delivery in flight holds a lease in the store that
+//! outlives its request timeout; the lease is dropped in the transaction that records the
+//! outcome. Leases left by a process that died are reclaimed when the file is next opened
+//! (redb's file lock proves their holder is gone) and, in a live process, once they expire.
+//! Fresh entries (`OUTBOX_DUE`) are leased ahead of retries (`OUTBOX_RETRY_DUE`), so one dead
+//! endpoint's backlog never delays live alerts to others. The per-attempt log lives here too.
+
+use super::codec::{decode, encode};
+use super::runs::codec_err;
+use super::tables::*;
+use super::{Store, StoreError};
+use crate::model::{AttemptRecord, OutboxEntry};
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+
+/// What [`Store::lease_due`] handed out.
+#[derive(Debug, Clone, Default)]
+pub struct LeasedBatch {
+    pub entries: Vec<OutboxEntry>,
+    /// How many of `entries` are first attempts (the rest are retries).
+    pub fresh: usize,
+    pub lease_until_ms: u64,
+}
+
+impl Store {
+    /// Leases due outbox entries in one write transaction: first up to `fresh_limit` fresh
+    /// entries, then retries filling the rest of `fresh_limit` but always at least
+    /// `retry_floor` (so retries are never starved entirely). Entries under an unexpired lease
+    /// are skipped; an expired lease is simply taken over.
+    pub fn lease_due(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        fresh_limit: usize,
+        retry_floor: usize,
+    ) -> Result<LeasedBatch, StoreError> {
+        let until = now_ms.saturating_add(lease_ms);
+        let wtx = self.db.begin_write()?;
+        let mut batch = LeasedBatch { lease_until_ms: until, ..Default::default() };
+        {
+            let health = super::endpoints::load_all(&wtx)?;
+            let mut probed = std::collections::HashSet::new();
+            let outbox = wtx.open_table(OUTBOX)?;
+            let mut leases = wtx.open_table(OUTBOX_LEASES)?;
+            let mut pick = |table: TableDefinition<(u64, u64), ()>, limit: usize, out: &mut Vec<OutboxEntry>| -> Result<(), StoreError> {
+                if limit == 0 {
+                    return Ok(());
+                }
+                let due = wtx.open_table(table)?;
+                let mut taken = 0;
+                for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
+                    let (k, _) = item?;
+                    let (_, id) = k.value();
+                    if let Some(l) = leases.get(id)? {
+                        if l.value() > now_ms {
+                            continue;
+                        }
+                    }
+                    let Some(v) = outbox.get(id)? else { continue };
+                    let entry: OutboxEntry = decode(v.value()).map_err(|m| codec_err("outbox", m))?;
+                    // Disabled endpoints and open breakers hold their entries back; a
+                    // half-open breaker lets one probe through.
+                    match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
+                        super::endpoints::Gate::Closed => continue,
+                        super::endpoints::Gate::Probe => {
+                            if !probed.insert(entry.watcher_id.clone()) {
+                                continue;
+                            }
+                        }
+                        super::endpoints::Gate::Open => {}
+                    }
+                    leases.insert(id, until)?;
+                    out.push(entry);
+                    taken += 1;
+                    if taken >= limit {
+                        break;
+                    }
+                }
+                Ok(())
+            };
+            pick(OUTBOX_DUE, fresh_limit, &mut batch.entries)?;
+            batch.fresh = batch.entries.len();
+            let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
+            pick(OUTBOX_RETRY_DUE, retry_limit, &mut batch.entries)?;
+        }
+        if batch.entries.is_empty() {
+            wtx.abort()?;
+        } else {
+            wtx.commit()?;
+        }
+        Ok(batch)
+    }
+
+    /// Drops every lease that expires at or before `before_ms` (`u64::MAX`: all of them), so
+    /// those entries are due again. Returns how many were dropped.
+    pub fn reclaim_leases(&self, before_ms: u64) -> Result<usize, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let n;
+        {
+            let mut leases = wtx.open_table(OUTBOX_LEASES)?;
+            let mut victims = Vec::new();
+            for item in leases.iter()? {
+                let (k, v) = item?;
+                if v.value() <= before_ms {
+                    victims.push(k.value());
+                }
+            }
+            n = victims.len();
+            for id in victims {
+                leases.remove(id)?;
+            }
+        }
+        if n == 0 {
+            wtx.abort()?;
+        } else {
+            wtx.commit()?;
+        }
+        Ok(n)
+    }
+
+    /// How many outbox entries are leased right now (in flight or left by a dead process).
+    pub fn leased_len(&self) -> Result<u64, StoreError> {
+        let rtx = self.db.begin_read()?;
+        Ok(rtx.open_table(OUTBOX_LEASES)?.len()?)
+    }
+
+    /// Every logged delivery attempt of one idempotency key, in attempt order.
+    pub fn attempts(&self, key: &str) -> Result<Vec<AttemptRecord>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(DELIVERY_ATTEMPTS)?;
+        let mut out = Vec::new();
+        for item in t.range((key, 0u32)..=(key, u32::MAX))? {
+            let (_, v) = item?;
+            out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?);
+        }
+        Ok(out)
+    }
+}
+
+impl Store {
+    /// Retention sweep of the attempt log: deletes at most `max` attempt rows older than
+    /// `before_ms`, except those of events still in the dead letters or the delivery quarantine
+    /// (they stay until resolved). Bounded per call so the write lock is never held for long.
+    pub fn sweep_attempts(&self, before_ms: u64, max: usize) -> Result<usize, StoreError> {
+        let wtx = self.db.begin_write()?;
+        let mut n = 0;
+        {
+            let mut keep = std::collections::HashSet::new();
+            for table in [DEAD_LETTERS, DLQ_QUARANTINE] {
+                for item in wtx.open_table(table)?.iter()? {
+                    let (_, v) = item?;
+                    let d: crate::model::DeadLetter = decode(v.value()).map_err(|m| codec_err("dead_letters", m))?;
+                    keep.insert(d.entry.key.0);
+                }
+            }
+            let mut t = wtx.open_table(DELIVERY_ATTEMPTS)?;
+            let mut victims = Vec::new();
+            for item in t.iter()? {
+                if victims.len() >= max {
+                    break;
+                }
+                let (k, v) = item?;
+                let (key, n) = k.value();
+                if keep.contains(key) {
+                    continue;
+                }
+                let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?;
+                if rec.ts_ms < before_ms {
+                    victims.push((key.to_string(), n));
+                }
+            }
+            for (key, a) in victims {
+                t.remove((key.as_str(), a))?;
+                n += 1;
+            }
+        }
+        if n == 0 {
+            wtx.abort()?;
+        } else {
+            wtx.commit()?;
+        }
+        Ok(n)
+    }
+}
+
+/// Writes one attempt row inside an outcome transaction. The attempt number is the key's
+/// next one in the log (so a replayed dead letter keeps counting instead of overwriting).
+pub(super) fn log_attempt(wtx: &redb::WriteTransaction, rec: &AttemptRecord) -> Result<(), StoreError> {
+    let mut t = wtx.open_table(DELIVERY_ATTEMPTS)?;
+    let last = t.range((rec.key.as_str(), 0u32)..=(rec.key.as_str(), u32::MAX))?.next_back().transpose()?.map(|(k, _)| k.value().1);
+    let mut rec = rec.clone();
+    rec.attempt = last.map(|n| n.saturating_add(1)).unwrap_or(1);
+    t.insert((rec.key.as_str(), rec.attempt), encode(&rec).as_slice())?;
+    Ok(())
+}

@@ -1,0 +1,396 @@
+//! Delivery behaviour against real loopback endpoints that misbehave in the known ways:
+//! flapping, slow past the timeout, 410, 429 with `Retry-After`; the per-attempt log; leases
+//! and the fresh-ahead-of-retries split; dead-letter replay under the original key (absorbed
+//! by the receiver as a duplicate when it had in fact arrived), `max_replays` → quarantine,
+//! and `dlq recover`, driven through the real `zonewatch` binary.
+
+mod common;
+use common::*;
+use std::collections::BTreeSet;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use zonewatch::receiver::{Receiver, Reply};
+
+fn area() -> serde_json::Value {
+    rect(-71.2, 42.3, -71.0, 42.5)
+}
+
+/// A workspace with one subscriber at `url`, a fast retry schedule and `extra` delivery keys.
+fn ws_for(url: String, extra: &str) -> Workspace {
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: area(), target: url, min_severity: "info", secret: None }],
+        &format!("retry_schedule = [\"50ms\", \"50ms\", \"50ms\", \"50ms\"]\n{extra}"),
+        "",
+    );
+    ws.edit_config("max_attempts = 3", "max_attempts = 5");
+    ws
+}
+
+/// Baseline, then rezone parcels `ids`: queues one event per id.
+fn queue(ws: &Workspace, engine: &zonewatch::pipeline::Engine, ids: &[usize]) {
+    let v1 = grid(30);
+    ws.write_layer(&layer(&v1));
+    run(engine, false);
+    let mut v2 = v1.clone();
+    for &i in ids {
+        v2[i].zone = "C3".into();
+    }
+    ws.write_layer(&layer(&v2));
+    assert_eq!(run(engine, false).record.counts.queued, ids.len() as u64);
+}
+
+fn zonewatch(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(args).output().expect("zonewatch runs");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flapping_endpoint_gets_everything_and_every_attempt_is_logged() {
+    // 503, 200, 503, 200, ...
+    let rx = Receiver::start_replies(
+        Arc::new(|n, _| if n % 2 == 0 { Reply { status: 503, body: "busy".into(), ..Default::default() } } else { Reply { status: 200, body: "ok".into(), ..Default::default() } }),
+        None,
+    )
+    .await
+    .unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    ws.edit_config("concurrency = 4", "concurrency = 1");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4, 8]);
+    let stats = deliver(&engine, Duration::from_secs(10)).await;
+    assert_eq!((stats.sent, stats.dead), (3, 0), "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
+    let keys: BTreeSet<String> = rx.received().iter().filter_map(|r| r.header("webhook-id").map(String::from)).collect();
+    assert_eq!(keys.len(), 3);
+    let mut logged = 0;
+    for k in &keys {
+        let attempts = engine.store.attempts(k).unwrap();
+        assert!(!attempts.is_empty());
+        let last = attempts.last().unwrap();
+        assert_eq!((last.result.as_str(), last.status, last.response_head.as_str()), ("sent", Some(200), "ok"));
+        for a in &attempts[..attempts.len() - 1] {
+            assert_eq!((a.result.as_str(), a.status, a.response_head.as_str()), ("retry", Some(503), "busy"));
+            assert!(a.next_attempt_ms.is_some());
+        }
+        for (i, a) in attempts.iter().enumerate() {
+            assert_eq!(a.attempt as usize, i + 1);
+        }
+        logged += attempts.len();
+    }
+    assert_eq!(logged, rx.received().len(), "one log row per request");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_head_is_cut_at_2_kib() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply { status: 500, body: "x".repeat(5000), ..Default::default() }), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0]);
+    deliver(&engine, Duration::from_secs(5)).await;
+    let key = rx.received()[0].header("webhook-id").unwrap().to_string();
+    let attempts = engine.store.attempts(&key).unwrap();
+    assert_eq!(attempts.len(), 5, "max_attempts = 5");
+    assert!(attempts.iter().all(|a| a.response_head.len() == 2048 && a.status == Some(500)));
+    assert_eq!(attempts.last().unwrap().result, "dead_letter");
+    assert_eq!(engine.store.dead_letters().unwrap()[0].reason, "retries_exhausted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answer_429_with_retry_after_2_waits_at_least_2s() {
+    let rx = Receiver::start_replies(
+        Arc::new(|n, _| {
+            if n == 0 {
+                Reply { status: 429, headers: vec![("Retry-After".into(), "2".into())], ..Default::default() }
+            } else {
+                Reply::status(200)
+            }
+        }),
+        None,
+    )
+    .await
+    .unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0]);
+    let stats = deliver(&engine, Duration::from_secs(10)).await;
+    assert_eq!((stats.sent, stats.retried), (1, 1));
+    let key = rx.received()[0].header("webhook-id").unwrap().to_string();
+    let a = engine.store.attempts(&key).unwrap();
+    assert_eq!(a[0].status, Some(429));
+    // The schedule says 50 ms; Retry-After: 2 is the floor.
+    let scheduled = a[0].next_attempt_ms.unwrap();
+    assert!(scheduled >= a[0].ts_ms + 2000, "next try scheduled {} ms after the 429", scheduled - a[0].ts_ms);
+    assert!(a[1].ts_ms >= scheduled, "the retry did not go out before Retry-After");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
+    let back = Arc::new(AtomicBool::new(false));
+    let b = back.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if b.load(Ordering::SeqCst) { 200 } else { 410 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4]);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, stats.dead), (0, 0), "{stats:?}");
+    assert_eq!(rx.received().len(), 2, "no further tries once the endpoint is gone");
+    assert_eq!(engine.store.outbox_len().unwrap(), 2, "events wait, they are not dropped");
+    let eps = engine.store.endpoints().unwrap();
+    assert_eq!(eps.len(), 1);
+    assert!(eps[0].1.disabled && eps[0].1.disabled_reason.as_deref() == Some("http_410_gone"), "{eps:?}");
+    drop(engine);
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let (ok, out, _) = zonewatch(&["endpoints", "list", "--config", cfg]);
+    assert!(ok && out.contains("w\tdisabled\t") && out.contains("http_410_gone"), "{out}");
+    back.store(true, Ordering::SeqCst);
+    let (ok, out, err) = zonewatch(&["endpoints", "enable", "w", "--config", cfg]);
+    assert!(ok && out.contains("enabled"), "{out}{err}");
+    let engine = ws.engine();
+    assert!(!engine.store.endpoints().unwrap()[0].1.disabled);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(stats.sent, 2, "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
+    let o = outcomes(&engine);
+    assert_eq!((o.get("endpoint_disabled"), o.get("endpoint_enabled"), o.get("sent")), (Some(&1), Some(&1), Some(&2)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn circuit_breaker_opens_probes_half_open_and_closes() {
+    let healthy = Arc::new(AtomicBool::new(false));
+    let h = healthy.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if h.load(Ordering::SeqCst) { 200 } else { 503 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "breaker_cooldown = \"1s\"");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    ws.edit_config("max_attempts = 5", "max_attempts = 20");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]);
+    let d = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
+    assert_eq!(d.deliver_due().await.unwrap().retried, 12, "12 of 12 failed: the breaker opens");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(d.deliver_due().await.unwrap().attempted, 0, "open: nothing goes out although retries are due");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(d.deliver_due().await.unwrap().attempted, 1, "half-open: one probe");
+    assert_eq!(d.deliver_due().await.unwrap().attempted, 0, "the failed probe re-opened it");
+    healthy.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let probe = d.deliver_due().await.unwrap();
+    assert_eq!((probe.attempted, probe.sent), (1, 1), "a successful probe closes the breaker");
+    assert_eq!(d.deliver_due().await.unwrap().sent, 11, "closed: the rest go out");
+    assert_eq!(rx.received().len(), 12 + 1 + 1 + 11);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_endpoint_dead_letter_replays_under_the_original_key_and_the_receiver_absorbs_it() {
+    // Slow past the 300 ms timeout until `fixed`; the receiver records (and would process)
+    // every request it gets, so the dead letter had in fact been delivered.
+    let fixed = Arc::new(AtomicBool::new(false));
+    let f = fixed.clone();
+    let rx = Receiver::start_replies(
+        Arc::new(move |_, _| Reply { status: 200, delay: if f.load(Ordering::SeqCst) { Duration::ZERO } else { Duration::from_millis(1500) }, ..Default::default() }),
+        None,
+    )
+    .await
+    .unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    ws.edit_config("timeout_ms = 2000", "timeout_ms = 300");
+    ws.edit_config("max_attempts = 5", "max_attempts = 2");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0]);
+    let stats = deliver(&engine, Duration::from_secs(10)).await;
+    assert_eq!(stats.dead, 1);
+    let dl = engine.store.dead_letters().unwrap().remove(0);
+    assert_eq!(dl.reason, "retries_exhausted");
+    let attempts = engine.store.attempts(&dl.entry.key.0).unwrap();
+    assert!(attempts.iter().all(|a| a.error.as_deref() == Some("timeout") || a.result == "dead_letter"), "{attempts:?}");
+    let before = rx.received();
+    assert_eq!(before.len(), 2, "both timed-out requests reached the receiver");
+    drop(engine);
+
+    fixed.store(true, Ordering::SeqCst);
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let (ok, out, err) = zonewatch(&["dlq", "replay", &dl.entry.id.to_string(), "--config", cfg, "--rate", "50"]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("requeued=1") && out.contains("sent=1"), "{out}");
+    let after = rx.received();
+    assert_eq!(after.len(), 3);
+    let replayed = &after[2];
+    assert_eq!(replayed.header("webhook-id"), Some(dl.entry.key.0.as_str()), "replay uses the original key");
+    assert_eq!(replayed.body, before[0].body, "and the original bytes");
+    // A receiver deduplicating on webhook-id processes the event once.
+    let unique: BTreeSet<_> = after.iter().filter_map(|r| r.header("webhook-id")).collect();
+    assert_eq!(unique.len(), 1);
+
+    // The ledger tells the whole story for the key: queued, dead_letter, queued (replay), sent.
+    let (ok, out, _) = zonewatch(&["audit", "--config", cfg, "--key", &dl.entry.key.0, "--format", "csv"]);
+    assert!(ok);
+    let outcomes: Vec<&str> = out.lines().skip(1).filter_map(|l| l.split(',').nth(2)).collect();
+    assert_eq!(outcomes, ["queued", "dead_letter", "queued", "sent"], "{out}");
+    // `dlq show` prints every attempt of the event.
+    let (ok, out, err) = zonewatch(&["dlq", "show", &dl.entry.key.0, "--config", cfg]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().filter(|l| l.contains("\ttimeout\t")).count(), 1, "{out}");
+    assert!(out.contains("\tsent\t200\t"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_beyond_max_replays_go_to_quarantine_and_recover_is_capped() {
+    let rx = receiver(400).await;
+    let ws = ws_for(rx.url("/hook"), "max_replays = 2");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4, 8]);
+    deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(engine.store.dead_letters().unwrap().len(), 3);
+    drop(engine);
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+
+    // recover: the window holds 3, --max 2 re-queues the oldest two (they fail again).
+    let (ok, out, err) = zonewatch(&["dlq", "recover", "--config", cfg, "--since", "1h", "--max", "2", "--rate", "100"]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("requeued=2") && out.contains("dead_letters=2"), "{out}");
+    assert!(err.contains("recovering the oldest 2"), "{err}");
+    // Two more replays of everything: the two recovered keys hit max_replays (2) on the
+    // second round and are quarantined; the third key is replayed twice.
+    for _ in 0..2 {
+        let (ok, out, err) = zonewatch(&["dlq", "replay", "--config", cfg, "--rate", "100"]);
+        assert!(ok, "{out}{err}");
+    }
+    let engine = ws.engine();
+    let q = engine.store.dlq_quarantine().unwrap();
+    assert_eq!(q.len(), 2, "{q:?}");
+    assert!(q.iter().all(|d| d.reason.contains("max_replays 2")));
+    assert_eq!(engine.store.dead_letters().unwrap().len(), 1);
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
+    let o = outcomes(&engine);
+    assert_eq!(o.get("quarantined"), Some(&2));
+    drop(engine);
+    let (ok, out, _) = zonewatch(&["dlq", "list", "--config", cfg]);
+    assert!(ok);
+    assert_eq!(out.lines().filter(|l| l.contains("\tquarantined\t")).count(), 2, "{out}");
+    assert_eq!(out.lines().filter(|l| l.contains("\tdead\t")).count(), 1, "{out}");
+    let (ok, _, err) = zonewatch(&["dlq", "recover", "--config", cfg, "--since", "yesterday-ish"]);
+    assert!(!ok && err.contains("--since"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_hide_in_flight_entries_and_fresh_events_go_ahead_of_retries() {
+    // A dead endpoint builds a retry backlog ...
+    let dead = receiver(503).await;
+    let live = receiver(200).await;
+    let ws = Workspace::new(
+        &[
+            Sub { id: "dead", aoi: area(), target: dead.url("/hook"), min_severity: "info", secret: None },
+            Sub { id: "live", aoi: rect(-71.2, 42.3, -71.0995, 42.3605), target: live.url("/hook"), min_severity: "info", secret: None },
+        ],
+        "retry_schedule = [\"1ms\", \"1ms\", \"1ms\"]",
+        "",
+    );
+    ws.edit_config("max_attempts = 3", "max_attempts = 4");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    let engine = ws.engine();
+    let v1 = grid(40);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let mut v2 = v1.clone();
+    for p in v2.iter_mut().take(10).skip(1) {
+        p.zone = "C3".into();
+    }
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 1.0");
+    let engine = { drop(engine); ws.engine() };
+    ws.write_layer(&layer(&v2));
+    assert_eq!(run(&engine, false).record.counts.queued, 9, "parcels 1..10 only match `dead` (9 < 10: the breaker stays closed)");
+    let d = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
+    assert_eq!(d.deliver_due().await.unwrap().retried, 9);
+    // ... then a live alert arrives (parcel 0 matches both subscribers).
+    let mut v3 = v2.clone();
+    v3[0].zone = "C3".into();
+    ws.write_layer(&layer(&v3));
+    assert_eq!(run(&engine, false).record.counts.queued, 2);
+    let now = zonewatch::util::now_ms() + 1000;
+    let batch = engine.store.lease_due(now, 60_000, 4, 1).unwrap();
+    assert_eq!(batch.fresh, 2, "both fresh entries first");
+    assert_eq!(batch.entries.len(), 4, "then retries fill the rest");
+    assert!(batch.entries[..2].iter().all(|e| e.attempts == 0) && batch.entries[2..].iter().all(|e| e.attempts == 1));
+    // Leased entries are invisible to another pass until the lease expires ...
+    let again = engine.store.lease_due(now, 60_000, 100, 1).unwrap();
+    assert_eq!(again.entries.len(), 7);
+    assert!(again.entries.iter().all(|e| !batch.entries.iter().any(|b| b.id == e.id)));
+    assert_eq!(engine.store.lease_due(now, 60_000, 100, 1).unwrap().entries.len(), 0);
+    assert_eq!(engine.store.leased_len().unwrap(), 11);
+    // ... or the process that held them dies: reopening the store returns them to the queue.
+    drop(d);
+    drop(engine);
+    let engine = ws.engine();
+    assert_eq!(engine.store.leased_len().unwrap(), 0);
+    assert_eq!(engine.store.lease_due(now, 60_000, 100, 1).unwrap().entries.len(), 11);
+    // Expired leases are taken over without a restart.
+    assert_eq!(engine.store.lease_due(now + 60_001, 60_000, 100, 1).unwrap().entries.len(), 11);
+    assert_eq!(engine.store.reclaim_leases(now + 120_001).unwrap(), 11);
+    // And a real pass delivers the live alert even with the dead backlog in front of it.
+    let d = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
+    d.deliver_due().await.unwrap();
+    assert_eq!(live.received().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_endpoint_concurrency_and_rate_limits_hold() {
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let a = arrivals.clone();
+    let rx = Receiver::start_replies(
+        Arc::new(|_, _| Reply { status: 200, delay: Duration::from_millis(300), ..Default::default() }),
+        Some(Arc::new(move |_| a.lock().unwrap().push(std::time::Instant::now()))),
+    )
+    .await
+    .unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_concurrency = 2");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 2, 4, 6, 8, 10]);
+    assert_eq!(deliver(&engine, Duration::from_secs(10)).await.sent, 6);
+    let t = arrivals.lock().unwrap().clone();
+    assert_eq!(t.len(), 6);
+    // Two at a time: the third request only starts once one of the first two answered.
+    for i in 2..6 {
+        assert!(t[i] - t[i - 2] >= Duration::from_millis(250), "request {i} overlapped {} others", 2);
+    }
+    drop(engine);
+
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let a = arrivals.clone();
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(200)), Some(Arc::new(move |_| a.lock().unwrap().push(std::time::Instant::now())))).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_rate = 5.0");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 2, 4, 6, 8, 10]);
+    assert_eq!(deliver(&engine, Duration::from_secs(10)).await.sent, 6);
+    let t = arrivals.lock().unwrap().clone();
+    // 5 per second with a burst of 1: six requests span at least 5 × 200 ms.
+    assert!(t[5] - t[0] >= Duration::from_millis(950), "{:?}", t[5] - t[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_sweeps_attempts_but_keeps_those_of_dead_letters() {
+    let rx = Receiver::start_replies(Arc::new(|n, _| Reply::status(if n == 0 { 400 } else { 200 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    ws.edit_config("concurrency = 4", "concurrency = 1");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4, 8]);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, stats.dead), (2, 1));
+    let dead_key = engine.store.dead_letters().unwrap()[0].entry.key.0.clone();
+    let keys: Vec<String> = rx.received().iter().filter_map(|r| r.header("webhook-id").map(String::from)).collect();
+    let now = zonewatch::util::now_ms();
+    assert_eq!(engine.store.sweep_attempts(now - 60_000, 100).unwrap(), 0, "nothing is older than the horizon");
+    // Bounded: one row per call at most.
+    assert_eq!(engine.store.sweep_attempts(now + 1, 1).unwrap(), 1);
+    assert_eq!(engine.store.sweep_attempts(now + 1, 100).unwrap(), 1);
+    assert_eq!(engine.store.sweep_attempts(now + 1, 100).unwrap(), 0);
+    for k in &keys {
+        let left = engine.store.attempts(k).unwrap().len();
+        assert_eq!(left, usize::from(*k == dead_key), "key {k}");
+    }
+}
