@@ -149,6 +149,12 @@ async fn control_port_end_to_end() {
             assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
         }
 
+        // Dead-letter replay over the API (nothing dead here: an empty, well-formed answer).
+        let r: Value = c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).body("{\"since\": \"2020-01-01T00:00:00Z\"}").send().unwrap().json().unwrap();
+        assert_eq!((r["requeued"].as_u64(), r["duplicates"].as_u64()), (Some(0), Some(0)), "{r}");
+        assert_eq!(c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).body("{\"ids\": \"x\"}").send().unwrap().status(), 400);
+        assert!(text.contains("# TYPE zonewatch_endpoint_breaker_state gauge"));
+
         // Unknown routes and methods.
         assert_eq!(c.get(d.url("/v1/nothing")).header("authorization", &auth).send().unwrap().status(), 404);
         assert_eq!(c.delete(d.url("/v1/sources")).header("authorization", &auth).send().unwrap().status(), 405);

@@ -90,6 +90,20 @@ pub fn render(engine: &Engine) -> Result<String, StoreError> {
     let _ = writeln!(out, "zonewatch_delivery_latency_seconds_sum {sum}");
     let _ = writeln!(out, "zonewatch_delivery_latency_seconds_count {count}");
 
+    header(&mut out, "zonewatch_endpoint_breaker_state", "gauge", "Per-endpoint circuit breaker: 0 closed, 1 open, 2 half-open (cool-down over), 3 disabled.");
+    let now = crate::util::now_ms();
+    for (id, e) in store.endpoints()? {
+        let state = if e.disabled {
+            3
+        } else {
+            match e.breaker_open_until_ms {
+                Some(t) if t > now => 1,
+                Some(_) => 2,
+                None => 0,
+            }
+        };
+        let _ = writeln!(out, "zonewatch_endpoint_breaker_state{{endpoint=\"{}\"}} {state}", esc(&id));
+    }
     header(&mut out, "zonewatch_subscribers", "gauge", "Subscribers in the matching index.");
     let _ = writeln!(out, "zonewatch_subscribers {}", engine.subscribers.subscribers().len());
     Ok(out)

@@ -99,6 +99,12 @@ pub fn document() -> Value {
                 "responses": with_errors(json!({"200": ok("latest changed parcels with their current geometry", json!({"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
                     "type": "object", "required": ["source_id", "parcel_id", "ts", "outcome"], "properties": {"source_id": s("string"), "parcel_id": s("string"), "ts": s("string"), "outcome": s("string"), "detail": s("string"), "geometry": {"type": ["object", "null"]}}}}}}))}), &["400"])}},
             "/v1/deadletters": {"get": {"operationId": "listDeadLetters", "responses": with_errors(json!({"200": ok("dead letters", list_of("DeadLetter"))}), &[])}},
+            "/v1/deadletters/replay": {"post": {"operationId": "replayDeadLetters",
+                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {
+                    "ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+                    "since": {"type": ["string", "null"], "format": "date-time"}, "until": {"type": ["string", "null"], "format": "date-time"}}}}}},
+                "responses": with_errors(json!({"200": ok("what each dead letter became", json!({"type": "object", "required": ["requeued", "duplicates", "quarantined", "items"], "properties": {
+                    "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "items": {"type": "array", "items": {"type": "object"}}}}))}), &["400"])}},
             "/v1/quarantine": {"get": {"operationId": "listQuarantine", "responses": with_errors(json!({"200": ok("quarantined features", list_of("Quarantined"))}), &[])}},
             "/v1/backup": {"post": {"operationId": "backup",
                 "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"}}}}}},

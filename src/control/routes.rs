@@ -108,6 +108,11 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         })
         .await,
         (&Method::POST, ["v1", "backup"]) => blocking(move || backup(&st, &body)).await,
+        (&Method::POST, ["v1", "deadletters", "replay"]) => {
+            let r = blocking(move || replay_dead_letters(&st, &body)).await;
+            state.wake.notify_one();
+            r
+        }
         _ => error(StatusCode::NOT_FOUND, "not_found", format!("no route {path}")),
     };
     result
@@ -120,6 +125,7 @@ fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
         ["v1", "openapi.json"] | ["v1", "sources"] | ["v1", "runs"] | ["v1", "holds"] | ["v1", "audit"] => "GET",
         ["v1", "deadletters"] | ["v1", "quarantine"] | ["v1", "changes", "recent"] | ["v1", "sources", _, "watermarks"] => "GET",
         ["v1", "sources", _, "run"] | ["v1", "holds", _, "release" | "prime"] | ["v1", "backup"] => "POST",
+        ["v1", "deadletters", "replay"] => "POST",
         ["v1", "subscribers"] => "GET, POST",
         ["v1", "subscribers", _] => "GET, PUT, DELETE",
         _ => return None,
@@ -534,6 +540,69 @@ fn delete_subscriber(st: &ControlState, id: &str) -> Resp {
         Ok(false) => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
         Err(e) => internal(e),
     }
+}
+
+/// Body of `POST /v1/deadletters/replay`: which dead letters (all when both are absent).
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct ReplayBody {
+    ids: Option<Vec<u64>>,
+    since: Option<String>,
+    until: Option<String>,
+}
+
+/// Re-queues dead letters under their original keys, oldest observation first. Each goes
+/// through the store's replay (duplicate if already delivered, quarantine past
+/// `max_replays` or with invalid geometry); the running delivery loop sends them.
+fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
+    let b: ReplayBody = if body.iter().all(u8::is_ascii_whitespace) {
+        ReplayBody::default()
+    } else {
+        match parse_json(body) {
+            Ok(b) => b,
+            Err(r) => return r,
+        }
+    };
+    let time = |name: &str, v: &Option<String>| -> Result<Option<u64>, Resp> {
+        match v {
+            None => Ok(None),
+            Some(t) => crate::util::parse_rfc3339(t)
+                .map(Some)
+                .ok_or_else(|| error(StatusCode::BAD_REQUEST, "bad_time", format!("{name} must be an RFC 3339 time, got {t:?}"))),
+        }
+    };
+    let (since, until) = match (time("since", &b.since), time("until", &b.until)) {
+        (Ok(s), Ok(u)) => (s.unwrap_or(0), u.unwrap_or(u64::MAX)),
+        (Err(r), _) | (_, Err(r)) => return r,
+    };
+    let mut letters = match st.engine.store.dead_letters() {
+        Ok(d) => d,
+        Err(e) => return internal(e),
+    };
+    letters.retain(|d| b.ids.as_ref().is_none_or(|ids| ids.contains(&d.entry.id)) && d.dead_at_ms >= since && d.dead_at_ms <= until);
+    letters.sort_by_key(|d| (crate::notify::replay::observed_ms(d), d.entry.id));
+    let (mut requeued, mut duplicates, mut quarantined) = (0u64, 0u64, 0u64);
+    let mut items = Vec::new();
+    for d in letters {
+        let geometry = crate::notify::replay::validate_payload_geometry(&d.entry.body);
+        match st.engine.store.replay_dead_letter(d.entry.id, now_ms(), st.engine.config.delivery.max_replays, geometry) {
+            Ok(crate::store::ReplayOutcome::Requeued { outbox_id, replay }) => {
+                requeued += 1;
+                items.push(json!({"id": d.entry.id, "outcome": "requeued", "outbox_id": outbox_id, "replay": replay}));
+            }
+            Ok(crate::store::ReplayOutcome::Duplicate) => {
+                duplicates += 1;
+                items.push(json!({"id": d.entry.id, "outcome": "duplicate"}));
+            }
+            Ok(crate::store::ReplayOutcome::Quarantined { reason }) => {
+                quarantined += 1;
+                items.push(json!({"id": d.entry.id, "outcome": "quarantined", "reason": reason}));
+            }
+            Ok(crate::store::ReplayOutcome::NotFound) => {}
+            Err(e) => return internal(e),
+        }
+    }
+    json(StatusCode::OK, &json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "items": items}))
 }
 
 /// Body of `POST /v1/backup` (optional).
