@@ -16,7 +16,7 @@
 use crate::config::{LayerKind, SourceConfig};
 use crate::detect::canonical::{content_hash, normalize_code};
 use crate::detect::diff::{diff, RawChange};
-use crate::detect::gate::{decide, GateDecision, GateInput};
+use crate::detect::gate::{decide, GateInput};
 use crate::detect::overlay::DistrictIndex;
 use crate::ingest::districts::read_districts;
 use crate::ingest::source;
@@ -220,7 +220,7 @@ impl Engine {
         let systemic = quarantine.iter().filter(|q| q.reason.is_systemic()).count() as u64;
 
         let now = now_ms();
-        let events = self.build_events(src, &changes, &d.upserts, now)?;
+        let events = self.build_events(src, &changes, &d.upserts, &old, now)?;
         let decision = decide(GateInput {
             first_ingest,
             reprocess: opts.reprocess,
@@ -229,28 +229,10 @@ impl Engine {
             features: layer.features,
             systemic_quarantined: systemic,
             max_change_ratio: src.max_change_ratio,
+            restated: None,
         });
-        let watermark = Watermark {
-            digest: fetched.digest.clone(),
-            size: fetched.bytes.len() as u64,
-            run_id: 0,
-            consumed_at_ms: now,
-            content_changed_at_ms: match &wm {
-                Some(w) if w.digest == fetched.digest => w.content_changed_at_ms,
-                _ => now,
-            },
-            publisher_ts_ms: None,
-            etag: None,
-            last_modified: None,
-            read_fingerprint: fingerprint,
-            schema_hash: None,
-        };
-        let (mode, hold_reason) = match decision {
-            GateDecision::Baseline => (CommitMode::Baseline, None),
-            GateDecision::Deliver => (CommitMode::Deliver, None),
-            GateDecision::Reprocess => (CommitMode::Reprocess, None),
-            GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone() }, Some(reason)),
-        };
+        let watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
+        let (mode, hold_reason) = crate::pipeline::commit_mode(decision);
         let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
         let counts = RunCounts {
             features: layer.features,
@@ -393,28 +375,10 @@ impl Engine {
             features: layer.features,
             systemic_quarantined: systemic,
             max_change_ratio: src.max_change_ratio,
+            restated: None,
         });
-        let watermark = Watermark {
-            digest: fetched.digest.clone(),
-            size: fetched.bytes.len() as u64,
-            run_id: 0,
-            consumed_at_ms: now,
-            content_changed_at_ms: match &wm {
-                Some(w) if w.digest == fetched.digest => w.content_changed_at_ms,
-                _ => now,
-            },
-            publisher_ts_ms: None,
-            etag: None,
-            last_modified: None,
-            read_fingerprint: fingerprint,
-            schema_hash: None,
-        };
-        let (mode, hold_reason) = match decision {
-            GateDecision::Baseline => (CommitMode::Baseline, None),
-            GateDecision::Deliver => (CommitMode::Deliver, None),
-            GateDecision::Reprocess => (CommitMode::Reprocess, None),
-            GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone() }, Some(reason)),
-        };
+        let watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
+        let (mode, hold_reason) = crate::pipeline::commit_mode(decision);
         let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
         let counts = RunCounts {
             features: layer.features,

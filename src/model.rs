@@ -235,6 +235,23 @@ pub struct AuditRow {
     pub detail: String,
 }
 
+impl AuditRow {
+    /// An audit row about one outbox entry (its key, watcher, source, parcel and lineage).
+    pub fn for_entry(entry: &OutboxEntry, outcome: Outcome, ts_ms: u64, detail: String) -> AuditRow {
+        AuditRow {
+            seq: 0,
+            ts_ms,
+            outcome,
+            idempotency_key: Some(entry.key.0.clone()),
+            watcher_id: Some(entry.watcher_id.clone()),
+            source_id: Some(entry.source_id.clone()),
+            parcel_id: Some(entry.parcel_id.clone()),
+            lineage_id: Some(entry.lineage_id.clone()),
+            detail,
+        }
+    }
+}
+
 /// A webhook waiting to be delivered. The body is fixed when the key is claimed, so a retry
 /// sends the same bytes; the signature and `webhook-timestamp` are made at each attempt.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -372,6 +389,28 @@ pub struct Watermark {
     pub read_fingerprint: String,
     /// ArcGIS: hash of the layer's `fields[]` (names and types) at the last fetch.
     pub schema_hash: Option<String>,
+}
+
+impl Watermark {
+    /// The watermark a run that read `digest` (`size` bytes) at `now_ms` commits. The time the
+    /// content last changed carries over from `previous` when the digest is the same.
+    pub fn for_read(digest: &str, size: u64, now_ms: u64, previous: Option<&Watermark>, read_fingerprint: String) -> Watermark {
+        Watermark {
+            digest: digest.to_string(),
+            size,
+            run_id: 0,
+            consumed_at_ms: now_ms,
+            content_changed_at_ms: match previous {
+                Some(w) if w.digest == digest => w.content_changed_at_ms,
+                _ => now_ms,
+            },
+            publisher_ts_ms: None,
+            etag: None,
+            last_modified: None,
+            read_fingerprint,
+            schema_hash: None,
+        }
+    }
 }
 
 /// Counts a run produced; also what `run` prints per source.

@@ -125,6 +125,16 @@ fn stored_subscribers(store: &Store, config: &Config) -> Result<Vec<Subscriber>,
     Ok(out)
 }
 
+/// How the store commits a run the gate decided on, and the hold reason if it is held.
+pub(crate) fn commit_mode(decision: GateDecision) -> (CommitMode, Option<String>) {
+    match decision {
+        GateDecision::Baseline => (CommitMode::Baseline, None),
+        GateDecision::Deliver => (CommitMode::Deliver, None),
+        GateDecision::Reprocess => (CommitMode::Reprocess, None),
+        GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone() }, Some(reason)),
+    }
+}
+
 /// Parsed layer: the parcels, what was quarantined, and counts.
 struct ParsedLayer {
     parcels: Vec<Parcel>,
@@ -333,7 +343,9 @@ impl Engine {
         let d = diff(&old, layer.parcels, &untouchable);
 
         let now = now_ms();
-        let events = self.build_events(src, &d.changes, &d.upserts, now)?;
+        let events = self.build_events(src, &d.changes, &d.upserts, &old, now)?;
+        // A publisher timestamp that went backwards is a restatement: the gate holds it.
+        let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m)) };
         let decision = decide(GateInput {
             first_ingest,
             reprocess: opts.reprocess,
@@ -342,34 +354,16 @@ impl Engine {
             features: layer.features,
             systemic_quarantined: systemic,
             max_change_ratio: src.max_change_ratio,
+            restated,
         });
-        let watermark = Watermark {
-            digest: fetched.digest.clone(),
-            size: fetched.bytes.len() as u64,
-            run_id: 0,
-            consumed_at_ms: now,
-            content_changed_at_ms: match &wm {
-                Some(w) if w.digest == fetched.digest => w.content_changed_at_ms,
-                _ => now,
-            },
-            publisher_ts_ms: meta.as_ref().and_then(|m| m.publisher_ts_ms),
-            etag: meta.as_ref().and_then(|m| m.etag.clone()),
-            last_modified: meta.as_ref().and_then(|m| m.last_modified.clone()),
-            read_fingerprint: fingerprint,
-            schema_hash: meta.as_ref().and_then(|m| m.schema_hash.clone()),
-        };
-        // A publisher timestamp that went backwards is a restatement: held with its reason.
-        let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m)) };
-        let (mode, hold_reason) = match decision {
-            GateDecision::Baseline => (CommitMode::Baseline, None),
-            _ if restated.is_some() => {
-                let reason = restated.unwrap_or_default();
-                (CommitMode::Hold { reason: reason.clone() }, Some(reason))
-            }
-            GateDecision::Deliver => (CommitMode::Deliver, None),
-            GateDecision::Reprocess => (CommitMode::Reprocess, None),
-            GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone() }, Some(reason)),
-        };
+        let mut watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
+        if let Some(m) = &meta {
+            watermark.publisher_ts_ms = m.publisher_ts_ms;
+            watermark.etag = m.etag.clone();
+            watermark.last_modified = m.last_modified.clone();
+            watermark.schema_hash = m.schema_hash.clone();
+        }
+        let (mode, hold_reason) = commit_mode(decision);
         let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
         let counts = RunCounts {
             features: layer.features,
@@ -399,29 +393,31 @@ impl Engine {
     }
 
     /// Attaches geometries and severity to the diff's changes.
-    pub(crate) fn build_events(&self, src: &SourceConfig, changes: &[RawChange], upserts: &[Parcel], now: u64) -> Result<Vec<ChangeEvent>, PipelineError> {
+    /// `old_states` is the snapshot the diff ran against (already loaded by the caller).
+    pub(crate) fn build_events(
+        &self,
+        src: &SourceConfig,
+        changes: &[RawChange],
+        upserts: &[Parcel],
+        old_states: &HashMap<String, ParcelState>,
+        now: u64,
+    ) -> Result<Vec<ChangeEvent>, PipelineError> {
         let need_old: Vec<&str> = changes
             .iter()
             .filter(|c| c.kind != ChangeKind::Added)
             .map(|c| c.parcel_id.as_str())
             .collect();
         let mut old_geoms = self.store.parcel_geometries(&src.id, need_old)?;
-        let old_states = if changes.iter().any(|c| c.kind == ChangeKind::Removed) {
-            Some(self.store.snapshot_states(&src.id)?)
-        } else {
-            None
-        };
         let mut events = Vec::with_capacity(changes.len());
         for c in changes {
             let new = c.new_index.and_then(|i| upserts.get(i));
-            let area = match (new, &old_states) {
-                (Some(p), _) => p.state.area_m2,
-                (None, Some(s)) => s.get(&c.parcel_id).map(|p| p.area_m2).unwrap_or(0.0),
-                _ => 0.0,
+            let area = match new {
+                Some(p) => p.state.area_m2,
+                None => old_states.get(&c.parcel_id).map(|p| p.area_m2).unwrap_or(0.0),
             };
             let effective_date = match new {
                 Some(p) => p.state.effective_date.clone(),
-                None => old_states.as_ref().and_then(|s| s.get(&c.parcel_id)).and_then(|p| p.effective_date.clone()),
+                None => old_states.get(&c.parcel_id).and_then(|p| p.effective_date.clone()),
             };
             events.push(ChangeEvent {
                 source_id: src.id.clone(),

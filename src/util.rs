@@ -140,6 +140,20 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// Capped exponential backoff with full jitter: a uniform delay in
+/// `[0, min(max, base · 2^(attempt-1))]`; `retry_after` (a server's `Retry-After`) is a floor.
+/// Shared by the HTTP sources and the webhook deliveries.
+pub fn full_jitter_backoff(base: Duration, max: Duration, attempt: u32, retry_after: Option<Duration>) -> Duration {
+    let exp = base
+        .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX))
+        .min(max);
+    let jittered = Duration::from_millis(rand::random_range(0..=exp.as_millis() as u64));
+    match retry_after {
+        Some(ra) => jittered.max(ra),
+        None => jittered,
+    }
+}
+
 /// Lower-case hex of a byte slice.
 pub fn hex(bytes: &[u8]) -> String {
     hex::encode(bytes)

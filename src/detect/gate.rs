@@ -4,7 +4,8 @@
 //! * `--reprocess` → keys primed, nothing sent;
 //! * change spike (changed parcels above `max_change_ratio` of the layer) or quarantine spike
 //!   (more than half the features quarantined as `missing_field` / `out_of_bounds`, the sign
-//!   of a renamed field or a datum drift) → held until an operator releases or primes it.
+//!   of a renamed field or a datum drift) → held until an operator releases or primes it;
+//! * a restated layer (publisher timestamp went backwards) → held with that reason.
 
 /// The gate's decision for one run.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,7 +17,7 @@ pub enum GateDecision {
 }
 
 /// What the gate looks at.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct GateInput {
     pub first_ingest: bool,
     pub reprocess: bool,
@@ -29,6 +30,8 @@ pub struct GateInput {
     /// Features quarantined for a systemic reason (`missing_field`, `out_of_bounds`).
     pub systemic_quarantined: u64,
     pub max_change_ratio: f64,
+    /// Why the layer is a restatement (its publisher timestamp went backwards), if it is.
+    pub restated: Option<String>,
 }
 
 /// Applies the gate.
@@ -50,6 +53,9 @@ pub fn decide(i: GateInput) -> GateDecision {
     }
     if i.first_ingest {
         return GateDecision::Baseline;
+    }
+    if let Some(reason) = i.restated {
+        return GateDecision::Hold(reason);
     }
     let base = i.previous_parcels.max(1) as f64;
     let ratio = i.changed as f64 / base;
@@ -78,6 +84,7 @@ mod tests {
             features: 1000,
             systemic_quarantined: 0,
             max_change_ratio: 0.05,
+            restated: None,
         }
     }
 
@@ -89,5 +96,8 @@ mod tests {
         assert_eq!(decide(GateInput { first_ingest: true, previous_parcels: 0, changed: 1000, ..input() }), GateDecision::Baseline);
         assert_eq!(decide(GateInput { reprocess: true, changed: 900, ..input() }), GateDecision::Reprocess);
         assert!(matches!(decide(GateInput { features: 0, ..input() }), GateDecision::Hold(_)));
+        let restated = GateInput { restated: Some("restated: went backwards".into()), ..input() };
+        assert_eq!(decide(restated.clone()), GateDecision::Hold("restated: went backwards".into()));
+        assert_eq!(decide(GateInput { first_ingest: true, ..restated }), GateDecision::Baseline);
     }
 }

@@ -119,15 +119,7 @@ pub fn reserve(host: &str, rate: f64, now: Instant) -> Duration {
 /// Capped exponential backoff with full jitter: uniform in `[0, min(max, base·2^(attempt-1))]`;
 /// `Retry-After` is a floor.
 pub fn backoff(cfg: &IngestConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
-    let exp = cfg
-        .base_delay
-        .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX))
-        .min(cfg.max_delay);
-    let jittered = Duration::from_millis(rand::random_range(0..=exp.as_millis() as u64));
-    match retry_after {
-        Some(ra) => jittered.max(ra),
-        None => jittered,
-    }
+    crate::util::full_jitter_backoff(cfg.base_delay, cfg.max_delay, attempt, retry_after)
 }
 
 /// One source run's view of the transport: the client, the settings and the run's retry

@@ -416,15 +416,7 @@ pub fn next_retry(cfg: &DeliveryConfig, attempts_done: u32, retry_after: Option<
 
 /// Capped exponential backoff with full jitter; `Retry-After` is a floor.
 pub fn backoff(cfg: &DeliveryConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
-    let exp = cfg
-        .base_delay
-        .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX))
-        .min(cfg.max_delay);
-    let jittered = Duration::from_millis(rand::random_range(0..=exp.as_millis() as u64));
-    match retry_after {
-        Some(ra) => jittered.max(ra),
-        None => jittered,
-    }
+    crate::util::full_jitter_backoff(cfg.base_delay, cfg.max_delay, attempt, retry_after)
 }
 
 #[cfg(test)]

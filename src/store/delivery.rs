@@ -2,7 +2,7 @@
 //! only in the transaction that writes its terminal audit row.
 
 use super::codec::{decode, encode};
-use super::runs::{append_audit, codec_err};
+use super::runs::{append_audit, append_audits, codec_err};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -176,9 +176,7 @@ pub(super) fn claim_in_txn(
     }
     meta.insert(META_NEXT_OUTBOX_ID, next_id.to_le_bytes().as_slice())?;
     drop((keys, expiry, outbox, due, meta));
-    for mut row in pending_audit {
-        append_audit(wtx, &mut row)?;
-    }
+    append_audits(wtx, &mut pending_audit)?;
     Ok(counts)
 }
 
@@ -306,17 +304,7 @@ impl Store {
                 }
             }
             let attempts = entry.attempts + 1;
-            let mut audit = AuditRow {
-                seq: 0,
-                ts_ms: now_ms,
-                outcome: Outcome::Sent,
-                idempotency_key: Some(entry.key.0.clone()),
-                watcher_id: Some(entry.watcher_id.clone()),
-                source_id: Some(entry.source_id.clone()),
-                parcel_id: Some(entry.parcel_id.clone()),
-                lineage_id: Some(entry.lineage_id.clone()),
-                detail: String::new(),
-            };
+            let mut audit = AuditRow::for_entry(&entry, Outcome::Sent, now_ms, String::new());
             match result {
                 DeliveryResult::Sent { status, .. } => {
                     remove_outbox(&wtx, &entry)?;

@@ -34,18 +34,7 @@ pub(super) fn stage_shares(wtx: &WriteTransaction, hold_id: u64, shares: &[(Stri
 impl Store {
     /// The stored derived shares of a source, by parcel id.
     pub fn derived_shares(&self, source_id: &str) -> Result<HashMap<String, f64>, StoreError> {
-        let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(DERIVED_SHARES)?;
-        let mut out = HashMap::new();
-        for item in t.range((source_id, "")..)? {
-            let (k, v) = item?;
-            let (s, pid) = k.value();
-            if s != source_id {
-                break;
-            }
-            out.insert(pid.to_string(), decode(v.value()).map_err(|m| codec_err("derived_shares", m))?);
-        }
-        Ok(out)
+        self.source_rows(DERIVED_SHARES, "derived_shares", source_id)
     }
 
     /// The staged shares of a held run, in parcel order.

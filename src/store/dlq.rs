@@ -73,17 +73,7 @@ impl Store {
             decode(v.value()).map_err(|m| codec_err("dead_letters", m))?
         };
         let e = &dl.entry;
-        let mut audit = AuditRow {
-            seq: 0,
-            ts_ms: now_ms,
-            outcome: Outcome::Duplicate,
-            idempotency_key: Some(e.key.0.clone()),
-            watcher_id: Some(e.watcher_id.clone()),
-            source_id: Some(e.source_id.clone()),
-            parcel_id: Some(e.parcel_id.clone()),
-            lineage_id: Some(e.lineage_id.clone()),
-            detail: String::new(),
-        };
+        let mut audit = AuditRow::for_entry(e, Outcome::Duplicate, now_ms, String::new());
         let replays = wtx.open_table(DLQ_REPLAYS)?.get(e.key.0.as_str())?.map(|v| v.value()).unwrap_or(0);
         let outcome = if key_was_sent(&wtx, &e.key.0)? {
             wtx.open_table(DEAD_LETTERS)?.remove(id)?;

@@ -77,8 +77,18 @@ impl Store {
 
     /// The stored parcel states of a source (no geometries), keyed by parcel id.
     pub fn snapshot_states(&self, source_id: &str) -> Result<HashMap<String, ParcelState>, StoreError> {
+        self.source_rows(PARCELS, "parcels", source_id)
+    }
+
+    /// Every row of a `(source id, parcel id)`-keyed table for one source, keyed by parcel id.
+    pub(super) fn source_rows<T: serde::de::DeserializeOwned>(
+        &self,
+        table: redb::TableDefinition<(&str, &str), &[u8]>,
+        name: &'static str,
+        source_id: &str,
+    ) -> Result<HashMap<String, T>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(PARCELS)?;
+        let t = rtx.open_table(table)?;
         let mut out = HashMap::new();
         for item in t.range((source_id, "")..)? {
             let (k, v) = item?;
@@ -86,7 +96,7 @@ impl Store {
             if s != source_id {
                 break;
             }
-            out.insert(pid.to_string(), decode(v.value()).map_err(|m| codec_err("parcels", m))?);
+            out.insert(pid.to_string(), decode(v.value()).map_err(|m| codec_err(name, m))?);
         }
         Ok(out)
     }

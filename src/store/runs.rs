@@ -64,10 +64,19 @@ pub(super) fn append_audit(
     wtx: &WriteTransaction,
     row: &mut AuditRow,
 ) -> Result<u64, StoreError> {
+    append_audits(wtx, std::slice::from_mut(row))
+}
+
+/// Appends rows to the ledger with consecutive `seq`s, opening the table and reading the last
+/// key once (a run may append thousands). Returns the last `seq` written.
+pub(super) fn append_audits(wtx: &WriteTransaction, rows: &mut [AuditRow]) -> Result<u64, StoreError> {
     let mut audit = wtx.open_table(AUDIT)?;
-    let seq = next_key(audit.last()?.map(|(k, _)| k.value()));
-    row.seq = seq;
-    audit.insert(seq, encode(row).as_slice())?;
+    let mut seq = audit.last()?.map(|(k, _)| k.value()).unwrap_or(0);
+    for row in rows {
+        seq += 1;
+        row.seq = seq;
+        audit.insert(seq, encode(row).as_slice())?;
+    }
     Ok(seq)
 }
 
@@ -122,22 +131,22 @@ impl Store {
                 q.insert(seq, encode(&rec).as_slice())?;
             }
         }
-        for draft in &run.quarantine {
-            append_audit(
-                &wtx,
-                &mut AuditRow {
-                    seq: 0,
-                    ts_ms: run.now_ms,
-                    outcome: Outcome::Quarantined,
-                    idempotency_key: None,
-                    watcher_id: None,
-                    source_id: Some(run.source_id.clone()),
-                    parcel_id: draft.parcel_id.clone(),
-                    lineage_id: Some(lineage.clone()),
-                    detail: format!("{}: {}", draft.reason.as_str(), draft.detail),
-                },
-            )?;
-        }
+        let mut quarantine_rows: Vec<AuditRow> = run
+            .quarantine
+            .iter()
+            .map(|draft| AuditRow {
+                seq: 0,
+                ts_ms: run.now_ms,
+                outcome: Outcome::Quarantined,
+                idempotency_key: None,
+                watcher_id: None,
+                source_id: Some(run.source_id.clone()),
+                parcel_id: draft.parcel_id.clone(),
+                lineage_id: Some(lineage.clone()),
+                detail: format!("{}: {}", draft.reason.as_str(), draft.detail),
+            })
+            .collect();
+        append_audits(&wtx, &mut quarantine_rows)?;
 
         // Close older open holds of this source: a newer run supersedes them.
         let resolving = match run.mode {
