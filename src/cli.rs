@@ -116,6 +116,9 @@ pub enum Command {
         #[command(subcommand)]
         what: SynthWhat,
     },
+    /// Measure ingest, matching, commit, delivery, recovery, overlay and idle cost on
+    /// synthetic counties; one JSON line per result (see docs/PERFORMANCE.md).
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -168,6 +171,7 @@ pub fn dispatch(cli: Cli) -> i32 {
         Command::Backup { dest, config } => cmd_backup(&config, &dest),
         Command::Restore { src, config } => cmd_restore(&config, &src),
         Command::Dlq { action } => crate::cli_dlq::cmd_dlq(action),
+        Command::Bench(args) => crate::bench::cmd_bench(args),
         Command::Endpoints { action } => crate::cli_dlq::cmd_endpoints(action),
         Command::Synth { what: SynthWhat::Demo { out } } => match crate::synth::write_demo_fixtures(&out) {
             Ok(f) => {

@@ -3,6 +3,7 @@
 //! parcel by parcel, and alerts exactly the subscribers whose areas of interest they touch —
 //! once. Everything it remembers lives in one redb file. See `docs/ARCHITECTURE.md`.
 
+pub mod bench;
 pub mod cli;
 pub mod cli_dlq;
 pub mod config;

@@ -172,7 +172,7 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
     let mut repaired = 0;
     let mut raw_of: HashMap<String, (u64, String)> = HashMap::new();
     let mut folded: Vec<(String, String)> = Vec::new();
-    let features = geojson::for_each_feature(bytes, |index, raw| match normalize_feature(raw, &rules) {
+    let features = geojson::for_each_feature(bytes, |f| match normalize_feature(f.json, &rules) {
         Ok(n) => {
             repaired += u64::from(n.repaired);
             for f in n.folded_fields {
@@ -180,15 +180,15 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
                     folded.push(f);
                 }
             }
-            raw_of.insert(n.parcel.id.clone(), (index, String::new()));
+            raw_of.insert(n.parcel.id.clone(), (f.index, String::new()));
             parcels.push(n.parcel);
         }
         Err(rej) => quarantine.push(QuarantineDraft {
-            feature_index: index,
+            feature_index: f.index,
             parcel_id: rej.parcel_id,
             reason: rej.reason,
             detail: rej.detail,
-            raw: truncate(raw.get(), 16 * 1024),
+            raw: truncate(f.json, 16 * 1024),
         }),
     })?;
     // Duplicate ids: quarantine every copy, never guess which one is right.

@@ -58,11 +58,13 @@ pub struct CountySpec {
     pub parcels: usize,
     /// South-west corner of the county.
     pub origin: [f64; 2],
+    /// Blocks per east–west row (12 for the long, narrow demo county; the bench squares it).
+    pub blocks_per_row: usize,
 }
 
 impl Default for CountySpec {
     fn default() -> Self {
-        CountySpec { seed: 7, parcels: 2_000, origin: [-93.30, 44.95] }
+        CountySpec { seed: 7, parcels: 2_000, origin: [-93.30, 44.95], blocks_per_row: 12 }
     }
 }
 
@@ -84,30 +86,56 @@ fn zoning_for(col: usize, row: usize, rng: &mut SplitMix64) -> &'static str {
 
 /// Generates a county of about `spec.parcels` lots.
 pub fn generate_county(spec: &CountySpec) -> Vec<SynthParcel> {
-    let mut rng = SplitMix64::new(spec.seed);
-    let lat0 = spec.origin[1];
-    let m_lon = METRES_PER_DEG_LAT * lat0.to_radians().cos();
-    let (block_len, block_depth, street) = (220.0, 70.0, 14.0);
-    let blocks_per_row = 12usize;
     let mut parcels = Vec::with_capacity(spec.parcels);
-    let mut block = 0usize;
-    while parcels.len() < spec.parcels {
-        let (bx, by) = (block % blocks_per_row, block / blocks_per_row);
-        let x0 = bx as f64 * (block_len + street);
-        let y0 = by as f64 * (block_depth + street);
-        let zone = zoning_for(bx / 2, by / 2, &mut rng);
-        let big = rng.unit() < 0.04;
+    parcels.extend(CountyIter::new(spec));
+    parcels
+}
+
+/// The same county as [`generate_county`], one lot at a time, so that a county of millions
+/// of parcels can be written to disk without holding it (the bench's generator).
+#[derive(Debug, Clone)]
+pub struct CountyIter {
+    spec: CountySpec,
+    rng: SplitMix64,
+    m_lon: f64,
+    emitted: usize,
+    block: usize,
+    /// Lots of the current block not handed out yet.
+    pending: std::collections::VecDeque<SynthParcel>,
+}
+
+const BLOCK_LEN: f64 = 220.0;
+const BLOCK_DEPTH: f64 = 70.0;
+const STREET: f64 = 14.0;
+
+impl CountyIter {
+    pub fn new(spec: &CountySpec) -> Self {
+        let m_lon = METRES_PER_DEG_LAT * spec.origin[1].to_radians().cos();
+        CountyIter { spec: spec.clone(), rng: SplitMix64::new(spec.seed), m_lon, emitted: 0, block: 0, pending: Default::default() }
+    }
+
+    /// Lays out the next block's lots (two rows of lots 10–60 m wide, or one large parcel).
+    fn next_block(&mut self) {
+        let spec = &self.spec;
+        let blocks_per_row = spec.blocks_per_row.max(1);
+        let (bx, by) = (self.block % blocks_per_row, self.block / blocks_per_row);
+        let x0 = bx as f64 * (BLOCK_LEN + STREET);
+        let y0 = by as f64 * (BLOCK_DEPTH + STREET);
+        let zone = zoning_for(bx / 2, by / 2, &mut self.rng);
+        let big = self.rng.unit() < 0.04;
+        let (origin, m_lon) = (spec.origin, self.m_lon);
+        let to_ll = |mx: f64, my: f64| [q7(origin[0] + mx / m_lon), q7(origin[1] + my / METRES_PER_DEG_LAT)];
+        let mut n = self.emitted;
         for half in 0..2 {
-            let ya = y0 + half as f64 * block_depth / 2.0;
-            let yb = ya + block_depth / 2.0;
+            let ya = y0 + half as f64 * BLOCK_DEPTH / 2.0;
+            let yb = ya + BLOCK_DEPTH / 2.0;
             let mut x = x0;
-            while x < x0 + block_len - 5.0 && parcels.len() < spec.parcels {
-                let width = if big { block_len } else { rng.range(10.0, 60.0).min(x0 + block_len - x) };
-                let xe = (x + width).min(x0 + block_len);
-                let to_ll = |mx: f64, my: f64| [q7(spec.origin[0] + mx / m_lon), q7(spec.origin[1] + my / METRES_PER_DEG_LAT)];
+            while x < x0 + BLOCK_LEN - 5.0 && n < spec.parcels {
+                let width = if big { BLOCK_LEN } else { self.rng.range(10.0, 60.0).min(x0 + BLOCK_LEN - x) };
+                let xe = (x + width).min(x0 + BLOCK_LEN);
                 // Counter-clockwise; some lots get a fifth vertex (a bent back line).
                 let mut ring = vec![to_ll(x, ya), to_ll(xe, ya)];
-                if rng.unit() < 0.2 {
+                if self.rng.unit() < 0.2 {
                     ring.push(to_ll(xe, (ya + yb) / 2.0));
                     ring.push(to_ll(xe - 1.5, yb));
                 } else {
@@ -116,13 +144,38 @@ pub fn generate_county(spec: &CountySpec) -> Vec<SynthParcel> {
                 ring.push(to_ll(x, yb));
                 ring.push(ring[0]);
                 let zoning = if big && zone.starts_with('R') { "R-1" } else { zone };
-                parcels.push(SynthParcel { id: format!("DC-{:06}", parcels.len() + 1), zoning: zoning.to_string(), ring });
+                n += 1;
+                self.pending.push_back(SynthParcel { id: format!("DC-{n:06}"), zoning: zoning.to_string(), ring });
                 x = xe;
             }
         }
-        block += 1;
+        self.block += 1;
     }
-    parcels
+
+    /// South-west and north-east corners (lon/lat) of a county of `spec.parcels` lots: an
+    /// estimate from the block layout, for placing subscriber AOIs over it.
+    pub fn extent(spec: &CountySpec) -> ([f64; 2], [f64; 2]) {
+        let lots_per_block = 2.0 * BLOCK_LEN / 35.0 * 0.96 + 0.04; // mean lot width 35 m; 4% big
+        let blocks = (spec.parcels as f64 / lots_per_block).ceil().max(1.0);
+        let per_row = spec.blocks_per_row.max(1) as f64;
+        let rows = (blocks / per_row).ceil();
+        let m_lon = METRES_PER_DEG_LAT * spec.origin[1].to_radians().cos();
+        let w = per_row.min(blocks) * (BLOCK_LEN + STREET);
+        let h = rows * (BLOCK_DEPTH + STREET);
+        (spec.origin, [spec.origin[0] + w / m_lon, spec.origin[1] + h / METRES_PER_DEG_LAT])
+    }
+}
+
+impl Iterator for CountyIter {
+    type Item = SynthParcel;
+    fn next(&mut self) -> Option<SynthParcel> {
+        while self.pending.is_empty() && self.emitted < self.spec.parcels {
+            self.next_block();
+        }
+        let p = self.pending.pop_front()?;
+        self.emitted += 1;
+        Some(p)
+    }
 }
 
 /// The layer as GeoJSON (fields `APN`, `ZONE_CODE`, `EFF_DATE`).
@@ -279,6 +332,57 @@ fn write_geometry(out: &mut String, g: &Value, rng: &mut SplitMix64) {
             out.push_str("], \"type\": \"MultiPolygon\"}");
         }
         _ => out.push_str(&g.to_string()),
+    }
+}
+
+/// Writes one lot as a GeoJSON Feature, the way `to_geojson` does (fields `APN`, `ZONE_CODE`,
+/// `EFF_DATE`). With `republish`, the way a county re-publishes it: keys reordered, numbers
+/// reformatted, ring start rotated and orientation flipped — the same content.
+pub fn write_feature(out: &mut String, p: &SynthParcel, eff_date: &str, republish: Option<&mut SplitMix64>) {
+    match republish {
+        None => {
+            let _ = write!(
+                out,
+                "{{\"type\":\"Feature\",\"properties\":{{\"APN\":\"{}\",\"ZONE_CODE\":\"{}\",\"EFF_DATE\":\"{}\"}},\"geometry\":{{\"type\":\"Polygon\",\"coordinates\":[[",
+                p.id, p.zoning, eff_date
+            );
+            for (i, c) in p.ring.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                let _ = write!(out, "[{},{}]", c[0], c[1]);
+            }
+            out.push_str("]]}}");
+        }
+        Some(rng) => {
+            let _ = write!(
+                out,
+                "{{\"properties\": {{\"ZONE_CODE\": \"{}\", \"EFF_DATE\": \"{}\", \"APN\": \"{}\"}}, \"type\": \"Feature\", \"geometry\": {{\"coordinates\": [",
+                p.zoning, eff_date, p.id
+            );
+            let mut pts: Vec<[f64; 2]> = p.ring.clone();
+            if pts.len() > 3 && pts.first() == pts.last() {
+                pts.pop();
+                let k = rng.below(pts.len());
+                pts.rotate_left(k);
+                if rng.unit() < 0.5 {
+                    pts.reverse();
+                }
+                pts.push(pts[0]);
+            }
+            out.push('[');
+            for (i, c) in pts.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                out.push('[');
+                write_number(out, c[0], rng);
+                out.push_str(", ");
+                write_number(out, c[1], rng);
+                out.push(']');
+            }
+            out.push_str("]], \"type\": \"Polygon\"}}");
+        }
     }
 }
 

@@ -65,14 +65,15 @@ fn truncate(s: &str, max: usize) -> String {
 /// Reads every feature of a district layer; `code_field` names the zoning-code property.
 pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) -> Result<DistrictLayer, IngestError> {
     let mut out = DistrictLayer::default();
-    let features = geojson::for_each_feature(bytes, |index, raw| {
+    let features = geojson::for_each_feature(bytes, |f| {
+        let (index, raw) = (f.index, f.json);
         let reject = |reason, detail: String| RejectedDistrict {
             feature_index: index,
             reason,
             detail,
-            raw: truncate(raw.get(), 16 * 1024),
+            raw: truncate(raw, 16 * 1024),
         };
-        let feature: RawFeature = match serde_json::from_str(raw.get()) {
+        let feature: RawFeature = match serde_json::from_str(raw) {
             Ok(f) => f,
             Err(e) => {
                 out.rejected.push(reject(QuarantineReason::MalformedFeature, format!("feature is not a JSON object: {e}")));

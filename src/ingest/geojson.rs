@@ -1,116 +1,283 @@
 //! Streaming reader for GeoJSON FeatureCollections.
 //!
-//! The document is walked with serde's visitor API: each element of `features` is handed to a
-//! callback as a borrowed raw JSON slice and dropped afterwards, so no whole-document tree is
-//! ever built. A feature that fails to parse is the callback's problem (it is quarantined);
-//! only a document that is not a FeatureCollection at all fails the layer.
+//! The document is read through a fixed-size window (any `Read`: a file, a staged payload, a
+//! byte slice): a small scanner walks the top-level object, and each element of `features` is
+//! handed to a callback as the exact text of that one feature, then forgotten. So a county
+//! layer of millions of parcels is read in memory bounded by its largest feature, never as a
+//! whole-document tree or even a whole-document buffer.
+//!
+//! The scanner only finds value boundaries (strings, escapes, nesting); each feature's JSON is
+//! parsed by the callback, so a feature that is malformed but balanced is *that feature's*
+//! problem (it is quarantined) while the rest of the layer ingests. Only a document that is
+//! not a FeatureCollection at all (wrong type, no `features`, foreign CRS, truncated,
+//! trailing garbage) fails the layer.
 //!
 //! Feeds written by Python often contain bare `NaN` / `Infinity` tokens, which are not JSON.
 //! [`sanitize_non_finite`] rewrites them to `null` outside strings so that the one feature that
 //! carries them can be quarantined (`non_finite`) while the rest of the layer ingests.
 
 use super::IngestError;
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde_json::value::RawValue;
 use std::borrow::Cow;
-use std::fmt;
+use std::io::Read;
 
-/// Calls `on_feature(index, raw_json)` for each feature of the collection in `bytes`.
+/// One feature as it appeared in the document.
+#[derive(Debug, Clone, Copy)]
+pub struct FeatureText<'a> {
+    /// 0-based position in `features`.
+    pub index: u64,
+    /// The feature's JSON text (non-finite tokens already replaced by `null`; bytes that are
+    /// not UTF-8 replaced by U+FFFD, so the feature can still be quarantined with its text).
+    pub json: &'a str,
+    /// Bytes of the document consumed so far (for progress reporting).
+    pub offset: u64,
+}
+
+/// A single value larger than this fails the layer: no real parcel comes near it, and it keeps
+/// a hostile document from growing the window without bound.
+pub const MAX_VALUE_BYTES: usize = 256 * 1024 * 1024;
+
+const WINDOW: usize = 1 << 20;
+
+/// Calls `on_feature` for each feature of the FeatureCollection read from `reader`.
 /// Returns the number of features seen.
-pub fn for_each_feature<F>(bytes: &[u8], mut on_feature: F) -> Result<u64, IngestError>
+pub fn for_each_feature_in<R, F>(reader: R, mut on_feature: F) -> Result<u64, IngestError>
 where
-    F: FnMut(u64, &RawValue),
+    R: Read,
+    F: FnMut(FeatureText<'_>),
 {
-    let clean = sanitize_non_finite(bytes);
-    let mut de = serde_json::Deserializer::from_slice(&clean);
-    let seed = CollectionSeed { on_feature: &mut on_feature, count: 0, crs: None, kind: None, saw_features: false };
-    let out = de.deserialize_map(seed).map_err(|e| IngestError::Malformed(e.to_string()))?;
-    de.end().map_err(|e| IngestError::Malformed(e.to_string()))?;
-    Ok(out)
-}
-
-struct CollectionSeed<'f, F> {
-    on_feature: &'f mut F,
-    count: u64,
-    crs: Option<String>,
-    kind: Option<String>,
-    saw_features: bool,
-}
-
-impl<'de, F: FnMut(u64, &RawValue)> Visitor<'de> for CollectionSeed<'_, F> {
-    type Value = u64;
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a GeoJSON FeatureCollection object")
+    let mut sc = Scanner { reader, buf: vec![0; WINDOW], start: 0, end: 0, base: 0, eof: false };
+    let mut kind: Option<String> = None;
+    let mut crs: Option<String> = None;
+    let mut saw_features = false;
+    let mut count = 0u64;
+    if sc.next_non_ws()? != Some(b'{') {
+        return Err(sc.error("the document is not a JSON object (expected a FeatureCollection)"));
     }
-    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<u64, A::Error> {
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-            match key.as_ref() {
-                "type" => self.kind = Some(map.next_value::<String>()?),
-                "features" => {
-                    let seq = FeatureSeq { on_feature: &mut *self.on_feature, count: &mut self.count };
-                    map.next_value_seed(seq)?;
-                    self.saw_features = true;
+    sc.start += 1;
+    let mut first = true;
+    loop {
+        match sc.next_non_ws()? {
+            Some(b'}') if first => {
+                sc.start += 1;
+                break;
+            }
+            Some(b'"') => {}
+            _ => return Err(sc.error("expected a member name in the top-level object")),
+        }
+        first = false;
+        let (a, b) = sc.value_span()?;
+        let key: String = serde_json::from_slice(&sc.buf[a..b]).map_err(|e| sc.error(&format!("member name: {e}")))?;
+        sc.start = b;
+        if sc.next_non_ws()? != Some(b':') {
+            return Err(sc.error("expected ':' after a member name"));
+        }
+        sc.start += 1;
+        if sc.next_non_ws()?.is_none() {
+            return Err(sc.error("document ends after a member name"));
+        }
+        if key == "features" {
+            if saw_features {
+                return Err(sc.error("\"features\" appears twice"));
+            }
+            saw_features = true;
+            if sc.next_non_ws()? != Some(b'[') {
+                return Err(sc.error("\"features\" is not an array"));
+            }
+            sc.start += 1;
+            if sc.next_non_ws()? == Some(b']') {
+                sc.start += 1;
+            } else {
+                loop {
+                    if sc.next_non_ws()?.is_none() {
+                        return Err(sc.error("document ends inside \"features\""));
+                    }
+                    let (a, b) = sc.value_span()?;
+                    let offset = sc.base + b as u64;
+                    {
+                        let text: Cow<'_, str> = String::from_utf8_lossy(&sc.buf[a..b]);
+                        let clean = sanitize_non_finite(text.as_bytes());
+                        // `clean` only ever replaces ASCII tokens with ASCII: still UTF-8.
+                        let json = std::str::from_utf8(&clean).unwrap_or("");
+                        on_feature(FeatureText { index: count, json, offset });
+                    }
+                    count += 1;
+                    sc.start = b;
+                    match sc.next_non_ws()? {
+                        Some(b',') => sc.start += 1,
+                        Some(b']') => {
+                            sc.start += 1;
+                            break;
+                        }
+                        _ => return Err(sc.error("expected ',' or ']' after a feature")),
+                    }
+                }
+            }
+        } else {
+            let (a, b) = sc.value_span()?;
+            match key.as_str() {
+                "type" => {
+                    kind = Some(serde_json::from_slice(&sc.buf[a..b]).map_err(|e| sc.error(&format!("\"type\": {e}")))?);
                 }
                 "crs" => {
-                    let v: serde_json::Value = map.next_value()?;
-                    self.crs = v
-                        .pointer("/properties/name")
-                        .and_then(|n| n.as_str())
-                        .map(str::to_string);
+                    let v: serde_json::Value =
+                        serde_json::from_slice(&sanitize_non_finite(&sc.buf[a..b])).map_err(|e| sc.error(&format!("\"crs\": {e}")))?;
+                    crs = v.pointer("/properties/name").and_then(|n| n.as_str()).map(str::to_string);
                 }
-                _ => {
-                    map.next_value::<IgnoredAny>()?;
+                _ => {}
+            }
+            sc.start = b;
+        }
+        match sc.next_non_ws()? {
+            Some(b',') => sc.start += 1,
+            Some(b'}') => {
+                sc.start += 1;
+                break;
+            }
+            _ => return Err(sc.error("expected ',' or '}' in the top-level object")),
+        }
+    }
+    if sc.next_non_ws()?.is_some() {
+        return Err(sc.error("trailing characters after the document"));
+    }
+    if kind.as_deref() != Some("FeatureCollection") {
+        return Err(IngestError::Malformed(format!("\"type\" is {:?}, expected \"FeatureCollection\"", kind.unwrap_or_default())));
+    }
+    if !saw_features {
+        return Err(IngestError::Malformed("no \"features\" array".into()));
+    }
+    if let Some(crs) = &crs {
+        if !crs_is_wgs84(crs) {
+            return Err(IngestError::Malformed(format!("unsupported crs {crs}")));
+        }
+    }
+    Ok(count)
+}
+
+/// [`for_each_feature_in`] over bytes already in memory.
+pub fn for_each_feature<F>(bytes: &[u8], on_feature: F) -> Result<u64, IngestError>
+where
+    F: FnMut(FeatureText<'_>),
+{
+    for_each_feature_in(bytes, on_feature)
+}
+
+/// The window over the document: `buf[start..end]` is read but not consumed; `base` is the
+/// document offset of `buf[0]`.
+struct Scanner<R> {
+    reader: R,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    base: u64,
+    eof: bool,
+}
+
+impl<R: Read> Scanner<R> {
+    fn error(&self, what: &str) -> IngestError {
+        IngestError::Malformed(format!("{what} (at byte {})", self.base + self.start as u64))
+    }
+
+    /// Reads more input, first moving the unconsumed part to the front (growing the window
+    /// when a single value fills it). False at end of input.
+    fn fill(&mut self) -> Result<bool, IngestError> {
+        if self.eof {
+            return Ok(false);
+        }
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.base += self.start as u64;
+            self.start = 0;
+        }
+        if self.end == self.buf.len() {
+            if self.buf.len() >= MAX_VALUE_BYTES {
+                return Err(self.error(&format!("a single value is larger than {} MiB", MAX_VALUE_BYTES >> 20)));
+            }
+            let grown = (self.buf.len() * 2).min(MAX_VALUE_BYTES);
+            self.buf.resize(grown, 0);
+        }
+        loop {
+            match self.reader.read(&mut self.buf[self.end..]) {
+                Ok(0) => {
+                    self.eof = true;
+                    return Ok(false);
                 }
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(IngestError::Malformed(format!("reading the document: {e}"))),
             }
         }
-        if self.kind.as_deref() != Some("FeatureCollection") {
-            return Err(serde::de::Error::custom(format!(
-                "\"type\" is {:?}, expected \"FeatureCollection\"",
-                self.kind.unwrap_or_default()
-            )));
-        }
-        if !self.saw_features {
-            return Err(serde::de::Error::custom("no \"features\" array"));
-        }
-        if let Some(crs) = &self.crs {
-            if !crs_is_wgs84(crs) {
-                return Err(serde::de::Error::custom(format!("unsupported crs {crs}")));
+    }
+
+    /// Skips whitespace; returns the next byte without consuming it (None at end of input).
+    fn next_non_ws(&mut self) -> Result<Option<u8>, IngestError> {
+        loop {
+            while self.start < self.end {
+                let b = self.buf[self.start];
+                if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                    self.start += 1;
+                } else {
+                    return Ok(Some(b));
+                }
+            }
+            if !self.fill()? {
+                return Ok(None);
             }
         }
-        Ok(self.count)
     }
-}
 
-impl<'de, F: FnMut(u64, &RawValue)> DeserializeSeed<'de> for CollectionSeed<'_, F> {
-    type Value = u64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-struct FeatureSeq<'a, F> {
-    on_feature: &'a mut F,
-    count: &'a mut u64,
-}
-
-impl<'de, F: FnMut(u64, &RawValue)> Visitor<'de> for FeatureSeq<'_, F> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("an array of features")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while let Some(raw) = seq.next_element::<&'de RawValue>()? {
-            (self.on_feature)(*self.count, raw);
-            *self.count += 1;
+    /// The span `buf[a..b]` of the JSON value starting at `start` (which must not be
+    /// whitespace). Only boundaries are found here; the value is parsed by whoever needs it.
+    fn value_span(&mut self) -> Result<(usize, usize), IngestError> {
+        let mut i = 0usize; // offset from `start`, stable across `fill`
+        let mut depth = 0u32;
+        let mut in_string = false;
+        let mut escaped = false;
+        let first = self.buf[self.start];
+        let scalar = !matches!(first, b'{' | b'[' | b'"');
+        loop {
+            while self.start + i < self.end {
+                let b = self.buf[self.start + i];
+                if in_string {
+                    if escaped {
+                        escaped = false;
+                    } else if b == b'\\' {
+                        escaped = true;
+                    } else if b == b'"' {
+                        in_string = false;
+                        if depth == 0 {
+                            return Ok((self.start, self.start + i + 1));
+                        }
+                    }
+                } else if scalar {
+                    if matches!(b, b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t') {
+                        return Ok((self.start, self.start + i));
+                    }
+                } else {
+                    match b {
+                        b'"' => in_string = true,
+                        b'{' | b'[' => depth += 1,
+                        b'}' | b']' => {
+                            depth = depth.saturating_sub(1);
+                            if depth == 0 {
+                                return Ok((self.start, self.start + i + 1));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                i += 1;
+            }
+            if !self.fill()? {
+                if scalar && i > 0 {
+                    return Ok((self.start, self.start + i));
+                }
+                return Err(self.error("document ends inside a value (truncated?)"));
+            }
         }
-        Ok(())
-    }
-}
-
-impl<'de, F: FnMut(u64, &RawValue)> DeserializeSeed<'de> for FeatureSeq<'_, F> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_seq(self)
     }
 }
 
@@ -183,27 +350,78 @@ mod tests {
     fn streams_features_and_counts() {
         let doc = br#"{"features":[{"a":1},{"b":2}],"type":"FeatureCollection","extra":{"x":[1,2]}}"#;
         let mut seen = vec![];
-        let n = for_each_feature(doc, |i, raw| seen.push((i, raw.get().to_string()))).unwrap();
+        let n = for_each_feature(doc, |f| seen.push((f.index, f.json.to_string()))).unwrap();
         assert_eq!(n, 2);
         assert_eq!(seen[1], (1, r#"{"b":2}"#.to_string()));
     }
 
     #[test]
     fn rejects_non_collections_and_foreign_crs() {
-        assert!(for_each_feature(br#"{"type":"Feature","features":[]}"#, |_, _| {}).is_err());
-        assert!(for_each_feature(br#"[1,2]"#, |_, _| {}).is_err());
-        assert!(for_each_feature(b"{\"type\":\"FeatureCollection\",\"features\":[", |_, _| {}).is_err());
+        assert!(for_each_feature(br#"{"type":"Feature","features":[]}"#, |_| {}).is_err());
+        assert!(for_each_feature(br#"[1,2]"#, |_| {}).is_err());
+        assert!(for_each_feature(b"{\"type\":\"FeatureCollection\",\"features\":[", |_| {}).is_err());
         let crs = br#"{"type":"FeatureCollection","crs":{"type":"name","properties":{"name":"EPSG:2227"}},"features":[]}"#;
-        assert!(for_each_feature(crs, |_, _| {}).unwrap_err().to_string().contains("2227"));
+        assert!(for_each_feature(crs, |_| {}).unwrap_err().to_string().contains("2227"));
         let ok = br#"{"type":"FeatureCollection","crs":{"type":"name","properties":{"name":"urn:ogc:def:crs:OGC:1.3:CRS84"}},"features":[]}"#;
-        assert_eq!(for_each_feature(ok, |_, _| {}).unwrap(), 0);
+        assert_eq!(for_each_feature(ok, |_| {}).unwrap(), 0);
     }
 
     #[test]
     fn non_finite_tokens_become_null_outside_strings() {
         let doc = br#"{"type":"FeatureCollection","features":[{"p":"NaN Infinity","c":[NaN,-Infinity,Infinity]}]}"#;
         let mut raw = String::new();
-        for_each_feature(doc, |_, r| raw = r.get().to_string()).unwrap();
+        for_each_feature(doc, |f| raw = f.json.to_string()).unwrap();
         assert_eq!(raw, r#"{"p":"NaN Infinity","c":[null,null,null]}"#);
+    }
+
+    /// A reader that hands out one byte per call: every value crosses a window refill.
+    struct Trickle<'a>(&'a [u8]);
+    impl Read for Trickle<'_> {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            match (self.0.split_first(), out.first_mut()) {
+                (Some((b, rest)), Some(slot)) => {
+                    *slot = *b;
+                    self.0 = rest;
+                    Ok(1)
+                }
+                _ => Ok(0),
+            }
+        }
+    }
+
+    #[test]
+    fn values_split_across_reads_and_tricky_strings() {
+        let doc = br#" { "bbox" : [1, 2.5e3, -3], "exceededTransferLimit": true, "n": 12,
+            "features" : [ {"p":"a } ] { \" quote","q":[[1,2],[3]]} , {"x":null} ],
+            "type":"FeatureCollection" } "#;
+        let mut seen = vec![];
+        let n = for_each_feature_in(Trickle(doc), |f| seen.push(f.json.to_string())).unwrap();
+        assert_eq!(n, 2);
+        assert_eq!(seen[0], r#"{"p":"a } ] { \" quote","q":[[1,2],[3]]}"#);
+        assert_eq!(seen[1], r#"{"x":null}"#);
+    }
+
+    #[test]
+    fn a_broken_feature_is_handed_over_not_fatal_but_truncation_and_garbage_are() {
+        let doc = br#"{"type":"FeatureCollection","features":[{"a":1,,},{"b":2}]}"#;
+        let mut seen = vec![];
+        assert_eq!(for_each_feature(doc, |f| seen.push(f.json.to_string())).unwrap(), 2);
+        assert_eq!(seen[0], r#"{"a":1,,}"#);
+        let truncated = br#"{"type":"FeatureCollection","features":[{"a":1},{"b":"#;
+        assert!(for_each_feature(truncated, |_| {}).unwrap_err().to_string().contains("truncated"));
+        let trailing = br#"{"type":"FeatureCollection","features":[]} x"#;
+        assert!(for_each_feature(trailing, |_| {}).is_err());
+        let no_features = br#"{"type":"FeatureCollection"}"#;
+        assert!(for_each_feature(no_features, |_| {}).is_err());
+        assert!(for_each_feature(b"", |_| {}).is_err());
+        assert!(for_each_feature(br#"{"type":"FeatureCollection","features":{}}"#, |_| {}).is_err());
+    }
+
+    #[test]
+    fn offsets_grow_to_the_document_length() {
+        let doc = br#"{"type":"FeatureCollection","features":[{"a":1},{"b":2}]}"#;
+        let mut last = 0;
+        for_each_feature(doc, |f| last = f.offset).unwrap();
+        assert_eq!(&doc[..last as usize], br#"{"type":"FeatureCollection","features":[{"a":1},{"b":2}"#);
     }
 }

@@ -1,0 +1,164 @@
+//! Measure 1, ingest + diff: for each county size, a parse-only pass over the baseline file
+//! (the reference: the cost of reading the file as GeoJSON at all), then the full pipeline on
+//! the baseline (first ingest), a re-publication (shuffled, reformatted: zero changes) and a
+//! version with 1% of the parcels rezoned. Each phase reports wall time, features/s and the
+//! peak RSS of that phase alone; a summary line gives pipeline ÷ parse-only ratios.
+//!
+//! One child process per county size (see [`super::BenchCtx::run_child`]).
+
+use super::{emit, gen, per_s, rss, secs, BenchCtx, BenchError};
+use crate::config::{Config, SourceConfig, SourceKind};
+use crate::notify::matcher::{Subscriber, SubscriberIndex};
+use crate::pipeline::{Engine, RunOptions};
+use serde_json::json;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Subscribers attached during the ingest measure (alerts are matched as in production).
+const INGEST_SUBSCRIBERS: usize = 1_000;
+
+pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
+    for n in ctx.parcel_sizes() {
+        // Generate in the parent so the child's peak memory is the pipeline's alone.
+        let t = Instant::now();
+        let files = gen::county_files(&ctx.work, n, ctx.seed, 0.01)?;
+        if !ctx.in_process {
+            let bytes = std::fs::metadata(&files.baseline).map(|m| m.len()).unwrap_or(0);
+            emit("ingest", json!({"parcels": n, "phase": "generate", "wall_s": secs(t.elapsed()), "file_mib": rss::mib(Some(bytes))}));
+            ctx.run_child("ingest", &["--parcels".to_string(), n.to_string()])?;
+        } else {
+            measure_county(ctx, &files)?;
+        }
+    }
+    Ok(())
+}
+
+fn measure_county(ctx: &BenchCtx, files: &gen::CountyFiles) -> Result<(), BenchError> {
+    let n = files.spec.parcels;
+    let parse = parse_only(&files.baseline)?;
+    emit("ingest", phase_line(n, "parse_only", &parse, None));
+
+    let store_dir = ctx.work.join(format!("ingest-store-{n}"));
+    let _ = std::fs::remove_dir_all(&store_dir);
+    std::fs::create_dir_all(&store_dir).map_err(|e| BenchError::io(&store_dir, e))?;
+    let toml = format!(
+        r#"
+[store]
+path = "bench.redb"
+[[source]]
+id = "bench-county"
+jurisdiction = "bench"
+kind = "file"
+path = "{}"
+every = "1h"
+max_change_ratio = 0.05
+[source.fields]
+parcel_id = "APN"
+zoning = "ZONE_CODE"
+effective_date = "EFF_DATE"
+"#,
+        files.baseline.display()
+    );
+    let config = Config::parse_str(&toml, &store_dir).map_err(|e| BenchError::Failed(format!("bench config: {e}")))?;
+    let mut engine = Engine::open(config).map_err(|e| BenchError::Failed(format!("open: {e}")))?;
+    let subs: Vec<Subscriber> = gen::aois(&files.spec, INGEST_SUBSCRIBERS, 30.0, 1_500.0, ctx.seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, aoi)| Subscriber {
+            id: format!("bench-sub-{i}"),
+            target: "http://127.0.0.1:9/hook".into(),
+            secret: Some("whsec_YmVuY2gtc2VjcmV0LWJlbmNoLXNlY3JldA==".into()),
+            secret_old: None,
+            min_severity: crate::model::Severity::Info,
+            aoi,
+        })
+        .collect();
+    engine.subscribers = Arc::new(SubscriberIndex::build(subs));
+    let src = engine.config.sources.first().cloned().ok_or_else(|| BenchError::Failed("no source".into()))?;
+
+    let mut ratios = serde_json::Map::new();
+    for (phase, path, expect_changes) in [
+        ("baseline", &files.baseline, None),
+        ("republish", &files.republished, Some(0)),
+        ("rezoned_1pct", &files.rezoned, Some(files.rezoned_count as u64)),
+    ] {
+        let p = pipeline_pass(&engine, &src, path)?;
+        let changes = p.changes.unwrap_or(0);
+        if let Some(want) = expect_changes {
+            if changes != want {
+                return Err(BenchError::Failed(format!("{phase}: {changes} changes, expected {want}")));
+            }
+        }
+        ratios.insert(phase.into(), json!((p.wall_s / parse.wall_s.max(1e-9) * 100.0).round() / 100.0));
+        emit("ingest", phase_line(n, phase, &p, Some(&parse)));
+    }
+    emit("ingest", json!({"parcels": n, "phase": "summary", "pipeline_over_parse_only": ratios, "target_ratio": 2.0, "target_peak_rss_mib": 512}));
+    Ok(())
+}
+
+/// One timed phase.
+struct Pass {
+    wall_s: f64,
+    features: u64,
+    peak_rss: Option<u64>,
+    verdict: Option<String>,
+    changes: Option<u64>,
+    queued: Option<u64>,
+}
+
+fn phase_line(n: usize, phase: &str, p: &Pass, parse: Option<&Pass>) -> serde_json::Value {
+    let mut v = json!({
+        "parcels": n,
+        "phase": phase,
+        "wall_s": p.wall_s,
+        "features": p.features,
+        "features_per_s": per_s(p.features, p.wall_s),
+        "peak_rss_mib": rss::mib(p.peak_rss),
+    });
+    if let Some(verdict) = &p.verdict {
+        v["verdict"] = json!(verdict);
+        v["changes"] = json!(p.changes);
+        v["queued"] = json!(p.queued);
+    }
+    if let Some(parse) = parse {
+        v["over_parse_only"] = json!((p.wall_s / parse.wall_s.max(1e-9) * 100.0).round() / 100.0);
+    }
+    v
+}
+
+/// The reference: stream the file and parse every feature into a `geojson::Feature`.
+fn parse_only(path: &Path) -> Result<Pass, BenchError> {
+    rss::reset_peak();
+    let t = Instant::now();
+    let file = std::fs::File::open(path).map_err(|e| BenchError::io(path, e))?;
+    let mut bad = 0u64;
+    let features = crate::ingest::geojson::for_each_feature_in(file, |f| {
+        if serde_json::from_str::<geojson::Feature>(f.json).is_err() {
+            bad += 1;
+        }
+    })
+    .map_err(|e| BenchError::Failed(format!("parse-only: {e}")))?;
+    if bad > 0 {
+        return Err(BenchError::Failed(format!("parse-only: {bad} features did not parse")));
+    }
+    Ok(Pass { wall_s: secs(t.elapsed()), features, peak_rss: rss::peak_rss_bytes(), verdict: None, changes: None, queued: None })
+}
+
+fn pipeline_pass(engine: &Engine, src: &SourceConfig, path: &Path) -> Result<Pass, BenchError> {
+    let mut src = src.clone();
+    src.kind = SourceKind::File { path: path.to_path_buf() };
+    rss::reset_peak();
+    let t = Instant::now();
+    let report = engine.run_source(&src, RunOptions::default()).map_err(|e| BenchError::Failed(format!("run: {e}")))?;
+    let wall_s = secs(t.elapsed());
+    let r = report.record;
+    Ok(Pass {
+        wall_s,
+        features: r.counts.features,
+        peak_rss: rss::peak_rss_bytes(),
+        verdict: Some(r.verdict.to_string()),
+        changes: Some(r.counts.changes),
+        queued: Some(r.counts.queued),
+    })
+}
