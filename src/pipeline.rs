@@ -3,19 +3,21 @@
 //! thread. Also resolves holds (release / prime) through the same commit path.
 
 use crate::config::{Config, SourceConfig};
-use crate::detect::diff::{diff, RawChange};
+use crate::detect::diff::RawChange;
+use crate::detect::spill::{SpillItem, SpilledParcel};
+use crate::detect::stream::{default_workers, scan_layer, ScanError, ScanResult};
 use crate::detect::gate::{decide, GateDecision, GateInput};
 use crate::detect::severity;
-use crate::ingest::normalize::{normalize_feature, NormalizeRules};
+use crate::ingest::normalize::NormalizeRules;
 use crate::ingest::portal::{self, PortalFetch, PortalMeta};
-use crate::ingest::{geojson, source, staging, IngestError};
+use crate::ingest::{source, staging, IngestError};
 use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
-use crate::store::{Claim, CommitMode, PortalSignals, QuarantineDraft, RunCommit, Store, StoreError};
+use crate::store::{Claim, CommitMode, PortalSignals, QuarantineDraft, RunCommit, RunWriter, Store, StoreError};
 use crate::util::now_ms;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Errors of a pipeline run.
@@ -37,6 +39,15 @@ pub enum PipelineError {
     BaseNotIngested { source_id: String, base: String },
     #[error("source {0:?}: {1}")]
     Derived(String, String),
+    #[error(transparent)]
+    Scan(#[from] ScanError),
+}
+
+/// Where a layer's bytes are: a file is streamed from disk (never read whole into memory);
+/// an HTTP payload is already in memory (its size is capped by the fetch).
+enum LayerInput {
+    File(std::path::PathBuf),
+    Bytes(Vec<u8>),
 }
 
 /// Options for one run.
@@ -135,16 +146,6 @@ pub(crate) fn commit_mode(decision: GateDecision) -> (CommitMode, Option<String>
     }
 }
 
-/// Parsed layer: the parcels, what was quarantined, and counts.
-struct ParsedLayer {
-    parcels: Vec<Parcel>,
-    quarantine: Vec<QuarantineDraft>,
-    features: u64,
-    repaired: u64,
-    /// Run-record warnings (fields matched case-insensitively).
-    warnings: Vec<String>,
-}
-
 fn portal_signals(m: &PortalMeta) -> PortalSignals {
     PortalSignals {
         publisher_ts_ms: m.publisher_ts_ms,
@@ -152,69 +153,6 @@ fn portal_signals(m: &PortalMeta) -> PortalSignals {
         last_modified: m.last_modified.clone(),
         schema_hash: m.schema_hash.clone(),
     }
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
-}
-
-fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestError> {
-    let rules = NormalizeRules { fields: &src.fields, bbox: src.bbox };
-    let mut parcels: Vec<Parcel> = Vec::new();
-    let mut quarantine = Vec::new();
-    let mut repaired = 0;
-    let mut raw_of: HashMap<String, (u64, String)> = HashMap::new();
-    let mut folded: Vec<(String, String)> = Vec::new();
-    let features = geojson::for_each_feature(bytes, |f| match normalize_feature(f.json, &rules) {
-        Ok(n) => {
-            repaired += u64::from(n.repaired);
-            for f in n.folded_fields {
-                if !folded.contains(&f) {
-                    folded.push(f);
-                }
-            }
-            raw_of.insert(n.parcel.id.clone(), (f.index, String::new()));
-            parcels.push(n.parcel);
-        }
-        Err(rej) => quarantine.push(QuarantineDraft {
-            feature_index: f.index,
-            parcel_id: rej.parcel_id,
-            reason: rej.reason,
-            detail: rej.detail,
-            raw: truncate(f.json, 16 * 1024),
-        }),
-    })?;
-    // Duplicate ids: quarantine every copy, never guess which one is right.
-    let mut count: HashMap<&str, u32> = HashMap::new();
-    for p in &parcels {
-        *count.entry(p.id.as_str()).or_default() += 1;
-    }
-    let dup: HashSet<String> = count.into_iter().filter(|(_, n)| *n > 1).map(|(id, _)| id.to_string()).collect();
-    if !dup.is_empty() {
-        let (bad, good): (Vec<Parcel>, Vec<Parcel>) = parcels.into_iter().partition(|p| dup.contains(&p.id));
-        parcels = good;
-        for p in bad {
-            quarantine.push(QuarantineDraft {
-                feature_index: raw_of.get(&p.id).map(|r| r.0).unwrap_or(0),
-                parcel_id: Some(p.id.clone()),
-                reason: QuarantineReason::DuplicateId,
-                detail: format!("parcel id {:?} appears more than once in this layer", p.id),
-                raw: serde_json::json!({"zoning": p.state.zoning, "geometry": p.geometry.to_geojson()}).to_string(),
-            });
-        }
-    }
-    let warnings = folded
-        .iter()
-        .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
-        .collect();
-    Ok(ParsedLayer { parcels, quarantine, features, repaired, warnings })
 }
 
 impl Engine {
@@ -285,8 +223,15 @@ impl Engine {
             // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
             portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess).map_err(IngestError::from)?
         };
-        let (fetched, meta) = match fetch {
-            None => (source::fetch(src)?, None),
+        let (input, digest, size, meta) = match fetch {
+            None => {
+                let path = match &src.kind {
+                    crate::config::SourceKind::File { path } => path.clone(),
+                    _ => return Err(PipelineError::UnknownSource(format!("{} has no file path", src.id))),
+                };
+                let (digest, size) = source::digest_file(&path)?;
+                (LayerInput::File(path), digest, size, None)
+            }
             Some(PortalFetch::Skip { reason, meta }) => {
                 let mut warnings = vec![format!("probe: {reason}")];
                 warnings.extend(portal::stale(wm.as_ref(), started, src.stale_after));
@@ -301,13 +246,14 @@ impl Engine {
                         tracing::warn!(source = %src.id, "could not stage the payload: {e}");
                     }
                 }
-                (source::FetchedLayer { digest, bytes }, Some(meta))
+                let size = bytes.len() as u64;
+                (LayerInput::Bytes(bytes), digest, size, Some(meta))
             }
         };
         let fingerprint = src.read_fingerprint();
         if !opts.reprocess {
             if let Some(w) = &wm {
-                if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
+                if w.digest == digest && w.read_fingerprint == fingerprint {
                     let record = match &meta {
                         None => self.store.commit_identical(&src.id, started, now_ms(), 0)?,
                         Some(m) => {
@@ -318,45 +264,49 @@ impl Engine {
                     return Ok(SourceReport { record, hold_reason: None });
                 }
             }
-            let open_same = self
-                .store
-                .holds()?
-                .into_iter()
-                .find(|h| {
+            let open_same = self.store.holds()?.into_iter().find(|h| {
                 h.source_id == src.id
                     && h.state == HoldState::Open
-                    && h.digest == fetched.digest
+                    && h.digest == digest
                     && h.watermark.read_fingerprint == fingerprint
             });
             if let Some(h) = open_same {
-                let record = self.store.record_run_note(&src.id, started, Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
+                let record = self.store.record_run_note(&src.id, started, Verdict::Held, &digest, Some(h.run_id), None)?;
                 return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
             }
         }
 
-        let layer = parse_layer(&fetched.bytes, src)?;
-        let old = self.store.snapshot_states(&src.id)?;
-        let first_ingest = wm.is_none() && old.is_empty();
-        let untouchable: HashSet<String> = layer.quarantine.iter().filter_map(|q| q.parcel_id.clone()).collect();
-        let systemic = layer.quarantine.iter().filter(|q| q.reason.is_systemic()).count() as u64;
-        let parcels_n = layer.parcels.len() as u64;
-        let d = diff(&old, layer.parcels, &untouchable);
+        // The streaming diff: normalise, look up, classify; the delta goes to a spill file.
+        let rules = NormalizeRules { fields: &src.fields, bbox: src.bbox };
+        let view = self.store.snapshot_view(&src.id)?;
+        let spill_dir = self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        let workers = default_workers();
+        let scan_started = std::time::Instant::now();
+        let scan = match &input {
+            LayerInput::File(path) => {
+                let file = std::fs::File::open(path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
+                scan_layer(file, &rules, &view, spill_dir, workers, None)?
+            }
+            LayerInput::Bytes(bytes) => scan_layer(bytes.as_slice(), &rules, &view, spill_dir, workers, None)?,
+        };
+        drop(view);
+        drop(input);
+        let first_ingest = wm.is_none() && scan.previous_parcels == 0;
 
         let now = now_ms();
-        let events = self.build_events(src, &d.changes, &d.upserts, &old, now)?;
         // A publisher timestamp that went backwards is a restatement: the gate holds it.
         let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m)) };
         let decision = decide(GateInput {
             first_ingest,
             reprocess: opts.reprocess,
-            previous_parcels: old.len() as u64,
-            changed: events.len() as u64,
-            features: layer.features,
-            systemic_quarantined: systemic,
+            previous_parcels: scan.previous_parcels,
+            changed: scan.changes,
+            features: scan.features,
+            systemic_quarantined: scan.systemic,
             max_change_ratio: src.max_change_ratio,
             restated,
         });
-        let mut watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
+        let mut watermark = Watermark::for_read(&digest, size, now, wm.as_ref(), fingerprint);
         if let Some(m) = &meta {
             watermark.publisher_ts_ms = m.publisher_ts_ms;
             watermark.etag = m.etag.clone();
@@ -364,32 +314,143 @@ impl Engine {
             watermark.schema_hash = m.schema_hash.clone();
         }
         let (mode, hold_reason) = commit_mode(decision);
-        let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
-        let counts = RunCounts {
-            features: layer.features,
-            parcels: parcels_n,
-            quarantined: layer.quarantine.len() as u64,
-            repaired: layer.repaired,
-            changes: events.len() as u64,
-            ..Default::default()
-        };
-        let record = self.store.commit_run(RunCommit {
-            source_id: src.id.clone(),
-            started_ms: started,
-            now_ms: now,
-            mode,
-            watermark,
-            upserts: d.upserts,
-            removals: d.removals,
-            events,
-            claims,
-            quarantine: layer.quarantine,
-            counts,
-            warnings: layer.warnings,
-            idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
-        })?;
+        let scan_ms = scan_started.elapsed().as_millis() as u64;
+        let commit_started = std::time::Instant::now();
+        let record = self.commit_scan(src, scan, mode, watermark, started, now)?;
+        tracing::debug!(source = %src.id, scan_ms, commit_ms = commit_started.elapsed().as_millis() as u64, "run timing");
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "run committed");
         Ok(SourceReport { record, hold_reason })
+    }
+
+    /// Commits a scanned layer in one write transaction, reading the spill back in chunks:
+    /// per chunk, the old geometries are read, events built and matched, the snapshot (or the
+    /// hold's staging) updated and the claims written.
+    fn commit_scan(
+        &self,
+        src: &SourceConfig,
+        mut scan: ScanResult,
+        mode: CommitMode,
+        watermark: Watermark,
+        started: u64,
+        now: u64,
+    ) -> Result<RunRecord, PipelineError> {
+        const CHUNK: usize = 4096;
+        let hold = matches!(mode, CommitMode::Hold { .. });
+        let counts = RunCounts {
+            features: scan.features,
+            parcels: scan.parcels,
+            quarantined: scan.quarantined,
+            repaired: scan.repaired,
+            ..Default::default()
+        };
+        let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
+        w.quarantine(&scan.duplicate_drafts)?;
+        let mut parcels: Vec<SpilledParcel> = Vec::with_capacity(CHUNK);
+        let mut quarantine: Vec<QuarantineDraft> = Vec::new();
+        while let Some(item) = scan.spill.next_item().map_err(ScanError::from)? {
+            match item {
+                SpillItem::Quarantine(d) => {
+                    quarantine.push(d);
+                    if quarantine.len() >= CHUNK {
+                        w.quarantine(&quarantine)?;
+                        quarantine.clear();
+                    }
+                }
+                SpillItem::Parcel(p) if scan.duplicate_ids.contains(&p.id) => {}
+                SpillItem::Parcel(p) => {
+                    parcels.push(p);
+                    if parcels.len() >= CHUNK {
+                        self.commit_upserts(&mut w, src, &mut parcels, hold, now)?;
+                    }
+                }
+            }
+        }
+        w.quarantine(&quarantine)?;
+        self.commit_upserts(&mut w, src, &mut parcels, hold, now)?;
+        for chunk in scan.removed.chunks(CHUNK) {
+            let mut old_geoms = w.old_geometries(chunk.iter().map(|(id, _)| id.as_str()))?;
+            let events: Vec<ChangeEvent> = chunk
+                .iter()
+                .map(|(id, prev)| {
+                    let change = RawChange { parcel_id: id.clone(), kind: ChangeKind::Removed, from: Some(prev.zoning.clone()), to: None, new_index: None };
+                    self.change_event(src, &change, None, old_geoms.remove(id), prev.area_m2, prev.effective_date.clone(), now)
+                })
+                .collect();
+            let claims = if hold { vec![] } else { self.claims_for(&events) };
+            let ids: Vec<String> = chunk.iter().map(|(id, _)| id.clone()).collect();
+            w.removals(&ids)?;
+            w.events(&events, &claims)?;
+        }
+        Ok(w.finish(started, counts, scan.warnings, &[])?)
+    }
+
+    /// One chunk of new and changed parcels into the run's transaction (drains `chunk`).
+    fn commit_upserts(
+        &self,
+        w: &mut RunWriter<'_>,
+        src: &SourceConfig,
+        chunk: &mut Vec<SpilledParcel>,
+        hold: bool,
+        now: u64,
+    ) -> Result<(), PipelineError> {
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        let need_old = chunk.iter().filter(|p| matches!(p.kind, Some(k) if k != ChangeKind::Added)).map(|p| p.id.as_str());
+        let mut old_geoms = w.old_geometries(need_old)?;
+        let mut events = Vec::new();
+        let mut parcels = Vec::with_capacity(chunk.len());
+        for p in chunk.drain(..) {
+            if let Some(kind) = p.kind {
+                let change = RawChange { parcel_id: p.id.clone(), kind, from: p.from.clone(), to: Some(p.state.zoning.clone()), new_index: None };
+                events.push(self.change_event(
+                    src,
+                    &change,
+                    Some(&p.geometry),
+                    old_geoms.remove(&p.id),
+                    p.state.area_m2,
+                    p.state.effective_date.clone(),
+                    now,
+                ));
+            }
+            parcels.push(p.into_parcel());
+        }
+        let t = std::time::Instant::now();
+        let claims = if hold { vec![] } else { self.claims_for(&events) };
+        let t_match = t.elapsed();
+        w.upserts(&parcels)?;
+        let t_upsert = t.elapsed() - t_match;
+        w.events(&events, &claims)?;
+        tracing::trace!(match_us = t_match.as_micros() as u64, upsert_us = t_upsert.as_micros() as u64, events_us = (t.elapsed() - t_match - t_upsert).as_micros() as u64, claims = claims.len(), "chunk");
+        Ok(())
+    }
+
+    /// One change event with its geometries and severity.
+    #[allow(clippy::too_many_arguments)]
+    fn change_event(
+        &self,
+        src: &SourceConfig,
+        c: &RawChange,
+        new_geometry: Option<&StoredGeometry>,
+        old_geometry: Option<StoredGeometry>,
+        area_m2: f64,
+        effective_date: Option<String>,
+        now: u64,
+    ) -> ChangeEvent {
+        ChangeEvent {
+            source_id: src.id.clone(),
+            jurisdiction: src.jurisdiction.clone(),
+            parcel_id: c.parcel_id.clone(),
+            kind: c.kind,
+            from: c.from.clone(),
+            to: c.to.clone(),
+            effective_date,
+            old_geometry,
+            new_geometry: new_geometry.cloned(),
+            area_m2,
+            observed_at_ms: now,
+            severity: severity::rank(c.kind, c.from.as_deref(), c.to.as_deref(), area_m2, &src.severity),
+        }
     }
 
     /// Attaches geometries and severity to the diff's changes.
@@ -419,20 +480,8 @@ impl Engine {
                 Some(p) => p.state.effective_date.clone(),
                 None => old_states.get(&c.parcel_id).and_then(|p| p.effective_date.clone()),
             };
-            events.push(ChangeEvent {
-                source_id: src.id.clone(),
-                jurisdiction: src.jurisdiction.clone(),
-                parcel_id: c.parcel_id.clone(),
-                kind: c.kind,
-                from: c.from.clone(),
-                to: c.to.clone(),
-                effective_date,
-                old_geometry: old_geoms.remove(&c.parcel_id),
-                new_geometry: new.map(|p| p.geometry.clone()),
-                area_m2: area,
-                observed_at_ms: now,
-                severity: severity::rank(c.kind, c.from.as_deref(), c.to.as_deref(), area, &src.severity),
-            });
+            let old = old_geoms.remove(&c.parcel_id);
+            events.push(self.change_event(src, c, new.map(|p| &p.geometry), old, area, effective_date, now));
         }
         Ok(events)
     }

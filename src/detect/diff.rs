@@ -32,45 +32,57 @@ pub struct DiffResult {
     pub changes: Vec<RawChange>,
 }
 
+/// How one new parcel relates to its stored state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParcelDelta {
+    /// Same content hash: nothing to write, nothing to say.
+    Unchanged,
+    /// Not in the snapshot.
+    Added,
+    /// Different content: the snapshot is updated; `Some(kind)` when it is a change worth an
+    /// event (`None`: an effective-date-only difference).
+    Changed(Option<ChangeKind>),
+}
+
+/// Classifies one new parcel state against its stored state (the rule of the module doc).
+pub fn classify(prev: Option<&ParcelState>, new: &ParcelState) -> ParcelDelta {
+    match prev {
+        None => ParcelDelta::Added,
+        Some(prev) if prev.content_hash == new.content_hash => ParcelDelta::Unchanged,
+        Some(prev) => ParcelDelta::Changed(if normalize_code(&prev.zoning) != normalize_code(&new.zoning) {
+            Some(ChangeKind::Rezoned)
+        } else if prev.geom_hash != new.geom_hash {
+            Some(ChangeKind::GeometryChanged)
+        } else {
+            None
+        }),
+    }
+}
+
 /// Compares `new` parcels with the `old` snapshot. `untouchable` ids (quarantined this run)
-/// are left as they are.
+/// are left as they are. (The pipeline streams county-sized layers through [`classify`]
+/// instead; this in-memory form serves derived layers and tests.)
 pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &HashSet<String>) -> DiffResult {
     let mut out = DiffResult::default();
     let mut seen: HashSet<String> = HashSet::with_capacity(new.len());
     for parcel in new {
         seen.insert(parcel.id.clone());
-        match old.get(&parcel.id) {
-            None => {
-                out.changes.push(RawChange {
-                    parcel_id: parcel.id.clone(),
-                    kind: ChangeKind::Added,
-                    from: None,
-                    to: Some(parcel.state.zoning.clone()),
-                    new_index: Some(out.upserts.len()),
-                });
-                out.upserts.push(parcel);
-            }
-            Some(prev) if prev.content_hash == parcel.state.content_hash => {}
-            Some(prev) => {
-                let kind = if normalize_code(&prev.zoning) != normalize_code(&parcel.state.zoning) {
-                    Some(ChangeKind::Rezoned)
-                } else if prev.geom_hash != parcel.state.geom_hash {
-                    Some(ChangeKind::GeometryChanged)
-                } else {
-                    None
-                };
-                if let Some(kind) = kind {
-                    out.changes.push(RawChange {
-                        parcel_id: parcel.id.clone(),
-                        kind,
-                        from: Some(prev.zoning.clone()),
-                        to: Some(parcel.state.zoning.clone()),
-                        new_index: Some(out.upserts.len()),
-                    });
-                }
-                out.upserts.push(parcel);
-            }
+        let prev = old.get(&parcel.id);
+        let kind = match classify(prev, &parcel.state) {
+            ParcelDelta::Unchanged => continue,
+            ParcelDelta::Added => Some(ChangeKind::Added),
+            ParcelDelta::Changed(kind) => kind,
+        };
+        if let Some(kind) = kind {
+            out.changes.push(RawChange {
+                parcel_id: parcel.id.clone(),
+                kind,
+                from: prev.map(|p| p.zoning.clone()),
+                to: Some(parcel.state.zoning.clone()),
+                new_index: Some(out.upserts.len()),
+            });
         }
+        out.upserts.push(parcel);
     }
     let mut removed: Vec<(&String, &ParcelState)> = old
         .iter()

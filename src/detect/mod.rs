@@ -3,6 +3,8 @@
 //! * [`canonical`] hashes a parcel so that re-publishes (reordered, reformatted, rotated
 //!   rings) hash the same;
 //! * [`diff`] compares a new layer with the stored snapshot and emits [`crate::model::ChangeEvent`]s;
+//! * [`stream`] is the streaming diff of a whole layer (normalise, look up, classify, spill);
+//! * [`spill`] keeps a run's delta on disk between the streaming diff and the commit;
 //! * [`gate`] decides whether a run's events may be published (baseline, reprocess, holds);
 //! * [`severity`] ranks a change;
 //! * [`overlay`] derives a parcel's zoning from district polygons (largest share, R-tree).
@@ -13,3 +15,5 @@ pub mod gate;
 pub mod area;
 pub mod overlay;
 pub mod severity;
+pub mod spill;
+pub mod stream;

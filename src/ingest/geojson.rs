@@ -45,7 +45,7 @@ where
     R: Read,
     F: FnMut(FeatureText<'_>),
 {
-    let mut sc = Scanner { reader, buf: vec![0; WINDOW], start: 0, end: 0, base: 0, eof: false };
+    let mut sc = Scanner { reader, buf: vec![0; WINDOW], start: 0, end: 0, base: 0, eof: false, saw_non_finite: false };
     let mut kind: Option<String> = None;
     let mut crs: Option<String> = None;
     let mut saw_features = false;
@@ -94,11 +94,14 @@ where
                     let (a, b) = sc.value_span()?;
                     let offset = sc.base + b as u64;
                     {
-                        let text: Cow<'_, str> = String::from_utf8_lossy(&sc.buf[a..b]);
-                        let clean = sanitize_non_finite(text.as_bytes());
-                        // `clean` only ever replaces ASCII tokens with ASCII: still UTF-8.
-                        let json = std::str::from_utf8(&clean).unwrap_or("");
-                        on_feature(FeatureText { index: count, json, offset });
+                        let raw = &sc.buf[a..b];
+                        let clean: Cow<'_, [u8]> = if sc.saw_non_finite { sanitize_non_finite(raw) } else { Cow::Borrowed(raw) };
+                        // Sanitising only replaces ASCII tokens with ASCII, so UTF-8 stays UTF-8.
+                        let text: Cow<'_, str> = match std::str::from_utf8(&clean) {
+                            Ok(t) => Cow::Borrowed(t),
+                            Err(_) => Cow::Owned(String::from_utf8_lossy(&clean).into_owned()),
+                        };
+                        on_feature(FeatureText { index: count, json: &text, offset });
                     }
                     count += 1;
                     sc.start = b;
@@ -170,6 +173,10 @@ struct Scanner<R> {
     end: usize,
     base: u64,
     eof: bool,
+    /// The last value scanned has an `N` or `I` outside strings: it may carry a bare `NaN` /
+    /// `Infinity` (those are the only JSON-ish tokens with these letters), so it needs
+    /// [`sanitize_non_finite`]. Saves a pass over every clean feature.
+    saw_non_finite: bool,
 }
 
 impl<R: Read> Scanner<R> {
@@ -238,6 +245,7 @@ impl<R: Read> Scanner<R> {
         let mut escaped = false;
         let first = self.buf[self.start];
         let scalar = !matches!(first, b'{' | b'[' | b'"');
+        self.saw_non_finite = false;
         loop {
             while self.start + i < self.end {
                 let b = self.buf[self.start + i];
@@ -256,9 +264,11 @@ impl<R: Read> Scanner<R> {
                     if matches!(b, b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t') {
                         return Ok((self.start, self.start + i));
                     }
+                    self.saw_non_finite |= b == b'N' || b == b'I';
                 } else {
                     match b {
                         b'"' => in_string = true,
+                        b'N' | b'I' => self.saw_non_finite = true,
                         b'{' | b'[' => depth += 1,
                         b'}' | b']' => {
                             depth = depth.saturating_sub(1);

@@ -27,8 +27,8 @@ pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
 pub use leases::LeasedBatch;
 pub use dlq::ReplayOutcome;
 pub use endpoints::HealthPolicy;
-pub use queries::{AuditFilter, StoreStats};
-pub use runs::{CommitMode, QuarantineDraft, RunCommit};
+pub use queries::{AuditFilter, SnapshotView, StoreStats};
+pub use runs::{CommitMode, QuarantineDraft, RunCommit, RunWriter};
 pub use subscribers::StoredSubscriber;
 pub use probe::PortalSignals;
 
@@ -89,6 +89,10 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// redb's page cache. Its default (1 GiB) would let a county-sized store grow the daemon's
+/// resident memory to a gigabyte; beyond this the OS page cache serves reads anyway.
+pub const STORE_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
 impl Store {
     /// Opens (or creates) the store at `path`, creating missing tables and checking the schema.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
@@ -100,7 +104,7 @@ impl Store {
                 })?;
             }
         }
-        let db = Database::create(path).map_err(|e| match e {
+        let db = Database::builder().set_cache_size(STORE_CACHE_BYTES).create(path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
             other => StoreError::Open {
                 path: path.to_path_buf(),

@@ -50,6 +50,76 @@ pub struct StoreStats {
     pub open_holds: u64,
 }
 
+/// A consistent read view of one source's stored parcel states, for the streaming diff:
+/// point lookups by parcel id (shared by the diff's worker threads) and an ordered scan.
+/// Taken once per run, so the whole diff compares against one snapshot even if the store is
+/// written meanwhile (the run lease keeps this source's snapshot itself unchanged).
+pub struct SnapshotView {
+    table: redb::ReadOnlyTable<(&'static str, &'static str), &'static [u8]>,
+    source_id: String,
+}
+
+/// A borrowed view of a stored `ParcelState` record: the same fields in the same order, so
+/// postcard decodes it from the record bytes without allocating.
+#[derive(serde::Deserialize)]
+struct ParcelStateRef<'a> {
+    #[allow(dead_code)]
+    zoning: &'a str,
+    #[allow(dead_code)]
+    effective_date: Option<&'a str>,
+    content_hash: [u8; 32],
+}
+
+fn decode_state_ref(bytes: &[u8]) -> Result<ParcelStateRef<'_>, String> {
+    match bytes.split_first() {
+        Some((&super::codec::RECORD_VERSION, rest)) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
+        Some((v, _)) => Err(format!("record version {v} is not understood by this zonewatch")),
+        None => Err("empty record".into()),
+    }
+}
+
+impl SnapshotView {
+    /// The stored state of one parcel.
+    pub fn get(&self, parcel_id: &str) -> Result<Option<ParcelState>, StoreError> {
+        match self.table.get((self.source_id.as_str(), parcel_id))? {
+            Some(v) => Ok(Some(decode(v.value()).map_err(|m| codec_err("parcels", m))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Every stored parcel's id and content hash, in id order, without allocating: the streaming
+    /// diff builds its in-memory index from this. Returns how many there are.
+    pub fn for_each_hash(&self, mut f: impl FnMut(&str, &[u8; 32])) -> Result<u64, StoreError> {
+        let mut n = 0;
+        for item in self.table.range((self.source_id.as_str(), "")..)? {
+            let (k, v) = item?;
+            let (s, pid) = k.value();
+            if s != self.source_id {
+                break;
+            }
+            let state = decode_state_ref(v.value()).map_err(|m| codec_err("parcels", m))?;
+            f(pid, &state.content_hash);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Every stored parcel of the source in id order; returns how many there are.
+    pub fn for_each(&self, mut f: impl FnMut(&str, ParcelState)) -> Result<u64, StoreError> {
+        let mut n = 0;
+        for item in self.table.range((self.source_id.as_str(), "")..)? {
+            let (k, v) = item?;
+            let (s, pid) = k.value();
+            if s != self.source_id {
+                break;
+            }
+            f(pid, decode(v.value()).map_err(|m| codec_err("parcels", m))?);
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
 impl Store {
     pub fn watermark(&self, source_id: &str) -> Result<Option<Watermark>, StoreError> {
         let rtx = self.db.begin_read()?;
@@ -73,6 +143,12 @@ impl Store {
             out.push(decode(v.value()).map_err(|m| codec_err("watermark_history", m))?);
         }
         Ok(out)
+    }
+
+    /// A read view of a source's snapshot for the streaming diff.
+    pub fn snapshot_view(&self, source_id: &str) -> Result<SnapshotView, StoreError> {
+        let rtx = self.db.begin_read()?;
+        Ok(SnapshotView { table: rtx.open_table(PARCELS)?, source_id: source_id.to_string() })
     }
 
     /// The stored parcel states of a source (no geometries), keyed by parcel id.
@@ -248,5 +324,19 @@ impl Store {
             }
         }
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod state_ref_tests {
+    use super::*;
+
+    #[test]
+    fn borrowed_state_view_reads_the_stored_record() {
+        for eff in [None, Some("2026-01-01".to_string())] {
+            let st = ParcelState { zoning: "R-1".into(), effective_date: eff, content_hash: [7; 32], geom_hash: [9; 32], area_m2: 12.5 };
+            let bytes = super::super::codec::encode(&st);
+            assert_eq!(decode_state_ref(&bytes).unwrap().content_hash, [7; 32]);
+        }
     }
 }

@@ -7,6 +7,7 @@ use super::{Store, StoreError};
 use crate::model::*;
 use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// How a run's events are treated when it commits.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,62 +95,36 @@ impl Store {
     /// [`Store::commit_run`] for derived (district / overlay) runs: `shares` is the full set of
     /// derived shares of the source, written (or staged with a hold) in the same transaction.
     /// An empty slice leaves stored shares alone.
-    pub fn commit_run_with(&self, mut run: RunCommit, shares: &[(String, f64)]) -> Result<RunRecord, StoreError> {
+    pub fn commit_run_with(&self, run: RunCommit, shares: &[(String, f64)]) -> Result<RunRecord, StoreError> {
+        let mut w = self.begin_run(&run.source_id, run.mode.clone(), run.watermark, run.now_ms, run.idem_ttl_ms)?;
+        w.quarantine(&run.quarantine)?;
+        w.upserts(&run.upserts)?;
+        w.removals(&run.removals)?;
+        w.events(&run.events, &run.claims)?;
+        w.finish(run.started_ms, run.counts, run.warnings, shares)
+    }
+
+    /// Opens the one write transaction of a run. The caller feeds it in chunks (quarantine,
+    /// upserts, removals, events with their claims) and then [`RunWriter::finish`]es it; dropping
+    /// the writer unfinished aborts the transaction, so nothing of the run is visible.
+    /// Older open holds of the source are closed here (superseded, or resolved by this run).
+    pub fn begin_run(
+        &self,
+        source_id: &str,
+        mode: CommitMode,
+        mut watermark: Watermark,
+        now_ms: u64,
+        idem_ttl_ms: u64,
+    ) -> Result<RunWriter<'_>, StoreError> {
         let wtx = self.db.begin_write()?;
         let run_id = {
             let runs = wtx.open_table(RUNS)?;
             let last = runs.last()?.map(|(k, _)| k.value());
             next_key(last)
         };
-        let lineage = lineage_for(&run.source_id, run_id, &run.watermark.digest);
-        run.watermark.run_id = run_id;
-        let mut verdict = match run.mode {
-            CommitMode::Baseline => Verdict::Baseline,
-            CommitMode::Deliver => Verdict::Run,
-            CommitMode::Reprocess => Verdict::Reprocessed,
-            CommitMode::Hold { .. } => Verdict::Held,
-            CommitMode::ResolveHold { .. } => Verdict::Run,
-        };
-        let mut hold_id = None;
-
-        // Quarantined features: a record and an audit row each.
-        {
-            let mut q = wtx.open_table(QUARANTINE)?;
-            for draft in &run.quarantine {
-                let seq = next_key(q.last()?.map(|(k, _)| k.value()));
-                let rec = QuarantineRecord {
-                    source_id: run.source_id.clone(),
-                    run_id,
-                    lineage_id: lineage.clone(),
-                    feature_index: draft.feature_index,
-                    parcel_id: draft.parcel_id.clone(),
-                    reason: draft.reason,
-                    detail: draft.detail.clone(),
-                    raw: draft.raw.clone(),
-                    ts_ms: run.now_ms,
-                };
-                q.insert(seq, encode(&rec).as_slice())?;
-            }
-        }
-        let mut quarantine_rows: Vec<AuditRow> = run
-            .quarantine
-            .iter()
-            .map(|draft| AuditRow {
-                seq: 0,
-                ts_ms: run.now_ms,
-                outcome: Outcome::Quarantined,
-                idempotency_key: None,
-                watcher_id: None,
-                source_id: Some(run.source_id.clone()),
-                parcel_id: draft.parcel_id.clone(),
-                lineage_id: Some(lineage.clone()),
-                detail: format!("{}: {}", draft.reason.as_str(), draft.detail),
-            })
-            .collect();
-        append_audits(&wtx, &mut quarantine_rows)?;
-
-        // Close older open holds of this source: a newer run supersedes them.
-        let resolving = match run.mode {
+        let lineage = lineage_for(source_id, run_id, &watermark.digest);
+        watermark.run_id = run_id;
+        let resolving = match mode {
             CommitMode::ResolveHold { hold_id, .. } => Some(hold_id),
             _ => None,
         };
@@ -159,140 +134,38 @@ impl Store {
             for item in holds.iter()? {
                 let (k, v) = item?;
                 let hold: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;
-                if hold.source_id == run.source_id && hold.state == HoldState::Open {
+                if hold.source_id == source_id && hold.state == HoldState::Open {
                     to_update.push((k.value(), hold));
                 }
             }
             for (id, mut hold) in to_update {
                 hold.state = if Some(id) == resolving {
-                    match run.mode {
-                        CommitMode::ResolveHold { prime: true, .. } => {
-                            HoldState::Primed { at_ms: run.now_ms, run_id }
-                        }
-                        _ => HoldState::Released { at_ms: run.now_ms, run_id },
+                    match mode {
+                        CommitMode::ResolveHold { prime: true, .. } => HoldState::Primed { at_ms: now_ms, run_id },
+                        _ => HoldState::Released { at_ms: now_ms, run_id },
                     }
                 } else {
-                    HoldState::Superseded { at_ms: run.now_ms, by_run: run_id }
+                    HoldState::Superseded { at_ms: now_ms, by_run: run_id }
                 };
                 holds.insert(id, encode(&hold).as_slice())?;
                 clear_staged(&wtx, id)?;
             }
         }
-
-        let mut counts = run.counts.clone();
-        match &run.mode {
-            CommitMode::Hold { reason } => {
-                hold_id = Some(run_id);
-                let hold = Hold {
-                    run_id,
-                    source_id: run.source_id.clone(),
-                    lineage_id: lineage.clone(),
-                    created_ms: run.now_ms,
-                    reason: reason.clone(),
-                    state: HoldState::Open,
-                    digest: run.watermark.digest.clone(),
-                    watermark: run.watermark.clone(),
-                    changes: run.events.len() as u64,
-                    features: run.counts.features,
-                };
-                wtx.open_table(HOLDS)?.insert(run_id, encode(&hold).as_slice())?;
-                {
-                    let mut staged = wtx.open_table(HELD_PARCELS)?;
-                    for p in &run.upserts {
-                        let s = StagedParcel(Some((p.state.clone(), p.geometry.clone())));
-                        staged.insert((run_id, p.id.as_str()), encode(&s).as_slice())?;
-                    }
-                    for id in &run.removals {
-                        staged.insert((run_id, id.as_str()), encode(&StagedParcel(None)).as_slice())?;
-                    }
-                    let mut events = wtx.open_table(HELD_EVENTS)?;
-                    for (i, e) in run.events.iter().enumerate() {
-                        events.insert((run_id, i as u64), encode(e).as_slice())?;
-                    }
-                }
-                super::derived::stage_shares(&wtx, run_id, shares)?;
-                append_audit(
-                    &wtx,
-                    &mut AuditRow {
-                        seq: 0,
-                        ts_ms: run.now_ms,
-                        outcome: Outcome::Held,
-                        idempotency_key: None,
-                        watcher_id: None,
-                        source_id: Some(run.source_id.clone()),
-                        parcel_id: None,
-                        lineage_id: Some(lineage.clone()),
-                        detail: format!("hold {run_id}: {reason}"),
-                    },
-                )?;
-            }
-            mode => {
-                // Snapshot.
-                {
-                    let mut parcels = wtx.open_table(PARCELS)?;
-                    let mut geoms = wtx.open_table(PARCEL_GEOMS)?;
-                    for p in &run.upserts {
-                        parcels.insert((run.source_id.as_str(), p.id.as_str()), encode(&p.state).as_slice())?;
-                        geoms.insert((run.source_id.as_str(), p.id.as_str()), encode(&p.geometry).as_slice())?;
-                    }
-                    for id in &run.removals {
-                        parcels.remove((run.source_id.as_str(), id.as_str()))?;
-                        geoms.remove((run.source_id.as_str(), id.as_str()))?;
-                    }
-                }
-                super::derived::write_shares(&wtx, &run.source_id, shares)?;
-                // Watermark + history.
-                write_watermark(&wtx, &run.source_id, &run.watermark)?;
-                // Claims, outbox, audit.
-                let claim_mode = match mode {
-                    CommitMode::Baseline => ClaimMode::Prime { detail: "baseline" },
-                    CommitMode::Reprocess => ClaimMode::Prime { detail: "reprocess" },
-                    CommitMode::ResolveHold { prime: true, .. } => ClaimMode::Prime { detail: "hold_primed" },
-                    _ => ClaimMode::Deliver,
-                };
-                if let CommitMode::ResolveHold { hold_id: h, .. } = mode {
-                    hold_id = Some(*h);
-                }
-                let c: ClaimCounts = claim_in_txn(
-                    &wtx,
-                    &run.events,
-                    &run.claims,
-                    &lineage,
-                    claim_mode,
-                    run.now_ms,
-                    run.idem_ttl_ms,
-                )?;
-                counts.queued = c.queued;
-                counts.duplicates = c.duplicates;
-                counts.suppressed = c.suppressed;
-                counts.below_min_severity = c.below_min_severity;
-                if let CommitMode::ResolveHold { prime: true, .. } = mode {
-                    verdict = Verdict::Reprocessed;
-                }
-            }
-        }
-
-        let record = RunRecord {
+        let next_quarantine = next_key(wtx.open_table(QUARANTINE)?.last()?.map(|(k, _)| k.value()));
+        Ok(RunWriter {
+            wtx,
+            store: self,
             run_id,
-            source_id: run.source_id.clone(),
-            lineage_id: lineage,
-            started_ms: run.started_ms,
-            finished_ms: crate::util::now_ms(),
-            verdict,
-            digest: run.watermark.digest.clone(),
-            counts,
-            hold_id,
-            warnings: run.warnings.clone(),
-            error: None,
-        };
-        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
-
-        if self.take_injected_failure() {
-            wtx.abort()?;
-            return Err(StoreError::Injected(format!("run {run_id} of {}", run.source_id)));
-        }
-        wtx.commit()?;
-        Ok(record)
+            lineage,
+            source_id: source_id.to_string(),
+            mode,
+            watermark,
+            now_ms,
+            idem_ttl_ms,
+            claims: ClaimCounts::default(),
+            events: 0,
+            next_quarantine,
+        })
     }
 
     /// Records a run whose bytes matched the watermark's digest: only the consumed time moves.
@@ -394,6 +267,250 @@ impl Store {
             events.push(decode(v.value()).map_err(|m| codec_err("held_events", m))?);
         }
         Ok((upserts, removals, events))
+    }
+}
+
+/// One run's write transaction, fed in chunks so a county-sized delta never has to sit in
+/// memory at once (see [`Store::begin_run`]). Everything it writes becomes visible together
+/// at [`RunWriter::finish`], or not at all.
+pub struct RunWriter<'s> {
+    wtx: WriteTransaction,
+    store: &'s Store,
+    run_id: u64,
+    lineage: String,
+    source_id: String,
+    mode: CommitMode,
+    watermark: Watermark,
+    now_ms: u64,
+    idem_ttl_ms: u64,
+    claims: ClaimCounts,
+    /// Events written so far (held events are numbered by it).
+    events: u64,
+    next_quarantine: u64,
+}
+
+impl RunWriter<'_> {
+    pub fn run_id(&self) -> u64 {
+        self.run_id
+    }
+
+    pub fn lineage(&self) -> &str {
+        &self.lineage
+    }
+
+    /// Quarantined features: a record and an audit row each.
+    pub fn quarantine(&mut self, drafts: &[QuarantineDraft]) -> Result<(), StoreError> {
+        if drafts.is_empty() {
+            return Ok(());
+        }
+        {
+            let mut q = self.wtx.open_table(QUARANTINE)?;
+            for draft in drafts {
+                let rec = QuarantineRecord {
+                    source_id: self.source_id.clone(),
+                    run_id: self.run_id,
+                    lineage_id: self.lineage.clone(),
+                    feature_index: draft.feature_index,
+                    parcel_id: draft.parcel_id.clone(),
+                    reason: draft.reason,
+                    detail: draft.detail.clone(),
+                    raw: draft.raw.clone(),
+                    ts_ms: self.now_ms,
+                };
+                q.insert(self.next_quarantine, encode(&rec).as_slice())?;
+                self.next_quarantine += 1;
+            }
+        }
+        let mut rows: Vec<AuditRow> = drafts
+            .iter()
+            .map(|draft| AuditRow {
+                seq: 0,
+                ts_ms: self.now_ms,
+                outcome: Outcome::Quarantined,
+                idempotency_key: None,
+                watcher_id: None,
+                source_id: Some(self.source_id.clone()),
+                parcel_id: draft.parcel_id.clone(),
+                lineage_id: Some(self.lineage.clone()),
+                detail: format!("{}: {}", draft.reason.as_str(), draft.detail),
+            })
+            .collect();
+        append_audits(&self.wtx, &mut rows)?;
+        Ok(())
+    }
+
+    /// The stored geometries of these parcels as they are *before* this run's upserts
+    /// (read them for a chunk before calling [`RunWriter::upserts`] on it).
+    pub fn old_geometries<'a>(&self, ids: impl IntoIterator<Item = &'a str>) -> Result<HashMap<String, StoredGeometry>, StoreError> {
+        let t = self.wtx.open_table(PARCEL_GEOMS)?;
+        let mut out = HashMap::new();
+        for id in ids {
+            if let Some(v) = t.get((self.source_id.as_str(), id))? {
+                out.insert(id.to_string(), decode(v.value()).map_err(|m| codec_err("parcel_geoms", m))?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// New or changed parcels: into the snapshot, or staged with the hold.
+    pub fn upserts(&mut self, parcels: &[Parcel]) -> Result<(), StoreError> {
+        if parcels.is_empty() {
+            return Ok(());
+        }
+        if matches!(self.mode, CommitMode::Hold { .. }) {
+            let mut staged = self.wtx.open_table(HELD_PARCELS)?;
+            for p in parcels {
+                let s = StagedParcel(Some((p.state.clone(), p.geometry.clone())));
+                staged.insert((self.run_id, p.id.as_str()), encode(&s).as_slice())?;
+            }
+        } else {
+            let src = self.source_id.as_str();
+            let mut states = self.wtx.open_table(PARCELS)?;
+            let mut geoms = self.wtx.open_table(PARCEL_GEOMS)?;
+            for p in parcels {
+                states.insert((src, p.id.as_str()), encode(&p.state).as_slice())?;
+                geoms.insert((src, p.id.as_str()), encode(&p.geometry).as_slice())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Parcels gone from the layer: out of the snapshot, or staged with the hold.
+    pub fn removals(&mut self, ids: &[String]) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        if matches!(self.mode, CommitMode::Hold { .. }) {
+            let mut staged = self.wtx.open_table(HELD_PARCELS)?;
+            for id in ids {
+                staged.insert((self.run_id, id.as_str()), encode(&StagedParcel(None)).as_slice())?;
+            }
+        } else {
+            let src = self.source_id.as_str();
+            let mut states = self.wtx.open_table(PARCELS)?;
+            let mut geoms = self.wtx.open_table(PARCEL_GEOMS)?;
+            for id in ids {
+                states.remove((src, id.as_str()))?;
+                geoms.remove((src, id.as_str()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Change events and the subscribers' claims on them (`Claim::event` indexes `events`):
+    /// keys claimed, outbox rows and audit rows written — or, for a hold, the events staged.
+    pub fn events(&mut self, events: &[ChangeEvent], claims: &[Claim]) -> Result<(), StoreError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        if matches!(self.mode, CommitMode::Hold { .. }) {
+            let mut held = self.wtx.open_table(HELD_EVENTS)?;
+            for (i, e) in events.iter().enumerate() {
+                held.insert((self.run_id, self.events + i as u64), encode(e).as_slice())?;
+            }
+        } else {
+            let claim_mode = match self.mode {
+                CommitMode::Baseline => ClaimMode::Prime { detail: "baseline" },
+                CommitMode::Reprocess => ClaimMode::Prime { detail: "reprocess" },
+                CommitMode::ResolveHold { prime: true, .. } => ClaimMode::Prime { detail: "hold_primed" },
+                _ => ClaimMode::Deliver,
+            };
+            let c = claim_in_txn(&self.wtx, events, claims, &self.lineage, claim_mode, self.now_ms, self.idem_ttl_ms)?;
+            self.claims.queued += c.queued;
+            self.claims.duplicates += c.duplicates;
+            self.claims.suppressed += c.suppressed;
+            self.claims.below_min_severity += c.below_min_severity;
+        }
+        self.events += events.len() as u64;
+        Ok(())
+    }
+
+    /// Writes the hold (if held) or the watermark, the derived shares and the run record,
+    /// and commits. `counts.changes` is taken from the events written.
+    pub fn finish(
+        self,
+        started_ms: u64,
+        mut counts: RunCounts,
+        warnings: Vec<String>,
+        shares: &[(String, f64)],
+    ) -> Result<RunRecord, StoreError> {
+        let RunWriter { wtx, store, run_id, lineage, source_id, mode, watermark, now_ms, claims, events, .. } = self;
+        let mut verdict = match mode {
+            CommitMode::Baseline => Verdict::Baseline,
+            CommitMode::Deliver => Verdict::Run,
+            CommitMode::Reprocess => Verdict::Reprocessed,
+            CommitMode::Hold { .. } => Verdict::Held,
+            CommitMode::ResolveHold { .. } => Verdict::Run,
+        };
+        let mut hold_id = None;
+        match &mode {
+            CommitMode::Hold { reason } => {
+                hold_id = Some(run_id);
+                let hold = Hold {
+                    run_id,
+                    source_id: source_id.clone(),
+                    lineage_id: lineage.clone(),
+                    created_ms: now_ms,
+                    reason: reason.clone(),
+                    state: HoldState::Open,
+                    digest: watermark.digest.clone(),
+                    watermark: watermark.clone(),
+                    changes: events,
+                    features: counts.features,
+                };
+                wtx.open_table(HOLDS)?.insert(run_id, encode(&hold).as_slice())?;
+                super::derived::stage_shares(&wtx, run_id, shares)?;
+                append_audit(
+                    &wtx,
+                    &mut AuditRow {
+                        seq: 0,
+                        ts_ms: now_ms,
+                        outcome: Outcome::Held,
+                        idempotency_key: None,
+                        watcher_id: None,
+                        source_id: Some(source_id.clone()),
+                        parcel_id: None,
+                        lineage_id: Some(lineage.clone()),
+                        detail: format!("hold {run_id}: {reason}"),
+                    },
+                )?;
+            }
+            mode => {
+                super::derived::write_shares(&wtx, &source_id, shares)?;
+                write_watermark(&wtx, &source_id, &watermark)?;
+                counts.queued = claims.queued;
+                counts.duplicates = claims.duplicates;
+                counts.suppressed = claims.suppressed;
+                counts.below_min_severity = claims.below_min_severity;
+                if let CommitMode::ResolveHold { hold_id: h, prime } = mode {
+                    hold_id = Some(*h);
+                    if *prime {
+                        verdict = Verdict::Reprocessed;
+                    }
+                }
+            }
+        }
+        counts.changes = events;
+        let record = RunRecord {
+            run_id,
+            source_id: source_id.clone(),
+            lineage_id: lineage,
+            started_ms,
+            finished_ms: crate::util::now_ms(),
+            verdict,
+            digest: watermark.digest.clone(),
+            counts,
+            hold_id,
+            warnings,
+            error: None,
+        };
+        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        if store.take_injected_failure() {
+            wtx.abort()?;
+            return Err(StoreError::Injected(format!("run {run_id} of {source_id}")));
+        }
+        wtx.commit()?;
+        Ok(record)
     }
 }
 

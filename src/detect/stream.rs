@@ -1,0 +1,432 @@
+//! The streaming diff: a layer of any size goes through normalise → look up the stored state →
+//! [`classify`] in bounded memory, on every core.
+//!
+//! One thread scans the document ([`geojson::for_each_feature_in`]) into batches of feature
+//! text; meanwhile another reads the stored snapshot once, in order, into a sorted index of
+//! (id fingerprint, content hash) — 32 bytes a parcel, no allocation per row. Worker threads
+//! normalise each feature and binary-search its id in that index: an equal hash is
+//! "unchanged", a missing id is "added", and only a changed parcel costs a point lookup in the
+//! [`SnapshotView`] (one read transaction, so the whole run compares against one snapshot).
+//! The calling thread puts
+//! the results back in document order and writes what must be committed — new and changed
+//! parcels, quarantined features — to a [`Spill`] file. Unchanged parcels (the vast majority
+//! of a re-publish) leave nothing behind but a 20-byte fingerprint of their id.
+//!
+//! After the scan, the stored ids are walked once in order: an id that was not seen (and was
+//! not quarantined this run) is a removal. Duplicate ids are found by sorting the
+//! fingerprints; every copy is quarantined and the parcel is left as it is stored.
+//!
+//! Memory: the snapshot index (32 bytes a stored parcel) and the seen-id fingerprints (24 bytes
+//! a feature) — 140 MB at 2.5M parcels — the removals, the quarantined ids, and a few batches
+//! in flight. Everything else is on disk.
+
+use super::diff::{classify, ParcelDelta};
+use super::spill::{Spill, SpillError, SpillItem, SpillReader, SpilledParcel};
+use crate::ingest::geojson::{self, FeatureText};
+use crate::ingest::normalize::{normalize_feature, NormalizeRules};
+use crate::ingest::IngestError;
+use crate::model::{ChangeKind, ParcelState, QuarantineReason};
+use crate::store::{QuarantineDraft, SnapshotView, StoreError};
+use std::collections::{BTreeMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::io::Read;
+use std::path::Path;
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::{Mutex, OnceLock};
+
+/// The stored snapshot as (id fingerprint, first 16 bytes of the content hash), sorted.
+type SnapshotIndex = Vec<([u64; 2], [u8; 16])>;
+
+fn build_index(view: &SnapshotView) -> Result<SnapshotIndex, String> {
+    let mut index = Vec::new();
+    view.for_each_hash(|pid, hash| {
+        let mut h = [0u8; 16];
+        h.copy_from_slice(&hash[..16]);
+        index.push((fingerprint(pid), h));
+    })
+    .map_err(|e| e.to_string())?;
+    index.sort_unstable();
+    Ok(index)
+}
+
+/// Errors of the streaming diff.
+#[derive(Debug, thiserror::Error)]
+pub enum ScanError {
+    #[error(transparent)]
+    Ingest(#[from] IngestError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Spill(#[from] SpillError),
+    #[error("a diff worker thread failed: {0}")]
+    Worker(String),
+}
+
+/// What the scan found; the delta itself is in `spill`.
+pub struct ScanResult {
+    pub spill: SpillReader,
+    /// Features in the document.
+    pub features: u64,
+    /// Valid parcels (duplicate-id copies excluded).
+    pub parcels: u64,
+    pub repaired: u64,
+    /// Quarantined features, duplicate-id copies included.
+    pub quarantined: u64,
+    /// Quarantined for a reason that points at the whole layer (see `QuarantineReason`).
+    pub systemic: u64,
+    /// Change events the run will emit: changed and added parcels plus removals.
+    pub changes: u64,
+    /// Warnings for the run record (fields matched case-insensitively).
+    pub warnings: Vec<String>,
+    /// Ids that appear more than once: every copy is quarantined, the stored parcel kept.
+    pub duplicate_ids: HashSet<String>,
+    /// Quarantine drafts for the duplicate copies (written with the spill's).
+    pub duplicate_drafts: Vec<QuarantineDraft>,
+    /// Stored parcels absent from the layer, in id order, with their stored state.
+    pub removed: Vec<(String, ParcelState)>,
+    /// Parcels in the stored snapshot before this run.
+    pub previous_parcels: u64,
+}
+
+/// Features per batch handed to a worker.
+const BATCH: usize = 512;
+
+struct FeatureBatch {
+    seq: u64,
+    text: String,
+    items: Vec<(u64, usize, usize)>,
+}
+
+enum Outcome {
+    Unchanged { index: u64, id: String },
+    Upsert(SpilledParcel),
+    Rejected(QuarantineDraft),
+}
+
+struct ResultBatch {
+    seq: u64,
+    outcomes: Vec<Outcome>,
+    repaired: u64,
+    folded: Vec<(String, String)>,
+}
+
+/// 128-bit fingerprint of a parcel id (two SipHash passes with fixed keys): collisions are
+/// out of reach for any layer size (≈ n²/2¹²⁹).
+fn fingerprint(id: &str) -> [u64; 2] {
+    let mut a = std::hash::DefaultHasher::new();
+    id.hash(&mut a);
+    let mut b = std::hash::DefaultHasher::new();
+    0x9E37_79B9u32.hash(&mut b);
+    id.hash(&mut b);
+    [a.finish(), b.finish()]
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// Worker threads to use: every core, at most 8.
+pub fn default_workers() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 8)
+}
+
+/// Streams the layer read from `reader` through normalise + diff against `view`, spilling
+/// the delta into a temporary file in `spill_dir`. `progress(bytes, features)` is called
+/// from the scanning thread as the document is read.
+pub fn scan_layer<R: Read + Send>(
+    reader: R,
+    rules: &NormalizeRules,
+    view: &SnapshotView,
+    spill_dir: &Path,
+    workers: usize,
+    progress: Option<&(dyn Fn(u64, u64) + Sync)>,
+) -> Result<ScanResult, ScanError> {
+    let workers = workers.max(1);
+    let mut spill = Spill::create(spill_dir)?;
+    let (feat_tx, feat_rx) = sync_channel::<FeatureBatch>(workers * 2);
+    let feat_rx = Mutex::new(feat_rx);
+    let (res_tx, res_rx) = sync_channel::<Result<ResultBatch, StoreError>>(workers * 2);
+
+    let mut seen: Vec<([u64; 2], u64)> = Vec::new();
+    let mut untouchable: HashSet<String> = HashSet::new();
+    let mut folded: Vec<(String, String)> = Vec::new();
+    let (mut repaired, mut quarantined, mut systemic, mut changes) = (0u64, 0u64, 0u64, 0u64);
+
+    let index: OnceLock<Result<SnapshotIndex, String>> = OnceLock::new();
+    let scanned: Result<u64, ScanError> = std::thread::scope(|scope| {
+        // Whoever asks first builds the index; this thread asks at once, so it is read while
+        // the first batches are being normalised.
+        scope.spawn(|| index.get_or_init(|| build_index(view)));
+        let scanner = scope.spawn(move || {
+            let mut seq = 0u64;
+            let mut batch = FeatureBatch { seq, text: String::with_capacity(BATCH * 300), items: Vec::with_capacity(BATCH) };
+            let mut hung_up = false;
+            let n = geojson::for_each_feature_in(reader, |f: FeatureText<'_>| {
+                if hung_up {
+                    return;
+                }
+                let start = batch.text.len();
+                batch.text.push_str(f.json);
+                batch.items.push((f.index, start, batch.text.len()));
+                if batch.items.len() >= BATCH {
+                    seq += 1;
+                    let next = FeatureBatch { seq, text: String::with_capacity(BATCH * 300), items: Vec::with_capacity(BATCH) };
+                    if feat_tx.send(std::mem::replace(&mut batch, next)).is_err() {
+                        hung_up = true;
+                    }
+                    if let Some(p) = progress {
+                        p(f.offset, f.index + 1);
+                    }
+                }
+            });
+            if !batch.items.is_empty() && !hung_up {
+                let _ = feat_tx.send(batch);
+            }
+            n
+        });
+        for _ in 0..workers {
+            let res_tx = res_tx.clone();
+            let (feat_rx, index) = (&feat_rx, &index);
+            scope.spawn(move || worker(feat_rx, res_tx, rules, view, index));
+        }
+        drop(res_tx);
+
+        // Put results back in document order and spill them.
+        let mut pending: BTreeMap<u64, ResultBatch> = BTreeMap::new();
+        let mut next_seq = 0u64;
+        let mut failure: Option<ScanError> = None;
+        for msg in res_rx.iter() {
+            match msg {
+                Ok(b) => {
+                    pending.insert(b.seq, b);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e.into());
+                    break;
+                }
+            }
+            while let Some(b) = pending.remove(&next_seq) {
+                next_seq += 1;
+                repaired += b.repaired;
+                for f in b.folded {
+                    if !folded.contains(&f) {
+                        folded.push(f);
+                    }
+                }
+                for o in b.outcomes {
+                    let r = match o {
+                        Outcome::Unchanged { index, id } => {
+                            seen.push((fingerprint(&id), index));
+                            Ok(())
+                        }
+                        Outcome::Upsert(p) => {
+                            seen.push((fingerprint(&p.id), p.feature_index));
+                            changes += u64::from(p.kind.is_some());
+                            spill.push_parcel(p)
+                        }
+                        Outcome::Rejected(q) => {
+                            quarantined += 1;
+                            systemic += u64::from(q.reason.is_systemic());
+                            if let Some(id) = &q.parcel_id {
+                                untouchable.insert(id.clone());
+                            }
+                            spill.push_quarantine(q)
+                        }
+                    };
+                    if let Err(e) = r {
+                        failure.get_or_insert(e.into());
+                    }
+                }
+            }
+            if failure.is_some() {
+                break;
+            }
+        }
+        // Stop the producers: dropping the receiver makes their sends fail.
+        drop(res_rx);
+        let scanned = scanner.join().map_err(|_| ScanError::Worker("the scanning thread panicked".into()))?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        Ok(scanned?)
+    });
+    let features = scanned?;
+
+    // Duplicate ids: equal fingerprints sit next to each other once sorted.
+    seen.sort_unstable();
+    let mut dup_prints: BTreeMap<[u64; 2], Vec<u64>> = BTreeMap::new();
+    for w in seen.windows(2) {
+        if w[0].0 == w[1].0 {
+            let idx = dup_prints.entry(w[0].0).or_default();
+            for i in [w[0].1, w[1].1] {
+                if !idx.contains(&i) {
+                    idx.push(i);
+                }
+            }
+        }
+    }
+    let is_seen = |id: &str| seen.binary_search_by(|probe| probe.0.cmp(&fingerprint(id))).is_ok();
+
+    // Removals (and the ids of duplicates that were stored before).
+    let mut removed = Vec::new();
+    let mut duplicate_ids: HashSet<String> = HashSet::new();
+    let mut gone: Vec<String> = Vec::new();
+    let previous_parcels = view.for_each_hash(|pid, _| {
+        if !dup_prints.is_empty() && dup_prints.contains_key(&fingerprint(pid)) {
+            duplicate_ids.insert(pid.to_string());
+        } else if !is_seen(pid) && !untouchable.contains(pid) {
+            gone.push(pid.to_string());
+        }
+    })?;
+    drop(index);
+    for pid in gone {
+        if let Some(state) = view.get(&pid)? {
+            removed.push((pid, state));
+        }
+    }
+    changes += removed.len() as u64;
+    let mut reader = spill.finish()?;
+
+    // Duplicates: find the ids of new ones in the spill, correct the counts, draft the
+    // quarantine rows (one per copy).
+    let mut duplicate_drafts = Vec::new();
+    let mut dup_copies = 0u64;
+    if !dup_prints.is_empty() {
+        while let Some(item) = reader.next_item()? {
+            if let SpillItem::Parcel(p) = item {
+                if dup_prints.contains_key(&fingerprint(&p.id)) {
+                    changes -= u64::from(p.kind.is_some());
+                    duplicate_ids.insert(p.id);
+                }
+            }
+        }
+        reader.rewind()?;
+        let mut ids: Vec<&String> = duplicate_ids.iter().collect();
+        ids.sort();
+        for id in ids {
+            let Some(indexes) = dup_prints.get(&fingerprint(id)) else { continue };
+            let mut indexes = indexes.clone();
+            indexes.sort_unstable();
+            dup_copies += indexes.len() as u64;
+            for &i in &indexes {
+                duplicate_drafts.push(QuarantineDraft {
+                    feature_index: i,
+                    parcel_id: Some(id.clone()),
+                    reason: QuarantineReason::DuplicateId,
+                    detail: format!("parcel id {id:?} appears more than once in this layer (features {indexes:?})"),
+                    raw: truncate(&serde_json::json!({"parcel_id": id, "feature_indexes": indexes}).to_string(), 16 * 1024),
+                });
+            }
+        }
+    }
+    let warnings = folded
+        .iter()
+        .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
+        .collect();
+    Ok(ScanResult {
+        spill: reader,
+        features,
+        parcels: seen.len() as u64 - dup_copies,
+        repaired,
+        quarantined: quarantined + dup_copies,
+        systemic,
+        changes,
+        warnings,
+        duplicate_ids,
+        duplicate_drafts,
+        removed,
+        previous_parcels,
+    })
+}
+
+fn worker(
+    feat_rx: &Mutex<Receiver<FeatureBatch>>,
+    res_tx: std::sync::mpsc::SyncSender<Result<ResultBatch, StoreError>>,
+    rules: &NormalizeRules,
+    view: &SnapshotView,
+    snapshot: &OnceLock<Result<SnapshotIndex, String>>,
+) {
+    loop {
+        let batch = match feat_rx.lock() {
+            Ok(rx) => match rx.recv() {
+                Ok(b) => b,
+                Err(_) => return,
+            },
+            Err(_) => return,
+        };
+        let mut out = ResultBatch { seq: batch.seq, outcomes: Vec::with_capacity(batch.items.len()), repaired: 0, folded: Vec::new() };
+        for &(index, a, b) in &batch.items {
+            let json = &batch.text[a..b];
+            match normalize_feature(json, rules) {
+                Ok(n) => {
+                    out.repaired += u64::from(n.repaired);
+                    for f in n.folded_fields {
+                        if !out.folded.contains(&f) {
+                            out.folded.push(f);
+                        }
+                    }
+                    let p = n.parcel;
+                    let stored = match snapshot.get_or_init(|| build_index(view)) {
+                        Ok(i) => i,
+                        Err(e) => {
+                            let _ = res_tx.send(Err(StoreError::Conflict(format!("reading the snapshot: {e}"))));
+                            return;
+                        }
+                    };
+                    let known = match stored.binary_search_by_key(&fingerprint(&p.id), |e| e.0) {
+                        Ok(i) => Some(stored[i].1),
+                        Err(_) => None,
+                    };
+                    let prev = match known {
+                        None => None,
+                        Some(h) if h[..] == p.state.content_hash[..16] => {
+                            out.outcomes.push(Outcome::Unchanged { index, id: p.id });
+                            continue;
+                        }
+                        Some(_) => match view.get(&p.id) {
+                            Ok(prev) => prev,
+                            Err(e) => {
+                                let _ = res_tx.send(Err(e));
+                                return;
+                            }
+                        },
+                    };
+                    let (kind, keep) = match classify(prev.as_ref(), &p.state) {
+                        ParcelDelta::Unchanged => (None, false),
+                        ParcelDelta::Added => (Some(ChangeKind::Added), true),
+                        ParcelDelta::Changed(kind) => (kind, true),
+                    };
+                    if keep {
+                        out.outcomes.push(Outcome::Upsert(SpilledParcel {
+                            feature_index: index,
+                            id: p.id,
+                            state: p.state,
+                            geometry: p.geometry,
+                            kind,
+                            from: prev.map(|s| s.zoning),
+                        }));
+                    } else {
+                        out.outcomes.push(Outcome::Unchanged { index, id: p.id });
+                    }
+                }
+                Err(rej) => out.outcomes.push(Outcome::Rejected(QuarantineDraft {
+                    feature_index: index,
+                    parcel_id: rej.parcel_id,
+                    reason: rej.reason,
+                    detail: rej.detail,
+                    raw: truncate(json, 16 * 1024),
+                })),
+            }
+        }
+        if res_tx.send(Ok(out)).is_err() {
+            return;
+        }
+    }
+}
