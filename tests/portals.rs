@@ -1159,3 +1159,82 @@ fn koop_serves_f_geojson_pages_completely() {
     let r = engine.run_source_id("koopgj", RunOptions::default()).expect("third");
     assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 1), "{}", r.line());
 }
+
+// ---------------------------------------------------------------------------------------------
+// rate_per_host: one token bucket per host:port, shared by every source on it; another host
+// (another port on loopback counts as another host) is never slowed by it.
+
+#[test]
+fn sources_on_one_host_share_its_bucket_and_another_host_is_not_delayed() {
+    let features: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let soda = move |arrivals: Arc<Mutex<Vec<Instant>>>| -> Handler {
+        let features = features.clone();
+        Arc::new(move |req: &Req| {
+            arrivals.lock().expect("arrivals").push(Instant::now());
+            if req.target.starts_with("/api/views/") {
+                return json_reply(&json!({"rowsUpdatedAt": 1_700_000_000}));
+            }
+            let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
+            let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let page: Vec<Value> = features.iter().skip(offset).take(limit).cloned().collect();
+            reply(200, "application/json", json!({"type": "FeatureCollection", "features": page}).to_string())
+        })
+    };
+    let (at_a, at_b) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let county_a = Server::start(soda(at_a.clone()));
+    let county_b = Server::start(soda(at_b.clone()));
+    // Each run: the view metadata + pages of 5 over 25 rows (5 full pages and an empty one) = 7.
+    let sources = [
+        source("a1", "socrata", &county_a.url("/resource/aaaa-1111.geojson"), "page_size = 5"),
+        source("a2", "socrata", &county_a.url("/resource/bbbb-2222.geojson"), "page_size = 5"),
+        source("b1", "socrata", &county_b.url("/resource/cccc-3333.geojson"), "page_size = 5"),
+    ]
+    .concat();
+    let dir = tempfile::tempdir().expect("tmp");
+    let rate = 4.0;
+    let text = format!(
+        "[store]\npath = \"zw.redb\"\n[ingest]\nallow_private_targets = true\nrate_per_host = {rate}\nretry_budget = \"60s\"\ntimeout_ms = 5000\n{sources}"
+    );
+    std::fs::write(dir.path().join("zonewatch.toml"), text).expect("config");
+    let engine = Engine::open(Config::load(&dir.path().join("zonewatch.toml")).expect("config")).expect("engine");
+
+    let t0 = Instant::now();
+    let done: Vec<(String, Duration)> = std::thread::scope(|s| {
+        let runs: Vec<_> = ["a1", "a2", "b1"]
+            .into_iter()
+            .map(|id| {
+                let engine = &engine;
+                s.spawn(move || {
+                    let r = engine.run_source_id(id, RunOptions::default()).expect("run");
+                    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 25), "{}", r.line());
+                    (id.to_string(), t0.elapsed())
+                })
+            })
+            .collect();
+        runs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let finished = |id: &str| done.iter().find(|d| d.0 == id).map(|d| d.1).expect("finished");
+
+    // County A: 14 requests through one bucket (burst 4, 4/s). In every window of arrivals, the
+    // count never exceeds what the bucket allows (one request of slack for timing noise).
+    let a: Vec<Instant> = at_a.lock().expect("arrivals").clone();
+    assert_eq!(a.len(), 14);
+    let burst = rate;
+    for i in 0..a.len() {
+        for j in i..a.len() {
+            let span = a[j].saturating_duration_since(a[i]).as_secs_f64();
+            let allowed = burst + rate * span + 1.0;
+            assert!(((j - i + 1) as f64) <= allowed, "{} requests to county A within {span:.3}s (bucket allows {allowed:.1})", j - i + 1);
+        }
+    }
+    let span_a = a[a.len() - 1].saturating_duration_since(a[0]);
+    assert!(span_a >= Duration::from_secs_f64((14.0 - burst - 1.0) / rate), "county A's 14 requests spread over only {span_a:?}");
+
+    // County B: its 7 requests wait only for its own bucket, not behind county A's queue.
+    let b: Vec<Instant> = at_b.lock().expect("arrivals").clone();
+    assert_eq!(b.len(), 7);
+    let (fa, fb) = (finished("a1").max(finished("a2")), finished("b1"));
+    assert!(fb < fa, "county B finished at {fb:?}, after county A ({fa:?})");
+    assert!(fb < Duration::from_secs_f64((7.0 - burst) / rate + 1.0), "county B took {fb:?}");
+    println!("rate_per_host {rate}: county A 14 requests over {span_a:?} (runs done at {fa:?}); county B 7 requests, done at {fb:?}");
+}
