@@ -95,6 +95,8 @@ struct RawSource {
     min_change_area_m2: Option<f64>,
     tolerance_m: Option<f64>,
     overlay_min_share: Option<f64>,
+    /// `arcgis`: `"json"` (default) or `"geojson"`: the `f=` of the query pages.
+    format: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -221,7 +223,7 @@ pub enum SourceKind {
     /// One URL returning a FeatureCollection; conditional GET.
     GeojsonUrl { url: String },
     /// An ArcGIS FeatureServer / MapServer layer URL (ending in the layer number).
-    Arcgis { url: String, page_size: u32 },
+    Arcgis { url: String, page_size: u32, format: crate::ingest::arcgis::ArcgisFormat },
     /// An OGC API – Features collection URL (`…/collections/{id}`).
     Ogcapi { url: String, limit: u32 },
     /// A SODA resource URL (`…/resource/{4x4}.geojson`).
@@ -462,7 +464,7 @@ impl Config {
                         .ok_or_else(|| invalid(format!("{at}: kind = \"file\" needs `path`")))?;
                     SourceKind::File { path: resolve(p) }
                 }
-                other => match crate::ingest::settings::http_kind(other, s.url.as_deref(), s.page_size) {
+                other => match crate::ingest::settings::http_kind(other, s.url.as_deref(), s.page_size, s.format.as_deref()) {
                     Ok(Some(k)) => k,
                     Ok(None) => {
                         return Err(invalid(format!(

@@ -532,9 +532,12 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
     assert!(matches!(err, FetchError::BudgetExhausted { .. }), "{err}");
     assert!(t.elapsed() < Duration::from_secs(3), "stopped by the budget, not the attempts");
 
-    // A gzip bomb is refused without decoding; an oversized body fails cleanly.
+    // A gzip body cut inside its header is corrupt: a permanent error, not retried; an
+    // oversized body fails cleanly.
+    let before = srv.requests().len();
     let err = get(&cfg, &srv.url("/gzip")).unwrap_err();
-    assert!(matches!(err, FetchError::Encoded { .. }), "{err}");
+    assert!(matches!(err, FetchError::Corrupt { .. }) && err.to_string().contains("gzip"), "{err}");
+    assert_eq!(srv.requests().len() - before, 1);
     let small = IngestConfig { max_response_bytes: 4096, ..cfg.clone() };
     let err = get(&small, &srv.url("/big")).unwrap_err();
     assert!(matches!(err, FetchError::TooLarge { limit: 4096, .. }), "{err}");
@@ -876,4 +879,362 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
     assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
     assert!(srv.requests().len() - before > 1, "the floor fetched the rows");
     assert!(r.record.warnings.iter().any(|w| w.starts_with("stale")), "{:?}", r.record.warnings);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compressed responses: zonewatch asks for gzip/deflate, decodes while streaming, and caps both
+// the bytes on the wire (`max_response_bytes`) and the decoded bytes (`max_decompressed_bytes`).
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(data).expect("gzip");
+    e.finish().expect("gzip")
+}
+
+fn encoded(content_type: &str, encoding: &str, body: Vec<u8>) -> Reply {
+    let mut r = reply(200, content_type, body);
+    r.headers.push(("content-encoding".into(), encoding.into()));
+    r
+}
+
+/// Peak resident memory of this process (VmHWM), in bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+#[test]
+fn gzip_and_deflate_layers_are_decoded_and_bombs_stop_at_the_cap() {
+    let mut parcels = grid(40);
+    let plain = layer(&parcels);
+    let gz_layer = Arc::new(Mutex::new(gzip(plain.as_bytes())));
+    let zlib_layer = {
+        let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(plain.as_bytes()).expect("zlib");
+        e.finish().expect("zlib")
+    };
+    // The bomb: a valid FeatureCollection opening, then 512 MiB of spaces. About half a MiB on
+    // the wire.
+    let bomb = {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        e.write_all(b"{\"type\":\"FeatureCollection\",\"features\":[").expect("bomb");
+        let spaces = vec![b' '; 1 << 20];
+        for _ in 0..512 {
+            e.write_all(&spaces).expect("bomb");
+        }
+        e.write_all(b"]}").expect("bomb");
+        e.finish().expect("bomb")
+    };
+    let bomb_wire = bomb.len();
+    let mut corrupt = gzip(plain.as_bytes());
+    let mid = corrupt.len() / 2;
+    for b in &mut corrupt[mid..mid + 16] {
+        *b ^= 0x5a;
+    }
+    let truncated_stream = {
+        let g = gzip(plain.as_bytes());
+        g[..g.len() - 20].to_vec()
+    };
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let incompressible: Vec<u8> = (0..64 * 1024)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect();
+    let noise = gzip(&incompressible);
+    let g2 = gz_layer.clone();
+    let srv = Server::start(Arc::new(move |req: &Req| match req.target.as_str() {
+        "/gz" => encoded("application/geo+json", "gzip", g2.lock().expect("layer").clone()),
+        "/zlib" => encoded("application/geo+json", "deflate", zlib_layer.clone()),
+        "/bomb" => encoded("application/geo+json", "gzip", bomb.clone()),
+        "/corrupt" => encoded("application/geo+json", "gzip", corrupt.clone()),
+        "/cut" => encoded("application/geo+json", "gzip", truncated_stream.clone()),
+        "/noise" => encoded("application/octet-stream", "gzip", noise.clone()),
+        "/br" => encoded("application/json", "br", b"\x0b\x02\x80{}\x03".to_vec()),
+        _ => reply(404, "text/plain", "no"),
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let sources = [("gz", "/gz"), ("zlib", "/zlib"), ("bomb", "/bomb"), ("corrupt", "/corrupt"), ("cut", "/cut")]
+        .iter()
+        .map(|(id, path)| source(id, "geojson_url", &srv.url(path), ""))
+        .collect::<String>();
+    let engine = Engine::open(portal_config(dir.path(), &sources, "max_decompressed_bytes = 8388608")).expect("engine");
+
+    // A legit gzip layer (and a zlib `deflate` one) is ingested exactly as the plain bytes.
+    let r = engine.run_source_id("gz", RunOptions::default()).expect("gzip layer");
+    assert_eq!(r.record.verdict, Verdict::Baseline, "{}", r.line());
+    assert_eq!(r.record.counts.parcels, 40);
+    let req = srv.requests().into_iter().find(|q| q.target == "/gz").expect("request");
+    assert!(req.headers.get("accept-encoding").is_some_and(|v| v.contains("gzip")), "{:?}", req.headers);
+    let r = engine.run_source_id("zlib", RunOptions::default()).expect("deflate layer");
+    assert_eq!(r.record.counts.parcels, 40, "{}", r.line());
+    assert_eq!(
+        engine.store.watermark("gz").expect("wm").expect("some").digest,
+        engine.store.watermark("zlib").expect("wm").expect("some").digest,
+        "the digest is over the decoded bytes, whatever the encoding"
+    );
+    // Re-compressed differently (another level), same content: identical.
+    *gz_layer.lock().expect("layer") = {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        e.write_all(plain.as_bytes()).expect("gzip");
+        e.finish().expect("gzip")
+    };
+    assert_eq!(engine.run_source_id("gz", RunOptions::default()).expect("again").record.verdict, Verdict::Identical);
+    parcels[7].zone = "C-3".into();
+    *gz_layer.lock().expect("layer") = gzip(layer(&parcels).as_bytes());
+    let r = engine.run_source_id("gz", RunOptions::default()).expect("changed");
+    assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 1), "{}", r.line());
+
+    // The bomb: small on the wire, 512 MiB decoded. It fails naming the cap, commits nothing,
+    // is not retried, and never holds much more than the cap in memory.
+    let before_rss = peak_rss();
+    let before = srv.requests().len();
+    let err = engine.run_source_id("bomb", RunOptions::default()).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(&err, PipelineError::Ingest(IngestError::Fetch(FetchError::DecodedTooLarge { limit: 8_388_608, .. }))),
+        "{text}"
+    );
+    assert!(text.contains("max_decompressed_bytes") && text.contains("8388608"), "{text}");
+    assert_eq!(srv.requests().len() - before, 1, "a bomb is not retried");
+    let grown = peak_rss().saturating_sub(before_rss);
+    assert!(grown < 128 << 20, "peak memory grew by {grown} bytes decoding a 512 MiB bomb with an 8 MiB cap");
+    assert!(engine.store.watermark("bomb").expect("wm").is_none(), "nothing committed");
+    assert!(engine.store.snapshot_states("bomb").expect("snap").is_empty());
+    assert_eq!(engine.store.runs(Some("bomb"), 5).expect("runs")[0].verdict, Verdict::Failed);
+    println!("gzip bomb: {bomb_wire} bytes on the wire, 512 MiB decoded, stopped at 8 MiB; peak RSS grew {} KiB", grown / 1024);
+
+    // A corrupt stream and one cut short inside the gzip trailer fail cleanly (permanent).
+    for id in ["corrupt", "cut"] {
+        let err = engine.run_source_id(id, RunOptions::default()).unwrap_err();
+        assert!(matches!(&err, PipelineError::Ingest(IngestError::Fetch(FetchError::Corrupt { .. }))), "{id}: {err}");
+        assert!(err.to_string().contains("gzip"), "{err}");
+        assert!(engine.store.watermark(id).expect("wm").is_none());
+        assert_eq!(engine.store.runs(Some(id), 5).expect("runs")[0].verdict, Verdict::Failed);
+    }
+
+    // The on-wire cap counts compressed bytes; unknown encodings are refused.
+    let small = IngestConfig { max_response_bytes: 4096, ..ingest_cfg() };
+    let err = get(&small, &srv.url("/noise")).err().expect("over the wire cap");
+    assert!(matches!(err, FetchError::TooLarge { limit: 4096, .. }), "{err}");
+    let err = get(&ingest_cfg(), &srv.url("/br")).err().expect("br refused");
+    assert!(matches!(err, FetchError::Encoded { .. }) && err.to_string().contains("br"), "{err}");
+    // The healthy sources are untouched by the failures.
+    assert_eq!(engine.store.snapshot_states("gz").expect("snap").len(), 40);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ArcGIS `format = "geojson"`: `f=geojson` pages, which many servers send without
+// `exceededTransferLimit`; completeness comes from the `returnCountOnly` count only.
+
+/// Serves `layer` like `arc_handler`, but answers `f=geojson` queries as GeoJSON without the
+/// transfer-limit flag, in pages shorter than asked (`short`), with an empty page from
+/// `empty_from` on, or ignoring `resultOffset` altogether.
+#[derive(Clone, Copy, Default)]
+struct GeojsonQuirks {
+    short: bool,
+    empty_from: Option<usize>,
+    ignore_offset: bool,
+}
+
+fn arc_geojson_handler(layer: Arc<Mutex<ArcLayer>>, quirks: GeojsonQuirks) -> Handler {
+    let inner = arc_handler(layer.clone());
+    Arc::new(move |req: &Req| {
+        if req.param("f").as_deref() != Some("geojson") {
+            return inner(req);
+        }
+        assert_eq!(req.param("returnCountOnly"), None, "the count is asked with f=json");
+        let l = layer.lock().expect("layer");
+        let mut offset: usize = req.param("resultOffset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        if quirks.ignore_offset {
+            offset = 0;
+        }
+        let asked: usize = req.param("resultRecordCount").and_then(|v| v.parse().ok()).unwrap_or(l.max_record_count);
+        let mut n = asked.min(l.max_record_count);
+        if quirks.short {
+            n = n.min(3 + offset % 4);
+        }
+        if quirks.empty_from.is_some_and(|e| offset >= e) {
+            n = 0;
+        }
+        let page: Vec<Value> = l
+            .features
+            .iter()
+            .skip(offset)
+            .take(n)
+            .map(|f| {
+                let ring: Vec<Value> = f["geometry"]["rings"][0].as_array().cloned().unwrap_or_default().into_iter().rev().collect();
+                json!({"type": "Feature", "id": f["attributes"]["OBJECTID"], "properties": f["attributes"], "geometry": {"type": "Polygon", "coordinates": [ring]}})
+            })
+            .collect();
+        reply(200, "application/geo+json", json!({"type": "FeatureCollection", "features": page}).to_string())
+    })
+}
+
+fn geojson_scan(url: &str) -> Result<arcgis::Scan, FetchError> {
+    let session = Session::new(&ingest_cfg()).expect("session");
+    block_on(async {
+        let p = arcgis::probe(&session, url, "APN").await?;
+        arcgis::scan_as(&session, url, &p, 100, "APN", arcgis::ArcgisFormat::Geojson).await
+    })
+    .expect("runtime")
+}
+
+#[test]
+fn arcgis_geojson_without_the_flag_completes_by_the_count_only() {
+    let parcels = grid(47);
+    let new_layer = || Arc::new(Mutex::new(ArcLayer { features: esri_features(&parcels), edit_ms: 1, max_record_count: 10, omit_flag: false, fail_next: None }));
+
+    // Short pages and no flag: paging goes on past every short page until the count is reached.
+    let srv = Server::start(arc_geojson_handler(new_layer(), GeojsonQuirks { short: true, ..Default::default() }));
+    let url = srv.url("/x/FeatureServer/0");
+    let scan = geojson_scan(&url).expect("scan");
+    assert_eq!(scan.features, 47);
+    let fc: Value = serde_json::from_slice(&scan.bytes).expect("json");
+    let feats = fc["features"].as_array().expect("features");
+    let ids: HashSet<&str> = feats.iter().filter_map(|f| f["properties"]["APN"].as_str()).collect();
+    assert_eq!((feats.len(), ids.len()), (47, 47), "every feature exactly once");
+    assert!(feats.iter().all(|f| f["properties"].get("OBJECTID").is_none() && f.get("id").is_none()), "object ids dropped");
+    let pages: Vec<Req> = srv.requests().into_iter().filter(|q| q.param("resultOffset").is_some()).collect();
+    assert!(pages.iter().all(|q| q.param("f").as_deref() == Some("geojson")));
+    assert!(pages.len() > 5, "short pages were not taken as the end: {} pages", pages.len());
+    assert_eq!(pages.len() as u32, scan.pages);
+
+    // Through the engine with `format = "geojson"`: baseline, then an unchanged layer is identical.
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("arcgj", "arcgis", &url, "format = \"geojson\""), "")).expect("engine");
+    let r = engine.run_source_id("arcgj", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels, r.record.counts.quarantined), (Verdict::Baseline, 47, 0), "{}", r.line());
+    let r = engine.run_source_id("arcgj", RunOptions { reprocess: true }).expect("again");
+    assert_eq!(r.record.counts.changes, 0, "{}", r.line());
+
+    // An empty page before the count is reached ends the scan (no endless loop) and the scan
+    // fails as incomplete: nothing is trusted short of the count.
+    let srv = Server::start(arc_geojson_handler(new_layer(), GeojsonQuirks { empty_from: Some(20), ..Default::default() }));
+    let err = geojson_scan(&srv.url("/x/FeatureServer/0")).err().expect("incomplete");
+    assert!(err.to_string().contains("incomplete scan") && err.to_string().contains("47"), "{err}");
+    assert!(srv.requests().len() < 20, "{} requests", srv.requests().len());
+
+    // A server that ignores resultOffset repeats its first page forever: stopped, not looped.
+    let srv = Server::start(arc_geojson_handler(new_layer(), GeojsonQuirks { ignore_offset: true, ..Default::default() }));
+    let err = geojson_scan(&srv.url("/x/FeatureServer/0")).err().expect("incomplete");
+    assert!(err.to_string().contains("incomplete scan"), "{err}");
+    assert!(srv.requests().len() < 20, "{} requests", srv.requests().len());
+}
+
+#[test]
+fn koop_serves_f_geojson_pages_completely() {
+    let work = tempfile::tempdir().expect("tmp");
+    let Some(koop) = start_koop(work.path()) else { return };
+    let mut parcels = grid(137);
+    write_koop_layer(&koop, "parcels", &layer(&parcels), 20);
+    let url = format!("http://127.0.0.1:{}/file-geojson/rest/services/parcels/FeatureServer/0", koop.port);
+    let session = Session::new(&ingest_cfg()).expect("session");
+    let scan = block_on(async {
+        let p = arcgis::probe(&session, &url, "APN").await?;
+        arcgis::scan_as(&session, &url, &p, 1000, "APN", arcgis::ArcgisFormat::Geojson).await
+    })
+    .expect("runtime")
+    .expect("scan");
+    let fc: Value = serde_json::from_slice(&scan.bytes).expect("json");
+    let ids: HashSet<&str> = fc["features"].as_array().expect("features").iter().filter_map(|f| f["properties"]["APN"].as_str()).collect();
+    assert_eq!((scan.features, ids.len()), (137, 137), "every feature exactly once");
+    println!("koop f=geojson: 137 features in {} pages", scan.pages);
+
+    let engine = Engine::open(portal_config(work.path(), &source("koopgj", "arcgis", &url, "format = \"geojson\""), "")).expect("engine");
+    let r = engine.run_source_id("koopgj", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 137), "{}", r.line());
+    let r = engine.run_source_id("koopgj", RunOptions::default()).expect("second");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    parcels[11].zone = "I-2".into();
+    write_koop_layer(&koop, "parcels", &layer(&parcels), 20);
+    let r = engine.run_source_id("koopgj", RunOptions::default()).expect("third");
+    assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 1), "{}", r.line());
+}
+
+// ---------------------------------------------------------------------------------------------
+// rate_per_host: one token bucket per host:port, shared by every source on it; another host
+// (another port on loopback counts as another host) is never slowed by it.
+
+#[test]
+fn sources_on_one_host_share_its_bucket_and_another_host_is_not_delayed() {
+    let features: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let soda = move |arrivals: Arc<Mutex<Vec<Instant>>>| -> Handler {
+        let features = features.clone();
+        Arc::new(move |req: &Req| {
+            arrivals.lock().expect("arrivals").push(Instant::now());
+            if req.target.starts_with("/api/views/") {
+                return json_reply(&json!({"rowsUpdatedAt": 1_700_000_000}));
+            }
+            let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
+            let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let page: Vec<Value> = features.iter().skip(offset).take(limit).cloned().collect();
+            reply(200, "application/json", json!({"type": "FeatureCollection", "features": page}).to_string())
+        })
+    };
+    let (at_a, at_b) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let county_a = Server::start(soda(at_a.clone()));
+    let county_b = Server::start(soda(at_b.clone()));
+    // Each run: the view metadata + pages of 5 over 25 rows (5 full pages and an empty one) = 7.
+    let sources = [
+        source("a1", "socrata", &county_a.url("/resource/aaaa-1111.geojson"), "page_size = 5"),
+        source("a2", "socrata", &county_a.url("/resource/bbbb-2222.geojson"), "page_size = 5"),
+        source("b1", "socrata", &county_b.url("/resource/cccc-3333.geojson"), "page_size = 5"),
+    ]
+    .concat();
+    let dir = tempfile::tempdir().expect("tmp");
+    let rate = 4.0;
+    let text = format!(
+        "[store]\npath = \"zw.redb\"\n[ingest]\nallow_private_targets = true\nrate_per_host = {rate}\nretry_budget = \"60s\"\ntimeout_ms = 5000\n{sources}"
+    );
+    std::fs::write(dir.path().join("zonewatch.toml"), text).expect("config");
+    let engine = Engine::open(Config::load(&dir.path().join("zonewatch.toml")).expect("config")).expect("engine");
+
+    let t0 = Instant::now();
+    let done: Vec<(String, Duration)> = std::thread::scope(|s| {
+        let runs: Vec<_> = ["a1", "a2", "b1"]
+            .into_iter()
+            .map(|id| {
+                let engine = &engine;
+                s.spawn(move || {
+                    let r = engine.run_source_id(id, RunOptions::default()).expect("run");
+                    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 25), "{}", r.line());
+                    (id.to_string(), t0.elapsed())
+                })
+            })
+            .collect();
+        runs.into_iter().map(|h| h.join().expect("thread")).collect()
+    });
+    let finished = |id: &str| done.iter().find(|d| d.0 == id).map(|d| d.1).expect("finished");
+
+    // County A: 14 requests through one bucket (burst 4, 4/s). In every window of arrivals, the
+    // count never exceeds what the bucket allows (one request of slack for timing noise).
+    let a: Vec<Instant> = at_a.lock().expect("arrivals").clone();
+    assert_eq!(a.len(), 14);
+    let burst = rate;
+    for i in 0..a.len() {
+        for j in i..a.len() {
+            let span = a[j].saturating_duration_since(a[i]).as_secs_f64();
+            let allowed = burst + rate * span + 1.0;
+            assert!(((j - i + 1) as f64) <= allowed, "{} requests to county A within {span:.3}s (bucket allows {allowed:.1})", j - i + 1);
+        }
+    }
+    let span_a = a[a.len() - 1].saturating_duration_since(a[0]);
+    assert!(span_a >= Duration::from_secs_f64((14.0 - burst - 1.0) / rate), "county A's 14 requests spread over only {span_a:?}");
+
+    // County B: its 7 requests wait only for its own bucket, not behind county A's queue.
+    let b: Vec<Instant> = at_b.lock().expect("arrivals").clone();
+    assert_eq!(b.len(), 7);
+    let (fa, fb) = (finished("a1").max(finished("a2")), finished("b1"));
+    assert!(fb < fa, "county B finished at {fb:?}, after county A ({fa:?})");
+    assert!(fb < Duration::from_secs_f64((7.0 - burst) / rate + 1.0), "county B took {fb:?}");
+    println!("rate_per_host {rate}: county A 14 requests over {span_a:?} (runs done at {fa:?}); county B 7 requests, done at {fb:?}");
 }

@@ -10,6 +10,11 @@
 //! * the count is taken before and after the scan; if it moved the layer is scanned again;
 //! * errors arrive as HTTP 200 with `{"error":{"code":…}}`: `code >= 500` is retried with half
 //!   the page size, 498/499 is an authentication error, anything else is permanent;
+//! * `format = "geojson"` pages with `f=geojson` instead (servers that support it, e.g. Koop):
+//!   many servers omit `exceededTransferLimit` from GeoJSON output, so a short page proves
+//!   nothing and the scan ends when the distinct features equal the `returnCountOnly` count
+//!   (asked with `f=json`), at an empty page, or when a page brings nothing new (a server
+//!   ignoring `resultOffset`) — and is then checked against the count like any scan;
 //! * Esri JSON rings are converted to GeoJSON (outer rings clockwise, holes counter-clockwise)
 //!   and the object-id attribute is dropped: OBJECTIDs are reassigned on republish, so they are
 //!   never a key and never part of the digest. The configured id field is the key.
@@ -18,6 +23,35 @@ use super::http::{FetchError, Session};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
+
+/// Which `f=` the query pages are asked in (source key `format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ArcgisFormat {
+    /// Esri JSON (`f=json`), rings converted here. The default: every server supports it.
+    #[default]
+    Json,
+    /// GeoJSON (`f=geojson`) where the server supports it.
+    Geojson,
+}
+
+impl ArcgisFormat {
+    /// `"json"` / `"geojson"` as written in the config.
+    pub fn parse(s: &str) -> Option<ArcgisFormat> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "json" => Some(ArcgisFormat::Json),
+            "geojson" => Some(ArcgisFormat::Geojson),
+            _ => None,
+        }
+    }
+
+    /// The `f=` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ArcgisFormat::Json => "json",
+            ArcgisFormat::Geojson => "geojson",
+        }
+    }
+}
 
 /// What the layer metadata says.
 #[derive(Debug, Clone, PartialEq)]
@@ -139,8 +173,48 @@ fn exceeded(v: &Value) -> Option<bool> {
         .and_then(Value::as_bool)
 }
 
-/// Scans the whole layer (see the module doc) into a FeatureCollection.
+/// Scans the whole layer in Esri JSON (see the module doc) into a FeatureCollection.
 pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_size: u32, id_field: &str) -> Result<Scan, FetchError> {
+    scan_as(session, layer_url, probe, page_size, id_field, ArcgisFormat::Json).await
+}
+
+/// One query page's feature → (dedup key, GeoJSON feature without the object id).
+fn page_feature(format: ArcgisFormat, f: &Value, oid_field: Option<&str>, position: u64) -> (String, Value) {
+    match format {
+        ArcgisFormat::Json => {
+            let attrs = f.get("attributes").and_then(Value::as_object).cloned().unwrap_or_default();
+            let key = match oid_field.and_then(|o| attrs.get(o)) {
+                Some(v) => v.to_string(),
+                None => format!("#{position}"),
+            };
+            (key, esri_feature_to_geojson(attrs, f.get("geometry"), oid_field))
+        }
+        ArcgisFormat::Geojson => {
+            let mut props = f.get("properties").and_then(Value::as_object).cloned().unwrap_or_default();
+            let key = f
+                .get("id")
+                .filter(|v| !v.is_null())
+                .or_else(|| oid_field.and_then(|o| props.get(o)))
+                .map(Value::to_string)
+                .unwrap_or_else(|| format!("#{position}"));
+            if let Some(o) = oid_field {
+                props.remove(o);
+            }
+            let geometry = f.get("geometry").cloned().unwrap_or(Value::Null);
+            (key, json!({"type": "Feature", "properties": Value::Object(props), "geometry": geometry}))
+        }
+    }
+}
+
+/// A GeoJSON page's `crs`, when it names anything but WGS 84 lon/lat.
+fn foreign_crs(v: &Value) -> Option<String> {
+    let name = v.get("crs")?.get("properties")?.get("name")?.as_str()?;
+    let n = name.to_ascii_uppercase();
+    (!(n.ends_with("CRS84") || n.ends_with(":4326") || n.ends_with("::4326") || n.ends_with("/4326"))).then(|| name.to_string())
+}
+
+/// Scans the whole layer (see the module doc) in `format` into a FeatureCollection.
+pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, page_size: u32, id_field: &str, format: ArcgisFormat) -> Result<Scan, FetchError> {
     let mut expected = count(session, layer_url).await?;
     let page_cap = probe.max_record_count.unwrap_or(page_size).min(page_size).max(1);
     let mut order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
@@ -151,12 +225,18 @@ pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_s
         let mut offset: u64 = 0;
         let mut page = page_cap;
         let mut failures = 0;
+        let mut scan_pages = 0u64;
         loop {
             let url = format!(
-                "{layer_url}/query?where=1%3D1&outFields=*&outSR=4326&returnGeometry=true&f=json&orderByFields={}&resultOffset={offset}&resultRecordCount={page}",
+                "{layer_url}/query?where=1%3D1&outFields=*&outSR=4326&returnGeometry=true&f={}&orderByFields={}&resultOffset={offset}&resultRecordCount={page}",
+                format.as_str(),
                 urlencode(&order)
             );
             pages += 1;
+            scan_pages += 1;
+            if scan_pages > 2 * expected.max(collected.len() as u64) + 10 {
+                return Err(FetchError::Protocol { url, reason: format!("{scan_pages} pages without reaching the end of a {expected}-feature layer; giving up") });
+            }
             let v = match session.get(&url, &[]).await?.json().and_then(|v| check_error(&url, &v).map(|_| v)) {
                 Ok(v) => v,
                 Err(e) if retryable_arcgis(&e) => {
@@ -171,24 +251,30 @@ pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_s
             if let Some(w) = wkid.filter(|w| *w != 4326) {
                 return Err(FetchError::Protocol { url, reason: format!("the server answered in spatial reference {w} although outSR=4326 was asked") });
             }
+            if let Some(crs) = foreign_crs(&v) {
+                return Err(FetchError::Protocol { url, reason: format!("the server answered in CRS {crs:?} although outSR=4326 was asked") });
+            }
             let feats = v.get("features").and_then(Value::as_array).ok_or_else(|| FetchError::Protocol {
                 url: url.clone(),
                 reason: "query answer has no features[]".into(),
             })?;
             let n = feats.len() as u64;
+            let mut fresh = 0u64;
             for (i, f) in feats.iter().enumerate() {
-                let attrs = f.get("attributes").and_then(Value::as_object).cloned().unwrap_or_default();
-                let key = match probe.object_id_field.as_deref().and_then(|o| attrs.get(o)) {
-                    Some(v) => v.to_string(),
-                    None => format!("#{}", offset + i as u64),
-                };
-                let feature = esri_feature_to_geojson(attrs, f.get("geometry"), probe.object_id_field.as_deref());
+                let (key, feature) = page_feature(format, f, probe.object_id_field.as_deref(), offset + i as u64);
                 if collected.insert(key, feature).is_some() {
                     duplicates += 1;
+                } else {
+                    fresh += 1;
                 }
             }
             offset += n;
             if n == 0 {
+                break;
+            }
+            if fresh == 0 {
+                // Only features already collected: the server ignores the offset or the order.
+                // Stop; the count check below decides (rescan by id field, or an error).
                 break;
             }
             match exceeded(&v) {

@@ -7,11 +7,14 @@
 //!   by one wall-clock budget per source run ([`Session`]); `Retry-After` (seconds or HTTP-date)
 //!   is a floor, and a `Retry-After` beyond the budget fails at once;
 //! * a per-host token bucket shared by every source of the process (`rate_per_host`);
-//! * response bodies capped at `max_response_bytes`; compressed bodies are never requested,
-//!   and one sent anyway is refused (no gzip bomb can expand);
+//! * `gzip` / `deflate` bodies are asked for and decoded while they stream in
+//!   ([`super::decode`]): the bytes on the wire are capped at `max_response_bytes` and the
+//!   decoded bytes at `max_decompressed_bytes`, so a gzip bomb stops at the cap; a corrupt
+//!   stream is a permanent error; other encodings (`br`, `zstd`) are refused;
 //! * HTML / WAF pages where JSON was expected fail with the status, content type and first bytes;
 //! * redirects are followed by hand (at most 5) so every hop passes the private-target guard.
 
+use super::decode::{BodyDecoder, DecodeError, Encoding};
 use super::settings::IngestConfig;
 use crate::notify::delivery::{is_private, parse_retry_after};
 use std::collections::HashMap;
@@ -30,9 +33,9 @@ pub enum FetchError {
     BudgetExhausted { url: String, attempts: u32, budget_ms: u64, last: String },
     #[error("{url}: expected JSON but got HTTP {status} content-type {content_type:?}, body starts {first_bytes:?}")]
     NotJson { url: String, status: u16, content_type: String, first_bytes: String },
-    #[error("{url}: response is larger than the configured cap of {limit} bytes")]
+    #[error("{url}: response is larger than the configured cap of {limit} bytes ([ingest] max_response_bytes)")]
     TooLarge { url: String, limit: u64 },
-    #[error("{url}: response is content-encoded ({encoding}) although zonewatch asked for identity; refused")]
+    #[error("{url}: response is content-encoded ({encoding}), which zonewatch does not decode (it asks for gzip, deflate or identity); refused")]
     Encoded { url: String, encoding: String },
     #[error("{url}: refused: {host} resolves to private address {ip} (set [ingest] allow_private_targets = true to allow)")]
     PrivateTarget { url: String, host: String, ip: IpAddr },
@@ -48,6 +51,10 @@ pub enum FetchError {
     Protocol { url: String, reason: String },
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
+    #[error("{url}: {encoding} response decodes to more than the configured cap of {limit} bytes ([ingest] max_decompressed_bytes); stopped after {wire_bytes} bytes on the wire")]
+    DecodedTooLarge { url: String, encoding: String, limit: u64, wire_bytes: u64 },
+    #[error("{url}: {reason}")]
+    Corrupt { url: String, reason: String },
 }
 
 /// One received response (2xx or 304).
@@ -213,7 +220,7 @@ impl Session {
                 }
                 tokio::time::sleep(wait).await;
             }
-            let mut req = self.client.get(current.clone()).header("accept-encoding", "identity");
+            let mut req = self.client.get(current.clone()).header("accept-encoding", "gzip, deflate");
             for (k, v) in headers {
                 req = req.header(*k, v.as_str());
             }
@@ -238,29 +245,43 @@ impl Session {
             }
             let content_type = header("content-type").unwrap_or_default();
             if !(200..300).contains(&status) && status != 304 {
-                let body = read_capped(&mut resp, 4096).await.unwrap_or_default();
+                let encoding = Encoding::from_header(header("content-encoding").as_deref());
+                let body = error_body(&mut resp, encoding).await;
                 return Err(FetchError::Status {
                     url: shown,
                     status,
                     detail: format!(", content-type {content_type:?}, body starts {:?}", first_bytes(&body)),
                 });
             }
-            if let Some(enc) = header("content-encoding") {
-                if !enc.eq_ignore_ascii_case("identity") {
-                    return Err(FetchError::Encoded { url: shown, encoding: enc });
-                }
-            }
+            let content_encoding = header("content-encoding");
+            let Some(encoding) = Encoding::from_header(content_encoding.as_deref()) else {
+                return Err(FetchError::Encoded { url: shown, encoding: content_encoding.unwrap_or_default() });
+            };
             let etag = header("etag");
             let last_modified = header("last-modified");
             let cap = self.cfg.max_response_bytes;
             if resp.content_length().is_some_and(|n| n > cap) {
                 return Err(FetchError::TooLarge { url: shown, limit: cap });
             }
-            let body = match read_capped(&mut resp, cap).await {
+            let mut decoder = BodyDecoder::new(encoding, self.cfg.max_decompressed_bytes);
+            let read = read_decoded(&mut resp, cap, &mut decoder).await;
+            let wire_bytes = decoder.wire_bytes();
+            let body = match read.and_then(|()| decoder.finish().map_err(ReadError::Decode)) {
                 Ok(b) => b,
                 Err(ReadError::TooLarge) => return Err(FetchError::TooLarge { url: shown, limit: cap }),
                 Err(ReadError::Timeout) => return Ok(Err(Retryable { why: "timeout reading the body".into(), retry_after: None })),
                 Err(ReadError::Broken(e)) => return Ok(Err(Retryable { why: format!("body cut short: {e}"), retry_after: None })),
+                Err(ReadError::Decode(DecodeError::TooLarge { limit })) => {
+                    return Err(FetchError::DecodedTooLarge {
+                        url: shown,
+                        encoding: encoding.as_str().to_string(),
+                        limit,
+                        wire_bytes,
+                    })
+                }
+                Err(ReadError::Decode(e @ DecodeError::Corrupt { .. })) => {
+                    return Err(FetchError::Corrupt { url: shown, reason: format!("{e} (content-encoding {})", encoding.as_str()) })
+                }
             };
             return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, body }));
         }
@@ -290,6 +311,40 @@ enum ReadError {
     TooLarge,
     Timeout,
     Broken(String),
+    Decode(DecodeError),
+}
+
+/// Streams the body into `decoder`: on-wire bytes capped at `wire_cap`, decoded bytes at the
+/// decoder's own cap (checked chunk by chunk, so a bomb never expands past it).
+async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut BodyDecoder) -> Result<(), ReadError> {
+    loop {
+        match resp.chunk().await {
+            Ok(Some(c)) => {
+                if decoder.wire_bytes() + c.len() as u64 > wire_cap {
+                    return Err(ReadError::TooLarge);
+                }
+                decoder.push(&c).map_err(ReadError::Decode)?;
+            }
+            Ok(None) => return Ok(()),
+            Err(e) if e.is_timeout() => return Err(ReadError::Timeout),
+            Err(e) => return Err(ReadError::Broken(error_chain(&e))),
+        }
+    }
+}
+
+/// The start of an error response's body, decoded when it is compressed (best effort: it
+/// only serves the error message).
+async fn error_body(resp: &mut reqwest::Response, encoding: Option<Encoding>) -> Vec<u8> {
+    let raw = read_capped(resp, 16 * 1024).await.unwrap_or_default();
+    match encoding {
+        Some(Encoding::Identity) | None => raw,
+        Some(enc) => {
+            let mut d = BodyDecoder::new(enc, 64 * 1024);
+            // A cut-off stream still yields what was decoded before the cut.
+            let _ = d.push(&raw);
+            d.decoded_so_far().to_vec()
+        }
+    }
 }
 
 async fn read_capped(resp: &mut reqwest::Response, cap: u64) -> Result<Vec<u8>, ReadError> {

@@ -91,7 +91,7 @@ pub fn fetch(src: &SourceConfig, cfg: &IngestConfig, prev: Option<&Watermark>, n
         let mut r = match &src.kind {
             SourceKind::File { .. } => unreachable_file(),
             SourceKind::GeojsonUrl { url } => geojson_url(&session, url, prev, due).await,
-            SourceKind::Arcgis { url, page_size } => arcgis_source(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
+            SourceKind::Arcgis { url, page_size, format } => arcgis_source(&session, url, *page_size, *format, &src.fields.parcel_id, prev, due).await,
             SourceKind::Ogcapi { url, limit } => ogcapi(&session, url, *limit, &src.fields.parcel_id).await,
             SourceKind::Socrata { url, page_size } => socrata(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
         }?;
@@ -138,6 +138,7 @@ async fn arcgis_source(
     session: &Session,
     url: &str,
     page_size: u32,
+    format: arcgis::ArcgisFormat,
     id_field: &str,
     prev: Option<&Watermark>,
     due: bool,
@@ -152,7 +153,7 @@ async fn arcgis_source(
             }
         }
     }
-    let scan = arcgis::scan(session, url, &probe, page_size, id_field).await?;
+    let scan = arcgis::scan_as(session, url, &probe, page_size, id_field, format).await?;
     Ok(PortalFetch::Layer { bytes: scan.bytes, meta: PortalMeta { pages: scan.pages, ..meta } })
 }
 

@@ -1,6 +1,7 @@
 //! `[ingest]` settings and the HTTP source kinds' config keys. They live here rather than in
 //! `config.rs` so the portal code owns its own knobs; `config.rs` only calls in.
 
+use super::arcgis::ArcgisFormat;
 use crate::config::SourceKind;
 use crate::util::parse_duration;
 use serde::Deserialize;
@@ -18,6 +19,7 @@ pub struct RawIngest {
     max_response_bytes: Option<u64>,
     rate_per_host: Option<f64>,
     allow_private_targets: Option<bool>,
+    max_decompressed_bytes: Option<u64>,
 }
 
 /// `[ingest]`: how HTTP sources talk to portals. One budget for every source; the token
@@ -32,13 +34,16 @@ pub struct IngestConfig {
     pub max_delay: Duration,
     /// Per request (connect + whole body).
     pub timeout: Duration,
-    /// Cap on one response body. zonewatch never asks for or decodes compressed bodies, so
-    /// this is also the decompressed-size cap.
+    /// Cap on one response body as received on the wire (compressed bytes when the portal
+    /// compresses).
     pub max_response_bytes: u64,
     /// Requests per second per host (token bucket, burst = max(1, rate)).
     pub rate_per_host: f64,
     /// Allow portals on loopback / private addresses (tests, on-premise portals).
     pub allow_private_targets: bool,
+    /// Cap on one response body after `gzip` / `deflate` decoding (also applies to identity
+    /// bodies), so a gzip bomb fails once this many bytes have been produced.
+    pub max_decompressed_bytes: u64,
 }
 
 impl Default for IngestConfig {
@@ -52,6 +57,7 @@ impl Default for IngestConfig {
             max_response_bytes: 512 * 1024 * 1024,
             rate_per_host: 2.0,
             allow_private_targets: false,
+            max_decompressed_bytes: 1024 * 1024 * 1024,
         }
     }
 }
@@ -72,6 +78,7 @@ impl RawIngest {
             max_response_bytes: self.max_response_bytes.unwrap_or(d.max_response_bytes),
             rate_per_host: self.rate_per_host.unwrap_or(d.rate_per_host),
             allow_private_targets: self.allow_private_targets.unwrap_or(false),
+            max_decompressed_bytes: self.max_decompressed_bytes.unwrap_or(d.max_decompressed_bytes),
         };
         if cfg.max_attempts == 0 || cfg.max_attempts > 100 {
             return Err("ingest.max_attempts must be between 1 and 100".into());
@@ -85,6 +92,9 @@ impl RawIngest {
         if cfg.max_response_bytes < 1024 {
             return Err("ingest.max_response_bytes must be at least 1024".into());
         }
+        if cfg.max_decompressed_bytes < 1024 {
+            return Err("ingest.max_decompressed_bytes must be at least 1024".into());
+        }
         if !(cfg.rate_per_host.is_finite() && cfg.rate_per_host > 0.0) {
             return Err("ingest.rate_per_host must be a positive number of requests per second".into());
         }
@@ -92,12 +102,17 @@ impl RawIngest {
     }
 }
 
-/// Builds an HTTP source kind from its `kind`, `url` and `page_size` keys; `Ok(None)` when
-/// `kind` is not an HTTP kind.
-pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>) -> Result<Option<SourceKind>, String> {
+/// Builds an HTTP source kind from its `kind`, `url`, `page_size` and `format` keys;
+/// `Ok(None)` when `kind` is not an HTTP kind.
+pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>, format: Option<&str>) -> Result<Option<SourceKind>, String> {
     if !matches!(kind, "geojson_url" | "arcgis" | "ogcapi" | "socrata") {
         return Ok(None);
     }
+    let arcgis_format = match format {
+        None => ArcgisFormat::default(),
+        Some(f) if kind == "arcgis" => ArcgisFormat::parse(f).ok_or_else(|| format!("format = {f:?}: expected \"json\" or \"geojson\""))?,
+        Some(_) => return Err(format!("format applies only to kind = \"arcgis\", not {kind:?}")),
+    };
     let url = url.ok_or_else(|| format!("kind = {kind:?} needs `url`"))?.trim().to_string();
     let parsed = reqwest::Url::parse(&url).map_err(|e| format!("url {url:?} is not a URL: {e}"))?;
     if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
@@ -113,7 +128,7 @@ pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>) -> Resul
             }
             SourceKind::GeojsonUrl { url }
         }
-        "arcgis" => SourceKind::Arcgis { url: url.trim_end_matches('/').to_string(), page_size: page_size.unwrap_or(1000) },
+        "arcgis" => SourceKind::Arcgis { url: url.trim_end_matches('/').to_string(), page_size: page_size.unwrap_or(1000), format: arcgis_format },
         "ogcapi" => SourceKind::Ogcapi { url: url.trim_end_matches('/').to_string(), limit: page_size.unwrap_or(10_000) },
         _ => SourceKind::Socrata { url, page_size: page_size.unwrap_or(1000) },
     }))
@@ -124,7 +139,7 @@ pub fn describe_kind(kind: &SourceKind) -> String {
     match kind {
         SourceKind::File { path } => format!("kind=file path={}", path.display()),
         SourceKind::GeojsonUrl { url } => format!("kind=geojson_url url={url}"),
-        SourceKind::Arcgis { url, page_size } => format!("kind=arcgis url={url} page_size={page_size}"),
+        SourceKind::Arcgis { url, page_size, format } => format!("kind=arcgis url={url} page_size={page_size} format={}", format.as_str()),
         SourceKind::Ogcapi { url, limit } => format!("kind=ogcapi url={url} limit={limit}"),
         SourceKind::Socrata { url, page_size } => format!("kind=socrata url={url} page_size={page_size}"),
     }
@@ -146,7 +161,13 @@ mod tests {
     #[test]
     fn http_kinds_parse_with_defaults() {
         let c = cfg("kind = \"arcgis\"\nurl = \"https://gis.example.gov/arcgis/rest/services/P/FeatureServer/0/\"", "").unwrap();
-        assert_eq!(c.sources[0].kind, SourceKind::Arcgis { url: "https://gis.example.gov/arcgis/rest/services/P/FeatureServer/0".into(), page_size: 1000 });
+        assert_eq!(
+            c.sources[0].kind,
+            SourceKind::Arcgis { url: "https://gis.example.gov/arcgis/rest/services/P/FeatureServer/0".into(), page_size: 1000, format: ArcgisFormat::Json }
+        );
+        let g = cfg("kind = \"arcgis\"\nurl = \"https://gis.example.gov/a/FeatureServer/3\"\nformat = \"geojson\"", "[ingest]\nmax_decompressed_bytes = 2048").unwrap();
+        assert!(matches!(g.sources[0].kind, SourceKind::Arcgis { format: ArcgisFormat::Geojson, .. }));
+        assert_eq!(g.ingest.max_decompressed_bytes, 2048);
         assert_eq!(c.sources[0].floor, Duration::from_secs(86_400));
         assert_eq!(c.sources[0].stale_after, Duration::from_secs(45 * 86_400));
         assert_eq!(c.ingest, IngestConfig::default());
@@ -163,5 +184,8 @@ mod tests {
         assert!(cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.json\"\npage_size = 0", "").unwrap_err().contains("page_size"));
         assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nrate_per_host = 0.0").unwrap_err().contains("rate_per_host"));
         assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nbogus = 1").is_err());
+        assert!(cfg("kind = \"arcgis\"\nurl = \"https://x/a/0\"\nformat = \"pbf\"", "").unwrap_err().contains("geojson"));
+        assert!(cfg("kind = \"ogcapi\"\nurl = \"https://x/c\"\nformat = \"geojson\"", "").unwrap_err().contains("only to kind"));
+        assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nmax_decompressed_bytes = 10").unwrap_err().contains("max_decompressed_bytes"));
     }
 }
