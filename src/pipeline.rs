@@ -40,10 +40,12 @@ pub enum PipelineError {
 }
 
 /// Options for one run.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RunOptions {
     /// Update the snapshot and prime keys without sending anything.
     pub reprocess: bool,
+    /// Progress of this run for the operator (`zonewatch run`); `None` reports nothing.
+    pub progress: Option<std::sync::Arc<crate::progress::IngestProgress>>,
 }
 
 /// What a run did, for the per-source line `run` prints.
@@ -165,14 +167,20 @@ fn truncate(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
-fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestError> {
+fn parse_layer(bytes: &[u8], src: &SourceConfig, progress: Option<&crate::progress::IngestProgress>) -> Result<ParsedLayer, IngestError> {
     let rules = NormalizeRules { fields: &src.fields, bbox: src.bbox };
     let mut parcels: Vec<Parcel> = Vec::new();
     let mut quarantine = Vec::new();
     let mut repaired = 0;
     let mut raw_of: HashMap<String, (u64, String)> = HashMap::new();
     let mut folded: Vec<(String, String)> = Vec::new();
-    let features = geojson::for_each_feature(bytes, |index, raw| match normalize_feature(raw, &rules) {
+    let mut consumed = 0u64;
+    let features = geojson::for_each_feature(bytes, |index, raw| {
+        consumed += raw.get().len() as u64;
+        if let Some(p) = progress {
+            p.at(index + 1, consumed);
+        }
+        match normalize_feature(raw, &rules) {
         Ok(n) => {
             repaired += u64::from(n.repaired);
             for f in n.folded_fields {
@@ -190,7 +198,7 @@ fn parse_layer(bytes: &[u8], src: &SourceConfig) -> Result<ParsedLayer, IngestEr
             detail: rej.detail,
             raw: truncate(raw.get(), 16 * 1024),
         }),
-    })?;
+    }})?;
     // Duplicate ids: quarantine every copy, never guess which one is right.
     let mut count: HashMap<&str, u32> = HashMap::new();
     for p in &parcels {
@@ -334,7 +342,7 @@ impl Engine {
             }
         }
 
-        let layer = parse_layer(&fetched.bytes, src)?;
+        let layer = parse_layer(&fetched.bytes, src, opts.progress.as_deref())?;
         let old = self.store.snapshot_states(&src.id)?;
         let first_ingest = wm.is_none() && old.is_empty();
         let untouchable: HashSet<String> = layer.quarantine.iter().filter_map(|q| q.parcel_id.clone()).collect();
