@@ -11,6 +11,7 @@
 //! record in `meta` lets the file format evolve; opening a file of an unknown version fails.
 
 pub mod backup;
+pub mod check;
 pub mod codec;
 mod delivery;
 mod derived;
@@ -31,6 +32,7 @@ pub use queries::{AuditFilter, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit};
 pub use subscribers::StoredSubscriber;
 pub use probe::PortalSignals;
+pub use check::ConsistencyReport;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
