@@ -48,7 +48,7 @@ pub enum StoreError {
     Open { path: PathBuf, message: String },
     #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
     InUse { path: PathBuf },
-    #[error("store file {path} has schema version {found}; this zonewatch understands version {expected}. Use the zonewatch release that wrote it, or restore a backup")]
+    #[error("store file {path} has schema version {found}; this zonewatch understands version {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
     Db(#[from] redb::Error),
