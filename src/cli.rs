@@ -152,6 +152,7 @@ pub enum SynthWhat {
 
 /// Exit codes: 0 ok, 1 runtime failure (a source failed, delivery error), 2 config/store error.
 pub fn dispatch(cli: Cli) -> i32 {
+    crate::progress::set_json_logs(cli.log_format == LogFormat::Json);
     match cli.command {
         Command::Demo => match crate::demo::run_demo() {
             Ok(()) => 0,
@@ -228,11 +229,14 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     };
     let mut failed = 0;
     for src in &sources {
+        let progress = Arc::new(crate::progress::IngestProgress::start(&src.id, crate::progress::file_size(src)));
+        let opts = RunOptions { reprocess, progress: Some(progress.clone()) };
         let result = if from_staging {
-            engine.run_source_from_staging(src, RunOptions { reprocess })
+            engine.run_source_from_staging(src, opts)
         } else {
-            engine.run_source(src, RunOptions { reprocess })
+            engine.run_source(src, opts)
         };
+        progress.finish();
         match result {
             Ok(report) => println!("{}", report.line()),
             Err(e) => {

@@ -15,6 +15,7 @@ pub mod ingest;
 pub mod model;
 pub mod notify;
 pub mod pipeline;
+pub mod progress;
 pub mod receiver;
 pub mod schedule;
 pub mod store;

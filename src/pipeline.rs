@@ -51,10 +51,12 @@ enum LayerInput {
 }
 
 /// Options for one run.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RunOptions {
     /// Update the snapshot and prime keys without sending anything.
     pub reprocess: bool,
+    /// Progress of this run for the operator (`zonewatch run`); `None` reports nothing.
+    pub progress: Option<std::sync::Arc<crate::progress::IngestProgress>>,
 }
 
 /// What a run did, for the per-source line `run` prints.
@@ -282,12 +284,14 @@ impl Engine {
         let spill_dir = self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
         let workers = default_workers();
         let scan_started = std::time::Instant::now();
+        let progress = opts.progress.clone().map(|p| move |bytes: u64, features: u64| p.at(features, bytes));
+        let progress: Option<&(dyn Fn(u64, u64) + Sync)> = progress.as_ref().map(|f| f as _);
         let scan = match &input {
             LayerInput::File(path) => {
                 let file = std::fs::File::open(path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
-                scan_layer(file, &rules, &view, spill_dir, workers, None)?
+                scan_layer(file, &rules, &view, spill_dir, workers, progress)?
             }
-            LayerInput::Bytes(bytes) => scan_layer(bytes.as_slice(), &rules, &view, spill_dir, workers, None)?,
+            LayerInput::Bytes(bytes) => scan_layer(bytes.as_slice(), &rules, &view, spill_dir, workers, progress)?,
         };
         drop(view);
         drop(input);

@@ -825,7 +825,7 @@ fn overlapping_triggers_are_skipped_and_staging_replays_without_the_portal() {
     // The payload was staged; re-processing it sends no request.
     let before = srv.requests().len();
     let r = engine
-        .run_source_from_staging(engine.config.source("g").expect("source"), RunOptions { reprocess: true })
+        .run_source_from_staging(engine.config.source("g").expect("source"), RunOptions { reprocess: true, ..Default::default() })
         .expect("staged run");
     assert_eq!(r.record.verdict, Verdict::Reprocessed);
     assert_eq!(r.record.counts.parcels, 10);

@@ -47,7 +47,7 @@ pub enum DeliveryResult {
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
-enum IdemState {
+pub(super) enum IdemState {
     Queued,
     Sent,
     Suppressed,
@@ -55,11 +55,11 @@ enum IdemState {
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
-struct IdemRecord {
-    claimed_ms: u64,
-    expires_ms: u64,
-    lineage_id: String,
-    state: IdemState,
+pub(super) struct IdemRecord {
+    pub(super) claimed_ms: u64,
+    pub(super) expires_ms: u64,
+    pub(super) lineage_id: String,
+    pub(super) state: IdemState,
 }
 
 pub(super) fn claim_in_txn(

@@ -11,6 +11,7 @@
 //! record in `meta` lets the file format evolve; opening a file of an unknown version fails.
 
 pub mod backup;
+pub mod check;
 pub mod codec;
 mod delivery;
 mod derived;
@@ -31,6 +32,7 @@ pub use queries::{AuditFilter, SnapshotView, StoreStats};
 pub use runs::{CommitMode, QuarantineDraft, RunCommit, RunWriter};
 pub use subscribers::StoredSubscriber;
 pub use probe::PortalSignals;
+pub use check::ConsistencyReport;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
@@ -46,7 +48,7 @@ pub enum StoreError {
     Open { path: PathBuf, message: String },
     #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
     InUse { path: PathBuf },
-    #[error("store file {path} has schema version {found}; this zonewatch understands version {expected}. Use the zonewatch release that wrote it, or restore a backup")]
+    #[error("store file {path} has schema version {found}; this zonewatch understands version {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
     Db(#[from] redb::Error),

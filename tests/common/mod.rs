@@ -149,7 +149,7 @@ zoning = "ZONE_CODE"
 
 /// Runs source `s1` once.
 pub fn run(engine: &Engine, reprocess: bool) -> SourceReport {
-    engine.run_source_id("s1", RunOptions { reprocess }).expect("run succeeds")
+    engine.run_source_id("s1", RunOptions { reprocess, ..Default::default() }).expect("run succeeds")
 }
 
 /// Delivers until the outbox is empty or `wait` passes.

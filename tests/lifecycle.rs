@@ -1,0 +1,133 @@
+//! Lifecycle edges of issue 6: a second signal makes `serve` exit at once (the outbox makes
+//! that safe: nothing in flight is lost), and a damaged store or one of an unknown format
+//! version is refused with a message pointing at `zonewatch restore`.
+
+mod common;
+use common::*;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use zonewatch::receiver::{Receiver, Reply};
+
+fn zonewatch_run(ws: &Workspace) -> (Option<i32>, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["run", "--config", ws.config_path().to_str().expect("utf-8")])
+        .output()
+        .expect("binary runs");
+    (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
+    let ok = Command::new("kill").args([sig, &child.id().to_string()]).status().expect("kill runs").success();
+    assert!(ok, "kill {sig}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once_and_loses_nothing() {
+    // A receiver that takes far longer than the test waits: deliveries stay in flight.
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply { status: 200, delay: Duration::from_secs(60), ..Default::default() }), None)
+        .await
+        .expect("receiver");
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "every = \"1h\"",
+    );
+    ws.edit_config("timeout_ms = 2000", "timeout_ms = 120000");
+    let v1 = grid(40);
+    ws.write_layer(&layer(&v1));
+    {
+        // Baseline before the daemon starts, then a version with three rezonings.
+        let engine = ws.engine();
+        run(&engine, false);
+    }
+    let mut v2 = v1.clone();
+    for p in v2.iter_mut().take(3) {
+        p.zone = "M-1".into();
+    }
+    ws.write_layer(&layer(&v2));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["serve", "--config", ws.config_path().to_str().expect("utf-8")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve starts");
+    tokio::task::block_in_place(|| {
+        let start = Instant::now();
+        while rx.received().len() < 3 {
+            assert!(start.elapsed() < Duration::from_secs(30), "deliveries never started ({} received)", rx.received().len());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    // First signal: the daemon starts a graceful stop and waits for its in-flight sends
+    // (up to a minute here). Second signal: it exits at once.
+    signal(&child, "-TERM");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().expect("wait").is_none(), "the first signal must not kill in-flight sends at once");
+    let second = Instant::now();
+    signal(&child, "-TERM");
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(second.elapsed() < Duration::from_secs(10), "serve did not exit after a second signal");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut log = String::new();
+    use std::io::Read;
+    child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
+    assert_eq!(status.code(), Some(130), "{log}");
+    assert!(log.contains("stopping") && log.contains("exiting now"), "{log}");
+
+    // Nothing lost: the three events are still queued (their leases return on open), the
+    // store is consistent, and nothing was recorded as sent.
+    let engine = ws.engine();
+    assert_eq!(engine.store.leased_len().expect("leases"), 0);
+    assert_eq!(engine.store.outbox_len().expect("outbox"), 3);
+    assert_eq!(outcomes(&engine).get("sent"), None);
+    let report = engine.store.check_consistency().expect("check");
+    assert!(report.is_consistent(), "{:?}", report.problems);
+}
+
+#[test]
+fn a_damaged_or_foreign_store_is_refused_pointing_at_restore() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(200)));
+    let store_path = ws.path().join("zw.redb");
+    assert_eq!(zonewatch_run(&ws).0, Some(0));
+    let good = std::fs::read(&store_path).expect("store bytes");
+
+    // Unknown format version.
+    {
+        let store = zonewatch::store::Store::open(&store_path).expect("open");
+        store.force_schema_version(99).expect("force");
+    }
+    let (code, err) = zonewatch_run(&ws);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("schema version 99") && err.contains("zonewatch restore"), "{err}");
+    {
+        // Refused, not migrated or rewritten: the version record still says 99.
+        let err = zonewatch::store::Store::open(&store_path).expect_err("still refused");
+        assert!(err.to_string().contains("99"), "{err}");
+    }
+
+    // Not a store at all.
+    std::fs::write(&store_path, b"this is not a redb file, it is a text file that got in the way").expect("write");
+    let (code, err) = zonewatch_run(&ws);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("zonewatch restore"), "{err}");
+
+    // A real store with its header zeroed, and one cut short.
+    let mut damaged = good.clone();
+    for b in damaged.iter_mut().take(4096) {
+        *b = 0;
+    }
+    std::fs::write(&store_path, &damaged).expect("write");
+    let (code, err) = zonewatch_run(&ws);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("zonewatch restore"), "{err}");
+    std::fs::write(&store_path, &good[..good.len() / 3]).expect("write");
+    let (code, err) = zonewatch_run(&ws);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("zonewatch restore"), "{err}");
+}
