@@ -380,8 +380,8 @@ mod tests {
         assert_eq!(batch.len(), events.len());
         let mut matched = 0;
         for (e, got) in events.iter().zip(&batch) {
-            let want: Vec<&str> = idx.matching_event(e).iter().map(|s| s.id.as_str()).collect();
-            let got: Vec<&str> = got.iter().map(|s| s.id.as_str()).collect();
+            let want: Vec<String> = idx.matching_event(e).iter().map(|s| s.id.clone()).collect();
+            let got: Vec<String> = got.iter().map(|s| s.id.clone()).collect();
             assert_eq!(got, want, "event {e:?}");
             matched += got.len();
         }
