@@ -357,7 +357,13 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             let wake = wake.clone();
             tasks.spawn(async move { d.run(rx, wake).await });
         }
+        // Source runs are CPU-bound and commit one at a time: running more at once than there
+        // are cores only spreads them over more threads and allocator arenas (measured, issue 7:
+        // 100 sources × 200 parcels starting together left an idle `serve` at 56 MiB RSS, against
+        // 25 MiB for the same daemon without sources).
+        let run_slots = Arc::new(tokio::sync::Semaphore::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)));
         for src in engine.config.sources.clone() {
+            let run_slots = run_slots.clone();
             let engine = engine.clone();
             let mut rx = rx.clone();
             let wake = wake.clone();
@@ -369,7 +375,13 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     }
                     let e = engine.clone();
                     let s = src.clone();
-                    match tokio::task::spawn_blocking(move || e.run_source(&s, RunOptions::default())).await {
+                    let permit = run_slots.clone().acquire_owned().await.ok();
+                    if *rx.borrow() {
+                        break;
+                    }
+                    let outcome = tokio::task::spawn_blocking(move || e.run_source(&s, RunOptions::default())).await;
+                    drop(permit);
+                    match outcome {
                         Ok(Ok(report)) if report.record.verdict == crate::model::Verdict::SkippedOverlap => {
                             tracing::warn!(source = %src.id, "skipped_overlap: a run of this source is still going")
                         }

@@ -17,7 +17,7 @@ use crate::config::{LayerKind, SourceConfig};
 use crate::detect::canonical::{content_hash, normalize_code};
 use crate::detect::diff::{diff, RawChange};
 use crate::detect::gate::{decide, GateInput};
-use crate::detect::overlay::DistrictIndex;
+use crate::detect::overlay::{Coverage, DistrictIndex};
 use crate::ingest::districts::read_districts;
 use crate::ingest::source;
 use crate::model::*;
@@ -51,8 +51,8 @@ pub fn derive_all(
 ) -> Derivation {
     let t0 = Instant::now();
     let mut out = Derivation { parcels: Vec::with_capacity(base.len()), shares: Vec::with_capacity(base.len()), uncovered: 0, failed: 0, millis: 0 };
-    for (id, state, geometry) in base {
-        let cov = index.coverage(&geometry.to_geo());
+    let coverages = coverages(index, &base);
+    for ((id, state, geometry), cov) in base.into_iter().zip(coverages) {
         out.failed += u64::from(cov.failed);
         let (code, share) = match layer {
             LayerKind::Overlays => {
@@ -83,6 +83,55 @@ pub fn derive_all(
     }
     out.millis = t0.elapsed().as_millis();
     out
+}
+
+/// Parcels per worker below which coverage is computed on the calling thread.
+const MIN_PARCELS_PER_THREAD: usize = 256;
+
+/// Every base parcel's coverage, in base order, computed on all cores (the parcels are
+/// independent; the index is read-only). Same result as one thread, parcel by parcel.
+fn coverages(index: &DistrictIndex, base: &[(String, ParcelState, StoredGeometry)]) -> Vec<Coverage> {
+    let one = |chunk: &[(String, ParcelState, StoredGeometry)]| -> Vec<Coverage> {
+        chunk.iter().map(|(_, _, g)| index.coverage(&g.to_geo())).collect()
+    };
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(base.len() / MIN_PARCELS_PER_THREAD)
+        .max(1);
+    if threads == 1 {
+        return one(base);
+    }
+    // Small interleaved chunks so that a slow stretch (a dense district boundary) is shared.
+    let chunk = (base.len() / (threads * 16)).max(MIN_PARCELS_PER_THREAD);
+    let chunks: Vec<&[(String, ParcelState, StoredGeometry)]> = base.chunks(chunk).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut results: Vec<Option<Vec<Coverage>>> = Vec::new();
+    results.resize_with(chunks.len(), || None);
+    let parts: Vec<Vec<(usize, Vec<Coverage>)>> = std::thread::scope(|scope| {
+        let work = || {
+            let mut done = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(c) = chunks.get(i) else { break };
+                done.push((i, one(c)));
+            }
+            done
+        };
+        let handles: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+        let mut parts = vec![work()];
+        for h in handles {
+            parts.push(h.join().unwrap_or_default());
+        }
+        parts
+    });
+    for (i, covs) in parts.into_iter().flatten() {
+        if let Some(slot) = results.get_mut(i) {
+            *slot = Some(covs);
+        }
+    }
+    // A chunk is missing only if a worker panicked: compute it here.
+    results.into_iter().enumerate().flat_map(|(i, r)| r.unwrap_or_else(|| one(chunks[i]))).collect()
 }
 
 fn overlay_set(s: &str) -> Vec<&str> {

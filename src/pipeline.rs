@@ -493,8 +493,9 @@ impl Engine {
     /// Matches events against the current subscribers.
     pub fn claims_for(&self, events: &[ChangeEvent]) -> Vec<Claim> {
         let mut claims = Vec::new();
-        for (i, e) in events.iter().enumerate() {
-            for sub in self.subscribers.matching_event(e) {
+        let matched = self.subscribers.match_batch(events);
+        for ((i, e), subs) in events.iter().enumerate().zip(matched) {
+            for sub in subs {
                 claims.push(Claim {
                     event: i,
                     watcher_id: sub.id.clone(),

@@ -14,6 +14,10 @@
 pub mod gen;
 pub mod ingest;
 pub mod rss;
+pub mod matching;
+pub mod commit;
+pub mod overlay;
+pub mod idle;
 
 use clap::{Args, ValueEnum};
 use serde_json::Value;
@@ -187,6 +191,10 @@ pub fn cmd_bench(args: BenchArgs) -> i32 {
     for m in measures {
         let r = match m {
             MeasureName::Ingest => ingest::run(&ctx),
+            MeasureName::Matching => matching::run(&ctx),
+            MeasureName::Commit => commit::run(&ctx),
+            MeasureName::Overlay => overlay::run(&ctx),
+            MeasureName::Idle => idle::run(&ctx),
             other => Err(BenchError::Failed(format!("measure {other:?} is not implemented yet"))),
         };
         if let Err(e) = r {

@@ -2,6 +2,12 @@
 //! `geo` intersects test against the old and the new parcel geometry decides. (geo 0.33 does
 //! not implement rstar 0.14's traits, so the tree holds rectangles tagged with an index into
 //! a Vec of subscribers.)
+//!
+//! A run's events are matched in one batch ([`SubscriberIndex::match_batch`]): one index
+//! snapshot, the events split over the machine's cores, each event's old and new geometry
+//! tested once when they are equal, and an exact test skipped when it is provably true (the
+//! event lies inside an AOI that is exactly its own bounding rectangle). The batch gives the
+//! same answer as [`SubscriberIndex::matching_event`], event by event (tested).
 
 use crate::config::SubscriberConfig;
 use crate::model::{ChangeEvent, Severity, StoredGeometry};
@@ -41,6 +47,10 @@ type Entry = GeomWithData<Rectangle<[f64; 2]>, u32>;
 struct IndexSnapshot {
     tree: RTree<Entry>,
     subscribers: Vec<Arc<Subscriber>>,
+    /// Per subscriber: `Some(rect)` when its AOI is one polygon without holes whose ring is
+    /// exactly its bounding rectangle. Then any geometry whose envelope lies inside `rect`
+    /// intersects it, and the exact test is geo's cheaper `Rect`–polygon one.
+    is_rect: Vec<Option<geo::Rect<f64>>>,
 }
 
 impl IndexSnapshot {
@@ -56,9 +66,92 @@ impl IndexSnapshot {
                 ))
             })
             .collect();
-        IndexSnapshot { tree: RTree::bulk_load(entries), subscribers }
+        let is_rect = subscribers
+            .iter()
+            .map(|s| if aoi_is_rectangle(&s.aoi) { s.aoi.bounding_rect() } else { None })
+            .collect();
+        IndexSnapshot { tree: RTree::bulk_load(entries), subscribers, is_rect }
+    }
+
+    /// Indices of the subscribers whose AOI intersects any of `geoms` (sorted, distinct):
+    /// the same answer as [`SubscriberIndex::matching`], with the rectangle shortcut.
+    fn match_indices(&self, geoms: &[&MultiPolygon<f64>], hits: &mut Vec<u32>) {
+        hits.clear();
+        for g in geoms {
+            let Some(r) = g.bounding_rect() else { continue };
+            // The shortcut needs every part of `g` to have a point (its exterior): then the
+            // whole of `g` lies inside its envelope, and inside any rectangle containing it.
+            let solid = g.0.iter().all(|p| !p.exterior().0.is_empty());
+            let env = AABB::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]);
+            for cand in self.tree.locate_in_envelope_intersecting(env) {
+                if hits.contains(&cand.data) {
+                    continue;
+                }
+                let i = cand.data as usize;
+                let Some(sub) = self.subscribers.get(i) else { continue };
+                let hit = match self.is_rect.get(i).copied().flatten() {
+                    Some(a) => {
+                        let inside = solid
+                            && a.min().x <= r.min().x
+                            && a.min().y <= r.min().y
+                            && a.max().x >= r.max().x
+                            && a.max().y >= r.max().y;
+                        inside || a.intersects(*g)
+                    }
+                    None => sub.aoi.intersects(*g),
+                };
+                if hit {
+                    hits.push(cand.data);
+                }
+            }
+        }
+        hits.sort_unstable();
+    }
+
+    /// Matched subscriber indices of one event (old and new geometry; tested once when equal).
+    fn event_indices(&self, event: &ChangeEvent, hits: &mut Vec<u32>) {
+        let same = matches!((&event.old_geometry, &event.new_geometry), (Some(a), Some(b)) if a == b);
+        let old = event.old_geometry.as_ref().map(StoredGeometry::to_geo);
+        let new = if same { None } else { event.new_geometry.as_ref().map(StoredGeometry::to_geo) };
+        let geoms: Vec<&MultiPolygon<f64>> = old.iter().chain(new.iter()).collect();
+        self.match_indices(&geoms, hits);
     }
 }
+
+/// True when `aoi` is one polygon without holes whose exterior ring runs exactly along its
+/// bounding rectangle (4 corners, closed, axis-parallel edges), e.g. a drawn box.
+fn aoi_is_rectangle(aoi: &MultiPolygon<f64>) -> bool {
+    let [p] = aoi.0.as_slice() else { return false };
+    if !p.interiors().is_empty() {
+        return false;
+    }
+    let ring = &p.exterior().0;
+    if ring.len() != 5 || ring[0] != ring[4] {
+        return false;
+    }
+    let Some(r) = p.bounding_rect() else { return false };
+    if !(r.width() > 0.0 && r.height() > 0.0) {
+        return false;
+    }
+    // Every corner is a bbox corner, all four distinct, every edge axis-parallel.
+    let corner = |c: &geo::Coord<f64>| (c.x == r.min().x || c.x == r.max().x) && (c.y == r.min().y || c.y == r.max().y);
+    let mut seen = [false; 4];
+    for c in &ring[..4] {
+        if !corner(c) {
+            return false;
+        }
+        let k = usize::from(c.x == r.max().x) * 2 + usize::from(c.y == r.max().y);
+        if seen[k] {
+            return false;
+        }
+        seen[k] = true;
+    }
+    ring.windows(2).all(|w| w[0].x == w[1].x || w[0].y == w[1].y)
+}
+
+/// Events per worker below which a batch is matched on the calling thread (a thread costs
+/// more than matching a few hundred events).
+const MIN_EVENTS_PER_THREAD: usize = 512;
 
 /// The spatial index of all subscribers. The subscriber set can be replaced while ingest
 /// and delivery run (the control port edits subscribers): a new index is built off to the
@@ -120,11 +213,194 @@ impl SubscriberIndex {
         hits.into_iter().filter_map(|i| snap.subscribers.get(i as usize).cloned()).collect()
     }
 
+    /// Subscribers each event touches (same answer as [`Self::matching_event`] per event),
+    /// matched against one index snapshot, in parallel over the machine's cores.
+    pub fn match_batch(&self, events: &[ChangeEvent]) -> Vec<Vec<Arc<Subscriber>>> {
+        let snap = self.snapshot();
+        let to_subs = |idx: &[u32]| -> Vec<Arc<Subscriber>> {
+            idx.iter().filter_map(|i| snap.subscribers.get(*i as usize).cloned()).collect()
+        };
+        let run = |chunk: &[ChangeEvent]| -> Vec<Vec<Arc<Subscriber>>> {
+            let mut hits = Vec::new();
+            chunk
+                .iter()
+                .map(|e| {
+                    snap.event_indices(e, &mut hits);
+                    to_subs(&hits)
+                })
+                .collect()
+        };
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(events.len() / MIN_EVENTS_PER_THREAD)
+            .max(1);
+        if threads == 1 {
+            return run(events);
+        }
+        let per = events.len().div_ceil(threads);
+        let parts: Vec<Vec<Vec<Arc<Subscriber>>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = events.chunks(per).skip(1).map(|c| scope.spawn(move || run(c))).collect();
+            // The calling thread takes the first chunk itself.
+            let mut parts = vec![run(&events[..per.min(events.len())])];
+            for h in handles {
+                // A worker only panics on a bug; match its chunk here rather than lose it.
+                parts.push(match h.join() {
+                    Ok(p) => p,
+                    Err(_) => Vec::new(),
+                });
+            }
+            parts
+        });
+        let mut out = Vec::with_capacity(events.len());
+        for p in parts {
+            out.extend(p);
+        }
+        if out.len() != events.len() {
+            // Only after a worker panic: fall back to the plain path for the whole batch.
+            return events.iter().map(|e| self.matching_event(e)).collect();
+        }
+        out
+    }
+
     /// Subscribers a change event touches, through its old or its new geometry.
     pub fn matching_event(&self, event: &ChangeEvent) -> Vec<Arc<Subscriber>> {
         let old = event.old_geometry.as_ref().map(StoredGeometry::to_geo);
         let new = event.new_geometry.as_ref().map(StoredGeometry::to_geo);
         let geoms: Vec<&MultiPolygon<f64>> = old.iter().chain(new.iter()).collect();
         self.matching(&geoms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The batch path must answer exactly as the one-event path, on random AOIs of every
+    //! kind the shortcut distinguishes (rectangles, rotated squares, triangles, donuts,
+    //! multi-part) and random events (old = new, old ≠ new, only old, only new).
+    use super::*;
+    use crate::model::{ChangeKind, Severity};
+    use crate::synth::SplitMix64;
+    use geo::{polygon, LineString, Polygon};
+
+    fn ring(pts: &[(f64, f64)]) -> LineString<f64> {
+        let mut v: Vec<(f64, f64)> = pts.to_vec();
+        v.push(pts[0]);
+        LineString::from(v)
+    }
+
+    fn random_aoi(rng: &mut SplitMix64) -> MultiPolygon<f64> {
+        let (x, y) = (rng.range(0.0, 1.0), rng.range(0.0, 1.0));
+        let s = rng.range(0.005, 0.15);
+        match rng.below(5) {
+            0 => MultiPolygon(vec![polygon![(x: x, y: y), (x: x + s, y: y), (x: x + s, y: y + s), (x: x, y: y + s), (x: x, y: y)]]),
+            1 => MultiPolygon(vec![Polygon::new(ring(&[(x, y - s), (x + s, y), (x, y + s), (x - s, y)]), vec![])]),
+            2 => MultiPolygon(vec![Polygon::new(ring(&[(x, y), (x + s, y), (x, y + s)]), vec![])]),
+            3 => {
+                let h = s / 3.0;
+                MultiPolygon(vec![Polygon::new(
+                    ring(&[(x, y), (x + s, y), (x + s, y + s), (x, y + s)]),
+                    vec![ring(&[(x + h, y + h), (x + 2.0 * h, y + h), (x + 2.0 * h, y + 2.0 * h), (x + h, y + 2.0 * h)])],
+                )])
+            }
+            _ => MultiPolygon(vec![
+                polygon![(x: x, y: y), (x: x + s, y: y), (x: x + s, y: y + s), (x: x, y: y + s), (x: x, y: y)],
+                Polygon::new(ring(&[(x + 2.0 * s, y), (x + 3.0 * s, y), (x + 2.5 * s, y + s)]), vec![]),
+            ]),
+        }
+    }
+
+    fn random_parcel(rng: &mut SplitMix64) -> StoredGeometry {
+        let (x, y) = (rng.range(-0.05, 1.05), rng.range(-0.05, 1.05));
+        let (w, h) = (rng.range(0.0005, 0.02), rng.range(0.0005, 0.02));
+        let pts = if rng.below(3) == 0 {
+            vec![[x, y], [x + w, y + h * 0.2], [x + w * 0.5, y + h], [x, y]]
+        } else {
+            vec![[x, y], [x + w, y], [x + w, y + h], [x, y + h], [x, y]]
+        };
+        StoredGeometry(vec![vec![pts]])
+    }
+
+    fn event(old: Option<StoredGeometry>, new: Option<StoredGeometry>) -> ChangeEvent {
+        ChangeEvent {
+            source_id: "s".into(),
+            jurisdiction: "j".into(),
+            parcel_id: "p".into(),
+            kind: ChangeKind::Rezoned,
+            from: None,
+            to: None,
+            effective_date: None,
+            old_geometry: old,
+            new_geometry: new,
+            area_m2: 1.0,
+            observed_at_ms: 0,
+            severity: Severity::Info,
+        }
+    }
+
+    #[test]
+    fn batch_matches_one_by_one_on_random_inputs() {
+        let mut rng = SplitMix64::new(42);
+        let subs: Vec<Subscriber> = (0..600)
+            .map(|i| Subscriber {
+                id: format!("w{i}"),
+                target: "http://127.0.0.1:9/".into(),
+                secret: None,
+                min_severity: Severity::Info,
+                aoi: random_aoi(&mut rng),
+                secret_old: None,
+            })
+            .collect();
+        let idx = SubscriberIndex::build(subs);
+        let snap = idx.snapshot();
+        assert!(snap.is_rect.iter().filter(|r| r.is_some()).count() > 50, "the shortcut must be exercised");
+        assert!(snap.is_rect.iter().filter(|r| r.is_none()).count() > 50);
+        let events: Vec<ChangeEvent> = (0..5_000)
+            .map(|_| {
+                let g = random_parcel(&mut rng);
+                match rng.below(4) {
+                    0 => event(Some(g.clone()), Some(g)),
+                    1 => event(Some(g), Some(random_parcel(&mut rng))),
+                    2 => event(Some(g), None),
+                    _ => event(None, Some(g)),
+                }
+            })
+            .collect();
+        // Parcels exactly touching rectangle AOIs: along an edge, at a corner, from inside.
+        let mut events = events;
+        for r in snap.is_rect.iter().flatten().take(200) {
+            let (x0, y0, x1, y1) = (r.min().x, r.min().y, r.max().x, r.max().y);
+            let sq = |x: f64, y: f64, s: f64| StoredGeometry(vec![vec![vec![[x, y], [x + s, y], [x + s, y + s], [x, y + s], [x, y]]]]);
+            events.push(event(None, Some(sq(x1, y0, 0.001))));
+            events.push(event(None, Some(sq(x1, y1, 0.001))));
+            events.push(event(None, Some(sq(x0 - 0.001, y0 - 0.001, 0.001))));
+            events.push(event(None, Some(sq(x0, y0, (x1 - x0) * 0.5))));
+            events.push(event(None, Some(sq(x1 + 1e-9, y0, 0.001))));
+        }
+        let batch = idx.match_batch(&events);
+        assert_eq!(batch.len(), events.len());
+        let mut matched = 0;
+        for (e, got) in events.iter().zip(&batch) {
+            let want: Vec<String> = idx.matching_event(e).iter().map(|s| s.id.clone()).collect();
+            let got: Vec<String> = got.iter().map(|s| s.id.clone()).collect();
+            assert_eq!(got, want, "event {e:?}");
+            matched += got.len();
+        }
+        assert!(matched > 1_000, "too few matches ({matched}) to compare anything");
+        // Small batches take the single-thread path: same answers.
+        assert_eq!(idx.match_batch(&events[..10]).len(), 10);
+        assert!(idx.match_batch(&[]).is_empty());
+    }
+
+    #[test]
+    fn rectangle_detection() {
+        let sq = MultiPolygon(vec![polygon![(x: 0.0, y: 0.0), (x: 1.0, y: 0.0), (x: 1.0, y: 1.0), (x: 0.0, y: 1.0), (x: 0.0, y: 0.0)]]);
+        assert!(aoi_is_rectangle(&sq));
+        let diamond = MultiPolygon(vec![Polygon::new(ring(&[(0.0, -1.0), (1.0, 0.0), (0.0, 1.0), (-1.0, 0.0)]), vec![])]);
+        assert!(!aoi_is_rectangle(&diamond));
+        // Bowtie over the bbox corners: corners right, edges diagonal.
+        let bowtie = MultiPolygon(vec![Polygon::new(ring(&[(0.0, 0.0), (1.0, 1.0), (1.0, 0.0), (0.0, 1.0)]), vec![])]);
+        assert!(!aoi_is_rectangle(&bowtie));
+        let flat = MultiPolygon(vec![Polygon::new(ring(&[(0.0, 0.0), (1.0, 0.0), (1.0, 0.0), (0.0, 0.0)]), vec![])]);
+        assert!(!aoi_is_rectangle(&flat));
     }
 }

@@ -1,0 +1,107 @@
+//! Measure 3, claim + outbox + audit commit: how many matched events per second the store
+//! can make durable, by events per write transaction (group commit).
+//!
+//! Why it exists: every alert is an idempotency claim, an outbox row (with its webhook body)
+//! and an audit row, written with an fsync'd redb commit. One commit per event is bounded by
+//! the disk's flush rate; the run commit and delivery outcomes therefore batch. This measure
+//! goes through the store's real claim path (`Store::enqueue` → `claim_in_txn`, the function
+//! `Store::commit_run` calls) on a fresh store per batch size, one claim per event, every key
+//! new, default durability (each commit is flushed to disk).
+
+use super::{emit, gen, per_s, secs, BenchCtx, BenchError, Scale};
+use crate::model::{ChangeEvent, ChangeKind, Severity, StoredGeometry};
+use crate::notify::idem;
+use crate::store::{Claim, Store};
+use crate::synth::CountyIter;
+use serde_json::json;
+use std::time::Instant;
+
+const TTL_MS: u64 = 7 * 24 * 3600 * 1000;
+
+pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
+    // (events per commit, commits)
+    let plan: Vec<(usize, usize)> = match ctx.scale {
+        Scale::Test => vec![(1, 10), (100, 5), (1_000, 2)],
+        Scale::Small => vec![(1, 300), (100, 200), (1_000, 100), (10_000, 10)],
+        Scale::Full => vec![(1, 1_000), (100, 500), (1_000, 200), (10_000, 50)],
+    };
+    let most = plan.iter().map(|(b, c)| b * c).max().unwrap_or(0);
+    let spec = gen::county_spec(most.max(1), ctx.seed);
+    let events: Vec<ChangeEvent> = CountyIter::new(&spec)
+        .take(most)
+        .map(|lot| ChangeEvent {
+            source_id: "bench-county".into(),
+            jurisdiction: "bench".into(),
+            parcel_id: lot.id,
+            kind: ChangeKind::Rezoned,
+            from: Some(lot.zoning),
+            to: Some("M-1".into()),
+            effective_date: Some("2026-01-01".into()),
+            old_geometry: Some(StoredGeometry(vec![vec![lot.ring.clone()]])),
+            new_geometry: Some(StoredGeometry(vec![vec![lot.ring]])),
+            area_m2: 1_400.0,
+            observed_at_ms: 1_780_000_000_000,
+            severity: Severity::Critical,
+        })
+        .collect();
+    for (batch, commits) in plan {
+        measure(ctx, &events, batch, commits)?;
+    }
+    Ok(())
+}
+
+fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize) -> Result<(), BenchError> {
+    let dir = ctx.work.join(format!("commit-store-{batch}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+    let path = dir.join("bench.redb");
+    let store = Store::open(&path).map_err(|e| BenchError::Failed(format!("open store: {e}")))?;
+    let now = crate::util::now_ms();
+    let total = (batch * commits).min(events.len());
+    let mut queued = 0u64;
+    let t = Instant::now();
+    for (n, chunk) in events[..total].chunks(batch.max(1)).enumerate() {
+        let claims: Vec<Claim> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let watcher = format!("bench-sub-{}", i % 97);
+                Claim {
+                    event: i,
+                    key: idem::key_for(&watcher, e),
+                    watcher_id: watcher,
+                    target: "http://127.0.0.1:9/hook".into(),
+                    min_severity: Severity::Info,
+                }
+            })
+            .collect();
+        let c = store
+            .enqueue(chunk, &claims, &format!("bench-county:{n}:0123456789ab"), now, TTL_MS)
+            .map_err(|e| BenchError::Failed(format!("enqueue: {e}")))?;
+        queued += c.queued;
+    }
+    let wall = t.elapsed();
+    if queued != total as u64 {
+        return Err(BenchError::Failed(format!("{queued} queued of {total} claims")));
+    }
+    let stats = store.stats().map_err(|e| BenchError::Failed(format!("stats: {e}")))?;
+    drop(store);
+    let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let _ = std::fs::remove_dir_all(&dir);
+    emit(
+        "commit",
+        json!({
+            "events_per_commit": batch,
+            "commits": total.div_ceil(batch.max(1)),
+            "events": total,
+            "wall_s": secs(wall),
+            "events_per_s": per_s(total as u64, wall.as_secs_f64()),
+            "commits_per_s": per_s(total.div_ceil(batch.max(1)) as u64, wall.as_secs_f64()),
+            "outbox_rows": stats.outbox,
+            "store_mib": super::rss::mib(Some(bytes)),
+            "durable": true,
+            "target_events_per_s": 100_000,
+        }),
+    );
+    Ok(())
+}

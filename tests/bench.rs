@@ -1,0 +1,94 @@
+//! `zonewatch bench --scale test` runs in the suite so the bench code cannot rot. These tests
+//! check that each measure ran and printed sane JSON lines (counts > 0, no `error` field), not
+//! the timings: speed targets are for the reference machine, see docs/PERFORMANCE.md.
+
+use serde_json::Value;
+use std::process::Command;
+
+fn bench_lines(only: &str) -> Vec<Value> {
+    let work = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["bench", "--scale", "test", "--only", only, "--work"])
+        .arg(work.path())
+        .output()
+        .expect("bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench --only {only} failed: {}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status);
+    let lines: Vec<Value> = stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    for l in &lines {
+        assert!(l.get("error").is_none(), "measure failed: {l}");
+    }
+    eprintln!("{stdout}{stderr}");
+    lines
+}
+
+fn of<'a>(lines: &'a [Value], bench: &str) -> Vec<&'a Value> {
+    lines.iter().filter(|l| l["bench"] == bench).collect()
+}
+
+fn num(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("{key} missing or not a number in {v}"))
+}
+
+// ---- measures 2 (matching), 3 (commit), 6 (overlay), 7 (idle) --------------------------------
+
+#[test]
+fn bench_matching_commit_overlay_idle_run_at_test_scale() {
+    let lines = bench_lines("matching,commit,overlay,idle");
+
+    let matching = of(&lines, "matching");
+    assert!(!matching.is_empty(), "no matching line");
+    for m in &matching {
+        assert!(num(m, "events") > 0.0 && num(m, "aois") > 0.0, "{m}");
+        assert!(num(m, "batch_events_per_s") > 0.0 && num(m, "single_thread_one_by_one_events_per_s") > 0.0, "{m}");
+        // The AOI sizes are calibrated for ~1.6 matches per event at 10k AOIs over the whole
+        // county (1.598 measured at `--scale small`); the test scale only takes the first
+        // 3,000 lots, along the county's edge where AOIs are sparser, so the bound is loose.
+        if num(m, "aois") == 10_000.0 {
+            let mean = num(m, "mean_matches_per_event");
+            assert!((0.3..5.0).contains(&mean), "mean matches per event {mean}: {m}");
+        }
+    }
+
+    let commit = of(&lines, "commit");
+    assert!(commit.len() >= 3, "one commit line per batch size: {commit:?}");
+    for c in &commit {
+        assert!(num(c, "events") > 0.0 && num(c, "events_per_s") > 0.0, "{c}");
+        assert_eq!(num(c, "outbox_rows"), num(c, "events"), "every claimed event queued once: {c}");
+    }
+    assert!(commit.iter().any(|c| num(c, "events_per_commit") == 1.0));
+    assert!(commit.iter().any(|c| num(c, "events_per_commit") >= 1000.0));
+
+    let overlay = of(&lines, "overlay");
+    let synthetic: Vec<_> = overlay.iter().filter(|o| o["workload"] == "synthetic").collect();
+    assert_eq!(synthetic.len(), 1, "{overlay:?}");
+    let s = synthetic[0];
+    assert!(num(s, "parcels") > 0.0 && num(s, "districts") > 0.0 && num(s, "derive_s") > 0.0, "{s}");
+    // The districts tile the county: every parcel is covered, and some straddle a boundary.
+    assert_eq!(num(s, "uncovered"), 0.0, "{s}");
+    assert!(num(s, "parcels_split_by_a_boundary") > 0.0, "{s}");
+    let cambridge: Vec<_> = overlay.iter().filter(|o| o["workload"] == "cambridge").collect();
+    assert!(!cambridge.is_empty(), "a cambridge line (or its SKIPPED line) is printed");
+    for c in cambridge {
+        if c.get("skipped").is_some() {
+            eprintln!("SKIPPED cambridge overlay bench: {}", c["skipped"]);
+            continue;
+        }
+        assert!(num(c, "parcels") > 10_000.0 && num(c, "polygons") > 0.0 && num(c, "run_s") > 0.0, "{c}");
+        assert_eq!(c["run_verdict"], "baseline", "{c}");
+    }
+
+    let idle = of(&lines, "idle");
+    assert_eq!(idle.len(), 1, "{idle:?}");
+    let i = idle[0];
+    assert_eq!(num(i, "sources"), 100.0);
+    assert_eq!(num(i, "subscribers"), 10_000.0);
+    assert!(num(i, "rss_idle_mib") > 0.0 && num(i, "idle_window_s") > 0.0, "{i}");
+    assert!(num(i, "idle_cpu_s") >= 0.0, "{i}");
+    assert_eq!(i["stopped_cleanly"], true, "serve stops cleanly on SIGTERM: {i}");
+}
