@@ -11,8 +11,10 @@
 //! `--scale test` runs every measure at toy sizes: the test suite uses it so the bench code
 //! cannot rot (it checks the outputs are sane, not the timings).
 
+pub mod delivery;
 pub mod gen;
 pub mod ingest;
+pub mod recovery;
 pub mod rss;
 
 use clap::{Args, ValueEnum};
@@ -187,6 +189,8 @@ pub fn cmd_bench(args: BenchArgs) -> i32 {
     for m in measures {
         let r = match m {
             MeasureName::Ingest => ingest::run(&ctx),
+            MeasureName::Delivery => delivery::run(&ctx),
+            MeasureName::Recovery => recovery::run(&ctx),
             other => Err(BenchError::Failed(format!("measure {other:?} is not implemented yet"))),
         };
         if let Err(e) = r {
