@@ -185,6 +185,12 @@ impl Deliverer {
     /// outcome commits, so a crash between the send and that commit leaves the row in the
     /// outbox (leases are dropped on open) and it is sent again under the same key.
     pub async fn pump(&self) -> Result<PassStats, DeliveryError> {
+        self.pump_until(None).await
+    }
+
+    /// [`Deliverer::pump`] that stops leasing once `stop` reads true; what is in flight is
+    /// still sent and its outcomes committed before it returns (a graceful `serve` stop).
+    pub async fn pump_until(&self, stop: Option<&tokio::sync::watch::Receiver<bool>>) -> Result<PassStats, DeliveryError> {
         let lease_batch = PIPE_LEASE_BATCH.max(self.cfg.concurrency * 4);
         let max_outstanding = PIPE_MAX_OUTSTANDING.max(lease_batch * 2);
         let lease_ms = self.lease_ms_for(max_outstanding);
@@ -265,9 +271,13 @@ impl Deliverer {
 
         let mut lease_error = None;
         loop {
+            if stop.is_some_and(|s| *s.borrow()) {
+                break;
+            }
             let out = outstanding.load(std::sync::atomic::Ordering::SeqCst);
             if out + lease_batch / 2 > max_outstanding {
-                committed.notified().await;
+                // Bounded wait, so a stop request is seen even while outcomes are slow.
+                let _ = tokio::time::timeout(Duration::from_millis(100), committed.notified()).await;
                 continue;
             }
             let want = lease_batch.min(max_outstanding - out);
@@ -292,7 +302,7 @@ impl Deliverer {
                     break;
                 }
                 // Outcomes still to commit may free retries or close a breaker.
-                committed.notified().await;
+                let _ = tokio::time::timeout(Duration::from_millis(100), committed.notified()).await;
                 continue;
             }
             let probes: HashSet<String> = leased.probes.into_iter().collect();
@@ -354,7 +364,7 @@ impl Deliverer {
             if *shutdown.borrow() {
                 break;
             }
-            let idle = match self.pump().await {
+            let idle = match self.pump_until(Some(&shutdown)).await {
                 Ok(p) => p.attempted == 0,
                 Err(e) => {
                     tracing::error!("delivery pass failed: {e}");
