@@ -92,3 +92,50 @@ fn bench_matching_commit_overlay_idle_run_at_test_scale() {
     assert!(num(i, "idle_cpu_s") >= 0.0, "{i}");
     assert_eq!(i["stopped_cleanly"], true, "serve stops cleanly on SIGTERM: {i}");
 }
+
+#[test]
+fn delivery_and_recovery_measures_run_at_test_scale() {
+    let lines = bench_lines("delivery,recovery");
+    let delivery = *of(&lines, "delivery").first().expect("a delivery line");
+    assert!(num(delivery, "sent") > 0.0 && num(delivery, "per_s") > 0.0, "{delivery}");
+    assert!(num(delivery, "wall_s") > 0.0, "{delivery}");
+    let (p50, p99) = (num(delivery, "p50_ms"), num(delivery, "p99_ms"));
+    assert!(p50 >= 0.0 && p99 >= p50, "{delivery}");
+    assert_eq!(num(delivery, "target"), 30_000.0);
+    assert!(num(delivery, "latency_rows") > 0.0, "{delivery}");
+
+    let recovery = *of(&lines, "recovery").first().expect("a recovery line");
+    assert!(num(recovery, "outbox_rows") > 0.0 && num(recovery, "store_mib") > 0.0, "{recovery}");
+    assert!(num(recovery, "open_s") > 0.0 && num(recovery, "first_delivery_s") > 0.0, "{recovery}");
+    assert_eq!(recovery["repair"], "quick_repair");
+    // With quick-repair records a SIGKILL never costs a full walk of the file.
+    assert_eq!(recovery["full_repair_after_kill"], false, "{recovery}");
+    assert!(num(recovery, "commit_ms_quick_repair") > 0.0 && num(recovery, "commit_ms_without") > 0.0, "{recovery}");
+}
+
+#[test]
+fn ingest_measure_runs_at_test_scale() {
+    let lines = bench_lines("ingest");
+    let ingest = of(&lines, "ingest");
+    let phase = |p: &str| *ingest.iter().find(|l| l["phase"] == p).unwrap_or_else(|| panic!("no {p} line in {ingest:?}"));
+    let parse = phase("parse_only");
+    let n = num(parse, "parcels");
+    assert!(n > 0.0 && num(parse, "features") == n, "{parse}");
+    let baseline = phase("baseline");
+    assert_eq!(baseline["verdict"], "baseline");
+    assert_eq!(num(baseline, "changes"), n, "every parcel is new at the baseline: {baseline}");
+    assert_eq!(num(baseline, "queued"), 0.0, "a baseline sends nothing: {baseline}");
+    let republish = phase("republish");
+    assert_eq!(num(republish, "changes"), 0.0, "a re-publish is not a change: {republish}");
+    assert_eq!(num(republish, "queued"), 0.0, "{republish}");
+    let rezoned = phase("rezoned_1pct");
+    assert_eq!(num(rezoned, "changes"), (n * 0.01).round(), "{rezoned}");
+    for l in [parse, baseline, republish, rezoned] {
+        assert!(num(l, "wall_s") > 0.0 && num(l, "features_per_s") > 0.0, "{l}");
+        if cfg!(target_os = "linux") {
+            assert!(num(l, "peak_rss_mib") > 0.0, "{l}");
+        }
+    }
+    let summary = phase("summary");
+    assert!(summary["pipeline_over_parse_only"]["republish"].as_f64().is_some(), "{summary}");
+}

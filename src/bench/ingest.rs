@@ -15,7 +15,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Subscribers attached during the ingest measure (alerts are matched as in production).
+/// Subscribers attached during the ingest measure (alerts are matched as in production), sized
+/// like the matching measure's AOIs (30–460 m squares).
 const INGEST_SUBSCRIBERS: usize = 1_000;
 
 pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
@@ -62,7 +63,7 @@ effective_date = "EFF_DATE"
     );
     let config = Config::parse_str(&toml, &store_dir).map_err(|e| BenchError::Failed(format!("bench config: {e}")))?;
     let mut engine = Engine::open(config).map_err(|e| BenchError::Failed(format!("open: {e}")))?;
-    let subs: Vec<Subscriber> = gen::aois(&files.spec, INGEST_SUBSCRIBERS, 30.0, 1_500.0, ctx.seed)
+    let subs: Vec<Subscriber> = gen::aois(&files.spec, INGEST_SUBSCRIBERS, 30.0, 460.7, ctx.seed)
         .into_iter()
         .enumerate()
         .map(|(i, aoi)| Subscriber {

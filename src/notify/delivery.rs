@@ -16,7 +16,7 @@ use crate::store::{DeliveryResult, Store, StoreError};
 use crate::util::now_ms;
 use std::net::IpAddr;
 use crate::notify::replay::TokenBucket;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
@@ -37,6 +37,8 @@ pub struct PassStats {
     pub sent: u64,
     pub retried: u64,
     pub dead: u64,
+    /// Outcome transactions committed (group commits).
+    pub commits: u64,
 }
 
 impl std::ops::AddAssign for PassStats {
@@ -45,7 +47,23 @@ impl std::ops::AddAssign for PassStats {
         self.sent += o.sent;
         self.retried += o.retried;
         self.dead += o.dead;
+        self.commits += o.commits;
     }
+}
+
+/// Rows leased per lease transaction by [`Deliverer::pump`].
+pub const PIPE_LEASE_BATCH: usize = 1_024;
+/// At most this many leased entries wait for their outcome commit in [`Deliverer::pump`].
+pub const PIPE_MAX_OUTSTANDING: usize = 4_096;
+/// At most this many outcomes per group commit.
+pub const PIPE_COMMIT_MAX: usize = 8_192;
+
+/// One finished attempt on its way to the committer.
+struct Outcome {
+    result: DeliveryResult,
+    attempt: AttemptRecord,
+    /// The endpoint whose half-open probe this was.
+    probe_of: Option<String>,
 }
 
 /// Sends the outbox. Cheap to clone (all shared state is behind `Arc`).
@@ -78,15 +96,7 @@ impl Deliverer {
     /// other pass can take an entry that is still in flight.
     pub async fn deliver_due(&self) -> Result<PassStats, DeliveryError> {
         let limit = self.cfg.concurrency * 4;
-        let rounds = limit.div_ceil(self.cfg.concurrency) as u32 + 1;
-        let mut lease_ms = self.cfg.timeout.saturating_mul(rounds).as_millis() as u64 + 5_000;
-        if self.cfg.endpoint_rate > 0.0 {
-            // A rate-limited endpoint may take limit/rate seconds for the whole batch.
-            lease_ms += (limit as f64 / self.cfg.endpoint_rate * 1000.0) as u64;
-        }
-        // Per-endpoint slots serialise an endpoint's share of the batch.
-        let ep_rounds = limit.div_ceil(self.cfg.endpoint_concurrency) as u32 + 1;
-        lease_ms = lease_ms.max(self.cfg.timeout.saturating_mul(ep_rounds).as_millis() as u64 + 5_000);
+        let lease_ms = self.lease_ms_for(limit);
         let store = self.store.clone();
         let retry_floor = (limit / 4).max(1);
         let leased = tokio::task::spawn_blocking(move || store.lease_due(now_ms(), lease_ms, limit, retry_floor))
@@ -135,10 +145,193 @@ impl Deliverer {
             ..Default::default()
         };
         match tokio::task::spawn_blocking(move || store.record_outcomes_with(&results, &log, now_ms(), Some(&policy))).await {
-            Ok(r) => r?,
+            Ok(r) => {
+                r?;
+                stats.commits += 1;
+            }
             Err(e) => tracing::error!("recording deliveries failed: {e}"),
         }
         Ok(stats)
+    }
+
+    /// How long a lease must last when up to `outstanding` leased entries may be ahead of an
+    /// entry's outcome commit: every slot timing out in turn, globally and per endpoint, plus
+    /// a rate-limited endpoint's whole share.
+    fn lease_ms_for(&self, outstanding: usize) -> u64 {
+        let rounds = outstanding.div_ceil(self.cfg.concurrency.max(1)) as u32 + 1;
+        let mut lease_ms = self.cfg.timeout.saturating_mul(rounds).as_millis() as u64 + 5_000;
+        if self.cfg.endpoint_rate > 0.0 {
+            // A rate-limited endpoint may take outstanding/rate seconds for the whole batch.
+            lease_ms += (outstanding as f64 / self.cfg.endpoint_rate * 1000.0) as u64;
+        }
+        // Per-endpoint slots serialise an endpoint's share of the batch.
+        let ep_rounds = outstanding.div_ceil(self.cfg.endpoint_concurrency.max(1)) as u32 + 1;
+        lease_ms.max(self.cfg.timeout.saturating_mul(ep_rounds).as_millis() as u64 + 5_000)
+    }
+
+    /// Pipelined delivery until nothing is due: leasing, sending and recording overlap.
+    ///
+    /// * the **leaser** (this task) leases batches of [`PIPE_LEASE_BATCH`] (fresh ahead of
+    ///   retries) whenever fewer than [`PIPE_MAX_OUTSTANDING`] leased entries await their
+    ///   outcome commit; lease commits are non-durable (a lease never outlives its process);
+    /// * each leased entry is a task bounded by the global `concurrency` and the endpoint's
+    ///   slots and rate, exactly as in [`Deliverer::deliver_due`];
+    /// * the **committer** takes every outcome that has arrived (up to [`PIPE_COMMIT_MAX`]) and
+    ///   records them — outbox row removed, terminal audit row, attempt rows, endpoint health,
+    ///   lease dropped — in one durable transaction, while the next outcomes accumulate:
+    ///   a group commit whose size follows the load.
+    ///
+    /// Exactly-once is unchanged: an entry keeps its lease until the transaction holding its
+    /// outcome commits, so a crash between the send and that commit leaves the row in the
+    /// outbox (leases are dropped on open) and it is sent again under the same key.
+    pub async fn pump(&self) -> Result<PassStats, DeliveryError> {
+        self.pump_until(None).await
+    }
+
+    /// [`Deliverer::pump`] that stops leasing once `stop` reads true; what is in flight is
+    /// still sent and its outcomes committed before it returns (a graceful `serve` stop).
+    pub async fn pump_until(&self, stop: Option<&tokio::sync::watch::Receiver<bool>>) -> Result<PassStats, DeliveryError> {
+        let lease_batch = PIPE_LEASE_BATCH.max(self.cfg.concurrency * 4);
+        let max_outstanding = PIPE_MAX_OUTSTANDING.max(lease_batch * 2);
+        let lease_ms = self.lease_ms_for(max_outstanding);
+        let retry_floor = (lease_batch / 4).max(1);
+        let outstanding = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let committed = Arc::new(tokio::sync::Notify::new());
+        let probing: Arc<Mutex<HashSet<String>>> = Default::default();
+        let sem = Arc::new(Semaphore::new(self.cfg.concurrency.max(1)));
+        let (otx, mut orx) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
+
+        let committer = {
+            let store = self.store.clone();
+            let outstanding = outstanding.clone();
+            let committed = committed.clone();
+            let probing = probing.clone();
+            let policy = crate::store::HealthPolicy {
+                breaker_cooldown_ms: self.cfg.breaker_cooldown.as_millis() as u64,
+                disable_after_ms: self.cfg.disable_after.as_millis() as u64,
+                ..Default::default()
+            };
+            tokio::spawn(async move {
+                let mut stats = PassStats::default();
+                let mut failure: Option<DeliveryError> = None;
+                while let Some(first) = orx.recv().await {
+                    let mut batch = vec![first];
+                    while batch.len() < PIPE_COMMIT_MAX {
+                        match orx.try_recv() {
+                            Ok(o) => batch.push(o),
+                            Err(_) => break,
+                        }
+                    }
+                    let n = batch.len();
+                    let mut results = Vec::with_capacity(n);
+                    let mut log = Vec::with_capacity(n);
+                    let mut probes_done = Vec::new();
+                    for o in batch {
+                        match &o.result {
+                            DeliveryResult::Sent { .. } => stats.sent += 1,
+                            DeliveryResult::Retry { .. } => stats.retried += 1,
+                            DeliveryResult::Dead { .. } => stats.dead += 1,
+                        }
+                        stats.attempted += 1;
+                        if let Some(p) = o.probe_of {
+                            probes_done.push(p);
+                        }
+                        results.push(o.result);
+                        log.push(o.attempt);
+                    }
+                    let st = store.clone();
+                    let tc = Instant::now();
+                    let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now_ms(), Some(&policy))).await;
+                    tracing::debug!(n, ms = tc.elapsed().as_secs_f64() * 1000.0, "outcome group commit");
+                    match r {
+                        Ok(Ok(())) => stats.commits += 1,
+                        Ok(Err(e)) => {
+                            // The entries keep their leases: they go out again (same key) once
+                            // the leases expire or the store is next opened.
+                            tracing::error!("recording {n} delivery outcomes failed: {e}");
+                            failure.get_or_insert(DeliveryError::Store(e));
+                        }
+                        Err(e) => {
+                            tracing::error!("recording deliveries failed: {e}");
+                            failure.get_or_insert(DeliveryError::Client(format!("outcome task failed: {e}")));
+                        }
+                    }
+                    {
+                        let mut g = probing.lock().unwrap_or_else(|p| p.into_inner());
+                        for p in probes_done {
+                            g.remove(&p);
+                        }
+                    }
+                    outstanding.fetch_sub(n, std::sync::atomic::Ordering::SeqCst);
+                    committed.notify_one();
+                }
+                (stats, failure)
+            })
+        };
+
+        let mut lease_error = None;
+        loop {
+            if stop.is_some_and(|s| *s.borrow()) {
+                break;
+            }
+            let out = outstanding.load(std::sync::atomic::Ordering::SeqCst);
+            if out + lease_batch / 2 > max_outstanding {
+                // Bounded wait, so a stop request is seen even while outcomes are slow.
+                let _ = tokio::time::timeout(Duration::from_millis(100), committed.notified()).await;
+                continue;
+            }
+            let want = lease_batch.min(max_outstanding - out);
+            let store = self.store.clone();
+            let skip = probing.lock().map(|g| g.clone()).unwrap_or_default();
+            let tl = Instant::now();
+            let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now_ms(), lease_ms, want, retry_floor, &skip)).await;
+            tracing::debug!(out, ms = tl.elapsed().as_secs_f64() * 1000.0, n = leased.as_ref().map(|r| r.as_ref().map(|b| b.entries.len()).unwrap_or(0)).unwrap_or(0), "lease");
+            let leased = match leased {
+                Ok(Ok(b)) => b,
+                Ok(Err(e)) => {
+                    lease_error = Some(DeliveryError::Store(e));
+                    break;
+                }
+                Err(e) => {
+                    lease_error = Some(DeliveryError::Client(format!("lease task failed: {e}")));
+                    break;
+                }
+            };
+            if leased.entries.is_empty() {
+                if outstanding.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                    break;
+                }
+                // Outcomes still to commit may free retries or close a breaker.
+                let _ = tokio::time::timeout(Duration::from_millis(100), committed.notified()).await;
+                continue;
+            }
+            let probes: HashSet<String> = leased.probes.into_iter().collect();
+            if !probes.is_empty() {
+                let mut g = probing.lock().unwrap_or_else(|p| p.into_inner());
+                g.extend(probes.iter().cloned());
+            }
+            outstanding.fetch_add(leased.entries.len(), std::sync::atomic::Ordering::SeqCst);
+            for entry in leased.entries {
+                let this = self.clone();
+                let sem = sem.clone();
+                let otx = otx.clone();
+                let probe_of = probes.contains(&entry.watcher_id).then(|| entry.watcher_id.clone());
+                tokio::spawn(async move {
+                    let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
+                    let _permit = sem.acquire_owned().await;
+                    this.endpoint_rate_wait(&entry.watcher_id).await;
+                    let (result, attempt) = this.attempt(&entry).await;
+                    // The committer outlives every sender (it ends when the last sender is gone).
+                    let _ = otx.send(Outcome { result, attempt, probe_of });
+                });
+            }
+        }
+        drop(otx);
+        let (stats, failure) = committer.await.map_err(|e| DeliveryError::Client(format!("committer failed: {e}")))?;
+        match lease_error.or(failure) {
+            Some(e) => Err(e),
+            None => Ok(stats),
+        }
     }
 
     /// Delivers until the outbox is empty, waiting for retries that fall due before
@@ -146,7 +339,7 @@ impl Deliverer {
     pub async fn drain(&self, deadline: Instant) -> Result<PassStats, DeliveryError> {
         let mut total = PassStats::default();
         loop {
-            let pass = self.deliver_due().await?;
+            let pass = self.pump().await?;
             total += pass;
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = now_ms();
@@ -171,7 +364,7 @@ impl Deliverer {
             if *shutdown.borrow() {
                 break;
             }
-            let idle = match self.deliver_due().await {
+            let idle = match self.pump_until(Some(&shutdown)).await {
                 Ok(p) => p.attempted == 0,
                 Err(e) => {
                     tracing::error!("delivery pass failed: {e}");

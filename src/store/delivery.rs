@@ -2,7 +2,7 @@
 //! only in the transaction that writes its terminal audit row.
 
 use super::codec::{decode, encode};
-use super::runs::{append_audit, append_audits, codec_err};
+use super::runs::{append_audits, codec_err};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -180,8 +180,7 @@ pub(super) fn claim_in_txn(
     Ok(counts)
 }
 
-fn update_idem_state(wtx: &WriteTransaction, key: &str, state: IdemState) -> Result<(), StoreError> {
-    let mut keys = wtx.open_table(IDEM_KEYS)?;
+fn set_idem_state_in(keys: &mut redb::Table<&str, &[u8]>, key: &str, state: IdemState) -> Result<(), StoreError> {
     let current: Option<IdemRecord> = match keys.get(key)? {
         Some(v) => Some(decode(v.value()).map_err(|m| codec_err("idem_keys", m))?),
         None => None,
@@ -204,7 +203,8 @@ impl Store {
         now_ms: u64,
         ttl_ms: u64,
     ) -> Result<ClaimCounts, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let counts = claim_in_txn(&wtx, events, claims, lineage, ClaimMode::Deliver, now_ms, ttl_ms)?;
         wtx.commit()?;
         Ok(counts)
@@ -274,68 +274,89 @@ impl Store {
         if results.is_empty() && attempts.is_empty() {
             return Ok(());
         }
-        let wtx = self.db.begin_write()?;
-        for rec in attempts {
-            super::leases::log_attempt(&wtx, rec)?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
+        // Each table is opened once for the whole batch: a group commit carries thousands of
+        // outcomes and per-row table opens would dominate it.
+        {
+            let mut log = wtx.open_table(DELIVERY_ATTEMPTS)?;
+            for rec in attempts {
+                super::leases::log_attempt_in(&mut log, rec)?;
+            }
         }
-        for result in results {
-            let id = match result {
-                DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
-            };
-            let entry: OutboxEntry = {
-                let outbox = wtx.open_table(OUTBOX)?;
-                let Some(v) = outbox.get(id)? else {
-                    // Already resolved (e.g. by a concurrent recovery); nothing to record.
-                    continue;
+        let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
+        {
+            let mut outbox = wtx.open_table(OUTBOX)?;
+            let mut due = wtx.open_table(OUTBOX_DUE)?;
+            let mut retry_due = wtx.open_table(OUTBOX_RETRY_DUE)?;
+            let mut leases = wtx.open_table(OUTBOX_LEASES)?;
+            let mut keys = wtx.open_table(IDEM_KEYS)?;
+            let mut dead = wtx.open_table(DEAD_LETTERS)?;
+            let mut endpoints = wtx.open_table(ENDPOINTS)?;
+            for result in results {
+                let id = match result {
+                    DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
                 };
-                decode(v.value()).map_err(|m| codec_err("outbox", m))?
-            };
-            wtx.open_table(OUTBOX_LEASES)?.remove(entry.id)?;
-            if let Some(policy) = health {
-                let (success, gone, local) = match result {
-                    DeliveryResult::Sent { .. } => (true, false, false),
-                    DeliveryResult::Retry { error, .. } => (false, error == "http_410_gone", false),
-                    DeliveryResult::Dead { reason, .. } => {
-                        (false, false, reason.starts_with("private_target") || reason.starts_with("bad_") || reason.starts_with("dns"))
+                let entry: OutboxEntry = {
+                    let Some(v) = outbox.get(id)? else {
+                        // Already resolved (e.g. by a concurrent recovery); nothing to record.
+                        continue;
+                    };
+                    decode(v.value()).map_err(|m| codec_err("outbox", m))?
+                };
+                leases.remove(entry.id)?;
+                if let Some(policy) = health {
+                    let (success, gone, local) = match result {
+                        DeliveryResult::Sent { .. } => (true, false, false),
+                        DeliveryResult::Retry { error, .. } => (false, error == "http_410_gone", false),
+                        DeliveryResult::Dead { reason, .. } => {
+                            (false, false, reason.starts_with("private_target") || reason.starts_with("bad_") || reason.starts_with("dns"))
+                        }
+                    };
+                    if !local {
+                        if let Some(row) = super::endpoints::observe_in(&mut endpoints, &entry.watcher_id, success, gone, now_ms, policy)? {
+                            pending.push(row);
+                        }
                     }
-                };
-                if !local {
-                    super::endpoints::observe(&wtx, &entry.watcher_id, success, gone, now_ms, policy)?;
                 }
-            }
-            let attempts = entry.attempts + 1;
-            let mut audit = AuditRow::for_entry(&entry, Outcome::Sent, now_ms, String::new());
-            match result {
-                DeliveryResult::Sent { status, .. } => {
-                    remove_outbox(&wtx, &entry)?;
-                    update_idem_state(&wtx, &entry.key.0, IdemState::Sent)?;
-                    audit.detail = format!("http_{status} attempt {attempts}");
-                    append_audit(&wtx, &mut audit)?;
-                }
-                DeliveryResult::Dead { reason, .. } => {
-                    remove_outbox(&wtx, &entry)?;
-                    update_idem_state(&wtx, &entry.key.0, IdemState::DeadLetter)?;
-                    let mut dead_entry = entry.clone();
-                    dead_entry.attempts = attempts;
-                    let dl = DeadLetter { entry: dead_entry, reason: reason.clone(), dead_at_ms: now_ms };
-                    wtx.open_table(DEAD_LETTERS)?.insert(entry.id, encode(&dl).as_slice())?;
-                    audit.outcome = Outcome::DeadLetter;
-                    audit.detail = reason.clone();
-                    append_audit(&wtx, &mut audit)?;
-                }
-                DeliveryResult::Retry { next_attempt_ms, error, .. } => {
-                    let mut updated = entry.clone();
-                    updated.attempts = attempts;
-                    updated.next_attempt_ms = *next_attempt_ms;
-                    updated.last_error = Some(error.clone());
-                    wtx.open_table(OUTBOX_DUE)?.remove((entry.next_attempt_ms, entry.id))?;
-                    let mut due = wtx.open_table(OUTBOX_RETRY_DUE)?;
-                    due.remove((entry.next_attempt_ms, entry.id))?;
-                    due.insert((*next_attempt_ms, entry.id), ())?;
-                    wtx.open_table(OUTBOX)?.insert(entry.id, encode(&updated).as_slice())?;
+                let attempts = entry.attempts + 1;
+                let mut audit = AuditRow::for_entry(&entry, Outcome::Sent, now_ms, String::new());
+                match result {
+                    DeliveryResult::Sent { status, .. } => {
+                        outbox.remove(entry.id)?;
+                        due.remove((entry.next_attempt_ms, entry.id))?;
+                        retry_due.remove((entry.next_attempt_ms, entry.id))?;
+                        set_idem_state_in(&mut keys, &entry.key.0, IdemState::Sent)?;
+                        audit.detail = format!("http_{status} attempt {attempts}");
+                        pending.push(audit);
+                    }
+                    DeliveryResult::Dead { reason, .. } => {
+                        outbox.remove(entry.id)?;
+                        due.remove((entry.next_attempt_ms, entry.id))?;
+                        retry_due.remove((entry.next_attempt_ms, entry.id))?;
+                        set_idem_state_in(&mut keys, &entry.key.0, IdemState::DeadLetter)?;
+                        let mut dead_entry = entry.clone();
+                        dead_entry.attempts = attempts;
+                        let dl = DeadLetter { entry: dead_entry, reason: reason.clone(), dead_at_ms: now_ms };
+                        dead.insert(entry.id, encode(&dl).as_slice())?;
+                        audit.outcome = Outcome::DeadLetter;
+                        audit.detail = reason.clone();
+                        pending.push(audit);
+                    }
+                    DeliveryResult::Retry { next_attempt_ms, error, .. } => {
+                        let mut updated = entry.clone();
+                        updated.attempts = attempts;
+                        updated.next_attempt_ms = *next_attempt_ms;
+                        updated.last_error = Some(error.clone());
+                        due.remove((entry.next_attempt_ms, entry.id))?;
+                        retry_due.remove((entry.next_attempt_ms, entry.id))?;
+                        retry_due.insert((*next_attempt_ms, entry.id), ())?;
+                        outbox.insert(entry.id, encode(&updated).as_slice())?;
+                    }
                 }
             }
         }
+        append_audits(&wtx, &mut pending)?;
         wtx.commit()?;
         Ok(())
     }
@@ -343,7 +364,8 @@ impl Store {
     /// Deletes idempotency keys that expired before `now_ms`, at most `max` per call, so the
     /// sweep never holds the write lock for long.
     pub fn sweep_expired_keys(&self, now_ms: u64, max: usize) -> Result<usize, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let mut n = 0;
         {
             let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
@@ -373,12 +395,4 @@ impl Store {
         wtx.commit()?;
         Ok(n)
     }
-}
-
-fn remove_outbox(wtx: &WriteTransaction, entry: &OutboxEntry) -> Result<(), StoreError> {
-    wtx.open_table(OUTBOX)?.remove(entry.id)?;
-    wtx.open_table(OUTBOX_DUE)?.remove((entry.next_attempt_ms, entry.id))?;
-    wtx.open_table(OUTBOX_RETRY_DUE)?.remove((entry.next_attempt_ms, entry.id))?;
-    wtx.open_table(OUTBOX_LEASES)?.remove(entry.id)?;
-    Ok(())
 }

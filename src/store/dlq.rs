@@ -62,7 +62,8 @@ impl Store {
         max_replays: u32,
         geometry: Result<(), String>,
     ) -> Result<ReplayOutcome, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let dl: DeadLetter = {
             let t = wtx.open_table(DEAD_LETTERS)?;
             let Some(v) = t.get(id)? else {

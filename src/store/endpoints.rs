@@ -59,8 +59,15 @@ pub(super) fn gate(state: Option<&EndpointState>, now_ms: u64) -> Gate {
 }
 
 fn audit_endpoint(wtx: &WriteTransaction, id: &str, outcome: Outcome, detail: String, now_ms: u64) -> Result<(), StoreError> {
+    let mut row = endpoint_row(id, outcome, detail, now_ms);
+    append_audit(wtx, &mut row)?;
+    Ok(())
+}
+
+/// The audit row of an endpoint being disabled or enabled (logged as a warning too).
+fn endpoint_row(id: &str, outcome: Outcome, detail: String, now_ms: u64) -> AuditRow {
     tracing::warn!(endpoint = id, "{}: {detail}", outcome.as_str());
-    let mut row = AuditRow {
+    AuditRow {
         seq: 0,
         ts_ms: now_ms,
         outcome,
@@ -70,21 +77,20 @@ fn audit_endpoint(wtx: &WriteTransaction, id: &str, outcome: Outcome, detail: St
         parcel_id: None,
         lineage_id: None,
         detail,
-    };
-    append_audit(wtx, &mut row)?;
-    Ok(())
+    }
 }
 
-/// Folds one attempt's result into the endpoint's state. `gone` = the endpoint answered 410.
-pub(super) fn observe(
-    wtx: &WriteTransaction,
+/// Folds one attempt's result into the endpoint's state, on the outcome transaction's open
+/// `endpoints` table (one handle for the whole batch). `gone` = the endpoint answered 410. Returns the `endpoint_disabled` audit row to append, in
+/// order with the batch's other rows, when this result disabled the endpoint.
+pub(super) fn observe_in(
+    t: &mut redb::Table<&str, &[u8]>,
     id: &str,
     success: bool,
     gone: bool,
     now_ms: u64,
     policy: &HealthPolicy,
-) -> Result<(), StoreError> {
-    let mut t = wtx.open_table(ENDPOINTS)?;
+) -> Result<Option<AuditRow>, StoreError> {
     let mut s: EndpointState = match t.get(id)? {
         Some(v) => decode(v.value()).map_err(|e| codec_err("endpoints", e))?,
         None => EndpointState::default(),
@@ -127,11 +133,10 @@ pub(super) fn observe(
         }
     }
     t.insert(id, encode(&s).as_slice())?;
-    drop(t);
     if newly_disabled {
-        audit_endpoint(wtx, id, Outcome::EndpointDisabled, disable.unwrap_or_default(), now_ms)?;
+        return Ok(Some(endpoint_row(id, Outcome::EndpointDisabled, disable.unwrap_or_default(), now_ms)));
     }
-    Ok(())
+    Ok(None)
 }
 
 impl Store {
@@ -150,7 +155,8 @@ impl Store {
     /// Re-enables an endpoint (clears the breaker and its history); audited. Returns false
     /// when the endpoint was not disabled.
     pub fn enable_endpoint(&self, id: &str, now_ms: u64) -> Result<bool, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let was;
         {
             let mut t = wtx.open_table(ENDPOINTS)?;

@@ -19,6 +19,8 @@ pub struct LeasedBatch {
     /// How many of `entries` are first attempts (the rest are retries).
     pub fresh: usize,
     pub lease_until_ms: u64,
+    /// Endpoints (subscriber ids) whose half-open breaker probe is in this batch.
+    pub probes: Vec<String>,
 }
 
 impl Store {
@@ -33,8 +35,23 @@ impl Store {
         fresh_limit: usize,
         retry_floor: usize,
     ) -> Result<LeasedBatch, StoreError> {
+        self.lease_due_probing(now_ms, lease_ms, fresh_limit, retry_floor, &std::collections::HashSet::new())
+    }
+
+    /// [`Store::lease_due`] for a deliverer that keeps several batches in flight: endpoints in
+    /// `probing` already have their half-open probe out, so no second one is leased.
+    pub fn lease_due_probing(
+        &self,
+        now_ms: u64,
+        lease_ms: u64,
+        fresh_limit: usize,
+        retry_floor: usize,
+        probing: &std::collections::HashSet<String>,
+    ) -> Result<LeasedBatch, StoreError> {
         let until = now_ms.saturating_add(lease_ms);
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        // A lease never outlives its process (open drops them all), so it needs no fsync.
+        self.non_durable(&mut wtx);
         let mut batch = LeasedBatch { lease_until_ms: until, ..Default::default() };
         {
             let health = super::endpoints::load_all(&wtx)?;
@@ -62,7 +79,7 @@ impl Store {
                     match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
                         super::endpoints::Gate::Closed => continue,
                         super::endpoints::Gate::Probe => {
-                            if !probed.insert(entry.watcher_id.clone()) {
+                            if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
                                 continue;
                             }
                         }
@@ -81,6 +98,7 @@ impl Store {
             batch.fresh = batch.entries.len();
             let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
             pick(OUTBOX_RETRY_DUE, retry_limit, &mut batch.entries)?;
+            batch.probes = probed.into_iter().collect();
         }
         if batch.entries.is_empty() {
             wtx.abort()?;
@@ -93,7 +111,8 @@ impl Store {
     /// Drops every lease that expires at or before `before_ms` (`u64::MAX`: all of them), so
     /// those entries are due again. Returns how many were dropped.
     pub fn reclaim_leases(&self, before_ms: u64) -> Result<usize, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let n;
         {
             let mut leases = wtx.open_table(OUTBOX_LEASES)?;
@@ -141,7 +160,8 @@ impl Store {
     /// `before_ms`, except those of events still in the dead letters or the delivery quarantine
     /// (they stay until resolved). Bounded per call so the write lock is never held for long.
     pub fn sweep_attempts(&self, before_ms: u64, max: usize) -> Result<usize, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let mut n = 0;
         {
             let mut keep = std::collections::HashSet::new();
@@ -182,10 +202,10 @@ impl Store {
     }
 }
 
-/// Writes one attempt row inside an outcome transaction. The attempt number is the key's
-/// next one in the log (so a replayed dead letter keeps counting instead of overwriting).
-pub(super) fn log_attempt(wtx: &redb::WriteTransaction, rec: &AttemptRecord) -> Result<(), StoreError> {
-    let mut t = wtx.open_table(DELIVERY_ATTEMPTS)?;
+/// Writes one attempt row inside an outcome transaction, on its open `delivery_attempts`
+/// table. The attempt number is the key's next one in the log (so a replayed dead letter
+/// keeps counting instead of overwriting).
+pub(super) fn log_attempt_in(t: &mut redb::Table<(&str, u32), &[u8]>, rec: &AttemptRecord) -> Result<(), StoreError> {
     let last = t.range((rec.key.as_str(), 0u32)..=(rec.key.as_str(), u32::MAX))?.next_back().transpose()?.map(|(k, _)| k.value().1);
     let mut rec = rec.clone();
     rec.attempt = last.map(|n| n.saturating_add(1)).unwrap_or(1);

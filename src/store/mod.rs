@@ -22,6 +22,7 @@ mod queries;
 mod runs;
 mod subscribers;
 mod probe;
+mod repair;
 mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
@@ -33,6 +34,7 @@ pub use runs::{CommitMode, QuarantineDraft, RunCommit, RunWriter};
 pub use subscribers::StoredSubscriber;
 pub use probe::PortalSignals;
 pub use check::ConsistencyReport;
+pub use repair::OpenInfo;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
@@ -83,6 +85,9 @@ pub struct Store {
     path: PathBuf,
     /// Test hook: when set, the next run commit fails just before `commit()` (crash simulation).
     fail_next_commit: std::sync::atomic::AtomicBool,
+    /// Durable commits save redb's allocator state (see `repair.rs`).
+    quick_repair: std::sync::atomic::AtomicBool,
+    open_info: OpenInfo,
 }
 
 impl std::fmt::Debug for Store {
@@ -106,7 +111,12 @@ impl Store {
                 })?;
             }
         }
-        let db = Database::builder().set_cache_size(STORE_CACHE_BYTES).create(path).map_err(|e| match e {
+        // The repair callback is called only when redb has to rebuild the file's allocator
+        // state (an unclean shutdown without a quick-repair record).
+        let full_repair = std::rc::Rc::new(std::cell::Cell::new(false));
+        let flag = full_repair.clone();
+        let opened = std::time::Instant::now();
+        let db = Database::builder().set_cache_size(STORE_CACHE_BYTES).set_repair_callback(move |_| flag.set(true)).create(path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
             other => StoreError::Open {
                 path: path.to_path_buf(),
@@ -115,10 +125,16 @@ impl Store {
                 ),
             },
         })?;
+        let open_info = OpenInfo { full_repair: full_repair.get(), open_s: opened.elapsed().as_secs_f64() };
+        if open_info.full_repair {
+            tracing::warn!(seconds = open_info.open_s, "store was not shut down cleanly: redb rebuilt it (full repair)");
+        }
         let store = Store {
             db,
             path: path.to_path_buf(),
             fail_next_commit: std::sync::atomic::AtomicBool::new(false),
+            quick_repair: std::sync::atomic::AtomicBool::new(true),
+            open_info,
         };
         store.init_schema()?;
         Ok(store)
@@ -149,7 +165,8 @@ impl Store {
                 Err(e) => return Err(e.into()),
             }
         }
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         {
             let mut meta = wtx.open_table(META)?;
             if meta.get(META_SCHEMA)?.is_none() {

@@ -37,7 +37,8 @@ impl Store {
         features_hint: u64,
         warnings: Vec<String>,
     ) -> Result<RunRecord, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
         let wm: Option<Watermark> = {
             let t = wtx.open_table(WATERMARKS)?;

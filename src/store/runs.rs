@@ -116,7 +116,8 @@ impl Store {
         now_ms: u64,
         idem_ttl_ms: u64,
     ) -> Result<RunWriter<'_>, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let run_id = {
             let runs = wtx.open_table(RUNS)?;
             let last = runs.last()?.map(|(k, _)| k.value());
@@ -176,7 +177,8 @@ impl Store {
         now_ms: u64,
         features_hint: u64,
     ) -> Result<RunRecord, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let mut wm: Watermark = {
             let t = wtx.open_table(WATERMARKS)?;
             let v = t
@@ -219,7 +221,8 @@ impl Store {
         hold_id: Option<u64>,
         error: Option<String>,
     ) -> Result<RunRecord, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
         let record = RunRecord {
             run_id,

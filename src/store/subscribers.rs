@@ -36,7 +36,8 @@ impl Store {
 
     /// Inserts or replaces a subscriber; returns the previous record.
     pub fn put_subscriber(&self, sub: &StoredSubscriber) -> Result<Option<StoredSubscriber>, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let prev = {
             let mut t = wtx.open_table(SUBSCRIBERS)?;
             let prev = match t.get(sub.id.as_str())? {
@@ -52,7 +53,8 @@ impl Store {
 
     /// Deletes a subscriber; true when it existed.
     pub fn delete_subscriber(&self, id: &str) -> Result<bool, StoreError> {
-        let wtx = self.db.begin_write()?;
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
         let existed = wtx.open_table(SUBSCRIBERS)?.remove(id)?.is_some();
         wtx.commit()?;
         Ok(existed)
