@@ -91,7 +91,7 @@ async fn backups_taken_during_ingest_and_delivery_are_whole_and_restore() {
         "",
         "every = \"1h\"",
     );
-    let spec = CountySpec { seed: 21, parcels: PARCELS, origin: [-71.5, 42.2] };
+    let spec = CountySpec { seed: 21, parcels: PARCELS, origin: [-71.5, 42.2], blocks_per_row: 12 };
     let mut parcels = generate_county(&spec);
     let v1 = publish(&ws, &parcels);
     let d = tokio::task::block_in_place(|| Daemon::start(&ws));

@@ -1113,7 +1113,7 @@ fn arcgis_geojson_without_the_flag_completes_by_the_count_only() {
     let engine = Engine::open(portal_config(dir.path(), &source("arcgj", "arcgis", &url, "format = \"geojson\""), "")).expect("engine");
     let r = engine.run_source_id("arcgj", RunOptions::default()).expect("baseline");
     assert_eq!((r.record.verdict, r.record.counts.parcels, r.record.counts.quarantined), (Verdict::Baseline, 47, 0), "{}", r.line());
-    let r = engine.run_source_id("arcgj", RunOptions { reprocess: true }).expect("again");
+    let r = engine.run_source_id("arcgj", RunOptions { reprocess: true, ..Default::default() }).expect("again");
     assert_eq!(r.record.counts.changes, 0, "{}", r.line());
 
     // An empty page before the count is reached ends the scan (no endless loop) and the scan

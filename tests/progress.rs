@@ -20,7 +20,7 @@ fn run_cli(ws: &Workspace, extra: &[&str], env: &[(&str, &str)]) -> Output {
 
 /// A synthetic county of `n` parcels inside the workspace's bbox.
 fn county(n: usize) -> String {
-    let parcels = generate_county(&CountySpec { seed: 11, parcels: n, origin: [-71.5, 42.2] });
+    let parcels = generate_county(&CountySpec { seed: 11, parcels: n, origin: [-71.5, 42.2], blocks_per_row: 12 });
     to_geojson(&parcels, "2024-01-01")
 }
 
