@@ -168,7 +168,9 @@ pub fn scan_layer<R: Read + Send>(
             let mut seq = 0u64;
             let mut batch = FeatureBatch { seq, text: String::with_capacity(BATCH * 300), items: Vec::with_capacity(BATCH) };
             let mut hung_up = false;
+            let mut last_offset = 0u64;
             let n = geojson::for_each_feature_in(reader, |f: FeatureText<'_>| {
+                last_offset = f.offset;
                 if hung_up {
                     return;
                 }
@@ -188,6 +190,9 @@ pub fn scan_layer<R: Read + Send>(
             });
             if !batch.items.is_empty() && !hung_up {
                 let _ = feat_tx.send(batch);
+            }
+            if let (Some(p), Ok(n)) = (progress, &n) {
+                p(last_offset, *n);
             }
             n
         });
