@@ -13,7 +13,8 @@
 //! of a re-publish) leave nothing behind but a 20-byte fingerprint of their id.
 //!
 //! After the scan, the stored ids are walked once in order: an id that was not seen (and was
-//! not quarantined this run) is a removal. Duplicate ids are found by sorting the
+//! not quarantined this run) is a removal. When every stored id was seen as a valid feature
+//! (the common case), there can be no removal and that walk is skipped. Duplicate ids are found by sorting the
 //! fingerprints; every copy is quarantined and the parcel is left as it is stored.
 //!
 //! Memory: the snapshot index (32 bytes a stored parcel) and the seen-id fingerprints (24 bytes
@@ -158,6 +159,9 @@ pub fn scan_layer<R: Read + Send>(
     let mut untouchable: HashSet<String> = HashSet::new();
     let mut folded: Vec<(String, String)> = Vec::new();
     let (mut repaired, mut quarantined, mut systemic, mut changes) = (0u64, 0u64, 0u64, 0u64);
+    // Valid features whose id is in the stored snapshot (each stored id at most once when
+    // there are no duplicates): when it equals the snapshot's size, nothing was removed.
+    let mut known_seen = 0u64;
 
     let index: OnceLock<Result<SnapshotIndex, String>> = OnceLock::new();
     let scanned: Result<u64, ScanError> = std::thread::scope(|scope| {
@@ -229,10 +233,12 @@ pub fn scan_layer<R: Read + Send>(
                     let r = match o {
                         Outcome::Unchanged { index, id } => {
                             seen.push((fingerprint(&id), index));
+                            known_seen += 1;
                             Ok(())
                         }
                         Outcome::Upsert(p) => {
                             seen.push((fingerprint(&p.id), p.feature_index));
+                            known_seen += u64::from(p.from.is_some());
                             changes += u64::from(p.kind.is_some());
                             spill.push_parcel(p)
                         }
@@ -283,14 +289,23 @@ pub fn scan_layer<R: Read + Send>(
     let mut removed = Vec::new();
     let mut duplicate_ids: HashSet<String> = HashSet::new();
     let mut gone: Vec<String> = Vec::new();
-    let previous_parcels = view.for_each_hash(|pid, _| {
-        if !dup_prints.is_empty() && dup_prints.contains_key(&fingerprint(pid)) {
-            duplicate_ids.insert(pid.to_string());
-        } else if !is_seen(pid) && !untouchable.contains(pid) {
-            gone.push(pid.to_string());
-        }
-    })?;
+    let stored = match index.get() {
+        Some(Ok(i)) => Some(i.len() as u64),
+        _ => None,
+    };
     drop(index);
+    let previous_parcels = match stored {
+        // Every stored id was seen once as a valid feature: no removal, no stored duplicate;
+        // the second ordered pass over the snapshot is skipped.
+        Some(n) if dup_prints.is_empty() && known_seen == n => n,
+        _ => view.for_each_hash(|pid, _| {
+            if !dup_prints.is_empty() && dup_prints.contains_key(&fingerprint(pid)) {
+                duplicate_ids.insert(pid.to_string());
+            } else if !is_seen(pid) && !untouchable.contains(pid) {
+                gone.push(pid.to_string());
+            }
+        })?,
+    };
     for pid in gone {
         if let Some(state) = view.get(&pid)? {
             removed.push((pid, state));
