@@ -184,3 +184,16 @@ mod tests {
         assert_eq!(parse_rfc3339("2024-02-30x"), None);
     }
 }
+
+/// `s` cut to at most `max` bytes on a character boundary, with `…` when cut (raw feature text
+/// kept in quarantine rows).
+pub fn truncate_text(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}

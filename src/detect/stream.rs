@@ -33,6 +33,7 @@ use std::hash::{Hash, Hasher};
 use std::io::Read;
 use std::path::Path;
 use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// The stored snapshot as (id fingerprint, first 16 bytes of the content hash), sorted.
@@ -122,16 +123,6 @@ fn fingerprint(id: &str) -> [u64; 2] {
     [a.finish(), b.finish()]
 }
 
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
-}
 
 /// Worker threads to use: every core, at most 8.
 pub fn default_workers() -> usize {
@@ -164,6 +155,8 @@ pub fn scan_layer<R: Read + Send>(
     let mut known_seen = 0u64;
 
     let index: OnceLock<Result<SnapshotIndex, String>> = OnceLock::new();
+    let cancel_flag = AtomicBool::new(false);
+    let cancel = &cancel_flag;
     let scanned: Result<u64, ScanError> = std::thread::scope(|scope| {
         // Whoever asks first builds the index; this thread asks at once, so it is read while
         // the first batches are being normalised.
@@ -175,7 +168,8 @@ pub fn scan_layer<R: Read + Send>(
             let mut last_offset = 0u64;
             let n = geojson::for_each_feature_in(reader, |f: FeatureText<'_>| {
                 last_offset = f.offset;
-                if hung_up {
+                if hung_up || cancel.load(Ordering::Relaxed) {
+                    hung_up = true;
                     return;
                 }
                 let start = batch.text.len();
@@ -203,7 +197,7 @@ pub fn scan_layer<R: Read + Send>(
         for _ in 0..workers {
             let res_tx = res_tx.clone();
             let (feat_rx, index) = (&feat_rx, &index);
-            scope.spawn(move || worker(feat_rx, res_tx, rules, view, index));
+            scope.spawn(move || worker(feat_rx, res_tx, rules, view, index, cancel));
         }
         drop(res_tx);
 
@@ -260,7 +254,8 @@ pub fn scan_layer<R: Read + Send>(
                 break;
             }
         }
-        // Stop the producers: dropping the receiver makes their sends fail.
+        // Stop the producers: the scanner sees `cancel`, workers stop working and drain.
+        cancel.store(true, Ordering::Relaxed);
         drop(res_rx);
         let scanned = scanner.join().map_err(|_| ScanError::Worker("the scanning thread panicked".into()))?;
         if let Some(e) = failure {
@@ -341,7 +336,7 @@ pub fn scan_layer<R: Read + Send>(
                     parcel_id: Some(id.clone()),
                     reason: QuarantineReason::DuplicateId,
                     detail: format!("parcel id {id:?} appears more than once in this layer (features {indexes:?})"),
-                    raw: truncate(&serde_json::json!({"parcel_id": id, "feature_indexes": indexes}).to_string(), 16 * 1024),
+                    raw: crate::util::truncate_text(&serde_json::json!({"parcel_id": id, "feature_indexes": indexes}).to_string(), 16 * 1024),
                 });
             }
         }
@@ -372,7 +367,12 @@ fn worker(
     rules: &NormalizeRules,
     view: &SnapshotView,
     snapshot: &OnceLock<Result<SnapshotIndex, String>>,
+    cancel: &AtomicBool,
 ) {
+    // After a failure (ours, or the collector gone) the worker keeps taking batches without
+    // working on them, so the scanning thread can never block on a full channel: it sees
+    // `cancel` and stops, and the channel drains.
+    let mut failed = false;
     loop {
         let batch = match feat_rx.lock() {
             Ok(rx) => match rx.recv() {
@@ -381,6 +381,10 @@ fn worker(
             },
             Err(_) => return,
         };
+        if failed || cancel.load(Ordering::Relaxed) {
+            failed = true;
+            continue;
+        }
         let mut out = ResultBatch { seq: batch.seq, outcomes: Vec::with_capacity(batch.items.len()), repaired: 0, folded: Vec::new() };
         for &(index, a, b) in &batch.items {
             let json = &batch.text[a..b];
@@ -397,7 +401,8 @@ fn worker(
                         Ok(i) => i,
                         Err(e) => {
                             let _ = res_tx.send(Err(StoreError::Conflict(format!("reading the snapshot: {e}"))));
-                            return;
+                            cancel.store(true, Ordering::Relaxed);
+                            break;
                         }
                     };
                     let known = match stored.binary_search_by_key(&fingerprint(&p.id), |e| e.0) {
@@ -414,7 +419,8 @@ fn worker(
                             Ok(prev) => prev,
                             Err(e) => {
                                 let _ = res_tx.send(Err(e));
-                                return;
+                                cancel.store(true, Ordering::Relaxed);
+                                break;
                             }
                         },
                     };
@@ -441,12 +447,13 @@ fn worker(
                     parcel_id: rej.parcel_id,
                     reason: rej.reason,
                     detail: rej.detail,
-                    raw: truncate(json, 16 * 1024),
+                    raw: crate::util::truncate_text(json, 16 * 1024),
                 })),
             }
         }
-        if res_tx.send(Ok(out)).is_err() {
-            return;
+        if cancel.load(Ordering::Relaxed) || res_tx.send(Ok(out)).is_err() {
+            cancel.store(true, Ordering::Relaxed);
+            failed = true;
         }
     }
 }

@@ -51,16 +51,6 @@ struct RawFeature<'a> {
     geometry: Option<&'a RawValue>,
 }
 
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
-}
 
 /// Reads every feature of a district layer; `code_field` names the zoning-code property.
 pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) -> Result<DistrictLayer, IngestError> {
@@ -71,7 +61,7 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             feature_index: index,
             reason,
             detail,
-            raw: truncate(raw, 16 * 1024),
+            raw: crate::util::truncate_text(raw, 16 * 1024),
         };
         let feature: RawFeature = match serde_json::from_str(raw) {
             Ok(f) => f,
