@@ -250,7 +250,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         Err(c) => return c,
     };
     let code = rt.block_on(async {
-        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()) {
+        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -269,10 +269,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             }
         }
     });
-    if let Err(e) = engine.store.sweep_expired_keys(crate::util::now_ms(), 10_000) {
+    if let Err(e) = engine.store.sweep_expired_keys(engine.now(), 10_000) {
         eprintln!("warning: sweeping expired idempotency keys failed: {e}");
     }
-    let horizon = crate::util::now_ms().saturating_sub(engine.config.delivery.retention.as_millis() as u64);
+    let horizon = engine.now().saturating_sub(engine.config.delivery.retention.as_millis() as u64);
     if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
         eprintln!("warning: retention sweep of delivery attempts failed: {e}");
     }
@@ -311,7 +311,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         }
     }
     rt.block_on(async move {
-        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()) {
+        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -347,7 +347,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                 token,
                 runs: runs.clone(),
                 wake: wake.clone(),
-                started_ms: crate::util::now_ms(),
+                started_ms: engine.now(),
             });
             tasks.spawn(crate::control::serve(listener, state, rx.clone()));
         }
@@ -392,7 +392,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         Ok(Err(err)) => tracing::error!(source = %src.id, "run failed: {err}"),
                         Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
                     }
-                    runs.set_next_run(&src.id, crate::util::now_ms() + src.every.as_millis() as u64);
+                    runs.set_next_run(&src.id, engine.now() + src.every.as_millis() as u64);
                     tokio::select! {
                         _ = tokio::time::sleep(crate::ingest::portal::jittered(src.every)) => {}
                         _ = rx.changed() => {}
@@ -402,6 +402,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         }
         {
             let store = engine.store.clone();
+            let clock = engine.clock.clone();
             let retention = engine.config.delivery.retention;
             let mut rx = rx.clone();
             tasks.spawn(async move {
@@ -411,13 +412,14 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = rx.changed() => break,
                     }
                     let s = store.clone();
-                    match tokio::task::spawn_blocking(move || s.sweep_expired_keys(crate::util::now_ms(), 10_000)).await {
+                    let now = clock.now_ms();
+                    match tokio::task::spawn_blocking(move || s.sweep_expired_keys(now, 10_000)).await {
                         Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "expired idempotency keys removed"),
                         Ok(Err(e)) => tracing::warn!("key sweep failed: {e}"),
                         _ => {}
                     }
                     let s = store.clone();
-                    let horizon = crate::util::now_ms().saturating_sub(retention.as_millis() as u64);
+                    let horizon = clock.now_ms().saturating_sub(retention.as_millis() as u64);
                     match tokio::task::spawn_blocking(move || s.sweep_attempts(horizon, 10_000)).await {
                         Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "delivery attempts past retention removed"),
                         Ok(Err(e)) => tracing::warn!("attempt retention sweep failed: {e}"),
@@ -756,7 +758,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     Err(c) => return c,
                 };
                 rt.block_on(async {
-                    match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()) {
+                    match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
                         Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
                             Ok(s) => {
                                 println!("delivery: sent={} retried={} dead_letters={}", s.sent, s.retried, s.dead);

@@ -6,7 +6,7 @@ use crate::model::DeadLetter;
 use crate::notify::delivery::Deliverer;
 use crate::notify::replay;
 use crate::pipeline::Engine;
-use crate::util::{now_ms, parse_duration, parse_rfc3339, rfc3339};
+use crate::util::{parse_duration, parse_rfc3339, rfc3339};
 use clap::Subcommand;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -90,7 +90,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                     return 2;
                 }
             };
-            let now = now_ms();
+            let now = engine.now();
             println!("id	state	breaker	last_success	reason	target");
             for sub in &engine.config.subscribers {
                 let s = states.get(&sub.id).cloned().unwrap_or_default();
@@ -120,7 +120,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                 eprintln!("error: no subscriber {id:?} in the config");
                 return 2;
             }
-            match engine.store.enable_endpoint(&id, now_ms()) {
+            match engine.store.enable_endpoint(&id, engine.now()) {
                 Ok(true) => {
                     println!("endpoint {id} enabled");
                     0
@@ -139,18 +139,20 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
 }
 
 /// RFC 3339 time or a duration before now.
-fn parse_time(flag: &str, v: &str) -> Result<u64, String> {
+fn parse_time(flag: &str, v: &str, now_ms: u64) -> Result<u64, String> {
     if let Some(t) = parse_rfc3339(v) {
         return Ok(t);
     }
     parse_duration(v)
-        .map(|d| now_ms().saturating_sub(d.as_millis() as u64))
+        .map(|d| now_ms.saturating_sub(d.as_millis() as u64))
         .map_err(|_| format!("--{flag} {v:?} is neither an RFC 3339 time nor a duration like 2h"))
 }
 
-fn window(since: Option<&str>, until: Option<&str>) -> Result<(u64, u64), String> {
-    let s = since.map(|v| parse_time("since", v)).transpose()?.unwrap_or(0);
-    let u = until.map(|v| parse_time("until", v)).transpose()?.unwrap_or(u64::MAX);
+/// The `--since` / `--until` window; relative durations count back from `now_ms` (the
+/// command line is an edge of the program: it reads the system clock once and passes it in).
+fn window(since: Option<&str>, until: Option<&str>, now_ms: u64) -> Result<(u64, u64), String> {
+    let s = since.map(|v| parse_time("since", v, now_ms)).transpose()?.unwrap_or(0);
+    let u = until.map(|v| parse_time("until", v, now_ms)).transpose()?.unwrap_or(u64::MAX);
     if s > u {
         return Err("--since is after --until".into());
     }
@@ -186,7 +188,7 @@ fn line(state: &str, d: &DeadLetter) -> String {
 pub fn cmd_dlq(action: DlqAction) -> i32 {
     match action {
         DlqAction::List { config, since, until } => {
-            let (s, u) = match window(since.as_deref(), until.as_deref()) {
+            let (s, u) = match window(since.as_deref(), until.as_deref(), crate::clock::Clock::now_ms(&crate::clock::SystemClock)) {
                 Ok(w) => w,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -272,7 +274,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         eprintln!("error: --rate must be a positive number of replays per second");
         return 2;
     }
-    let (s, u) = match window(since.as_deref(), until.as_deref()) {
+    let (s, u) = match window(since.as_deref(), until.as_deref(), crate::clock::Clock::now_ms(&crate::clock::SystemClock)) {
         Ok(w) => w,
         Err(e) => {
             eprintln!("error: {e}");
@@ -312,7 +314,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
     };
     let cfg = engine.config.delivery.clone();
     rt.block_on(async {
-        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), cfg.clone()) {
+        let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), cfg.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
                 eprintln!("error: {e}");

@@ -109,7 +109,7 @@ min_severity = "material"
         );
         let config = Config::parse_str(&toml, root)?;
         let engine = Engine::open(config)?;
-        let deliverer = Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone())?;
+        let deliverer = Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone()))?;
         println!("zonewatch demo: store {}, webhook receiver {url}", engine.store.path().display());
         println!("subscribers: portfolio-7 (notice+), neighbours-3 (info+), county-planning (whole county, material+)\n");
 

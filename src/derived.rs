@@ -23,7 +23,6 @@ use crate::ingest::source;
 use crate::model::*;
 use crate::pipeline::{Engine, PipelineError, RunOptions, SourceReport};
 use crate::store::{CommitMode, QuarantineDraft, RunCommit};
-use crate::util::now_ms;
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -200,7 +199,7 @@ impl Engine {
         if !opts.reprocess {
             if let Some(w) = &wm {
                 if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
-                    let record = self.store.commit_identical(&src.id, started, now_ms(), 0)?;
+                    let record = self.store.commit_identical(&src.id, started, self.now(), 0)?;
                     return Ok(SourceReport { record, hold_reason: None });
                 }
             }
@@ -212,7 +211,7 @@ impl Engine {
             });
             if let Some(h) = open_same {
                 let record =
-                    self.store.record_run_note(&src.id, started, Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
+                    self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
                 return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
             }
         }
@@ -268,7 +267,7 @@ impl Engine {
             .collect();
         let systemic = quarantine.iter().filter(|q| q.reason.is_systemic()).count() as u64;
 
-        let now = now_ms();
+        let now = self.now();
         let events = self.build_events(src, &changes, &d.upserts, &old, now)?;
         let decision = decide(GateInput {
             first_ingest,
@@ -326,7 +325,7 @@ impl Engine {
         if !opts.reprocess {
             if let Some(w) = &wm {
                 if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
-                    let record = self.store.commit_identical(&src.id, started, now_ms(), 0)?;
+                    let record = self.store.commit_identical(&src.id, started, self.now(), 0)?;
                     return Ok(SourceReport { record, hold_reason: None });
                 }
             }
@@ -334,7 +333,7 @@ impl Engine {
                 h.source_id == src.id && h.state == HoldState::Open && h.digest == fetched.digest && h.watermark.read_fingerprint == fingerprint
             });
             if let Some(h) = open_same {
-                let record = self.store.record_run_note(&src.id, started, Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
+                let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
                 return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
             }
         }
@@ -367,7 +366,7 @@ impl Engine {
         if diff.failed > 0 {
             warnings.push(format!("{} overlay operations failed and were skipped", diff.failed));
         }
-        let now = now_ms();
+        let now = self.now();
         let events: Vec<ChangeEvent> = diff
             .regions
             .iter()

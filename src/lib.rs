@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod clock;
 pub mod cli_dlq;
 pub mod config;
 pub mod control;

@@ -16,7 +16,7 @@ use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
 use crate::store::{Claim, CommitMode, PortalSignals, QuarantineDraft, RunCommit, RunWriter, Store, StoreError};
-use crate::util::now_ms;
+use crate::clock::SharedClock;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -100,6 +100,9 @@ pub struct Engine {
     pub config: Config,
     pub store: Arc<Store>,
     pub subscribers: Arc<SubscriberIndex>,
+    /// Where every timestamp of a run comes from (see `clock.rs`): the system clock in
+    /// production, a manual one in tests.
+    pub clock: SharedClock,
 }
 
 /// Loads every subscriber's AOI and builds the index.
@@ -160,11 +163,21 @@ fn portal_signals(m: &PortalMeta) -> PortalSignals {
 impl Engine {
     /// Opens the store and loads the subscribers of `config`.
     pub fn open(config: Config) -> Result<Engine, PipelineError> {
+        Engine::open_with_clock(config, crate::clock::system())
+    }
+
+    /// Like [`Engine::open`], with time taken from `clock` (tests pass a manual clock).
+    pub fn open_with_clock(config: Config, clock: SharedClock) -> Result<Engine, PipelineError> {
         let mut subs = config_subscribers(&config)?;
         let store = Arc::new(Store::open(&config.store_path)?);
         subs.extend(stored_subscribers(&store, &config)?);
         let subscribers = Arc::new(SubscriberIndex::build(subs));
-        Ok(Engine { config, store, subscribers })
+        Ok(Engine { config, store, subscribers, clock })
+    }
+
+    /// Now, in milliseconds since the epoch, by the engine's clock.
+    pub fn now(&self) -> u64 {
+        self.clock.now_ms()
     }
 
     /// Rebuilds the subscriber index from the config and the store (after an edit over the
@@ -196,16 +209,16 @@ impl Engine {
     }
 
     fn run_source_with(&self, src: &SourceConfig, opts: RunOptions, from_staging: bool) -> Result<SourceReport, PipelineError> {
-        let started = now_ms();
+        let started = self.now();
         // One run per source at a time: a trigger during a run is recorded, not run.
         let Some(_lease) = staging::try_lease(self.store.path(), &src.id) else {
-            let record = self.store.record_run_note(&src.id, started, Verdict::SkippedOverlap, "", None, None)?;
+            let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::SkippedOverlap, "", None, None)?;
             return Ok(SourceReport { record, hold_reason: None });
         };
         match self.run_source_inner(src, opts, started, from_staging) {
             Ok(r) => Ok(r),
             Err(e) => {
-                if let Err(note_err) = self.store.record_run_note(&src.id, started, Verdict::Failed, "", None, Some(e.to_string())) {
+                if let Err(note_err) = self.store.record_run_note(&src.id, started, self.now(), Verdict::Failed, "", None, Some(e.to_string())) {
                     tracing::error!(source = %src.id, "could not record the failed run: {note_err}");
                 }
                 Err(e)
@@ -238,7 +251,7 @@ impl Engine {
                 let mut warnings = vec![format!("probe: {reason}")];
                 warnings.extend(portal::stale(wm.as_ref(), started, src.stale_after));
                 let signals = portal_signals(&meta);
-                let record = self.store.commit_unchanged(&src.id, started, now_ms(), Verdict::Skip, &signals, 0, warnings)?;
+                let record = self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Skip, &signals, 0, warnings)?;
                 return Ok(SourceReport { record, hold_reason: None });
             }
             Some(PortalFetch::Layer { bytes, meta }) => {
@@ -257,10 +270,10 @@ impl Engine {
             if let Some(w) = &wm {
                 if w.digest == digest && w.read_fingerprint == fingerprint {
                     let record = match &meta {
-                        None => self.store.commit_identical(&src.id, started, now_ms(), 0)?,
+                        None => self.store.commit_identical(&src.id, started, self.now(), 0)?,
                         Some(m) => {
                             let warnings = portal::stale(wm.as_ref(), started, src.stale_after).into_iter().collect();
-                            self.store.commit_unchanged(&src.id, started, now_ms(), Verdict::Identical, &portal_signals(m), 0, warnings)?
+                            self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Identical, &portal_signals(m), 0, warnings)?
                         }
                     };
                     return Ok(SourceReport { record, hold_reason: None });
@@ -273,7 +286,7 @@ impl Engine {
                     && h.watermark.read_fingerprint == fingerprint
             });
             if let Some(h) = open_same {
-                let record = self.store.record_run_note(&src.id, started, Verdict::Held, &digest, Some(h.run_id), None)?;
+                let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, &digest, Some(h.run_id), None)?;
                 return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
             }
         }
@@ -297,7 +310,7 @@ impl Engine {
         drop(input);
         let first_ingest = wm.is_none() && scan.previous_parcels == 0;
 
-        let now = now_ms();
+        let now = self.now();
         // A publisher timestamp that went backwards is a restatement: the gate holds it.
         let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m)) };
         let decision = decide(GateInput {
@@ -385,7 +398,7 @@ impl Engine {
             w.removals(&ids)?;
             w.events(&events, &claims)?;
         }
-        Ok(w.finish(started, counts, scan.warnings, &[])?)
+        Ok(w.finish(started, self.now(), counts, scan.warnings, &[])?)
     }
 
     /// One chunk of new and changed parcels into the run's transaction (drains `chunk`).
@@ -517,7 +530,7 @@ impl Engine {
         let (upserts, removals, events) = self.store.held_delta(hold_id)?;
         let shares = self.store.held_shares(hold_id)?;
         let claims = self.claims_for(&events);
-        let now = now_ms();
+        let now = self.now();
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;
         let counts = RunCounts { features: hold.features, parcels: 0, changes: events.len() as u64, ..Default::default() };

@@ -1,15 +1,7 @@
-//! Small shared helpers: wall-clock time in milliseconds, human durations ("7d", "1h30m"),
+//! Small shared helpers: human durations ("7d", "1h30m"),
 //! and RFC 3339 formatting. They live here so every layer speaks the same units.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-/// Milliseconds since the Unix epoch. Every timestamp zonewatch stores uses this unit.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use std::time::Duration;
 
 /// Parses durations such as `500ms`, `60s`, `5m`, `1h`, `7d`, `1h30m` (units may be chained).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {

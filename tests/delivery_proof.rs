@@ -310,7 +310,7 @@ async fn leases_hide_in_flight_entries_and_fresh_events_go_ahead_of_retries() {
     v3[0].zone = "C3".into();
     ws.write_layer(&layer(&v3));
     assert_eq!(run(&engine, false).record.counts.queued, 2);
-    let now = zonewatch::util::now_ms() + 1000;
+    let now = engine.now() + 1000;
     let batch = engine.store.lease_due(now, 60_000, 4, 1).unwrap();
     assert_eq!(batch.fresh, 2, "both fresh entries first");
     assert_eq!(batch.entries.len(), 4, "then retries fill the rest");
@@ -383,7 +383,7 @@ async fn retention_sweeps_attempts_but_keeps_those_of_dead_letters() {
     assert_eq!((stats.sent, stats.dead), (2, 1));
     let dead_key = engine.store.dead_letters().unwrap()[0].entry.key.0.clone();
     let keys: Vec<String> = rx.received().iter().filter_map(|r| r.header("webhook-id").map(String::from)).collect();
-    let now = zonewatch::util::now_ms();
+    let now = engine.now();
     assert_eq!(engine.store.sweep_attempts(now - 60_000, 100).unwrap(), 0, "nothing is older than the horizon");
     // Bounded: one row per call at most.
     assert_eq!(engine.store.sweep_attempts(now + 1, 1).unwrap(), 1);

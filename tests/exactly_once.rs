@@ -6,6 +6,9 @@ use common::*;
 use std::time::Duration;
 use zonewatch::model::{ChangeEvent, ChangeKind, Severity, Verdict};
 
+/// A fixed instant for events rebuilt by hand and for tests on a manual clock.
+const T0: u64 = 1_790_000_000_000;
+
 fn rezone(parcels: &[P], ids: &[usize], to: &str) -> Vec<P> {
     let mut v = parcels.to_vec();
     for &i in ids {
@@ -33,7 +36,7 @@ fn rebuilt_event(parcel: &str, from: &str, to: &str) -> ChangeEvent {
             [-71.2, 42.3], [-71.0, 42.3], [-71.0, 42.5], [-71.2, 42.3],
         ]]])),
         area_m2: 100.0,
-        observed_at_ms: zonewatch::util::now_ms(),
+        observed_at_ms: T0,
         severity: Severity::Notice,
     }
 }
@@ -69,7 +72,7 @@ async fn replay_storm_sends_nothing_twice() {
     let events = vec![rebuilt_event("P0000", "R-1", "R-3"), rebuilt_event("P0003", "R-1", "R-3")];
     let claims = engine.claims_for(&events);
     assert_eq!(claims.len(), 2);
-    let counts = engine.store.enqueue(&events, &claims, "reinject", zonewatch::util::now_ms(), 86_400_000).unwrap();
+    let counts = engine.store.enqueue(&events, &claims, "reinject", engine.now(), 86_400_000).unwrap();
     assert_eq!((counts.queued, counts.duplicates), (0, 2));
     assert_eq!(deliver(&engine, Duration::from_secs(1)).await.attempted, 0);
     assert_eq!(rx.received().len(), 2, "no second delivery of any event");
@@ -92,7 +95,7 @@ async fn concurrent_claims_of_one_key_have_one_winner() {
                 let (engine, barrier, events, claims) = (engine.clone(), barrier.clone(), events.clone(), claims.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    engine.store.enqueue(&events, &claims, &format!("task-{t}"), zonewatch::util::now_ms(), 86_400_000).unwrap()
+                    engine.store.enqueue(&events, &claims, &format!("task-{t}"), engine.now(), 86_400_000).unwrap()
                 })
             })
             .collect();
@@ -195,4 +198,43 @@ async fn crash_before_commit_leaves_nothing_and_the_rerun_sends_once() {
     assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);
     deliver(&engine, Duration::from_secs(1)).await;
     assert_eq!(rx.received().len(), 2, "each event exactly once");
+}
+
+/// Idempotency keys expire after their TTL, but never while their event is undelivered or
+/// dead-lettered (a re-claim then would let a re-detection and a replay both send it): the
+/// sweep re-arms those for another TTL. Time is a manual clock, so nothing sleeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_after_their_ttl_but_never_while_their_event_can_still_be_sent() {
+    // P0001's receiver rejects it (400: dead letter); everything else is accepted.
+    let rx = zonewatch::receiver::Receiver::start(
+        std::sync::Arc::new(|_, r: &zonewatch::receiver::Received| if String::from_utf8_lossy(&r.body).contains("P0001") { 400 } else { 200 }),
+        None,
+    )
+    .await
+    .expect("receiver");
+    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let clock = zonewatch::clock::ManualClock::at(T0);
+    let engine = ws.engine_at(clock.clone());
+    let hour = Duration::from_secs(3600);
+    let ttl = hour.as_millis() as u64;
+    let events = vec![rebuilt_event("P0000", "R-1", "R-3"), rebuilt_event("P0001", "R-1", "R-3")];
+    let claims = engine.claims_for(&events);
+    assert_eq!(engine.store.enqueue(&events, &claims, "first", engine.now(), ttl).unwrap().queued, 2);
+
+    // Two hours on, both keys are past their TTL but neither event was delivered: kept.
+    clock.advance(2 * hour);
+    assert_eq!(engine.store.sweep_expired_keys(engine.now(), 100).unwrap(), 0);
+    assert_eq!(engine.store.enqueue(&events, &claims, "again", engine.now(), ttl).unwrap().duplicates, 2);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, stats.dead), (1, 1));
+    assert_eq!(engine.store.dead_letters().unwrap().len(), 1);
+
+    // The sweep re-armed both keys for one more hour: not yet.
+    clock.advance(hour / 2);
+    assert_eq!(engine.store.sweep_expired_keys(engine.now(), 100).unwrap(), 0);
+    // Past it: the sent key goes; the dead-lettered one stays (its dead letter can be replayed).
+    clock.advance(hour);
+    assert_eq!(engine.store.sweep_expired_keys(engine.now(), 100).unwrap(), 1);
+    let c = engine.store.enqueue(&events, &claims, "after", engine.now(), ttl).unwrap();
+    assert_eq!((c.queued, c.duplicates), (1, 1), "after its TTL the sent event is new again; the dead-lettered one is not");
 }

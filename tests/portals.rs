@@ -15,7 +15,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use zonewatch::clock::ManualClock;
 use zonewatch::config::Config;
+
+/// The run time HTTP sessions in these tests start at (a fixed instant: tests never read the wall clock for it).
+const T0: u64 = 1_790_000_000_000;
 use zonewatch::ingest::http::{block_on, FetchError, Session};
 use zonewatch::ingest::settings::IngestConfig;
 use zonewatch::ingest::{arcgis, IngestError};
@@ -234,7 +238,7 @@ fn ingest_cfg() -> IngestConfig {
 }
 
 fn get(cfg: &IngestConfig, url: &str) -> Result<zonewatch::ingest::http::Response, FetchError> {
-    let s = Session::new(cfg).expect("session");
+    let s = Session::new(cfg, T0).expect("session");
     block_on(s.get(url, &[])).expect("runtime")
 }
 
@@ -310,7 +314,7 @@ fn arcgis_without_flag_uses_the_count_and_retries_error_bodies_with_smaller_page
     let srv = Server::start(arc_handler(layer.clone()));
     let url = srv.url("/x/FeatureServer/0");
     let cfg = ingest_cfg();
-    let session = Session::new(&cfg).expect("session");
+    let session = Session::new(&cfg, T0).expect("session");
     let scan = block_on(async {
         let p = arcgis::probe(&session, &url, "APN").await?;
         arcgis::scan(&session, &url, &p, 100, "APN").await
@@ -368,7 +372,7 @@ fn arcgis_rescans_when_the_count_moves() {
         r
     }));
     let url = srv.url("/x/FeatureServer/0");
-    let session = Session::new(&ingest_cfg()).expect("session");
+    let session = Session::new(&ingest_cfg(), T0).expect("session");
     let scan = block_on(async {
         let p = arcgis::probe(&session, &url, "APN").await?;
         arcgis::scan(&session, &url, &p, 100, "APN").await
@@ -410,7 +414,7 @@ fn arcgis_falls_back_to_the_id_field_when_the_object_id_order_is_ignored() {
         json_reply(&json!({"features": page, "exceededTransferLimit": offset + page.len() < all.len(), "spatialReference": {"wkid": 4326}}))
     }));
     let url = srv.url("/x/FeatureServer/0");
-    let session = Session::new(&ingest_cfg()).expect("session");
+    let session = Session::new(&ingest_cfg(), T0).expect("session");
     let scan = block_on(async {
         let p = arcgis::probe(&session, &url, "APN").await?;
         arcgis::scan(&session, &url, &p, 100, "APN").await
@@ -473,7 +477,16 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
             "/429" => json_reply(&json!({"ok": true})),
             "/429-far" => Reply { status: 429, headers: vec![("retry-after".into(), "3600".into())], ..Default::default() },
             "/429-date" => {
-                let when = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(3600));
+                // An hour after the server's own Date (read against it, not the local clock).
+                let headers = vec![
+                    ("date".into(), "Wed, 21 Oct 2015 07:28:00 GMT".into()),
+                    ("retry-after".into(), "Wed, 21 Oct 2015 08:28:00 GMT".into()),
+                ];
+                Reply { status: 503, headers, ..Default::default() }
+            }
+            "/429-date-nodate" => {
+                // No Date header: read against the run's time (T0 + 1 h).
+                let when = httpdate::fmt_http_date(std::time::UNIX_EPOCH + Duration::from_millis(T0) + Duration::from_secs(3600));
                 Reply { status: 503, headers: vec![("retry-after".into(), when)], ..Default::default() }
             }
             "/503" => reply(503, "text/plain", "busy"),
@@ -498,10 +511,15 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
     assert!(t.elapsed() >= Duration::from_secs(1), "Retry-After honoured");
 
     // Retry-After (seconds or HTTP-date) beyond the budget: stop at once, naming the budget.
-    for path in ["/429-far", "/429-date"] {
+    // Both HTTP-date forms resolve to exactly one hour (against the server's Date, or against
+    // the run's time T0 when the server sends none).
+    for path in ["/429-far", "/429-date", "/429-date-nodate"] {
         let t = Instant::now();
         let err = get(&cfg, &srv.url(path)).unwrap_err();
         assert!(matches!(err, FetchError::BudgetExhausted { attempts: 1, .. }), "{path}: {err}");
+        // (Against the run's time, the few ms the request took already count.)
+        let ra_ms: u64 = err.to_string().split("Retry-After ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+        assert!((3_590_000..=3_600_000).contains(&ra_ms), "{path}: {err}");
         assert!(t.elapsed() < Duration::from_secs(5));
     }
 
@@ -668,7 +686,7 @@ fn koop_serves_a_real_layer_completely() {
     let original: Value = serde_json::from_str(&text).expect("json");
     let want: HashSet<String> = original["features"].as_array().expect("features").iter().map(|f| f["properties"]["GlobalID"].as_str().unwrap_or("").to_string()).collect();
     let url = format!("http://127.0.0.1:{}/file-geojson/rest/services/zoning/FeatureServer/0", koop.port);
-    let session = Session::new(&ingest_cfg()).expect("session");
+    let session = Session::new(&ingest_cfg(), T0).expect("session");
     let scan = block_on(async {
         let p = arcgis::probe(&session, &url, "GlobalID").await?;
         arcgis::scan(&session, &url, &p, 1000, "GlobalID").await
@@ -868,17 +886,34 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
     let r = engine.run_source_id("soda", RunOptions::default()).expect("identical");
     assert_eq!(r.record.verdict, Verdict::Identical);
 
-    // A due floor fetches although the probe says nothing moved; a long-unchanged source is
-    // flagged stale (both intervals set tiny here).
+    // Time comes from the engine's clock (a manual one here), so the floor and the staleness
+    // are tested with their real defaults (floor 24h, stale_after 45d) and no sleeping.
     let dir2 = tempfile::tempdir().expect("tmp");
-    let engine = Engine::open(portal_config(dir2.path(), &source("soda", "socrata", &url, "page_size = 10\nfloor = \"1ms\"\nstale_after = \"1ms\""), "")).expect("engine");
-    assert_eq!(engine.run_source_id("soda", RunOptions::default()).expect("baseline").record.verdict, Verdict::Baseline);
-    std::thread::sleep(Duration::from_millis(20));
+    let clock = ManualClock::at(T0);
+    let engine = Engine::open_with_clock(portal_config(dir2.path(), &source("soda", "socrata", &url, "page_size = 10"), ""), clock.clone())
+        .expect("engine");
+    let b = engine.run_source_id("soda", RunOptions::default()).expect("baseline");
+    assert_eq!(b.record.verdict, Verdict::Baseline);
+    assert_eq!((b.record.started_ms, b.record.finished_ms), (T0, T0), "run times come from the clock");
+    assert_eq!(engine.store.watermark("soda").expect("wm").expect("some").consumed_at_ms, T0);
+    let hour = Duration::from_secs(3600);
+    clock.advance(hour);
+    let before = srv.requests().len();
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("probe");
+    assert_eq!(r.record.verdict, Verdict::Skip, "an hour later the floor is not due: {}", r.line());
+    assert_eq!(srv.requests().len() - before, 1, "only the view metadata was read");
+    assert!(r.record.warnings.iter().all(|w| !w.starts_with("stale")), "{:?}", r.record.warnings);
+    clock.advance(24 * hour);
     let before = srv.requests().len();
     let r = engine.run_source_id("soda", RunOptions::default()).expect("floor run");
-    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    assert_eq!(r.record.verdict, Verdict::Identical, "25 h after the last fetch the floor fetches: {}", r.line());
     assert!(srv.requests().len() - before > 1, "the floor fetched the rows");
-    assert!(r.record.warnings.iter().any(|w| w.starts_with("stale")), "{:?}", r.record.warnings);
+    assert_eq!(r.record.started_ms, T0 + 25 * 3_600_000);
+    assert!(r.record.warnings.iter().all(|w| !w.starts_with("stale")), "{:?}", r.record.warnings);
+    clock.advance(45 * 24 * hour);
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("floor run");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    assert!(r.record.warnings.iter().any(|w| w.starts_with("stale")), "46 days unchanged is stale: {:?}", r.record.warnings);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1080,7 +1115,7 @@ fn arc_geojson_handler(layer: Arc<Mutex<ArcLayer>>, quirks: GeojsonQuirks) -> Ha
 }
 
 fn geojson_scan(url: &str) -> Result<arcgis::Scan, FetchError> {
-    let session = Session::new(&ingest_cfg()).expect("session");
+    let session = Session::new(&ingest_cfg(), T0).expect("session");
     block_on(async {
         let p = arcgis::probe(&session, url, "APN").await?;
         arcgis::scan_as(&session, url, &p, 100, "APN", arcgis::ArcgisFormat::Geojson).await
@@ -1137,7 +1172,7 @@ fn koop_serves_f_geojson_pages_completely() {
     let mut parcels = grid(137);
     write_koop_layer(&koop, "parcels", &layer(&parcels), 20);
     let url = format!("http://127.0.0.1:{}/file-geojson/rest/services/parcels/FeatureServer/0", koop.port);
-    let session = Session::new(&ingest_cfg()).expect("session");
+    let session = Session::new(&ingest_cfg(), T0).expect("session");
     let scan = block_on(async {
         let p = arcgis::probe(&session, &url, "APN").await?;
         arcgis::scan_as(&session, &url, &p, 1000, "APN", arcgis::ArcgisFormat::Geojson).await

@@ -81,7 +81,7 @@ async fn sigkill_torture_loses_nothing_and_duplicates_carry_the_same_id() {
     let seed: u64 = std::env::var("ZONEWATCH_TORTURE_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| zonewatch::util::now_ms());
+        .unwrap_or_else(|| zonewatch::clock::Clock::now_ms(&zonewatch::clock::SystemClock));
     println!("torture: kills={kills} seed={seed}");
     let mut rng = Lcg(seed);
 

@@ -56,7 +56,7 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
     std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
     let path = dir.join("bench.redb");
     let store = Store::open(&path).map_err(|e| BenchError::Failed(format!("open store: {e}")))?;
-    let now = crate::util::now_ms();
+    let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
     let total = (batch * commits).min(events.len());
     let mut queued = 0u64;
     let t = Instant::now();

@@ -131,7 +131,7 @@ impl Queuer {
     /// Commits the next `n` rows in one transaction; returns their keys (empty when the
     /// synthetic county is used up).
     pub fn queue(&mut self, store: &Store, n: usize) -> Result<Vec<IdemKey>, BenchError> {
-        let now = crate::util::now_ms();
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
         let mut events = Vec::with_capacity(n);
         let mut claims = Vec::with_capacity(n);
         for lot in self.lots.by_ref().take(n) {

@@ -73,7 +73,7 @@ fn fill_history(store: &Store, queuer: &mut Queuer, path: &Path, target_mib: u64
         }
         let due = store.due_outbox(u64::MAX - 1, keys.len(), &none).map_err(failed("history"))?;
         let results: Vec<DeliveryResult> = due.iter().map(|e| DeliveryResult::Sent { id: e.id, status: 200 }).collect();
-        store.record_deliveries(&results, crate::util::now_ms()).map_err(failed("history"))?;
+        store.record_deliveries(&results, crate::clock::Clock::now_ms(&crate::clock::SystemClock)).map_err(failed("history"))?;
         rows += results.len();
     }
     Ok(rows)

@@ -91,7 +91,7 @@ pub fn render(engine: &Engine) -> Result<String, StoreError> {
     let _ = writeln!(out, "zonewatch_delivery_latency_seconds_count {count}");
 
     header(&mut out, "zonewatch_endpoint_breaker_state", "gauge", "Per-endpoint circuit breaker: 0 closed, 1 open, 2 half-open (cool-down over), 3 disabled.");
-    let now = crate::util::now_ms();
+    let now = engine.now();
     for (id, e) in store.endpoints()? {
         let state = if e.disabled {
             3

@@ -7,7 +7,7 @@ use crate::cli::audit_json;
 use crate::model::*;
 use crate::pipeline::{PipelineError, RunOptions};
 use crate::store::{AuditFilter, StoredSubscriber};
-use crate::util::{now_ms, rfc3339};
+use crate::util::rfc3339;
 use hyper::{Method, Request, StatusCode};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -38,7 +38,7 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     // the API with the token the operator gives it, kept in the URL fragment, never sent).
     match (&method, seg.as_slice()) {
         (&Method::GET, ["healthz"]) => {
-            return json(StatusCode::OK, &json!({"status": "ok", "version": env!("CARGO_PKG_VERSION"), "uptime_s": (now_ms() - state.started_ms) / 1000}))
+            return json(StatusCode::OK, &json!({"status": "ok", "version": env!("CARGO_PKG_VERSION"), "uptime_s": state.engine.now().saturating_sub(state.started_ms) / 1000}))
         }
         (&Method::GET, []) => return text(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD),
         _ => {}
@@ -204,7 +204,7 @@ fn quarantine_json(q: &QuarantineRecord) -> Value {
 }
 
 fn list_sources(st: &ControlState) -> Resp {
-    let now = now_ms();
+    let now = st.engine.now();
     let mut items = Vec::new();
     for src in &st.engine.config.sources {
         let last = match st.engine.store.runs(Some(&src.id), 1) {
@@ -508,7 +508,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     if creating && existing.is_some() {
         return error(StatusCode::CONFLICT, "exists", format!("subscriber {id:?} exists; use PUT /v1/subscribers/{id}"));
     }
-    let now = now_ms();
+    let now = st.engine.now();
     let rec = StoredSubscriber {
         id: id.clone(),
         target: b.target.clone(),
@@ -585,7 +585,7 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
     let mut items = Vec::new();
     for d in letters {
         let geometry = crate::notify::replay::validate_payload_geometry(&d.entry.body);
-        match st.engine.store.replay_dead_letter(d.entry.id, now_ms(), st.engine.config.delivery.max_replays, geometry) {
+        match st.engine.store.replay_dead_letter(d.entry.id, st.engine.now(), st.engine.config.delivery.max_replays, geometry) {
             Ok(crate::store::ReplayOutcome::Requeued { outbox_id, replay }) => {
                 requeued += 1;
                 items.push(json!({"id": d.entry.id, "outcome": "requeued", "outbox_id": outbox_id, "replay": replay}));
@@ -622,7 +622,7 @@ fn backup(st: &ControlState, body: &[u8]) -> Resp {
             Err(r) => return r,
         }
     };
-    let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(now_ms()).replace([':', '.'], "-")));
+    let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(st.engine.now()).replace([':', '.'], "-")));
     if !valid_id(&name) || name.starts_with('.') {
         return error(StatusCode::BAD_REQUEST, "bad_name", "name must be a plain file name (letters, digits, '-', '_', '.')");
     }

@@ -136,6 +136,8 @@ pub struct Session {
     pub cfg: IngestConfig,
     deadline: Instant,
     started: Instant,
+    /// The run's time at `started` (ms since the epoch).
+    started_ms: u64,
     /// Requests sent (every attempt), for reports and tests.
     pub requests: std::sync::atomic::AtomicU32,
 }
@@ -147,7 +149,8 @@ struct Retryable {
 }
 
 impl Session {
-    pub fn new(cfg: &IngestConfig) -> Result<Session, FetchError> {
+    /// A session for one run that started at `now_ms` (the run's time, from its clock).
+    pub fn new(cfg: &IngestConfig, now_ms: u64) -> Result<Session, FetchError> {
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(cfg.timeout)
@@ -156,7 +159,7 @@ impl Session {
             .build()
             .map_err(|e| FetchError::Client(e.to_string()))?;
         let now = Instant::now();
-        Ok(Session { client, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, requests: Default::default() })
+        Ok(Session { client, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default() })
     }
 
     /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts
@@ -184,6 +187,11 @@ impl Session {
     /// Time spent since the session started.
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// The run's time now: its start plus the (monotonic) time spent since.
+    pub fn now_ms(&self) -> u64 {
+        self.started_ms + self.started.elapsed().as_millis() as u64
     }
 
     /// GET with retries; returns a 2xx or 304 response. `headers` are sent as given.
@@ -240,7 +248,14 @@ impl Session {
                 continue;
             }
             if status == 408 || status == 429 || (500..600).contains(&status) {
-                let retry_after = header("retry-after").and_then(|v| parse_retry_after(&v));
+                // An HTTP-date Retry-After is read against the server's own `Date` (no skew
+                // between the two clocks), else against the run's time.
+                let now = header("date")
+                    .and_then(|d| httpdate::parse_http_date(&d).ok())
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or_else(|| self.now_ms());
+                let retry_after = header("retry-after").and_then(|v| parse_retry_after(&v, now));
                 return Ok(Err(Retryable { why: format!("HTTP {status}"), retry_after }));
             }
             let content_type = header("content-type").unwrap_or_default();

@@ -86,7 +86,7 @@ pub fn fetch(src: &SourceConfig, cfg: &IngestConfig, prev: Option<&Watermark>, n
         return Ok(None);
     }
     let due = force || floor_due(prev, now_ms, src.floor);
-    let session = Session::new(cfg)?;
+    let session = Session::new(cfg, now_ms)?;
     let out = super::http::block_on(async {
         let mut r = match &src.kind {
             SourceKind::File { .. } => unreachable_file(),

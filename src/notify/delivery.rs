@@ -13,7 +13,7 @@ use crate::model::{AttemptRecord, OutboxEntry};
 use crate::notify::matcher::SubscriberIndex;
 use crate::notify::signing;
 use crate::store::{DeliveryResult, Store, StoreError};
-use crate::util::now_ms;
+use crate::clock::SharedClock;
 use std::net::IpAddr;
 use crate::notify::replay::TokenBucket;
 use std::collections::{HashMap, HashSet};
@@ -76,6 +76,8 @@ pub struct Deliverer {
     /// Per-endpoint (subscriber) concurrency slots and token buckets.
     endpoint_slots: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
     endpoint_buckets: Arc<Mutex<HashMap<String, TokenBucket>>>,
+    /// Where lease, due and outcome times come from (see `clock.rs`).
+    clock: SharedClock,
 }
 
 impl Deliverer {
@@ -87,7 +89,27 @@ impl Deliverer {
             .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| DeliveryError::Client(e.to_string()))?;
-        Ok(Deliverer { store, subscribers, cfg, client, endpoint_slots: Default::default(), endpoint_buckets: Default::default() })
+        Ok(Deliverer {
+            store,
+            subscribers,
+            cfg,
+            client,
+            endpoint_slots: Default::default(),
+            endpoint_buckets: Default::default(),
+            clock: crate::clock::system(),
+        })
+    }
+
+    /// Now by the deliverer's clock.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// The same deliverer with time taken from `clock` (the engine's, so that tests with a
+    /// manual clock see consistent due times).
+    pub fn with_clock(mut self, clock: SharedClock) -> Deliverer {
+        self.clock = clock;
+        self
     }
 
     /// One pass: lease due entries (fresh ahead of retries), send them (bounded by
@@ -99,7 +121,8 @@ impl Deliverer {
         let lease_ms = self.lease_ms_for(limit);
         let store = self.store.clone();
         let retry_floor = (limit / 4).max(1);
-        let leased = tokio::task::spawn_blocking(move || store.lease_due(now_ms(), lease_ms, limit, retry_floor))
+        let now = self.clock.now_ms();
+        let leased = tokio::task::spawn_blocking(move || store.lease_due(now, lease_ms, limit, retry_floor))
             .await
             .map_err(|e| DeliveryError::Client(format!("lease task failed: {e}")))??;
         let batch = leased.entries;
@@ -144,7 +167,8 @@ impl Deliverer {
             disable_after_ms: self.cfg.disable_after.as_millis() as u64,
             ..Default::default()
         };
-        match tokio::task::spawn_blocking(move || store.record_outcomes_with(&results, &log, now_ms(), Some(&policy))).await {
+        let now = self.clock.now_ms();
+        match tokio::task::spawn_blocking(move || store.record_outcomes_with(&results, &log, now, Some(&policy))).await {
             Ok(r) => {
                 r?;
                 stats.commits += 1;
@@ -203,6 +227,7 @@ impl Deliverer {
 
         let committer = {
             let store = self.store.clone();
+            let clock = self.clock.clone();
             let outstanding = outstanding.clone();
             let committed = committed.clone();
             let probing = probing.clone();
@@ -241,7 +266,8 @@ impl Deliverer {
                     }
                     let st = store.clone();
                     let tc = Instant::now();
-                    let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now_ms(), Some(&policy))).await;
+                    let now = clock.now_ms();
+                    let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now, Some(&policy))).await;
                     tracing::debug!(n, ms = tc.elapsed().as_secs_f64() * 1000.0, "outcome group commit");
                     match r {
                         Ok(Ok(())) => stats.commits += 1,
@@ -284,7 +310,8 @@ impl Deliverer {
             let store = self.store.clone();
             let skip = probing.lock().map(|g| g.clone()).unwrap_or_default();
             let tl = Instant::now();
-            let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now_ms(), lease_ms, want, retry_floor, &skip)).await;
+            let now = self.clock.now_ms();
+            let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now, lease_ms, want, retry_floor, &skip)).await;
             tracing::debug!(out, ms = tl.elapsed().as_secs_f64() * 1000.0, n = leased.as_ref().map(|r| r.as_ref().map(|b| b.entries.len()).unwrap_or(0)).unwrap_or(0), "lease");
             let leased = match leased {
                 Ok(Ok(b)) => b,
@@ -342,7 +369,7 @@ impl Deliverer {
             let pass = self.pump().await?;
             total += pass;
             let Some(next) = self.store.next_due_ms()? else { break };
-            let now = now_ms();
+            let now = self.clock.now_ms();
             if pass.attempted == 0 && next <= now {
                 // Due but held back (disabled endpoint, open breaker): left for later.
                 break;
@@ -375,7 +402,7 @@ impl Deliverer {
             // once a second instead of spinning.
             let floor = if idle { 1_000 } else { 10 };
             let wait = match self.store.next_due_ms() {
-                Ok(Some(next)) => Duration::from_millis(next.saturating_sub(now_ms()).clamp(floor, 60_000)),
+                Ok(Some(next)) => Duration::from_millis(next.saturating_sub(self.clock.now_ms()).clamp(floor, 60_000)),
                 Ok(None) => Duration::from_secs(60),
                 Err(e) => {
                     tracing::error!("reading the outbox failed: {e}");
@@ -419,7 +446,7 @@ impl Deliverer {
             key: entry.key.0.clone(),
             outbox_id: entry.id,
             attempt: entry.attempts + 1,
-            ts_ms: now_ms(),
+            ts_ms: self.clock.now_ms(),
             duration_ms: 0,
             status: None,
             result: String::new(),
@@ -455,7 +482,7 @@ impl Deliverer {
         if let Err(reason) = self.check_target(&target).await {
             return DeliveryResult::Dead { id, reason };
         }
-        let ts = now_ms() / 1000;
+        let ts = self.clock.now_ms() / 1000;
         let mut req = self
             .client
             .post(&target)
@@ -484,11 +511,11 @@ impl Deliverer {
                     .headers()
                     .get("retry-after")
                     .and_then(|v| v.to_str().ok())
-                    .and_then(parse_retry_after);
+                    .and_then(|v| parse_retry_after(v, self.clock.now_ms()));
                 rec.response_head = read_head(&mut resp, RESPONSE_HEAD_BYTES).await;
                 if (200..300).contains(&status) {
                     crate::telemetry::delivery_latency()
-                        .observe(Duration::from_millis(now_ms().saturating_sub(entry.created_ms)));
+                        .observe(Duration::from_millis(self.clock.now_ms().saturating_sub(entry.created_ms)));
                     return DeliveryResult::Sent { id, status };
                 }
                 if status == 410 {
@@ -504,7 +531,7 @@ impl Deliverer {
             Err(e) => (None, format!("connection: {e}")),
         };
         rec.error = Some(error.clone());
-        let now = now_ms();
+        let now = self.clock.now_ms();
         match next_retry(&self.cfg, attempts_after, retry_after) {
             None => DeliveryResult::Dead { id, reason: "retries_exhausted".into() },
             Some(delay) => {
@@ -563,13 +590,14 @@ pub fn is_private(ip: &IpAddr) -> bool {
 }
 
 /// `Retry-After` as seconds or an HTTP-date.
-pub fn parse_retry_after(v: &str) -> Option<Duration> {
+pub fn parse_retry_after(v: &str, now_ms: u64) -> Option<Duration> {
     let v = v.trim();
     if let Ok(secs) = v.parse::<u64>() {
         return Some(Duration::from_secs(secs.min(86_400)));
     }
     let when = httpdate::parse_http_date(v).ok()?;
-    Some(when.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO).min(Duration::from_secs(86_400)))
+    let when_ms = when.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as u64;
+    Some(Duration::from_millis(when_ms.saturating_sub(now_ms)).min(Duration::from_secs(86_400)))
 }
 
 /// How much of a response body the attempt log keeps.
@@ -623,9 +651,11 @@ mod tests {
             assert!(backoff(&cfg, attempt, None) <= Duration::from_millis(1000));
         }
         assert!(backoff(&cfg, 1, Some(Duration::from_secs(5))) >= Duration::from_secs(5));
-        assert_eq!(parse_retry_after("7"), Some(Duration::from_secs(7)));
-        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO));
-        assert_eq!(parse_retry_after("soon"), None);
+        let now = 1_445_412_470_000; // 2015-10-21T07:27:50Z
+        assert_eq!(parse_retry_after("7", now), Some(Duration::from_secs(7)));
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now), Some(Duration::from_secs(10)));
+        assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now + 60_000), Some(Duration::ZERO));
+        assert_eq!(parse_retry_after("soon", now), None);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use crate::model::DeadLetter;
 use crate::notify::delivery::{Deliverer, DeliveryError, PassStats};
 use crate::store::{ReplayOutcome, Store};
-use crate::util::{now_ms, parse_rfc3339};
+use crate::util::parse_rfc3339;
 use std::time::{Duration, Instant};
 
 /// A token bucket: `rate` tokens per second, holding at most `burst`.
@@ -89,7 +89,7 @@ pub async fn replay(
     for dl in letters {
         bucket.take().await;
         let geometry = validate_payload_geometry(&dl.entry.body);
-        match store.replay_dead_letter(dl.entry.id, now_ms(), max_replays, geometry)? {
+        match store.replay_dead_letter(dl.entry.id, deliverer.now_ms(), max_replays, geometry)? {
             ReplayOutcome::Requeued { .. } => {
                 report.requeued += 1;
                 report.delivery += deliverer.deliver_due().await?;

@@ -361,8 +361,13 @@ impl Store {
         Ok(())
     }
 
-    /// Deletes idempotency keys that expired before `now_ms`, at most `max` per call, so the
-    /// sweep never holds the write lock for long.
+    /// Deletes idempotency keys that expired before `now_ms`, at most `max` expiry entries per
+    /// call, so the sweep never holds the write lock for long. Returns the keys deleted.
+    ///
+    /// A key whose event has not reached a final outcome yet (still queued, or dead-lettered
+    /// and so replayable) is never deleted: that would let a re-detection of the same event
+    /// claim it again while the first copy can still be sent. Its expiry is re-armed for one
+    /// more TTL from `now_ms` instead, so it expires once its event is sent or suppressed.
     pub fn sweep_expired_keys(&self, now_ms: u64, max: usize) -> Result<usize, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -381,15 +386,31 @@ impl Store {
             }
             for (t, key) in victims {
                 expiry.remove((t, key.as_str()))?;
-                // Only delete the key if this expiry entry is still its current one.
+                // Only act on the key if this expiry entry is still its current one.
                 let current: Option<IdemRecord> = match keys.get(key.as_str())? {
-                    Some(v) => decode(v.value()).ok(),
+                    Some(v) => match decode(v.value()) {
+                        Ok(r) => Some(r),
+                        Err(m) => {
+                            // Left in place for `zonewatch check` to report; never guessed at.
+                            tracing::warn!(key = %key, "idempotency key record unreadable, not swept: {m}");
+                            None
+                        }
+                    },
                     None => None,
                 };
-                if current.map(|r| r.expires_ms == t).unwrap_or(false) {
-                    keys.remove(key.as_str())?;
+                let Some(mut rec) = current.filter(|r| r.expires_ms == t) else { continue };
+                match rec.state {
+                    IdemState::Queued | IdemState::DeadLetter => {
+                        let ttl = rec.expires_ms.saturating_sub(rec.claimed_ms).max(1);
+                        rec.expires_ms = now_ms.saturating_add(ttl);
+                        keys.insert(key.as_str(), encode(&rec).as_slice())?;
+                        expiry.insert((rec.expires_ms, key.as_str()), ())?;
+                    }
+                    IdemState::Sent | IdemState::Suppressed => {
+                        keys.remove(key.as_str())?;
+                        n += 1;
+                    }
                 }
-                n += 1;
             }
         }
         wtx.commit()?;

@@ -101,7 +101,7 @@ impl Store {
         w.upserts(&run.upserts)?;
         w.removals(&run.removals)?;
         w.events(&run.events, &run.claims)?;
-        w.finish(run.started_ms, run.counts, run.warnings, shares)
+        w.finish(run.started_ms, run.now_ms, run.counts, run.warnings, shares)
     }
 
     /// Opens the one write transaction of a run. The caller feeds it in chunks (quarantine,
@@ -216,6 +216,7 @@ impl Store {
         &self,
         source_id: &str,
         started_ms: u64,
+        finished_ms: u64,
         verdict: Verdict,
         digest: &str,
         hold_id: Option<u64>,
@@ -229,7 +230,7 @@ impl Store {
             source_id: source_id.to_string(),
             lineage_id: lineage_for(source_id, run_id, digest),
             started_ms,
-            finished_ms: crate::util::now_ms(),
+            finished_ms,
             verdict,
             digest: digest.to_string(),
             counts: RunCounts::default(),
@@ -433,6 +434,7 @@ impl RunWriter<'_> {
     pub fn finish(
         self,
         started_ms: u64,
+        finished_ms: u64,
         mut counts: RunCounts,
         warnings: Vec<String>,
         shares: &[(String, f64)],
@@ -499,7 +501,7 @@ impl RunWriter<'_> {
             source_id: source_id.clone(),
             lineage_id: lineage,
             started_ms,
-            finished_ms: crate::util::now_ms(),
+            finished_ms,
             verdict,
             digest: watermark.digest.clone(),
             counts,

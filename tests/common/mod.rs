@@ -139,6 +139,11 @@ zoning = "ZONE_CODE"
         Engine::open(self.config()).expect("engine opens")
     }
 
+    /// An engine whose time is `clock` (a manual clock: the test moves time itself).
+    pub fn engine_at(&self, clock: zonewatch::clock::SharedClock) -> Engine {
+        Engine::open_with_clock(self.config(), clock).expect("engine opens")
+    }
+
     /// Rewrites the config text with a replacement (e.g. to map a renamed field).
     pub fn edit_config(&self, from: &str, to: &str) {
         let text = std::fs::read_to_string(self.config_path()).expect("read config");
@@ -154,7 +159,9 @@ pub fn run(engine: &Engine, reprocess: bool) -> SourceReport {
 
 /// Delivers until the outbox is empty or `wait` passes.
 pub async fn deliver(engine: &Engine, wait: Duration) -> PassStats {
-    let d = Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).expect("deliverer");
+    let d = Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone())
+        .expect("deliverer")
+        .with_clock(engine.clock.clone());
     d.drain(Instant::now() + wait).await.expect("drain")
 }
 
