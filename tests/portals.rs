@@ -863,6 +863,9 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
         if req.target.starts_with("/api/views/abcd-1234.json") {
             return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": u2.load(Ordering::SeqCst)}));
         }
+        if req.target.starts_with("/resource/abcd-1234.json") {
+            return reply(404, "application/json", r#"{"error": true, "message": "no count here"}"#);
+        }
         assert_eq!(req.param("$order").as_deref(), Some(":id"));
         let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
         let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
@@ -875,6 +878,7 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
     let r = engine.run_source_id("soda", RunOptions::default()).expect("baseline");
     assert_eq!(r.record.verdict, Verdict::Baseline, "{}", r.line());
     assert_eq!(r.record.counts.parcels, 25);
+    // This server gives no count(*): the short third page ends the scan.
     let offsets: Vec<String> = srv.requests().iter().filter_map(|q| q.param("$offset")).collect();
     assert_eq!(offsets, ["0", "10", "20"]);
     assert_eq!(engine.store.watermark("soda").expect("wm").expect("some").publisher_ts_ms, Some(1_700_000_000_000));
@@ -914,6 +918,46 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
     let r = engine.run_source_id("soda", RunOptions::default()).expect("floor run");
     assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
     assert!(r.record.warnings.iter().any(|w| w.starts_with("stale")), "46 days unchanged is stale: {:?}", r.record.warnings);
+}
+
+/// A SODA server whose row cap (7) is below the configured `page_size` (10) answers short
+/// pages all along: with its `count(*)`, zonewatch keeps paging until it holds every row. A
+/// server whose count disagrees with what paging returns (and does not move) fails the run
+/// cleanly: no partial layer is committed.
+#[test]
+fn socrata_trusts_count_not_a_short_page() {
+    let features: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let claimed = Arc::new(AtomicU64::new(25));
+    let c2 = claimed.clone();
+    let srv = Server::start(Arc::new(move |req: &Req| {
+        if req.target.starts_with("/api/views/abcd-1234.json") {
+            return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": 1_700_000_000}));
+        }
+        if req.target.starts_with("/resource/abcd-1234.json") {
+            assert_eq!(req.param("$select").as_deref(), Some("count(*)"));
+            // SODA answers counts as strings.
+            return json_reply(&json!([{"count": c2.load(Ordering::SeqCst).to_string()}]));
+        }
+        let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
+        let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let page: Vec<Value> = features.iter().skip(offset).take(limit.min(7)).cloned().collect();
+        reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string())
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/resource/abcd-1234.geojson");
+    let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &url, "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 25), "{}", r.line());
+    let offsets: Vec<String> = srv.requests().iter().filter_map(|q| q.param("$offset")).collect();
+    assert_eq!(offsets, ["0", "7", "14", "21"], "paged past the short pages up to count(*)");
+
+    // The server now claims 30 rows but pages only 25: a clear error, the watermark stays.
+    claimed.store(30, Ordering::SeqCst);
+    let dir2 = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir2.path(), &source("soda", "socrata", &url, "page_size = 10"), "")).expect("engine");
+    let err = engine.run_source_id("soda", RunOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("count(*) says 30"), "{err}");
+    assert!(engine.store.watermark("soda").expect("wm").is_none(), "nothing committed");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -232,11 +232,44 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
             }
         }
     }
+    // A short page alone never ends the scan when the server says how many rows there are
+    // (a server whose row cap is below `page_size` answers short pages all along): the scan
+    // runs until it holds `count(*)` rows. If the count moved while paging, scan again.
+    for _ in 0..3 {
+        let expected = socrata_count(session, url).await;
+        let (features, pages) = socrata_scan(session, url, page_size, expected).await?;
+        let got = features.len() as u64;
+        match expected {
+            Some(c) if got != c => {
+                let after = socrata_count(session, url).await;
+                if after.is_some() && after != expected {
+                    tracing::info!(url, before = c, after = ?after, "row count moved during the scan; scanning again");
+                    continue;
+                }
+                return Err(FetchError::Protocol {
+                    url: url.to_string(),
+                    reason: format!("paging returned {got} rows but count(*) says {c} (and did not move); refusing a partial layer"),
+                });
+            }
+            _ => {
+                let bytes = arcgis::feature_collection(features, id_field);
+                return Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..meta } });
+            }
+        }
+    }
+    Err(FetchError::Protocol { url: url.to_string(), reason: "the row count kept moving over 3 scans; try again later".into() })
+}
+
+/// Pages a SODA resource with `$limit`/`$offset` ordered by `:id`. With `expected` (the
+/// server's `count(*)`), paging goes on until that many rows are held, never past an empty
+/// page and never more than `expected + 10` pages; without it, a short page ends the scan.
+async fn socrata_scan(session: &Session, url: &str, page_size: u32, expected: Option<u64>) -> Result<(Vec<Value>, u32), FetchError> {
     let sep = if url.contains('?') { '&' } else { '?' };
     let mut features = Vec::new();
     let mut offset: u64 = 0;
-    let mut pages = 0;
-    loop {
+    let mut pages: u32 = 0;
+    let max_pages = expected.map(|c| c.saturating_add(10)).unwrap_or(u64::MAX);
+    while (pages as u64) < max_pages {
         let page_url = format!("{url}{sep}$limit={page_size}&$offset={offset}&$order=:id");
         let body = session.get(&page_url, &[]).await?.json()?;
         pages += 1;
@@ -244,12 +277,50 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
         let n = page.len() as u64;
         features.extend(page);
         offset += n;
-        if n < page_size as u64 {
+        let done = match expected {
+            Some(c) => n == 0 || offset >= c,
+            None => n < page_size as u64,
+        };
+        if done {
             break;
         }
     }
-    let bytes = arcgis::feature_collection(features, id_field);
-    Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..meta } })
+    Ok((features, pages))
+}
+
+/// The SODA `count(*)` URL of a resource: its JSON endpoint with the resource URL's own
+/// query (a `$where` filter counts the same rows) and `$select=count(*)`.
+pub fn socrata_count_url(resource_url: &str) -> Option<String> {
+    let mut u = reqwest::Url::parse(resource_url).ok()?;
+    let path = u.path().to_string();
+    let idx = path.find("/resource/")?;
+    let id = path[idx + "/resource/".len()..].split('.').next()?.trim_matches('/').to_string();
+    if id.is_empty() {
+        return None;
+    }
+    u.set_path(&format!("{}/resource/{id}.json", &path[..idx]));
+    let query = match u.query() {
+        Some(q) if !q.is_empty() => format!("{q}&$select=count(*)"),
+        _ => "$select=count(*)".to_string(),
+    };
+    u.set_query(Some(&query));
+    Some(u.to_string())
+}
+
+/// The row count the server reports, or `None` when it will not say (then a short page is
+/// all the scan has to go on, and a warning says so).
+async fn socrata_count(session: &Session, url: &str) -> Option<u64> {
+    let count_url = socrata_count_url(url)?;
+    let answer = session.get(&count_url, &[]).await.and_then(|r| r.json());
+    let parsed = answer.as_ref().ok().and_then(|v| {
+        let first = v.as_array()?.first()?.as_object()?;
+        let value = first.get("count").or_else(|| first.values().next())?;
+        value.as_u64().or_else(|| value.as_str().and_then(|t| t.trim().parse().ok()))
+    });
+    if parsed.is_none() {
+        tracing::warn!(url, "no usable count(*) from the server: the scan ends at the first short page");
+    }
+    parsed
 }
 
 #[cfg(test)]
@@ -258,6 +329,18 @@ mod tests {
 
     fn wm(ts: Option<u64>, consumed: u64, changed: u64) -> Watermark {
         Watermark { publisher_ts_ms: ts, consumed_at_ms: consumed, content_changed_at_ms: changed, ..Default::default() }
+    }
+
+    #[test]
+    fn socrata_count_url_keeps_the_filter() {
+        assert_eq!(
+            socrata_count_url("https://data.example.gov/resource/abcd-1234.geojson").as_deref(),
+            Some("https://data.example.gov/resource/abcd-1234.json?$select=count(*)")
+        );
+        let with_where = socrata_count_url("https://h/x/resource/abcd-1234.geojson?$where=zone='R1'").unwrap_or_default();
+        assert!(with_where.starts_with("https://h/x/resource/abcd-1234.json?$where="), "{with_where}");
+        assert!(with_where.ends_with("&$select=count(*)"), "{with_where}");
+        assert_eq!(socrata_count_url("https://h/resource/"), None);
     }
 
     #[test]
