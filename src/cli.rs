@@ -284,6 +284,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
 }
 
 fn cmd_serve(config: &std::path::Path) -> i32 {
+    crate::util::limit_allocator_arenas();
     let engine = match open_engine(config) {
         Ok(e) => Arc::new(e),
         Err(code) => return code,
@@ -379,7 +380,12 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     if *rx.borrow() {
                         break;
                     }
-                    let outcome = tokio::task::spawn_blocking(move || e.run_source(&s, RunOptions::default())).await;
+                    let outcome = tokio::task::spawn_blocking(move || {
+                        let r = e.run_source(&s, RunOptions::default());
+                        crate::util::release_free_memory();
+                        r
+                    })
+                    .await;
                     drop(permit);
                     match outcome {
                         Ok(Ok(report)) if report.record.verdict == crate::model::Verdict::SkippedOverlap => {

@@ -48,6 +48,7 @@ struct RawControl {
 #[serde(deny_unknown_fields)]
 struct RawStore {
     path: PathBuf,
+    cache_mib: Option<usize>,
 }
 
 #[derive(Deserialize, Debug, Clone, Default)]
@@ -134,6 +135,10 @@ pub struct Config {
     /// The file it was read from (None for configs built in code, e.g. the demo).
     pub path: Option<PathBuf>,
     pub store_path: PathBuf,
+    /// `[store] cache_mib`: redb's page cache in MiB (default 16). It is resident memory for
+    /// the life of the process, so it is the main term of an idle daemon's RSS; raise it for
+    /// stores of millions of parcels if commits are slow.
+    pub store_cache_mib: usize,
     pub delivery: DeliveryConfig,
     pub sources: Vec<SourceConfig>,
     pub subscribers: Vec<SubscriberConfig>,
@@ -647,6 +652,11 @@ impl Config {
             control,
             path: None,
             store_path: resolve(&raw.store.path),
+            store_cache_mib: match raw.store.cache_mib {
+                None => crate::store::STORE_CACHE_BYTES >> 20,
+                Some(m) if (1..=65_536).contains(&m) => m,
+                Some(m) => return Err(invalid(format!("[store] cache_mib = {m}: expected 1 to 65536 (MiB)"))),
+            },
             delivery,
             sources,
             subscribers,
@@ -743,6 +753,11 @@ min_severity = "material"
         assert_eq!(cfg.sources[0].max_change_ratio, 0.05);
         assert_eq!(cfg.subscribers[0].min_severity, Severity::Material);
         assert_eq!(cfg.delivery.run_wait, Duration::from_secs(60));
+        assert_eq!(cfg.store_cache_mib, 16, "default page cache");
+        let big = GOOD.replacen("path = \"zw.redb\"", "path = \"zw.redb\"\ncache_mib = 256", 1);
+        assert_eq!(Config::parse_str(&big, Path::new(".")).unwrap().store_cache_mib, 256);
+        let zero = GOOD.replacen("path = \"zw.redb\"", "path = \"zw.redb\"\ncache_mib = 0", 1);
+        assert!(Config::parse_str(&zero, Path::new(".")).unwrap_err().to_string().contains("cache_mib"));
     }
 
     #[test]

@@ -169,7 +169,7 @@ impl Engine {
     /// Like [`Engine::open`], with time taken from `clock` (tests pass a manual clock).
     pub fn open_with_clock(config: Config, clock: SharedClock) -> Result<Engine, PipelineError> {
         let mut subs = config_subscribers(&config)?;
-        let store = Arc::new(Store::open(&config.store_path)?);
+        let store = Arc::new(Store::open_with_cache(&config.store_path, config.store_cache_mib << 20)?);
         subs.extend(stored_subscribers(&store, &config)?);
         let subscribers = Arc::new(SubscriberIndex::build(subs));
         Ok(Engine { config, store, subscribers, clock })

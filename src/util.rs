@@ -151,6 +151,49 @@ pub fn hex(bytes: &[u8]) -> String {
     hex::encode(bytes)
 }
 
+/// Caps glibc's malloc arenas at one per core, for the long-lived `serve`.
+///
+/// Why: glibc gives each thread that allocates its own arena, up to 8 per core, and memory
+/// freed in one arena is not reused by another; a daemon whose blocking pool and runtime
+/// threads each ran a source keeps all those arenas' high-water marks. Threads beyond the
+/// cores cannot run at once anyway. Measured (issue 7, idle `serve` with 100 sources): about
+/// 4 MiB less resident memory. A no-op on other allocators; call before spawning threads.
+pub fn limit_allocator_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn mallopt(param: std::os::raw::c_int, value: std::os::raw::c_int) -> std::os::raw::c_int;
+        }
+        const M_ARENA_MAX: std::os::raw::c_int = -8;
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(1, 64) as std::os::raw::c_int;
+        // SAFETY: `mallopt` takes two integers and changes an allocator tuning knob; glibc
+        // documents M_ARENA_MAX as settable at any time (it only limits future arenas).
+        unsafe {
+            mallopt(M_ARENA_MAX, cores);
+        }
+    }
+}
+
+/// Hands memory freed by a finished source run back to the operating system.
+///
+/// Why: glibc's allocator keeps the pages a run freed mapped in its arenas (one per thread
+/// that allocated), so a `serve` daemon that has run its sources once sits at the high-water
+/// mark of its largest run for months. Trimming after each run returns them; it costs about a
+/// millisecond and runs at most once per source run. A no-op on other allocators.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> std::os::raw::c_int;
+        }
+        // SAFETY: `malloc_trim` takes no pointers and only releases free heap pages; glibc
+        // documents it as safe to call at any time from any thread.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
