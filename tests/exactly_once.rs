@@ -238,3 +238,31 @@ async fn keys_expire_after_their_ttl_but_never_while_their_event_can_still_be_se
     let c = engine.store.enqueue(&events, &claims, "after", engine.now(), ttl).unwrap();
     assert_eq!((c.queued, c.duplicates), (1, 1), "after its TTL the sent event is new again; the dead-lettered one is not");
 }
+
+/// Keys are claimed in key order inside a commit (for locality), but the outcome must be the
+/// same as in claim order: of two claims with one key in a batch, the first wins and the
+/// second is a duplicate, and the audit rows follow the claims' order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equal_keys_in_one_batch_first_claim_wins_in_claim_order() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let engine = ws.engine();
+    let events: Vec<ChangeEvent> = ["P0009", "P0001", "P0009", "P0005", "P0001"].iter().map(|p| rebuilt_event(p, "R-1", "R-3")).collect();
+    let claims = engine.claims_for(&events);
+    assert_eq!(claims.len(), 5);
+    let c = engine.store.enqueue(&events, &claims, "batch", T0, 86_400_000).unwrap();
+    assert_eq!((c.queued, c.duplicates), (3, 2));
+    let rows: Vec<(String, String)> = engine
+        .store
+        .audit(&Default::default())
+        .expect("audit")
+        .into_iter()
+        .map(|r| (r.parcel_id.unwrap_or_default(), r.outcome.as_str().to_string()))
+        .collect();
+    let want: Vec<(String, String)> = [("P0009", "queued"), ("P0001", "queued"), ("P0009", "duplicate"), ("P0005", "queued"), ("P0001", "duplicate")]
+        .iter()
+        .map(|(p, o)| (p.to_string(), o.to_string()))
+        .collect();
+    assert_eq!(rows, want);
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 3);
+}

@@ -87,16 +87,52 @@ pub(super) fn claim_in_txn(
         })
         .unwrap_or(1);
     let mut pending_audit = Vec::with_capacity(claims.len());
-
     for claim in claims {
-        let Some(event) = events.get(claim.event) else {
+        if events.get(claim.event).is_none() {
             return Err(StoreError::Conflict(format!(
                 "claim for watcher {} points at event {} of {}",
                 claim.watcher_id,
                 claim.event,
                 events.len()
             )));
+        }
+    }
+
+    // Pass 1, in key order: look up and claim the keys. Keys are hashes, so in claim order
+    // every lookup and insert would land on a random page of the two key tables; sorted, they
+    // sweep each tree once from left to right (measured, issue 7). A stable sort keeps the
+    // first of two equal keys in a batch the winner, as in claim order.
+    let expires_ms = now_ms.saturating_add(ttl_ms);
+    let state = match mode {
+        ClaimMode::Deliver => IdemState::Queued,
+        ClaimMode::Prime { .. } => IdemState::Suppressed,
+    };
+    let mut order: Vec<usize> = (0..claims.len()).filter(|&i| events[claims[i].event].severity >= claims[i].min_severity).collect();
+    order.sort_by(|&a, &b| claims[a].key.0.cmp(&claims[b].key.0));
+    let mut held_by: Vec<Option<String>> = vec![None; claims.len()];
+    let new_rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state };
+    let new_rec_bytes = encode(&new_rec);
+    for &i in &order {
+        let key = claims[i].key.0.as_str();
+        let existing: Option<IdemRecord> = match keys.get(key)? {
+            Some(v) => Some(decode(v.value()).map_err(|m| codec_err("idem_keys", m))?),
+            None => None,
         };
+        if let Some(rec) = existing {
+            if rec.expires_ms > now_ms {
+                held_by[i] = Some(rec.lineage_id);
+                continue;
+            }
+            // Expired but not yet swept: the claim is free again.
+            expiry.remove((rec.expires_ms, key))?;
+        }
+        keys.insert(key, new_rec_bytes.as_slice())?;
+        expiry.insert((expires_ms, key), ())?;
+    }
+
+    // Pass 2, in claim order: outbox rows for the claimed keys, an audit row for every claim.
+    for (i, claim) in claims.iter().enumerate() {
+        let event = &events[claim.event];
         let mut row = AuditRow {
             seq: 0,
             ts_ms: now_ms,
@@ -119,29 +155,13 @@ pub(super) fn claim_in_txn(
             pending_audit.push(row);
             continue;
         }
-        let existing: Option<IdemRecord> = match keys.get(claim.key.0.as_str())? {
-            Some(v) => Some(decode(v.value()).map_err(|m| codec_err("idem_keys", m))?),
-            None => None,
-        };
-        if let Some(rec) = existing {
-            if rec.expires_ms > now_ms {
-                counts.duplicates += 1;
-                row.outcome = Outcome::Duplicate;
-                row.detail = format!("key claimed by {}", rec.lineage_id);
-                pending_audit.push(row);
-                continue;
-            }
-            // Expired but not yet swept: the claim is free again.
-            expiry.remove((rec.expires_ms, claim.key.0.as_str()))?;
+        if let Some(holder) = held_by[i].take() {
+            counts.duplicates += 1;
+            row.outcome = Outcome::Duplicate;
+            row.detail = format!("key claimed by {holder}");
+            pending_audit.push(row);
+            continue;
         }
-        let expires_ms = now_ms.saturating_add(ttl_ms);
-        let state = match mode {
-            ClaimMode::Deliver => IdemState::Queued,
-            ClaimMode::Prime { .. } => IdemState::Suppressed,
-        };
-        let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state };
-        keys.insert(claim.key.0.as_str(), encode(&rec).as_slice())?;
-        expiry.insert((expires_ms, claim.key.0.as_str()), ())?;
         match mode {
             ClaimMode::Prime { detail } => {
                 counts.suppressed += 1;
