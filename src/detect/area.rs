@@ -53,6 +53,28 @@ struct Piece<'a> {
     code: &'a str,
     polygon: &'a Polygon<f64>,
     rect: Rect<f64>,
+    /// The other version has a polygon of the same code and the same canonical shape.
+    unchanged: bool,
+}
+
+/// Marks the polygons present, code and canonical shape alike, in both versions (matched as
+/// multisets). Such a polygon contributes nothing: wherever it meets a polygon of another
+/// code, the place carried its code in both versions (not a change, see the overlap rule), and
+/// it is covered by its twin in the other version. Skipping it is what keeps a re-publication
+/// that touched a few districts cheap.
+fn mark_unchanged(old: &mut [Piece], new: &mut [Piece]) {
+    use std::collections::HashMap;
+    let hash = |p: &Piece| (p.key.clone(), geometry_hash(&MultiPolygon::new(vec![p.polygon.clone()])));
+    let mut olds: HashMap<(String, [u8; 32]), Vec<usize>> = HashMap::new();
+    for (i, p) in old.iter().enumerate() {
+        olds.entry(hash(p)).or_default().push(i);
+    }
+    for p in new.iter_mut() {
+        if let Some(i) = olds.get_mut(&hash(p)).and_then(|v| v.pop()) {
+            p.unchanged = true;
+            old[i].unchanged = true;
+        }
+    }
 }
 
 fn pieces<'a>(layer: &'a [(String, MultiPolygon<f64>)]) -> Vec<Piece<'a>> {
@@ -60,7 +82,7 @@ fn pieces<'a>(layer: &'a [(String, MultiPolygon<f64>)]) -> Vec<Piece<'a>> {
     for (code, mp) in layer {
         for p in &mp.0 {
             if let Some(rect) = p.bounding_rect() {
-                out.push(Piece { key: normalize_code(code), code: code.as_str(), polygon: p, rect });
+                out.push(Piece { key: normalize_code(code), code: code.as_str(), polygon: p, rect, unchanged: false });
             }
         }
     }
@@ -95,13 +117,13 @@ fn guarded<F: FnOnce() -> MultiPolygon<f64> + std::panic::UnwindSafe>(f: F, fail
 /// `from` the `b` code when `a_is_new`, else the other way round.
 fn cross(a: &[Piece], b: &[Piece], btree: &RTree<Entry>, a_is_new: bool, with_changes: bool, failed: &mut u64) -> Vec<(String, String, Polygon<f64>)> {
     let mut out = Vec::new();
-    for pa in a {
+    for pa in a.iter().filter(|p| !p.unchanged) {
         let amp = MultiPolygon::new(vec![pa.polygon.clone()]);
         let cands: Vec<&Piece> = btree.locate_in_envelope_intersecting(env(&pa.rect)).filter_map(|c| b.get(c.data as usize)).collect();
         let mut rest = amp.clone();
         for pb in &cands {
             let bmp = MultiPolygon::new(vec![pb.polygon.clone()]);
-            if with_changes && pb.key != pa.key {
+            if with_changes && pb.key != pa.key && !pb.unchanged {
                 let inter = guarded(|| amp.intersection(&bmp), failed);
                 for poly in inter.0 {
                     if poly.unsigned_area() > 0.0 {
@@ -134,8 +156,9 @@ fn to_metres(mp: &MultiPolygon<f64>, lat0: f64) -> MultiPolygon<f64> {
 /// Compares two versions of a district layer (`(code, geometry)` per feature).
 pub fn area_diff(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiPolygon<f64>)], min_area_m2: f64, tolerance_m: f64) -> AreaDiff {
     let mut out = AreaDiff::default();
-    let op = pieces(old);
-    let np = pieces(new);
+    let mut op = pieces(old);
+    let mut np = pieces(new);
+    mark_unchanged(&mut op, &mut np);
     let otree = tree(&op);
     let ntree = tree(&np);
     let mut raw = cross(&np, &op, &otree, true, true, &mut out.failed);
