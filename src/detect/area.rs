@@ -404,4 +404,24 @@ mod tests {
         let got: Vec<(&str, &str)> = d.regions.iter().map(|r| (r.from.as_str(), r.to.as_str())).collect();
         assert_eq!(got, vec![("R-1", "B-1")]);
     }
+
+    #[test]
+    fn polygons_present_in_both_versions_are_skipped_without_changing_the_answer() {
+        // The R-1 block is re-published as is (ring start rotated, features reordered); the
+        // B-1 block next to it becomes C-1, and a stale copy of R-1 overlapped half of it in
+        // the old version only.
+        let r1 = rect_mp(0.0, 42.0, 0.001, 42.001);
+        let r1_rotated = MultiPolygon::new(vec![polygon![(x: 0.001, y: 42.0), (x: 0.001, y: 42.001), (x: 0.0, y: 42.001), (x: 0.0, y: 42.0)]]);
+        let old = vec![("R-1".to_string(), r1), ("B-1".to_string(), rect_mp(0.001, 42.0, 0.002, 42.001)), ("R-1".to_string(), rect_mp(0.001, 42.0, 0.0015, 42.001))];
+        let new = vec![("C-1".to_string(), rect_mp(0.001, 42.0, 0.002, 42.001)), ("r-1 ".to_string(), r1_rotated)];
+        let d = area_diff(&old, &new, 200.0, 3.0);
+        let got: Vec<(&str, &str)> = d.regions.iter().map(|r| (r.from.as_str(), r.to.as_str())).collect();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got.contains(&("B-1", "C-1")) && got.contains(&("R-1", "C-1")), "{got:?}");
+        let whole = rect_mp(0.001, 42.0, 0.002, 42.001).geodesic_area_unsigned();
+        let sum: f64 = d.regions.iter().map(|r| r.area_m2).sum();
+        // The stacked half is both B-1 → C-1 and R-1 → C-1 (each code went away there).
+        assert!((sum - 1.5 * whole).abs() < 0.01 * whole, "{sum} vs {}", 1.5 * whole);
+        assert!(area_diff(&new, &new, 200.0, 3.0).regions.is_empty());
+    }
 }
