@@ -19,6 +19,18 @@
 //!
 //! Re-running either view sends nothing. When the data folder is missing the test prints
 //! `SKIPPED` and passes.
+//!
+//! What the two views say (measured): parcel mode sends 68 events (6 `rezoned`, 31 `added`,
+//! 14 `removed`, 17 `geometry_changed`), area mode 18 `area_rezoned` regions (none
+//! coverage-only). Area → parcel: 6 regions lie on a feature parcel mode reports `rezoned`
+//! with the same from → to; 9 lie where a new `ZONING_ID` took the place (parcel mode:
+//! `added`, no `rezoned` — an id-based diff cannot call it a rezoning); 3 lie where the place
+//! passed from one existing id to another of a different code (a boundary moved: parcel mode
+//! says `geometry_changed`). Parcel → area: all 6 rezoned features are found by area mode
+//! with the same from → to; 5 are well above the thresholds and ≥ 95% covered, the sixth
+//! (CG → DC, ~900 m²) is below the "well above" bar and found anyway. The other parcel-mode
+//! events (added / removed / reshaped features of unchanged code: splits, merges,
+//! re-digitised edges) are, correctly, silent in area mode.
 
 mod common;
 mod real_geom;
