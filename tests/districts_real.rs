@@ -17,6 +17,7 @@
 //! When the data folder is missing the test prints `SKIPPED` and passes.
 
 mod common;
+mod real_geom;
 use common::*;
 use rstar::primitives::{GeomWithData, Rectangle};
 use rstar::{RTree, AABB};
@@ -417,6 +418,29 @@ min_severity = "info"
 /// gate (the feed changed more than 5% of its polygons), released, delivered, and a re-run
 /// sends nothing. The 2025 file renames attributes (upper case) — `zone_class` is unchanged,
 /// so no case-folding warning is expected here.
+///
+/// **Why 398 regions alert** (audited by `chicago_audit`, which reads both files with
+/// `serde_json` only and checks every delivered region with its own point-in-polygon): about
+/// 76,400 fragments differ between the two exports, almost all boundary slivers — the exports
+/// were simplified differently, and the same line sits 0–3 m apart (vertex-to-boundary
+/// distances: 91% under 0.5 m; of those within 10 m, 99.8% within 3 m, a tail of 88 vertices
+/// at 3–6 m). The filter drops every fragment without a connected part ≥ 3 m wide and
+/// ≥ 200 m² (polygons identical in both exports are skipped up front). What is left
+/// is 398 regions, and every one is a real code difference: at its deepest point (half-width
+/// median 15 m, minimum 1.65 m) the 2024 file has `from` and not `to`, the 2025 file `to` and
+/// not `from`. 4 are coverage-only (zone ↔ no zone, `info`). Of the 394 code → code regions
+/// (195 distinct from → to pairs, led by B3-2 → B3-3 and B2-3 → B3-3, the 2025 business
+/// corridor upzonings), 310 are at least half of the district polygon covering them — whole
+/// lots or blocks rezoned, 183 of them lot-sized (< 2,000 m²) — and 84 are parts of bigger
+/// polygons (a district boundary moved by a lot or more); 79 involve a planned development
+/// (PD 1599 alone is 27 regions, one per connected piece of each old code it replaced).
+/// Only one is narrower than 5 m: RS-3 → B1-1, 817 m², a 450 m wedge 3.3 m wide at its widest —
+/// a boundary re-drawn by more than the tolerance, so it alerts by definition.
+///
+/// The audit found two defects, fixed in `detect/area.rs`: the opening's surviving bits of
+/// one sliver were summed (several places each a little over 3 m wide added up to 200 m²; now
+/// one connected part must reach it), and stacked polygons of two codes on one lot (present
+/// in both exports) alerted A → B and B → A; before the fixes 417 regions alerted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chicago_area_mode_finds_pd_1599() {
     let dir = data_dir();
@@ -494,6 +518,9 @@ min_severity = "info"
     assert!(pd_area > 1.0e6, "PD 1599 covers {pd_area} m²");
     let coverage = got.iter().filter(|g| g.from.is_empty() || g.to.is_empty()).count();
     eprintln!("chicago: {alerts} regions alert ({coverage} coverage-only at info), {noise} fragments dropped as noise; PD 1599: {} regions, {:.0} m²", pd.len(), pd_area);
+
+    let bodies: Vec<Value> = rx.received().iter().filter_map(|r| r.json()).collect();
+    chicago_audit(&old_f, &new_f, &bodies, 3.0);
 
     let before = rx.received().len();
     assert_eq!(run().record.verdict, Verdict::Identical);
@@ -615,4 +642,100 @@ min_severity = "info"
     assert_eq!(run("cambridge-overlays").record.verdict, Verdict::Identical);
     deliver(&engine, Duration::from_secs(2)).await;
     assert_eq!(rx.received().len(), before);
+}
+
+/// The independent audit of Chicago's alerting regions (see `chicago_area_mode_finds_pd_1599`):
+/// both files read with `serde_json` only, every region of the delivered payloads measured
+/// and checked at its deepest point with our own point-in-polygon.
+fn chicago_audit(old_f: &Path, new_f: &Path, bodies: &[Value], tolerance_m: f64) {
+    use real_geom::*;
+    let t0 = Instant::now();
+    let old = RawLayer::load(old_f, "zone_class", None);
+    let new = RawLayer::load(new_f, "zone_class", None);
+    // How far the two exports' boundaries sit apart where they describe the same line: the
+    // distance of every 7th vertex of one file to the nearest boundary of the same code in the
+    // other, both ways (capped at 30 m: farther ones are real changes).
+    let mut disp: Vec<f64> = Vec::new();
+    for (a, b) in [(&old, &new), (&new, &old)] {
+        for f in &a.features {
+            for r in &f.rings {
+                for p in r.iter().step_by(7) {
+                    disp.push(b.code_boundary_distance_m(&f.code, p[0], p[1], 30.0).min(30.0));
+                }
+            }
+        }
+    }
+    let edges = [0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 10.0, 29.9, 31.0];
+    let hist: Vec<String> = edges
+        .windows(2)
+        .map(|w| format!("{}-{} m: {}", w[0], w[1], disp.iter().filter(|d| **d >= w[0] && **d < w[1]).count()))
+        .collect();
+    eprintln!("chicago audit: boundary displacement between the exports over {} vertices: {hist:?}", disp.len());
+
+    #[derive(Debug)]
+    struct Row {
+        from: String,
+        to: String,
+        area: f64,
+        depth: f64,
+        whole: bool,
+    }
+    let mut rows = Vec::new();
+    for b in bodies {
+        let d = &b["data"];
+        assert_eq!(d["change"], "area_rezoned");
+        let from = norm(d["from"].as_str().unwrap_or(""));
+        let to = norm(d["to"].as_str().unwrap_or(""));
+        let area = d["area_m2"].as_f64().unwrap_or(0.0);
+        let polys = polygons_of(&d["geometry"]);
+        let own_area = area_m2(&polys);
+        assert!((own_area - area).abs() <= 0.01 * area + 2.0, "{from}→{to}: payload says {area} m², the region measures {own_area} m²");
+        let rings: Rings = polys.iter().flatten().cloned().collect();
+        let (p, depth) = deep_point(&rings, area).unwrap_or_else(|| panic!("{from}→{to} {area} m²: no point inside"));
+        // The opening keeps only parts at least `tolerance_m` wide: some point is at least
+        // half of it from the region's edge (sampling slack 0.1 m).
+        assert!(depth >= tolerance_m / 2.0 - 0.1, "{from}→{to} {area:.0} m²: nowhere wider than {:.2} m", 2.0 * depth);
+        // A real code difference: `from` (and not `to`) in 2024, `to` (and not `from`) in 2025
+        // at a point well inside the region ("" = no district at all).
+        let (oc, nc) = (old.codes_at(p[0], p[1]), new.codes_at(p[0], p[1]));
+        let ok_old = if from.is_empty() { oc.is_empty() } else { oc.contains(&from) && !oc.contains(&to) };
+        let ok_new = if to.is_empty() { nc.is_empty() } else { nc.contains(&to) && !nc.contains(&from) };
+        assert!(ok_old && ok_new, "{from}→{to} {area:.0} m² at {p:?} (depth {depth:.2} m): 2024 has {oc:?}, 2025 has {nc:?}");
+        // Whole-polygon change: the region is at least half of the district polygon that
+        // covers that point in one of the files (a lot or block rezoned as a whole).
+        let share = |l: &RawLayer, at: Vec<usize>| at.iter().map(|&i| area / l.features[i].area_m2.max(1.0)).fold(0.0, f64::max);
+        let whole = share(&old, old.at(p[0], p[1])).max(share(&new, new.at(p[0], p[1]))) >= 0.5;
+        rows.push(Row { from, to, area, depth, whole });
+    }
+    let coverage = rows.iter().filter(|r| r.from.is_empty() || r.to.is_empty()).count();
+    let codes: Vec<&Row> = rows.iter().filter(|r| !r.from.is_empty() && !r.to.is_empty()).collect();
+    let whole = codes.iter().filter(|r| r.whole).count();
+    let lots = codes.iter().filter(|r| r.whole && r.area < 2000.0).count();
+    let pd = codes.iter().filter(|r| r.to.starts_with("PD") || r.from.starts_with("PD")).count();
+    let thin: Vec<&&Row> = codes.iter().filter(|r| r.depth < 2.5).collect();
+    let mut depths: Vec<f64> = codes.iter().map(|r| r.depth).collect();
+    depths.sort_by(|a, b| a.total_cmp(b));
+    let pairs: BTreeSet<(&str, &str)> = codes.iter().map(|r| (r.from.as_str(), r.to.as_str())).collect();
+    let bucket = |lo: f64, hi: f64| codes.iter().filter(|r| r.area >= lo && r.area < hi).count();
+    eprintln!(
+        "chicago audit: {} regions, every one a real code difference at its deepest point: {coverage} coverage-only (info); {} code→code in {} from→to pairs: {whole} are at least half of a district polygon ({lots} of them under 2,000 m²: single lots), {} are parts of bigger polygons; {pd} involve a planned development; areas <500 m² {}, 500–2k {}, 2k–10k {}, 10k–100k {}, ≥100k {}; half-width median {:.1} m, min {:.2} m; {} narrower than 5 m {:?} ({:.1}s)",
+        rows.len(),
+        codes.len(),
+        pairs.len(),
+        codes.len() - whole,
+        bucket(0.0, 500.0),
+        bucket(500.0, 2000.0),
+        bucket(2000.0, 10_000.0),
+        bucket(10_000.0, 100_000.0),
+        bucket(100_000.0, f64::MAX),
+        depths.get(depths.len() / 2).copied().unwrap_or(0.0),
+        depths.first().copied().unwrap_or(0.0),
+        thin.len(),
+        thin.iter().map(|r| format!("{}→{} {:.0} m² {:.1} m wide", r.from, r.to, r.area, 2.0 * r.depth)).collect::<Vec<_>>(),
+        t0.elapsed().as_secs_f64()
+    );
+    // Slivers just over the thresholds would show up as many regions barely wider than the
+    // tolerance; the filter leaves at most a handful.
+    assert!(thin.len() * 50 <= codes.len().max(50), "too many regions under 5 m wide: {}", thin.len());
+    assert!(whole * 2 > codes.len(), "most regions should be whole lots / blocks: {whole} of {}", codes.len());
 }

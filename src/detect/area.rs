@@ -5,12 +5,17 @@
 //! overlap it (R-tree candidates, clipped to the new polygon's bounding box); the pieces are
 //! grouped by (old code → new code) and merged into connected regions. Coverage that appears
 //! (new polygon minus every old polygon) or disappears (old minus new) forms regions with an
-//! empty code on one side. A region whose parts at least `tolerance_m` wide (a morphological
-//! opening by half the tolerance) cover less than `min_change_area_m2` is re-digitisation
-//! noise: slivers between two differently simplified boundaries, however long. Region ids come from their content: the codes and a hash of the
-//! region snapped to the tolerance grid.
+//! empty code on one side. A region with no connected part at least `tolerance_m` wide (a
+//! morphological opening by half the tolerance) of at least `min_change_area_m2` is
+//! re-digitisation noise: slivers between two differently simplified boundaries, however long,
+//! and however many places they are a little wider than the tolerance. Where a layer overlaps
+//! itself (two polygons of different codes stacked on one place, which real exports have), a
+//! place that already carried the new code, or still carries the old one, is not a change.
+//! Region ids come from their content: the codes and a hash of the region snapped to the
+//! tolerance grid.
 
 use crate::detect::canonical::{geometry_hash, normalize_code};
+use geo::orient::{Direction, Orient};
 use geo::{Area, BooleanOps, BoundingRect, Buffer, Coord, GeodesicArea, Intersects, MapCoords, MultiPolygon, Polygon, Rect};
 use rstar::primitives::{GeomWithData, Rectangle};
 use rstar::{RTree, AABB};
@@ -48,6 +53,28 @@ struct Piece<'a> {
     code: &'a str,
     polygon: &'a Polygon<f64>,
     rect: Rect<f64>,
+    /// The other version has a polygon of the same code and the same canonical shape.
+    unchanged: bool,
+}
+
+/// Marks the polygons present, code and canonical shape alike, in both versions (matched as
+/// multisets). Such a polygon contributes nothing: wherever it meets a polygon of another
+/// code, the place carried its code in both versions (not a change, see the overlap rule), and
+/// it is covered by its twin in the other version. Skipping it is what keeps a re-publication
+/// that touched a few districts cheap.
+fn mark_unchanged(old: &mut [Piece], new: &mut [Piece]) {
+    use std::collections::HashMap;
+    let hash = |p: &Piece| (p.key.clone(), geometry_hash(&MultiPolygon::new(vec![p.polygon.clone()])));
+    let mut olds: HashMap<(String, [u8; 32]), Vec<usize>> = HashMap::new();
+    for (i, p) in old.iter().enumerate() {
+        olds.entry(hash(p)).or_default().push(i);
+    }
+    for p in new.iter_mut() {
+        if let Some(i) = olds.get_mut(&hash(p)).and_then(|v| v.pop()) {
+            p.unchanged = true;
+            old[i].unchanged = true;
+        }
+    }
 }
 
 fn pieces<'a>(layer: &'a [(String, MultiPolygon<f64>)]) -> Vec<Piece<'a>> {
@@ -55,7 +82,7 @@ fn pieces<'a>(layer: &'a [(String, MultiPolygon<f64>)]) -> Vec<Piece<'a>> {
     for (code, mp) in layer {
         for p in &mp.0 {
             if let Some(rect) = p.bounding_rect() {
-                out.push(Piece { key: normalize_code(code), code: code.as_str(), polygon: p, rect });
+                out.push(Piece { key: normalize_code(code), code: code.as_str(), polygon: p, rect, unchanged: false });
             }
         }
     }
@@ -90,13 +117,13 @@ fn guarded<F: FnOnce() -> MultiPolygon<f64> + std::panic::UnwindSafe>(f: F, fail
 /// `from` the `b` code when `a_is_new`, else the other way round.
 fn cross(a: &[Piece], b: &[Piece], btree: &RTree<Entry>, a_is_new: bool, with_changes: bool, failed: &mut u64) -> Vec<(String, String, Polygon<f64>)> {
     let mut out = Vec::new();
-    for pa in a {
+    for pa in a.iter().filter(|p| !p.unchanged) {
         let amp = MultiPolygon::new(vec![pa.polygon.clone()]);
         let cands: Vec<&Piece> = btree.locate_in_envelope_intersecting(env(&pa.rect)).filter_map(|c| b.get(c.data as usize)).collect();
         let mut rest = amp.clone();
         for pb in &cands {
             let bmp = MultiPolygon::new(vec![pb.polygon.clone()]);
-            if with_changes && pb.key != pa.key {
+            if with_changes && pb.key != pa.key && !pb.unchanged {
                 let inter = guarded(|| amp.intersection(&bmp), failed);
                 for poly in inter.0 {
                     if poly.unsigned_area() > 0.0 {
@@ -129,8 +156,9 @@ fn to_metres(mp: &MultiPolygon<f64>, lat0: f64) -> MultiPolygon<f64> {
 /// Compares two versions of a district layer (`(code, geometry)` per feature).
 pub fn area_diff(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiPolygon<f64>)], min_area_m2: f64, tolerance_m: f64) -> AreaDiff {
     let mut out = AreaDiff::default();
-    let op = pieces(old);
-    let np = pieces(new);
+    let mut op = pieces(old);
+    let mut np = pieces(new);
+    mark_unchanged(&mut op, &mut np);
     let otree = tree(&op);
     let ntree = tree(&np);
     let mut raw = cross(&np, &op, &otree, true, true, &mut out.failed);
@@ -183,37 +211,83 @@ pub fn area_diff(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiPolyg
             if region.0.is_empty() {
                 continue;
             }
-            let area_m2 = region.geodesic_area_unsigned();
-            let lat0 = region.bounding_rect().map(|r| (r.min().y + r.max().y) / 2.0).unwrap_or(0.0);
-            // Morphological opening (erode, then dilate, by half the tolerance) keeps only
-            // the parts of the region at least `tolerance_m` wide; what is left must still be
-            // `min_change_area_m2` (in local metres).
-            let thin = area_m2 < min_area_m2 || {
-                let m = to_metres(&region, lat0);
-                let opened = guarded(
-                    move || {
-                        let eroded = m.buffer(-tolerance_m / 2.0);
-                        if eroded.0.is_empty() {
-                            eroded
-                        } else {
-                            eroded.buffer(tolerance_m / 2.0)
-                        }
-                    },
-                    &mut out.failed,
-                );
-                opened.unsigned_area() < min_area_m2
-            };
-            if thin {
+            if is_noise(&region, min_area_m2, tolerance_m, &mut out.failed) {
                 out.noise += 1;
                 continue;
             }
             let (from, to) = (items[members[0]].0.clone(), items[members[0]].1.clone());
+            // Where the layers overlap themselves, a place can carry `to` in the old version
+            // too, or still carry `from` in the new one: nothing changed there.
+            let region = if from.trim().is_empty() || to.trim().is_empty() {
+                region
+            } else {
+                let (fk, tk) = (normalize_code(&from), normalize_code(&to));
+                let stale = |ps: &[Piece], t: &RTree<Entry>, key: &str, r: &MultiPolygon<f64>| -> Vec<MultiPolygon<f64>> {
+                    let Some(rect) = r.bounding_rect() else { return vec![] };
+                    t.locate_in_envelope_intersecting(env(&rect))
+                        .filter_map(|c| ps.get(c.data as usize))
+                        .filter(|p| p.key == key)
+                        .map(|p| MultiPolygon::new(vec![p.polygon.clone()]))
+                        .collect()
+                };
+                let mut cover = stale(&op, &otree, &tk, &region);
+                cover.extend(stale(&np, &ntree, &fk, &region));
+                let mut rest = region;
+                let mut cut = false;
+                for c in cover {
+                    let r = rest.clone();
+                    let c2 = c.clone();
+                    let shared = guarded(move || r.intersection(&c2), &mut out.failed);
+                    if shared.unsigned_area() > 0.0 {
+                        let r = rest.clone();
+                        rest = guarded(move || r.difference(&c), &mut out.failed);
+                        cut = true;
+                    }
+                }
+                if cut {
+                    // Exterior rings counter-clockwise again (geodesic area assumes it), and no
+                    // degenerate leftovers (a zero-area ring's winding is arbitrary, and a
+                    // clockwise one measures as the rest of the globe).
+                    rest = rest.orient(Direction::Default);
+                    rest.0.retain(|p| p.unsigned_area() > 1e-12);
+                    if rest.0.is_empty() || is_noise(&rest, min_area_m2, tolerance_m, &mut out.failed) {
+                        out.noise += 1;
+                        continue;
+                    }
+                }
+                rest
+            };
+            let area_m2 = region.geodesic_area_unsigned();
             let id = region_id(&from, &to, &region, tolerance_m);
             out.regions.push(Region { from, to, geometry: region, area_m2, id });
         }
     }
     out.regions.sort_by(|a, b| a.id.cmp(&b.id));
     out
+}
+
+/// Boundary noise: a region under `min_area_m2`, or one without a connected part at least
+/// `tolerance_m` wide (what a morphological opening by half the tolerance keeps) of at least
+/// `min_area_m2`. Parts are judged one by one: a long sliver that is a little wider than the
+/// tolerance in a few places does not add those places up into a change.
+fn is_noise(region: &MultiPolygon<f64>, min_area_m2: f64, tolerance_m: f64, failed: &mut u64) -> bool {
+    if region.geodesic_area_unsigned() < min_area_m2 {
+        return true;
+    }
+    let lat0 = region.bounding_rect().map(|r| (r.min().y + r.max().y) / 2.0).unwrap_or(0.0);
+    let m = to_metres(region, lat0);
+    let opened = guarded(
+        move || {
+            let eroded = m.buffer(-tolerance_m / 2.0);
+            if eroded.0.is_empty() {
+                eroded
+            } else {
+                eroded.buffer(tolerance_m / 2.0)
+            }
+        },
+        failed,
+    );
+    !opened.0.iter().any(|p| p.unsigned_area() >= min_area_m2)
 }
 
 /// sha256 over the normalised codes and the region snapped to the tolerance grid (degrees
@@ -262,5 +336,92 @@ mod tests {
         assert_eq!(again.regions[0].id, d.regions[0].id);
         // Nothing changed: nothing at all.
         assert!(area_diff(&old, &old, 200.0, 3.0).regions.is_empty());
+    }
+
+    #[test]
+    fn layers_that_overlap_themselves_do_not_swap_codes() {
+        // Both versions stack an R-1 and a C-1 polygon on the same block (a digitising error
+        // the Chicago files really have): neither R-1 → C-1 nor C-1 → R-1 happened.
+        let block = rect_mp(0.0, 42.0, 0.001, 42.001);
+        let old = vec![("R-1".to_string(), block.clone()), ("C-1".to_string(), block.clone())];
+        let new = vec![("C-1".to_string(), block.clone()), ("R-1".to_string(), block.clone())];
+        let d = area_diff(&old, &new, 200.0, 3.0);
+        assert!(d.regions.is_empty(), "{:?}", d.regions.iter().map(|r| (&r.from, &r.to, r.area_m2)).collect::<Vec<_>>());
+        // A new C-1 polygon laid over a block that stays R-1: R-1 did not go away.
+        let old = vec![("R-1".to_string(), rect_mp(0.0, 42.0, 0.002, 42.001))];
+        let new = vec![("R-1".to_string(), rect_mp(0.0, 42.0, 0.002, 42.001)), ("C-1".to_string(), rect_mp(0.0005, 42.0, 0.0015, 42.001))];
+        assert!(area_diff(&old, &new, 200.0, 3.0).regions.is_empty());
+        // Half of the stacked C-1 is really rezoned (the R-1 copy is gone there): only that
+        // half alerts, with the right area.
+        let old = vec![("R-1".to_string(), rect_mp(0.0, 42.0, 0.002, 42.001)), ("C-1".to_string(), rect_mp(0.0, 42.0, 0.001, 42.001))];
+        let new = vec![("R-1".to_string(), rect_mp(0.0, 42.0, 0.001, 42.001)), ("B-1".to_string(), rect_mp(0.001, 42.0, 0.002, 42.001)), ("C-1".to_string(), rect_mp(0.0, 42.0, 0.001, 42.001))];
+        let d = area_diff(&old, &new, 200.0, 3.0);
+        let got: Vec<(&str, &str)> = d.regions.iter().map(|r| (r.from.as_str(), r.to.as_str())).collect();
+        assert_eq!(got, vec![("R-1", "B-1")]);
+        let expect = rect_mp(0.001, 42.0, 0.002, 42.001).geodesic_area_unsigned();
+        assert!((d.regions[0].area_m2 - expect).abs() < 0.01 * expect, "{} vs {expect}", d.regions[0].area_m2);
+    }
+
+    #[test]
+    fn a_sliver_a_little_wider_than_the_tolerance_in_places_is_noise() {
+        // R-1 | B-1 along a north-south line. The new version moves the line 1 m west
+        // (noise) and, in four places 60 m apart, 3.4 m west for 20 m: each of those bumps
+        // is wider than the 3 m tolerance but only ~60 m², together ~250 m² (and the whole
+        // sliver ~550 m²). No connected part is both 3 m wide and 200 m²: noise. (Summing the
+        // wide parts, as the filter once did, made this a change.)
+        let (mx, my) = (1.0 / (111_320.0 * 42.0f64.to_radians().cos()), 1.0 / 110_540.0);
+        let x = 0.002;
+        let mut edge = vec![(x - mx, 42.0)];
+        for k in 0..4 {
+            let y0 = 42.0 + (30.0 + 60.0 * k as f64) * my;
+            let y1 = y0 + 20.0 * my;
+            edge.extend([(x - mx, y0), (x - 3.4 * mx, y0), (x - 3.4 * mx, y1), (x - mx, y1)]);
+        }
+        edge.push((x - mx, 42.003));
+        let mut west: Vec<(f64, f64)> = vec![(0.0, 42.0)];
+        west.extend(edge.iter().copied());
+        west.push((0.0, 42.003));
+        let ring = |pts: Vec<(f64, f64)>| MultiPolygon::new(vec![Polygon::new(pts.into_iter().map(|(x, y)| Coord { x, y }).collect::<Vec<_>>().into(), vec![])]);
+        let mut east_ring = vec![(0.004, 42.003)];
+        east_ring.extend(edge.iter().rev().copied());
+        east_ring.push((0.004, 42.0));
+        let old = vec![("R-1".to_string(), rect_mp(0.0, 42.0, x, 42.003)), ("B-1".to_string(), rect_mp(x, 42.0, 0.004, 42.003))];
+        let new = vec![("R-1".to_string(), ring(west).orient(Direction::Default)), ("B-1".to_string(), ring(east_ring).orient(Direction::Default))];
+        let d = area_diff(&old, &new, 200.0, 3.0);
+        assert!(d.regions.is_empty(), "{:?}", d.regions.iter().map(|r| (&r.from, &r.to, r.area_m2)).collect::<Vec<_>>());
+        assert_eq!(d.noise, 1);
+        // One bump of 3.4 m × 70 m (238 m²) is a change.
+        let mut edge = vec![(x - mx, 42.0), (x - mx, 42.0 + 100.0 * my), (x - 3.4 * mx, 42.0 + 100.0 * my), (x - 3.4 * mx, 42.0 + 170.0 * my), (x - mx, 42.0 + 170.0 * my)];
+        edge.push((x - mx, 42.003));
+        let mut west = vec![(0.0, 42.0)];
+        west.extend(edge.iter().copied());
+        west.push((0.0, 42.003));
+        let mut east_ring = vec![(0.004, 42.003)];
+        east_ring.extend(edge.iter().rev().copied());
+        east_ring.push((0.004, 42.0));
+        let new = vec![("R-1".to_string(), ring(west).orient(Direction::Default)), ("B-1".to_string(), ring(east_ring).orient(Direction::Default))];
+        let d = area_diff(&old, &new, 200.0, 3.0);
+        let got: Vec<(&str, &str)> = d.regions.iter().map(|r| (r.from.as_str(), r.to.as_str())).collect();
+        assert_eq!(got, vec![("R-1", "B-1")]);
+    }
+
+    #[test]
+    fn polygons_present_in_both_versions_are_skipped_without_changing_the_answer() {
+        // The R-1 block is re-published as is (ring start rotated, features reordered); the
+        // B-1 block next to it becomes C-1, and a stale copy of R-1 overlapped half of it in
+        // the old version only.
+        let r1 = rect_mp(0.0, 42.0, 0.001, 42.001);
+        let r1_rotated = MultiPolygon::new(vec![polygon![(x: 0.001, y: 42.0), (x: 0.001, y: 42.001), (x: 0.0, y: 42.001), (x: 0.0, y: 42.0)]]);
+        let old = vec![("R-1".to_string(), r1), ("B-1".to_string(), rect_mp(0.001, 42.0, 0.002, 42.001)), ("R-1".to_string(), rect_mp(0.001, 42.0, 0.0015, 42.001))];
+        let new = vec![("C-1".to_string(), rect_mp(0.001, 42.0, 0.002, 42.001)), ("r-1 ".to_string(), r1_rotated)];
+        let d = area_diff(&old, &new, 200.0, 3.0);
+        let got: Vec<(&str, &str)> = d.regions.iter().map(|r| (r.from.as_str(), r.to.as_str())).collect();
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got.contains(&("B-1", "C-1")) && got.contains(&("R-1", "C-1")), "{got:?}");
+        let whole = rect_mp(0.001, 42.0, 0.002, 42.001).geodesic_area_unsigned();
+        let sum: f64 = d.regions.iter().map(|r| r.area_m2).sum();
+        // The stacked half is both B-1 → C-1 and R-1 → C-1 (each code went away there).
+        assert!((sum - 1.5 * whole).abs() < 0.01 * whole, "{sum} vs {}", 1.5 * whole);
+        assert!(area_diff(&new, &new, 200.0, 3.0).regions.is_empty());
     }
 }
