@@ -18,6 +18,7 @@ pub mod http;
 pub mod portal;
 pub mod settings;
 pub mod staging;
+pub mod valid;
 pub mod decode;
 
 /// Errors that stop a whole layer (a single bad feature is quarantined instead).

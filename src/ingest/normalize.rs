@@ -11,7 +11,6 @@ use crate::detect::canonical;
 use crate::model::{Parcel, ParcelState, QuarantineReason, StoredGeometry};
 use geo::{
     BoundingRect, Coord, GeodesicArea, LineString, MakeValid, MultiPolygon, Orient, Polygon,
-    Validation,
 };
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -405,7 +404,7 @@ pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(
     // starts and which way it runs, and the same shape must always repair the same way.
     let tidy = crate::detect::canonical::canonical_order(&tidy);
     let result = std::panic::catch_unwind(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
-        if tidy.is_valid() {
+        if super::valid::is_valid(&tidy) {
             return Ok((tidy.orient(geo::orient::Direction::Default), false));
         }
         Ok((repair(&tidy)?, true))
@@ -429,12 +428,12 @@ fn repair(mp: &MultiPolygon<f64>) -> Result<MultiPolygon<f64>, GeomError> {
         .sum();
     let mut candidates = Vec::new();
     let unioned = tidy_rings(mp.union(&MultiPolygon::<f64>::new(vec![])));
-    if !unioned.0.is_empty() && unioned.is_valid() {
+    if !unioned.0.is_empty() && super::valid::is_valid(&unioned) {
         candidates.push(unioned);
     }
     if let Ok(fixed) = mp.make_valid() {
         let fixed = tidy_rings(fixed);
-        if !fixed.0.is_empty() && fixed.is_valid() {
+        if !fixed.0.is_empty() && super::valid::is_valid(&fixed) {
             candidates.push(fixed);
         }
     }
@@ -503,7 +502,7 @@ mod tests {
         assert!(r.repaired);
         assert_eq!(r.parcel.id, "7");
         assert_eq!(r.parcel.geometry.0.len(), 2);
-        assert!(r.parcel.geometry.to_geo().is_valid());
+        assert!(geo::Validation::is_valid(&r.parcel.geometry.to_geo()));
     }
 
     #[test]

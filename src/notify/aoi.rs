@@ -1,7 +1,7 @@
 //! Areas of interest: a GeoJSON Polygon, MultiPolygon, Feature or FeatureCollection file,
 //! read into one MultiPolygon, checked for finite coordinates and repaired when invalid.
 
-use geo::{MultiPolygon, Validation};
+use geo::MultiPolygon;
 use std::path::Path;
 
 /// Why an AOI cannot be used.
@@ -34,7 +34,7 @@ pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
     let mp = MultiPolygon::new(polys);
     let (clean, _) = crate::ingest::normalize::clean_geometry(mp, None)
         .map_err(|(reason, detail)| format!("{}: {detail}", reason.as_str()))?;
-    if !clean.is_valid() {
+    if !crate::ingest::valid::is_valid(&clean) {
         return Err("geometry is invalid and could not be repaired".into());
     }
     Ok(clean)
