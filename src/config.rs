@@ -463,11 +463,25 @@ impl Config {
             }
             let kind = match s.kind.as_str() {
                 "file" => {
+                    let stray: Vec<&str> = [("url", s.url.is_some()), ("page_size", s.page_size.is_some()), ("format", s.format.is_some())]
+                        .iter()
+                        .filter(|(_, set)| *set)
+                        .map(|(k, _)| *k)
+                        .collect();
+                    if !stray.is_empty() {
+                        return Err(invalid(format!(
+                            "{at}: {} does not apply to kind = \"file\" (an HTTP source needs kind = \"geojson_url\", \"arcgis\", \"ogcapi\" or \"socrata\")",
+                            stray.join(", ")
+                        )));
+                    }
                     let p = s
                         .path
                         .as_ref()
                         .ok_or_else(|| invalid(format!("{at}: kind = \"file\" needs `path`")))?;
                     SourceKind::File { path: resolve(p) }
+                }
+                other if s.path.is_some() && matches!(other, "geojson_url" | "arcgis" | "ogcapi" | "socrata") => {
+                    return Err(invalid(format!("{at}: `path` does not apply to kind = {other:?} (it reads `url`)")));
                 }
                 other => match crate::ingest::settings::http_kind(other, s.url.as_deref(), s.page_size, s.format.as_deref()) {
                     Ok(Some(k)) => k,
@@ -771,6 +785,10 @@ min_severity = "material"
         assert!(Config::parse_str(&bad_sev, Path::new(".")).is_err());
         let bad_layer = GOOD.replace("kind = \"file\"", "kind = \"file\"\nlayer = \"blocks\"");
         assert!(Config::parse_str(&bad_layer, Path::new(".")).unwrap_err().to_string().contains("blocks"));
+        let stray_url = GOOD.replace("kind = \"file\"", "kind = \"file\"\nurl = \"http://127.0.0.1:1/x\"");
+        assert!(Config::parse_str(&stray_url, Path::new(".")).unwrap_err().to_string().contains("url does not apply to kind = \"file\""));
+        let stray_path = GOOD.replace("kind = \"file\"", "kind = \"geojson_url\"\nurl = \"http://127.0.0.1:1/x\"");
+        assert!(Config::parse_str(&stray_path, Path::new(".")).unwrap_err().to_string().contains("`path` does not apply"));
         let bad_kind = GOOD.replace("kind = \"file\"", "kind = \"ftp\"");
         assert!(Config::parse_str(&bad_kind, Path::new(".")).unwrap_err().to_string().contains("ftp"));
     }
