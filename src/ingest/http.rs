@@ -106,11 +106,23 @@ fn buckets() -> &'static Mutex<HashMap<String, Bucket>> {
     B.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// The host map is pruned of refilled buckets when it holds this many.
+const PRUNE_BUCKETS_ABOVE: usize = 256;
+
 /// Reserves one request on `host`'s bucket and returns how long to wait before sending it.
 /// Reservations go negative, so concurrent callers queue fairly instead of racing.
 pub fn reserve(host: &str, rate: f64, now: Instant) -> Duration {
-    let burst = rate.max(1.0);
     let Ok(mut map) = buckets().lock() else { return Duration::ZERO };
+    reserve_in(&mut map, host, rate, now)
+}
+
+fn reserve_in(map: &mut HashMap<String, Bucket>, host: &str, rate: f64, now: Instant) -> Duration {
+    let burst = rate.max(1.0);
+    if map.len() >= PRUNE_BUCKETS_ABOVE {
+        // A bucket idle long enough to be full again is the same as a new one: drop it, so a
+        // daemon that met many hosts (or tests with many loopback ports) keeps a bounded map.
+        map.retain(|_, b| b.tokens + now.saturating_duration_since(b.last).as_secs_f64() * rate < burst);
+    }
     let b = map.entry(host.to_string()).or_insert(Bucket { tokens: burst, last: now });
     let elapsed = now.saturating_duration_since(b.last).as_secs_f64();
     b.tokens = (b.tokens + elapsed * rate).min(burst);
@@ -409,6 +421,24 @@ pub fn block_on<T: Send>(fut: impl std::future::Future<Output = T> + Send) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_map_stays_bounded_and_keeps_busy_buckets() {
+        let mut map = HashMap::new();
+        let t0 = Instant::now();
+        reserve_in(&mut map, "busy:1", 1.0, t0);
+        assert_eq!(reserve_in(&mut map, "busy:1", 1.0, t0), Duration::from_secs(1), "two reserved at once: the second waits");
+        for i in 0..PRUNE_BUCKETS_ABOVE {
+            reserve_in(&mut map, &format!("h{i}:1"), 1.0, t0);
+        }
+        assert!(map.len() > PRUNE_BUCKETS_ABOVE);
+        // Half a second on, nothing has refilled: nothing is dropped, the busy host still waits.
+        assert_eq!(reserve_in(&mut map, "busy:1", 1.0, t0 + Duration::from_millis(500)), Duration::from_millis(1500));
+        assert!(map.len() > PRUNE_BUCKETS_ABOVE);
+        // A minute on, every bucket has refilled: the map is pruned to the one just used.
+        assert_eq!(reserve_in(&mut map, "new:1", 1.0, t0 + Duration::from_secs(60)), Duration::ZERO);
+        assert_eq!(map.len(), 1);
+    }
 
     #[test]
     fn backoff_capped_with_retry_after_floor() {
