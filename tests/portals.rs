@@ -1253,6 +1253,9 @@ fn sources_on_one_host_share_its_bucket_and_another_host_is_not_delayed() {
             if req.target.starts_with("/api/views/") {
                 return json_reply(&json!({"rowsUpdatedAt": 1_700_000_000}));
             }
+            if req.param("$select").as_deref() == Some("count(*)") {
+                return json_reply(&json!([{"count": "25"}]));
+            }
             let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
             let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
             let page: Vec<Value> = features.iter().skip(offset).take(limit).cloned().collect();
@@ -1262,7 +1265,7 @@ fn sources_on_one_host_share_its_bucket_and_another_host_is_not_delayed() {
     let (at_a, at_b) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
     let county_a = Server::start(soda(at_a.clone()));
     let county_b = Server::start(soda(at_b.clone()));
-    // Each run: the view metadata + pages of 5 over 25 rows (5 full pages and an empty one) = 7.
+    // Each run: the view metadata + count(*) + 5 pages of 5 over the 25 rows = 7.
     let sources = [
         source("a1", "socrata", &county_a.url("/resource/aaaa-1111.geojson"), "page_size = 5"),
         source("a2", "socrata", &county_a.url("/resource/bbbb-2222.geojson"), "page_size = 5"),
