@@ -19,6 +19,7 @@
 mod common;
 mod real_geom;
 use common::*;
+use real_geom::{bbox, inside, rings_of, Rings};
 use rstar::primitives::{GeomWithData, Rectangle};
 use rstar::{RTree, AABB};
 use serde_json::Value;
@@ -44,60 +45,7 @@ fn data_dir() -> PathBuf {
 // Independent model: point sampling.
 // ---------------------------------------------------------------------------------------------
 
-type Rings = Vec<Vec<[f64; 2]>>;
-
-/// All rings of a Polygon / MultiPolygon geometry (exteriors and holes alike).
-fn rings_of(geometry: &Value) -> Rings {
-    let mut out = Vec::new();
-    let polys: Vec<&Value> = match geometry["type"].as_str() {
-        Some("Polygon") => vec![&geometry["coordinates"]],
-        Some("MultiPolygon") => geometry["coordinates"].as_array().map(|a| a.iter().collect()).unwrap_or_default(),
-        _ => vec![],
-    };
-    for p in polys {
-        for ring in p.as_array().into_iter().flatten() {
-            let pts: Vec<[f64; 2]> = ring
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|c| Some([c.get(0)?.as_f64()?, c.get(1)?.as_f64()?]))
-                .collect();
-            if pts.len() >= 4 {
-                out.push(pts);
-            }
-        }
-    }
-    out
-}
-
-/// Even-odd rule over every ring: right for polygons with holes and for disjoint parts.
-fn inside(rings: &Rings, x: f64, y: f64) -> bool {
-    let mut c = false;
-    for r in rings {
-        let n = r.len();
-        let mut j = n - 1;
-        for i in 0..n {
-            let (xi, yi) = (r[i][0], r[i][1]);
-            let (xj, yj) = (r[j][0], r[j][1]);
-            if (yi > y) != (yj > y) && x < (xj - xi) * (y - yi) / (yj - yi) + xi {
-                c = !c;
-            }
-            j = i;
-        }
-    }
-    c
-}
-
-fn bbox(rings: &Rings) -> [f64; 4] {
-    let mut b = [f64::MAX, f64::MAX, f64::MIN, f64::MIN];
-    for p in rings.iter().flatten() {
-        b[0] = b[0].min(p[0]);
-        b[1] = b[1].min(p[1]);
-        b[2] = b[2].max(p[0]);
-        b[3] = b[3].max(p[1]);
-    }
-    b
-}
+// `Rings`, `rings_of`, `inside` and `bbox` live in `real_geom` (shared with sanjose_cross).
 
 /// Sample points inside each parcel with a unique `ML` (the ids production keeps).
 fn parcel_samples(path: &Path) -> BTreeMap<String, Vec<[f64; 2]>> {

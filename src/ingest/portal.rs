@@ -235,8 +235,8 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     // A short page alone never ends the scan when the server says how many rows there are
     // (a server whose row cap is below `page_size` answers short pages all along): the scan
     // runs until it holds `count(*)` rows. If the count moved while paging, scan again.
+    let mut expected = socrata_count(session, url).await;
     for _ in 0..3 {
-        let expected = socrata_count(session, url).await;
         let (features, pages) = socrata_scan(session, url, page_size, expected).await?;
         let got = features.len() as u64;
         match expected {
@@ -244,6 +244,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
                 let after = socrata_count(session, url).await;
                 if after.is_some() && after != expected {
                     tracing::info!(url, before = c, after = ?after, "row count moved during the scan; scanning again");
+                    expected = after;
                     continue;
                 }
                 return Err(FetchError::Protocol {

@@ -20,25 +20,25 @@ const BRUTE_FORCE_SEGMENTS: usize = 64;
 
 /// Whether `mp` is a valid multipolygon by the rules geo's `Validation` applies.
 pub fn is_valid(mp: &MultiPolygon<f64>) -> bool {
-    let rects: Vec<Option<geo::Rect<f64>>> = mp.0.iter().map(BoundingRect::bounding_rect).collect();
-    for (i, polygon) in mp.0.iter().enumerate() {
-        if !polygon_is_valid(polygon) {
-            return false;
-        }
-        for (j, other) in mp.0.iter().enumerate().skip(i + 1) {
-            let (Some(a), Some(b)) = (rects[i], rects[j]) else { continue };
-            if !a.intersects(&b) {
-                continue;
-            }
-            let im = polygon.relate(other);
-            if im.get(CoordPos::Inside, CoordPos::Inside) == Dimensions::TwoDimensional
-                || im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) == Dimensions::OneDimensional
-            {
+    mp.0.iter().all(polygon_is_valid) && !any_pair_overlaps(&mp.0)
+}
+
+/// geo's rule for the parts of a multipolygon and for the holes of a polygon: no two overlap
+/// on an area or share a line (touching at points is allowed). Pairs whose bounding boxes are
+/// disjoint cannot break it and are not related.
+fn any_pair_overlaps(polys: &[Polygon<f64>]) -> bool {
+    let rects: Vec<Option<geo::Rect<f64>>> = polys.iter().map(BoundingRect::bounding_rect).collect();
+    polys.iter().enumerate().any(|(i, a)| {
+        polys.iter().enumerate().skip(i + 1).any(|(j, b)| {
+            let (Some(ra), Some(rb)) = (rects[i], rects[j]) else { return false };
+            if !ra.intersects(&rb) {
                 return false;
             }
-        }
-    }
-    true
+            let im = a.relate(b);
+            im.get(CoordPos::Inside, CoordPos::Inside) == Dimensions::TwoDimensional
+                || im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) == Dimensions::OneDimensional
+        })
+    })
 }
 
 /// One polygon: every ring has enough points, no self-intersection and finite coordinates;
@@ -64,27 +64,11 @@ fn polygon_is_valid(polygon: &Polygon<f64>) -> bool {
     let exterior = Polygon::new(polygon.exterior().clone(), vec![]);
     let prepared_exterior = PreparedGeometry::from(&exterior);
     let holes: Vec<Polygon<f64>> = polygon.interiors().iter().filter(|r| !r.0.is_empty()).map(|r| Polygon::new(r.clone(), vec![])).collect();
-    let hole_rects: Vec<Option<geo::Rect<f64>>> = holes.iter().map(BoundingRect::bounding_rect).collect();
-    for (i, hole) in holes.iter().enumerate() {
-        let prepared_hole = PreparedGeometry::from(hole);
-        let im = prepared_exterior.relate(&prepared_hole);
-        if !im.is_contains() || im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) == Dimensions::OneDimensional {
-            return false;
-        }
-        for (j, other) in holes.iter().enumerate().skip(i + 1) {
-            let (Some(a), Some(b)) = (hole_rects[i], hole_rects[j]) else { continue };
-            if !a.intersects(&b) {
-                continue;
-            }
-            let im = prepared_hole.relate(other);
-            if im.get(CoordPos::Inside, CoordPos::Inside) == Dimensions::TwoDimensional
-                || im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) == Dimensions::OneDimensional
-            {
-                return false;
-            }
-        }
-    }
-    true
+    let contained = holes.iter().all(|hole| {
+        let im = prepared_exterior.relate(hole);
+        im.is_contains() && im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) != Dimensions::OneDimensional
+    });
+    contained && !any_pair_overlaps(&holes)
 }
 
 /// geo's rule: two distinct segments of the ring intersect, and not merely where one ends and
