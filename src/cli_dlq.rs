@@ -246,7 +246,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
                 println!("  parcel:    {}  source: {}  lineage: {}", d.entry.parcel_id, d.entry.source_id, d.entry.lineage_id);
                 println!("  reason:    {}  at {}", d.reason, rfc3339(d.dead_at_ms));
                 println!("  replays:   {}", engine.store.replay_count(&d.entry.key.0).unwrap_or(0));
-                println!("  payload:   {}", String::from_utf8_lossy(&d.entry.body));
+                println!("  payload:   {}", String::from_utf8_lossy(&d.entry.body()));
             }
             println!("attempts of {key}:");
             println!("  #\tat\tresult\tstatus\tduration_ms\terror\tresponse (first 2 KiB)");

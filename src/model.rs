@@ -252,8 +252,9 @@ impl AuditRow {
     }
 }
 
-/// A webhook waiting to be delivered. The body is fixed when the key is claimed, so a retry
-/// sends the same bytes; the signature and `webhook-timestamp` are made at each attempt.
+/// A webhook waiting to be delivered. What it says is fixed when the key is claimed
+/// ([`OutboxPayload`]), so a retry sends the same bytes; the signature and
+/// `webhook-timestamp` are made at each attempt.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct OutboxEntry {
     pub id: u64,
@@ -264,11 +265,66 @@ pub struct OutboxEntry {
     pub parcel_id: String,
     pub lineage_id: String,
     pub severity: Severity,
-    pub body: Vec<u8>,
+    pub payload: OutboxPayload,
     pub attempts: u32,
     pub created_ms: u64,
     pub next_attempt_ms: u64,
     pub last_error: Option<String>,
+}
+
+impl OutboxEntry {
+    /// The webhook body: the same bytes for every attempt of this entry.
+    pub fn body(&self) -> Vec<u8> {
+        match &self.payload {
+            OutboxPayload::Built(body) => body.clone(),
+            OutboxPayload::Change(change) => crate::notify::payload::body_for(self, change),
+        }
+    }
+}
+
+/// What an outbox row's webhook says. Rows keep the change's own fields and the body is
+/// built from them at send time: a pre-built JSON body was ~1.2 KB a row, written and
+/// fsync'd at claim time, and building it was a tenth of the claim commit (issue 7). The
+/// build is deterministic, so every attempt sends the same bytes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum OutboxPayload {
+    /// A body built when the row was queued (rows written before record version 2).
+    Built(Vec<u8>),
+    /// The change's fields; the body is built from them by `notify::payload`.
+    Change(ChangeFields),
+}
+
+/// The subscriber-independent fields of a change that its webhook body shows, as queued.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ChangeFields {
+    pub jurisdiction: String,
+    pub kind: ChangeKind,
+    pub from: Option<String>,
+    pub to: Option<String>,
+    pub effective_date: Option<String>,
+    pub observed_at_ms: u64,
+    /// Rounded to 0.1 m², as the body shows it.
+    pub area_m2: f64,
+    /// The shape shown: the new one, or the old one for a removal.
+    pub geometry: Option<StoredGeometry>,
+    /// The body's `timestamp`: when the key was claimed (kept across dead-letter replays).
+    pub queued_ms: u64,
+}
+
+impl ChangeFields {
+    pub fn of(event: &ChangeEvent, queued_ms: u64) -> Self {
+        ChangeFields {
+            jurisdiction: event.jurisdiction.clone(),
+            kind: event.kind,
+            from: event.from.clone(),
+            to: event.to.clone(),
+            effective_date: event.effective_date.clone(),
+            observed_at_ms: event.observed_at_ms,
+            area_m2: (event.area_m2 * 10.0).round() / 10.0,
+            geometry: event.display_geometry().cloned(),
+            queued_ms,
+        }
+    }
 }
 
 /// An outbox entry that will not be delivered without a person: kept until resolved.

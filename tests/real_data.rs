@@ -326,7 +326,7 @@ fn real_sanjose_consecutive_versions_detect_exactly_the_changed_parcels() {
     // Cross-check against the outbox bodies (kind as delivered to the webhook).
     let mut from_outbox: BTreeMap<String, String> = BTreeMap::new();
     for e in engine.store.outbox().expect("outbox").into_iter().filter(|e| e.lineage_id == lineage) {
-        let body: Value = serde_json::from_slice(&e.body).expect("outbox body is JSON");
+        let body: Value = serde_json::from_slice(&e.body()).expect("outbox body is JSON");
         assert_eq!(body["data"]["parcel_id"].as_str(), Some(e.parcel_id.as_str()));
         from_outbox.insert(e.parcel_id.clone(), body["data"]["change"].as_str().unwrap_or("").to_string());
     }

@@ -483,20 +483,21 @@ impl Deliverer {
             return DeliveryResult::Dead { id, reason };
         }
         let ts = self.clock.now_ms() / 1000;
+        let body = entry.body();
         let mut req = self
             .client
             .post(&target)
             .header("content-type", "application/json")
             .header("webhook-id", &entry.key.0)
             .header("webhook-timestamp", ts.to_string())
-            .body(entry.body.clone());
+            .body(body.clone());
         if let Some(secret) = sub.as_ref().and_then(|s| s.secret.as_deref()) {
             // During a rotation both signatures go out, space-separated, new one first.
             let secrets = std::iter::once(secret).chain(sub.as_ref().and_then(|s| s.secret_old.as_deref()));
             let mut sigs = Vec::with_capacity(2);
             for s in secrets {
                 match signing::decode_secret(s) {
-                    Ok(key) => sigs.push(signing::sign(&key, &entry.key.0, ts, &entry.body)),
+                    Ok(key) => sigs.push(signing::sign(&key, &entry.key.0, ts, &body)),
                     Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
                 }
             }

@@ -1,7 +1,7 @@
 //! The webhook body, in the Standard Webhooks payload shape:
 //! `{"type": "zoning.change", "timestamp": RFC 3339, "data": {...}}`.
 
-use crate::model::{ChangeEvent, IdemKey};
+use crate::model::{ChangeFields, OutboxEntry};
 use serde::Serialize;
 
 #[derive(Serialize)]
@@ -30,26 +30,27 @@ struct Data<'a> {
     geometry: serde_json::Value,
 }
 
-/// Builds the JSON body for one (watcher, change) delivery.
-pub fn build_body(event: &ChangeEvent, watcher_id: &str, key: &IdemKey, lineage_id: &str, now_ms: u64) -> Vec<u8> {
+/// Builds the JSON body of an outbox entry from the change fields it was queued with.
+/// Deterministic: the same entry always gives the same bytes (every retry sends them).
+pub fn body_for(entry: &OutboxEntry, change: &ChangeFields) -> Vec<u8> {
     let body = Body {
         kind: "zoning.change",
-        timestamp: crate::util::rfc3339(now_ms),
+        timestamp: crate::util::rfc3339(change.queued_ms),
         data: Data {
-            idempotency_key: &key.0,
-            watcher_id,
-            source_id: &event.source_id,
-            jurisdiction: &event.jurisdiction,
-            parcel_id: &event.parcel_id,
-            change: event.kind.as_str(),
-            from: event.from.as_deref(),
-            to: event.to.as_deref(),
-            severity: event.severity.as_str(),
-            effective_date: event.effective_date.as_deref(),
-            lineage_id,
-            observed_at: crate::util::rfc3339(event.observed_at_ms),
-            area_m2: (event.area_m2 * 10.0).round() / 10.0,
-            geometry: event.display_geometry().map(|g| g.to_geojson()).unwrap_or(serde_json::Value::Null),
+            idempotency_key: &entry.key.0,
+            watcher_id: &entry.watcher_id,
+            source_id: &entry.source_id,
+            jurisdiction: &change.jurisdiction,
+            parcel_id: &entry.parcel_id,
+            change: change.kind.as_str(),
+            from: change.from.as_deref(),
+            to: change.to.as_deref(),
+            severity: entry.severity.as_str(),
+            effective_date: change.effective_date.as_deref(),
+            lineage_id: &entry.lineage_id,
+            observed_at: crate::util::rfc3339(change.observed_at_ms),
+            area_m2: change.area_m2,
+            geometry: change.geometry.as_ref().map(|g| g.to_geojson()).unwrap_or(serde_json::Value::Null),
         },
     };
     serde_json::to_vec(&body).unwrap_or_default()

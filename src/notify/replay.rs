@@ -57,7 +57,10 @@ pub fn validate_payload_geometry(body: &[u8]) -> Result<(), String> {
 
 /// When the change in a dead letter was observed (`data.observed_at`), else when it was queued.
 pub fn observed_ms(dl: &DeadLetter) -> u64 {
-    serde_json::from_slice::<serde_json::Value>(&dl.entry.body)
+    if let crate::model::OutboxPayload::Change(c) = &dl.entry.payload {
+        return c.observed_at_ms;
+    }
+    serde_json::from_slice::<serde_json::Value>(&dl.entry.body())
         .ok()
         .and_then(|v| v.get("data")?.get("observed_at")?.as_str().and_then(parse_rfc3339))
         .unwrap_or(dl.entry.created_ms)
@@ -88,7 +91,7 @@ pub async fn replay(
     let mut report = ReplayReport::default();
     for dl in letters {
         bucket.take().await;
-        let geometry = validate_payload_geometry(&dl.entry.body);
+        let geometry = validate_payload_geometry(&dl.entry.body());
         match store.replay_dead_letter(dl.entry.id, deliverer.now_ms(), max_replays, geometry)? {
             ReplayOutcome::Requeued { .. } => {
                 report.requeued += 1;

@@ -121,7 +121,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             let id = k.value();
             report.outbox_rows += 1;
             outbox_ids.insert(id);
-            let e: OutboxEntry = decode(v.value()).map_err(|m| codec_err("outbox", m))?;
+            let e: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?;
             match claims.get(&e.key.0) {
                 None => problem(&mut report, format!("outbox {id}: key {} is not claimed in idem_keys", e.key.0)),
                 Some(rec) if rec.state == IdemState::Sent => {

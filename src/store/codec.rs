@@ -18,6 +18,22 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     }
 }
 
+/// Encodes a record whose stored shape has moved on from [`RECORD_VERSION`] as
+/// `[version] ++ postcard(value)` (see `store::outbox_rows`).
+pub fn encode_versioned<T: Serialize>(version: u8, value: &T) -> Vec<u8> {
+    postcard::to_extend(value, vec![version]).unwrap_or_default()
+}
+
+/// Splits a record into its version byte and its postcard bytes.
+pub fn split_version(bytes: &[u8]) -> Result<(u8, &[u8]), String> {
+    bytes.split_first().map(|(v, rest)| (*v, rest)).ok_or_else(|| "empty record".to_string())
+}
+
+/// Decodes postcard bytes (after the version byte) as `T`.
+pub fn decode_postcard<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    postcard::from_bytes(bytes).map_err(|e| e.to_string())
+}
+
 /// Decodes a record written by [`encode`], checking its version byte.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     match bytes.split_first() {

@@ -2,6 +2,7 @@
 //! only in the transaction that writes its terminal audit row.
 
 use super::codec::{decode, encode};
+use super::outbox_rows::{decode_entry, encode_dead, encode_entry};
 use super::runs::{append_audits, codec_err};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -171,7 +172,6 @@ pub(super) fn claim_in_txn(
             ClaimMode::Deliver => {
                 let id = next_id;
                 next_id += 1;
-                let body = crate::notify::payload::build_body(event, &claim.watcher_id, &claim.key, lineage, now_ms);
                 let entry = OutboxEntry {
                     id,
                     key: claim.key.clone(),
@@ -181,13 +181,13 @@ pub(super) fn claim_in_txn(
                     parcel_id: event.parcel_id.clone(),
                     lineage_id: lineage.to_string(),
                     severity: event.severity,
-                    body,
+                    payload: OutboxPayload::Change(ChangeFields::of(event, now_ms)),
                     attempts: 0,
                     created_ms: now_ms,
                     next_attempt_ms: now_ms,
                     last_error: None,
                 };
-                outbox.insert(id, encode(&entry).as_slice())?;
+                outbox.insert(id, encode_entry(&entry).as_slice())?;
                 due.insert((now_ms, id), ())?;
                 counts.queued += 1;
             }
@@ -253,7 +253,7 @@ impl Store {
                     continue;
                 }
                 if let Some(v) = outbox.get(id)? {
-                    out.push(decode(v.value()).map_err(|m| codec_err("outbox", m))?);
+                    out.push(decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?);
                 }
             }
         }
@@ -322,7 +322,7 @@ impl Store {
                         // Already resolved (e.g. by a concurrent recovery); nothing to record.
                         continue;
                     };
-                    decode(v.value()).map_err(|m| codec_err("outbox", m))?
+                    decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?
                 };
                 leases.remove(entry.id)?;
                 if let Some(policy) = health {
@@ -358,7 +358,7 @@ impl Store {
                         let mut dead_entry = entry.clone();
                         dead_entry.attempts = attempts;
                         let dl = DeadLetter { entry: dead_entry, reason: reason.clone(), dead_at_ms: now_ms };
-                        dead.insert(entry.id, encode(&dl).as_slice())?;
+                        dead.insert(entry.id, encode_dead(&dl).as_slice())?;
                         audit.outcome = Outcome::DeadLetter;
                         audit.detail = reason.clone();
                         pending.push(audit);
@@ -371,7 +371,7 @@ impl Store {
                         due.remove((entry.next_attempt_ms, entry.id))?;
                         retry_due.remove((entry.next_attempt_ms, entry.id))?;
                         retry_due.insert((*next_attempt_ms, entry.id), ())?;
-                        outbox.insert(entry.id, encode(&updated).as_slice())?;
+                        outbox.insert(entry.id, encode_entry(&updated).as_slice())?;
                     }
                 }
             }

@@ -4,7 +4,7 @@
 //! as a `duplicate`; a dead letter replayed more than `max_replays` times, or whose geometry no
 //! longer validates, is moved to the delivery quarantine for a person.
 
-use super::codec::{decode, encode};
+use super::codec::decode;
 use super::runs::{append_audit, codec_err};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -71,7 +71,7 @@ impl Store {
                 wtx.abort()?;
                 return Ok(ReplayOutcome::NotFound);
             };
-            decode(v.value()).map_err(|m| codec_err("dead_letters", m))?
+            super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?
         };
         let e = &dl.entry;
         let mut audit = AuditRow::for_entry(e, Outcome::Duplicate, now_ms, String::new());
@@ -89,7 +89,7 @@ impl Store {
         }) {
             wtx.open_table(DEAD_LETTERS)?.remove(id)?;
             let q = DeadLetter { entry: e.clone(), reason: reason.clone(), dead_at_ms: now_ms };
-            wtx.open_table(DLQ_QUARANTINE)?.insert(id, encode(&q).as_slice())?;
+            wtx.open_table(DLQ_QUARANTINE)?.insert(id, super::outbox_rows::encode_dead(&q).as_slice())?;
             audit.outcome = Outcome::Quarantined;
             audit.detail = format!("dead letter {id}: {reason}");
             ReplayOutcome::Quarantined { reason }
@@ -104,7 +104,7 @@ impl Store {
                 last_error: None,
                 ..e.clone()
             };
-            wtx.open_table(OUTBOX)?.insert(new_id, encode(&entry).as_slice())?;
+            wtx.open_table(OUTBOX)?.insert(new_id, super::outbox_rows::encode_entry(&entry).as_slice())?;
             // Replays queue behind live alerts.
             wtx.open_table(OUTBOX_RETRY_DUE)?.insert((now_ms, new_id), ())?;
             wtx.open_table(DLQ_REPLAYS)?.insert(e.key.0.as_str(), replays + 1)?;
@@ -124,7 +124,7 @@ impl Store {
         let mut out = Vec::new();
         for item in t.iter()? {
             let (_, v) = item?;
-            out.push(decode(v.value()).map_err(|m| codec_err("dlq_quarantine", m))?);
+            out.push(super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dlq_quarantine", m))?);
         }
         Ok(out)
     }

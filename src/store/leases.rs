@@ -73,7 +73,7 @@ impl Store {
                         }
                     }
                     let Some(v) = outbox.get(id)? else { continue };
-                    let entry: OutboxEntry = decode(v.value()).map_err(|m| codec_err("outbox", m))?;
+                    let entry: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?;
                     // Disabled endpoints and open breakers hold their entries back; a
                     // half-open breaker lets one probe through.
                     match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
@@ -168,7 +168,7 @@ impl Store {
             for table in [DEAD_LETTERS, DLQ_QUARANTINE] {
                 for item in wtx.open_table(table)?.iter()? {
                     let (_, v) = item?;
-                    let d: crate::model::DeadLetter = decode(v.value()).map_err(|m| codec_err("dead_letters", m))?;
+                    let d: crate::model::DeadLetter = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
                     keep.insert(d.entry.key.0);
                 }
             }

@@ -18,6 +18,7 @@ mod derived;
 mod dlq;
 mod endpoints;
 mod leases;
+mod outbox_rows;
 mod queries;
 mod runs;
 mod subscribers;

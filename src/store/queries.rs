@@ -257,7 +257,7 @@ impl Store {
         let mut out = Vec::new();
         for item in t.iter()? {
             let (_, v) = item?;
-            out.push(decode(v.value()).map_err(|m| codec_err("dead_letters", m))?);
+            out.push(super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?);
         }
         Ok(out)
     }
@@ -279,7 +279,7 @@ impl Store {
         let mut out = Vec::new();
         for item in t.iter()? {
             let (_, v) = item?;
-            out.push(decode(v.value()).map_err(|m| codec_err("outbox", m))?);
+            out.push(super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?);
         }
         Ok(out)
     }

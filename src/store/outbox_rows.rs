@@ -1,0 +1,154 @@
+//! The stored shape of outbox rows and dead letters, the one record family whose shape has
+//! changed: record version 1 carried a pre-built webhook body, version 2 carries the change's
+//! fields (`OutboxPayload::Change`) and the body is built at send time (issue 7: the body was
+//! a tenth of the claim commit's CPU and most of its bytes). Rows of either version are read;
+//! every row this build writes is version 2, and a version 1 row keeps its body as
+//! `OutboxPayload::Built` when it is rewritten (a retry, a dead letter).
+
+use super::codec::{decode_postcard, encode_versioned, split_version};
+use crate::model::{DeadLetter, IdemKey, OutboxEntry, OutboxPayload, Severity};
+use serde::{Deserialize, Serialize};
+
+/// The version byte of outbox rows, dead letters and quarantined dead letters written now.
+pub const OUTBOX_RECORD_VERSION: u8 = 2;
+
+/// `OutboxEntry` as record version 1 wrote it.
+#[derive(Serialize, Deserialize)]
+struct OutboxEntryV1 {
+    id: u64,
+    key: IdemKey,
+    watcher_id: String,
+    target: String,
+    source_id: String,
+    parcel_id: String,
+    lineage_id: String,
+    severity: Severity,
+    body: Vec<u8>,
+    attempts: u32,
+    created_ms: u64,
+    next_attempt_ms: u64,
+    last_error: Option<String>,
+}
+
+/// `DeadLetter` as record version 1 wrote it.
+#[derive(Serialize, Deserialize)]
+struct DeadLetterV1 {
+    entry: OutboxEntryV1,
+    reason: String,
+    dead_at_ms: u64,
+}
+
+impl From<OutboxEntryV1> for OutboxEntry {
+    fn from(v: OutboxEntryV1) -> Self {
+        OutboxEntry {
+            id: v.id,
+            key: v.key,
+            watcher_id: v.watcher_id,
+            target: v.target,
+            source_id: v.source_id,
+            parcel_id: v.parcel_id,
+            lineage_id: v.lineage_id,
+            severity: v.severity,
+            payload: OutboxPayload::Built(v.body),
+            attempts: v.attempts,
+            created_ms: v.created_ms,
+            next_attempt_ms: v.next_attempt_ms,
+            last_error: v.last_error,
+        }
+    }
+}
+
+pub(super) fn encode_entry(entry: &OutboxEntry) -> Vec<u8> {
+    encode_versioned(OUTBOX_RECORD_VERSION, entry)
+}
+
+pub(super) fn decode_entry(bytes: &[u8]) -> Result<OutboxEntry, String> {
+    match split_version(bytes)? {
+        (1, rest) => decode_postcard::<OutboxEntryV1>(rest).map(OutboxEntry::from),
+        (OUTBOX_RECORD_VERSION, rest) => decode_postcard(rest),
+        (v, _) => Err(unknown(v)),
+    }
+}
+
+pub(super) fn encode_dead(dead: &DeadLetter) -> Vec<u8> {
+    encode_versioned(OUTBOX_RECORD_VERSION, dead)
+}
+
+pub(super) fn decode_dead(bytes: &[u8]) -> Result<DeadLetter, String> {
+    match split_version(bytes)? {
+        (1, rest) => decode_postcard::<DeadLetterV1>(rest)
+            .map(|d| DeadLetter { entry: d.entry.into(), reason: d.reason, dead_at_ms: d.dead_at_ms }),
+        (OUTBOX_RECORD_VERSION, rest) => decode_postcard(rest),
+        (v, _) => Err(unknown(v)),
+    }
+}
+
+fn unknown(v: u8) -> String {
+    format!("record version {v} is not understood by this zonewatch (outbox rows: 1 or {OUTBOX_RECORD_VERSION})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ChangeFields, ChangeKind, StoredGeometry};
+
+    fn v1_entry() -> OutboxEntryV1 {
+        OutboxEntryV1 {
+            id: 7,
+            key: IdemKey("k".into()),
+            watcher_id: "w".into(),
+            target: "http://127.0.0.1:1/h".into(),
+            source_id: "s".into(),
+            parcel_id: "p".into(),
+            lineage_id: "l".into(),
+            severity: Severity::Material,
+            body: br#"{"type":"zoning.change"}"#.to_vec(),
+            attempts: 2,
+            created_ms: 10,
+            next_attempt_ms: 20,
+            last_error: Some("http_503".into()),
+        }
+    }
+
+    #[test]
+    fn version_1_rows_are_read_with_their_built_body() {
+        let bytes = super::super::codec::encode(&v1_entry());
+        assert_eq!(bytes[0], 1);
+        let e = decode_entry(&bytes).unwrap();
+        assert_eq!(e.body(), br#"{"type":"zoning.change"}"#.to_vec());
+        assert_eq!((e.id, e.attempts, e.last_error.as_deref()), (7, 2, Some("http_503")));
+        let dl = super::super::codec::encode(&DeadLetterV1 { entry: v1_entry(), reason: "r".into(), dead_at_ms: 5 });
+        let d = decode_dead(&dl).unwrap();
+        assert_eq!((d.entry.id, d.reason.as_str(), d.dead_at_ms), (7, "r", 5));
+        // Rewritten, a version 1 row keeps its body under the new version.
+        let again = decode_entry(&encode_entry(&e)).unwrap();
+        assert_eq!(again, e);
+    }
+
+    #[test]
+    fn version_2_rows_round_trip_and_build_the_same_body_every_time() {
+        let mut e: OutboxEntry = v1_entry().into();
+        e.payload = OutboxPayload::Change(ChangeFields {
+            jurisdiction: "j".into(),
+            kind: ChangeKind::Rezoned,
+            from: Some("R-1".into()),
+            to: Some("C-2".into()),
+            effective_date: None,
+            observed_at_ms: 1_780_000_000_000,
+            area_m2: 812.3,
+            geometry: Some(StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]])),
+            queued_ms: 1_780_000_000_500,
+        });
+        let bytes = encode_entry(&e);
+        assert_eq!(bytes[0], OUTBOX_RECORD_VERSION);
+        let back = decode_entry(&bytes).unwrap();
+        assert_eq!(back, e);
+        assert_eq!(back.body(), e.body());
+        let body: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(body["data"]["from"], "R-1");
+        assert_eq!(body["data"]["area_m2"], 812.3);
+        assert_eq!(body["data"]["geometry"]["type"], "Polygon");
+        assert!(decode_entry(&[9, 1, 2]).unwrap_err().contains("version 9"));
+        assert!(decode_entry(&[]).is_err());
+    }
+}
