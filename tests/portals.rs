@@ -960,6 +960,216 @@ fn socrata_trusts_count_not_a_short_page() {
     assert!(engine.store.watermark("soda").expect("wm").is_none(), "nothing committed");
 }
 
+/// How a hostile SODA server behaves in the tests below.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Soda {
+    /// Pages the 25 rows by `$offset`, `count(*)` = 25.
+    Honest,
+    /// Claims `count(*)` = 1,000,000 and answers the first full page at every offset.
+    SamePage,
+    /// Like `SamePage` but without `count(*)` (404): only the pages themselves can end it.
+    SamePageNoCount,
+    /// Claims `count(*)` = 1,000,000 and answers a full page of never-seen rows at every offset.
+    EverNew,
+}
+
+fn soda_server(rows: Vec<Value>, mode: Arc<Mutex<Soda>>, updated: Arc<AtomicU64>) -> Server {
+    Server::start(Arc::new(move |req: &Req| {
+        let m = *mode.lock().expect("mode");
+        if req.target.starts_with("/api/views/abcd-1234.json") {
+            return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": updated.load(Ordering::SeqCst)}));
+        }
+        if req.target.starts_with("/resource/abcd-1234.json") {
+            return match m {
+                Soda::Honest => json_reply(&json!([{"count": rows.len().to_string()}])),
+                Soda::SamePage | Soda::EverNew => json_reply(&json!([{"count": "1000000"}])),
+                Soda::SamePageNoCount => reply(404, "application/json", r#"{"error": true}"#),
+            };
+        }
+        let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
+        let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let page: Vec<Value> = match m {
+            Soda::Honest => rows.iter().skip(offset).take(limit).cloned().collect(),
+            Soda::SamePage | Soda::SamePageNoCount => rows.iter().take(limit).cloned().collect(),
+            Soda::EverNew => (offset..offset + limit)
+                .map(|i| {
+                    let p = common::square(&format!("JUNK{i:09}"), "R-1", -71.10, 42.36, 0.0009);
+                    json!({"type": "Feature", "properties": {"APN": p.id, "ZONE_CODE": p.zone}, "geometry": {"type": "Polygon", "coordinates": [p.ring]}})
+                })
+                .collect(),
+        };
+        reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string())
+    }))
+}
+
+/// A SODA server that claims a million rows and answers the same full page at every offset
+/// makes no progress: the run stops at the second page with an error naming the URL and the
+/// offset, nothing is committed, and the next run against an honest server works. Without a
+/// `count(*)` the same server (which used to be paged forever) stops the same way.
+#[test]
+fn socrata_stops_when_a_page_brings_nothing_new() {
+    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let mode = Arc::new(Mutex::new(Soda::Honest));
+    let updated = Arc::new(AtomicU64::new(1_700_000_000));
+    let srv = soda_server(rows, mode.clone(), updated.clone());
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/resource/abcd-1234.geojson");
+    let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &url, "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 25), "{}", r.line());
+    let wm = engine.store.watermark("soda").expect("wm").expect("some");
+    let snapshot = engine.store.snapshot_states("soda").expect("snapshot");
+    let staged = std::fs::read(dir.path().join("zw.redb.staging/soda.geojson")).expect("staged payload");
+
+    for hostile in [Soda::SamePage, Soda::SamePageNoCount] {
+        *mode.lock().expect("mode") = hostile;
+        updated.fetch_add(100, Ordering::SeqCst);
+        let before = srv.requests().len();
+        let err = engine.run_source_id("soda", RunOptions::default()).unwrap_err().to_string();
+        let asked: Vec<Req> = srv.requests()[before..].to_vec();
+        println!("{hostile:?}: {err}");
+        assert!(err.contains("no progress") && err.contains("$offset=10") && err.contains("10 rows, all already held"), "{hostile:?}: {err}");
+        assert!(err.contains(&format!("{url}?$limit=10&$offset=10&$order=:id")), "the error names the page URL: {err}");
+        if hostile == Soda::SamePage {
+            assert!(err.contains("claimed count(*) of 1000000"), "{err}");
+        }
+        // views + count + 2 pages (+ the count asked again to tell a moved count from a stall).
+        let pages = asked.iter().filter(|q| q.param("$offset").is_some()).count();
+        assert_eq!(pages, 2, "{hostile:?}: stopped at the first page that brought nothing new");
+        assert!(asked.len() <= 5, "{hostile:?}: {} requests", asked.len());
+        assert_eq!(engine.store.watermark("soda").expect("wm").as_ref(), Some(&wm), "{hostile:?}: the watermark did not move");
+        assert_eq!(engine.store.snapshot_states("soda").expect("snapshot"), snapshot, "{hostile:?}: the snapshot did not move");
+        assert_eq!(std::fs::read(dir.path().join("zw.redb.staging/soda.geojson")).expect("staged"), staged, "nothing staged");
+        let last = engine.store.runs(Some("soda"), 1).expect("runs");
+        assert_eq!(last[0].verdict, Verdict::Failed, "{hostile:?}");
+    }
+
+    // The server is honest again (and says so with a new rowsUpdatedAt): the run goes through.
+    *mode.lock().expect("mode") = Soda::Honest;
+    updated.fetch_add(100, Ordering::SeqCst);
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("honest run");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    let after = engine.store.watermark("soda").expect("wm").expect("some");
+    assert_eq!(after.publisher_ts_ms, Some(updated.load(Ordering::SeqCst) * 1000), "the honest run moved the watermark");
+    assert_eq!(after.digest, wm.digest);
+}
+
+/// Rows inserted ahead of the scan while it pages (10 rows in front after the first page)
+/// make the second page repeat the first: that is not a hostile server but a moved count, so
+/// the scan runs again and gets every row instead of failing with "no progress".
+#[test]
+fn socrata_rescans_when_a_stalled_page_comes_with_a_moved_count() {
+    let all: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(35))).expect("json")["features"].as_array().expect("features").clone();
+    let (front, rows) = (all[25..].to_vec(), all[..25].to_vec());
+    let inserted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ins = inserted.clone();
+    let srv = Server::start(Arc::new(move |req: &Req| {
+        let current: Vec<Value> = if ins.load(Ordering::SeqCst) { front.iter().chain(rows.iter()).cloned().collect() } else { rows.clone() };
+        if req.target.starts_with("/api/views/abcd-1234.json") {
+            return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": 1_700_000_000}));
+        }
+        if req.target.starts_with("/resource/abcd-1234.json") {
+            return json_reply(&json!([{"count": current.len().to_string()}]));
+        }
+        let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
+        let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let page: Vec<Value> = current.iter().skip(offset).take(limit).cloned().collect();
+        ins.store(true, Ordering::SeqCst);
+        reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string())
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/resource/abcd-1234.geojson");
+    let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &url, "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("rescanned");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 35), "{}", r.line());
+    let asked: Vec<String> = srv.requests().iter().map(|q| q.param("$offset").unwrap_or_else(|| q.param("$select").unwrap_or_default())).collect();
+    assert_eq!(
+        asked,
+        ["", "count(*)", "0", "10", "count(*)", "0", "10", "20", "30"],
+        "the second page repeated the first, the count had moved: one rescan"
+    );
+    assert!(inserted.load(Ordering::SeqCst));
+}
+
+/// A SODA server that claims a million rows and pages ever-new junk is stopped by the scan's
+/// total-bytes cap (`[ingest] max_layer_bytes`), long before the claimed count; the error
+/// names the cap and the key and nothing is committed. The same cap bounds an ArcGIS scan.
+#[test]
+fn socrata_and_arcgis_scans_stop_at_max_layer_bytes() {
+    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let mode = Arc::new(Mutex::new(Soda::EverNew));
+    let updated = Arc::new(AtomicU64::new(1_700_000_000));
+    let srv = soda_server(rows, mode.clone(), updated);
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/resource/abcd-1234.geojson");
+    let cap = 32 * 1024;
+    let cfg = portal_config(dir.path(), &source("soda", "socrata", &url, "page_size = 10"), &format!("max_layer_bytes = {cap}"));
+    assert_eq!(cfg.ingest.max_layer_bytes, cap);
+    let engine = Engine::open(cfg).expect("engine");
+    let err = engine.run_source_id("soda", RunOptions::default()).unwrap_err().to_string();
+    assert!(err.contains(&format!("cap of {cap} bytes ([ingest] max_layer_bytes)")), "{err}");
+    assert!(err.contains(&url), "{err}");
+    let pages = srv.requests().iter().filter(|q| q.param("$offset").is_some()).count();
+    // Each page of 10 junk rows is ~2.4 KB: the cap stops the scan after ~14 pages.
+    assert!((5..=40).contains(&pages), "{pages} pages read before the cap stopped the scan");
+    assert!(srv.requests().len() <= pages + 2, "views + count + pages, nothing else");
+    assert!(engine.store.watermark("soda").expect("wm").is_none(), "nothing committed");
+    assert!(engine.store.snapshot_states("soda").expect("snapshot").is_empty());
+    assert_eq!(engine.store.runs(Some("soda"), 1).expect("runs")[0].verdict, Verdict::Failed);
+    println!("max_layer_bytes {cap}: the ever-new SODA server was stopped after {pages} pages");
+
+    // The same server honest, under the same cap: the 25-row layer (~6 KB) fits.
+    *mode.lock().expect("mode") = Soda::Honest;
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("honest run");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 25), "{}", r.line());
+
+    // ArcGIS: an honest 300-feature layer paged 10 at a time is more than a 16 KiB cap.
+    let arc = Arc::new(Mutex::new(ArcLayer { features: esri_features(&grid(300)), edit_ms: 1, max_record_count: 10, omit_flag: false, fail_next: None }));
+    let asrv = Server::start(arc_handler(arc));
+    let layer_url = asrv.url("/arcgis/rest/services/P/FeatureServer/0");
+    let small = IngestConfig { max_layer_bytes: 16 * 1024, ..ingest_cfg() };
+    let s = Session::new(&small, T0).expect("session");
+    let err = block_on(async {
+        let p = arcgis::probe(&s, &layer_url, "APN").await?;
+        arcgis::scan(&s, &layer_url, &p, 10, "APN").await
+    })
+    .expect("runtime")
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("cap of 16384 bytes ([ingest] max_layer_bytes)"), "{err}");
+    let arc_pages = asrv.requests().iter().filter(|q| q.param("resultOffset").is_some()).count();
+    assert!(arc_pages < 30, "{arc_pages} of 30 pages read");
+    let whole = block_on(async {
+        let s = Session::new(&ingest_cfg(), T0)?;
+        let p = arcgis::probe(&s, &layer_url, "APN").await?;
+        arcgis::scan(&s, &layer_url, &p, 10, "APN").await
+    })
+    .expect("runtime")
+    .expect("the default cap reads the whole layer");
+    assert_eq!(whole.features, 300);
+
+    // OGC API: ever-new `next` links, each page 10 new features: the same cap stops it.
+    let osrv = Server::start(Arc::new(|req: &Req| {
+        let page: usize = req.param("page").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let features: Vec<Value> = (0..10)
+            .map(|i| {
+                let p = common::square(&format!("O{page:06}-{i}"), "R-1", -71.10, 42.36, 0.0009);
+                json!({"type": "Feature", "properties": {"APN": p.id, "ZONE_CODE": p.zone}, "geometry": {"type": "Polygon", "coordinates": [p.ring]}})
+            })
+            .collect();
+        let next = format!("/collections/parcels/items?f=json&limit=10&page={}", page + 1);
+        reply(200, "application/geo+json", json!({"type": "FeatureCollection", "features": features, "links": [{"rel": "next", "href": next}]}).to_string())
+    }));
+    let odir = tempfile::tempdir().expect("tmp");
+    let ocfg = portal_config(odir.path(), &source("ogc", "ogcapi", &osrv.url("/collections/parcels"), "page_size = 10"), &format!("max_layer_bytes = {cap}"));
+    let engine = Engine::open(ocfg).expect("engine");
+    let err = engine.run_source_id("ogc", RunOptions::default()).unwrap_err().to_string();
+    assert!(err.contains(&format!("cap of {cap} bytes ([ingest] max_layer_bytes)")), "{err}");
+    let ogc_pages = osrv.requests().len();
+    assert!((5..=40).contains(&ogc_pages), "{ogc_pages} OGC API pages read");
+    assert!(engine.store.watermark("ogc").expect("wm").is_none(), "nothing committed");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Compressed responses: zonewatch asks for gzip/deflate, decodes while streaming, and caps both
 // the bytes on the wire (`max_response_bytes`) and the decoded bytes (`max_decompressed_bytes`).

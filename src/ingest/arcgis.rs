@@ -8,6 +8,8 @@
 //!   the flag is absent the scan is complete only when the collected features equal the
 //!   `returnCountOnly` count; an empty page always ends the scan (never loops forever);
 //! * the count is taken before and after the scan; if it moved the layer is scanned again;
+//! * one scan's pages together are capped by `[ingest] max_layer_bytes`
+//!   ([`super::scan_guard::LayerBytes`]);
 //! * errors arrive as HTTP 200 with `{"error":{"code":…}}`: `code >= 500` is retried with half
 //!   the page size, 498/499 is an authentication error, anything else is permanent;
 //! * `format = "geojson"` pages with `f=geojson` instead (servers that support it, e.g. Koop):
@@ -226,6 +228,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
         let mut page = page_cap;
         let mut failures = 0;
         let mut scan_pages = 0u64;
+        let mut layer_bytes = super::scan_guard::LayerBytes::new(session.cfg.max_layer_bytes);
         loop {
             let url = format!(
                 "{layer_url}/query?where=1%3D1&outFields=*&outSR=4326&returnGeometry=true&f={}&orderByFields={}&resultOffset={offset}&resultRecordCount={page}",
@@ -237,7 +240,9 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             if scan_pages > 2 * expected.max(collected.len() as u64) + 10 {
                 return Err(FetchError::Protocol { url, reason: format!("{scan_pages} pages without reaching the end of a {expected}-feature layer; giving up") });
             }
-            let v = match session.get(&url, &[]).await?.json().and_then(|v| check_error(&url, &v).map(|_| v)) {
+            let resp = session.get(&url, &[]).await?;
+            layer_bytes.add(&url, resp.body.len() as u64)?;
+            let v = match resp.json().and_then(|v| check_error(&url, &v).map(|_| v)) {
                 Ok(v) => v,
                 Err(e) if retryable_arcgis(&e) => {
                     failures += 1;
@@ -247,6 +252,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
                 }
                 Err(e) => return Err(e),
             };
+            drop(resp);
             let wkid = v.get("spatialReference").and_then(|sr| sr.get("latestWkid").or_else(|| sr.get("wkid"))).and_then(Value::as_i64);
             if let Some(w) = wkid.filter(|w| *w != 4326) {
                 return Err(FetchError::Protocol { url, reason: format!("the server answered in spatial reference {w} although outSR=4326 was asked") });

@@ -55,6 +55,8 @@ pub enum FetchError {
     DecodedTooLarge { url: String, encoding: String, limit: u64, wire_bytes: u64 },
     #[error("{url}: {reason}")]
     Corrupt { url: String, reason: String },
+    #[error("{url}: the layer's pages add up to more than the configured cap of {limit} bytes ([ingest] max_layer_bytes); stopped after {read} bytes")]
+    LayerTooLarge { url: String, limit: u64, read: u64 },
 }
 
 /// One received response (2xx or 304).

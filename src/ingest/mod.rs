@@ -6,7 +6,8 @@
 //!   validating and repairing its geometry;
 //! * [`portal`], [`arcgis`] and [`http`] fetch the HTTP source kinds (probe, page, retry,
 //!   rate-limit) and hand back one FeatureCollection; [`settings`] holds their config keys;
-//!   [`staging`] keeps the last payload on disk and the per-source run lease.
+//!   [`staging`] keeps the last payload on disk and the per-source run lease;
+//!   [`scan_guard`] bounds one paged scan as a whole (total bytes, pages that bring nothing new).
 //! * [`districts`] reads district / overlay layers (code + polygon, no stable id).
 
 pub mod districts;
@@ -20,6 +21,7 @@ pub mod settings;
 pub mod staging;
 pub mod valid;
 pub mod decode;
+pub mod scan_guard;
 
 /// Errors that stop a whole layer (a single bad feature is quarantined instead).
 #[derive(Debug, thiserror::Error)]

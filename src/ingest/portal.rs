@@ -6,10 +6,14 @@
 //! * `arcgis`: see [`super::arcgis`].
 //! * `ogcapi`: `…/items?limit=N`, then `links[rel=next]` until absent (never self-built offsets).
 //! * `socrata`: probe `rowsUpdatedAt` from `/api/views/{id}.json`, then page `$limit`/`$offset`
-//!   ordered by `:id` until a short or empty page.
+//!   ordered by `:id` until `count(*)` rows are held (without a count: a short or empty page).
+//!   A page that brings no row not already held stops the scan (the count decides between a
+//!   rescan and a "no progress" error), and every paged kind's pages together are capped by
+//!   `[ingest] max_layer_bytes` ([`super::scan_guard`]).
 
 use super::arcgis;
 use super::http::{FetchError, Session};
+use super::scan_guard::{LayerBytes, SeenRows};
 use super::settings::IngestConfig;
 use crate::config::{SourceConfig, SourceKind};
 use crate::model::Watermark;
@@ -171,11 +175,13 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
     let mut features = Vec::new();
     let mut pages = 0;
     let mut first_meta = PortalMeta::default();
+    let mut layer_bytes = LayerBytes::new(session.cfg.max_layer_bytes);
     while let Some(url) = next.take() {
         if !seen.insert(url.clone()) {
             return Err(FetchError::Protocol { url, reason: "links[rel=next] points back to a page already read".into() });
         }
         let resp = session.get(&url, &accept).await?;
+        layer_bytes.add(&url, resp.body.len() as u64)?;
         if pages == 0 {
             first_meta.etag = resp.etag.clone();
             first_meta.last_modified = resp.last_modified.clone();
@@ -235,47 +241,81 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     // A short page alone never ends the scan when the server says how many rows there are
     // (a server whose row cap is below `page_size` answers short pages all along): the scan
     // runs until it holds `count(*)` rows. If the count moved while paging, scan again.
+    // A page that brings nothing new stops the scan early; as for ArcGIS, the count then
+    // decides: if it moved, rows moved under the scan and it runs again; if not, the server
+    // is not paging (it ignores `$offset` or `$order`) and the run fails saying where.
     let mut expected = socrata_count(session, url).await;
     for _ in 0..3 {
-        let (features, pages) = socrata_scan(session, url, page_size, expected).await?;
+        let SodaScan { features, pages, stalled } = socrata_scan(session, url, page_size, expected).await?;
         let got = features.len() as u64;
-        match expected {
-            Some(c) if got != c => {
-                let after = socrata_count(session, url).await;
-                if after.is_some() && after != expected {
-                    tracing::info!(url, before = c, after = ?after, "row count moved during the scan; scanning again");
-                    expected = after;
-                    continue;
-                }
-                return Err(FetchError::Protocol {
-                    url: url.to_string(),
-                    reason: format!("paging returned {got} rows but count(*) says {c} (and did not move); refusing a partial layer"),
-                });
-            }
-            _ => {
-                let bytes = arcgis::feature_collection(features, id_field);
-                return Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..meta } });
+        if stalled.is_none() && expected.is_none_or(|c| got == c) {
+            let bytes = arcgis::feature_collection(features, id_field);
+            return Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..meta } });
+        }
+        drop(features);
+        if let Some(c) = expected {
+            let after = socrata_count(session, url).await;
+            if after.is_some() && after != expected {
+                tracing::info!(url, before = c, after = ?after, "row count moved during the scan; scanning again");
+                expected = after;
+                continue;
             }
         }
+        return Err(match (stalled, expected) {
+            (Some(stall), _) => stall,
+            (None, c) => FetchError::Protocol {
+                url: url.to_string(),
+                reason: format!(
+                    "paging returned {got} rows but count(*) says {} (and did not move); refusing a partial layer",
+                    c.unwrap_or_default()
+                ),
+            },
+        });
     }
     Err(FetchError::Protocol { url: url.to_string(), reason: "the row count kept moving over 3 scans; try again later".into() })
+}
+
+/// One pass over a SODA resource.
+struct SodaScan {
+    features: Vec<Value>,
+    pages: u32,
+    /// Set when a non-empty page brought no row the scan did not already hold: the "no
+    /// progress" error, naming the page URL and its offset. The scan stopped there.
+    stalled: Option<FetchError>,
 }
 
 /// Pages a SODA resource with `$limit`/`$offset` ordered by `:id`. With `expected` (the
 /// server's `count(*)`), paging goes on until that many rows are held, never past an empty
 /// page and never more than `expected + 10` pages; without it, a short page ends the scan.
-async fn socrata_scan(session: &Session, url: &str, page_size: u32, expected: Option<u64>) -> Result<(Vec<Value>, u32), FetchError> {
+/// Either way a non-empty page of rows all already held stops it (`stalled`), and the pages'
+/// bytes together fail the scan past `[ingest] max_layer_bytes`.
+async fn socrata_scan(session: &Session, url: &str, page_size: u32, expected: Option<u64>) -> Result<SodaScan, FetchError> {
     let sep = if url.contains('?') { '&' } else { '?' };
     let mut features = Vec::new();
     let mut offset: u64 = 0;
     let mut pages: u32 = 0;
     let max_pages = expected.map(|c| c.saturating_add(10)).unwrap_or(u64::MAX);
+    let mut layer_bytes = LayerBytes::new(session.cfg.max_layer_bytes);
+    let mut seen = SeenRows::new();
     while (pages as u64) < max_pages {
         let page_url = format!("{url}{sep}$limit={page_size}&$offset={offset}&$order=:id");
-        let body = session.get(&page_url, &[]).await?.json()?;
+        let resp = session.get(&page_url, &[]).await?;
+        layer_bytes.add(&page_url, resp.body.len() as u64)?;
+        let body = resp.json()?;
+        drop(resp);
         pages += 1;
         let page = features_of(&page_url, &body)?;
+        drop(body);
         let n = page.len() as u64;
+        let fresh = page.iter().fold(0u64, |k, row| k + seen.insert(row) as u64);
+        if n > 0 && fresh == 0 {
+            let reason = format!(
+                "no progress: the page at $offset={offset} returned {n} rows, all already held ({} distinct rows so far{}); the server ignores $offset or $order, refusing to page on",
+                seen.len(),
+                expected.map(|c| format!(" of a claimed count(*) of {c}")).unwrap_or_default()
+            );
+            return Ok(SodaScan { features, pages, stalled: Some(FetchError::Protocol { url: page_url, reason }) });
+        }
         features.extend(page);
         offset += n;
         let done = match expected {
@@ -286,7 +326,7 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, expected: Op
             break;
         }
     }
-    Ok((features, pages))
+    Ok(SodaScan { features, pages, stalled: None })
 }
 
 /// The SODA `count(*)` URL of a resource: its JSON endpoint with the resource URL's own

@@ -20,6 +20,7 @@ pub struct RawIngest {
     rate_per_host: Option<f64>,
     allow_private_targets: Option<bool>,
     max_decompressed_bytes: Option<u64>,
+    max_layer_bytes: Option<u64>,
 }
 
 /// `[ingest]`: how HTTP sources talk to portals. One budget for every source; the token
@@ -44,6 +45,9 @@ pub struct IngestConfig {
     /// Cap on one response body after `gzip` / `deflate` decoding (also applies to identity
     /// bodies), so a gzip bomb fails once this many bytes have been produced.
     pub max_decompressed_bytes: u64,
+    /// Cap on all the pages of one paged scan (`arcgis`, `ogcapi`, `socrata`) added up,
+    /// after decoding: a server that keeps answering full pages stops here.
+    pub max_layer_bytes: u64,
 }
 
 impl Default for IngestConfig {
@@ -58,6 +62,7 @@ impl Default for IngestConfig {
             rate_per_host: 2.0,
             allow_private_targets: false,
             max_decompressed_bytes: 1024 * 1024 * 1024,
+            max_layer_bytes: 4 * 1024 * 1024 * 1024,
         }
     }
 }
@@ -79,6 +84,7 @@ impl RawIngest {
             rate_per_host: self.rate_per_host.unwrap_or(d.rate_per_host),
             allow_private_targets: self.allow_private_targets.unwrap_or(false),
             max_decompressed_bytes: self.max_decompressed_bytes.unwrap_or(d.max_decompressed_bytes),
+            max_layer_bytes: self.max_layer_bytes.unwrap_or(d.max_layer_bytes),
         };
         if cfg.max_attempts == 0 || cfg.max_attempts > 100 {
             return Err("ingest.max_attempts must be between 1 and 100".into());
@@ -94,6 +100,9 @@ impl RawIngest {
         }
         if cfg.max_decompressed_bytes < 1024 {
             return Err("ingest.max_decompressed_bytes must be at least 1024".into());
+        }
+        if cfg.max_layer_bytes < 1024 {
+            return Err("ingest.max_layer_bytes must be at least 1024".into());
         }
         if !(cfg.rate_per_host.is_finite() && cfg.rate_per_host > 0.0) {
             return Err("ingest.rate_per_host must be a positive number of requests per second".into());
@@ -168,6 +177,9 @@ mod tests {
         let g = cfg("kind = \"arcgis\"\nurl = \"https://gis.example.gov/a/FeatureServer/3\"\nformat = \"geojson\"", "[ingest]\nmax_decompressed_bytes = 2048").unwrap();
         assert!(matches!(g.sources[0].kind, SourceKind::Arcgis { format: ArcgisFormat::Geojson, .. }));
         assert_eq!(g.ingest.max_decompressed_bytes, 2048);
+        assert_eq!(c.ingest.max_layer_bytes, 4 << 30, "4 GiB by default");
+        let l = cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.geojson\"", "[ingest]\nmax_layer_bytes = 65536").unwrap();
+        assert_eq!(l.ingest.max_layer_bytes, 65536);
         assert_eq!(c.sources[0].floor, Duration::from_secs(86_400));
         assert_eq!(c.sources[0].stale_after, Duration::from_secs(45 * 86_400));
         assert_eq!(c.ingest, IngestConfig::default());
@@ -187,5 +199,7 @@ mod tests {
         assert!(cfg("kind = \"arcgis\"\nurl = \"https://x/a/0\"\nformat = \"pbf\"", "").unwrap_err().contains("geojson"));
         assert!(cfg("kind = \"ogcapi\"\nurl = \"https://x/c\"\nformat = \"geojson\"", "").unwrap_err().contains("only to kind"));
         assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nmax_decompressed_bytes = 10").unwrap_err().contains("max_decompressed_bytes"));
+        assert!(cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.geojson\"", "[ingest]\nmax_layer_bytes = 1000").unwrap_err().contains("ingest.max_layer_bytes"));
+        assert!(cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.geojson\"", "[ingest]\nmax_layer_bytes = -1").is_err());
     }
 }

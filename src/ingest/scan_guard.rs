@@ -1,0 +1,151 @@
+//! Bounds on one paged scan of a portal layer *as a whole*. Each response is already capped
+//! (`max_response_bytes`, `max_decompressed_bytes`), but a hostile or broken server can keep
+//! answering full pages — the same page again and again, or ever-new junk under a huge
+//! claimed row count — and a pager that trusts it would read on for hours, holding every page
+//! in memory. Two guards close that:
+//!
+//! * [`LayerBytes`]: the decoded bytes of every page of one scan add up to at most
+//!   `[ingest] max_layer_bytes`; past it the run fails naming the cap and the key;
+//! * [`SeenRows`]: which rows the scan already holds, by identity, kept as 64-bit hashes (never
+//!   copies of the rows), so a page that brings nothing new is noticed at once.
+//!
+//! Both are per scan pass: a rescan (the row count moved) starts afresh, like the rows it holds.
+
+use super::http::FetchError;
+use serde_json::Value;
+use std::collections::HashSet;
+use std::hash::{BuildHasher, Hasher, RandomState};
+
+/// The running byte total of one scan against `[ingest] max_layer_bytes`.
+#[derive(Debug, Clone)]
+pub struct LayerBytes {
+    limit: u64,
+    read: u64,
+}
+
+impl LayerBytes {
+    /// A fresh total for one scan pass with the configured cap.
+    pub fn new(limit: u64) -> LayerBytes {
+        LayerBytes { limit, read: 0 }
+    }
+
+    /// Counts one page's (decoded) body of `n` bytes read from `url`; fails once the scan's
+    /// pages add up to more than the cap.
+    pub fn add(&mut self, url: &str, n: u64) -> Result<(), FetchError> {
+        self.read = self.read.saturating_add(n);
+        if self.read > self.limit {
+            return Err(FetchError::LayerTooLarge { url: url.to_string(), limit: self.limit, read: self.read });
+        }
+        Ok(())
+    }
+
+    /// Bytes counted so far.
+    pub fn read(&self) -> u64 {
+        self.read
+    }
+}
+
+/// The identities of the rows one scan holds, as keyed 64-bit hashes (SipHash with a random
+/// key per scan, so a server cannot aim collisions at it). A row's identity is its own id
+/// when it carries one — a GeoJSON feature `id`, or SODA's `:id` system field (present when
+/// the resource URL selects `:*`) — and otherwise the row's whole JSON: two rows with the same
+/// bytes are the same row as far as progress is concerned.
+#[derive(Debug, Default)]
+pub struct SeenRows {
+    key: RandomState,
+    seen: HashSet<u64>,
+}
+
+impl SeenRows {
+    /// An empty set for one scan pass.
+    pub fn new() -> SeenRows {
+        SeenRows::default()
+    }
+
+    /// Records `row`; true when the scan did not hold it yet.
+    pub fn insert(&mut self, row: &Value) -> bool {
+        let h = self.identity(row);
+        self.seen.insert(h)
+    }
+
+    /// How many distinct rows are held.
+    pub fn len(&self) -> usize {
+        self.seen.len()
+    }
+
+    /// True when no row is held.
+    pub fn is_empty(&self) -> bool {
+        self.seen.is_empty()
+    }
+
+    fn identity(&self, row: &Value) -> u64 {
+        let mut w = HashWriter(self.key.build_hasher());
+        let own_id = row
+            .get("id")
+            .or_else(|| row.get(":id"))
+            .or_else(|| row.get("properties").and_then(|p| p.get(":id")))
+            .filter(|v| !v.is_null());
+        let (tag, what) = match own_id {
+            Some(id) => (b'i', id),
+            None => (b'r', row),
+        };
+        w.0.write_u8(tag);
+        // Writing into a hasher cannot fail; if serde_json ever reported an error here the
+        // partial hash would still be a valid (if weaker) identity.
+        let _ = serde_json::to_writer(&mut w, what);
+        w.0.finish()
+    }
+}
+
+/// Feeds serialised JSON straight into a hasher: the row is hashed without a copy of its text.
+struct HashWriter<H: Hasher>(H);
+
+impl<H: Hasher> std::io::Write for HashWriter<H> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.write(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn layer_bytes_fail_past_the_cap_naming_the_key() {
+        let mut b = LayerBytes::new(100);
+        assert!(b.add("http://x/p?0", 60).is_ok());
+        assert!(b.add("http://x/p?1", 40).is_ok(), "exactly the cap is allowed");
+        let e = b.add("http://x/p?2", 1).unwrap_err().to_string();
+        assert!(e.contains("http://x/p?2") && e.contains("100 bytes") && e.contains("[ingest] max_layer_bytes"), "{e}");
+        assert_eq!(b.read(), 101);
+        let mut huge = LayerBytes::new(u64::MAX);
+        assert!(huge.add("u", u64::MAX).is_ok() && huge.add("u", 5).is_ok(), "saturates, never wraps");
+    }
+
+    #[test]
+    fn rows_are_known_by_their_id_or_their_bytes() {
+        let mut s = SeenRows::new();
+        let a = json!({"type": "Feature", "properties": {"APN": "1"}, "geometry": null});
+        let b = json!({"type": "Feature", "properties": {"APN": "2"}, "geometry": null});
+        assert!(s.insert(&a) && s.insert(&b));
+        assert!(!s.insert(&a.clone()), "the same bytes again are not new");
+        // Rows that carry an id are known by it, whatever else changed.
+        assert!(s.insert(&json!({"id": 7, "properties": {"v": 1}})));
+        assert!(!s.insert(&json!({"id": 7, "properties": {"v": 2}})));
+        assert!(s.insert(&json!({":id": "row-1", "v": 1})));
+        assert!(!s.insert(&json!({":id": "row-1", "v": 2})));
+        assert!(s.insert(&json!({"properties": {":id": "row-2", "v": 1}})));
+        assert!(!s.insert(&json!({"properties": {":id": "row-2", "v": 2}})));
+        // A null id is no id: such rows are known by their bytes.
+        assert!(s.insert(&json!({"id": null, "v": 1})));
+        assert!(s.insert(&json!({"id": null, "v": 2})));
+        // An id and a whole row with the same text are different identities.
+        assert!(s.insert(&json!(7)));
+        assert_eq!(s.len(), 8);
+    }
+}
