@@ -237,6 +237,22 @@ async fn keys_expire_after_their_ttl_but_never_while_their_event_can_still_be_se
     assert_eq!(engine.store.sweep_expired_keys(engine.now(), 100).unwrap(), 1);
     let c = engine.store.enqueue(&events, &claims, "after", engine.now(), ttl).unwrap();
     assert_eq!((c.queued, c.duplicates), (1, 1), "after its TTL the sent event is new again; the dead-lettered one is not");
+
+    // A replayed dead letter is a new outbox row under the same key: the key follows it and
+    // stays while the replay is queued.
+    let dead = engine.store.dead_letters().unwrap().remove(0);
+    let replayed = engine.store.replay_dead_letter(dead.entry.id, engine.now(), 5, Ok(())).unwrap();
+    assert!(matches!(replayed, zonewatch::store::ReplayOutcome::Requeued { .. }), "{replayed:?}");
+    clock.advance(3 * hour);
+    assert_eq!(engine.store.sweep_expired_keys(engine.now(), 100).unwrap(), 0, "both events are queued again");
+    let later = engine.store.enqueue(&events, &claims, "later", engine.now(), ttl).unwrap();
+    assert_eq!(later.duplicates, 2, "{later:?} {:?}", engine.store.outbox().unwrap().iter().map(|e| (&e.parcel_id, e.id)).collect::<Vec<_>>());
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, stats.dead), (1, 1));
+    clock.advance(3 * hour);
+    assert_eq!(engine.store.sweep_expired_keys(engine.now(), 100).unwrap(), 1, "the sent key goes, the dead-lettered one stays");
+    let report = engine.store.check_consistency().unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
 }
 
 /// Keys are claimed in key order inside a commit (for locality), but the outcome must be the

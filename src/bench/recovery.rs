@@ -179,7 +179,19 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
             let mut queuer = Queuer::new(seed, rows * 40, &base);
             let history = fill_history(&store, &mut queuer, &db, target_mib.saturating_sub(target_mib * 6 / 10))?;
             let queued = queuer.queue_all(&store, rows)?;
-            let history = history + fill_history(&store, &mut queuer, &db, target_mib)?;
+            let mut history = history + fill_history(&store, &mut queuer, &db, target_mib)?;
+            // redb trims free pages at the end of the file, so one pass can stop short of the
+            // target once those are given back: top up until the file holds it.
+            for _ in 0..8 {
+                if file_mib(&db) >= target_mib as f64 {
+                    break;
+                }
+                let more = fill_history(&store, &mut queuer, &db, target_mib + target_mib / 8)?;
+                if more == 0 {
+                    break;
+                }
+                history += more;
+            }
             Ok((history, queued))
         })
         .await

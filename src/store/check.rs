@@ -8,7 +8,7 @@
 //! the backup tests run it on copies taken mid-flight and on restored stores.
 
 use super::codec::decode;
-use super::delivery::{IdemRecord, IdemState};
+use super::idem::{decode_idem, IdemRecord, IdemState};
 use super::runs::codec_err;
 use super::tables::*;
 use super::{Store, StoreError};
@@ -102,7 +102,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         let expiry = rtx.open_table(IDEM_EXPIRY)?;
         for item in keys.iter()? {
             let (k, v) = item?;
-            let rec: IdemRecord = decode(v.value()).map_err(|m| codec_err("idem_keys", m))?;
+            let rec: IdemRecord = decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
             if expiry.get((rec.expires_ms, k.value()))?.is_none() {
                 problem(&mut report, format!("idempotency key {} has no expiry index entry", k.value()));
             }
@@ -127,6 +127,10 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 Some(rec) if rec.state == IdemState::Sent => {
                     problem(&mut report, format!("outbox {id}: key {} is already recorded as sent", e.key.0))
                 }
+                Some(rec) if rec.outbox_id.is_some_and(|o| o != id) => problem(
+                    &mut report,
+                    format!("outbox {id}: key {} names outbox row {} as its pending row", e.key.0, rec.outbox_id.unwrap_or_default()),
+                ),
                 Some(_) => {}
             }
             match last_lifecycle.get(&e.key.0) {

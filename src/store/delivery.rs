@@ -1,14 +1,13 @@
 //! Claims (idempotency keys → outbox rows) and delivery outcomes. An outbox row is removed
 //! only in the transaction that writes its terminal audit row.
 
-use super::codec::{decode, encode};
+use super::idem::{decode_idem, encode_idem, is_pending, IdemRecord, IdemState};
 use super::outbox_rows::{decode_entry, encode_dead, encode_entry};
 use super::runs::{append_audits, codec_err};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
 use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
-use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 
 /// One (change event, subscriber) pair the matcher found.
@@ -47,22 +46,6 @@ pub enum DeliveryResult {
     Dead { id: u64, reason: String },
 }
 
-#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
-pub(super) enum IdemState {
-    Queued,
-    Sent,
-    Suppressed,
-    DeadLetter,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug)]
-pub(super) struct IdemRecord {
-    pub(super) claimed_ms: u64,
-    pub(super) expires_ms: u64,
-    pub(super) lineage_id: String,
-    pub(super) state: IdemState,
-}
-
 pub(super) fn claim_in_txn(
     wtx: &WriteTransaction,
     events: &[ChangeEvent],
@@ -77,6 +60,8 @@ pub(super) fn claim_in_txn(
     let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
     let mut outbox = wtx.open_table(OUTBOX)?;
     let mut due = wtx.open_table(OUTBOX_DUE)?;
+    let dead = wtx.open_table(DEAD_LETTERS)?;
+    let quarantine = wtx.open_table(DLQ_QUARANTINE)?;
     let mut meta = wtx.open_table(META)?;
     let mut next_id = meta
         .get(META_NEXT_OUTBOX_ID)?
@@ -111,23 +96,49 @@ pub(super) fn claim_in_txn(
     let mut order: Vec<usize> = (0..claims.len()).filter(|&i| events[claims[i].event].severity >= claims[i].min_severity).collect();
     order.sort_by(|&a, &b| claims[a].key.0.cmp(&claims[b].key.0));
     let mut held_by: Vec<Option<String>> = vec![None; claims.len()];
-    let new_rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state };
-    let new_rec_bytes = encode(&new_rec);
+    let mut wins = vec![false; claims.len()];
+    let mut previous: Option<&str> = None;
     for &i in &order {
         let key = claims[i].key.0.as_str();
+        if previous == Some(key) {
+            // The same key twice in one batch: the first claim (stable sort) holds it.
+            held_by[i] = Some(lineage.to_string());
+            continue;
+        }
+        previous = Some(key);
         let existing: Option<IdemRecord> = match keys.get(key)? {
-            Some(v) => Some(decode(v.value()).map_err(|m| codec_err("idem_keys", m))?),
+            Some(v) => Some(decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?),
             None => None,
         };
         if let Some(rec) = existing {
-            if rec.expires_ms > now_ms {
+            // Past its TTL but not swept yet, a key is free again, unless its event can still
+            // be sent (queued, dead-lettered): the sweep would re-arm it, and claiming it now
+            // would send the event twice.
+            if rec.expires_ms > now_ms || is_pending(&rec, &outbox, &dead, &quarantine)? {
                 held_by[i] = Some(rec.lineage_id);
                 continue;
             }
-            // Expired but not yet swept: the claim is free again.
             expiry.remove((rec.expires_ms, key))?;
         }
-        keys.insert(key, new_rec_bytes.as_slice())?;
+        wins[i] = true;
+    }
+    // Outbox ids go to the winning claims in claim order (the order rows are delivered in).
+    let mut row_of: Vec<Option<u64>> = vec![None; claims.len()];
+    if mode == ClaimMode::Deliver {
+        for (i, won) in wins.iter().enumerate() {
+            if *won {
+                row_of[i] = Some(next_id);
+                next_id += 1;
+            }
+        }
+    }
+    for &i in &order {
+        if !wins[i] {
+            continue;
+        }
+        let key = claims[i].key.0.as_str();
+        let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state, outbox_id: row_of[i], ttl_ms };
+        keys.insert(key, encode_idem(&rec).as_slice())?;
         expiry.insert((expires_ms, key), ())?;
     }
 
@@ -170,8 +181,9 @@ pub(super) fn claim_in_txn(
                 row.detail = detail.to_string();
             }
             ClaimMode::Deliver => {
-                let id = next_id;
-                next_id += 1;
+                let Some(id) = row_of[i] else {
+                    return Err(StoreError::Conflict(format!("claim {i} won its key but has no outbox row")));
+                };
                 let entry = OutboxEntry {
                     id,
                     key: claim.key.clone(),
@@ -195,21 +207,9 @@ pub(super) fn claim_in_txn(
         pending_audit.push(row);
     }
     meta.insert(META_NEXT_OUTBOX_ID, next_id.to_le_bytes().as_slice())?;
-    drop((keys, expiry, outbox, due, meta));
+    drop((keys, expiry, outbox, due, dead, quarantine, meta));
     append_audits(wtx, &mut pending_audit)?;
     Ok(counts)
-}
-
-fn set_idem_state_in(keys: &mut redb::Table<&str, &[u8]>, key: &str, state: IdemState) -> Result<(), StoreError> {
-    let current: Option<IdemRecord> = match keys.get(key)? {
-        Some(v) => Some(decode(v.value()).map_err(|m| codec_err("idem_keys", m))?),
-        None => None,
-    };
-    if let Some(mut rec) = current {
-        rec.state = state;
-        keys.insert(key, encode(&rec).as_slice())?;
-    }
-    Ok(())
 }
 
 impl Store {
@@ -310,7 +310,6 @@ impl Store {
             let mut due = wtx.open_table(OUTBOX_DUE)?;
             let mut retry_due = wtx.open_table(OUTBOX_RETRY_DUE)?;
             let mut leases = wtx.open_table(OUTBOX_LEASES)?;
-            let mut keys = wtx.open_table(IDEM_KEYS)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
             for result in results {
@@ -346,7 +345,6 @@ impl Store {
                         outbox.remove(entry.id)?;
                         due.remove((entry.next_attempt_ms, entry.id))?;
                         retry_due.remove((entry.next_attempt_ms, entry.id))?;
-                        set_idem_state_in(&mut keys, &entry.key.0, IdemState::Sent)?;
                         audit.detail = format!("http_{status} attempt {attempts}");
                         pending.push(audit);
                     }
@@ -354,7 +352,6 @@ impl Store {
                         outbox.remove(entry.id)?;
                         due.remove((entry.next_attempt_ms, entry.id))?;
                         retry_due.remove((entry.next_attempt_ms, entry.id))?;
-                        set_idem_state_in(&mut keys, &entry.key.0, IdemState::DeadLetter)?;
                         let mut dead_entry = entry.clone();
                         dead_entry.attempts = attempts;
                         let dl = DeadLetter { entry: dead_entry, reason: reason.clone(), dead_at_ms: now_ms };
@@ -395,6 +392,7 @@ impl Store {
         {
             let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
             let mut keys = wtx.open_table(IDEM_KEYS)?;
+            let (outbox, dead, quarantine) = (wtx.open_table(OUTBOX)?, wtx.open_table(DEAD_LETTERS)?, wtx.open_table(DLQ_QUARANTINE)?);
             let mut victims = Vec::new();
             for item in expiry.range(..(now_ms, ""))? {
                 if victims.len() >= max {
@@ -408,7 +406,7 @@ impl Store {
                 expiry.remove((t, key.as_str()))?;
                 // Only act on the key if this expiry entry is still its current one.
                 let current: Option<IdemRecord> = match keys.get(key.as_str())? {
-                    Some(v) => match decode(v.value()) {
+                    Some(v) => match decode_idem(v.value()) {
                         Ok(r) => Some(r),
                         Err(m) => {
                             // Left in place for `zonewatch check` to report; never guessed at.
@@ -419,17 +417,13 @@ impl Store {
                     None => None,
                 };
                 let Some(mut rec) = current.filter(|r| r.expires_ms == t) else { continue };
-                match rec.state {
-                    IdemState::Queued | IdemState::DeadLetter => {
-                        let ttl = rec.expires_ms.saturating_sub(rec.claimed_ms).max(1);
-                        rec.expires_ms = now_ms.saturating_add(ttl);
-                        keys.insert(key.as_str(), encode(&rec).as_slice())?;
-                        expiry.insert((rec.expires_ms, key.as_str()), ())?;
-                    }
-                    IdemState::Sent | IdemState::Suppressed => {
-                        keys.remove(key.as_str())?;
-                        n += 1;
-                    }
+                if is_pending(&rec, &outbox, &dead, &quarantine)? {
+                    rec.expires_ms = now_ms.saturating_add(rec.ttl_ms.max(1));
+                    keys.insert(key.as_str(), encode_idem(&rec).as_slice())?;
+                    expiry.insert((rec.expires_ms, key.as_str()), ())?;
+                } else {
+                    keys.remove(key.as_str())?;
+                    n += 1;
                 }
             }
         }

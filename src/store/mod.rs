@@ -17,6 +17,7 @@ mod delivery;
 mod derived;
 mod dlq;
 mod endpoints;
+mod idem;
 mod leases;
 mod outbox_rows;
 mod queries;
@@ -205,6 +206,10 @@ impl Store {
             wtx.open_table(DLQ_REPLAYS)?;
             wtx.open_table(DLQ_QUARANTINE)?;
             wtx.open_table(ENDPOINTS)?;
+        }
+        let migrated = idem::migrate_pending(&wtx)?;
+        if migrated > 0 {
+            tracing::info!(migrated, "idempotency keys of pending events now name their outbox row (record version 2)");
         }
         wtx.commit()?;
         // Only one process can hold the file, so every lease found now belongs to a process
