@@ -234,6 +234,12 @@ async fn slow_endpoint_dead_letter_replays_under_the_original_key_and_the_receiv
     assert!(ok, "{err}");
     assert_eq!(out.lines().filter(|l| l.contains("\ttimeout\t")).count(), 1, "{out}");
     assert!(out.contains("\tsent\t200\t"), "{out}");
+    // The attempt log follows the key from its dead letter to the replayed row, counting on.
+    let engine = ws.engine();
+    let attempts = engine.store.attempts(&dl.entry.key.0).unwrap();
+    let seen: Vec<(u32, &str)> = attempts.iter().map(|a| (a.attempt, a.result.as_str())).collect();
+    assert_eq!(seen, [(1, "retry"), (2, "dead_letter"), (3, "sent")]);
+    assert_ne!(attempts[1].outbox_id, attempts[2].outbox_id, "the replay is a new outbox row");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -137,7 +137,7 @@ pub(super) fn claim_in_txn(
             continue;
         }
         let key = claims[i].key.0.as_str();
-        let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state, outbox_id: row_of[i], ttl_ms };
+        let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state, outbox_id: row_of[i], ttl_ms, earlier_rows: Vec::new() };
         keys.insert(key, encode_idem(&rec).as_slice())?;
         expiry.insert((expires_ms, key), ())?;
     }
@@ -299,7 +299,7 @@ impl Store {
         // Each table is opened once for the whole batch: a group commit carries thousands of
         // outcomes and per-row table opens would dominate it.
         {
-            let mut log = wtx.open_table(DELIVERY_ATTEMPTS)?;
+            let mut log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
             for rec in attempts {
                 super::leases::log_attempt_in(&mut log, rec)?;
             }

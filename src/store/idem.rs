@@ -46,6 +46,16 @@ pub(super) struct IdemRecord {
     /// The TTL the key was claimed with: a sweep that finds its event still pending re-arms
     /// it for this long again.
     pub(super) ttl_ms: u64,
+    /// Outbox rows the key had before `outbox_id` (dead letters since replayed), oldest
+    /// first: their attempt log rows are the key's too.
+    pub(super) earlier_rows: Vec<u64>,
+}
+
+impl IdemRecord {
+    /// Every outbox row this key was queued as, oldest first.
+    pub(super) fn rows(&self) -> impl Iterator<Item = u64> + '_ {
+        self.earlier_rows.iter().copied().chain(self.outbox_id)
+    }
 }
 
 /// `IdemRecord` as record version 1 wrote it.
@@ -70,6 +80,7 @@ pub(super) fn decode_idem(bytes: &[u8]) -> Result<IdemRecord, String> {
             state: v.state,
             outbox_id: None,
             ttl_ms: v.expires_ms.saturating_sub(v.claimed_ms),
+            earlier_rows: Vec::new(),
         }),
         (IDEM_RECORD_VERSION, rest) => decode_postcard(rest),
         (v, _) => Err(format!("record version {v} is not understood by this zonewatch (idempotency keys: 1 or {IDEM_RECORD_VERSION})")),
@@ -105,7 +116,9 @@ pub(super) fn repoint(wtx: &WriteTransaction, key: &str, outbox_id: u64) -> Resu
     };
     if let Some(mut rec) = current {
         rec.state = IdemState::Queued;
-        rec.outbox_id = Some(outbox_id);
+        if let Some(previous) = rec.outbox_id.replace(outbox_id) {
+            rec.earlier_rows.push(previous);
+        }
         keys.insert(key, encode_idem(&rec).as_slice())?;
     }
     Ok(())

@@ -142,14 +142,29 @@ impl Store {
         Ok(rtx.open_table(OUTBOX_LEASES)?.len()?)
     }
 
-    /// Every logged delivery attempt of one idempotency key, in attempt order.
+    /// Every logged delivery attempt of one idempotency key, in attempt order, numbered
+    /// 1.. across the key's outbox rows (a replayed dead letter keeps counting).
     pub fn attempts(&self, key: &str) -> Result<Vec<AttemptRecord>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(DELIVERY_ATTEMPTS)?;
-        let mut out = Vec::new();
-        for item in t.range((key, 0u32)..=(key, u32::MAX))? {
+        let mut out: Vec<AttemptRecord> = Vec::new();
+        // Stores written before the by-row log keep older attempts under the key.
+        for item in rtx.open_table(DELIVERY_ATTEMPTS)?.range((key, 0u32)..=(key, u32::MAX))? {
             let (_, v) = item?;
             out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?);
+        }
+        let rows: Vec<u64> = match rtx.open_table(IDEM_KEYS)?.get(key)? {
+            Some(v) => super::idem::decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?.rows().collect(),
+            None => Vec::new(),
+        };
+        let log = rtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
+        for row in rows {
+            for item in log.range((row, 0u32)..=(row, u32::MAX))? {
+                let (_, v) = item?;
+                out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?);
+            }
+        }
+        for (n, rec) in out.iter_mut().enumerate() {
+            rec.attempt = n as u32 + 1;
         }
         Ok(out)
     }
@@ -165,10 +180,12 @@ impl Store {
         let mut n = 0;
         {
             let mut keep = std::collections::HashSet::new();
+            let mut keep_rows = std::collections::HashSet::new();
             for table in [DEAD_LETTERS, DLQ_QUARANTINE] {
                 for item in wtx.open_table(table)?.iter()? {
                     let (_, v) = item?;
                     let d: crate::model::DeadLetter = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
+                    keep_rows.insert(d.entry.id);
                     keep.insert(d.entry.key.0);
                 }
             }
@@ -192,6 +209,26 @@ impl Store {
                 t.remove((key.as_str(), a))?;
                 n += 1;
             }
+            let mut log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
+            let mut old_rows = Vec::new();
+            for item in log.iter()? {
+                if n + old_rows.len() >= max {
+                    break;
+                }
+                let (k, v) = item?;
+                let (row, a) = k.value();
+                if keep_rows.contains(&row) {
+                    continue;
+                }
+                let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?;
+                if rec.ts_ms < before_ms {
+                    old_rows.push((row, a));
+                }
+            }
+            for k in old_rows {
+                log.remove(k)?;
+                n += 1;
+            }
         }
         if n == 0 {
             wtx.abort()?;
@@ -202,13 +239,12 @@ impl Store {
     }
 }
 
-/// Writes one attempt row inside an outcome transaction, on its open `delivery_attempts`
-/// table. The attempt number is the key's next one in the log (so a replayed dead letter
-/// keeps counting instead of overwriting).
-pub(super) fn log_attempt_in(t: &mut redb::Table<(&str, u32), &[u8]>, rec: &AttemptRecord) -> Result<(), StoreError> {
-    let last = t.range((rec.key.as_str(), 0u32)..=(rec.key.as_str(), u32::MAX))?.next_back().transpose()?.map(|(k, _)| k.value().1);
-    let mut rec = rec.clone();
-    rec.attempt = last.map(|n| n.saturating_add(1)).unwrap_or(1);
-    t.insert((rec.key.as_str(), rec.attempt), encode(&rec).as_slice())?;
+/// Writes one attempt row inside an outcome transaction, on its open
+/// `delivery_attempts_by_row` table, under the row's next attempt number (normally the
+/// entry's own count; a lease reclaimed after a crash never overwrites an earlier row).
+pub(super) fn log_attempt_in(t: &mut redb::Table<(u64, u32), &[u8]>, rec: &AttemptRecord) -> Result<(), StoreError> {
+    let last = t.range((rec.outbox_id, 0u32)..=(rec.outbox_id, u32::MAX))?.next_back().transpose()?.map(|(k, _)| k.value().1);
+    let n = last.map(|n| n.saturating_add(1)).unwrap_or(1);
+    t.insert((rec.outbox_id, n), encode(rec).as_slice())?;
     Ok(())
 }

@@ -203,6 +203,7 @@ impl Store {
             wtx.open_table(OUTBOX_LEASES)?;
             wtx.open_table(OUTBOX_RETRY_DUE)?;
             wtx.open_table(DELIVERY_ATTEMPTS)?;
+            wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
             wtx.open_table(DLQ_REPLAYS)?;
             wtx.open_table(DLQ_QUARANTINE)?;
             wtx.open_table(ENDPOINTS)?;

@@ -53,8 +53,13 @@ pub const OUTBOX_LEASES: TableDefinition<u64, u64> = TableDefinition::new("outbo
 /// (next attempt at ms, outbox id) → () for entries that failed at least once. Kept apart from
 /// `OUTBOX_DUE` (fresh entries) so live alerts are served ahead of late retries.
 pub const OUTBOX_RETRY_DUE: TableDefinition<(u64, u64), ()> = TableDefinition::new("outbox_retry_due");
-/// (idempotency key, attempt number) → `AttemptRecord`: one row per delivery attempt.
+/// (idempotency key, attempt number) → `AttemptRecord`: the attempt log as stores written
+/// before it moved to `DELIVERY_ATTEMPTS_BY_ROW` kept it; still read, swept by retention.
 pub const DELIVERY_ATTEMPTS: TableDefinition<(&str, u32), &[u8]> = TableDefinition::new("delivery_attempts");
+/// (outbox id, attempt number within that row) → `AttemptRecord`: one row per delivery
+/// attempt. Keyed by the outbox row, not the (hash) key, so an outcome commit appends instead
+/// of dirtying a random page (issue 7); a key finds its rows through its key record.
+pub const DELIVERY_ATTEMPTS_BY_ROW: TableDefinition<(u64, u32), &[u8]> = TableDefinition::new("delivery_attempts_by_row");
 /// idempotency key → how many times its dead letter was replayed (u32 LE).
 pub const DLQ_REPLAYS: TableDefinition<&str, u32> = TableDefinition::new("dlq_replays");
 /// outbox id → `DeadLetter` set aside for a person (replayed too often, invalid geometry).
