@@ -15,7 +15,7 @@ use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
-use crate::store::{Claim, CommitMode, PortalSignals, QuarantineDraft, RunCommit, RunWriter, Store, StoreError};
+use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunWriter, Store, StoreError};
 use crate::clock::SharedClock;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -527,28 +527,32 @@ impl Engine {
         if hold.state != HoldState::Open {
             return Err(PipelineError::HoldNotOpen { id: hold_id, state: hold.state.label().to_string() });
         }
-        let (upserts, removals, events) = self.store.held_delta(hold_id)?;
         let shares = self.store.held_shares(hold_id)?;
-        let claims = self.claims_for(&events);
         let now = self.now();
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;
-        let counts = RunCounts { features: hold.features, parcels: 0, changes: events.len() as u64, ..Default::default() };
-        let record = self.store.commit_run_with(RunCommit {
-            source_id: hold.source_id.clone(),
-            started_ms: now,
-            now_ms: now,
-            mode: CommitMode::ResolveHold { hold_id, prime },
-            watermark,
-            upserts,
-            removals,
-            events,
-            claims,
-            quarantine: vec![],
+        let ttl_ms = self.config.delivery.idem_ttl.as_millis() as u64;
+        let mut w = self.store.begin_run(&hold.source_id, CommitMode::ResolveHold { hold_id, prime }, watermark, now, ttl_ms)?;
+        // Streamed from the staged tables into the one release transaction, chunk by chunk.
+        const RELEASE_CHUNK: usize = 4096;
+        self.store.for_each_held(hold_id, RELEASE_CHUNK, |chunk| match chunk {
+            HeldChunk::Parcels { upserts, removals } => {
+                w.upserts(&upserts)?;
+                w.removals(&removals)
+            }
+            HeldChunk::Events(events) => {
+                let claims = self.claims_for(&events);
+                w.events(&events, &claims)
+            }
+        })?;
+        let counts = RunCounts { features: hold.features, parcels: 0, ..Default::default() };
+        let record = w.finish(
+            now,
+            now,
             counts,
-            warnings: vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })],
-            idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
-        }, &shares)?;
+            vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })],
+            &shares,
+        )?;
         Ok(record)
     }
 }
