@@ -173,6 +173,25 @@ impl ChangeEvent {
     }
 }
 
+/// A `rezoned` R-1 → C-2 event of parcel `parcel` without geometry, for unit tests.
+#[cfg(test)]
+pub(crate) fn sample_event(parcel: &str) -> ChangeEvent {
+    ChangeEvent {
+        source_id: "s".into(),
+        jurisdiction: "j".into(),
+        parcel_id: parcel.into(),
+        kind: ChangeKind::Rezoned,
+        from: Some("R-1".into()),
+        to: Some("C-2".into()),
+        effective_date: None,
+        old_geometry: None,
+        new_geometry: None,
+        area_m2: 1.0,
+        observed_at_ms: 0,
+        severity: Severity::Critical,
+    }
+}
+
 /// Idempotency key: hex sha256 over the stable fields of (watcher, change). Never volatile.
 #[derive(Serialize, Deserialize, Clone, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
 pub struct IdemKey(pub String);

@@ -65,18 +65,31 @@ fn file_mib(path: &Path) -> f64 {
 /// Delivered history until the file holds `target_mib`: rows queued, then recorded `sent`.
 fn fill_history(store: &Store, queuer: &mut Queuer, path: &Path, target_mib: u64) -> Result<usize, BenchError> {
     let mut rows = 0;
-    let none = HashSet::new();
     while file_mib(path) < target_mib as f64 {
-        let keys = queuer.queue(store, 1_000)?;
+        let more = fill_history_rows(store, queuer, 1_000)?;
+        if more == 0 {
+            break;
+        }
+        rows += more;
+    }
+    Ok(rows)
+}
+
+/// `rows` more rows of delivered history (queued, then recorded `sent`), 1,000 a commit.
+fn fill_history_rows(store: &Store, queuer: &mut Queuer, rows: usize) -> Result<usize, BenchError> {
+    let mut done = 0;
+    let none = HashSet::new();
+    while done < rows {
+        let keys = queuer.queue(store, 1_000.min(rows - done))?;
         if keys.is_empty() {
             break;
         }
         let due = store.due_outbox(u64::MAX - 1, keys.len(), &none).map_err(failed("history"))?;
         let results: Vec<DeliveryResult> = due.iter().map(|e| DeliveryResult::Sent { id: e.id, status: 200 }).collect();
         store.record_deliveries(&results, crate::clock::Clock::now_ms(&crate::clock::SystemClock)).map_err(failed("history"))?;
-        rows += results.len();
+        done += results.len();
     }
-    Ok(rows)
+    Ok(done)
 }
 
 /// A running `zonewatch serve` child.
@@ -174,19 +187,26 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
         let db = db.clone();
         let seed = ctx.seed;
         tokio::task::spawn_blocking(move || -> Result<(usize, usize), BenchError> {
-            let store = Store::open(&db).map_err(failed("open"))?;
+            let mut store = Store::open(&db).map_err(failed("open"))?;
             // Enough synthetic parcels for the history and the backlog.
             let mut queuer = Queuer::new(seed, rows * 40, &base);
             let history = fill_history(&store, &mut queuer, &db, target_mib.saturating_sub(target_mib * 6 / 10))?;
             let queued = queuer.queue_all(&store, rows)?;
             let mut history = history + fill_history(&store, &mut queuer, &db, target_mib)?;
-            // redb trims free pages at the end of the file, so one pass can stop short of the
-            // target once those are given back: top up until the file holds it.
-            for _ in 0..8 {
-                if file_mib(&db) >= target_mib as f64 {
+            // The open file's length is a poor gauge: redb grows it in large steps and gives
+            // the trailing free pages back when it is closed. Close, measure the settled
+            // file, and top up by row count (estimated from the bytes per row so far) until
+            // the closed file holds the target.
+            for _ in 0..6 {
+                drop(store);
+                let settled = file_mib(&db);
+                store = Store::open(&db).map_err(failed("reopen"))?;
+                if settled >= target_mib as f64 {
                     break;
                 }
-                let more = fill_history(&store, &mut queuer, &db, target_mib + target_mib / 8)?;
+                let per_row = settled / (history + queued).max(1) as f64;
+                let rows = (((target_mib as f64 - settled) / per_row.max(1e-6)) * 1.1) as usize;
+                let more = fill_history_rows(&store, &mut queuer, rows.max(1_000))?;
                 if more == 0 {
                     break;
                 }

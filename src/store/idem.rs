@@ -171,28 +171,11 @@ pub(super) fn migrate_pending(wtx: &WriteTransaction) -> Result<usize, StoreErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{ChangeEvent, ChangeKind, IdemKey, Severity};
+    use crate::model::{sample_event, IdemKey, Severity};
     use crate::store::{Claim, DeliveryResult, Store};
     use redb::ReadableDatabase;
 
     const HOUR: u64 = 3_600_000;
-
-    fn event(parcel: &str) -> ChangeEvent {
-        ChangeEvent {
-            source_id: "s".into(),
-            jurisdiction: "j".into(),
-            parcel_id: parcel.into(),
-            kind: ChangeKind::Rezoned,
-            from: Some("R-1".into()),
-            to: Some("C-2".into()),
-            effective_date: None,
-            old_geometry: None,
-            new_geometry: None,
-            area_m2: 1.0,
-            observed_at_ms: 0,
-            severity: Severity::Critical,
-        }
-    }
 
     /// A store written before record version 2 (keys without their row, rewritten by each
     /// outcome) keeps its exactly-once guarantees after the upgrade: opening it gives the
@@ -201,7 +184,7 @@ mod tests {
     fn version_1_keys_of_pending_events_are_migrated_once_on_open() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("z.redb");
-        let events = vec![event("A"), event("B")];
+        let events = vec![sample_event("A"), sample_event("B")];
         let claims: Vec<Claim> = events
             .iter()
             .enumerate()

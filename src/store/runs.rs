@@ -591,30 +591,13 @@ pub(super) fn codec_err(table: &'static str, message: String) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{ChangeKind, Severity};
+    use crate::model::sample_event;
 
     fn parcel(id: &str) -> Parcel {
         Parcel {
             id: id.into(),
             state: ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0 },
             geometry: StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]),
-        }
-    }
-
-    fn event(id: &str) -> ChangeEvent {
-        ChangeEvent {
-            source_id: "s".into(),
-            jurisdiction: "j".into(),
-            parcel_id: id.into(),
-            kind: ChangeKind::Rezoned,
-            from: Some("R-1".into()),
-            to: Some("C-2".into()),
-            effective_date: None,
-            old_geometry: None,
-            new_geometry: None,
-            area_m2: 1.0,
-            observed_at_ms: 0,
-            severity: Severity::Critical,
         }
     }
 
@@ -627,7 +610,7 @@ mod tests {
         let ids: Vec<String> = (0..7).map(|i| format!("p{i}")).collect();
         w.upserts(&ids.iter().map(|id| parcel(id)).collect::<Vec<_>>()).unwrap();
         w.removals(&["q0".to_string(), "q1".to_string()]).unwrap();
-        w.events(&ids.iter().take(5).map(|id| event(id)).collect::<Vec<_>>(), &[]).unwrap();
+        w.events(&ids.iter().take(5).map(|id| sample_event(id)).collect::<Vec<_>>(), &[]).unwrap();
         let rec = w.finish(1, 1, RunCounts::default(), vec![], &[]).unwrap();
         let hold = rec.hold_id.unwrap();
 
