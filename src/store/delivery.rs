@@ -97,15 +97,17 @@ pub(super) fn claim_in_txn(
     order.sort_by(|&a, &b| claims[a].key.0.cmp(&claims[b].key.0));
     let mut held_by: Vec<Option<String>> = vec![None; claims.len()];
     let mut wins = vec![false; claims.len()];
-    let mut previous: Option<&str> = None;
+    // The previous key in key order and who holds it after its first claim (None: this run).
+    let mut previous: Option<(&str, Option<String>)> = None;
     for &i in &order {
         let key = claims[i].key.0.as_str();
-        if previous == Some(key) {
-            // The same key twice in one batch: the first claim (stable sort) holds it.
-            held_by[i] = Some(lineage.to_string());
+        if let Some((_, holder)) = previous.as_ref().filter(|(k, _)| *k == key) {
+            // The same key again in one batch: held by whoever holds it after the first
+            // claim (stable sort: the first in claim order) — this run, or an earlier one.
+            held_by[i] = Some(holder.clone().unwrap_or_else(|| lineage.to_string()));
             continue;
         }
-        previous = Some(key);
+        previous = Some((key, None));
         let existing: Option<IdemRecord> = match keys.get(key)? {
             Some(v) => Some(decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?),
             None => None,
@@ -115,6 +117,7 @@ pub(super) fn claim_in_txn(
             // be sent (queued, dead-lettered): the sweep would re-arm it, and claiming it now
             // would send the event twice.
             if rec.expires_ms > now_ms || is_pending(&rec, &outbox, &dead, &quarantine)? {
+                previous = Some((key, Some(rec.lineage_id.clone())));
                 held_by[i] = Some(rec.lineage_id);
                 continue;
             }
