@@ -59,6 +59,7 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
     let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
     let total = (batch * commits).min(events.len());
     let mut queued = 0u64;
+    let written_before = super::rss::written_bytes();
     let t = Instant::now();
     for (n, chunk) in events[..total].chunks(batch.max(1)).enumerate() {
         let claims: Vec<Claim> = chunk
@@ -81,6 +82,7 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
         queued += c.queued;
     }
     let wall = t.elapsed();
+    let written = written_before.zip(super::rss::written_bytes()).map(|(a, b)| b.saturating_sub(a));
     if queued != total as u64 {
         return Err(BenchError::Failed(format!("{queued} queued of {total} claims")));
     }
@@ -99,6 +101,9 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
             "commits_per_s": per_s(total.div_ceil(batch.max(1)) as u64, wall.as_secs_f64()),
             "outbox_rows": stats.outbox,
             "store_mib": super::rss::mib(Some(bytes)),
+            // What the durable commits wrote to disk, per event: the write amplification of
+            // the store's B-trees (copy-on-write pages) at this batch size.
+            "written_bytes_per_event": written.map(|w| w / total.max(1) as u64),
             "durable": true,
             "target_events_per_s": 100_000,
         }),

@@ -1,6 +1,8 @@
 //! Peak resident memory of this process, read from `/proc/self/status` (`VmHWM`), and a reset
 //! of that peak (`/proc/self/clear_refs`, value 5, Linux ≥ 4.0) so one process can measure
-//! several phases. Elsewhere both return `None`: the bench prints `null` rather than a guess.
+//! several phases; and the bytes this process has sent to storage (`/proc/self/io`,
+//! `write_bytes`), which tells how much a commit writes per event. Elsewhere they return
+//! `None`: the bench prints `null` rather than a guess.
 
 /// Peak resident set size since start (or the last [`reset_peak`]), in bytes.
 pub fn peak_rss_bytes() -> Option<u64> {
@@ -21,6 +23,12 @@ fn status_kib(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(field))?;
     line[field.len()..].trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+/// Bytes this process has caused to be written to storage so far (`write_bytes`).
+pub fn written_bytes() -> Option<u64> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    io.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse().ok())
 }
 
 /// Bytes → MiB rounded to one decimal, for the JSON lines.
