@@ -534,6 +534,9 @@ impl Engine {
         let ttl_ms = self.config.delivery.idem_ttl.as_millis() as u64;
         let mut w = self.store.begin_run(&hold.source_id, CommitMode::ResolveHold { hold_id, prime }, watermark, now, ttl_ms)?;
         // Streamed from the staged tables into the one release transaction, chunk by chunk.
+        // `begin_run` has already cleared the hold's staged rows inside that (uncommitted)
+        // transaction: `for_each_held` reads its own read snapshot, taken from the last
+        // commit, which still holds them. Reading through the writer would see nothing.
         const RELEASE_CHUNK: usize = 4096;
         self.store.for_each_held(hold_id, RELEASE_CHUNK, |chunk| match chunk {
             HeldChunk::Parcels { upserts, removals } => {

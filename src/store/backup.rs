@@ -107,7 +107,8 @@ pub fn verify_file(path: &Path) -> Result<(), StoreError> {
         }
         None => return Err(StoreError::Open { path: path.to_path_buf(), message: "no schema version record: not a zonewatch store".into() }),
     };
-    if found != SCHEMA_VERSION {
+    // A backup of an older format is fine to restore: the next open upgrades it.
+    if !(super::OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
         return Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: SCHEMA_VERSION });
     }
     Ok(())

@@ -131,6 +131,9 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     &mut report,
                     format!("outbox {id}: key {} names outbox row {} as its pending row", e.key.0, rec.outbox_id.unwrap_or_default()),
                 ),
+                Some(rec) if rec.state == IdemState::Suppressed => {
+                    problem(&mut report, format!("outbox {id}: key {} was primed (suppressed), not claimed for delivery", e.key.0))
+                }
                 Some(_) => {}
             }
             match last_lifecycle.get(&e.key.0) {
@@ -151,6 +154,26 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 if !outbox_ids.contains(&id) {
                     problem(&mut report, format!("due index {} entry ({at}, {id}) points at no outbox row", table_name(table)));
                 }
+            }
+        }
+    }
+
+    // Dead letters (and quarantined ones) are pending: their key must name them, or the TTL
+    // sweep would delete the key while a replay can still send the event.
+    for (table, name) in [(DEAD_LETTERS, "dead letter"), (DLQ_QUARANTINE, "quarantined dead letter")] {
+        for item in rtx.open_table(table)?.iter()? {
+            let (k, v) = item?;
+            let id = k.value();
+            let d = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
+            match claims.get(&d.entry.key.0) {
+                None => problem(&mut report, format!("{name} {id}: key {} is not claimed in idem_keys", d.entry.key.0)),
+                // A version 1 key (no row named) is kept by its state.
+                Some(rec) if rec.outbox_id.is_none() && matches!(rec.state, IdemState::Queued | IdemState::DeadLetter) => {}
+                Some(rec) if rec.outbox_id != Some(id) => problem(
+                    &mut report,
+                    format!("{name} {id}: key {} names row {:?}, not this one", d.entry.key.0, rec.outbox_id),
+                ),
+                Some(_) => {}
             }
         }
     }

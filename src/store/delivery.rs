@@ -46,6 +46,11 @@ pub enum DeliveryResult {
     Dead { id: u64, reason: String },
 }
 
+/// How many earlier rows a key record names at most (a change that keeps coming back after
+/// its TTL would otherwise grow its record without bound; older attempts are still found by
+/// the log scan once they are no longer named).
+const MAX_EARLIER_ROWS: usize = 32;
+
 pub(super) fn claim_in_txn(
     wtx: &WriteTransaction,
     events: &[ChangeEvent],
@@ -97,6 +102,9 @@ pub(super) fn claim_in_txn(
     order.sort_by(|&a, &b| claims[a].key.0.cmp(&claims[b].key.0));
     let mut held_by: Vec<Option<String>> = vec![None; claims.len()];
     let mut wins = vec![false; claims.len()];
+    // Rows of an expired key's earlier cycles: the new record keeps naming them, so the
+    // key's whole attempt history stays reachable (`Store::attempts`).
+    let mut history: Vec<Vec<u64>> = vec![Vec::new(); claims.len()];
     // The previous key in key order and who holds it after its first claim (None: this run).
     let mut previous: Option<(&str, Option<String>)> = None;
     for &i in &order {
@@ -122,6 +130,9 @@ pub(super) fn claim_in_txn(
                 continue;
             }
             expiry.remove((rec.expires_ms, key))?;
+            history[i] = rec.rows().collect();
+            let keep_from = history[i].len().saturating_sub(MAX_EARLIER_ROWS);
+            history[i].drain(..keep_from);
         }
         wins[i] = true;
     }
@@ -140,7 +151,7 @@ pub(super) fn claim_in_txn(
             continue;
         }
         let key = claims[i].key.0.as_str();
-        let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state, outbox_id: row_of[i], ttl_ms, earlier_rows: Vec::new() };
+        let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state, outbox_id: row_of[i], ttl_ms, earlier_rows: std::mem::take(&mut history[i]) };
         keys.insert(key, encode_idem(&rec).as_slice())?;
         expiry.insert((expires_ms, key), ())?;
     }

@@ -159,6 +159,9 @@ pub(super) fn migrate_pending(wtx: &WriteTransaction) -> Result<usize, StoreErro
             None => None,
         };
         if let Some(mut rec) = current.filter(|r| r.outbox_id.is_none() && r.state != IdemState::Suppressed) {
+            // Its row is pending, whatever version 1 last wrote (`Sent` only where an expired
+            // key was claimed again while its dead letter existed).
+            rec.state = IdemState::Queued;
             rec.outbox_id = Some(*id);
             keys.insert(key.as_str(), encode_idem(&rec).as_slice())?;
             n += 1;
@@ -201,11 +204,19 @@ mod tests {
                     let v1 = IdemRecordV1 { claimed_ms: 0, expires_ms: HOUR, lineage_id: "l".into(), state: IdemState::Queued };
                     keys.insert(c.key.0.as_str(), super::super::codec::encode(&v1).as_slice()).unwrap();
                 }
-                wtx.open_table(META).unwrap().remove(META_IDEM_V2).unwrap();
+                let mut meta = wtx.open_table(META).unwrap();
+                meta.remove(META_IDEM_V2).unwrap();
+                meta.insert(META_SCHEMA, 1u32.to_le_bytes().as_slice()).unwrap();
             }
             wtx.commit().unwrap();
         }
         let store = Store::open(&path).unwrap();
+        {
+            let rtx = store.db.begin_read().unwrap();
+            let meta = rtx.open_table(META).unwrap();
+            let v = meta.get(META_SCHEMA).unwrap().unwrap().value().to_vec();
+            assert_eq!(v, super::super::SCHEMA_VERSION.to_le_bytes(), "the file is upgraded with its keys");
+        }
         let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
         {
             let rtx = store.db.begin_read().unwrap();
@@ -217,10 +228,33 @@ mod tests {
         }
         // A is delivered; past the TTL its key goes and B's (still queued) stays.
         let a = rows.iter().find(|(k, _)| k == "key-A").unwrap().1;
-        store.record_deliveries(&[DeliveryResult::Sent { id: a, status: 200 }], 10).unwrap();
+        let attempt = crate::model::AttemptRecord {
+            key: "key-A".into(),
+            outbox_id: a,
+            attempt: 1,
+            ts_ms: 10,
+            duration_ms: 1,
+            status: Some(200),
+            result: "sent".into(),
+            error: None,
+            response_head: String::new(),
+            next_attempt_ms: None,
+        };
+        store.record_outcomes(&[DeliveryResult::Sent { id: a, status: 200 }], &[attempt.clone()], 10).unwrap();
         assert_eq!(store.sweep_expired_keys(2 * HOUR, 100).unwrap(), 1);
+        // Swept, the key's attempts are still found (by a scan of the log)...
+        assert_eq!(store.attempts("key-A").unwrap().len(), 1);
         let again = store.enqueue(&events, &claims, "l2", 2 * HOUR, HOUR).unwrap();
         assert_eq!((again.queued, again.duplicates), (1, 1));
+        // A key claimed again after its TTL but before the sweep carries its rows over, so
+        // the earlier cycle's attempts stay reachable through the new record.
+        let b_row = rows.iter().find(|(k, _)| k == "key-B").unwrap().1;
+        let attempt_b = crate::model::AttemptRecord { key: "key-B".into(), outbox_id: b_row, ..attempt.clone() };
+        store.record_outcomes(&[DeliveryResult::Sent { id: b_row, status: 200 }], &[attempt_b], 3 * HOUR).unwrap();
+        let third = store.enqueue(&events[1..], &claims[..1].iter().map(|c| Claim { key: IdemKey("key-B".into()), ..c.clone() }).collect::<Vec<_>>(), "l3", 9 * HOUR, HOUR).unwrap();
+        assert_eq!(third.queued, 1, "key-B is past its (re-armed) TTL and its event was sent");
+        let seen: Vec<u64> = store.attempts("key-B").unwrap().iter().map(|r| r.outbox_id).collect();
+        assert_eq!(seen, [b_row]);
         // The migration ran once: a second open does not redo it.
         drop(store);
         let store = Store::open(&path).unwrap();

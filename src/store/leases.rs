@@ -152,15 +152,28 @@ impl Store {
             let (_, v) = item?;
             out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?);
         }
-        let rows: Vec<u64> = match rtx.open_table(IDEM_KEYS)?.get(key)? {
-            Some(v) => super::idem::decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?.rows().collect(),
-            None => Vec::new(),
-        };
         let log = rtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
-        for row in rows {
-            for item in log.range((row, 0u32)..=(row, u32::MAX))? {
-                let (_, v) = item?;
-                out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?);
+        match rtx.open_table(IDEM_KEYS)?.get(key)? {
+            // The key names every row it was queued as (across replays and TTL cycles).
+            Some(v) => {
+                let rec = super::idem::decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
+                for row in rec.rows() {
+                    for item in log.range((row, 0u32)..=(row, u32::MAX))? {
+                        let (_, v) = item?;
+                        out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?);
+                    }
+                }
+            }
+            // A key swept after its TTL: its attempts stay until the retention sweep, found
+            // by a scan of the log (an operator's lookup, not a delivery path).
+            None => {
+                for item in log.iter()? {
+                    let (_, v) = item?;
+                    let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?;
+                    if rec.key == key {
+                        out.push(rec);
+                    }
+                }
             }
         }
         for (n, rec) in out.iter_mut().enumerate() {
@@ -187,6 +200,17 @@ impl Store {
                     let d: crate::model::DeadLetter = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
                     keep_rows.insert(d.entry.id);
                     keep.insert(d.entry.key.0);
+                }
+            }
+            // Every row a dead-lettered key was queued as (a replayed dead letter's earlier
+            // rows), not only the dead letter's own: its whole history stays until resolved.
+            {
+                let keys = wtx.open_table(IDEM_KEYS)?;
+                for key in &keep {
+                    if let Some(v) = keys.get(key.as_str())? {
+                        let rec = super::idem::decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
+                        keep_rows.extend(rec.rows());
+                    }
                 }
             }
             let mut t = wtx.open_table(DELIVERY_ATTEMPTS)?;

@@ -42,8 +42,14 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
 use tables::*;
 
-/// The file format version this build writes and understands.
-pub const SCHEMA_VERSION: u32 = 1;
+/// The file format version this build writes.
+///
+/// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
+/// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
+/// it is opened; an older zonewatch then refuses the file instead of failing on its records.
+pub const SCHEMA_VERSION: u32 = 2;
+/// The oldest file format this build opens (and upgrades).
+pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
 /// Everything that can go wrong in the store layer.
 #[derive(Debug, thiserror::Error)]
@@ -52,7 +58,7 @@ pub enum StoreError {
     Open { path: PathBuf, message: String },
     #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
     InUse { path: PathBuf },
-    #[error("store file {path} has schema version {found}; this zonewatch understands version {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
+    #[error("store file {path} has schema version {found}; this zonewatch opens versions up to {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
     Db(#[from] redb::Error),
@@ -162,7 +168,7 @@ impl Store {
                 Ok(meta) => {
                     if let Some(v) = meta.get(META_SCHEMA)? {
                         let found = decode_u32(v.value());
-                        if found != SCHEMA_VERSION {
+                        if !(OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
                             return Err(StoreError::SchemaVersion {
                                 path: self.path.clone(),
                                 found,
@@ -212,6 +218,8 @@ impl Store {
         if migrated > 0 {
             tracing::info!(migrated, "idempotency keys of pending events now name their outbox row (record version 2)");
         }
+        // Upgraded in the same transaction as the migration: both or neither.
+        wtx.open_table(META)?.insert(META_SCHEMA, SCHEMA_VERSION.to_le_bytes().as_slice())?;
         wtx.commit()?;
         // Only one process can hold the file, so every lease found now belongs to a process
         // that died mid-delivery: its entries go back to the queue (at-least-once, same key).
