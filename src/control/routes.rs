@@ -584,7 +584,7 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
     let (mut requeued, mut duplicates, mut quarantined) = (0u64, 0u64, 0u64);
     let mut items = Vec::new();
     for d in letters {
-        let geometry = crate::notify::replay::validate_payload_geometry(&d.entry.body());
+        let geometry = crate::notify::replay::validate_entry_geometry(&d.entry);
         match st.engine.store.replay_dead_letter(d.entry.id, st.engine.now(), st.engine.config.delivery.max_replays, geometry) {
             Ok(crate::store::ReplayOutcome::Requeued { outbox_id, replay }) => {
                 requeued += 1;

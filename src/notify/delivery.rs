@@ -484,13 +484,8 @@ impl Deliverer {
         }
         let ts = self.clock.now_ms() / 1000;
         let body = entry.body();
-        let mut req = self
-            .client
-            .post(&target)
-            .header("content-type", "application/json")
-            .header("webhook-id", &entry.key.0)
-            .header("webhook-timestamp", ts.to_string())
-            .body(body.clone());
+        // Signed before the body moves into the request (no second copy of it per attempt).
+        let mut signature = None;
         if let Some(secret) = sub.as_ref().and_then(|s| s.secret.as_deref()) {
             // During a rotation both signatures go out, space-separated, new one first.
             let secrets = std::iter::once(secret).chain(sub.as_ref().and_then(|s| s.secret_old.as_deref()));
@@ -501,7 +496,17 @@ impl Deliverer {
                     Err(e) => return DeliveryResult::Dead { id, reason: format!("bad_secret: {e}") },
                 }
             }
-            req = req.header("webhook-signature", sigs.join(" "));
+            signature = Some(sigs.join(" "));
+        }
+        let mut req = self
+            .client
+            .post(&target)
+            .header("content-type", "application/json")
+            .header("webhook-id", &entry.key.0)
+            .header("webhook-timestamp", ts.to_string())
+            .body(body);
+        if let Some(sig) = signature {
+            req = req.header("webhook-signature", sig);
         }
         let attempts_after = entry.attempts + 1;
         let (retry_after, error) = match req.send().await {

@@ -46,6 +46,18 @@ impl TokenBucket {
     }
 }
 
+/// Checks that a dead letter's geometry is still a valid (multi)polygon: read from the row's
+/// change fields, or from the `data.geometry` of a body built by an older zonewatch.
+pub fn validate_entry_geometry(entry: &crate::model::OutboxEntry) -> Result<(), String> {
+    match &entry.payload {
+        crate::model::OutboxPayload::Change(c) => match &c.geometry {
+            None => Err("payload has no geometry".into()),
+            Some(g) => crate::notify::aoi::parse_aoi(&g.to_geojson().to_string()).map(|_| ()),
+        },
+        crate::model::OutboxPayload::Built(body) => validate_payload_geometry(body),
+    }
+}
+
 /// Checks that a stored payload's `data.geometry` is still a valid (multi)polygon.
 pub fn validate_payload_geometry(body: &[u8]) -> Result<(), String> {
     let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("payload is not JSON: {e}"))?;
@@ -91,7 +103,7 @@ pub async fn replay(
     let mut report = ReplayReport::default();
     for dl in letters {
         bucket.take().await;
-        let geometry = validate_payload_geometry(&dl.entry.body());
+        let geometry = validate_entry_geometry(&dl.entry);
         match store.replay_dead_letter(dl.entry.id, deliverer.now_ms(), max_replays, geometry)? {
             ReplayOutcome::Requeued { .. } => {
                 report.requeued += 1;

@@ -36,13 +36,16 @@ pub fn decode_postcard<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
 
 /// Decodes a record written by [`encode`], checking its version byte.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    match bytes.split_first() {
-        None => Err("empty record".into()),
-        Some((&RECORD_VERSION, rest)) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
-        Some((v, _)) => Err(format!(
-            "record version {v} is not understood by this zonewatch (expects {RECORD_VERSION})"
-        )),
+    match split_version(bytes)? {
+        (RECORD_VERSION, rest) => decode_postcard(rest),
+        (v, _) => Err(unknown_version(v, "records", RECORD_VERSION)),
     }
+}
+
+/// The error for a record whose version byte `v` this build cannot read; `family` names the
+/// records and `newest` the highest version this build reads.
+pub fn unknown_version(v: u8, family: &str, newest: u8) -> String {
+    format!("record version {v} is not understood by this zonewatch ({family}: up to version {newest})")
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ pub(super) fn decode_idem(bytes: &[u8]) -> Result<IdemRecord, String> {
             earlier_rows: Vec::new(),
         }),
         (IDEM_RECORD_VERSION, rest) => decode_postcard(rest),
-        (v, _) => Err(format!("record version {v} is not understood by this zonewatch (idempotency keys: 1 or {IDEM_RECORD_VERSION})")),
+        (v, _) => Err(super::codec::unknown_version(v, "idempotency keys", IDEM_RECORD_VERSION)),
     }
 }
 

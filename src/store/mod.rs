@@ -38,7 +38,7 @@ pub use probe::PortalSignals;
 pub use check::ConsistencyReport;
 pub use repair::OpenInfo;
 
-use redb::{Database, ReadableDatabase, ReadableTable};
+use redb::{Database, ReadableDatabase};
 use std::path::{Path, PathBuf};
 use tables::*;
 
@@ -184,10 +184,7 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         {
-            let mut meta = wtx.open_table(META)?;
-            if meta.get(META_SCHEMA)?.is_none() {
-                meta.insert(META_SCHEMA, SCHEMA_VERSION.to_le_bytes().as_slice())?;
-            }
+            wtx.open_table(META)?;
             wtx.open_table(WATERMARKS)?;
             wtx.open_table(WATERMARK_HISTORY)?;
             wtx.open_table(PARCELS)?;

@@ -84,7 +84,7 @@ pub(super) fn decode_dead(bytes: &[u8]) -> Result<DeadLetter, String> {
 }
 
 fn unknown(v: u8) -> String {
-    format!("record version {v} is not understood by this zonewatch (outbox rows: 1 or {OUTBOX_RECORD_VERSION})")
+    super::codec::unknown_version(v, "outbox rows", OUTBOX_RECORD_VERSION)
 }
 
 #[cfg(test)]

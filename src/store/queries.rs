@@ -73,7 +73,7 @@ struct ParcelStateRef<'a> {
 fn decode_state_ref(bytes: &[u8]) -> Result<ParcelStateRef<'_>, String> {
     match bytes.split_first() {
         Some((&super::codec::RECORD_VERSION, rest)) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
-        Some((v, _)) => Err(format!("record version {v} is not understood by this zonewatch")),
+        Some((v, _)) => Err(super::codec::unknown_version(*v, "parcel states", super::codec::RECORD_VERSION)),
         None => Err("empty record".into()),
     }
 }

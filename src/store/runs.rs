@@ -278,7 +278,7 @@ impl Store {
         }
         let events_t = rtx.open_table(HELD_EVENTS)?;
         let mut events = Vec::new();
-        for item in events_t.range((hold_id, 0u64)..(hold_id + 1, 0u64))? {
+        for item in events_t.range((hold_id, 0u64)..=(hold_id, u64::MAX))? {
             let (_, v) = item?;
             events.push(decode(v.value()).map_err(|m| codec_err("held_events", m))?);
             if events.len() >= chunk {
