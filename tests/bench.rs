@@ -103,6 +103,12 @@ fn delivery_and_recovery_measures_run_at_test_scale() {
     assert!(p50 >= 0.0 && p99 >= p50, "{delivery}");
     assert_eq!(num(delivery, "target"), 30_000.0);
     assert!(num(delivery, "latency_rows") > 0.0, "{delivery}");
+    // The reference pass ran, and the ratio is the one of the two rates on the line.
+    let http_only = num(delivery, "http_only_per_s");
+    assert!(http_only > 0.0, "{delivery}");
+    let ratio = num(delivery, "per_s_vs_http_only");
+    assert!((ratio - num(delivery, "per_s") / http_only).abs() < 0.01, "{delivery}");
+    assert_eq!(num(delivery, "subscribers"), 10_000.0, "{delivery}");
 
     let recovery = *of(&lines, "recovery").first().expect("a recovery line");
     assert!(num(recovery, "outbox_rows") > 0.0 && num(recovery, "store_mib") > 0.0, "{recovery}");

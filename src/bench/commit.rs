@@ -56,7 +56,6 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
     std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
     let path = dir.join("bench.redb");
     let store = Store::open(&path).map_err(|e| BenchError::Failed(format!("open store: {e}")))?;
-    let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
     let total = (batch * commits).min(events.len());
     let mut queued = 0u64;
     let written_before = super::rss::written_bytes();
@@ -76,6 +75,9 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
                 }
             })
             .collect();
+        // The clock is read per commit, as a run's commit does: expiry entries (expires at,
+        // key) then follow each other instead of all sharing one instant.
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
         let c = store
             .enqueue(chunk, &claims, &format!("bench-county:{n}:0123456789ab"), now, TTL_MS)
             .map_err(|e| BenchError::Failed(format!("enqueue: {e}")))?;

@@ -14,12 +14,17 @@
 //!   enqueue transaction returned. A backlog's queueing time would say nothing about the
 //!   deliverer, which is why the percentiles are not taken from the backlog phase.
 //!
+//! * **HTTP only** (the reference, like ingest's parse-only pass): the same client
+//!   ([`http_client`]), receiver, body and headers, 64 in flight, and nothing else — no
+//!   store, no body building, no signing. `per_s / http_only_per_s` says how much of the
+//!   machine's bare HTTP exchange rate the durable pipeline keeps.
+//!
 //! Runs in a child process (its own runtime; the parent only relays the line).
 
 use super::{emit, per_s, secs, BenchCtx, BenchError, Scale};
 use crate::config::DeliveryConfig;
 use crate::model::{ChangeEvent, ChangeKind, IdemKey, Severity, StoredGeometry};
-use crate::notify::delivery::Deliverer;
+use crate::notify::delivery::{http_client, Deliverer};
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
 use crate::receiver::Receiver;
 use crate::store::{Claim, Store};
@@ -61,6 +66,70 @@ fn rows(scale: Scale) -> usize {
     }
 }
 
+/// Requests of the HTTP-only reference pass per scale.
+fn http_only_requests(scale: Scale) -> usize {
+    match scale {
+        Scale::Test => 2_000,
+        Scale::Small | Scale::Full => 100_000,
+    }
+}
+
+/// The reference: `n` POSTs of `body` with delivery's headers, `CONCURRENCY` in flight, through
+/// delivery's own client to a sink receiver of their own; requests/s. Every request must be
+/// answered 200 and received once.
+async fn http_only(n: usize, body: Vec<u8>) -> Result<f64, BenchError> {
+    let received = Arc::new(AtomicU64::new(0));
+    let counter = received.clone();
+    let receiver = Receiver::start_sink(Arc::new(move |_: &str| {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }))
+    .await
+    .map_err(|e| BenchError::io("receiver", e))?;
+    let client = http_client(&delivery_config()).map_err(|e| BenchError::Failed(e.to_string()))?;
+    let url = receiver.url("/hook/0");
+    let body = bytes::Bytes::from(body);
+    // One signature of the right shape for every request: the reference leaves signing out.
+    let key = crate::notify::signing::decode_secret(SECRET).map_err(BenchError::Failed)?;
+    let signature = crate::notify::signing::sign(&key, "http-only", 1_780_000_000, &body);
+    let sem = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
+    let mut tasks = tokio::task::JoinSet::new();
+    let failed = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    for i in 0..n {
+        let permit = sem.clone().acquire_owned().await.map_err(|e| BenchError::Failed(e.to_string()))?;
+        let (client, url, body, failed, signature) = (client.clone(), url.clone(), body.clone(), failed.clone(), signature.clone());
+        let id = format!("http-only-{i}");
+        tasks.spawn(async move {
+            let sent = client
+                .post(&url)
+                .header("content-type", "application/json")
+                .header("webhook-id", id)
+                .header("webhook-timestamp", "1780000000")
+                .header("webhook-signature", signature)
+                .body(body)
+                .send()
+                .await;
+            match sent {
+                Ok(resp) if resp.status().is_success() => {
+                    let _ = resp.bytes().await;
+                }
+                _ => {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            drop(permit);
+        });
+        while tasks.try_join_next().is_some() {}
+    }
+    while tasks.join_next().await.is_some() {}
+    let wall = t.elapsed().as_secs_f64();
+    let (bad, got) = (failed.load(Ordering::Relaxed), received.load(Ordering::Relaxed));
+    if bad != 0 || got != n as u64 {
+        return Err(BenchError::Failed(format!("http-only pass: {bad} of {n} requests failed, {got} received")));
+    }
+    Ok(per_s(n as u64, wall))
+}
+
 /// Receipts seen by the bench receiver: first receipt time per `webhook-id`, and repeats.
 #[derive(Default)]
 pub(super) struct Receipts {
@@ -88,12 +157,19 @@ impl Receipts {
     }
 }
 
-/// The bench's subscribers: `ENDPOINTS` signed endpoints on the receiver.
+/// Subscribers in the deliverer's index, as in the idle measure's county: `ENDPOINTS` of them
+/// receive the bench's webhooks, the rest are the county's other subscribers (delivery looks
+/// each webhook's subscriber up among all of them).
+pub const SUBSCRIBERS: usize = 10_000;
+
+/// The bench's subscribers: `ENDPOINTS` signed endpoints on the receiver spread evenly among
+/// other subscribers (up to `SUBSCRIBERS` in all) that are never sent to.
 pub(super) fn subscribers(receiver: &Receiver) -> Arc<SubscriberIndex> {
-    let subs = (0..ENDPOINTS)
+    let every = (SUBSCRIBERS / ENDPOINTS).max(1);
+    let subs = (0..SUBSCRIBERS.max(ENDPOINTS))
         .map(|i| Subscriber {
-            id: format!("bench-ep-{i}"),
-            target: receiver.url(&format!("/hook/{i}")),
+            id: if i % every == every - 1 && i / every < ENDPOINTS { format!("bench-ep-{}", i / every) } else { format!("bench-other-{i}") },
+            target: receiver.url(&format!("/hook/{}", (i / every) % ENDPOINTS)),
             secret: Some(SECRET.into()),
             secret_old: None,
             min_severity: Severity::Info,
@@ -227,6 +303,14 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
         .await
         .map_err(|e| BenchError::Failed(format!("queue task: {e}")))??;
     let queue_s = secs(t.elapsed());
+    // The reference pass, with the body of a queued row (the same bytes delivery sends).
+    let sample = store
+        .due_outbox(crate::clock::Clock::now_ms(&crate::clock::SystemClock), 1, &Default::default())
+        .map_err(|e| BenchError::Failed(e.to_string()))?;
+    let Some(sample) = sample.first() else {
+        return Err(BenchError::Failed("backlog: nothing queued".into()));
+    };
+    let http_only_per_s = http_only(http_only_requests(ctx.scale), sample.body()).await?;
     let deliverer = Deliverer::new(store.clone(), subs, delivery_config()).map_err(|e| BenchError::Failed(e.to_string()))?;
     let t = Instant::now();
     let stats = deliverer
@@ -327,11 +411,15 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
             "sent": queued,
             "wall_s": secs(wall),
             "per_s": capacity,
+            "http_only_per_s": http_only_per_s,
+            // How much of the bare HTTP exchange rate the durable pipeline keeps.
+            "per_s_vs_http_only": (capacity / http_only_per_s.max(1.0) * 1000.0).round() / 1000.0,
             "p50_ms": percentile(&lat_ms, 0.50),
             "p99_ms": percentile(&lat_ms, 0.99),
             "target": TARGET_PER_S,
             "concurrency": CONCURRENCY,
             "endpoints": ENDPOINTS,
+            "subscribers": SUBSCRIBERS,
             "queue_s": queue_s,
             "queue_per_s": per_s(queued as u64, queue_s),
             "latency_rows": produced,

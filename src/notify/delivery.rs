@@ -82,13 +82,7 @@ pub struct Deliverer {
 
 impl Deliverer {
     pub fn new(store: Arc<Store>, subscribers: Arc<SubscriberIndex>, cfg: DeliveryConfig) -> Result<Deliverer, DeliveryError> {
-        let client = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .timeout(cfg.timeout)
-            .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
-            .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| DeliveryError::Client(e.to_string()))?;
+        let client = http_client(&cfg)?;
         Ok(Deliverer {
             store,
             subscribers,
@@ -419,6 +413,10 @@ impl Deliverer {
 
     fn endpoint_slot(&self, id: &str) -> Arc<Semaphore> {
         let mut g = self.endpoint_slots.lock().unwrap_or_else(|p| p.into_inner());
+        // Looked up before inserting: the entry API would allocate the id on every webhook.
+        if let Some(slot) = g.get(id) {
+            return slot.clone();
+        }
         g.entry(id.to_string()).or_insert_with(|| Arc::new(Semaphore::new(self.cfg.endpoint_concurrency))).clone()
     }
 
@@ -570,6 +568,19 @@ impl Deliverer {
         }
         Ok(())
     }
+}
+
+/// The HTTP client webhooks go out with: no redirects followed (a redirect is an answer, not
+/// a delivery), the configured timeouts, zonewatch's user agent. `zonewatch bench` measures
+/// the bare HTTP exchange with the same client (the reference of the delivery measure).
+pub fn http_client(cfg: &DeliveryConfig) -> Result<reqwest::Client, DeliveryError> {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(cfg.timeout)
+        .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
+        .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| DeliveryError::Client(e.to_string()))
 }
 
 /// Loopback, private, link-local, unspecified, CGNAT or unique-local addresses.

@@ -14,6 +14,7 @@ use crate::model::{ChangeEvent, Severity, StoredGeometry};
 use geo::{BoundingRect, Intersects, MultiPolygon};
 use rstar::primitives::{GeomWithData, Rectangle};
 use rstar::{RTree, AABB};
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 /// A subscriber with its AOI loaded.
@@ -51,6 +52,9 @@ struct IndexSnapshot {
     /// exactly its bounding rectangle. Then any geometry whose envelope lies inside `rect`
     /// intersects it, and the exact test is geo's cheaper `Rect`–polygon one.
     is_rect: Vec<Option<geo::Rect<f64>>>,
+    /// Subscriber id → index into `subscribers`. Delivery looks its subscriber up once per
+    /// webhook; a scan of the list cost ~5,000 string compares a webhook at 10k subscribers.
+    by_id: HashMap<String, u32>,
 }
 
 impl IndexSnapshot {
@@ -70,7 +74,13 @@ impl IndexSnapshot {
             .iter()
             .map(|s| if aoi_is_rectangle(&s.aoi) { s.aoi.bounding_rect() } else { None })
             .collect();
-        IndexSnapshot { tree: RTree::bulk_load(entries), subscribers, is_rect }
+        // Ids are unique in a loaded config; should two ever share one, the first wins, as the
+        // scan this replaces did.
+        let mut by_id = HashMap::with_capacity(subscribers.len());
+        for (i, s) in subscribers.iter().enumerate() {
+            by_id.entry(s.id.clone()).or_insert(i as u32);
+        }
+        IndexSnapshot { tree: RTree::bulk_load(entries), subscribers, is_rect, by_id }
     }
 
     /// Indices of the subscribers whose AOI intersects any of `geoms` (sorted, distinct):
@@ -187,8 +197,10 @@ impl SubscriberIndex {
         self.snapshot().subscribers.clone()
     }
 
+    /// The subscriber with this id, from the current snapshot (a hash lookup).
     pub fn get(&self, id: &str) -> Option<Arc<Subscriber>> {
-        self.snapshot().subscribers.iter().find(|s| s.id == id).cloned()
+        let snap = self.snapshot();
+        snap.by_id.get(id).and_then(|&i| snap.subscribers.get(i as usize)).cloned()
     }
 
     /// Subscribers whose AOI intersects any of the given geometries (touching counts).
@@ -402,5 +414,28 @@ mod tests {
         assert!(!aoi_is_rectangle(&bowtie));
         let flat = MultiPolygon(vec![Polygon::new(ring(&[(0.0, 0.0), (1.0, 0.0), (1.0, 0.0), (0.0, 0.0)]), vec![])]);
         assert!(!aoi_is_rectangle(&flat));
+    }
+
+    #[test]
+    fn get_finds_every_subscriber_by_id_and_follows_replace() {
+        let sub = |id: &str, target: &str| Subscriber {
+            id: id.into(),
+            target: target.into(),
+            secret: None,
+            min_severity: Severity::Info,
+            aoi: MultiPolygon(vec![]),
+            secret_old: None,
+        };
+        let mut subs: Vec<Subscriber> = (0..1_000).map(|i| sub(&format!("w{i}"), &format!("http://127.0.0.1:9/{i}"))).collect();
+        subs.push(sub("w7", "http://127.0.0.1:9/second"));
+        let idx = SubscriberIndex::build(subs);
+        for i in [0, 1, 499, 999] {
+            assert_eq!(idx.get(&format!("w{i}")).map(|s| s.target.clone()), Some(format!("http://127.0.0.1:9/{i}")));
+        }
+        assert_eq!(idx.get("w7").map(|s| s.target.clone()).as_deref(), Some("http://127.0.0.1:9/7"), "first of two equal ids");
+        assert!(idx.get("w1000").is_none());
+        idx.replace(vec![sub("w1000", "http://127.0.0.1:9/new")]);
+        assert!(idx.get("w0").is_none());
+        assert_eq!(idx.get("w1000").map(|s| s.target.clone()).as_deref(), Some("http://127.0.0.1:9/new"));
     }
 }

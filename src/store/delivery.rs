@@ -326,6 +326,7 @@ impl Store {
             let mut leases = wtx.open_table(OUTBOX_LEASES)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
+            let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints);
             for result in results {
                 let id = match result {
                     DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
@@ -347,7 +348,7 @@ impl Store {
                         }
                     };
                     if !local {
-                        if let Some(row) = super::endpoints::observe_in(&mut endpoints, &entry.watcher_id, success, gone, now_ms, policy)? {
+                        if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {
                             pending.push(row);
                         }
                     }
@@ -386,6 +387,7 @@ impl Store {
                     }
                 }
             }
+            health_batch.finish()?;
         }
         append_audits(&wtx, &mut pending)?;
         wtx.commit()?;
