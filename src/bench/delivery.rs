@@ -14,9 +14,9 @@
 //!   enqueue transaction returned. A backlog's queueing time would say nothing about the
 //!   deliverer, which is why the percentiles are not taken from the backlog phase.
 //!
-//! * **HTTP only** (the reference, like ingest's parse-only pass): the same client
-//!   ([`http_client`]), receiver, body and headers, 64 in flight, and nothing else — no
-//!   store, no body building, no signing. `per_s / http_only_per_s` says how much of the
+//! * **HTTP only** (the reference, like ingest's parse-only pass; run first, best of two):
+//!   the same client ([`http_client`]), receiver, body and headers, 64 in flight, and nothing
+//!   else — no store, no body building, no signing. `per_s / http_only_per_s` says how much of the
 //!   machine's bare HTTP exchange rate the durable pipeline keeps.
 //!
 //! Runs in a child process (its own runtime; the parent only relays the line).
@@ -74,7 +74,7 @@ fn http_only_requests(scale: Scale) -> usize {
     }
 }
 
-/// The reference: `n` POSTs of `body` with delivery's headers, `CONCURRENCY` in flight, through
+/// One pass of the reference: `n` POSTs of `body` with delivery's headers, `CONCURRENCY` in flight, through
 /// delivery's own client to a sink receiver of their own; requests/s. Every request must be
 /// answered 200 and received once.
 async fn http_only(n: usize, body: Vec<u8>) -> Result<f64, BenchError> {
@@ -252,6 +252,32 @@ impl Queuer {
     }
 }
 
+/// The webhook body of the first row a `Queuer` with these arguments queues (same event,
+/// subscriber and body builder; only the key's lineage differs).
+fn sample_body(seed: u64, total: usize, receiver_url: &str) -> Vec<u8> {
+    let spec = super::gen::county_spec(total.max(1), seed);
+    let Some(lot) = CountyIter::new(&spec).next() else { return Vec::new() };
+    let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+    let event = event_for(&lot, now);
+    let watcher = "bench-ep-0".to_string();
+    let entry = crate::model::OutboxEntry {
+        id: 1,
+        key: crate::notify::idem::key_for(&watcher, &event),
+        target: format!("{receiver_url}/hook/0"),
+        watcher_id: watcher,
+        source_id: event.source_id.clone(),
+        parcel_id: event.parcel_id.clone(),
+        lineage_id: "bench:1000".into(),
+        severity: event.severity,
+        payload: crate::model::OutboxPayload::Change(crate::model::ChangeFields::of(&event, now)),
+        attempts: 0,
+        created_ms: now,
+        next_attempt_ms: now,
+        last_error: None,
+    };
+    entry.body()
+}
+
 fn event_for(lot: &SynthParcel, now_ms: u64) -> ChangeEvent {
     let geom = StoredGeometry(vec![vec![lot.ring.clone()]]);
     let to = if lot.zoning == "M-1" { "C-2" } else { "M-1" };
@@ -296,6 +322,14 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     let latency_rows = (n / 4).max(500);
     let mut queuer = Queuer::new(ctx.seed, n + latency_rows, &base);
 
+    // The reference first, on a machine not yet busy writing the backlog back to disk: the best
+    // of two passes (a ceiling), with the body of the first row the backlog will queue.
+    let body = sample_body(ctx.seed, n + latency_rows, &base);
+    let mut http_only_per_s: f64 = 0.0;
+    for _ in 0..2 {
+        http_only_per_s = http_only_per_s.max(http_only(http_only_requests(ctx.scale), body.clone()).await?);
+    }
+
     // Backlog phase.
     let t = Instant::now();
     let st = store.clone();
@@ -303,14 +337,6 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
         .await
         .map_err(|e| BenchError::Failed(format!("queue task: {e}")))??;
     let queue_s = secs(t.elapsed());
-    // The reference pass, with the body of a queued row (the same bytes delivery sends).
-    let sample = store
-        .due_outbox(crate::clock::Clock::now_ms(&crate::clock::SystemClock), 1, &Default::default())
-        .map_err(|e| BenchError::Failed(e.to_string()))?;
-    let Some(sample) = sample.first() else {
-        return Err(BenchError::Failed("backlog: nothing queued".into()));
-    };
-    let http_only_per_s = http_only(http_only_requests(ctx.scale), sample.body()).await?;
     let deliverer = Deliverer::new(store.clone(), subs, delivery_config()).map_err(|e| BenchError::Failed(e.to_string()))?;
     let t = Instant::now();
     let stats = deliverer
