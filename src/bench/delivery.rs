@@ -3,7 +3,7 @@
 //! outcome and audit row are committed in redb — and the latency from the outbox row's commit
 //! to its receipt.
 //!
-//! Two phases, one JSON line:
+//! Three phases, one JSON line:
 //! * **backlog**: N rows are queued through the store's real claim path (`Store::enqueue`,
 //!   1,000 per transaction), then the real [`Deliverer`] drains them (`drain`, as `zonewatch
 //!   run` does). `sent / wall_s` is the sustained rate; the outbox must end empty with exactly N
