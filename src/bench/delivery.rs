@@ -74,17 +74,18 @@ fn http_only_requests(scale: Scale) -> usize {
     }
 }
 
+/// Longest one reference pass may take (each request is bounded by the client's timeout, but
+/// a receiver answering slowly would otherwise hold the bench for hours).
+const HTTP_ONLY_LIMIT: Duration = Duration::from_secs(300);
+
 /// One pass of the reference: `n` POSTs of `body` with delivery's headers, `CONCURRENCY` in flight, through
 /// delivery's own client to a sink receiver of their own; requests/s. Every request must be
 /// answered 200 and received once.
 async fn http_only(n: usize, body: Vec<u8>) -> Result<f64, BenchError> {
-    let received = Arc::new(AtomicU64::new(0));
-    let counter = received.clone();
-    let receiver = Receiver::start_sink(Arc::new(move |_: &str| {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }))
-    .await
-    .map_err(|e| BenchError::io("receiver", e))?;
+    // The receiver does what the measured pass's does per request (`Receipts`), so the ratio
+    // compares the sending sides only.
+    let receipts = Arc::new(Receipts::default());
+    let receiver = Receiver::start_sink(receipts.on_id()).await.map_err(|e| BenchError::io("receiver", e))?;
     let client = http_client(&delivery_config()).map_err(|e| BenchError::Failed(e.to_string()))?;
     let url = receiver.url("/hook/0");
     let body = bytes::Bytes::from(body);
@@ -95,7 +96,12 @@ async fn http_only(n: usize, body: Vec<u8>) -> Result<f64, BenchError> {
     let mut tasks = tokio::task::JoinSet::new();
     let failed = Arc::new(AtomicU64::new(0));
     let t = Instant::now();
+    let deadline = t + HTTP_ONLY_LIMIT;
     for i in 0..n {
+        // A failed request or a stalled receiver ends the pass: the reference is void.
+        if failed.load(Ordering::Relaxed) != 0 || Instant::now() > deadline {
+            break;
+        }
         let permit = sem.clone().acquire_owned().await.map_err(|e| BenchError::Failed(e.to_string()))?;
         let (client, url, body, failed, signature) = (client.clone(), url.clone(), body.clone(), failed.clone(), signature.clone());
         let id = format!("http-only-{i}");
@@ -123,9 +129,12 @@ async fn http_only(n: usize, body: Vec<u8>) -> Result<f64, BenchError> {
     }
     while tasks.join_next().await.is_some() {}
     let wall = t.elapsed().as_secs_f64();
-    let (bad, got) = (failed.load(Ordering::Relaxed), received.load(Ordering::Relaxed));
-    if bad != 0 || got != n as u64 {
-        return Err(BenchError::Failed(format!("http-only pass: {bad} of {n} requests failed, {got} received")));
+    let (bad, got, repeats) = (failed.load(Ordering::Relaxed), receipts.unique(), receipts.repeats.load(Ordering::Relaxed));
+    if bad != 0 || got != n || repeats != 0 {
+        return Err(BenchError::Failed(format!(
+            "http-only pass: {bad} requests failed, {got} of {n} distinct requests received, {repeats} repeats (limit {} s)",
+            HTTP_ONLY_LIMIT.as_secs()
+        )));
     }
     Ok(per_s(n as u64, wall))
 }
@@ -254,9 +263,11 @@ impl Queuer {
 
 /// The webhook body of the first row a `Queuer` with these arguments queues (same event,
 /// subscriber and body builder; only the key's lineage differs).
-fn sample_body(seed: u64, total: usize, receiver_url: &str) -> Vec<u8> {
+fn sample_body(seed: u64, total: usize, receiver_url: &str) -> Result<Vec<u8>, BenchError> {
     let spec = super::gen::county_spec(total.max(1), seed);
-    let Some(lot) = CountyIter::new(&spec).next() else { return Vec::new() };
+    let Some(lot) = CountyIter::new(&spec).next() else {
+        return Err(BenchError::Failed("the synthetic county has no parcel to build a sample body from".into()));
+    };
     let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
     let event = event_for(&lot, now);
     let watcher = "bench-ep-0".to_string();
@@ -275,7 +286,7 @@ fn sample_body(seed: u64, total: usize, receiver_url: &str) -> Vec<u8> {
         next_attempt_ms: now,
         last_error: None,
     };
-    entry.body()
+    Ok(entry.body())
 }
 
 fn event_for(lot: &SynthParcel, now_ms: u64) -> ChangeEvent {
@@ -324,7 +335,7 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
 
     // The reference first, on a machine not yet busy writing the backlog back to disk: the best
     // of two passes (a ceiling), with the body of the first row the backlog will queue.
-    let body = sample_body(ctx.seed, n + latency_rows, &base);
+    let body = sample_body(ctx.seed, n + latency_rows, &base)?;
     let mut http_only_per_s: f64 = 0.0;
     for _ in 0..2 {
         http_only_per_s = http_only_per_s.max(http_only(http_only_requests(ctx.scale), body.clone()).await?);
