@@ -59,6 +59,7 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
     let total = (batch * commits).min(events.len());
     let mut queued = 0u64;
     let written_before = super::rss::written_bytes();
+    let mut slowest = 0f64;
     let t = Instant::now();
     for (n, chunk) in events[..total].chunks(batch.max(1)).enumerate() {
         let claims: Vec<Claim> = chunk
@@ -78,16 +79,20 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
         // The clock is read per commit, as a run's commit does: expiry entries (expires at,
         // key) then follow each other instead of all sharing one instant.
         let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        let one = Instant::now();
         let c = store
             .enqueue(chunk, &claims, &format!("bench-county:{n}:0123456789ab"), now, TTL_MS)
             .map_err(|e| BenchError::Failed(format!("enqueue: {e}")))?;
         queued += c.queued;
+        slowest = slowest.max(one.elapsed().as_secs_f64());
     }
     let wall = t.elapsed();
     let written = written_before.zip(super::rss::written_bytes()).map(|(a, b)| b.saturating_sub(a));
     if queued != total as u64 {
         return Err(BenchError::Failed(format!("{queued} queued of {total} claims")));
     }
+    let journal_rows = store.key_journal_len().map_err(|e| BenchError::Failed(format!("key journal: {e}")))?;
+    let journal_merges = store.key_journal_merges();
     let stats = store.stats().map_err(|e| BenchError::Failed(format!("stats: {e}")))?;
     drop(store);
     let bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
@@ -106,6 +111,13 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
             // What the durable commits wrote to disk, per event: the write amplification of
             // the store's B-trees (copy-on-write pages) at this batch size.
             "written_bytes_per_event": written.map(|w| w / total.max(1) as u64),
+            // New keys go to the key journal and are merged into the key table in key order
+            // every `MERGE_ROWS`: the merges are inside the wall time above.
+            "key_journal_merges": journal_merges,
+            // The longest commit (with a journal merge, if one ran): how long delivery may
+            // wait for the write lock behind a claim commit at this batch size.
+            "slowest_commit_s": (slowest * 1000.0).round() / 1000.0,
+            "key_journal_rows_left": journal_rows,
             "durable": true,
             "target_events_per_s": 100_000,
         }),

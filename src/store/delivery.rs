@@ -1,7 +1,8 @@
 //! Claims (idempotency keys → outbox rows) and delivery outcomes. An outbox row is removed
 //! only in the transaction that writes its terminal audit row.
 
-use super::idem::{decode_idem, encode_idem, is_pending, IdemRecord, IdemState};
+use super::idem::{is_pending, IdemRecord, IdemState};
+use super::key_journal::{KeyIndex, KeyTables, Place};
 use super::outbox_rows::{decode_entry, encode_dead, encode_entry};
 use super::runs::{append_audits, codec_err};
 use super::tables::*;
@@ -51,7 +52,11 @@ pub enum DeliveryResult {
 /// the log scan once they are no longer named).
 const MAX_EARLIER_ROWS: usize = 32;
 
+/// Claims `claims` inside `wtx`: keys (found through `index` in the key journal or the key
+/// table), outbox rows for the winners, an audit row for every claim.
+#[allow(clippy::too_many_arguments)] // the transaction, its key index and one run's context
 pub(super) fn claim_in_txn(
+    index: &KeyIndex,
     wtx: &WriteTransaction,
     events: &[ChangeEvent],
     claims: &[Claim],
@@ -61,7 +66,7 @@ pub(super) fn claim_in_txn(
     ttl_ms: u64,
 ) -> Result<ClaimCounts, StoreError> {
     let mut counts = ClaimCounts::default();
-    let mut keys = wtx.open_table(IDEM_KEYS)?;
+    let mut keys = KeyTables::open(wtx, index)?;
     let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
     let mut outbox = wtx.open_table(OUTBOX)?;
     let mut due = wtx.open_table(OUTBOX_DUE)?;
@@ -105,6 +110,8 @@ pub(super) fn claim_in_txn(
     // Rows of an expired key's earlier cycles: the new record keeps naming them, so the
     // key's whole attempt history stays reachable (`Store::attempts`).
     let mut history: Vec<Vec<u64>> = vec![Vec::new(); claims.len()];
+    // Where a winning claim's expired record lives (None: a new key, for the journal).
+    let mut place: Vec<Option<Place>> = vec![None; claims.len()];
     // The previous key in key order and who holds it after its first claim (None: this run).
     let mut previous: Option<(&str, Option<String>)> = None;
     for &i in &order {
@@ -116,11 +123,7 @@ pub(super) fn claim_in_txn(
             continue;
         }
         previous = Some((key, None));
-        let existing: Option<IdemRecord> = match keys.get(key)? {
-            Some(v) => Some(decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?),
-            None => None,
-        };
-        if let Some(rec) = existing {
+        if let Some((found_in, rec)) = keys.find(key)? {
             // Past its TTL but not swept yet, a key is free again, unless its event can still
             // be sent (queued, dead-lettered): the sweep would re-arm it, and claiming it now
             // would send the event twice.
@@ -130,6 +133,7 @@ pub(super) fn claim_in_txn(
                 continue;
             }
             expiry.remove((rec.expires_ms, key))?;
+            place[i] = Some(found_in);
             history[i] = rec.rows().collect();
             let keep_from = history[i].len().saturating_sub(MAX_EARLIER_ROWS);
             history[i].drain(..keep_from);
@@ -152,7 +156,10 @@ pub(super) fn claim_in_txn(
         }
         let key = claims[i].key.0.as_str();
         let rec = IdemRecord { claimed_ms: now_ms, expires_ms, lineage_id: lineage.to_string(), state, outbox_id: row_of[i], ttl_ms, earlier_rows: std::mem::take(&mut history[i]) };
-        keys.insert(key, encode_idem(&rec).as_slice())?;
+        match place[i] {
+            Some(found_in) => keys.update(found_in, key, &rec)?,
+            None => keys.insert_new(key, &rec)?,
+        }
         expiry.insert((expires_ms, key), ())?;
     }
 
@@ -239,8 +246,9 @@ impl Store {
     ) -> Result<ClaimCounts, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let counts = claim_in_txn(&wtx, events, claims, lineage, ClaimMode::Deliver, now_ms, ttl_ms)?;
+        let counts = claim_in_txn(&self.key_index, &wtx, events, claims, lineage, ClaimMode::Deliver, now_ms, ttl_ms)?;
         wtx.commit()?;
+        self.merge_key_journal_if_full();
         Ok(counts)
     }
 
@@ -407,7 +415,7 @@ impl Store {
         let mut n = 0;
         {
             let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
-            let mut keys = wtx.open_table(IDEM_KEYS)?;
+            let mut keys = KeyTables::open(&wtx, &self.key_index)?;
             let (outbox, dead, quarantine) = (wtx.open_table(OUTBOX)?, wtx.open_table(DEAD_LETTERS)?, wtx.open_table(DLQ_QUARANTINE)?);
             let mut victims = Vec::new();
             for item in expiry.range(..(now_ms, ""))? {
@@ -421,24 +429,22 @@ impl Store {
             for (t, key) in victims {
                 expiry.remove((t, key.as_str()))?;
                 // Only act on the key if this expiry entry is still its current one.
-                let current: Option<IdemRecord> = match keys.get(key.as_str())? {
-                    Some(v) => match decode_idem(v.value()) {
-                        Ok(r) => Some(r),
-                        Err(m) => {
-                            // Left in place for `zonewatch check` to report; never guessed at.
-                            tracing::warn!(key = %key, "idempotency key record unreadable, not swept: {m}");
-                            None
-                        }
-                    },
-                    None => None,
+                let current = match keys.find(key.as_str()) {
+                    Ok(found) => found,
+                    Err(StoreError::Codec { message, .. }) => {
+                        // Left in place for `zonewatch check` to report; never guessed at.
+                        tracing::warn!(key = %key, "idempotency key record unreadable, not swept: {message}");
+                        None
+                    }
+                    Err(e) => return Err(e),
                 };
-                let Some(mut rec) = current.filter(|r| r.expires_ms == t) else { continue };
+                let Some((found_in, mut rec)) = current.filter(|(_, r)| r.expires_ms == t) else { continue };
                 if is_pending(&rec, &outbox, &dead, &quarantine)? {
                     rec.expires_ms = now_ms.saturating_add(rec.ttl_ms.max(1));
-                    keys.insert(key.as_str(), encode_idem(&rec).as_slice())?;
+                    keys.update(found_in, key.as_str(), &rec)?;
                     expiry.insert((rec.expires_ms, key.as_str()), ())?;
                 } else {
-                    keys.remove(key.as_str())?;
+                    keys.remove(found_in, key.as_str())?;
                     n += 1;
                 }
             }

@@ -108,7 +108,7 @@ impl Store {
             // Replays queue behind live alerts.
             wtx.open_table(OUTBOX_RETRY_DUE)?.insert((now_ms, new_id), ())?;
             wtx.open_table(DLQ_REPLAYS)?.insert(e.key.0.as_str(), replays + 1)?;
-            super::idem::repoint(&wtx, &e.key.0, new_id)?;
+            super::idem::repoint(&self.key_index, &wtx, &e.key.0, new_id)?;
             audit.outcome = Outcome::Queued;
             audit.detail = format!("replay {} of dead letter {id}", replays + 1);
             ReplayOutcome::Requeued { outbox_id: new_id, replay: replays + 1 }

@@ -10,6 +10,7 @@
 //! their row id once, when a store written before version 2 is first opened.
 
 use super::codec::{decode_postcard, encode_versioned, split_version};
+use super::key_journal::{KeyIndex, KeyTables};
 use super::runs::codec_err;
 use super::tables::*;
 use super::StoreError;
@@ -108,23 +109,20 @@ pub(super) fn is_pending<T: ReadableTable<u64, &'static [u8]>>(
 }
 
 /// Points `key`'s record at outbox row `outbox_id` (a dead-letter replay requeued it).
-pub(super) fn repoint(wtx: &WriteTransaction, key: &str, outbox_id: u64) -> Result<(), StoreError> {
-    let mut keys = wtx.open_table(IDEM_KEYS)?;
-    let current = match keys.get(key)? {
-        Some(v) => Some(decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?),
-        None => None,
-    };
-    if let Some(mut rec) = current {
+pub(super) fn repoint(index: &KeyIndex, wtx: &WriteTransaction, key: &str, outbox_id: u64) -> Result<(), StoreError> {
+    let mut keys = KeyTables::open(wtx, index)?;
+    if let Some((place, mut rec)) = keys.find(key)? {
         rec.state = IdemState::Queued;
         if let Some(previous) = rec.outbox_id.replace(outbox_id) {
             rec.earlier_rows.push(previous);
         }
-        keys.insert(key, encode_idem(&rec).as_slice())?;
+        keys.update(place, key, &rec)?;
     }
     Ok(())
 }
 
-/// Once per store: gives every version 1 key record whose event is still pending (its row in
+/// Once per store: gives every version 1 key record (all in `idem_keys`: version 1 files
+/// have no key journal) whose event is still pending (its row in
 /// the outbox, the dead letters or the delivery quarantine) that row's id, so outcomes need
 /// not rewrite keys any more. Costs one pass over the pending rows, not over the keys.
 /// Returns how many records were rewritten.

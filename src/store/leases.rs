@@ -153,10 +153,10 @@ impl Store {
             out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?);
         }
         let log = rtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
-        match rtx.open_table(IDEM_KEYS)?.get(key)? {
+        let (journal, main) = (rtx.open_table(IDEM_KEY_JOURNAL)?, rtx.open_table(IDEM_KEYS)?);
+        match super::key_journal::find(&self.key_index, &journal, &main, key)? {
             // The key names every row it was queued as (across replays and TTL cycles).
-            Some(v) => {
-                let rec = super::idem::decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
+            Some((_, rec)) => {
                 for row in rec.rows() {
                     for item in log.range((row, 0u32)..=(row, u32::MAX))? {
                         let (_, v) = item?;
@@ -205,10 +205,9 @@ impl Store {
             // Every row a dead-lettered key was queued as (a replayed dead letter's earlier
             // rows), not only the dead letter's own: its whole history stays until resolved.
             {
-                let keys = wtx.open_table(IDEM_KEYS)?;
+                let keys = super::key_journal::KeyTables::open(&wtx, &self.key_index)?;
                 for key in &keep {
-                    if let Some(v) = keys.get(key.as_str())? {
-                        let rec = super::idem::decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
+                    if let Some((_, rec)) = keys.find(key.as_str())? {
                         keep_rows.extend(rec.rows());
                     }
                 }

@@ -4,6 +4,8 @@
 //! * one write transaction commits a run's new snapshot, its watermark (and history row), its
 //!   run record, the claimed idempotency keys, the outbox rows and their `queued` audit rows;
 //! * the audit ledger is append-only with a monotonic `seq`;
+//! * an idempotency key's record is in exactly one of `idem_key_journal` (new keys) and
+//!   `idem_keys` (merged in key order; `key_journal.rs`);
 //! * an outbox row leaves the outbox only in the same transaction that writes its terminal
 //!   audit row (`sent` or `dead_letter`), so every claimed key ends in exactly one terminal state.
 //!
@@ -18,6 +20,7 @@ mod derived;
 mod dlq;
 mod endpoints;
 mod idem;
+mod key_journal;
 mod leases;
 mod outbox_rows;
 mod queries;
@@ -44,10 +47,12 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 3: new idempotency keys are claimed into `idem_key_journal` first (`key_journal.rs`); a
+/// zonewatch of version 2 would not look there, so it must refuse the file.
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -96,6 +101,8 @@ pub struct Store {
     /// Durable commits save redb's allocator state (see `repair.rs`).
     quick_repair: std::sync::atomic::AtomicBool,
     open_info: OpenInfo,
+    /// Finds keys in `idem_key_journal` (see `key_journal.rs`).
+    key_index: key_journal::KeyIndex,
 }
 
 impl std::fmt::Debug for Store {
@@ -151,6 +158,7 @@ impl Store {
             fail_next_commit: std::sync::atomic::AtomicBool::new(false),
             quick_repair: std::sync::atomic::AtomicBool::new(true),
             open_info,
+            key_index: key_journal::KeyIndex::default(),
         };
         store.init_schema()?;
         Ok(store)
@@ -191,6 +199,7 @@ impl Store {
             wtx.open_table(PARCEL_GEOMS)?;
             wtx.open_table(IDEM_KEYS)?;
             wtx.open_table(IDEM_EXPIRY)?;
+            wtx.open_table(IDEM_KEY_JOURNAL)?;
             wtx.open_table(OUTBOX)?;
             wtx.open_table(OUTBOX_DUE)?;
             wtx.open_table(AUDIT)?;
@@ -211,6 +220,12 @@ impl Store {
             wtx.open_table(DLQ_QUARANTINE)?;
             wtx.open_table(ENDPOINTS)?;
         }
+        // The journal's index lives in memory: rebuilt from its rows. Rows whose fingerprints
+        // clash (never written so) are merged into `idem_keys`, where no index is needed.
+        let mut merged_on_open = None;
+        if !self.key_index.rebuild(&wtx.open_table(IDEM_KEY_JOURNAL)?)? {
+            merged_on_open = key_journal::merge_in(&wtx)?;
+        }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {
             tracing::info!(migrated, "idempotency keys of pending events now name their outbox row (record version 2)");
@@ -218,6 +233,9 @@ impl Store {
         // Upgraded in the same transaction as the migration: both or neither.
         wtx.open_table(META)?.insert(META_SCHEMA, SCHEMA_VERSION.to_le_bytes().as_slice())?;
         wtx.commit()?;
+        if let Some(max_seq) = merged_on_open {
+            self.key_index.forget_through(max_seq);
+        }
         // Only one process can hold the file, so every lease found now belongs to a process
         // that died mid-delivery: its entries go back to the queue (at-least-once, same key).
         let reclaimed = self.reclaim_leases(u64::MAX)?;

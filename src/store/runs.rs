@@ -206,6 +206,11 @@ impl Store {
         // went back to the committed version), so it is superseded.
         supersede_open_holds(&wtx, source_id, run_id, now_ms)?;
         wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        // An identical run is a run commit too: the crash hook fires here as well.
+        if self.take_injected_failure() {
+            wtx.abort()?;
+            return Err(StoreError::Injected(format!("identical run {run_id} of {source_id}")));
+        }
         wtx.commit()?;
         Ok(record)
     }
@@ -444,7 +449,7 @@ impl RunWriter<'_> {
                 CommitMode::ResolveHold { prime: true, .. } => ClaimMode::Prime { detail: "hold_primed" },
                 _ => ClaimMode::Deliver,
             };
-            let c = claim_in_txn(&self.wtx, events, claims, &self.lineage, claim_mode, self.now_ms, self.idem_ttl_ms)?;
+            let c = claim_in_txn(&self.store.key_index, &self.wtx, events, claims, &self.lineage, claim_mode, self.now_ms, self.idem_ttl_ms)?;
             self.claims.queued += c.queued;
             self.claims.duplicates += c.duplicates;
             self.claims.suppressed += c.suppressed;
@@ -540,6 +545,7 @@ impl RunWriter<'_> {
             return Err(StoreError::Injected(format!("run {run_id} of {source_id}")));
         }
         wtx.commit()?;
+        store.merge_key_journal_if_full();
         Ok(record)
     }
 }

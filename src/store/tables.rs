@@ -20,6 +20,8 @@ pub const PARCEL_GEOMS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::
 /// idempotency key → `IdemRecord`.
 pub const IDEM_KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("idem_keys");
 /// (expires at ms, key) → () — swept periodically.
+/// Newly claimed keys, by sequence number, until merged into `idem_keys` (`key_journal.rs`).
+pub const IDEM_KEY_JOURNAL: TableDefinition<u64, &[u8]> = TableDefinition::new("idem_key_journal");
 pub const IDEM_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("idem_expiry");
 /// outbox id → `OutboxEntry`.
 pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox");
