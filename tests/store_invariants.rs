@@ -123,6 +123,9 @@ async fn random_histories_keep_the_invariants() {
             if rng.unit() < 0.4 {
                 engine.store.merge_key_journal().unwrap();
             }
+            // And the automatic merge after a claiming commit, at a size a few claims reach
+            // (set again on every step: a crash step restarts the engine).
+            engine.store.set_key_journal_merge_rows(1 + rng.below(8));
             deliver(&engine, Duration::from_millis(300)).await;
             check_invariants(&engine, &committed, &committed_digest, &format!("seed {seed} step {step} crash={crash}"));
         }

@@ -87,6 +87,9 @@ pub(super) struct KeyIndex {
     hasher: std::hash::RandomState,
     /// Merges committed by this process (reported by the bench).
     merges: std::sync::atomic::AtomicU64,
+    /// Journal size that triggers a merge: [`MERGE_ROWS`] unless a test lowers it
+    /// (0 reads as `MERGE_ROWS`).
+    merge_rows: std::sync::atomic::AtomicUsize,
 }
 
 impl KeyIndex {
@@ -284,7 +287,11 @@ impl super::Store {
     /// [`MERGE_ROWS`] rows. The claims are already committed, so a failed merge is logged and
     /// left for the next commit to retry; it loses nothing (the rows stay in the journal).
     pub(super) fn merge_key_journal_if_full(&self) {
-        if self.key_index.len() < MERGE_ROWS {
+        let threshold = match self.key_index.merge_rows.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => MERGE_ROWS,
+            n => n,
+        };
+        if self.key_index.len() < threshold {
             return;
         }
         let started = std::time::Instant::now();
@@ -298,6 +305,14 @@ impl super::Store {
     pub fn key_journal_len(&self) -> Result<u64, StoreError> {
         use redb::ReadableDatabase;
         Ok(self.db.begin_read()?.open_table(IDEM_KEY_JOURNAL)?.len()?)
+    }
+
+    /// Test hook: merge the key journal after claiming commits once it holds `rows` entries
+    /// (instead of [`MERGE_ROWS`]; 0 restores it), so tests reach the automatic merge with a
+    /// few claims.
+    #[doc(hidden)]
+    pub fn set_key_journal_merge_rows(&self, rows: usize) {
+        self.key_index.merge_rows.store(rows, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Journal merges this process has committed.
