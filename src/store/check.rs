@@ -47,7 +47,7 @@ fn problem(report: &mut ConsistencyReport, text: String) {
 impl Store {
     /// Checks the cross-table invariants (see the module doc) in one read transaction.
     ///
-    /// * every outbox row: its key claimed in `idem_keys` (not as sent), its last lifecycle
+    /// * every outbox row: its key claimed in `idem_keys` or the key journal (not as sent), its last lifecycle
     ///   audit row (`queued` / `sent` / `dead_letter`) is `queued`, and exactly one due-index
     ///   entry (fresh or retry) at its `next_attempt_ms`;
     /// * every due-index entry and every lease points at an outbox row;
@@ -116,7 +116,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                         problem(&mut report, format!("idempotency key {key} (journal row {seq}) has no expiry index entry"));
                     }
                     if claims.insert(key.clone(), rec).is_some() {
-                        problem(&mut report, format!("idempotency key {key} has a record in idem_keys and in journal row {seq}"));
+                        problem(&mut report, format!("idempotency key {key} has more than one record (journal row {seq} and another)"));
                     }
                 }
             }
@@ -138,7 +138,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             outbox_ids.insert(id);
             let e: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?;
             match claims.get(&e.key.0) {
-                None => problem(&mut report, format!("outbox {id}: key {} is not claimed in idem_keys", e.key.0)),
+                None => problem(&mut report, format!("outbox {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", e.key.0)),
                 Some(rec) if rec.state == IdemState::Sent => {
                     problem(&mut report, format!("outbox {id}: key {} is already recorded as sent", e.key.0))
                 }
@@ -181,7 +181,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             let id = k.value();
             let d = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
             match claims.get(&d.entry.key.0) {
-                None => problem(&mut report, format!("{name} {id}: key {} is not claimed in idem_keys", d.entry.key.0)),
+                None => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", d.entry.key.0)),
                 // A version 1 key (no row named) is kept by its state.
                 Some(rec) if rec.outbox_id.is_none() && matches!(rec.state, IdemState::Queued | IdemState::DeadLetter) => {}
                 Some(rec) if rec.outbox_id != Some(id) => problem(

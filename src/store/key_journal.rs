@@ -14,13 +14,15 @@
 //! * a key's record is in exactly one place: the journal or `idem_keys`. Only a key that is
 //!   nowhere yet enters the journal; a record found in either place is updated or removed there.
 //! * every committed journal row has its index entry: entries are added in the transaction
-//!   that writes the row (before it commits) and dropped only after a committed merge removed
-//!   the rows they point at.
+//!   that writes the row (before it commits), never replaced, and dropped only by a merge
+//!   (after its commit, or holding the write lock when there was nothing to move).
 //! * the index is a hint, never the truth: each hit is checked against the key stored in the
 //!   row, so an entry whose transaction aborted, or whose row was merged or swept, reads as a
 //!   miss and the lookup goes on to `idem_keys`.
-//! * two live journal rows never share a fingerprint: a new key whose fingerprint is taken by
-//!   another live key is written to `idem_keys` directly (odds about n²/2⁶⁵).
+//! * a new key whose fingerprint already has an entry (another key's, or a dead one) is
+//!   written to `idem_keys` directly, as is every new key while the index holds
+//!   [`MERGE_ROWS`] entries: that bounds the index's memory and the merge's size when one
+//!   transaction claims millions of keys (a county's baseline).
 
 use super::codec::{encode_versioned, split_version, unknown_version};
 use super::idem::{decode_idem, encode_idem, IdemRecord};
@@ -101,6 +103,15 @@ impl KeyIndex {
         // A panic while holding the lock cannot leave the map half-updated in a way that
         // matters: every entry is a hint checked against its row.
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Index entries (dead ones included) that trigger a merge and at which new keys stop
+    /// entering the journal: [`MERGE_ROWS`] unless a test lowered it.
+    fn merge_threshold(&self) -> usize {
+        match self.merge_rows.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => MERGE_ROWS,
+            n => n,
+        }
     }
 
     fn hint(&self, key: &str) -> Option<u64> {
@@ -198,14 +209,17 @@ impl<'t> KeyTables<'t> {
     pub(super) fn insert_new(&mut self, key: &str, rec: &IdemRecord) -> Result<(), StoreError> {
         let fp = self.index.fingerprint(key);
         let mut state = self.index.lock();
-        if let Some(&seq) = state.by_fingerprint.get(&fp) {
-            if self.journal.get(seq)?.is_some() {
-                // Another live key has this fingerprint: this one goes where the index is not
-                // needed to find it.
-                drop(state);
-                self.main.insert(key, encode_idem(rec).as_slice())?;
-                return Ok(());
-            }
+        // An entry is never replaced, even one whose row this transaction does not see: the
+        // row may have been removed earlier in this same transaction, and if it aborts, that
+        // row is live again and needs its entry. A key whose fingerprint is taken (by a live
+        // key, or a dead entry until the next merge prunes it) goes where no index is needed.
+        // So does every new key once the index is full, which is what bounds its memory (and
+        // the next merge) when one transaction claims millions of keys, as a county's
+        // baseline does: such a transaction sweeps `idem_keys` with sorted inserts anyway.
+        if state.by_fingerprint.contains_key(&fp) || state.by_fingerprint.len() >= self.index.merge_threshold() {
+            drop(state);
+            self.main.insert(key, encode_idem(rec).as_slice())?;
+            return Ok(());
         }
         let seq = state.next_seq;
         state.next_seq += 1;
@@ -235,68 +249,79 @@ impl<'t> KeyTables<'t> {
     }
 }
 
-/// Moves every journal row into `idem_keys`, in key order, and empties the journal. Returns
-/// the highest sequence number moved (for [`KeyIndex::forget_through`] once the transaction
-/// has committed), or `None` if the journal was empty.
-pub(super) fn merge_in(wtx: &WriteTransaction) -> Result<Option<u64>, StoreError> {
+/// What [`merge_in`] did.
+pub(super) struct Merged {
+    /// Journal rows moved into `idem_keys`.
+    pub(super) rows: usize,
+    /// Every sequence number handed out before the merge: once its transaction has committed,
+    /// [`KeyIndex::forget_through`] this drops the moved rows' entries and the dead ones.
+    pub(super) through_seq: u64,
+}
+
+/// Moves every journal row into `idem_keys`, in key order, and empties the journal. The
+/// caller holds the write lock, so no sequence number is handed out meanwhile.
+pub(super) fn merge_in(wtx: &WriteTransaction, index: &KeyIndex) -> Result<Merged, StoreError> {
+    let through_seq = index.lock().next_seq.saturating_sub(1);
     let mut rows: Vec<(String, Vec<u8>)> = Vec::new();
-    let mut max_seq = None;
     {
         let journal = wtx.open_table(IDEM_KEY_JOURNAL)?;
         if journal.len()? == 0 {
-            return Ok(None);
+            return Ok(Merged { rows: 0, through_seq });
         }
         rows.reserve(journal.len()? as usize);
         for item in journal.iter()? {
-            let (k, v) = item?;
+            let (_, v) = item?;
             let row = decode_row(v.value()).map_err(|m| codec_err("idem_key_journal", m))?;
             rows.push((row.key.to_string(), row.record.to_vec()));
-            max_seq = Some(k.value());
         }
     }
-    rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    // Stable: were a key in two rows (the invariants exclude it), the newer row is inserted
+    // last and wins.
+    rows.sort_by(|a, b| a.0.cmp(&b.0));
     {
         let mut main = wtx.open_table(IDEM_KEYS)?;
         for (key, record) in &rows {
-            main.insert(key.as_str(), record.as_slice())?;
+            if main.insert(key.as_str(), record.as_slice())?.is_some() {
+                tracing::warn!(key = %key, "idempotency key was in idem_keys and in the key journal; the journal's record is kept");
+            }
         }
     }
     // Dropping the table frees its pages wholesale; it is created again, empty.
     wtx.delete_table(IDEM_KEY_JOURNAL)?;
     wtx.open_table(IDEM_KEY_JOURNAL)?;
-    Ok(max_seq)
+    Ok(Merged { rows: rows.len(), through_seq })
 }
 
 impl super::Store {
-    /// Merges the key journal into `idem_keys` in its own durable transaction. Returns how many
-    /// index entries were dropped (rows moved, plus stale entries).
+    /// Merges the key journal into `idem_keys` in its own durable transaction and prunes the
+    /// index. Returns the journal rows moved.
     pub fn merge_key_journal(&self) -> Result<usize, StoreError> {
-        let before = self.key_index.len();
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let merged = merge_in(&wtx)?;
-        wtx.commit()?;
-        if let Some(max_seq) = merged {
-            self.key_index.forget_through(max_seq);
-            self.key_index.merges.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let merged = merge_in(&wtx, &self.key_index)?;
+        if merged.rows == 0 {
+            // Nothing to write; the index may still hold dead entries (aborted claims, swept
+            // rows), pruned while the write lock is still held.
+            self.key_index.forget_through(merged.through_seq);
+            wtx.abort()?;
+            return Ok(0);
         }
-        Ok(before.saturating_sub(self.key_index.len()))
+        wtx.commit()?;
+        self.key_index.forget_through(merged.through_seq);
+        self.key_index.merges.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(merged.rows)
     }
 
     /// Called after each commit that claimed keys: merges once the journal holds
     /// [`MERGE_ROWS`] rows. The claims are already committed, so a failed merge is logged and
     /// left for the next commit to retry; it loses nothing (the rows stay in the journal).
     pub(super) fn merge_key_journal_if_full(&self) {
-        let threshold = match self.key_index.merge_rows.load(std::sync::atomic::Ordering::Relaxed) {
-            0 => MERGE_ROWS,
-            n => n,
-        };
-        if self.key_index.len() < threshold {
+        if self.key_index.len() < self.key_index.merge_threshold() {
             return;
         }
         let started = std::time::Instant::now();
         match self.merge_key_journal() {
-            Ok(n) => tracing::debug!(entries = n, seconds = started.elapsed().as_secs_f64(), "idempotency key journal merged into idem_keys"),
+            Ok(n) => tracing::debug!(rows = n, seconds = started.elapsed().as_secs_f64(), "idempotency key journal merged into idem_keys"),
             Err(e) => tracing::warn!("idempotency key journal merge failed (retried after the next claim commit): {e}"),
         }
     }
@@ -313,6 +338,21 @@ impl super::Store {
     #[doc(hidden)]
     pub fn set_key_journal_merge_rows(&self, rows: usize) {
         self.key_index.merge_rows.store(rows, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Test hook for the invariant `zonewatch check` cannot see (it reads the file, not the
+    /// process): the journal rows whose key the in-memory index does not lead back to them.
+    /// Empty when every committed row is findable.
+    #[doc(hidden)]
+    pub fn key_journal_rows_without_entry(&self) -> Result<Vec<String>, StoreError> {
+        use redb::ReadableDatabase;
+        let rtx = self.db.begin_read()?;
+        let journal = rtx.open_table(IDEM_KEY_JOURNAL)?;
+        Ok(rows(&journal)?
+            .into_iter()
+            .filter(|(seq, key, _)| self.key_index.hint(key) != Some(*seq))
+            .map(|(seq, key, _)| format!("{key} (row {seq})"))
+            .collect())
     }
 
     /// Journal merges this process has committed.
@@ -396,9 +436,10 @@ mod tests {
             wtx.commit().unwrap();
         }
         let wtx = db.begin_write().unwrap();
-        let max = merge_in(&wtx).unwrap();
+        let merged = merge_in(&wtx, &index).unwrap();
         wtx.commit().unwrap();
-        assert_eq!(max, Some(keys.len() as u64 - 1), "rows are numbered from 0 in a fresh index");
+        assert_eq!(merged.rows, keys.len());
+        assert_eq!(merged.through_seq, keys.len() as u64 - 1, "rows are numbered from 0 in a fresh index");
         {
             let rtx = db.begin_read().unwrap();
             let journal = rtx.open_table(IDEM_KEY_JOURNAL).unwrap();
@@ -410,10 +451,10 @@ mod tests {
                 assert_eq!((place, r.outbox_id), (Place::Main, Some(i as u64)));
             }
         }
-        index.forget_through(max.unwrap());
+        index.forget_through(merged.through_seq);
         assert_eq!(index.len(), 0);
         let wtx = db.begin_write().unwrap();
-        assert_eq!(merge_in(&wtx).unwrap(), None, "an empty journal is not merged");
+        assert_eq!(merge_in(&wtx, &index).unwrap().rows, 0, "an empty journal is not merged");
     }
 
     /// Through the store: a key claimed once is a duplicate whether it sits in the journal, in
@@ -462,6 +503,64 @@ mod tests {
         assert_eq!(once(&store, "a", 4 * HOUR), (1, 0));
         assert_eq!(store.key_journal_len().unwrap(), 1, "one journal row for the key, rewritten in place");
         consistent(&store);
+    }
+
+    /// The sequence the index must survive: a transaction removes a key's journal row (as
+    /// the sweep does), claims the same key again, and aborts. The committed row is live again
+    /// and must still be found: its entry was not replaced.
+    #[test]
+    fn remove_reinsert_abort_keeps_the_committed_row_findable() {
+        let (_dir, db) = db();
+        let index = KeyIndex::default();
+        {
+            let wtx = db.begin_write().unwrap();
+            let mut t = KeyTables::open(&wtx, &index).unwrap();
+            t.insert_new("k", &rec(1)).unwrap();
+            drop(t);
+            wtx.commit().unwrap();
+        }
+        {
+            let wtx = db.begin_write().unwrap();
+            let mut t = KeyTables::open(&wtx, &index).unwrap();
+            let (place, _) = t.find("k").unwrap().unwrap();
+            t.remove(place, "k").unwrap();
+            assert!(t.find("k").unwrap().is_none());
+            t.insert_new("k", &rec(2)).unwrap();
+            assert_eq!(t.find("k").unwrap().unwrap().0, Place::Main, "its fingerprint's entry is kept");
+            drop(t);
+            wtx.abort().unwrap();
+        }
+        let wtx = db.begin_write().unwrap();
+        let t = KeyTables::open(&wtx, &index).unwrap();
+        let (place, r) = t.find("k").unwrap().unwrap();
+        assert!(matches!(place, Place::Journal(_)));
+        assert_eq!(r.outbox_id, Some(1), "the committed claim, not the aborted one");
+    }
+
+    /// Past the merge size new keys go straight to `idem_keys` (what bounds the index when one
+    /// transaction claims millions of keys), and a merge with nothing to move still prunes
+    /// the dead entries of aborted claims.
+    #[test]
+    fn a_full_index_sends_new_keys_to_the_key_table_and_empty_merges_prune() {
+        let (_dir, db) = db();
+        let index = KeyIndex::default();
+        index.merge_rows.store(3, std::sync::atomic::Ordering::Relaxed);
+        let wtx = db.begin_write().unwrap();
+        let mut t = KeyTables::open(&wtx, &index).unwrap();
+        for i in 0..10u64 {
+            t.insert_new(&format!("k{i}"), &rec(i)).unwrap();
+        }
+        let places: Vec<bool> = (0..10).map(|i| matches!(t.find(&format!("k{i}")).unwrap().unwrap().0, Place::Journal(_))).collect();
+        assert_eq!(places, [true, true, true, false, false, false, false, false, false, false]);
+        drop(t);
+        wtx.abort().unwrap();
+        assert_eq!(index.len(), 3, "three dead entries");
+        let wtx = db.begin_write().unwrap();
+        let merged = merge_in(&wtx, &index).unwrap();
+        assert_eq!(merged.rows, 0);
+        wtx.abort().unwrap();
+        index.forget_through(merged.through_seq);
+        assert_eq!(index.len(), 0, "dead entries pruned without a commit");
     }
 
     /// Two live keys never depend on one index entry: a key whose fingerprint is taken goes

@@ -153,6 +153,9 @@ impl Store {
             out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?);
         }
         let log = rtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
+        // A read racing a journal merge may miss the key (its index entry already dropped, its
+        // snapshot of `idem_keys` older than the merge): it then takes the log-scan branch
+        // below, which finds the same attempts, only slower.
         let (journal, main) = (rtx.open_table(IDEM_KEY_JOURNAL)?, rtx.open_table(IDEM_KEYS)?);
         match super::key_journal::find(&self.key_index, &journal, &main, key)? {
             // The key names every row it was queued as (across replays and TTL cycles).

@@ -224,7 +224,7 @@ impl Store {
         // clash (never written so) are merged into `idem_keys`, where no index is needed.
         let mut merged_on_open = None;
         if !self.key_index.rebuild(&wtx.open_table(IDEM_KEY_JOURNAL)?)? {
-            merged_on_open = key_journal::merge_in(&wtx)?;
+            merged_on_open = Some(key_journal::merge_in(&wtx, &self.key_index)?.through_seq);
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {
