@@ -127,7 +127,16 @@ async fn control_port_end_to_end() {
         let more: Value = c.get(d.url(&format!("/v1/runs?source=s1&limit=10&cursor={cursor}"))).header("authorization", &auth).send().unwrap().json().unwrap();
         assert!(more["items"].as_array().unwrap().iter().all(|r| r["run_id"].as_u64().unwrap() < cursor.parse::<u64>().unwrap()));
         assert_eq!(c.get(d.url("/v1/runs?limit=abc")).header("authorization", &auth).send().unwrap().status(), 400);
-        let a: Value = c.get(d.url("/v1/audit?parcel=P0003&watcher=api-watcher")).header("authorization", &auth).send().unwrap().json().unwrap();
+        // The receiver has the webhook before the deliverer commits its `sent` row (the
+        // outcome commit follows the response): wait for the row, not for the receipt.
+        let start = std::time::Instant::now();
+        let a: Value = loop {
+            let a: Value = c.get(d.url("/v1/audit?parcel=P0003&watcher=api-watcher")).header("authorization", &auth).send().unwrap().json().unwrap();
+            if a["items"].as_array().unwrap().len() >= 2 || start.elapsed() > Duration::from_secs(20) {
+                break a;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
         let outcomes: Vec<&str> = a["items"].as_array().unwrap().iter().map(|r| r["outcome"].as_str().unwrap()).collect();
         assert_eq!(outcomes, vec!["queued", "sent"]);
         let key = a["items"][0]["idempotency_key"].as_str().unwrap().to_string();

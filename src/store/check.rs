@@ -99,11 +99,24 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     let mut claims: HashMap<String, IdemRecord> = HashMap::new();
     {
         let keys = rtx.open_table(IDEM_KEYS)?;
-        let expiry = rtx.open_table(IDEM_EXPIRY)?;
+        // A file written before expiry buckets (a backup being checked) has the per-key index.
+        let expiry: HashSet<(u64, String)> = match rtx.open_table(IDEM_EXPIRY_BUCKETS) {
+            Ok(buckets) => super::expiry::entries(&buckets)?,
+            Err(redb::TableError::TableDoesNotExist(_)) => {
+                let mut set = HashSet::new();
+                for item in rtx.open_table(IDEM_EXPIRY)?.iter()? {
+                    let (k, _) = item?;
+                    let (t, key) = k.value();
+                    set.insert((t, key.to_string()));
+                }
+                set
+            }
+            Err(e) => return Err(e.into()),
+        };
         for item in keys.iter()? {
             let (k, v) = item?;
             let rec: IdemRecord = decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
-            if expiry.get((rec.expires_ms, k.value()))?.is_none() {
+            if !expiry.contains(&(rec.expires_ms, k.value().to_string())) {
                 problem(&mut report, format!("idempotency key {} has no expiry index entry", k.value()));
             }
             claims.insert(k.value().to_string(), rec);
@@ -112,7 +125,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         match rtx.open_table(IDEM_KEY_JOURNAL) {
             Ok(journal) => {
                 for (seq, key, rec) in super::key_journal::rows(&journal)? {
-                    if expiry.get((rec.expires_ms, key.as_str()))?.is_none() {
+                    if !expiry.contains(&(rec.expires_ms, key.clone())) {
                         problem(&mut report, format!("idempotency key {key} (journal row {seq}) has no expiry index entry"));
                     }
                     if claims.insert(key.clone(), rec).is_some() {

@@ -2,6 +2,7 @@
 //! only in the transaction that writes its terminal audit row.
 
 use super::idem::{is_pending, IdemRecord, IdemState};
+use super::expiry::ExpiryIndex;
 use super::key_journal::{KeyIndex, KeyTables, Place};
 use super::outbox_rows::{decode_entry, encode_dead, encode_entry};
 use super::runs::{append_audits, codec_err};
@@ -67,7 +68,7 @@ pub(super) fn claim_in_txn(
 ) -> Result<ClaimCounts, StoreError> {
     let mut counts = ClaimCounts::default();
     let mut keys = KeyTables::open(wtx, index)?;
-    let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
+    let mut expiry = ExpiryIndex::open(wtx)?;
     let mut outbox = wtx.open_table(OUTBOX)?;
     let mut due = wtx.open_table(OUTBOX_DUE)?;
     let dead = wtx.open_table(DEAD_LETTERS)?;
@@ -132,7 +133,8 @@ pub(super) fn claim_in_txn(
                 held_by[i] = Some(rec.lineage_id);
                 continue;
             }
-            expiry.remove((rec.expires_ms, key))?;
+            // Its old expiry entry stays in its bucket: the sweep skips it (the record no
+            // longer expires then).
             place[i] = Some(found_in);
             history[i] = rec.rows().collect();
             let keep_from = history[i].len().saturating_sub(MAX_EARLIER_ROWS);
@@ -150,6 +152,7 @@ pub(super) fn claim_in_txn(
             }
         }
     }
+    let mut claimed_keys: Vec<&str> = Vec::new();
     for &i in &order {
         if !wins[i] {
             continue;
@@ -160,8 +163,9 @@ pub(super) fn claim_in_txn(
             Some(found_in) => keys.update(found_in, key, &rec)?,
             None => keys.insert_new(key, &rec)?,
         }
-        expiry.insert((expires_ms, key), ())?;
+        claimed_keys.push(key);
     }
+    expiry.add(expires_ms, &claimed_keys)?;
 
     // Pass 2, in claim order: outbox rows for the claimed keys, an audit row for every claim.
     for (i, claim) in claims.iter().enumerate() {
@@ -414,20 +418,13 @@ impl Store {
         self.durable_commit_settings(&mut wtx);
         let mut n = 0;
         {
-            let mut expiry = wtx.open_table(IDEM_EXPIRY)?;
+            let mut expiry = ExpiryIndex::open(&wtx)?;
             let mut keys = KeyTables::open(&wtx, &self.key_index)?;
             let (outbox, dead, quarantine) = (wtx.open_table(OUTBOX)?, wtx.open_table(DEAD_LETTERS)?, wtx.open_table(DLQ_QUARANTINE)?);
-            let mut victims = Vec::new();
-            for item in expiry.range(..(now_ms, ""))? {
-                if victims.len() >= max {
-                    break;
-                }
-                let (k, _) = item?;
-                let (t, key) = k.value();
-                victims.push((t, key.to_string()));
-            }
+            let victims = expiry.take_due(now_ms, max)?;
+            // Re-armed keys by their new expiry (keys claimed with different TTLs differ).
+            let mut rearmed: std::collections::BTreeMap<u64, Vec<String>> = std::collections::BTreeMap::new();
             for (t, key) in victims {
-                expiry.remove((t, key.as_str()))?;
                 // Only act on the key if this expiry entry is still its current one.
                 let current = match keys.find(key.as_str()) {
                     Ok(found) => found,
@@ -442,11 +439,14 @@ impl Store {
                 if is_pending(&rec, &outbox, &dead, &quarantine)? {
                     rec.expires_ms = now_ms.saturating_add(rec.ttl_ms.max(1));
                     keys.update(found_in, key.as_str(), &rec)?;
-                    expiry.insert((rec.expires_ms, key.as_str()), ())?;
+                    rearmed.entry(rec.expires_ms).or_default().push(key);
                 } else {
                     keys.remove(found_in, key.as_str())?;
                     n += 1;
                 }
+            }
+            for (expires_ms, group) in &rearmed {
+                expiry.add(*expires_ms, &group.iter().map(String::as_str).collect::<Vec<_>>())?;
             }
         }
         wtx.commit()?;

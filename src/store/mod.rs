@@ -21,6 +21,7 @@ mod dlq;
 mod endpoints;
 mod idem;
 mod key_journal;
+mod expiry;
 mod leases;
 mod outbox_rows;
 mod queries;
@@ -47,8 +48,9 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
-/// 3: new idempotency keys are claimed into `idem_key_journal` first (`key_journal.rs`); a
-/// zonewatch of version 2 would not look there, so it must refuse the file.
+/// 3: new idempotency keys are claimed into `idem_key_journal` first (`key_journal.rs`) and
+/// their expiry index is bucketed (`idem_expiry_buckets`, `expiry.rs`); a zonewatch of
+/// version 2 would not look there, so it must refuse the file.
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
@@ -198,7 +200,7 @@ impl Store {
             wtx.open_table(PARCELS)?;
             wtx.open_table(PARCEL_GEOMS)?;
             wtx.open_table(IDEM_KEYS)?;
-            wtx.open_table(IDEM_EXPIRY)?;
+            wtx.open_table(IDEM_EXPIRY_BUCKETS)?;
             wtx.open_table(IDEM_KEY_JOURNAL)?;
             wtx.open_table(OUTBOX)?;
             wtx.open_table(OUTBOX_DUE)?;
@@ -225,6 +227,10 @@ impl Store {
         let mut merged_on_open = None;
         if !self.key_index.rebuild(&wtx.open_table(IDEM_KEY_JOURNAL)?)? {
             merged_on_open = Some(key_journal::merge_in(&wtx, &self.key_index)?.through_seq);
+        }
+        let moved = expiry::migrate_per_key_index(&wtx)?;
+        if moved > 0 {
+            tracing::info!(moved, "idempotency key expiry index moved into buckets");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {
