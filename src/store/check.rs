@@ -101,7 +101,13 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         let keys = rtx.open_table(IDEM_KEYS)?;
         // A file written before expiry buckets (a backup being checked) has the per-key index.
         let expiry: HashSet<(u64, String)> = match rtx.open_table(IDEM_EXPIRY_BUCKETS) {
-            Ok(buckets) => super::expiry::entries(&buckets)?,
+            Ok(buckets) => {
+                let (entries, unreadable) = super::expiry::entries(&buckets)?;
+                for p in unreadable {
+                    problem(&mut report, p);
+                }
+                entries
+            }
             Err(redb::TableError::TableDoesNotExist(_)) => {
                 let mut set = HashSet::new();
                 for item in rtx.open_table(IDEM_EXPIRY)?.iter()? {

@@ -1,15 +1,18 @@
-//! The expiry index of idempotency keys, one row per claiming batch instead of one per key.
+//! The expiry index of idempotency keys, one row per up to 16 keys that expire at the same
+//! instant instead of one row per key.
 //!
 //! Why it exists (issue 7): the TTL sweep needs the keys in expiry order, and the claim commit
 //! wrote an `(expires at, key)` row for every claim — a B-tree insert and ~90 bytes per event,
 //! about 7% of the claim + outbox + audit commit (measured by leaving it out). Every claim of
-//! one batch expires at the same instant, so the batch's keys are one *bucket*:
-//! `(expires at, bucket number) → [keys]`, at most [`BUCKET_KEYS`] keys a bucket.
+//! one batch expires at the same instant, so the batch's keys share *buckets*:
+//! `(expires at, bucket number) → [keys]`, at most [`BUCKET_KEYS`] keys a bucket (the sweep's
+//! re-armed keys are bucketed the same way, by their new instant).
 //!
-//! A bucket entry is not removed when its key is claimed again or re-armed (that would mean
-//! rewriting a whole bucket for one key): the sweep acts on a key only if its record still
-//! expires at the bucket's instant, so an entry left behind is skipped and goes with its
-//! bucket. Every key's current expiry has its entry (`zonewatch check` verifies it).
+//! A bucket entry is not removed when its key is claimed again after its TTL (that would
+//! mean rewriting a bucket for one key): the sweep acts on a key only if its record still
+//! expires at the bucket's instant, so the entry left behind is skipped and goes with its
+//! bucket. Every key's current expiry has its entry (`zonewatch check` verifies it). A
+//! bucket that cannot be read is left in place and reported, never guessed at.
 //!
 //! Stores written before buckets have the per-key table `idem_expiry`; opening one moves its
 //! entries into buckets once ([`migrate_per_key_index`]).
@@ -21,7 +24,9 @@ use super::StoreError;
 use redb::{ReadableTable, Table, TableHandle, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-/// Keys a bucket holds at most (a bucket is one value: ~650 KiB of keys at this size).
+/// Keys a bucket holds at most: ~1 KiB of hex keys, three buckets to a 4 KiB page. Measured
+/// (issue 7): 8,192 (one row per batch) was slower and wrote more (a 600 KiB value takes a
+/// power-of-two allocation); 32 (one bucket a page) wrote ~10% more per event than 16.
 pub const BUCKET_KEYS: usize = 16;
 
 const BUCKET_VERSION: u8 = 1;
@@ -74,7 +79,15 @@ impl<'t> ExpiryIndex<'t> {
             }
             let (k, v) = item?;
             let (t, n) = k.value();
-            let keys = decode_bucket(v.value()).map_err(|m| codec_err("idem_expiry_buckets", m))?;
+            let keys = match decode_bucket(v.value()) {
+                Ok(keys) => keys,
+                Err(m) => {
+                    // Left in place for `zonewatch check` to report; the sweep goes on past it
+                    // (stopping here would stop sweeping every key for good).
+                    tracing::warn!(expires_ms = t, bucket = n, "idempotency key expiry bucket unreadable, skipped: {m}");
+                    continue;
+                }
+            };
             let take = keys.len().min(max - out.len());
             out.extend(keys[..take].iter().map(|key| (t, key.to_string())));
             if take == keys.len() {
@@ -93,45 +106,52 @@ impl<'t> ExpiryIndex<'t> {
     }
 }
 
-/// Every `(expires at, key)` entry (for the consistency check).
-pub(super) fn entries<T: ReadableTable<(u64, u64), &'static [u8]>>(table: &T) -> Result<std::collections::HashSet<(u64, String)>, StoreError> {
+/// Every `(expires at, key)` entry, and a sentence per bucket that cannot be read (for the
+/// consistency check).
+pub(super) fn entries<T: ReadableTable<(u64, u64), &'static [u8]>>(table: &T) -> Result<(std::collections::HashSet<(u64, String)>, Vec<String>), StoreError> {
     let mut out = std::collections::HashSet::new();
+    let mut unreadable = Vec::new();
     for item in table.iter()? {
         let (k, v) = item?;
-        let t = k.value().0;
-        for key in decode_bucket(v.value()).map_err(|m| codec_err("idem_expiry_buckets", m))? {
-            out.insert((t, key.to_string()));
+        let (t, n) = k.value();
+        match decode_bucket(v.value()) {
+            Ok(keys) => out.extend(keys.into_iter().map(|key| (t, key.to_string()))),
+            Err(m) => unreadable.push(format!("idempotency key expiry bucket ({t}, {n}) cannot be read: {m}")),
         }
     }
-    Ok(out)
+    Ok((out, unreadable))
 }
 
 /// Once per store written before buckets: moves the per-key `idem_expiry` entries into
 /// buckets and deletes that table. Returns the entries moved.
 pub(super) fn migrate_per_key_index(wtx: &WriteTransaction) -> Result<u64, StoreError> {
-    let mut groups: Vec<(u64, Vec<String>)> = Vec::new();
+    if !wtx.list_tables()?.any(|t| t.name() == IDEM_EXPIRY.name()) {
+        return Ok(0);
+    }
+    let mut moved = 0;
     {
-        if !wtx.list_tables()?.any(|t| t.name() == IDEM_EXPIRY.name()) {
-            return Ok(0);
-        }
+        // Streamed, one bucket's worth of keys in memory at a time (a county-sized store has
+        // millions of keys).
         let old = wtx.open_table(IDEM_EXPIRY)?;
+        let mut index = ExpiryIndex::open(wtx)?;
+        let mut pending: Option<(u64, Vec<String>)> = None;
         for item in old.iter()? {
             let (k, _) = item?;
             let (t, key) = k.value();
-            match groups.last_mut() {
-                Some((gt, keys)) if *gt == t => keys.push(key.to_string()),
-                _ => groups.push((t, vec![key.to_string()])),
+            if let Some((pt, keys)) = pending.take() {
+                if pt == t && keys.len() < BUCKET_KEYS {
+                    pending = Some((pt, keys));
+                } else {
+                    index.add(pt, &keys.iter().map(String::as_str).collect::<Vec<_>>())?;
+                }
             }
+            pending.get_or_insert_with(|| (t, Vec::new())).1.push(key.to_string());
+            moved += 1;
+        }
+        if let Some((t, keys)) = pending {
+            index.add(t, &keys.iter().map(String::as_str).collect::<Vec<_>>())?;
         }
     }
-    let mut moved = 0;
-    let mut index = ExpiryIndex::open(wtx)?;
-    for (t, keys) in &groups {
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        index.add(*t, &refs)?;
-        moved += keys.len() as u64;
-    }
-    drop(index);
     wtx.delete_table(IDEM_EXPIRY)?;
     Ok(moved)
 }
@@ -160,8 +180,13 @@ mod tests {
         assert_eq!(second, vec![(10, "e".to_string()), (20, "c".to_string())]);
         assert_eq!(index.take_due(25, 10).unwrap(), vec![(20, "d".to_string())]);
         assert_eq!(index.take_due(31, usize::MAX).unwrap().len(), BUCKET_KEYS + 5);
+        // An unreadable bucket is skipped (and kept), not a stop for every later sweep.
+        index.table.insert((40, 0), [9u8, 1, 2].as_slice()).unwrap();
+        index.add(41, &["after"]).unwrap();
+        assert_eq!(index.take_due(50, 10).unwrap(), vec![(41, "after".to_string())]);
         drop(index);
-        assert_eq!(redb::ReadableTableMetadata::len(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap()).unwrap(), 0);
+        let (_, unreadable) = entries(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap()).unwrap();
+        assert_eq!(unreadable.len(), 1, "kept for check to report: {unreadable:?}");
     }
 
     /// A store's per-key expiry index is moved into buckets once, and the old table goes.
@@ -175,11 +200,17 @@ mod tests {
             for (t, k) in [(5u64, "x"), (5, "y"), (9, "z")] {
                 old.insert((t, k), ()).unwrap();
             }
+            for i in 0..BUCKET_KEYS + 3 {
+                old.insert((7, format!("w{i:03}").as_str()), ()).unwrap();
+            }
         }
-        assert_eq!(migrate_per_key_index(&wtx).unwrap(), 3);
-        let got = entries(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap()).unwrap();
-        let want: std::collections::HashSet<(u64, String)> = [(5, "x"), (5, "y"), (9, "z")].into_iter().map(|(t, k)| (t, k.to_string())).collect();
+        assert_eq!(migrate_per_key_index(&wtx).unwrap(), 3 + BUCKET_KEYS as u64 + 3);
+        let (got, unreadable) = entries(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap()).unwrap();
+        let mut want: std::collections::HashSet<(u64, String)> = [(5, "x"), (5, "y"), (9, "z")].into_iter().map(|(t, k)| (t, k.to_string())).collect();
+        want.extend((0..BUCKET_KEYS + 3).map(|i| (7, format!("w{i:03}"))));
         assert_eq!(got, want);
+        assert!(unreadable.is_empty());
+        assert_eq!(redb::ReadableTableMetadata::len(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap()).unwrap(), 4, "buckets: t=5, two at t=7, t=9");
         assert_eq!(wtx.list_tables().unwrap().filter(|t| t.name() == "idem_expiry").count(), 0);
         assert_eq!(migrate_per_key_index(&wtx).unwrap(), 0, "nothing left to move");
     }

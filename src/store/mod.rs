@@ -48,13 +48,14 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
-/// 3: new idempotency keys are claimed into `idem_key_journal` first (`key_journal.rs`) and
-/// their expiry index is bucketed (`idem_expiry_buckets`, `expiry.rs`); a zonewatch of
-/// version 2 would not look there, so it must refuse the file.
+/// 4: the keys' expiry index is bucketed (`idem_expiry_buckets`, `expiry.rs`); a version 3
+/// build would sweep (and back up) only the per-key table.
+/// 3: new idempotency keys are claimed into `idem_key_journal` first (`key_journal.rs`); a
+/// zonewatch of version 2 would not look there, so it must refuse the file.
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 

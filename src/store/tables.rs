@@ -19,12 +19,12 @@ pub const PARCELS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("
 pub const PARCEL_GEOMS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_geoms");
 /// idempotency key → `IdemRecord`.
 pub const IDEM_KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("idem_keys");
-/// (expires at ms, key) → () — swept periodically.
 /// Newly claimed keys, by sequence number, until merged into `idem_keys` (`key_journal.rs`).
 pub const IDEM_KEY_JOURNAL: TableDefinition<u64, &[u8]> = TableDefinition::new("idem_key_journal");
-/// (expires at, bucket number) → the keys of one claiming batch (`expiry.rs`).
+/// (expires at, bucket number) → up to 16 keys expiring then (`expiry.rs`); swept periodically.
 pub const IDEM_EXPIRY_BUCKETS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("idem_expiry_buckets");
-/// The per-key expiry index of stores written before buckets; moved into buckets on open.
+/// (expires at, key) → (): the per-key expiry index of stores written before buckets (schema
+/// 3 and older); moved into buckets on open.
 pub const IDEM_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("idem_expiry");
 /// outbox id → `OutboxEntry`.
 pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox");
