@@ -18,7 +18,6 @@
 //! entries into buckets once ([`migrate_per_key_index`]).
 
 use super::codec::{encode_versioned, split_version, unknown_version};
-use super::runs::codec_err;
 use super::tables::{IDEM_EXPIRY, IDEM_EXPIRY_BUCKETS};
 use super::StoreError;
 use redb::{ReadableTable, Table, TableHandle, WriteTransaction};
