@@ -59,9 +59,14 @@ impl<'t> ExpiryIndex<'t> {
 
     /// Records that `keys` expire at `expires_ms` (a bucket per [`BUCKET_KEYS`] keys).
     pub(super) fn add(&mut self, expires_ms: u64, keys: &[&str]) -> Result<(), StoreError> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        // The instant's next free bucket number, looked up once per call, not per bucket.
+        let mut next = self.table.range((expires_ms, 0)..=(expires_ms, u64::MAX))?.next_back().transpose()?.map_or(0, |(k, _)| k.value().1.saturating_add(1));
         for chunk in keys.chunks(BUCKET_KEYS) {
-            let next = self.table.range((expires_ms, 0)..=(expires_ms, u64::MAX))?.next_back().transpose()?.map(|(k, _)| k.value().1 + 1).unwrap_or(0);
             self.table.insert((expires_ms, next), encode_bucket(chunk).as_slice())?;
+            next = next.saturating_add(1);
         }
         Ok(())
     }
@@ -133,23 +138,20 @@ pub(super) fn migrate_per_key_index(wtx: &WriteTransaction) -> Result<u64, Store
         // millions of keys).
         let old = wtx.open_table(IDEM_EXPIRY)?;
         let mut index = ExpiryIndex::open(wtx)?;
-        let mut pending: Option<(u64, Vec<String>)> = None;
+        // Keys of the bucket being filled and their instant.
+        let (mut at, mut keys): (u64, Vec<String>) = (0, Vec::with_capacity(BUCKET_KEYS));
         for item in old.iter()? {
             let (k, _) = item?;
             let (t, key) = k.value();
-            if let Some((pt, keys)) = pending.take() {
-                if pt == t && keys.len() < BUCKET_KEYS {
-                    pending = Some((pt, keys));
-                } else {
-                    index.add(pt, &keys.iter().map(String::as_str).collect::<Vec<_>>())?;
-                }
+            if !keys.is_empty() && (t != at || keys.len() == BUCKET_KEYS) {
+                index.add(at, &keys.iter().map(String::as_str).collect::<Vec<_>>())?;
+                keys.clear();
             }
-            pending.get_or_insert_with(|| (t, Vec::new())).1.push(key.to_string());
+            at = t;
+            keys.push(key.to_string());
             moved += 1;
         }
-        if let Some((t, keys)) = pending {
-            index.add(t, &keys.iter().map(String::as_str).collect::<Vec<_>>())?;
-        }
+        index.add(at, &keys.iter().map(String::as_str).collect::<Vec<_>>())?;
     }
     wtx.delete_table(IDEM_EXPIRY)?;
     Ok(moved)

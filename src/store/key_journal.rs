@@ -136,7 +136,7 @@ impl KeyIndex {
             if state.by_fingerprint.insert(self.fingerprint(row.key), seq).is_some() {
                 clean = false;
             }
-            state.next_seq = seq + 1;
+            state.next_seq = seq.saturating_add(1);
         }
         state.next_seq = state.next_seq.max(1);
         *self.lock() = state;
@@ -191,8 +191,8 @@ pub(super) fn rows<J: ReadableTable<u64, &'static [u8]>>(journal: &J) -> Result<
 
 /// The two key tables of one write transaction, with the index that finds journal rows.
 pub(super) struct KeyTables<'t> {
-    pub(super) main: Table<'t, &'static str, &'static [u8]>,
-    pub(super) journal: Table<'t, u64, &'static [u8]>,
+    main: Table<'t, &'static str, &'static [u8]>,
+    journal: Table<'t, u64, &'static [u8]>,
     index: &'t KeyIndex,
 }
 
