@@ -14,6 +14,7 @@ pub mod derived;
 pub mod detect;
 pub mod ingest;
 pub mod model;
+pub mod netguard;
 pub mod notify;
 pub mod pipeline;
 pub mod progress;

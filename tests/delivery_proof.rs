@@ -400,3 +400,24 @@ async fn retention_sweeps_attempts_but_keeps_those_of_dead_letters() {
         assert_eq!(left, usize::from(*k == dead_key), "key {k}");
     }
 }
+
+/// The SSRF guard refuses a name on the addresses it resolves to, at connect time, and a
+/// private IP literal before any connection: both end as dead letters the receiver never saw,
+/// without counting against the endpoint's health.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_targets_are_refused_by_name_and_by_literal() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply { status: 200, body: "ok".into(), ..Default::default() }), None).await.unwrap();
+    let literal = rx.url("/hook");
+    let port = literal.rsplit(':').next().and_then(|p| p.split('/').next()).unwrap().to_string();
+    for (target, host) in [(format!("http://localhost:{port}/hook"), "localhost"), (literal.clone(), "127.0.0.1")] {
+        let ws = ws_for(target, "");
+        ws.edit_config("allow_private_targets = true", "allow_private_targets = false");
+        let engine = ws.engine();
+        queue(&ws, &engine, &[0]);
+        let stats = deliver(&engine, Duration::from_secs(5)).await;
+        assert_eq!((stats.sent, stats.dead), (0, 1), "{host}: {stats:?}");
+        let dead = engine.store.dead_letters().unwrap();
+        assert!(dead[0].reason.starts_with(&format!("private_target_refused: {host} resolves to ")), "{}", dead[0].reason);
+        assert!(rx.received().is_empty(), "{host}: nothing reached the receiver");
+    }
+}

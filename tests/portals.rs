@@ -562,8 +562,14 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
 
     // Private targets are refused unless allowed.
     let guarded = IngestConfig { allow_private_targets: false, ..cfg.clone() };
+    let before = srv.requests().len();
     let err = get(&guarded, &srv.url("/ok")).unwrap_err();
     assert!(matches!(err, FetchError::PrivateTarget { .. }), "{err}");
+    // A name is checked on the addresses it resolves to, when the connection is opened (the
+    // address checked is the one connected to): refused, not retried, nothing sent.
+    let err = get(&guarded, &format!("http://localhost:{}/ok", srv.port)).unwrap_err();
+    assert!(matches!(&err, FetchError::PrivateTarget { host, .. } if host == "localhost"), "{err}");
+    assert_eq!(srv.requests().len(), before, "refused before any request");
 }
 
 #[test]

@@ -16,7 +16,7 @@
 
 use super::decode::{BodyDecoder, DecodeError, Encoding};
 use super::settings::IngestConfig;
-use crate::notify::delivery::{is_private, parse_retry_after};
+use crate::notify::delivery::parse_retry_after;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Mutex, OnceLock};
@@ -146,6 +146,8 @@ pub fn backoff(cfg: &IngestConfig, attempt: u32, retry_after: Option<Duration>) 
 /// One source run's view of the transport: the client, the settings and the run's retry
 /// budget (a deadline). Requests made through one session share the budget.
 pub struct Session {
+    /// The SSRF guard `client` was built with.
+    guard: crate::netguard::Guard,
     client: reqwest::Client,
     pub cfg: IngestConfig,
     deadline: Instant,
@@ -165,7 +167,10 @@ struct Retryable {
 impl Session {
     /// A session for one run that started at `now_ms` (the run's time, from its clock).
     pub fn new(cfg: &IngestConfig, now_ms: u64) -> Result<Session, FetchError> {
-        let client = reqwest::Client::builder()
+        // Names are checked by the resolver, on the addresses connected to (`netguard`).
+        let guard = crate::netguard::Guard::new(cfg.allow_private_targets);
+        let client = guard
+            .client(reqwest::Client::builder())
             .redirect(reqwest::redirect::Policy::none())
             .timeout(cfg.timeout)
             .connect_timeout(cfg.timeout.min(Duration::from_secs(15)))
@@ -173,7 +178,7 @@ impl Session {
             .build()
             .map_err(|e| FetchError::Client(e.to_string()))?;
         let now = Instant::now();
-        Ok(Session { client, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default() })
+        Ok(Session { client, guard, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default() })
     }
 
     /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts
@@ -250,7 +255,12 @@ impl Session {
             let mut resp = match req.send().await {
                 Ok(r) => r,
                 Err(e) if e.is_timeout() => return Ok(Err(Retryable { why: "timeout".into(), retry_after: None })),
-                Err(e) => return Ok(Err(Retryable { why: format!("connection: {}", error_chain(&e)), retry_after: None })),
+                Err(e) => {
+                    if let Some(refused) = crate::netguard::refusal(&e) {
+                        return Err(FetchError::PrivateTarget { url: shown, host: refused.host.clone(), ip: refused.ip });
+                    }
+                    return Ok(Err(Retryable { why: format!("connection: {}", error_chain(&e)), retry_after: None }));
+                }
             };
             let status = resp.status().as_u16();
             let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
@@ -317,22 +327,14 @@ impl Session {
         Err(FetchError::Protocol { url: url.to_string(), reason: "more than 5 redirects".into() })
     }
 
-    /// Refuses loopback / private / link-local targets unless allowed.
+    /// The SSRF guard's check before a request (`netguard::Guard::check`); names are refused
+    /// by the client's resolver when they resolve to a private address.
     async fn guard(&self, url: &str, host: &str, port: u16) -> Result<(), FetchError> {
-        if self.cfg.allow_private_targets {
-            return Ok(());
+        match self.guard.check(host, port).await {
+            Ok(()) => Ok(()),
+            Err(crate::netguard::Refused::Private(p)) => Err(FetchError::PrivateTarget { url: url.to_string(), host: p.host, ip: p.ip }),
+            Err(e @ crate::netguard::Refused::Dns { .. }) => Err(FetchError::BadUrl { url: url.to_string(), reason: e.to_string() }),
         }
-        let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
-            Ok(ip) => vec![ip],
-            Err(_) => match tokio::net::lookup_host((host, port)).await {
-                Ok(a) => a.map(|a| a.ip()).collect(),
-                Err(e) => return Err(FetchError::BadUrl { url: url.to_string(), reason: format!("cannot resolve {host}: {e}") }),
-            },
-        };
-        if let Some(ip) = addrs.into_iter().find(is_private) {
-            return Err(FetchError::PrivateTarget { url: url.to_string(), host: host.to_string(), ip });
-        }
-        Ok(())
     }
 }
 

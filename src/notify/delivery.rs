@@ -6,7 +6,8 @@
 //!   3xx: redirects are never followed) → dead letter `rejected_<status>`; attempts exhausted
 //!   → dead letter `retries_exhausted`.
 //! * A target resolving to a loopback, private or link-local address is refused unless
-//!   `allow_private_targets` is set.
+//!   `allow_private_targets` is set (`crate::netguard`: checked on the addresses connected
+//!   to, so a DNS answer that changes between a check and the connect is caught too).
 
 use crate::config::DeliveryConfig;
 use crate::model::{AttemptRecord, OutboxEntry};
@@ -14,7 +15,6 @@ use crate::notify::matcher::SubscriberIndex;
 use crate::notify::signing;
 use crate::store::{DeliveryResult, Store, StoreError};
 use crate::clock::SharedClock;
-use std::net::IpAddr;
 use crate::notify::replay::TokenBucket;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -73,6 +73,8 @@ pub struct Deliverer {
     subscribers: Arc<SubscriberIndex>,
     cfg: DeliveryConfig,
     client: reqwest::Client,
+    /// The SSRF guard `client` was built with.
+    guard: crate::netguard::Guard,
     /// Per-endpoint (subscriber) concurrency slots and token buckets.
     endpoint_slots: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
     endpoint_buckets: Arc<Mutex<HashMap<String, TokenBucket>>>,
@@ -82,12 +84,14 @@ pub struct Deliverer {
 
 impl Deliverer {
     pub fn new(store: Arc<Store>, subscribers: Arc<SubscriberIndex>, cfg: DeliveryConfig) -> Result<Deliverer, DeliveryError> {
-        let client = http_client(&cfg)?;
+        let guard = crate::netguard::Guard::new(cfg.allow_private_targets);
+        let client = http_client_with(&cfg, guard)?;
         Ok(Deliverer {
             store,
             subscribers,
             cfg,
             client,
+            guard,
             endpoint_slots: Default::default(),
             endpoint_buckets: Default::default(),
             clock: crate::clock::system(),
@@ -532,7 +536,12 @@ impl Deliverer {
                 }
             }
             Err(e) if e.is_timeout() => (None, "timeout".to_string()),
-            Err(e) => (None, format!("connection: {e}")),
+            Err(e) => {
+                if let Some(refused) = crate::netguard::refusal(&e) {
+                    return DeliveryResult::Dead { id, reason: format!("private_target_refused: {refused}") };
+                }
+                (None, format!("connection: {e}"))
+            }
         };
         rec.error = Some(error.clone());
         let now = self.clock.now_ms();
@@ -548,25 +557,18 @@ impl Deliverer {
         }
     }
 
+    /// The SSRF guard's check before a request (`netguard::Guard::check`): a target that
+    /// does not parse or names a private IP literal is refused here; a name is checked by the
+    /// client's resolver on the addresses connected to (through a proxy, here by a lookup).
     async fn check_target(&self, target: &str) -> Result<(), String> {
-        if self.cfg.allow_private_targets {
-            return Ok(());
-        }
         let url = reqwest::Url::parse(target).map_err(|e| format!("bad_target: {e}"))?;
-        let host = url.host_str().ok_or("bad_target: no host")?.trim_matches(['[', ']']).to_string();
+        let host = url.host_str().ok_or("bad_target: no host")?;
         let port = url.port_or_known_default().unwrap_or(443);
-        let addrs: Vec<IpAddr> = match host.parse::<IpAddr>() {
-            Ok(ip) => vec![ip],
-            Err(_) => tokio::net::lookup_host((host.as_str(), port))
-                .await
-                .map_err(|e| format!("dns: {e}"))?
-                .map(|a| a.ip())
-                .collect(),
-        };
-        if let Some(ip) = addrs.iter().find(|ip| is_private(ip)) {
-            return Err(format!("private_target_refused: {host} resolves to {ip}"));
+        match self.guard.check(host, port).await {
+            Ok(()) => Ok(()),
+            Err(crate::netguard::Refused::Private(p)) => Err(format!("private_target_refused: {p}")),
+            Err(e @ crate::netguard::Refused::Dns { .. }) => Err(format!("dns: {e}")),
         }
-        Ok(())
     }
 }
 
@@ -574,7 +576,13 @@ impl Deliverer {
 /// a delivery), the configured timeouts, zonewatch's user agent. `zonewatch bench` measures
 /// the bare HTTP exchange with the same client (the reference of the delivery measure).
 pub fn http_client(cfg: &DeliveryConfig) -> Result<reqwest::Client, DeliveryError> {
-    reqwest::Client::builder()
+    http_client_with(cfg, crate::netguard::Guard::new(cfg.allow_private_targets))
+}
+
+/// [`http_client`] with the SSRF guard already decided.
+fn http_client_with(cfg: &DeliveryConfig, guard: crate::netguard::Guard) -> Result<reqwest::Client, DeliveryError> {
+    guard
+        .client(reqwest::Client::builder())
         .redirect(reqwest::redirect::Policy::none())
         .timeout(cfg.timeout)
         .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
@@ -583,28 +591,7 @@ pub fn http_client(cfg: &DeliveryConfig) -> Result<reqwest::Client, DeliveryErro
         .map_err(|e| DeliveryError::Client(e.to_string()))
 }
 
-/// Loopback, private, link-local, unspecified, CGNAT or unique-local addresses.
-pub fn is_private(ip: &IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => {
-            let o = v4.octets();
-            v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
-                || (o[0] == 100 && (64..128).contains(&o[1]))
-        }
-        IpAddr::V6(v6) => {
-            let s = v6.segments();
-            v6.is_loopback()
-                || v6.is_unspecified()
-                || (s[0] & 0xfe00) == 0xfc00
-                || (s[0] & 0xffc0) == 0xfe80
-                || v6.to_ipv4_mapped().map(|v4| is_private(&IpAddr::V4(v4))).unwrap_or(false)
-        }
-    }
-}
+pub use crate::netguard::is_private;
 
 /// `Retry-After` as seconds or an HTTP-date.
 pub fn parse_retry_after(v: &str, now_ms: u64) -> Option<Duration> {
@@ -689,15 +676,5 @@ mod tests {
         }
         assert_eq!(next_retry(&cfg, 8, None), None, "7 retries after the first try");
         assert!(next_retry(&cfg, 1, Some(Duration::from_secs(60))).unwrap() >= Duration::from_secs(60));
-    }
-
-    #[test]
-    fn private_addresses() {
-        for ip in ["127.0.0.1", "10.1.2.3", "192.168.1.1", "169.254.1.1", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "100.64.0.1"] {
-            assert!(is_private(&ip.parse().unwrap()), "{ip}");
-        }
-        for ip in ["8.8.8.8", "2001:4860::8888"] {
-            assert!(!is_private(&ip.parse().unwrap()), "{ip}");
-        }
     }
 }
