@@ -6,7 +6,7 @@ use crate::config::Config;
 use crate::model::{AuditRow, HoldState};
 use crate::notify::delivery::Deliverer;
 use crate::pipeline::{Engine, RunOptions};
-use crate::store::AuditFilter;
+use crate::store::{AuditFilter, Store, StoreError};
 use crate::util::rfc3339;
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -417,19 +417,15 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = tokio::time::sleep(std::time::Duration::from_secs(600)) => {}
                         _ = rx.changed() => break,
                     }
-                    let s = store.clone();
                     let now = clock.now_ms();
-                    match tokio::task::spawn_blocking(move || s.sweep_expired_keys(now, 10_000)).await {
-                        Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "expired idempotency keys removed"),
-                        Ok(Err(e)) => tracing::warn!("key sweep failed: {e}"),
-                        _ => {}
+                    let n = sweep_in_batches(&store, "key sweep", Store::sweep_expired_keys, now).await;
+                    if n > 0 {
+                        tracing::info!(swept = n, "expired idempotency keys removed");
                     }
-                    let s = store.clone();
                     let horizon = clock.now_ms().saturating_sub(retention.as_millis() as u64);
-                    match tokio::task::spawn_blocking(move || s.sweep_attempts(horizon, 10_000)).await {
-                        Ok(Ok(n)) if n > 0 => tracing::info!(swept = n, "delivery attempts past retention removed"),
-                        Ok(Err(e)) => tracing::warn!("attempt retention sweep failed: {e}"),
-                        _ => {}
+                    let n = sweep_in_batches(&store, "attempt retention sweep", Store::sweep_attempts, horizon).await;
+                    if n > 0 {
+                        tracing::info!(swept = n, "delivery attempts past retention removed");
                     }
                 }
             });
@@ -439,6 +435,46 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         tracing::info!("zonewatch stopped cleanly");
         0
     })
+}
+
+/// Rows one sweep call may delete: bounds how long a sweep holds the write lock.
+const SWEEP_BATCH: usize = 10_000;
+/// Batches one sweep period may run back to back.
+const SWEEP_BATCHES_PER_PERIOD: usize = 100;
+
+/// Runs bounded sweeps one after another while each comes back full, with a pause between so
+/// delivery and source runs get the write lock in between: a backlog larger than one batch
+/// (a county's baseline keys expiring together, a busy week's attempts) is worked off in this
+/// period instead of one batch per period, which a steady high rate could outgrow. Returns
+/// the rows deleted; a failure is logged and ends the period.
+async fn sweep_in_batches(
+    store: &Arc<Store>,
+    what: &'static str,
+    sweep: fn(&Store, u64, usize) -> Result<usize, StoreError>,
+    arg: u64,
+) -> usize {
+    let mut total = 0;
+    for _ in 0..SWEEP_BATCHES_PER_PERIOD {
+        let s = store.clone();
+        match tokio::task::spawn_blocking(move || sweep(&s, arg, SWEEP_BATCH)).await {
+            Ok(Ok(n)) => {
+                total += n;
+                if n < SWEEP_BATCH {
+                    break;
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::warn!("{what} failed: {e}");
+                break;
+            }
+            Err(e) => {
+                tracing::warn!("{what} stopped: {e}");
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    total
 }
 
 /// Where the running daemon writes its control port address (beside the store).

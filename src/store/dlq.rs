@@ -1,7 +1,7 @@
 //! Dead-letter replay and quarantine. A replay re-queues a dead letter under its **original**
 //! idempotency key and body (so a receiver that already has it drops it by `webhook-id`), in
-//! the same transaction that audits it; a key the ledger already shows as `sent` is absorbed
-//! as a `duplicate`; a dead letter replayed more than `max_replays` times, or whose geometry no
+//! the same transaction that audits it; a key whose attempt log shows a `sent` attempt (on
+//! any row its record names) is absorbed as a `duplicate`; a dead letter replayed more than `max_replays` times, or whose geometry no
 //! longer validates, is moved to the delivery quarantine for a person.
 
 use super::codec::decode;
@@ -39,14 +39,39 @@ fn next_outbox_id(wtx: &WriteTransaction) -> Result<u64, StoreError> {
     Ok(next)
 }
 
-fn key_was_sent(wtx: &WriteTransaction, key: &str) -> Result<bool, StoreError> {
-    // The ledger is the proof: any `sent` row for this key means it was delivered.
-    let audit = wtx.open_table(AUDIT)?;
-    for item in audit.iter()? {
-        let (_, v) = item?;
-        let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
-        if row.outcome == Outcome::Sent && row.idempotency_key.as_deref() == Some(key) {
+/// Whether `key`'s event was delivered: a `sent` attempt on a row its record names (its
+/// current row and earlier ones, across replays and TTL cycles while the record carries
+/// them), or under the key in the attempt log of stores written before the by-row log.
+///
+/// Every outcome the deliverer records comes with its attempt row, in the same transaction,
+/// so this is the ledger's `sent` rows found by key, and costs one range read per named row.
+/// It used to walk the whole audit ledger under the write lock, once per replayed dead letter.
+/// A send of an earlier TTL cycle whose key was swept in between is no longer named and is
+/// not recognised: the replay re-sends under the same `webhook-id`, as that cycle's own first
+/// delivery did.
+fn key_was_sent(index: &super::key_journal::KeyIndex, wtx: &WriteTransaction, key: &str) -> Result<bool, StoreError> {
+    let sent = |v: &[u8], table: &'static str| -> Result<bool, StoreError> {
+        let rec: AttemptRecord = decode(v).map_err(|m| codec_err(table, m))?;
+        Ok(rec.result == "sent")
+    };
+    for item in wtx.open_table(DELIVERY_ATTEMPTS)?.range((key, 0u32)..=(key, u32::MAX))? {
+        if sent(item?.1.value(), "delivery_attempts")? {
             return Ok(true);
+        }
+    }
+    let rows: Vec<u64> = {
+        let keys = super::key_journal::KeyTables::open(wtx, index)?;
+        match keys.find(key)? {
+            Some((_, rec)) => rec.rows().collect(),
+            None => return Ok(false),
+        }
+    };
+    let log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
+    for row in rows {
+        for item in log.range((row, 0u32)..=(row, u32::MAX))? {
+            if sent(item?.1.value(), "delivery_attempts_by_row")? {
+                return Ok(true);
+            }
         }
     }
     Ok(false)
@@ -76,7 +101,7 @@ impl Store {
         let e = &dl.entry;
         let mut audit = AuditRow::for_entry(e, Outcome::Duplicate, now_ms, String::new());
         let replays = wtx.open_table(DLQ_REPLAYS)?.get(e.key.0.as_str())?.map(|v| v.value()).unwrap_or(0);
-        let outcome = if key_was_sent(&wtx, &e.key.0)? {
+        let outcome = if key_was_sent(&self.key_index, &wtx, &e.key.0)? {
             wtx.open_table(DEAD_LETTERS)?.remove(id)?;
             audit.detail = format!("replay of dead letter {id}: already delivered");
             ReplayOutcome::Duplicate
@@ -134,5 +159,61 @@ impl Store {
     pub fn replay_count(&self, key: &str) -> Result<u32, StoreError> {
         let rtx = self.db.begin_read()?;
         Ok(rtx.open_table(DLQ_REPLAYS)?.get(key)?.map(|v| v.value()).unwrap_or(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{sample_event, IdemKey, Severity};
+    use crate::store::{Claim, DeliveryResult};
+
+    const HOUR: u64 = 3_600_000;
+
+    fn attempt(key: &str, row: u64, result: &str, ts_ms: u64) -> AttemptRecord {
+        AttemptRecord {
+            key: key.into(),
+            outbox_id: row,
+            attempt: 1,
+            ts_ms,
+            duration_ms: 1,
+            status: Some(if result == "sent" { 200 } else { 500 }),
+            result: result.into(),
+            error: None,
+            response_head: String::new(),
+            next_attempt_ms: None,
+        }
+    }
+
+    /// A replayed dead letter whose key was delivered in an earlier TTL cycle (its record
+    /// still names that cycle's row) is absorbed as a duplicate; one never delivered is queued
+    /// again. Found through the key's rows in the attempt log, not a walk of the ledger.
+    #[test]
+    fn replay_absorbs_a_key_already_sent_and_requeues_one_never_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let events = vec![sample_event("A"), sample_event("B")];
+        let claims: Vec<Claim> = ["A", "B"]
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("key-{p}")) })
+            .collect();
+        // Cycle 1: only A's claim, delivered.
+        store.enqueue(&events, &claims[..1], "l1", 0, HOUR).unwrap();
+        let a1 = store.outbox().unwrap()[0].id;
+        store.record_outcomes(&[DeliveryResult::Sent { id: a1, status: 200 }], &[attempt("key-A", a1, "sent", 5)], 5).unwrap();
+        // Past the TTL, before the sweep: A is claimed again (its record keeps row a1), B
+        // for the first time; both end as dead letters.
+        assert_eq!(store.enqueue(&events, &claims, "l2", 2 * HOUR, HOUR).unwrap().queued, 2);
+        let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
+        let dead: Vec<DeliveryResult> = rows.iter().map(|(_, id)| DeliveryResult::Dead { id: *id, reason: "rejected_400".into() }).collect();
+        let logged: Vec<AttemptRecord> = rows.iter().map(|(k, id)| attempt(k, *id, "dead_letter", 2 * HOUR)).collect();
+        store.record_outcomes(&dead, &logged, 2 * HOUR).unwrap();
+        assert_eq!(store.dead_letters().unwrap().len(), 2);
+        let row_of = |k: &str| rows.iter().find(|(key, _)| key == k).unwrap().1;
+        assert_eq!(store.replay_dead_letter(row_of("key-A"), 3 * HOUR, 3, Ok(())).unwrap(), ReplayOutcome::Duplicate);
+        assert!(matches!(store.replay_dead_letter(row_of("key-B"), 3 * HOUR, 3, Ok(())).unwrap(), ReplayOutcome::Requeued { replay: 1, .. }));
+        assert!(store.dead_letters().unwrap().is_empty());
+        assert_eq!(store.outbox().unwrap().len(), 1, "only B is queued again");
     }
 }

@@ -189,7 +189,9 @@ impl Store {
 impl Store {
     /// Retention sweep of the attempt log: deletes at most `max` attempt rows older than
     /// `before_ms`, except those of events still in the dead letters or the delivery quarantine
-    /// (they stay until resolved). Bounded per call so the write lock is never held for long.
+    /// (they stay until resolved). Bounded per call so the write lock is never held for long:
+    /// the by-row log is read from its oldest row up to the first attempt inside retention
+    /// (or `max` victims), never through its young tail.
     pub fn sweep_attempts(&self, before_ms: u64, max: usize) -> Result<usize, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -235,6 +237,11 @@ impl Store {
                 t.remove((key.as_str(), a))?;
                 n += 1;
             }
+            // The log is in outbox-row order, which is claim order, and a row's attempts all
+            // fall within its retry window after its claim. So the walk stops at the first
+            // attempt inside retention instead of reading the whole log on every call (the
+            // young tail is most of it): a later row's old attempts wait at most one retry
+            // window longer. Rows kept for their dead letters are stepped over.
             let mut log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
             let mut old_rows = Vec::new();
             for item in log.iter()? {
@@ -247,9 +254,10 @@ impl Store {
                     continue;
                 }
                 let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?;
-                if rec.ts_ms < before_ms {
-                    old_rows.push((row, a));
+                if rec.ts_ms >= before_ms {
+                    break;
                 }
+                old_rows.push((row, a));
             }
             for k in old_rows {
                 log.remove(k)?;
@@ -273,4 +281,47 @@ pub(super) fn log_attempt_in(t: &mut redb::Table<(u64, u32), &[u8]>, rec: &Attem
     let n = last.map(|n| n.saturating_add(1)).unwrap_or(1);
     t.insert((rec.outbox_id, n), encode(rec).as_slice())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::model::{sample_event, AttemptRecord, IdemKey, Severity};
+    use crate::store::{Claim, DeliveryResult, Store};
+
+    /// The retention sweep reads the log in row order and stops at the first attempt inside
+    /// retention: an older attempt of a later row waits for the next pass that gets past it
+    /// (at most one retry window later), and nothing young is deleted.
+    #[test]
+    fn the_attempt_sweep_stops_at_the_first_young_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let events: Vec<_> = ["A", "B", "C"].iter().map(|p| sample_event(p)).collect();
+        let claims: Vec<Claim> = (0..3)
+            .map(|i| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
+            .collect();
+        store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+        let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
+        // Row 2 was delivered late (ts 1,000); rows 1 and 3 early.
+        for ((key, id), ts) in rows.iter().zip([10u64, 1_000, 20]) {
+            let rec = AttemptRecord {
+                key: key.clone(),
+                outbox_id: *id,
+                attempt: 1,
+                ts_ms: ts,
+                duration_ms: 1,
+                status: Some(200),
+                result: "sent".into(),
+                error: None,
+                response_head: String::new(),
+                next_attempt_ms: None,
+            };
+            store.record_outcomes(&[DeliveryResult::Sent { id: *id, status: 200 }], &[rec], ts).unwrap();
+        }
+        let left = |store: &Store| -> Vec<usize> { rows.iter().map(|(k, _)| store.attempts(k).unwrap().len()).collect() };
+        assert_eq!(store.sweep_attempts(500, 100).unwrap(), 1);
+        assert_eq!(left(&store), [0, 1, 1], "stopped at row 2's young attempt");
+        assert_eq!(store.sweep_attempts(500, 100).unwrap(), 0);
+        assert_eq!(store.sweep_attempts(2_000, 100).unwrap(), 2);
+        assert_eq!(left(&store), [0, 0, 0]);
+    }
 }
