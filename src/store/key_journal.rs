@@ -80,6 +80,15 @@ struct IndexState {
     next_seq: u64,
 }
 
+/// The longest a failed merge waits, in claiming commits, before it is tried again.
+pub(super) const MERGE_RETRY_MAX_COMMITS: u64 = 1_024;
+
+/// Claiming commits to let pass after the `failures`-th failed merge in a row: 2, 4, 8 …,
+/// capped at [`MERGE_RETRY_MAX_COMMITS`].
+fn merge_retry_commits(failures: u32) -> u64 {
+    1u64.checked_shl(failures.min(16)).unwrap_or(u64::MAX).min(MERGE_RETRY_MAX_COMMITS)
+}
+
 /// The in-memory index of the journal, owned by the [`super::Store`]. Fingerprints are never
 /// stored (the index is rebuilt from the rows on open), so they are keyed per process: a feed
 /// cannot aim keys at one fingerprint, and a collision would only send a key to `idem_keys`.
@@ -92,6 +101,10 @@ pub(super) struct KeyIndex {
     /// Journal size that triggers a merge: [`MERGE_ROWS`] unless a test lowers it
     /// (0 reads as `MERGE_ROWS`).
     merge_rows: std::sync::atomic::AtomicUsize,
+    /// Merges that failed in a row since the last one that committed.
+    merge_failures: std::sync::atomic::AtomicU32,
+    /// Claiming commits still to pass before a failed merge is tried again.
+    merge_skip: std::sync::atomic::AtomicU64,
 }
 
 impl KeyIndex {
@@ -314,15 +327,32 @@ impl super::Store {
 
     /// Called after each commit that claimed keys: merges once the journal holds
     /// [`MERGE_ROWS`] rows. The claims are already committed, so a failed merge is logged and
-    /// left for the next commit to retry; it loses nothing (the rows stay in the journal).
+    /// left in place; it loses nothing (the rows stay in the journal, and new keys go to
+    /// `idem_keys` while the index is full). It is tried again after 2, 4, 8 … up to
+    /// [`MERGE_RETRY_MAX_COMMITS`] claiming commits, so a journal that cannot be merged (an
+    /// unreadable row) costs neither a failed merge nor a warning on every commit.
     pub(super) fn merge_key_journal_if_full(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
         if self.key_index.len() < self.key_index.merge_threshold() {
+            return;
+        }
+        let skip = self.key_index.merge_skip.load(Relaxed);
+        if skip > 0 {
+            self.key_index.merge_skip.store(skip - 1, Relaxed);
             return;
         }
         let started = std::time::Instant::now();
         match self.merge_key_journal() {
-            Ok(n) => tracing::debug!(rows = n, seconds = started.elapsed().as_secs_f64(), "idempotency key journal merged into idem_keys"),
-            Err(e) => tracing::warn!("idempotency key journal merge failed (retried after the next claim commit): {e}"),
+            Ok(n) => {
+                self.key_index.merge_failures.store(0, Relaxed);
+                tracing::debug!(rows = n, seconds = started.elapsed().as_secs_f64(), "idempotency key journal merged into idem_keys")
+            }
+            Err(e) => {
+                let failures = self.key_index.merge_failures.fetch_add(1, Relaxed).saturating_add(1);
+                let wait = merge_retry_commits(failures);
+                self.key_index.merge_skip.store(wait, Relaxed);
+                tracing::warn!(failures, "idempotency key journal merge failed (tried again after {wait} claiming commits; new keys go to idem_keys meanwhile): {e}");
+            }
         }
     }
 
@@ -503,6 +533,56 @@ mod tests {
         assert_eq!(once(&store, "a", 4 * HOUR), (1, 0));
         assert_eq!(store.key_journal_len().unwrap(), 1, "one journal row for the key, rewritten in place");
         consistent(&store);
+    }
+
+    /// A merge that fails (here: an unreadable journal row) is tried again after 2, then 4
+    /// claiming commits, not after every one; claims go on meanwhile, and once the row reads
+    /// again the next try merges and the backoff starts over.
+    #[test]
+    fn a_failed_merge_backs_off_by_claiming_commits() {
+        use crate::model::{sample_event, IdemKey, Severity};
+        use crate::store::{Claim, Store};
+        use std::sync::atomic::Ordering::Relaxed;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        store.set_key_journal_merge_rows(3);
+        let event = [sample_event("P")];
+        let claim = |key: &str| {
+            let c = Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(key.into()) };
+            assert_eq!(store.enqueue(&event, &[c], "l", 0, 3_600_000).unwrap().queued, 1, "{key} claimed");
+        };
+        claim("a");
+        claim("b");
+        let (seq, good) = {
+            let rtx = store.db.begin_read().unwrap();
+            let journal = rtx.open_table(IDEM_KEY_JOURNAL).unwrap();
+            let (k, v) = journal.first().unwrap().unwrap();
+            (k.value(), v.value().to_vec())
+        };
+        let set_row = |bytes: &[u8]| {
+            let wtx = store.db.begin_write().unwrap();
+            wtx.open_table(IDEM_KEY_JOURNAL).unwrap().insert(seq, bytes).unwrap();
+            wtx.commit().unwrap();
+        };
+        set_row(&[0xff, 0xff]);
+        let failures = || store.key_index.merge_failures.load(Relaxed);
+        claim("c");
+        assert_eq!((failures(), store.key_journal_merges()), (1, 0), "the index is full: a merge was tried and failed");
+        claim("d");
+        claim("e");
+        assert_eq!(failures(), 1, "two claiming commits pass without a try");
+        claim("f");
+        assert_eq!(failures(), 2, "then one more try");
+        for k in ["g", "h", "i", "j"] {
+            claim(k);
+        }
+        assert_eq!(failures(), 2, "four commits pass");
+        set_row(&good);
+        claim("k");
+        assert_eq!((failures(), store.key_journal_merges()), (0, 1), "the row reads again: merged, backoff reset");
+        assert_eq!(store.key_journal_len().unwrap(), 0);
+        let r = store.check_consistency().unwrap();
+        assert!(r.is_consistent(), "{:?}", r.problems);
     }
 
     /// The sequence the index must survive: a transaction removes a key's journal row (as
