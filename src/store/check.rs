@@ -144,50 +144,61 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         }
     }
 
-    // Outbox rows against claims, audit and the due indexes.
+    // Outbox rows against claims, audit and the retry due index. A row is in exactly one
+    // queue: fresh rows (never tried) need no due entry, retry rows have exactly one.
     let mut outbox_ids = HashSet::new();
     {
-        let outbox = rtx.open_table(OUTBOX)?;
-        let fresh = rtx.open_table(OUTBOX_DUE)?;
-        let retry = rtx.open_table(OUTBOX_RETRY_DUE)?;
-        for item in outbox.iter()? {
-            let (k, v) = item?;
-            let id = k.value();
-            report.outbox_rows += 1;
-            outbox_ids.insert(id);
-            let e: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?;
-            match claims.get(&e.key.0) {
-                None => problem(&mut report, format!("outbox {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", e.key.0)),
-                Some(rec) if rec.state == IdemState::Sent => {
-                    problem(&mut report, format!("outbox {id}: key {} is already recorded as sent", e.key.0))
+        let retry_due = rtx.open_table(OUTBOX_RETRY_DUE)?;
+        let mut retry_ids = HashSet::new();
+        for (table, name) in [(OUTBOX, "outbox"), (OUTBOX_RETRY, "outbox_retry")] {
+            let retry = name == "outbox_retry";
+            for item in rtx.open_table(table)?.iter()? {
+                let (k, v) = item?;
+                let id = k.value();
+                report.outbox_rows += 1;
+                if !outbox_ids.insert(id) {
+                    problem(&mut report, format!("outbox {id}: queued both as fresh and as a retry"));
                 }
-                Some(rec) if rec.outbox_id.is_some_and(|o| o != id) => problem(
-                    &mut report,
-                    format!("outbox {id}: key {} names outbox row {} as its pending row", e.key.0, rec.outbox_id.unwrap_or_default()),
-                ),
-                Some(rec) if rec.state == IdemState::Suppressed => {
-                    problem(&mut report, format!("outbox {id}: key {} was primed (suppressed), not claimed for delivery", e.key.0))
+                if retry {
+                    retry_ids.insert(id);
                 }
-                Some(_) => {}
-            }
-            match last_lifecycle.get(&e.key.0) {
-                Some(Outcome::Queued) => {}
-                Some(other) => problem(&mut report, format!("outbox {id}: the last audit row of key {} is {}, not queued", e.key.0, other.as_str())),
-                None => problem(&mut report, format!("outbox {id}: key {} has no queued audit row", e.key.0)),
-            }
-            let indexed = u8::from(fresh.get((e.next_attempt_ms, id))?.is_some()) + u8::from(retry.get((e.next_attempt_ms, id))?.is_some());
-            if indexed != 1 {
-                problem(&mut report, format!("outbox {id}: {indexed} due-index entries at {} (expected 1)", e.next_attempt_ms));
+                let e: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
+                match claims.get(&e.key.0) {
+                    None => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", e.key.0)),
+                    Some(rec) if rec.state == IdemState::Sent => {
+                        problem(&mut report, format!("{name} {id}: key {} is already recorded as sent", e.key.0))
+                    }
+                    Some(rec) if rec.outbox_id.is_some_and(|o| o != id) => problem(
+                        &mut report,
+                        format!("{name} {id}: key {} names outbox row {} as its pending row", e.key.0, rec.outbox_id.unwrap_or_default()),
+                    ),
+                    Some(rec) if rec.state == IdemState::Suppressed => {
+                        problem(&mut report, format!("{name} {id}: key {} was primed (suppressed), not claimed for delivery", e.key.0))
+                    }
+                    Some(_) => {}
+                }
+                match last_lifecycle.get(&e.key.0) {
+                    Some(Outcome::Queued) => {}
+                    Some(other) => problem(&mut report, format!("{name} {id}: the last audit row of key {} is {}, not queued", e.key.0, other.as_str())),
+                    None => problem(&mut report, format!("{name} {id}: key {} has no queued audit row", e.key.0)),
+                }
+                let indexed = retry_due.get((e.next_attempt_ms, id))?.is_some();
+                if retry && !indexed {
+                    problem(&mut report, format!("outbox_retry {id}: no due-index entry at {}", e.next_attempt_ms));
+                }
+                if !retry && indexed {
+                    problem(&mut report, format!("outbox {id}: a fresh row with a retry due-index entry at {}", e.next_attempt_ms));
+                }
+                if !retry && e.attempts > 0 {
+                    problem(&mut report, format!("outbox {id}: tried {} times but queued as fresh", e.attempts));
+                }
             }
         }
-        for table in [OUTBOX_DUE, OUTBOX_RETRY_DUE] {
-            let due = rtx.open_table(table)?;
-            for item in due.iter()? {
-                let (k, _) = item?;
-                let (at, id) = k.value();
-                if !outbox_ids.contains(&id) {
-                    problem(&mut report, format!("due index {} entry ({at}, {id}) points at no outbox row", table_name(table)));
-                }
+        for item in retry_due.iter()? {
+            let (k, _) = item?;
+            let (at, id) = k.value();
+            if !retry_ids.contains(&id) {
+                problem(&mut report, format!("due index outbox_retry_due entry ({at}, {id}) points at no retry row"));
             }
         }
     }
@@ -267,11 +278,6 @@ impl<T: redb::ReadableTableMetadata> LenHint for T {
     fn len_hint(&self) -> u64 {
         self.len().unwrap_or(0)
     }
-}
-
-fn table_name(t: redb::TableDefinition<(u64, u64), ()>) -> String {
-    use redb::TableHandle;
-    t.name().to_string()
 }
 
 #[cfg(test)]

@@ -69,8 +69,9 @@ pub(super) fn claim_in_txn(
     let mut counts = ClaimCounts::default();
     let mut keys = KeyTables::open(wtx, index)?;
     let mut expiry = ExpiryIndex::open(wtx)?;
+    // Fresh rows need no due entry: their ids are the fresh queue's order (`outbox.rs`).
     let mut outbox = wtx.open_table(OUTBOX)?;
-    let mut due = wtx.open_table(OUTBOX_DUE)?;
+    let retry_rows = wtx.open_table(OUTBOX_RETRY)?;
     let dead = wtx.open_table(DEAD_LETTERS)?;
     let quarantine = wtx.open_table(DLQ_QUARANTINE)?;
     let mut meta = wtx.open_table(META)?;
@@ -128,7 +129,7 @@ pub(super) fn claim_in_txn(
             // Past its TTL but not swept yet, a key is free again, unless its event can still
             // be sent (queued, dead-lettered): the sweep would re-arm it, and claiming it now
             // would send the event twice.
-            if rec.expires_ms > now_ms || is_pending(&rec, &outbox, &dead, &quarantine)? {
+            if rec.expires_ms > now_ms || is_pending(&rec, &[&outbox, &retry_rows, &dead, &quarantine])? {
                 previous = Some((key, Some(rec.lineage_id.clone())));
                 held_by[i] = Some(rec.lineage_id);
                 continue;
@@ -225,14 +226,13 @@ pub(super) fn claim_in_txn(
                     last_error: None,
                 };
                 outbox.insert(id, encode_entry(&entry).as_slice())?;
-                due.insert((now_ms, id), ())?;
                 counts.queued += 1;
             }
         }
         pending_audit.push(row);
     }
     meta.insert(META_NEXT_OUTBOX_ID, next_id.to_le_bytes().as_slice())?;
-    drop((keys, expiry, outbox, due, dead, quarantine, meta));
+    drop((keys, expiry, outbox, retry_rows, dead, quarantine, meta));
     append_audits(wtx, &mut pending_audit)?;
     Ok(counts)
 }
@@ -265,22 +265,28 @@ impl Store {
         exclude: &HashSet<u64>,
     ) -> Result<Vec<OutboxEntry>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let outbox = rtx.open_table(OUTBOX)?;
         let mut out = Vec::new();
-        for table in [OUTBOX_DUE, OUTBOX_RETRY_DUE] {
-            let due = rtx.open_table(table)?;
-            for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
-                if out.len() >= limit {
-                    break;
-                }
-                let (k, _) = item?;
-                let (_, id) = k.value();
-                if exclude.contains(&id) {
-                    continue;
-                }
-                if let Some(v) = outbox.get(id)? {
-                    out.push(decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?);
-                }
+        for item in rtx.open_table(OUTBOX)?.iter()? {
+            if out.len() >= limit {
+                return Ok(out);
+            }
+            let (k, v) = item?;
+            if !exclude.contains(&k.value()) {
+                out.push(decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?);
+            }
+        }
+        let retry = rtx.open_table(OUTBOX_RETRY)?;
+        for item in rtx.open_table(OUTBOX_RETRY_DUE)?.range(..(now_ms.saturating_add(1), 0u64))? {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, _) = item?;
+            let (_, id) = k.value();
+            if exclude.contains(&id) {
+                continue;
+            }
+            if let Some(v) = retry.get(id)? {
+                out.push(decode_entry(v.value()).map_err(|m| codec_err("outbox_retry", m))?);
             }
         }
         Ok(out)
@@ -289,7 +295,11 @@ impl Store {
     /// When the earliest outbox entry (fresh or retry) falls due (None when the outbox is empty).
     pub fn next_due_ms(&self) -> Result<Option<u64>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let fresh = rtx.open_table(OUTBOX_DUE)?.first()?.map(|(k, _)| k.value().0);
+        // A fresh row is due from its claim on.
+        let fresh = match rtx.open_table(OUTBOX)?.first()? {
+            Some((_, v)) => Some(decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?.next_attempt_ms),
+            None => None,
+        };
         let retry = rtx.open_table(OUTBOX_RETRY_DUE)?.first()?.map(|(k, _)| k.value().0);
         Ok(match (fresh, retry) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -332,9 +342,7 @@ impl Store {
         }
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
         {
-            let mut outbox = wtx.open_table(OUTBOX)?;
-            let mut due = wtx.open_table(OUTBOX_DUE)?;
-            let mut retry_due = wtx.open_table(OUTBOX_RETRY_DUE)?;
+            let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut leases = wtx.open_table(OUTBOX_LEASES)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
@@ -343,13 +351,8 @@ impl Store {
                 let id = match result {
                     DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
                 };
-                let entry: OutboxEntry = {
-                    let Some(v) = outbox.get(id)? else {
-                        // Already resolved (e.g. by a concurrent recovery); nothing to record.
-                        continue;
-                    };
-                    decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?
-                };
+                // Already resolved (e.g. by a concurrent recovery): nothing to record.
+                let Some((queue, entry)) = outbox.get(id)? else { continue };
                 leases.remove(entry.id)?;
                 if let Some(policy) = health {
                     let (success, gone, local) = match result {
@@ -369,16 +372,12 @@ impl Store {
                 let mut audit = AuditRow::for_entry(&entry, Outcome::Sent, now_ms, String::new());
                 match result {
                     DeliveryResult::Sent { status, .. } => {
-                        outbox.remove(entry.id)?;
-                        due.remove((entry.next_attempt_ms, entry.id))?;
-                        retry_due.remove((entry.next_attempt_ms, entry.id))?;
+                        outbox.remove(queue, &entry)?;
                         audit.detail = format!("http_{status} attempt {attempts}");
                         pending.push(audit);
                     }
                     DeliveryResult::Dead { reason, .. } => {
-                        outbox.remove(entry.id)?;
-                        due.remove((entry.next_attempt_ms, entry.id))?;
-                        retry_due.remove((entry.next_attempt_ms, entry.id))?;
+                        outbox.remove(queue, &entry)?;
                         let mut dead_entry = entry.clone();
                         dead_entry.attempts = attempts;
                         let dl = DeadLetter { entry: dead_entry, reason: reason.clone(), dead_at_ms: now_ms };
@@ -392,10 +391,7 @@ impl Store {
                         updated.attempts = attempts;
                         updated.next_attempt_ms = *next_attempt_ms;
                         updated.last_error = Some(error.clone());
-                        due.remove((entry.next_attempt_ms, entry.id))?;
-                        retry_due.remove((entry.next_attempt_ms, entry.id))?;
-                        retry_due.insert((*next_attempt_ms, entry.id), ())?;
-                        outbox.insert(entry.id, encode_entry(&updated).as_slice())?;
+                        outbox.to_retry(queue, &entry, &updated)?;
                     }
                 }
             }
@@ -420,7 +416,8 @@ impl Store {
         {
             let mut expiry = ExpiryIndex::open(&wtx)?;
             let mut keys = KeyTables::open(&wtx, &self.key_index)?;
-            let (outbox, dead, quarantine) = (wtx.open_table(OUTBOX)?, wtx.open_table(DEAD_LETTERS)?, wtx.open_table(DLQ_QUARANTINE)?);
+            let holding = [wtx.open_table(OUTBOX)?, wtx.open_table(OUTBOX_RETRY)?, wtx.open_table(DEAD_LETTERS)?, wtx.open_table(DLQ_QUARANTINE)?];
+            let holding: Vec<_> = holding.iter().collect();
             let victims = expiry.take_due(now_ms, max)?;
             // Re-armed keys by their new expiry (keys claimed with different TTLs differ).
             let mut rearmed: std::collections::BTreeMap<u64, Vec<String>> = std::collections::BTreeMap::new();
@@ -436,7 +433,7 @@ impl Store {
                     Err(e) => return Err(e),
                 };
                 let Some((found_in, mut rec)) = current.filter(|(_, r)| r.expires_ms == t) else { continue };
-                if is_pending(&rec, &outbox, &dead, &quarantine)? {
+                if is_pending(&rec, &holding)? {
                     rec.expires_ms = now_ms.saturating_add(rec.ttl_ms.max(1));
                     keys.update(found_in, key.as_str(), &rec)?;
                     rearmed.entry(rec.expires_ms).or_default().push(key);

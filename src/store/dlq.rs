@@ -129,7 +129,7 @@ impl Store {
                 last_error: None,
                 ..e.clone()
             };
-            wtx.open_table(OUTBOX)?.insert(new_id, super::outbox_rows::encode_entry(&entry).as_slice())?;
+            wtx.open_table(OUTBOX_RETRY)?.insert(new_id, super::outbox_rows::encode_entry(&entry).as_slice())?;
             // Replays queue behind live alerts.
             wtx.open_table(OUTBOX_RETRY_DUE)?.insert((now_ms, new_id), ())?;
             wtx.open_table(DLQ_REPLAYS)?.insert(e.key.0.as_str(), replays + 1)?;

@@ -88,19 +88,20 @@ pub(super) fn decode_idem(bytes: &[u8]) -> Result<IdemRecord, String> {
     }
 }
 
-/// Whether the event `rec` was claimed for may still be sent: its row is queued (`outbox`),
-/// dead-lettered (`dead`: replayable) or in the delivery quarantine (`quarantine`: a person
-/// may replay it). The tables are passed in because callers already hold some of them open.
-pub(super) fn is_pending<T: ReadableTable<u64, &'static [u8]>>(
-    rec: &IdemRecord,
-    outbox: &T,
-    dead: &T,
-    quarantine: &T,
-) -> Result<bool, StoreError> {
+/// Whether the event `rec` was claimed for may still be sent: its row is in one of the tables
+/// `holding` — queued (`outbox`, `outbox_retry`), dead-lettered (`dead_letters`: replayable)
+/// or in the delivery quarantine (`dlq_quarantine`: a person may replay it). The tables are
+/// passed in because callers already hold them open.
+pub(super) fn is_pending<T: ReadableTable<u64, &'static [u8]>>(rec: &IdemRecord, holding: &[&T]) -> Result<bool, StoreError> {
     match (rec.state, rec.outbox_id) {
         (IdemState::Suppressed | IdemState::Sent, _) => Ok(false),
         (IdemState::Queued | IdemState::DeadLetter, Some(id)) => {
-            Ok(outbox.get(id)?.is_some() || dead.get(id)?.is_some() || quarantine.get(id)?.is_some())
+            for table in holding {
+                if table.get(id)?.is_some() {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
         }
         // A version 1 record that was not migrated (its row was already gone): its state is
         // all there is, read as version 1 meant it.
@@ -132,10 +133,12 @@ pub(super) fn migrate_pending(wtx: &WriteTransaction) -> Result<usize, StoreErro
         return Ok(0);
     }
     let mut pending: Vec<(String, u64)> = Vec::new();
-    for item in wtx.open_table(OUTBOX)?.iter()? {
-        let (k, v) = item?;
-        let e = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?;
-        pending.push((e.key.0, k.value()));
+    for table in [OUTBOX, OUTBOX_RETRY] {
+        for item in wtx.open_table(table)?.iter()? {
+            let (k, v) = item?;
+            let e = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?;
+            pending.push((e.key.0, k.value()));
+        }
     }
     for table in [DEAD_LETTERS, DLQ_QUARANTINE] {
         for item in wtx.open_table(table)?.iter()? {

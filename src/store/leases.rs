@@ -2,7 +2,8 @@
 //! outlives its request timeout; the lease is dropped in the transaction that records the
 //! outcome. Leases left by a process that died are reclaimed when the file is next opened
 //! (redb's file lock proves their holder is gone) and, in a live process, once they expire.
-//! Fresh entries (`OUTBOX_DUE`) are leased ahead of retries (`OUTBOX_RETRY_DUE`), so one dead
+//! Fresh entries (`OUTBOX`, in claim order) are leased ahead of retries (`OUTBOX_RETRY` by
+//! `OUTBOX_RETRY_DUE`), so one dead
 //! endpoint's backlog never delays live alerts to others. The per-attempt log lives here too.
 
 use super::codec::{decode, encode};
@@ -10,7 +11,7 @@ use super::runs::codec_err;
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::{AttemptRecord, OutboxEntry};
-use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 
 /// What [`Store::lease_due`] handed out.
 #[derive(Debug, Clone, Default)]
@@ -56,48 +57,63 @@ impl Store {
         {
             let health = super::endpoints::load_all(&wtx)?;
             let mut probed = std::collections::HashSet::new();
-            let outbox = wtx.open_table(OUTBOX)?;
+            let fresh_rows = wtx.open_table(OUTBOX)?;
+            let retry_rows = wtx.open_table(OUTBOX_RETRY)?;
             let mut leases = wtx.open_table(OUTBOX_LEASES)?;
-            let mut pick = |table: TableDefinition<(u64, u64), ()>, limit: usize, out: &mut Vec<OutboxEntry>| -> Result<(), StoreError> {
-                if limit == 0 {
-                    return Ok(());
+            // Whether row `id` (decoded from `bytes`) may go out now; leases it if so.
+            let mut take = |id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
+                if let Some(l) = leases.get(id)? {
+                    if l.value() > now_ms {
+                        return Ok(false);
+                    }
                 }
-                let due = wtx.open_table(table)?;
-                let mut taken = 0;
+                let entry: OutboxEntry = super::outbox_rows::decode_entry(bytes).map_err(|m| codec_err(table, m))?;
+                // Disabled endpoints and open breakers hold their entries back; a
+                // half-open breaker lets one probe through.
+                match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
+                    super::endpoints::Gate::Closed => return Ok(false),
+                    super::endpoints::Gate::Probe => {
+                        if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
+                            return Ok(false);
+                        }
+                    }
+                    super::endpoints::Gate::Open => {}
+                }
+                leases.insert(id, until)?;
+                out.push(entry);
+                Ok(true)
+            };
+            // Fresh rows in claim (id) order: all due.
+            let mut taken = 0;
+            if fresh_limit > 0 {
+                for item in fresh_rows.iter()? {
+                    let (k, v) = item?;
+                    if take(k.value(), v.value(), "outbox", &mut batch.entries)? {
+                        taken += 1;
+                        if taken >= fresh_limit {
+                            break;
+                        }
+                    }
+                }
+            }
+            batch.fresh = batch.entries.len();
+            // Retries by due time.
+            let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
+            let mut taken = 0;
+            if retry_limit > 0 {
+                let due = wtx.open_table(OUTBOX_RETRY_DUE)?;
                 for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
                     let (k, _) = item?;
                     let (_, id) = k.value();
-                    if let Some(l) = leases.get(id)? {
-                        if l.value() > now_ms {
-                            continue;
+                    let Some(v) = retry_rows.get(id)? else { continue };
+                    if take(id, v.value(), "outbox_retry", &mut batch.entries)? {
+                        taken += 1;
+                        if taken >= retry_limit {
+                            break;
                         }
-                    }
-                    let Some(v) = outbox.get(id)? else { continue };
-                    let entry: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?;
-                    // Disabled endpoints and open breakers hold their entries back; a
-                    // half-open breaker lets one probe through.
-                    match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
-                        super::endpoints::Gate::Closed => continue,
-                        super::endpoints::Gate::Probe => {
-                            if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
-                                continue;
-                            }
-                        }
-                        super::endpoints::Gate::Open => {}
-                    }
-                    leases.insert(id, until)?;
-                    out.push(entry);
-                    taken += 1;
-                    if taken >= limit {
-                        break;
                     }
                 }
-                Ok(())
-            };
-            pick(OUTBOX_DUE, fresh_limit, &mut batch.entries)?;
-            batch.fresh = batch.entries.len();
-            let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
-            pick(OUTBOX_RETRY_DUE, retry_limit, &mut batch.entries)?;
+            }
             batch.probes = probed.into_iter().collect();
         }
         if batch.entries.is_empty() {

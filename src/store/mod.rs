@@ -23,6 +23,7 @@ mod idem;
 mod key_journal;
 mod expiry;
 mod leases;
+mod outbox;
 mod outbox_rows;
 mod queries;
 mod runs;
@@ -48,6 +49,8 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 5: fresh outbox rows have no due-index entry (their ids give the order) and retries live in
+/// `outbox_retry` (`outbox.rs`); a version 4 build would never lease the fresh rows.
 /// 4: the keys' expiry index is bucketed (`idem_expiry_buckets`, `expiry.rs`); a version 3
 /// build would sweep (and back up) only the per-key table.
 /// 3: new idempotency keys are claimed into `idem_key_journal` first (`key_journal.rs`); a
@@ -55,7 +58,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 4;
+pub const SCHEMA_VERSION: u32 = 5;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -204,7 +207,7 @@ impl Store {
             wtx.open_table(IDEM_EXPIRY_BUCKETS)?;
             wtx.open_table(IDEM_KEY_JOURNAL)?;
             wtx.open_table(OUTBOX)?;
-            wtx.open_table(OUTBOX_DUE)?;
+            wtx.open_table(OUTBOX_RETRY)?;
             wtx.open_table(AUDIT)?;
             wtx.open_table(DEAD_LETTERS)?;
             wtx.open_table(QUARANTINE)?;
@@ -232,6 +235,10 @@ impl Store {
         let moved = expiry::migrate_per_key_index(&wtx)?;
         if moved > 0 {
             tracing::info!(moved, "idempotency key expiry index moved into buckets");
+        }
+        let moved = outbox::migrate_due_index(&wtx)?;
+        if moved > 0 {
+            tracing::info!(moved, "outbox rows waiting for a retry moved to outbox_retry; the fresh due index is dropped");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

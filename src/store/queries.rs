@@ -6,7 +6,7 @@ use super::runs::codec_err;
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
-use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use redb::{ReadableDatabase, ReadableTable};
 use std::collections::HashMap;
 
 /// Filters for the audit ledger; `None` matches everything.
@@ -275,18 +275,21 @@ impl Store {
 
     pub fn outbox(&self) -> Result<Vec<OutboxEntry>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(OUTBOX)?;
         let mut out = Vec::new();
-        for item in t.iter()? {
-            let (_, v) = item?;
-            out.push(super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?);
+        for (table, name) in [(OUTBOX, "outbox"), (OUTBOX_RETRY, "outbox_retry")] {
+            for item in rtx.open_table(table)?.iter()? {
+                let (_, v) = item?;
+                out.push(super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err(name, m))?);
+            }
         }
+        out.sort_by_key(|e| e.id);
         Ok(out)
     }
 
+    /// Rows queued for delivery: fresh and waiting for a retry.
     pub fn outbox_len(&self) -> Result<u64, StoreError> {
         let rtx = self.db.begin_read()?;
-        Ok(rtx.open_table(OUTBOX)?.len()?)
+        super::outbox::len(&rtx.open_table(OUTBOX)?, &rtx.open_table(OUTBOX_RETRY)?)
     }
 
     /// Totals over runs, the audit ledger, the outbox and holds.
@@ -315,7 +318,7 @@ impl Store {
                 _ => {}
             }
         }
-        s.outbox = rtx.open_table(OUTBOX)?.len()?;
+        s.outbox = super::outbox::len(&rtx.open_table(OUTBOX)?, &rtx.open_table(OUTBOX_RETRY)?)?;
         for item in rtx.open_table(HOLDS)?.iter()? {
             let (_, v) = item?;
             let h: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;

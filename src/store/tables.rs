@@ -26,9 +26,13 @@ pub const IDEM_EXPIRY_BUCKETS: TableDefinition<(u64, u64), &[u8]> = TableDefinit
 /// (expires at, key) → (): the per-key expiry index of stores written before buckets (schema
 /// 3 and older); moved into buckets on open.
 pub const IDEM_EXPIRY: TableDefinition<(u64, &str), ()> = TableDefinition::new("idem_expiry");
-/// outbox id → `OutboxEntry`.
+/// outbox id → `OutboxEntry` never tried yet: the fresh queue, in claim order (`outbox.rs`).
 pub const OUTBOX: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox");
-/// (next attempt at ms, outbox id) → ().
+/// outbox id → `OutboxEntry` waiting for a retry (tried and failed, or a replayed dead
+/// letter); each has its `OUTBOX_RETRY_DUE` entry. A row is in this table or `OUTBOX`.
+pub const OUTBOX_RETRY: TableDefinition<u64, &[u8]> = TableDefinition::new("outbox_retry");
+/// (next attempt at ms, outbox id) → (): the fresh rows' due index of stores written before
+/// schema 5 (the ids give that order); dropped on open (`outbox::migrate_due_index`).
 pub const OUTBOX_DUE: TableDefinition<(u64, u64), ()> = TableDefinition::new("outbox_due");
 /// seq → `AuditRow` (append-only).
 pub const AUDIT: TableDefinition<u64, &[u8]> = TableDefinition::new("audit");
@@ -55,8 +59,8 @@ pub const HELD_SHARES: TableDefinition<(u64, &str), &[u8]> = TableDefinition::ne
 /// outbox id → lease expiry (ms): the row is in flight until then. Cleared on open (the redb
 /// file lock proves the holder is dead) and whenever the outcome is recorded.
 pub const OUTBOX_LEASES: TableDefinition<u64, u64> = TableDefinition::new("outbox_leases");
-/// (next attempt at ms, outbox id) → () for entries that failed at least once. Kept apart from
-/// `OUTBOX_DUE` (fresh entries) so live alerts are served ahead of late retries.
+/// (next attempt at ms, outbox id) → () for the rows of `OUTBOX_RETRY`. Kept apart from the
+/// fresh queue so live alerts are served ahead of late retries.
 pub const OUTBOX_RETRY_DUE: TableDefinition<(u64, u64), ()> = TableDefinition::new("outbox_retry_due");
 /// (idempotency key, attempt number) → `AttemptRecord`: the attempt log as stores written
 /// before it moved to `DELIVERY_ATTEMPTS_BY_ROW` kept it; still read, swept by retention.
