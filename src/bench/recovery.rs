@@ -8,8 +8,8 @@
 //! 2. A child `zonewatch serve` (this binary, a config pointing at the store, loopback
 //!    delivery allowed) delivers to a receiver in this process; once it has delivered a few
 //!    thousand webhooks it is SIGKILLed.
-//! 3. `open_s`: this process opens the killed store (`Store::open`: redb's crash recovery,
-//!    then the lease sweep) and reports whether redb had to do a full repair. The same file
+//! 3. `open_s`: this process opens the killed store (`Store::open`: redb's crash recovery;
+//!    the killed process's leases were in its memory only) and reports whether redb had to do a full repair. The same file
 //!    is then opened with a forced full repair (`full_repair_s`: what every crash would cost
 //!    without quick-repair records).
 //! 4. `serve` is started again, killed again mid-delivery, and started a third time:
@@ -17,7 +17,7 @@
 //! 5. The quick-repair commit cost: small durable commits on the same big file with and
 //!    without quick-repair records.
 //! 6. `serve` is stopped with SIGTERM and the store is checked: every row is either still in
-//!    the outbox or audited `sent` exactly once, and no lease is left.
+//!    the outbox or audited `sent` exactly once, and the checking process holds no lease.
 
 use super::delivery::{fresh_dir, Queuer, Receipts};
 use super::{emit, secs, BenchCtx, BenchError, Scale};
@@ -235,19 +235,17 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     serve.kill9()?;
     let before_kill = receipts.total.load(Ordering::SeqCst);
 
-    // 3. Open after the crash, here: redb recovery + lease sweep.
-    let (open_s, full_repair_after_kill, leases_after_kill, full_repair_s) = {
+    // 3. Open after the crash, here: redb recovery.
+    let (open_s, full_repair_after_kill, full_repair_s) = {
         let db = db.clone();
-        tokio::task::spawn_blocking(move || -> Result<(f64, bool, Option<u64>, f64), BenchError> {
-            // The leases left by the killed process, read before `Store::open` drops them.
-            let leases = Store::count_leases_readonly(&db);
+        tokio::task::spawn_blocking(move || -> Result<(f64, bool, f64), BenchError> {
             let t = Instant::now();
             let store = Store::open(&db).map_err(failed("open after SIGKILL"))?;
             let open_s = secs(t.elapsed());
             let full = store.open_info().full_repair;
             drop(store);
             let full_repair_s = Store::full_repair_seconds(&db).map_err(failed("forced full repair"))?;
-            Ok((open_s, full, leases, full_repair_s))
+            Ok((open_s, full, full_repair_s))
         })
         .await
         .map_err(|e| BenchError::Failed(format!("open task: {e}")))??
@@ -309,7 +307,6 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
             "full_repair_s": full_repair_s,
             "commit_ms_quick_repair": commit_quick_ms,
             "commit_ms_without": commit_plain_ms,
-            "leases_left_by_kill": leases_after_kill,
             "received_before_first_kill": before_kill,
             "received_total": receipts.total.load(Ordering::SeqCst),
             "resent_after_kills": receipts.repeats.load(Ordering::SeqCst),

@@ -343,7 +343,6 @@ impl Store {
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
         {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
-            let mut leases = wtx.open_table(OUTBOX_LEASES)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
             let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints);
@@ -353,7 +352,6 @@ impl Store {
                 };
                 // Already resolved (e.g. by a concurrent recovery): nothing to record.
                 let Some((queue, entry)) = outbox.get(id)? else { continue };
-                leases.remove(entry.id)?;
                 if let Some(policy) = health {
                     let (success, gone, local) = match result {
                         DeliveryResult::Sent { .. } => (true, false, false),
@@ -399,6 +397,11 @@ impl Store {
         }
         append_audits(&wtx, &mut pending)?;
         wtx.commit()?;
+        // After the commit, never before (see `leases::Leases`): a lease pass that no longer
+        // finds the lease opens its snapshot after this commit.
+        self.leases.release(results.iter().map(|r| match r {
+            DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
+        }));
         Ok(())
     }
 

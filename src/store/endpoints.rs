@@ -36,8 +36,7 @@ pub(super) enum Gate {
     Closed,
 }
 
-pub(super) fn load_all(wtx: &WriteTransaction) -> Result<HashMap<String, EndpointState>, StoreError> {
-    let t = wtx.open_table(ENDPOINTS)?;
+pub(super) fn load_all(t: &impl ReadableTable<&'static str, &'static [u8]>) -> Result<HashMap<String, EndpointState>, StoreError> {
     let mut m = HashMap::new();
     for item in t.iter()? {
         let (k, v) = item?;

@@ -1,7 +1,9 @@
-//! Outbox leases and the priority split. A delivery in flight holds a lease in the store that
-//! outlives its request timeout; the lease is dropped in the transaction that records the
-//! outcome. Leases left by a process that died are reclaimed when the file is next opened
-//! (redb's file lock proves their holder is gone) and, in a live process, once they expire.
+//! Outbox leases and the priority split. A delivery in flight holds a lease that outlives
+//! its request timeout; the lease is dropped once the transaction that records the outcome
+//! has committed. Leases are kept in memory, not in the file: a lease never outlives its
+//! process (redb's file lock proves a dead holder, and a new process starts with none), so
+//! writing them cost a write transaction per leased batch and two B-tree writes per webhook
+//! for nothing a restart could use (issue 7). An expired lease is taken over in a live process.
 //! Fresh entries (`OUTBOX`, in claim order) are leased ahead of retries (`OUTBOX_RETRY` by
 //! `OUTBOX_RETRY_DUE`), so one dead
 //! endpoint's backlog never delays live alerts to others. The per-attempt log lives here too.
@@ -12,6 +14,32 @@ use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::{AttemptRecord, OutboxEntry};
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+/// The leases of this process: outbox id → lease expiry (ms).
+///
+/// Ordering with outcome commits, which is what keeps a row from going out twice: a lease
+/// pass holds the lock from before it opens its read snapshot until its leases are in, and an
+/// outcome drops its leases only after its commit. So a pass either sees the row still
+/// leased, or opens its snapshot after the commit that resolved the row.
+#[derive(Debug, Default)]
+pub(super) struct Leases(Mutex<HashMap<u64, u64>>);
+
+impl Leases {
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, u64>> {
+        // A panic while holding the lock leaves whole entries: each is a row id and an expiry.
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Drops the leases of rows whose outcome has been committed.
+    pub(super) fn release(&self, ids: impl IntoIterator<Item = u64>) {
+        let mut map = self.lock();
+        for id in ids {
+            map.remove(&id);
+        }
+    }
+}
 
 /// What [`Store::lease_due`] handed out.
 #[derive(Debug, Clone, Default)]
@@ -25,10 +53,10 @@ pub struct LeasedBatch {
 }
 
 impl Store {
-    /// Leases due outbox entries in one write transaction: first up to `fresh_limit` fresh
+    /// Leases due outbox entries from one read snapshot: first up to `fresh_limit` fresh
     /// entries, then retries filling the rest of `fresh_limit` but always at least
     /// `retry_floor` (so retries are never starved entirely). Entries under an unexpired lease
-    /// are skipped; an expired lease is simply taken over.
+    /// are skipped; an expired lease is simply taken over. Takes no write lock.
     pub fn lease_due(
         &self,
         now_ms: u64,
@@ -50,112 +78,96 @@ impl Store {
         probing: &std::collections::HashSet<String>,
     ) -> Result<LeasedBatch, StoreError> {
         let until = now_ms.saturating_add(lease_ms);
-        let mut wtx = self.db.begin_write()?;
-        // A lease never outlives its process (open drops them all), so it needs no fsync.
-        self.non_durable(&mut wtx);
+        // Held until the batch is leased (see `Leases`): taken before the snapshot is opened.
+        let mut leases = self.leases.lock();
+        let rtx = self.db.begin_read()?;
         let mut batch = LeasedBatch { lease_until_ms: until, ..Default::default() };
-        {
-            let health = super::endpoints::load_all(&wtx)?;
-            let mut probed = std::collections::HashSet::new();
-            let fresh_rows = wtx.open_table(OUTBOX)?;
-            let retry_rows = wtx.open_table(OUTBOX_RETRY)?;
-            let mut leases = wtx.open_table(OUTBOX_LEASES)?;
-            // Whether row `id` (decoded from `bytes`) may go out now; leases it if so.
-            let mut take = |id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
-                if let Some(l) = leases.get(id)? {
-                    if l.value() > now_ms {
+        let health = super::endpoints::load_all(&rtx.open_table(ENDPOINTS)?)?;
+        let mut probed = std::collections::HashSet::new();
+        let fresh_rows = rtx.open_table(OUTBOX)?;
+        let retry_rows = rtx.open_table(OUTBOX_RETRY)?;
+        // Whether row `id` (decoded from `bytes`) may go out now; leases it if so.
+        let mut take = |id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
+            if leases.get(&id).is_some_and(|&l| l > now_ms) {
+                return Ok(false);
+            }
+            let entry: OutboxEntry = super::outbox_rows::decode_entry(bytes).map_err(|m| codec_err(table, m))?;
+            // Disabled endpoints and open breakers hold their entries back; a
+            // half-open breaker lets one probe through.
+            match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
+                super::endpoints::Gate::Closed => return Ok(false),
+                super::endpoints::Gate::Probe => {
+                    if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
                         return Ok(false);
                     }
                 }
-                let entry: OutboxEntry = super::outbox_rows::decode_entry(bytes).map_err(|m| codec_err(table, m))?;
-                // Disabled endpoints and open breakers hold their entries back; a
-                // half-open breaker lets one probe through.
-                match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
-                    super::endpoints::Gate::Closed => return Ok(false),
-                    super::endpoints::Gate::Probe => {
-                        if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
-                            return Ok(false);
-                        }
-                    }
-                    super::endpoints::Gate::Open => {}
-                }
-                leases.insert(id, until)?;
-                out.push(entry);
-                Ok(true)
-            };
-            // Fresh rows in claim (id) order: all due.
-            let mut taken = 0;
-            if fresh_limit > 0 {
-                for item in fresh_rows.iter()? {
-                    let (k, v) = item?;
-                    if take(k.value(), v.value(), "outbox", &mut batch.entries)? {
-                        taken += 1;
-                        if taken >= fresh_limit {
-                            break;
-                        }
+                super::endpoints::Gate::Open => {}
+            }
+            leases.insert(id, until);
+            out.push(entry);
+            Ok(true)
+        };
+        // Fresh rows in claim (id) order: all due.
+        let mut taken = 0;
+        if fresh_limit > 0 {
+            for item in fresh_rows.iter()? {
+                let (k, v) = item?;
+                if take(k.value(), v.value(), "outbox", &mut batch.entries)? {
+                    taken += 1;
+                    if taken >= fresh_limit {
+                        break;
                     }
                 }
             }
-            batch.fresh = batch.entries.len();
-            // Retries by due time.
-            let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
-            let mut taken = 0;
-            if retry_limit > 0 {
-                let due = wtx.open_table(OUTBOX_RETRY_DUE)?;
-                for item in due.range(..(now_ms.saturating_add(1), 0u64))? {
-                    let (k, _) = item?;
-                    let (_, id) = k.value();
-                    let Some(v) = retry_rows.get(id)? else { continue };
-                    if take(id, v.value(), "outbox_retry", &mut batch.entries)? {
-                        taken += 1;
-                        if taken >= retry_limit {
-                            break;
-                        }
+        }
+        batch.fresh = batch.entries.len();
+        // Retries by due time.
+        let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
+        let mut taken = 0;
+        if retry_limit > 0 {
+            for item in rtx.open_table(OUTBOX_RETRY_DUE)?.range(..(now_ms.saturating_add(1), 0u64))? {
+                let (k, _) = item?;
+                let (_, id) = k.value();
+                let Some(v) = retry_rows.get(id)? else { continue };
+                if take(id, v.value(), "outbox_retry", &mut batch.entries)? {
+                    taken += 1;
+                    if taken >= retry_limit {
+                        break;
                     }
                 }
             }
-            batch.probes = probed.into_iter().collect();
         }
-        if batch.entries.is_empty() {
-            wtx.abort()?;
-        } else {
-            wtx.commit()?;
-        }
+        batch.probes = probed.into_iter().collect();
         Ok(batch)
     }
 
     /// Drops every lease that expires at or before `before_ms` (`u64::MAX`: all of them), so
     /// those entries are due again. Returns how many were dropped.
     pub fn reclaim_leases(&self, before_ms: u64) -> Result<usize, StoreError> {
-        let mut wtx = self.db.begin_write()?;
-        self.durable_commit_settings(&mut wtx);
-        let n;
-        {
-            let mut leases = wtx.open_table(OUTBOX_LEASES)?;
-            let mut victims = Vec::new();
-            for item in leases.iter()? {
-                let (k, v) = item?;
-                if v.value() <= before_ms {
-                    victims.push(k.value());
-                }
-            }
-            n = victims.len();
-            for id in victims {
-                leases.remove(id)?;
-            }
-        }
-        if n == 0 {
-            wtx.abort()?;
-        } else {
+        let mut map = self.leases.lock();
+        let n = map.len();
+        map.retain(|_, until| *until > before_ms);
+        Ok(n - map.len())
+    }
+
+    /// How many outbox entries this process has leased right now (in flight, or expired and
+    /// not taken over yet).
+    pub fn leased_len(&self) -> Result<u64, StoreError> {
+        Ok(self.leases.lock().len() as u64)
+    }
+
+    /// Stores written before leases moved to memory (schema 5) may hold leases of a process
+    /// that died: dropped on open (their holder is gone). Returns how many.
+    pub(super) fn drop_file_leases(&self) -> Result<u64, StoreError> {
+        let n = self.db.begin_read()?.open_table(OUTBOX_LEASES)?.len()?;
+        if n > 0 {
+            let mut wtx = self.db.begin_write()?;
+            self.durable_commit_settings(&mut wtx);
+            wtx.delete_table(OUTBOX_LEASES)?;
+            wtx.open_table(OUTBOX_LEASES)?;
             wtx.commit()?;
         }
         Ok(n)
-    }
-
-    /// How many outbox entries are leased right now (in flight or left by a dead process).
-    pub fn leased_len(&self) -> Result<u64, StoreError> {
-        let rtx = self.db.begin_read()?;
-        Ok(rtx.open_table(OUTBOX_LEASES)?.len()?)
     }
 
     /// Every logged delivery attempt of one idempotency key, in attempt order, numbered
@@ -303,6 +315,50 @@ pub(super) fn log_attempt_in(t: &mut redb::Table<(u64, u32), &[u8]>, rec: &Attem
 mod tests {
     use crate::model::{sample_event, AttemptRecord, IdemKey, Severity};
     use crate::store::{Claim, DeliveryResult, Store};
+
+    /// Two deliverers lease and record outcomes against one store at the same time: leasing
+    /// reads a snapshot without the write lock, so only the order of lease release (after the
+    /// outcome commit) keeps a resolved row from being leased again. Every row is leased
+    /// exactly once and the outbox ends empty.
+    #[test]
+    fn concurrent_lease_passes_never_hand_out_a_row_twice() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+        let events: Vec<_> = (0..3_000).map(|i| sample_event(&format!("P{i}"))).collect();
+        let claims: Vec<Claim> = (0..events.len())
+            .map(|i| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
+            .collect();
+        store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+        let workers: Vec<_> = (0..3)
+            .map(|_| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut mine = Vec::new();
+                    loop {
+                        let batch = store.lease_due(10, 3_600_000, 64, 0).unwrap();
+                        if batch.entries.is_empty() {
+                            if store.outbox_len().unwrap() == 0 {
+                                return mine;
+                            }
+                            std::thread::yield_now();
+                            continue;
+                        }
+                        let sent: Vec<DeliveryResult> = batch.entries.iter().map(|e| DeliveryResult::Sent { id: e.id, status: 200 }).collect();
+                        mine.extend(batch.entries.iter().map(|e| e.id));
+                        store.record_outcomes(&sent, &[], 10).unwrap();
+                    }
+                })
+            })
+            .collect();
+        let mut all: Vec<u64> = workers.into_iter().flat_map(|w| w.join().unwrap()).collect();
+        let leased = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!((leased, all.len()), (events.len(), events.len()), "every row leased exactly once");
+        assert_eq!(store.leased_len().unwrap(), 0);
+        let r = store.check_consistency().unwrap();
+        assert!(r.is_consistent(), "{:?}", r.problems);
+    }
 
     /// The retention sweep reads the log in row order and stops at the first attempt inside
     /// retention: an older attempt of a later row waits for the next pass that gets past it

@@ -109,6 +109,8 @@ pub struct Store {
     open_info: OpenInfo,
     /// Finds keys in `idem_key_journal` (see `key_journal.rs`).
     key_index: key_journal::KeyIndex,
+    /// Outbox rows in flight (see `leases.rs`).
+    leases: leases::Leases,
 }
 
 impl std::fmt::Debug for Store {
@@ -165,6 +167,7 @@ impl Store {
             quick_repair: std::sync::atomic::AtomicBool::new(true),
             open_info,
             key_index: key_journal::KeyIndex::default(),
+            leases: leases::Leases::default(),
         };
         store.init_schema()?;
         Ok(store)
@@ -250,9 +253,10 @@ impl Store {
         if let Some(max_seq) = merged_on_open {
             self.key_index.forget_through(max_seq);
         }
-        // Only one process can hold the file, so every lease found now belongs to a process
-        // that died mid-delivery: its entries go back to the queue (at-least-once, same key).
-        let reclaimed = self.reclaim_leases(u64::MAX)?;
+        // Only one process can hold the file, so a lease found in it (written by a build of
+        // schema 4 or older) belongs to a process that died mid-delivery: its entries go back
+        // to the queue (at-least-once, same key). Leases of this build are never written.
+        let reclaimed = self.drop_file_leases()?;
         if reclaimed > 0 {
             tracing::warn!(reclaimed, "in-flight deliveries of a stopped process returned to the queue");
         }

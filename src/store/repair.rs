@@ -8,9 +8,8 @@
 //! `zonewatch bench --only recovery` measures both sides; see docs/ARCHITECTURE.md (invariant
 //! on recovery) for the choice.
 //!
-//! Non-durable commits (`Durability::None`) are used only for outbox leases: a lease never
-//! outlives its process (every lease is dropped on open), so losing one in a crash loses
-//! nothing, and not flushing it saves an fsync per leased batch.
+//! Every write transaction is durable. Outbox leases, the one state that may be lost in a
+//! crash without consequence, are not written at all (they live in memory, `leases.rs`).
 
 use super::Store;
 use redb::WriteTransaction;
@@ -46,17 +45,6 @@ impl Store {
     pub(super) fn durable_commit_settings(&self, wtx: &mut WriteTransaction) {
         wtx.set_quick_repair(self.quick_repair());
     }
-
-    /// Makes `wtx` a non-durable commit (no fsync). Only for state that may be lost in a
-    /// crash without consequence (leases).
-    pub(super) fn non_durable(&self, wtx: &mut WriteTransaction) {
-        if let Err(e) = wtx.set_durability(redb::Durability::None) {
-            // Refused only when a persistent savepoint was modified, which zonewatch never
-            // does; fall back to a durable commit rather than fail.
-            tracing::debug!("non-durable commit refused ({e}); committing durably");
-            self.durable_commit_settings(wtx);
-        }
-    }
 }
 
 impl Store {
@@ -69,16 +57,6 @@ impl Store {
         let s = t.elapsed().as_secs_f64();
         drop(db);
         Ok((s * 1000.0).round() / 1000.0)
-    }
-
-    /// Outbox leases in a file that is not open, read without modifying it (None when redb
-    /// refuses a read-only open, e.g. before a crash has been recovered).
-    pub fn count_leases_readonly(path: &std::path::Path) -> Option<u64> {
-        use redb::{ReadableDatabase, ReadableTableMetadata};
-        let db = redb::ReadOnlyDatabase::open(path).ok()?;
-        let rtx = db.begin_read().ok()?;
-        let t = rtx.open_table(super::tables::OUTBOX_LEASES).ok()?;
-        t.len().ok()
     }
 
     /// One small durable commit with the store's current settings (the bench's measure of

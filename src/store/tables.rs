@@ -56,8 +56,8 @@ pub const DERIVED_SHARES: TableDefinition<(&str, &str), &[u8]> = TableDefinition
 /// (hold run id, parcel id) → share: the derived shares of a held run.
 pub const HELD_SHARES: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_shares");
 
-/// outbox id → lease expiry (ms): the row is in flight until then. Cleared on open (the redb
-/// file lock proves the holder is dead) and whenever the outcome is recorded.
+/// outbox id → lease expiry (ms), as builds of schema 4 and older wrote leases. Leases now
+/// live in memory (`leases.rs`); this table stays empty and is cleared on open.
 pub const OUTBOX_LEASES: TableDefinition<u64, u64> = TableDefinition::new("outbox_leases");
 /// (next attempt at ms, outbox id) → () for the rows of `OUTBOX_RETRY`. Kept apart from the
 /// fresh queue so live alerts are served ahead of late retries.
