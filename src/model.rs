@@ -173,6 +173,24 @@ impl ChangeEvent {
     }
 }
 
+/// The first attempt of outbox row `row` (key `key`) at `ts_ms`, with `result` (`sent`: a
+/// 200, anything else: a 500), for unit tests.
+#[cfg(test)]
+pub(crate) fn sample_attempt(key: &str, row: u64, result: &str, ts_ms: u64) -> AttemptRecord {
+    AttemptRecord {
+        key: key.into(),
+        outbox_id: row,
+        attempt: 1,
+        ts_ms,
+        duration_ms: 1,
+        status: Some(if result == "sent" { 200 } else { 500 }),
+        result: result.into(),
+        error: None,
+        response_head: String::new(),
+        next_attempt_ms: None,
+    }
+}
+
 /// A `rezoned` R-1 → C-2 event of parcel `parcel` without geometry, for unit tests.
 #[cfg(test)]
 pub(crate) fn sample_event(parcel: &str) -> ChangeEvent {

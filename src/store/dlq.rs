@@ -165,25 +165,10 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{sample_event, IdemKey, Severity};
+    use crate::model::{sample_attempt as attempt, sample_event, IdemKey, Severity};
     use crate::store::{Claim, DeliveryResult};
 
     const HOUR: u64 = 3_600_000;
-
-    fn attempt(key: &str, row: u64, result: &str, ts_ms: u64) -> AttemptRecord {
-        AttemptRecord {
-            key: key.into(),
-            outbox_id: row,
-            attempt: 1,
-            ts_ms,
-            duration_ms: 1,
-            status: Some(if result == "sent" { 200 } else { 500 }),
-            result: result.into(),
-            error: None,
-            response_head: String::new(),
-            next_attempt_ms: None,
-        }
-    }
 
     /// A replayed dead letter whose key was delivered in an earlier TTL cycle (its record
     /// still names that cycle's row) is absorbed as a duplicate; one never delivered is queued

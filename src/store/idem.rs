@@ -231,18 +231,7 @@ mod tests {
         }
         // A is delivered; past the TTL its key goes and B's (still queued) stays.
         let a = rows.iter().find(|(k, _)| k == "key-A").unwrap().1;
-        let attempt = crate::model::AttemptRecord {
-            key: "key-A".into(),
-            outbox_id: a,
-            attempt: 1,
-            ts_ms: 10,
-            duration_ms: 1,
-            status: Some(200),
-            result: "sent".into(),
-            error: None,
-            response_head: String::new(),
-            next_attempt_ms: None,
-        };
+        let attempt = crate::model::sample_attempt("key-A", a, "sent", 10);
         store.record_outcomes(&[DeliveryResult::Sent { id: a, status: 200 }], &[attempt.clone()], 10).unwrap();
         assert_eq!(store.sweep_expired_keys(2 * HOUR, 100).unwrap(), 1);
         // Swept, the key's attempts are still found (by a scan of the log)...

@@ -313,7 +313,7 @@ pub(super) fn log_attempt_in(t: &mut redb::Table<(u64, u32), &[u8]>, rec: &Attem
 
 #[cfg(test)]
 mod tests {
-    use crate::model::{sample_event, AttemptRecord, IdemKey, Severity};
+    use crate::model::{sample_attempt, sample_event, IdemKey, Severity};
     use crate::store::{Claim, DeliveryResult, Store};
 
     /// Two deliverers lease and record outcomes against one store at the same time: leasing
@@ -375,18 +375,7 @@ mod tests {
         let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
         // Row 2 was delivered late (ts 1,000); rows 1 and 3 early.
         for ((key, id), ts) in rows.iter().zip([10u64, 1_000, 20]) {
-            let rec = AttemptRecord {
-                key: key.clone(),
-                outbox_id: *id,
-                attempt: 1,
-                ts_ms: ts,
-                duration_ms: 1,
-                status: Some(200),
-                result: "sent".into(),
-                error: None,
-                response_head: String::new(),
-                next_attempt_ms: None,
-            };
+            let rec = sample_attempt(key, *id, "sent", ts);
             store.record_outcomes(&[DeliveryResult::Sent { id: *id, status: 200 }], &[rec], ts).unwrap();
         }
         let left = |store: &Store| -> Vec<usize> { rows.iter().map(|(k, _)| store.attempts(k).unwrap().len()).collect() };
