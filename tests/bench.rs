@@ -63,6 +63,10 @@ fn bench_matching_commit_overlay_idle_run_at_test_scale() {
     }
     assert!(commit.iter().any(|c| num(c, "events_per_commit") == 1.0));
     assert!(commit.iter().any(|c| num(c, "events_per_commit") >= 1000.0));
+    // CPU per event comes from /proc in 10 ms ticks: each line has it, and the measure as a
+    // whole used some.
+    assert!(commit.iter().all(|c| num(c, "cpu_us_per_event") >= 0.0), "{commit:?}");
+    assert!(commit.iter().map(|c| num(c, "cpu_us_per_event") * num(c, "events")).sum::<f64>() > 0.0, "{commit:?}");
 
     let overlay = of(&lines, "overlay");
     let synthetic: Vec<_> = overlay.iter().filter(|o| o["workload"] == "synthetic").collect();
@@ -109,6 +113,7 @@ fn delivery_and_recovery_measures_run_at_test_scale() {
     let ratio = num(delivery, "per_s_vs_http_only");
     assert!((ratio - num(delivery, "per_s") / http_only).abs() < 0.01, "{delivery}");
     assert_eq!(num(delivery, "subscribers"), 10_000.0, "{delivery}");
+    assert!(num(delivery, "cpu_us_per_webhook") > 0.0 && num(delivery, "http_only_cpu_us_per_request") > 0.0, "{delivery}");
 
     let recovery = *of(&lines, "recovery").first().expect("a recovery line");
     assert!(num(recovery, "outbox_rows") > 0.0 && num(recovery, "store_mib") > 0.0, "{recovery}");

@@ -59,6 +59,7 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
     let total = (batch * commits).min(events.len());
     let mut queued = 0u64;
     let written_before = super::rss::written_bytes();
+    let cpu_before = super::rss::cpu_seconds();
     let mut slowest = 0f64;
     let t = Instant::now();
     for (n, chunk) in events[..total].chunks(batch.max(1)).enumerate() {
@@ -87,6 +88,7 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
         slowest = slowest.max(one.elapsed().as_secs_f64());
     }
     let wall = t.elapsed();
+    let cpu_us_per_event = super::rss::cpu_us_per(cpu_before, total as u64);
     let written = written_before.zip(super::rss::written_bytes()).map(|(a, b)| b.saturating_sub(a));
     if queued != total as u64 {
         return Err(BenchError::Failed(format!("{queued} queued of {total} claims")));
@@ -111,6 +113,9 @@ fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize)
             // What the durable commits wrote to disk, per event: the write amplification of
             // the store's B-trees (copy-on-write pages) at this batch size.
             "written_bytes_per_event": written.map(|w| w / total.max(1) as u64),
+            // CPU (user + system, the bench's key hashing included) per event: steadier than
+            // the rate on a disk whose flush times vary, so what a change to the claim path moves.
+            "cpu_us_per_event": cpu_us_per_event,
             // New keys go to the key journal and are merged into the key table in key order
             // every `MERGE_ROWS`: the merges are inside the wall time above.
             "key_journal_merges": journal_merges,

@@ -337,8 +337,15 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     // of two passes (a ceiling), with the body of the first row the backlog will queue.
     let body = sample_body(ctx.seed, n + latency_rows, &base)?;
     let mut http_only_per_s: f64 = 0.0;
+    let mut http_only_cpu_us: Option<f64> = None;
     for _ in 0..2 {
-        http_only_per_s = http_only_per_s.max(http_only(http_only_requests(ctx.scale), body.clone()).await?);
+        let requests = http_only_requests(ctx.scale);
+        let cpu = super::rss::cpu_seconds();
+        let rate = http_only(requests, body.clone()).await?;
+        if rate > http_only_per_s {
+            http_only_per_s = rate;
+            http_only_cpu_us = super::rss::cpu_us_per(cpu, requests as u64);
+        }
     }
 
     // Backlog phase.
@@ -350,11 +357,13 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     let queue_s = secs(t.elapsed());
     let deliverer = Deliverer::new(store.clone(), subs, delivery_config()).map_err(|e| BenchError::Failed(e.to_string()))?;
     let t = Instant::now();
+    let cpu = super::rss::cpu_seconds();
     let stats = deliverer
         .drain(Instant::now() + Duration::from_secs(600))
         .await
         .map_err(|e| BenchError::Failed(format!("drain: {e}")))?;
     let wall = t.elapsed();
+    let cpu_us_per_webhook = super::rss::cpu_us_per(cpu, queued as u64);
     let wall_s = wall.as_secs_f64();
     let outbox = store.outbox_len().map_err(|e| BenchError::Failed(e.to_string()))?;
     let sent_audit = store.stats().map_err(|e| BenchError::Failed(e.to_string()))?.sent;
@@ -449,6 +458,10 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
             "wall_s": secs(wall),
             "per_s": capacity,
             "http_only_per_s": http_only_per_s,
+            // CPU (user + system: deliverer, in-process receiver, kernel) per webhook of the
+            // backlog, and per request of the reference pass that set `http_only_per_s`.
+            "cpu_us_per_webhook": cpu_us_per_webhook,
+            "http_only_cpu_us_per_request": http_only_cpu_us,
             // How much of the bare HTTP exchange rate the durable pipeline keeps.
             "per_s_vs_http_only": (capacity / http_only_per_s.max(1.0) * 1000.0).round() / 1000.0,
             "p50_ms": percentile(&lat_ms, 0.50),
