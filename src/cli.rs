@@ -442,7 +442,7 @@ const SWEEP_BATCH: usize = 10_000;
 /// Batches one sweep period may run back to back.
 const SWEEP_BATCHES_PER_PERIOD: usize = 100;
 
-/// Runs bounded sweeps one after another while each comes back full, with a pause between so
+/// Runs bounded sweeps one after another while each deletes something, with a pause between so
 /// delivery and source runs get the write lock in between: a backlog larger than one batch
 /// (a county's baseline keys expiring together, a busy week's attempts) is worked off in this
 /// period instead of one batch per period, which a steady high rate could outgrow. Returns
@@ -459,7 +459,10 @@ async fn sweep_in_batches(
         match tokio::task::spawn_blocking(move || sweep(&s, arg, SWEEP_BATCH)).await {
             Ok(Ok(n)) => {
                 total += n;
-                if n < SWEEP_BATCH {
+                // Until a batch deletes nothing: a batch can delete fewer than it took (keys
+                // re-armed because their event is pending, stale expiry entries, attempts kept
+                // for dead letters) and still leave work behind it.
+                if n == 0 {
                     break;
                 }
             }

@@ -105,7 +105,7 @@ impl Guard {
     pub fn new(allow_private_targets: bool) -> Guard {
         let via_proxy = PROXY_VARS.iter().any(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()));
         if via_proxy && !allow_private_targets {
-            tracing::info!("a proxy is set in the environment: private targets are checked by a lookup before each request");
+            tracing::debug!("a proxy is set in the environment: private targets are checked by a lookup before each request");
         }
         Guard { allow_private_targets, via_proxy }
     }

@@ -419,5 +419,9 @@ async fn private_targets_are_refused_by_name_and_by_literal() {
         let dead = engine.store.dead_letters().unwrap();
         assert!(dead[0].reason.starts_with(&format!("private_target_refused: {host} resolves to ")), "{}", dead[0].reason);
         assert!(rx.received().is_empty(), "{host}: nothing reached the receiver");
+        // A refusal is this side's decision, not the endpoint's failure: its health is untouched.
+        let health = engine.store.endpoints().unwrap();
+        assert!(health.iter().all(|(_, h)| !h.disabled && h.breaker_open_until_ms.is_none()), "{host}: {health:?}");
+        assert!(health.iter().all(|(_, h)| h.recent.is_empty() && h.failing_since_ms.is_none()), "{host}: {health:?}");
     }
 }

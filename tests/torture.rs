@@ -43,33 +43,6 @@ fn serve_log(ws: &Workspace, n: usize) -> String {
     std::fs::read_to_string(ws.path().join(format!("serve-{n}.log"))).unwrap_or_default()
 }
 
-/// Sum of `reclaimed=N` in a serve log (leases a killed predecessor left behind).
-fn reclaimed_in(log: &str) -> u64 {
-    strip_ansi(log)
-        .lines()
-        .filter_map(|l| l.split("reclaimed=").nth(1))
-        .filter_map(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
-        .sum()
-}
-
-/// The log without terminal colour codes.
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut it = s.chars();
-    while let Some(c) = it.next() {
-        if c == '\u{1b}' {
-            for d in it.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// Whether this log shows a committed (or already-committed) run of the current file.
 fn committed_in(log: &str) -> bool {
     log.lines().any(|l| l.contains("s1: baseline") || l.contains("s1: run") || l.contains("s1: identical"))
@@ -147,7 +120,6 @@ async fn sigkill_torture_loses_nothing_and_duplicates_carry_the_same_id() {
     let mut stage = 0;
     write_version(0);
     let mut starts = 0;
-    let mut reclaimed = 0;
     let mut kills_mid_delivery = 0;
     let started = Instant::now();
     for _ in 0..kills {
@@ -162,7 +134,6 @@ async fn sigkill_torture_loses_nothing_and_duplicates_carry_the_same_id() {
             kills_mid_delivery += 1;
         }
         let log = serve_log(&ws, starts);
-        reclaimed += reclaimed_in(&log);
         if committed_in(&log) && stage + 1 < versions.len() {
             stage += 1;
             write_version(stage);
@@ -179,7 +150,6 @@ async fn sigkill_torture_loses_nothing_and_duplicates_carry_the_same_id() {
         }
         child.kill().expect("SIGKILL");
         child.wait().expect("reap");
-        reclaimed += reclaimed_in(&serve_log(&ws, starts));
         stage += 1;
         write_version(stage);
         starts += 1;
@@ -205,7 +175,6 @@ async fn sigkill_torture_loses_nothing_and_duplicates_carry_the_same_id() {
         let pid = child.id().to_string();
         Command::new("kill").args(["-TERM", &pid]).status().expect("kill -TERM");
         child.wait().expect("reap");
-        reclaimed += reclaimed_in(&serve_log(&ws, starts));
         starts += 1;
         let engine = ws.engine();
         let left = engine.store.outbox_len().expect("outbox");
@@ -240,7 +209,7 @@ async fn sigkill_torture_loses_nothing_and_duplicates_carry_the_same_id() {
     }
     let engine = ws.engine();
     assert_eq!(engine.store.outbox_len().unwrap(), 0, "the outbox is empty");
-    assert_eq!(engine.store.leased_len().unwrap(), 0, "no lease is left");
+    assert_eq!(engine.store.check_consistency().unwrap().leases, 0, "no lease in the file");
     let rows = engine.store.audit(&Default::default()).unwrap();
     let mut queued: BTreeMap<String, usize> = BTreeMap::new();
     let mut terminal: BTreeMap<String, usize> = BTreeMap::new();
@@ -274,7 +243,7 @@ async fn sigkill_torture_loses_nothing_and_duplicates_carry_the_same_id() {
     let duplicates = received.len() - body_by_id.len();
     println!(
         "torture: kills={kills} (mid-delivery {kills_mid_delivery}) starts={starts} expected_pairs={} requests={} unique_ids={} \
-         resends(503 retries + crash duplicates)={duplicates} sent={sent} dead_letters={dead} leases_reclaimed={reclaimed} elapsed={:.1}s",
+         resends(503 retries + crash duplicates)={duplicates} sent={sent} dead_letters={dead} elapsed={:.1}s",
         expected.len(),
         received.len(),
         body_by_id.len(),

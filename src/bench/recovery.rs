@@ -17,7 +17,7 @@
 //! 5. The quick-repair commit cost: small durable commits on the same big file with and
 //!    without quick-repair records.
 //! 6. `serve` is stopped with SIGTERM and the store is checked: every row is either still in
-//!    the outbox or audited `sent` exactly once, and the checking process holds no lease.
+//!    the outbox or audited `sent` exactly once.
 
 use super::delivery::{fresh_dir, Queuer, Receipts};
 use super::{emit, secs, BenchCtx, BenchError, Scale};
@@ -264,25 +264,24 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     serve.stop()?;
 
     // 5 + 6. Commit cost of quick-repair on this file, and the exactly-once check.
-    let (commit_quick_ms, commit_plain_ms, outbox_left, sent_rows, leases_left) = {
+    let (commit_quick_ms, commit_plain_ms, outbox_left, sent_rows) = {
         let db = db.clone();
-        tokio::task::spawn_blocking(move || -> Result<(f64, f64, u64, u64, u64), BenchError> {
+        tokio::task::spawn_blocking(move || -> Result<(f64, f64, u64, u64), BenchError> {
             let store = Store::open(&db).map_err(failed("final open"))?;
             let n = 50;
             let plain = commit_cost_ms(&store, false, n)?;
             let quick = commit_cost_ms(&store, true, n)?;
             let outbox = store.outbox_len().map_err(failed("outbox"))?;
             let sent = store.stats().map_err(failed("stats"))?.sent;
-            let leases = store.leased_len().map_err(failed("leases"))?;
-            Ok((quick, plain, outbox, sent, leases))
+            Ok((quick, plain, outbox, sent))
         })
         .await
         .map_err(|e| BenchError::Failed(format!("check task: {e}")))??
     };
     let backlog_sent = sent_rows.saturating_sub(history as u64);
-    if outbox_left + backlog_sent != queued as u64 || leases_left != 0 {
+    if outbox_left + backlog_sent != queued as u64 {
         return Err(BenchError::Failed(format!(
-            "after the kills: {outbox_left} rows in the outbox + {backlog_sent} sent != {queued} queued, {leases_left} leases left"
+            "after the kills: {outbox_left} rows in the outbox + {backlog_sent} sent != {queued} queued"
         )));
     }
     // Every `sent` row was received; anything received but not recorded (sent, then killed

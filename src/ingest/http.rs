@@ -234,7 +234,9 @@ impl Session {
                 return Err(FetchError::BadUrl { url: shown, reason: "only http and https are fetched".into() });
             }
             let host = current.host_str().unwrap_or("").trim_matches(['[', ']']).to_string();
-            self.guard(&shown, &host, current.port_or_known_default().unwrap_or(443)).await?;
+            if let Err(retry) = self.guard(&shown, &host, current.port_or_known_default().unwrap_or(443)).await? {
+                return Ok(Err(retry));
+            }
             let wait = reserve(&format!("{host}:{}", current.port_or_known_default().unwrap_or(0)), self.cfg.rate_per_host, Instant::now());
             if !wait.is_zero() {
                 if Instant::now() + wait > self.deadline {
@@ -328,12 +330,13 @@ impl Session {
     }
 
     /// The SSRF guard's check before a request (`netguard::Guard::check`); names are refused
-    /// by the client's resolver when they resolve to a private address.
-    async fn guard(&self, url: &str, host: &str, port: u16) -> Result<(), FetchError> {
+    /// by the client's resolver when they resolve to a private address. A name that does not
+    /// resolve now (checked here only through a proxy) is retried, as a resolver failure is.
+    async fn guard(&self, url: &str, host: &str, port: u16) -> Result<Result<(), Retryable>, FetchError> {
         match self.guard.check(host, port).await {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(Ok(())),
             Err(crate::netguard::Refused::Private(p)) => Err(FetchError::PrivateTarget { url: url.to_string(), host: p.host, ip: p.ip }),
-            Err(e @ crate::netguard::Refused::Dns { .. }) => Err(FetchError::BadUrl { url: url.to_string(), reason: e.to_string() }),
+            Err(e @ crate::netguard::Refused::Dns { .. }) => Ok(Err(Retryable { why: format!("connection: {e}"), retry_after: None })),
         }
     }
 }

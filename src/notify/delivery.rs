@@ -195,17 +195,18 @@ impl Deliverer {
     ///
     /// * the **leaser** (this task) leases batches of [`PIPE_LEASE_BATCH`] (fresh ahead of
     ///   retries) whenever fewer than [`PIPE_MAX_OUTSTANDING`] leased entries await their
-    ///   outcome commit; lease commits are non-durable (a lease never outlives its process);
+    ///   outcome commit; leases live in memory and leasing takes no write lock (a lease never
+    ///   outlives its process);
     /// * each leased entry is a task bounded by the global `concurrency` and the endpoint's
     ///   slots and rate, exactly as in [`Deliverer::deliver_due`];
     /// * the **committer** takes every outcome that has arrived (up to [`PIPE_COMMIT_MAX`]) and
-    ///   records them — outbox row removed, terminal audit row, attempt rows, endpoint health,
-    ///   lease dropped — in one durable transaction, while the next outcomes accumulate:
+    ///   records them — outbox row removed, terminal audit row, attempt rows, endpoint health —
+    ///   in one durable transaction, then drops their leases, while the next outcomes accumulate:
     ///   a group commit whose size follows the load.
     ///
     /// Exactly-once is unchanged: an entry keeps its lease until the transaction holding its
     /// outcome commits, so a crash between the send and that commit leaves the row in the
-    /// outbox (leases are dropped on open) and it is sent again under the same key.
+    /// outbox (a new process holds no leases) and it is sent again under the same key.
     pub async fn pump(&self) -> Result<PassStats, DeliveryError> {
         self.pump_until(None).await
     }
@@ -481,8 +482,12 @@ impl Deliverer {
         let id = entry.id;
         let sub = self.subscribers.get(&entry.watcher_id);
         let target = sub.as_ref().map(|s| s.target.clone()).unwrap_or_else(|| entry.target.clone());
-        if let Err(reason) = self.check_target(&target).await {
-            return DeliveryResult::Dead { id, reason };
+        match self.check_target(&target).await {
+            Ok(()) => {}
+            Err(TargetCheck::Refused(reason)) => return DeliveryResult::Dead { id, reason },
+            // A name that does not resolve now (through a proxy, checked here) is retried like
+            // one the client's resolver cannot resolve: DNS has bad minutes.
+            Err(TargetCheck::Unresolved(error)) => return self.retry_or_dead(entry, rec, None, error),
         }
         let ts = self.clock.now_ms() / 1000;
         let body = entry.body();
@@ -510,7 +515,6 @@ impl Deliverer {
         if let Some(sig) = signature {
             req = req.header("webhook-signature", sig);
         }
-        let attempts_after = entry.attempts + 1;
         let (retry_after, error) = match req.send().await {
             Ok(mut resp) => {
                 let status = resp.status().as_u16();
@@ -543,6 +547,14 @@ impl Deliverer {
                 (None, format!("connection: {e}"))
             }
         };
+        self.retry_or_dead(entry, rec, retry_after, error)
+    }
+
+    /// A failed try: retried after the schedule's delay (at least `retry_after`), or a dead
+    /// letter once the attempts or the retry window are used up.
+    fn retry_or_dead(&self, entry: &OutboxEntry, rec: &mut AttemptRecord, retry_after: Option<Duration>, error: String) -> DeliveryResult {
+        let id = entry.id;
+        let attempts_after = entry.attempts + 1;
         rec.error = Some(error.clone());
         let now = self.clock.now_ms();
         match next_retry(&self.cfg, attempts_after, retry_after) {
@@ -560,16 +572,24 @@ impl Deliverer {
     /// The SSRF guard's check before a request (`netguard::Guard::check`): a target that
     /// does not parse or names a private IP literal is refused here; a name is checked by the
     /// client's resolver on the addresses connected to (through a proxy, here by a lookup).
-    async fn check_target(&self, target: &str) -> Result<(), String> {
-        let url = reqwest::Url::parse(target).map_err(|e| format!("bad_target: {e}"))?;
-        let host = url.host_str().ok_or("bad_target: no host")?;
+    async fn check_target(&self, target: &str) -> Result<(), TargetCheck> {
+        let url = reqwest::Url::parse(target).map_err(|e| TargetCheck::Refused(format!("bad_target: {e}")))?;
+        let host = url.host_str().ok_or_else(|| TargetCheck::Refused("bad_target: no host".into()))?;
         let port = url.port_or_known_default().unwrap_or(443);
         match self.guard.check(host, port).await {
             Ok(()) => Ok(()),
-            Err(crate::netguard::Refused::Private(p)) => Err(format!("private_target_refused: {p}")),
-            Err(e @ crate::netguard::Refused::Dns { .. }) => Err(format!("dns: {e}")),
+            Err(crate::netguard::Refused::Private(p)) => Err(TargetCheck::Refused(format!("private_target_refused: {p}"))),
+            Err(e @ crate::netguard::Refused::Dns { .. }) => Err(TargetCheck::Unresolved(format!("connection: dns: {e}"))),
         }
     }
+}
+
+/// Why a target was not sent to.
+enum TargetCheck {
+    /// Never deliverable as it stands: a dead letter.
+    Refused(String),
+    /// Not resolvable right now: a retry.
+    Unresolved(String),
 }
 
 /// The HTTP client webhooks go out with: no redirects followed (a redirect is an answer, not

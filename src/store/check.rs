@@ -48,9 +48,11 @@ impl Store {
     /// Checks the cross-table invariants (see the module doc) in one read transaction.
     ///
     /// * every outbox row: its key claimed in `idem_keys` or the key journal (not as sent), its last lifecycle
-    ///   audit row (`queued` / `sent` / `dead_letter`) is `queued`, and exactly one due-index
-    ///   entry (fresh or retry) at its `next_attempt_ms`;
-    /// * every due-index entry and every lease points at an outbox row;
+    ///   audit row (`queued` / `sent` / `dead_letter`) is `queued`; it is in one queue: fresh
+    ///   (`outbox`, never tried, no due entry) or retry (`outbox_retry`, one `outbox_retry_due`
+    ///   entry at its `next_attempt_ms`);
+    /// * every due-index entry points at a retry row; a lease left in the file (written by a
+    ///   build before schema 5; leases now live in memory) points at an outbox row;
     /// * every idempotency key has its expiry-index entry;
     /// * audit `seq` is 1..=n without gaps;
     /// * every watermark names a committed run of its source with the same digest, and has
@@ -61,7 +63,9 @@ impl Store {
 }
 
 /// [`Store::check_consistency`] on a store file that no process has open (a backup), opened
-/// read-only: nothing in it changes, not even the leases `Store::open` would reclaim.
+/// read-only: nothing in it changes (no schema upgrade, not even the file leases of an older
+/// build that `Store::open` would drop). Files of schema 4 and older are checked in their own
+/// outbox layout.
 pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreError> {
     let db = redb::ReadOnlyDatabase::open(path).map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
@@ -145,22 +149,37 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     }
 
     // Outbox rows against claims, audit and the retry due index. A row is in exactly one
-    // queue: fresh rows (never tried) need no due entry, retry rows have exactly one.
+    // queue: fresh rows (never tried) need no due entry, retry rows have exactly one. A file
+    // written before schema 5 (a backup being checked) has every row in `outbox`, fresh ones
+    // indexed in `outbox_due`.
     let mut outbox_ids = HashSet::new();
     {
         let retry_due = rtx.open_table(OUTBOX_RETRY_DUE)?;
+        let open_if_present = |def| match rtx.open_table(def) {
+            Ok(t) => Ok(Some(t)),
+            Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+            Err(e) => Err(StoreError::from(e)),
+        };
+        let retry_rows = open_if_present(OUTBOX_RETRY)?;
+        let legacy_fresh_due = match retry_rows {
+            Some(_) => None,
+            None => match rtx.open_table(OUTBOX_DUE) {
+                Ok(t) => Some(t),
+                Err(redb::TableError::TableDoesNotExist(_)) => None,
+                Err(e) => return Err(e.into()),
+            },
+        };
         let mut retry_ids = HashSet::new();
-        for (table, name) in [(OUTBOX, "outbox"), (OUTBOX_RETRY, "outbox_retry")] {
+        let fresh_rows = rtx.open_table(OUTBOX)?;
+        let queues = std::iter::once((&fresh_rows, "outbox")).chain(retry_rows.as_ref().map(|t| (t, "outbox_retry")));
+        for (table, name) in queues {
             let retry = name == "outbox_retry";
-            for item in rtx.open_table(table)?.iter()? {
+            for item in table.iter()? {
                 let (k, v) = item?;
                 let id = k.value();
                 report.outbox_rows += 1;
                 if !outbox_ids.insert(id) {
                     problem(&mut report, format!("outbox {id}: queued both as fresh and as a retry"));
-                }
-                if retry {
-                    retry_ids.insert(id);
                 }
                 let e: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
                 match claims.get(&e.key.0) {
@@ -183,14 +202,29 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     None => problem(&mut report, format!("{name} {id}: key {} has no queued audit row", e.key.0)),
                 }
                 let indexed = retry_due.get((e.next_attempt_ms, id))?.is_some();
-                if retry && !indexed {
-                    problem(&mut report, format!("outbox_retry {id}: no due-index entry at {}", e.next_attempt_ms));
+                if let Some(old) = &legacy_fresh_due {
+                    // Schema 4 and older: one entry in either index.
+                    let n = u8::from(indexed) + u8::from(old.get((e.next_attempt_ms, id))?.is_some());
+                    if n != 1 {
+                        problem(&mut report, format!("outbox {id}: {n} due-index entries at {} (expected 1)", e.next_attempt_ms));
+                    }
+                    if indexed {
+                        retry_ids.insert(id);
+                    }
+                    continue;
                 }
-                if !retry && indexed {
-                    problem(&mut report, format!("outbox {id}: a fresh row with a retry due-index entry at {}", e.next_attempt_ms));
-                }
-                if !retry && e.attempts > 0 {
-                    problem(&mut report, format!("outbox {id}: tried {} times but queued as fresh", e.attempts));
+                if retry {
+                    retry_ids.insert(id);
+                    if !indexed {
+                        problem(&mut report, format!("outbox_retry {id}: no due-index entry at {}", e.next_attempt_ms));
+                    }
+                } else {
+                    if indexed {
+                        problem(&mut report, format!("outbox {id}: a fresh row with a retry due-index entry at {}", e.next_attempt_ms));
+                    }
+                    if e.attempts > 0 {
+                        problem(&mut report, format!("outbox {id}: tried {} times but queued as fresh", e.attempts));
+                    }
                 }
             }
         }
@@ -199,6 +233,15 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             let (at, id) = k.value();
             if !retry_ids.contains(&id) {
                 problem(&mut report, format!("due index outbox_retry_due entry ({at}, {id}) points at no retry row"));
+            }
+        }
+        if let Some(old) = &legacy_fresh_due {
+            for item in old.iter()? {
+                let (k, _) = item?;
+                let (at, id) = k.value();
+                if !outbox_ids.contains(&id) {
+                    problem(&mut report, format!("due index outbox_due entry ({at}, {id}) points at no outbox row"));
+                }
             }
         }
     }

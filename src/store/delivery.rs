@@ -313,7 +313,7 @@ impl Store {
     }
 
     /// Records a batch of delivery outcomes and their attempt log rows in one transaction
-    /// (group commit). Each entry's lease is dropped in the same transaction.
+    /// (group commit). Each entry's lease is dropped once the transaction has committed.
     pub fn record_outcomes(&self, results: &[DeliveryResult], attempts: &[AttemptRecord], now_ms: u64) -> Result<(), StoreError> {
         self.record_outcomes_with(results, attempts, now_ms, None)
     }

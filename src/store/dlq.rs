@@ -16,7 +16,7 @@ use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
 pub enum ReplayOutcome {
     /// Back in the outbox as entry `outbox_id`; this is replay number `replay`.
     Requeued { outbox_id: u64, replay: u32 },
-    /// The ledger already shows the key as delivered: nothing re-sent.
+    /// The key's attempt log shows it delivered: nothing re-sent.
     Duplicate,
     /// Set aside for a person.
     Quarantined { reason: String },

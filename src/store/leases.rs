@@ -214,12 +214,15 @@ impl Store {
     }
 }
 
+/// How many attempt-log rows the retention sweep may read per row it may delete.
+const SWEEP_SCAN_PER_VICTIM: usize = 4;
+
 impl Store {
     /// Retention sweep of the attempt log: deletes at most `max` attempt rows older than
     /// `before_ms`, except those of events still in the dead letters or the delivery quarantine
     /// (they stay until resolved). Bounded per call so the write lock is never held for long:
-    /// the by-row log is read from its oldest row up to the first attempt inside retention
-    /// (or `max` victims), never through its young tail.
+    /// the by-row log is read from its oldest row, at most `SWEEP_SCAN_PER_VICTIM` × `max`
+    /// rows, never through its whole young tail.
     pub fn sweep_attempts(&self, before_ms: u64, max: usize) -> Result<usize, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -265,15 +268,17 @@ impl Store {
                 t.remove((key.as_str(), a))?;
                 n += 1;
             }
-            // The log is in outbox-row order, which is claim order, and a row's attempts all
-            // fall within its retry window after its claim. So the walk stops at the first
-            // attempt inside retention instead of reading the whole log on every call (the
-            // young tail is most of it): a later row's old attempts wait at most one retry
-            // window longer. Rows kept for their dead letters are stepped over.
+            // The log is in outbox-row order, which is claim order, so its old attempts are at
+            // the front and the young tail (most of a busy log) follows. The walk steps over
+            // young attempts but reads at most `SWEEP_SCAN_PER_VICTIM` × `max` rows a call, so
+            // it never reads the whole tail: an old attempt behind more young ones than that
+            // (a row that waited behind a disabled endpoint, then was tried late) waits until
+            // they age out. Rows kept for their dead letters are stepped over too.
             let mut log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
             let mut old_rows = Vec::new();
-            for item in log.iter()? {
-                if n + old_rows.len() >= max {
+            let scan_limit = max.saturating_mul(SWEEP_SCAN_PER_VICTIM);
+            for (read, item) in log.iter()?.enumerate() {
+                if n + old_rows.len() >= max || read >= scan_limit {
                     break;
                 }
                 let (k, v) = item?;
@@ -282,10 +287,9 @@ impl Store {
                     continue;
                 }
                 let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?;
-                if rec.ts_ms >= before_ms {
-                    break;
+                if rec.ts_ms < before_ms {
+                    old_rows.push((row, a));
                 }
-                old_rows.push((row, a));
             }
             for k in old_rows {
                 log.remove(k)?;
@@ -360,29 +364,33 @@ mod tests {
         assert!(r.is_consistent(), "{:?}", r.problems);
     }
 
-    /// The retention sweep reads the log in row order and stops at the first attempt inside
-    /// retention: an older attempt of a later row waits for the next pass that gets past it
-    /// (at most one retry window later), and nothing young is deleted.
+    /// The retention sweep reads the log in row order, steps over attempts inside retention,
+    /// and reads at most 4 rows per row it may delete: an old attempt behind more young ones
+    /// than that waits for a call with a larger budget (or for them to age out); nothing young
+    /// is deleted.
     #[test]
-    fn the_attempt_sweep_stops_at_the_first_young_attempt() {
+    fn the_attempt_sweep_steps_over_young_attempts_within_its_scan_budget() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let events: Vec<_> = ["A", "B", "C"].iter().map(|p| sample_event(p)).collect();
-        let claims: Vec<Claim> = (0..3)
+        let stamps = [10u64, 1_000, 1_000, 1_000, 1_000, 1_000, 20];
+        let events: Vec<_> = (0..stamps.len()).map(|i| sample_event(&format!("P{i}"))).collect();
+        let claims: Vec<Claim> = (0..stamps.len())
             .map(|i| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
             .collect();
         store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
         let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
-        // Row 2 was delivered late (ts 1,000); rows 1 and 3 early.
-        for ((key, id), ts) in rows.iter().zip([10u64, 1_000, 20]) {
+        // Rows 2-6 were delivered late (ts 1,000); rows 1 and 7 early.
+        for ((key, id), ts) in rows.iter().zip(stamps) {
             let rec = sample_attempt(key, *id, "sent", ts);
             store.record_outcomes(&[DeliveryResult::Sent { id: *id, status: 200 }], &[rec], ts).unwrap();
         }
         let left = |store: &Store| -> Vec<usize> { rows.iter().map(|(k, _)| store.attempts(k).unwrap().len()).collect() };
-        assert_eq!(store.sweep_attempts(500, 100).unwrap(), 1);
-        assert_eq!(left(&store), [0, 1, 1], "stopped at row 2's young attempt");
-        assert_eq!(store.sweep_attempts(500, 100).unwrap(), 0);
-        assert_eq!(store.sweep_attempts(2_000, 100).unwrap(), 2);
-        assert_eq!(left(&store), [0, 0, 0]);
+        assert_eq!(store.sweep_attempts(500, 1).unwrap(), 1, "row 1, the oldest");
+        assert_eq!(store.sweep_attempts(500, 1).unwrap(), 0, "row 7 is behind five young rows, past a budget of 4");
+        assert_eq!(left(&store), [0, 1, 1, 1, 1, 1, 1]);
+        assert_eq!(store.sweep_attempts(500, 100).unwrap(), 1, "a larger budget reaches it");
+        assert_eq!(left(&store), [0, 1, 1, 1, 1, 1, 0]);
+        assert_eq!(store.sweep_attempts(2_000, 100).unwrap(), 5);
+        assert_eq!(left(&store), [0; 7]);
     }
 }

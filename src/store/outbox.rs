@@ -77,8 +77,8 @@ pub(super) fn len<T: ReadableTableMetadata>(fresh: &T, retry: &T) -> Result<u64,
 
 /// Once per store of schema 4 or older: rows indexed as retries (and, defensively, any row
 /// that was already tried but indexed as fresh) move to `outbox_retry`; the `outbox_due`
-/// index is dropped. Reads `outbox_due` (one decode per row it names, streamed in chunks) and
-/// `outbox_retry_due`. Returns how many rows moved.
+/// index is dropped. Reads `outbox_due` (one decode per row it names, row by row) and
+/// `outbox_retry_due` (its ids collected first). Returns how many rows moved.
 pub(super) fn migrate_due_index(wtx: &WriteTransaction) -> Result<usize, StoreError> {
     if !wtx.list_tables()?.any(|t| t.name() == OUTBOX_DUE.name()) {
         return Ok(0);
@@ -157,8 +157,13 @@ mod tests {
                 let mut meta = wtx.open_table(META).unwrap();
                 meta.insert(META_SCHEMA, 4u32.to_le_bytes().as_slice()).unwrap();
             }
+            wtx.delete_table(OUTBOX_RETRY).unwrap();
             wtx.commit().unwrap();
         }
+        // Checked as it is (a backup of an older build): its own layout is consistent.
+        let report = crate::store::check::check_file(&path).unwrap();
+        assert!(report.is_consistent(), "{:?}", report.problems);
+        assert_eq!(report.outbox_rows, 3);
         let store = Store::open(&path).unwrap();
         {
             let rtx = store.db.begin_read().unwrap();

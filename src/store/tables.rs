@@ -1,5 +1,6 @@
 //! The redb table definitions. Keys are chosen so the common scans are range scans:
-//! a source's snapshot is the `(source, *)` range, the outbox due index is ordered by time.
+//! a source's snapshot is the `(source, *)` range, the fresh outbox is ordered by id (claim
+//! order), the retry due index by time.
 
 use redb::TableDefinition;
 
