@@ -199,6 +199,9 @@ fn load_config(path: &std::path::Path) -> Result<Config, i32> {
 
 fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
     let config = load_config(path)?;
+    for advice in config.delivery.advisories() {
+        tracing::warn!("{advice}");
+    }
     Engine::open(config).map_err(|e| {
         eprintln!("error: {e}");
         2
@@ -600,6 +603,9 @@ fn cmd_check(config: &std::path::Path) -> i32 {
         Err(code) => return code,
     };
     println!("config {}: ok", config.display());
+    for advice in cfg.delivery.advisories() {
+        println!("warning: {advice}");
+    }
     println!("store: {}", cfg.store_path.display());
     let mut bad = 0;
     for s in &cfg.sources {

@@ -192,6 +192,25 @@ pub struct DeliveryConfig {
     pub retention: Duration,
 }
 
+impl DeliveryConfig {
+    /// Settings that are valid but weaken a guarantee, as sentences for an operator
+    /// (`zonewatch check` prints them, `run` and `serve` log them).
+    pub fn advisories(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let needed = self.idem_ttl.saturating_add(self.max_retry_window);
+        if self.retention < needed {
+            out.push(format!(
+                "delivery.retention ({}) is shorter than idem_ttl + max_retry_window ({}): a dead letter replayed \
+                 after its key came back may not see that an earlier copy was sent, and send it again under the \
+                 same webhook-id",
+                crate::util::format_duration(self.retention),
+                crate::util::format_duration(needed)
+            ));
+        }
+        out
+    }
+}
+
 /// The default retry schedule after the first try: 5s, 5m, 30m, 2h, 5h, 10h, 10h.
 pub fn default_retry_schedule() -> Vec<Duration> {
     [5, 300, 1_800, 7_200, 18_000, 36_000, 36_000].into_iter().map(Duration::from_secs).collect()
@@ -685,6 +704,15 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_retention_shorter_than_a_key_cycle_is_an_advisory_not_an_error() {
+        assert!(DeliveryConfig::default().advisories().is_empty(), "the defaults (30 d vs 7 d + 3 d) are safe");
+        let short = DeliveryConfig { retention: Duration::from_secs(86_400), ..Default::default() };
+        let advice = short.advisories();
+        assert_eq!(advice.len(), 1);
+        assert!(advice[0].contains("delivery.retention") && advice[0].contains("webhook-id"), "{advice:?}");
+    }
     use super::*;
 
     #[test]
