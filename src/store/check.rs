@@ -155,19 +155,10 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     let mut outbox_ids = HashSet::new();
     {
         let retry_due = rtx.open_table(OUTBOX_RETRY_DUE)?;
-        let open_if_present = |def| match rtx.open_table(def) {
-            Ok(t) => Ok(Some(t)),
-            Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
-            Err(e) => Err(StoreError::from(e)),
-        };
-        let retry_rows = open_if_present(OUTBOX_RETRY)?;
+        let retry_rows = open_optional(rtx, OUTBOX_RETRY)?;
         let legacy_fresh_due = match retry_rows {
             Some(_) => None,
-            None => match rtx.open_table(OUTBOX_DUE) {
-                Ok(t) => Some(t),
-                Err(redb::TableError::TableDoesNotExist(_)) => None,
-                Err(e) => return Err(e.into()),
-            },
+            None => open_optional(rtx, OUTBOX_DUE)?,
         };
         let mut retry_ids = HashSet::new();
         let fresh_rows = rtx.open_table(OUTBOX)?;
@@ -320,6 +311,18 @@ trait LenHint {
 impl<T: redb::ReadableTableMetadata> LenHint for T {
     fn len_hint(&self) -> u64 {
         self.len().unwrap_or(0)
+    }
+}
+
+/// A table that files written by an older build may not have (`None` then).
+fn open_optional<K: redb::Key + 'static, V: redb::Value + 'static>(
+    rtx: &redb::ReadTransaction,
+    def: redb::TableDefinition<K, V>,
+) -> Result<Option<redb::ReadOnlyTable<K, V>>, StoreError> {
+    match rtx.open_table(def) {
+        Ok(t) => Ok(Some(t)),
+        Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 

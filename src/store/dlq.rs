@@ -4,7 +4,6 @@
 //! any row its record names) is absorbed as a `duplicate`; a dead letter replayed more than `max_replays` times, or whose geometry no
 //! longer validates, is moved to the delivery quarantine for a person.
 
-use super::codec::decode;
 use super::runs::{append_audit, codec_err};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -50,31 +49,12 @@ fn next_outbox_id(wtx: &WriteTransaction) -> Result<u64, StoreError> {
 /// not recognised: the replay re-sends under the same `webhook-id`, as that cycle's own first
 /// delivery did.
 fn key_was_sent(index: &super::key_journal::KeyIndex, wtx: &WriteTransaction, key: &str) -> Result<bool, StoreError> {
-    let sent = |v: &[u8], table: &'static str| -> Result<bool, StoreError> {
-        let rec: AttemptRecord = decode(v).map_err(|m| codec_err(table, m))?;
-        Ok(rec.result == "sent")
-    };
-    for item in wtx.open_table(DELIVERY_ATTEMPTS)?.range((key, 0u32)..=(key, u32::MAX))? {
-        if sent(item?.1.value(), "delivery_attempts")? {
-            return Ok(true);
-        }
-    }
     let rows: Vec<u64> = {
         let keys = super::key_journal::KeyTables::open(wtx, index)?;
-        match keys.find(key)? {
-            Some((_, rec)) => rec.rows().collect(),
-            None => return Ok(false),
-        }
+        keys.find(key)?.map(|(_, rec)| rec.rows().collect()).unwrap_or_default()
     };
-    let log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
-    for row in rows {
-        for item in log.range((row, 0u32)..=(row, u32::MAX))? {
-            if sent(item?.1.value(), "delivery_attempts_by_row")? {
-                return Ok(true);
-            }
-        }
-    }
-    Ok(false)
+    let (legacy, log) = (wtx.open_table(DELIVERY_ATTEMPTS)?, wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?);
+    Ok(super::leases::named_attempts(&legacy, &log, key, rows)?.iter().any(|a| a.result == "sent"))
 }
 
 impl Store {

@@ -174,36 +174,23 @@ impl Store {
     /// 1.. across the key's outbox rows (a replayed dead letter keeps counting).
     pub fn attempts(&self, key: &str) -> Result<Vec<AttemptRecord>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let mut out: Vec<AttemptRecord> = Vec::new();
-        // Stores written before the by-row log keep older attempts under the key.
-        for item in rtx.open_table(DELIVERY_ATTEMPTS)?.range((key, 0u32)..=(key, u32::MAX))? {
-            let (_, v) = item?;
-            out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?);
-        }
+        let legacy = rtx.open_table(DELIVERY_ATTEMPTS)?;
         let log = rtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
         // A read racing a journal merge may miss the key (its index entry already dropped, its
         // snapshot of `idem_keys` older than the merge): it then takes the log-scan branch
         // below, which finds the same attempts, only slower.
         let (journal, main) = (rtx.open_table(IDEM_KEY_JOURNAL)?, rtx.open_table(IDEM_KEYS)?);
-        match super::key_journal::find(&self.key_index, &journal, &main, key)? {
-            // The key names every row it was queued as (across replays and TTL cycles).
-            Some((_, rec)) => {
-                for row in rec.rows() {
-                    for item in log.range((row, 0u32)..=(row, u32::MAX))? {
-                        let (_, v) = item?;
-                        out.push(decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?);
-                    }
-                }
-            }
+        // The key names every row it was queued as (across replays and TTL cycles).
+        let named: Option<Vec<u64>> = super::key_journal::find(&self.key_index, &journal, &main, key)?.map(|(_, rec)| rec.rows().collect());
+        let mut out = named_attempts(&legacy, &log, key, named.iter().flatten().copied())?;
+        if named.is_none() {
             // A key swept after its TTL: its attempts stay until the retention sweep, found
             // by a scan of the log (an operator's lookup, not a delivery path).
-            None => {
-                for item in log.iter()? {
-                    let (_, v) = item?;
-                    let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?;
-                    if rec.key == key {
-                        out.push(rec);
-                    }
+            for item in log.iter()? {
+                let (_, v) = item?;
+                let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?;
+                if rec.key == key {
+                    out.push(rec);
                 }
             }
         }
@@ -303,6 +290,27 @@ impl Store {
         }
         Ok(n)
     }
+}
+
+/// The attempts logged for `key` under the key itself (stores written before the by-row log)
+/// and on the outbox rows `rows` (the ones its record names), in that order. Read through
+/// the caller's open tables, in a read or a write transaction.
+pub(super) fn named_attempts(
+    legacy: &impl ReadableTable<(&'static str, u32), &'static [u8]>,
+    log: &impl ReadableTable<(u64, u32), &'static [u8]>,
+    key: &str,
+    rows: impl IntoIterator<Item = u64>,
+) -> Result<Vec<AttemptRecord>, StoreError> {
+    let mut out = Vec::new();
+    for item in legacy.range((key, 0u32)..=(key, u32::MAX))? {
+        out.push(decode(item?.1.value()).map_err(|m| codec_err("delivery_attempts", m))?);
+    }
+    for row in rows {
+        for item in log.range((row, 0u32)..=(row, u32::MAX))? {
+            out.push(decode(item?.1.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?);
+        }
+    }
+    Ok(out)
 }
 
 /// Writes one attempt row inside an outcome transaction, on its open
