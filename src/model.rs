@@ -118,11 +118,37 @@ impl StoredGeometry {
 
     /// GeoJSON geometry object (`MultiPolygon`, or `Polygon` when there is one part).
     pub fn to_geojson(&self) -> serde_json::Value {
-        if self.0.len() == 1 {
-            serde_json::json!({"type": "Polygon", "coordinates": self.0[0]})
-        } else {
-            serde_json::json!({"type": "MultiPolygon", "coordinates": self.0})
+        serde_json::to_value(self.geojson()).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The same GeoJSON object as [`StoredGeometry::to_geojson`], serialised straight from
+    /// the coordinates: a webhook body is built at every attempt, and building a JSON value
+    /// tree first cost an allocation per position.
+    pub fn geojson(&self) -> GeoJsonGeometry<'_> {
+        GeoJsonGeometry(self)
+    }
+}
+
+/// A [`StoredGeometry`] serialised as a GeoJSON geometry object, keys in the order
+/// `to_geojson` has always written them (sorted: `coordinates`, then `type`), so a body
+/// built by either is the same bytes.
+pub struct GeoJsonGeometry<'a>(&'a StoredGeometry);
+
+impl Serialize for GeoJsonGeometry<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(2))?;
+        match self.0 .0.as_slice() {
+            [polygon] => {
+                map.serialize_entry("coordinates", polygon)?;
+                map.serialize_entry("type", "Polygon")?;
+            }
+            parts => {
+                map.serialize_entry("coordinates", parts)?;
+                map.serialize_entry("type", "MultiPolygon")?;
+            }
         }
+        map.end()
     }
 }
 

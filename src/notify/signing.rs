@@ -19,18 +19,51 @@ pub fn decode_secret(secret: &str) -> Result<Vec<u8>, String> {
 
 /// The `webhook-signature` value for one message.
 pub fn sign(key: &[u8], msg_id: &str, timestamp_secs: u64, body: &[u8]) -> String {
-    let mut mac = match <Hmac<Sha256> as KeyInit>::new_from_slice(key) {
-        Ok(m) => m,
+    match Signer::new(key) {
+        Ok(signer) => sign_with(&signer, msg_id, &timestamp_secs.to_string(), body),
         // HMAC accepts keys of any length; this arm is unreachable in practice.
-        Err(_) => return String::new(),
-    };
+        Err(_) => String::new(),
+    }
+}
+
+/// An HMAC-SHA256 keyed once, so signing a message starts from the keyed state instead of
+/// hashing the key's pads again (a delivery worker keeps one per endpoint secret).
+#[derive(Clone)]
+pub struct Signer(Hmac<Sha256>);
+
+/// Shows no key material.
+impl std::fmt::Debug for Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Signer(..)")
+    }
+}
+
+impl Signer {
+    /// Keys an HMAC with `key` (HMAC takes keys of any length, so this does not fail in
+    /// practice; an error is still an error, never a signature under another key).
+    pub fn new(key: &[u8]) -> Result<Signer, String> {
+        <Hmac<Sha256> as KeyInit>::new_from_slice(key).map(Signer).map_err(|e| format!("bad HMAC key: {e}"))
+    }
+
+    /// Decodes a `whsec_` secret ([`decode_secret`]) and keys a signer with it.
+    pub fn from_secret(secret: &str) -> Result<Signer, String> {
+        Signer::new(&decode_secret(secret)?)
+    }
+}
+
+/// [`sign`] with a keyed [`Signer`] and the timestamp already rendered as decimal seconds.
+pub fn sign_with(signer: &Signer, msg_id: &str, timestamp_secs: &str, body: &[u8]) -> String {
+    let mut mac = signer.0.clone();
     mac.update(msg_id.as_bytes());
     mac.update(b".");
-    mac.update(timestamp_secs.to_string().as_bytes());
+    mac.update(timestamp_secs.as_bytes());
     mac.update(b".");
     mac.update(body);
     let sig = mac.finalize().into_bytes();
-    format!("v1,{}", base64::engine::general_purpose::STANDARD.encode(sig))
+    let mut out = String::with_capacity(3 + 44);
+    out.push_str("v1,");
+    base64::engine::general_purpose::STANDARD.encode_string(sig, &mut out);
+    out
 }
 
 #[cfg(test)]
@@ -43,11 +76,17 @@ mod tests {
         let key = decode_secret("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         let sig = sign(&key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, br#"{"test": 2432232314}"#);
         assert_eq!(sig, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+        // A signer keyed once signs message after message from the same keyed state.
+        let signer = Signer::from_secret("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        for _ in 0..2 {
+            assert_eq!(sign_with(&signer, "msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265330", br#"{"test": 2432232314}"#), sig);
+        }
     }
 
     #[test]
     fn rejects_bad_secrets() {
         assert!(decode_secret("whsec_%%%").is_err());
         assert!(decode_secret("whsec_AAAA").is_err());
+        assert!(Signer::from_secret("whsec_%%%").is_err());
     }
 }

@@ -36,13 +36,12 @@ pub(super) enum Gate {
     Closed,
 }
 
-pub(super) fn load_all(t: &impl ReadableTable<&'static str, &'static [u8]>) -> Result<HashMap<String, EndpointState>, StoreError> {
-    let mut m = HashMap::new();
-    for item in t.iter()? {
-        let (k, v) = item?;
-        m.insert(k.value().to_string(), decode(v.value()).map_err(|e| codec_err("endpoints", e))?);
+/// One endpoint's health, if it has any on record.
+pub(super) fn load(t: &impl ReadableTable<&'static str, &'static [u8]>, id: &str) -> Result<Option<EndpointState>, StoreError> {
+    match t.get(id)? {
+        Some(v) => Ok(Some(decode(v.value()).map_err(|e| codec_err("endpoints", e))?)),
+        None => Ok(None),
     }
-    Ok(m)
 }
 
 pub(super) fn gate(state: Option<&EndpointState>, now_ms: u64) -> Gate {

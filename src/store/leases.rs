@@ -24,19 +24,33 @@ use std::sync::{Mutex, MutexGuard};
 /// outcome drops its leases only after its commit. So a pass either sees the row still
 /// leased, or opens its snapshot after the commit that resolved the row.
 #[derive(Debug, Default)]
-pub(super) struct Leases(Mutex<HashMap<u64, u64>>);
+pub(super) struct Leases(Mutex<LeaseState>);
+
+/// What [`Leases`] guards.
+#[derive(Debug, Default)]
+pub(super) struct LeaseState {
+    /// Outbox id → lease expiry (ms).
+    by_row: HashMap<u64, u64>,
+    /// Where the next pass starts reading the fresh queue: just past the last fresh row the
+    /// previous pass read. A draining backlog keeps hundreds to thousands of leased rows at
+    /// the front of the queue (in flight, their outcomes not yet committed); reading from the
+    /// front stepped over all of them on every pass. A pass that reaches the end of the queue
+    /// before its limit wraps to the front, so a row passed over (a held endpoint, a lease
+    /// that expired) is read again at least once per sweep of the queue.
+    fresh_resume: u64,
+}
 
 impl Leases {
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, u64>> {
+    fn lock(&self) -> MutexGuard<'_, LeaseState> {
         // A panic while holding the lock leaves whole entries: each is a row id and an expiry.
         self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Drops the leases of rows whose outcome has been committed.
     pub(super) fn release(&self, ids: impl IntoIterator<Item = u64>) {
-        let mut map = self.lock();
+        let mut state = self.lock();
         for id in ids {
-            map.remove(&id);
+            state.by_row.remove(&id);
         }
     }
 }
@@ -82,19 +96,26 @@ impl Store {
         let mut leases = self.leases.lock();
         let rtx = self.db.begin_read()?;
         let mut batch = LeasedBatch { lease_until_ms: until, ..Default::default() };
-        let health = super::endpoints::load_all(&rtx.open_table(ENDPOINTS)?)?;
+        // Endpoint health, read per endpoint the pass meets (reading every endpoint's on each
+        // pass cost ~2.5k instructions per endpoint, per pass, whether it had rows or not).
+        let endpoints = rtx.open_table(ENDPOINTS)?;
+        let mut health: HashMap<String, Option<crate::model::EndpointState>> = HashMap::new();
         let mut probed = std::collections::HashSet::new();
         let fresh_rows = rtx.open_table(OUTBOX)?;
         let retry_rows = rtx.open_table(OUTBOX_RETRY)?;
         // Whether row `id` (decoded from `bytes`) may go out now; leases it if so.
-        let mut take = |id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
-            if leases.get(&id).is_some_and(|&l| l > now_ms) {
+        let mut take = |by_row: &mut HashMap<u64, u64>, id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
+            if by_row.get(&id).is_some_and(|&l| l > now_ms) {
                 return Ok(false);
             }
             let entry: OutboxEntry = super::outbox_rows::decode_entry(bytes).map_err(|m| codec_err(table, m))?;
             // Disabled endpoints and open breakers hold their entries back; a
             // half-open breaker lets one probe through.
-            match super::endpoints::gate(health.get(&entry.watcher_id), now_ms) {
+            if !health.contains_key(&entry.watcher_id) {
+                let state = super::endpoints::load(&endpoints, &entry.watcher_id)?;
+                health.insert(entry.watcher_id.clone(), state);
+            }
+            match super::endpoints::gate(health.get(&entry.watcher_id).and_then(Option::as_ref), now_ms) {
                 super::endpoints::Gate::Closed => return Ok(false),
                 super::endpoints::Gate::Probe => {
                     if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
@@ -103,23 +124,33 @@ impl Store {
                 }
                 super::endpoints::Gate::Open => {}
             }
-            leases.insert(id, until);
+            by_row.insert(id, until);
             out.push(entry);
             Ok(true)
         };
-        // Fresh rows in claim (id) order: all due.
-        let mut taken = 0;
+        // Fresh rows in claim (id) order, all due: from where the last pass stopped to the
+        // end, then (when that did not fill the batch) from the front up to that point.
+        let resume = leases.fresh_resume;
+        let mut next_resume = 0;
         if fresh_limit > 0 {
-            for item in fresh_rows.iter()? {
-                let (k, v) = item?;
-                if take(k.value(), v.value(), "outbox", &mut batch.entries)? {
-                    taken += 1;
-                    if taken >= fresh_limit {
-                        break;
+            let mut taken = 0;
+            use std::ops::Bound::{Excluded, Included, Unbounded};
+            let wrap = (resume > 0).then_some((Included(0), Excluded(resume)));
+            'scan: for range in std::iter::once((Included(resume), Unbounded)).chain(wrap) {
+                for item in fresh_rows.range::<u64>(range)? {
+                    let (k, v) = item?;
+                    let id = k.value();
+                    if take(&mut leases.by_row, id, v.value(), "outbox", &mut batch.entries)? {
+                        taken += 1;
+                        if taken >= fresh_limit {
+                            next_resume = id.saturating_add(1);
+                            break 'scan;
+                        }
                     }
                 }
             }
         }
+        leases.fresh_resume = next_resume;
         batch.fresh = batch.entries.len();
         // Retries by due time.
         let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
@@ -129,7 +160,7 @@ impl Store {
                 let (k, _) = item?;
                 let (_, id) = k.value();
                 let Some(v) = retry_rows.get(id)? else { continue };
-                if take(id, v.value(), "outbox_retry", &mut batch.entries)? {
+                if take(&mut leases.by_row, id, v.value(), "outbox_retry", &mut batch.entries)? {
                     taken += 1;
                     if taken >= retry_limit {
                         break;
@@ -144,16 +175,16 @@ impl Store {
     /// Drops every lease that expires at or before `before_ms` (`u64::MAX`: all of them), so
     /// those entries are due again. Returns how many were dropped.
     pub fn reclaim_leases(&self, before_ms: u64) -> Result<usize, StoreError> {
-        let mut map = self.leases.lock();
-        let n = map.len();
-        map.retain(|_, until| *until > before_ms);
-        Ok(n - map.len())
+        let mut state = self.leases.lock();
+        let n = state.by_row.len();
+        state.by_row.retain(|_, until| *until > before_ms);
+        Ok(n - state.by_row.len())
     }
 
     /// How many outbox entries this process has leased right now (in flight, or expired and
     /// not taken over yet).
     pub fn leased_len(&self) -> Result<u64, StoreError> {
-        Ok(self.leases.lock().len() as u64)
+        Ok(self.leases.lock().by_row.len() as u64)
     }
 
     /// Stores written before leases moved to memory (schema 5) may hold leases of a process
@@ -370,6 +401,40 @@ mod tests {
         assert_eq!(store.leased_len().unwrap(), 0);
         let r = store.check_consistency().unwrap();
         assert!(r.is_consistent(), "{:?}", r.problems);
+    }
+
+    /// A pass starts reading the fresh queue where the last one stopped, and wraps to the
+    /// front when it reaches the end: rows whose lease expired behind that point are leased
+    /// again in the same pass that finds the end of the queue, and every row is handed out.
+    #[test]
+    fn fresh_leasing_resumes_where_it_stopped_and_wraps_to_the_front() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let events: Vec<_> = (0..10).map(|i| sample_event(&format!("P{i}"))).collect();
+        let claims: Vec<Claim> = (0..events.len())
+            .map(|i| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
+            .collect();
+        store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+        let ids: Vec<u64> = store.outbox().unwrap().iter().map(|e| e.id).collect();
+        let lease = |now: u64, n: usize| -> Vec<u64> { store.lease_due(now, 100, n, 0).unwrap().entries.iter().map(|e| e.id).collect() };
+        // Short leases (100 ms) on the first four rows, then a long run of passes.
+        assert_eq!(lease(10, 4), ids[..4]);
+        assert_eq!(lease(20, 3), ids[4..7], "resumes after the last row read");
+        // At 150 the first four leases have expired: the pass reads 7..10, reaches the end,
+        // and wraps to the front for the rest of its batch.
+        let wrapped = lease(150, 6);
+        assert_eq!(wrapped[..3], ids[7..], "the tail first");
+        assert_eq!(wrapped[3..], ids[..3], "then the front, up to where it stopped");
+        // Resumes after row 3; row 4 (expired) and 5, 6 (expired at 120) follow, then the
+        // wrap finds nothing new before row 3 that is not leased again.
+        assert_eq!(lease(160, 10), [ids[3], ids[4], ids[5], ids[6]]);
+        assert!(lease(170, 10).is_empty(), "everything is leased");
+        // Completed rows leave the queue; the rest come back after their leases expire.
+        let done: Vec<DeliveryResult> = ids[..5].iter().map(|&id| DeliveryResult::Sent { id, status: 200 }).collect();
+        store.record_outcomes(&done, &[], 200).unwrap();
+        let mut rest = lease(1_000, 10);
+        rest.sort_unstable();
+        assert_eq!(rest, ids[5..]);
     }
 
     /// The retention sweep reads the log in row order, steps over attempts inside retention,
