@@ -58,10 +58,14 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Validate the config and every AOI file.
+    /// Validate the config and every AOI file, and check the store's cross-table consistency
+    /// (read-only; skipped while a running zonewatch has the store open)
     Check {
         #[arg(long)]
         config: PathBuf,
+        /// Check this store file instead of the config's (a backup, say)
+        #[arg(long)]
+        store: Option<PathBuf>,
     },
     /// Show the audit ledger (one row per outcome).
     Audit {
@@ -163,7 +167,7 @@ pub fn dispatch(cli: Cli) -> i32 {
         },
         Command::Run { config, source, reprocess, from_staging } => cmd_run(&config, source.as_deref(), reprocess, from_staging),
         Command::Serve { config } => cmd_serve(&config),
-        Command::Check { config } => cmd_check(&config),
+        Command::Check { config, store } => cmd_check(&config, store.as_deref()),
         Command::Audit { config, parcel, watcher, source, key, lineage, format } => {
             let filter = AuditFilter { parcel, watcher, source, key, lineage, ..Default::default() };
             cmd_audit(&config, filter, format)
@@ -597,7 +601,7 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
     }
 }
 
-fn cmd_check(config: &std::path::Path) -> i32 {
+fn cmd_check(config: &std::path::Path, store: Option<&std::path::Path>) -> i32 {
     let cfg = match load_config(config) {
         Ok(c) => c,
         Err(code) => return code,
@@ -660,12 +664,62 @@ fn cmd_check(config: &std::path::Path) -> i32 {
             }
         }
     }
+    bad += check_store(store.unwrap_or(&cfg.store_path));
     if bad > 0 {
         eprintln!("error: {bad} problem(s) found");
         2
     } else {
         println!("all good: {} source(s), {} subscriber(s)", cfg.sources.len(), cfg.subscribers.len());
         0
+    }
+}
+
+/// `check`'s store part: the cross-table consistency check (`store::check`) on the file,
+/// opened read-only (nothing in it changes, an older schema included). Returns the number of
+/// problems found. A store that a running zonewatch holds open is not checked (redb allows
+/// one process): its backup can be (`zonewatch backup`, then `check --store COPY`).
+fn check_store(path: &std::path::Path) -> usize {
+    if !path.exists() {
+        println!("store {}: not created yet", path.display());
+        return 0;
+    }
+    // `check` is also the config check run before a reload, often as another user than the
+    // daemon's: a store it may not read is noted, not counted as a problem.
+    if let Err(e) = std::fs::File::open(path) {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            println!("store {}: not readable by this user, consistency not checked ({e})", path.display());
+            return 0;
+        }
+    }
+    match crate::store::check::check_file(path) {
+        Ok(r) if r.is_consistent() => {
+            println!(
+                "store {}: consistent ({} queued outbox row(s), {} audit row(s), {} watermark(s), {} run(s))",
+                path.display(),
+                r.outbox_rows,
+                r.audit_rows,
+                r.watermarks,
+                r.runs
+            );
+            0
+        }
+        Ok(r) => {
+            for p in &r.problems {
+                println!("store {}: PROBLEM {p}", path.display());
+            }
+            r.problems.len()
+        }
+        Err(crate::store::StoreError::InUse { .. }) => {
+            println!(
+                "store {}: in use by a running zonewatch, consistency not checked (check a copy: `zonewatch backup --config ... COPY`, then `zonewatch check --config ... --store COPY`)",
+                path.display()
+            );
+            0
+        }
+        Err(e) => {
+            println!("store {}: ERROR {e}", path.display());
+            1
+        }
     }
 }
 

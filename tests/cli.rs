@@ -33,6 +33,29 @@ fn check_reports_good_and_bad_configs() {
     assert!(o.status.success(), "{out}{err}");
     assert!(out.contains("subscriber w: aoi ok"), "{out}");
 
+    assert!(out.contains("not created yet"), "no store before the first run: {out}");
+
+    // After a run, the store's cross-table check runs too (read-only) ...
+    let o = zonewatch(&["run", "--config", cfg.to_str().unwrap()]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains(": consistent (") && out.contains("1 watermark(s), 1 run(s)"), "{out}");
+    // ... on another file when asked (a backup): one that is not a store is an error ...
+    let not_a_store = ws.path().join("aoi/w.geojson");
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap(), "--store", not_a_store.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).0.contains("ERROR"), "{:?}", text(&o));
+    // ... and a store a running zonewatch holds is left alone, without failing the check.
+    {
+        let engine = ws.engine();
+        let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+        assert!(o.status.success(), "{:?}", text(&o));
+        assert!(text(&o).0.contains("in use by a running zonewatch"), "{:?}", text(&o));
+        drop(engine);
+    }
+
     std::fs::write(ws.path().join("aoi/w.geojson"), r#"{"type":"Point","coordinates":[0,0]}"#).unwrap();
     let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));

@@ -16,6 +16,7 @@ use crate::model::{AuditRow, OutboxEntry, Outcome, RunRecord, Verdict, Watermark
 use redb::{ReadableDatabase, ReadableTable};
 
 use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasher;
 
 /// What [`Store::check_consistency`] looked at, and what it found wrong.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -34,6 +35,9 @@ impl ConsistencyReport {
         self.problems.is_empty()
     }
 }
+
+/// redb's page cache while a store file is checked (`check_file`).
+const CHECK_CACHE_BYTES: usize = 16 << 20;
 
 /// Caps the problem list so a badly damaged store gives a readable answer.
 const MAX_PROBLEMS: usize = 50;
@@ -67,7 +71,10 @@ impl Store {
 /// build that `Store::open` would drop). Files of schema 4 and older are checked in their own
 /// outbox layout.
 pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreError> {
-    let db = redb::ReadOnlyDatabase::open(path).map_err(|e| match e {
+    // A small page cache: the check reads each table once, in order, so redb's default
+    // cache would only grow toward the size of the file (a 300 MiB store peaked at 226 MiB
+    // of memory).
+    let db = redb::Builder::new().set_cache_size(CHECK_CACHE_BYTES).open_read_only(path).map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
         other => StoreError::Open { path: path.to_path_buf(), message: format!("not a readable zonewatch store: {other}") },
     })?;
@@ -77,76 +84,67 @@ pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreErro
 fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreError> {
     let mut report = ConsistencyReport::default();
 
-    // Audit ledger: contiguous seq; the last lifecycle outcome of every key.
-    let mut last_lifecycle: HashMap<String, Outcome> = HashMap::new();
+    // Idempotency keys and their expiry index. Memory stays small for a county-sized store
+    // (millions of keys): the expiry entries are held as 64-bit fingerprints of
+    // `(expires at, key)`, not as strings (a fingerprint collision could hide one missing
+    // entry, with odds of about n / 2^64), and only the key journal's rows (a bounded few) are
+    // held whole; other keys are looked up in `idem_keys` when a row names them.
+    let fingerprints = std::collections::hash_map::RandomState::new();
+    let entry_fp = |t: u64, key: &str| fingerprints.hash_one((t, key));
+    let keys = rtx.open_table(IDEM_KEYS)?;
+    let mut journal_claims: HashMap<String, IdemRecord> = HashMap::new();
     {
-        let audit = rtx.open_table(AUDIT)?;
-        let mut expected = 1u64;
-        for item in audit.iter()? {
-            let (k, v) = item?;
-            let seq = k.value();
-            if seq != expected {
-                problem(&mut report, format!("audit seq jumps from {} to {seq}", expected - 1));
-            }
-            expected = seq + 1;
-            report.audit_rows += 1;
-            let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
-            if matches!(row.outcome, Outcome::Queued | Outcome::Sent | Outcome::DeadLetter) {
-                if let Some(key) = row.idempotency_key {
-                    last_lifecycle.insert(key, row.outcome);
-                }
-            }
-        }
-    }
-
-    // Idempotency keys and their expiry index.
-    let mut claims: HashMap<String, IdemRecord> = HashMap::new();
-    {
-        let keys = rtx.open_table(IDEM_KEYS)?;
         // A file written before expiry buckets (a backup being checked) has the per-key index.
-        let expiry: HashSet<(u64, String)> = match rtx.open_table(IDEM_EXPIRY_BUCKETS) {
-            Ok(buckets) => {
-                let (entries, unreadable) = super::expiry::entries(&buckets)?;
-                for p in unreadable {
+        let mut expiry: HashSet<u64> = HashSet::new();
+        match open_optional(rtx, IDEM_EXPIRY_BUCKETS)? {
+            Some(buckets) => {
+                for p in super::expiry::for_each_entry(&buckets, |t, key| {
+                    expiry.insert(entry_fp(t, key));
+                })? {
                     problem(&mut report, p);
                 }
-                entries
             }
-            Err(redb::TableError::TableDoesNotExist(_)) => {
-                let mut set = HashSet::new();
+            None => {
                 for item in rtx.open_table(IDEM_EXPIRY)?.iter()? {
                     let (k, _) = item?;
                     let (t, key) = k.value();
-                    set.insert((t, key.to_string()));
+                    expiry.insert(entry_fp(t, key));
                 }
-                set
             }
-            Err(e) => return Err(e.into()),
-        };
+        }
         for item in keys.iter()? {
             let (k, v) = item?;
             let rec: IdemRecord = decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
-            if !expiry.contains(&(rec.expires_ms, k.value().to_string())) {
+            if !expiry.contains(&entry_fp(rec.expires_ms, k.value())) {
                 problem(&mut report, format!("idempotency key {} has no expiry index entry", k.value()));
             }
-            claims.insert(k.value().to_string(), rec);
         }
         // New keys not merged yet (a file of schema version 2 or older has no journal).
-        match rtx.open_table(IDEM_KEY_JOURNAL) {
-            Ok(journal) => {
-                for (seq, key, rec) in super::key_journal::rows(&journal)? {
-                    if !expiry.contains(&(rec.expires_ms, key.clone())) {
-                        problem(&mut report, format!("idempotency key {key} (journal row {seq}) has no expiry index entry"));
-                    }
-                    if claims.insert(key.clone(), rec).is_some() {
-                        problem(&mut report, format!("idempotency key {key} has more than one record (journal row {seq} and another)"));
-                    }
+        if let Some(journal) = open_optional(rtx, IDEM_KEY_JOURNAL)? {
+            for (seq, key, rec) in super::key_journal::rows(&journal)? {
+                if !expiry.contains(&entry_fp(rec.expires_ms, &key)) {
+                    problem(&mut report, format!("idempotency key {key} (journal row {seq}) has no expiry index entry"));
                 }
+                if keys.get(key.as_str())?.is_some() || journal_claims.contains_key(&key) {
+                    problem(&mut report, format!("idempotency key {key} has more than one record (journal row {seq} and another)"));
+                }
+                journal_claims.insert(key, rec);
             }
-            Err(redb::TableError::TableDoesNotExist(_)) => {}
-            Err(e) => return Err(e.into()),
         }
     }
+    // A key's record wherever it lives (the journal's row wins, as it does for the store).
+    let claim_of = |key: &str| -> Result<Option<IdemRecord>, StoreError> {
+        if let Some(rec) = journal_claims.get(key) {
+            return Ok(Some(rec.clone()));
+        }
+        match keys.get(key)? {
+            Some(v) => Ok(Some(decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?)),
+            None => Ok(None),
+        }
+    };
+    // Outbox rows whose key's last lifecycle audit row must be `queued` (checked once the
+    // audit ledger has been read, below): (table, row id, key).
+    let mut pending_rows: Vec<(&'static str, u64, String)> = Vec::new();
 
     // Outbox rows against claims, audit and the retry due index. A row is in exactly one
     // queue: fresh rows (never tried) need no due entry, retry rows have exactly one. A file
@@ -173,7 +171,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     problem(&mut report, format!("outbox {id}: queued both as fresh and as a retry"));
                 }
                 let e: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
-                match claims.get(&e.key.0) {
+                match claim_of(&e.key.0)? {
                     None => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", e.key.0)),
                     Some(rec) if rec.state == IdemState::Sent => {
                         problem(&mut report, format!("{name} {id}: key {} is already recorded as sent", e.key.0))
@@ -187,11 +185,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     }
                     Some(_) => {}
                 }
-                match last_lifecycle.get(&e.key.0) {
-                    Some(Outcome::Queued) => {}
-                    Some(other) => problem(&mut report, format!("{name} {id}: the last audit row of key {} is {}, not queued", e.key.0, other.as_str())),
-                    None => problem(&mut report, format!("{name} {id}: key {} has no queued audit row", e.key.0)),
-                }
+                pending_rows.push((name, id, e.key.0.clone()));
                 let indexed = retry_due.get((e.next_attempt_ms, id))?.is_some();
                 if let Some(old) = &legacy_fresh_due {
                     // Schema 4 and older: one entry in either index.
@@ -244,7 +238,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             let (k, v) = item?;
             let id = k.value();
             let d = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
-            match claims.get(&d.entry.key.0) {
+            match claim_of(&d.entry.key.0)? {
                 None => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", d.entry.key.0)),
                 // A version 1 key (no row named) is kept by its state.
                 Some(rec) if rec.outbox_id.is_none() && matches!(rec.state, IdemState::Queued | IdemState::DeadLetter) => {}
@@ -254,6 +248,36 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 ),
                 Some(_) => {}
             }
+        }
+    }
+
+    // Audit ledger: contiguous seq; the last lifecycle outcome of each pending row's key
+    // (only those keys are kept: the ledger names every key ever claimed).
+    let mut last_lifecycle: HashMap<&str, Option<Outcome>> = pending_rows.iter().map(|(_, _, key)| (key.as_str(), None)).collect();
+    {
+        let audit = rtx.open_table(AUDIT)?;
+        let mut expected = 1u64;
+        for item in audit.iter()? {
+            let (k, v) = item?;
+            let seq = k.value();
+            if seq != expected {
+                problem(&mut report, format!("audit seq jumps from {} to {seq}", expected - 1));
+            }
+            expected = seq + 1;
+            report.audit_rows += 1;
+            let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
+            if matches!(row.outcome, Outcome::Queued | Outcome::Sent | Outcome::DeadLetter) {
+                if let Some(slot) = row.idempotency_key.as_deref().and_then(|key| last_lifecycle.get_mut(key)) {
+                    *slot = Some(row.outcome);
+                }
+            }
+        }
+    }
+    for (name, id, key) in &pending_rows {
+        match last_lifecycle.get(key.as_str()).copied().flatten() {
+            Some(Outcome::Queued) => {}
+            Some(other) => problem(&mut report, format!("{name} {id}: the last audit row of key {key} is {}, not queued", other.as_str())),
+            None => problem(&mut report, format!("{name} {id}: key {key} has no queued audit row")),
         }
     }
 
@@ -364,5 +388,60 @@ mod tests {
         assert!(all.contains("audit seq jumps from 0 to 5"), "{all}");
         assert!(all.contains("watermark of s names run 0, which does not exist"), "{all}");
         assert_eq!(r.problems.len(), 4, "{all}"); // + the missing history row
+    }
+
+    /// The key checks, which hold no copy of the keys: a row whose claim is gone, a key whose
+    /// last lifecycle row is not `queued`, a key without its expiry entry, a key in both the
+    /// journal and `idem_keys`.
+    #[test]
+    fn damaged_claims_are_named() {
+        use crate::model::{sample_event, IdemKey, Severity};
+        use crate::store::Claim;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        let events: Vec<_> = (0..4).map(|i| sample_event(&format!("P{i}"))).collect();
+        let claims: Vec<Claim> = (0..events.len())
+            .map(|i| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
+            .collect();
+        store.enqueue(&events, &claims, "l", 0, 3_600_000).expect("enqueue");
+        assert!(store.check_consistency().expect("check").is_consistent());
+        let wtx = store.db.begin_write().expect("write");
+        {
+            let mut journal = wtx.open_table(IDEM_KEY_JOURNAL).expect("journal");
+            let rows = super::super::key_journal::rows(&journal).expect("rows");
+            assert_eq!(rows.len(), 4, "new keys are in the journal");
+            let find = |key: &str| rows.iter().find(|r| r.1 == key).cloned().expect("row");
+            // k0's claim is gone.
+            journal.remove(find("k0").0).expect("remove");
+            // k2 is also in idem_keys; a key nobody queued has an expiry no bucket holds.
+            let mut main = wtx.open_table(IDEM_KEYS).expect("keys");
+            main.insert("k2", super::super::idem::encode_idem(&find("k2").2).as_slice()).expect("insert");
+            let mut stray = find("k3").2;
+            stray.expires_ms += 1;
+            main.insert("stray", super::super::idem::encode_idem(&stray).as_slice()).expect("insert");
+            // k1's last lifecycle row says sent.
+            let mut audit = wtx.open_table(AUDIT).expect("audit");
+            let next = audit.last().expect("last").map(|(k, _)| k.value() + 1).expect("rows");
+            let row = AuditRow {
+                seq: next,
+                ts_ms: 1,
+                outcome: Outcome::Sent,
+                idempotency_key: Some("k1".into()),
+                watcher_id: None,
+                source_id: None,
+                parcel_id: None,
+                lineage_id: None,
+                detail: String::new(),
+            };
+            audit.insert(next, encode(&row).as_slice()).expect("insert");
+        }
+        wtx.commit().expect("commit");
+        let r = store.check_consistency().expect("check");
+        let all = r.problems.join("\n");
+        assert!(all.contains("key k0 is not claimed"), "{all}");
+        assert!(all.contains("the last audit row of key k1 is sent, not queued"), "{all}");
+        assert!(all.contains("idempotency key k2 has more than one record"), "{all}");
+        assert!(all.contains("idempotency key stray has no expiry index entry"), "{all}");
+        assert_eq!(r.problems.len(), 4, "{all}");
     }
 }

@@ -110,20 +110,19 @@ impl<'t> ExpiryIndex<'t> {
     }
 }
 
-/// Every `(expires at, key)` entry, and a sentence per bucket that cannot be read (for the
-/// consistency check).
-pub(super) fn entries<T: ReadableTable<(u64, u64), &'static [u8]>>(table: &T) -> Result<(std::collections::HashSet<(u64, String)>, Vec<String>), StoreError> {
-    let mut out = std::collections::HashSet::new();
+/// Calls `each` with every `(expires at, key)` entry; returns a sentence per bucket that
+/// cannot be read (for the consistency check, which keeps no copy of the keys).
+pub(super) fn for_each_entry<T: ReadableTable<(u64, u64), &'static [u8]>>(table: &T, mut each: impl FnMut(u64, &str)) -> Result<Vec<String>, StoreError> {
     let mut unreadable = Vec::new();
     for item in table.iter()? {
         let (k, v) = item?;
         let (t, n) = k.value();
         match decode_bucket(v.value()) {
-            Ok(keys) => out.extend(keys.into_iter().map(|key| (t, key.to_string()))),
+            Ok(keys) => keys.into_iter().for_each(|key| each(t, key)),
             Err(m) => unreadable.push(format!("idempotency key expiry bucket ({t}, {n}) cannot be read: {m}")),
         }
     }
-    Ok((out, unreadable))
+    Ok(unreadable)
 }
 
 /// Once per store written before buckets: moves the per-key `idem_expiry` entries into
@@ -186,7 +185,7 @@ mod tests {
         index.add(41, &["after"]).unwrap();
         assert_eq!(index.take_due(50, 10).unwrap(), vec![(41, "after".to_string())]);
         drop(index);
-        let (_, unreadable) = entries(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap()).unwrap();
+        let unreadable = for_each_entry(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap(), |_, _| {}).unwrap();
         assert_eq!(unreadable.len(), 1, "kept for check to report: {unreadable:?}");
     }
 
@@ -206,7 +205,11 @@ mod tests {
             }
         }
         assert_eq!(migrate_per_key_index(&wtx).unwrap(), 3 + BUCKET_KEYS as u64 + 3);
-        let (got, unreadable) = entries(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap()).unwrap();
+        let mut got = std::collections::HashSet::new();
+        let unreadable = for_each_entry(&wtx.open_table(IDEM_EXPIRY_BUCKETS).unwrap(), |t, k| {
+            got.insert((t, k.to_string()));
+        })
+        .unwrap();
         let mut want: std::collections::HashSet<(u64, String)> = [(5, "x"), (5, "y"), (9, "z")].into_iter().map(|(t, k)| (t, k.to_string())).collect();
         want.extend((0..BUCKET_KEYS + 3).map(|i| (7, format!("w{i:03}"))));
         assert_eq!(got, want);
