@@ -58,14 +58,16 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Validate the config and every AOI file, and check the store's cross-table consistency
-    /// (read-only; skipped while a running zonewatch has the store open)
+    /// Validate the config and every AOI file; with --store, also check a store's cross-table
+    /// consistency (read-only)
     Check {
         #[arg(long)]
         config: PathBuf,
-        /// Check this store file instead of the config's (a backup, say)
-        #[arg(long)]
-        store: Option<PathBuf>,
+        /// Also check the store's consistency: the config's store, or the file given (a
+        /// backup, say). Reads the whole file; a store a running zonewatch holds, or one not
+        /// closed cleanly, is noted and not checked
+        #[arg(long, value_name = "PATH", num_args = 0..=1)]
+        store: Option<Option<PathBuf>>,
     },
     /// Show the audit ledger (one row per outcome).
     Audit {
@@ -167,7 +169,7 @@ pub fn dispatch(cli: Cli) -> i32 {
         },
         Command::Run { config, source, reprocess, from_staging } => cmd_run(&config, source.as_deref(), reprocess, from_staging),
         Command::Serve { config } => cmd_serve(&config),
-        Command::Check { config, store } => cmd_check(&config, store.as_deref()),
+        Command::Check { config, store } => cmd_check(&config, store.as_ref().map(Option::as_deref)),
         Command::Audit { config, parcel, watcher, source, key, lineage, format } => {
             let filter = AuditFilter { parcel, watcher, source, key, lineage, ..Default::default() };
             cmd_audit(&config, filter, format)
@@ -601,7 +603,8 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
     }
 }
 
-fn cmd_check(config: &std::path::Path, store: Option<&std::path::Path>) -> i32 {
+/// `store`: `None` without `--store`; `Some(None)` for the config's store; `Some(Some(path))`.
+fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) -> i32 {
     let cfg = match load_config(config) {
         Ok(c) => c,
         Err(code) => return code,
@@ -664,7 +667,14 @@ fn cmd_check(config: &std::path::Path, store: Option<&std::path::Path>) -> i32 {
             }
         }
     }
-    bad += check_store(store.unwrap_or(&cfg.store_path));
+    // The store part is asked for: `check --config` alone is the config check a service
+    // runs before every start (packaging/zonewatch.service), which must stay quick and must
+    // not depend on the store's state.
+    match store {
+        None => {}
+        Some(None) => bad += check_store(&cfg.store_path, false),
+        Some(Some(p)) => bad += check_store(p, true),
+    }
     if bad > 0 {
         eprintln!("error: {bad} problem(s) found");
         2
@@ -674,17 +684,30 @@ fn cmd_check(config: &std::path::Path, store: Option<&std::path::Path>) -> i32 {
     }
 }
 
-/// `check`'s store part: the cross-table consistency check (`store::check`) on the file,
+/// `check --store`'s part: the cross-table consistency check (`store::check`) on the file,
 /// opened read-only (nothing in it changes, an older schema included). Returns the number of
-/// problems found. A store that a running zonewatch holds open is not checked (redb allows
-/// one process): its backup can be (`zonewatch backup`, then `check --store COPY`).
-fn check_store(path: &std::path::Path) -> usize {
-    if !path.exists() {
-        println!("store {}: not created yet", path.display());
-        return 0;
+/// problems found. Not checked, and not counted as a problem: a store that a running zonewatch
+/// holds open (redb allows one process: check a backup of it instead), one not closed cleanly
+/// (the next writable open repairs it), one this user may not read, and the config's store
+/// before it is first created. A file named on the command line (`explicit`) must exist.
+fn check_store(path: &std::path::Path, explicit: bool) -> usize {
+    match std::fs::metadata(path) {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+            println!("store {}: not created yet", path.display());
+            return 0;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            println!("store {}: not readable by this user, consistency not checked ({e})", path.display());
+            return 0;
+        }
+        Err(e) => {
+            println!("store {}: ERROR {e}", path.display());
+            return 1;
+        }
     }
-    // `check` is also the config check run before a reload, often as another user than the
-    // daemon's: a store it may not read is noted, not counted as a problem.
+    // `check` is also run as another user than the daemon's: a store it may not read is
+    // noted, not counted as a problem.
     if let Err(e) = std::fs::File::open(path) {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
             println!("store {}: not readable by this user, consistency not checked ({e})", path.display());
@@ -714,6 +737,10 @@ fn check_store(path: &std::path::Path) -> usize {
                 "store {}: in use by a running zonewatch, consistency not checked (check a copy: `zonewatch backup --config ... COPY`, then `zonewatch check --config ... --store COPY`)",
                 path.display()
             );
+            0
+        }
+        Err(e @ crate::store::StoreError::NeedsRepair { .. }) => {
+            println!("{e}; consistency not checked");
             0
         }
         Err(e) => {

@@ -33,27 +33,46 @@ fn check_reports_good_and_bad_configs() {
     assert!(o.status.success(), "{out}{err}");
     assert!(out.contains("subscriber w: aoi ok"), "{out}");
 
-    assert!(out.contains("not created yet"), "no store before the first run: {out}");
+    let check_store = |extra: &[&str]| {
+        let mut args = vec!["check", "--config", cfg.to_str().unwrap(), "--store"];
+        args.extend_from_slice(extra);
+        zonewatch(&args)
+    };
+    let o = check_store(&[]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("not created yet"), "no store before the first run: {:?}", text(&o));
 
-    // After a run, the store's cross-table check runs too (read-only) ...
+    // After a run, `--store` checks the store's cross-table consistency (read-only); without
+    // it, `check` stays the config check a service runs before every start.
     let o = zonewatch(&["run", "--config", cfg.to_str().unwrap()]);
     assert!(o.status.success(), "{:?}", text(&o));
     let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    assert!(o.status.success() && !text(&o).0.contains("consistent"), "{:?}", text(&o));
+    let o = check_store(&[]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}{err}");
     assert!(out.contains(": consistent (") && out.contains("1 watermark(s), 1 run(s)"), "{out}");
-    // ... on another file when asked (a backup): one that is not a store is an error ...
+    // Another file when named (a backup): one that is not a store, or is not there, is an error.
     let not_a_store = ws.path().join("aoi/w.geojson");
-    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap(), "--store", not_a_store.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
-    assert!(text(&o).0.contains("ERROR"), "{:?}", text(&o));
-    // ... and a store a running zonewatch holds is left alone, without failing the check.
+    for bad in [not_a_store.clone(), ws.path().join("no-such-backup.redb")] {
+        let o = check_store(&[bad.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+        assert!(text(&o).0.contains("ERROR"), "{:?}", text(&o));
+    }
+    // A store a running zonewatch holds is left alone, without failing the check; so is a
+    // file not closed cleanly (here a copy taken while it was open), which the next writable
+    // open repairs.
     {
         let engine = ws.engine();
-        let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+        let o = check_store(&[]);
         assert!(o.status.success(), "{:?}", text(&o));
         assert!(text(&o).0.contains("in use by a running zonewatch"), "{:?}", text(&o));
+        let copy = ws.path().join("copy-while-open.redb");
+        std::fs::copy(&engine.config.store_path, &copy).unwrap();
         drop(engine);
+        let o = check_store(&[copy.to_str().unwrap()]);
+        assert!(o.status.success(), "{:?}", text(&o));
+        assert!(text(&o).0.contains("was not closed cleanly"), "{:?}", text(&o));
     }
 
     std::fs::write(ws.path().join("aoi/w.geojson"), r#"{"type":"Point","coordinates":[0,0]}"#).unwrap();

@@ -69,13 +69,15 @@ impl Store {
 /// [`Store::check_consistency`] on a store file that no process has open (a backup), opened
 /// read-only: nothing in it changes (no schema upgrade, not even the file leases of an older
 /// build that `Store::open` would drop). Files of schema 4 and older are checked in their own
-/// outbox layout.
+/// outbox layout; tables an older file lacks read as empty. A file a process still holds is
+/// `InUse`; one not closed cleanly is `NeedsRepair` (redb repairs only in a writable open).
 pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreError> {
     // A small page cache: the check reads each table once, in order, so redb's default
     // cache would only grow toward the size of the file (a 300 MiB store peaked at 226 MiB
     // of memory).
     let db = redb::Builder::new().set_cache_size(CHECK_CACHE_BYTES).open_read_only(path).map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
+        redb::DatabaseError::RepairAborted => StoreError::NeedsRepair { path: path.to_path_buf() },
         other => StoreError::Open { path: path.to_path_buf(), message: format!("not a readable zonewatch store: {other}") },
     })?;
     check_txn(&db.begin_read()?)
@@ -152,7 +154,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     // indexed in `outbox_due`.
     let mut outbox_ids = HashSet::new();
     {
-        let retry_due = rtx.open_table(OUTBOX_RETRY_DUE)?;
+        // Tables a file of an older schema may lack read as empty.
+        let retry_due = open_optional(rtx, OUTBOX_RETRY_DUE)?;
         let retry_rows = open_optional(rtx, OUTBOX_RETRY)?;
         let legacy_fresh_due = match retry_rows {
             Some(_) => None,
@@ -186,7 +189,10 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     Some(_) => {}
                 }
                 pending_rows.push((name, id, e.key.0.clone()));
-                let indexed = retry_due.get((e.next_attempt_ms, id))?.is_some();
+                let indexed = match &retry_due {
+                    Some(t) => t.get((e.next_attempt_ms, id))?.is_some(),
+                    None => false,
+                };
                 if let Some(old) = &legacy_fresh_due {
                     // Schema 4 and older: one entry in either index.
                     let n = u8::from(indexed) + u8::from(old.get((e.next_attempt_ms, id))?.is_some());
@@ -213,7 +219,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 }
             }
         }
-        for item in retry_due.iter()? {
+        for item in retry_due.as_ref().map(|t| t.iter()).transpose()?.into_iter().flatten() {
             let (k, _) = item?;
             let (at, id) = k.value();
             if !retry_ids.contains(&id) {
@@ -234,7 +240,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     // Dead letters (and quarantined ones) are pending: their key must name them, or the TTL
     // sweep would delete the key while a replay can still send the event.
     for (table, name) in [(DEAD_LETTERS, "dead letter"), (DLQ_QUARANTINE, "quarantined dead letter")] {
-        for item in rtx.open_table(table)?.iter()? {
+        let Some(dead) = open_optional(rtx, table)? else { continue };
+        for item in dead.iter()? {
             let (k, v) = item?;
             let id = k.value();
             let d = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
@@ -283,8 +290,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
 
     // Leases: each belongs to an outbox row.
     {
-        let leases = rtx.open_table(OUTBOX_LEASES)?;
-        for item in leases.iter()? {
+        let leases = open_optional(rtx, OUTBOX_LEASES)?;
+        for item in leases.as_ref().map(|t| t.iter()).transpose()?.into_iter().flatten() {
             let (k, _) = item?;
             report.leases += 1;
             if !outbox_ids.contains(&k.value()) {
@@ -297,7 +304,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     {
         let runs = rtx.open_table(RUNS)?;
         report.runs = runs.len_hint();
-        let history = rtx.open_table(WATERMARK_HISTORY)?;
+        let history = open_optional(rtx, WATERMARK_HISTORY)?;
         let wms = rtx.open_table(WATERMARKS)?;
         for item in wms.iter()? {
             let (k, v) = item?;
@@ -319,7 +326,11 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     }
                 }
             }
-            if history.get((source, wm.run_id))?.is_none() {
+            let has_history = match &history {
+                Some(t) => t.get((source, wm.run_id))?.is_some(),
+                None => false,
+            };
+            if !has_history {
                 problem(&mut report, format!("watermark of {source}: no history row for run {}", wm.run_id));
             }
         }

@@ -69,6 +69,10 @@ pub enum StoreError {
     Open { path: PathBuf, message: String },
     #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
     InUse { path: PathBuf },
+    /// A read-only open (the consistency check) of a file that was not closed cleanly: redb
+    /// repairs it only in a writable open, which the next `run` or `serve` does.
+    #[error("store {path} was not closed cleanly; the next `zonewatch run` or `serve` repairs it when it opens it")]
+    NeedsRepair { path: PathBuf },
     #[error("store file {path} has schema version {found}; this zonewatch opens versions up to {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
