@@ -704,6 +704,7 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn a_retention_shorter_than_a_key_cycle_is_an_advisory_not_an_error() {
@@ -713,7 +714,6 @@ mod tests {
         assert_eq!(advice.len(), 1);
         assert!(advice[0].contains("delivery.retention") && advice[0].contains("webhook-id"), "{advice:?}");
     }
-    use super::*;
 
     #[test]
     fn district_layers_and_their_parcel_base() {

@@ -625,9 +625,10 @@ impl Deliverer {
         }
     }
 
-    /// The SSRF guard's check before a request (`netguard::Guard::check`): a target that
-    /// does not parse or names a private IP literal is refused here; a name is checked by the
-    /// client's resolver on the addresses connected to (through a proxy, here by a lookup).
+    /// The SSRF guard's check before a request (`netguard::Guard::check`) on the plan's
+    /// parsed target: one without a host or naming a private IP literal is refused here; a
+    /// name is checked by the client's resolver on the addresses connected to (through a
+    /// proxy, here by a lookup).
     async fn check_target(&self, url: &reqwest::Url) -> Result<(), TargetCheck> {
         let host = url.host_str().ok_or_else(|| TargetCheck::Refused("bad_target: no host".into()))?;
         let port = url.port_or_known_default().unwrap_or(443);

@@ -259,16 +259,18 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     }
 
     // Audit ledger: contiguous seq; the last lifecycle outcome of each pending row's key
-    // (only those keys are kept: the ledger names every key ever claimed).
+    // (only those keys are kept: the ledger names every key ever claimed). Gaps are listed
+    // first, as they were when the ledger was read first, so the cap never hides them.
     let mut last_lifecycle: HashMap<&str, Option<Outcome>> = pending_rows.iter().map(|(_, _, key)| (key.as_str(), None)).collect();
     {
         let audit = rtx.open_table(AUDIT)?;
+        let mut gaps = Vec::new();
         let mut expected = 1u64;
         for item in audit.iter()? {
             let (k, v) = item?;
             let seq = k.value();
-            if seq != expected {
-                problem(&mut report, format!("audit seq jumps from {} to {seq}", expected - 1));
+            if seq != expected && gaps.len() < MAX_PROBLEMS {
+                gaps.push(format!("audit seq jumps from {} to {seq}", expected - 1));
             }
             expected = seq + 1;
             report.audit_rows += 1;
@@ -279,6 +281,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 }
             }
         }
+        report.problems.splice(0..0, gaps);
+        report.problems.truncate(MAX_PROBLEMS);
     }
     for (name, id, key) in &pending_rows {
         match last_lifecycle.get(key.as_str()).copied().flatten() {

@@ -96,10 +96,11 @@ impl Store {
         let mut leases = self.leases.lock();
         let rtx = self.db.begin_read()?;
         let mut batch = LeasedBatch { lease_until_ms: until, ..Default::default() };
-        // Endpoint health, read per endpoint the pass meets (reading every endpoint's on each
-        // pass cost ~2.5k instructions per endpoint, per pass, whether it had rows or not).
+        // Each endpoint's gate, from its health read when the pass first meets it (reading
+        // every endpoint's on each pass cost ~2.5k instructions per endpoint, per pass,
+        // whether it had rows or not); `now_ms` is fixed for the pass.
         let endpoints = rtx.open_table(ENDPOINTS)?;
-        let mut health: HashMap<String, Option<crate::model::EndpointState>> = HashMap::new();
+        let mut gates: HashMap<String, super::endpoints::Gate> = HashMap::new();
         let mut probed = std::collections::HashSet::new();
         let fresh_rows = rtx.open_table(OUTBOX)?;
         let retry_rows = rtx.open_table(OUTBOX_RETRY)?;
@@ -111,11 +112,15 @@ impl Store {
             let entry: OutboxEntry = super::outbox_rows::decode_entry(bytes).map_err(|m| codec_err(table, m))?;
             // Disabled endpoints and open breakers hold their entries back; a
             // half-open breaker lets one probe through.
-            if !health.contains_key(&entry.watcher_id) {
-                let state = super::endpoints::load(&endpoints, &entry.watcher_id)?;
-                health.insert(entry.watcher_id.clone(), state);
-            }
-            match super::endpoints::gate(health.get(&entry.watcher_id).and_then(Option::as_ref), now_ms) {
+            let gate = match gates.get(&entry.watcher_id) {
+                Some(&gate) => gate,
+                None => {
+                    let gate = super::endpoints::gate(super::endpoints::load(&endpoints, &entry.watcher_id)?.as_ref(), now_ms);
+                    gates.insert(entry.watcher_id.clone(), gate);
+                    gate
+                }
+            };
+            match gate {
                 super::endpoints::Gate::Closed => return Ok(false),
                 super::endpoints::Gate::Probe => {
                     if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
