@@ -8,7 +8,7 @@ mod common;
 use common::*;
 use std::collections::BTreeSet;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use zonewatch::receiver::{Receiver, Reply};
@@ -180,6 +180,34 @@ async fn circuit_breaker_opens_probes_half_open_and_closes() {
     assert_eq!((probe.attempted, probe.sent), (1, 1), "a successful probe closes the breaker");
     assert_eq!(d.deliver_due().await.unwrap().sent, 11, "closed: the rest go out");
     assert_eq!(rx.received().len(), 12 + 1 + 1 + 11);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_a_breaker_probe_that_comes_before_its_deadline() {
+    // The first 12 requests fail, which opens the breaker; every later one succeeds.
+    let seen = Arc::new(AtomicU64::new(0));
+    let s = seen.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if s.fetch_add(1, Ordering::SeqCst) < 12 { 503 } else { 200 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "breaker_cooldown = \"1s\"");
+    ws.edit_config("concurrency = 4", "concurrency = 16");
+    ws.edit_config("max_attempts = 5", "max_attempts = 20");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]);
+
+    // The probe would come after the deadline: the drain stops, the rows stay queued, and
+    // the stats say when the breaker lets its probe through.
+    let short = deliver(&engine, Duration::from_millis(400)).await;
+    assert_eq!((short.attempted, short.sent), (12, 0), "{short:?}");
+    assert!(short.held_until_ms.is_some(), "{short:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 12);
+
+    // The probe comes before the deadline: the drain waits for it, the probe closes the
+    // breaker, and every row is sent in the same drain.
+    let long = deliver(&engine, Duration::from_secs(10)).await;
+    assert_eq!(long.sent, 12, "{long:?}");
+    assert_eq!(long.held_until_ms, None, "{long:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
+    assert_eq!(rx.received().len(), 12 + 12);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -39,6 +39,10 @@ pub struct PassStats {
     pub dead: u64,
     /// Outcome transactions committed (group commits).
     pub commits: u64,
+    /// When the pass ended with due rows held back by an open circuit breaker: the earliest
+    /// time one of those breakers lets its probe through (ms). Summed stats keep the later
+    /// pass's value: it is a fact about where a pass ended, not a count.
+    pub held_until_ms: Option<u64>,
 }
 
 impl std::ops::AddAssign for PassStats {
@@ -48,6 +52,7 @@ impl std::ops::AddAssign for PassStats {
         self.retried += o.retried;
         self.dead += o.dead;
         self.commits += o.commits;
+        self.held_until_ms = o.held_until_ms;
     }
 }
 
@@ -349,6 +354,7 @@ impl Deliverer {
         // One shared handle for the send tasks: cloning the deliverer itself copies its config.
         let shared = Arc::new(self.clone());
         let mut lease_error = None;
+        let mut held_until_ms = None;
         loop {
             if stop.is_some_and(|s| *s.borrow()) {
                 break;
@@ -379,6 +385,7 @@ impl Deliverer {
             };
             if leased.entries.is_empty() {
                 if outstanding.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                    held_until_ms = leased.held_until_ms;
                     break;
                 }
                 // Outcomes still to commit may free retries or close a breaker.
@@ -407,7 +414,8 @@ impl Deliverer {
             }
         }
         drop(otx);
-        let (stats, failure) = committer.await.map_err(|e| DeliveryError::Client(format!("committer failed: {e}")))?;
+        let (mut stats, failure) = committer.await.map_err(|e| DeliveryError::Client(format!("committer failed: {e}")))?;
+        stats.held_until_ms = held_until_ms;
         match lease_error.or(failure) {
             Some(e) => Err(e),
             None => Ok(stats),
@@ -424,8 +432,16 @@ impl Deliverer {
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = self.clock.now_ms();
             if pass.attempted == 0 && next <= now {
-                // Due but held back (disabled endpoint, open breaker): left for later.
-                break;
+                // Due but held back. Rows behind an open breaker are waited for when its
+                // probe comes before the deadline (a short cool-down must not strand a run's
+                // alerts until the next run); a disabled endpoint's are left for later.
+                match pass.held_until_ms {
+                    Some(until) if Instant::now() + Duration::from_millis(until.saturating_sub(now)) <= deadline => {
+                        tokio::time::sleep(Duration::from_millis(until.saturating_sub(now))).await;
+                        continue;
+                    }
+                    _ => break,
+                }
             }
             if next > now {
                 let wait = Duration::from_millis(next - now);

@@ -33,7 +33,10 @@ pub(super) enum Gate {
     Open,
     /// Breaker cool-down over: one probe may go.
     Probe,
-    Closed,
+    /// Disabled (410, `disable_after`, an operator): held until an operator enables it.
+    Disabled,
+    /// Breaker open: held until this time (ms), when one probe may go.
+    Cooling(u64),
 }
 
 /// One endpoint's health, if it has any on record.
@@ -47,9 +50,9 @@ pub(super) fn load(t: &impl ReadableTable<&'static str, &'static [u8]>, id: &str
 pub(super) fn gate(state: Option<&EndpointState>, now_ms: u64) -> Gate {
     match state {
         None => Gate::Open,
-        Some(s) if s.disabled => Gate::Closed,
+        Some(s) if s.disabled => Gate::Disabled,
         Some(s) => match s.breaker_open_until_ms {
-            Some(t) if t > now_ms => Gate::Closed,
+            Some(t) if t > now_ms => Gate::Cooling(t),
             Some(_) => Gate::Probe,
             None => Gate::Open,
         },

@@ -64,6 +64,10 @@ pub struct LeasedBatch {
     pub lease_until_ms: u64,
     /// Endpoints (subscriber ids) whose half-open breaker probe is in this batch.
     pub probes: Vec<String>,
+    /// The earliest time (ms) an open breaker that held back a due row of this pass lets
+    /// its probe through; `None` when no row was held by a breaker (rows of a disabled
+    /// endpoint wait for an operator, not for a time).
+    pub held_until_ms: Option<u64>,
 }
 
 impl Store {
@@ -102,6 +106,7 @@ impl Store {
         let endpoints = rtx.open_table(ENDPOINTS)?;
         let mut gates: HashMap<String, super::endpoints::Gate> = HashMap::new();
         let mut probed = std::collections::HashSet::new();
+        let mut held_until: Option<u64> = None;
         let fresh_rows = rtx.open_table(OUTBOX)?;
         let retry_rows = rtx.open_table(OUTBOX_RETRY)?;
         // Whether row `id` (decoded from `bytes`) may go out now; leases it if so.
@@ -121,7 +126,11 @@ impl Store {
                 }
             };
             match gate {
-                super::endpoints::Gate::Closed => return Ok(false),
+                super::endpoints::Gate::Disabled => return Ok(false),
+                super::endpoints::Gate::Cooling(until) => {
+                    held_until = Some(held_until.map_or(until, |h| h.min(until)));
+                    return Ok(false);
+                }
                 super::endpoints::Gate::Probe => {
                     if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
                         return Ok(false);
@@ -174,6 +183,7 @@ impl Store {
             }
         }
         batch.probes = probed.into_iter().collect();
+        batch.held_until_ms = held_until;
         Ok(batch)
     }
 
