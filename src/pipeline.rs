@@ -47,7 +47,8 @@ pub enum PipelineError {
 /// an HTTP payload is already in memory (its size is capped by the fetch).
 enum LayerInput {
     File(std::path::PathBuf),
-    Bytes(Vec<u8>),
+    /// A fetched payload with its hex sha256.
+    Bytes { bytes: Vec<u8>, digest: String },
 }
 
 /// Options for one run.
@@ -238,14 +239,30 @@ impl Engine {
             // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
             portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess).map_err(IngestError::from)?
         };
-        let (input, digest, size, meta) = match fetch {
+        let holds = self.store.holds()?;
+        let fingerprint = src.read_fingerprint();
+        // What the bytes could be settled by before any scan: their digest, when known.
+        let (input, known_digest, meta) = match fetch {
             None => {
                 let path = match &src.kind {
                     crate::config::SourceKind::File { path } => path.clone(),
                     _ => return Err(PipelineError::UnknownSource(format!("{} has no file path", src.id))),
                 };
-                let (digest, size) = source::digest_file(&path)?;
-                (LayerInput::File(path), digest, size, None)
+                // A file is digested ahead of the scan only when it could be a version already
+                // seen (the size of the watermark's or of an open hold's), so an unchanged layer
+                // is settled by one read. A layer of another size cannot be one of those: it is
+                // read once, by the scan, which digests the bytes it reads (as does a reprocess,
+                // which is never settled by its digest).
+                let could_be_seen = !opts.reprocess && match std::fs::metadata(&path) {
+                    Ok(m) => {
+                        wm.as_ref().is_some_and(|w| w.size == m.len())
+                            || holds.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.size == m.len())
+                    }
+                    // Let the read below report it.
+                    Err(_) => true,
+                };
+                let known = if could_be_seen { Some(source::digest_file(&path)?.0) } else { None };
+                (LayerInput::File(path), known, None)
             }
             Some(PortalFetch::Skip { reason, meta }) => {
                 let mut warnings = vec![format!("probe: {reason}")];
@@ -261,33 +278,14 @@ impl Engine {
                         tracing::warn!(source = %src.id, "could not stage the payload: {e}");
                     }
                 }
-                let size = bytes.len() as u64;
-                (LayerInput::Bytes(bytes), digest, size, Some(meta))
+                (LayerInput::Bytes { bytes, digest: digest.clone() }, Some(digest), Some(meta))
             }
         };
-        let fingerprint = src.read_fingerprint();
         if !opts.reprocess {
-            if let Some(w) = &wm {
-                if w.digest == digest && w.read_fingerprint == fingerprint {
-                    let record = match &meta {
-                        None => self.store.commit_identical(&src.id, started, self.now(), 0)?,
-                        Some(m) => {
-                            let warnings = portal::stale(wm.as_ref(), started, src.stale_after).into_iter().collect();
-                            self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Identical, &portal_signals(m), 0, warnings)?
-                        }
-                    };
-                    return Ok(SourceReport { record, hold_reason: None });
+            if let Some(digest) = &known_digest {
+                if let Some(report) = self.settled_by_digest(src, wm.as_ref(), meta.as_ref(), &holds, digest, &fingerprint, started)? {
+                    return Ok(report);
                 }
-            }
-            let open_same = self.store.holds()?.into_iter().find(|h| {
-                h.source_id == src.id
-                    && h.state == HoldState::Open
-                    && h.digest == digest
-                    && h.watermark.read_fingerprint == fingerprint
-            });
-            if let Some(h) = open_same {
-                let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, &digest, Some(h.run_id), None)?;
-                return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
             }
         }
 
@@ -299,13 +297,25 @@ impl Engine {
         let scan_started = std::time::Instant::now();
         let progress = opts.progress.clone().map(|p| move |bytes: u64, features: u64| p.at(features, bytes));
         let progress: Option<&(dyn Fn(u64, u64) + Sync)> = progress.as_ref().map(|f| f as _);
-        let scan = match &input {
+        let (scan, digest, size) = match &input {
             LayerInput::File(path) => {
-                let file = std::fs::File::open(path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
-                scan_layer(file, &rules, &view, spill_dir, workers, progress)?
+                let read_err = |e| IngestError::Read { path: path.clone(), source: e };
+                let mut reader = source::DigestingReader::new(std::fs::File::open(path).map_err(read_err)?);
+                let scan = scan_layer(&mut reader, &rules, &view, spill_dir, workers, progress)?;
+                let (digest, size) = reader.finish().map_err(read_err)?;
+                (scan, digest, size)
             }
-            LayerInput::Bytes(bytes) => scan_layer(bytes.as_slice(), &rules, &view, spill_dir, workers, progress)?,
+            LayerInput::Bytes { bytes, digest } => {
+                (scan_layer(bytes.as_slice(), &rules, &view, spill_dir, workers, progress)?, digest.clone(), bytes.len() as u64)
+            }
         };
+        // A file not settled before the scan (or replaced since its digest was taken) may
+        // still be a version already seen.
+        if !opts.reprocess && known_digest.as_ref() != Some(&digest) {
+            if let Some(report) = self.settled_by_digest(src, wm.as_ref(), meta.as_ref(), &holds, &digest, &fingerprint, started)? {
+                return Ok(report);
+            }
+        }
         drop(view);
         drop(input);
         let first_ingest = wm.is_none() && scan.previous_parcels == 0;
@@ -337,6 +347,42 @@ impl Engine {
         tracing::debug!(source = %src.id, scan_ms, commit_ms = commit_started.elapsed().as_millis() as u64, "run timing");
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "run committed");
         Ok(SourceReport { record, hold_reason })
+    }
+
+    /// Settles a run by the digest of its bytes alone, when they are the version the
+    /// watermark describes (identical: only the consumed time moves) or the version an open
+    /// hold is holding (still held: noted, nothing else changes). `None`: go on with the run.
+    #[allow(clippy::too_many_arguments)]
+    fn settled_by_digest(
+        &self,
+        src: &SourceConfig,
+        wm: Option<&Watermark>,
+        meta: Option<&PortalMeta>,
+        holds: &[Hold],
+        digest: &str,
+        fingerprint: &str,
+        started: u64,
+    ) -> Result<Option<SourceReport>, PipelineError> {
+        if let Some(w) = wm {
+            if w.digest == digest && w.read_fingerprint == fingerprint {
+                let record = match meta {
+                    None => self.store.commit_identical(&src.id, started, self.now(), 0)?,
+                    Some(m) => {
+                        let warnings = portal::stale(wm, started, src.stale_after).into_iter().collect();
+                        self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Identical, &portal_signals(m), 0, warnings)?
+                    }
+                };
+                return Ok(Some(SourceReport { record, hold_reason: None }));
+            }
+        }
+        let open_same = holds.iter().find(|h| {
+            h.source_id == src.id && h.state == HoldState::Open && h.digest == digest && h.watermark.read_fingerprint == fingerprint
+        });
+        if let Some(h) = open_same {
+            let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, digest, Some(h.run_id), None)?;
+            return Ok(Some(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) }));
+        }
+        Ok(None)
     }
 
     /// Commits a scanned layer in one write transaction, reading the spill back in chunks:

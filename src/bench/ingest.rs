@@ -101,6 +101,9 @@ effective_date = "EFF_DATE"
 /// One timed phase.
 struct Pass {
     wall_s: f64,
+    /// CPU time of the process (all threads) during the phase: against `wall_s`, how much
+    /// of the two cores the phase kept busy.
+    cpu_s: Option<f64>,
     features: u64,
     peak_rss: Option<u64>,
     verdict: Option<String>,
@@ -113,6 +116,8 @@ fn phase_line(n: usize, phase: &str, p: &Pass, parse: Option<&Pass>) -> serde_js
         "parcels": n,
         "phase": phase,
         "wall_s": p.wall_s,
+        "cpu_s": p.cpu_s.map(|c| (c * 1000.0).round() / 1000.0),
+        "cpu_us_per_feature": p.cpu_s.map(|c| (c * 1e6 / p.features.max(1) as f64 * 100.0).round() / 100.0),
         "features": p.features,
         "features_per_s": per_s(p.features, p.wall_s),
         "peak_rss_mib": rss::mib(p.peak_rss),
@@ -128,9 +133,15 @@ fn phase_line(n: usize, phase: &str, p: &Pass, parse: Option<&Pass>) -> serde_js
     v
 }
 
+/// CPU seconds since `before` (a [`rss::cpu_seconds`] reading).
+fn cpu_since(before: Option<f64>) -> Option<f64> {
+    Some(rss::cpu_seconds()? - before?)
+}
+
 /// The reference: stream the file and parse every feature into a `geojson::Feature`.
 fn parse_only(path: &Path) -> Result<Pass, BenchError> {
     rss::reset_peak();
+    let cpu = rss::cpu_seconds();
     let t = Instant::now();
     let file = std::fs::File::open(path).map_err(|e| BenchError::io(path, e))?;
     let mut bad = 0u64;
@@ -143,19 +154,21 @@ fn parse_only(path: &Path) -> Result<Pass, BenchError> {
     if bad > 0 {
         return Err(BenchError::Failed(format!("parse-only: {bad} features did not parse")));
     }
-    Ok(Pass { wall_s: secs(t.elapsed()), features, peak_rss: rss::peak_rss_bytes(), verdict: None, changes: None, queued: None })
+    Ok(Pass { wall_s: secs(t.elapsed()), cpu_s: cpu_since(cpu), features, peak_rss: rss::peak_rss_bytes(), verdict: None, changes: None, queued: None })
 }
 
 fn pipeline_pass(engine: &Engine, src: &SourceConfig, path: &Path) -> Result<Pass, BenchError> {
     let mut src = src.clone();
     src.kind = SourceKind::File { path: path.to_path_buf() };
     rss::reset_peak();
+    let cpu = rss::cpu_seconds();
     let t = Instant::now();
     let report = engine.run_source(&src, RunOptions::default()).map_err(|e| BenchError::Failed(format!("run: {e}")))?;
     let wall_s = secs(t.elapsed());
     let r = report.record;
     Ok(Pass {
         wall_s,
+        cpu_s: cpu_since(cpu),
         features: r.counts.features,
         peak_rss: rss::peak_rss_bytes(),
         verdict: Some(r.verdict.to_string()),

@@ -65,8 +65,9 @@ fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
 /// The same (multi)polygon with its rings in a canonical order, on the exact coordinates:
 /// each ring starts at its smallest vertex, exteriors run counter-clockwise and holes
 /// clockwise, holes and polygons are sorted. Used before geometry repair so that the same
-/// shape, however it was written, is always repaired the same way.
-pub fn canonical_order(mp: &MultiPolygon<f64>) -> MultiPolygon<f64> {
+/// shape, however it was written, is always repaired the same way. Works in place: it runs
+/// on every feature of a layer.
+pub fn canonical_order(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
     use geo::{Coord, Polygon};
     fn key(c: &Coord<f64>) -> (u64, u64) {
         // Total order on finite floats, as integers.
@@ -76,22 +77,24 @@ pub fn canonical_order(mp: &MultiPolygon<f64>) -> MultiPolygon<f64> {
         };
         (f(c.x), f(c.y))
     }
-    fn ring(r: &LineString<f64>, want_ccw: bool) -> LineString<f64> {
-        let mut pts: Vec<Coord<f64>> = r.0.clone();
-        while pts.len() > 1 && pts.first() == pts.last() {
-            pts.pop();
+    fn ring(mut r: LineString<f64>, want_ccw: bool) -> LineString<f64> {
+        // The ring without its closing point(s); fewer than 3 left: returned as it came.
+        let mut n = r.0.len();
+        while n > 1 && r.0.first() == r.0.get(n - 1) {
+            n -= 1;
         }
-        if pts.len() < 3 {
-            return r.clone();
+        if n < 3 {
+            return r;
         }
-        let twice: f64 = (0..pts.len()).map(|i| {
-            let (a, b) = (pts[i], pts[(i + 1) % pts.len()]);
+        let pts = &mut r.0;
+        pts.truncate(n);
+        let twice: f64 = (0..n).map(|i| {
+            let (a, b) = (pts[i], pts[(i + 1) % n]);
             a.x * b.y - b.x * a.y
         }).sum();
         if (twice > 0.0) != want_ccw && twice != 0.0 {
             pts.reverse();
         }
-        let n = pts.len();
         let mut best = 0;
         for i in 1..n {
             let a = (0..n).map(|k| key(&pts[(i + k) % n]));
@@ -102,19 +105,22 @@ pub fn canonical_order(mp: &MultiPolygon<f64>) -> MultiPolygon<f64> {
         }
         pts.rotate_left(best);
         pts.push(pts[0]);
-        LineString::new(pts)
+        r
     }
-    let ring_key = |r: &LineString<f64>| r.0.iter().map(key).collect::<Vec<_>>();
+    // Lexicographic order of the rings' vertex keys (what sorting by a key vector gave,
+    // without building one per comparison).
+    let ring_order = |a: &LineString<f64>, b: &LineString<f64>| a.0.iter().map(key).cmp(b.0.iter().map(key));
     let mut polys: Vec<Polygon<f64>> = mp
         .0
-        .iter()
+        .into_iter()
         .map(|p| {
-            let mut holes: Vec<LineString<f64>> = p.interiors().iter().map(|h| ring(h, false)).collect();
-            holes.sort_by_key(|h| ring_key(h));
-            Polygon::new(ring(p.exterior(), true), holes)
+            let (exterior, interiors) = p.into_inner();
+            let mut holes: Vec<LineString<f64>> = interiors.into_iter().map(|h| ring(h, false)).collect();
+            holes.sort_by(ring_order);
+            Polygon::new(ring(exterior, true), holes)
         })
         .collect();
-    polys.sort_by_key(|p| ring_key(p.exterior()));
+    polys.sort_by(|a, b| ring_order(a.exterior(), b.exterior()));
     MultiPolygon::new(polys)
 }
 

@@ -36,18 +36,75 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-/// The stored snapshot as (id fingerprint, first 16 bytes of the content hash), sorted.
-type SnapshotIndex = Vec<([u64; 2], [u8; 16])>;
+/// The stored snapshot as (id fingerprint, first 16 bytes of the content hash), sorted, with
+/// a directory by the fingerprint's top bits.
+///
+/// Every feature of a layer is looked up here. A binary search over millions of 32-byte
+/// entries was ~20 dependent cache misses, ~0.4 µs a feature, a fifth of a re-publish's
+/// scan. Fingerprints are uniform hashes, so the directory (one `u32` per ~1 entry) puts a
+/// lookup within a bucket of one or two entries: two cache misses.
+struct SnapshotIndex {
+    entries: Vec<([u64; 2], [u8; 16])>,
+    /// `dir[b]..dir[b + 1]`: the entries whose fingerprint starts with the bits `b`.
+    dir: Vec<u32>,
+    /// Fingerprint bits below the directory's prefix (`64` for an empty index).
+    shift: u32,
+}
+
+impl SnapshotIndex {
+    /// Sorts `entries` and builds the directory.
+    fn new(mut entries: Vec<([u64; 2], [u8; 16])>) -> Result<SnapshotIndex, String> {
+        if entries.len() >= u32::MAX as usize {
+            return Err(format!("{} stored parcels in one source is more than the diff can index", entries.len()));
+        }
+        entries.sort_unstable();
+        // About one entry per bucket (2^bits ≥ len), at most 2^24 buckets (64 MiB): beyond
+        // 16M parcels a bucket holds a few entries, still searched in order.
+        let bits = (usize::BITS - entries.len().leading_zeros()).min(24);
+        let shift = 64 - bits;
+        let buckets = 1usize << bits;
+        let mut dir = Vec::with_capacity(buckets + 1);
+        let mut i = 0usize;
+        for b in 0..buckets {
+            while i < entries.len() && Self::bucket(entries[i].0, shift) < b {
+                i += 1;
+            }
+            dir.push(i as u32);
+        }
+        dir.push(entries.len() as u32);
+        Ok(SnapshotIndex { entries, dir, shift })
+    }
+
+    fn bucket(print: [u64; 2], shift: u32) -> usize {
+        // `checked_shr`: an empty index has no prefix bits (a shift by 64).
+        print[0].checked_shr(shift).unwrap_or(0) as usize
+    }
+
+    /// The stored content hash prefix of the parcel with this id fingerprint.
+    fn get(&self, print: [u64; 2]) -> Option<[u8; 16]> {
+        let b = Self::bucket(print, self.shift);
+        let (lo, hi) = (*self.dir.get(b)? as usize, *self.dir.get(b + 1)? as usize);
+        let bucket = self.entries.get(lo..hi)?;
+        bucket.binary_search_by_key(&print, |e| e.0).ok().map(|i| bucket[i].1)
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
 
 fn build_index(view: &SnapshotView) -> Result<SnapshotIndex, String> {
-    let mut index = Vec::new();
+    let started = std::time::Instant::now();
+    let mut entries = Vec::new();
     view.for_each_hash(|pid, hash| {
         let mut h = [0u8; 16];
         h.copy_from_slice(&hash[..16]);
-        index.push((fingerprint(pid), h));
+        entries.push((fingerprint(pid), h));
     })
     .map_err(|e| e.to_string())?;
-    index.sort_unstable();
+    let read_ms = started.elapsed().as_millis() as u64;
+    let index = SnapshotIndex::new(entries)?;
+    tracing::debug!(parcels = index.len(), read_ms, total_ms = started.elapsed().as_millis() as u64, "snapshot index built");
     Ok(index)
 }
 
@@ -100,8 +157,9 @@ struct FeatureBatch {
 }
 
 enum Outcome {
-    Unchanged { index: u64, id: String },
-    Upsert(SpilledParcel),
+    /// The id's fingerprint (computed once, by the worker that looked it up).
+    Unchanged { index: u64, print: [u64; 2] },
+    Upsert { print: [u64; 2], parcel: SpilledParcel },
     Rejected(QuarantineDraft),
 }
 
@@ -225,13 +283,13 @@ pub fn scan_layer<R: Read + Send>(
                 }
                 for o in b.outcomes {
                     let r = match o {
-                        Outcome::Unchanged { index, id } => {
-                            seen.push((fingerprint(&id), index));
+                        Outcome::Unchanged { index, print } => {
+                            seen.push((print, index));
                             known_seen += 1;
                             Ok(())
                         }
-                        Outcome::Upsert(p) => {
-                            seen.push((fingerprint(&p.id), p.feature_index));
+                        Outcome::Upsert { print, parcel: p } => {
+                            seen.push((print, p.feature_index));
                             known_seen += u64::from(p.from.is_some());
                             changes += u64::from(p.kind.is_some());
                             spill.push_parcel(p)
@@ -405,14 +463,12 @@ fn worker(
                             break;
                         }
                     };
-                    let known = match stored.binary_search_by_key(&fingerprint(&p.id), |e| e.0) {
-                        Ok(i) => Some(stored[i].1),
-                        Err(_) => None,
-                    };
+                    let print = fingerprint(&p.id);
+                    let known = stored.get(print);
                     let prev = match known {
                         None => None,
                         Some(h) if h[..] == p.state.content_hash[..16] => {
-                            out.outcomes.push(Outcome::Unchanged { index, id: p.id });
+                            out.outcomes.push(Outcome::Unchanged { index, print });
                             continue;
                         }
                         Some(_) => match view.get(&p.id) {
@@ -430,16 +486,10 @@ fn worker(
                         ParcelDelta::Changed(kind) => (kind, true),
                     };
                     if keep {
-                        out.outcomes.push(Outcome::Upsert(SpilledParcel {
-                            feature_index: index,
-                            id: p.id,
-                            state: p.state,
-                            geometry: p.geometry,
-                            kind,
-                            from: prev.map(|s| s.zoning),
-                        }));
+                        let parcel = SpilledParcel { feature_index: index, id: p.id, state: p.state, geometry: p.geometry, kind, from: prev.map(|s| s.zoning) };
+                        out.outcomes.push(Outcome::Upsert { print, parcel });
                     } else {
-                        out.outcomes.push(Outcome::Unchanged { index, id: p.id });
+                        out.outcomes.push(Outcome::Unchanged { index, print });
                     }
                 }
                 Err(rej) => out.outcomes.push(Outcome::Rejected(QuarantineDraft {
@@ -455,5 +505,36 @@ fn worker(
             cancel.store(true, Ordering::Relaxed);
             failed = true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(i: u64) -> ([u64; 2], [u8; 16]) {
+        (fingerprint(&format!("P-{i}")), [(i % 251) as u8; 16])
+    }
+
+    #[test]
+    fn snapshot_index_finds_every_stored_id_and_nothing_else() {
+        for n in [0u64, 1, 2, 3, 7, 8, 1000, 4096, 5000] {
+            let index = SnapshotIndex::new((0..n).map(entry).collect()).unwrap();
+            assert_eq!(index.len() as u64, n);
+            for i in 0..n {
+                assert_eq!(index.get(entry(i).0), Some(entry(i).1), "n={n} i={i}");
+            }
+            for i in n..n + 500 {
+                assert_eq!(index.get(entry(i).0), None, "n={n} absent {i}");
+            }
+        }
+        // Extremes of the fingerprint space land in the first and the last bucket.
+        let edges = vec![([0, 0], [1; 16]), ([0, 5], [2; 16]), ([u64::MAX, 0], [3; 16]), ([u64::MAX, u64::MAX], [4; 16])];
+        let index = SnapshotIndex::new(edges.clone()).unwrap();
+        for (print, hash) in edges {
+            assert_eq!(index.get(print), Some(hash));
+        }
+        assert_eq!(index.get([u64::MAX, 1]), None);
+        assert_eq!(index.get([1, 0]), None);
     }
 }

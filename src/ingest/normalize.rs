@@ -10,7 +10,7 @@ use crate::config::FieldMap;
 use crate::detect::canonical;
 use crate::model::{Parcel, ParcelState, QuarantineReason, StoredGeometry};
 use geo::{
-    BoundingRect, Coord, GeodesicArea, LineString, MakeValid, MultiPolygon, Orient, Polygon,
+    BoundingRect, Coord, GeodesicArea, LineString, MakeValid, MultiPolygon, Polygon,
 };
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -241,9 +241,32 @@ fn prop_text(raw: &RawValue) -> Option<String> {
 }
 
 /// Nested coordinate arrays of any depth; `null` (a sanitised `NaN`) reads as NaN.
+///
+/// Positions and arrays of positions (rings) are read straight into [`Coord`]s: a county
+/// layer has tens of millions of positions, and a `Vec` per position was the largest cost of
+/// parsing a geometry. Anything else keeps the general shape, so malformed coordinates are
+/// rejected exactly as before (see [`Coords::into_elements`]).
 enum Coords {
     Num(f64),
+    /// An array whose first two elements are numbers (any further ones are ignored: a
+    /// position's elevation or measure).
+    Position(Coord<f64>),
+    /// A non-empty array whose every element is a [`Coords::Position`]: a ring.
+    Positions(Vec<Coord<f64>>),
     List(Vec<Coords>),
+}
+
+impl Coords {
+    /// This array's elements in the general shape (a position as its two numbers, a ring as
+    /// its positions); `None` for a number.
+    fn into_elements(self) -> Option<Vec<Coords>> {
+        match self {
+            Coords::Num(_) => None,
+            Coords::Position(c) => Some(vec![Coords::Num(c.x), Coords::Num(c.y)]),
+            Coords::Positions(v) => Some(v.into_iter().map(Coords::Position).collect()),
+            Coords::List(v) => Some(v),
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for Coords {
@@ -270,11 +293,52 @@ impl<'de> Deserialize<'de> for Coords {
                 Ok(Coords::Num(f64::NAN))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Coords, A::Error> {
-                let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(4));
-                while let Some(c) = seq.next_element()? {
-                    v.push(c);
+                // Every element is read as `Coords`, also those a position ignores, so an
+                // element of the wrong type fails the parse as it always did.
+                let Some(first) = seq.next_element::<Coords>()? else { return Ok(Coords::List(Vec::new())) };
+                match first {
+                    Coords::Num(x) => match seq.next_element::<Coords>()? {
+                        Some(Coords::Num(y)) => {
+                            while seq.next_element::<Coords>()?.is_some() {}
+                            Ok(Coords::Position(Coord { x, y }))
+                        }
+                        second => {
+                            let mut v = vec![Coords::Num(x)];
+                            v.extend(second);
+                            while let Some(c) = seq.next_element()? {
+                                v.push(c);
+                            }
+                            Ok(Coords::List(v))
+                        }
+                    },
+                    Coords::Position(c) => {
+                        let mut ring = Vec::with_capacity(8);
+                        ring.push(c);
+                        while let Some(next) = seq.next_element::<Coords>()? {
+                            match next {
+                                Coords::Position(c) => ring.push(c),
+                                other => {
+                                    // Not a ring after all: back to the general shape.
+                                    let mut v: Vec<Coords> = ring.into_iter().map(Coords::Position).collect();
+                                    v.push(other);
+                                    while let Some(c) = seq.next_element()? {
+                                        v.push(c);
+                                    }
+                                    return Ok(Coords::List(v));
+                                }
+                            }
+                        }
+                        Ok(Coords::Positions(ring))
+                    }
+                    other => {
+                        let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(4));
+                        v.push(other);
+                        while let Some(c) = seq.next_element()? {
+                            v.push(c);
+                        }
+                        Ok(Coords::List(v))
+                    }
                 }
-                Ok(Coords::List(v))
             }
         }
         d.deserialize_any(V)
@@ -282,11 +346,13 @@ impl<'de> Deserialize<'de> for Coords {
 }
 
 #[derive(Deserialize)]
-struct RawGeometry {
-    #[serde(rename = "type")]
-    kind: String,
+struct RawGeometry<'a> {
+    /// Borrowed from the feature text unless it had escapes.
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
     coordinates: Option<Coords>,
-    geometries: Option<Vec<RawGeometry>>,
+    #[serde(borrow)]
+    geometries: Option<Vec<RawGeometry<'a>>>,
 }
 
 type GeomError = (QuarantineReason, String);
@@ -296,39 +362,40 @@ pub fn parse_geometry(json: &str) -> Result<MultiPolygon<f64>, GeomError> {
     let g: RawGeometry = serde_json::from_str(json)
         .map_err(|e| (QuarantineReason::MalformedFeature, format!("geometry: {e}")))?;
     let mut polys = Vec::new();
-    collect_polygons(&g, &mut polys, 0)?;
+    let kind = g.kind.clone();
+    collect_polygons(g, &mut polys, 0)?;
     if polys.is_empty() {
-        return Err((QuarantineReason::EmptyGeometry, format!("{} has no polygons", g.kind)));
+        return Err((QuarantineReason::EmptyGeometry, format!("{kind} has no polygons")));
     }
     Ok(MultiPolygon::new(polys))
 }
 
-fn collect_polygons(g: &RawGeometry, out: &mut Vec<Polygon<f64>>, depth: usize) -> Result<(), GeomError> {
+fn collect_polygons(g: RawGeometry<'_>, out: &mut Vec<Polygon<f64>>, depth: usize) -> Result<(), GeomError> {
     let malformed = |m: String| (QuarantineReason::MalformedFeature, m);
-    match g.kind.as_str() {
+    let RawGeometry { kind, coordinates, geometries } = g;
+    match kind.as_ref() {
         "Polygon" => {
-            if let Some(c) = &g.coordinates {
+            if let Some(c) = coordinates {
                 if let Some(p) = polygon_from(c).map_err(malformed)? {
                     out.push(p);
                 }
             }
         }
         "MultiPolygon" => {
-            if let Some(Coords::List(polys)) = &g.coordinates {
+            if let Some(c) = coordinates {
+                let polys = c.into_elements().ok_or_else(|| malformed("MultiPolygon coordinates must be an array".into()))?;
                 for c in polys {
                     if let Some(p) = polygon_from(c).map_err(malformed)? {
                         out.push(p);
                     }
                 }
-            } else if g.coordinates.is_some() {
-                return Err(malformed("MultiPolygon coordinates must be an array".into()));
             }
         }
         "GeometryCollection" => {
             if depth > 8 {
                 return Err(malformed("GeometryCollection nested too deeply".into()));
             }
-            for child in g.geometries.iter().flatten() {
+            for child in geometries.into_iter().flatten() {
                 match collect_polygons(child, out, depth + 1) {
                     Ok(()) => {}
                     Err((QuarantineReason::NotPolygonal, _)) => {}
@@ -337,33 +404,40 @@ fn collect_polygons(g: &RawGeometry, out: &mut Vec<Polygon<f64>>, depth: usize) 
             }
         }
         "Point" | "MultiPoint" | "LineString" | "MultiLineString" => {
-            return Err((QuarantineReason::NotPolygonal, format!("{} is not polygonal", g.kind)))
+            return Err((QuarantineReason::NotPolygonal, format!("{kind} is not polygonal")))
         }
         other => return Err(malformed(format!("unknown geometry type {other:?}"))),
     }
     Ok(())
 }
 
-fn polygon_from(c: &Coords) -> Result<Option<Polygon<f64>>, String> {
-    let Coords::List(rings) = c else {
-        return Err("Polygon coordinates must be an array of rings".into());
-    };
+fn polygon_from(c: Coords) -> Result<Option<Polygon<f64>>, String> {
+    let rings = c.into_elements().ok_or("Polygon coordinates must be an array of rings")?;
     let mut out_rings = Vec::with_capacity(rings.len());
     for ring in rings {
-        let Coords::List(positions) = ring else {
-            return Err("a ring must be an array of positions".into());
+        let coords = match ring {
+            // The common case, read as coordinates already.
+            Coords::Positions(coords) => coords,
+            other => {
+                let positions = other.into_elements().ok_or("a ring must be an array of positions")?;
+                let mut coords = Vec::with_capacity(positions.len());
+                for pos in positions {
+                    let xy = match pos {
+                        Coords::Position(c) => {
+                            coords.push(c);
+                            continue;
+                        }
+                        other => other.into_elements().ok_or("a position must be an array of numbers")?,
+                    };
+                    let num = |i: usize| match xy.get(i) {
+                        Some(Coords::Num(v)) => Ok(*v),
+                        _ => Err("a position needs two numbers".to_string()),
+                    };
+                    coords.push(Coord { x: num(0)?, y: num(1)? });
+                }
+                coords
+            }
         };
-        let mut coords = Vec::with_capacity(positions.len());
-        for pos in positions {
-            let Coords::List(xy) = pos else {
-                return Err("a position must be an array of numbers".into());
-            };
-            let num = |i: usize| match xy.get(i) {
-                Some(Coords::Num(v)) => Ok(*v),
-                _ => Err("a position needs two numbers".to_string()),
-            };
-            coords.push(Coord { x: num(0)?, y: num(1)? });
-        }
         out_rings.push(LineString::new(coords));
     }
     let mut it = out_rings.into_iter();
@@ -402,10 +476,10 @@ pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(
     }
     // Put rings in a canonical order first: the repair algorithms depend on where a ring
     // starts and which way it runs, and the same shape must always repair the same way.
-    let tidy = crate::detect::canonical::canonical_order(&tidy);
+    let tidy = crate::detect::canonical::canonical_order(tidy);
     let result = std::panic::catch_unwind(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
         if super::valid::is_valid(&tidy) {
-            return Ok((tidy.orient(geo::orient::Direction::Default), false));
+            return Ok((orient_default(tidy), false));
         }
         Ok((repair(&tidy)?, true))
     });
@@ -442,21 +516,32 @@ fn repair(mp: &MultiPolygon<f64>) -> Result<MultiPolygon<f64>, GeomError> {
         .filter(|c| c.unsigned_area() > 0.0)
         .min_by(|a, b| (a.unsigned_area() - published).abs().total_cmp(&(b.unsigned_area() - published).abs()));
     match best {
-        Some(b) => Ok(crate::detect::canonical::canonical_order(&b).orient(geo::orient::Direction::Default)),
+        Some(b) => Ok(orient_default(crate::detect::canonical::canonical_order(b))),
         None => Err((QuarantineReason::Unrepairable, "no repair produced a valid polygon with area".into())),
     }
 }
 
-/// Closes rings, removes consecutive repeated points, drops rings with fewer than 3 distinct
-/// points and polygons whose exterior is gone.
-fn tidy_rings(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
-    fn tidy(ring: &LineString<f64>) -> Option<LineString<f64>> {
-        let mut pts: Vec<Coord<f64>> = Vec::with_capacity(ring.0.len() + 1);
-        for c in &ring.0 {
-            if pts.last() != Some(c) {
-                pts.push(*c);
+/// geo's `orient(Direction::Default)` (exteriors counter-clockwise, holes clockwise), in
+/// place: the same winding test and reversal, without copying every ring.
+fn orient_default(mut mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
+    use geo::Winding;
+    for p in &mut mp.0 {
+        p.exterior_mut(|e| e.make_ccw_winding());
+        p.interiors_mut(|holes| {
+            for h in holes {
+                h.make_cw_winding();
             }
-        }
+        });
+    }
+    mp
+}
+
+/// Closes rings, removes consecutive repeated points, drops rings with fewer than 3 distinct
+/// points and polygons whose exterior is gone. In place.
+fn tidy_rings(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
+    fn tidy(mut ring: LineString<f64>) -> Option<LineString<f64>> {
+        let pts = &mut ring.0;
+        pts.dedup();
         while pts.len() > 1 && pts.first() == pts.last() {
             pts.pop();
         }
@@ -464,13 +549,14 @@ fn tidy_rings(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
             return None;
         }
         pts.push(pts[0]);
-        Some(LineString::new(pts))
+        Some(ring)
     }
     MultiPolygon::new(
-        mp.0.iter()
+        mp.0.into_iter()
             .filter_map(|p| {
-                let ext = tidy(p.exterior())?;
-                Some(Polygon::new(ext, p.interiors().iter().filter_map(tidy).collect()))
+                let (exterior, interiors) = p.into_inner();
+                let ext = tidy(exterior)?;
+                Some(Polygon::new(ext, interiors.into_iter().filter_map(tidy).collect()))
             })
             .collect(),
     )
@@ -514,6 +600,47 @@ mod tests {
             let exact = mp.geodesic_area_unsigned();
             assert!(((fast - exact) / exact).abs() < 1e-5, "{fast} vs {exact}");
         }
+    }
+
+    #[test]
+    fn coordinate_shapes_parse_or_fail_with_their_reason() {
+        let geom = |coords: &str| parse_geometry(&format!(r#"{{"type":"Polygon","coordinates":{coords}}}"#));
+        let multi = |coords: &str| parse_geometry(&format!(r#"{{"type":"MultiPolygon","coordinates":{coords}}}"#));
+        let square = [[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]];
+        // Accepted: 2D, 3D and 4D positions (extra numbers ignored), a ring with a hole, an
+        // extra element of any JSON array shape after x and y, and null read as NaN.
+        for ok in [
+            "[[[0,0],[1,0],[1,1],[0,0]]]",
+            "[[[0,0,5],[1,0,5],[1,1,5],[0,0,5]]]",
+            "[[[0,0,5,7],[1,0,5,7],[1,1,5,7],[0,0,5,7]]]",
+            "[[[0,0,[9]],[1,0],[1,1],[0,0]]]",
+            "[[[0,0],[1,0],[1,1],[0,0]],[[0.2,0.2],[0.4,0.2],[0.4,0.4],[0.2,0.2]]]",
+        ] {
+            let mp = geom(ok).unwrap_or_else(|e| panic!("{ok}: {e:?}"));
+            let ext: Vec<[f64; 2]> = mp.0[0].exterior().0.iter().map(|c| [c.x, c.y]).collect();
+            assert_eq!(ext, square, "{ok}");
+        }
+        assert!(geom("[[[0,null],[1,0],[1,1],[0,0]]]").unwrap().0[0].exterior().0[0].y.is_nan());
+        assert_eq!(multi("[[[[0,0],[1,0],[1,1],[0,0]]],[[[5,5],[6,5],[6,6],[5,5]]]]").unwrap().0.len(), 2);
+        assert_eq!(multi("[]").unwrap_err().0, QuarantineReason::EmptyGeometry);
+        assert_eq!(geom("[]").unwrap_err(), (QuarantineReason::EmptyGeometry, "Polygon has no polygons".to_string()));
+        assert_eq!(geom("[[]]").unwrap_err().0, QuarantineReason::EmptyGeometry);
+        // Rejected, each with the message it always had.
+        let malformed = |m: &str| Err::<MultiPolygon<f64>, _>((QuarantineReason::MalformedFeature, m.to_string()));
+        assert_eq!(geom("5"), malformed("Polygon coordinates must be an array of rings"));
+        assert_eq!(geom("[1,2]"), malformed("a ring must be an array of positions"));
+        assert_eq!(geom("[[1,2],[3,4]]"), malformed("a position must be an array of numbers"));
+        assert_eq!(geom("[[[0,0],[1,0],5,[0,0]]]"), malformed("a position must be an array of numbers"));
+        assert_eq!(geom("[[[0,0],[1,0],[1,1],[0,0]],[1,2]]"), malformed("a position must be an array of numbers"));
+        assert_eq!(geom("[[[0],[1,0],[1,1],[0]]]"), malformed("a position needs two numbers"));
+        assert_eq!(geom("[[[0,0],[1,[0]],[1,1],[0,0]]]"), malformed("a position needs two numbers"));
+        assert_eq!(geom("[[[[0,0]],[1,0],[1,1],[0,0]]]"), malformed("a position needs two numbers"));
+        assert_eq!(multi("5"), malformed("MultiPolygon coordinates must be an array"));
+        assert_eq!(multi("[[1,2]]"), malformed("a ring must be an array of positions"));
+        let e = geom(r#"[[["a",0],[1,0],[1,1],[0,0]]]"#).unwrap_err();
+        assert!(e.0 == QuarantineReason::MalformedFeature && e.1.starts_with("geometry: "), "{e:?}");
+        let e = geom(r#"[[[0,0,"z"],[1,0],[1,1],[0,0]]]"#).unwrap_err();
+        assert!(e.0 == QuarantineReason::MalformedFeature && e.1.starts_with("geometry: "), "{e:?}");
     }
 
     #[test]

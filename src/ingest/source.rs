@@ -19,23 +19,42 @@ pub fn digest(bytes: &[u8]) -> String {
 
 /// Hex sha256 and size of a file, read in 1 MiB pieces (a county layer never sits in memory).
 pub fn digest_file(path: &std::path::Path) -> Result<(String, u64), IngestError> {
-    use std::io::Read;
     let read_err = |e| IngestError::Read { path: path.to_path_buf(), source: e };
-    let mut file = std::fs::File::open(path).map_err(read_err)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut size = 0u64;
-    loop {
-        let n = match file.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(read_err(e)),
-        };
-        hasher.update(&buf[..n]);
-        size += n as u64;
+    let file = std::fs::File::open(path).map_err(read_err)?;
+    DigestingReader::new(file).finish().map_err(read_err)
+}
+
+/// A reader that hashes every byte passing through it. The streaming diff reads a file
+/// layer through one, so the digest its watermark records is that of the very bytes the scan
+/// read (a file replaced between a separate digest pass and the scan could not be told
+/// apart), and a layer that changed is read once, not twice.
+pub struct DigestingReader<R> {
+    inner: R,
+    hasher: Sha256,
+    size: u64,
+}
+
+impl<R: std::io::Read> DigestingReader<R> {
+    pub fn new(inner: R) -> Self {
+        DigestingReader { inner, hasher: Sha256::new(), size: 0 }
     }
-    Ok((crate::util::hex(&hasher.finalize()), size))
+
+    /// Reads whatever the consumer left unread (trailing bytes after the document) and
+    /// returns the hex sha256 and size of everything.
+    pub fn finish(mut self) -> std::io::Result<(String, u64)> {
+        std::io::copy(&mut self, &mut std::io::sink())?;
+        Ok((crate::util::hex(&self.hasher.finalize()), self.size))
+    }
+}
+
+impl<R: std::io::Read> std::io::Read for DigestingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        // `read` returns at most `buf.len()`; `get` keeps a faulty reader from panicking here.
+        self.hasher.update(buf.get(..n).unwrap_or(buf));
+        self.size += n as u64;
+        Ok(n)
+    }
 }
 
 /// Reads the current version of a source.
@@ -48,5 +67,26 @@ pub fn fetch(source: &SourceConfig) -> Result<FetchedLayer, IngestError> {
         }
         // HTTP kinds are fetched by `ingest::portal` (probe, paging, retries).
         _ => Err(IngestError::Malformed(format!("source {} is an HTTP source; it is fetched by ingest::portal", source.id))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    #[test]
+    fn a_digesting_reader_digests_everything_also_what_its_consumer_left_unread() {
+        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        for consumed in [0usize, 1, 4096, 1 << 20, bytes.len()] {
+            let mut reader = DigestingReader::new(bytes.as_slice());
+            let mut head = vec![0u8; consumed];
+            reader.read_exact(&mut head).unwrap();
+            assert_eq!(reader.finish().unwrap(), (digest(&bytes), bytes.len() as u64), "consumed {consumed}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("layer.geojson");
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(digest_file(&path).unwrap(), (digest(&bytes), bytes.len() as u64));
     }
 }
