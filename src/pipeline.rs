@@ -239,7 +239,9 @@ impl Engine {
             // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
             portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess).map_err(IngestError::from)?
         };
-        let holds = self.store.holds()?;
+        // Open holds, read when a file's size or a digest needs them (never for a reprocess,
+        // which is not settled by its digest).
+        let mut holds: Option<Vec<Hold>> = None;
         let fingerprint = src.read_fingerprint();
         // What the bytes could be settled by before any scan: their digest, when known.
         let (input, known_digest, meta) = match fetch {
@@ -254,9 +256,12 @@ impl Engine {
                 // read once, by the scan, which digests the bytes it reads (as does a reprocess,
                 // which is never settled by its digest).
                 let could_be_seen = !opts.reprocess && match std::fs::metadata(&path) {
+                    Ok(m) if wm.as_ref().is_some_and(|w| w.size == m.len()) => true,
                     Ok(m) => {
-                        wm.as_ref().is_some_and(|w| w.size == m.len())
-                            || holds.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.size == m.len())
+                        let open = self.store.holds()?;
+                        let same_size = open.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.size == m.len());
+                        holds = Some(open);
+                        same_size
                     }
                     // Let the read below report it.
                     Err(_) => true,
@@ -281,6 +286,11 @@ impl Engine {
                 (LayerInput::Bytes { bytes, digest: digest.clone() }, Some(digest), Some(meta))
             }
         };
+        let holds = match holds {
+            Some(h) => h,
+            None if opts.reprocess => Vec::new(),
+            None => self.store.holds()?,
+        };
         if !opts.reprocess {
             if let Some(digest) = &known_digest {
                 if let Some(report) = self.settled_by_digest(src, wm.as_ref(), meta.as_ref(), &holds, digest, &fingerprint, started)? {
@@ -301,7 +311,12 @@ impl Engine {
             LayerInput::File(path) => {
                 let read_err = |e| IngestError::Read { path: path.clone(), source: e };
                 let mut reader = source::DigestingReader::new(std::fs::File::open(path).map_err(read_err)?);
-                let scan = scan_layer(&mut reader, &rules, &view, spill_dir, workers, progress)?;
+                let scan = match scan_layer(&mut reader, &rules, &view, spill_dir, workers, progress) {
+                    Ok(scan) => scan,
+                    // A file that could not be read is reported as such, with its path, not
+                    // as a document that is not GeoJSON.
+                    Err(e) => return Err(reader.take_error().map(read_err).map(PipelineError::from).unwrap_or(e.into())),
+                };
                 let (digest, size) = reader.finish().map_err(read_err)?;
                 (scan, digest, size)
             }

@@ -176,3 +176,23 @@ fn unknown_store_version_is_refused_clearly() {
     let err = text(&o).1;
     assert!(err.contains("schema version 99"), "{err}");
 }
+
+#[test]
+fn a_layer_file_that_cannot_be_read_is_named_in_the_error() {
+    let ws = Workspace::new(&[], "", "");
+    let cfg = ws.config_path();
+    let path = cfg.parent().expect("workspace dir").join("layer.geojson");
+    let _ = std::fs::remove_file(&path);
+    // Missing, then a directory: the second opens fine and fails on its first read, inside
+    // the scan, and must still be reported as a file that could not be read.
+    for case in ["missing", "directory"] {
+        if case == "directory" {
+            std::fs::create_dir(&path).expect("dir");
+        }
+        let o = zonewatch(&["run", "--config", cfg.to_str().expect("utf-8 path")]);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{case}: {out}{err}");
+        assert!(out.contains("s1: failed") && out.contains("cannot read") && out.contains("layer.geojson"), "{case}: {out}");
+        assert!(err.contains("their watermarks did not move"), "{case}: {err}");
+    }
+}

@@ -211,6 +211,52 @@ async fn a_drain_waits_for_a_breaker_probe_that_comes_before_its_deadline() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_a_later_retry_while_another_endpoint_is_disabled() {
+    // "/gone" answers 410 (its endpoint is disabled and its row waits for an operator);
+    // "/flaky" fails its first request and takes the retry.
+    let flaky = Arc::new(AtomicU64::new(0));
+    let f = flaky.clone();
+    let rx = Receiver::start(
+        Arc::new(move |_, r: &zonewatch::receiver::Received| {
+            if r.path == "/gone" {
+                410
+            } else if f.fetch_add(1, Ordering::SeqCst) == 0 {
+                503
+            } else {
+                200
+            }
+        }),
+        None,
+    )
+    .await
+    .unwrap();
+    let ws = Workspace::new(
+        &[
+            Sub { id: "gone", aoi: area(), target: rx.url("/gone"), min_severity: "info", secret: None },
+            Sub { id: "flaky", aoi: area(), target: rx.url("/flaky"), min_severity: "info", secret: None },
+        ],
+        "retry_schedule = [\"300ms\", \"300ms\"]",
+        "",
+    );
+    let engine = ws.engine();
+    let v1 = grid(30);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let mut v2 = v1.clone();
+    v2[0].zone = "C3".into();
+    ws.write_layer(&layer(&v2));
+    assert_eq!(run(&engine, false).record.counts.queued, 2);
+
+    // The disabled endpoint's row is due and held back while the retry is not due yet: the
+    // drain waits for the retry instead of stopping at the held row.
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.attempted, stats.sent), (3, 1), "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 1, "the disabled endpoint's row waits");
+    let gone = engine.store.endpoints().unwrap().into_iter().find(|(id, _)| id == "gone").unwrap().1;
+    assert!(gone.disabled, "{gone:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_endpoint_dead_letter_replays_under_the_original_key_and_the_receiver_absorbs_it() {
     // Slow past the 300 ms timeout until `fixed`; the receiver records (and would process)
     // every request it gets, so the dead letter had in fact been delivered.

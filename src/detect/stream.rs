@@ -3,8 +3,9 @@
 //!
 //! One thread scans the document ([`geojson::for_each_feature_in`]) into batches of feature
 //! text; meanwhile another reads the stored snapshot once, in order, into a sorted index of
-//! (id fingerprint, content hash) — 32 bytes a parcel, no allocation per row. Worker threads
-//! normalise each feature and binary-search its id in that index: an equal hash is
+//! (id fingerprint, content hash) — 32 bytes a parcel, no allocation per row, plus a directory
+//! by fingerprint prefix ([`SnapshotIndex`]). Worker threads normalise each feature and look
+//! its id up in that index: an equal hash is
 //! "unchanged", a missing id is "added", and only a changed parcel costs a point lookup in the
 //! [`SnapshotView`] (one read transaction, so the whole run compares against one snapshot).
 //! The calling thread puts
@@ -17,8 +18,8 @@
 //! (the common case), there can be no removal and that walk is skipped. Duplicate ids are found by sorting the
 //! fingerprints; every copy is quarantined and the parcel is left as it is stored.
 //!
-//! Memory: the snapshot index (32 bytes a stored parcel) and the seen-id fingerprints (24 bytes
-//! a feature) — 140 MB at 2.5M parcels — the removals, the quarantined ids, and a few batches
+//! Memory: the snapshot index (32 bytes a stored parcel, and 4–8 bytes of directory) and the
+//! seen-id fingerprints (24 bytes a feature) — ~155 MB at 2.5M parcels — the removals, the quarantined ids, and a few batches
 //! in flight. Everything else is on disk.
 
 use super::diff::{classify, ParcelDelta};
@@ -41,8 +42,9 @@ use std::sync::{Mutex, OnceLock};
 ///
 /// Every feature of a layer is looked up here. A binary search over millions of 32-byte
 /// entries was ~20 dependent cache misses, ~0.4 µs a feature, a fifth of a re-publish's
-/// scan. Fingerprints are uniform hashes, so the directory (one `u32` per ~1 entry) puts a
-/// lookup within a bucket of one or two entries: two cache misses.
+/// scan. Fingerprints are uniform hashes, so the directory (one `u32` per bucket, one to two
+/// buckets per entry, at most 2^24 buckets: 64 MiB) puts a look-up within a bucket of about
+/// one entry: two cache misses.
 struct SnapshotIndex {
     entries: Vec<([u64; 2], [u8; 16])>,
     /// `dir[b]..dir[b + 1]`: the entries whose fingerprint starts with the bits `b`.

@@ -681,7 +681,7 @@ mod tests {
     #[test]
     fn a_malformed_geometry_is_rejected_with_its_parcel_id_and_the_parse_error() {
         let f = fields();
-        // The one-pass read fails on these; the two-step read names the parcel and the error.
+        // The parcel is named, and the geometry's parse error or shape problem given.
         for (geometry, detail) in [
             (r#"{"type":"Polygon","coordinates":"x"}"#, "geometry: "),
             (r#"{"coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}"#, "geometry: missing field `type`"),

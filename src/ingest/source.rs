@@ -32,11 +32,19 @@ pub struct DigestingReader<R> {
     inner: R,
     hasher: Sha256,
     size: u64,
+    /// The first read error, kept for the caller: the scan that met it reports a document
+    /// it could not read, while the error itself says why (EIO, a directory, ...).
+    error: Option<std::io::Error>,
 }
 
 impl<R: std::io::Read> DigestingReader<R> {
     pub fn new(inner: R) -> Self {
-        DigestingReader { inner, hasher: Sha256::new(), size: 0 }
+        DigestingReader { inner, hasher: Sha256::new(), size: 0, error: None }
+    }
+
+    /// The first error a read returned, if any (taken: asked once).
+    pub fn take_error(&mut self) -> Option<std::io::Error> {
+        self.error.take()
     }
 
     /// Reads whatever the consumer left unread (trailing bytes after the document) and
@@ -49,9 +57,17 @@ impl<R: std::io::Read> DigestingReader<R> {
 
 impl<R: std::io::Read> std::io::Read for DigestingReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        // `read` returns at most `buf.len()`; `get` keeps a faulty reader from panicking here.
-        self.hasher.update(buf.get(..n).unwrap_or(buf));
+        let n = match self.inner.read(buf) {
+            // A reader claiming more than the buffer holds is cut to the buffer.
+            Ok(n) => n.min(buf.len()),
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::Interrupted && self.error.is_none() {
+                    self.error = Some(std::io::Error::new(e.kind(), e.to_string()));
+                }
+                return Err(e);
+            }
+        };
+        self.hasher.update(&buf[..n]);
         self.size += n as u64;
         Ok(n)
     }

@@ -422,8 +422,9 @@ impl Deliverer {
         }
     }
 
-    /// Delivers until the outbox is empty, waiting for retries that fall due before
-    /// `deadline`; later ones are left for the next run or for `serve`.
+    /// Delivers until the outbox is empty, waiting for retries and open breakers' probes that
+    /// fall due before `deadline`; later ones (and a disabled endpoint's rows) are left for
+    /// the next run or for `serve`.
     pub async fn drain(&self, deadline: Instant) -> Result<PassStats, DeliveryError> {
         let mut total = PassStats::default();
         loop {
@@ -432,12 +433,16 @@ impl Deliverer {
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = self.clock.now_ms();
             if pass.attempted == 0 && next <= now {
-                // Due but held back. Rows behind an open breaker are waited for when its
-                // probe comes before the deadline (a short cool-down must not strand a run's
-                // alerts until the next run); a disabled endpoint's are left for later.
-                match pass.held_until_ms {
-                    Some(until) if Instant::now() + Duration::from_millis(until.saturating_sub(now)) <= deadline => {
-                        tokio::time::sleep(Duration::from_millis(until.saturating_sub(now))).await;
+                // Every due row is held back. Wait for whichever comes first before the
+                // deadline: an open breaker's probe (a short cool-down must not strand a
+                // run's alerts until the next run) or a retry falling due later, perhaps of
+                // an endpoint that is not held. A disabled endpoint's rows wait for an
+                // operator.
+                let later_retry = self.store.next_retry_due_after_ms(now)?;
+                let wake = [pass.held_until_ms, later_retry].into_iter().flatten().min();
+                match wake {
+                    Some(at) if Instant::now() + Duration::from_millis(at.saturating_sub(now)) <= deadline => {
+                        tokio::time::sleep(Duration::from_millis(at.saturating_sub(now))).await;
                         continue;
                     }
                     _ => break,

@@ -307,6 +307,18 @@ impl Store {
         })
     }
 
+    /// The earliest retry that falls due after `after_ms` (fresh rows are all due already).
+    /// A drain whose due rows are all held back waits for this, or for a breaker's probe.
+    pub fn next_retry_due_after_ms(&self, after_ms: u64) -> Result<Option<u64>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let due = rtx.open_table(OUTBOX_RETRY_DUE)?;
+        let next = due.range((after_ms.saturating_add(1), 0u64)..)?.next();
+        Ok(match next {
+            Some(item) => Some(item?.0.value().0),
+            None => None,
+        })
+    }
+
     /// Records a batch of delivery outcomes in one transaction (group commit).
     pub fn record_deliveries(&self, results: &[DeliveryResult], now_ms: u64) -> Result<(), StoreError> {
         self.record_outcomes(results, &[], now_ms)
