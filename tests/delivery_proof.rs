@@ -28,8 +28,13 @@ fn ws_for(url: String, extra: &str) -> Workspace {
     ws
 }
 
-/// Baseline, then rezone parcels `ids`: queues one event per id.
+/// Baseline, then rezone parcels `ids`: queues one event per id (with one subscriber).
 fn queue(ws: &Workspace, engine: &zonewatch::pipeline::Engine, ids: &[usize]) {
+    assert_eq!(rezone(ws, engine, ids), ids.len() as u64);
+}
+
+/// Baseline, then rezone parcels `ids`; returns how many events the second run queued.
+fn rezone(ws: &Workspace, engine: &zonewatch::pipeline::Engine, ids: &[usize]) -> u64 {
     let v1 = grid(30);
     ws.write_layer(&layer(&v1));
     run(engine, false);
@@ -38,7 +43,7 @@ fn queue(ws: &Workspace, engine: &zonewatch::pipeline::Engine, ids: &[usize]) {
         v2[i].zone = "C3".into();
     }
     ws.write_layer(&layer(&v2));
-    assert_eq!(run(engine, false).record.counts.queued, ids.len() as u64);
+    run(engine, false).record.counts.queued
 }
 
 fn zonewatch(args: &[&str]) -> (bool, String, String) {
@@ -239,13 +244,7 @@ async fn a_drain_waits_for_a_later_retry_while_another_endpoint_is_disabled() {
         "",
     );
     let engine = ws.engine();
-    let v1 = grid(30);
-    ws.write_layer(&layer(&v1));
-    run(&engine, false);
-    let mut v2 = v1.clone();
-    v2[0].zone = "C3".into();
-    ws.write_layer(&layer(&v2));
-    assert_eq!(run(&engine, false).record.counts.queued, 2);
+    assert_eq!(rezone(&ws, &engine, &[0]), 2, "one event, two subscribers");
 
     // The disabled endpoint's row is due and held back while the retry is not due yet: the
     // drain waits for the retry instead of stopping at the held row.

@@ -37,6 +37,9 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
+/// The [`SnapshotIndex`] directory's largest size, in prefix bits: 2^24 buckets, 64 MiB.
+const MAX_DIRECTORY_BITS: u32 = 24;
+
 /// The stored snapshot as (id fingerprint, first 16 bytes of the content hash), sorted, with
 /// a directory by the fingerprint's top bits.
 ///
@@ -55,14 +58,20 @@ struct SnapshotIndex {
 
 impl SnapshotIndex {
     /// Sorts `entries` and builds the directory.
-    fn new(mut entries: Vec<([u64; 2], [u8; 16])>) -> Result<SnapshotIndex, String> {
+    fn new(entries: Vec<([u64; 2], [u8; 16])>) -> Result<SnapshotIndex, String> {
+        Self::with_max_bits(entries, MAX_DIRECTORY_BITS)
+    }
+
+    /// [`SnapshotIndex::new`] with the directory capped at `2^max_bits` buckets (the tests
+    /// use a small cap to exercise the buckets of many entries a huge layer gets).
+    fn with_max_bits(mut entries: Vec<([u64; 2], [u8; 16])>, max_bits: u32) -> Result<SnapshotIndex, String> {
         if entries.len() >= u32::MAX as usize {
             return Err(format!("{} stored parcels in one source is more than the diff can index", entries.len()));
         }
         entries.sort_unstable();
-        // About one entry per bucket (2^bits ≥ len), at most 2^24 buckets (64 MiB): beyond
-        // 16M parcels a bucket holds a few entries, still searched in order.
-        let bits = (usize::BITS - entries.len().leading_zeros()).min(24);
+        // About one entry per bucket (2^bits ≥ len), at most 2^max_bits buckets: beyond
+        // that a bucket holds several entries, binary-searched.
+        let bits = (usize::BITS - entries.len().leading_zeros()).min(max_bits);
         let shift = 64 - bits;
         let buckets = 1usize << bits;
         let mut dir = Vec::with_capacity(buckets + 1);
@@ -538,5 +547,19 @@ mod tests {
         }
         assert_eq!(index.get([u64::MAX, 1]), None);
         assert_eq!(index.get([1, 0]), None);
+    }
+
+    #[test]
+    fn a_capped_directory_still_finds_everything_in_its_larger_buckets() {
+        // What a layer of more than 2^24 parcels gets, at a size a test can afford: 5,000
+        // entries over 2^4 buckets, ~300 entries in each.
+        let index = SnapshotIndex::with_max_bits((0..5000).map(entry).collect(), 4).unwrap();
+        assert_eq!(index.dir.len(), 17);
+        for i in 0..5000 {
+            assert_eq!(index.get(entry(i).0), Some(entry(i).1), "{i}");
+        }
+        for i in 5000..5500 {
+            assert_eq!(index.get(entry(i).0), None, "absent {i}");
+        }
     }
 }
