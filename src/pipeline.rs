@@ -15,7 +15,7 @@ use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
-use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunWriter, Store, StoreError};
+use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunWriter, SnapshotRows, Store, StoreError};
 use crate::clock::SharedClock;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -49,6 +49,24 @@ enum LayerInput {
     File(std::path::PathBuf),
     /// A fetched payload with its hex sha256.
     Bytes { bytes: Vec<u8>, digest: String },
+}
+
+/// Parcels (and quarantine drafts) per chunk of a run's commit.
+const COMMIT_CHUNK: usize = 4096;
+
+/// What [`Engine::commit_scan`]'s preparing thread hands the writer, in spill order.
+enum Prepared {
+    Quarantine(Vec<QuarantineDraft>),
+    Parcels(PreparedChunk),
+}
+
+/// A chunk of new and changed parcels made ready for the write transaction.
+struct PreparedChunk {
+    parcels: Vec<SpilledParcel>,
+    /// Their snapshot rows, encoded (`None` for a held run, which stages its parcels).
+    rows: Option<Vec<SnapshotRows>>,
+    /// Their events and claims, when none of them needed a stored geometry to build.
+    events: Option<(Vec<ChangeEvent>, Vec<Claim>)>,
 }
 
 /// Options for one run.
@@ -406,13 +424,13 @@ impl Engine {
     fn commit_scan(
         &self,
         src: &SourceConfig,
-        mut scan: ScanResult,
+        scan: ScanResult,
         mode: CommitMode,
         watermark: Watermark,
         started: u64,
         now: u64,
     ) -> Result<RunRecord, PipelineError> {
-        const CHUNK: usize = 4096;
+        const CHUNK: usize = COMMIT_CHUNK;
         let hold = matches!(mode, CommitMode::Hold { .. });
         let counts = RunCounts {
             features: scan.features,
@@ -423,29 +441,25 @@ impl Engine {
         };
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&scan.duplicate_drafts)?;
-        let mut parcels: Vec<SpilledParcel> = Vec::with_capacity(CHUNK);
-        let mut quarantine: Vec<QuarantineDraft> = Vec::new();
-        while let Some(item) = scan.spill.next_item().map_err(ScanError::from)? {
-            match item {
-                SpillItem::Quarantine(d) => {
-                    quarantine.push(d);
-                    if quarantine.len() >= CHUNK {
-                        w.quarantine(&quarantine)?;
-                        quarantine.clear();
-                    }
-                }
-                SpillItem::Parcel(p) if scan.duplicate_ids.contains(&p.id) => {}
-                SpillItem::Parcel(p) => {
-                    parcels.push(p);
-                    if parcels.len() >= CHUNK {
-                        self.commit_upserts(&mut w, src, &mut parcels, hold, now)?;
-                    }
+        // The spill is read back, and each chunk's rows encoded and (when no stored geometry
+        // is needed) its events built and matched, on a second thread, while this one writes
+        // the previous chunk: the write lock is held for the writing. Chunks arrive in
+        // spill order through a channel of two.
+        let ScanResult { spill, duplicate_ids, removed, warnings, .. } = scan;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Prepared, PipelineError>>(2);
+        std::thread::scope(|scope| -> Result<(), PipelineError> {
+            scope.spawn(|| self.prepare_chunks(src, spill, &duplicate_ids, hold, now, tx));
+            // `rx` is dropped when this closure returns, also on an error: the preparing
+            // thread's next send fails and it stops.
+            for prepared in rx {
+                match prepared? {
+                    Prepared::Quarantine(drafts) => w.quarantine(&drafts)?,
+                    Prepared::Parcels(chunk) => self.commit_upserts(&mut w, src, chunk, hold, now)?,
                 }
             }
-        }
-        w.quarantine(&quarantine)?;
-        self.commit_upserts(&mut w, src, &mut parcels, hold, now)?;
-        for chunk in scan.removed.chunks(CHUNK) {
+            Ok(())
+        })?;
+        for chunk in removed.chunks(CHUNK) {
             let mut old_geoms = w.old_geometries(chunk.iter().map(|(id, _)| id.as_str()))?;
             let events: Vec<ChangeEvent> = chunk
                 .iter()
@@ -459,47 +473,123 @@ impl Engine {
             w.removals(&ids)?;
             w.events(&events, &claims)?;
         }
-        Ok(w.finish(started, self.now(), counts, scan.warnings, &[])?)
+        Ok(w.finish(started, self.now(), counts, warnings, &[])?)
     }
 
-    /// One chunk of new and changed parcels into the run's transaction (drains `chunk`).
-    fn commit_upserts(
+    /// The preparing side of [`Engine::commit_scan`]: reads the spill in order and sends
+    /// quarantine drafts and parcel chunks, each chunk with its snapshot rows encoded (unless
+    /// held) and, when none of its parcels needs its stored geometry (a baseline's are all
+    /// added), its events and claims. Stops at the first error (sent on) or when the writer
+    /// hangs up.
+    fn prepare_chunks(
         &self,
-        w: &mut RunWriter<'_>,
         src: &SourceConfig,
-        chunk: &mut Vec<SpilledParcel>,
+        mut spill: crate::detect::spill::SpillReader,
+        duplicate_ids: &std::collections::HashSet<String>,
         hold: bool,
         now: u64,
-    ) -> Result<(), PipelineError> {
-        if chunk.is_empty() {
-            return Ok(());
+        tx: std::sync::mpsc::SyncSender<Result<Prepared, PipelineError>>,
+    ) {
+        let mut parcels: Vec<SpilledParcel> = Vec::with_capacity(COMMIT_CHUNK);
+        let mut quarantine: Vec<QuarantineDraft> = Vec::new();
+        let prepare = |parcels: Vec<SpilledParcel>| {
+            let rows = (!hold).then(|| parcels.iter().map(|p| SnapshotRows::encode(&p.id, &p.state, &p.geometry)).collect());
+            let needs_stored = parcels.iter().any(|p| matches!(p.kind, Some(k) if k != ChangeKind::Added));
+            let events = (!needs_stored).then(|| self.chunk_events(src, &parcels, &mut HashMap::new(), hold, now));
+            Prepared::Parcels(PreparedChunk { parcels, rows, events })
+        };
+        loop {
+            let item = match spill.next_item() {
+                Ok(Some(item)) => item,
+                Ok(None) => break,
+                Err(e) => {
+                    let _ = tx.send(Err(ScanError::from(e).into()));
+                    return;
+                }
+            };
+            let out = match item {
+                SpillItem::Quarantine(d) => {
+                    quarantine.push(d);
+                    if quarantine.len() < COMMIT_CHUNK {
+                        continue;
+                    }
+                    Prepared::Quarantine(std::mem::take(&mut quarantine))
+                }
+                SpillItem::Parcel(p) if duplicate_ids.contains(&p.id) => continue,
+                SpillItem::Parcel(p) => {
+                    parcels.push(p);
+                    if parcels.len() < COMMIT_CHUNK {
+                        continue;
+                    }
+                    prepare(std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK)))
+                }
+            };
+            if tx.send(Ok(out)).is_err() {
+                return;
+            }
         }
-        let need_old = chunk.iter().filter(|p| matches!(p.kind, Some(k) if k != ChangeKind::Added)).map(|p| p.id.as_str());
-        let mut old_geoms = w.old_geometries(need_old)?;
+        for out in [Prepared::Quarantine(quarantine), prepare(parcels)] {
+            if tx.send(Ok(out)).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The change events of a chunk of new and changed parcels (in spill order) and the
+    /// subscribers' claims on them (none for a held run). `stored` holds the stored geometry
+    /// of each changed parcel (taken out as used).
+    fn chunk_events(
+        &self,
+        src: &SourceConfig,
+        chunk: &[SpilledParcel],
+        stored: &mut HashMap<String, StoredGeometry>,
+        hold: bool,
+        now: u64,
+    ) -> (Vec<ChangeEvent>, Vec<Claim>) {
         let mut events = Vec::new();
-        let mut parcels = Vec::with_capacity(chunk.len());
-        for p in chunk.drain(..) {
+        for p in chunk {
             if let Some(kind) = p.kind {
                 let change = RawChange { parcel_id: p.id.clone(), kind, from: p.from.clone(), to: Some(p.state.zoning.clone()), new_index: None };
                 events.push(self.change_event(
                     src,
                     &change,
                     Some(&p.geometry),
-                    old_geoms.remove(&p.id),
+                    stored.remove(&p.id),
                     p.state.area_m2,
                     p.state.effective_date.clone(),
                     now,
                 ));
             }
-            parcels.push(p.into_parcel());
+        }
+        let claims = if hold { vec![] } else { self.claims_for(&events) };
+        (events, claims)
+    }
+
+    /// One prepared chunk of new and changed parcels into the run's transaction: the stored
+    /// geometries of changed parcels read (when the preparing thread could not build the
+    /// events without them), the snapshot updated (or the hold's staging), the claims written.
+    fn commit_upserts(&self, w: &mut RunWriter<'_>, src: &SourceConfig, chunk: PreparedChunk, hold: bool, now: u64) -> Result<(), PipelineError> {
+        let PreparedChunk { parcels, rows, events } = chunk;
+        if parcels.is_empty() {
+            return Ok(());
         }
         let t = std::time::Instant::now();
-        let claims = if hold { vec![] } else { self.claims_for(&events) };
-        let t_match = t.elapsed();
-        w.upserts(&parcels)?;
-        let t_upsert = t.elapsed() - t_match;
+        let (events, claims) = match events {
+            Some(built) => built,
+            None => {
+                let need_old = parcels.iter().filter(|p| matches!(p.kind, Some(k) if k != ChangeKind::Added)).map(|p| p.id.as_str());
+                let mut stored = w.old_geometries(need_old)?;
+                self.chunk_events(src, &parcels, &mut stored, hold, now)
+            }
+        };
+        let t_events = t.elapsed();
+        match rows {
+            Some(rows) => w.upserts_encoded(&rows)?,
+            None => w.upserts(&parcels.into_iter().map(SpilledParcel::into_parcel).collect::<Vec<_>>())?,
+        }
+        let t_upsert = t.elapsed() - t_events;
         w.events(&events, &claims)?;
-        tracing::trace!(match_us = t_match.as_micros() as u64, upsert_us = t_upsert.as_micros() as u64, events_us = (t.elapsed() - t_match - t_upsert).as_micros() as u64, claims = claims.len(), "chunk");
+        tracing::trace!(events_us = t_events.as_micros() as u64, upsert_us = t_upsert.as_micros() as u64, claim_us = (t.elapsed() - t_events - t_upsert).as_micros() as u64, claims = claims.len(), "chunk");
         Ok(())
     }
 

@@ -37,7 +37,7 @@ pub use leases::LeasedBatch;
 pub use dlq::ReplayOutcome;
 pub use endpoints::HealthPolicy;
 pub use queries::{AuditFilter, SnapshotView, StoreStats};
-pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunWriter};
+pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunWriter, SnapshotRows};
 pub use subscribers::StoredSubscriber;
 pub use probe::PortalSignals;
 pub use check::ConsistencyReport;

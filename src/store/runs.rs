@@ -304,6 +304,22 @@ pub enum HeldChunk {
     Events(Vec<ChangeEvent>),
 }
 
+/// A parcel's two snapshot rows (state, geometry), encoded as [`RunWriter::upserts`] writes
+/// them. A baseline writes millions: encoding them on another thread than the one holding
+/// the write transaction shortens the time the write lock is held.
+#[derive(Debug, Clone)]
+pub struct SnapshotRows {
+    pub id: String,
+    pub state: Vec<u8>,
+    pub geometry: Vec<u8>,
+}
+
+impl SnapshotRows {
+    pub fn encode(id: &str, state: &crate::model::ParcelState, geometry: &crate::model::StoredGeometry) -> SnapshotRows {
+        SnapshotRows { id: id.to_string(), state: encode(state), geometry: encode(geometry) }
+    }
+}
+
 /// One run's write transaction, fed in chunks so a county-sized delta never has to sit in
 /// memory at once (see [`Store::begin_run`]). Everything it writes becomes visible together
 /// at [`RunWriter::finish`], or not at all.
@@ -384,6 +400,26 @@ impl RunWriter<'_> {
             }
         }
         Ok(out)
+    }
+
+    /// New or changed parcels whose snapshot rows were encoded already (by
+    /// [`SnapshotRows::encode`], off the writing thread): into the snapshot. A held run stages
+    /// its parcels instead and must use [`RunWriter::upserts`].
+    pub fn upserts_encoded(&mut self, rows: &[SnapshotRows]) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        if matches!(self.mode, CommitMode::Hold { .. }) {
+            return Err(StoreError::Conflict("a held run stages its parcels; it has no snapshot rows to write".into()));
+        }
+        let src = self.source_id.as_str();
+        let mut states = self.wtx.open_table(PARCELS)?;
+        let mut geoms = self.wtx.open_table(PARCEL_GEOMS)?;
+        for r in rows {
+            states.insert((src, r.id.as_str()), r.state.as_slice())?;
+            geoms.insert((src, r.id.as_str()), r.geometry.as_slice())?;
+        }
+        Ok(())
     }
 
     /// New or changed parcels: into the snapshot, or staged with the hold.
