@@ -418,9 +418,11 @@ impl Engine {
         Ok(None)
     }
 
-    /// Commits a scanned layer in one write transaction, reading the spill back in chunks:
-    /// per chunk, the old geometries are read, events built and matched, the snapshot (or the
-    /// hold's staging) updated and the claims written.
+    /// Commits a scanned layer in one write transaction, fed in chunks: a second thread
+    /// ([`Engine::prepare_chunks`]) reads the spill back, encodes the snapshot rows and builds
+    /// and matches the events it can; this thread reads the stored geometries the other
+    /// events need, updates the snapshot (or the hold's staging) and writes the claims, then
+    /// the removals, then finishes.
     fn commit_scan(
         &self,
         src: &SourceConfig,
@@ -430,7 +432,6 @@ impl Engine {
         started: u64,
         now: u64,
     ) -> Result<RunRecord, PipelineError> {
-        const CHUNK: usize = COMMIT_CHUNK;
         let hold = matches!(mode, CommitMode::Hold { .. });
         let counts = RunCounts {
             features: scan.features,
@@ -450,7 +451,9 @@ impl Engine {
         std::thread::scope(|scope| -> Result<(), PipelineError> {
             scope.spawn(|| self.prepare_chunks(src, spill, &duplicate_ids, hold, now, tx));
             // `rx` is dropped when this closure returns, also on an error: the preparing
-            // thread's next send fails and it stops.
+            // thread's next send fails and it stops. If that thread panics, the channel
+            // closes early and this loop ends, but the scope re-raises the panic on leaving:
+            // nothing after it (removals, the commit) runs, so no partial run is committed.
             for prepared in rx {
                 match prepared? {
                     Prepared::Quarantine(drafts) => w.quarantine(&drafts)?,
@@ -459,7 +462,7 @@ impl Engine {
             }
             Ok(())
         })?;
-        for chunk in removed.chunks(CHUNK) {
+        for chunk in removed.chunks(COMMIT_CHUNK) {
             let mut old_geoms = w.old_geometries(chunk.iter().map(|(id, _)| id.as_str()))?;
             let events: Vec<ChangeEvent> = chunk
                 .iter()

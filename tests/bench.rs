@@ -63,10 +63,10 @@ fn bench_matching_commit_overlay_idle_run_at_test_scale() {
     }
     assert!(commit.iter().any(|c| num(c, "events_per_commit") == 1.0));
     assert!(commit.iter().any(|c| num(c, "events_per_commit") >= 1000.0));
-    // CPU per event comes from /proc in 10 ms ticks: each line has it, and the measure as a
-    // whole used some.
+    // CPU per event comes from /proc in 10 ms ticks: each line has it. At this scale a fast
+    // machine can do the whole measure inside one tick, so zero is a valid reading (asserting
+    // that some CPU was counted failed in a fresh-clone run).
     assert!(commit.iter().all(|c| num(c, "cpu_us_per_event") >= 0.0), "{commit:?}");
-    assert!(commit.iter().map(|c| num(c, "cpu_us_per_event") * num(c, "events")).sum::<f64>() > 0.0, "{commit:?}");
 
     let overlay = of(&lines, "overlay");
     let synthetic: Vec<_> = overlay.iter().filter(|o| o["workload"] == "synthetic").collect();
