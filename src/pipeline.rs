@@ -497,7 +497,7 @@ impl Engine {
         let mut quarantine: Vec<QuarantineDraft> = Vec::new();
         let prepare = |parcels: Vec<SpilledParcel>| {
             let rows = (!hold).then(|| parcels.iter().map(|p| SnapshotRows::encode(&p.id, &p.state, &p.geometry)).collect());
-            let needs_stored = parcels.iter().any(|p| matches!(p.kind, Some(k) if k != ChangeKind::Added));
+            let needs_stored = parcels.iter().any(SpilledParcel::needs_stored_geometry);
             let events = (!needs_stored).then(|| self.chunk_events(src, &parcels, &mut HashMap::new(), hold, now));
             Prepared::Parcels(PreparedChunk { parcels, rows, events })
         };
@@ -580,7 +580,7 @@ impl Engine {
         let (events, claims) = match events {
             Some(built) => built,
             None => {
-                let need_old = parcels.iter().filter(|p| matches!(p.kind, Some(k) if k != ChangeKind::Added)).map(|p| p.id.as_str());
+                let need_old = parcels.iter().filter(|p| p.needs_stored_geometry()).map(|p| p.id.as_str());
                 let mut stored = w.old_geometries(need_old)?;
                 self.chunk_events(src, &parcels, &mut stored, hold, now)
             }

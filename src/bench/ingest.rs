@@ -133,11 +133,6 @@ fn phase_line(n: usize, phase: &str, p: &Pass, parse: Option<&Pass>) -> serde_js
     v
 }
 
-/// CPU seconds since `before` (a [`rss::cpu_seconds`] reading).
-fn cpu_since(before: Option<f64>) -> Option<f64> {
-    Some(rss::cpu_seconds()? - before?)
-}
-
 /// The reference: stream the file and parse every feature into a `geojson::Feature`.
 fn parse_only(path: &Path) -> Result<Pass, BenchError> {
     rss::reset_peak();
@@ -154,7 +149,7 @@ fn parse_only(path: &Path) -> Result<Pass, BenchError> {
     if bad > 0 {
         return Err(BenchError::Failed(format!("parse-only: {bad} features did not parse")));
     }
-    Ok(Pass { wall_s: secs(t.elapsed()), cpu_s: cpu_since(cpu), features, peak_rss: rss::peak_rss_bytes(), verdict: None, changes: None, queued: None })
+    Ok(Pass { wall_s: secs(t.elapsed()), cpu_s: rss::cpu_seconds_since(cpu), features, peak_rss: rss::peak_rss_bytes(), verdict: None, changes: None, queued: None })
 }
 
 fn pipeline_pass(engine: &Engine, src: &SourceConfig, path: &Path) -> Result<Pass, BenchError> {
@@ -168,7 +163,7 @@ fn pipeline_pass(engine: &Engine, src: &SourceConfig, path: &Path) -> Result<Pas
     let r = report.record;
     Ok(Pass {
         wall_s,
-        cpu_s: cpu_since(cpu),
+        cpu_s: rss::cpu_seconds_since(cpu),
         features: r.counts.features,
         peak_rss: rss::peak_rss_bytes(),
         verdict: Some(r.verdict.to_string()),

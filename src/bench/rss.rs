@@ -45,9 +45,14 @@ pub fn cpu_seconds() -> Option<f64> {
     Some((utime + stime) as f64 / 100.0)
 }
 
+/// CPU seconds used since `before` (a [`cpu_seconds`] reading; None off Linux).
+pub fn cpu_seconds_since(before: Option<f64>) -> Option<f64> {
+    Some(cpu_seconds()? - before?)
+}
+
 /// CPU microseconds per item between two [`cpu_seconds`] readings (None off Linux).
 pub fn cpu_us_per(before: Option<f64>, items: u64) -> Option<f64> {
-    let used = cpu_seconds()? - before?;
+    let used = cpu_seconds_since(before)?;
     Some((used * 1e6 / items.max(1) as f64 * 10.0).round() / 10.0)
 }
 

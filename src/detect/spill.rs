@@ -38,6 +38,12 @@ pub struct SpilledParcel {
 }
 
 impl SpilledParcel {
+    /// Whether this parcel's change event needs its stored geometry (a changed parcel's old
+    /// shape): everything but an addition, and a snapshot-only update, which has no event.
+    pub fn needs_stored_geometry(&self) -> bool {
+        matches!(self.kind, Some(k) if k != ChangeKind::Added)
+    }
+
     pub fn into_parcel(self) -> Parcel {
         Parcel { id: self.id, state: self.state, geometry: self.geometry }
     }

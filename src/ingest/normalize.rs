@@ -332,14 +332,7 @@ impl<'de> Deserialize<'de> for Coords {
                             while seq.next_element::<Coords>()?.is_some() {}
                             Ok(Coords::Position(Coord { x, y }))
                         }
-                        second => {
-                            let mut v = vec![Coords::Num(x)];
-                            v.extend(second);
-                            while let Some(c) = seq.next_element()? {
-                                v.push(c);
-                            }
-                            Ok(Coords::List(v))
-                        }
+                        second => list_with_rest(std::iter::once(Coords::Num(x)).chain(second).collect(), seq),
                     },
                     Coords::Position(c) => {
                         let mut ring = Vec::with_capacity(8);
@@ -347,29 +340,22 @@ impl<'de> Deserialize<'de> for Coords {
                         while let Some(next) = seq.next_element::<Coords>()? {
                             match next {
                                 Coords::Position(c) => ring.push(c),
-                                other => {
-                                    // Not a ring after all: back to the general shape.
-                                    let mut v: Vec<Coords> = ring.into_iter().map(Coords::Position).collect();
-                                    v.push(other);
-                                    while let Some(c) = seq.next_element()? {
-                                        v.push(c);
-                                    }
-                                    return Ok(Coords::List(v));
-                                }
+                                // Not a ring after all: back to the general shape.
+                                other => return list_with_rest(ring.into_iter().map(Coords::Position).chain([other]).collect(), seq),
                             }
                         }
                         Ok(Coords::Positions(ring))
                     }
-                    other => {
-                        let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(4));
-                        v.push(other);
-                        while let Some(c) = seq.next_element()? {
-                            v.push(c);
-                        }
-                        Ok(Coords::List(v))
-                    }
+                    other => list_with_rest(vec![other], seq),
                 }
             }
+        }
+        /// A general array: the elements read so far, then the rest of `seq`.
+        fn list_with_rest<'de, A: SeqAccess<'de>>(mut v: Vec<Coords>, mut seq: A) -> Result<Coords, A::Error> {
+            while let Some(c) = seq.next_element()? {
+                v.push(c);
+            }
+            Ok(Coords::List(v))
         }
         d.deserialize_any(V)
     }

@@ -434,13 +434,8 @@ impl RunWriter<'_> {
                 staged.insert((self.run_id, p.id.as_str()), encode(&s).as_slice())?;
             }
         } else {
-            let src = self.source_id.as_str();
-            let mut states = self.wtx.open_table(PARCELS)?;
-            let mut geoms = self.wtx.open_table(PARCEL_GEOMS)?;
-            for p in parcels {
-                states.insert((src, p.id.as_str()), encode(&p.state).as_slice())?;
-                geoms.insert((src, p.id.as_str()), encode(&p.geometry).as_slice())?;
-            }
+            let rows: Vec<SnapshotRows> = parcels.iter().map(|p| SnapshotRows::encode(&p.id, &p.state, &p.geometry)).collect();
+            self.upserts_encoded(&rows)?;
         }
         Ok(())
     }
