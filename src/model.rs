@@ -174,6 +174,21 @@ pub struct Parcel {
     pub geometry: StoredGeometry,
 }
 
+/// A parcel borrowed from wherever it is held (a run's upserts, a spilled chunk): what the
+/// snapshot and the staging rows are written from, without copying it first.
+#[derive(Clone, Copy, Debug)]
+pub struct ParcelRef<'a> {
+    pub id: &'a str,
+    pub state: &'a ParcelState,
+    pub geometry: &'a StoredGeometry,
+}
+
+impl Parcel {
+    pub fn borrowed(&self) -> ParcelRef<'_> {
+        ParcelRef { id: &self.id, state: &self.state, geometry: &self.geometry }
+    }
+}
+
 /// A real change to one parcel, detected by the diff. Subscriber-independent.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct ChangeEvent {

@@ -147,6 +147,13 @@ fn ingest_measure_runs_at_test_scale() {
             assert!(num(l, "peak_rss_mib") > 0.0, "{l}");
         }
     }
+    for l in [baseline, republish, rezoned] {
+        assert!(num(l, "cores") >= 1.0, "{l}");
+        if cfg!(target_os = "linux") {
+            // Zero is a valid reading at test scale (under one CPU tick), never negative.
+            assert!(num(l, "cpu_floor_over_parse_only") >= 0.0, "{l}");
+        }
+    }
     let summary = phase("summary");
     assert!(summary["pipeline_over_parse_only"]["republish"].as_f64().is_some(), "{summary}");
 }

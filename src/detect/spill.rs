@@ -7,7 +7,7 @@
 //! records. The file is created next to the store (same disk, same permissions) and vanishes
 //! when dropped, also on a crash.
 
-use crate::model::{ChangeKind, Parcel, ParcelState, QuarantineReason, StoredGeometry};
+use crate::model::{ChangeKind, ParcelRef, ParcelState, QuarantineReason, StoredGeometry};
 use crate::store::QuarantineDraft;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -44,8 +44,8 @@ impl SpilledParcel {
         matches!(self.kind, Some(k) if k != ChangeKind::Added)
     }
 
-    pub fn into_parcel(self) -> Parcel {
-        Parcel { id: self.id, state: self.state, geometry: self.geometry }
+    pub fn borrowed(&self) -> ParcelRef<'_> {
+        ParcelRef { id: &self.id, state: &self.state, geometry: &self.geometry }
     }
 }
 
