@@ -1,6 +1,7 @@
 //! One pass over one source: fetch → digest → decide → parse and normalise → diff → gate →
 //! match → rank → one store commit. Synchronous and CPU-bound; `serve` runs it on a blocking
-//! thread. Also resolves holds (release / prime) through the same commit path.
+//! thread. Also resolves holds (release / prime): the hold's staged delta is streamed from
+//! the store into one `RunWriter` transaction, as a run's delta is from its spill.
 
 use crate::config::{Config, SourceConfig};
 use crate::detect::diff::RawChange;
@@ -733,5 +734,63 @@ impl Engine {
             &shares,
         )?;
         Ok(record)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::spill::Spill;
+
+    /// A spill that cannot be read back half-way through a commit (more chunks than the
+    /// channel holds already written): the preparing thread reports the error and stops, the
+    /// commit fails whole and leaves no parcel, watermark, key or audit row behind.
+    #[test]
+    fn a_spill_read_error_mid_commit_fails_the_run_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = r#"
+[store]
+path = "zw.redb"
+[[source]]
+id = "s1"
+jurisdiction = "testville"
+kind = "file"
+path = "layer.geojson"
+[source.fields]
+parcel_id = "APN"
+zoning = "ZONE_CODE"
+"#;
+        let engine = Engine::open(Config::parse_str(toml, dir.path()).unwrap()).unwrap();
+        let src = engine.config.sources[0].clone();
+        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 100.0 };
+        let geometry = StoredGeometry(vec![vec![vec![[-71.0, 42.0], [-70.999, 42.0], [-70.999, 42.001], [-71.0, 42.0]]]]);
+        let mut spill = Spill::create(dir.path()).unwrap();
+        let parcels = 5 * COMMIT_CHUNK as u64;
+        for i in 0..parcels {
+            let p = SpilledParcel { feature_index: i, id: format!("p{i:06}"), state: state.clone(), geometry: geometry.clone(), kind: Some(ChangeKind::Added), from: None };
+            spill.push_parcel(p).unwrap();
+        }
+        spill.push_damaged_record().unwrap();
+        let scan = ScanResult {
+            spill: spill.finish().unwrap(),
+            features: parcels + 1,
+            parcels,
+            repaired: 0,
+            quarantined: 0,
+            systemic: 0,
+            changes: parcels,
+            warnings: vec![],
+            duplicate_ids: Default::default(),
+            duplicate_drafts: vec![],
+            removed: vec![],
+            previous_parcels: 0,
+        };
+        let watermark = Watermark { digest: "d".into(), size: 1, ..Default::default() };
+        let err = engine.commit_scan(&src, scan, CommitMode::Baseline, watermark, 1, 2).unwrap_err();
+        assert!(err.to_string().contains("unknown spill record version"), "{err}");
+        assert_eq!(engine.store.watermark("s1").unwrap(), None);
+        assert!(engine.store.snapshot_states("s1").unwrap().is_empty(), "no parcel of the failed commit");
+        assert!(engine.store.audit(&Default::default()).unwrap().is_empty(), "no audit row of the failed commit");
+        assert!(engine.store.runs(Some("s1"), 1).unwrap().is_empty(), "no run record from the failed commit itself");
     }
 }

@@ -203,6 +203,56 @@ async fn crash_before_commit_leaves_nothing_and_the_rerun_sends_once() {
     assert_eq!(rx.received().len(), 2, "each event exactly once");
 }
 
+/// A store error in the middle of a run's transaction, while later chunks are still being
+/// read back and prepared on the other thread: the run fails whole (no parcel, key, outbox
+/// or audit row of it; the watermark where it was), the preparing thread stops instead of
+/// hanging, and the rerun commits everything and sends each event once. Both for a
+/// baseline (events built on the preparing thread) and for a run of rezonings (events
+/// built by the writer from the stored geometries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_error_mid_commit_leaves_nothing_and_the_rerun_sends_once() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let engine = ws.engine();
+    // 12,000 parcels: three chunks of the commit (4,096 each).
+    let v1 = grid(12_000);
+    ws.write_layer(&layer(&v1));
+    engine.store.fail_snapshot_write(2);
+    let err = engine.run_source_id("s1", Default::default()).unwrap_err();
+    assert!(err.to_string().contains("simulated failure"), "{err}");
+    assert_eq!(engine.store.watermark("s1").unwrap(), None, "no watermark for a failed baseline");
+    assert!(engine.store.snapshot_states("s1").unwrap().is_empty(), "no parcel of the failed baseline");
+    assert!(engine.store.audit(&Default::default()).unwrap().is_empty(), "no audit row of the failed baseline");
+    assert_eq!(engine.store.runs(Some("s1"), 1).unwrap()[0].verdict, Verdict::Failed);
+    let base = run(&engine, false);
+    assert_eq!((base.record.verdict, base.record.counts.parcels), (Verdict::Baseline, 12_000));
+    let wm = engine.store.watermark("s1").unwrap().unwrap();
+    let audit_before = engine.store.audit(&Default::default()).unwrap().len();
+
+    // 5,000 rezonings (two chunks). The AOI holds the grid's rows 0 to 140 (row 140 touches
+    // its edge): 2,820 parcels.
+    let changed: Vec<usize> = (0..5_000).collect();
+    ws.write_layer(&layer(&rezone(&v1, &changed, "C3")));
+    engine.store.fail_snapshot_write(2);
+    let err = engine.run_source_id("s1", Default::default()).unwrap_err();
+    assert!(err.to_string().contains("simulated failure"), "{err}");
+    assert_eq!(engine.store.watermark("s1").unwrap().unwrap(), wm, "watermark must not move");
+    assert_eq!(engine.store.outbox_len().unwrap(), 0, "nothing queued by the failed run");
+    assert_eq!(engine.store.audit(&Default::default()).unwrap().len(), audit_before, "no audit rows of the failed run");
+    let states = engine.store.snapshot_states("s1").unwrap();
+    assert!(changed.iter().all(|&i| states[&v1[i].id].zoning == v1[i].zone), "the snapshot is the baseline's");
+
+    let r = run(&engine, false);
+    assert_eq!((r.record.counts.changes, r.record.counts.queued), (5_000, 2_820));
+    deliver(&engine, Duration::from_secs(20)).await;
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);
+    let got = rx.received();
+    assert_eq!(got.len(), 2_820, "each event in the AOI exactly once");
+    let parcels: std::collections::HashSet<String> =
+        got.iter().filter_map(|r| r.json()).map(|j| j["data"]["parcel_id"].as_str().unwrap_or("").to_string()).collect();
+    assert_eq!(parcels.len(), 2_820, "2,820 distinct parcels");
+}
+
 /// Idempotency keys expire after their TTL, but never while their event is undelivered or
 /// dead-lettered (a re-claim then would let a re-detection and a replay both send it): the
 /// sweep re-arms those for another TTL. Time is a manual clock, so nothing sleeps.

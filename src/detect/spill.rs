@@ -113,6 +113,15 @@ impl Spill {
         }))
     }
 
+    /// Writes a record no reader accepts (an unknown version), as a damaged spill file
+    /// would read back: for tests of a commit that fails half-way through the spill.
+    #[cfg(test)]
+    pub(crate) fn push_damaged_record(&mut self) -> Result<(), SpillError> {
+        self.out.write_all(&1u32.to_le_bytes())?;
+        self.out.write_all(&[SPILL_VERSION.wrapping_add(100)])?;
+        Ok(())
+    }
+
     /// Flushes and rewinds: the records can now be read back in the order written.
     pub fn finish(self) -> Result<SpillReader, SpillError> {
         let mut file = self.out.into_inner().map_err(|e| e.into_error())?;

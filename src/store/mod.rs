@@ -108,6 +108,8 @@ pub struct Store {
     path: PathBuf,
     /// Test hook: when set, the next run commit fails just before `commit()` (crash simulation).
     fail_next_commit: std::sync::atomic::AtomicBool,
+    /// Test hook: counts down snapshot chunk writes; the one that takes it to zero fails.
+    fail_snapshot_write_in: std::sync::atomic::AtomicU32,
     /// Durable commits save redb's allocator state (see `repair.rs`).
     quick_repair: std::sync::atomic::AtomicBool,
     open_info: OpenInfo,
@@ -168,6 +170,7 @@ impl Store {
             db,
             path: path.to_path_buf(),
             fail_next_commit: std::sync::atomic::AtomicBool::new(false),
+            fail_snapshot_write_in: std::sync::atomic::AtomicU32::new(0),
             quick_repair: std::sync::atomic::AtomicBool::new(true),
             open_info,
             key_index: key_journal::KeyIndex::default(),
@@ -275,6 +278,19 @@ impl Store {
 
     fn take_injected_failure(&self) -> bool {
         self.fail_next_commit.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Test hook for a store error in the middle of a run's write transaction: the `n`-th
+    /// chunk of snapshot rows written from now on (1 = the next) fails, as a full disk would,
+    /// while the run's other chunks are still being prepared.
+    pub fn fail_snapshot_write(&self, n: u32) {
+        self.fail_snapshot_write_in.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn take_injected_write_failure(&self) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        let before = self.fail_snapshot_write_in.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1));
+        before == Ok(1)
     }
 
     /// Writes the file's schema version (used by tests of the version check).

@@ -417,6 +417,9 @@ impl RunWriter<'_> {
         if matches!(self.mode, CommitMode::Hold { .. }) {
             return Err(StoreError::Conflict("a held run stages its parcels; it has no snapshot rows to write".into()));
         }
+        if self.store.take_injected_write_failure() {
+            return Err(StoreError::Injected(format!("snapshot write of run {} of {}", self.run_id, self.source_id)));
+        }
         let src = self.source_id.as_str();
         let mut states = self.wtx.open_table(PARCELS)?;
         let mut geoms = self.wtx.open_table(PARCEL_GEOMS)?;
