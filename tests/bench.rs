@@ -154,6 +154,9 @@ fn ingest_measure_runs_at_test_scale() {
             assert!(num(l, "cpu_floor_over_parse_only") >= 0.0, "{l}");
         }
     }
+    let floor = phase("baseline_store_floor");
+    assert_eq!(num(floor, "rows"), 2.0 * n, "a state and a geometry row per parcel: {floor}");
+    assert!(num(floor, "insert_s") >= 0.0 && num(floor, "commit_s") >= 0.0 && num(floor, "over_parse_only") >= 0.0, "{floor}");
     let summary = phase("summary");
     assert!(summary["pipeline_over_parse_only"]["republish"].as_f64().is_some(), "{summary}");
 }

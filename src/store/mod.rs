@@ -22,6 +22,7 @@ mod endpoints;
 mod idem;
 mod key_journal;
 mod expiry;
+mod floor;
 mod leases;
 mod outbox;
 mod outbox_rows;
@@ -42,6 +43,7 @@ pub use subscribers::StoredSubscriber;
 pub use probe::PortalSignals;
 pub use check::ConsistencyReport;
 pub use repair::OpenInfo;
+pub use floor::WriteFloor;
 
 use redb::{Database, ReadableDatabase};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,109 @@
+//! What redb alone costs to write a source's snapshot: its rows copied, byte for byte and in
+//! the same order, into a fresh scratch file in one durable transaction, with the time spent
+//! reading them left out.
+//!
+//! Why it exists: a baseline commit writes two rows per parcel (state and geometry) and
+//! nothing can make it cheaper than redb inserting those rows. The ingest bench prints this
+//! beside the baseline so a reader sees, measured in the same run, how much of the baseline
+//! is the store's floor and how much is ours (issue 7).
+
+use super::tables::{PARCELS, PARCEL_GEOMS};
+use super::{Store, StoreError, STORE_CACHE_BYTES};
+use redb::{Database, ReadableDatabase};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Rows copied per batch: the size of a run's commit chunks.
+const BATCH: usize = 4096;
+
+/// The measured floor.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriteFloor {
+    /// Parcels copied (each is two rows).
+    pub parcels: u64,
+    /// Time in redb's inserts.
+    pub insert: Duration,
+    /// Time in the durable commit.
+    pub commit: Duration,
+}
+
+impl Store {
+    /// Copies `source_id`'s snapshot into a new redb file at `scratch` (which must not exist;
+    /// it is left for the caller to remove) as a baseline writes it: per parcel its state row
+    /// then its geometry row, in batches, one durable commit. Returns the time redb took.
+    pub fn snapshot_write_floor(&self, source_id: &str, scratch: &Path) -> Result<WriteFloor, StoreError> {
+        let db = Database::builder().set_cache_size(STORE_CACHE_BYTES).create(scratch).map_err(|e| StoreError::Open {
+            path: scratch.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let rtx = self.db.begin_read()?;
+        let states = rtx.open_table(PARCELS)?;
+        let geoms = rtx.open_table(PARCEL_GEOMS)?;
+        let mut state_rows = states.range((source_id, "")..)?;
+        let mut geom_rows = geoms.range((source_id, "")..)?;
+        let wtx = db.begin_write()?;
+        let mut floor = WriteFloor::default();
+        {
+            let mut out_states = wtx.open_table(PARCELS)?;
+            let mut out_geoms = wtx.open_table(PARCEL_GEOMS)?;
+            let mut batch: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::with_capacity(BATCH);
+            loop {
+                batch.clear();
+                while batch.len() < BATCH {
+                    let (Some(s), Some(g)) = (state_rows.next(), geom_rows.next()) else { break };
+                    let ((sk, sv), (gk, gv)) = (s?, g?);
+                    let (src, id) = sk.value();
+                    if src != source_id {
+                        break;
+                    }
+                    if gk.value() != (src, id) {
+                        return Err(StoreError::Conflict(format!("parcel {id:?} of {source_id:?} has no geometry row")));
+                    }
+                    batch.push((id.to_string(), sv.value().to_vec(), gv.value().to_vec()));
+                }
+                if batch.is_empty() {
+                    break;
+                }
+                let t = Instant::now();
+                for (id, state, geometry) in &batch {
+                    out_states.insert((source_id, id.as_str()), state.as_slice())?;
+                    out_geoms.insert((source_id, id.as_str()), geometry.as_slice())?;
+                }
+                floor.insert += t.elapsed();
+                floor.parcels += batch.len() as u64;
+            }
+        }
+        let t = Instant::now();
+        wtx.commit()?;
+        floor.commit = t.elapsed();
+        Ok(floor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::*;
+    use crate::store::CommitMode;
+
+    /// Every parcel of the source, and only that source's, is copied.
+    #[test]
+    fn copies_one_sources_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0 };
+        let geometry = StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]);
+        for (source, n) in [("a", 5000), ("b", 7)] {
+            let parcels: Vec<Parcel> = (0..n).map(|i| Parcel { id: format!("p{i}"), state: state.clone(), geometry: geometry.clone() }).collect();
+            let mut w = store.begin_run(source, CommitMode::Baseline, Watermark::default(), 1, 1_000).unwrap();
+            w.upserts(parcels.iter().map(Parcel::borrowed)).unwrap();
+            w.finish(1, 1, RunCounts::default(), vec![], &[]).unwrap();
+        }
+        let floor = store.snapshot_write_floor("a", &dir.path().join("floor.redb")).unwrap();
+        assert_eq!(floor.parcels, 5000);
+        let copy = Store::open(&dir.path().join("floor.redb")).unwrap();
+        assert_eq!(copy.snapshot_states("a").unwrap().len(), 5000);
+        assert!(copy.snapshot_states("b").unwrap().is_empty());
+        assert_eq!(copy.parcel_geometries("a", ["p4999"]).unwrap()["p4999"], geometry);
+    }
+}
