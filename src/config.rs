@@ -135,7 +135,7 @@ pub struct Config {
     /// The file it was read from (None for configs built in code, e.g. the demo).
     pub path: Option<PathBuf>,
     pub store_path: PathBuf,
-    /// `[store] cache_mib`: redb's page cache in MiB (default 16). It is resident memory for
+    /// `[store] cache_mib`: redb's page cache in MiB (default 8). It is resident memory for
     /// the life of the process, so it is the main term of an idle daemon's RSS; raise it for
     /// stores of millions of parcels if commits are slow.
     pub store_cache_mib: usize,
@@ -795,7 +795,7 @@ min_severity = "material"
         assert_eq!(cfg.sources[0].max_change_ratio, 0.05);
         assert_eq!(cfg.subscribers[0].min_severity, Severity::Material);
         assert_eq!(cfg.delivery.run_wait, Duration::from_secs(60));
-        assert_eq!(cfg.store_cache_mib, 16, "default page cache");
+        assert_eq!(cfg.store_cache_mib, 8, "default page cache");
         let big = GOOD.replacen("path = \"zw.redb\"", "path = \"zw.redb\"\ncache_mib = 256", 1);
         assert_eq!(Config::parse_str(&big, Path::new(".")).unwrap().store_cache_mib, 256);
         let zero = GOOD.replacen("path = \"zw.redb\"", "path = \"zw.redb\"\ncache_mib = 0", 1);

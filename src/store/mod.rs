@@ -131,8 +131,10 @@ impl std::fmt::Debug for Store {
 /// would let a county-sized store grow the daemon's resident memory to a gigabyte, and the
 /// cache never shrinks, so it sets the floor of an idle `serve`'s RSS; beyond it the OS page
 /// cache serves reads anyway. Measured (issue 7): 16 MiB instead of 64 MiB took an idle
-/// `serve` (100 sources, 10k subscribers) from 52 to 48 MiB with ingest unchanged within noise.
-pub const STORE_CACHE_BYTES: usize = 16 * 1024 * 1024;
+/// `serve` (100 sources, 10k subscribers) from 52 to 48 MiB; 8 MiB instead of 16 took it from
+/// 49.5-49.9 to 40.9-41.7 MiB (the cache was full), with ingest at 1M parcels, delivery and
+/// group commit unchanged within noise (interleaved runs, ninth session).
+pub const STORE_CACHE_BYTES: usize = 8 * 1024 * 1024;
 
 impl Store {
     /// Opens (or creates) the store at `path`, creating missing tables and checking the schema.
