@@ -178,12 +178,16 @@ pub struct Parcel {
 /// snapshot and the staging rows are written from, without copying it first.
 #[derive(Clone, Copy, Debug)]
 pub struct ParcelRef<'a> {
+    /// The parcel id (the snapshot's key within its source).
     pub id: &'a str,
+    /// What the diff compares: zoning, effective date, hashes, area.
     pub state: &'a ParcelState,
+    /// The normalised geometry, as stored.
     pub geometry: &'a StoredGeometry,
 }
 
 impl Parcel {
+    /// This parcel as a [`ParcelRef`], for writing it to the store.
     pub fn borrowed(&self) -> ParcelRef<'_> {
         ParcelRef { id: &self.id, state: &self.state, geometry: &self.geometry }
     }

@@ -69,14 +69,20 @@ struct PreparedChunk {
     parcels: Vec<SpilledParcel>,
     /// Their snapshot rows, encoded (`None` for a held run, which stages its parcels).
     rows: Option<Vec<SnapshotRows>>,
-    /// Their events and claims, when none of them needed a stored geometry to build.
+    /// Their events and claims, built on the preparing thread when the run is not held and
+    /// none of them needed a stored geometry (`None`: the writer builds them).
     events: Option<(Vec<ChangeEvent>, Vec<Claim>)>,
 }
 
 /// What the writer is done with, sent back to the preparing thread to be freed there.
 /// glibc frees another thread's allocation under that thread's arena lock: at a baseline's
-/// rate, freeing the chunks on the writing thread took a quarter of its time.
-type Spent = (Option<Vec<SnapshotRows>>, Vec<ChangeEvent>, Vec<Claim>);
+/// rate, freeing the chunks on the writing thread took a quarter of its time. (A baseline's
+/// chunk is all the preparing thread's; a chunk whose events the writer built is mixed.)
+struct Spent {
+    _rows: Option<Vec<SnapshotRows>>,
+    _events: Vec<ChangeEvent>,
+    _claims: Vec<Claim>,
+}
 
 /// Options for one run.
 #[derive(Debug, Clone, Default)]
@@ -451,10 +457,11 @@ impl Engine {
         };
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&scan.duplicate_drafts)?;
-        // The spill is read back, and each chunk's rows encoded and (when no stored geometry
-        // is needed) its events built and matched, on a second thread, while this one writes
-        // the previous chunk: the write lock is held for the writing. Chunks arrive in
-        // spill order through a channel of two.
+        // The spill is read back, and each chunk's rows encoded and (unless held or a stored
+        // geometry is needed) its events built and matched, on a second thread, while this
+        // one writes the previous chunk: the write lock is held for the writing. Chunks
+        // arrive in spill order through a channel of two; what this thread is done with goes
+        // back through another, to be freed over there.
         let ScanResult { spill, duplicate_ids, removed, warnings, .. } = scan;
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Prepared, PipelineError>>(2);
         let (spent_tx, spent_rx) = std::sync::mpsc::channel::<Spent>();
@@ -495,9 +502,9 @@ impl Engine {
 
     /// The preparing side of [`Engine::commit_scan`]: reads the spill in order and sends
     /// quarantine drafts and parcel chunks, each chunk with its snapshot rows encoded (unless
-    /// held) and, when none of its parcels needs its stored geometry (a baseline's are all
-    /// added), its events and claims. Frees what the writer sends back as spent. Stops at the
-    /// first error (sent on) or when the writer hangs up.
+    /// held) and, when the run is not held and none of its parcels needs its stored geometry
+    /// (a baseline's are all added), its events and claims. Frees what the writer sends back
+    /// as spent. Stops at the first error (sent on) or when the writer hangs up.
     #[allow(clippy::too_many_arguments)]
     fn prepare_chunks(
         &self,
@@ -513,7 +520,7 @@ impl Engine {
         let mut quarantine: Vec<QuarantineDraft> = Vec::new();
         let prepare = |parcels: Vec<SpilledParcel>| {
             spent.try_iter().for_each(drop);
-            let rows = (!hold).then(|| parcels.iter().map(|p| SnapshotRows::encode(&p.id, &p.state, &p.geometry)).collect());
+            let rows = (!hold).then(|| parcels.iter().map(|p| SnapshotRows::encode(p.borrowed())).collect());
             let needs_stored = parcels.iter().any(SpilledParcel::needs_stored_geometry);
             if needs_stored || hold {
                 // The writer builds the events after reading the stored geometries, or
@@ -586,7 +593,7 @@ impl Engine {
     /// One prepared chunk of new and changed parcels into the run's transaction: the stored
     /// geometries of changed parcels read (when the preparing thread could not build the
     /// events without them), the snapshot updated (or the hold's staging), the claims written.
-    /// Returns what it is done with, to be freed by the thread that allocated it.
+    /// Returns what it is done with, to be freed on the preparing thread.
     fn commit_upserts(&self, w: &mut RunWriter<'_>, src: &SourceConfig, chunk: PreparedChunk, hold: bool, now: u64) -> Result<Spent, PipelineError> {
         let PreparedChunk { parcels, rows, events } = chunk;
         let t = std::time::Instant::now();
@@ -615,7 +622,7 @@ impl Engine {
             claims = claims.len(),
             "chunk"
         );
-        Ok((rows, events, claims))
+        Ok(Spent { _rows: rows, _events: events, _claims: claims })
     }
 
     /// One change event with its geometries and severity (the change's parts move into it).
@@ -741,10 +748,12 @@ impl Engine {
 mod tests {
     use super::*;
     use crate::detect::spill::Spill;
+    use geo::polygon;
 
-    /// A spill that cannot be read back half-way through a commit (more chunks than the
-    /// channel holds already written): the preparing thread reports the error and stops, the
-    /// commit fails whole and leaves no parcel, watermark, key or audit row behind.
+    /// A spill that cannot be read back half-way through a commit (five chunks of parcels a
+    /// subscriber's AOI covers, so the writer has written their primed keys and audit rows,
+    /// then a damaged record): the preparing thread reports the error and stops, the commit
+    /// fails whole and leaves no parcel, watermark or audit row behind.
     #[test]
     fn a_spill_read_error_mid_commit_fails_the_run_whole() {
         let dir = tempfile::tempdir().unwrap();
@@ -760,37 +769,49 @@ path = "layer.geojson"
 parcel_id = "APN"
 zoning = "ZONE_CODE"
 "#;
-        let engine = Engine::open(Config::parse_str(toml, dir.path()).unwrap()).unwrap();
+        let mut engine = Engine::open(Config::parse_str(toml, dir.path()).unwrap()).unwrap();
+        let aoi = geo::MultiPolygon(vec![polygon![(x: -71.01, y: 41.99), (x: -70.99, y: 41.99), (x: -70.99, y: 42.01), (x: -71.01, y: 42.01)]]);
+        let sub = Subscriber { id: "w1".into(), target: "http://127.0.0.1:9/hook".into(), secret: None, min_severity: Severity::Info, aoi, secret_old: None };
+        engine.subscribers = Arc::new(SubscriberIndex::build(vec![sub]));
         let src = engine.config.sources[0].clone();
         let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 100.0 };
         let geometry = StoredGeometry(vec![vec![vec![[-71.0, 42.0], [-70.999, 42.0], [-70.999, 42.001], [-71.0, 42.0]]]]);
-        let mut spill = Spill::create(dir.path()).unwrap();
         let parcels = 5 * COMMIT_CHUNK as u64;
-        for i in 0..parcels {
-            let p = SpilledParcel { feature_index: i, id: format!("p{i:06}"), state: state.clone(), geometry: geometry.clone(), kind: Some(ChangeKind::Added), from: None };
-            spill.push_parcel(p).unwrap();
-        }
-        spill.push_damaged_record().unwrap();
-        let scan = ScanResult {
-            spill: spill.finish().unwrap(),
-            features: parcels + 1,
-            parcels,
-            repaired: 0,
-            quarantined: 0,
-            systemic: 0,
-            changes: parcels,
-            warnings: vec![],
-            duplicate_ids: Default::default(),
-            duplicate_drafts: vec![],
-            removed: vec![],
-            previous_parcels: 0,
+        let scan = |damaged: bool| {
+            let mut spill = Spill::create(dir.path()).unwrap();
+            for i in 0..parcels {
+                let p = SpilledParcel { feature_index: i, id: format!("p{i:06}"), state: state.clone(), geometry: geometry.clone(), kind: Some(ChangeKind::Added), from: None };
+                spill.push_parcel(p).unwrap();
+            }
+            if damaged {
+                spill.push_damaged_record().unwrap();
+            }
+            ScanResult {
+                spill: spill.finish().unwrap(),
+                features: parcels,
+                parcels,
+                repaired: 0,
+                quarantined: 0,
+                systemic: 0,
+                changes: parcels,
+                warnings: vec![],
+                duplicate_ids: Default::default(),
+                duplicate_drafts: vec![],
+                removed: vec![],
+                previous_parcels: 0,
+            }
         };
         let watermark = Watermark { digest: "d".into(), size: 1, ..Default::default() };
-        let err = engine.commit_scan(&src, scan, CommitMode::Baseline, watermark, 1, 2).unwrap_err();
+        let err = engine.commit_scan(&src, scan(true), CommitMode::Baseline, watermark.clone(), 1, 2).unwrap_err();
         assert!(err.to_string().contains("unknown spill record version"), "{err}");
         assert_eq!(engine.store.watermark("s1").unwrap(), None);
         assert!(engine.store.snapshot_states("s1").unwrap().is_empty(), "no parcel of the failed commit");
         assert!(engine.store.audit(&Default::default()).unwrap().is_empty(), "no audit row of the failed commit");
-        assert!(engine.store.runs(Some("s1"), 1).unwrap().is_empty(), "no run record from the failed commit itself");
+        // The same spill undamaged commits every parcel with an audit row each (the primed
+        // keys): what the failed commit had begun to write and did not keep.
+        let record = engine.commit_scan(&src, scan(false), CommitMode::Baseline, watermark, 3, 4).unwrap();
+        assert_eq!(record.verdict, Verdict::Baseline);
+        assert_eq!(engine.store.snapshot_states("s1").unwrap().len() as u64, parcels);
+        assert_eq!(engine.store.audit(&Default::default()).unwrap().len() as u64, parcels);
     }
 }

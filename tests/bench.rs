@@ -148,15 +148,23 @@ fn ingest_measure_runs_at_test_scale() {
         }
     }
     for l in [baseline, republish, rezoned] {
-        assert!(num(l, "cores") >= 1.0, "{l}");
+        let cores = num(l, "cores");
+        assert!(cores >= 1.0 && cores.fract() == 0.0, "{l}");
         if cfg!(target_os = "linux") {
-            // Zero is a valid reading at test scale (under one CPU tick), never negative.
-            assert!(num(l, "cpu_floor_over_parse_only") >= 0.0, "{l}");
+            // The phase's CPU time over every core, against parse-only (cpu_s is rounded to
+            // the millisecond, the floor to the hundredth).
+            let want = num(l, "cpu_s") / cores / num(parse, "wall_s");
+            let slack = 0.0005 / cores / num(parse, "wall_s") + 0.006;
+            assert!((num(l, "cpu_floor_over_parse_only") - want).abs() <= slack, "floor {want:.3} expected: {l}");
         }
     }
     let floor = phase("baseline_store_floor");
     assert_eq!(num(floor, "rows"), 2.0 * n, "a state and a geometry row per parcel: {floor}");
-    assert!(num(floor, "insert_s") >= 0.0 && num(floor, "commit_s") >= 0.0 && num(floor, "over_parse_only") >= 0.0, "{floor}");
+    let rows = num(floor, "rows");
+    let per_row = num(floor, "insert_s") * 1e6 / rows;
+    assert!((num(floor, "us_per_row") - per_row).abs() <= 0.0005 * 1e6 / rows + 0.006, "{floor}");
+    let floor_ratio = (num(floor, "insert_s") + num(floor, "commit_s")) / num(parse, "wall_s");
+    assert!((num(floor, "over_parse_only") - floor_ratio).abs() <= 0.001 / num(parse, "wall_s") + 0.006, "{floor}");
     let summary = phase("summary");
     assert!(summary["pipeline_over_parse_only"]["republish"].as_f64().is_some(), "{summary}");
 }

@@ -203,39 +203,48 @@ async fn crash_before_commit_leaves_nothing_and_the_rerun_sends_once() {
     assert_eq!(rx.received().len(), 2, "each event exactly once");
 }
 
-/// A store error in the middle of a run's transaction, while later chunks are still being
-/// read back and prepared on the other thread: the run fails whole (no parcel, key, outbox
-/// or audit row of it; the watermark where it was), the preparing thread stops instead of
-/// hanging, and the rerun commits everything and sends each event once. Both for a
-/// baseline (events built on the preparing thread) and for a run of rezonings (events
-/// built by the writer from the stored geometries).
+/// A store error in the middle of a run's transaction, while the other thread of the commit
+/// is blocked handing over the next chunks (the failing write pauses first, so the channel
+/// is full): the run fails whole (no parcel, key, outbox or audit row of it; the watermark
+/// where it was), the preparing thread stops instead of hanging (a watchdog fails the test
+/// after 60 s), and the rerun commits everything and sends each event once. Both for a
+/// baseline (events built on the preparing thread) and for a run of rezonings (events built
+/// by the writer from the stored geometries).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_error_mid_commit_leaves_nothing_and_the_rerun_sends_once() {
     let rx = receiver(200).await;
     let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
-    let engine = ws.engine();
-    // 12,000 parcels: three chunks of the commit (4,096 each).
-    let v1 = grid(12_000);
+    let engine = std::sync::Arc::new(ws.engine());
+    let failing_run = |engine: &std::sync::Arc<zonewatch::pipeline::Engine>| {
+        engine.store.fail_snapshot_write(1, Duration::from_millis(300));
+        let e = engine.clone();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done_tx.send(e.run_source_id("s1", Default::default()).map(|r| r.record.verdict));
+        });
+        let outcome = done_rx.recv_timeout(Duration::from_secs(60)).expect("the failing run returns instead of hanging");
+        let err = outcome.expect_err("the injected store error fails the run");
+        assert!(err.to_string().contains("simulated failure"), "{err}");
+    };
+    // 12,800 parcels: four chunks of the commit (4,096 each, then 512).
+    let v1 = grid(12_800);
     ws.write_layer(&layer(&v1));
-    engine.store.fail_snapshot_write(2);
-    let err = engine.run_source_id("s1", Default::default()).unwrap_err();
-    assert!(err.to_string().contains("simulated failure"), "{err}");
+    failing_run(&engine);
     assert_eq!(engine.store.watermark("s1").unwrap(), None, "no watermark for a failed baseline");
     assert!(engine.store.snapshot_states("s1").unwrap().is_empty(), "no parcel of the failed baseline");
     assert!(engine.store.audit(&Default::default()).unwrap().is_empty(), "no audit row of the failed baseline");
     assert_eq!(engine.store.runs(Some("s1"), 1).unwrap()[0].verdict, Verdict::Failed);
     let base = run(&engine, false);
-    assert_eq!((base.record.verdict, base.record.counts.parcels), (Verdict::Baseline, 12_000));
+    assert_eq!((base.record.verdict, base.record.counts.parcels), (Verdict::Baseline, 12_800));
     let wm = engine.store.watermark("s1").unwrap().unwrap();
     let audit_before = engine.store.audit(&Default::default()).unwrap().len();
+    assert!(audit_before > 0, "the baseline primed the AOI's keys, with audit rows");
 
     // 5,000 rezonings (two chunks). The AOI holds the grid's rows 0 to 140 (row 140 touches
     // its edge): 2,820 parcels.
     let changed: Vec<usize> = (0..5_000).collect();
     ws.write_layer(&layer(&rezone(&v1, &changed, "C3")));
-    engine.store.fail_snapshot_write(2);
-    let err = engine.run_source_id("s1", Default::default()).unwrap_err();
-    assert!(err.to_string().contains("simulated failure"), "{err}");
+    failing_run(&engine);
     assert_eq!(engine.store.watermark("s1").unwrap().unwrap(), wm, "watermark must not move");
     assert_eq!(engine.store.outbox_len().unwrap(), 0, "nothing queued by the failed run");
     assert_eq!(engine.store.audit(&Default::default()).unwrap().len(), audit_before, "no audit rows of the failed run");

@@ -55,6 +55,50 @@ async fn l_shaped_aoi_matches_exactly() {
     assert_eq!(got, vec!["INSIDE".to_string(), "TOUCH".to_string()]);
 }
 
+/// A parcel redrawn out of an area of interest is still that area's change: the event
+/// carries the stored (old) shape, read before the run's upsert replaces it, and matching
+/// tests both shapes. One redrawn into the area matches by its new shape; one redrawn
+/// elsewhere outside it matches nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parcel_redrawn_out_of_an_aoi_matches_by_its_old_shape() {
+    let rx = receiver(200).await;
+    // The AOI: the unit square at the origin.
+    let aoi = rect(X0, Y0, X0 + U, Y0 + U);
+    let ws = Workspace::new(&[Sub { id: "w", aoi, target: rx.url("/hook"), min_severity: "info", secret: None }], "", "");
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 1.0");
+    let s = 0.3 * U;
+    let v1 = vec![
+        square("OUT", "R-1", X0 + 0.2 * U, Y0 + 0.2 * U, s),
+        square("IN", "R-1", X0 + 5.0 * U, Y0 + 5.0 * U, s),
+        square("ELSEWHERE", "R-1", X0 + 7.0 * U, Y0 + 7.0 * U, s),
+        square("STILL", "R-1", X0 + 9.0 * U, Y0 + 9.0 * U, s),
+    ];
+    let engine = ws.engine();
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let v2 = vec![
+        square("OUT", "R-1", X0 + 3.0 * U, Y0 + 3.0 * U, s),
+        square("IN", "R-1", X0 + 0.5 * U, Y0 + 0.5 * U, s),
+        square("ELSEWHERE", "R-1", X0 + 8.0 * U, Y0 + 8.0 * U, s),
+        v1[3].clone(),
+    ];
+    ws.write_layer(&layer(&v2));
+    let r = run(&engine, false);
+    assert_eq!((r.record.counts.changes, r.record.counts.queued), (3, 2), "{}", r.line());
+    deliver(&engine, Duration::from_secs(5)).await;
+    let mut got: Vec<(String, String)> = rx
+        .received()
+        .iter()
+        .filter_map(|r| {
+            let j = r.json()?;
+            Some((j["data"]["parcel_id"].as_str()?.to_string(), j["data"]["change"].as_str()?.to_string()))
+        })
+        .collect();
+    got.sort();
+    let want = |id: &str| (id.to_string(), "geometry_changed".to_string());
+    assert_eq!(got, vec![want("IN"), want("OUT")]);
+}
+
 #[test]
 fn index_finds_candidates_by_envelope_then_tests_exactly() {
     use zonewatch::notify::aoi::parse_aoi;

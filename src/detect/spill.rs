@@ -44,6 +44,7 @@ impl SpilledParcel {
         matches!(self.kind, Some(k) if k != ChangeKind::Added)
     }
 
+    /// This parcel as a [`ParcelRef`], for writing it to the store.
     pub fn borrowed(&self) -> ParcelRef<'_> {
         ParcelRef { id: &self.id, state: &self.state, geometry: &self.geometry }
     }

@@ -112,6 +112,8 @@ pub struct Store {
     fail_next_commit: std::sync::atomic::AtomicBool,
     /// Test hook: counts down snapshot chunk writes; the one that takes it to zero fails.
     fail_snapshot_write_in: std::sync::atomic::AtomicU32,
+    /// How long that failing write waits before it fails.
+    fail_snapshot_write_pause: std::sync::Mutex<std::time::Duration>,
     /// Durable commits save redb's allocator state (see `repair.rs`).
     quick_repair: std::sync::atomic::AtomicBool,
     open_info: OpenInfo,
@@ -132,8 +134,8 @@ impl std::fmt::Debug for Store {
 /// cache never shrinks, so it sets the floor of an idle `serve`'s RSS; beyond it the OS page
 /// cache serves reads anyway. Measured (issue 7): 16 MiB instead of 64 MiB took an idle
 /// `serve` (100 sources, 10k subscribers) from 52 to 48 MiB; 8 MiB instead of 16 took it from
-/// 49.5-49.9 to 40.9-41.7 MiB (the cache was full), with ingest at 1M parcels, delivery and
-/// group commit unchanged within noise (interleaved runs, ninth session).
+/// 49.4-50.4 to 41.5-43.7 MiB (the cache was full), with ingest at 1M parcels, delivery and
+/// group commit unchanged within noise (interleaved runs, ninth session; docs/PERFORMANCE.md).
 pub const STORE_CACHE_BYTES: usize = 8 * 1024 * 1024;
 
 impl Store {
@@ -175,6 +177,7 @@ impl Store {
             path: path.to_path_buf(),
             fail_next_commit: std::sync::atomic::AtomicBool::new(false),
             fail_snapshot_write_in: std::sync::atomic::AtomicU32::new(0),
+            fail_snapshot_write_pause: std::sync::Mutex::new(std::time::Duration::ZERO),
             quick_repair: std::sync::atomic::AtomicBool::new(true),
             open_info,
             key_index: key_journal::KeyIndex::default(),
@@ -286,15 +289,27 @@ impl Store {
 
     /// Test hook for a store error in the middle of a run's write transaction: the `n`-th
     /// chunk of snapshot rows written from now on (1 = the next) fails, as a full disk would,
-    /// while the run's other chunks are still being prepared.
-    pub fn fail_snapshot_write(&self, n: u32) {
+    /// after a `pause` that gives the preparing thread time to fill its channel and block.
+    /// (A held run writes no snapshot rows: the hook stays armed through it.)
+    #[doc(hidden)]
+    pub fn fail_snapshot_write(&self, n: u32, pause: std::time::Duration) {
+        if let Ok(mut p) = self.fail_snapshot_write_pause.lock() {
+            *p = pause;
+        }
         self.fail_snapshot_write_in.store(n, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Whether the armed snapshot write failure is due now (after its pause).
     fn take_injected_write_failure(&self) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
         let before = self.fail_snapshot_write_in.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1));
-        before == Ok(1)
+        if before != Ok(1) {
+            return false;
+        }
+        if let Ok(pause) = self.fail_snapshot_write_pause.lock() {
+            std::thread::sleep(*pause);
+        }
+        true
     }
 
     /// Writes the file's schema version (used by tests of the version check).

@@ -320,8 +320,8 @@ pub struct SnapshotRows {
 }
 
 impl SnapshotRows {
-    pub fn encode(id: &str, state: &crate::model::ParcelState, geometry: &crate::model::StoredGeometry) -> SnapshotRows {
-        SnapshotRows { id: id.to_string(), state: encode(state), geometry: encode(geometry) }
+    pub fn encode(p: ParcelRef<'_>) -> SnapshotRows {
+        SnapshotRows { id: p.id.to_string(), state: encode(p.state), geometry: encode(p.geometry) }
     }
 }
 
@@ -439,7 +439,7 @@ impl RunWriter<'_> {
                 staged.insert((self.run_id, p.id), encode(&s).as_slice())?;
             }
         } else {
-            let rows: Vec<SnapshotRows> = parcels.into_iter().map(|p| SnapshotRows::encode(p.id, p.state, p.geometry)).collect();
+            let rows: Vec<SnapshotRows> = parcels.into_iter().map(SnapshotRows::encode).collect();
             self.upserts_encoded(&rows)?;
         }
         Ok(())
