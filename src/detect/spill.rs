@@ -59,10 +59,41 @@ struct SpilledQuarantine {
     raw: String,
 }
 
-#[derive(Serialize, Deserialize)]
+/// A spill record as it is read back (written as [`RecordRef`]).
+#[derive(Deserialize)]
 enum Record {
     Parcel(SpilledParcel),
     Quarantine(SpilledQuarantine),
+}
+
+/// A [`Record`] as it is written, borrowing its content: serde encodes a reference as what it
+/// refers to, so the bytes are a `Record`'s.
+#[derive(Serialize)]
+enum RecordRef<'a> {
+    Parcel(&'a SpilledParcel),
+    Quarantine(&'a SpilledQuarantine),
+}
+
+/// Appends one framed record to `out`: its length (u32 LE), the version byte, the postcard
+/// body.
+fn frame(out: &mut Vec<u8>, rec: &RecordRef<'_>) -> Result<(), SpillError> {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    out.push(SPILL_VERSION);
+    match postcard::to_extend(rec, std::mem::take(out)) {
+        Ok(framed) => *out = framed,
+        Err(e) => return Err(SpillError::Codec(e.to_string())),
+    }
+    let len = u32::try_from(out.len() - start - 4).map_err(|_| SpillError::Codec("record larger than 4 GiB".into()))?;
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    Ok(())
+}
+
+/// Frames a parcel's record into `out` away from the spill (a scan worker does, so the
+/// thread writing the spill neither encodes parcels nor frees them): write the bytes with
+/// [`Spill::push_framed_parcel`].
+pub fn frame_parcel(out: &mut Vec<u8>, p: &SpilledParcel) -> Result<(), SpillError> {
+    frame(out, &RecordRef::Parcel(p))
 }
 
 /// One item read back from the spill.
@@ -87,25 +118,28 @@ impl Spill {
         Ok(Spill { out: BufWriter::with_capacity(1 << 20, file), parcels: 0, quarantined: 0, buf: Vec::with_capacity(512) })
     }
 
-    fn put(&mut self, rec: &Record) -> Result<(), SpillError> {
+    fn put(&mut self, rec: &RecordRef<'_>) -> Result<(), SpillError> {
         self.buf.clear();
-        self.buf.push(SPILL_VERSION);
-        let body = postcard::to_stdvec(rec).map_err(|e| SpillError::Codec(e.to_string()))?;
-        self.buf.extend_from_slice(&body);
-        let len = u32::try_from(self.buf.len()).map_err(|_| SpillError::Codec("record larger than 4 GiB".into()))?;
-        self.out.write_all(&len.to_le_bytes())?;
+        frame(&mut self.buf, rec)?;
         self.out.write_all(&self.buf)?;
         Ok(())
     }
 
     pub fn push_parcel(&mut self, p: SpilledParcel) -> Result<(), SpillError> {
         self.parcels += 1;
-        self.put(&Record::Parcel(p))
+        self.put(&RecordRef::Parcel(&p))
+    }
+
+    /// A parcel record framed by [`frame_parcel`].
+    pub fn push_framed_parcel(&mut self, framed: &[u8]) -> Result<(), SpillError> {
+        self.parcels += 1;
+        self.out.write_all(framed)?;
+        Ok(())
     }
 
     pub fn push_quarantine(&mut self, q: QuarantineDraft) -> Result<(), SpillError> {
         self.quarantined += 1;
-        self.put(&Record::Quarantine(SpilledQuarantine {
+        self.put(&RecordRef::Quarantine(&SpilledQuarantine {
             feature_index: q.feature_index,
             parcel_id: q.parcel_id,
             reason: q.reason,
@@ -177,6 +211,49 @@ impl SpillReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A parcel framed off the spill (by a scan worker) is the record `push_parcel` writes,
+    /// and reads back in the order written among other records.
+    #[test]
+    fn framed_parcels_are_the_records_push_parcel_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let parcel = |i: u64| SpilledParcel {
+            feature_index: i,
+            id: format!("p{i}"),
+            state: ParcelState { zoning: "R-1".into(), effective_date: Some("2026-01-01".into()), content_hash: [3; 32], geom_hash: [4; 32], area_m2: 2.5 },
+            geometry: StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]),
+            kind: Some(ChangeKind::Rezoned),
+            from: Some("C-1".into()),
+        };
+        let mut framed = Vec::new();
+        frame_parcel(&mut framed, &parcel(1)).unwrap();
+        let first = framed.len();
+        frame_parcel(&mut framed, &parcel(2)).unwrap();
+        let mut direct = Spill::create(dir.path()).unwrap();
+        direct.push_parcel(parcel(1)).unwrap();
+        let mut direct = direct.finish().unwrap();
+        let mut bytes = Vec::new();
+        direct.input.read_to_end(&mut bytes).unwrap();
+        assert_eq!(bytes, framed[..first], "the same bytes as push_parcel");
+
+        let mut s = Spill::create(dir.path()).unwrap();
+        s.push_framed_parcel(&framed[..first]).unwrap();
+        s.push_quarantine(QuarantineDraft { feature_index: 9, parcel_id: None, reason: QuarantineReason::MissingField, detail: "d".into(), raw: "{}".into() }).unwrap();
+        s.push_framed_parcel(&framed[first..]).unwrap();
+        assert_eq!((s.parcels, s.quarantined), (2, 1));
+        let mut r = s.finish().unwrap();
+        let mut order = Vec::new();
+        while let Some(item) = r.next_item().unwrap() {
+            order.push(match item {
+                SpillItem::Parcel(p) => {
+                    assert_eq!((p.kind, p.from.as_deref(), p.state.area_m2), (Some(ChangeKind::Rezoned), Some("C-1"), 2.5));
+                    p.id
+                }
+                SpillItem::Quarantine(q) => format!("q{}", q.feature_index),
+            });
+        }
+        assert_eq!(order, ["p1", "q9", "p2"]);
+    }
 
     #[test]
     fn round_trips_in_order_and_rewinds() {

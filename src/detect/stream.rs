@@ -23,7 +23,7 @@
 //! in flight. Everything else is on disk.
 
 use super::diff::{classify, ParcelDelta};
-use super::spill::{Spill, SpillError, SpillItem, SpillReader, SpilledParcel};
+use super::spill::{frame_parcel, Spill, SpillError, SpillItem, SpillReader, SpilledParcel};
 use crate::ingest::geojson::{self, FeatureText};
 use crate::ingest::normalize::{normalize_feature, NormalizeRules};
 use crate::ingest::IngestError;
@@ -170,13 +170,17 @@ struct FeatureBatch {
 enum Outcome {
     /// The id's fingerprint (computed once, by the worker that looked it up).
     Unchanged { index: u64, print: [u64; 2] },
-    Upsert { print: [u64; 2], parcel: SpilledParcel },
+    /// A new or changed parcel, its spill record framed by the worker in the batch's
+    /// `framed` bytes (so the collecting thread neither encodes it nor frees it).
+    Upsert { print: [u64; 2], index: u64, stored: bool, change: bool, framed: std::ops::Range<usize> },
     Rejected(QuarantineDraft),
 }
 
 struct ResultBatch {
     seq: u64,
     outcomes: Vec<Outcome>,
+    /// The spill records of the batch's `Upsert`s, back to back.
+    framed: Vec<u8>,
     repaired: u64,
     folded: Vec<(String, String)>,
 }
@@ -213,7 +217,7 @@ pub fn scan_layer<R: Read + Send>(
     let mut spill = Spill::create(spill_dir)?;
     let (feat_tx, feat_rx) = sync_channel::<FeatureBatch>(workers * 2);
     let feat_rx = Mutex::new(feat_rx);
-    let (res_tx, res_rx) = sync_channel::<Result<ResultBatch, StoreError>>(workers * 2);
+    let (res_tx, res_rx) = sync_channel::<Result<ResultBatch, ScanError>>(workers * 2);
 
     let mut seen: Vec<([u64; 2], u64)> = Vec::new();
     let mut untouchable: HashSet<String> = HashSet::new();
@@ -280,7 +284,7 @@ pub fn scan_layer<R: Read + Send>(
                     pending.insert(b.seq, b);
                 }
                 Err(e) => {
-                    failure.get_or_insert(e.into());
+                    failure.get_or_insert(e);
                     break;
                 }
             }
@@ -299,11 +303,11 @@ pub fn scan_layer<R: Read + Send>(
                             known_seen += 1;
                             Ok(())
                         }
-                        Outcome::Upsert { print, parcel: p } => {
-                            seen.push((print, p.feature_index));
-                            known_seen += u64::from(p.from.is_some());
-                            changes += u64::from(p.kind.is_some());
-                            spill.push_parcel(p)
+                        Outcome::Upsert { print, index, stored, change, framed } => {
+                            seen.push((print, index));
+                            known_seen += u64::from(stored);
+                            changes += u64::from(change);
+                            spill.push_framed_parcel(&b.framed[framed])
                         }
                         Outcome::Rejected(q) => {
                             quarantined += 1;
@@ -432,7 +436,7 @@ pub fn scan_layer<R: Read + Send>(
 
 fn worker(
     feat_rx: &Mutex<Receiver<FeatureBatch>>,
-    res_tx: std::sync::mpsc::SyncSender<Result<ResultBatch, StoreError>>,
+    res_tx: std::sync::mpsc::SyncSender<Result<ResultBatch, ScanError>>,
     rules: &NormalizeRules,
     view: &SnapshotView,
     snapshot: &OnceLock<Result<SnapshotIndex, String>>,
@@ -454,7 +458,7 @@ fn worker(
             failed = true;
             continue;
         }
-        let mut out = ResultBatch { seq: batch.seq, outcomes: Vec::with_capacity(batch.items.len()), repaired: 0, folded: Vec::new() };
+        let mut out = ResultBatch { seq: batch.seq, outcomes: Vec::with_capacity(batch.items.len()), framed: Vec::new(), repaired: 0, folded: Vec::new() };
         for &(index, a, b) in &batch.items {
             let json = &batch.text[a..b];
             match normalize_feature(json, rules) {
@@ -469,7 +473,7 @@ fn worker(
                     let stored = match snapshot.get_or_init(|| build_index(view)) {
                         Ok(i) => i,
                         Err(e) => {
-                            let _ = res_tx.send(Err(StoreError::Conflict(format!("reading the snapshot: {e}"))));
+                            let _ = res_tx.send(Err(StoreError::Conflict(format!("reading the snapshot: {e}")).into()));
                             cancel.store(true, Ordering::Relaxed);
                             break;
                         }
@@ -485,7 +489,7 @@ fn worker(
                         Some(_) => match view.get(&p.id) {
                             Ok(prev) => prev,
                             Err(e) => {
-                                let _ = res_tx.send(Err(e));
+                                let _ = res_tx.send(Err(e.into()));
                                 cancel.store(true, Ordering::Relaxed);
                                 break;
                             }
@@ -498,7 +502,14 @@ fn worker(
                     };
                     if keep {
                         let parcel = SpilledParcel { feature_index: index, id: p.id, state: p.state, geometry: p.geometry, kind, from: prev.map(|s| s.zoning) };
-                        out.outcomes.push(Outcome::Upsert { print, parcel });
+                        let start = out.framed.len();
+                        if let Err(e) = frame_parcel(&mut out.framed, &parcel) {
+                            let _ = res_tx.send(Err(e.into()));
+                            cancel.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                        let (stored, change) = (parcel.from.is_some(), parcel.kind.is_some());
+                        out.outcomes.push(Outcome::Upsert { print, index, stored, change, framed: start..out.framed.len() });
                     } else {
                         out.outcomes.push(Outcome::Unchanged { index, print });
                     }
