@@ -74,19 +74,32 @@ enum RecordRef<'a> {
     Quarantine(&'a SpilledQuarantine),
 }
 
-/// Appends one framed record to `out`: its length (u32 LE), the version byte, the postcard
-/// body.
+/// Appends one framed record to `out`: its length (u32 LE, counting the version byte and
+/// the body), the version byte, the postcard body. On an error `out` is left as it was.
 fn frame(out: &mut Vec<u8>, rec: &RecordRef<'_>) -> Result<(), SpillError> {
+    /// Lets postcard append to a borrowed buffer.
+    struct Append<'v>(&'v mut Vec<u8>);
+    impl Extend<u8> for Append<'_> {
+        fn extend<I: IntoIterator<Item = u8>>(&mut self, bytes: I) {
+            self.0.extend(bytes);
+        }
+    }
     let start = out.len();
     out.extend_from_slice(&[0; 4]);
     out.push(SPILL_VERSION);
-    match postcard::to_extend(rec, std::mem::take(out)) {
-        Ok(framed) => *out = framed,
-        Err(e) => return Err(SpillError::Codec(e.to_string())),
+    let framed = postcard::to_extend(rec, Append(out))
+        .map_err(|e| SpillError::Codec(e.to_string()))
+        .and_then(|a| u32::try_from(a.0.len() - start - 4).map_err(|_| SpillError::Codec("record larger than 4 GiB".into())));
+    match framed {
+        Ok(len) => {
+            out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+            Ok(())
+        }
+        Err(e) => {
+            out.truncate(start);
+            Err(e)
+        }
     }
-    let len = u32::try_from(out.len() - start - 4).map_err(|_| SpillError::Codec("record larger than 4 GiB".into()))?;
-    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
-    Ok(())
 }
 
 /// Frames a parcel's record into `out` away from the spill (a scan worker does, so the
@@ -130,8 +143,9 @@ impl Spill {
         self.put(&RecordRef::Parcel(&p))
     }
 
-    /// A parcel record framed by [`frame_parcel`].
-    pub fn push_framed_parcel(&mut self, framed: &[u8]) -> Result<(), SpillError> {
+    /// One parcel record framed by [`frame_parcel`] (written as given: the caller passes
+    /// exactly one record's bytes).
+    pub(crate) fn push_framed_parcel(&mut self, framed: &[u8]) -> Result<(), SpillError> {
         self.parcels += 1;
         self.out.write_all(framed)?;
         Ok(())
@@ -235,6 +249,12 @@ mod tests {
         let mut bytes = Vec::new();
         direct.input.read_to_end(&mut bytes).unwrap();
         assert_eq!(bytes, framed[..first], "the same bytes as push_parcel");
+        // The layout the reader expects: length (version byte + body), version, body.
+        let body = postcard::to_stdvec(&RecordRef::Parcel(&parcel(1))).unwrap();
+        let mut layout = ((body.len() + 1) as u32).to_le_bytes().to_vec();
+        layout.push(SPILL_VERSION);
+        layout.extend_from_slice(&body);
+        assert_eq!(framed[..first], layout[..]);
 
         let mut s = Spill::create(dir.path()).unwrap();
         s.push_framed_parcel(&framed[..first]).unwrap();

@@ -508,8 +508,8 @@ fn worker(
                             cancel.store(true, Ordering::Relaxed);
                             break;
                         }
-                        let (stored, change) = (parcel.from.is_some(), parcel.kind.is_some());
-                        out.outcomes.push(Outcome::Upsert { print, index, stored, change, framed: start..out.framed.len() });
+                        let (was_stored, is_change) = (parcel.from.is_some(), parcel.kind.is_some());
+                        out.outcomes.push(Outcome::Upsert { print, index, stored: was_stored, change: is_change, framed: start..out.framed.len() });
                     } else {
                         out.outcomes.push(Outcome::Unchanged { index, print });
                     }
