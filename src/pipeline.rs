@@ -5,6 +5,7 @@
 
 use crate::config::{Config, SourceConfig};
 use crate::detect::diff::RawChange;
+use crate::detect::row_sort::RowSorter;
 use crate::detect::spill::{SpillItem, SpilledParcel};
 use crate::detect::stream::{default_workers, scan_layer, ScanError, ScanResult};
 use crate::detect::gate::{decide, GateDecision, GateInput};
@@ -55,10 +56,13 @@ enum LayerInput {
 /// Parcels (and quarantine drafts) per chunk of a run's commit.
 const COMMIT_CHUNK: usize = 4096;
 
-/// What [`Engine::commit_scan`]'s preparing thread hands the writer, in spill order.
+/// What [`Engine::commit_scan`]'s preparing thread hands the writer: quarantine drafts and
+/// parcel chunks in spill order, then the snapshot rows that were held back to be put in
+/// key order.
 enum Prepared {
     Quarantine(Vec<QuarantineDraft>),
     Parcels(PreparedChunk),
+    Rows(Vec<SnapshotRows>),
 }
 
 /// A chunk of new and changed parcels made ready for the write transaction.
@@ -67,7 +71,10 @@ struct PreparedChunk {
     /// stored geometry) or to stage them (a held run). Empty otherwise: building the events
     /// moved their contents.
     parcels: Vec<SpilledParcel>,
-    /// Their snapshot rows, encoded (`None` for a held run, which stages its parcels).
+    /// Their snapshot rows when the chunk lists its parcels in key order: written with the
+    /// chunk. `None` for a held run (it stages its parcels), and for a chunk out of key
+    /// order: its rows go through a `RowSorter` and come last, sorted (`detect/row_sort.rs`),
+    /// because redb inserts in key order several times faster.
     rows: Option<Vec<SnapshotRows>>,
     /// Their events and claims, built on the preparing thread when the run is not held and
     /// none of them needed a stored geometry (`None`: the writer builds them).
@@ -461,12 +468,15 @@ impl Engine {
         // geometry is needed) its events built and matched, on a second thread, while this
         // one writes the previous chunk: the write lock is held for the writing. Chunks
         // arrive in spill order through a channel of two; what this thread is done with goes
-        // back through another, to be freed over there.
+        // back through another, to be freed over there. The snapshot rows of chunks out of
+        // key order come last, sorted: every stored geometry an event needs has been read by
+        // then.
         let ScanResult { spill, duplicate_ids, removed, warnings, .. } = scan;
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Prepared, PipelineError>>(2);
         let (spent_tx, spent_rx) = std::sync::mpsc::channel::<Spent>();
+        let sort_dir = self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
         std::thread::scope(|scope| -> Result<(), PipelineError> {
-            scope.spawn(|| self.prepare_chunks(src, spill, &duplicate_ids, hold, now, tx, spent_rx));
+            scope.spawn(|| self.prepare_chunks(src, spill, &duplicate_ids, hold, now, sort_dir, tx, spent_rx));
             // `rx` is dropped when this closure returns, also on an error: the preparing
             // thread's next send fails and it stops. If that thread panics, the channel
             // closes early and this loop ends, but the scope re-raises the panic on leaving:
@@ -478,6 +488,10 @@ impl Engine {
                         let spent = self.commit_upserts(&mut w, src, chunk, hold, now)?;
                         // Once the preparing thread has stopped, what is left is freed here.
                         let _ = spent_tx.send(spent);
+                    }
+                    Prepared::Rows(rows) => {
+                        w.upserts_encoded(&rows)?;
+                        let _ = spent_tx.send(Spent { _rows: Some(rows), _events: Vec::new(), _claims: Vec::new() });
                     }
                 }
             }
@@ -501,10 +515,12 @@ impl Engine {
     }
 
     /// The preparing side of [`Engine::commit_scan`]: reads the spill in order and sends
-    /// quarantine drafts and parcel chunks, each chunk with its snapshot rows encoded (unless
-    /// held) and, when the run is not held and none of its parcels needs its stored geometry
-    /// (a baseline's are all added), its events and claims. Frees what the writer sends back
-    /// as spent. Stops at the first error (sent on) or when the writer hangs up.
+    /// quarantine drafts and parcel chunks, each chunk with its snapshot rows when they are
+    /// in key order (unless held) and its events and claims when the run is not held and
+    /// none of its parcels needs its stored geometry (a baseline's are all added); gathers
+    /// the rows of chunks out of key order in a `RowSorter` and sends them last, sorted.
+    /// Frees what the writer sends back as spent. Stops at the first error (sent on) or when
+    /// the writer hangs up.
     #[allow(clippy::too_many_arguments)]
     fn prepare_chunks(
         &self,
@@ -513,22 +529,32 @@ impl Engine {
         duplicate_ids: &std::collections::HashSet<String>,
         hold: bool,
         now: u64,
+        sort_dir: &std::path::Path,
         tx: std::sync::mpsc::SyncSender<Result<Prepared, PipelineError>>,
         spent: std::sync::mpsc::Receiver<Spent>,
     ) {
         let mut parcels: Vec<SpilledParcel> = Vec::with_capacity(COMMIT_CHUNK);
         let mut quarantine: Vec<QuarantineDraft> = Vec::new();
-        let prepare = |parcels: Vec<SpilledParcel>| {
+        let mut sorter = RowSorter::new(sort_dir);
+        let mut prepare = |parcels: Vec<SpilledParcel>| -> Result<Prepared, PipelineError> {
             spent.try_iter().for_each(drop);
-            let rows = (!hold).then(|| parcels.iter().map(|p| SnapshotRows::encode(p.borrowed())).collect());
+            let mut rows = None;
+            if !hold {
+                let encoded: Vec<SnapshotRows> = parcels.iter().map(|p| SnapshotRows::encode(p.borrowed())).collect();
+                if encoded.windows(2).all(|w| w[0].id < w[1].id) {
+                    rows = Some(encoded);
+                } else {
+                    sorter.push(encoded).map_err(ScanError::from)?;
+                }
+            }
             let needs_stored = parcels.iter().any(SpilledParcel::needs_stored_geometry);
             if needs_stored || hold {
                 // The writer builds the events after reading the stored geometries, or
                 // stages the parcels first (a held run, which matches nothing): it needs them.
-                return Prepared::Parcels(PreparedChunk { parcels, rows, events: None });
+                return Ok(Prepared::Parcels(PreparedChunk { parcels, rows, events: None }));
             }
             let events = Some(self.chunk_events(src, parcels, &mut HashMap::new(), hold, now));
-            Prepared::Parcels(PreparedChunk { parcels: Vec::new(), rows, events })
+            Ok(Prepared::Parcels(PreparedChunk { parcels: Vec::new(), rows, events }))
         };
         loop {
             let item = match spill.next_item() {
@@ -553,15 +579,41 @@ impl Engine {
                     if parcels.len() < COMMIT_CHUNK {
                         continue;
                     }
-                    prepare(std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK)))
+                    match prepare(std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK))) {
+                        Ok(out) => out,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    }
                 }
             };
             if tx.send(Ok(out)).is_err() {
                 return;
             }
         }
-        for out in [Prepared::Quarantine(quarantine), prepare(parcels)] {
-            if tx.send(Ok(out)).is_err() {
+        for out in [Ok(Prepared::Quarantine(quarantine)), prepare(parcels)] {
+            let failed = out.is_err();
+            if tx.send(out).is_err() || failed {
+                return;
+            }
+        }
+        let mut sorted = match sorter.finish(COMMIT_CHUNK) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = tx.send(Err(ScanError::from(e).into()));
+                return;
+            }
+        };
+        loop {
+            spent.try_iter().for_each(drop);
+            let out = match sorted.next_chunk() {
+                Ok(rows) if rows.is_empty() => return,
+                Ok(rows) => Ok(Prepared::Rows(rows)),
+                Err(e) => Err(ScanError::from(e).into()),
+            };
+            let failed = out.is_err();
+            if tx.send(out).is_err() || failed {
                 return;
             }
         }
@@ -592,12 +644,14 @@ impl Engine {
 
     /// One prepared chunk of new and changed parcels into the run's transaction: the stored
     /// geometries of changed parcels read (when the preparing thread could not build the
-    /// events without them), the snapshot updated (or the hold's staging), the claims written.
-    /// Returns what it is done with, to be freed on the preparing thread.
+    /// events without them), the chunk's snapshot rows written if it has them (or a held
+    /// run's parcels staged), the claims written. Returns what it is done with, to be freed
+    /// on the preparing thread.
     fn commit_upserts(&self, w: &mut RunWriter<'_>, src: &SourceConfig, chunk: PreparedChunk, hold: bool, now: u64) -> Result<Spent, PipelineError> {
         let PreparedChunk { parcels, rows, events } = chunk;
         let t = std::time::Instant::now();
-        // The stored geometries are read before this chunk's upserts replace them.
+        // The stored geometries are read before this chunk's upserts replace them (a parcel
+        // is in one chunk only; rows held back for sorting are written after every chunk).
         let mut stored = match events {
             Some(_) => HashMap::new(),
             None => w.old_geometries(parcels.iter().filter(|p| p.needs_stored_geometry()).map(|p| p.id.as_str()))?,
@@ -605,7 +659,8 @@ impl Engine {
         let t_stored = t.elapsed();
         match &rows {
             Some(rows) => w.upserts_encoded(rows)?,
-            None => w.upserts(parcels.iter().map(SpilledParcel::borrowed))?,
+            None if hold => w.upserts(parcels.iter().map(SpilledParcel::borrowed))?,
+            None => {}
         }
         let t_upsert = t.elapsed() - t_stored;
         let (events, claims) = match events {

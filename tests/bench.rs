@@ -139,6 +139,8 @@ fn ingest_measure_runs_at_test_scale() {
     let republish = phase("republish");
     assert_eq!(num(republish, "changes"), 0.0, "a re-publish is not a change: {republish}");
     assert_eq!(num(republish, "queued"), 0.0, "{republish}");
+    let shuffled = phase("baseline_shuffled");
+    assert_eq!((shuffled["verdict"].as_str(), num(shuffled, "changes")), (Some("baseline"), n), "{shuffled}");
     let rezoned = phase("rezoned_1pct");
     assert_eq!(num(rezoned, "changes"), (n * 0.01).round(), "{rezoned}");
     for l in [parse, baseline, republish, rezoned] {

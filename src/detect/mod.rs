@@ -5,6 +5,8 @@
 //! * [`diff`] compares a new layer with the stored snapshot and emits [`crate::model::ChangeEvent`]s;
 //! * [`stream`] is the streaming diff of a whole layer (normalise, look up, classify, spill);
 //! * [`spill`] keeps a run's delta on disk between the streaming diff and the commit;
+//! * [`row_sort`] puts a run's snapshot rows in key order for the commit (redb inserts them
+//!   several times faster so);
 //! * [`gate`] decides whether a run's events may be published (baseline, reprocess, holds);
 //! * [`severity`] ranks a change;
 //! * [`overlay`] derives a parcel's zoning from district polygons (largest share, R-tree).
@@ -15,5 +17,6 @@ pub mod gate;
 pub mod area;
 pub mod overlay;
 pub mod severity;
+pub mod row_sort;
 pub mod spill;
 pub mod stream;

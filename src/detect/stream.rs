@@ -128,6 +128,8 @@ pub enum ScanError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Spill(#[from] SpillError),
+    #[error(transparent)]
+    RowSort(#[from] super::row_sort::RowSortError),
     #[error("a diff worker thread failed: {0}")]
     Worker(String),
 }
