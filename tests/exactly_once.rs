@@ -264,8 +264,9 @@ async fn a_store_error_mid_commit_leaves_nothing_and_the_rerun_sends_once() {
 
 /// A layer that does not list its parcels in id order (here: reversed) has its snapshot rows
 /// put in key order before they are written (`detect/row_sort.rs`): the baseline stores
-/// every parcel, and a later run finds exactly its rezonings (each event built from the
-/// stored state and geometry read before the rows were replaced) and sends each once.
+/// every parcel, and a later run finds exactly its changes and sends each once, including a
+/// parcel redrawn out of the AOI, which only its stored (old) shape matches: read before the
+/// held-back rows replace it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_out_of_id_order_commits_whole_and_diffs_exactly() {
     let rx = receiver(200).await;
@@ -279,18 +280,48 @@ async fn a_layer_out_of_id_order_commits_whole_and_diffs_exactly() {
     let states = engine.store.snapshot_states("s1").unwrap();
     assert_eq!(states.len(), 9_000);
     assert!(v1.iter().all(|p| states[&p.id].zoning == p.zone), "every parcel stored as published");
-    // Rezonings spread over the layer; rows 0-140 of the grid are in the AOI.
+    // Rezonings spread over the layer (rows 0-140 of the grid are in the AOI), and P0005
+    // redrawn east of the AOI.
     let changed = [0, 19, 2_000, 2_819, 2_820, 8_999];
-    ws.write_layer(&layer(&reversed(&rezone(&v1, &changed, "C3"))));
+    let mut v2 = rezone(&v1, &changed, "C3");
+    v2[5] = square("P0005", &v1[5].zone, -70.5, 42.36, 0.0009);
+    ws.write_layer(&layer(&reversed(&v2)));
     let r = run(&engine, false);
-    assert_eq!((r.record.counts.changes, r.record.counts.queued), (6, 4), "{}", r.line());
+    assert_eq!((r.record.counts.changes, r.record.counts.queued), (7, 5), "{}", r.line());
     deliver(&engine, Duration::from_secs(5)).await;
     let mut got: Vec<String> = rx.received().iter().filter_map(|r| Some(r.json()?["data"]["parcel_id"].as_str()?.to_string())).collect();
     got.sort();
-    assert_eq!(got, ["P0000", "P0019", "P2000", "P2819"]);
+    assert_eq!(got, ["P0000", "P0005", "P0019", "P2000", "P2819"]);
     let states = engine.store.snapshot_states("s1").unwrap();
     assert!(changed.iter().all(|&i| states[&v1[i].id].zoning == "C3"));
     assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);
+}
+
+/// A county larger than one sort run (65,536 rows), listed in a scrambled order: its rows go
+/// through run files and the merge (`detect/row_sort.rs`), and the snapshot is whole and
+/// exact: the same layer in another order is identical parcel for parcel (0 changes).
+#[test]
+fn a_county_larger_than_a_sort_run_out_of_order_is_stored_whole() {
+    let ws = Workspace::new(&[], "", "");
+    let engine = ws.engine();
+    let n = 70_000usize;
+    let lots: Vec<P> = (0..n)
+        .map(|k| (k * 7_919) % n)
+        .map(|i| {
+            let zone = ["R-1", "C-1", "R-2"][i % 3];
+            square(&format!("P{i:05}"), zone, -71.9 + (i % 350) as f64 * 0.004, 42.05 + (i / 350) as f64 * 0.004, 0.003)
+        })
+        .collect();
+    ws.write_layer(&layer(&lots));
+    let base = run(&engine, false);
+    assert_eq!((base.record.verdict, base.record.counts.parcels, base.record.counts.quarantined), (Verdict::Baseline, n as u64, 0));
+    let states = engine.store.snapshot_states("s1").unwrap();
+    assert_eq!(states.len(), n);
+    assert!(lots.iter().all(|p| states[&p.id].zoning == p.zone), "every parcel stored with its own zoning");
+    let reordered: Vec<P> = lots.iter().rev().cloned().collect();
+    ws.write_layer(&layer(&reordered));
+    let again = run(&engine, false);
+    assert_eq!((again.record.verdict, again.record.counts.changes), (Verdict::Run, 0), "{}", again.line());
 }
 
 /// Idempotency keys expire after their TTL, but never while their event is undelivered or

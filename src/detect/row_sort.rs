@@ -1,6 +1,7 @@
 //! A run's snapshot rows put in key order before they are written, in bounded memory: rows
-//! are gathered into runs of [`RUN_ROWS`], each run sorted and (when there is more than one)
-//! written to an anonymous temporary file next to the store, and the runs merged back.
+//! are gathered into runs of up to [`RUN_ROWS`] rows or [`RUN_BYTES`], each run sorted and
+//! (when there is more than one) written to an anonymous temporary file next to the store,
+//! and the runs merged back (one open file per run: ~900 for 60M rows).
 //!
 //! Why it exists: redb inserts rows in key order several times faster than in any other
 //! order. A county's layer rarely lists its parcels in id order, and a baseline writes two
@@ -14,8 +15,11 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-/// Rows sorted in memory at a time (~250 bytes each for a county's lots: ~16 MiB).
+/// Rows sorted in memory at a time (~250 bytes each for a county's lots: ~16 MiB)...
 pub const RUN_ROWS: usize = 65_536;
+/// ...or fewer, when their bytes (with ~100 bytes of bookkeeping a row) reach this first:
+/// parcels with many vertices.
+pub const RUN_BYTES: usize = 32 << 20;
 
 /// Errors of the sort's temporary files (disk full, unreadable temp dir).
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +34,9 @@ pub enum RowSortError {
 pub struct RowSorter {
     dir: PathBuf,
     run: Vec<SnapshotRows>,
-    runs: Vec<File>,
+    run_bytes: usize,
+    /// Run files with the number of rows each holds (checked when merging).
+    runs: Vec<(File, u64)>,
     run_rows: usize,
 }
 
@@ -42,13 +48,15 @@ impl RowSorter {
 
     /// With a chosen run size (tests use small runs to exercise the merge).
     pub fn with_run_rows(dir: &Path, run_rows: usize) -> RowSorter {
-        RowSorter { dir: dir.to_path_buf(), run: Vec::new(), runs: Vec::new(), run_rows: run_rows.max(1) }
+        RowSorter { dir: dir.to_path_buf(), run: Vec::new(), run_bytes: 0, runs: Vec::new(), run_rows: run_rows.max(1) }
     }
 
+    /// Rows to sort, in any order.
     pub fn push(&mut self, rows: Vec<SnapshotRows>) -> Result<(), RowSortError> {
         for r in rows {
+            self.run_bytes += r.id.len() + r.state.len() + r.geometry.len() + 100;
             self.run.push(r);
-            if self.run.len() >= self.run_rows {
+            if self.run.len() >= self.run_rows || self.run_bytes >= RUN_BYTES {
                 self.write_run()?;
             }
         }
@@ -58,6 +66,8 @@ impl RowSorter {
     fn write_run(&mut self) -> Result<(), RowSortError> {
         self.run.sort_unstable_by(|a, b| a.id.cmp(&b.id));
         let mut out = BufWriter::with_capacity(1 << 20, tempfile::tempfile_in(&self.dir)?);
+        let rows = self.run.len() as u64;
+        self.run_bytes = 0;
         for r in self.run.drain(..) {
             for part in [r.id.as_bytes(), &r.state, &r.geometry] {
                 let len = u32::try_from(part.len()).map_err(|_| std::io::Error::other("row part larger than 4 GiB"))?;
@@ -67,7 +77,7 @@ impl RowSorter {
         }
         let mut file = out.into_inner().map_err(|e| e.into_error())?;
         file.seek(SeekFrom::Start(0))?;
-        self.runs.push(file);
+        self.runs.push((file, rows));
         Ok(())
     }
 
@@ -81,34 +91,53 @@ impl RowSorter {
         if !self.run.is_empty() {
             self.write_run()?;
         }
-        let mut readers: Vec<BufReader<File>> = self.runs.into_iter().map(|f| BufReader::with_capacity(64 * 1024, f)).collect();
-        let mut heap = BinaryHeap::with_capacity(readers.len());
-        for (i, r) in readers.iter_mut().enumerate() {
-            if let Some(row) = read_row(r)? {
+        let mut readers = Vec::with_capacity(self.runs.len());
+        let mut heap = BinaryHeap::with_capacity(self.runs.len());
+        for (i, (file, rows)) in self.runs.into_iter().enumerate() {
+            let mut reader = RunReader { input: BufReader::with_capacity(64 * 1024, file), left: rows };
+            if let Some(row) = reader.next_row()? {
                 heap.push(Reverse(Head { row, run: i }));
             }
+            readers.push(reader);
         }
         Ok(SortedRows { source: Source::Merge { readers, heap }, chunk })
     }
 }
 
-/// The next row of a run file, or None at its end.
-fn read_row(r: &mut BufReader<File>) -> Result<Option<SnapshotRows>, RowSortError> {
-    let mut parts: [Vec<u8>; 3] = Default::default();
-    for (i, part) in parts.iter_mut().enumerate() {
-        let mut len = [0u8; 4];
-        match r.read_exact(&mut len) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && i == 0 => return Ok(None),
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(RowSortError::Damaged),
-            Err(e) => return Err(e.into()),
+/// One run file being merged, with the rows it still holds.
+struct RunReader {
+    input: BufReader<File>,
+    left: u64,
+}
+
+impl RunReader {
+    /// The next row, or None once the run's rows are all read (a file that ends early, or
+    /// holds more than it should, is `Damaged`).
+    fn next_row(&mut self) -> Result<Option<SnapshotRows>, RowSortError> {
+        if self.left == 0 {
+            let mut probe = [0u8; 1];
+            return match self.input.read(&mut probe)? {
+                0 => Ok(None),
+                _ => Err(RowSortError::Damaged),
+            };
         }
-        part.resize(u32::from_le_bytes(len) as usize, 0);
-        r.read_exact(part).map_err(|e| if e.kind() == std::io::ErrorKind::UnexpectedEof { RowSortError::Damaged } else { e.into() })?;
+        let damaged = |e: std::io::Error| if e.kind() == std::io::ErrorKind::UnexpectedEof { RowSortError::Damaged } else { e.into() };
+        let mut parts: [Vec<u8>; 3] = Default::default();
+        for part in parts.iter_mut() {
+            let mut len = [0u8; 4];
+            self.input.read_exact(&mut len).map_err(damaged)?;
+            let len = u32::from_le_bytes(len) as u64;
+            // Read through `take`, so a damaged length cannot make it allocate gigabytes.
+            (&mut self.input).take(len).read_to_end(part)?;
+            if part.len() as u64 != len {
+                return Err(RowSortError::Damaged);
+            }
+        }
+        self.left -= 1;
+        let [id, state, geometry] = parts;
+        let id = String::from_utf8(id).map_err(|_| RowSortError::Damaged)?;
+        Ok(Some(SnapshotRows { id, state, geometry }))
     }
-    let [id, state, geometry] = parts;
-    let id = String::from_utf8(id).map_err(|_| RowSortError::Damaged)?;
-    Ok(Some(SnapshotRows { id, state, geometry }))
 }
 
 /// A run's smallest unread row, ordered by key (then run, so equal keys keep run order).
@@ -136,7 +165,7 @@ impl Ord for Head {
 
 enum Source {
     Memory(std::vec::IntoIter<SnapshotRows>),
-    Merge { readers: Vec<BufReader<File>>, heap: BinaryHeap<Reverse<Head>> },
+    Merge { readers: Vec<RunReader>, heap: BinaryHeap<Reverse<Head>> },
 }
 
 /// The sorted rows, read back a chunk at a time.
@@ -154,7 +183,7 @@ impl SortedRows {
             Source::Merge { readers, heap } => {
                 while out.len() < self.chunk {
                     let Some(Reverse(Head { row, run })) = heap.pop() else { break };
-                    if let Some(next) = read_row(&mut readers[run])? {
+                    if let Some(next) = readers[run].next_row()? {
                         heap.push(Reverse(Head { row: next, run }));
                     }
                     out.push(row);
@@ -173,7 +202,7 @@ mod tests {
         SnapshotRows { id: id.to_string(), state: id.as_bytes().to_vec(), geometry: vec![id.len() as u8; 3] }
     }
 
-    /// Whatever the run size (one run in memory, or many merged from files), every row comes
+    /// Whatever the run size (one run in memory, or 5 or 52 merged from files), every row comes
     /// back once, in key order, with its bytes.
     #[test]
     fn rows_come_back_in_key_order_in_memory_and_merged() {
@@ -182,7 +211,7 @@ mod tests {
         let ids: Vec<String> = (0..5_000u64).map(|i| format!("P-{}", (i * 7_919) % 5_000)).collect();
         let mut want = ids.clone();
         want.sort();
-        for run_rows in [RUN_ROWS, 1_000, 7, 1] {
+        for run_rows in [RUN_ROWS, 1_000, 97] {
             let mut s = RowSorter::with_run_rows(dir.path(), run_rows);
             for part in ids.chunks(333) {
                 s.push(part.iter().map(|i| row(i)).collect()).unwrap();
@@ -204,5 +233,20 @@ mod tests {
         }
         let empty = RowSorter::new(dir.path()).finish(10).unwrap().next_chunk().unwrap();
         assert!(empty.is_empty());
+    }
+
+    /// A run file that lost its last row (cut at a row boundary) is reported, not merged
+    /// as if complete.
+    #[test]
+    fn a_run_file_cut_short_is_damaged() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = RowSorter::with_run_rows(dir.path(), 3);
+        s.push(["c", "a", "b", "f", "e", "d"].iter().map(|i| row(i)).collect()).unwrap();
+        let (file, rows) = &s.runs[0];
+        assert_eq!(*rows, 3);
+        // Each row of this run is 3 × 4 length bytes + 1 + 1 + 3 bytes.
+        file.set_len(2 * 17).unwrap();
+        let mut sorted = s.finish(100).unwrap();
+        assert!(matches!(sorted.next_chunk(), Err(RowSortError::Damaged)));
     }
 }
