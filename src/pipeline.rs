@@ -81,6 +81,20 @@ struct PreparedChunk {
     events: Option<(Vec<ChangeEvent>, Vec<Claim>)>,
 }
 
+/// Why [`Engine::prepare_chunks`] stopped before the end.
+enum PrepareStop {
+    /// Reading, sorting or preparing failed: the writer is told.
+    Failed(PipelineError),
+    /// The writer hung up (it failed itself).
+    WriterGone,
+}
+
+impl<E: Into<PipelineError>> From<E> for PrepareStop {
+    fn from(e: E) -> PrepareStop {
+        PrepareStop::Failed(e.into())
+    }
+}
+
 /// What the writer is done with, sent back to the preparing thread to be freed there.
 /// glibc frees another thread's allocation under that thread's arena lock: at a baseline's
 /// rate, freeing the chunks on the writing thread took a quarter of its time. (A baseline's
@@ -342,7 +356,7 @@ impl Engine {
         // The streaming diff: normalise, look up, classify; the delta goes to a spill file.
         let rules = NormalizeRules { fields: &src.fields, bbox: src.bbox };
         let view = self.store.snapshot_view(&src.id)?;
-        let spill_dir = self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        let spill_dir = self.scratch_dir();
         let workers = default_workers();
         let scan_started = std::time::Instant::now();
         let progress = opts.progress.clone().map(|p| move |bytes: u64, features: u64| p.at(features, bytes));
@@ -474,9 +488,14 @@ impl Engine {
         let ScanResult { spill, duplicate_ids, removed, warnings, .. } = scan;
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Prepared, PipelineError>>(2);
         let (spent_tx, spent_rx) = std::sync::mpsc::channel::<Spent>();
-        let sort_dir = self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
         std::thread::scope(|scope| -> Result<(), PipelineError> {
-            scope.spawn(|| self.prepare_chunks(src, spill, &duplicate_ids, hold, now, sort_dir, tx, spent_rx));
+            // `tx` moves into the thread: the loop below ends when that thread drops it.
+            scope.spawn(move || {
+                // An error is the writer's to report; a writer that hung up has one of its own.
+                if let Err(PrepareStop::Failed(e)) = self.prepare_chunks(src, spill, &duplicate_ids, hold, now, &tx, spent_rx) {
+                    let _ = tx.send(Err(e));
+                }
+            });
             // `rx` is dropped when this closure returns, also on an error: the preparing
             // thread's next send fails and it stops. If that thread panics, the channel
             // closes early and this loop ends, but the scope re-raises the panic on leaving:
@@ -514,13 +533,19 @@ impl Engine {
         Ok(w.finish(started, self.now(), counts, warnings, &[])?)
     }
 
+    /// Where a run's scratch files go (the spill, the row sort's runs): next to the store,
+    /// on its disk and with its permissions.
+    fn scratch_dir(&self) -> &std::path::Path {
+        self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."))
+    }
+
     /// The preparing side of [`Engine::commit_scan`]: reads the spill in order and sends
     /// quarantine drafts and parcel chunks, each chunk with its snapshot rows when they are
     /// in key order (unless held) and its events and claims when the run is not held and
     /// none of its parcels needs its stored geometry (a baseline's are all added); gathers
     /// the rows of chunks out of key order in a `RowSorter` and sends them last, sorted.
-    /// Frees what the writer sends back as spent. Stops at the first error (sent on) or when
-    /// the writer hangs up.
+    /// Frees what the writer sends back as spent. Stops at the first error (returned, for
+    /// the caller to send on) or when the writer hangs up.
     #[allow(clippy::too_many_arguments)]
     fn prepare_chunks(
         &self,
@@ -529,13 +554,13 @@ impl Engine {
         duplicate_ids: &std::collections::HashSet<String>,
         hold: bool,
         now: u64,
-        sort_dir: &std::path::Path,
-        tx: std::sync::mpsc::SyncSender<Result<Prepared, PipelineError>>,
+        tx: &std::sync::mpsc::SyncSender<Result<Prepared, PipelineError>>,
         spent: std::sync::mpsc::Receiver<Spent>,
-    ) {
+    ) -> Result<(), PrepareStop> {
+        let send = |out: Prepared| tx.send(Ok(out)).map_err(|_| PrepareStop::WriterGone);
         let mut parcels: Vec<SpilledParcel> = Vec::with_capacity(COMMIT_CHUNK);
         let mut quarantine: Vec<QuarantineDraft> = Vec::new();
-        let mut sorter = RowSorter::new(sort_dir);
+        let mut sorter = RowSorter::new(self.scratch_dir());
         let mut prepare = |parcels: Vec<SpilledParcel>| -> Result<Prepared, PipelineError> {
             spent.try_iter().for_each(drop);
             let mut rows = None;
@@ -556,66 +581,33 @@ impl Engine {
             let events = Some(self.chunk_events(src, parcels, &mut HashMap::new(), hold, now));
             Ok(Prepared::Parcels(PreparedChunk { parcels: Vec::new(), rows, events }))
         };
-        loop {
-            let item = match spill.next_item() {
-                Ok(Some(item)) => item,
-                Ok(None) => break,
-                Err(e) => {
-                    let _ = tx.send(Err(ScanError::from(e).into()));
-                    return;
-                }
-            };
-            let out = match item {
+        while let Some(item) = spill.next_item().map_err(ScanError::from)? {
+            match item {
                 SpillItem::Quarantine(d) => {
                     quarantine.push(d);
-                    if quarantine.len() < COMMIT_CHUNK {
-                        continue;
+                    if quarantine.len() >= COMMIT_CHUNK {
+                        send(Prepared::Quarantine(std::mem::take(&mut quarantine)))?;
                     }
-                    Prepared::Quarantine(std::mem::take(&mut quarantine))
                 }
-                SpillItem::Parcel(p) if duplicate_ids.contains(&p.id) => continue,
+                SpillItem::Parcel(p) if duplicate_ids.contains(&p.id) => {}
                 SpillItem::Parcel(p) => {
                     parcels.push(p);
-                    if parcels.len() < COMMIT_CHUNK {
-                        continue;
-                    }
-                    match prepare(std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK))) {
-                        Ok(out) => out,
-                        Err(e) => {
-                            let _ = tx.send(Err(e));
-                            return;
-                        }
+                    if parcels.len() >= COMMIT_CHUNK {
+                        send(prepare(std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK)))?)?;
                     }
                 }
-            };
-            if tx.send(Ok(out)).is_err() {
-                return;
             }
         }
-        for out in [Ok(Prepared::Quarantine(quarantine)), prepare(parcels)] {
-            let failed = out.is_err();
-            if tx.send(out).is_err() || failed {
-                return;
-            }
-        }
-        let mut sorted = match sorter.finish(COMMIT_CHUNK) {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = tx.send(Err(ScanError::from(e).into()));
-                return;
-            }
-        };
+        send(Prepared::Quarantine(quarantine))?;
+        send(prepare(parcels)?)?;
+        let mut sorted = sorter.finish(COMMIT_CHUNK).map_err(ScanError::from)?;
         loop {
             spent.try_iter().for_each(drop);
-            let out = match sorted.next_chunk() {
-                Ok(rows) if rows.is_empty() => return,
-                Ok(rows) => Ok(Prepared::Rows(rows)),
-                Err(e) => Err(ScanError::from(e).into()),
-            };
-            let failed = out.is_err();
-            if tx.send(out).is_err() || failed {
-                return;
+            let rows = sorted.next_chunk().map_err(ScanError::from)?;
+            if rows.is_empty() {
+                return Ok(());
             }
+            send(Prepared::Rows(rows))?;
         }
     }
 

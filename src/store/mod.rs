@@ -110,10 +110,9 @@ pub struct Store {
     path: PathBuf,
     /// Test hook: when set, the next run commit fails just before `commit()` (crash simulation).
     fail_next_commit: std::sync::atomic::AtomicBool,
-    /// Test hook: counts down snapshot chunk writes; the one that takes it to zero fails.
-    fail_snapshot_write_in: std::sync::atomic::AtomicU32,
-    /// How long that failing write waits before it fails.
-    fail_snapshot_write_pause: std::sync::Mutex<std::time::Duration>,
+    /// Test hook: snapshot chunk writes to count down (the one that takes it to zero fails)
+    /// and how long that write waits before it fails.
+    fail_snapshot_write: std::sync::Mutex<(u32, std::time::Duration)>,
     /// Durable commits save redb's allocator state (see `repair.rs`).
     quick_repair: std::sync::atomic::AtomicBool,
     open_info: OpenInfo,
@@ -176,8 +175,7 @@ impl Store {
             db,
             path: path.to_path_buf(),
             fail_next_commit: std::sync::atomic::AtomicBool::new(false),
-            fail_snapshot_write_in: std::sync::atomic::AtomicU32::new(0),
-            fail_snapshot_write_pause: std::sync::Mutex::new(std::time::Duration::ZERO),
+            fail_snapshot_write: std::sync::Mutex::new((0, std::time::Duration::ZERO)),
             quick_repair: std::sync::atomic::AtomicBool::new(true),
             open_info,
             key_index: key_journal::KeyIndex::default(),
@@ -293,23 +291,21 @@ impl Store {
     /// (A held run writes no snapshot rows: the hook stays armed through it.)
     #[doc(hidden)]
     pub fn fail_snapshot_write(&self, n: u32, pause: std::time::Duration) {
-        if let Ok(mut p) = self.fail_snapshot_write_pause.lock() {
-            *p = pause;
+        if let Ok(mut armed) = self.fail_snapshot_write.lock() {
+            *armed = (n, pause);
         }
-        self.fail_snapshot_write_in.store(n, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Whether the armed snapshot write failure is due now (after its pause).
     fn take_injected_write_failure(&self) -> bool {
-        use std::sync::atomic::Ordering::SeqCst;
-        let before = self.fail_snapshot_write_in.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1));
-        if before != Ok(1) {
-            return false;
-        }
-        if let Ok(pause) = self.fail_snapshot_write_pause.lock() {
-            std::thread::sleep(*pause);
-        }
-        true
+        let pause = match self.fail_snapshot_write.lock() {
+            Ok(mut armed) if armed.0 > 0 => {
+                armed.0 -= 1;
+                (armed.0 == 0).then_some(armed.1)
+            }
+            _ => None,
+        };
+        pause.map(std::thread::sleep).is_some()
     }
 
     /// Writes the file's schema version (used by tests of the version check).
