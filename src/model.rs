@@ -152,7 +152,7 @@ impl Serialize for GeoJsonGeometry<'_> {
     }
 }
 
-/// The stored state of one parcel in a source's snapshot (geometry lives in its own table).
+/// The stored state of one parcel in a source's snapshot (its row holds the geometry after it).
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug)]
 pub struct ParcelState {
     /// Zoning code as published (trimmed). Compared case-insensitively.

@@ -17,7 +17,7 @@ use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
-use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunWriter, SnapshotRows, Store, StoreError};
+use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunWriter, SnapshotRow, Store, StoreError};
 use crate::clock::SharedClock;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -62,7 +62,7 @@ const COMMIT_CHUNK: usize = 4096;
 enum Prepared {
     Quarantine(Vec<QuarantineDraft>),
     Parcels(PreparedChunk),
-    Rows(Vec<SnapshotRows>),
+    Rows(Vec<SnapshotRow>),
 }
 
 /// A chunk of new and changed parcels made ready for the write transaction.
@@ -75,7 +75,7 @@ struct PreparedChunk {
     /// chunk. `None` for a held run (it stages its parcels), and for a chunk out of key
     /// order: its rows go through a `RowSorter` and come last, sorted (`detect/row_sort.rs`),
     /// because redb inserts in key order several times faster.
-    rows: Option<Vec<SnapshotRows>>,
+    rows: Option<Vec<SnapshotRow>>,
     /// Their events and claims, built on the preparing thread when the run is not held and
     /// none of them needed a stored geometry (`None`: the writer builds them).
     events: Option<(Vec<ChangeEvent>, Vec<Claim>)>,
@@ -100,7 +100,7 @@ impl<E: Into<PipelineError>> From<E> for PrepareStop {
 /// rate, freeing the chunks on the writing thread took a quarter of its time. (A baseline's
 /// chunk is all the preparing thread's; a chunk whose events the writer built is mixed.)
 struct Spent {
-    _rows: Option<Vec<SnapshotRows>>,
+    _rows: Option<Vec<SnapshotRow>>,
     _events: Vec<ChangeEvent>,
     _claims: Vec<Claim>,
 }
@@ -565,7 +565,7 @@ impl Engine {
             spent.try_iter().for_each(drop);
             let mut rows = None;
             if !hold {
-                let encoded: Vec<SnapshotRows> = parcels.iter().map(|p| SnapshotRows::encode(p.borrowed())).collect();
+                let encoded: Vec<SnapshotRow> = parcels.iter().map(|p| SnapshotRow::encode(p.borrowed())).collect();
                 if encoded.windows(2).all(|w| w[0].id < w[1].id) {
                     rows = Some(encoded);
                 } else {

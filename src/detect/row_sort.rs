@@ -4,11 +4,11 @@
 //! and the runs merged back (one open file per run: ~900 for 60M rows).
 //!
 //! Why it exists: redb inserts rows in key order several times faster than in any other
-//! order. A county's layer rarely lists its parcels in id order, and a baseline writes two
-//! rows per parcel: measured with redb alone (issue 7), 1M parcels' rows took 1.7 s to insert
-//! and commit in key order and 7.9 s in a shuffled order; 2.5M took 4.4 s and 23.7 s.
+//! order. A county's layer rarely lists its parcels in id order: measured with redb alone
+//! (issue 7, when a parcel was two rows), 1M parcels' rows took 1.7 s to insert and commit in
+//! key order and 7.9 s in a shuffled order; 2.5M took 4.4 s and 23.7 s.
 
-use crate::store::SnapshotRows;
+use crate::store::SnapshotRow;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::fs::File;
@@ -33,7 +33,7 @@ pub enum RowSortError {
 /// Gathers rows (in any order) and gives them back in key order.
 pub struct RowSorter {
     dir: PathBuf,
-    run: Vec<SnapshotRows>,
+    run: Vec<SnapshotRow>,
     run_bytes: usize,
     /// Run files with the number of rows each holds (checked when merging).
     runs: Vec<(File, u64)>,
@@ -52,9 +52,9 @@ impl RowSorter {
     }
 
     /// Rows to sort, in any order.
-    pub fn push(&mut self, rows: Vec<SnapshotRows>) -> Result<(), RowSortError> {
+    pub fn push(&mut self, rows: Vec<SnapshotRow>) -> Result<(), RowSortError> {
         for r in rows {
-            self.run_bytes += r.id.len() + r.state.len() + r.geometry.len() + 100;
+            self.run_bytes += r.id.len() + r.record.len() + 100;
             self.run.push(r);
             if self.run.len() >= self.run_rows || self.run_bytes >= RUN_BYTES {
                 self.write_run()?;
@@ -69,7 +69,7 @@ impl RowSorter {
         let rows = self.run.len() as u64;
         self.run_bytes = 0;
         for r in self.run.drain(..) {
-            for part in [r.id.as_bytes(), &r.state, &r.geometry] {
+            for part in [r.id.as_bytes(), &r.record] {
                 let len = u32::try_from(part.len()).map_err(|_| std::io::Error::other("row part larger than 4 GiB"))?;
                 out.write_all(&len.to_le_bytes())?;
                 out.write_all(part)?;
@@ -113,7 +113,7 @@ struct RunReader {
 impl RunReader {
     /// The next row, or None once the run's rows are all read (a file that ends early, or
     /// holds more than it should, is `Damaged`).
-    fn next_row(&mut self) -> Result<Option<SnapshotRows>, RowSortError> {
+    fn next_row(&mut self) -> Result<Option<SnapshotRow>, RowSortError> {
         if self.left == 0 {
             let mut probe = [0u8; 1];
             return match self.input.read(&mut probe)? {
@@ -122,7 +122,7 @@ impl RunReader {
             };
         }
         let damaged = |e: std::io::Error| if e.kind() == std::io::ErrorKind::UnexpectedEof { RowSortError::Damaged } else { e.into() };
-        let mut parts: [Vec<u8>; 3] = Default::default();
+        let mut parts: [Vec<u8>; 2] = Default::default();
         for part in parts.iter_mut() {
             let mut len = [0u8; 4];
             self.input.read_exact(&mut len).map_err(damaged)?;
@@ -134,15 +134,15 @@ impl RunReader {
             }
         }
         self.left -= 1;
-        let [id, state, geometry] = parts;
+        let [id, record] = parts;
         let id = String::from_utf8(id).map_err(|_| RowSortError::Damaged)?;
-        Ok(Some(SnapshotRows { id, state, geometry }))
+        Ok(Some(SnapshotRow { id, record }))
     }
 }
 
 /// A run's smallest unread row, ordered by key (then run, so equal keys keep run order).
 struct Head {
-    row: SnapshotRows,
+    row: SnapshotRow,
     run: usize,
 }
 
@@ -164,7 +164,7 @@ impl Ord for Head {
 }
 
 enum Source {
-    Memory(std::vec::IntoIter<SnapshotRows>),
+    Memory(std::vec::IntoIter<SnapshotRow>),
     Merge { readers: Vec<RunReader>, heap: BinaryHeap<Reverse<Head>> },
 }
 
@@ -176,7 +176,7 @@ pub struct SortedRows {
 
 impl SortedRows {
     /// The next chunk in key order (empty at the end).
-    pub fn next_chunk(&mut self) -> Result<Vec<SnapshotRows>, RowSortError> {
+    pub fn next_chunk(&mut self) -> Result<Vec<SnapshotRow>, RowSortError> {
         let mut out = Vec::with_capacity(self.chunk.min(4096));
         match &mut self.source {
             Source::Memory(rows) => out.extend(rows.by_ref().take(self.chunk)),
@@ -198,8 +198,8 @@ impl SortedRows {
 mod tests {
     use super::*;
 
-    fn row(id: &str) -> SnapshotRows {
-        SnapshotRows { id: id.to_string(), state: id.as_bytes().to_vec(), geometry: vec![id.len() as u8; 3] }
+    fn row(id: &str) -> SnapshotRow {
+        SnapshotRow { id: id.to_string(), record: [id.as_bytes(), &[id.len() as u8; 3]].concat() }
     }
 
     /// Whatever the run size (one run in memory, or 5 or 52 merged from files), every row comes
@@ -225,7 +225,7 @@ mod tests {
                 }
                 assert!(c.len() <= 500);
                 for r in c {
-                    assert_eq!((r.state.as_slice(), r.geometry.as_slice()), (r.id.as_bytes(), &[r.id.len() as u8; 3][..]));
+                    assert_eq!(r.record, [r.id.as_bytes(), &[r.id.len() as u8; 3][..]].concat());
                     got.push(r.id);
                 }
             }

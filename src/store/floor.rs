@@ -2,7 +2,7 @@
 //! fresh scratch file in one durable transaction (with the store's commit settings), with
 //! the time spent reading them left out.
 //!
-//! Why it exists: a baseline commit writes two rows per parcel (state and geometry) and
+//! Why it exists: a baseline commit writes a row per parcel (its state and geometry) and
 //! nothing can make it cheaper than redb inserting those rows. The ingest bench prints this
 //! beside the baseline so a reader sees, measured in the same run, how much of the baseline
 //! is the store's floor.
@@ -12,7 +12,7 @@
 //! do not sort like the features: the bench's `DC-nnnnnn` ids stop doing so past 999,999),
 //! and the baseline's primed keys and their audit rows are not written.
 
-use super::tables::{PARCELS, PARCEL_GEOMS};
+use super::tables::PARCEL_SNAPSHOT;
 use super::{Store, StoreError, STORE_CACHE_BYTES};
 use redb::{Database, ReadableDatabase};
 use std::path::Path;
@@ -24,7 +24,7 @@ const BATCH: usize = 4096;
 /// The measured floor.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WriteFloor {
-    /// Parcels copied (each is two rows).
+    /// Parcels copied (one row each).
     pub parcels: u64,
     /// Time in redb's inserts.
     pub insert: Duration,
@@ -34,9 +34,9 @@ pub struct WriteFloor {
 
 impl Store {
     /// Copies `source_id`'s snapshot into a new redb file at `scratch` (refused if something
-    /// is there; the file is left for the caller to remove) the way a run writes it: per
-    /// parcel its state row then its geometry row, in batches of a commit chunk, one durable
-    /// commit with the store's settings (quick-repair). Returns the time redb took.
+    /// is there; the file is left for the caller to remove) the way a run writes it: a row
+    /// per parcel, in batches of a commit chunk, one durable commit with the store's settings
+    /// (quick-repair). Returns the time redb took.
     pub fn snapshot_write_floor(&self, source_id: &str, scratch: &Path) -> Result<WriteFloor, StoreError> {
         if scratch.exists() {
             return Err(StoreError::Conflict(format!("{} exists; the floor is measured in a new file", scratch.display())));
@@ -46,38 +46,31 @@ impl Store {
             message: e.to_string(),
         })?;
         let rtx = self.db.begin_read()?;
-        let states = rtx.open_table(PARCELS)?;
-        let geoms = rtx.open_table(PARCEL_GEOMS)?;
-        let mut state_rows = states.range((source_id, "")..)?;
-        let mut geom_rows = geoms.range((source_id, "")..)?;
+        let snapshot = rtx.open_table(PARCEL_SNAPSHOT)?;
+        let mut rows = snapshot.range((source_id, "")..)?;
         let mut wtx = db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let mut floor = WriteFloor::default();
         {
-            let mut out_states = wtx.open_table(PARCELS)?;
-            let mut out_geoms = wtx.open_table(PARCEL_GEOMS)?;
-            let mut batch: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::with_capacity(BATCH);
+            let mut out = wtx.open_table(PARCEL_SNAPSHOT)?;
+            let mut batch: Vec<(String, Vec<u8>)> = Vec::with_capacity(BATCH);
             loop {
                 batch.clear();
                 while batch.len() < BATCH {
-                    let (Some(s), Some(g)) = (state_rows.next(), geom_rows.next()) else { break };
-                    let ((sk, sv), (gk, gv)) = (s?, g?);
-                    let (src, id) = sk.value();
+                    let Some(row) = rows.next() else { break };
+                    let (k, v) = row?;
+                    let (src, id) = k.value();
                     if src != source_id {
                         break;
                     }
-                    if gk.value() != (src, id) {
-                        return Err(StoreError::Conflict(format!("parcel {id:?} of {source_id:?} has no geometry row")));
-                    }
-                    batch.push((id.to_string(), sv.value().to_vec(), gv.value().to_vec()));
+                    batch.push((id.to_string(), v.value().to_vec()));
                 }
                 if batch.is_empty() {
                     break;
                 }
                 let t = Instant::now();
-                for (id, state, geometry) in &batch {
-                    out_states.insert((source_id, id.as_str()), state.as_slice())?;
-                    out_geoms.insert((source_id, id.as_str()), geometry.as_slice())?;
+                for (id, record) in &batch {
+                    out.insert((source_id, id.as_str()), record.as_slice())?;
                 }
                 floor.insert += t.elapsed();
                 floor.parcels += batch.len() as u64;

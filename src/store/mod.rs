@@ -28,6 +28,7 @@ mod outbox;
 mod outbox_rows;
 mod queries;
 mod runs;
+mod snapshot;
 mod subscribers;
 mod probe;
 mod repair;
@@ -38,7 +39,8 @@ pub use leases::LeasedBatch;
 pub use dlq::ReplayOutcome;
 pub use endpoints::HealthPolicy;
 pub use queries::{AuditFilter, SnapshotView, StoreStats};
-pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunWriter, SnapshotRows};
+pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunWriter};
+pub use snapshot::SnapshotRow;
 pub use subscribers::StoredSubscriber;
 pub use probe::PortalSignals;
 pub use check::ConsistencyReport;
@@ -51,6 +53,8 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 6: a parcel's state and geometry are one row of `parcel_snapshot` (`snapshot.rs`); a
+/// version 5 build would find no snapshot and take every parcel as new.
 /// 5: fresh outbox rows have no due-index entry (their ids give the order) and retries live in
 /// `outbox_retry` (`outbox.rs`); a version 4 build would never lease the fresh rows.
 /// 4: the keys' expiry index is bucketed (`idem_expiry_buckets`, `expiry.rs`); a version 3
@@ -60,7 +64,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 5;
+pub const SCHEMA_VERSION: u32 = 6;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -216,8 +220,7 @@ impl Store {
             wtx.open_table(META)?;
             wtx.open_table(WATERMARKS)?;
             wtx.open_table(WATERMARK_HISTORY)?;
-            wtx.open_table(PARCELS)?;
-            wtx.open_table(PARCEL_GEOMS)?;
+            wtx.open_table(PARCEL_SNAPSHOT)?;
             wtx.open_table(IDEM_KEYS)?;
             wtx.open_table(IDEM_EXPIRY_BUCKETS)?;
             wtx.open_table(IDEM_KEY_JOURNAL)?;
@@ -254,6 +257,13 @@ impl Store {
         let moved = outbox::migrate_due_index(&wtx)?;
         if moved > 0 {
             tracing::info!(moved, "outbox rows waiting for a retry moved to outbox_retry; the fresh due index is dropped");
+        }
+        let joined = snapshot::migrate_split_tables(&wtx)?;
+        if joined.parcels > 0 {
+            tracing::info!(parcels = joined.parcels, "parcel states and geometries joined into one snapshot row each (schema 6)");
+        }
+        if joined.without_geometry > 0 {
+            tracing::warn!(parcels = joined.without_geometry, "parcel states without a geometry row kept with an empty geometry; the source's next run stores their shapes again only if they change");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

@@ -3,6 +3,7 @@
 
 use super::codec::decode;
 use super::runs::codec_err;
+use super::snapshot::{decode_geometry, decode_hash_ref, decode_state};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -59,30 +60,11 @@ pub struct SnapshotView {
     source_id: String,
 }
 
-/// A borrowed view of a stored `ParcelState` record: the same fields in the same order, so
-/// postcard decodes it from the record bytes without allocating.
-#[derive(serde::Deserialize)]
-struct ParcelStateRef<'a> {
-    #[allow(dead_code)]
-    zoning: &'a str,
-    #[allow(dead_code)]
-    effective_date: Option<&'a str>,
-    content_hash: [u8; 32],
-}
-
-fn decode_state_ref(bytes: &[u8]) -> Result<ParcelStateRef<'_>, String> {
-    match bytes.split_first() {
-        Some((&super::codec::RECORD_VERSION, rest)) => postcard::from_bytes(rest).map_err(|e| e.to_string()),
-        Some((v, _)) => Err(super::codec::unknown_version(*v, "parcel states", super::codec::RECORD_VERSION)),
-        None => Err("empty record".into()),
-    }
-}
-
 impl SnapshotView {
     /// The stored state of one parcel.
     pub fn get(&self, parcel_id: &str) -> Result<Option<ParcelState>, StoreError> {
         match self.table.get((self.source_id.as_str(), parcel_id))? {
-            Some(v) => Ok(Some(decode(v.value()).map_err(|m| codec_err("parcels", m))?)),
+            Some(v) => Ok(Some(decode_state(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?)),
             None => Ok(None),
         }
     }
@@ -97,7 +79,7 @@ impl SnapshotView {
             if s != self.source_id {
                 break;
             }
-            let state = decode_state_ref(v.value()).map_err(|m| codec_err("parcels", m))?;
+            let state = decode_hash_ref(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
             f(pid, &state.content_hash);
             n += 1;
         }
@@ -113,7 +95,7 @@ impl SnapshotView {
             if s != self.source_id {
                 break;
             }
-            f(pid, decode(v.value()).map_err(|m| codec_err("parcels", m))?);
+            f(pid, decode_state(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
             n += 1;
         }
         Ok(n)
@@ -148,12 +130,16 @@ impl Store {
     /// A read view of a source's snapshot for the streaming diff.
     pub fn snapshot_view(&self, source_id: &str) -> Result<SnapshotView, StoreError> {
         let rtx = self.db.begin_read()?;
-        Ok(SnapshotView { table: rtx.open_table(PARCELS)?, source_id: source_id.to_string() })
+        Ok(SnapshotView { table: rtx.open_table(PARCEL_SNAPSHOT)?, source_id: source_id.to_string() })
     }
 
     /// The stored parcel states of a source (no geometries), keyed by parcel id.
     pub fn snapshot_states(&self, source_id: &str) -> Result<HashMap<String, ParcelState>, StoreError> {
-        self.source_rows(PARCELS, "parcels", source_id)
+        let mut out = HashMap::new();
+        self.snapshot_view(source_id)?.for_each(|pid, state| {
+            out.insert(pid.to_string(), state);
+        })?;
+        Ok(out)
     }
 
     /// Every row of a `(source id, parcel id)`-keyed table for one source, keyed by parcel id.
@@ -184,11 +170,11 @@ impl Store {
         ids: impl IntoIterator<Item = &'a str>,
     ) -> Result<HashMap<String, StoredGeometry>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(PARCEL_GEOMS)?;
+        let t = rtx.open_table(PARCEL_SNAPSHOT)?;
         let mut out = HashMap::new();
         for id in ids {
             if let Some(v) = t.get((source_id, id))? {
-                out.insert(id.to_string(), decode(v.value()).map_err(|m| codec_err("parcel_geoms", m))?);
+                out.insert(id.to_string(), decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
             }
         }
         Ok(out)

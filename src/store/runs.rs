@@ -2,6 +2,7 @@
 
 use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
+use super::snapshot::{decode_geometry, SnapshotRow};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -309,22 +310,6 @@ pub enum HeldChunk {
     Events(Vec<ChangeEvent>),
 }
 
-/// A parcel's two snapshot rows (state, geometry), encoded as [`RunWriter::upserts`] writes
-/// them. A baseline writes millions: encoding them on another thread than the one holding
-/// the write transaction shortens the time the write lock is held.
-#[derive(Debug, Clone)]
-pub struct SnapshotRows {
-    pub id: String,
-    pub state: Vec<u8>,
-    pub geometry: Vec<u8>,
-}
-
-impl SnapshotRows {
-    pub fn encode(p: ParcelRef<'_>) -> SnapshotRows {
-        SnapshotRows { id: p.id.to_string(), state: encode(p.state), geometry: encode(p.geometry) }
-    }
-}
-
 /// One run's write transaction, fed in chunks so a county-sized delta never has to sit in
 /// memory at once (see [`Store::begin_run`]). Everything it writes becomes visible together
 /// at [`RunWriter::finish`], or not at all.
@@ -397,20 +382,20 @@ impl RunWriter<'_> {
     /// The stored geometries of these parcels as they are *before* this run's upserts
     /// (read them for a chunk before calling [`RunWriter::upserts`] on it).
     pub fn old_geometries<'a>(&self, ids: impl IntoIterator<Item = &'a str>) -> Result<HashMap<String, StoredGeometry>, StoreError> {
-        let t = self.wtx.open_table(PARCEL_GEOMS)?;
+        let t = self.wtx.open_table(PARCEL_SNAPSHOT)?;
         let mut out = HashMap::new();
         for id in ids {
             if let Some(v) = t.get((self.source_id.as_str(), id))? {
-                out.insert(id.to_string(), decode(v.value()).map_err(|m| codec_err("parcel_geoms", m))?);
+                out.insert(id.to_string(), decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
             }
         }
         Ok(out)
     }
 
     /// New or changed parcels whose snapshot rows were encoded already (by
-    /// [`SnapshotRows::encode`], off the writing thread): into the snapshot. A held run stages
+    /// [`SnapshotRow::encode`], off the writing thread): into the snapshot. A held run stages
     /// its parcels instead and must use [`RunWriter::upserts`].
-    pub fn upserts_encoded(&mut self, rows: &[SnapshotRows]) -> Result<(), StoreError> {
+    pub fn upserts_encoded(&mut self, rows: &[SnapshotRow]) -> Result<(), StoreError> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -421,11 +406,9 @@ impl RunWriter<'_> {
             return Err(StoreError::Injected(format!("snapshot write of run {} of {}", self.run_id, self.source_id)));
         }
         let src = self.source_id.as_str();
-        let mut states = self.wtx.open_table(PARCELS)?;
-        let mut geoms = self.wtx.open_table(PARCEL_GEOMS)?;
+        let mut snapshot = self.wtx.open_table(PARCEL_SNAPSHOT)?;
         for r in rows {
-            states.insert((src, r.id.as_str()), r.state.as_slice())?;
-            geoms.insert((src, r.id.as_str()), r.geometry.as_slice())?;
+            snapshot.insert((src, r.id.as_str()), r.record.as_slice())?;
         }
         Ok(())
     }
@@ -439,7 +422,7 @@ impl RunWriter<'_> {
                 staged.insert((self.run_id, p.id), encode(&s).as_slice())?;
             }
         } else {
-            let rows: Vec<SnapshotRows> = parcels.into_iter().map(SnapshotRows::encode).collect();
+            let rows: Vec<SnapshotRow> = parcels.into_iter().map(SnapshotRow::encode).collect();
             self.upserts_encoded(&rows)?;
         }
         Ok(())
@@ -457,11 +440,9 @@ impl RunWriter<'_> {
             }
         } else {
             let src = self.source_id.as_str();
-            let mut states = self.wtx.open_table(PARCELS)?;
-            let mut geoms = self.wtx.open_table(PARCEL_GEOMS)?;
+            let mut snapshot = self.wtx.open_table(PARCEL_SNAPSHOT)?;
             for id in ids {
-                states.remove((src, id.as_str()))?;
-                geoms.remove((src, id.as_str()))?;
+                snapshot.remove((src, id.as_str()))?;
             }
         }
         Ok(())

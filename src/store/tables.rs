@@ -14,10 +14,13 @@ pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("water
 /// (source id, run id) → `Watermark` as committed by that run (append-only history).
 pub const WATERMARK_HISTORY: TableDefinition<(&str, u64), &[u8]> =
     TableDefinition::new("watermark_history");
-/// (source id, parcel id) → `ParcelState`.
-pub const PARCELS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcels");
-/// (source id, parcel id) → `StoredGeometry` (kept apart so diffs read only the small states).
-pub const PARCEL_GEOMS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_geoms");
+/// (source id, parcel id) → the parcel's `ParcelState`, then its `StoredGeometry`, in one
+/// record (`snapshot.rs`).
+pub const PARCEL_SNAPSHOT: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_snapshot");
+/// Schema 5 and older: (source id, parcel id) → `ParcelState`. Read once, by the migration.
+pub const LEGACY_PARCELS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcels");
+/// Schema 5 and older: (source id, parcel id) → `StoredGeometry`. Read once, by the migration.
+pub const LEGACY_PARCEL_GEOMS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_geoms");
 /// idempotency key → `IdemRecord`.
 pub const IDEM_KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("idem_keys");
 /// Newly claimed keys, by sequence number, until merged into `idem_keys` (`key_journal.rs`).

@@ -1,0 +1,243 @@
+//! The parcel snapshot's record: one row per parcel in `parcel_snapshot`, holding the parcel's
+//! state and then its geometry.
+//!
+//! Why one row and not two: a baseline commit writes a row for every parcel of a county, and
+//! redb's cost is per row. Schema 5 and older kept states (`parcels`) and geometries
+//! (`parcel_geoms`) in two tables so the diff's scan read only the small states. Measured on
+//! the bench store's rows (1M parcels, 88-byte states, 87-byte geometries, key order): two
+//! tables cost 1.48–1.50 s of inserts, one table 0.97–0.99 s; the diff's full scan costs
+//! 112–119 ms against 136–149 ms. The scan is paid on every run of a source, the insert only
+//! when its parcels change, but the insert saves thirteen times what the scan loses.
+//!
+//! The layout is `[RECORD_VERSION] ++ postcard(ParcelState) ++ postcard(StoredGeometry)`: the
+//! state comes first so the diff decodes it from the front of the row and never touches the
+//! geometry's bytes.
+
+use super::codec::{split_version, unknown_version, RECORD_VERSION};
+use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, PARCEL_SNAPSHOT};
+use super::StoreError;
+use crate::model::{ParcelRef, ParcelState, StoredGeometry};
+use redb::{ReadableTable, TableHandle, WriteTransaction};
+use serde::{Deserialize, Serialize};
+
+/// One parcel's snapshot row, encoded as [`RunWriter::upserts`](super::RunWriter::upserts)
+/// writes it. A baseline writes millions: encoding them on another thread than the one
+/// holding the write transaction shortens the time the write lock is held.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotRow {
+    /// The parcel id (the key within its source).
+    pub id: String,
+    /// The encoded [`ParcelRef`]: state, then geometry.
+    pub record: Vec<u8>,
+}
+
+impl SnapshotRow {
+    pub fn encode(p: ParcelRef<'_>) -> SnapshotRow {
+        SnapshotRow { id: p.id.to_string(), record: encode_record(p.state, p.geometry) }
+    }
+}
+
+/// The record as it is written; serde encodes a reference as what it refers to.
+#[derive(Serialize)]
+struct RecordRef<'a> {
+    state: &'a ParcelState,
+    geometry: &'a StoredGeometry,
+}
+
+/// A borrowed view of the state at the front of a record: the same fields in the same order,
+/// so postcard skips it without allocating to reach the geometry.
+#[derive(Deserialize)]
+struct StateRef<'a> {
+    #[allow(dead_code)]
+    zoning: &'a str,
+    #[allow(dead_code)]
+    effective_date: Option<&'a str>,
+    #[allow(dead_code)]
+    content_hash: [u8; 32],
+    #[allow(dead_code)]
+    geom_hash: [u8; 32],
+    #[allow(dead_code)]
+    area_m2: f64,
+}
+
+/// The front of a state up to its content hash: all the diff's index needs of each row
+/// (postcard reads fields in order, so it stops there).
+#[derive(Deserialize)]
+pub(super) struct HashRef<'a> {
+    #[allow(dead_code)]
+    zoning: &'a str,
+    #[allow(dead_code)]
+    effective_date: Option<&'a str>,
+    pub(super) content_hash: [u8; 32],
+}
+
+/// Encodes a snapshot record.
+pub(super) fn encode_record(state: &ParcelState, geometry: &StoredGeometry) -> Vec<u8> {
+    super::codec::encode(&RecordRef { state, geometry })
+}
+
+fn postcard_of(bytes: &[u8]) -> Result<&[u8], String> {
+    match split_version(bytes)? {
+        (RECORD_VERSION, rest) => Ok(rest),
+        (v, _) => Err(unknown_version(v, "parcel snapshot", RECORD_VERSION)),
+    }
+}
+
+/// The content hash of a record's state, borrowed.
+pub(super) fn decode_hash_ref(bytes: &[u8]) -> Result<HashRef<'_>, String> {
+    postcard::take_from_bytes(postcard_of(bytes)?).map(|(s, _)| s).map_err(|e| e.to_string())
+}
+
+/// The state of a record (its geometry is not decoded).
+pub(super) fn decode_state(bytes: &[u8]) -> Result<ParcelState, String> {
+    postcard::take_from_bytes(postcard_of(bytes)?).map(|(s, _)| s).map_err(|e| e.to_string())
+}
+
+/// The geometry of a record (its state is skipped without allocating).
+pub(super) fn decode_geometry(bytes: &[u8]) -> Result<StoredGeometry, String> {
+    let (_, rest) = postcard::take_from_bytes::<StateRef<'_>>(postcard_of(bytes)?).map_err(|e| e.to_string())?;
+    postcard::from_bytes(rest).map_err(|e| e.to_string())
+}
+
+/// What moving a schema 5 snapshot into `parcel_snapshot` found.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct Migrated {
+    /// Parcels moved.
+    pub parcels: u64,
+    /// States with no geometry row (never written so; kept with an empty geometry, so the
+    /// parcel stays in the snapshot and the next run's diff still sees it).
+    pub without_geometry: u64,
+}
+
+/// Once per store of schema 5 or older: each parcel's state (`parcels`) and geometry
+/// (`parcel_geoms`) become one `parcel_snapshot` row, and the two tables are dropped. Both
+/// are keyed alike, so they are read side by side in key order. Runs inside the opening
+/// transaction, with the schema upgrade: both or neither.
+pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, StoreError> {
+    let legacy = |name: &str| name == LEGACY_PARCELS.name() || name == LEGACY_PARCEL_GEOMS.name();
+    if !wtx.list_tables()?.any(|t| legacy(t.name())) {
+        return Ok(Migrated::default());
+    }
+    let mut migrated = Migrated::default();
+    {
+        let states = wtx.open_table(LEGACY_PARCELS)?;
+        let geoms = wtx.open_table(LEGACY_PARCEL_GEOMS)?;
+        let mut out = wtx.open_table(PARCEL_SNAPSHOT)?;
+        let mut geom_rows = geoms.iter()?.peekable();
+        let mut record = Vec::new();
+        for item in states.iter()? {
+            let (k, state) = item?;
+            let key = k.value();
+            // Geometry rows of parcels with no state (never written so) are passed over.
+            while geom_rows.peek().is_some_and(|g| g.as_ref().map(|(gk, _)| gk.value() < key).unwrap_or(false)) {
+                geom_rows.next();
+            }
+            let geometry = match geom_rows.next_if(|g| g.as_ref().map(|(gk, _)| gk.value() == key).unwrap_or(true)) {
+                Some(g) => Some(g?.1),
+                None => None,
+            };
+            // Stored bytes are copied, not decoded and re-encoded: a state and a geometry of
+            // record version 1 are exactly the two halves of a snapshot record.
+            let state = postcard_of(state.value()).map_err(|m| super::runs::codec_err("parcels", m))?;
+            record.clear();
+            record.push(RECORD_VERSION);
+            record.extend_from_slice(state);
+            match &geometry {
+                Some(g) => record.extend_from_slice(postcard_of(g.value()).map_err(|m| super::runs::codec_err("parcel_geoms", m))?),
+                None => {
+                    record.extend(postcard::to_allocvec(&StoredGeometry(Vec::new())).map_err(|e| super::runs::codec_err("parcel_geoms", e.to_string()))?);
+                    migrated.without_geometry += 1;
+                }
+            }
+            out.insert(key, record.as_slice())?;
+            migrated.parcels += 1;
+        }
+    }
+    wtx.delete_table(LEGACY_PARCELS)?;
+    wtx.delete_table(LEGACY_PARCEL_GEOMS)?;
+    Ok(migrated)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::codec::encode;
+    use crate::store::Store;
+    use crate::store::tables::{META, META_SCHEMA};
+    use redb::{ReadableDatabase, ReadableTableMetadata};
+
+    fn state(zoning: &str, n: u8) -> ParcelState {
+        ParcelState { zoning: zoning.into(), effective_date: Some("2026-01-01".into()), content_hash: [n; 32], geom_hash: [n + 1; 32], area_m2: 412.5 }
+    }
+
+    fn square(x: f64) -> StoredGeometry {
+        StoredGeometry(vec![vec![vec![[x, 0.0], [x + 1.0, 0.0], [x + 1.0, 1.0], [x, 0.0]]]])
+    }
+
+    /// Each half of a record decodes on its own, and the state's borrowed view agrees.
+    #[test]
+    fn a_record_gives_back_its_state_and_its_geometry() {
+        let (s, g) = (state("R-1", 3), square(2.0));
+        let bytes = encode_record(&s, &g);
+        assert_eq!(bytes[0], RECORD_VERSION);
+        assert_eq!(decode_state(&bytes).unwrap(), s);
+        assert_eq!(decode_geometry(&bytes).unwrap(), g);
+        assert_eq!(decode_hash_ref(&bytes).unwrap().content_hash, [3; 32]);
+        let mut future = bytes.clone();
+        future[0] = 9;
+        assert!(decode_state(&future).unwrap_err().contains("version 9"));
+        assert!(decode_geometry(&bytes[..bytes.len() - 3]).is_err(), "a cut record is an error, not a short geometry");
+    }
+
+    /// A schema 5 store (states and geometries in two tables) opens as the current schema
+    /// with every parcel in one row each, the old tables gone, and what the store reads back
+    /// unchanged; a state whose geometry row is missing is kept with an empty geometry.
+    #[test]
+    fn a_schema_5_snapshot_is_joined_into_one_row_per_parcel_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        let parcels: Vec<(&str, &str, ParcelState, StoredGeometry)> = vec![
+            ("a", "p1", state("R-1", 1), square(0.0)),
+            ("a", "p2", state("C-2", 2), square(5.0)),
+            ("a", "p3", state("I-1", 3), square(9.0)),
+            ("b", "p1", state("OS", 4), square(20.0)),
+        ];
+        {
+            let store = Store::open(&path).unwrap();
+            let wtx = store.db.begin_write().unwrap();
+            {
+                let mut states = wtx.open_table(LEGACY_PARCELS).unwrap();
+                let mut geoms = wtx.open_table(LEGACY_PARCEL_GEOMS).unwrap();
+                for (src, id, s, g) in &parcels {
+                    states.insert((*src, *id), encode(s).as_slice()).unwrap();
+                    // p3 of "a" lost its geometry row; an orphan geometry sits before it.
+                    if (*src, *id) != ("a", "p3") {
+                        geoms.insert((*src, *id), encode(g).as_slice()).unwrap();
+                    }
+                }
+                geoms.insert(("a", "p25"), encode(&square(7.0)).as_slice()).unwrap();
+                wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
+            }
+            wtx.delete_table(PARCEL_SNAPSHOT).unwrap();
+            wtx.commit().unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        {
+            let rtx = store.db.begin_read().unwrap();
+            let names: Vec<String> = rtx.list_tables().unwrap().map(|t| t.name().to_string()).collect();
+            assert!(!names.iter().any(|n| n == "parcels" || n == "parcel_geoms"), "old tables dropped: {names:?}");
+            let v = rtx.open_table(META).unwrap().get(META_SCHEMA).unwrap().unwrap().value().to_vec();
+            assert_eq!(v, crate::store::SCHEMA_VERSION.to_le_bytes());
+            assert_eq!(rtx.open_table(PARCEL_SNAPSHOT).unwrap().len().unwrap(), 4);
+        }
+        let a = store.snapshot_states("a").unwrap();
+        assert_eq!((a.len(), &a["p2"]), (3, &parcels[1].2));
+        assert_eq!(store.snapshot_states("b").unwrap()["p1"], parcels[3].2);
+        let geoms = store.parcel_geometries("a", ["p1", "p2", "p3"]).unwrap();
+        assert_eq!((&geoms["p1"], &geoms["p2"]), (&parcels[0].3, &parcels[1].3));
+        assert!(geoms["p3"].0.is_empty(), "kept, with an empty geometry");
+        assert_eq!(store.parcel_geometries("b", ["p1"]).unwrap()["p1"], parcels[3].3);
+        let report = store.check_consistency().unwrap();
+        assert!(report.is_consistent(), "{:?}", report.problems);
+    }
+}
