@@ -315,17 +315,3 @@ impl Store {
         Ok(s)
     }
 }
-
-#[cfg(test)]
-mod state_ref_tests {
-    use super::*;
-
-    #[test]
-    fn borrowed_state_view_reads_the_stored_record() {
-        for eff in [None, Some("2026-01-01".to_string())] {
-            let st = ParcelState { zoning: "R-1".into(), effective_date: eff, content_hash: [7; 32], geom_hash: [9; 32], area_m2: 12.5 };
-            let bytes = super::super::codec::encode(&st);
-            assert_eq!(decode_state_ref(&bytes).unwrap().content_hash, [7; 32]);
-        }
-    }
-}

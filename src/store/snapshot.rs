@@ -174,15 +174,20 @@ mod tests {
         StoredGeometry(vec![vec![vec![[x, 0.0], [x + 1.0, 0.0], [x + 1.0, 1.0], [x, 0.0]]]])
     }
 
-    /// Each half of a record decodes on its own, and the state's borrowed view agrees.
+    /// Each half of a record decodes on its own, and the borrowed hash agrees, with and
+    /// without an effective date.
     #[test]
     fn a_record_gives_back_its_state_and_its_geometry() {
-        let (s, g) = (state("R-1", 3), square(2.0));
+        let (mut s, g) = (state("R-1", 3), square(2.0));
+        for effective_date in [None, Some("2026-01-01".to_string())] {
+            s.effective_date = effective_date;
+            let bytes = encode_record(&s, &g);
+            assert_eq!(bytes[0], RECORD_VERSION);
+            assert_eq!(decode_state(&bytes).unwrap(), s);
+            assert_eq!(decode_geometry(&bytes).unwrap(), g);
+            assert_eq!(decode_hash_ref(&bytes).unwrap().content_hash, [3; 32]);
+        }
         let bytes = encode_record(&s, &g);
-        assert_eq!(bytes[0], RECORD_VERSION);
-        assert_eq!(decode_state(&bytes).unwrap(), s);
-        assert_eq!(decode_geometry(&bytes).unwrap(), g);
-        assert_eq!(decode_hash_ref(&bytes).unwrap().content_hash, [3; 32]);
         let mut future = bytes.clone();
         future[0] = 9;
         assert!(decode_state(&future).unwrap_err().contains("version 9"));
