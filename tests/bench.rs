@@ -161,7 +161,7 @@ fn ingest_measure_runs_at_test_scale() {
         }
     }
     let floor = phase("baseline_store_floor");
-    assert_eq!(num(floor, "rows"), 2.0 * n, "a state and a geometry row per parcel: {floor}");
+    assert_eq!(num(floor, "rows"), n, "one snapshot row per parcel: {floor}");
     let rows = num(floor, "rows");
     let per_row = num(floor, "insert_s") * 1e6 / rows;
     assert!((num(floor, "us_per_row") - per_row).abs() <= 0.0005 * 1e6 / rows + 0.006, "{floor}");

@@ -47,7 +47,7 @@ pub use check::ConsistencyReport;
 pub use repair::OpenInfo;
 pub use floor::WriteFloor;
 
-use redb::{Database, ReadableDatabase};
+use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
 use tables::*;
 
@@ -187,25 +187,41 @@ impl Store {
         };
         let mut store = store;
         if store.init_schema()? {
-            store.compact_after_upgrade();
+            store.compact_after_upgrade()?;
         }
         Ok(store)
     }
 
     /// Gives back the pages an upgrade freed. Joining a schema 5 snapshot (`snapshot.rs`)
     /// writes every parcel again and frees the two old tables, which doubles the file (2.5M
-    /// parcels: 1.1 → 2.2 GB) until runs reuse the pages. redb's compaction moved that file
-    /// to 0.5 GB in 2.1 s (measured). A failed compaction leaves a valid, larger file.
-    fn compact_after_upgrade(&mut self) {
+    /// parcels: 1.1 → 2.3 GB) until runs reuse the pages. redb's compaction moved that file
+    /// to 0.5 GB in 2.1 s (measured). The upgrade leaves a `compact_pending` mark, removed
+    /// only once a compaction succeeded, so an open cut short compacts on the next one. A
+    /// failed compaction leaves a valid, larger file.
+    ///
+    /// redb's compaction commits without a quick-repair record, so a durable commit follows
+    /// it either way: a crash afterwards still reopens in milliseconds (`repair.rs`).
+    fn compact_after_upgrade(&mut self) -> Result<(), StoreError> {
         let before = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
         let started = std::time::Instant::now();
-        match self.db.compact() {
+        let compacted = match self.db.compact() {
             Ok(_) => {
                 let after = std::fs::metadata(&self.path).map(|m| m.len()).unwrap_or(0);
                 tracing::info!(before, after, seconds = started.elapsed().as_secs_f64(), "store file compacted after its upgrade");
+                true
             }
-            Err(e) => tracing::warn!(error = %e, "store file not compacted after its upgrade (it stays valid, only larger)"),
+            Err(e) => {
+                tracing::warn!(error = %e, "store file not compacted after its upgrade (it stays valid, only larger; the next start tries again)");
+                false
+            }
+        };
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
+        if compacted {
+            wtx.open_table(META)?.remove(META_COMPACT_PENDING)?;
         }
+        wtx.commit()?;
+        Ok(())
     }
 
     pub fn path(&self) -> &Path {
@@ -213,7 +229,7 @@ impl Store {
     }
 
     /// Creates missing tables, checks the file's schema version and upgrades an older file.
-    /// Returns whether the upgrade freed enough of the file to compact it.
+    /// Returns whether the file is to be compacted (an upgrade freed much of it).
     fn init_schema(&self) -> Result<bool, StoreError> {
         // Check first with a read transaction so that a newer file is never modified.
         {
@@ -280,8 +296,8 @@ impl Store {
             tracing::info!(moved, "outbox rows waiting for a retry moved to outbox_retry; the fresh due index is dropped");
         }
         let joined = snapshot::migrate_split_tables(&wtx)?;
-        let compact = joined.parcels > 0;
-        if compact {
+        if joined.parcels > 0 {
+            wtx.open_table(META)?.insert(META_COMPACT_PENDING, [1u8].as_slice())?;
             tracing::info!(parcels = joined.parcels, "parcel states and geometries joined into one snapshot row each (schema 6)");
         }
         if joined.without_geometry > 0 {
@@ -293,6 +309,7 @@ impl Store {
         }
         // Upgraded in the same transaction as the migration: both or neither.
         wtx.open_table(META)?.insert(META_SCHEMA, SCHEMA_VERSION.to_le_bytes().as_slice())?;
+        let compact = wtx.open_table(META)?.get(META_COMPACT_PENDING)?.is_some();
         wtx.commit()?;
         if let Some(max_seq) = merged_on_open {
             self.key_index.forget_through(max_seq);

@@ -174,7 +174,12 @@ impl Store {
         let mut out = HashMap::new();
         for id in ids {
             if let Some(v) = t.get((source_id, id))? {
-                out.insert(id.to_string(), decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
+                let g = decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
+                // Empty only for a parcel the schema 6 upgrade found without a geometry row:
+                // unknown, as it was before the upgrade.
+                if !g.0.is_empty() {
+                    out.insert(id.to_string(), g);
+                }
             }
         }
         Ok(out)

@@ -386,7 +386,11 @@ impl RunWriter<'_> {
         let mut out = HashMap::new();
         for id in ids {
             if let Some(v) = t.get((self.source_id.as_str(), id))? {
-                out.insert(id.to_string(), decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
+                let g = decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
+                // Empty only when the schema 6 upgrade found no geometry row (see queries.rs).
+                if !g.0.is_empty() {
+                    out.insert(id.to_string(), g);
+                }
             }
         }
         Ok(out)

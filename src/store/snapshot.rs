@@ -104,8 +104,9 @@ pub(super) fn decode_geometry(bytes: &[u8]) -> Result<StoredGeometry, String> {
 pub(super) struct Migrated {
     /// Parcels moved.
     pub parcels: u64,
-    /// States with no geometry row (never written so; kept with an empty geometry, so the
-    /// parcel stays in the snapshot and the next run's diff still sees it).
+    /// States with no geometry row (never written so; kept with an empty geometry, which
+    /// geometry lookups report as no geometry, as before: the parcel stays in the snapshot
+    /// and the next run's diff still sees it).
     pub without_geometry: u64,
 }
 
@@ -163,7 +164,7 @@ mod tests {
     use super::*;
     use crate::store::codec::encode;
     use crate::store::Store;
-    use crate::store::tables::{META, META_SCHEMA};
+    use crate::store::tables::{META, META_COMPACT_PENDING, META_SCHEMA};
     use redb::{ReadableDatabase, ReadableTableMetadata};
 
     fn state(zoning: &str, n: u8) -> ParcelState {
@@ -194,35 +195,74 @@ mod tests {
         assert!(decode_geometry(&bytes[..bytes.len() - 3]).is_err(), "a cut record is an error, not a short geometry");
     }
 
-    /// A schema 5 store (states and geometries in two tables) opens as the current schema
-    /// with every parcel in one row each, the old tables gone, and what the store reads back
-    /// unchanged; a state whose geometry row is missing is kept with an empty geometry.
-    #[test]
-    fn a_schema_5_snapshot_is_joined_into_one_row_per_parcel_on_open() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("z.redb");
-        let parcels: Vec<(&str, &str, ParcelState, StoredGeometry)> = vec![
+    type Legacy = Vec<(&'static str, &'static str, ParcelState, StoredGeometry)>;
+
+    /// Four parcels of two sources in the schema 5 layout, written into `wtx`: `a/p3` has
+    /// lost its geometry row, and geometry rows without a state sit before the first state,
+    /// between two states, between the sources and after the last state.
+    fn write_legacy(wtx: &WriteTransaction) -> Legacy {
+        let parcels: Legacy = vec![
             ("a", "p1", state("R-1", 1), square(0.0)),
             ("a", "p2", state("C-2", 2), square(5.0)),
             ("a", "p3", state("I-1", 3), square(9.0)),
             ("b", "p1", state("OS", 4), square(20.0)),
         ];
+        let mut states = wtx.open_table(LEGACY_PARCELS).unwrap();
+        let mut geoms = wtx.open_table(LEGACY_PARCEL_GEOMS).unwrap();
+        for (src, id, s, g) in &parcels {
+            states.insert((*src, *id), encode(s).as_slice()).unwrap();
+            if (*src, *id) != ("a", "p3") {
+                geoms.insert((*src, *id), encode(g).as_slice()).unwrap();
+            }
+        }
+        for orphan in [("a", "a0"), ("a", "p25"), ("a", "z9"), ("c", "x")] {
+            geoms.insert(orphan, encode(&square(7.0)).as_slice()).unwrap();
+        }
+        parcels
+    }
+
+    /// The join itself: every state gets its own geometry (orphans in any position are
+    /// passed over), a state without one is counted and kept, the old tables are dropped.
+    #[test]
+    fn the_join_pairs_each_state_with_its_own_geometry() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let wtx = store.db.begin_write().unwrap();
+        let parcels = write_legacy(&wtx);
+        let migrated = migrate_split_tables(&wtx).unwrap();
+        assert_eq!(migrated, Migrated { parcels: 4, without_geometry: 1 });
+        assert!(!wtx.list_tables().unwrap().any(|t| t.name() == "parcels" || t.name() == "parcel_geoms"));
+        {
+            let t = wtx.open_table(PARCEL_SNAPSHOT).unwrap();
+            let rows: Vec<((String, String), Vec<u8>)> = t
+                .iter()
+                .unwrap()
+                .map(|r| r.map(|(k, v)| ((k.value().0.to_string(), k.value().1.to_string()), v.value().to_vec())).unwrap())
+                .collect();
+            assert_eq!(rows.len(), 4, "one row per state, none for an orphan geometry");
+            for ((src, id), record) in &rows {
+                let (_, _, s, g) = parcels.iter().find(|p| (p.0, p.1) == (src.as_str(), id.as_str())).unwrap();
+                assert_eq!(&decode_state(record).unwrap(), s, "{src}/{id}");
+                let want = if (src.as_str(), id.as_str()) == ("a", "p3") { StoredGeometry(Vec::new()) } else { g.clone() };
+                assert_eq!(decode_geometry(record).unwrap(), want, "{src}/{id}");
+            }
+        }
+        assert_eq!(migrate_split_tables(&wtx).unwrap(), Migrated::default(), "once only");
+    }
+
+    /// A schema 5 store opens as the current schema, compacted, with what the store reads
+    /// back unchanged: every state, every geometry, and no geometry for the parcel that had
+    /// none (as before the upgrade).
+    #[test]
+    fn a_schema_5_store_is_upgraded_and_compacted_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        let parcels;
         {
             let store = Store::open(&path).unwrap();
             let wtx = store.db.begin_write().unwrap();
-            {
-                let mut states = wtx.open_table(LEGACY_PARCELS).unwrap();
-                let mut geoms = wtx.open_table(LEGACY_PARCEL_GEOMS).unwrap();
-                for (src, id, s, g) in &parcels {
-                    states.insert((*src, *id), encode(s).as_slice()).unwrap();
-                    // p3 of "a" lost its geometry row; an orphan geometry sits before it.
-                    if (*src, *id) != ("a", "p3") {
-                        geoms.insert((*src, *id), encode(g).as_slice()).unwrap();
-                    }
-                }
-                geoms.insert(("a", "p25"), encode(&square(7.0)).as_slice()).unwrap();
-                wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
-            }
+            parcels = write_legacy(&wtx);
+            wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
             wtx.delete_table(PARCEL_SNAPSHOT).unwrap();
             wtx.commit().unwrap();
         }
@@ -231,18 +271,37 @@ mod tests {
             let rtx = store.db.begin_read().unwrap();
             let names: Vec<String> = rtx.list_tables().unwrap().map(|t| t.name().to_string()).collect();
             assert!(!names.iter().any(|n| n == "parcels" || n == "parcel_geoms"), "old tables dropped: {names:?}");
-            let v = rtx.open_table(META).unwrap().get(META_SCHEMA).unwrap().unwrap().value().to_vec();
-            assert_eq!(v, crate::store::SCHEMA_VERSION.to_le_bytes());
+            let meta = rtx.open_table(META).unwrap();
+            assert_eq!(meta.get(META_SCHEMA).unwrap().unwrap().value(), crate::store::SCHEMA_VERSION.to_le_bytes());
+            assert!(meta.get(META_COMPACT_PENDING).unwrap().is_none(), "compacted, so the mark is gone");
             assert_eq!(rtx.open_table(PARCEL_SNAPSHOT).unwrap().len().unwrap(), 4);
         }
-        let a = store.snapshot_states("a").unwrap();
-        assert_eq!((a.len(), &a["p2"]), (3, &parcels[1].2));
-        assert_eq!(store.snapshot_states("b").unwrap()["p1"], parcels[3].2);
-        let geoms = store.parcel_geometries("a", ["p1", "p2", "p3"]).unwrap();
-        assert_eq!((&geoms["p1"], &geoms["p2"]), (&parcels[0].3, &parcels[1].3));
-        assert!(geoms["p3"].0.is_empty(), "kept, with an empty geometry");
-        assert_eq!(store.parcel_geometries("b", ["p1"]).unwrap()["p1"], parcels[3].3);
-        let report = store.check_consistency().unwrap();
-        assert!(report.is_consistent(), "{:?}", report.problems);
+        for (src, id, s, g) in &parcels {
+            assert_eq!(&store.snapshot_states(src).unwrap()[*id], s, "{src}/{id}");
+            let geoms = store.parcel_geometries(src, [*id]).unwrap();
+            if (*src, *id) == ("a", "p3") {
+                assert!(geoms.is_empty(), "no geometry, as before the upgrade");
+            } else {
+                assert_eq!(&geoms[*id], g, "{src}/{id}");
+            }
+        }
+        assert_eq!(store.snapshot_states("a").unwrap().len(), 3);
+        assert!(store.snapshot_states("c").unwrap().is_empty(), "an orphan geometry is no parcel");
+    }
+
+    /// An open cut short after the upgrade's commit (the mark left) compacts on the next one.
+    #[test]
+    fn a_pending_compaction_is_done_on_the_next_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        {
+            let store = Store::open(&path).unwrap();
+            let wtx = store.db.begin_write().unwrap();
+            wtx.open_table(META).unwrap().insert(META_COMPACT_PENDING, [1u8].as_slice()).unwrap();
+            wtx.commit().unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let rtx = store.db.begin_read().unwrap();
+        assert!(rtx.open_table(META).unwrap().get(META_COMPACT_PENDING).unwrap().is_none());
     }
 }

@@ -8,6 +8,8 @@ use redb::TableDefinition;
 pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 pub const META_SCHEMA: &str = "schema_version";
 pub const META_NEXT_OUTBOX_ID: &str = "next_outbox_id";
+/// Present from an upgrade that freed much of the file until the file is compacted.
+pub const META_COMPACT_PENDING: &str = "compact_pending";
 
 /// source id → current `Watermark`.
 pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("watermarks");
