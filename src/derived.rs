@@ -225,17 +225,7 @@ impl Engine {
         let index = DistrictIndex::build(layer.districts.iter().map(|d| (d.code.as_str(), &d.geometry)));
 
         // The base: every parcel of the parcel source's committed snapshot, in id order.
-        let base_states = self.store.snapshot_states(&base_id)?;
-        let mut ids: Vec<&String> = base_states.keys().collect();
-        ids.sort();
-        let mut geoms = self.store.parcel_geometries(&base_id, ids.iter().map(|s| s.as_str()))?;
-        let base: Vec<(String, ParcelState, StoredGeometry)> = ids
-            .iter()
-            .filter_map(|id| {
-                let g = geoms.remove(id.as_str())?;
-                Some(((*id).clone(), base_states.get(id.as_str())?.clone(), g))
-            })
-            .collect();
+        let base = self.store.snapshot_parcels(&base_id)?;
         let derivation = derive_all(src.layer, &index, base, src.overlay_min_share);
         tracing::info!(source = %src.id, parcels = derivation.parcels.len(), polygons = index.len(), ms = derivation.millis as u64, "derived zoning");
         warnings.push(format!(

@@ -151,17 +151,7 @@ zoning = "name"
 
 /// The committed snapshot of a parcel source, as `derive_all` takes it.
 fn base_of(engine: &Engine, source: &str) -> Result<Vec<(String, ParcelState, StoredGeometry)>, BenchError> {
-    let states = engine.store.snapshot_states(source).map_err(|e| BenchError::Failed(format!("snapshot: {e}")))?;
-    let mut ids: Vec<&String> = states.keys().collect();
-    ids.sort();
-    let mut geoms = engine
-        .store
-        .parcel_geometries(source, ids.iter().map(|s| s.as_str()))
-        .map_err(|e| BenchError::Failed(format!("geometries: {e}")))?;
-    Ok(ids
-        .iter()
-        .filter_map(|id| Some(((*id).clone(), states.get(id.as_str())?.clone(), geoms.remove(id.as_str())?)))
-        .collect())
+    engine.store.snapshot_parcels(source).map_err(|e| BenchError::Failed(format!("snapshot: {e}")))
 }
 
 fn synthetic(ctx: &BenchCtx, parcels: usize, districts: usize) -> Result<(), BenchError> {

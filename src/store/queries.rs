@@ -3,7 +3,7 @@
 
 use super::codec::decode;
 use super::runs::codec_err;
-use super::snapshot::{decode_geometry, decode_hash_ref, decode_state};
+use super::snapshot::{decode_geometry, decode_hash_ref, decode_record, decode_state};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -159,6 +159,27 @@ impl Store {
                 break;
             }
             out.insert(pid.to_string(), decode(v.value()).map_err(|m| codec_err(name, m))?);
+        }
+        Ok(out)
+    }
+
+    /// Every parcel of a source with its state and geometry, in id order, from one scan (what
+    /// a derived source derives from). A parcel without a geometry (see
+    /// [`Store::parcel_geometries`]) is left out.
+    pub fn snapshot_parcels(&self, source_id: &str) -> Result<Vec<(String, ParcelState, StoredGeometry)>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(PARCEL_SNAPSHOT)?;
+        let mut out = Vec::new();
+        for item in t.range((source_id, "")..)? {
+            let (k, v) = item?;
+            let (s, pid) = k.value();
+            if s != source_id {
+                break;
+            }
+            let (state, geometry) = decode_record(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
+            if !geometry.0.is_empty() {
+                out.push((pid.to_string(), state, geometry));
+            }
         }
         Ok(out)
     }

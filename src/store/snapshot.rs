@@ -93,6 +93,12 @@ pub(super) fn decode_state(bytes: &[u8]) -> Result<ParcelState, String> {
     postcard::take_from_bytes(postcard_of(bytes)?).map(|(s, _)| s).map_err(|e| e.to_string())
 }
 
+/// Both halves of a record.
+pub(super) fn decode_record(bytes: &[u8]) -> Result<(ParcelState, StoredGeometry), String> {
+    let (state, rest) = postcard::take_from_bytes(postcard_of(bytes)?).map_err(|e| e.to_string())?;
+    Ok((state, postcard::from_bytes(rest).map_err(|e| e.to_string())?))
+}
+
 /// The geometry of a record (its state is skipped without allocating).
 pub(super) fn decode_geometry(bytes: &[u8]) -> Result<StoredGeometry, String> {
     let (_, rest) = postcard::take_from_bytes::<StateRef<'_>>(postcard_of(bytes)?).map_err(|e| e.to_string())?;
@@ -186,6 +192,7 @@ mod tests {
             assert_eq!(bytes[0], RECORD_VERSION);
             assert_eq!(decode_state(&bytes).unwrap(), s);
             assert_eq!(decode_geometry(&bytes).unwrap(), g);
+            assert_eq!(decode_record(&bytes).unwrap(), (s.clone(), g.clone()));
             assert_eq!(decode_hash_ref(&bytes).unwrap().content_hash, [3; 32]);
         }
         let bytes = encode_record(&s, &g);
