@@ -73,6 +73,8 @@ pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 pub enum StoreError {
     #[error("store {path}: {message}")]
     Open { path: PathBuf, message: String },
+    #[error("store {path}: upgrading it from schema version {from} to {to} failed, and nothing of the upgrade was kept (the release that wrote the file still opens it): {message}")]
+    Upgrade { path: PathBuf, from: u32, to: u32, message: String },
     #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
     InUse { path: PathBuf },
     /// A read-only open (the consistency check) of a file that was not closed cleanly: redb
@@ -232,12 +234,14 @@ impl Store {
     /// Returns whether the file is to be compacted (an upgrade freed much of it).
     fn init_schema(&self) -> Result<bool, StoreError> {
         // Check first with a read transaction so that a newer file is never modified.
+        let mut upgrading_from = None;
         {
             let rtx = self.db.begin_read()?;
             match rtx.open_table(META) {
                 Ok(meta) => {
                     if let Some(v) = meta.get(META_SCHEMA)? {
                         let found = decode_u32(v.value());
+                        upgrading_from = Some(found).filter(|&v| v < SCHEMA_VERSION);
                         if !(OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
                             return Err(StoreError::SchemaVersion {
                                 path: self.path.clone(),
@@ -251,6 +255,27 @@ impl Store {
                 Err(e) => return Err(e.into()),
             }
         }
+        let (compact, merged_on_open) = self.create_tables_and_upgrade().map_err(|e| match upgrading_from {
+            Some(from) => StoreError::Upgrade { path: self.path.clone(), from, to: SCHEMA_VERSION, message: e.to_string() },
+            None => e,
+        })?;
+        if let Some(max_seq) = merged_on_open {
+            self.key_index.forget_through(max_seq);
+        }
+        // Only one process can hold the file, so a lease found in it (written by a build of
+        // schema 4 or older) belongs to a process that died mid-delivery: its entries go back
+        // to the queue (at-least-once, same key). Leases of this build are never written.
+        let reclaimed = self.drop_file_leases()?;
+        if reclaimed > 0 {
+            tracing::warn!(reclaimed, "in-flight deliveries of a stopped process returned to the queue");
+        }
+        Ok(compact)
+    }
+
+    /// The write half of [`Store::init_schema`]: every table created, every migration of an
+    /// older file and the schema version in one transaction, so an upgrade is kept whole or
+    /// not at all. Returns whether to compact, and the key journal rows merged on the way.
+    fn create_tables_and_upgrade(&self) -> Result<(bool, Option<u64>), StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         {
@@ -311,17 +336,7 @@ impl Store {
         wtx.open_table(META)?.insert(META_SCHEMA, SCHEMA_VERSION.to_le_bytes().as_slice())?;
         let compact = wtx.open_table(META)?.get(META_COMPACT_PENDING)?.is_some();
         wtx.commit()?;
-        if let Some(max_seq) = merged_on_open {
-            self.key_index.forget_through(max_seq);
-        }
-        // Only one process can hold the file, so a lease found in it (written by a build of
-        // schema 4 or older) belongs to a process that died mid-delivery: its entries go back
-        // to the queue (at-least-once, same key). Leases of this build are never written.
-        let reclaimed = self.drop_file_leases()?;
-        if reclaimed > 0 {
-            tracing::warn!(reclaimed, "in-flight deliveries of a stopped process returned to the queue");
-        }
-        Ok(compact)
+        Ok((compact, merged_on_open))
     }
 
     /// Test hook for crash-before-commit: the next run commit builds its whole transaction and

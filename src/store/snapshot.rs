@@ -296,6 +296,33 @@ mod tests {
         assert!(store.snapshot_states("c").unwrap().is_empty(), "an orphan geometry is no parcel");
     }
 
+    /// An upgrade that cannot finish (here a legacy state of an unknown record version) fails
+    /// the open with an error that says so, and leaves the file as the older release wrote it.
+    #[test]
+    fn a_failed_upgrade_is_reported_and_keeps_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        {
+            let store = Store::open(&path).unwrap();
+            let wtx = store.db.begin_write().unwrap();
+            write_legacy(&wtx);
+            let mut future = encode(&state("R-9", 9));
+            future[0] = 7;
+            wtx.open_table(LEGACY_PARCELS).unwrap().insert(("b", "p2"), future.as_slice()).unwrap();
+            wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
+            wtx.delete_table(PARCEL_SNAPSHOT).unwrap();
+            wtx.commit().unwrap();
+        }
+        let err = Store::open(&path).unwrap_err();
+        assert!(matches!(err, crate::store::StoreError::Upgrade { from: 5, to: 6, .. }), "{err:?}");
+        assert!(err.to_string().contains("version 7"), "names the cause: {err}");
+        let db = redb::Database::open(&path).unwrap();
+        let rtx = db.begin_read().unwrap();
+        assert_eq!(rtx.open_table(META).unwrap().get(META_SCHEMA).unwrap().unwrap().value(), 5u32.to_le_bytes());
+        assert_eq!(rtx.open_table(LEGACY_PARCELS).unwrap().len().unwrap(), 5, "the old tables are still there");
+        assert!(!rtx.list_tables().unwrap().any(|t| t.name() == PARCEL_SNAPSHOT.name()), "and no new one");
+    }
+
     /// An open cut short after the upgrade's commit (the mark left) compacts on the next one.
     #[test]
     fn a_pending_compaction_is_done_on_the_next_open() {
