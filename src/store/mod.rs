@@ -217,13 +217,21 @@ impl Store {
                 false
             }
         };
-        let mut wtx = self.db.begin_write()?;
-        self.durable_commit_settings(&mut wtx);
-        if compacted {
-            wtx.open_table(META)?.remove(META_COMPACT_PENDING)?;
-        }
-        wtx.commit()?;
-        Ok(())
+        let follow_up = || -> Result<(), StoreError> {
+            let mut wtx = self.db.begin_write()?;
+            self.durable_commit_settings(&mut wtx);
+            if compacted {
+                wtx.open_table(META)?.remove(META_COMPACT_PENDING)?;
+            }
+            wtx.commit()?;
+            Ok(())
+        };
+        // A compaction cut short by an I/O error leaves redb refusing writes until the file
+        // is opened again (and repaired): then this process cannot use the store.
+        follow_up().map_err(|e| StoreError::Open {
+            path: self.path.clone(),
+            message: format!("the upgrade is kept, but the commit after compacting the file failed ({e}); start zonewatch again: opening repairs the file and compacts it if that is still due"),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -256,8 +264,12 @@ impl Store {
             }
         }
         let (compact, merged_on_open) = self.create_tables_and_upgrade().map_err(|e| match upgrading_from {
-            Some(from) => StoreError::Upgrade { path: self.path.clone(), from, to: SCHEMA_VERSION, message: e.to_string() },
-            None => e,
+            // redb can fail a commit after its header is on disk: say "nothing kept" only
+            // when the file still reads as the older version.
+            Some(from) if self.schema_on_file().ok().flatten() == Some(from) => {
+                StoreError::Upgrade { path: self.path.clone(), from, to: SCHEMA_VERSION, message: e.to_string() }
+            }
+            _ => e,
         })?;
         if let Some(max_seq) = merged_on_open {
             self.key_index.forget_through(max_seq);
@@ -270,6 +282,18 @@ impl Store {
             tracing::warn!(reclaimed, "in-flight deliveries of a stopped process returned to the queue");
         }
         Ok(compact)
+    }
+
+    /// The schema version the file holds now (None: no record yet).
+    fn schema_on_file(&self) -> Result<Option<u32>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let meta = match rtx.open_table(META) {
+            Ok(meta) => meta,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let version = meta.get(META_SCHEMA)?.map(|v| decode_u32(v.value()));
+        Ok(version)
     }
 
     /// The write half of [`Store::init_schema`]: every table created, every migration of an
@@ -322,7 +346,6 @@ impl Store {
         }
         let joined = snapshot::migrate_split_tables(&wtx)?;
         if joined.parcels > 0 {
-            wtx.open_table(META)?.insert(META_COMPACT_PENDING, [1u8].as_slice())?;
             tracing::info!(parcels = joined.parcels, "parcel states and geometries joined into one snapshot row each (schema 6)");
         }
         if joined.without_geometry > 0 {

@@ -14,7 +14,7 @@
 //! geometry's bytes.
 
 use super::codec::{split_version, unknown_version, RECORD_VERSION};
-use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, PARCEL_SNAPSHOT};
+use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, META, META_COMPACT_PENDING, PARCEL_SNAPSHOT};
 use super::StoreError;
 use crate::model::{ParcelRef, ParcelState, StoredGeometry};
 use redb::{ReadableTable, TableHandle, WriteTransaction};
@@ -119,7 +119,8 @@ pub(super) struct Migrated {
 /// Once per store of schema 5 or older: each parcel's state (`parcels`) and geometry
 /// (`parcel_geoms`) become one `parcel_snapshot` row, and the two tables are dropped. Both
 /// are keyed alike, so they are read side by side in key order. Runs inside the opening
-/// transaction, with the schema upgrade: both or neither.
+/// transaction, with the schema upgrade: both or neither. Marks the file for compaction when
+/// it moved any parcel.
 pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, StoreError> {
     let legacy = |name: &str| name == LEGACY_PARCELS.name() || name == LEGACY_PARCEL_GEOMS.name();
     if !wtx.list_tables()?.any(|t| legacy(t.name())) {
@@ -162,6 +163,11 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
     }
     wtx.delete_table(LEGACY_PARCELS)?;
     wtx.delete_table(LEGACY_PARCEL_GEOMS)?;
+    if migrated.parcels > 0 {
+        // Every parcel was written again and the old tables freed: the file is about twice
+        // what it needs, until compacted (`Store::compact_after_upgrade`).
+        wtx.open_table(META)?.insert(META_COMPACT_PENDING, [1u8].as_slice())?;
+    }
     Ok(migrated)
 }
 
@@ -170,7 +176,7 @@ mod tests {
     use super::*;
     use crate::store::codec::encode;
     use crate::store::Store;
-    use crate::store::tables::{META, META_COMPACT_PENDING, META_SCHEMA};
+    use crate::store::tables::META_SCHEMA;
     use redb::{ReadableDatabase, ReadableTableMetadata};
 
     fn state(zoning: &str, n: u8) -> ParcelState {
@@ -238,6 +244,7 @@ mod tests {
         let parcels = write_legacy(&wtx);
         let migrated = migrate_split_tables(&wtx).unwrap();
         assert_eq!(migrated, Migrated { parcels: 4, without_geometry: 1 });
+        assert!(wtx.open_table(META).unwrap().get(META_COMPACT_PENDING).unwrap().is_some(), "marked for compaction");
         assert!(!wtx.list_tables().unwrap().any(|t| t.name() == "parcels" || t.name() == "parcel_geoms"));
         {
             let t = wtx.open_table(PARCEL_SNAPSHOT).unwrap();
@@ -294,6 +301,12 @@ mod tests {
         }
         assert_eq!(store.snapshot_states("a").unwrap().len(), 3);
         assert!(store.snapshot_states("c").unwrap().is_empty(), "an orphan geometry is no parcel");
+        let base: Vec<(String, ParcelState, StoredGeometry)> = store.snapshot_parcels("a").unwrap();
+        let want: Vec<(String, ParcelState, StoredGeometry)> =
+            parcels[..2].iter().map(|(_, id, s, g)| (id.to_string(), s.clone(), g.clone())).collect();
+        assert_eq!(base, want, "a whole base in id order, without the parcel that has no geometry");
+        let report = store.check_consistency().unwrap();
+        assert!(report.is_consistent(), "{:?}", report.problems);
     }
 
     /// An upgrade that cannot finish (here a legacy state of an unknown record version) fails
