@@ -72,34 +72,44 @@ impl SnapshotView {
     /// Every stored parcel's id and content hash, in id order, without allocating: the streaming
     /// diff builds its in-memory index from this. Returns how many there are.
     pub fn for_each_hash(&self, mut f: impl FnMut(&str, &[u8; 32])) -> Result<u64, StoreError> {
-        let mut n = 0;
-        for item in self.table.range((self.source_id.as_str(), "")..)? {
-            let (k, v) = item?;
-            let (s, pid) = k.value();
-            if s != self.source_id {
-                break;
-            }
-            let state = decode_hash_ref(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
+        for_each_source_row(&self.table, &self.source_id, |pid, bytes| {
+            let state = decode_hash_ref(bytes).map_err(|m| codec_err("parcel_snapshot", m))?;
             f(pid, &state.content_hash);
-            n += 1;
-        }
-        Ok(n)
+            Ok(())
+        })
     }
 
     /// Every stored parcel of the source in id order; returns how many there are.
     pub fn for_each(&self, mut f: impl FnMut(&str, ParcelState)) -> Result<u64, StoreError> {
-        let mut n = 0;
-        for item in self.table.range((self.source_id.as_str(), "")..)? {
-            let (k, v) = item?;
-            let (s, pid) = k.value();
-            if s != self.source_id {
-                break;
-            }
-            f(pid, decode_state(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
-            n += 1;
-        }
-        Ok(n)
+        for_each_source_row(&self.table, &self.source_id, |pid, bytes| {
+            f(pid, decode_state(bytes).map_err(|m| codec_err("parcel_snapshot", m))?);
+            Ok(())
+        })
     }
+}
+
+/// Calls `each` with the parcel id and stored bytes of every row of `source_id` in a
+/// `(source id, parcel id)`-keyed table, in parcel id order (the source's key range); returns
+/// how many rows there were. Stops at the first error.
+fn for_each_source_row<T>(
+    table: &T,
+    source_id: &str,
+    mut each: impl FnMut(&str, &[u8]) -> Result<(), StoreError>,
+) -> Result<u64, StoreError>
+where
+    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
+{
+    let mut n = 0;
+    for item in table.range((source_id, "")..)? {
+        let (k, v) = item?;
+        let (s, pid) = k.value();
+        if s != source_id {
+            break;
+        }
+        each(pid, v.value())?;
+        n += 1;
+    }
+    Ok(n)
 }
 
 impl Store {
@@ -150,16 +160,11 @@ impl Store {
         source_id: &str,
     ) -> Result<HashMap<String, T>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(table)?;
         let mut out = HashMap::new();
-        for item in t.range((source_id, "")..)? {
-            let (k, v) = item?;
-            let (s, pid) = k.value();
-            if s != source_id {
-                break;
-            }
-            out.insert(pid.to_string(), decode(v.value()).map_err(|m| codec_err(name, m))?);
-        }
+        for_each_source_row(&rtx.open_table(table)?, source_id, |pid, bytes| {
+            out.insert(pid.to_string(), decode(bytes).map_err(|m| codec_err(name, m))?);
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -168,19 +173,14 @@ impl Store {
     /// [`Store::parcel_geometries`]) is left out.
     pub fn snapshot_parcels(&self, source_id: &str) -> Result<Vec<(String, ParcelState, StoredGeometry)>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(PARCEL_SNAPSHOT)?;
         let mut out = Vec::new();
-        for item in t.range((source_id, "")..)? {
-            let (k, v) = item?;
-            let (s, pid) = k.value();
-            if s != source_id {
-                break;
-            }
-            let (state, geometry) = decode_record(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
+        for_each_source_row(&rtx.open_table(PARCEL_SNAPSHOT)?, source_id, |pid, bytes| {
+            let (state, geometry) = decode_record(bytes).map_err(|m| codec_err("parcel_snapshot", m))?;
             if !geometry.0.is_empty() {
                 out.push((pid.to_string(), state, geometry));
             }
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 

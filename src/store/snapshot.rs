@@ -234,6 +234,21 @@ mod tests {
         parcels
     }
 
+    /// A store file at `path` as an older release left it: a current store with `older`
+    /// applied in one committed transaction.
+    fn older_store(path: &std::path::Path, older: impl FnOnce(&WriteTransaction)) {
+        let store = Store::open(path).unwrap();
+        let wtx = store.db.begin_write().unwrap();
+        older(&wtx);
+        wtx.commit().unwrap();
+    }
+
+    /// The schema 5 layout of [`write_legacy`]: no `parcel_snapshot`, version 5.
+    fn as_schema_5(wtx: &WriteTransaction) {
+        wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
+        wtx.delete_table(PARCEL_SNAPSHOT).unwrap();
+    }
+
     /// The join itself: every state gets its own geometry (orphans in any position are
     /// passed over), a state without one is counted and kept, the old tables are dropped.
     #[test]
@@ -271,15 +286,11 @@ mod tests {
     fn a_schema_5_store_is_upgraded_and_compacted_on_open() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("z.redb");
-        let parcels;
-        {
-            let store = Store::open(&path).unwrap();
-            let wtx = store.db.begin_write().unwrap();
-            parcels = write_legacy(&wtx);
-            wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
-            wtx.delete_table(PARCEL_SNAPSHOT).unwrap();
-            wtx.commit().unwrap();
-        }
+        let mut parcels = Vec::new();
+        older_store(&path, |wtx| {
+            parcels = write_legacy(wtx);
+            as_schema_5(wtx);
+        });
         let store = Store::open(&path).unwrap();
         {
             let rtx = store.db.begin_read().unwrap();
@@ -315,17 +326,13 @@ mod tests {
     fn a_failed_upgrade_is_reported_and_keeps_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("z.redb");
-        {
-            let store = Store::open(&path).unwrap();
-            let wtx = store.db.begin_write().unwrap();
-            write_legacy(&wtx);
+        older_store(&path, |wtx| {
+            write_legacy(wtx);
             let mut future = encode(&state("R-9", 9));
             future[0] = 7;
             wtx.open_table(LEGACY_PARCELS).unwrap().insert(("b", "p2"), future.as_slice()).unwrap();
-            wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
-            wtx.delete_table(PARCEL_SNAPSHOT).unwrap();
-            wtx.commit().unwrap();
-        }
+            as_schema_5(wtx);
+        });
         let err = Store::open(&path).unwrap_err();
         assert!(matches!(err, crate::store::StoreError::Upgrade { from: 5, to: 6, .. }), "{err:?}");
         assert!(err.to_string().contains("version 7"), "names the cause: {err}");
@@ -341,12 +348,9 @@ mod tests {
     fn a_pending_compaction_is_done_on_the_next_open() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("z.redb");
-        {
-            let store = Store::open(&path).unwrap();
-            let wtx = store.db.begin_write().unwrap();
+        older_store(&path, |wtx| {
             wtx.open_table(META).unwrap().insert(META_COMPACT_PENDING, [1u8].as_slice()).unwrap();
-            wtx.commit().unwrap();
-        }
+        });
         let store = Store::open(&path).unwrap();
         let rtx = store.db.begin_read().unwrap();
         assert!(rtx.open_table(META).unwrap().get(META_COMPACT_PENDING).unwrap().is_none());
