@@ -21,6 +21,14 @@ fn whole_area(target: String) -> Sub {
     Sub { id: "w1", aoi: rect(-71.2, 42.3, -71.0, 42.5), target, min_severity: "info", secret: None }
 }
 
+/// A loopback receiver answering 200, and a workspace whose one subscriber (`whole_area`)
+/// posts to it.
+async fn whole_area_workspace() -> (zonewatch::receiver::Receiver, Workspace) {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    (rx, ws)
+}
+
 /// The change event the pipeline emits for a rezoning, rebuilt from its stable fields.
 fn rebuilt_event(parcel: &str, from: &str, to: &str) -> ChangeEvent {
     ChangeEvent {
@@ -43,8 +51,7 @@ fn rebuilt_event(parcel: &str, from: &str, to: &str) -> ChangeEvent {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_storm_sends_nothing_twice() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let (rx, ws) = whole_area_workspace().await;
     let v1 = grid(40);
     // Parcels 1 and 4 are C-1; 0 and 3 are R-1.
     let v2 = rezone(&v1, &[0, 3], "R-3");
@@ -83,8 +90,7 @@ async fn replay_storm_sends_nothing_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_claims_of_one_key_have_one_winner() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let (rx, ws) = whole_area_workspace().await;
     let engine = std::sync::Arc::new(ws.engine());
     for round in 0..25 {
         // Odd rounds merge the key journal after every claiming commit, so the losing claim
@@ -121,8 +127,7 @@ async fn concurrent_claims_of_one_key_have_one_winner() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reprocess_primes_and_later_runs_deduplicate() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let (rx, ws) = whole_area_workspace().await;
     let engine = ws.engine();
     let v1 = grid(40);
     let v2 = rezone(&v1, &[0, 3, 6], "C3");
@@ -172,8 +177,7 @@ async fn a_miss_cannot_hide() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_before_commit_leaves_nothing_and_the_rerun_sends_once() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let (rx, ws) = whole_area_workspace().await;
     let engine = ws.engine();
     let v1 = grid(40);
     ws.write_layer(&layer(&v1));
@@ -212,8 +216,7 @@ async fn crash_before_commit_leaves_nothing_and_the_rerun_sends_once() {
 /// by the writer from the stored geometries).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_error_mid_commit_leaves_nothing_and_the_rerun_sends_once() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let (rx, ws) = whole_area_workspace().await;
     let engine = std::sync::Arc::new(ws.engine());
     let failing_run = |engine: &std::sync::Arc<zonewatch::pipeline::Engine>| {
         engine.store.fail_snapshot_write(1, Duration::from_millis(300));
@@ -269,8 +272,7 @@ async fn a_store_error_mid_commit_leaves_nothing_and_the_rerun_sends_once() {
 /// held-back rows replace it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_out_of_id_order_commits_whole_and_diffs_exactly() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let (rx, ws) = whole_area_workspace().await;
     let engine = ws.engine();
     let v1 = grid(9_000);
     let reversed = |v: &[P]| v.iter().rev().cloned().collect::<Vec<P>>();
@@ -384,8 +386,7 @@ async fn keys_expire_after_their_ttl_but_never_while_their_event_can_still_be_se
 /// second is a duplicate, and the audit rows follow the claims' order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn equal_keys_in_one_batch_first_claim_wins_in_claim_order() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "");
+    let (_rx, ws) = whole_area_workspace().await;
     let engine = ws.engine();
     let events: Vec<ChangeEvent> = ["P0009", "P0001", "P0009", "P0005", "P0001"].iter().map(|p| rebuilt_event(p, "R-1", "R-3")).collect();
     let claims = engine.claims_for(&events);

@@ -244,8 +244,9 @@ mod tests {
         s.push(["c", "a", "b", "f", "e", "d"].iter().map(|i| row(i)).collect()).unwrap();
         let (file, rows) = &s.runs[0];
         assert_eq!(*rows, 3);
-        // Each row of this run is 3 × 4 length bytes + 1 + 1 + 3 bytes.
-        file.set_len(2 * 17).unwrap();
+        // Each row of this run is 2 × 4 length bytes + a 1-byte id + a 4-byte record: cut
+        // after its second row.
+        file.set_len(2 * 13).unwrap();
         let mut sorted = s.finish(100).unwrap();
         assert!(matches!(sorted.next_chunk(), Err(RowSortError::Damaged)));
     }

@@ -13,6 +13,7 @@
 //! and the baseline's primed keys and their audit rows are not written.
 
 use super::tables::PARCEL_SNAPSHOT;
+use super::queries::for_each_source_row;
 use super::{Store, StoreError, STORE_CACHE_BYTES};
 use redb::{Database, ReadableDatabase};
 use std::path::Path;
@@ -46,41 +47,43 @@ impl Store {
             message: e.to_string(),
         })?;
         let rtx = self.db.begin_read()?;
-        let snapshot = rtx.open_table(PARCEL_SNAPSHOT)?;
-        let mut rows = snapshot.range((source_id, "")..)?;
         let mut wtx = db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let mut floor = WriteFloor::default();
         {
             let mut out = wtx.open_table(PARCEL_SNAPSHOT)?;
             let mut batch: Vec<(String, Vec<u8>)> = Vec::with_capacity(BATCH);
-            loop {
-                batch.clear();
-                while batch.len() < BATCH {
-                    let Some(row) = rows.next() else { break };
-                    let (k, v) = row?;
-                    let (src, id) = k.value();
-                    if src != source_id {
-                        break;
-                    }
-                    batch.push((id.to_string(), v.value().to_vec()));
+            for_each_source_row(&rtx.open_table(PARCEL_SNAPSHOT)?, source_id, |id, record| {
+                batch.push((id.to_string(), record.to_vec()));
+                if batch.len() == BATCH {
+                    insert_timed(&mut out, source_id, &mut batch, &mut floor)?;
                 }
-                if batch.is_empty() {
-                    break;
-                }
-                let t = Instant::now();
-                for (id, record) in &batch {
-                    out.insert((source_id, id.as_str()), record.as_slice())?;
-                }
-                floor.insert += t.elapsed();
-                floor.parcels += batch.len() as u64;
-            }
+                Ok(())
+            })?;
+            insert_timed(&mut out, source_id, &mut batch, &mut floor)?;
         }
         let t = Instant::now();
         wtx.commit()?;
         floor.commit = t.elapsed();
         Ok(floor)
     }
+}
+
+/// Inserts a batch of copied rows (and empties it), timing only the inserts.
+fn insert_timed(
+    out: &mut redb::Table<(&'static str, &'static str), &'static [u8]>,
+    source_id: &str,
+    batch: &mut Vec<(String, Vec<u8>)>,
+    floor: &mut WriteFloor,
+) -> Result<(), StoreError> {
+    let t = Instant::now();
+    for (id, record) in batch.iter() {
+        out.insert((source_id, id.as_str()), record.as_slice())?;
+    }
+    floor.insert += t.elapsed();
+    floor.parcels += batch.len() as u64;
+    batch.clear();
+    Ok(())
 }
 
 #[cfg(test)]

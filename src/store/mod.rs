@@ -177,7 +177,7 @@ impl Store {
         if open_info.full_repair {
             tracing::warn!(seconds = open_info.open_s, "store was not shut down cleanly: redb rebuilt it (full repair)");
         }
-        let store = Store {
+        let mut store = Store {
             db,
             path: path.to_path_buf(),
             fail_next_commit: std::sync::atomic::AtomicBool::new(false),
@@ -187,7 +187,6 @@ impl Store {
             key_index: key_journal::KeyIndex::default(),
             leases: leases::Leases::default(),
         };
-        let mut store = store;
         if store.init_schema()? {
             store.compact_after_upgrade()?;
         }

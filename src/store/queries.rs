@@ -3,7 +3,7 @@
 
 use super::codec::decode;
 use super::runs::codec_err;
-use super::snapshot::{decode_geometry, decode_hash_ref, decode_record, decode_state};
+use super::snapshot::{decode_hash_ref, decode_record, decode_state, geometries_of};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -91,7 +91,7 @@ impl SnapshotView {
 /// Calls `each` with the parcel id and stored bytes of every row of `source_id` in a
 /// `(source id, parcel id)`-keyed table, in parcel id order (the source's key range); returns
 /// how many rows there were. Stops at the first error.
-fn for_each_source_row<T>(
+pub(super) fn for_each_source_row<T>(
     table: &T,
     source_id: &str,
     mut each: impl FnMut(&str, &[u8]) -> Result<(), StoreError>,
@@ -175,8 +175,7 @@ impl Store {
         let rtx = self.db.begin_read()?;
         let mut out = Vec::new();
         for_each_source_row(&rtx.open_table(PARCEL_SNAPSHOT)?, source_id, |pid, bytes| {
-            let (state, geometry) = decode_record(bytes).map_err(|m| codec_err("parcel_snapshot", m))?;
-            if !geometry.0.is_empty() {
+            if let (state, Some(geometry)) = decode_record(bytes).map_err(|m| codec_err("parcel_snapshot", m))? {
                 out.push((pid.to_string(), state, geometry));
             }
             Ok(())
@@ -191,19 +190,7 @@ impl Store {
         ids: impl IntoIterator<Item = &'a str>,
     ) -> Result<HashMap<String, StoredGeometry>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(PARCEL_SNAPSHOT)?;
-        let mut out = HashMap::new();
-        for id in ids {
-            if let Some(v) = t.get((source_id, id))? {
-                let g = decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
-                // Empty only for a parcel the schema 6 upgrade found without a geometry row:
-                // unknown, as it was before the upgrade.
-                if !g.0.is_empty() {
-                    out.insert(id.to_string(), g);
-                }
-            }
-        }
-        Ok(out)
+        geometries_of(&rtx.open_table(PARCEL_SNAPSHOT)?, source_id, ids)
     }
 
     /// Audit rows matching `filter`, in ledger order.

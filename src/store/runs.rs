@@ -2,7 +2,7 @@
 
 use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
-use super::snapshot::{decode_geometry, SnapshotRow};
+use super::snapshot::{geometries_of, SnapshotRow};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -382,18 +382,7 @@ impl RunWriter<'_> {
     /// The stored geometries of these parcels as they are *before* this run's upserts
     /// (read them for a chunk before calling [`RunWriter::upserts`] on it).
     pub fn old_geometries<'a>(&self, ids: impl IntoIterator<Item = &'a str>) -> Result<HashMap<String, StoredGeometry>, StoreError> {
-        let t = self.wtx.open_table(PARCEL_SNAPSHOT)?;
-        let mut out = HashMap::new();
-        for id in ids {
-            if let Some(v) = t.get((self.source_id.as_str(), id))? {
-                let g = decode_geometry(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?;
-                // Empty only when the schema 6 upgrade found no geometry row (see queries.rs).
-                if !g.0.is_empty() {
-                    out.insert(id.to_string(), g);
-                }
-            }
-        }
-        Ok(out)
+        geometries_of(&self.wtx.open_table(PARCEL_SNAPSHOT)?, &self.source_id, ids)
     }
 
     /// New or changed parcels whose snapshot rows were encoded already (by

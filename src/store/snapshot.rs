@@ -19,6 +19,7 @@ use super::StoreError;
 use crate::model::{ParcelRef, ParcelState, StoredGeometry};
 use redb::{ReadableTable, TableHandle, WriteTransaction};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 
 /// One parcel's snapshot row, encoded as [`RunWriter::upserts`](super::RunWriter::upserts)
 /// writes it. A baseline writes millions: encoding them on another thread than the one
@@ -93,16 +94,44 @@ pub(super) fn decode_state(bytes: &[u8]) -> Result<ParcelState, String> {
     postcard::take_from_bytes(postcard_of(bytes)?).map(|(s, _)| s).map_err(|e| e.to_string())
 }
 
-/// Both halves of a record.
-pub(super) fn decode_record(bytes: &[u8]) -> Result<(ParcelState, StoredGeometry), String> {
+/// Both halves of a record (the geometry as [`decode_geometry`] gives it).
+pub(super) fn decode_record(bytes: &[u8]) -> Result<(ParcelState, Option<StoredGeometry>), String> {
     let (state, rest) = postcard::take_from_bytes(postcard_of(bytes)?).map_err(|e| e.to_string())?;
-    Ok((state, postcard::from_bytes(rest).map_err(|e| e.to_string())?))
+    Ok((state, known_geometry(rest)?))
 }
 
-/// The geometry of a record (its state is skipped without allocating).
-pub(super) fn decode_geometry(bytes: &[u8]) -> Result<StoredGeometry, String> {
+/// The geometry of a record (its state is skipped without allocating). `None` for the empty
+/// geometry the schema 6 upgrade gave a parcel whose geometry row was missing: unknown, as
+/// it was before the upgrade (every geometry a run stores has a polygon).
+pub(super) fn decode_geometry(bytes: &[u8]) -> Result<Option<StoredGeometry>, String> {
     let (_, rest) = postcard::take_from_bytes::<StateRef<'_>>(postcard_of(bytes)?).map_err(|e| e.to_string())?;
-    postcard::from_bytes(rest).map_err(|e| e.to_string())
+    known_geometry(rest)
+}
+
+/// The stored geometries of the given parcels of a source, from a snapshot table opened in a
+/// read or a write transaction; parcels without one are left out.
+pub(super) fn geometries_of<'a, T>(
+    table: &T,
+    source_id: &str,
+    ids: impl IntoIterator<Item = &'a str>,
+) -> Result<HashMap<String, StoredGeometry>, StoreError>
+where
+    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
+{
+    let mut out = HashMap::new();
+    for id in ids {
+        if let Some(v) = table.get((source_id, id))? {
+            if let Some(g) = decode_geometry(v.value()).map_err(|m| super::runs::codec_err("parcel_snapshot", m))? {
+                out.insert(id.to_string(), g);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn known_geometry(bytes: &[u8]) -> Result<Option<StoredGeometry>, String> {
+    let g: StoredGeometry = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
+    Ok((!g.0.is_empty()).then_some(g))
 }
 
 /// What moving a schema 5 snapshot into `parcel_snapshot` found.
@@ -140,10 +169,7 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
             while geom_rows.peek().is_some_and(|g| g.as_ref().map(|(gk, _)| gk.value() < key).unwrap_or(false)) {
                 geom_rows.next();
             }
-            let geometry = match geom_rows.next_if(|g| g.as_ref().map(|(gk, _)| gk.value() == key).unwrap_or(true)) {
-                Some(g) => Some(g?.1),
-                None => None,
-            };
+            let geometry = geom_rows.next_if(|g| g.as_ref().map(|(gk, _)| gk.value() == key).unwrap_or(true)).transpose()?;
             // Stored bytes are copied, not decoded and re-encoded: a state and a geometry of
             // record version 1 are exactly the two halves of a snapshot record.
             let state = postcard_of(state.value()).map_err(|m| super::runs::codec_err("parcels", m))?;
@@ -151,7 +177,7 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
             record.push(RECORD_VERSION);
             record.extend_from_slice(state);
             match &geometry {
-                Some(g) => record.extend_from_slice(postcard_of(g.value()).map_err(|m| super::runs::codec_err("parcel_geoms", m))?),
+                Some((_, g)) => record.extend_from_slice(postcard_of(g.value()).map_err(|m| super::runs::codec_err("parcel_geoms", m))?),
                 None => {
                     record.extend(postcard::to_allocvec(&StoredGeometry(Vec::new())).map_err(|e| super::runs::codec_err("parcel_geoms", e.to_string()))?);
                     migrated.without_geometry += 1;
@@ -197,8 +223,8 @@ mod tests {
             let bytes = encode_record(&s, &g);
             assert_eq!(bytes[0], RECORD_VERSION);
             assert_eq!(decode_state(&bytes).unwrap(), s);
-            assert_eq!(decode_geometry(&bytes).unwrap(), g);
-            assert_eq!(decode_record(&bytes).unwrap(), (s.clone(), g.clone()));
+            assert_eq!(decode_geometry(&bytes).unwrap(), Some(g.clone()));
+            assert_eq!(decode_record(&bytes).unwrap(), (s.clone(), Some(g.clone())));
             assert_eq!(decode_hash_ref(&bytes).unwrap().content_hash, [3; 32]);
         }
         let bytes = encode_record(&s, &g);
@@ -272,7 +298,7 @@ mod tests {
             for ((src, id), record) in &rows {
                 let (_, _, s, g) = parcels.iter().find(|p| (p.0, p.1) == (src.as_str(), id.as_str())).unwrap();
                 assert_eq!(&decode_state(record).unwrap(), s, "{src}/{id}");
-                let want = if (src.as_str(), id.as_str()) == ("a", "p3") { StoredGeometry(Vec::new()) } else { g.clone() };
+                let want = if (src.as_str(), id.as_str()) == ("a", "p3") { None } else { Some(g.clone()) };
                 assert_eq!(decode_geometry(record).unwrap(), want, "{src}/{id}");
             }
         }
