@@ -6,7 +6,7 @@
 use crate::config::{Config, SourceConfig};
 use crate::detect::diff::RawChange;
 use crate::detect::row_sort::RowSorter;
-use crate::detect::spill::{SpillItem, SpilledParcel};
+use crate::detect::spill::{SpillError, SpillItem, SpilledParcel};
 use crate::detect::stream::{default_workers, scan_layer, ScanError, ScanResult};
 use crate::detect::gate::{decide, GateDecision, GateInput};
 use crate::detect::severity;
@@ -455,7 +455,7 @@ impl Engine {
     }
 
     /// Commits a scanned layer in one write transaction, fed in chunks: a second thread
-    /// ([`Engine::prepare_chunks`]) reads the spill back, encodes the snapshot rows and builds
+    /// ([`Engine::prepare_chunks`]) reads the spill back, copies off it the snapshot rows and builds
     /// and matches the events it can; this thread reads the stored geometries the other
     /// events need, updates the snapshot (or the hold's staging) and writes the claims, then
     /// the removals, then finishes.
@@ -478,7 +478,7 @@ impl Engine {
         };
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&scan.duplicate_drafts)?;
-        // The spill is read back, and each chunk's rows encoded and (unless held or a stored
+        // The spill is read back, and each chunk's rows copied off it and (unless held or a stored
         // geometry is needed) its events built and matched, on a second thread, while this
         // one writes the previous chunk: the write lock is held for the writing. Chunks
         // arrive in spill order through a channel of two; what this thread is done with goes
@@ -559,13 +559,28 @@ impl Engine {
     ) -> Result<(), PrepareStop> {
         let send = |out: Prepared| tx.send(Ok(out)).map_err(|_| PrepareStop::WriterGone);
         let mut parcels: Vec<SpilledParcel> = Vec::with_capacity(COMMIT_CHUNK);
+        // The chunk's record bodies, copied off the spill back to back (`ends[i]`: where the
+        // i-th ends); its rows are made from them all at once, as the chunk is sent.
+        let mut bodies: Vec<u8> = Vec::new();
+        let mut ends: Vec<usize> = Vec::with_capacity(COMMIT_CHUNK);
         let mut quarantine: Vec<QuarantineDraft> = Vec::new();
         let mut sorter = RowSorter::new(self.scratch_dir());
-        let mut prepare = |parcels: Vec<SpilledParcel>| -> Result<Prepared, PipelineError> {
+        let mut prepare = |parcels: Vec<SpilledParcel>, bodies: &mut Vec<u8>, ends: &mut Vec<usize>| -> Result<Prepared, PipelineError> {
             spent.try_iter().for_each(drop);
             let mut rows = None;
             if !hold {
-                let encoded: Vec<SnapshotRow> = parcels.iter().map(|p| SnapshotRow::encode(p.borrowed())).collect();
+                if ends.len() != parcels.len() {
+                    return Err(ScanError::from(SpillError::Codec(format!("{} snapshot rows read for {} parcels", ends.len(), parcels.len()))).into());
+                }
+                let mut start = 0;
+                let mut encoded = Vec::with_capacity(parcels.len());
+                for (p, &end) in parcels.iter().zip(ends.iter()) {
+                    let body = bodies.get(start..end).ok_or_else(|| ScanError::from(SpillError::Codec("a snapshot row's bytes are missing".into())))?;
+                    encoded.push(SnapshotRow::from_body(p.id.clone(), body));
+                    start = end;
+                }
+                bodies.clear();
+                ends.clear();
                 if encoded.windows(2).all(|w| w[0].id < w[1].id) {
                     rows = Some(encoded);
                 } else {
@@ -591,15 +606,22 @@ impl Engine {
                 }
                 SpillItem::Parcel(p) if duplicate_ids.contains(&p.id) => {}
                 SpillItem::Parcel(p) => {
+                    // The row is the spilled state and geometry as they are (a held run
+                    // writes no snapshot rows).
+                    if !hold {
+                        bodies.extend_from_slice(spill.last_parcel_body());
+                        ends.push(bodies.len());
+                    }
                     parcels.push(p);
                     if parcels.len() >= COMMIT_CHUNK {
-                        send(prepare(std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK)))?)?;
+                        let chunk = std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK));
+                        send(prepare(chunk, &mut bodies, &mut ends)?)?;
                     }
                 }
             }
         }
         send(Prepared::Quarantine(quarantine))?;
-        send(prepare(parcels)?)?;
+        send(prepare(parcels, &mut bodies, &mut ends)?)?;
         let mut sorted = sorter.finish(COMMIT_CHUNK).map_err(ScanError::from)?;
         loop {
             spent.try_iter().for_each(drop);
@@ -801,9 +823,8 @@ mod tests {
     /// subscriber's AOI covers, so the writer has written their primed keys and audit rows,
     /// then a damaged record): the preparing thread reports the error and stops, the commit
     /// fails whole and leaves no parcel, watermark or audit row behind.
-    #[test]
-    fn a_spill_read_error_mid_commit_fails_the_run_whole() {
-        let dir = tempfile::tempdir().unwrap();
+    /// An engine over a store in `dir` with one file source, `s1`.
+    fn test_engine(dir: &std::path::Path) -> Engine {
         let toml = r#"
 [store]
 path = "zw.redb"
@@ -816,7 +837,32 @@ path = "layer.geojson"
 parcel_id = "APN"
 zoning = "ZONE_CODE"
 "#;
-        let mut engine = Engine::open(Config::parse_str(toml, dir.path()).unwrap()).unwrap();
+        Engine::open(Config::parse_str(toml, dir).unwrap()).unwrap()
+    }
+
+    /// What `scan_layer` would hand the commit for a first ingest whose delta is `spill`.
+    fn baseline_scan(spill: Spill, duplicate_ids: std::collections::HashSet<String>) -> ScanResult {
+        let parcels = spill.parcels;
+        ScanResult {
+            spill: spill.finish().unwrap(),
+            features: parcels,
+            parcels,
+            repaired: 0,
+            quarantined: 0,
+            systemic: 0,
+            changes: parcels,
+            warnings: vec![],
+            duplicate_ids,
+            duplicate_drafts: vec![],
+            removed: vec![],
+            previous_parcels: 0,
+        }
+    }
+
+    #[test]
+    fn a_spill_read_error_mid_commit_fails_the_run_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut engine = test_engine(dir.path());
         let aoi = geo::MultiPolygon(vec![polygon![(x: -71.01, y: 41.99), (x: -70.99, y: 41.99), (x: -70.99, y: 42.01), (x: -71.01, y: 42.01)]]);
         let sub = Subscriber { id: "w1".into(), target: "http://127.0.0.1:9/hook".into(), secret: None, min_severity: Severity::Info, aoi, secret_old: None };
         engine.subscribers = Arc::new(SubscriberIndex::build(vec![sub]));
@@ -833,20 +879,7 @@ zoning = "ZONE_CODE"
             if damaged {
                 spill.push_damaged_record().unwrap();
             }
-            ScanResult {
-                spill: spill.finish().unwrap(),
-                features: parcels,
-                parcels,
-                repaired: 0,
-                quarantined: 0,
-                systemic: 0,
-                changes: parcels,
-                warnings: vec![],
-                duplicate_ids: Default::default(),
-                duplicate_drafts: vec![],
-                removed: vec![],
-                previous_parcels: 0,
-            }
+            baseline_scan(spill, Default::default())
         };
         let watermark = Watermark { digest: "d".into(), size: 1, ..Default::default() };
         let err = engine.commit_scan(&src, scan(true), CommitMode::Baseline, watermark.clone(), 1, 2).unwrap_err();
@@ -860,5 +893,48 @@ zoning = "ZONE_CODE"
         assert_eq!(record.verdict, Verdict::Baseline);
         assert_eq!(engine.store.snapshot_states("s1").unwrap().len() as u64, parcels);
         assert_eq!(engine.store.audit(&Default::default()).unwrap().len() as u64, parcels);
+    }
+
+    /// A baseline's rows are copied off the spill, each beside its parcel: every parcel is
+    /// stored with its own state and geometry, in chunks in key order and out of it (sorted),
+    /// and the copies of a duplicated id, spread over the chunks, are skipped with their rows.
+    #[test]
+    fn a_baseline_stores_each_parcel_with_its_own_row_and_skips_duplicates() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = test_engine(dir.path());
+        let src = engine.config.sources[0].clone();
+        let parcel = |i: u64, id: String| {
+            let x = -71.0 + i as f64 * 1e-4;
+            SpilledParcel {
+                feature_index: i,
+                id,
+                kind: Some(ChangeKind::Added),
+                from: None,
+                state: ParcelState { zoning: format!("Z{i}"), effective_date: (i % 3 == 0).then(|| format!("2026-01-{:02}", i % 28 + 1)), content_hash: [i as u8; 32], geom_hash: [2; 32], area_m2: i as f64 },
+                geometry: StoredGeometry(vec![vec![vec![[x, 42.0], [x + 1e-5, 42.0], [x, 42.0 + (i % 7 + 1) as f64 * 1e-5], [x, 42.0]]]]),
+            }
+        };
+        // Chunk one in key order, chunk two shuffled (sorted before it is written), a third
+        // partly; "dup" three times, in the first two chunks and the last.
+        let n = 3 * COMMIT_CHUNK as u64 - 100;
+        let id_of = |i: u64| if i < COMMIT_CHUNK as u64 { format!("p{i:06}") } else { format!("p{:06}", (i * 7_919) % n + n) };
+        let mut spill = Spill::create(dir.path()).unwrap();
+        let mut want = HashMap::new();
+        for i in 0..n {
+            if [17, COMMIT_CHUNK as u64 + 5, n - 3].contains(&i) {
+                spill.push_parcel(parcel(1_000_000 + i, "dup".into())).unwrap();
+            }
+            let p = parcel(i, id_of(i));
+            want.insert(p.id.clone(), (p.state.clone(), p.geometry.clone()));
+            spill.push_parcel(p).unwrap();
+        }
+        let watermark = Watermark { digest: "d".into(), size: 1, ..Default::default() };
+        let scan = baseline_scan(spill, ["dup".to_string()].into_iter().collect());
+        engine.commit_scan(&src, scan, CommitMode::Baseline, watermark, 1, 2).unwrap();
+        let stored = engine.store.snapshot_parcels("s1").unwrap();
+        assert_eq!(stored.len(), want.len(), "every parcel once, no duplicate");
+        for (id, state, geometry) in stored {
+            assert_eq!(want.get(&id), Some(&(state, geometry)), "parcel {id}");
+        }
     }
 }

@@ -104,6 +104,11 @@ impl RowSorter {
     }
 }
 
+/// Row parts up to this size are read into a buffer allocated at their stated length (a
+/// damaged length costs at most this much); longer ones grow as they are read. A read to
+/// the end through `take` costs an extra probing read per part, two per row.
+const EXACT_READ_MAX: u64 = 1 << 20;
+
 /// One run file being merged, with the rows it still holds.
 struct RunReader {
     input: BufReader<File>,
@@ -127,10 +132,16 @@ impl RunReader {
             let mut len = [0u8; 4];
             self.input.read_exact(&mut len).map_err(damaged)?;
             let len = u32::from_le_bytes(len) as u64;
-            // Read through `take`, so a damaged length cannot make it allocate gigabytes.
-            (&mut self.input).take(len).read_to_end(part)?;
-            if part.len() as u64 != len {
-                return Err(RowSortError::Damaged);
+            if len <= EXACT_READ_MAX {
+                // The common case, read in one call into a buffer of the right size.
+                part.resize(len as usize, 0);
+                self.input.read_exact(part).map_err(damaged)?;
+            } else {
+                // Read through `take`, so a damaged length cannot make it allocate gigabytes.
+                (&mut self.input).take(len).read_to_end(part)?;
+                if part.len() as u64 != len {
+                    return Err(RowSortError::Damaged);
+                }
             }
         }
         self.left -= 1;
@@ -249,5 +260,31 @@ mod tests {
         file.set_len(2 * 13).unwrap();
         let mut sorted = s.finish(100).unwrap();
         assert!(matches!(sorted.next_chunk(), Err(RowSortError::Damaged)));
+    }
+
+    /// Records longer than the exact-read limit merge back whole; a run file whose long
+    /// record was cut short, or whose record is cut mid-way, is damaged, on either read path.
+    #[test]
+    fn long_records_merge_and_cut_records_are_damaged() {
+        let dir = tempfile::tempdir().unwrap();
+        let long = |id: &str, n: usize| SnapshotRow { id: id.to_string(), record: vec![id.as_bytes()[0]; n] };
+        let big = EXACT_READ_MAX as usize + 5;
+        let mut s = RowSorter::with_run_rows(dir.path(), 2);
+        s.push(vec![long("b", big), long("a", 7), long("d", 9), long("c", big)]).unwrap();
+        let got = s.finish(10).unwrap().next_chunk().unwrap();
+        assert_eq!(got, vec![long("a", 7), long("b", big), long("c", big), long("d", 9)]);
+
+        for (cut_long, keep) in [(true, 2 * 4 + 1 + big as u64 / 2), (false, 2 * 4 + 1 + 3)] {
+            let mut s = RowSorter::with_run_rows(dir.path(), 2);
+            s.push(if cut_long { vec![long("b", big), long("a", 7)] } else { vec![long("b", 9), long("a", 7)] }).unwrap();
+            s.push(vec![long("x", 5)]).unwrap();
+            // The first run's first row is "a" (7 bytes) when the other is long: cut its
+            // second row, or cut "a" itself mid-record.
+            let cut = if cut_long { 2 * 4 + 1 + 7 + keep } else { keep };
+            s.runs[0].0.set_len(cut).unwrap();
+            // The merge reads each run's first row as it starts.
+            let merged = s.finish(10).and_then(|mut sorted| sorted.next_chunk());
+            assert!(matches!(merged, Err(RowSortError::Damaged)), "cut_long {cut_long}");
+        }
     }
 }

@@ -26,15 +26,19 @@ pub enum SpillError {
 }
 
 /// A new or changed parcel and what kind of change it is (`None`: snapshot update only).
+///
+/// The state and the geometry are the last two fields, in this order: encoded, they are the
+/// body of the parcel's snapshot record, which the commit copies off the spill as it reads
+/// it ([`SpillReader::last_parcel_body`]) instead of encoding it again.
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct SpilledParcel {
     pub feature_index: u64,
     pub id: String,
-    pub state: ParcelState,
-    pub geometry: StoredGeometry,
     pub kind: Option<ChangeKind>,
     /// The stored zoning before this run (None for an added parcel).
     pub from: Option<String>,
+    pub state: ParcelState,
+    pub geometry: StoredGeometry,
 }
 
 impl SpilledParcel {
@@ -59,15 +63,26 @@ struct SpilledQuarantine {
     raw: String,
 }
 
-/// A spill record as it is read back (written as [`RecordRef`]).
+/// The front of a spill record as it is read back (written as [`RecordRef`]): a parcel up
+/// to its state, which postcard leaves unread, or a whole quarantine draft.
 #[derive(Deserialize)]
-enum Record {
-    Parcel(SpilledParcel),
+enum RecordHead {
+    Parcel(ParcelHead),
     Quarantine(SpilledQuarantine),
 }
 
-/// A [`Record`] as it is written, borrowing its content: serde encodes a reference as what it
-/// refers to, so the bytes are a `Record`'s.
+/// A [`SpilledParcel`]'s fields before its state, in the same order.
+#[derive(Deserialize)]
+struct ParcelHead {
+    feature_index: u64,
+    id: String,
+    kind: Option<ChangeKind>,
+    from: Option<String>,
+}
+
+/// A record as it is written, borrowing its content: serde encodes a reference as what it
+/// refers to, so the bytes read back as a [`RecordHead`] followed, for a parcel, by its state
+/// and geometry.
 #[derive(Serialize)]
 enum RecordRef<'a> {
     Parcel(&'a SpilledParcel),
@@ -175,7 +190,7 @@ impl Spill {
     pub fn finish(self) -> Result<SpillReader, SpillError> {
         let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
         file.seek(SeekFrom::Start(0))?;
-        Ok(SpillReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new() })
+        Ok(SpillReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new(), body: 0..0 })
     }
 }
 
@@ -183,6 +198,8 @@ impl Spill {
 pub struct SpillReader {
     input: BufReader<File>,
     buf: Vec<u8>,
+    /// Where in `buf` the state and geometry of the last parcel read are.
+    body: std::ops::Range<usize>,
 }
 
 impl SpillReader {
@@ -194,6 +211,7 @@ impl SpillReader {
 
     /// The next record, or None at the end.
     pub fn next_item(&mut self) -> Result<Option<SpillItem>, SpillError> {
+        self.body = 0..0;
         let mut len = [0u8; 4];
         match self.input.read_exact(&mut len) {
             Ok(()) => {}
@@ -203,22 +221,34 @@ impl SpillReader {
         let len = u32::from_le_bytes(len) as usize;
         self.buf.resize(len, 0);
         self.input.read_exact(&mut self.buf)?;
-        match self.buf.split_first() {
-            Some((&SPILL_VERSION, body)) => {
-                let rec: Record = postcard::from_bytes(body).map_err(|e| SpillError::Codec(e.to_string()))?;
-                Ok(Some(match rec {
-                    Record::Parcel(p) => SpillItem::Parcel(p),
-                    Record::Quarantine(q) => SpillItem::Quarantine(QuarantineDraft {
-                        feature_index: q.feature_index,
-                        parcel_id: q.parcel_id,
-                        reason: q.reason,
-                        detail: q.detail,
-                        raw: q.raw,
-                    }),
-                }))
+        let codec = |e: postcard::Error| SpillError::Codec(e.to_string());
+        let body = match self.buf.split_first() {
+            Some((&SPILL_VERSION, body)) => body,
+            _ => return Err(SpillError::Codec("unknown spill record version".into())),
+        };
+        let (head, rest) = postcard::take_from_bytes::<RecordHead>(body).map_err(codec)?;
+        Ok(Some(match head {
+            RecordHead::Parcel(h) => {
+                let (state, after_state) = postcard::take_from_bytes::<ParcelState>(rest).map_err(codec)?;
+                let (geometry, after) = postcard::take_from_bytes::<StoredGeometry>(after_state).map_err(codec)?;
+                self.body = self.buf.len() - rest.len()..self.buf.len() - after.len();
+                SpillItem::Parcel(SpilledParcel { feature_index: h.feature_index, id: h.id, kind: h.kind, from: h.from, state, geometry })
             }
-            _ => Err(SpillError::Codec("unknown spill record version".into())),
-        }
+            RecordHead::Quarantine(q) => SpillItem::Quarantine(QuarantineDraft {
+                feature_index: q.feature_index,
+                parcel_id: q.parcel_id,
+                reason: q.reason,
+                detail: q.detail,
+                raw: q.raw,
+            }),
+        }))
+    }
+
+    /// The state and geometry of the parcel [`SpillReader::next_item`] returned last, as
+    /// encoded on the spill: `postcard(ParcelState) ++ postcard(StoredGeometry)`, the body of
+    /// its snapshot record (empty after a quarantine draft).
+    pub fn last_parcel_body(&self) -> &[u8] {
+        self.buf.get(self.body.clone()).unwrap_or_default()
     }
 }
 
@@ -267,9 +297,15 @@ mod tests {
             order.push(match item {
                 SpillItem::Parcel(p) => {
                     assert_eq!((p.kind, p.from.as_deref(), p.state.area_m2), (Some(ChangeKind::Rezoned), Some("C-1"), 2.5));
+                    // The body read off the spill makes the same snapshot row as encoding the parcel.
+                    let row = crate::store::SnapshotRow::from_body(p.id.clone(), r.last_parcel_body());
+                    assert_eq!(row, crate::store::SnapshotRow::encode(p.borrowed()));
                     p.id
                 }
-                SpillItem::Quarantine(q) => format!("q{}", q.feature_index),
+                SpillItem::Quarantine(q) => {
+                    assert!(r.last_parcel_body().is_empty());
+                    format!("q{}", q.feature_index)
+                }
             });
         }
         assert_eq!(order, ["p1", "q9", "p2"]);

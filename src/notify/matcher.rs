@@ -84,31 +84,31 @@ impl IndexSnapshot {
     }
 
     /// Indices of the subscribers whose AOI intersects any of `geoms` (sorted, distinct):
-    /// the same answer as [`SubscriberIndex::matching`], with the rectangle shortcut.
-    fn match_indices(&self, geoms: &[&MultiPolygon<f64>], hits: &mut Vec<u32>) {
+    /// the same answer as [`SubscriberIndex::matching`] on their `to_geo` forms, with the
+    /// rectangle shortcut. The envelope is read off the stored coordinates; the `geo` form,
+    /// which costs an allocation per ring, is built only for a candidate that needs the
+    /// exact test (most parcels of a county fall in no AOI's envelope).
+    fn match_indices(&self, geoms: &[&StoredGeometry], hits: &mut Vec<u32>) {
         hits.clear();
         for g in geoms {
-            let Some(r) = g.bounding_rect() else { continue };
+            let Some((min, max)) = exterior_envelope(g) else { continue };
             // The shortcut needs every part of `g` to have a point (its exterior): then the
             // whole of `g` lies inside its envelope, and inside any rectangle containing it.
-            let solid = g.0.iter().all(|p| !p.exterior().0.is_empty());
-            let env = AABB::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]);
-            for cand in self.tree.locate_in_envelope_intersecting(env) {
+            let solid = g.0.iter().filter(|rings| !rings.is_empty()).all(|rings| !rings[0].is_empty());
+            let mut exact: Option<MultiPolygon<f64>> = None;
+            for cand in self.tree.locate_in_envelope_intersecting(AABB::from_corners(min, max)) {
                 if hits.contains(&cand.data) {
                     continue;
                 }
                 let i = cand.data as usize;
                 let Some(sub) = self.subscribers.get(i) else { continue };
+                // geo's `Rect` test decides a geometry with a part whose exterior is empty
+                // by that part's hole, the polygon test (the one-by-one path) does not: such
+                // geometries take the polygon test.
                 let hit = match self.is_rect.get(i).copied().flatten() {
-                    Some(a) => {
-                        let inside = solid
-                            && a.min().x <= r.min().x
-                            && a.min().y <= r.min().y
-                            && a.max().x >= r.max().x
-                            && a.max().y >= r.max().y;
-                        inside || a.intersects(*g)
-                    }
-                    None => sub.aoi.intersects(*g),
+                    Some(a) if solid && a.min().x <= min[0] && a.min().y <= min[1] && a.max().x >= max[0] && a.max().y >= max[1] => true,
+                    Some(a) if solid => a.intersects(&*exact.get_or_insert_with(|| g.to_geo())),
+                    _ => sub.aoi.intersects(&*exact.get_or_insert_with(|| g.to_geo())),
                 };
                 if hit {
                     hits.push(cand.data);
@@ -121,11 +121,20 @@ impl IndexSnapshot {
     /// Matched subscriber indices of one event (old and new geometry; tested once when equal).
     fn event_indices(&self, event: &ChangeEvent, hits: &mut Vec<u32>) {
         let same = matches!((&event.old_geometry, &event.new_geometry), (Some(a), Some(b)) if a == b);
-        let old = event.old_geometry.as_ref().map(StoredGeometry::to_geo);
-        let new = if same { None } else { event.new_geometry.as_ref().map(StoredGeometry::to_geo) };
-        let geoms: Vec<&MultiPolygon<f64>> = old.iter().chain(new.iter()).collect();
+        let new = if same { None } else { event.new_geometry.as_ref() };
+        let geoms: Vec<&StoredGeometry> = event.old_geometry.iter().chain(new).collect();
         self.match_indices(&geoms, hits);
     }
+}
+
+/// The bounding rectangle of a stored geometry's exterior rings, as `geo` computes it for
+/// the geometry's `to_geo` form (parts without rings dropped, holes not looked at); `None`
+/// when there is no exterior point. Stored coordinates are finite (ingest quarantines NaN
+/// and infinite ones); a NaN would be skipped here where geo's rectangle would turn NaN.
+fn exterior_envelope(g: &StoredGeometry) -> Option<([f64; 2], [f64; 2])> {
+    let mut points = g.0.iter().filter_map(|rings| rings.first()).flatten();
+    let first = *points.next()?;
+    Some(points.fold((first, first), |(lo, hi), p| ([lo[0].min(p[0]), lo[1].min(p[1])], [hi[0].max(p[0]), hi[1].max(p[1])])))
 }
 
 /// True when `aoi` is one polygon without holes whose exterior ring runs exactly along its
@@ -387,6 +396,21 @@ mod tests {
             events.push(event(None, Some(sq(x0 - 0.001, y0 - 0.001, 0.001))));
             events.push(event(None, Some(sq(x0, y0, (x1 - x0) * 0.5))));
             events.push(event(None, Some(sq(x1 + 1e-9, y0, 0.001))));
+            // Stored forms the envelope is read off without `to_geo`: a part with no rings,
+            // a part whose exterior is empty but has a hole, a part far outside next to one
+            // inside, and no geometry at all.
+            let inside = vec![[x0, y0], [x0 + (x1 - x0) * 0.5, y0], [x0, y0 + (y1 - y0) * 0.5], [x0, y0]];
+            let far = vec![[5.0, 5.0], [5.1, 5.0], [5.0, 5.1], [5.0, 5.0]];
+            events.push(event(None, Some(StoredGeometry(vec![vec![], vec![inside.clone()]]))));
+            events.push(event(None, Some(StoredGeometry(vec![vec![vec![], inside.clone()], vec![far.clone()]]))));
+            events.push(event(Some(StoredGeometry(vec![vec![far], vec![inside]])), None));
+            events.push(event(Some(StoredGeometry(vec![])), Some(StoredGeometry(vec![vec![]]))));
+            // An empty exterior with a hole inside the AOI, next to a triangle whose envelope
+            // overlaps the AOI's corner while the triangle misses it.
+            let (w, h) = (x1 - x0, y1 - y0);
+            let hole = vec![[x0 + w * 0.5, y0 + h * 0.5], [x0 + w * 0.6, y0 + h * 0.5], [x0 + w * 0.5, y0 + h * 0.6], [x0 + w * 0.5, y0 + h * 0.5]];
+            let corner = vec![[x1 - w * 0.1, y1 + h * 0.2], [x1 + w * 0.2, y1 - h * 0.1], [x1 + w * 0.2, y1 + h * 0.2], [x1 - w * 0.1, y1 + h * 0.2]];
+            events.push(event(None, Some(StoredGeometry(vec![vec![vec![], hole], vec![corner]]))));
         }
         let batch = idx.match_batch(&events);
         assert_eq!(batch.len(), events.len());

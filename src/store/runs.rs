@@ -385,9 +385,10 @@ impl RunWriter<'_> {
         geometries_of(&self.wtx.open_table(PARCEL_SNAPSHOT)?, &self.source_id, ids)
     }
 
-    /// New or changed parcels whose snapshot rows were encoded already (by
-    /// [`SnapshotRow::encode`], off the writing thread): into the snapshot. A held run stages
-    /// its parcels instead and must use [`RunWriter::upserts`].
+    /// New or changed parcels whose snapshot rows were made already, off the writing thread
+    /// ([`SnapshotRow::encode`], or [`SnapshotRow::from_body`] from a spilled parcel's
+    /// bytes): into the snapshot. A held run stages its parcels instead and must use
+    /// [`RunWriter::upserts`].
     pub fn upserts_encoded(&mut self, rows: &[SnapshotRow]) -> Result<(), StoreError> {
         if rows.is_empty() {
             return Ok(());

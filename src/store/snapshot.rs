@@ -36,6 +36,17 @@ impl SnapshotRow {
     pub fn encode(p: ParcelRef<'_>) -> SnapshotRow {
         SnapshotRow { id: p.id.to_string(), record: encode_record(p.state, p.geometry) }
     }
+
+    /// The row of a parcel whose state and geometry are already encoded: `body` is
+    /// `postcard(ParcelState) ++ postcard(StoredGeometry)`, as a spilled parcel carries them
+    /// (`SpillReader::last_parcel_body`). A baseline's million rows are copied off the spill
+    /// this way, not encoded a second time; the bytes are [`SnapshotRow::encode`]'s (tested).
+    pub fn from_body(id: String, body: &[u8]) -> SnapshotRow {
+        let mut record = Vec::with_capacity(1 + body.len());
+        record.push(RECORD_VERSION);
+        record.extend_from_slice(body);
+        SnapshotRow { id, record }
+    }
 }
 
 /// The record as it is written; serde encodes a reference as what it refers to.
