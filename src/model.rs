@@ -86,7 +86,31 @@ impl fmt::Display for ChangeKind {
 #[derive(Serialize, Deserialize, Clone, PartialEq, Debug, Default)]
 pub struct StoredGeometry(pub Vec<Vec<Vec<[f64; 2]>>>);
 
+/// An axis-aligned rectangle as `(min, max)` corners, `[lon, lat]` each.
+pub type Envelope = ([f64; 2], [f64; 2]);
+
+/// Grows `acc` to take in `p`.
+fn extend_envelope(acc: &mut Option<Envelope>, p: [f64; 2]) {
+    *acc = Some(match *acc {
+        None => (p, p),
+        Some((lo, hi)) => ([lo[0].min(p[0]), lo[1].min(p[1])], [hi[0].max(p[0]), hi[1].max(p[1])]),
+    });
+}
+
 impl StoredGeometry {
+    /// The bounding rectangle of the exterior rings, as `geo` computes it for the
+    /// [`StoredGeometry::to_geo`] form (parts without rings dropped, holes not looked at);
+    /// `None` when there is no exterior point. Stored coordinates are finite (ingest
+    /// quarantines NaN and infinite ones); a NaN would be skipped here where geo's rectangle
+    /// would turn NaN.
+    pub fn exterior_envelope(&self) -> Option<Envelope> {
+        let mut acc = None;
+        for p in self.0.iter().filter_map(|rings| rings.first()).flatten() {
+            extend_envelope(&mut acc, *p);
+        }
+        acc
+    }
+
     pub fn from_geo(mp: &MultiPolygon<f64>) -> Self {
         StoredGeometry(
             mp.0.iter()
@@ -126,6 +150,80 @@ impl StoredGeometry {
     /// tree first cost an allocation per position.
     pub fn geojson(&self) -> GeoJsonGeometry<'_> {
         GeoJsonGeometry(self)
+    }
+}
+
+/// A [`StoredGeometry`]'s [`StoredGeometry::exterior_envelope`], read from its serialised
+/// form without building it: no allocation. A run's commit asks this of every new
+/// parcel to find the few whose envelope touches a subscriber's; only those are decoded.
+pub struct ExteriorEnvelope(pub Option<Envelope>);
+
+impl<'de> Deserialize<'de> for ExteriorEnvelope {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{DeserializeSeed, SeqAccess, Visitor};
+        /// Positions of one ring, folded into the envelope or (`fold: false`) only read.
+        struct Ring<'a> {
+            acc: &'a mut Option<Envelope>,
+            fold: bool,
+        }
+        impl<'de> DeserializeSeed<'de> for Ring<'_> {
+            type Value = ();
+            fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+                d.deserialize_seq(self)
+            }
+        }
+        impl<'de> Visitor<'de> for Ring<'_> {
+            type Value = ();
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a ring of positions")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+                while let Some(p) = seq.next_element::<[f64; 2]>()? {
+                    if self.fold {
+                        extend_envelope(self.acc, p);
+                    }
+                }
+                Ok(())
+            }
+        }
+        /// The rings of one polygon: its first (exterior) folded.
+        struct Rings<'a>(&'a mut Option<Envelope>);
+        impl<'de> DeserializeSeed<'de> for Rings<'_> {
+            type Value = ();
+            fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+                d.deserialize_seq(self)
+            }
+        }
+        impl<'de> Visitor<'de> for Rings<'_> {
+            type Value = ();
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a polygon's rings")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+                let mut fold = true;
+                while seq.next_element_seed(Ring { acc: &mut *self.0, fold })?.is_some() {
+                    fold = false;
+                }
+                Ok(())
+            }
+        }
+        /// The geometry: a newtype around its polygons.
+        struct Polygons;
+        impl<'de> Visitor<'de> for Polygons {
+            type Value = Option<Envelope>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a stored geometry")
+            }
+            fn visit_newtype_struct<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                d.deserialize_seq(self)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut acc = None;
+                while seq.next_element_seed(Rings(&mut acc))?.is_some() {}
+                Ok(acc)
+            }
+        }
+        d.deserialize_newtype_struct("StoredGeometry", Polygons).map(ExteriorEnvelope)
     }
 }
 

@@ -6,7 +6,7 @@
 use crate::config::{Config, SourceConfig};
 use crate::detect::diff::RawChange;
 use crate::detect::row_sort::RowSorter;
-use crate::detect::spill::{SpillError, SpillItem, SpilledParcel};
+use crate::detect::spill::{SpillEntry, SpillError, SpilledParcel};
 use crate::detect::stream::{default_workers, scan_layer, ScanError, ScanResult};
 use crate::detect::gate::{decide, GateDecision, GateInput};
 use crate::detect::severity;
@@ -16,7 +16,7 @@ use crate::ingest::{source, staging, IngestError};
 use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
-use crate::notify::matcher::{Subscriber, SubscriberIndex};
+use crate::notify::matcher::{PinnedIndex, Subscriber, SubscriberIndex};
 use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunWriter, SnapshotRow, Store, StoreError};
 use crate::clock::SharedClock;
 use std::collections::HashMap;
@@ -67,18 +67,43 @@ enum Prepared {
 
 /// A chunk of new and changed parcels made ready for the write transaction.
 struct PreparedChunk {
-    /// The parcels, when the writer still needs them: to build their events (some needed a
-    /// stored geometry) or to stage them (a held run). Empty otherwise: building the events
-    /// moved their contents.
+    /// The decoded parcels (all of a held run's; otherwise those whose events are built),
+    /// when the writer still needs them: to build their events (some needed a stored
+    /// geometry) or to stage them (a held run). Empty otherwise: building the events moved
+    /// their contents.
     parcels: Vec<SpilledParcel>,
-    /// Their snapshot rows when the chunk lists its parcels in key order: written with the
-    /// chunk. `None` for a held run (it stages its parcels), and for a chunk out of key
-    /// order: its rows go through a `RowSorter` and come last, sorted (`detect/row_sort.rs`),
-    /// because redb inserts in key order several times faster.
+    /// The snapshot rows of all the chunk's parcels when they are in key order: written
+    /// with the chunk. `None` for a held run (it stages its parcels), and for a chunk out of
+    /// key order: its rows go through a `RowSorter` and come last, sorted
+    /// (`detect/row_sort.rs`), because redb inserts in key order several times faster.
     rows: Option<Vec<SnapshotRow>>,
-    /// Their events and claims, built on the preparing thread when the run is not held and
-    /// none of them needed a stored geometry (`None`: the writer builds them).
+    /// The decoded parcels' events and claims, built on the preparing thread when the run
+    /// is not held and none of them needed a stored geometry (`None`: the writer builds them).
     events: Option<(Vec<ChangeEvent>, Vec<Claim>)>,
+    /// Events of the chunk that were counted, not built: new parcels outside every
+    /// subscriber's envelope, which match no one and so write nothing.
+    unmatched: u64,
+    /// The subscriber set that decided `unmatched`: the chunk's events are matched against
+    /// it, also when the writer builds them, so one chunk never sees two sets.
+    pinned: PinnedIndex,
+}
+
+/// A chunk being read off the spill by [`Engine::prepare_chunks`].
+#[derive(Default)]
+struct ChunkDraft {
+    /// Parcels read (duplicated ids left out): the chunk is sent at [`COMMIT_CHUNK`].
+    read: usize,
+    /// The parcels decoded: all of a held run's; otherwise those whose events are built.
+    parcels: Vec<SpilledParcel>,
+    /// Every parcel's id and record body (copied off the spill back to back, `ends[i]`
+    /// where the i-th ends), in spill order; none for a held run. The rows are made from
+    /// them all at once as the chunk is sent: made one by one, they interleaved long-lived
+    /// rows with the decoding's short-lived allocations, which cost the allocator dearly.
+    ids: Vec<String>,
+    bodies: Vec<u8>,
+    ends: Vec<usize>,
+    /// Events counted, not built ([`PreparedChunk::unmatched`]).
+    unmatched: u64,
 }
 
 /// Why [`Engine::prepare_chunks`] stopped before the end.
@@ -455,9 +480,9 @@ impl Engine {
     }
 
     /// Commits a scanned layer in one write transaction, fed in chunks: a second thread
-    /// ([`Engine::prepare_chunks`]) reads the spill back, copies off it the snapshot rows and builds
-    /// and matches the events it can; this thread reads the stored geometries the other
-    /// events need, updates the snapshot (or the hold's staging) and writes the claims, then
+    /// ([`Engine::prepare_chunks`]) reads the spill back, copies off it the snapshot rows,
+    /// counts the events that cannot match anyone and builds and matches the others it can;
+    /// this thread reads the stored geometries the other events need, updates the snapshot (or the hold's staging) and writes the claims, then
     /// the removals, then finishes.
     fn commit_scan(
         &self,
@@ -542,7 +567,10 @@ impl Engine {
     /// The preparing side of [`Engine::commit_scan`]: reads the spill in order and sends
     /// quarantine drafts and parcel chunks, each chunk with its snapshot rows when they are
     /// in key order (unless held) and its events and claims when the run is not held and
-    /// none of its parcels needs its stored geometry (a baseline's are all added); gathers
+    /// none of its parcels needs its stored geometry (a baseline's are all added). Unless
+    /// the run is held, a new parcel whose envelope touches no subscriber's is not decoded
+    /// and its event is only counted (it would match no one, and an event without a claim
+    /// writes nothing); a snapshot-only update has no event. Gathers
     /// the rows of chunks out of key order in a `RowSorter` and sends them last, sorted.
     /// Frees what the writer sends back as spent. Stops at the first error (returned, for
     /// the caller to send on) or when the writer hangs up.
@@ -558,29 +586,33 @@ impl Engine {
         spent: std::sync::mpsc::Receiver<Spent>,
     ) -> Result<(), PrepareStop> {
         let send = |out: Prepared| tx.send(Ok(out)).map_err(|_| PrepareStop::WriterGone);
-        let mut parcels: Vec<SpilledParcel> = Vec::with_capacity(COMMIT_CHUNK);
-        // The chunk's record bodies, copied off the spill back to back (`ends[i]`: where the
-        // i-th ends); its rows are made from them all at once, as the chunk is sent.
-        let mut bodies: Vec<u8> = Vec::new();
-        let mut ends: Vec<usize> = Vec::with_capacity(COMMIT_CHUNK);
+        let mut chunk = ChunkDraft::default();
         let mut quarantine: Vec<QuarantineDraft> = Vec::new();
         let mut sorter = RowSorter::new(self.scratch_dir());
-        let mut prepare = |parcels: Vec<SpilledParcel>, bodies: &mut Vec<u8>, ends: &mut Vec<usize>| -> Result<Prepared, PipelineError> {
+        // The subscriber set this chunk is matched against, from its first parcel on.
+        let mut pinned = self.subscribers.pinned();
+        // Sends the chunk read so far (its buffers kept for the next), matched against
+        // `pinned`.
+        let mut prepare = |chunk: &mut ChunkDraft, pinned: PinnedIndex| -> Result<Prepared, PipelineError> {
             spent.try_iter().for_each(drop);
+            let parcels = std::mem::replace(&mut chunk.parcels, Vec::with_capacity(COMMIT_CHUNK));
+            let ids = std::mem::replace(&mut chunk.ids, Vec::with_capacity(COMMIT_CHUNK));
+            let unmatched = std::mem::take(&mut chunk.unmatched);
+            chunk.read = 0;
             let mut rows = None;
             if !hold {
-                if ends.len() != parcels.len() {
-                    return Err(ScanError::from(SpillError::Codec(format!("{} snapshot rows read for {} parcels", ends.len(), parcels.len()))).into());
+                if chunk.ends.len() != ids.len() {
+                    return Err(ScanError::from(SpillError::Codec(format!("{} snapshot rows read for {} parcels", chunk.ends.len(), ids.len()))).into());
                 }
                 let mut start = 0;
-                let mut encoded = Vec::with_capacity(parcels.len());
-                for (p, &end) in parcels.iter().zip(ends.iter()) {
-                    let body = bodies.get(start..end).ok_or_else(|| ScanError::from(SpillError::Codec("a snapshot row's bytes are missing".into())))?;
-                    encoded.push(SnapshotRow::from_body(p.id.clone(), body));
+                let mut encoded = Vec::with_capacity(ids.len());
+                for (id, &end) in ids.into_iter().zip(chunk.ends.iter()) {
+                    let body = chunk.bodies.get(start..end).ok_or_else(|| ScanError::from(SpillError::Codec("a snapshot row's bytes are missing".into())))?;
+                    encoded.push(SnapshotRow::from_body(id, body));
                     start = end;
                 }
-                bodies.clear();
-                ends.clear();
+                chunk.bodies.clear();
+                chunk.ends.clear();
                 if encoded.windows(2).all(|w| w[0].id < w[1].id) {
                     rows = Some(encoded);
                 } else {
@@ -591,37 +623,62 @@ impl Engine {
             if needs_stored || hold {
                 // The writer builds the events after reading the stored geometries, or
                 // stages the parcels first (a held run, which matches nothing): it needs them.
-                return Ok(Prepared::Parcels(PreparedChunk { parcels, rows, events: None }));
+                return Ok(Prepared::Parcels(PreparedChunk { parcels, rows, events: None, unmatched, pinned }));
             }
-            let events = Some(self.chunk_events(src, parcels, &mut HashMap::new(), hold, now));
-            Ok(Prepared::Parcels(PreparedChunk { parcels: Vec::new(), rows, events }))
+            let events = Some(self.chunk_events(src, parcels, &mut HashMap::new(), hold, now, &pinned));
+            Ok(Prepared::Parcels(PreparedChunk { parcels: Vec::new(), rows, events, unmatched, pinned }))
         };
-        while let Some(item) = spill.next_item().map_err(ScanError::from)? {
-            match item {
-                SpillItem::Quarantine(d) => {
+        while let Some(entry) = spill.next_entry().map_err(ScanError::from)? {
+            match entry {
+                SpillEntry::Quarantine(d) => {
                     quarantine.push(d);
                     if quarantine.len() >= COMMIT_CHUNK {
                         send(Prepared::Quarantine(std::mem::take(&mut quarantine)))?;
                     }
                 }
-                SpillItem::Parcel(p) if duplicate_ids.contains(&p.id) => {}
-                SpillItem::Parcel(p) => {
-                    // The row is the spilled state and geometry as they are (a held run
-                    // writes no snapshot rows).
-                    if !hold {
-                        bodies.extend_from_slice(spill.last_parcel_body());
-                        ends.push(bodies.len());
+                SpillEntry::Parcel(head) if duplicate_ids.contains(&head.id) => {}
+                SpillEntry::Parcel(head) => {
+                    chunk.read += 1;
+                    if hold {
+                        // A held run stages every parcel and keeps every event: all decoded.
+                        let (state, geometry) = spill.decode_last_body().map_err(ScanError::from)?;
+                        chunk.parcels.push(SpilledParcel::from_head(head, state, geometry));
+                    } else {
+                        // The row is the spilled state and geometry as they are.
+                        let body = spill.last_parcel_body();
+                        chunk.bodies.extend_from_slice(body);
+                        chunk.ends.push(chunk.bodies.len());
+                        // A new parcel outside every subscriber's envelope matches no one,
+                        // and an event that matches no one writes nothing: it is counted,
+                        // not built. A snapshot-only update has no event.
+                        let eventless = match head.kind {
+                            // Walked all the same: a body is checked before it is stored.
+                            None | Some(ChangeKind::Added) => match SnapshotRow::body_envelope(body) {
+                                Ok(_) if head.kind.is_none() => true,
+                                Ok(Some(envelope)) => !pinned.may_touch(envelope),
+                                Ok(None) => true,
+                                Err(e) => return Err(PrepareStop::Failed(ScanError::from(SpillError::Codec(e)).into())),
+                            },
+                            Some(_) => false,
+                        };
+                        if eventless {
+                            chunk.unmatched += u64::from(head.kind.is_some());
+                            chunk.ids.push(head.id);
+                        } else {
+                            let (state, geometry) = spill.decode_last_body().map_err(ScanError::from)?;
+                            chunk.ids.push(head.id.clone());
+                            chunk.parcels.push(SpilledParcel::from_head(head, state, geometry));
+                        }
                     }
-                    parcels.push(p);
-                    if parcels.len() >= COMMIT_CHUNK {
-                        let chunk = std::mem::replace(&mut parcels, Vec::with_capacity(COMMIT_CHUNK));
-                        send(prepare(chunk, &mut bodies, &mut ends)?)?;
+                    if chunk.read >= COMMIT_CHUNK {
+                        let next = self.subscribers.pinned();
+                        send(prepare(&mut chunk, std::mem::replace(&mut pinned, next))?)?;
                     }
                 }
             }
         }
         send(Prepared::Quarantine(quarantine))?;
-        send(prepare(parcels, &mut bodies, &mut ends)?)?;
+        send(prepare(&mut chunk, pinned)?)?;
         let mut sorted = sorter.finish(COMMIT_CHUNK).map_err(ScanError::from)?;
         loop {
             spent.try_iter().for_each(drop);
@@ -643,6 +700,7 @@ impl Engine {
         stored: &mut HashMap<String, StoredGeometry>,
         hold: bool,
         now: u64,
+        index: &PinnedIndex,
     ) -> (Vec<ChangeEvent>, Vec<Claim>) {
         let mut events = Vec::with_capacity(chunk.len());
         for p in chunk {
@@ -652,7 +710,7 @@ impl Engine {
             let change = RawChange { parcel_id: p.id, kind, from: p.from, to: Some(zoning), new_index: None };
             events.push(self.change_event(src, change, Some(p.geometry), old_geometry, area_m2, effective_date, now));
         }
-        let claims = if hold { vec![] } else { self.claims_for(&events) };
+        let claims = if hold { vec![] } else { self.claims_with(index, &events) };
         (events, claims)
     }
 
@@ -662,7 +720,8 @@ impl Engine {
     /// run's parcels staged), the claims written. Returns what it is done with, to be freed
     /// on the preparing thread.
     fn commit_upserts(&self, w: &mut RunWriter<'_>, src: &SourceConfig, chunk: PreparedChunk, hold: bool, now: u64) -> Result<Spent, PipelineError> {
-        let PreparedChunk { parcels, rows, events } = chunk;
+        let PreparedChunk { parcels, rows, events, unmatched, pinned } = chunk;
+        w.unmatched_events(unmatched);
         let t = std::time::Instant::now();
         // The stored geometries are read before this chunk's upserts replace them (a parcel
         // is in one chunk only; rows held back for sorting are written after every chunk).
@@ -679,7 +738,7 @@ impl Engine {
         let t_upsert = t.elapsed() - t_stored;
         let (events, claims) = match events {
             Some(built) => built,
-            None => self.chunk_events(src, parcels, &mut stored, hold, now),
+            None => self.chunk_events(src, parcels, &mut stored, hold, now, &pinned),
         };
         let t_events = t.elapsed() - t_stored - t_upsert;
         w.events(&events, &claims)?;
@@ -758,8 +817,13 @@ impl Engine {
 
     /// Matches events against the current subscribers.
     pub fn claims_for(&self, events: &[ChangeEvent]) -> Vec<Claim> {
+        self.claims_with(&self.subscribers.pinned(), events)
+    }
+
+    /// [`Engine::claims_for`], against a subscriber set already held.
+    fn claims_with(&self, index: &PinnedIndex, events: &[ChangeEvent]) -> Vec<Claim> {
         let mut claims = Vec::new();
-        let matched = self.subscribers.match_batch(events);
+        let matched = index.match_batch(events);
         for ((i, e), subs) in events.iter().enumerate().zip(matched) {
             for sub in subs {
                 claims.push(Claim {
@@ -898,17 +962,28 @@ zoning = "ZONE_CODE"
     /// A baseline's rows are copied off the spill, each beside its parcel: every parcel is
     /// stored with its own state and geometry, in chunks in key order and out of it (sorted),
     /// and the copies of a duplicated id, spread over the chunks, are skipped with their rows.
+    /// Events are built only for parcels near a subscriber: every new parcel still counts as
+    /// a change, and exactly the parcels an AOI touches are primed for it. Then a delivering
+    /// run mixing changed and new parcels queues exactly the events an AOI touches.
     #[test]
-    fn a_baseline_stores_each_parcel_with_its_own_row_and_skips_duplicates() {
+    fn rows_are_copied_off_the_spill_and_events_built_only_where_they_can_match() {
         let dir = tempfile::tempdir().unwrap();
-        let engine = test_engine(dir.path());
+        let mut engine = test_engine(dir.path());
+        // A triangle over part of the layer: its envelope takes in more parcels than it
+        // touches, so the exact test decides some.
+        // A box over parcels of the shuffled second chunk as well.
+        let subscriber = |id: &str, aoi| Subscriber { id: id.into(), target: "http://127.0.0.1:9/hook".into(), secret: None, min_severity: Severity::Info, aoi, secret_old: None };
+        let triangle = geo::MultiPolygon(vec![polygon![(x: -70.95, y: 41.99), (x: -70.8, y: 41.99), (x: -70.95, y: 42.01)]]);
+        let boxed = geo::MultiPolygon(vec![polygon![(x: -70.55, y: 41.99), (x: -70.5, y: 41.99), (x: -70.5, y: 42.01), (x: -70.55, y: 42.01)]]);
+        engine.subscribers = Arc::new(SubscriberIndex::build(vec![subscriber("w1", triangle), subscriber("w2", boxed)]));
         let src = engine.config.sources[0].clone();
         let parcel = |i: u64, id: String| {
             let x = -71.0 + i as f64 * 1e-4;
             SpilledParcel {
                 feature_index: i,
                 id,
-                kind: Some(ChangeKind::Added),
+                // A few snapshot-only updates among them: stored, no event.
+                kind: (i % 997 != 5).then_some(ChangeKind::Added),
                 from: None,
                 state: ParcelState { zoning: format!("Z{i}"), effective_date: (i % 3 == 0).then(|| format!("2026-01-{:02}", i % 28 + 1)), content_hash: [i as u8; 32], geom_hash: [2; 32], area_m2: i as f64 },
                 geometry: StoredGeometry(vec![vec![vec![[x, 42.0], [x + 1e-5, 42.0], [x, 42.0 + (i % 7 + 1) as f64 * 1e-5], [x, 42.0]]]]),
@@ -920,21 +995,65 @@ zoning = "ZONE_CODE"
         let id_of = |i: u64| if i < COMMIT_CHUNK as u64 { format!("p{i:06}") } else { format!("p{:06}", (i * 7_919) % n + n) };
         let mut spill = Spill::create(dir.path()).unwrap();
         let mut want = HashMap::new();
+        let mut updates = std::collections::HashSet::new();
         for i in 0..n {
             if [17, COMMIT_CHUNK as u64 + 5, n - 3].contains(&i) {
                 spill.push_parcel(parcel(1_000_000 + i, "dup".into())).unwrap();
             }
             let p = parcel(i, id_of(i));
+            if p.kind.is_none() {
+                updates.insert(p.id.clone());
+            }
             want.insert(p.id.clone(), (p.state.clone(), p.geometry.clone()));
             spill.push_parcel(p).unwrap();
         }
         let watermark = Watermark { digest: "d".into(), size: 1, ..Default::default() };
         let scan = baseline_scan(spill, ["dup".to_string()].into_iter().collect());
-        engine.commit_scan(&src, scan, CommitMode::Baseline, watermark, 1, 2).unwrap();
+        let record = engine.commit_scan(&src, scan, CommitMode::Baseline, watermark, 1, 2).unwrap();
         let stored = engine.store.snapshot_parcels("s1").unwrap();
         assert_eq!(stored.len(), want.len(), "every parcel once, no duplicate");
+        assert!(!updates.is_empty());
+        assert_eq!(record.counts.changes, (want.len() - updates.len()) as u64, "every added parcel is a change, built or counted");
+        let mut touched = 0;
         for (id, state, geometry) in stored {
-            assert_eq!(want.get(&id), Some(&(state, geometry)), "parcel {id}");
+            assert_eq!(want.get(&id), Some(&(state, geometry.clone())), "parcel {id}");
+            let matched = engine.subscribers.matching(&[&geometry.to_geo()]).len();
+            assert!(matched <= 1, "the AOIs do not overlap");
+            // A snapshot-only update has no event to claim.
+            touched += if updates.contains(&id) { 0 } else { matched };
         }
+        assert!(touched > 200 && touched < want.len() / 2, "the AOIs touch some parcels ({touched})");
+        assert_eq!(engine.store.audit(&Default::default()).unwrap().len(), touched, "one primed key per touched parcel");
+
+        // A delivering run whose chunk mixes changed parcels (their events built by the
+        // writer, after it reads their stored geometry) with new ones: rezoned parcels moved
+        // out of an AOI (matched by their old shape), rezoned ones outside, new ones inside
+        // and outside. Every event that touches an AOI by either shape is queued.
+        let mut spill = Spill::create(dir.path()).unwrap();
+        let mut queued = 0;
+        for i in (600..620).chain(7_000..7_010) {
+            let mut p = parcel(i, id_of(i));
+            let (old, _) = want.get(&p.id).cloned().unwrap();
+            if i < 700 {
+                p.geometry.0[0][0].iter_mut().for_each(|c| c[0] += 1.0);
+            }
+            p.kind = Some(ChangeKind::Rezoned);
+            p.from = Some(old.zoning);
+            p.state.zoning = format!("R{i}");
+            let (_, old_geometry) = want.get(&p.id).cloned().unwrap();
+            queued += engine.subscribers.matching(&[&old_geometry.to_geo(), &p.geometry.to_geo()]).len();
+            spill.push_parcel(p).unwrap();
+        }
+        for j in 0..40u64 {
+            let i = if j % 2 == 0 { 4_600 + j } else { 12_000 + j };
+            let p = parcel(i, format!("n{j:03}"));
+            queued += engine.subscribers.matching(&[&p.geometry.to_geo()]).len();
+            spill.push_parcel(SpilledParcel { kind: Some(ChangeKind::Added), ..p }).unwrap();
+        }
+        assert!(queued >= 30, "the AOIs touch the run's changes ({queued})");
+        let watermark = Watermark { digest: "e".into(), size: 2, ..Default::default() };
+        let record = engine.commit_scan(&src, baseline_scan(spill, Default::default()), CommitMode::Deliver, watermark, 3, 4).unwrap();
+        assert_eq!(record.counts.changes, 70);
+        assert_eq!(record.counts.queued, queued as u64);
     }
 }

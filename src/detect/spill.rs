@@ -48,6 +48,12 @@ impl SpilledParcel {
         matches!(self.kind, Some(k) if k != ChangeKind::Added)
     }
 
+    /// A parcel read as its head, then its state and geometry.
+    pub fn from_head(head: ParcelHead, state: ParcelState, geometry: StoredGeometry) -> SpilledParcel {
+        let ParcelHead { feature_index, id, kind, from } = head;
+        SpilledParcel { feature_index, id, kind, from, state, geometry }
+    }
+
     /// This parcel as a [`ParcelRef`], for writing it to the store.
     pub fn borrowed(&self) -> ParcelRef<'_> {
         ParcelRef { id: &self.id, state: &self.state, geometry: &self.geometry }
@@ -71,13 +77,14 @@ enum RecordHead {
     Quarantine(SpilledQuarantine),
 }
 
-/// A [`SpilledParcel`]'s fields before its state, in the same order.
-#[derive(Deserialize)]
-struct ParcelHead {
-    feature_index: u64,
-    id: String,
-    kind: Option<ChangeKind>,
-    from: Option<String>,
+/// A [`SpilledParcel`]'s fields before its state, in the same order: what
+/// [`SpillReader::next_entry`] reads of a parcel, its state and geometry left encoded.
+#[derive(Deserialize, Debug)]
+pub struct ParcelHead {
+    pub feature_index: u64,
+    pub id: String,
+    pub kind: Option<ChangeKind>,
+    pub from: Option<String>,
 }
 
 /// A record as it is written, borrowing its content: serde encodes a reference as what it
@@ -128,6 +135,14 @@ pub fn frame_parcel(out: &mut Vec<u8>, p: &SpilledParcel) -> Result<(), SpillErr
 #[derive(Debug)]
 pub enum SpillItem {
     Parcel(SpilledParcel),
+    Quarantine(QuarantineDraft),
+}
+
+/// One item read back from the spill, a parcel's state and geometry not decoded yet
+/// ([`SpillReader::last_parcel_body`], [`SpillReader::decode_last_body`]).
+#[derive(Debug)]
+pub enum SpillEntry {
+    Parcel(ParcelHead),
     Quarantine(QuarantineDraft),
 }
 
@@ -211,6 +226,19 @@ impl SpillReader {
 
     /// The next record, or None at the end.
     pub fn next_item(&mut self) -> Result<Option<SpillItem>, SpillError> {
+        Ok(match self.next_entry()? {
+            None => None,
+            Some(SpillEntry::Quarantine(q)) => Some(SpillItem::Quarantine(q)),
+            Some(SpillEntry::Parcel(h)) => {
+                let (state, geometry) = self.decode_last_body()?;
+                Some(SpillItem::Parcel(SpilledParcel::from_head(h, state, geometry)))
+            }
+        })
+    }
+
+    /// The next record, or None at the end; a parcel's state and geometry are left encoded
+    /// (what a baseline writes of most parcels is those bytes as they are).
+    pub fn next_entry(&mut self) -> Result<Option<SpillEntry>, SpillError> {
         self.body = 0..0;
         let mut len = [0u8; 4];
         match self.input.read_exact(&mut len) {
@@ -221,20 +249,17 @@ impl SpillReader {
         let len = u32::from_le_bytes(len) as usize;
         self.buf.resize(len, 0);
         self.input.read_exact(&mut self.buf)?;
-        let codec = |e: postcard::Error| SpillError::Codec(e.to_string());
         let body = match self.buf.split_first() {
             Some((&SPILL_VERSION, body)) => body,
             _ => return Err(SpillError::Codec("unknown spill record version".into())),
         };
-        let (head, rest) = postcard::take_from_bytes::<RecordHead>(body).map_err(codec)?;
+        let (head, rest) = postcard::take_from_bytes::<RecordHead>(body).map_err(|e| SpillError::Codec(e.to_string()))?;
         Ok(Some(match head {
             RecordHead::Parcel(h) => {
-                let (state, after_state) = postcard::take_from_bytes::<ParcelState>(rest).map_err(codec)?;
-                let (geometry, after) = postcard::take_from_bytes::<StoredGeometry>(after_state).map_err(codec)?;
-                self.body = self.buf.len() - rest.len()..self.buf.len() - after.len();
-                SpillItem::Parcel(SpilledParcel { feature_index: h.feature_index, id: h.id, kind: h.kind, from: h.from, state, geometry })
+                self.body = self.buf.len() - rest.len()..self.buf.len();
+                SpillEntry::Parcel(h)
             }
-            RecordHead::Quarantine(q) => SpillItem::Quarantine(QuarantineDraft {
+            RecordHead::Quarantine(q) => SpillEntry::Quarantine(QuarantineDraft {
                 feature_index: q.feature_index,
                 parcel_id: q.parcel_id,
                 reason: q.reason,
@@ -244,9 +269,21 @@ impl SpillReader {
         }))
     }
 
-    /// The state and geometry of the parcel [`SpillReader::next_item`] returned last, as
-    /// encoded on the spill: `postcard(ParcelState) ++ postcard(StoredGeometry)`, the body of
-    /// its snapshot record (empty after a quarantine draft).
+    /// The state and geometry of the parcel read last: an error if its body is not exactly
+    /// one state and one geometry (or the last record was not a parcel).
+    pub fn decode_last_body(&self) -> Result<(ParcelState, StoredGeometry), SpillError> {
+        let codec = |e: postcard::Error| SpillError::Codec(e.to_string());
+        let (state, rest) = postcard::take_from_bytes::<ParcelState>(self.last_parcel_body()).map_err(codec)?;
+        let (geometry, after) = postcard::take_from_bytes::<StoredGeometry>(rest).map_err(codec)?;
+        if !after.is_empty() {
+            return Err(SpillError::Codec(format!("{} bytes after a spilled parcel's geometry", after.len())));
+        }
+        Ok((state, geometry))
+    }
+
+    /// The state and geometry of the parcel read last, as encoded on the spill:
+    /// `postcard(ParcelState) ++ postcard(StoredGeometry)`, the body of its snapshot record
+    /// (empty after a quarantine draft).
     pub fn last_parcel_body(&self) -> &[u8] {
         self.buf.get(self.body.clone()).unwrap_or_default()
     }

@@ -3,14 +3,16 @@
 //! not implement rstar 0.14's traits, so the tree holds rectangles tagged with an index into
 //! a Vec of subscribers.)
 //!
-//! A run's events are matched in one batch ([`SubscriberIndex::match_batch`]): one index
-//! snapshot, the events split over the machine's cores, each event's old and new geometry
+//! A run's events are matched a chunk at a time ([`PinnedIndex::match_batch`]): one index
+//! snapshot held for the chunk, which also tells the commit which new parcels lie outside
+//! every AOI's envelope and need no event ([`PinnedIndex::may_touch`]); the events split
+//! over the machine's cores, each event's old and new geometry
 //! tested once when they are equal, and an exact test skipped when it is provably true (the
 //! event lies inside an AOI that is exactly its own bounding rectangle). The batch gives the
 //! same answer as [`SubscriberIndex::matching_event`], event by event (tested).
 
 use crate::config::SubscriberConfig;
-use crate::model::{ChangeEvent, Severity, StoredGeometry};
+use crate::model::{ChangeEvent, Envelope, Severity, StoredGeometry};
 use geo::{BoundingRect, Intersects, MultiPolygon};
 use rstar::primitives::{GeomWithData, Rectangle};
 use rstar::{RTree, AABB};
@@ -91,7 +93,7 @@ impl IndexSnapshot {
     fn match_indices(&self, geoms: &[&StoredGeometry], hits: &mut Vec<u32>) {
         hits.clear();
         for g in geoms {
-            let Some((min, max)) = exterior_envelope(g) else { continue };
+            let Some((min, max)) = g.exterior_envelope() else { continue };
             // The shortcut needs every part of `g` to have a point (its exterior): then the
             // whole of `g` lies inside its envelope, and inside any rectangle containing it.
             let solid = g.0.iter().filter(|rings| !rings.is_empty()).all(|rings| !rings[0].is_empty());
@@ -118,6 +120,29 @@ impl IndexSnapshot {
         hits.sort_unstable();
     }
 
+    /// Indices of the subscribers whose AOI intersects any of `geometries` (sorted,
+    /// distinct), by the plain envelope query and exact test: the reference the batch path
+    /// is tested against.
+    fn plain_indices(&self, geometries: &[&MultiPolygon<f64>]) -> Vec<u32> {
+        let mut hits: Vec<u32> = Vec::new();
+        for g in geometries {
+            let Some(r) = g.bounding_rect() else { continue };
+            let env = AABB::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]);
+            for cand in self.tree.locate_in_envelope_intersecting(env) {
+                if hits.contains(&cand.data) {
+                    continue;
+                }
+                if let Some(sub) = self.subscribers.get(cand.data as usize) {
+                    if sub.aoi.intersects(*g) {
+                        hits.push(cand.data);
+                    }
+                }
+            }
+        }
+        hits.sort_unstable();
+        hits
+    }
+
     /// Matched subscriber indices of one event (old and new geometry; tested once when equal).
     fn event_indices(&self, event: &ChangeEvent, hits: &mut Vec<u32>) {
         let same = matches!((&event.old_geometry, &event.new_geometry), (Some(a), Some(b)) if a == b);
@@ -127,14 +152,72 @@ impl IndexSnapshot {
     }
 }
 
-/// The bounding rectangle of a stored geometry's exterior rings, as `geo` computes it for
-/// the geometry's `to_geo` form (parts without rings dropped, holes not looked at); `None`
-/// when there is no exterior point. Stored coordinates are finite (ingest quarantines NaN
-/// and infinite ones); a NaN would be skipped here where geo's rectangle would turn NaN.
-fn exterior_envelope(g: &StoredGeometry) -> Option<([f64; 2], [f64; 2])> {
-    let mut points = g.0.iter().filter_map(|rings| rings.first()).flatten();
-    let first = *points.next()?;
-    Some(points.fold((first, first), |(lo, hi), p| ([lo[0].min(p[0]), lo[1].min(p[1])], [hi[0].max(p[0]), hi[1].max(p[1])])))
+/// One subscriber set, held for a batch of questions ([`SubscriberIndex::pinned`]).
+pub struct PinnedIndex(Arc<IndexSnapshot>);
+
+impl PinnedIndex {
+    /// Whether any subscriber's AOI envelope touches `envelope`: when not, no geometry
+    /// inside `envelope` matches anyone, and its event need not be built.
+    pub fn may_touch(&self, envelope: Envelope) -> bool {
+        let (min, max) = envelope;
+        self.0.tree.locate_in_envelope_intersecting(AABB::from_corners(min, max)).next().is_some()
+    }
+
+    /// Subscribers each event touches (same answer as [`SubscriberIndex::matching_event`]
+    /// per event), in parallel over the machine's cores.
+    pub fn match_batch(&self, events: &[ChangeEvent]) -> Vec<Vec<Arc<Subscriber>>> {
+        let snap = &self.0;
+        let to_subs = |idx: &[u32]| -> Vec<Arc<Subscriber>> {
+            idx.iter().filter_map(|i| snap.subscribers.get(*i as usize).cloned()).collect()
+        };
+        let run = |chunk: &[ChangeEvent]| -> Vec<Vec<Arc<Subscriber>>> {
+            let mut hits = Vec::new();
+            chunk
+                .iter()
+                .map(|e| {
+                    snap.event_indices(e, &mut hits);
+                    to_subs(&hits)
+                })
+                .collect()
+        };
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(events.len() / MIN_EVENTS_PER_THREAD)
+            .max(1);
+        if threads == 1 {
+            return run(events);
+        }
+        let per = events.len().div_ceil(threads);
+        let parts: Vec<Vec<Vec<Arc<Subscriber>>>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = events.chunks(per).skip(1).map(|c| scope.spawn(move || run(c))).collect();
+            // The calling thread takes the first chunk itself.
+            let mut parts = vec![run(&events[..per.min(events.len())])];
+            for h in handles {
+                // A worker only panics on a bug; match its chunk here rather than lose it.
+                parts.push(match h.join() {
+                    Ok(p) => p,
+                    Err(_) => Vec::new(),
+                });
+            }
+            parts
+        });
+        let mut out = Vec::with_capacity(events.len());
+        for p in parts {
+            out.extend(p);
+        }
+        if out.len() != events.len() {
+            // Only after a worker panic: fall back to the plain path for the whole batch.
+            return events
+                .iter()
+                .map(|e| {
+                    let geoms: Vec<MultiPolygon<f64>> = e.old_geometry.iter().chain(&e.new_geometry).map(StoredGeometry::to_geo).collect();
+                    to_subs(&snap.plain_indices(&geoms.iter().collect::<Vec<_>>()))
+                })
+                .collect();
+        }
+        out
+    }
 }
 
 /// True when `aoi` is one polygon without holes whose exterior ring runs exactly along its
@@ -215,73 +298,19 @@ impl SubscriberIndex {
     /// Subscribers whose AOI intersects any of the given geometries (touching counts).
     pub fn matching(&self, geometries: &[&MultiPolygon<f64>]) -> Vec<Arc<Subscriber>> {
         let snap = self.snapshot();
-        let mut hits: Vec<u32> = Vec::new();
-        for g in geometries {
-            let Some(r) = g.bounding_rect() else { continue };
-            let env = AABB::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]);
-            for cand in snap.tree.locate_in_envelope_intersecting(env) {
-                if hits.contains(&cand.data) {
-                    continue;
-                }
-                if let Some(sub) = snap.subscribers.get(cand.data as usize) {
-                    if sub.aoi.intersects(*g) {
-                        hits.push(cand.data);
-                    }
-                }
-            }
-        }
-        hits.sort_unstable();
-        hits.into_iter().filter_map(|i| snap.subscribers.get(i as usize).cloned()).collect()
+        snap.plain_indices(geometries).into_iter().filter_map(|i| snap.subscribers.get(i as usize).cloned()).collect()
     }
 
     /// Subscribers each event touches (same answer as [`Self::matching_event`] per event),
     /// matched against one index snapshot, in parallel over the machine's cores.
     pub fn match_batch(&self, events: &[ChangeEvent]) -> Vec<Vec<Arc<Subscriber>>> {
-        let snap = self.snapshot();
-        let to_subs = |idx: &[u32]| -> Vec<Arc<Subscriber>> {
-            idx.iter().filter_map(|i| snap.subscribers.get(*i as usize).cloned()).collect()
-        };
-        let run = |chunk: &[ChangeEvent]| -> Vec<Vec<Arc<Subscriber>>> {
-            let mut hits = Vec::new();
-            chunk
-                .iter()
-                .map(|e| {
-                    snap.event_indices(e, &mut hits);
-                    to_subs(&hits)
-                })
-                .collect()
-        };
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .min(events.len() / MIN_EVENTS_PER_THREAD)
-            .max(1);
-        if threads == 1 {
-            return run(events);
-        }
-        let per = events.len().div_ceil(threads);
-        let parts: Vec<Vec<Vec<Arc<Subscriber>>>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = events.chunks(per).skip(1).map(|c| scope.spawn(move || run(c))).collect();
-            // The calling thread takes the first chunk itself.
-            let mut parts = vec![run(&events[..per.min(events.len())])];
-            for h in handles {
-                // A worker only panics on a bug; match its chunk here rather than lose it.
-                parts.push(match h.join() {
-                    Ok(p) => p,
-                    Err(_) => Vec::new(),
-                });
-            }
-            parts
-        });
-        let mut out = Vec::with_capacity(events.len());
-        for p in parts {
-            out.extend(p);
-        }
-        if out.len() != events.len() {
-            // Only after a worker panic: fall back to the plain path for the whole batch.
-            return events.iter().map(|e| self.matching_event(e)).collect();
-        }
-        out
+        self.pinned().match_batch(events)
+    }
+
+    /// The current subscriber set, held: what a run asks of it in a batch stays the answer
+    /// of one set while the control port replaces it.
+    pub fn pinned(&self) -> PinnedIndex {
+        PinnedIndex(self.snapshot())
     }
 
     /// Subscribers a change event touches, through its old or its new geometry.
@@ -414,13 +443,22 @@ mod tests {
         }
         let batch = idx.match_batch(&events);
         assert_eq!(batch.len(), events.len());
-        let mut matched = 0;
+        let pinned = idx.pinned();
+        let (mut matched, mut untouched) = (0, 0);
         for (e, got) in events.iter().zip(&batch) {
             let want: Vec<String> = idx.matching_event(e).iter().map(|s| s.id.clone()).collect();
             let got: Vec<String> = got.iter().map(|s| s.id.clone()).collect();
             assert_eq!(got, want, "event {e:?}");
             matched += got.len();
+            // The commit's skip: a new geometry whose envelope touches no AOI's matches no one.
+            if let (None, Some(envelope)) = (&e.old_geometry, e.new_geometry.as_ref().and_then(StoredGeometry::exterior_envelope)) {
+                if !pinned.may_touch(envelope) {
+                    assert!(want.is_empty(), "skipped but matched: {e:?}");
+                    untouched += 1;
+                }
+            }
         }
+        assert!(untouched > 100, "too few events outside every envelope ({untouched})");
         assert!(matched > 1_000, "too few matches ({matched}) to compare anything");
         // Small batches take the single-thread path: same answers.
         assert_eq!(idx.match_batch(&events[..10]).len(), 10);

@@ -324,7 +324,8 @@ pub struct RunWriter<'s> {
     now_ms: u64,
     idem_ttl_ms: u64,
     claims: ClaimCounts,
-    /// Events written so far (held events are numbered by it).
+    /// Events of the run so far: written, or counted as matching no one
+    /// ([`RunWriter::unmatched_events`]). Held events are numbered by it.
     events: u64,
     next_quarantine: u64,
 }
@@ -470,8 +471,15 @@ impl RunWriter<'_> {
         Ok(())
     }
 
+    /// Counts events that match no subscriber and so write nothing (new parcels outside
+    /// every subscriber's envelope, whose events the commit does not build): they are the
+    /// run's changes all the same. Not for a held run, which keeps every event.
+    pub fn unmatched_events(&mut self, n: u64) {
+        self.events += n;
+    }
+
     /// Writes the hold (if held) or the watermark, the derived shares and the run record,
-    /// and commits. `counts.changes` is taken from the events written.
+    /// and commits. `counts.changes` is taken from the events written and counted.
     pub fn finish(
         self,
         started_ms: u64,

@@ -16,7 +16,7 @@
 use super::codec::{split_version, unknown_version, RECORD_VERSION};
 use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, META, META_COMPACT_PENDING, PARCEL_SNAPSHOT};
 use super::StoreError;
-use crate::model::{ParcelRef, ParcelState, StoredGeometry};
+use crate::model::{Envelope, ExteriorEnvelope, ParcelRef, ParcelState, StoredGeometry};
 use redb::{ReadableTable, TableHandle, WriteTransaction};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -46,6 +46,18 @@ impl SnapshotRow {
         record.push(RECORD_VERSION);
         record.extend_from_slice(body);
         SnapshotRow { id, record }
+    }
+
+    /// The [`StoredGeometry::exterior_envelope`] of such a body's geometry, read without
+    /// decoding the body (the state is skipped borrowed, the geometry walked): no
+    /// allocation. An error if `body` is not exactly one state and one geometry.
+    pub fn body_envelope(body: &[u8]) -> Result<Option<Envelope>, String> {
+        let (_, rest) = postcard::take_from_bytes::<StateRef<'_>>(body).map_err(|e| e.to_string())?;
+        let (envelope, after) = postcard::take_from_bytes::<ExteriorEnvelope>(rest).map_err(|e| e.to_string())?;
+        if !after.is_empty() {
+            return Err(format!("{} bytes after the geometry", after.len()));
+        }
+        Ok(envelope.0)
     }
 }
 
@@ -215,6 +227,33 @@ mod tests {
     use crate::store::Store;
     use crate::store::tables::META_SCHEMA;
     use redb::{ReadableDatabase, ReadableTableMetadata};
+
+    /// A body's envelope, walked off its bytes, is the decoded geometry's, for every shape
+    /// of stored geometry (holes, several parts, parts without rings or with an empty
+    /// exterior, none at all); a body that is cut short or runs on is an error.
+    #[test]
+    fn a_body_envelope_is_the_decoded_geometrys() {
+        let ring = |x: f64, y: f64, s: f64| vec![[x, y], [x + s, y], [x + s, y + s * 0.5], [x, y]];
+        let state = ParcelState { zoning: "R-1".into(), effective_date: Some("2026-03-01".into()), content_hash: [5; 32], geom_hash: [6; 32], area_m2: 9.0 };
+        let shapes = vec![
+            StoredGeometry(vec![vec![ring(1.0, 2.0, 0.5)]]),
+            StoredGeometry(vec![vec![ring(1.0, 2.0, 0.5), ring(-9.0, -9.0, 20.0)]]),
+            StoredGeometry(vec![vec![ring(1.0, 2.0, 0.5)], vec![ring(-3.0, 7.0, 0.25)]]),
+            StoredGeometry(vec![vec![], vec![ring(4.0, 4.0, 1.0)]]),
+            StoredGeometry(vec![vec![vec![], ring(0.0, 0.0, 100.0)], vec![ring(4.0, 4.0, 1.0)]]),
+            StoredGeometry(vec![vec![vec![], ring(0.0, 0.0, 100.0)]]),
+            StoredGeometry(vec![vec![]]),
+            StoredGeometry(vec![]),
+        ];
+        for g in shapes {
+            let row = SnapshotRow::encode(ParcelRef { id: "p", state: &state, geometry: &g });
+            let body = &row.record[1..];
+            assert_eq!(SnapshotRow::body_envelope(body), Ok(g.exterior_envelope()), "{g:?}");
+            assert!(SnapshotRow::body_envelope(&body[..body.len() - 1]).is_err() || g.0.is_empty(), "cut short: {g:?}");
+            assert!(SnapshotRow::body_envelope(&[body, &[0][..]].concat()).is_err(), "runs on: {g:?}");
+        }
+        assert_eq!(StoredGeometry(vec![vec![ring(1.0, 2.0, 0.5)], vec![ring(-3.0, 7.0, 0.25)]]).exterior_envelope(), Some(([-3.0, 2.0], [1.5, 7.125])));
+    }
 
     fn state(zoning: &str, n: u8) -> ParcelState {
         ParcelState { zoning: zoning.into(), effective_date: Some("2026-01-01".into()), content_hash: [n; 32], geom_hash: [n + 1; 32], area_m2: 412.5 }
