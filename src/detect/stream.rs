@@ -23,7 +23,7 @@
 //! in flight. Everything else is on disk.
 
 use super::diff::{classify, ParcelDelta};
-use super::spill::{frame_parcel, Spill, SpillError, SpillItem, SpillReader, SpilledParcel};
+use super::spill::{frame_parcel, Spill, SpillEntry, SpillError, SpillReader, SpilledParcel};
 use crate::ingest::geojson::{self, FeatureText};
 use crate::ingest::normalize::{normalize_feature, NormalizeRules};
 use crate::ingest::IngestError;
@@ -389,8 +389,10 @@ pub fn scan_layer<R: Read + Send>(
     let mut duplicate_drafts = Vec::new();
     let mut dup_copies = 0u64;
     if !dup_prints.is_empty() {
-        while let Some(item) = reader.next_item()? {
-            if let SpillItem::Parcel(p) = item {
+        // Heads only: the ids and kinds are all this pass needs (the commit reads the
+        // bodies, and checks them, on its own pass).
+        while let Some(entry) = reader.next_entry()? {
+            if let SpillEntry::Parcel(p) = entry {
                 if dup_prints.contains_key(&fingerprint(&p.id)) {
                     changes -= u64::from(p.kind.is_some());
                     duplicate_ids.insert(p.id);
