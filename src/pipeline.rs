@@ -482,8 +482,8 @@ impl Engine {
     /// Commits a scanned layer in one write transaction, fed in chunks: a second thread
     /// ([`Engine::prepare_chunks`]) reads the spill back, copies off it the snapshot rows,
     /// counts the events that cannot match anyone and builds and matches the others it can;
-    /// this thread reads the stored geometries the other events need, updates the snapshot (or the hold's staging) and writes the claims, then
-    /// the removals, then finishes.
+    /// this thread reads the stored geometries the other events need, updates the snapshot
+    /// (or the hold's staging) and writes the claims, then the removals, then finishes.
     fn commit_scan(
         &self,
         src: &SourceConfig,
@@ -503,9 +503,9 @@ impl Engine {
         };
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&scan.duplicate_drafts)?;
-        // The spill is read back, and each chunk's rows copied off it and (unless held or a stored
-        // geometry is needed) its events built and matched, on a second thread, while this
-        // one writes the previous chunk: the write lock is held for the writing. Chunks
+        // The spill is read back, and each chunk's rows copied off it and (unless held or a
+        // stored geometry is needed) its events built and matched, on a second thread, while
+        // this one writes the previous chunk: the write lock is held for the writing. Chunks
         // arrive in spill order through a channel of two; what this thread is done with goes
         // back through another, to be freed over there. The snapshot rows of chunks out of
         // key order come last, sorted: every stored geometry an event needs has been read by
