@@ -287,4 +287,19 @@ mod tests {
             assert!(matches!(merged, Err(RowSortError::Damaged)), "cut_long {cut_long}");
         }
     }
+
+    /// A run file whose part says it is ~4 GiB long but holds a few bytes is damaged. (Such
+    /// a length is over the exact-read limit, so it is read through `take`, which grows the
+    /// buffer as bytes arrive; this test checks the outcome, not the allocation.)
+    #[test]
+    fn a_lying_part_length_is_damaged_not_allocated() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut file = tempfile::tempfile_in(dir.path()).unwrap();
+        file.write_all(&(u32::MAX - 7).to_le_bytes()).unwrap();
+        file.write_all(b"short").unwrap();
+        file.seek(SeekFrom::Start(0)).unwrap();
+        let mut s = RowSorter::with_run_rows(dir.path(), 2);
+        s.runs.push((file, 1));
+        assert!(matches!(s.finish(10).and_then(|mut sorted| sorted.next_chunk()), Err(RowSortError::Damaged)));
+    }
 }

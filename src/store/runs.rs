@@ -475,6 +475,8 @@ impl RunWriter<'_> {
     /// every subscriber's envelope, whose events the commit does not build): they are the
     /// run's changes all the same. Not for a held run, which keeps every event.
     pub fn unmatched_events(&mut self, n: u64) {
+        // A held run numbers its kept events by this count: it must count only those.
+        debug_assert!(n == 0 || !matches!(self.mode, CommitMode::Hold { .. }), "a held run keeps every event");
         self.events += n;
     }
 
