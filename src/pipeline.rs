@@ -91,19 +91,40 @@ struct PreparedChunk {
 /// A chunk being read off the spill by [`Engine::prepare_chunks`].
 #[derive(Default)]
 struct ChunkDraft {
-    /// Parcels read (duplicated ids left out): the chunk is sent at [`COMMIT_CHUNK`].
-    read: usize,
     /// The parcels decoded: all of a held run's; otherwise those whose events are built.
     parcels: Vec<SpilledParcel>,
-    /// Every parcel's id and record body (copied off the spill back to back, `ends[i]`
-    /// where the i-th ends), in spill order; none for a held run. The rows are made from
+    /// Every parcel's id and where its record body ends in `bodies` (the bodies copied off
+    /// the spill back to back), in spill order; none for a held run. The rows are made from
     /// them all at once as the chunk is sent: made one by one, they interleaved long-lived
     /// rows with the decoding's short-lived allocations, which cost the allocator dearly.
-    ids: Vec<String>,
+    rows: Vec<(String, usize)>,
     bodies: Vec<u8>,
-    ends: Vec<usize>,
     /// Events counted, not built ([`PreparedChunk::unmatched`]).
     unmatched: u64,
+}
+
+impl ChunkDraft {
+    /// Parcels read into the chunk (duplicated ids left out): it is sent at [`COMMIT_CHUNK`].
+    /// A held run decodes every parcel and keeps no rows; any other keeps a row for each.
+    fn len(&self) -> usize {
+        self.rows.len().max(self.parcels.len())
+    }
+
+    /// The snapshot rows read so far, made from their bodies (which are cleared).
+    fn take_rows(&mut self) -> Vec<SnapshotRow> {
+        let mut start = 0;
+        let rows = self
+            .rows
+            .drain(..)
+            .map(|(id, end)| {
+                let row = SnapshotRow::from_body(id, &self.bodies[start..end]);
+                start = end;
+                row
+            })
+            .collect();
+        self.bodies.clear();
+        rows
+    }
 }
 
 /// Why [`Engine::prepare_chunks`] stopped before the end.
@@ -596,23 +617,10 @@ impl Engine {
         let mut prepare = |chunk: &mut ChunkDraft, pinned: PinnedIndex| -> Result<Prepared, PipelineError> {
             spent.try_iter().for_each(drop);
             let parcels = std::mem::replace(&mut chunk.parcels, Vec::with_capacity(COMMIT_CHUNK));
-            let ids = std::mem::replace(&mut chunk.ids, Vec::with_capacity(COMMIT_CHUNK));
             let unmatched = std::mem::take(&mut chunk.unmatched);
-            chunk.read = 0;
             let mut rows = None;
             if !hold {
-                if chunk.ends.len() != ids.len() {
-                    return Err(ScanError::from(SpillError::Codec(format!("{} snapshot rows read for {} parcels", chunk.ends.len(), ids.len()))).into());
-                }
-                let mut start = 0;
-                let mut encoded = Vec::with_capacity(ids.len());
-                for (id, &end) in ids.into_iter().zip(chunk.ends.iter()) {
-                    let body = chunk.bodies.get(start..end).ok_or_else(|| ScanError::from(SpillError::Codec("a snapshot row's bytes are missing".into())))?;
-                    encoded.push(SnapshotRow::from_body(id, body));
-                    start = end;
-                }
-                chunk.bodies.clear();
-                chunk.ends.clear();
+                let encoded = chunk.take_rows();
                 if encoded.windows(2).all(|w| w[0].id < w[1].id) {
                     rows = Some(encoded);
                 } else {
@@ -638,7 +646,6 @@ impl Engine {
                 }
                 SpillEntry::Parcel(head) if duplicate_ids.contains(&head.id) => {}
                 SpillEntry::Parcel(head) => {
-                    chunk.read += 1;
                     if hold {
                         // A held run stages every parcel and keeps every event: all decoded.
                         let (state, geometry) = spill.decode_last_body().map_err(ScanError::from)?;
@@ -647,30 +654,29 @@ impl Engine {
                         // The row is the spilled state and geometry as they are.
                         let body = spill.last_parcel_body();
                         chunk.bodies.extend_from_slice(body);
-                        chunk.ends.push(chunk.bodies.len());
                         // A new parcel outside every subscriber's envelope matches no one,
                         // and an event that matches no one writes nothing: it is counted,
-                        // not built. A snapshot-only update has no event.
+                        // not built. A snapshot-only update has no event. Both bodies are
+                        // walked (a damaged one fails the commit before it is stored); any
+                        // other parcel is decoded, which checks its body.
                         let eventless = match head.kind {
-                            // Walked all the same: a body is checked before it is stored.
-                            None | Some(ChangeKind::Added) => match SnapshotRow::body_envelope(body) {
-                                Ok(_) if head.kind.is_none() => true,
-                                Ok(Some(envelope)) => !pinned.may_touch(envelope),
-                                Ok(None) => true,
-                                Err(e) => return Err(PrepareStop::Failed(ScanError::from(SpillError::Codec(e)).into())),
-                            },
+                            None | Some(ChangeKind::Added) => {
+                                let envelope = SnapshotRow::body_envelope(body).map_err(|e| ScanError::from(SpillError::Codec(e)))?;
+                                head.kind.is_none() || !envelope.is_some_and(|e| pinned.may_touch(e))
+                            }
                             Some(_) => false,
                         };
+                        let end = chunk.bodies.len();
                         if eventless {
                             chunk.unmatched += u64::from(head.kind.is_some());
-                            chunk.ids.push(head.id);
+                            chunk.rows.push((head.id, end));
                         } else {
                             let (state, geometry) = spill.decode_last_body().map_err(ScanError::from)?;
-                            chunk.ids.push(head.id.clone());
+                            chunk.rows.push((head.id.clone(), end));
                             chunk.parcels.push(SpilledParcel::from_head(head, state, geometry));
                         }
                     }
-                    if chunk.read >= COMMIT_CHUNK {
+                    if chunk.len() >= COMMIT_CHUNK {
                         let next = self.subscribers.pinned();
                         send(prepare(&mut chunk, std::mem::replace(&mut pinned, next))?)?;
                     }

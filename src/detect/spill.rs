@@ -272,13 +272,7 @@ impl SpillReader {
     /// The state and geometry of the parcel read last: an error if its body is not exactly
     /// one state and one geometry (or the last record was not a parcel).
     pub fn decode_last_body(&self) -> Result<(ParcelState, StoredGeometry), SpillError> {
-        let codec = |e: postcard::Error| SpillError::Codec(e.to_string());
-        let (state, rest) = postcard::take_from_bytes::<ParcelState>(self.last_parcel_body()).map_err(codec)?;
-        let (geometry, after) = postcard::take_from_bytes::<StoredGeometry>(rest).map_err(codec)?;
-        if !after.is_empty() {
-            return Err(SpillError::Codec(format!("{} bytes after a spilled parcel's geometry", after.len())));
-        }
-        Ok((state, geometry))
+        crate::store::SnapshotRow::decode_body(self.last_parcel_body()).map_err(SpillError::Codec)
     }
 
     /// The state and geometry of the parcel read last, as encoded on the spill:

@@ -143,6 +143,17 @@ impl IndexSnapshot {
         hits
     }
 
+    /// [`IndexSnapshot::plain_indices`] of one event's old and new geometry.
+    fn plain_event_indices(&self, event: &ChangeEvent) -> Vec<u32> {
+        let geoms: Vec<MultiPolygon<f64>> = event.old_geometry.iter().chain(&event.new_geometry).map(StoredGeometry::to_geo).collect();
+        self.plain_indices(&geoms.iter().collect::<Vec<_>>())
+    }
+
+    /// The subscribers at these indices.
+    fn subscribers_at(&self, indices: &[u32]) -> Vec<Arc<Subscriber>> {
+        indices.iter().filter_map(|&i| self.subscribers.get(i as usize).cloned()).collect()
+    }
+
     /// Matched subscriber indices of one event (old and new geometry; tested once when equal).
     fn event_indices(&self, event: &ChangeEvent, hits: &mut Vec<u32>) {
         let same = matches!((&event.old_geometry, &event.new_geometry), (Some(a), Some(b)) if a == b);
@@ -167,16 +178,13 @@ impl PinnedIndex {
     /// per event), in parallel over the machine's cores.
     pub fn match_batch(&self, events: &[ChangeEvent]) -> Vec<Vec<Arc<Subscriber>>> {
         let snap = &self.0;
-        let to_subs = |idx: &[u32]| -> Vec<Arc<Subscriber>> {
-            idx.iter().filter_map(|i| snap.subscribers.get(*i as usize).cloned()).collect()
-        };
         let run = |chunk: &[ChangeEvent]| -> Vec<Vec<Arc<Subscriber>>> {
             let mut hits = Vec::new();
             chunk
                 .iter()
                 .map(|e| {
                     snap.event_indices(e, &mut hits);
-                    to_subs(&hits)
+                    snap.subscribers_at(&hits)
                 })
                 .collect()
         };
@@ -208,13 +216,7 @@ impl PinnedIndex {
         }
         if out.len() != events.len() {
             // Only after a worker panic: fall back to the plain path for the whole batch.
-            return events
-                .iter()
-                .map(|e| {
-                    let geoms: Vec<MultiPolygon<f64>> = e.old_geometry.iter().chain(&e.new_geometry).map(StoredGeometry::to_geo).collect();
-                    to_subs(&snap.plain_indices(&geoms.iter().collect::<Vec<_>>()))
-                })
-                .collect();
+            return events.iter().map(|e| snap.subscribers_at(&snap.plain_event_indices(e))).collect();
         }
         out
     }
@@ -298,7 +300,7 @@ impl SubscriberIndex {
     /// Subscribers whose AOI intersects any of the given geometries (touching counts).
     pub fn matching(&self, geometries: &[&MultiPolygon<f64>]) -> Vec<Arc<Subscriber>> {
         let snap = self.snapshot();
-        snap.plain_indices(geometries).into_iter().filter_map(|i| snap.subscribers.get(i as usize).cloned()).collect()
+        snap.subscribers_at(&snap.plain_indices(geometries))
     }
 
     /// Subscribers each event touches (same answer as [`Self::matching_event`] per event),
@@ -315,10 +317,8 @@ impl SubscriberIndex {
 
     /// Subscribers a change event touches, through its old or its new geometry.
     pub fn matching_event(&self, event: &ChangeEvent) -> Vec<Arc<Subscriber>> {
-        let old = event.old_geometry.as_ref().map(StoredGeometry::to_geo);
-        let new = event.new_geometry.as_ref().map(StoredGeometry::to_geo);
-        let geoms: Vec<&MultiPolygon<f64>> = old.iter().chain(new.iter()).collect();
-        self.matching(&geoms)
+        let snap = self.snapshot();
+        snap.subscribers_at(&snap.plain_event_indices(event))
     }
 }
 

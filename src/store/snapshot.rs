@@ -52,13 +52,23 @@ impl SnapshotRow {
     /// decoding the body (the state is skipped borrowed, the geometry walked): no
     /// allocation. An error if `body` is not exactly one state and one geometry.
     pub fn body_envelope(body: &[u8]) -> Result<Option<Envelope>, String> {
-        let (_, rest) = postcard::take_from_bytes::<StateRef<'_>>(body).map_err(|e| e.to_string())?;
-        let (envelope, after) = postcard::take_from_bytes::<ExteriorEnvelope>(rest).map_err(|e| e.to_string())?;
-        if !after.is_empty() {
-            return Err(format!("{} bytes after the geometry", after.len()));
-        }
-        Ok(envelope.0)
+        body_parts::<StateRef<'_>, ExteriorEnvelope>(body).map(|(_, envelope)| envelope.0)
     }
+
+    /// Such a body decoded: an error if it is not exactly one state and one geometry.
+    pub fn decode_body(body: &[u8]) -> Result<(ParcelState, StoredGeometry), String> {
+        body_parts(body)
+    }
+}
+
+/// A record body read as its two halves, with nothing after the second.
+fn body_parts<'a, S: Deserialize<'a>, G: Deserialize<'a>>(body: &'a [u8]) -> Result<(S, G), String> {
+    let (state, rest) = postcard::take_from_bytes::<S>(body).map_err(|e| e.to_string())?;
+    let (geometry, after) = postcard::take_from_bytes::<G>(rest).map_err(|e| e.to_string())?;
+    if !after.is_empty() {
+        return Err(format!("{} bytes after the geometry", after.len()));
+    }
+    Ok((state, geometry))
 }
 
 /// The record as it is written; serde encodes a reference as what it refers to.
