@@ -203,7 +203,112 @@ fn synthetic(ctx: &BenchCtx, parcels: usize, districts: usize) -> Result<(), Ben
             "target_s": 20.0,
         }),
     );
+    drop(d);
+    whole_runs(ctx, parcels, &layer)
+}
+
+/// The derived source's whole runs through the pipeline at the synthetic scale (read the
+/// district layer, read the base, derive, diff, commit): the first (every derived state new)
+/// and one after 1% of the districts were recoded (about 1% of the parcels change code; the
+/// events go through the gate and the claim path). Peak RSS is per run: the base is read from
+/// the store, and a county's base must not have to fit in memory.
+fn whole_runs(ctx: &BenchCtx, parcels: usize, layer: &[(String, MultiPolygon<f64>)]) -> Result<(), BenchError> {
+    let files = gen::county_files(&ctx.work, parcels, ctx.seed, 0.01)?;
+    let dir = ctx.work.join(format!("overlay-run-{parcels}-s{}", ctx.seed));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+    let districts = dir.join("districts.geojson");
+    let toml = format!(
+        r#"
+[store]
+path = "bench.redb"
+[[source]]
+id = "county"
+jurisdiction = "bench-county"
+kind = "file"
+path = "{}"
+[source.fields]
+parcel_id = "APN"
+zoning = "ZONE_CODE"
+effective_date = "EFF_DATE"
+[[source]]
+id = "county-zoning"
+jurisdiction = "bench-county"
+kind = "file"
+path = "{}"
+layer = "districts"
+parcels = "county"
+[source.fields]
+zoning = "zoning"
+"#,
+        files.baseline.display(),
+        districts.display()
+    );
+    let config = Config::parse_str(&toml, &dir).map_err(|e| BenchError::Failed(format!("bench config: {e}")))?;
+    let engine = Engine::open(config).map_err(|e| BenchError::Failed(format!("open: {e}")))?;
+    let t = Instant::now();
+    engine.run_source_id("county", RunOptions::default()).map_err(|e| BenchError::Failed(format!("county: {e}")))?;
+    let base_s = t.elapsed().as_secs_f64();
+    const RECODED_EVERY: usize = 100;
+    for (run, recode) in [("first", false), ("recoded_1pct", true)] {
+        write_districts(&districts, layer, recode.then_some(RECODED_EVERY))?;
+        rss::reset_peak();
+        let cpu = rss::cpu_seconds();
+        let t = Instant::now();
+        let report = engine
+            .run_source_id("county-zoning", RunOptions::default())
+            .map_err(|e| BenchError::Failed(format!("county-zoning {run}: {e}")))?;
+        let run_s = t.elapsed().as_secs_f64();
+        if report.record.counts.parcels != parcels as u64 {
+            return Err(BenchError::Failed(format!("{run}: derived {} of {parcels} parcels", report.record.counts.parcels)));
+        }
+        emit(
+            "overlay",
+            json!({
+                "workload": "synthetic_run",
+                "layer": "districts",
+                "run": run,
+                "parcels": parcels,
+                "districts": layer.len(),
+                "districts_recoded": if recode { layer.len().div_ceil(RECODED_EVERY) } else { 0 },
+                "verdict": report.record.verdict.to_string(),
+                "changes": report.record.counts.changes,
+                "run_s": (run_s * 1000.0).round() / 1000.0,
+                "cpu_s": rss::cpu_seconds_since(cpu).map(|c| (c * 1000.0).round() / 1000.0),
+                "peak_rss_mib": rss::mib(rss::peak_rss_bytes()),
+                "parcels_baseline_s": (base_s * 1000.0).round() / 1000.0,
+            }),
+        );
+    }
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// Writes the district layer as GeoJSON (`zoning` property); with `Some(n)`, every n-th
+/// district gets another code.
+fn write_districts(path: &Path, layer: &[(String, MultiPolygon<f64>)], recode_every: Option<usize>) -> Result<(), BenchError> {
+    use std::io::Write as _;
+    let io = |e| BenchError::io(path, e);
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    w.write_all(b"{\"type\":\"FeatureCollection\",\"features\":[\n").map_err(io)?;
+    for (i, (code, mp)) in layer.iter().enumerate() {
+        let code = match recode_every {
+            Some(n) if i % n == 0 => if code == "OS" { "R-4" } else { "OS" },
+            _ => code.as_str(),
+        };
+        let feature = json!({
+            "type": "Feature",
+            "properties": {"zoning": code},
+            "geometry": geojson::Geometry::from(mp),
+        });
+        if i > 0 {
+            w.write_all(b",\n").map_err(io)?;
+        }
+        serde_json::to_writer(&mut w, &feature).map_err(|e| BenchError::Failed(format!("{}: {e}", path.display())))?;
+    }
+    w.write_all(b"\n]}\n").map_err(io)?;
+    w.flush().map_err(io)
 }
 
 /// About `n` districts tiling the county's extent: a grid whose inner nodes are jittered by up
