@@ -22,7 +22,9 @@ use crate::ingest::districts::read_districts;
 use crate::ingest::source;
 use crate::model::*;
 use crate::pipeline::{Engine, PipelineError, RunOptions, SourceReport};
-use crate::store::{CommitMode, QuarantineDraft, RunCommit};
+use crate::detect::derived_delta::{DeltaFile, DeltaItem, DeltaReader};
+use crate::pipeline::COMMIT_CHUNK;
+use crate::store::{BaseStretch, CommitMode, QuarantineDraft, RunCommit, RunWriter};
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -180,6 +182,11 @@ fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> (Vec<RawChange
 impl Engine {
     /// One run of a `districts` / `overlays` source (see the module doc).
     pub(crate) fn run_derived(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
+        self.run_derived_in(src, opts, started, DERIVE_STRETCH)
+    }
+
+    /// [`Engine::run_derived`], reading the base `stretch` parcels at a time.
+    fn run_derived_in(&self, src: &SourceConfig, opts: RunOptions, started: u64, stretch: usize) -> Result<SourceReport, PipelineError> {
         let Some(base_id) = src.parcels.clone() else {
             return self.run_area(src, opts, started);
         };
@@ -224,31 +231,24 @@ impl Engine {
             .collect();
         let index = DistrictIndex::build(layer.districts.iter().map(|d| (d.code.as_str(), &d.geometry)));
 
-        // The base: every parcel of the parcel source's committed snapshot, in id order.
-        let base = self.store.snapshot_parcels(&base_id)?;
-        let derivation = derive_all(src.layer, &index, base, src.overlay_min_share);
-        tracing::info!(source = %src.id, parcels = derivation.parcels.len(), polygons = index.len(), ms = derivation.millis as u64, "derived zoning");
+        // The base, a stretch at a time, merged with what this source has stored (see
+        // `Engine::derive_pass`); the delta goes to a file, the counts to the gate.
+        let now = self.now();
+        let DerivePass { mut delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, now)?;
+        tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
         warnings.push(format!(
             "derived {} zoning for {} parcels of {base_id:?} from {} polygons in {} ms ({} uncovered)",
             src.layer.as_str(),
-            derivation.parcels.len(),
+            pass.parcels,
             index.len(),
-            derivation.millis,
-            derivation.uncovered
+            pass.derive_ms,
+            pass.uncovered
         ));
-        if derivation.failed > 0 {
-            warnings.push(format!("{} parcel/district intersections could not be computed and counted as 0", derivation.failed));
+        if pass.failed > 0 {
+            warnings.push(format!("{} parcel/district intersections could not be computed and counted as 0", pass.failed));
         }
-
-        let old = self.store.snapshot_states(&src.id)?;
-        let first_ingest = wm.is_none() && old.is_empty();
-        let parcels_n = derivation.parcels.len() as u64;
-        let shares: Vec<(String, f64)> =
-            derivation.parcels.iter().map(|p| p.id.clone()).zip(derivation.shares.iter().copied()).collect();
-        let d = diff(&old, derivation.parcels, &HashSet::new());
-        let (changes, coverage_only) = alerting_changes(src.layer, d.changes);
-        if coverage_only > 0 {
-            warnings.push(format!("{coverage_only} parcels gained or lost district coverage (not a rezoning; not alerted)"));
+        if pass.coverage_only > 0 {
+            warnings.push(format!("{} parcels gained or lost district coverage (not a rezoning; not alerted)", pass.coverage_only));
         }
         let quarantine: Vec<QuarantineDraft> = layer
             .rejected
@@ -257,13 +257,11 @@ impl Engine {
             .collect();
         let systemic = quarantine.iter().filter(|q| q.reason.is_systemic()).count() as u64;
 
-        let now = self.now();
-        let events = self.build_events(src, &changes, &d.upserts, &old, now)?;
         let decision = decide(GateInput {
-            first_ingest,
+            first_ingest: wm.is_none() && pass.previous == 0,
             reprocess: opts.reprocess,
-            previous_parcels: old.len() as u64,
-            changed: events.len() as u64,
+            previous_parcels: pass.previous,
+            changed: pass.events,
             features: layer.features,
             systemic_quarantined: systemic,
             max_change_ratio: src.max_change_ratio,
@@ -271,32 +269,140 @@ impl Engine {
         });
         let watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
         let (mode, hold_reason) = crate::pipeline::commit_mode(decision);
-        let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
+        let hold = matches!(mode, CommitMode::Hold { .. });
         let counts = RunCounts {
             features: layer.features,
-            parcels: parcels_n,
+            parcels: pass.parcels,
             quarantined: quarantine.len() as u64,
             repaired: layer.repaired,
-            changes: events.len() as u64,
             ..Default::default()
         };
-        let record = self.store.commit_run_with(RunCommit {
-            source_id: src.id.clone(),
-            started_ms: started,
-            now_ms: now,
-            mode,
-            watermark,
-            upserts: d.upserts,
-            removals: d.removals,
-            events,
-            claims,
-            quarantine,
-            counts,
-            warnings,
-            idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
-        }, &shares)?;
+        // The commit: one write transaction, fed from the delta file in chunks.
+        let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
+        w.quarantine(&quarantine)?;
+        let mut batch = DeltaBatch::default();
+        while let Some(item) = delta.next_item()? {
+            batch.push(item);
+            if batch.len() >= COMMIT_CHUNK {
+                self.write_batch(&mut w, &mut batch, hold)?;
+            }
+        }
+        self.write_batch(&mut w, &mut batch, hold)?;
+        let record = w.finish(started, self.now(), counts, warnings)?;
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "derived run committed");
         Ok(SourceReport { record, hold_reason })
+    }
+
+    /// The derive pass of a derived run: reads the base `base_id` `stretch` parcels at a time,
+    /// with what this source has stored for the same ids (one read snapshot, see
+    /// [`crate::store::Store::for_each_base_stretch`]), derives each stretch's zoning, diffs it
+    /// against those stored rows and writes to a delta file what the commit must do: new or
+    /// changed derived parcels, removals, the events of changes that alert, and shares that
+    /// moved. Memory is bounded by one stretch, whatever the size of the base.
+    pub(crate) fn derive_pass(
+        &self,
+        src: &SourceConfig,
+        base_id: &str,
+        index: &DistrictIndex,
+        stretch: usize,
+        now: u64,
+    ) -> Result<DerivePass, PipelineError> {
+        let mut file = DeltaFile::create(self.scratch_dir())?;
+        let mut pass = DeriveCounts::default();
+        pass.previous = self.store.for_each_base_stretch(base_id, &src.id, stretch, |s: BaseStretch| -> Result<(), PipelineError> {
+            let BaseStretch { parcels, derived, shares } = s;
+            let d = derive_all(src.layer, index, parcels, src.overlay_min_share);
+            pass.parcels += d.parcels.len() as u64;
+            pass.uncovered += d.uncovered;
+            pass.failed += d.failed;
+            pass.derive_ms += d.millis;
+            for (p, share) in d.parcels.iter().zip(&d.shares) {
+                // The same computation gives the same bits: only a share that moved is written.
+                if shares.get(&p.id).map(|s| s.to_bits()) != Some(share.to_bits()) {
+                    file.share(&p.id, *share)?;
+                }
+            }
+            let diffed = diff(&derived, d.parcels, &HashSet::new());
+            let (changes, coverage_only) = alerting_changes(src.layer, diffed.changes);
+            pass.coverage_only += coverage_only;
+            let events = self.build_events(src, &changes, &diffed.upserts, &derived, now)?;
+            for p in &diffed.upserts {
+                file.upsert(p.borrowed())?;
+            }
+            for id in &diffed.removals {
+                file.removal(id)?;
+            }
+            for e in &events {
+                file.event(e)?;
+            }
+            pass.events += events.len() as u64;
+            Ok(())
+        })?;
+        Ok(DerivePass { delta: file.finish()?, counts: pass })
+    }
+
+    /// Writes one chunk of a derived run's delta, and the claims on its events unless held.
+    fn write_batch(&self, w: &mut RunWriter<'_>, batch: &mut DeltaBatch, hold: bool) -> Result<(), PipelineError> {
+        w.upserts(batch.upserts.iter().map(Parcel::borrowed))?;
+        w.removals(&batch.removals)?;
+        let claims = if hold { vec![] } else { self.claims_for(&batch.events) };
+        w.events(&batch.events, &claims)?;
+        w.shares(&batch.shares)?;
+        *batch = DeltaBatch::default();
+        Ok(())
+    }
+}
+
+/// Base parcels a derived run reads, derives and diffs at a time: with their coverages,
+/// derived states and the stored rows of the same ids, what it holds in memory whatever the
+/// size of the base.
+const DERIVE_STRETCH: usize = 32_768;
+
+/// What a derived run's derive pass found: its delta, on disk, and the counts the gate and
+/// the run record need.
+pub(crate) struct DerivePass {
+    pub delta: DeltaReader,
+    pub counts: DeriveCounts,
+}
+
+/// The counts of a derived run's derive pass.
+#[derive(Default, Debug, Clone, Copy)]
+pub(crate) struct DeriveCounts {
+    /// Derived parcels (base parcels with a geometry).
+    pub parcels: u64,
+    /// Derived parcels stored before this run.
+    pub previous: u64,
+    /// Events of changes that alert.
+    pub events: u64,
+    pub uncovered: u64,
+    pub failed: u64,
+    /// Parcels that gained or lost coverage only (not alerted).
+    pub coverage_only: u64,
+    /// Time spent deriving (coverages and states), over every stretch.
+    pub derive_ms: u128,
+}
+
+/// One chunk of a derived delta on its way to the run's writer.
+#[derive(Default)]
+struct DeltaBatch {
+    upserts: Vec<Parcel>,
+    removals: Vec<String>,
+    events: Vec<ChangeEvent>,
+    shares: Vec<(String, f64)>,
+}
+
+impl DeltaBatch {
+    fn push(&mut self, item: DeltaItem) {
+        match item {
+            DeltaItem::Upsert { id, state, geometry } => self.upserts.push(Parcel { id, state, geometry }),
+            DeltaItem::Removal(id) => self.removals.push(id),
+            DeltaItem::Event(e) => self.events.push(e),
+            DeltaItem::Share(id, share) => self.shares.push((id, share)),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.upserts.len() + self.removals.len() + self.events.len() + self.shares.len()
     }
 }
 
@@ -442,5 +548,190 @@ impl Engine {
             idem_ttl_ms: self.config.delivery.idem_ttl.as_millis() as u64,
         })?;
         Ok(SourceReport { record, hold_reason })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::synth::{write_feature, CountyIter, CountySpec, SynthParcel};
+    use geo::{MultiPolygon, Polygon, Rect};
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    const SPEC: CountySpec = CountySpec { seed: 11, parcels: 600, origin: [-93.30, 44.95], blocks_per_row: 6 };
+
+    fn write_parcels(path: &Path, lots: &[SynthParcel]) {
+        let mut out = String::from("{\"type\":\"FeatureCollection\",\"features\":[");
+        for (i, lot) in lots.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            write_feature(&mut out, lot, "2026-01-01", None);
+        }
+        out.push_str("]}");
+        std::fs::write(path, out).unwrap();
+    }
+
+    /// A 3 × 3 grid of rectangular districts over the county (boundaries cut through lots, so
+    /// many parcels are split), coded by `code(cell)`.
+    fn write_districts(path: &Path, code: impl Fn(usize) -> String) {
+        let (sw, ne) = CountyIter::extent(&SPEC);
+        // Cut at uneven fractions, so that the cuts do not fall on streets; the outer cells
+        // reach past the county so that every lot is covered.
+        let cuts = [-0.5, 0.37, 0.71, 1.5];
+        let mut features = Vec::new();
+        for cell in 0..9 {
+            let (i, j) = (cell % 3, cell / 3);
+            let x = |f: f64| sw[0] + f * (ne[0] - sw[0]);
+            let y = |f: f64| sw[1] + f * (ne[1] - sw[1]);
+            let rect = Rect::new((x(cuts[i]), y(cuts[j])), (x(cuts[i + 1]), y(cuts[j + 1])));
+            let mp = MultiPolygon(vec![Polygon::from(rect)]);
+            features.push(serde_json::json!({"type": "Feature", "properties": {"zoning": code(cell)}, "geometry": geojson::Geometry::from(&mp)}));
+        }
+        std::fs::write(path, serde_json::json!({"type": "FeatureCollection", "features": features}).to_string()).unwrap();
+    }
+
+    /// An engine with a parcel source `base`, a district source `zoning` on it and a
+    /// subscriber whose AOI covers the whole county (every alerting change is queued once).
+    fn engine(dir: &Path) -> Engine {
+        let (sw, ne) = CountyIter::extent(&SPEC);
+        let aoi = MultiPolygon(vec![Polygon::from(Rect::new((sw[0] - 0.1, sw[1] - 0.1), (ne[0] + 0.1, ne[1] + 0.1)))]);
+        std::fs::write(dir.join("aoi.geojson"), geojson::Geometry::from(&aoi).to_string()).unwrap();
+        let toml = r#"
+[store]
+path = "zw.redb"
+[[source]]
+id = "base"
+jurisdiction = "testville"
+kind = "file"
+path = "parcels.geojson"
+[source.fields]
+parcel_id = "APN"
+zoning = "ZONE_CODE"
+[[source]]
+id = "zoning"
+jurisdiction = "testville"
+kind = "file"
+path = "districts.geojson"
+layer = "districts"
+parcels = "base"
+max_change_ratio = 0.5
+[source.fields]
+zoning = "zoning"
+[[subscriber]]
+id = "all"
+aoi = "aoi.geojson"
+target = "http://127.0.0.1:9/hook"
+min_severity = "info"
+"#;
+        Engine::open(Config::parse_str(toml, dir).unwrap()).unwrap()
+    }
+
+    /// What the district source must hold after a run over the current base and district
+    /// file, computed the simple way: the whole base derived at once.
+    fn expected(engine: &Engine, dir: &Path) -> (HashMap<String, ParcelState>, HashMap<String, u64>) {
+        let layer = read_districts(&std::fs::read(dir.join("districts.geojson")).unwrap(), "zoning", None).unwrap();
+        let index = DistrictIndex::build(layer.districts.iter().map(|d| (d.code.as_str(), &d.geometry)));
+        let d = derive_all(LayerKind::Districts, &index, engine.store.snapshot_parcels("base").unwrap(), 0.1);
+        let shares = d.parcels.iter().zip(&d.shares).map(|(p, s)| (p.id.clone(), s.to_bits())).collect();
+        (d.parcels.into_iter().map(|p| (p.id, p.state)).collect(), shares)
+    }
+
+    fn stored(engine: &Engine) -> (HashMap<String, ParcelState>, HashMap<String, u64>) {
+        let shares = engine.store.derived_shares("zoning").unwrap().into_iter().map(|(id, s)| (id, s.to_bits())).collect();
+        (engine.store.snapshot_states("zoning").unwrap(), shares)
+    }
+
+    /// Parcels whose winning code moved from one real code to another between two derived
+    /// snapshots: the changes a district run alerts on.
+    fn rezoned(before: &HashMap<String, ParcelState>, after: &HashMap<String, ParcelState>) -> u64 {
+        after
+            .iter()
+            .filter(|(id, s)| {
+                before.get(*id).is_some_and(|b| {
+                    !b.zoning.is_empty() && !s.zoning.is_empty() && normalize_code(&b.zoning) != normalize_code(&s.zoning)
+                })
+            })
+            .count() as u64
+    }
+
+    /// A derived run reads its base a stretch at a time and keeps only a delta; whatever the
+    /// stretch (one parcel, a few, the whole base at once), each run leaves exactly what
+    /// deriving the whole base at once gives: the same derived states and the same shares,
+    /// bit for bit. Across a baseline, a recoded district, a base that lost and gained
+    /// parcels, and a change spike that is held and then released; the alerting changes are
+    /// counted and queued as the simple derivation says.
+    #[test]
+    fn a_derived_run_in_stretches_leaves_what_deriving_the_whole_base_gives() {
+        let codes = ["R-1", "R-2", "C-1", "R-1", "M-1", "R-3", "C-2", "OS", "R-1"];
+        for stretch in [1, 7, 100_000] {
+            let dir = tempfile::tempdir().unwrap();
+            let engine = engine(dir.path());
+            let src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
+            let run = |note: &str| {
+                let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
+                let want = expected(&engine, dir.path());
+                let got = stored(&engine);
+                if r.record.verdict != Verdict::Held {
+                    assert_eq!(got.0, want.0, "stretch {stretch}, {note}: derived states");
+                    assert_eq!(got.1, want.1, "stretch {stretch}, {note}: shares");
+                }
+                (r, got.0)
+            };
+            let mut lots: Vec<SynthParcel> = CountyIter::new(&SPEC).collect();
+            write_parcels(&dir.path().join("parcels.geojson"), &lots);
+            engine.run_source_id("base", RunOptions::default()).unwrap();
+
+            write_districts(&dir.path().join("districts.geojson"), |c| codes[c].to_string());
+            let (first, before) = run("baseline");
+            assert_eq!(first.record.verdict, Verdict::Baseline);
+            assert_eq!(first.record.counts.parcels, lots.len() as u64);
+            let split = engine.store.derived_shares("zoning").unwrap().values().filter(|s| **s < 0.999).count();
+            assert!(split > 10, "the grid cuts through lots: {split} split");
+
+            // One district recoded: its parcels are rezoned, and queued once each.
+            write_districts(&dir.path().join("districts.geojson"), |c| if c == 4 { "C-3".into() } else { codes[c].to_string() });
+            let (r, after) = run("one district recoded");
+            assert_eq!(r.record.verdict, Verdict::Run, "{}", r.line());
+            let want = rezoned(&before, &after);
+            assert!(want > 5, "{want}");
+            assert_eq!((r.record.counts.changes, r.record.counts.queued), (want, want), "{}", r.line());
+
+            // The base loses every 25th lot and gains two: their derived rows and shares go
+            // and come silently (the parcel source reports those itself).
+            let gone: Vec<String> = lots.iter().step_by(25).map(|l| l.id.clone()).collect();
+            lots.retain(|l| !gone.contains(&l.id));
+            let mut extra: Vec<SynthParcel> = lots.iter().take(2).cloned().collect();
+            for (k, lot) in extra.iter_mut().enumerate() {
+                lot.id = format!("ZZ-{k}");
+                for c in &mut lot.ring {
+                    c[1] += 0.00001;
+                }
+            }
+            lots.extend(extra);
+            write_parcels(&dir.path().join("parcels.geojson"), &lots);
+            assert_eq!(engine.run_source_id("base", RunOptions::default()).unwrap().record.verdict, Verdict::Run);
+            let (r, after) = run("base changed");
+            assert_eq!(r.record.verdict, Verdict::Run, "{}", r.line());
+            assert_eq!(r.record.counts.changes, 0, "{}", r.line());
+            assert_eq!(after.len(), lots.len());
+            assert!(gone.iter().all(|id| !after.contains_key(id)));
+            assert!(after.contains_key("ZZ-0") && after.contains_key("ZZ-1"));
+
+            // Every district recoded: a change spike, held with its shares staged; released,
+            // the snapshot and the shares are what deriving the whole base gives.
+            write_districts(&dir.path().join("districts.geojson"), |c| format!("X-{c}"));
+            let (held, unchanged) = run("spike");
+            assert_eq!(held.record.verdict, Verdict::Held, "{}", held.line());
+            assert_eq!(unchanged, after, "a held run leaves the derived snapshot alone");
+            let released = engine.resolve_hold(held.record.hold_id.unwrap(), false).unwrap();
+            let want = expected(&engine, dir.path());
+            let got = stored(&engine);
+            assert_eq!((got.0.len(), got.1.len()), (lots.len(), lots.len()));
+            assert_eq!(got, want, "stretch {stretch}: after the release");
+            assert_eq!(released.counts.queued, rezoned(&after, &got.0));
+        }
     }
 }

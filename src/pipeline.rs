@@ -43,6 +43,8 @@ pub enum PipelineError {
     Derived(String, String),
     #[error(transparent)]
     Scan(#[from] ScanError),
+    #[error(transparent)]
+    Delta(#[from] crate::detect::derived_delta::DeltaError),
 }
 
 /// Where a layer's bytes are: a file is streamed from disk (never read whole into memory);
@@ -54,7 +56,7 @@ enum LayerInput {
 }
 
 /// Parcels (and quarantine drafts) per chunk of a run's commit.
-const COMMIT_CHUNK: usize = 4096;
+pub(crate) const COMMIT_CHUNK: usize = 4096;
 
 /// What [`Engine::commit_scan`]'s preparing thread hands the writer: quarantine drafts and
 /// parcel chunks in spill order, then the snapshot rows that were held back to be put in
@@ -576,12 +578,12 @@ impl Engine {
             w.removals(&ids)?;
             w.events(&events, &claims)?;
         }
-        Ok(w.finish(started, self.now(), counts, warnings, &[])?)
+        Ok(w.finish(started, self.now(), counts, warnings)?)
     }
 
     /// Where a run's scratch files go (the spill, the row sort's runs): next to the store,
     /// on its disk and with its permissions.
-    fn scratch_dir(&self) -> &std::path::Path {
+    pub(crate) fn scratch_dir(&self) -> &std::path::Path {
         self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."))
     }
 
@@ -850,7 +852,6 @@ impl Engine {
         if hold.state != HoldState::Open {
             return Err(PipelineError::HoldNotOpen { id: hold_id, state: hold.state.label().to_string() });
         }
-        let shares = self.store.held_shares(hold_id)?;
         let now = self.now();
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;
@@ -870,6 +871,7 @@ impl Engine {
                 let claims = self.claims_for(&events);
                 w.events(&events, &claims)
             }
+            HeldChunk::Shares(shares) => w.shares(&shares),
         })?;
         let counts = RunCounts { features: hold.features, parcels: 0, ..Default::default() };
         let record = w.finish(
@@ -877,7 +879,6 @@ impl Engine {
             now,
             counts,
             vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })],
-            &shares,
         )?;
         Ok(record)
     }

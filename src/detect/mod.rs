@@ -5,6 +5,7 @@
 //! * [`diff`] compares a new layer with the stored snapshot and emits [`crate::model::ChangeEvent`]s;
 //! * [`stream`] is the streaming diff of a whole layer (normalise, look up, classify, spill);
 //! * [`spill`] keeps a run's delta on disk between the streaming diff and the commit;
+//! * [`derived_delta`] does the same for a derived (district / overlay) run;
 //! * [`row_sort`] puts a run's snapshot rows in key order for the commit (redb inserts them
 //!   several times faster so);
 //! * [`gate`] decides whether a run's events may be published (baseline, reprocess, holds);
@@ -19,4 +20,5 @@ pub mod overlay;
 pub mod severity;
 pub mod row_sort;
 pub mod spill;
+pub mod derived_delta;
 pub mod stream;

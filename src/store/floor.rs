@@ -103,7 +103,7 @@ mod tests {
             let parcels: Vec<Parcel> = (0..n).map(|i| Parcel { id: format!("p{i}"), state: state.clone(), geometry: geometry.clone() }).collect();
             let mut w = store.begin_run(source, CommitMode::Baseline, Watermark::default(), 1, 1_000).unwrap();
             w.upserts(parcels.iter().map(Parcel::borrowed)).unwrap();
-            w.finish(1, 1, RunCounts::default(), vec![], &[]).unwrap();
+            w.finish(1, 1, RunCounts::default(), vec![]).unwrap();
         }
         let floor = store.snapshot_write_floor("a", &dir.path().join("floor.redb")).unwrap();
         assert_eq!(floor.parcels, 5000);

@@ -39,6 +39,7 @@ pub use leases::LeasedBatch;
 pub use dlq::ReplayOutcome;
 pub use endpoints::HealthPolicy;
 pub use queries::{AuditFilter, SnapshotView, StoreStats};
+pub use derived::BaseStretch;
 pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunWriter};
 pub use snapshot::SnapshotRow;
 pub use subscribers::StoredSubscriber;

@@ -95,19 +95,12 @@ pub(super) fn lineage_for(source_id: &str, run_id: u64, digest: &str) -> String 
 impl Store {
     /// Commits one run in one write transaction (see the module invariants).
     pub fn commit_run(&self, run: RunCommit) -> Result<RunRecord, StoreError> {
-        self.commit_run_with(run, &[])
-    }
-
-    /// [`Store::commit_run`] for derived (district / overlay) runs: `shares` is the full set of
-    /// derived shares of the source, written (or staged with a hold) in the same transaction.
-    /// An empty slice leaves stored shares alone.
-    pub fn commit_run_with(&self, run: RunCommit, shares: &[(String, f64)]) -> Result<RunRecord, StoreError> {
         let mut w = self.begin_run(&run.source_id, run.mode.clone(), run.watermark, run.now_ms, run.idem_ttl_ms)?;
         w.quarantine(&run.quarantine)?;
         w.upserts(run.upserts.iter().map(Parcel::borrowed))?;
         w.removals(&run.removals)?;
         w.events(&run.events, &run.claims)?;
-        w.finish(run.started_ms, run.now_ms, run.counts, run.warnings, shares)
+        w.finish(run.started_ms, run.now_ms, run.counts, run.warnings)
     }
 
     /// Opens the one write transaction of a run. The caller feeds it in chunks (quarantine,
@@ -299,6 +292,22 @@ impl Store {
         if !events.is_empty() {
             feed(HeldChunk::Events(events))?;
         }
+        let shares_t = rtx.open_table(HELD_SHARES)?;
+        let mut shares = Vec::new();
+        for item in shares_t.range((hold_id, "")..)? {
+            let (k, v) = item?;
+            let (h, pid) = k.value();
+            if h != hold_id {
+                break;
+            }
+            shares.push((pid.to_string(), decode(v.value()).map_err(|m| codec_err("held_shares", m))?));
+            if shares.len() >= chunk {
+                feed(HeldChunk::Shares(std::mem::take(&mut shares)))?;
+            }
+        }
+        if !shares.is_empty() {
+            feed(HeldChunk::Shares(shares))?;
+        }
         Ok(())
     }
 }
@@ -308,6 +317,8 @@ impl Store {
 pub enum HeldChunk {
     Parcels { upserts: Vec<Parcel>, removals: Vec<String> },
     Events(Vec<ChangeEvent>),
+    /// Derived shares staged by a held derived run.
+    Shares(Vec<(String, f64)>),
 }
 
 /// One run's write transaction, fed in chunks so a county-sized delta never has to sit in
@@ -439,8 +450,20 @@ impl RunWriter<'_> {
             for id in ids {
                 snapshot.remove((src, id.as_str()))?;
             }
+            drop(snapshot);
+            super::derived::remove_shares(&self.wtx, src, ids)?;
         }
         Ok(())
+    }
+
+    /// Derived shares of new or changed derived parcels (see `store::derived`): written, or
+    /// staged with the hold. A removed parcel's share goes with it ([`RunWriter::removals`]).
+    pub fn shares(&mut self, shares: &[(String, f64)]) -> Result<(), StoreError> {
+        if matches!(self.mode, CommitMode::Hold { .. }) {
+            super::derived::stage_shares(&self.wtx, self.run_id, shares)
+        } else {
+            super::derived::write_shares(&self.wtx, &self.source_id, shares)
+        }
     }
 
     /// Change events and the subscribers' claims on them (`Claim::event` indexes `events`):
@@ -480,16 +503,9 @@ impl RunWriter<'_> {
         self.events += n;
     }
 
-    /// Writes the hold (if held) or the watermark, the derived shares and the run record,
-    /// and commits. `counts.changes` is taken from the events written and counted.
-    pub fn finish(
-        self,
-        started_ms: u64,
-        finished_ms: u64,
-        mut counts: RunCounts,
-        warnings: Vec<String>,
-        shares: &[(String, f64)],
-    ) -> Result<RunRecord, StoreError> {
+    /// Writes the hold (if held) or the watermark, and the run record, and commits.
+    /// `counts.changes` is taken from the events written and counted.
+    pub fn finish(self, started_ms: u64, finished_ms: u64, mut counts: RunCounts, warnings: Vec<String>) -> Result<RunRecord, StoreError> {
         let RunWriter { wtx, store, run_id, lineage, source_id, mode, watermark, now_ms, claims, events, .. } = self;
         let mut verdict = match mode {
             CommitMode::Baseline => Verdict::Baseline,
@@ -515,7 +531,6 @@ impl RunWriter<'_> {
                     features: counts.features,
                 };
                 wtx.open_table(HOLDS)?.insert(run_id, encode(&hold).as_slice())?;
-                super::derived::stage_shares(&wtx, run_id, shares)?;
                 append_audit(
                     &wtx,
                     &mut AuditRow {
@@ -532,7 +547,6 @@ impl RunWriter<'_> {
                 )?;
             }
             mode => {
-                super::derived::write_shares(&wtx, &source_id, shares)?;
                 write_watermark(&wtx, &source_id, &watermark)?;
                 counts.queued = claims.queued;
                 counts.duplicates = claims.duplicates;
@@ -648,10 +662,11 @@ mod tests {
         w.upserts(parcels.iter().map(Parcel::borrowed)).unwrap();
         w.removals(&["q0".to_string(), "q1".to_string()]).unwrap();
         w.events(&ids.iter().take(5).map(|id| sample_event(id)).collect::<Vec<_>>(), &[]).unwrap();
-        let rec = w.finish(1, 1, RunCounts::default(), vec![], &[]).unwrap();
+        w.shares(&[("p0".to_string(), 0.75), ("p1".to_string(), 1.0), ("p2".to_string(), 0.5)]).unwrap();
+        let rec = w.finish(1, 1, RunCounts::default(), vec![]).unwrap();
         let hold = rec.hold_id.unwrap();
 
-        let (mut upserts, mut removals, mut events, mut largest) = (Vec::new(), Vec::new(), Vec::new(), 0);
+        let (mut upserts, mut removals, mut events, mut shares, mut largest) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0);
         store
             .for_each_held(hold, 2, |chunk| {
                 match chunk {
@@ -664,6 +679,10 @@ mod tests {
                         largest = largest.max(e.len());
                         events.extend(e.into_iter().map(|e| e.parcel_id));
                     }
+                    HeldChunk::Shares(s) => {
+                        largest = largest.max(s.len());
+                        shares.extend(s);
+                    }
                 }
                 Ok(())
             })
@@ -672,6 +691,7 @@ mod tests {
         assert_eq!(upserts, ids);
         assert_eq!(removals, ["q0", "q1"]);
         assert_eq!(events, ids[..5]);
+        assert_eq!(shares, [("p0".to_string(), 0.75), ("p1".to_string(), 1.0), ("p2".to_string(), 0.5)]);
         // Another hold's rows are not mixed in, and an unknown hold yields nothing.
         let mut n = 0;
         store.for_each_held(hold + 100, 2, |_| { n += 1; Ok(()) }).unwrap();

@@ -1,0 +1,190 @@
+//! A derived (district / overlay) run's delta, on disk between the derive pass and the
+//! commit. The derive pass reads the base a stretch at a time and must know the whole run's
+//! counts before the gate decides how to commit it; keeping what it found here instead of in
+//! `Vec`s is what lets a county's district run work in memory bounded by one stretch.
+//!
+//! Records are length-prefixed (u32 LE) postcard with a leading version byte, like the spill
+//! of a parcel run. The file is anonymous, next to the store, and vanishes when dropped, also
+//! on a crash.
+
+use crate::model::{ChangeEvent, ParcelRef, ParcelState, StoredGeometry};
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::Path;
+
+const DELTA_VERSION: u8 = 1;
+
+/// Errors of the delta file (disk full, unreadable temp dir, a damaged record).
+#[derive(Debug, thiserror::Error)]
+pub enum DeltaError {
+    #[error("derived delta file: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("derived delta record: {0}")]
+    Codec(String),
+}
+
+/// One thing the commit must do.
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+pub enum DeltaItem {
+    /// A new or changed derived parcel.
+    Upsert { id: String, state: ParcelState, geometry: StoredGeometry },
+    /// A derived parcel gone with its base parcel.
+    Removal(String),
+    /// A change that alerts.
+    Event(ChangeEvent),
+    /// A parcel's new winning share.
+    Share(String, f64),
+}
+
+/// [`DeltaItem`] written from borrowed parts (serde encodes a reference as what it refers
+/// to, so the bytes are the same).
+#[derive(Serialize)]
+enum DeltaItemRef<'a> {
+    Upsert { id: &'a str, state: &'a ParcelState, geometry: &'a StoredGeometry },
+    Removal(&'a str),
+    Event(&'a ChangeEvent),
+    Share(&'a str, f64),
+}
+
+/// The writer side; [`DeltaFile::finish`] turns it into a reader.
+pub struct DeltaFile {
+    out: BufWriter<File>,
+    buf: Vec<u8>,
+}
+
+impl DeltaFile {
+    /// A new anonymous delta file in `dir`.
+    pub fn create(dir: &Path) -> Result<DeltaFile, DeltaError> {
+        Ok(DeltaFile { out: BufWriter::with_capacity(1 << 20, tempfile::tempfile_in(dir)?), buf: Vec::with_capacity(512) })
+    }
+
+    fn put(&mut self, item: &DeltaItemRef<'_>) -> Result<(), DeltaError> {
+        self.buf.clear();
+        self.buf.extend_from_slice(&[0; 4]);
+        self.buf.push(DELTA_VERSION);
+        let buf = std::mem::take(&mut self.buf);
+        self.buf = postcard::to_extend(item, buf).map_err(|e| DeltaError::Codec(e.to_string()))?;
+        let len = u32::try_from(self.buf.len() - 4).map_err(|_| DeltaError::Codec("record over 4 GiB".into()))?;
+        self.buf[..4].copy_from_slice(&len.to_le_bytes());
+        self.out.write_all(&self.buf)?;
+        Ok(())
+    }
+
+    pub fn upsert(&mut self, p: ParcelRef<'_>) -> Result<(), DeltaError> {
+        self.put(&DeltaItemRef::Upsert { id: p.id, state: p.state, geometry: p.geometry })
+    }
+
+    pub fn removal(&mut self, id: &str) -> Result<(), DeltaError> {
+        self.put(&DeltaItemRef::Removal(id))
+    }
+
+    pub fn event(&mut self, e: &ChangeEvent) -> Result<(), DeltaError> {
+        self.put(&DeltaItemRef::Event(e))
+    }
+
+    pub fn share(&mut self, id: &str, share: f64) -> Result<(), DeltaError> {
+        self.put(&DeltaItemRef::Share(id, share))
+    }
+
+    /// Flushes and rewinds: the records can now be read back in the order written.
+    pub fn finish(self) -> Result<DeltaReader, DeltaError> {
+        let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
+        file.seek(SeekFrom::Start(0))?;
+        Ok(DeltaReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new() })
+    }
+}
+
+/// Reads the delta back, in the order written.
+pub struct DeltaReader {
+    input: BufReader<File>,
+    buf: Vec<u8>,
+}
+
+impl DeltaReader {
+    /// The next record, or None at the end. A record cut short or of another version is an
+    /// error: the commit must fail whole rather than leave part of the delta out.
+    pub fn next_item(&mut self) -> Result<Option<DeltaItem>, DeltaError> {
+        let mut len = [0u8; 4];
+        let mut got = 0;
+        while got < len.len() {
+            match self.input.read(&mut len[got..]) {
+                Ok(0) if got == 0 => return Ok(None),
+                Ok(0) => return Err(DeltaError::Codec("record length cut short".into())),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let len = u32::from_le_bytes(len) as u64;
+        self.buf.clear();
+        // Read through `take`, so that a damaged length cannot make us allocate it up front.
+        (&mut self.input).take(len).read_to_end(&mut self.buf)?;
+        if self.buf.len() as u64 != len {
+            return Err(DeltaError::Codec("record cut short".into()));
+        }
+        match self.buf.split_first() {
+            Some((&DELTA_VERSION, body)) => postcard::from_bytes(body).map(Some).map_err(|e| DeltaError::Codec(e.to_string())),
+            _ => Err(DeltaError::Codec("unknown derived delta record version".into())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(code: &str) -> ParcelState {
+        ParcelState { zoning: code.into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 12.5 }
+    }
+
+    /// Every kind of record reads back as written, in order; the end is `None`.
+    #[test]
+    fn records_read_back_in_the_order_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = DeltaFile::create(dir.path()).unwrap();
+        let geometry = StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]);
+        let st = state("R-1");
+        f.upsert(ParcelRef { id: "p1", state: &st, geometry: &geometry }).unwrap();
+        f.removal("p0").unwrap();
+        let event = crate::model::sample_event("p1");
+        f.event(&event).unwrap();
+        f.share("p1", 0.625).unwrap();
+        let mut r = f.finish().unwrap();
+        assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Upsert { id: "p1".into(), state: st, geometry }));
+        assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Removal("p0".into())));
+        assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Event(event)));
+        assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Share("p1".into(), 0.625)));
+        assert_eq!(r.next_item().unwrap(), None);
+    }
+
+    /// A damaged file is an error, never a short delta: a record cut inside its length or its
+    /// body, a length far beyond the file, another version.
+    #[test]
+    fn damaged_records_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let whole = {
+            let mut f = DeltaFile::create(dir.path()).unwrap();
+            f.removal("p0").unwrap();
+            let mut r = f.finish().unwrap();
+            let mut bytes = Vec::new();
+            r.input.read_to_end(&mut bytes).unwrap();
+            bytes
+        };
+        let read = |bytes: &[u8]| {
+            let mut file = tempfile::tempfile_in(dir.path()).unwrap();
+            file.write_all(bytes).unwrap();
+            file.seek(SeekFrom::Start(0)).unwrap();
+            DeltaReader { input: BufReader::new(file), buf: Vec::new() }.next_item()
+        };
+        assert!(matches!(read(&whole), Ok(Some(DeltaItem::Removal(_)))));
+        assert!(read(&whole[..2]).is_err(), "cut inside the length");
+        assert!(read(&whole[..whole.len() - 1]).is_err(), "cut inside the body");
+        let mut huge = whole.clone();
+        huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(read(&huge).is_err(), "a length beyond the file");
+        let mut other = whole.clone();
+        other[4] = DELTA_VERSION + 1;
+        assert!(read(&other).is_err(), "another version");
+    }
+}
