@@ -24,7 +24,7 @@ use crate::model::*;
 use crate::pipeline::{Engine, PipelineError, RunOptions, SourceReport};
 use crate::detect::derived_delta::{DeltaFile, DeltaItem, DeltaReader};
 use crate::pipeline::COMMIT_CHUNK;
-use crate::store::{BaseStretch, CommitMode, QuarantineDraft, RunCommit, RunWriter};
+use crate::store::{BaseStretch, CommitMode, QuarantineDraft, RunCommit, RunWriter, SnapshotRow};
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -234,7 +234,9 @@ impl Engine {
         // The base, a stretch at a time, merged with what this source has stored (see
         // `Engine::derive_pass`); the delta goes to a file, the counts to the gate.
         let now = self.now();
+        let pass_started = Instant::now();
         let DerivePass { mut delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, now)?;
+        let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
         warnings.push(format!(
             "derived {} zoning for {} parcels of {base_id:?} from {} polygons in {} ms ({} uncovered)",
@@ -278,17 +280,19 @@ impl Engine {
             ..Default::default()
         };
         // The commit: one write transaction, fed from the delta file in chunks.
+        let commit_started = Instant::now();
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&quarantine)?;
         let mut batch = DeltaBatch::default();
         while let Some(item) = delta.next_item()? {
             batch.push(item);
             if batch.len() >= COMMIT_CHUNK {
-                self.write_batch(&mut w, &mut batch, hold)?;
+                self.write_batch(&src.id, &mut w, &mut batch, hold)?;
             }
         }
-        self.write_batch(&mut w, &mut batch, hold)?;
+        self.write_batch(&src.id, &mut w, &mut batch, hold)?;
         let record = w.finish(started, self.now(), counts, warnings)?;
+        tracing::debug!(source = %src.id, pass_ms, derive_ms = pass.derive_ms as u64, commit_ms = commit_started.elapsed().as_millis() as u64, "derived run timing");
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "derived run committed");
         Ok(SourceReport { record, hold_reason })
     }
@@ -342,8 +346,19 @@ impl Engine {
     }
 
     /// Writes one chunk of a derived run's delta, and the claims on its events unless held.
-    fn write_batch(&self, w: &mut RunWriter<'_>, batch: &mut DeltaBatch, hold: bool) -> Result<(), PipelineError> {
-        w.upserts(batch.upserts.iter().map(Parcel::borrowed))?;
+    fn write_batch(&self, source_id: &str, w: &mut RunWriter<'_>, batch: &mut DeltaBatch, hold: bool) -> Result<(), PipelineError> {
+        if hold {
+            // A hold stages parcels, not snapshot rows.
+            let mut parcels = Vec::with_capacity(batch.upserts.len());
+            for row in &batch.upserts {
+                let (state, geometry) = SnapshotRow::decode_body(row.record.get(1..).unwrap_or_default())
+                    .map_err(|m| PipelineError::Derived(source_id.to_string(), format!("derived delta row {}: {m}", row.id)))?;
+                parcels.push(Parcel { id: row.id.clone(), state, geometry });
+            }
+            w.upserts(parcels.iter().map(Parcel::borrowed))?;
+        } else {
+            w.upserts_encoded(&batch.upserts)?;
+        }
         w.removals(&batch.removals)?;
         let claims = if hold { vec![] } else { self.claims_for(&batch.events) };
         w.events(&batch.events, &claims)?;
@@ -385,7 +400,7 @@ pub(crate) struct DeriveCounts {
 /// One chunk of a derived delta on its way to the run's writer.
 #[derive(Default)]
 struct DeltaBatch {
-    upserts: Vec<Parcel>,
+    upserts: Vec<SnapshotRow>,
     removals: Vec<String>,
     events: Vec<ChangeEvent>,
     shares: Vec<(String, f64)>,
@@ -394,7 +409,7 @@ struct DeltaBatch {
 impl DeltaBatch {
     fn push(&mut self, item: DeltaItem) {
         match item {
-            DeltaItem::Upsert { id, state, geometry } => self.upserts.push(Parcel { id, state, geometry }),
+            DeltaItem::Upsert(row) => self.upserts.push(row),
             DeltaItem::Removal(id) => self.removals.push(id),
             DeltaItem::Event(e) => self.events.push(e),
             DeltaItem::Share(id, share) => self.shares.push((id, share)),

@@ -35,7 +35,14 @@ pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
         Scale::Small => (200_000, 5_000),
         Scale::Full => (1_000_000, 5_000),
     };
-    synthetic(ctx, parcels, districts)
+    // `--parcels` sets the synthetic county's size (each one given, in turn).
+    if ctx.parcels.is_empty() {
+        return synthetic(ctx, parcels, districts);
+    }
+    for &n in &ctx.parcels {
+        synthetic(ctx, n, districts)?;
+    }
+    Ok(())
 }
 
 /// The real-data folder: `ZONEWATCH_REAL_DATA`, else `../shared/data/real` from the working

@@ -8,6 +8,7 @@
 //! on a crash.
 
 use crate::model::{ChangeEvent, ParcelRef, ParcelState, StoredGeometry};
+use crate::store::SnapshotRow;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -25,10 +26,11 @@ pub enum DeltaError {
 }
 
 /// One thing the commit must do.
-#[derive(Serialize, Deserialize, Debug, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub enum DeltaItem {
-    /// A new or changed derived parcel.
-    Upsert { id: String, state: ParcelState, geometry: StoredGeometry },
+    /// A new or changed derived parcel, as its snapshot row: the commit writes these bytes
+    /// as they are (a held run decodes them to stage the parcel).
+    Upsert(SnapshotRow),
     /// A derived parcel gone with its base parcel.
     Removal(String),
     /// A change that alerts.
@@ -37,14 +39,24 @@ pub enum DeltaItem {
     Share(String, f64),
 }
 
-/// [`DeltaItem`] written from borrowed parts (serde encodes a reference as what it refers
-/// to, so the bytes are the same).
+/// A record as written, from borrowed parts. An upsert's state and geometry come last, so
+/// that their encoding is the body of the parcel's snapshot row (see [`ItemHead`]).
 #[derive(Serialize)]
 enum DeltaItemRef<'a> {
     Upsert { id: &'a str, state: &'a ParcelState, geometry: &'a StoredGeometry },
     Removal(&'a str),
     Event(&'a ChangeEvent),
     Share(&'a str, f64),
+}
+
+/// A record read up to an upsert's body: the same variants in the same order as
+/// [`DeltaItemRef`], an upsert's state and geometry left encoded after its id.
+#[derive(Deserialize)]
+enum ItemHead {
+    Upsert { id: String },
+    Removal(String),
+    Event(ChangeEvent),
+    Share(String, f64),
 }
 
 /// The writer side; [`DeltaFile::finish`] turns it into a reader.
@@ -123,10 +135,26 @@ impl DeltaReader {
         if self.buf.len() as u64 != len {
             return Err(DeltaError::Codec("record cut short".into()));
         }
-        match self.buf.split_first() {
-            Some((&DELTA_VERSION, body)) => postcard::from_bytes(body).map(Some).map_err(|e| DeltaError::Codec(e.to_string())),
-            _ => Err(DeltaError::Codec("unknown derived delta record version".into())),
+        let codec = |m: String| DeltaError::Codec(m);
+        let body = match self.buf.split_first() {
+            Some((&DELTA_VERSION, body)) => body,
+            _ => return Err(codec("unknown derived delta record version".into())),
+        };
+        let (head, rest) = postcard::take_from_bytes::<ItemHead>(body).map_err(|e| codec(e.to_string()))?;
+        let item = match head {
+            ItemHead::Upsert { id } => {
+                // Stored as they are: the body must be exactly one state and one geometry.
+                SnapshotRow::body_envelope(rest).map_err(codec)?;
+                return Ok(Some(DeltaItem::Upsert(SnapshotRow::from_body(id, rest))));
+            }
+            ItemHead::Removal(id) => DeltaItem::Removal(id),
+            ItemHead::Event(e) => DeltaItem::Event(e),
+            ItemHead::Share(id, share) => DeltaItem::Share(id, share),
+        };
+        if !rest.is_empty() {
+            return Err(codec(format!("{} bytes after a record", rest.len())));
         }
+        Ok(Some(item))
     }
 }
 
@@ -151,7 +179,8 @@ mod tests {
         f.event(&event).unwrap();
         f.share("p1", 0.625).unwrap();
         let mut r = f.finish().unwrap();
-        assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Upsert { id: "p1".into(), state: st, geometry }));
+        let row = SnapshotRow::encode(ParcelRef { id: "p1", state: &st, geometry: &geometry });
+        assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Upsert(row)), "an upsert reads back as its snapshot row");
         assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Removal("p0".into())));
         assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Event(event)));
         assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Share("p1".into(), 0.625)));
@@ -186,5 +215,30 @@ mod tests {
         let mut other = whole.clone();
         other[4] = DELTA_VERSION + 1;
         assert!(read(&other).is_err(), "another version");
+        let mut longer = whole.clone();
+        longer.push(0);
+        let len = u32::from_le_bytes(longer[..4].try_into().unwrap()) + 1;
+        longer[..4].copy_from_slice(&len.to_le_bytes());
+        assert!(read(&longer).is_err(), "a byte after a record");
+        // An upsert whose body is not one state and one geometry is an error, not a row.
+        let upsert = {
+            let mut f = DeltaFile::create(dir.path()).unwrap();
+            let geometry = StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]);
+            f.upsert(ParcelRef { id: "p1", state: &state("R-1"), geometry: &geometry }).unwrap();
+            let mut r = f.finish().unwrap();
+            let mut bytes = Vec::new();
+            r.input.read_to_end(&mut bytes).unwrap();
+            bytes
+        };
+        assert!(matches!(read(&upsert), Ok(Some(DeltaItem::Upsert(_)))));
+        let mut cut = upsert[..upsert.len() - 3].to_vec();
+        let len = u32::from_le_bytes(cut[..4].try_into().unwrap()) - 3;
+        cut[..4].copy_from_slice(&len.to_le_bytes());
+        assert!(read(&cut).is_err(), "an upsert whose geometry is cut short");
+        let mut extra = upsert.clone();
+        extra.push(7);
+        let len = u32::from_le_bytes(extra[..4].try_into().unwrap()) + 1;
+        extra[..4].copy_from_slice(&len.to_le_bytes());
+        assert!(read(&extra).is_err(), "an upsert with a byte after its geometry");
     }
 }
