@@ -236,6 +236,7 @@ impl Engine {
         let now = self.now();
         let pass_started = Instant::now();
         let DerivePass { mut delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, now)?;
+        let delta_written = pass.delta_records;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
         warnings.push(format!(
@@ -248,6 +249,9 @@ impl Engine {
         ));
         if pass.failed > 0 {
             warnings.push(format!("{} parcel/district intersections could not be computed and counted as 0", pass.failed));
+        }
+        if pass.unreadable_shares > 0 {
+            warnings.push(format!("{} stored shares could not be read and were computed again", pass.unreadable_shares));
         }
         if pass.coverage_only > 0 {
             warnings.push(format!("{} parcels gained or lost district coverage (not a rezoning; not alerted)", pass.coverage_only));
@@ -291,13 +295,21 @@ impl Engine {
             }
         }
         self.write_batch(&src.id, &mut w, &mut batch, hold)?;
+        // A delta file that ends early at a record boundary reads as a short delta: the
+        // commit must have read every record the pass wrote.
+        if delta.read() != delta_written {
+            return Err(PipelineError::Derived(
+                src.id.clone(),
+                format!("the derived delta file gave back {} of the {} records written", delta.read(), delta_written),
+            ));
+        }
         let record = w.finish(started, self.now(), counts, warnings)?;
         tracing::debug!(source = %src.id, pass_ms, derive_ms = pass.derive_ms as u64, commit_ms = commit_started.elapsed().as_millis() as u64, "derived run timing");
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "derived run committed");
         Ok(SourceReport { record, hold_reason })
     }
 
-    /// The derive pass of a derived run: reads the base `base_id` `stretch` parcels at a time,
+    /// The derive pass of a derived run: reads the base `base_id` `stretch` ids at a time,
     /// with what this source has stored for the same ids (one read snapshot, see
     /// [`crate::store::Store::for_each_base_stretch`]), derives each stretch's zoning, diffs it
     /// against those stored rows and writes to a delta file what the commit must do: new or
@@ -314,7 +326,8 @@ impl Engine {
         let mut file = DeltaFile::create(self.scratch_dir())?;
         let mut pass = DeriveCounts::default();
         pass.previous = self.store.for_each_base_stretch(base_id, &src.id, stretch, |s: BaseStretch| -> Result<(), PipelineError> {
-            let BaseStretch { parcels, derived, shares } = s;
+            let BaseStretch { parcels, derived, shares, unreadable_shares } = s;
+            pass.unreadable_shares += unreadable_shares;
             let d = derive_all(src.layer, index, parcels, src.overlay_min_share);
             pass.parcels += d.parcels.len() as u64;
             pass.uncovered += d.uncovered;
@@ -324,6 +337,14 @@ impl Engine {
                 // The same computation gives the same bits: only a share that moved is written.
                 if shares.get(&p.id).map(|s| s.to_bits()) != Some(share.to_bits()) {
                     file.share(&p.id, *share)?;
+                }
+            }
+            // A share without a derived row (none is written so; a store of an older build
+            // may have some) goes unless its parcel is derived now: a removal takes it along.
+            if shares.keys().any(|id| !derived.contains_key(id)) {
+                let now_derived: HashSet<&str> = d.parcels.iter().map(|p| p.id.as_str()).collect();
+                for id in shares.keys().filter(|id| !derived.contains_key(*id) && !now_derived.contains(id.as_str())) {
+                    file.removal(id)?;
                 }
             }
             let diffed = diff(&derived, d.parcels, &HashSet::new());
@@ -342,6 +363,7 @@ impl Engine {
             pass.events += events.len() as u64;
             Ok(())
         })?;
+        pass.delta_records = file.written();
         Ok(DerivePass { delta: file.finish()?, counts: pass })
     }
 
@@ -368,9 +390,9 @@ impl Engine {
     }
 }
 
-/// Base parcels a derived run reads, derives and diffs at a time: with their coverages,
-/// derived states and the stored rows of the same ids, what it holds in memory whatever the
-/// size of the base.
+/// Parcel ids a derived run reads, derives and diffs at a time (base parcels with their
+/// coverages and derived states, and the stored rows of the same ids): what it holds in
+/// memory, whatever the size of the base and however its ids are spread.
 const DERIVE_STRETCH: usize = 32_768;
 
 /// What a derived run's derive pass found: its delta, on disk, and the counts the gate and
@@ -393,6 +415,10 @@ pub(crate) struct DeriveCounts {
     pub failed: u64,
     /// Parcels that gained or lost coverage only (not alerted).
     pub coverage_only: u64,
+    /// Stored shares that could not be decoded (written again).
+    pub unreadable_shares: u64,
+    /// Records in the delta file.
+    pub delta_records: u64,
     /// Time spent deriving (coverages and states), over every stretch.
     pub derive_ms: u128,
 }
@@ -576,6 +602,7 @@ mod tests {
     use std::path::Path;
 
     const SPEC: CountySpec = CountySpec { seed: 11, parcels: 600, origin: [-93.30, 44.95], blocks_per_row: 6 };
+    const CUTS: [f64; 4] = [-0.5, 0.37, 0.71, 1.5];
 
     fn write_parcels(path: &Path, lots: &[SynthParcel]) {
         let mut out = String::from("{\"type\":\"FeatureCollection\",\"features\":[");
@@ -589,13 +616,12 @@ mod tests {
         std::fs::write(path, out).unwrap();
     }
 
-    /// A 3 × 3 grid of rectangular districts over the county (boundaries cut through lots, so
-    /// many parcels are split), coded by `code(cell)`.
-    fn write_districts(path: &Path, code: impl Fn(usize) -> String) {
+    /// A 3 × 3 grid of rectangular districts over the county, cut at `cuts` (fractions of its
+    /// extent; boundaries cut through lots, so many parcels are split), coded by `code(cell)`.
+    fn write_districts(path: &Path, cuts: [f64; 4], code: impl Fn(usize) -> String) {
         let (sw, ne) = CountyIter::extent(&SPEC);
         // Cut at uneven fractions, so that the cuts do not fall on streets; the outer cells
         // reach past the county so that every lot is covered.
-        let cuts = [-0.5, 0.37, 0.71, 1.5];
         let mut features = Vec::new();
         for cell in 0..9 {
             let (i, j) = (cell % 3, cell / 3);
@@ -699,7 +725,7 @@ min_severity = "info"
             write_parcels(&dir.path().join("parcels.geojson"), &lots);
             engine.run_source_id("base", RunOptions::default()).unwrap();
 
-            write_districts(&dir.path().join("districts.geojson"), |c| codes[c].to_string());
+            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| codes[c].to_string());
             let (first, before) = run("baseline");
             assert_eq!(first.record.verdict, Verdict::Baseline);
             assert_eq!(first.record.counts.parcels, lots.len() as u64);
@@ -707,16 +733,31 @@ min_severity = "info"
             assert!(split > 10, "the grid cuts through lots: {split} split");
 
             // One district recoded: its parcels are rezoned, and queued once each.
-            write_districts(&dir.path().join("districts.geojson"), |c| if c == 4 { "C-3".into() } else { codes[c].to_string() });
+            let recoded = |c: usize| if c == 4 { "C-3".to_string() } else { codes[c].to_string() };
+            write_districts(&dir.path().join("districts.geojson"), CUTS, recoded);
             let (r, after) = run("one district recoded");
             assert_eq!(r.record.verdict, Verdict::Run, "{}", r.line());
             let want = rezoned(&before, &after);
             assert!(want > 5, "{want}");
             assert_eq!((r.record.counts.changes, r.record.counts.queued), (want, want), "{}", r.line());
 
+            // The cuts move a little, the codes stay: shares move, and only the parcels
+            // whose winning code flipped are rezoned.
+            let shares_before = stored(&engine).1;
+            write_districts(&dir.path().join("districts.geojson"), [-0.5, 0.375, 0.715, 1.5], recoded);
+            let (r, moved) = run("cuts moved");
+            let want = rezoned(&after, &moved);
+            assert_eq!((r.record.counts.changes, r.record.counts.queued), (want, want), "{}", r.line());
+            let shares_after = stored(&engine).1;
+            let share_only =
+                shares_after.iter().filter(|(id, s)| shares_before.get(*id) != Some(*s) && after.get(*id) == moved.get(*id)).count();
+            assert!(share_only > 0, "some shares moved without their parcel's code");
+
             // The base loses every 25th lot and gains two: their derived rows and shares go
             // and come silently (the parcel source reports those itself).
-            let gone: Vec<String> = lots.iter().step_by(25).map(|l| l.id.clone()).collect();
+            // The greatest id goes too: stored rows after the last base id are removed.
+            let mut gone: Vec<String> = lots.iter().step_by(25).map(|l| l.id.clone()).collect();
+            gone.extend(lots.iter().map(|l| l.id.clone()).max());
             lots.retain(|l| !gone.contains(&l.id));
             let mut extra: Vec<SynthParcel> = lots.iter().take(2).cloned().collect();
             for (k, lot) in extra.iter_mut().enumerate() {
@@ -737,10 +778,12 @@ min_severity = "info"
 
             // Every district recoded: a change spike, held with its shares staged; released,
             // the snapshot and the shares are what deriving the whole base gives.
-            write_districts(&dir.path().join("districts.geojson"), |c| format!("X-{c}"));
+            let shares_kept = stored(&engine).1;
+            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| format!("X-{c}"));
             let (held, unchanged) = run("spike");
             assert_eq!(held.record.verdict, Verdict::Held, "{}", held.line());
             assert_eq!(unchanged, after, "a held run leaves the derived snapshot alone");
+            assert_eq!(stored(&engine).1, shares_kept, "and the shares");
             let released = engine.resolve_hold(held.record.hold_id.unwrap(), false).unwrap();
             let want = expected(&engine, dir.path());
             let got = stored(&engine);

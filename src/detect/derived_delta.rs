@@ -63,12 +63,13 @@ enum ItemHead {
 pub struct DeltaFile {
     out: BufWriter<File>,
     buf: Vec<u8>,
+    written: u64,
 }
 
 impl DeltaFile {
     /// A new anonymous delta file in `dir`.
     pub fn create(dir: &Path) -> Result<DeltaFile, DeltaError> {
-        Ok(DeltaFile { out: BufWriter::with_capacity(1 << 20, tempfile::tempfile_in(dir)?), buf: Vec::with_capacity(512) })
+        Ok(DeltaFile { out: BufWriter::with_capacity(1 << 20, tempfile::tempfile_in(dir)?), buf: Vec::with_capacity(512), written: 0 })
     }
 
     fn put(&mut self, item: &DeltaItemRef<'_>) -> Result<(), DeltaError> {
@@ -80,7 +81,13 @@ impl DeltaFile {
         let len = u32::try_from(self.buf.len() - 4).map_err(|_| DeltaError::Codec("record over 4 GiB".into()))?;
         self.buf[..4].copy_from_slice(&len.to_le_bytes());
         self.out.write_all(&self.buf)?;
+        self.written += 1;
         Ok(())
+    }
+
+    /// Records written so far (the commit checks it read as many back).
+    pub fn written(&self) -> u64 {
+        self.written
     }
 
     pub fn upsert(&mut self, p: ParcelRef<'_>) -> Result<(), DeltaError> {
@@ -103,7 +110,7 @@ impl DeltaFile {
     pub fn finish(self) -> Result<DeltaReader, DeltaError> {
         let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
         file.seek(SeekFrom::Start(0))?;
-        Ok(DeltaReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new() })
+        Ok(DeltaReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new(), read: 0 })
     }
 }
 
@@ -111,6 +118,7 @@ impl DeltaFile {
 pub struct DeltaReader {
     input: BufReader<File>,
     buf: Vec<u8>,
+    read: u64,
 }
 
 impl DeltaReader {
@@ -145,6 +153,7 @@ impl DeltaReader {
             ItemHead::Upsert { id } => {
                 // Stored as they are: the body must be exactly one state and one geometry.
                 SnapshotRow::body_envelope(rest).map_err(codec)?;
+                self.read += 1;
                 return Ok(Some(DeltaItem::Upsert(SnapshotRow::from_body(id, rest))));
             }
             ItemHead::Removal(id) => DeltaItem::Removal(id),
@@ -154,7 +163,13 @@ impl DeltaReader {
         if !rest.is_empty() {
             return Err(codec(format!("{} bytes after a record", rest.len())));
         }
+        self.read += 1;
         Ok(Some(item))
+    }
+
+    /// Records read so far.
+    pub fn read(&self) -> u64 {
+        self.read
     }
 }
 
@@ -204,7 +219,7 @@ mod tests {
             let mut file = tempfile::tempfile_in(dir.path()).unwrap();
             file.write_all(bytes).unwrap();
             file.seek(SeekFrom::Start(0)).unwrap();
-            DeltaReader { input: BufReader::new(file), buf: Vec::new() }.next_item()
+            DeltaReader { input: BufReader::new(file), buf: Vec::new(), read: 0 }.next_item()
         };
         assert!(matches!(read(&whole), Ok(Some(DeltaItem::Removal(_)))));
         assert!(read(&whole[..2]).is_err(), "cut inside the length");

@@ -53,22 +53,24 @@ pub(super) fn stage_shares(wtx: &WriteTransaction, hold_id: u64, shares: &[(Stri
     Ok(())
 }
 
-/// One stretch of a derived run's read ([`Store::for_each_base_stretch`]): base parcels in id
-/// order, and what the derived source has stored for the same stretch of ids.
+/// One stretch of a derived run's read ([`Store::for_each_base_stretch`]): a run of parcel
+/// ids, and for it the base's parcels and what the derived source has stored.
 #[derive(Debug, Default)]
 pub struct BaseStretch {
     /// Base parcels with their geometry, in id order (a base parcel without one is left out,
     /// as it has nothing to derive from).
     pub parcels: Vec<(String, ParcelState, StoredGeometry)>,
-    /// The derived source's stored states whose ids come after the previous stretch's last
-    /// base id, up to and including this stretch's; the last stretch has every one left.
+    /// The derived source's stored states over the same ids.
     pub derived: HashMap<String, ParcelState>,
-    /// The derived source's stored shares over the same ids as `derived`.
+    /// The derived source's stored shares over the same ids (a share that cannot be decoded
+    /// is left out, so that the run writes it again: shares are recomputed every run).
     pub shares: HashMap<String, f64>,
+    /// Stored shares left out because they could not be decoded.
+    pub unreadable_shares: u64,
 }
 
 /// Rows of one source in a `(source id, parcel id)`-keyed table, read in id order with one
-/// row of look-ahead (the merge takes rows up to a given id).
+/// row of look-ahead (the merge takes the smallest id of several).
 struct SourceRows<'t> {
     range: redb::Range<'t, (&'static str, &'static str), &'static [u8]>,
     source_id: &'t str,
@@ -101,16 +103,12 @@ impl<'t> SourceRows<'t> {
         Ok(())
     }
 
-    /// The next row, if its id is at most `last` (any row, with `None`).
-    fn take_through(&mut self, last: Option<&str>) -> Result<Option<(String, Vec<u8>)>, StoreError> {
-        let due = match (&self.next, last) {
-            (None, _) => false,
-            (Some(_), None) => true,
-            (Some((id, _)), Some(last)) => id.as_str() <= last,
-        };
-        if !due {
-            return Ok(None);
-        }
+    fn next_id(&self) -> Option<&str> {
+        self.next.as_ref().map(|(id, _)| id.as_str())
+    }
+
+    /// The next row (its id and bytes), reading the one after it.
+    fn take(&mut self) -> Result<Option<(String, Vec<u8>)>, StoreError> {
         let row = self.next.take();
         self.advance()?;
         Ok(row)
@@ -118,12 +116,15 @@ impl<'t> SourceRows<'t> {
 }
 
 impl Store {
-    /// Reads a derived run's inputs from one read snapshot, a stretch at a time: up to
-    /// `stretch` parcels of the base `base_id` (in id order), with the states and shares the
-    /// derived source `derived_id` has stored for the same stretch of ids (see
-    /// [`BaseStretch`]). Every stored derived row lands in exactly one stretch, so a diff of
-    /// each stretch against its own stored rows is the diff of the whole. `each` is called at
-    /// least once (with no parcels, for an empty base). Returns how many derived rows were
+    /// Reads a derived run's inputs from one read snapshot, a stretch at a time: the ids of
+    /// the base `base_id` and of the derived source `derived_id` (its states and its shares)
+    /// merged in id order, at most `stretch` distinct ids a stretch, and for those ids the
+    /// base's parcels and the derived source's stored states and shares (see
+    /// [`BaseStretch`]). Every id lands in exactly one stretch, with all it has in each of
+    /// the three, so a diff of each stretch is the diff of the whole; and a stretch is
+    /// bounded whatever the ids (a base emptied or re-keyed leaves a long run of stored ids
+    /// that are no base's, read a stretch at a time too). `each` is called at least once
+    /// (with nothing, for an empty base and source). Returns how many derived rows were
     /// stored. Stops at the first error.
     pub fn for_each_base_stretch<E: From<StoreError>>(
         &self,
@@ -147,32 +148,48 @@ impl Store {
             None => None,
         };
         let mut stored = 0u64;
+        let mut called = false;
         loop {
             let mut out = BaseStretch::default();
-            let mut last: Option<String> = None;
-            let mut read = 0;
-            while read < stretch {
-                let Some((pid, bytes)) = base.take_through(None)? else { break };
-                read += 1;
-                if let (state, Some(geometry)) = decode_record(&bytes).map_err(|m| codec_err("parcel_snapshot", m))? {
-                    out.parcels.push((pid.clone(), state, geometry));
+            let mut ids = 0;
+            while ids < stretch {
+                // The smallest id any of the three has next; all three give what they have of it.
+                let (in_base, in_derived, in_shares) = {
+                    let share_next = shares.as_ref().and_then(|s| s.next_id());
+                    let Some(min) = [base.next_id(), derived.next_id(), share_next].into_iter().flatten().min() else { break };
+                    (base.next_id() == Some(min), derived.next_id() == Some(min), share_next == Some(min))
+                };
+                ids += 1;
+                let base_row = if in_base { base.take()? } else { None };
+                let derived_row = if in_derived { derived.take()? } else { None };
+                let share_row = match shares.as_mut() {
+                    Some(s) if in_shares => s.take()?,
+                    _ => None,
+                };
+                if let Some((id, bytes)) = derived_row {
+                    out.derived.insert(id, decode_state(&bytes).map_err(|m| codec_err("parcel_snapshot", m))?);
+                    stored += 1;
                 }
-                last = Some(pid);
-            }
-            // With no base row left, the stored rows not read yet all belong to this stretch.
-            let finished = base.next.is_none();
-            let through = if finished { None } else { last.as_deref() };
-            while let Some((pid, bytes)) = derived.take_through(through)? {
-                out.derived.insert(pid, decode_state(&bytes).map_err(|m| codec_err("parcel_snapshot", m))?);
-                stored += 1;
-            }
-            if let Some(shares) = shares.as_mut() {
-                while let Some((pid, bytes)) = shares.take_through(through)? {
-                    out.shares.insert(pid, decode(&bytes).map_err(|m| codec_err("derived_shares", m))?);
+                if let Some((id, bytes)) = share_row {
+                    match decode::<f64>(&bytes) {
+                        Ok(share) => {
+                            out.shares.insert(id, share);
+                        }
+                        Err(_) => out.unreadable_shares += 1,
+                    }
+                }
+                if let Some((id, bytes)) = base_row {
+                    if let (state, Some(geometry)) = decode_record(&bytes).map_err(|m| codec_err("parcel_snapshot", m))? {
+                        out.parcels.push((id, state, geometry));
+                    }
                 }
             }
+            if ids == 0 && called {
+                return Ok(stored);
+            }
+            called = true;
             each(out)?;
-            if finished {
+            if ids < stretch {
                 return Ok(stored);
             }
         }
@@ -181,5 +198,131 @@ impl Store {
     /// The stored derived shares of a source, by parcel id.
     pub fn derived_shares(&self, source_id: &str) -> Result<HashMap<String, f64>, StoreError> {
         self.source_rows(DERIVED_SHARES, "derived_shares", source_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Parcel, RunCounts, Watermark};
+    use crate::store::CommitMode;
+    use crate::synth::SplitMix64;
+    use std::collections::BTreeSet;
+
+    fn parcel(id: &str, with_geometry: bool) -> Parcel {
+        let ring = vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]];
+        Parcel {
+            id: id.into(),
+            state: ParcelState { zoning: format!("Z{id}"), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0 },
+            geometry: StoredGeometry(if with_geometry { vec![vec![ring]] } else { vec![] }),
+        }
+    }
+
+    /// Writes `parcels` to `source`'s snapshot and `shares` as its shares, in one run.
+    fn write(store: &Store, source: &str, parcels: &[Parcel], shares: &[(String, f64)]) {
+        let mut w = store.begin_run(source, CommitMode::Baseline, Watermark::default(), 1, 1_000).unwrap();
+        w.upserts(parcels.iter().map(Parcel::borrowed)).unwrap();
+        w.shares(shares).unwrap();
+        w.finish(1, 1, RunCounts::default(), vec![]).unwrap();
+    }
+
+    /// Random bases and derived sources (ids in runs and gaps, base parcels without a
+    /// geometry, shares without a derived row, neighbours whose names extend the sources'),
+    /// read with random stretch sizes: every id lands in exactly one stretch with everything
+    /// it has in each of the three, stretches follow each other in id order, no stretch has
+    /// more than `stretch` ids, and a source's neighbours never leak in.
+    #[test]
+    fn every_id_lands_in_exactly_one_bounded_stretch() {
+        let mut rng = SplitMix64::new(42);
+        for trial in 0..60 {
+            let dir = tempfile::tempdir().unwrap();
+            let store = Store::open(&dir.path().join("z.redb")).unwrap();
+            let universe = 1 + rng.below(120);
+            let pick = |rng: &mut SplitMix64, p: usize| -> BTreeSet<String> {
+                // Runs of present ids and long gaps: ids in a window that moves.
+                let lo = rng.below(universe);
+                (0..universe).filter(|i| (*i >= lo || rng.below(4) == 0) && rng.below(100) < p).map(|i| format!("p{i:04}")).collect()
+            };
+            let (p_base, p_derived) = (rng.below(101), rng.below(101));
+            let base_ids = pick(&mut rng, p_base);
+            let derived_ids = pick(&mut rng, p_derived);
+            let mut share_ids: BTreeSet<String> = derived_ids.iter().filter(|_| rng.below(10) > 0).cloned().collect();
+            share_ids.extend(pick(&mut rng, 10));
+            let no_geometry: BTreeSet<String> = base_ids.iter().filter(|_| rng.below(8) == 0).cloned().collect();
+            let base: Vec<Parcel> = base_ids.iter().map(|id| parcel(id, !no_geometry.contains(id))).collect();
+            let derived: Vec<Parcel> = derived_ids.iter().map(|id| parcel(id, true)).collect();
+            let shares: Vec<(String, f64)> = share_ids.iter().map(|id| (id.clone(), id.len() as f64 / 10.0)).collect();
+            write(&store, "base", &base, &[]);
+            write(&store, "zoning", &derived, &shares);
+            // Neighbours in key order on both sides of each source.
+            for n in ["bas", "base-x", "zonin", "zoning-x"] {
+                write(&store, n, &[parcel("p0000", true), parcel("zzz", true)], &[("p0000".to_string(), 0.5)]);
+            }
+            let stretch = 1 + rng.below(9);
+            let mut calls = 0;
+            let (mut got_base, mut got_derived, mut got_shares) = (Vec::new(), Vec::new(), Vec::new());
+            let mut previous_last: Option<String> = None;
+            let stored = store
+                .for_each_base_stretch::<StoreError>("base", "zoning", stretch, |s| {
+                    calls += 1;
+                    let ids: BTreeSet<String> = s
+                        .parcels
+                        .iter()
+                        .map(|p| p.0.clone())
+                        .chain(s.derived.keys().cloned())
+                        .chain(s.shares.keys().cloned())
+                        .collect();
+                    assert!(ids.len() <= stretch, "trial {trial}: {} ids in a stretch of {stretch}", ids.len());
+                    if let (Some(first), Some(prev)) = (ids.first(), &previous_last) {
+                        assert!(first > prev, "trial {trial}: stretches out of order");
+                    }
+                    if let Some(last) = ids.last() {
+                        previous_last = Some(last.clone());
+                    }
+                    // Everything an id has is in its stretch.
+                    for id in &ids {
+                        assert_eq!(s.derived.contains_key(id), derived_ids.contains(id), "trial {trial}: {id}");
+                        assert_eq!(s.shares.contains_key(id), share_ids.contains(id), "trial {trial}: {id}");
+                        let with_geometry = base_ids.contains(id) && !no_geometry.contains(id);
+                        assert_eq!(s.parcels.iter().any(|p| &p.0 == id), with_geometry, "trial {trial}: {id}");
+                    }
+                    got_base.extend(s.parcels.into_iter().map(|p| p.0));
+                    got_derived.extend(s.derived.into_keys());
+                    got_shares.extend(s.shares.into_keys());
+                    Ok(())
+                })
+                .unwrap();
+            assert!(calls >= 1);
+            assert_eq!(stored, derived_ids.len() as u64);
+            let with_geometry: Vec<String> = base_ids.iter().filter(|id| !no_geometry.contains(*id)).cloned().collect();
+            assert_eq!(got_base, with_geometry, "trial {trial}: base parcels once each, in order");
+            got_derived.sort();
+            got_shares.sort();
+            assert_eq!(got_derived, derived_ids.iter().cloned().collect::<Vec<_>>(), "trial {trial}: derived rows once each");
+            assert_eq!(got_shares, share_ids.iter().cloned().collect::<Vec<_>>(), "trial {trial}: shares once each");
+        }
+    }
+
+    /// A stored share that cannot be decoded is left out and counted (the run computes it
+    /// again), not a failed run.
+    #[test]
+    fn an_unreadable_share_is_counted_and_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        write(&store, "base", &[parcel("a", true), parcel("b", true)], &[]);
+        write(&store, "zoning", &[parcel("a", true), parcel("b", true)], &[("a".to_string(), 0.5), ("b".to_string(), 1.0)]);
+        {
+            let wtx = store.db.begin_write().unwrap();
+            wtx.open_table(DERIVED_SHARES).unwrap().insert(("zoning", "b"), [9u8, 9, 9].as_slice()).unwrap();
+            wtx.commit().unwrap();
+        }
+        let mut seen = Vec::new();
+        store
+            .for_each_base_stretch::<StoreError>("base", "zoning", 10, |s| {
+                seen.push((s.shares.len(), s.unreadable_shares, s.derived.len()));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(seen, [(1, 1, 2)]);
     }
 }

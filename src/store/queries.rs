@@ -168,8 +168,9 @@ impl Store {
         Ok(out)
     }
 
-    /// Every parcel of a source with its state and geometry, in id order, from one scan (what
-    /// a derived source derives from). A parcel without a geometry (see
+    /// Every parcel of a source with its state and geometry, in id order, from one scan, in
+    /// memory (tests and the bench; a derived run reads its base a stretch at a time,
+    /// [`Store::for_each_base_stretch`]). A parcel without a geometry (see
     /// [`Store::parcel_geometries`]) is left out.
     pub fn snapshot_parcels(&self, source_id: &str) -> Result<Vec<(String, ParcelState, StoredGeometry)>, StoreError> {
         let rtx = self.db.begin_read()?;

@@ -104,7 +104,8 @@ impl Store {
     }
 
     /// Opens the one write transaction of a run. The caller feeds it in chunks (quarantine,
-    /// upserts, removals, events with their claims) and then [`RunWriter::finish`]es it; dropping
+    /// upserts, removals, events with their claims, a derived run's shares) and then
+    /// [`RunWriter::finish`]es it; dropping
     /// the writer unfinished aborts the transaction, so nothing of the run is visible.
     /// Older open holds of the source are closed here (superseded, or resolved by this run).
     pub fn begin_run(
@@ -247,7 +248,8 @@ impl Store {
         Ok(record)
     }
 
-    /// Feeds a hold's staged snapshot delta, then its change events, to `feed` in chunks of
+    /// Feeds a hold's staged snapshot delta, then its change events, then its derived shares
+    /// (a district or overlay source's), to `feed` in chunks of
     /// at most `chunk` items, in staging order, from one read snapshot. A held county-sized
     /// delta is never in memory at once: releasing a hold streams it into the release's run
     /// writer like a run streams its layer.
@@ -456,8 +458,8 @@ impl RunWriter<'_> {
         Ok(())
     }
 
-    /// Derived shares of new or changed derived parcels (see `store::derived`): written, or
-    /// staged with the hold. A removed parcel's share goes with it ([`RunWriter::removals`]).
+    /// Derived shares that moved (see `store::derived`): written, or staged with the hold. A
+    /// removed parcel's share goes with it ([`RunWriter::removals`]).
     pub fn shares(&mut self, shares: &[(String, f64)]) -> Result<(), StoreError> {
         if matches!(self.mode, CommitMode::Hold { .. }) {
             super::derived::stage_shares(&self.wtx, self.run_id, shares)
@@ -665,6 +667,13 @@ mod tests {
         w.shares(&[("p0".to_string(), 0.75), ("p1".to_string(), 1.0), ("p2".to_string(), 0.5)]).unwrap();
         let rec = w.finish(1, 1, RunCounts::default(), vec![]).unwrap();
         let hold = rec.hold_id.unwrap();
+        // Another source's hold, staged after it: its rows must not be mixed in.
+        let mut other = store.begin_run("t", CommitMode::Hold { reason: "test".into() }, Watermark::default(), 1, 1_000).unwrap();
+        other.upserts([parcel("x0")].iter().map(Parcel::borrowed)).unwrap();
+        other.removals(&["x1".to_string()]).unwrap();
+        other.events(&[sample_event("x0")], &[]).unwrap();
+        other.shares(&[("x0".to_string(), 0.25)]).unwrap();
+        assert!(other.finish(1, 1, RunCounts::default(), vec![]).unwrap().hold_id.unwrap() > hold);
 
         let (mut upserts, mut removals, mut events, mut shares, mut largest) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0);
         store
@@ -692,7 +701,7 @@ mod tests {
         assert_eq!(removals, ["q0", "q1"]);
         assert_eq!(events, ids[..5]);
         assert_eq!(shares, [("p0".to_string(), 0.75), ("p1".to_string(), 1.0), ("p2".to_string(), 0.5)]);
-        // Another hold's rows are not mixed in, and an unknown hold yields nothing.
+        // An unknown hold yields nothing.
         let mut n = 0;
         store.for_each_held(hold + 100, 2, |_| { n += 1; Ok(()) }).unwrap();
         assert_eq!(n, 0);

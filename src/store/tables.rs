@@ -57,7 +57,8 @@ pub const HELD_EVENTS: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new
 /// subscriber id → `StoredSubscriber` (subscribers managed through the control port).
 pub const SUBSCRIBERS: TableDefinition<&str, &[u8]> = TableDefinition::new("subscribers");
 /// (source id, parcel id) → share (f64 record) of the winning derived code of a parcel
-/// (districts) or the largest overlay share (overlays). Replaced as a whole by each derived run.
+/// (districts) or the largest overlay share (overlays). Written as a delta by each derived run
+/// (the shares that moved); a parcel's share goes with its snapshot row.
 pub const DERIVED_SHARES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("derived_shares");
 /// (hold run id, parcel id) → share: the derived shares of a held run.
 pub const HELD_SHARES: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_shares");
