@@ -24,7 +24,7 @@ use crate::model::*;
 use crate::pipeline::{Engine, PipelineError, RunOptions, SourceReport};
 use crate::detect::derived_delta::{DeltaFile, DeltaItem, DeltaReader};
 use crate::pipeline::COMMIT_CHUNK;
-use crate::store::{BaseStretch, CommitMode, QuarantineDraft, RunCommit, RunWriter, SnapshotRow};
+use crate::store::{BaseStretch, Claim, CommitMode, QuarantineDraft, RunCommit, RunWriter, SnapshotRow};
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -283,24 +283,60 @@ impl Engine {
             repaired: layer.repaired,
             ..Default::default()
         };
-        // The commit: one write transaction, fed from the delta file in chunks.
+        // The commit: one write transaction, fed from the delta file in chunks. A second
+        // thread reads the file back and matches each chunk's events while this one writes
+        // the chunk before (the write lock is held for the writing); what this thread is done
+        // with goes back to be freed over there, where it was allocated.
         let commit_started = Instant::now();
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&quarantine)?;
-        let mut batch = DeltaBatch::default();
-        while let Some(item) = delta.next_item()? {
-            batch.push(item);
-            if batch.len() >= COMMIT_CHUNK {
-                self.write_batch(&src.id, &mut w, &mut batch, hold)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(DeltaBatch, Vec<Claim>), PipelineError>>(2);
+        let (spent_tx, spent_rx) = std::sync::mpsc::channel::<DeltaBatch>();
+        let read_back = std::thread::scope(|scope| -> Result<u64, PipelineError> {
+            let reader = scope.spawn(move || -> u64 {
+                let send = |batch: DeltaBatch| -> bool {
+                    let claims = if hold { vec![] } else { self.claims_for(&batch.events) };
+                    tx.send(Ok((batch, claims))).is_ok()
+                };
+                let mut batch = DeltaBatch::default();
+                loop {
+                    match delta.next_item() {
+                        Ok(Some(item)) => {
+                            batch.push(item);
+                            if batch.len() >= COMMIT_CHUNK && !send(std::mem::take(&mut batch)) {
+                                break;
+                            }
+                            while let Ok(spent) = spent_rx.try_recv() {
+                                drop(spent);
+                            }
+                        }
+                        Ok(None) => {
+                            send(batch);
+                            break;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e.into()));
+                            break;
+                        }
+                    }
+                }
+                delta.read()
+            });
+            // Ends when the reader hangs up; an error returns at once (dropping `rx`, so the
+            // reader's next send fails and it stops).
+            for msg in rx {
+                let (batch, claims) = msg?;
+                self.write_batch(&src.id, &mut w, &batch, &claims, hold)?;
+                let _ = spent_tx.send(batch);
             }
-        }
-        self.write_batch(&src.id, &mut w, &mut batch, hold)?;
+            reader.join().map_err(|_| PipelineError::Derived(src.id.clone(), "the thread reading the derived delta failed".into()))
+        })?;
         // A delta file that ends early at a record boundary reads as a short delta: the
         // commit must have read every record the pass wrote.
-        if delta.read() != delta_written {
+        if read_back != delta_written {
             return Err(PipelineError::Derived(
                 src.id.clone(),
-                format!("the derived delta file gave back {} of the {} records written", delta.read(), delta_written),
+                format!("the derived delta file gave back {read_back} of the {delta_written} records written"),
             ));
         }
         let record = w.finish(started, self.now(), counts, warnings)?;
@@ -367,8 +403,9 @@ impl Engine {
         Ok(DerivePass { delta: file.finish()?, counts: pass })
     }
 
-    /// Writes one chunk of a derived run's delta, and the claims on its events unless held.
-    fn write_batch(&self, source_id: &str, w: &mut RunWriter<'_>, batch: &mut DeltaBatch, hold: bool) -> Result<(), PipelineError> {
+    /// Writes one chunk of a derived run's delta, and the claims on its events (none when
+    /// held).
+    fn write_batch(&self, source_id: &str, w: &mut RunWriter<'_>, batch: &DeltaBatch, claims: &[Claim], hold: bool) -> Result<(), PipelineError> {
         if hold {
             // A hold stages parcels, not snapshot rows.
             let mut parcels = Vec::with_capacity(batch.upserts.len());
@@ -382,10 +419,8 @@ impl Engine {
             w.upserts_encoded(&batch.upserts)?;
         }
         w.removals(&batch.removals)?;
-        let claims = if hold { vec![] } else { self.claims_for(&batch.events) };
-        w.events(&batch.events, &claims)?;
+        w.events(&batch.events, claims)?;
         w.shares(&batch.shares)?;
-        *batch = DeltaBatch::default();
         Ok(())
     }
 }
@@ -619,7 +654,11 @@ mod tests {
     /// A 3 × 3 grid of rectangular districts over the county, cut at `cuts` (fractions of its
     /// extent; boundaries cut through lots, so many parcels are split), coded by `code(cell)`.
     fn write_districts(path: &Path, cuts: [f64; 4], code: impl Fn(usize) -> String) {
-        let (sw, ne) = CountyIter::extent(&SPEC);
+        write_districts_over(&SPEC, path, cuts, code)
+    }
+
+    fn write_districts_over(spec: &CountySpec, path: &Path, cuts: [f64; 4], code: impl Fn(usize) -> String) {
+        let (sw, ne) = CountyIter::extent(spec);
         // Cut at uneven fractions, so that the cuts do not fall on streets; the outer cells
         // reach past the county so that every lot is covered.
         let mut features = Vec::new();
@@ -791,5 +830,30 @@ min_severity = "info"
             assert_eq!(got, want, "stretch {stretch}: after the release");
             assert_eq!(released.counts.queued, rezoned(&after, &got.0));
         }
+    }
+
+    /// A store error half-way through a derived run's commit (the second chunk of rows, after
+    /// a pause in which the thread reading the delta back fills its channel and blocks): the
+    /// run fails whole, the reading thread stops, nothing of the run is visible, and the next
+    /// run commits it all.
+    #[test]
+    fn a_store_error_mid_commit_fails_a_derived_run_whole() {
+        let spec = CountySpec { seed: 5, parcels: 12_000, origin: [-93.30, 44.95], blocks_per_row: 28 };
+        let dir = tempfile::tempdir().unwrap();
+        let engine = engine(dir.path());
+        write_parcels(&dir.path().join("parcels.geojson"), &CountyIter::new(&spec).collect::<Vec<_>>());
+        engine.run_source_id("base", RunOptions::default()).unwrap();
+        write_districts_over(&spec, &dir.path().join("districts.geojson"), CUTS, |c| format!("Z-{}", c % 4));
+        let src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
+        engine.store.fail_snapshot_write(2, std::time::Duration::from_millis(300));
+        let failed = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH);
+        assert!(matches!(failed, Err(PipelineError::Store(_))), "{:?}", failed.map(|r| r.line()));
+        assert!(engine.store.watermark("zoning").unwrap().is_none());
+        assert!(engine.store.snapshot_states("zoning").unwrap().is_empty());
+        assert!(engine.store.derived_shares("zoning").unwrap().is_empty());
+        let again = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+        assert_eq!(again.record.verdict, Verdict::Baseline);
+        assert_eq!(stored(&engine), expected(&engine, dir.path()));
+        assert_eq!(again.record.counts.parcels, 12_000);
     }
 }
