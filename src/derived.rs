@@ -362,26 +362,29 @@ impl Engine {
         let mut file = DeltaFile::create(self.scratch_dir())?;
         let mut pass = DeriveCounts::default();
         pass.previous = self.store.for_each_base_stretch(base_id, &src.id, stretch, |s: BaseStretch| -> Result<(), PipelineError> {
-            let BaseStretch { parcels, derived, shares, unreadable_shares } = s;
+            let BaseStretch { parcels, parcel_shares, derived, orphan_shares, unreadable_shares } = s;
             pass.unreadable_shares += unreadable_shares;
             let d = derive_all(src.layer, index, parcels, src.overlay_min_share);
             pass.parcels += d.parcels.len() as u64;
             pass.uncovered += d.uncovered;
             pass.failed += d.failed;
             pass.derive_ms += d.millis;
-            for (p, share) in d.parcels.iter().zip(&d.shares) {
+            // `derive_all` keeps the base's order, one derived parcel per base parcel.
+            if d.parcels.len() != parcel_shares.len() {
+                return Err(PipelineError::Derived(
+                    src.id.clone(),
+                    format!("derived {} parcels from a stretch of {}", d.parcels.len(), parcel_shares.len()),
+                ));
+            }
+            for ((p, share), stored) in d.parcels.iter().zip(&d.shares).zip(&parcel_shares) {
                 // The same computation gives the same bits: only a share that moved is written.
-                if shares.get(&p.id).map(|s| s.to_bits()) != Some(share.to_bits()) {
+                if stored.map(f64::to_bits) != Some(share.to_bits()) {
                     file.share(&p.id, *share)?;
                 }
             }
-            // A share without a derived row (none is written so; a store of an older build
-            // may have some) goes unless its parcel is derived now: a removal takes it along.
-            if shares.keys().any(|id| !derived.contains_key(id)) {
-                let now_derived: HashSet<&str> = d.parcels.iter().map(|p| p.id.as_str()).collect();
-                for id in shares.keys().filter(|id| !derived.contains_key(*id) && !now_derived.contains(id.as_str())) {
-                    file.removal(id)?;
-                }
+            // A share with neither a derived row nor a parcel derived now: a removal takes it.
+            for id in &orphan_shares {
+                file.removal(id)?;
             }
             let diffed = diff(&derived, d.parcels, &HashSet::new());
             let (changes, coverage_only) = alerting_changes(src.layer, diffed.changes);

@@ -12,7 +12,7 @@ use super::snapshot::{decode_record, decode_state};
 use super::tables::{DERIVED_SHARES, HELD_SHARES, PARCEL_SNAPSHOT};
 use super::{Store, StoreError};
 use crate::model::{ParcelState, StoredGeometry};
-use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
+use redb::{AccessGuard, ReadableDatabase, ReadableTable, WriteTransaction};
 use std::collections::HashMap;
 
 /// Writes shares of a derived source's parcels (new or changed ones; a removed parcel's share
@@ -60,21 +60,28 @@ pub struct BaseStretch {
     /// Base parcels with their geometry, in id order (a base parcel without one is left out,
     /// as it has nothing to derive from).
     pub parcels: Vec<(String, ParcelState, StoredGeometry)>,
+    /// The derived source's stored share of each of `parcels` (same order; `None`: none
+    /// stored, or one that cannot be decoded, which the run then computes and writes again).
+    pub parcel_shares: Vec<Option<f64>>,
     /// The derived source's stored states over the same ids.
     pub derived: HashMap<String, ParcelState>,
-    /// The derived source's stored shares over the same ids (a share that cannot be decoded
-    /// is left out, so that the run writes it again: shares are recomputed every run).
-    pub shares: HashMap<String, f64>,
-    /// Stored shares left out because they could not be decoded.
+    /// Ids with a stored share but neither a stored derived state nor a base parcel to
+    /// derive (none is written so; an older build could leave some): the run removes them.
+    /// A share whose id has a derived state but no base parcel goes with that state's removal.
+    pub orphan_shares: Vec<String>,
+    /// Stored shares that could not be decoded.
     pub unreadable_shares: u64,
 }
 
+type Row<'t> = (AccessGuard<'t, (&'static str, &'static str)>, AccessGuard<'t, &'static [u8]>);
+
 /// Rows of one source in a `(source id, parcel id)`-keyed table, read in id order with one
-/// row of look-ahead (the merge takes the smallest id of several).
+/// row of look-ahead (the merge takes the smallest id of several). Rows are handed out as
+/// redb's guards: nothing is copied that the caller does not decode.
 struct SourceRows<'t> {
     range: redb::Range<'t, (&'static str, &'static str), &'static [u8]>,
     source_id: &'t str,
-    next: Option<(String, Vec<u8>)>,
+    next: Option<Row<'t>>,
     /// The source's rows are all read (the range has reached another source or the end).
     done: bool,
 }
@@ -96,7 +103,7 @@ impl<'t> SourceRows<'t> {
             return Ok(());
         }
         match self.range.next().transpose()? {
-            Some((k, v)) if k.value().0 == self.source_id => self.next = Some((k.value().1.to_string(), v.value().to_vec())),
+            Some(row) if row.0.value().0 == self.source_id => self.next = Some(row),
             // The next source's rows, or the end of the table.
             _ => self.done = true,
         }
@@ -104,11 +111,11 @@ impl<'t> SourceRows<'t> {
     }
 
     fn next_id(&self) -> Option<&str> {
-        self.next.as_ref().map(|(id, _)| id.as_str())
+        self.next.as_ref().map(|(k, _)| k.value().1)
     }
 
-    /// The next row (its id and bytes), reading the one after it.
-    fn take(&mut self) -> Result<Option<(String, Vec<u8>)>, StoreError> {
+    /// The next row, reading the one after it.
+    fn take(&mut self) -> Result<Option<Row<'t>>, StoreError> {
         let row = self.next.take();
         self.advance()?;
         Ok(row)
@@ -166,21 +173,29 @@ impl Store {
                     Some(s) if in_shares => s.take()?,
                     _ => None,
                 };
-                if let Some((id, bytes)) = derived_row {
-                    out.derived.insert(id, decode_state(&bytes).map_err(|m| codec_err("parcel_snapshot", m))?);
+                let derived_here = derived_row.is_some();
+                if let Some((k, v)) = derived_row {
+                    out.derived.insert(k.value().1.to_string(), decode_state(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
                     stored += 1;
                 }
-                if let Some((id, bytes)) = share_row {
-                    match decode::<f64>(&bytes) {
-                        Ok(share) => {
-                            out.shares.insert(id, share);
-                        }
-                        Err(_) => out.unreadable_shares += 1,
+                let share = share_row.map(|(k, v)| match decode::<f64>(v.value()) {
+                    Ok(share) => (k, Some(share)),
+                    Err(_) => {
+                        out.unreadable_shares += 1;
+                        (k, None)
+                    }
+                });
+                let mut derivable = false;
+                if let Some((k, v)) = base_row {
+                    if let (state, Some(geometry)) = decode_record(v.value()).map_err(|m| codec_err("parcel_snapshot", m))? {
+                        out.parcels.push((k.value().1.to_string(), state, geometry));
+                        out.parcel_shares.push(share.as_ref().and_then(|s| s.1));
+                        derivable = true;
                     }
                 }
-                if let Some((id, bytes)) = base_row {
-                    if let (state, Some(geometry)) = decode_record(&bytes).map_err(|m| codec_err("parcel_snapshot", m))? {
-                        out.parcels.push((id, state, geometry));
+                if let Some((k, _)) = share {
+                    if !derivable && !derived_here {
+                        out.orphan_shares.push(k.value().1.to_string());
                     }
                 }
             }
@@ -265,12 +280,13 @@ mod tests {
             let stored = store
                 .for_each_base_stretch::<StoreError>("base", "zoning", stretch, |s| {
                     calls += 1;
+                    assert_eq!(s.parcel_shares.len(), s.parcels.len(), "trial {trial}: one stored share slot per parcel");
                     let ids: BTreeSet<String> = s
                         .parcels
                         .iter()
                         .map(|p| p.0.clone())
                         .chain(s.derived.keys().cloned())
-                        .chain(s.shares.keys().cloned())
+                        .chain(s.orphan_shares.iter().cloned())
                         .collect();
                     assert!(ids.len() <= stretch, "trial {trial}: {} ids in a stretch of {stretch}", ids.len());
                     if let (Some(first), Some(prev)) = (ids.first(), &previous_last) {
@@ -282,13 +298,26 @@ mod tests {
                     // Everything an id has is in its stretch.
                     for id in &ids {
                         assert_eq!(s.derived.contains_key(id), derived_ids.contains(id), "trial {trial}: {id}");
-                        assert_eq!(s.shares.contains_key(id), share_ids.contains(id), "trial {trial}: {id}");
                         let with_geometry = base_ids.contains(id) && !no_geometry.contains(id);
                         assert_eq!(s.parcels.iter().any(|p| &p.0 == id), with_geometry, "trial {trial}: {id}");
                     }
+                    // Every stored share is where the run needs it: beside its parcel, or gone
+                    // with its derived row, or listed to be removed.
+                    for (p, share) in s.parcels.iter().zip(&s.parcel_shares) {
+                        assert_eq!(share.is_some(), share_ids.contains(&p.0), "trial {trial}: share of {}", p.0);
+                        if share.is_some() {
+                            got_shares.push(p.0.clone());
+                        }
+                    }
+                    for id in s.derived.keys().filter(|id| share_ids.contains(*id) && !s.parcels.iter().any(|p| &p.0 == *id)) {
+                        got_shares.push(id.clone());
+                    }
+                    for id in &s.orphan_shares {
+                        assert!(share_ids.contains(id) && !derived_ids.contains(id), "trial {trial}: orphan {id}");
+                        got_shares.push(id.clone());
+                    }
                     got_base.extend(s.parcels.into_iter().map(|p| p.0));
                     got_derived.extend(s.derived.into_keys());
-                    got_shares.extend(s.shares.into_keys());
                     Ok(())
                 })
                 .unwrap();
@@ -299,12 +328,12 @@ mod tests {
             got_derived.sort();
             got_shares.sort();
             assert_eq!(got_derived, derived_ids.iter().cloned().collect::<Vec<_>>(), "trial {trial}: derived rows once each");
-            assert_eq!(got_shares, share_ids.iter().cloned().collect::<Vec<_>>(), "trial {trial}: shares once each");
+            assert_eq!(got_shares, share_ids.iter().cloned().collect::<Vec<_>>(), "trial {trial}: every share accounted for once");
         }
     }
 
-    /// A stored share that cannot be decoded is left out and counted (the run computes it
-    /// again), not a failed run.
+    /// A stored share that cannot be decoded reads as none and is counted (the run computes
+    /// it again), not a failed run.
     #[test]
     fn an_unreadable_share_is_counted_and_left_out() {
         let dir = tempfile::tempdir().unwrap();
@@ -319,10 +348,10 @@ mod tests {
         let mut seen = Vec::new();
         store
             .for_each_base_stretch::<StoreError>("base", "zoning", 10, |s| {
-                seen.push((s.shares.len(), s.unreadable_shares, s.derived.len()));
+                seen.push((s.parcel_shares.clone(), s.unreadable_shares, s.derived.len()));
                 Ok(())
             })
             .unwrap();
-        assert_eq!(seen, [(1, 1, 2)]);
+        assert_eq!(seen, [(vec![Some(0.5), None], 1, 2)]);
     }
 }
