@@ -251,7 +251,7 @@ impl Engine {
             warnings.push(format!("{} parcel/district intersections could not be computed and counted as 0", pass.failed));
         }
         if pass.unreadable_shares > 0 {
-            warnings.push(format!("{} stored shares could not be read and were computed again", pass.unreadable_shares));
+            warnings.push(format!("{} stored shares could not be read (written again, or removed with their parcel)", pass.unreadable_shares));
         }
         if pass.coverage_only > 0 {
             warnings.push(format!("{} parcels gained or lost district coverage (not a rezoning; not alerted)", pass.coverage_only));
@@ -329,7 +329,12 @@ impl Engine {
                 self.write_batch(&src.id, &mut w, &batch, &claims, hold)?;
                 let _ = spent_tx.send(batch);
             }
-            reader.join().map_err(|_| PipelineError::Derived(src.id.clone(), "the thread reading the derived delta failed".into()))
+            // (Had this thread failed first, the scope would re-raise the reader's panic
+            // instead, as a parcel run's commit does.)
+            reader.join().map_err(|panic| {
+                let why = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+                PipelineError::Derived(src.id.clone(), format!("the thread reading the derived delta failed: {}", why.unwrap_or_default()))
+            })
         })?;
         // A delta file that ends early at a record boundary reads as a short delta: the
         // commit must have read every record the pass wrote.
@@ -835,10 +840,11 @@ min_severity = "info"
         }
     }
 
-    /// A store error half-way through a derived run's commit (the second chunk of rows, after
-    /// a pause in which the thread reading the delta back fills its channel and blocks): the
-    /// run fails whole, the reading thread stops, nothing of the run is visible, and the next
-    /// run commits it all.
+    /// A store error half-way through a derived run's commit: 24,000 delta records (12,000
+    /// shares, then 12,000 rows) make six chunks of 4,096; the first rows are in the third,
+    /// whose write fails after a pause in which the thread reading the delta back puts the
+    /// fourth and fifth in its channel and blocks sending the sixth. The run fails whole, the
+    /// reading thread stops, nothing of the run is visible, and the next run commits it all.
     #[test]
     fn a_store_error_mid_commit_fails_a_derived_run_whole() {
         let spec = CountySpec { seed: 5, parcels: 12_000, origin: [-93.30, 44.95], blocks_per_row: 28 };
@@ -848,7 +854,7 @@ min_severity = "info"
         engine.run_source_id("base", RunOptions::default()).unwrap();
         write_districts_over(&spec, &dir.path().join("districts.geojson"), CUTS, |c| format!("Z-{}", c % 4));
         let src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
-        engine.store.fail_snapshot_write(2, std::time::Duration::from_millis(300));
+        engine.store.fail_snapshot_write(1, std::time::Duration::from_millis(300));
         let failed = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH);
         assert!(matches!(failed, Err(PipelineError::Store(_))), "{:?}", failed.map(|r| r.line()));
         assert!(engine.store.watermark("zoning").unwrap().is_none());
@@ -858,5 +864,39 @@ min_severity = "info"
         assert_eq!(again.record.verdict, Verdict::Baseline);
         assert_eq!(stored(&engine), expected(&engine, dir.path()));
         assert_eq!(again.record.counts.parcels, 12_000);
+    }
+
+    /// Shares a store can hold that no run of this build writes — one without any parcel
+    /// (`ghost`), one that cannot be decoded — are put right by the next run that derives:
+    /// a reprocess removes the first and writes the second again, and so does a held run
+    /// once released.
+    #[test]
+    fn stray_and_unreadable_shares_are_put_right_by_the_next_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = engine(dir.path());
+        let src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
+        let lots: Vec<SynthParcel> = CountyIter::new(&SPEC).collect();
+        write_parcels(&dir.path().join("parcels.geojson"), &lots);
+        engine.run_source_id("base", RunOptions::default()).unwrap();
+        write_districts(&dir.path().join("districts.geojson"), CUTS, |c| format!("Z-{}", c % 4));
+        engine.run_derived_in(&src, RunOptions::default(), engine.now(), 50).unwrap();
+        let spoil = |engine: &Engine| {
+            engine.store.put_raw_share("zoning", "ghost", &crate::store::codec::encode(&0.5f64));
+            assert!(stored(engine).1.contains_key("ghost"));
+            engine.store.put_raw_share("zoning", &lots[17].id, &[9, 9, 9]);
+            assert!(engine.store.derived_shares("zoning").is_err(), "the share cannot be read");
+        };
+        spoil(&engine);
+        let reprocess = RunOptions { reprocess: true, ..RunOptions::default() };
+        let r = engine.run_derived_in(&src, reprocess, engine.now(), 50).unwrap();
+        assert!(r.record.warnings.iter().any(|w| w.starts_with("1 stored shares could not be read")), "{:?}", r.record.warnings);
+        assert_eq!(stored(&engine), expected(&engine, dir.path()), "after a reprocess");
+
+        spoil(&engine);
+        write_districts(&dir.path().join("districts.geojson"), CUTS, |c| format!("Y-{c}"));
+        let held = engine.run_derived_in(&src, RunOptions::default(), engine.now(), 50).unwrap();
+        assert_eq!(held.record.verdict, Verdict::Held, "{}", held.line());
+        engine.resolve_hold(held.record.hold_id.unwrap(), false).unwrap();
+        assert_eq!(stored(&engine), expected(&engine, dir.path()), "after a released hold");
     }
 }

@@ -193,6 +193,7 @@ mod tests {
         let event = crate::model::sample_event("p1");
         f.event(&event).unwrap();
         f.share("p1", 0.625).unwrap();
+        assert_eq!(f.written(), 4);
         let mut r = f.finish().unwrap();
         let row = SnapshotRow::encode(ParcelRef { id: "p1", state: &st, geometry: &geometry });
         assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Upsert(row)), "an upsert reads back as its snapshot row");
@@ -200,6 +201,7 @@ mod tests {
         assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Event(event)));
         assert_eq!(r.next_item().unwrap(), Some(DeltaItem::Share("p1".into(), 0.625)));
         assert_eq!(r.next_item().unwrap(), None);
+        assert_eq!(r.read(), 4, "every record counted as read, upserts too");
     }
 
     /// A damaged file is an error, never a short delta: a record cut inside its length or its

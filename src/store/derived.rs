@@ -210,6 +210,15 @@ impl Store {
         }
     }
 
+    /// Writes `bytes` as the stored share of `parcel_id` (tests of what older builds or a
+    /// damaged file can leave behind).
+    #[cfg(test)]
+    pub(crate) fn put_raw_share(&self, source_id: &str, parcel_id: &str, bytes: &[u8]) {
+        let wtx = self.db.begin_write().expect("write");
+        wtx.open_table(DERIVED_SHARES).expect("table").insert((source_id, parcel_id), bytes).expect("insert");
+        wtx.commit().expect("commit");
+    }
+
     /// The stored derived shares of a source, by parcel id.
     pub fn derived_shares(&self, source_id: &str) -> Result<HashMap<String, f64>, StoreError> {
         self.source_rows(DERIVED_SHARES, "derived_shares", source_id)
@@ -335,7 +344,7 @@ mod tests {
     /// A stored share that cannot be decoded reads as none and is counted (the run computes
     /// it again), not a failed run.
     #[test]
-    fn an_unreadable_share_is_counted_and_left_out() {
+    fn an_unreadable_share_is_counted_and_reads_as_none() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
         write(&store, "base", &[parcel("a", true), parcel("b", true)], &[]);
