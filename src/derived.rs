@@ -708,6 +708,16 @@ parcels = "base"
 max_change_ratio = 0.5
 [source.fields]
 zoning = "zoning"
+[[source]]
+id = "overlay"
+jurisdiction = "testville"
+kind = "file"
+path = "overlays.geojson"
+layer = "overlays"
+parcels = "base"
+max_change_ratio = 0.5
+[source.fields]
+zoning = "name"
 [[subscriber]]
 id = "all"
 aoi = "aoi.geojson"
@@ -720,16 +730,24 @@ min_severity = "info"
     /// What the district source must hold after a run over the current base and district
     /// file, computed the simple way: the whole base derived at once.
     fn expected(engine: &Engine, dir: &Path) -> (HashMap<String, ParcelState>, HashMap<String, u64>) {
-        let layer = read_districts(&std::fs::read(dir.join("districts.geojson")).unwrap(), "zoning", None).unwrap();
+        expected_of(engine, &dir.join("districts.geojson"), "zoning", LayerKind::Districts)
+    }
+
+    fn expected_of(engine: &Engine, file: &Path, field: &str, kind: LayerKind) -> (HashMap<String, ParcelState>, HashMap<String, u64>) {
+        let layer = read_districts(&std::fs::read(file).unwrap(), field, None).unwrap();
         let index = DistrictIndex::build(layer.districts.iter().map(|d| (d.code.as_str(), &d.geometry)));
-        let d = derive_all(LayerKind::Districts, &index, engine.store.snapshot_parcels("base").unwrap(), 0.1);
+        let d = derive_all(kind, &index, engine.store.snapshot_parcels("base").unwrap(), 0.1);
         let shares = d.parcels.iter().zip(&d.shares).map(|(p, s)| (p.id.clone(), s.to_bits())).collect();
         (d.parcels.into_iter().map(|p| (p.id, p.state)).collect(), shares)
     }
 
     fn stored(engine: &Engine) -> (HashMap<String, ParcelState>, HashMap<String, u64>) {
-        let shares = engine.store.derived_shares("zoning").unwrap().into_iter().map(|(id, s)| (id, s.to_bits())).collect();
-        (engine.store.snapshot_states("zoning").unwrap(), shares)
+        stored_of(engine, "zoning")
+    }
+
+    fn stored_of(engine: &Engine, source: &str) -> (HashMap<String, ParcelState>, HashMap<String, u64>) {
+        let shares = engine.store.derived_shares(source).unwrap().into_iter().map(|(id, s)| (id, s.to_bits())).collect();
+        (engine.store.snapshot_states(source).unwrap(), shares)
     }
 
     /// Parcels whose winning code moved from one real code to another between two derived
@@ -898,5 +916,50 @@ min_severity = "info"
         assert_eq!(held.record.verdict, Verdict::Held, "{}", held.line());
         engine.resolve_hold(held.record.hold_id.unwrap(), false).unwrap();
         assert_eq!(stored(&engine), expected(&engine, dir.path()), "after a released hold");
+    }
+
+    /// Overlay sets in stretches: two overlapping overlays, one of which moves. Whatever the
+    /// stretch, the stored overlay sets and shares are what deriving the whole base gives,
+    /// and the run alerts once per overlay gained or lost by a parcel.
+    #[test]
+    fn overlay_sets_in_stretches_leave_what_deriving_the_whole_base_gives() {
+        let write_overlays = |path: &Path, hist_south: f64| {
+            let (sw, ne) = CountyIter::extent(&SPEC);
+            let at = |fx: f64, fy: f64| (sw[0] + fx * (ne[0] - sw[0]), sw[1] + fy * (ne[1] - sw[1]));
+            let feature = |name: &str, a: (f64, f64), b: (f64, f64)| {
+                let mp = MultiPolygon(vec![Polygon::from(Rect::new(a, b))]);
+                serde_json::json!({"type": "Feature", "properties": {"name": name}, "geometry": geojson::Geometry::from(&mp)})
+            };
+            let features = vec![feature("FLOOD", at(-0.5, -0.5), at(0.61, 1.5)), feature("HIST", at(-0.5, hist_south), at(1.5, 1.5))];
+            std::fs::write(path, serde_json::json!({"type": "FeatureCollection", "features": features}).to_string()).unwrap();
+        };
+        let sets = |states: &HashMap<String, ParcelState>| -> HashMap<String, HashSet<String>> {
+            states.iter().map(|(id, s)| (id.clone(), overlay_set(&s.zoning).into_iter().map(normalize_code).collect())).collect()
+        };
+        for stretch in [1, 7, 100_000] {
+            let dir = tempfile::tempdir().unwrap();
+            let engine = engine(dir.path());
+            let src = engine.config.sources.iter().find(|s| s.id == "overlay").unwrap().clone();
+            let file = dir.path().join("overlays.geojson");
+            write_parcels(&dir.path().join("parcels.geojson"), &CountyIter::new(&SPEC).collect::<Vec<_>>());
+            engine.run_source_id("base", RunOptions::default()).unwrap();
+            write_overlays(&file, 0.47);
+            let first = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
+            assert_eq!(first.record.verdict, Verdict::Baseline);
+            let before = stored_of(&engine, "overlay");
+            assert_eq!(before, expected_of(&engine, &file, "name", LayerKind::Overlays), "stretch {stretch}: baseline");
+            let both = sets(&before.0).values().filter(|s| s.len() == 2).count();
+            assert!(both > 10, "the overlays overlap on {both} parcels");
+
+            write_overlays(&file, 0.33);
+            let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
+            assert_eq!(r.record.verdict, Verdict::Run, "{}", r.line());
+            let after = stored_of(&engine, "overlay");
+            assert_eq!(after, expected_of(&engine, &file, "name", LayerKind::Overlays), "stretch {stretch}: moved");
+            let (old, new) = (sets(&before.0), sets(&after.0));
+            let flips: usize = new.iter().map(|(id, n)| n.symmetric_difference(&old[id]).count()).sum();
+            assert!(flips > 10, "{flips}");
+            assert_eq!((r.record.counts.changes, r.record.counts.queued), (flips as u64, flips as u64), "{}", r.line());
+        }
     }
 }
