@@ -76,6 +76,18 @@ fn bench_matching_commit_overlay_idle_run_at_test_scale() {
     // The districts tile the county: every parcel is covered, and some straddle a boundary.
     assert_eq!(num(s, "uncovered"), 0.0, "{s}");
     assert!(num(s, "parcels_split_by_a_boundary") > 0.0, "{s}");
+    // The district source's whole runs: the first (a baseline), then one after 1% of the
+    // districts were recoded, which rezones the parcels under them; each with its peak RSS.
+    let runs: Vec<_> = overlay.iter().filter(|o| o["workload"] == "synthetic_run").collect();
+    assert_eq!(runs.len(), 2, "{overlay:?}");
+    assert_eq!((runs[0]["run"].as_str(), runs[0]["verdict"].as_str()), (Some("first"), Some("baseline")), "{}", runs[0]);
+    assert_eq!(num(runs[0], "changes"), 0.0, "a first run alerts nothing: {}", runs[0]);
+    assert_eq!((runs[1]["run"].as_str(), runs[1]["verdict"].as_str()), (Some("recoded_1pct"), Some("run")), "{}", runs[1]);
+    assert!(num(runs[1], "districts_recoded") > 0.0 && num(runs[1], "changes") > 0.0, "{}", runs[1]);
+    for r in &runs {
+        assert_eq!(num(r, "parcels"), num(s, "parcels"), "{r}");
+        assert!(num(r, "run_s") > 0.0 && num(r, "peak_rss_mib") > 0.0, "{r}");
+    }
     let cambridge: Vec<_> = overlay.iter().filter(|o| o["workload"] == "cambridge").collect();
     assert!(!cambridge.is_empty(), "a cambridge line (or its SKIPPED line) is printed");
     for c in cambridge {
