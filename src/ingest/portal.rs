@@ -11,7 +11,7 @@
 //!   rescan and a "no progress" error), and every paged kind's pages together are capped by
 //!   `[ingest] max_layer_bytes` ([`super::scan_guard`]).
 
-use super::arcgis;
+use super::arcgis::{self, FeatureText};
 use super::http::{FetchError, Session};
 use super::scan_guard::{LayerBytes, SeenRows};
 use super::settings::IngestConfig;
@@ -161,11 +161,12 @@ async fn arcgis_source(
     Ok(PortalFetch::Layer { bytes: scan.bytes, meta: PortalMeta { pages: scan.pages, ..meta } })
 }
 
-fn features_of(url: &str, v: &Value) -> Result<Vec<Value>, FetchError> {
-    v.get("features")
-        .and_then(Value::as_array)
-        .cloned()
-        .ok_or_else(|| FetchError::Protocol { url: url.to_string(), reason: "answer has no features[]".into() })
+/// Takes a page's `features[]` out of its answer (not copied: a county's pages are big).
+fn take_features(url: &str, v: &mut Value) -> Result<Vec<Value>, FetchError> {
+    match v.get_mut("features").map(Value::take) {
+        Some(Value::Array(features)) => Ok(features),
+        _ => Err(FetchError::Protocol { url: url.to_string(), reason: "answer has no features[]".into() }),
+    }
 }
 
 async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<PortalFetch, FetchError> {
@@ -187,10 +188,10 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
             first_meta.last_modified = resp.last_modified.clone();
         }
         pages += 1;
-        let v = resp.json()?;
-        let page = features_of(&url, &v)?;
+        let mut v = resp.json()?;
+        let page = take_features(&url, &mut v)?;
         let empty = page.is_empty();
-        features.extend(page);
+        features.extend(page.iter().map(|f| FeatureText::of(f, id_field)));
         if empty {
             break;
         }
@@ -206,7 +207,7 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
             .and_then(|l| l.get("href").and_then(Value::as_str))
             .map(|href| reqwest::Url::parse(&url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
     }
-    let bytes = arcgis::feature_collection(features, id_field);
+    let bytes = arcgis::feature_collection(features);
     Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..first_meta } })
 }
 
@@ -246,10 +247,10 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     // is not paging (it ignores `$offset` or `$order`) and the run fails saying where.
     let mut expected = socrata_count(session, url).await;
     for _ in 0..3 {
-        let SodaScan { features, pages, stalled } = socrata_scan(session, url, page_size, expected).await?;
+        let SodaScan { features, pages, stalled } = socrata_scan(session, url, page_size, id_field, expected).await?;
         let got = features.len() as u64;
         if stalled.is_none() && expected.is_none_or(|c| got == c) {
-            let bytes = arcgis::feature_collection(features, id_field);
+            let bytes = arcgis::feature_collection(features);
             return Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..meta } });
         }
         drop(features);
@@ -277,7 +278,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
 
 /// One pass over a SODA resource.
 struct SodaScan {
-    features: Vec<Value>,
+    features: Vec<FeatureText>,
     pages: u32,
     /// Set when a non-empty page brought no row the scan did not already hold: the "no
     /// progress" error, naming the page URL and its offset. The scan stopped there.
@@ -289,7 +290,7 @@ struct SodaScan {
 /// page and never more than `expected + 10` pages; without it, a short page ends the scan.
 /// Either way a non-empty page of rows all already held stops it (`stalled`), and the pages'
 /// bytes together fail the scan past `[ingest] max_layer_bytes`.
-async fn socrata_scan(session: &Session, url: &str, page_size: u32, expected: Option<u64>) -> Result<SodaScan, FetchError> {
+async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &str, expected: Option<u64>) -> Result<SodaScan, FetchError> {
     let sep = if url.contains('?') { '&' } else { '?' };
     let mut features = Vec::new();
     let mut offset: u64 = 0;
@@ -301,10 +302,10 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, expected: Op
         let page_url = format!("{url}{sep}$limit={page_size}&$offset={offset}&$order=:id");
         let resp = session.get(&page_url, &[]).await?;
         layer_bytes.add(&page_url, resp.body.len() as u64)?;
-        let body = resp.json()?;
+        let mut body = resp.json()?;
         drop(resp);
         pages += 1;
-        let page = features_of(&page_url, &body)?;
+        let page = take_features(&page_url, &mut body)?;
         drop(body);
         let n = page.len() as u64;
         let fresh = page.iter().fold(0u64, |k, row| k + seen.insert(row) as u64);
@@ -316,7 +317,7 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, expected: Op
             );
             return Ok(SodaScan { features, pages, stalled: Some(FetchError::Protocol { url: page_url, reason }) });
         }
-        features.extend(page);
+        features.extend(page.iter().map(|f| FeatureText::of(f, id_field)));
         offset += n;
         let done = match expected {
             Some(c) => n == 0 || offset >= c,
