@@ -235,7 +235,7 @@ impl Engine {
         // `Engine::derive_pass`); the delta goes to a file, the counts to the gate.
         let now = self.now();
         let pass_started = Instant::now();
-        let DerivePass { mut delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, now)?;
+        let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, now)?;
         let delta_written = pass.delta_records;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
@@ -283,59 +283,11 @@ impl Engine {
             repaired: layer.repaired,
             ..Default::default()
         };
-        // The commit: one write transaction, fed from the delta file in chunks. A second
-        // thread reads the file back and matches each chunk's events while this one writes
-        // the chunk before (the write lock is held for the writing); what this thread is done
-        // with goes back to be freed over there, where it was allocated.
+        // The commit: one write transaction, fed from the delta file in chunks.
         let commit_started = Instant::now();
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&quarantine)?;
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(DeltaBatch, Vec<Claim>), PipelineError>>(2);
-        let (spent_tx, spent_rx) = std::sync::mpsc::channel::<DeltaBatch>();
-        let read_back = std::thread::scope(|scope| -> Result<u64, PipelineError> {
-            let reader = scope.spawn(move || -> u64 {
-                let send = |batch: DeltaBatch| -> bool {
-                    let claims = if hold { vec![] } else { self.claims_for(&batch.events) };
-                    tx.send(Ok((batch, claims))).is_ok()
-                };
-                let mut batch = DeltaBatch::default();
-                loop {
-                    match delta.next_item() {
-                        Ok(Some(item)) => {
-                            batch.push(item);
-                            if batch.len() >= COMMIT_CHUNK && !send(std::mem::take(&mut batch)) {
-                                break;
-                            }
-                            while let Ok(spent) = spent_rx.try_recv() {
-                                drop(spent);
-                            }
-                        }
-                        Ok(None) => {
-                            send(batch);
-                            break;
-                        }
-                        Err(e) => {
-                            let _ = tx.send(Err(e.into()));
-                            break;
-                        }
-                    }
-                }
-                delta.read()
-            });
-            // Ends when the reader hangs up; an error returns at once (dropping `rx`, so the
-            // reader's next send fails and it stops).
-            for msg in rx {
-                let (batch, claims) = msg?;
-                self.write_batch(&src.id, &mut w, &batch, &claims, hold)?;
-                let _ = spent_tx.send(batch);
-            }
-            // (Had this thread failed first, the scope would re-raise the reader's panic
-            // instead, as a parcel run's commit does.)
-            reader.join().map_err(|panic| {
-                let why = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-                PipelineError::Derived(src.id.clone(), format!("the thread reading the derived delta failed: {}", why.unwrap_or_default()))
-            })
-        })?;
+        let read_back = self.commit_delta(src, &mut w, delta, hold)?;
         // A delta file that ends early at a record boundary reads as a short delta: the
         // commit must have read every record the pass wrote.
         if read_back != delta_written {
@@ -409,6 +361,60 @@ impl Engine {
         })?;
         pass.delta_records = file.written();
         Ok(DerivePass { delta: file.finish()?, counts: pass })
+    }
+
+    /// Streams a derived run's delta file into its run writer, chunk by chunk; returns how
+    /// many records it read back. A second thread reads the file and matches each chunk's
+    /// events while this one writes the chunk before (the write lock is held for the
+    /// writing); what this thread is done with goes back to be freed over there, where it
+    /// was allocated. An error on either side stops both.
+    fn commit_delta(&self, src: &SourceConfig, w: &mut RunWriter<'_>, mut delta: DeltaReader, hold: bool) -> Result<u64, PipelineError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(DeltaBatch, Vec<Claim>), PipelineError>>(2);
+        let (spent_tx, spent_rx) = std::sync::mpsc::channel::<DeltaBatch>();
+        std::thread::scope(|scope| -> Result<u64, PipelineError> {
+            let reader = scope.spawn(move || -> u64 {
+                let send = |batch: DeltaBatch| -> bool {
+                    let claims = if hold { vec![] } else { self.claims_for(&batch.events) };
+                    tx.send(Ok((batch, claims))).is_ok()
+                };
+                let mut batch = DeltaBatch::default();
+                loop {
+                    match delta.next_item() {
+                        Ok(Some(item)) => {
+                            batch.push(item);
+                            if batch.len() >= COMMIT_CHUNK && !send(std::mem::take(&mut batch)) {
+                                break;
+                            }
+                            while let Ok(spent) = spent_rx.try_recv() {
+                                drop(spent);
+                            }
+                        }
+                        Ok(None) => {
+                            send(batch);
+                            break;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e.into()));
+                            break;
+                        }
+                    }
+                }
+                delta.read()
+            });
+            // Ends when the reader hangs up; an error returns at once (dropping `rx`, so the
+            // reader's next send fails and it stops).
+            for msg in rx {
+                let (batch, claims) = msg?;
+                self.write_batch(&src.id, w, &batch, &claims, hold)?;
+                let _ = spent_tx.send(batch);
+            }
+            // (Had this thread failed first, the scope would re-raise the reader's panic
+            // instead, as a parcel run's commit does.)
+            reader.join().map_err(|panic| {
+                let why = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+                PipelineError::Derived(src.id.clone(), format!("the thread reading the derived delta failed: {}", why.unwrap_or_default()))
+            })
+        })
     }
 
     /// Writes one chunk of a derived run's delta, and the claims on its events (none when
