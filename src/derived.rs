@@ -12,6 +12,11 @@
 //!
 //! The read fingerprint of a derived run includes the base's watermark digest, so a re-published
 //! parcel layer makes the next district run recompute instead of answering `identical`.
+//!
+//! A run never holds its base: the derive pass reads it a stretch of ids at a time, merged
+//! with what the source has stored for the same ids, and keeps only the delta, on disk
+//! (`detect::derived_delta`); the gate decides on the pass's counts; the commit streams the
+//! delta into the run's one write transaction.
 
 use crate::config::{LayerKind, SourceConfig};
 use crate::detect::canonical::{content_hash, normalize_code};
