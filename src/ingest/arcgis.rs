@@ -222,7 +222,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
     let mut order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
     let mut pages = 0;
     for scan_no in 1..=3u32 {
-        let mut collected: HashMap<String, FeatureText> = HashMap::new();
+        let mut collected: HashMap<String, CollectedFeature> = HashMap::new();
         let mut duplicates = 0u64;
         let mut offset: u64 = 0;
         let mut page = page_cap;
@@ -268,7 +268,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             let mut fresh = 0u64;
             for (i, f) in feats.iter().enumerate() {
                 let (key, feature) = page_feature(format, f, probe.object_id_field.as_deref(), offset + i as u64);
-                if collected.insert(key, FeatureText::of(&feature, id_field)).is_some() {
+                if collected.insert(key, CollectedFeature::of(&feature, id_field)).is_some() {
                     duplicates += 1;
                 } else {
                     fresh += 1;
@@ -324,15 +324,15 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
 /// layer of 259 MiB held as `Value`s took 3.5 GiB), so a scan turns each page's features into
 /// text as the page comes in and drops the page.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct FeatureText {
+pub struct CollectedFeature {
     /// The value of the configured id field (a string as it is, anything else as JSON;
     /// empty when absent): the collection's sort key.
     pub id: String,
     pub json: String,
 }
 
-impl FeatureText {
-    pub fn of(feature: &Value, id_field: &str) -> FeatureText {
+impl CollectedFeature {
+    pub fn of(feature: &Value, id_field: &str) -> CollectedFeature {
         let id = match feature.get("properties").and_then(|p| p.get(id_field)) {
             Some(Value::String(s)) => s.clone(),
             Some(v) => v.to_string(),
@@ -343,13 +343,13 @@ impl FeatureText {
         // held for every feature until the collection is written (712 against 487 MiB for a
         // 1M-parcel layer, measured).
         json.shrink_to_fit();
-        FeatureText { id, json }
+        CollectedFeature { id, json }
     }
 }
 
 /// Serialises features as a FeatureCollection in a deterministic order (by the id field's
 /// value, then by the feature's JSON) so the digest does not depend on paging order.
-pub fn feature_collection(mut features: Vec<FeatureText>) -> Vec<u8> {
+pub fn feature_collection(mut features: Vec<CollectedFeature>) -> Vec<u8> {
     features.sort();
     let mut out = Vec::with_capacity(features.iter().map(|f| f.json.len() + 1).sum::<usize>() + 64);
     out.extend_from_slice(b"{\"type\":\"FeatureCollection\",\"features\":[");
@@ -495,8 +495,8 @@ mod tests {
     fn collection_order_is_deterministic_and_drops_objectid() {
         let a = esri_feature_to_geojson(json!({"OBJECTID": 7, "APN": "b"}).as_object().unwrap().clone(), None, Some("OBJECTID"));
         let b = esri_feature_to_geojson(json!({"OBJECTID": 3, "APN": "a"}).as_object().unwrap().clone(), None, Some("OBJECTID"));
-        let x = feature_collection(vec![FeatureText::of(&a, "APN"), FeatureText::of(&b, "APN")]);
-        let y = feature_collection(vec![FeatureText::of(&b, "APN"), FeatureText::of(&a, "APN")]);
+        let x = feature_collection(vec![CollectedFeature::of(&a, "APN"), CollectedFeature::of(&b, "APN")]);
+        let y = feature_collection(vec![CollectedFeature::of(&b, "APN"), CollectedFeature::of(&a, "APN")]);
         assert_eq!(x, y);
         let text = String::from_utf8(x).unwrap();
         assert!(!text.contains("OBJECTID") && text.find("\"a\"") < text.find("\"b\""));

@@ -11,7 +11,7 @@
 //!   rescan and a "no progress" error), and every paged kind's pages together are capped by
 //!   `[ingest] max_layer_bytes` ([`super::scan_guard`]).
 
-use super::arcgis::{self, FeatureText};
+use super::arcgis::{self, CollectedFeature};
 use super::http::{FetchError, Session};
 use super::scan_guard::{LayerBytes, SeenRows};
 use super::settings::IngestConfig;
@@ -191,7 +191,7 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
         let mut v = resp.json()?;
         let page = take_features(&url, &mut v)?;
         let empty = page.is_empty();
-        features.extend(page.iter().map(|f| FeatureText::of(f, id_field)));
+        features.extend(page.into_iter().map(|f| CollectedFeature::of(&f, id_field)));
         if empty {
             break;
         }
@@ -278,7 +278,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
 
 /// One pass over a SODA resource.
 struct SodaScan {
-    features: Vec<FeatureText>,
+    features: Vec<CollectedFeature>,
     pages: u32,
     /// Set when a non-empty page brought no row the scan did not already hold: the "no
     /// progress" error, naming the page URL and its offset. The scan stopped there.
@@ -317,7 +317,7 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
             );
             return Ok(SodaScan { features, pages, stalled: Some(FetchError::Protocol { url: page_url, reason }) });
         }
-        features.extend(page.iter().map(|f| FeatureText::of(f, id_field)));
+        features.extend(page.into_iter().map(|f| CollectedFeature::of(&f, id_field)));
         offset += n;
         let done = match expected {
             Some(c) => n == 0 || offset >= c,
