@@ -8,6 +8,7 @@
 //! on a crash.
 
 use crate::model::{ChangeEvent, ParcelRef, ParcelState, StoredGeometry};
+use super::spill::frame_record;
 use crate::store::SnapshotRow;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -74,18 +75,13 @@ impl DeltaFile {
 
     fn put(&mut self, item: &DeltaItemRef<'_>) -> Result<(), DeltaError> {
         self.buf.clear();
-        self.buf.extend_from_slice(&[0; 4]);
-        self.buf.push(DELTA_VERSION);
-        let buf = std::mem::take(&mut self.buf);
-        self.buf = postcard::to_extend(item, buf).map_err(|e| DeltaError::Codec(e.to_string()))?;
-        let len = u32::try_from(self.buf.len() - 4).map_err(|_| DeltaError::Codec("record over 4 GiB".into()))?;
-        self.buf[..4].copy_from_slice(&len.to_le_bytes());
+        frame_record(&mut self.buf, DELTA_VERSION, item).map_err(DeltaError::Codec)?;
         self.out.write_all(&self.buf)?;
         self.written += 1;
         Ok(())
     }
 
-    /// Records written so far (the commit checks it read as many back).
+    /// Records written so far (the reader expects as many).
     pub fn written(&self) -> u64 {
         self.written
     }
@@ -110,7 +106,7 @@ impl DeltaFile {
     pub fn finish(self) -> Result<DeltaReader, DeltaError> {
         let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
         file.seek(SeekFrom::Start(0))?;
-        Ok(DeltaReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new(), read: 0 })
+        Ok(DeltaReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new(), read: 0, expected: self.written })
     }
 }
 
@@ -119,17 +115,23 @@ pub struct DeltaReader {
     input: BufReader<File>,
     buf: Vec<u8>,
     read: u64,
+    /// Records the writer wrote: a file that ends before as many were read is an error.
+    expected: u64,
 }
 
 impl DeltaReader {
-    /// The next record, or None at the end. A record cut short or of another version is an
-    /// error: the commit must fail whole rather than leave part of the delta out.
+    /// The next record, or None at the end. A record cut short or of another version, and a
+    /// file that ends (even between records) before every record written was read, are
+    /// errors: the commit must fail whole rather than leave part of the delta out.
     pub fn next_item(&mut self) -> Result<Option<DeltaItem>, DeltaError> {
         let mut len = [0u8; 4];
         let mut got = 0;
         while got < len.len() {
             match self.input.read(&mut len[got..]) {
-                Ok(0) if got == 0 => return Ok(None),
+                Ok(0) if got == 0 && self.read == self.expected => return Ok(None),
+                Ok(0) if got == 0 => {
+                    return Err(DeltaError::Codec(format!("the file ends after {} of the {} records written", self.read, self.expected)))
+                }
                 Ok(0) => return Err(DeltaError::Codec("record length cut short".into())),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -150,19 +152,17 @@ impl DeltaReader {
         };
         let (head, rest) = postcard::take_from_bytes::<ItemHead>(body).map_err(|e| codec(e.to_string()))?;
         let item = match head {
+            // An upsert's body is the rest of its record, stored as it is: it must be exactly
+            // one state and one geometry.
             ItemHead::Upsert { id } => {
-                // Stored as they are: the body must be exactly one state and one geometry.
                 SnapshotRow::body_envelope(rest).map_err(codec)?;
-                self.read += 1;
-                return Ok(Some(DeltaItem::Upsert(SnapshotRow::from_body(id, rest))));
+                DeltaItem::Upsert(SnapshotRow::from_body(id, rest))
             }
+            _ if !rest.is_empty() => return Err(codec(format!("{} bytes after a record", rest.len()))),
             ItemHead::Removal(id) => DeltaItem::Removal(id),
             ItemHead::Event(e) => DeltaItem::Event(e),
             ItemHead::Share(id, share) => DeltaItem::Share(id, share),
         };
-        if !rest.is_empty() {
-            return Err(codec(format!("{} bytes after a record", rest.len())));
-        }
         self.read += 1;
         Ok(Some(item))
     }
@@ -221,7 +221,7 @@ mod tests {
             let mut file = tempfile::tempfile_in(dir.path()).unwrap();
             file.write_all(bytes).unwrap();
             file.seek(SeekFrom::Start(0)).unwrap();
-            DeltaReader { input: BufReader::new(file), buf: Vec::new(), read: 0 }.next_item()
+            DeltaReader { input: BufReader::new(file), buf: Vec::new(), read: 0, expected: 1 }.next_item()
         };
         assert!(matches!(read(&whole), Ok(Some(DeltaItem::Removal(_)))));
         assert!(read(&whole[..2]).is_err(), "cut inside the length");
@@ -232,6 +232,15 @@ mod tests {
         let mut other = whole.clone();
         other[4] = DELTA_VERSION + 1;
         assert!(read(&other).is_err(), "another version");
+        // A file that ends between records, before every record written was read.
+        let mut short = {
+            let mut file = tempfile::tempfile_in(dir.path()).unwrap();
+            file.write_all(&whole).unwrap();
+            file.seek(SeekFrom::Start(0)).unwrap();
+            DeltaReader { input: BufReader::new(file), buf: Vec::new(), read: 0, expected: 2 }
+        };
+        assert!(matches!(short.next_item(), Ok(Some(DeltaItem::Removal(_)))));
+        assert!(short.next_item().is_err(), "one record of two written");
         let mut longer = whole.clone();
         longer.push(0);
         let len = u32::from_le_bytes(longer[..4].try_into().unwrap()) + 1;

@@ -99,6 +99,13 @@ enum RecordRef<'a> {
 /// Appends one framed record to `out`: its length (u32 LE, counting the version byte and
 /// the body), the version byte, the postcard body. On an error `out` is left as it was.
 fn frame(out: &mut Vec<u8>, rec: &RecordRef<'_>) -> Result<(), SpillError> {
+    frame_record(out, SPILL_VERSION, rec).map_err(SpillError::Codec)
+}
+
+/// The framing of a run's temporary record files (this spill, a derived run's delta):
+/// appends `rec` to `out` as its length (u32 LE, counting the version byte and the body),
+/// `version`, then the postcard body. On an error `out` is left as it was.
+pub(crate) fn frame_record<T: Serialize>(out: &mut Vec<u8>, version: u8, rec: &T) -> Result<(), String> {
     /// Lets postcard append to a borrowed buffer.
     struct Append<'v>(&'v mut Vec<u8>);
     impl Extend<u8> for Append<'_> {
@@ -108,10 +115,10 @@ fn frame(out: &mut Vec<u8>, rec: &RecordRef<'_>) -> Result<(), SpillError> {
     }
     let start = out.len();
     out.extend_from_slice(&[0; 4]);
-    out.push(SPILL_VERSION);
+    out.push(version);
     let framed = postcard::to_extend(rec, Append(out))
-        .map_err(|e| SpillError::Codec(e.to_string()))
-        .and_then(|a| u32::try_from(a.0.len() - start - 4).map_err(|_| SpillError::Codec("record larger than 4 GiB".into())));
+        .map_err(|e| e.to_string())
+        .and_then(|a| u32::try_from(a.0.len() - start - 4).map_err(|_| "record larger than 4 GiB".to_string()));
     match framed {
         Ok(len) => {
             out[start..start + 4].copy_from_slice(&len.to_le_bytes());
