@@ -155,7 +155,6 @@ impl Store {
             None => None,
         };
         let mut stored = 0u64;
-        let mut called = false;
         loop {
             let mut out = BaseStretch::default();
             let mut ids = 0;
@@ -199,12 +198,8 @@ impl Store {
                     }
                 }
             }
-            if ids == 0 && called {
-                return Ok(stored);
-            }
-            called = true;
             each(out)?;
-            if ids < stretch {
+            if base.next.is_none() && derived.next.is_none() && shares.as_ref().is_none_or(|s| s.next.is_none()) {
                 return Ok(stored);
             }
         }
