@@ -105,8 +105,8 @@ impl Store {
 
     /// Opens the one write transaction of a run. The caller feeds it in chunks (quarantine,
     /// upserts, removals, events with their claims, a derived run's shares) and then
-    /// [`RunWriter::finish`]es it; dropping
-    /// the writer unfinished aborts the transaction, so nothing of the run is visible.
+    /// [`RunWriter::finish`]es it; dropping the writer unfinished aborts the transaction, so
+    /// nothing of the run is visible.
     /// Older open holds of the source are closed here (superseded, or resolved by this run).
     pub fn begin_run(
         &self,
@@ -249,10 +249,10 @@ impl Store {
     }
 
     /// Feeds a hold's staged snapshot delta, then its change events, then its derived shares
-    /// (a district or overlay source's), to `feed` in chunks of
-    /// at most `chunk` items, in staging order, from one read snapshot. A held county-sized
-    /// delta is never in memory at once: releasing a hold streams it into the release's run
-    /// writer like a run streams its layer.
+    /// (a district or overlay source's), to `feed` in chunks of at most `chunk` items, in
+    /// staging order, from one read snapshot. A held county-sized delta is never in memory at
+    /// once: releasing a hold streams it into the release's run writer like a run streams
+    /// its layer.
     pub fn for_each_held(
         &self,
         hold_id: u64,
