@@ -11,7 +11,7 @@ use crate::detect::stream::{default_workers, scan_layer, ScanError, ScanResult};
 use crate::detect::gate::{decide, GateDecision, GateInput};
 use crate::detect::severity;
 use crate::ingest::normalize::NormalizeRules;
-use crate::ingest::portal::{self, PortalFetch, PortalMeta};
+use crate::ingest::portal::{self, LayerBody, PortalFetch, PortalMeta};
 use crate::ingest::{source, staging, IngestError};
 use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
@@ -48,11 +48,44 @@ pub enum PipelineError {
 }
 
 /// Where a layer's bytes are: a file is streamed from disk (never read whole into memory);
-/// an HTTP payload is already in memory (its size is capped by the fetch).
+/// a single-response HTTP payload is already in memory (its size is capped by the fetch); a
+/// paged portal layer, or a staged payload replayed, is read through the handle it was
+/// written or checked with.
 enum LayerInput {
     File(std::path::PathBuf),
     /// A fetched payload with its hex sha256.
     Bytes { bytes: Vec<u8>, digest: String },
+    Staged(staging::StagedLayer),
+}
+
+/// Scans a layer read from `file` (its path for messages) through a digesting reader:
+/// returns the scan with the sha256 and size of the very bytes it read. A file that could
+/// not be read is reported as such, with its path, not as a document that is not GeoJSON.
+fn scan_digested<R: std::io::Read + Send>(
+    file: R,
+    path: &std::path::Path,
+    rules: &NormalizeRules,
+    view: &crate::store::SnapshotView,
+    spill_dir: &std::path::Path,
+    workers: usize,
+    progress: Option<&(dyn Fn(u64, u64) + Sync)>,
+) -> Result<(ScanResult, String, u64), PipelineError> {
+    let read_err = |e| IngestError::Read { path: path.to_path_buf(), source: e };
+    let mut reader = source::DigestingReader::new(file);
+    let scan = match scan_layer(&mut reader, rules, view, spill_dir, workers, progress) {
+        Ok(scan) => scan,
+        Err(e) => return Err(reader.take_error().map(read_err).map(PipelineError::from).unwrap_or(e.into())),
+    };
+    let (digest, size) = reader.finish().map_err(read_err)?;
+    Ok((scan, digest, size))
+}
+
+/// What a parcel source's run starts from: a local file, a portal's answer, or the payload
+/// staged by an earlier fetch (`--from-staging`).
+enum Fetched {
+    File,
+    Portal(PortalFetch),
+    Staged(staging::StagedLayer, PortalMeta),
 }
 
 /// Parcels (and quarantine drafts) per chunk of a run's commit.
@@ -335,19 +368,22 @@ impl Engine {
         }
         let wm = self.store.watermark(&src.id)?;
         let fetch = if from_staging {
-            let (bytes, m) = staging::load(self.store.path(), &src.id)?;
-            Some(PortalFetch::Layer { bytes, meta: m.portal_meta() })
+            let (layer, m) = staging::load(self.store.path(), &src.id)?;
+            Fetched::Staged(layer, m.portal_meta())
         } else {
             // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
-            portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess).map_err(IngestError::from)?
+            match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess, self.scratch_dir()).map_err(IngestError::from)? {
+                Some(f) => Fetched::Portal(f),
+                None => Fetched::File,
+            }
         };
         // Open holds, read when a file's size or a digest needs them (never for a reprocess,
         // which is not settled by its digest).
         let mut holds: Option<Vec<Hold>> = None;
         let fingerprint = src.read_fingerprint();
         // What the bytes could be settled by before any scan: their digest, when known.
-        let (input, known_digest, meta) = match fetch {
-            None => {
+        let (mut input, known_digest, meta) = match fetch {
+            Fetched::File => {
                 let path = match &src.kind {
                     crate::config::SourceKind::File { path } => path.clone(),
                     _ => return Err(PipelineError::UnknownSource(format!("{} has no file path", src.id))),
@@ -371,21 +407,28 @@ impl Engine {
                 let known = if could_be_seen { Some(source::digest_file(&path)?.0) } else { None };
                 (LayerInput::File(path), known, None)
             }
-            Some(PortalFetch::Skip { reason, meta }) => {
+            Fetched::Portal(PortalFetch::Skip { reason, meta }) => {
                 let mut warnings = vec![format!("probe: {reason}")];
                 warnings.extend(portal::stale(wm.as_ref(), started, src.stale_after));
                 let signals = portal_signals(&meta);
                 let record = self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Skip, &signals, 0, warnings)?;
                 return Ok(SourceReport { record, hold_reason: None });
             }
-            Some(PortalFetch::Layer { bytes, meta }) => {
+            Fetched::Portal(PortalFetch::Layer { body: LayerBody::Bytes(bytes), meta }) => {
                 let digest = source::digest(&bytes);
-                if !from_staging {
-                    if let Err(e) = staging::stage(self.store.path(), &src.id, &bytes, &digest, &meta, started) {
-                        tracing::warn!(source = %src.id, "could not stage the payload: {e}");
-                    }
+                if let Err(e) = staging::stage(self.store.path(), &src.id, &bytes, &digest, &meta, started) {
+                    tracing::warn!(source = %src.id, "could not stage the payload: {e}");
                 }
                 (LayerInput::Bytes { bytes, digest: digest.clone() }, Some(digest), Some(meta))
+            }
+            Fetched::Portal(PortalFetch::Layer { body: LayerBody::Features(features), meta }) => {
+                let layer = staging::stage_features(self.store.path(), &src.id, *features, &meta, started, self.scratch_dir())?;
+                let digest = layer.digest.clone();
+                (LayerInput::Staged(layer), Some(digest), Some(meta))
+            }
+            Fetched::Staged(layer, meta) => {
+                let digest = layer.digest.clone();
+                (LayerInput::Staged(layer), Some(digest), Some(meta))
             }
         };
         let holds = match holds {
@@ -409,21 +452,29 @@ impl Engine {
         let scan_started = std::time::Instant::now();
         let progress = opts.progress.clone().map(|p| move |bytes: u64, features: u64| p.at(features, bytes));
         let progress: Option<&(dyn Fn(u64, u64) + Sync)> = progress.as_ref().map(|f| f as _);
-        let (scan, digest, size) = match &input {
+        let (scan, digest, size) = match &mut input {
             LayerInput::File(path) => {
-                let read_err = |e| IngestError::Read { path: path.clone(), source: e };
-                let mut reader = source::DigestingReader::new(std::fs::File::open(path).map_err(read_err)?);
-                let scan = match scan_layer(&mut reader, &rules, &view, spill_dir, workers, progress) {
-                    Ok(scan) => scan,
-                    // A file that could not be read is reported as such, with its path, not
-                    // as a document that is not GeoJSON.
-                    Err(e) => return Err(reader.take_error().map(read_err).map(PipelineError::from).unwrap_or(e.into())),
-                };
-                let (digest, size) = reader.finish().map_err(read_err)?;
-                (scan, digest, size)
+                let file = std::fs::File::open(&*path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
+                scan_digested(file, path, &rules, &view, spill_dir, workers, progress)?
             }
             LayerInput::Bytes { bytes, digest } => {
                 (scan_layer(bytes.as_slice(), &rules, &view, spill_dir, workers, progress)?, digest.clone(), bytes.len() as u64)
+            }
+            LayerInput::Staged(layer) => {
+                let read = scan_digested(&mut layer.file, &layer.path, &rules, &view, spill_dir, workers, progress)?;
+                // The digest the run records is that of the bytes it scanned.
+                if read.1 != layer.digest || read.2 != layer.size {
+                    return Err(IngestError::Malformed(format!(
+                        "{} changed between being written ({} bytes, sha256 {}) and read ({} bytes, sha256 {})",
+                        layer.path.display(),
+                        layer.size,
+                        layer.digest,
+                        read.2,
+                        read.1
+                    ))
+                    .into());
+                }
+                read
             }
         };
         // A file not settled before the scan (or replaced since its digest was taken) may

@@ -322,7 +322,7 @@ fn arcgis_without_flag_uses_the_count_and_retries_error_bodies_with_smaller_page
     .expect("runtime")
     .expect("scan");
     assert_eq!(scan.features, 23);
-    let fc: Value = serde_json::from_slice(&scan.bytes).expect("json");
+    let fc: Value = serde_json::from_slice(&scan.layer.into_bytes().expect("collection")).expect("json");
     let ids: HashSet<String> = fc["features"].as_array().expect("features").iter().map(|f| f["properties"]["APN"].as_str().unwrap_or("").to_string()).collect();
     assert_eq!(ids.len(), 23, "every feature exactly once");
     let sizes: Vec<String> = srv.requests().iter().filter_map(|q| q.param("resultRecordCount")).collect();
@@ -699,7 +699,7 @@ fn koop_serves_a_real_layer_completely() {
     })
     .expect("runtime")
     .expect("scan");
-    let fc: Value = serde_json::from_slice(&scan.bytes).expect("json");
+    let fc: Value = serde_json::from_slice(&scan.layer.into_bytes().expect("collection")).expect("json");
     let got: Vec<String> = fc["features"].as_array().expect("features").iter().map(|f| f["properties"]["GlobalID"].as_str().unwrap_or("").to_string()).collect();
     assert_eq!(got.len(), want.len(), "every feature once");
     assert_eq!(got.iter().cloned().collect::<HashSet<_>>(), want);
@@ -1393,7 +1393,7 @@ fn arcgis_geojson_without_the_flag_completes_by_the_count_only() {
     let url = srv.url("/x/FeatureServer/0");
     let scan = geojson_scan(&url).expect("scan");
     assert_eq!(scan.features, 47);
-    let fc: Value = serde_json::from_slice(&scan.bytes).expect("json");
+    let fc: Value = serde_json::from_slice(&scan.layer.into_bytes().expect("collection")).expect("json");
     let feats = fc["features"].as_array().expect("features");
     let ids: HashSet<&str> = feats.iter().filter_map(|f| f["properties"]["APN"].as_str()).collect();
     assert_eq!((feats.len(), ids.len()), (47, 47), "every feature exactly once");
@@ -1439,7 +1439,7 @@ fn koop_serves_f_geojson_pages_completely() {
     })
     .expect("runtime")
     .expect("scan");
-    let fc: Value = serde_json::from_slice(&scan.bytes).expect("json");
+    let fc: Value = serde_json::from_slice(&scan.layer.into_bytes().expect("collection")).expect("json");
     let ids: HashSet<&str> = fc["features"].as_array().expect("features").iter().filter_map(|f| f["properties"]["APN"].as_str()).collect();
     assert_eq!((scan.features, ids.len()), (137, 137), "every feature exactly once");
     println!("koop f=geojson: 137 features in {} pages", scan.pages);

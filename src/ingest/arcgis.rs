@@ -9,7 +9,8 @@
 //!   `returnCountOnly` count; an empty page always ends the scan (never loops forever);
 //! * the count is taken before and after the scan; if it moved the layer is scanned again;
 //! * one scan's pages together are capped by `[ingest] max_layer_bytes`
-//!   ([`super::scan_guard::LayerBytes`]);
+//!   ([`super::scan_guard::LayerBytes`]); its features are collected on disk, deduplicated
+//!   by object id ([`super::collect`]);
 //! * errors arrive as HTTP 200 with `{"error":{"code":…}}`: `code >= 500` is retried with half
 //!   the page size, 498/499 is an authentication error, anything else is permanent;
 //! * `format = "geojson"` pages with `f=geojson` instead (servers that support it, e.g. Koop):
@@ -24,7 +25,7 @@
 use super::http::{FetchError, Session};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
-use std::collections::HashMap;
+use super::collect::FeatureSpool;
 
 /// Which `f=` the query pages are asked in (source key `format`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -68,10 +69,11 @@ pub struct LayerProbe {
 }
 
 /// One complete scan of a layer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Scan {
-    /// A GeoJSON FeatureCollection, features sorted by the configured id field.
-    pub bytes: Vec<u8>,
+    /// The layer's features, to be written as a GeoJSON FeatureCollection sorted by the
+    /// configured id field.
+    pub layer: FeatureSpool,
     pub features: usize,
     pub pages: u32,
     pub scans: u32,
@@ -222,7 +224,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
     let mut order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
     let mut pages = 0;
     for scan_no in 1..=3u32 {
-        let mut collected: HashMap<String, CollectedFeature> = HashMap::new();
+        let mut collected = FeatureSpool::new(&session.spool_dir)?;
         let mut duplicates = 0u64;
         let mut offset: u64 = 0;
         let mut page = page_cap;
@@ -268,10 +270,10 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             let mut fresh = 0u64;
             for (i, f) in feats.iter().enumerate() {
                 let (key, feature) = page_feature(format, f, probe.object_id_field.as_deref(), offset + i as u64);
-                if collected.insert(key, CollectedFeature::of(&feature, id_field)).is_some() {
-                    duplicates += 1;
-                } else {
+                if collected.push(Some(&key), &feature, id_field)? {
                     fresh += 1;
+                } else {
+                    duplicates += 1;
                 }
             }
             offset += n;
@@ -313,54 +315,9 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             });
         }
         let n = collected.len();
-        let bytes = feature_collection(collected.into_values().collect());
-        return Ok(Scan { bytes, features: n, pages, scans: scan_no });
+        return Ok(Scan { layer: collected, features: n, pages, scans: scan_no });
     }
     Err(FetchError::Protocol { url: layer_url.to_string(), reason: "the feature count kept moving over 3 scans; try again later".into() })
-}
-
-/// A feature as a portal scan keeps it: its text, and its id field's value. A
-/// `serde_json::Value` takes about 13 times the memory of its text (measured: a 1M-parcel
-/// layer of 259 MiB held as `Value`s took 3.5 GiB), so a scan turns each page's features into
-/// text as the page comes in and drops the page.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct CollectedFeature {
-    /// The value of the configured id field (a string as it is, anything else as JSON;
-    /// empty when absent): the collection's sort key.
-    pub id: String,
-    pub json: String,
-}
-
-impl CollectedFeature {
-    pub fn of(feature: &Value, id_field: &str) -> CollectedFeature {
-        let id = match feature.get("properties").and_then(|p| p.get(id_field)) {
-            Some(Value::String(s)) => s.clone(),
-            Some(v) => v.to_string(),
-            None => String::new(),
-        };
-        let mut json = feature.to_string();
-        // Serialising grows the string by doubling: up to half of it would be spare capacity,
-        // held for every feature until the collection is written (712 against 487 MiB for a
-        // 1M-parcel layer, measured).
-        json.shrink_to_fit();
-        CollectedFeature { id, json }
-    }
-}
-
-/// Serialises features as a FeatureCollection in a deterministic order (by the id field's
-/// value, then by the feature's JSON) so the digest does not depend on paging order.
-pub fn feature_collection(mut features: Vec<CollectedFeature>) -> Vec<u8> {
-    features.sort();
-    let mut out = Vec::with_capacity(features.iter().map(|f| f.json.len() + 1).sum::<usize>() + 64);
-    out.extend_from_slice(b"{\"type\":\"FeatureCollection\",\"features\":[");
-    for (i, f) in features.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        out.extend_from_slice(f.json.as_bytes());
-    }
-    out.extend_from_slice(b"]}");
-    out
 }
 
 fn urlencode(s: &str) -> String {
@@ -495,8 +452,15 @@ mod tests {
     fn collection_order_is_deterministic_and_drops_objectid() {
         let a = esri_feature_to_geojson(json!({"OBJECTID": 7, "APN": "b"}).as_object().unwrap().clone(), None, Some("OBJECTID"));
         let b = esri_feature_to_geojson(json!({"OBJECTID": 3, "APN": "a"}).as_object().unwrap().clone(), None, Some("OBJECTID"));
-        let x = feature_collection(vec![CollectedFeature::of(&a, "APN"), CollectedFeature::of(&b, "APN")]);
-        let y = feature_collection(vec![CollectedFeature::of(&b, "APN"), CollectedFeature::of(&a, "APN")]);
+        let dir = tempfile::tempdir().unwrap();
+        let collect = |features: [&Value; 2]| {
+            let mut spool = FeatureSpool::new(dir.path()).unwrap();
+            for f in features {
+                spool.push(None, f, "APN").unwrap();
+            }
+            spool.into_bytes().unwrap()
+        };
+        let (x, y) = (collect([&a, &b]), collect([&b, &a]));
         assert_eq!(x, y);
         let text = String::from_utf8(x).unwrap();
         assert!(!text.contains("OBJECTID") && text.find("\"a\"") < text.find("\"b\""));

@@ -57,6 +57,8 @@ pub enum FetchError {
     Corrupt { url: String, reason: String },
     #[error("{url}: the layer's pages add up to more than the configured cap of {limit} bytes ([ingest] max_layer_bytes); stopped after {read} bytes")]
     LayerTooLarge { url: String, limit: u64, read: u64 },
+    #[error("cannot collect the layer's pages on disk in {dir}: {source}")]
+    Spool { dir: std::path::PathBuf, source: std::io::Error },
 }
 
 /// One received response (2xx or 304).
@@ -156,6 +158,10 @@ pub struct Session {
     started_ms: u64,
     /// Requests sent (every attempt), for reports and tests.
     pub requests: std::sync::atomic::AtomicU32,
+    /// Where a paged scan collects its features ([`super::collect`]): the system's temp
+    /// directory unless set; a run sets its store's directory (on disk, where `/tmp` may be
+    /// memory).
+    pub spool_dir: std::path::PathBuf,
 }
 
 /// What made an attempt fail in a way worth retrying.
@@ -178,7 +184,7 @@ impl Session {
             .build()
             .map_err(|e| FetchError::Client(e.to_string()))?;
         let now = Instant::now();
-        Ok(Session { client, guard, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default() })
+        Ok(Session { client, guard, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir() })
     }
 
     /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts

@@ -5,7 +5,8 @@
 //! * [`normalize`] turns one raw feature into a [`crate::model::Parcel`] or a quarantine reason,
 //!   validating and repairing its geometry;
 //! * [`portal`], [`arcgis`] and [`http`] fetch the HTTP source kinds (probe, page, retry,
-//!   rate-limit) and hand back one FeatureCollection; [`settings`] holds their config keys;
+//!   rate-limit) and hand back one FeatureCollection, a paged layer's features collected on
+//!   disk by [`collect`]; [`settings`] holds their config keys;
 //!   [`staging`] keeps the last payload on disk and the per-source run lease;
 //!   [`scan_guard`] bounds one paged scan as a whole (total bytes, pages that bring nothing new).
 //! * [`districts`] reads district / overlay layers (code + polygon, no stable id).
@@ -15,6 +16,7 @@ pub mod geojson;
 pub mod normalize;
 pub mod source;
 pub mod arcgis;
+pub mod collect;
 pub mod http;
 pub mod portal;
 pub mod settings;
@@ -28,6 +30,8 @@ pub mod scan_guard;
 pub enum IngestError {
     #[error("cannot read {path}: {source}")]
     Read { path: std::path::PathBuf, source: std::io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: std::path::PathBuf, source: std::io::Error },
     #[error("layer is not a GeoJSON FeatureCollection: {0}")]
     Malformed(String),
     #[error("layer uses CRS {0:?}; zonewatch reads RFC 7946 GeoJSON in EPSG:4326 / CRS84 only")]

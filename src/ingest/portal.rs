@@ -1,5 +1,6 @@
 //! The HTTP source kinds end to end: probe cheaply, fetch only when something moved, and hand
-//! the pipeline one GeoJSON FeatureCollection plus the signals the watermark records. Also the
+//! the pipeline one GeoJSON FeatureCollection (one response's bytes, or a paged layer's
+//! features collected on disk, [`LayerBody`]) plus the signals the watermark records. Also the
 //! pure watermark decisions (floor, restated, stale) so they are testable without a network.
 //!
 //! * `geojson_url`: conditional GET (`If-None-Match` / `If-Modified-Since`); 304 → skip.
@@ -11,7 +12,8 @@
 //!   rescan and a "no progress" error), and every paged kind's pages together are capped by
 //!   `[ingest] max_layer_bytes` ([`super::scan_guard`]).
 
-use super::arcgis::{self, CollectedFeature};
+use super::arcgis;
+use super::collect::FeatureSpool;
 use super::http::{FetchError, Session};
 use super::scan_guard::{LayerBytes, SeenRows};
 use super::settings::IngestConfig;
@@ -34,12 +36,23 @@ pub struct PortalMeta {
 }
 
 /// The result of a portal fetch.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum PortalFetch {
     /// The probe says nothing moved: recorded as `skip`, nothing fetched.
     Skip { reason: String, meta: PortalMeta },
-    /// A whole layer as a FeatureCollection.
-    Layer { bytes: Vec<u8>, meta: PortalMeta },
+    /// A whole layer.
+    Layer { body: LayerBody, meta: PortalMeta },
+}
+
+/// A fetched layer as the fetch holds it.
+#[derive(Debug)]
+pub enum LayerBody {
+    /// One response's bytes, a FeatureCollection as served (`geojson_url`; capped by
+    /// `[ingest] max_response_bytes`).
+    Bytes(Vec<u8>),
+    /// A paged layer's features on disk, to be written as one sorted FeatureCollection
+    /// ([`FeatureSpool::write_collection`]).
+    Features(Box<FeatureSpool>),
 }
 
 /// True when the floor interval has passed since the last fetch (or there is none).
@@ -84,13 +97,22 @@ pub fn jittered(every: Duration) -> Duration {
 }
 
 /// Probes and (when needed) fetches an HTTP source. `force` skips the probe shortcut
-/// (`--reprocess`). `Ok(None)` for kinds that are not HTTP.
-pub fn fetch(src: &SourceConfig, cfg: &IngestConfig, prev: Option<&Watermark>, now_ms: u64, force: bool) -> Result<Option<PortalFetch>, FetchError> {
+/// (`--reprocess`). A paged layer is collected in a temp file in `spool_dir`. `Ok(None)` for
+/// kinds that are not HTTP.
+pub fn fetch(
+    src: &SourceConfig,
+    cfg: &IngestConfig,
+    prev: Option<&Watermark>,
+    now_ms: u64,
+    force: bool,
+    spool_dir: &std::path::Path,
+) -> Result<Option<PortalFetch>, FetchError> {
     if matches!(src.kind, SourceKind::File { .. }) {
         return Ok(None);
     }
     let due = force || floor_due(prev, now_ms, src.floor);
-    let session = Session::new(cfg, now_ms)?;
+    let mut session = Session::new(cfg, now_ms)?;
+    session.spool_dir = spool_dir.to_path_buf();
     let out = super::http::block_on(async {
         let mut r = match &src.kind {
             SourceKind::File { .. } => unreachable_file(),
@@ -135,7 +157,7 @@ async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due
         return Ok(PortalFetch::Skip { reason: "304 Not Modified".into(), meta });
     }
     resp.expect_json()?;
-    Ok(PortalFetch::Layer { bytes: resp.body, meta })
+    Ok(PortalFetch::Layer { body: LayerBody::Bytes(resp.body), meta })
 }
 
 async fn arcgis_source(
@@ -158,7 +180,7 @@ async fn arcgis_source(
         }
     }
     let scan = arcgis::scan_as(session, url, &probe, page_size, id_field, format).await?;
-    Ok(PortalFetch::Layer { bytes: scan.bytes, meta: PortalMeta { pages: scan.pages, ..meta } })
+    Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(scan.layer)), meta: PortalMeta { pages: scan.pages, ..meta } })
 }
 
 /// Takes a page's `features[]` out of its answer (not copied: a county's pages are big).
@@ -173,7 +195,7 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
     let accept = [("accept", "application/geo+json, application/json;q=0.9".to_string())];
     let mut next = Some(format!("{collection_url}/items?f=json&limit={limit}"));
     let mut seen = HashSet::new();
-    let mut features = Vec::new();
+    let mut features = FeatureSpool::new(&session.spool_dir)?;
     let mut pages = 0;
     let mut first_meta = PortalMeta::default();
     let mut layer_bytes = LayerBytes::new(session.cfg.max_layer_bytes);
@@ -191,7 +213,9 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
         let mut v = resp.json()?;
         let page = take_features(&url, &mut v)?;
         let empty = page.is_empty();
-        features.extend(page.into_iter().map(|f| CollectedFeature::of(&f, id_field)));
+        for f in page {
+            features.push(None, &f, id_field)?;
+        }
         if empty {
             break;
         }
@@ -207,8 +231,7 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
             .and_then(|l| l.get("href").and_then(Value::as_str))
             .map(|href| reqwest::Url::parse(&url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
     }
-    let bytes = arcgis::feature_collection(features);
-    Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..first_meta } })
+    Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..first_meta } })
 }
 
 /// `https://host/resource/abcd-1234.geojson` → `https://host/api/views/abcd-1234.json`.
@@ -250,8 +273,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
         let SodaScan { features, pages, stalled } = socrata_scan(session, url, page_size, id_field, expected).await?;
         let got = features.len() as u64;
         if stalled.is_none() && expected.is_none_or(|c| got == c) {
-            let bytes = arcgis::feature_collection(features);
-            return Ok(PortalFetch::Layer { bytes, meta: PortalMeta { pages, ..meta } });
+            return Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..meta } });
         }
         drop(features);
         if let Some(c) = expected {
@@ -278,7 +300,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
 
 /// One pass over a SODA resource.
 struct SodaScan {
-    features: Vec<CollectedFeature>,
+    features: FeatureSpool,
     pages: u32,
     /// Set when a non-empty page brought no row the scan did not already hold: the "no
     /// progress" error, naming the page URL and its offset. The scan stopped there.
@@ -292,7 +314,7 @@ struct SodaScan {
 /// bytes together fail the scan past `[ingest] max_layer_bytes`.
 async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &str, expected: Option<u64>) -> Result<SodaScan, FetchError> {
     let sep = if url.contains('?') { '&' } else { '?' };
-    let mut features = Vec::new();
+    let mut features = FeatureSpool::new(&session.spool_dir)?;
     let mut offset: u64 = 0;
     let mut pages: u32 = 0;
     let max_pages = expected.map(|c| c.saturating_add(10)).unwrap_or(u64::MAX);
@@ -317,7 +339,9 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
             );
             return Ok(SodaScan { features, pages, stalled: Some(FetchError::Protocol { url: page_url, reason }) });
         }
-        features.extend(page.into_iter().map(|f| CollectedFeature::of(&f, id_field)));
+        for f in page {
+            features.push(None, &f, id_field)?;
+        }
         offset += n;
         let done = match expected {
             Some(c) => n == 0 || offset >= c,

@@ -73,6 +73,38 @@ impl<R: std::io::Read> std::io::Read for DigestingReader<R> {
     }
 }
 
+/// A writer that hashes every byte written through it: a paged portal layer is digested as
+/// its collection is written out, so the bytes the run scans are not read twice.
+pub struct DigestingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+    size: u64,
+}
+
+impl<W: std::io::Write> DigestingWriter<W> {
+    pub fn new(inner: W) -> Self {
+        DigestingWriter { inner, hasher: Sha256::new(), size: 0 }
+    }
+
+    /// The writer back, with the hex sha256 and size of everything written.
+    pub fn finish(self) -> (W, String, u64) {
+        (self.inner, crate::util::hex(&self.hasher.finalize()), self.size)
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for DigestingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n.min(buf.len())]);
+        self.size += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 /// Reads the current version of a source.
 pub fn fetch(source: &SourceConfig) -> Result<FetchedLayer, IngestError> {
     match &source.kind {
@@ -104,5 +136,16 @@ mod tests {
         let path = dir.path().join("layer.geojson");
         std::fs::write(&path, &bytes).unwrap();
         assert_eq!(digest_file(&path).unwrap(), (digest(&bytes), bytes.len() as u64));
+    }
+
+    #[test]
+    fn a_digesting_writer_digests_what_it_passed_on() {
+        use std::io::Write;
+        let mut w = DigestingWriter::new(Vec::new());
+        w.write_all(b"{\"type\":").unwrap();
+        w.write_all(b"\"FeatureCollection\"}").unwrap();
+        let (out, d, n) = w.finish();
+        assert_eq!((d, n), (digest(&out), out.len() as u64));
+        assert_eq!(out, b"{\"type\":\"FeatureCollection\"}");
     }
 }

@@ -4,11 +4,16 @@
 //!   digest and portal signals (`<store>.staging/<source>.geojson` + `.json`), so
 //!   `zonewatch run --source ID --from-staging` re-processes it without touching the portal
 //!   (after a mapping fix, or to replay a failed parse). The digest is re-checked on read.
+//!   A paged layer is written there from its on-disk collection and scanned from that file
+//!   ([`stage_features`]), so a county layer never sits in memory whole.
 //! * **lease**: one run per source at a time in this process (the store file lock keeps other
 //!   processes out). A trigger while a run is going is recorded as `skipped_overlap`.
 
+use super::collect::FeatureSpool;
 use super::portal::PortalMeta;
+use super::source::{DigestingReader, DigestingWriter};
 use super::IngestError;
+use std::io::{BufWriter, Seek, SeekFrom};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -39,26 +44,40 @@ fn paths(store_path: &Path, source_id: &str) -> (PathBuf, PathBuf) {
     (dir.join(format!("{source_id}.geojson")), dir.join(format!("{source_id}.json")))
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// `<path>.tmp`: where a staged file is written before it is renamed into place.
+fn tmp_path(path: &Path) -> PathBuf {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
+    PathBuf::from(tmp)
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = tmp_path(path);
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }
 
-/// Stages a fetched payload (payload first, sidecar last: a sidecar always describes a
-/// complete payload).
-pub fn stage(store_path: &Path, source_id: &str, bytes: &[u8], digest: &str, meta: &PortalMeta, now_ms: u64) -> Result<(), IngestError> {
-    let dir = staging_dir(store_path);
-    let io = |path: &Path, e: std::io::Error| IngestError::Read { path: path.to_path_buf(), source: e };
-    std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
-    let (payload, sidecar) = paths(store_path, source_id);
-    write_atomic(&payload, bytes).map_err(|e| io(&payload, e))?;
+/// A layer written out for its run to scan: an open handle at its first byte, and the
+/// digest and size of its bytes.
+#[derive(Debug)]
+pub struct StagedLayer {
+    pub file: std::fs::File,
+    /// Where it is: the staged payload, or the directory of the anonymous temp file it went
+    /// to when staging failed (for messages).
+    pub path: PathBuf,
+    /// Hex sha256.
+    pub digest: String,
+    pub size: u64,
+}
+
+/// Writes the sidecar describing the payload just staged (payload first, sidecar last: a
+/// sidecar always describes a complete payload).
+fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, meta: &PortalMeta, now_ms: u64) -> Result<(), IngestError> {
+    let (_, sidecar) = paths(store_path, source_id);
     let m = StagedMeta {
         source_id: source_id.to_string(),
         digest: digest.to_string(),
-        size: bytes.len() as u64,
+        size,
         fetched_at_ms: now_ms,
         publisher_ts_ms: meta.publisher_ts_ms,
         etag: meta.etag.clone(),
@@ -66,17 +85,88 @@ pub fn stage(store_path: &Path, source_id: &str, bytes: &[u8], digest: &str, met
         schema_hash: meta.schema_hash.clone(),
     };
     let text = serde_json::to_vec_pretty(&m).map_err(|e| IngestError::Malformed(e.to_string()))?;
-    write_atomic(&sidecar, &text).map_err(|e| io(&sidecar, e))
+    write_atomic(&sidecar, &text).map_err(|e| IngestError::Write { path: sidecar, source: e })
 }
 
-/// Reads a staged payload back and checks its digest.
-pub fn load(store_path: &Path, source_id: &str) -> Result<(Vec<u8>, StagedMeta), IngestError> {
+/// Stages a fetched payload held in memory.
+pub fn stage(store_path: &Path, source_id: &str, bytes: &[u8], digest: &str, meta: &PortalMeta, now_ms: u64) -> Result<(), IngestError> {
+    let dir = staging_dir(store_path);
+    std::fs::create_dir_all(&dir).map_err(|e| IngestError::Write { path: dir.clone(), source: e })?;
+    let (payload, _) = paths(store_path, source_id);
+    write_atomic(&payload, bytes).map_err(|e| IngestError::Write { path: payload, source: e })?;
+    write_sidecar(store_path, source_id, digest, bytes.len() as u64, meta, now_ms)
+}
+
+/// Writes a paged layer's collection as the source's staged payload, digesting it as it is
+/// written, then its sidecar; returns the payload open for the run's scan. When the staging
+/// directory cannot be written, the collection goes to an anonymous temp file in `scratch`
+/// instead (logged: `--from-staging` then has no payload to replay); a sidecar that cannot
+/// be written is logged too (the payload is then refused on replay, its digest unconfirmed).
+/// An error only when the collection cannot be written anywhere.
+pub fn stage_features(
+    store_path: &Path,
+    source_id: &str,
+    features: FeatureSpool,
+    meta: &PortalMeta,
+    now_ms: u64,
+    scratch: &Path,
+) -> Result<StagedLayer, IngestError> {
+    let dir = staging_dir(store_path);
+    let (payload, _) = paths(store_path, source_id);
+    let tmp = tmp_path(&payload);
+    let opened = std::fs::create_dir_all(&dir)
+        .and_then(|_| std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp));
+    let (file, target) = match opened {
+        Ok(file) => (file, Some(tmp)),
+        Err(e) => {
+            tracing::warn!(source = source_id, "cannot stage the payload in {}: {e}; the run reads it from a temp file", dir.display());
+            let file = tempfile::tempfile_in(scratch).map_err(|e| IngestError::Write { path: scratch.to_path_buf(), source: e })?;
+            (file, None)
+        }
+    };
+    let written_to = target.clone().unwrap_or_else(|| scratch.to_path_buf());
+    let write = |file: std::fs::File| -> std::io::Result<(std::fs::File, String, u64)> {
+        let mut out = DigestingWriter::new(BufWriter::with_capacity(1 << 20, file));
+        features.write_collection(&mut out)?;
+        let (buffered, digest, size) = out.finish();
+        let mut file = buffered.into_inner().map_err(|e| e.into_error())?;
+        file.seek(SeekFrom::Start(0))?;
+        Ok((file, digest, size))
+    };
+    let (file, digest, size) = match write(file) {
+        Ok(w) => w,
+        Err(e) => {
+            if let Some(t) = &target {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(IngestError::Write { path: written_to, source: e });
+        }
+    };
+    let mut path = written_to;
+    if let Some(t) = target {
+        match std::fs::rename(&t, &payload) {
+            Ok(()) => {
+                path = payload;
+                if let Err(e) = write_sidecar(store_path, source_id, &digest, size, meta, now_ms) {
+                    tracing::warn!(source = source_id, "could not stage the payload: {e}");
+                }
+            }
+            Err(e) => tracing::warn!(source = source_id, "could not stage the payload as {}: {e}", payload.display()),
+        }
+    }
+    Ok(StagedLayer { file, path, digest, size })
+}
+
+/// Opens the staged payload of `source_id` and checks its digest against its sidecar; the
+/// payload comes back open at its first byte (what was checked is what is scanned).
+pub fn load(store_path: &Path, source_id: &str) -> Result<(StagedLayer, StagedMeta), IngestError> {
     let (payload, sidecar) = paths(store_path, source_id);
     let text = std::fs::read(&sidecar).map_err(|e| IngestError::Read { path: sidecar.clone(), source: e })?;
     let meta: StagedMeta = serde_json::from_slice(&text)
         .map_err(|e| IngestError::Malformed(format!("staged sidecar {} is unreadable: {e}", sidecar.display())))?;
-    let bytes = std::fs::read(&payload).map_err(|e| IngestError::Read { path: payload.clone(), source: e })?;
-    let digest = super::source::digest(&bytes);
+    let read_err = |e| IngestError::Read { path: payload.clone(), source: e };
+    let mut file = std::fs::File::open(&payload).map_err(read_err)?;
+    let (digest, size) = DigestingReader::new(&file).finish().map_err(read_err)?;
     if digest != meta.digest {
         return Err(IngestError::Malformed(format!(
             "staged payload {} has digest {digest} but its sidecar says {}; refusing to use it",
@@ -84,7 +174,8 @@ pub fn load(store_path: &Path, source_id: &str) -> Result<(Vec<u8>, StagedMeta),
             meta.digest
         )));
     }
-    Ok((bytes, meta))
+    file.seek(SeekFrom::Start(0)).map_err(read_err)?;
+    Ok((StagedLayer { file, path: payload, digest, size }, meta))
 }
 
 impl StagedMeta {
@@ -157,11 +248,63 @@ mod tests {
         let bytes = br#"{"type":"FeatureCollection","features":[]}"#;
         let d = super::super::source::digest(bytes);
         stage(&store, "s", bytes, &d, &PortalMeta { etag: Some("e".into()), ..Default::default() }, 5).unwrap();
-        let (b, m) = load(&store, "s").unwrap();
+        let (mut staged, m) = load(&store, "s").unwrap();
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut staged.file, &mut b).unwrap();
         assert_eq!(b, bytes);
+        assert_eq!((staged.digest.as_str(), staged.size), (d.as_str(), bytes.len() as u64));
         assert_eq!(m.etag.as_deref(), Some("e"));
         std::fs::write(staging_dir(&store).join("s.geojson"), b"tampered").unwrap();
         assert!(load(&store, "s").unwrap_err().to_string().contains("refusing"));
         assert!(load(&store, "other").is_err());
+    }
+
+    fn spool_of(dir: &Path, apns: &[&str]) -> FeatureSpool {
+        let mut spool = FeatureSpool::new(dir).unwrap();
+        for apn in apns {
+            let f = serde_json::json!({"type": "Feature", "properties": {"APN": apn}, "geometry": null});
+            spool.push(None, &f, "APN").unwrap();
+        }
+        spool
+    }
+
+    fn read_all(mut file: &std::fs::File) -> Vec<u8> {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut file, &mut b).unwrap();
+        b
+    }
+
+    #[test]
+    fn a_paged_layer_is_staged_as_written_and_replays_from_staging() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("z.redb");
+        let want = spool_of(dir.path(), &["b", "a"]).into_bytes().unwrap();
+        let meta = PortalMeta { publisher_ts_ms: Some(7), ..Default::default() };
+        let layer = stage_features(&store, "s", spool_of(dir.path(), &["a", "b"]), &meta, 5, dir.path()).unwrap();
+        assert_eq!((layer.digest.as_str(), layer.size), (super::super::source::digest(&want).as_str(), want.len() as u64));
+        assert_eq!(read_all(&layer.file), want, "the handle is at the first byte of what was written");
+        assert_eq!(layer.path, staging_dir(&store).join("s.geojson"));
+        assert_eq!(std::fs::read(&layer.path).unwrap(), want);
+        assert!(!staging_dir(&store).join("s.geojson.tmp").exists());
+        let (replayed, m) = load(&store, "s").unwrap();
+        assert_eq!((replayed.digest, m.size, m.publisher_ts_ms), (layer.digest, want.len() as u64, Some(7)));
+        assert_eq!(read_all(&replayed.file), want);
+    }
+
+    #[test]
+    fn a_paged_layer_that_cannot_be_staged_is_still_scanned_and_nothing_is_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("z.redb");
+        // The staging directory's name is taken by a file: staging is impossible.
+        std::fs::write(staging_dir(&store), b"not a directory").unwrap();
+        let want = spool_of(dir.path(), &["a", "b"]).into_bytes().unwrap();
+        let layer = stage_features(&store, "s", spool_of(dir.path(), &["b", "a"]), &PortalMeta::default(), 5, dir.path()).unwrap();
+        assert_eq!(read_all(&layer.file), want, "the run reads it from a temp file");
+        assert_eq!(layer.path, dir.path());
+        assert!(load(&store, "s").is_err(), "nothing staged to replay");
+        // Nowhere to write at all: a clear error naming where it tried.
+        let nowhere = dir.path().join("missing-scratch");
+        let err = stage_features(&store, "s", spool_of(dir.path(), &["a"]), &PortalMeta::default(), 5, &nowhere).unwrap_err();
+        assert!(matches!(err, IngestError::Write { .. }) && err.to_string().contains("missing-scratch"), "{err}");
     }
 }

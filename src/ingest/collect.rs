@@ -1,0 +1,342 @@
+//! A paged layer's features, collected on disk as its pages come in.
+//!
+//! A portal layer (ArcGIS, OGC API, Socrata) arrives a page at a time, and a run needs it
+//! whole — complete, deduplicated and in an order that does not depend on paging — before
+//! its digest means anything. Held in memory, a county's layer took several times its text
+//! (3.5 GiB as `serde_json::Value`s for a 1M-parcel layer of 259 MiB, ~2.5× as strings).
+//! A [`FeatureSpool`] writes each feature's JSON text to an anonymous temp file next to the
+//! store as its page arrives; memory keeps 24 bytes per feature (where its text is) and its
+//! id field's value (the sort key), plus a 64-bit hash per object id when pages are
+//! deduplicated. [`FeatureSpool::write_collection`] then writes the FeatureCollection in
+//! order, and the run scans what it wrote as it scans a local file.
+//!
+//! The order (by the id field's value as bytes, then by the feature's text) and the bytes
+//! (each feature as `serde_json` writes it compactly, `,` between, no whitespace) are the
+//! layer's identity: its digest must not move from one fetch of the same data to the next.
+
+use super::http::FetchError;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::fs::File;
+use std::hash::BuildHasher;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+/// Where one feature's text lies in the spool file, and its sort key in the id arena.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    id_at: u64,
+    at: u64,
+    id_len: u32,
+    len: u32,
+}
+
+/// The features of one scan pass, text on disk, index in memory (see the module doc).
+pub struct FeatureSpool {
+    file: BufWriter<File>,
+    /// The directory of the temp file, for error messages.
+    dir: PathBuf,
+    /// Bytes written to the file so far: where the next record starts.
+    end: u64,
+    /// The id field values, end to end; entries point into it.
+    ids: Vec<u8>,
+    entries: Vec<Entry>,
+    /// Object id → entry, for a scan that deduplicates: the key's 64-bit hash (keyed per
+    /// spool, so a server cannot aim collisions at it) maps to the entry that holds it. The
+    /// key's text is in the file just before its feature, so a hit is checked against it;
+    /// a key whose hash another key took lives in `overflow` by its text.
+    keys: HashMap<u64, u32>,
+    overflow: HashMap<String, u32>,
+    hasher: std::collections::hash_map::RandomState,
+    /// Reused for each feature's text.
+    text: Vec<u8>,
+}
+
+impl std::fmt::Debug for FeatureSpool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FeatureSpool").field("dir", &self.dir).field("features", &self.entries.len()).field("bytes", &self.end).finish()
+    }
+}
+
+impl FeatureSpool {
+    /// An empty spool whose temp file lives in `dir` (removed when the spool is dropped,
+    /// and by the OS if the process dies).
+    pub fn new(dir: &Path) -> Result<FeatureSpool, FetchError> {
+        let file = tempfile::tempfile_in(dir).map_err(|e| spool_error(dir, e))?;
+        Ok(FeatureSpool {
+            file: BufWriter::with_capacity(1 << 20, file),
+            dir: dir.to_path_buf(),
+            end: 0,
+            ids: Vec::new(),
+            entries: Vec::new(),
+            keys: HashMap::new(),
+            overflow: HashMap::new(),
+            hasher: Default::default(),
+            text: Vec::new(),
+        })
+    }
+
+    /// Features held (a replaced one counts once).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no feature is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Adds a feature; its sort key is the value of `id_field` in its properties (a string
+    /// as it is, anything else as JSON, empty when absent). With a `key` (an ArcGIS object
+    /// id), a feature already held under the same key is replaced by this one — a page read
+    /// twice — and `false` is returned; otherwise `true`.
+    pub fn push(&mut self, key: Option<&str>, feature: &Value, id_field: &str) -> Result<bool, FetchError> {
+        let slot = match key {
+            Some(k) => self.slot_of(k)?,
+            None => None,
+        };
+        let id_at = self.ids.len() as u64;
+        match feature.get("properties").and_then(|p| p.get(id_field)) {
+            Some(Value::String(s)) => self.ids.extend_from_slice(s.as_bytes()),
+            Some(v) => serde_json::to_writer(&mut self.ids, v).map_err(|e| spool_error(&self.dir, e.into()))?,
+            None => {}
+        }
+        let id_len = self.ids.len() as u64 - id_at;
+        if let Some(k) = key {
+            self.write(k.as_bytes())?;
+            self.write(&(k.len() as u32).to_le_bytes())?;
+        }
+        self.text.clear();
+        serde_json::to_writer(&mut self.text, feature).map_err(|e| spool_error(&self.dir, e.into()))?;
+        let at = self.end;
+        let text = std::mem::take(&mut self.text);
+        let written = self.write(&text);
+        self.text = text;
+        written?;
+        let (Ok(id_len), Ok(len)) = (u32::try_from(id_len), u32::try_from(self.text.len())) else {
+            return Err(spool_error(&self.dir, std::io::Error::other("a feature or its id is larger than 4 GiB")));
+        };
+        let entry = Entry { id_at, at, id_len, len };
+        match slot {
+            Some(i) => {
+                self.entries[i as usize] = entry;
+                Ok(false)
+            }
+            None => {
+                let i = u32::try_from(self.entries.len()).map_err(|_| spool_error(&self.dir, std::io::Error::other("more than 4 billion features")))?;
+                if let Some(k) = key {
+                    let h = self.hasher.hash_one(k);
+                    if let std::collections::hash_map::Entry::Vacant(v) = self.keys.entry(h) {
+                        v.insert(i);
+                    } else {
+                        self.overflow.insert(k.to_string(), i);
+                    }
+                }
+                self.entries.push(entry);
+                Ok(true)
+            }
+        }
+    }
+
+    /// The entry already holding `key`, if any.
+    fn slot_of(&mut self, key: &str) -> Result<Option<u32>, FetchError> {
+        let h = self.hasher.hash_one(key);
+        let Some(&i) = self.keys.get(&h) else { return Ok(None) };
+        if self.stored_key(i)? == key.as_bytes() {
+            return Ok(Some(i));
+        }
+        Ok(self.overflow.get(key).copied())
+    }
+
+    /// The key written before entry `i`'s text: `[key][key length, u32 LE][text]`.
+    fn stored_key(&mut self, i: u32) -> Result<Vec<u8>, FetchError> {
+        self.file.flush().map_err(|e| spool_error(&self.dir, e))?;
+        let at = self.entries[i as usize].at;
+        let mut len = [0u8; 4];
+        let len_at = at.checked_sub(4).ok_or_else(|| spool_error(&self.dir, corrupt()))?;
+        read_at(self.file.get_ref(), len_at, &mut len).map_err(|e| spool_error(&self.dir, e))?;
+        let len = u32::from_le_bytes(len) as u64;
+        let key_at = len_at.checked_sub(len).ok_or_else(|| spool_error(&self.dir, corrupt()))?;
+        let mut key = vec![0u8; len as usize];
+        read_at(self.file.get_ref(), key_at, &mut key).map_err(|e| spool_error(&self.dir, e))?;
+        Ok(key)
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<(), FetchError> {
+        self.file.write_all(bytes).map_err(|e| spool_error(&self.dir, e))?;
+        self.end += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes the features as one FeatureCollection to `out`, sorted by their id field's
+    /// value (bytes), then by their text; returns the bytes written. Features with equal
+    /// ids (rare: a shared APN, or an id field the layer lacks) are ordered by reading their
+    /// texts back, never by loading them all.
+    pub fn write_collection<W: Write>(self, out: &mut W) -> std::io::Result<u64> {
+        let FeatureSpool { file, ids, mut entries, .. } = self;
+        let file = file.into_inner().map_err(|e| e.into_error())?;
+        let id = |e: &Entry| &ids[e.id_at as usize..(e.id_at + e.id_len as u64) as usize];
+        entries.sort_unstable_by(|a, b| id(a).cmp(id(b)));
+        let mut failed: Option<std::io::Error> = None;
+        let mut start = 0;
+        while start < entries.len() {
+            let key = id(&entries[start]);
+            let run = entries[start..].iter().take_while(|e| id(e) == key).count();
+            if run > 1 {
+                let (mut left, mut right) = (Vec::new(), Vec::new());
+                entries[start..start + run].sort_by(|a, b| match (text_of(&file, a, &mut left), text_of(&file, b, &mut right)) {
+                    (Ok(()), Ok(())) => left.cmp(&right),
+                    (Err(e), _) | (_, Err(e)) => {
+                        failed.get_or_insert(e);
+                        std::cmp::Ordering::Equal
+                    }
+                });
+            }
+            start += run;
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        const HEAD: &[u8] = b"{\"type\":\"FeatureCollection\",\"features\":[";
+        out.write_all(HEAD)?;
+        let mut written = HEAD.len() as u64;
+        let mut text = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            if i > 0 {
+                out.write_all(b",")?;
+                written += 1;
+            }
+            text_of(&file, e, &mut text)?;
+            out.write_all(&text)?;
+            written += text.len() as u64;
+        }
+        out.write_all(b"]}")?;
+        Ok(written + 2)
+    }
+
+    /// The collection as bytes (tests and small layers).
+    pub fn into_bytes(self) -> std::io::Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(self.end as usize + 64);
+        self.write_collection(&mut out)?;
+        Ok(out)
+    }
+}
+
+/// Reads entry `e`'s text into `buf`.
+fn text_of(file: &File, e: &Entry, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    buf.resize(e.len as usize, 0);
+    read_at(file, e.at, buf)
+}
+
+#[cfg(unix)]
+fn read_at(file: &File, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, at)
+}
+
+#[cfg(not(unix))]
+fn read_at(mut file: &File, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    file.seek(SeekFrom::Start(at))?;
+    let read = file.read_exact(buf);
+    // Appends go on at the end: put the cursor back whatever the read did.
+    file.seek(SeekFrom::End(0))?;
+    read
+}
+
+fn corrupt() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, "the spool file does not hold what its index says")
+}
+
+fn spool_error(dir: &Path, source: std::io::Error) -> FetchError {
+    FetchError::Spool { dir: dir.to_path_buf(), source }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn feature(apn: Value, zone: &str) -> Value {
+        json!({"type": "Feature", "properties": {"APN": apn, "ZONE": zone}, "geometry": null})
+    }
+
+    /// The reference: every feature's text in memory, sorted by (id, text).
+    fn reference(features: &[Value]) -> Vec<u8> {
+        let mut pairs: Vec<(Vec<u8>, String)> = features
+            .iter()
+            .map(|f| {
+                let id = match f["properties"].get("APN") {
+                    Some(Value::String(s)) => s.as_bytes().to_vec(),
+                    Some(v) => v.to_string().into_bytes(),
+                    None => Vec::new(),
+                };
+                (id, f.to_string())
+            })
+            .collect();
+        pairs.sort();
+        let texts: Vec<String> = pairs.into_iter().map(|(_, t)| t).collect();
+        format!("{{\"type\":\"FeatureCollection\",\"features\":[{}]}}", texts.join(",")).into_bytes()
+    }
+
+    #[test]
+    fn the_collection_is_sorted_by_id_then_text_whatever_the_arrival_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut features = vec![
+            feature(json!("b"), "R1"),
+            feature(json!("a"), "R2"),
+            feature(json!("a"), "C1"),
+            feature(json!(12), "R1"),
+            feature(json!("ä"), "R1"),
+            json!({"type": "Feature", "properties": {"ZONE": "X"}, "geometry": null}),
+            json!({"type": "Feature", "properties": {"ZONE": "W"}, "geometry": null}),
+            feature(json!("a"), "C1"),
+        ];
+        let want = reference(&features);
+        for round in 0..6 {
+            features.rotate_left(3);
+            if round % 2 == 1 {
+                features.reverse();
+            }
+            let mut spool = FeatureSpool::new(dir.path()).unwrap();
+            for f in &features {
+                assert!(spool.push(None, f, "APN").unwrap());
+            }
+            assert_eq!(spool.len(), features.len());
+            let got = spool.into_bytes().unwrap();
+            assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want), "round {round}");
+            let _: Value = serde_json::from_slice(&got).expect("valid JSON");
+        }
+        let empty = FeatureSpool::new(dir.path()).unwrap().into_bytes().unwrap();
+        assert_eq!(empty, b"{\"type\":\"FeatureCollection\",\"features\":[]}");
+    }
+
+    #[test]
+    fn a_key_seen_again_replaces_its_feature_and_colliding_hashes_stay_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = FeatureSpool::new(dir.path()).unwrap();
+        assert!(spool.push(Some("1"), &feature(json!("p1"), "R1"), "APN").unwrap());
+        assert!(spool.push(Some("2"), &feature(json!("p2"), "R1"), "APN").unwrap());
+        // The same object id again (a page read twice): its newer text wins, counted once.
+        assert!(!spool.push(Some("1"), &feature(json!("p1"), "C2"), "APN").unwrap());
+        // Force a hash collision: "3"'s hash is made to point at "2"'s entry, whose stored
+        // key is "2". "3" must still be a new feature, and "2" and "3" each be found again
+        // as themselves.
+        let i2 = spool.keys[&spool.hasher.hash_one("2")];
+        spool.keys.insert(spool.hasher.hash_one("3"), i2);
+        assert!(spool.push(Some("3"), &feature(json!("p3"), "R1"), "APN").unwrap());
+        assert!(!spool.push(Some("3"), &feature(json!("p3"), "R9"), "APN").unwrap());
+        assert!(!spool.push(Some("2"), &feature(json!("p2"), "R7"), "APN").unwrap());
+        assert_eq!(spool.len(), 3);
+        let text = String::from_utf8(spool.into_bytes().unwrap()).unwrap();
+        let want = reference(&[feature(json!("p1"), "C2"), feature(json!("p2"), "R7"), feature(json!("p3"), "R9")]);
+        assert_eq!(text, String::from_utf8(want).unwrap());
+    }
+
+    #[test]
+    fn a_spool_that_cannot_be_made_says_where() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("no-such-dir");
+        let err = FeatureSpool::new(&missing).unwrap_err().to_string();
+        assert!(err.contains("no-such-dir"), "{err}");
+    }
+}
