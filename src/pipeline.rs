@@ -464,7 +464,7 @@ impl Engine {
                 let read = scan_digested(&mut layer.file, &layer.path, &rules, &view, spill_dir, workers, progress)?;
                 // The digest the run records is that of the bytes it scanned.
                 if read.1 != layer.digest || read.2 != layer.size {
-                    return Err(IngestError::Malformed(format!(
+                    return Err(IngestError::Changed(format!(
                         "{} changed between being written ({} bytes, sha256 {}) and read ({} bytes, sha256 {})",
                         layer.path.display(),
                         layer.size,

@@ -896,6 +896,16 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
     let r = engine.run_source_id("soda", RunOptions::default()).expect("identical");
     assert_eq!(r.record.verdict, Verdict::Identical);
 
+    // The paged layer was staged as its run scanned it: replaying it reads no page, and it
+    // is the version the watermark describes (same digest).
+    let before = srv.requests().len();
+    let src = engine.config.source("soda").expect("source");
+    let r = engine.run_source_from_staging(src, RunOptions::default()).expect("staged");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    let r = engine.run_source_from_staging(src, RunOptions { reprocess: true, ..Default::default() }).expect("staged reprocess");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Reprocessed, 25), "{}", r.line());
+    assert_eq!(srv.requests().len(), before, "the portal was not asked");
+
     // Time comes from the engine's clock (a manual one here), so the floor and the staleness
     // are tested with their real defaults (floor 24h, stale_after 45d) and no sleeping.
     let dir2 = tempfile::tempdir().expect("tmp");

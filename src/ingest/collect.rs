@@ -103,8 +103,9 @@ impl FeatureSpool {
         }
         let id_len = self.ids.len() as u64 - id_at;
         if let Some(k) = key {
+            let key_len = u32::try_from(k.len()).map_err(|_| spool_error(&self.dir, std::io::Error::other("an object id is larger than 4 GiB")))?;
             self.write(k.as_bytes())?;
-            self.write(&(k.len() as u32).to_le_bytes())?;
+            self.write(&key_len.to_le_bytes())?;
         }
         self.text.clear();
         serde_json::to_writer(&mut self.text, feature).map_err(|e| spool_error(&self.dir, e.into()))?;
@@ -171,31 +172,27 @@ impl FeatureSpool {
     /// Writes the features as one FeatureCollection to `out`, sorted by their id field's
     /// value (bytes), then by their text; returns the bytes written. Features with equal
     /// ids (rare: a shared APN, or an id field the layer lacks) are ordered by reading their
-    /// texts back, never by loading them all.
+    /// texts back, never by loading them all (a layer none of whose features has the id
+    /// field is one such run: sorted, slowly, in O(n log n) reads).
     pub fn write_collection<W: Write>(self, out: &mut W) -> std::io::Result<u64> {
-        let FeatureSpool { file, ids, mut entries, .. } = self;
-        let file = file.into_inner().map_err(|e| e.into_error())?;
+        let FeatureSpool { file, dir, ids, mut entries, .. } = self;
+        // An error of the spool's own file says so (the caller names where it was writing).
+        let spool_err = |e: std::io::Error| std::io::Error::new(e.kind(), format!("reading the collected features back from a temp file in {}: {e}", dir.display()));
+        let file = file.into_inner().map_err(|e| spool_err(e.into_error()))?;
         let id = |e: &Entry| &ids[e.id_at as usize..(e.id_at + e.id_len as u64) as usize];
         entries.sort_unstable_by(|a, b| id(a).cmp(id(b)));
-        let mut failed: Option<std::io::Error> = None;
+        let (mut left, mut right, mut merged) = (Vec::new(), Vec::new(), Vec::new());
+        let mut by_text = |a: &Entry, b: &Entry| -> std::io::Result<std::cmp::Ordering> {
+            text_of(&file, a, &mut left)?;
+            text_of(&file, b, &mut right)?;
+            Ok(left.cmp(&right))
+        };
         let mut start = 0;
         while start < entries.len() {
             let key = id(&entries[start]);
             let run = entries[start..].iter().take_while(|e| id(e) == key).count();
-            if run > 1 {
-                let (mut left, mut right) = (Vec::new(), Vec::new());
-                entries[start..start + run].sort_by(|a, b| match (text_of(&file, a, &mut left), text_of(&file, b, &mut right)) {
-                    (Ok(()), Ok(())) => left.cmp(&right),
-                    (Err(e), _) | (_, Err(e)) => {
-                        failed.get_or_insert(e);
-                        std::cmp::Ordering::Equal
-                    }
-                });
-            }
+            merge_sort(&mut entries[start..start + run], &mut merged, &mut by_text).map_err(spool_err)?;
             start += run;
-        }
-        if let Some(e) = failed {
-            return Err(e);
         }
         const HEAD: &[u8] = b"{\"type\":\"FeatureCollection\",\"features\":[";
         out.write_all(HEAD)?;
@@ -206,7 +203,7 @@ impl FeatureSpool {
                 out.write_all(b",")?;
                 written += 1;
             }
-            text_of(&file, e, &mut text)?;
+            text_of(&file, e, &mut text).map_err(spool_err)?;
             out.write_all(&text)?;
             written += text.len() as u64;
         }
@@ -220,6 +217,37 @@ impl FeatureSpool {
         self.write_collection(&mut out)?;
         Ok(out)
     }
+}
+
+/// Sorts `v` (stable) with a comparison that can fail (it reads texts back from the spool):
+/// the first error ends the sort and is returned. The standard sorts take an infallible
+/// comparison, and one that papered over an error would not be a total order.
+fn merge_sort<F>(v: &mut [Entry], merged: &mut Vec<Entry>, cmp: &mut F) -> std::io::Result<()>
+where
+    F: FnMut(&Entry, &Entry) -> std::io::Result<std::cmp::Ordering>,
+{
+    let n = v.len();
+    if n < 2 {
+        return Ok(());
+    }
+    let mid = n / 2;
+    merge_sort(&mut v[..mid], merged, cmp)?;
+    merge_sort(&mut v[mid..], merged, cmp)?;
+    merged.clear();
+    let (mut i, mut j) = (0, mid);
+    while i < mid && j < n {
+        if cmp(&v[j], &v[i])? == std::cmp::Ordering::Less {
+            merged.push(v[j]);
+            j += 1;
+        } else {
+            merged.push(v[i]);
+            i += 1;
+        }
+    }
+    merged.extend_from_slice(&v[i..mid]);
+    merged.extend_from_slice(&v[j..]);
+    v.copy_from_slice(merged);
+    Ok(())
 }
 
 /// Reads entry `e`'s text into `buf`.
@@ -291,6 +319,8 @@ mod tests {
             json!({"type": "Feature", "properties": {"ZONE": "W"}, "geometry": null}),
             feature(json!("a"), "C1"),
         ];
+        // A long run of equal ids, in no order: sorted by text through the merge sort.
+        features.extend((0..37).map(|k| feature(json!("same"), &format!("Z{}", (k * 17) % 37))));
         let want = reference(&features);
         for round in 0..6 {
             features.rotate_left(3);
@@ -308,6 +338,37 @@ mod tests {
         }
         let empty = FeatureSpool::new(dir.path()).unwrap().into_bytes().unwrap();
         assert_eq!(empty, b"{\"type\":\"FeatureCollection\",\"features\":[]}");
+    }
+
+    /// The digest of this collection as the in-memory collector before the spool wrote it
+    /// (`9135d68`, `arcgis::feature_collection`): a layer's digest is its version's
+    /// identity, so an upgrade must not make an unchanged portal layer look new.
+    #[test]
+    fn the_collection_has_the_bytes_the_in_memory_collector_had() {
+        let features: Vec<Value> = serde_json::from_str(
+            r#"[{"type":"Feature","properties":{"APN":"b-2","ZONE":"R1"},"geometry":{"type":"Point","coordinates":[-71.1,42.3]}},
+                {"type":"Feature","properties":{"APN":12,"ZONE":"C"},"geometry":null},
+                {"type":"Feature","properties":{"APN":"Ä-1","ZONE":"Wohn"},"geometry":null},
+                {"type":"Feature","properties":{"ZONE":"none"},"geometry":null},
+                {"type":"Feature","properties":{"APN":"a","ZONE":"R2"},"geometry":null},
+                {"type":"Feature","properties":{"APN":"a","ZONE":"C1"},"geometry":null},
+                {"type":"Feature","properties":{"APN":null,"ZONE":"x"},"geometry":null},
+                {"type":"Feature","properties":{"APN":"","ZONE":"e"},"geometry":null},
+                {"type":"Feature","properties":{"APN":"a","ZONE":"C1"},"geometry":null}]"#,
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut spool = FeatureSpool::new(dir.path()).unwrap();
+        for f in &features {
+            spool.push(None, f, "APN").unwrap();
+        }
+        let bytes = spool.into_bytes().unwrap();
+        assert_eq!(
+            super::super::source::digest(&bytes),
+            "1e950720dcd23889e755e09ee7d67f1490ea6668befdc7155b0f5a67babb13c9",
+            "{}",
+            String::from_utf8_lossy(&bytes)
+        );
     }
 
     #[test]

@@ -36,6 +36,10 @@ pub enum IngestError {
     Malformed(String),
     #[error("layer uses CRS {0:?}; zonewatch reads RFC 7946 GeoJSON in EPSG:4326 / CRS84 only")]
     UnsupportedCrs(String),
+    /// A layer written out for its run (a paged layer's collection) is not what the scan
+    /// read back.
+    #[error("{0}")]
+    Changed(String),
     #[error("fetch failed: {0}")]
     Fetch(#[from] http::FetchError),
 }

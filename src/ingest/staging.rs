@@ -91,18 +91,31 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
 /// Stages a fetched payload held in memory.
 pub fn stage(store_path: &Path, source_id: &str, bytes: &[u8], digest: &str, meta: &PortalMeta, now_ms: u64) -> Result<(), IngestError> {
     let dir = staging_dir(store_path);
+    forget_staged(store_path, source_id)?;
     std::fs::create_dir_all(&dir).map_err(|e| IngestError::Write { path: dir.clone(), source: e })?;
     let (payload, _) = paths(store_path, source_id);
     write_atomic(&payload, bytes).map_err(|e| IngestError::Write { path: payload, source: e })?;
     write_sidecar(store_path, source_id, digest, bytes.len() as u64, meta, now_ms)
 }
 
+/// Removes the sidecar of `source_id`'s staged payload before a new payload is written: a
+/// payload is replayable only once its own sidecar is written, so a staging that fails half
+/// way leaves nothing to replay rather than an older version that still matches its sidecar.
+fn forget_staged(store_path: &Path, source_id: &str) -> Result<(), IngestError> {
+    let (_, sidecar) = paths(store_path, source_id);
+    match std::fs::remove_file(&sidecar) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(IngestError::Write { path: sidecar, source: e }),
+        _ => Ok(()),
+    }
+}
+
 /// Writes a paged layer's collection as the source's staged payload, digesting it as it is
 /// written, then its sidecar; returns the payload open for the run's scan. When the staging
-/// directory cannot be written, the collection goes to an anonymous temp file in `scratch`
-/// instead (logged: `--from-staging` then has no payload to replay); a sidecar that cannot
-/// be written is logged too (the payload is then refused on replay, its digest unconfirmed).
-/// An error only when the collection cannot be written anywhere.
+/// directory cannot be used at all, the collection goes to an anonymous temp file in
+/// `scratch` instead (logged; `--from-staging` then has nothing to replay); a payload that
+/// cannot be renamed into place or a sidecar that cannot be written is logged too (nothing
+/// to replay either). An error when writing the collection itself fails (a full disk, or
+/// the spool unreadable): nothing is tried elsewhere, the run fails and is retried later.
 pub fn stage_features(
     store_path: &Path,
     source_id: &str,
@@ -113,45 +126,42 @@ pub fn stage_features(
 ) -> Result<StagedLayer, IngestError> {
     let dir = staging_dir(store_path);
     let (payload, _) = paths(store_path, source_id);
-    let tmp = tmp_path(&payload);
-    let opened = std::fs::create_dir_all(&dir)
-        .and_then(|_| std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp));
-    let (file, target) = match opened {
-        Ok(file) => (file, Some(tmp)),
+    let opened = forget_staged(store_path, source_id)
+        .map_err(|e| std::io::Error::other(e.to_string()))
+        .and_then(|_| std::fs::create_dir_all(&dir))
+        .and_then(|_| tempfile::Builder::new().prefix(&format!("{source_id}.geojson.")).suffix(".tmp").tempfile_in(&dir));
+    let (file, named, written_to) = match opened {
+        // A named temp file in the staging directory: removed if anything below fails.
+        Ok(tmp) => {
+            let at = tmp.path().to_path_buf();
+            let (file, path) = tmp.into_parts();
+            (file, Some(path), at)
+        }
         Err(e) => {
             tracing::warn!(source = source_id, "cannot stage the payload in {}: {e}; the run reads it from a temp file", dir.display());
             let file = tempfile::tempfile_in(scratch).map_err(|e| IngestError::Write { path: scratch.to_path_buf(), source: e })?;
-            (file, None)
+            (file, None, scratch.to_path_buf())
         }
     };
-    let written_to = target.clone().unwrap_or_else(|| scratch.to_path_buf());
-    let write = |file: std::fs::File| -> std::io::Result<(std::fs::File, String, u64)> {
-        let mut out = DigestingWriter::new(BufWriter::with_capacity(1 << 20, file));
-        features.write_collection(&mut out)?;
+    let mut out = DigestingWriter::new(BufWriter::with_capacity(1 << 20, file));
+    let written = features.write_collection(&mut out).and_then(|_| {
         let (buffered, digest, size) = out.finish();
         let mut file = buffered.into_inner().map_err(|e| e.into_error())?;
         file.seek(SeekFrom::Start(0))?;
         Ok((file, digest, size))
-    };
-    let (file, digest, size) = match write(file) {
-        Ok(w) => w,
-        Err(e) => {
-            if let Some(t) = &target {
-                let _ = std::fs::remove_file(t);
-            }
-            return Err(IngestError::Write { path: written_to, source: e });
-        }
-    };
+    });
+    let (file, digest, size) = written.map_err(|e| IngestError::Write { path: written_to.clone(), source: e })?;
     let mut path = written_to;
-    if let Some(t) = target {
-        match std::fs::rename(&t, &payload) {
+    if let Some(tmp) = named {
+        match tmp.persist(&payload) {
             Ok(()) => {
                 path = payload;
                 if let Err(e) = write_sidecar(store_path, source_id, &digest, size, meta, now_ms) {
                     tracing::warn!(source = source_id, "could not stage the payload: {e}");
                 }
             }
-            Err(e) => tracing::warn!(source = source_id, "could not stage the payload as {}: {e}", payload.display()),
+            // The temp file is removed when `e` drops; the open handle still reads it.
+            Err(e) => tracing::warn!(source = source_id, "could not stage the payload as {}: {}", payload.display(), e.error),
         }
     }
     Ok(StagedLayer { file, path, digest, size })
@@ -289,6 +299,26 @@ mod tests {
         let (replayed, m) = load(&store, "s").unwrap();
         assert_eq!((replayed.digest, m.size, m.publisher_ts_ms), (layer.digest, want.len() as u64, Some(7)));
         assert_eq!(read_all(&replayed.file), want);
+    }
+
+    #[test]
+    fn a_payload_that_cannot_be_put_in_place_leaves_no_temp_file_and_nothing_older_to_replay() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("z.redb");
+        stage_features(&store, "s", spool_of(dir.path(), &["old"]), &PortalMeta::default(), 5, dir.path()).unwrap();
+        assert!(load(&store, "s").is_ok());
+        // The payload's name is now taken by a non-empty directory: the rename fails.
+        let payload = staging_dir(&store).join("s.geojson");
+        std::fs::remove_file(&payload).unwrap();
+        std::fs::create_dir_all(payload.join("x")).unwrap();
+        let want = spool_of(dir.path(), &["new"]).into_bytes().unwrap();
+        let layer = stage_features(&store, "s", spool_of(dir.path(), &["new"]), &PortalMeta::default(), 6, dir.path()).unwrap();
+        assert_eq!(read_all(&layer.file), want, "the run still reads what was written");
+        let err = load(&store, "s").unwrap_err().to_string();
+        assert!(err.contains("s.json"), "the older version is not replayable: {err}");
+        let mut left: Vec<String> = std::fs::read_dir(staging_dir(&store)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["s.geojson"], "no temp file left behind");
     }
 
     #[test]
