@@ -182,3 +182,20 @@ fn ingest_measure_runs_at_test_scale() {
     let summary = phase("summary");
     assert!(summary["pipeline_over_parse_only"]["republish"].as_f64().is_some(), "{summary}");
 }
+
+// ---- measure 1 through a portal ---------------------------------------------------------------
+
+#[test]
+fn portal_measure_fetches_the_county_page_by_page_at_test_scale() {
+    let lines = bench_lines("portal");
+    let portal = of(&lines, "portal");
+    assert_eq!(portal.len(), 1, "{portal:?}");
+    let l = portal[0];
+    let n = num(l, "parcels");
+    assert!(n > 0.0, "{l}");
+    assert_eq!((l["phase"].as_str(), l["verdict"].as_str(), num(l, "changes")), (Some("arcgis_baseline"), Some("baseline"), n), "{l}");
+    assert!(num(l, "wall_s") > 0.0 && num(l, "features_per_s") > 0.0 && num(l, "staged_mib") > 0.0, "{l}");
+    if cfg!(target_os = "linux") {
+        assert!(num(l, "peak_rss_mib") > 0.0, "{l}");
+    }
+}

@@ -19,6 +19,7 @@ pub mod rss;
 pub mod matching;
 pub mod commit;
 pub mod overlay;
+pub mod portal;
 pub mod idle;
 
 use clap::{Args, ValueEnum};
@@ -56,6 +57,7 @@ pub enum Scale {
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MeasureName {
     Ingest,
+    Portal,
     Matching,
     Commit,
     Delivery,
@@ -191,6 +193,7 @@ pub fn cmd_bench(args: BenchArgs) -> i32 {
     for m in measures {
         let r = match m {
             MeasureName::Ingest => ingest::run(&ctx),
+            MeasureName::Portal => portal::run(&ctx),
             MeasureName::Matching => matching::run(&ctx),
             MeasureName::Commit => commit::run(&ctx),
             MeasureName::Overlay => overlay::run(&ctx),

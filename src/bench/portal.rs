@@ -1,0 +1,225 @@
+//! Measure 1, as a portal serves it: the bench's baseline county fetched through an `arcgis`
+//! source (`format = "geojson"`, pages of 2,000) from a loopback FeatureServer that this
+//! measure starts in its own process, then run through the pipeline. Reports the run's wall
+//! time, CPU and peak RSS (and the RSS before it), so the memory of the portal path — pages
+//! collected on disk, written to the staged payload, scanned as a file (`ingest/collect.rs`)
+//! — can be read against the file path's (`--only ingest`).
+//!
+//! The server answers what zonewatch asks of an ArcGIS layer (metadata, `returnCountOnly`,
+//! `query` pages ordered by object id) straight from the generated file: it holds an index
+//! of where each page's features lie, never the layer, so its own memory stays out of the
+//! measure. It is a load generator for this measure only; the tests fetch from real peers
+//! (Koop, pygeoapi).
+
+use super::{emit, gen, per_s, rss, secs, BenchCtx, BenchError};
+use crate::config::Config;
+use crate::pipeline::{Engine, RunOptions};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use std::io::{BufRead, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Features per page, the layer's `maxRecordCount` and the source's `page_size`.
+const PAGE: usize = 2_000;
+
+pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
+    for n in ctx.parcel_sizes() {
+        // Generated in the parent, as for the ingest measure.
+        let files = gen::county_files(&ctx.work, n, ctx.seed, 0.01)?;
+        if !ctx.in_process {
+            ctx.run_child("portal", &["--parcels".to_string(), n.to_string()])?;
+        } else {
+            measure(ctx, &files.baseline, n)?;
+        }
+    }
+    Ok(())
+}
+
+/// Where each page's features lie in the generated file (one feature per line).
+struct PageIndex {
+    path: PathBuf,
+    /// Byte range of each page's features, from the first's `{` to the last's `}`.
+    ranges: Vec<(u64, u64)>,
+    features: u64,
+}
+
+fn page_index(path: &Path) -> Result<PageIndex, BenchError> {
+    let file = std::fs::File::open(path).map_err(|e| BenchError::io(path, e))?;
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, file);
+    let (mut line, mut pos, mut features) = (Vec::new(), 0u64, 0u64);
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    loop {
+        line.clear();
+        let read = reader.read_until(b'\n', &mut line).map_err(|e| BenchError::io(path, e))?;
+        if read == 0 {
+            break;
+        }
+        let start = pos;
+        pos += read as u64;
+        if !line.starts_with(b"{\"type\":\"Feature\"") {
+            continue;
+        }
+        let text = line.len() - line.iter().rev().take_while(|b| matches!(b, b'\n' | b'\r' | b' ' | b',')).count();
+        let end = start + text as u64;
+        match ranges.last_mut() {
+            Some(last) if features % PAGE as u64 != 0 => last.1 = end,
+            _ => ranges.push((start, end)),
+        }
+        features += 1;
+    }
+    Ok(PageIndex { path: path.to_path_buf(), ranges, features })
+}
+
+impl PageIndex {
+    /// The answer to one HTTP request of the scan.
+    fn answer(&self, path: &str, query: &str) -> (u16, Vec<u8>) {
+        let param = |name: &str| query.split('&').find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')));
+        if !path.ends_with("/query") {
+            let meta = json!({
+                "name": "bench county", "type": "Feature Layer", "objectIdField": "OBJECTID", "maxRecordCount": PAGE,
+                "editingInfo": {"dataLastEditDate": 1_700_000_000_000u64},
+                "fields": [
+                    {"name": "OBJECTID", "type": "esriFieldTypeOID"}, {"name": "APN", "type": "esriFieldTypeString"},
+                    {"name": "ZONE_CODE", "type": "esriFieldTypeString"}, {"name": "EFF_DATE", "type": "esriFieldTypeString"}
+                ]
+            });
+            return (200, meta.to_string().into_bytes());
+        }
+        if param("returnCountOnly") == Some("true") {
+            return (200, json!({"count": self.features}).to_string().into_bytes());
+        }
+        let offset: usize = param("resultOffset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        if offset % PAGE != 0 {
+            return (200, json!({"error": {"code": 400, "message": "this bench server pages by 2000"}}).to_string().into_bytes());
+        }
+        let page = offset / PAGE;
+        let mut body = b"{\"type\":\"FeatureCollection\",\"features\":[".to_vec();
+        if let Some(&(start, end)) = self.ranges.get(page) {
+            let read = std::fs::File::open(&self.path).and_then(|mut f| {
+                f.seek(SeekFrom::Start(start))?;
+                let at = body.len();
+                body.resize(at + (end - start) as usize, 0);
+                f.read_exact(&mut body[at..])
+            });
+            if let Err(e) = read {
+                return (500, e.to_string().into_bytes());
+            }
+        }
+        let more = page + 1 < self.ranges.len();
+        body.extend_from_slice(format!("],\"properties\":{{\"exceededTransferLimit\":{more}}}}}").as_bytes());
+        (200, body)
+    }
+}
+
+/// Serves `index` on 127.0.0.1 from a runtime of its own; returns the runtime (dropping it
+/// stops the server) and the port.
+fn serve(index: Arc<PageIndex>) -> Result<(tokio::runtime::Runtime, u16), BenchError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| BenchError::io("bench portal runtime", e))?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(("127.0.0.1", 0)))
+        .map_err(|e| BenchError::io("bench portal listener", e))?;
+    let port = listener.local_addr().map_err(|e| BenchError::io("bench portal listener", e))?.port();
+    rt.spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let index = index.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let index = index.clone();
+                    async move {
+                        let (path, query) = (req.uri().path().to_string(), req.uri().query().unwrap_or("").to_string());
+                        let (status, body) = tokio::task::spawn_blocking(move || index.answer(&path, &query))
+                            .await
+                            .unwrap_or_else(|e| (500, e.to_string().into_bytes()));
+                        let mut resp = Response::new(Full::new(Bytes::from(body)));
+                        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+                        resp.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+                        Ok::<_, std::convert::Infallible>(resp)
+                    }
+                });
+                let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
+            });
+        }
+    });
+    Ok((rt, port))
+}
+
+fn measure(ctx: &BenchCtx, baseline: &Path, n: usize) -> Result<(), BenchError> {
+    let index = Arc::new(page_index(baseline)?);
+    if index.features != n as u64 {
+        return Err(BenchError::Failed(format!("{}: {} features, expected {n}", baseline.display(), index.features)));
+    }
+    let layer_bytes = std::fs::metadata(baseline).map(|m| m.len()).unwrap_or(0);
+    let (_server, port) = serve(index)?;
+    let store_dir = ctx.work.join(format!("portal-store-{n}"));
+    let _ = std::fs::remove_dir_all(&store_dir);
+    std::fs::create_dir_all(&store_dir).map_err(|e| BenchError::io(&store_dir, e))?;
+    let toml = format!(
+        r#"
+[store]
+path = "bench.redb"
+[ingest]
+allow_private_targets = true
+rate_per_host = 100000.0
+timeout_ms = 120000
+max_layer_bytes = {}
+[[source]]
+id = "bench-portal"
+jurisdiction = "bench"
+kind = "arcgis"
+format = "geojson"
+url = "http://127.0.0.1:{port}/arcgis/rest/services/County/FeatureServer/0"
+page_size = {PAGE}
+every = "1h"
+max_change_ratio = 0.05
+[source.fields]
+parcel_id = "APN"
+zoning = "ZONE_CODE"
+effective_date = "EFF_DATE"
+"#,
+        layer_bytes.saturating_mul(2).max(1 << 20)
+    );
+    let config = Config::parse_str(&toml, &store_dir).map_err(|e| BenchError::Failed(format!("bench config: {e}")))?;
+    let engine = Engine::open(config).map_err(|e| BenchError::Failed(format!("open: {e}")))?;
+    let rss_before = rss::current_rss_bytes();
+    rss::reset_peak();
+    let cpu = rss::cpu_seconds();
+    let t = Instant::now();
+    let report = engine.run_source_id("bench-portal", RunOptions::default()).map_err(|e| BenchError::Failed(format!("portal run: {e}")))?;
+    let wall = t.elapsed();
+    let counts = &report.record.counts;
+    if counts.parcels != n as u64 || counts.changes != n as u64 {
+        return Err(BenchError::Failed(format!("portal run: {} parcels, {} changes, expected {n}: {}", counts.parcels, counts.changes, report.line())));
+    }
+    let staged = crate::ingest::staging::staging_dir(engine.store.path()).join("bench-portal.geojson");
+    emit(
+        "portal",
+        json!({
+            "parcels": n,
+            "phase": "arcgis_baseline",
+            "verdict": report.record.verdict.to_string(),
+            "changes": counts.changes,
+            "page_size": PAGE,
+            "layer_mib": rss::mib(Some(layer_bytes)),
+            "staged_mib": rss::mib(std::fs::metadata(&staged).ok().map(|m| m.len())),
+            "wall_s": secs(wall),
+            "features_per_s": per_s(n as u64, wall.as_secs_f64()),
+            "cpu_s": rss::cpu_seconds_since(cpu),
+            "peak_rss_mib": rss::mib(rss::peak_rss_bytes()),
+            "rss_before_mib": rss::mib(rss_before),
+            "target_peak_rss_mib": 512,
+        }),
+    );
+    Ok(())
+}
