@@ -41,9 +41,7 @@ fn measure_county(ctx: &BenchCtx, files: &gen::CountyFiles) -> Result<(), BenchE
     let parse = parse_only(&files.baseline)?;
     emit("ingest", phase_line(n, "parse_only", &parse, None));
 
-    let store_dir = ctx.work.join(format!("ingest-store-{n}"));
-    let _ = std::fs::remove_dir_all(&store_dir);
-    std::fs::create_dir_all(&store_dir).map_err(|e| BenchError::io(&store_dir, e))?;
+    let store_dir = ctx.fresh_dir(&format!("ingest-store-{n}"))?;
     let toml = format!(
         r#"
 [store]

@@ -111,6 +111,14 @@ impl BenchCtx {
         }
     }
 
+    /// `<work>/<name>`, emptied: where a measure keeps its store.
+    pub fn fresh_dir(&self, name: &str) -> Result<PathBuf, BenchError> {
+        let dir = self.work.join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+        Ok(dir)
+    }
+
     /// Runs `zonewatch bench --only NAME --in-process ...extra` in a child process and passes
     /// its JSON lines through (they are already printed by the child).
     pub fn run_child(&self, name: &str, extra: &[String]) -> Result<(), BenchError> {

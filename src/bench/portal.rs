@@ -96,7 +96,7 @@ impl PageIndex {
             return (200, json!({"count": self.features}).to_string().into_bytes());
         }
         let offset: usize = param("resultOffset").and_then(|v| v.parse().ok()).unwrap_or(0);
-        if offset % PAGE != 0 {
+        if !offset.is_multiple_of(PAGE) {
             return (200, json!({"error": {"code": 400, "message": "this bench server pages by 2000"}}).to_string().into_bytes());
         }
         let page = offset / PAGE;
@@ -162,9 +162,7 @@ fn measure(ctx: &BenchCtx, baseline: &Path, n: usize) -> Result<(), BenchError> 
     }
     let layer_bytes = std::fs::metadata(baseline).map(|m| m.len()).unwrap_or(0);
     let (_server, port) = serve(index)?;
-    let store_dir = ctx.work.join(format!("portal-store-{n}"));
-    let _ = std::fs::remove_dir_all(&store_dir);
-    std::fs::create_dir_all(&store_dir).map_err(|e| BenchError::io(&store_dir, e))?;
+    let store_dir = ctx.fresh_dir(&format!("portal-store-{n}"))?;
     let toml = format!(
         r#"
 [store]
