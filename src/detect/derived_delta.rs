@@ -8,11 +8,11 @@
 //! on a crash.
 
 use crate::model::{ChangeEvent, ParcelRef, ParcelState, StoredGeometry};
-use super::spill::frame_record;
+use super::spill::{frame_record, read_frame, FrameError};
 use crate::store::SnapshotRow;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::Path;
 
 const DELTA_VERSION: u8 = 1;
@@ -24,6 +24,15 @@ pub enum DeltaError {
     Io(#[from] std::io::Error),
     #[error("derived delta record: {0}")]
     Codec(String),
+}
+
+impl From<FrameError> for DeltaError {
+    fn from(e: FrameError) -> DeltaError {
+        match e {
+            FrameError::Io(e) => DeltaError::Io(e),
+            FrameError::Cut(m) => DeltaError::Codec(m),
+        }
+    }
 }
 
 /// One thing the commit must do.
@@ -124,26 +133,8 @@ impl DeltaReader {
     /// file that ends (even between records) before every record written was read, are
     /// errors: the commit must fail whole rather than leave part of the delta out.
     pub fn next_item(&mut self) -> Result<Option<DeltaItem>, DeltaError> {
-        let mut len = [0u8; 4];
-        let mut got = 0;
-        while got < len.len() {
-            match self.input.read(&mut len[got..]) {
-                Ok(0) if got == 0 && self.read == self.expected => return Ok(None),
-                Ok(0) if got == 0 => {
-                    return Err(DeltaError::Codec(format!("the file ends after {} of the {} records written", self.read, self.expected)))
-                }
-                Ok(0) => return Err(DeltaError::Codec("record length cut short".into())),
-                Ok(n) => got += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let len = u32::from_le_bytes(len) as u64;
-        self.buf.clear();
-        // Read through `take`, so that a damaged length cannot make us allocate it up front.
-        (&mut self.input).take(len).read_to_end(&mut self.buf)?;
-        if self.buf.len() as u64 != len {
-            return Err(DeltaError::Codec("record cut short".into()));
+        if !read_frame(&mut self.input, &mut self.buf, self.read, self.expected)? {
+            return Ok(None);
         }
         let codec = |m: String| DeltaError::Codec(m);
         let body = match self.buf.split_first() {
@@ -176,6 +167,7 @@ impl DeltaReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
 
     fn state(code: &str) -> ParcelState {
         ParcelState { zoning: code.into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 12.5 }

@@ -131,6 +131,50 @@ pub(crate) fn frame_record<T: Serialize>(out: &mut Vec<u8>, version: u8, rec: &T
     }
 }
 
+/// Why [`read_frame`] could not read a record.
+#[derive(Debug)]
+pub(crate) enum FrameError {
+    Io(std::io::Error),
+    /// The file ends inside a record, or before every record written was read.
+    Cut(String),
+}
+
+/// Reads the next record framed by [`frame_record`] into `buf` (its version byte and body):
+/// `Ok(false)` at the end of the file once `read` equals `expected`, the number of records
+/// written. A file that ends before that — even between records — or inside a record is an
+/// error: a run's commit must fail whole rather than leave part of its records out. The body
+/// is read through `take`, so a damaged length cannot make it allocate that much up front.
+pub(crate) fn read_frame<R: Read>(input: &mut R, buf: &mut Vec<u8>, read: u64, expected: u64) -> Result<bool, FrameError> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < len.len() {
+        match input.read(&mut len[got..]) {
+            Ok(0) if got == 0 && read == expected => return Ok(false),
+            Ok(0) if got == 0 => return Err(FrameError::Cut(format!("the file ends after {read} of the {expected} records written"))),
+            Ok(0) => return Err(FrameError::Cut("record length cut short".into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+    }
+    let len = u32::from_le_bytes(len) as u64;
+    buf.clear();
+    input.take(len).read_to_end(buf).map_err(FrameError::Io)?;
+    if buf.len() as u64 != len {
+        return Err(FrameError::Cut("record cut short".into()));
+    }
+    Ok(true)
+}
+
+impl From<FrameError> for SpillError {
+    fn from(e: FrameError) -> SpillError {
+        match e {
+            FrameError::Io(e) => SpillError::Io(e),
+            FrameError::Cut(m) => SpillError::Codec(m),
+        }
+    }
+}
+
 /// Frames a parcel's record into `out` away from the spill (a scan worker does, so the
 /// thread writing the spill neither encodes parcels nor frees them): write the bytes with
 /// [`Spill::push_framed_parcel`].
@@ -158,6 +202,8 @@ pub struct Spill {
     out: BufWriter<File>,
     pub parcels: u64,
     pub quarantined: u64,
+    /// Records written (the reader expects as many).
+    records: u64,
     buf: Vec<u8>,
 }
 
@@ -165,13 +211,14 @@ impl Spill {
     /// A new anonymous spill file in `dir`.
     pub fn create(dir: &Path) -> Result<Spill, SpillError> {
         let file = tempfile::tempfile_in(dir)?;
-        Ok(Spill { out: BufWriter::with_capacity(1 << 20, file), parcels: 0, quarantined: 0, buf: Vec::with_capacity(512) })
+        Ok(Spill { out: BufWriter::with_capacity(1 << 20, file), parcels: 0, quarantined: 0, records: 0, buf: Vec::with_capacity(512) })
     }
 
     fn put(&mut self, rec: &RecordRef<'_>) -> Result<(), SpillError> {
         self.buf.clear();
         frame(&mut self.buf, rec)?;
         self.out.write_all(&self.buf)?;
+        self.records += 1;
         Ok(())
     }
 
@@ -185,6 +232,7 @@ impl Spill {
     pub(crate) fn push_framed_parcel(&mut self, framed: &[u8]) -> Result<(), SpillError> {
         self.parcels += 1;
         self.out.write_all(framed)?;
+        self.records += 1;
         Ok(())
     }
 
@@ -205,6 +253,7 @@ impl Spill {
     pub(crate) fn push_damaged_record(&mut self) -> Result<(), SpillError> {
         self.out.write_all(&1u32.to_le_bytes())?;
         self.out.write_all(&[SPILL_VERSION.wrapping_add(100)])?;
+        self.records += 1;
         Ok(())
     }
 
@@ -212,7 +261,7 @@ impl Spill {
     pub fn finish(self) -> Result<SpillReader, SpillError> {
         let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
         file.seek(SeekFrom::Start(0))?;
-        Ok(SpillReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new(), body: 0..0 })
+        Ok(SpillReader { input: BufReader::with_capacity(1 << 20, file), buf: Vec::new(), body: 0..0, read: 0, expected: self.records })
     }
 }
 
@@ -222,12 +271,17 @@ pub struct SpillReader {
     buf: Vec<u8>,
     /// Where in `buf` the state and geometry of the last parcel read are.
     body: std::ops::Range<usize>,
+    /// Records read since the start (or the last rewind), and written: a file that ends
+    /// before every record written was read is an error ([`read_frame`]).
+    read: u64,
+    expected: u64,
 }
 
 impl SpillReader {
     /// Rewinds to the first record (the commit reads the spill more than once).
     pub fn rewind(&mut self) -> Result<(), SpillError> {
         self.input.seek(SeekFrom::Start(0))?;
+        self.read = 0;
         Ok(())
     }
 
@@ -244,18 +298,14 @@ impl SpillReader {
     }
 
     /// The next record, or None at the end; a parcel's state and geometry are left encoded
-    /// (what a baseline writes of most parcels is those bytes as they are).
+    /// (what a baseline writes of most parcels is those bytes as they are). A file that ends
+    /// inside a record or before every record written was read is an error.
     pub fn next_entry(&mut self) -> Result<Option<SpillEntry>, SpillError> {
         self.body = 0..0;
-        let mut len = [0u8; 4];
-        match self.input.read_exact(&mut len) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-            Err(e) => return Err(e.into()),
+        if !read_frame(&mut self.input, &mut self.buf, self.read, self.expected)? {
+            return Ok(None);
         }
-        let len = u32::from_le_bytes(len) as usize;
-        self.buf.resize(len, 0);
-        self.input.read_exact(&mut self.buf)?;
+        self.read += 1;
         let body = match self.buf.split_first() {
             Some((&SPILL_VERSION, body)) => body,
             _ => return Err(SpillError::Codec("unknown spill record version".into())),
@@ -347,6 +397,44 @@ mod tests {
             });
         }
         assert_eq!(order, ["p1", "q9", "p2"]);
+    }
+
+    /// A spill file that ends early — between records, or inside a record's length or body
+    /// — is an error, never a clean end: the commit must not leave the rest out silently.
+    #[test]
+    fn a_spill_cut_short_is_an_error_even_between_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let quarantine = |i: u64| QuarantineDraft { feature_index: i, parcel_id: None, reason: QuarantineReason::MissingField, detail: "d".into(), raw: "{}".into() };
+        let mut one = Vec::new();
+        frame(&mut one, &RecordRef::Quarantine(&SpilledQuarantine { feature_index: 0, parcel_id: None, reason: QuarantineReason::MissingField, detail: "d".into(), raw: "{}".into() })).unwrap();
+        let record = one.len() as u64;
+        for (cut, read_before_error) in [(record, 1), (record + 2, 1), (record + 6, 1), (0, 0)] {
+            let mut s = Spill::create(dir.path()).unwrap();
+            for i in 0..3 {
+                s.push_quarantine(quarantine(i)).unwrap();
+            }
+            let mut r = s.finish().unwrap();
+            r.input.get_ref().set_len(cut).unwrap();
+            for _ in 0..read_before_error {
+                assert!(r.next_entry().unwrap().is_some());
+            }
+            let err = r.next_entry().unwrap_err().to_string();
+            assert!(err.contains("cut short") || err.contains(&format!("after {read_before_error} of the 3")), "cut at {cut}: {err}");
+        }
+        // Whole, it reads to its end twice (rewound), and then ends cleanly.
+        let mut s = Spill::create(dir.path()).unwrap();
+        for i in 0..3 {
+            s.push_quarantine(quarantine(i)).unwrap();
+        }
+        let mut r = s.finish().unwrap();
+        for _ in 0..2 {
+            let mut n = 0;
+            while r.next_entry().unwrap().is_some() {
+                n += 1;
+            }
+            assert_eq!(n, 3);
+            r.rewind().unwrap();
+        }
     }
 
     #[test]

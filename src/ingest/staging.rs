@@ -13,7 +13,7 @@ use super::collect::FeatureSpool;
 use super::portal::PortalMeta;
 use super::source::{DigestingReader, DigestingWriter};
 use super::IngestError;
-use std::io::{BufWriter, Seek, SeekFrom};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -44,17 +44,15 @@ fn paths(store_path: &Path, source_id: &str) -> (PathBuf, PathBuf) {
     (dir.join(format!("{source_id}.geojson")), dir.join(format!("{source_id}.json")))
 }
 
-/// `<path>.tmp`: where a staged file is written before it is renamed into place.
-fn tmp_path(path: &Path) -> PathBuf {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    PathBuf::from(tmp)
-}
-
+/// Writes `bytes` to `path` through a temp file beside it (removed on failure), renamed into
+/// place: a reader sees the old file or the whole new one.
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = tmp_path(path);
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut tmp = tempfile::Builder::new().prefix(&format!("{name}.")).suffix(".tmp").tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
 }
 
 /// A layer written out for its run to scan: an open handle at its first byte, and the
@@ -98,15 +96,44 @@ pub fn stage(store_path: &Path, source_id: &str, bytes: &[u8], digest: &str, met
     write_sidecar(store_path, source_id, digest, bytes.len() as u64, meta, now_ms)
 }
 
-/// Removes the sidecar of `source_id`'s staged payload before a new payload is written: a
-/// payload is replayable only once its own sidecar is written, so a staging that fails half
-/// way leaves nothing to replay rather than an older version that still matches its sidecar.
+/// Removes `source_id`'s staged sidecar and payload before a new payload is written (and
+/// the temp files a run killed while staging left behind): a payload is replayable only
+/// once its own sidecar is written, so a staging that fails half way leaves nothing to
+/// replay rather than an older version that still matches its sidecar — and the old payload
+/// does not take disk space beside the new one. Both removals are tried; an error says an
+/// older version may still be replayable.
 fn forget_staged(store_path: &Path, source_id: &str) -> Result<(), IngestError> {
-    let (_, sidecar) = paths(store_path, source_id);
-    match std::fs::remove_file(&sidecar) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(IngestError::Write { path: sidecar, source: e }),
+    let (payload, sidecar) = paths(store_path, source_id);
+    let remove = |path: &Path| match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(IngestError::Write { path: path.to_path_buf(), source: e }),
         _ => Ok(()),
+    };
+    let (a, b) = (remove(&sidecar), remove(&payload));
+    if let Ok(entries) = std::fs::read_dir(staging_dir(store_path)) {
+        for entry in entries.flatten() {
+            if is_staging_temp(&entry.file_name().to_string_lossy(), source_id) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
+    a.and(b).map_err(|e| match e {
+        IngestError::Write { path, source } => IngestError::Write {
+            path,
+            source: std::io::Error::new(source.kind(), format!("{source} (removing the previous staged version; it may still be replayed by --from-staging)")),
+        },
+        other => other,
+    })
+}
+
+/// Whether `name` is a temp file of `source_id`'s staging: `<id>.geojson.XXXXXX.tmp` or
+/// `<id>.json.XXXXXX.tmp` (six letters or digits, as `tempfile` names them), or
+/// `<id>.geojson.tmp` / `<id>.json.tmp` (older builds). Exact, so that another source whose
+/// id extends this one's (`a.geojson.b`) is never touched.
+fn is_staging_temp(name: &str, source_id: &str) -> bool {
+    let Some(rest) = name.strip_prefix(source_id).and_then(|r| r.strip_prefix(".geojson.").or_else(|| r.strip_prefix(".json."))) else {
+        return false;
+    };
+    rest == "tmp" || rest.strip_suffix(".tmp").is_some_and(|r| r.len() == 6 && r.bytes().all(|b| b.is_ascii_alphanumeric()))
 }
 
 /// Writes a paged layer's collection as the source's staged payload, digesting it as it is
@@ -160,8 +187,11 @@ pub fn stage_features(
                     tracing::warn!(source = source_id, "could not stage the payload: {e}");
                 }
             }
-            // The temp file is removed when `e` drops; the open handle still reads it.
-            Err(e) => tracing::warn!(source = source_id, "could not stage the payload as {}: {}", payload.display(), e.error),
+            Err(e) => {
+                // The temp file is gone with `e`: name the directory in later messages.
+                path = dir.clone();
+                tracing::warn!(source = source_id, "could not stage the payload as {}: {}", payload.display(), e.error)
+            }
         }
     }
     Ok(StagedLayer { file, path, digest, size })
@@ -302,12 +332,14 @@ mod tests {
     }
 
     #[test]
-    fn a_payload_that_cannot_be_put_in_place_leaves_no_temp_file_and_nothing_older_to_replay() {
+    fn a_staging_that_fails_leaves_no_temp_file_and_nothing_older_to_replay() {
         let dir = tempfile::tempdir().unwrap();
         let store = dir.path().join("z.redb");
         stage_features(&store, "s", spool_of(dir.path(), &["old"]), &PortalMeta::default(), 5, dir.path()).unwrap();
         assert!(load(&store, "s").is_ok());
-        // The payload's name is now taken by a non-empty directory: the rename fails.
+        // The payload's name is now taken by a non-empty directory: it can be neither
+        // removed nor replaced. The run still reads what it fetched, and the older version
+        // (its sidecar removed) is not replayable.
         let payload = staging_dir(&store).join("s.geojson");
         std::fs::remove_file(&payload).unwrap();
         std::fs::create_dir_all(payload.join("x")).unwrap();
@@ -316,9 +348,23 @@ mod tests {
         assert_eq!(read_all(&layer.file), want, "the run still reads what was written");
         let err = load(&store, "s").unwrap_err().to_string();
         assert!(err.contains("s.json"), "the older version is not replayable: {err}");
-        let mut left: Vec<String> = std::fs::read_dir(staging_dir(&store)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-        left.sort();
-        assert_eq!(left, ["s.geojson"], "no temp file left behind");
+        let names = || {
+            let mut v: Vec<String> = std::fs::read_dir(staging_dir(&store)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(), ["s.geojson"], "no temp file left behind");
+
+        // Temp files of a run killed while staging are swept by the next staging of the same
+        // source, and only those: another source's names that extend this one's stay.
+        std::fs::remove_dir_all(&payload).unwrap();
+        for stale in ["s.geojson.a1B2c3.tmp", "s.geojson.tmp", "s.json.Q1w2E3.tmp", "s.geojson.b.geojson.tmp", "s2.geojson.a1B2c3.tmp"] {
+            std::fs::write(staging_dir(&store).join(stale), b"x").unwrap();
+        }
+        stage_features(&store, "s", spool_of(dir.path(), &["new"]), &PortalMeta::default(), 7, dir.path()).unwrap();
+        assert_eq!(names(), ["s.geojson", "s.geojson.b.geojson.tmp", "s.json", "s2.geojson.a1B2c3.tmp"]);
+        assert!(is_staging_temp("s.geojson.Zz9Zz9.tmp", "s") && !is_staging_temp("s.geojson.Zz9Zz.tmp", "s"));
+        assert!(!is_staging_temp("s.geojson", "s") && !is_staging_temp("s.json", "s"));
     }
 
     #[test]
