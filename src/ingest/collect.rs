@@ -110,10 +110,8 @@ impl FeatureSpool {
         self.text.clear();
         serde_json::to_writer(&mut self.text, feature).map_err(|e| spool_error(&self.dir, e.into()))?;
         let at = self.end;
-        let text = std::mem::take(&mut self.text);
-        let written = self.write(&text);
-        self.text = text;
-        written?;
+        self.file.write_all(&self.text).map_err(|e| spool_error(&self.dir, e))?;
+        self.end += self.text.len() as u64;
         let (Ok(id_len), Ok(len)) = (u32::try_from(id_len), u32::try_from(self.text.len())) else {
             return Err(spool_error(&self.dir, std::io::Error::other("a feature or its id is larger than 4 GiB")));
         };
