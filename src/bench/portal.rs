@@ -46,8 +46,9 @@ pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
 /// Where each page's features lie in the generated file (one feature per line).
 struct PageIndex {
     path: PathBuf,
-    /// Query pages served (reported, so a run that fetched nothing cannot pass for one).
-    pages_served: std::sync::atomic::AtomicU64,
+    /// Which pages were served whole (reported as a count of distinct pages, so a run that
+    /// fetched nothing cannot pass for one).
+    served: Vec<std::sync::atomic::AtomicBool>,
     /// Byte range of each page's features, from the first's `{` to the last's `}`.
     ranges: Vec<(u64, u64)>,
     features: u64,
@@ -77,7 +78,8 @@ fn page_index(path: &Path) -> Result<PageIndex, BenchError> {
         }
         features += 1;
     }
-    Ok(PageIndex { path: path.to_path_buf(), pages_served: Default::default(), ranges, features })
+    let served = ranges.iter().map(|_| Default::default()).collect();
+    Ok(PageIndex { path: path.to_path_buf(), served, ranges, features })
 }
 
 impl PageIndex {
@@ -103,7 +105,6 @@ impl PageIndex {
             return (200, json!({"error": {"code": 400, "message": "this bench server pages by 2000"}}).to_string().into_bytes());
         }
         let page = offset / PAGE;
-        self.pages_served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut body = b"{\"type\":\"FeatureCollection\",\"features\":[".to_vec();
         if let Some(&(start, end)) = self.ranges.get(page) {
             let read = std::fs::File::open(&self.path).and_then(|mut f| {
@@ -115,6 +116,7 @@ impl PageIndex {
             if let Err(e) = read {
                 return (500, e.to_string().into_bytes());
             }
+            self.served[page].store(true, std::sync::atomic::Ordering::Relaxed);
         }
         let more = page + 1 < self.ranges.len();
         body.extend_from_slice(format!("],\"properties\":{{\"exceededTransferLimit\":{more}}}}}").as_bytes());
@@ -138,8 +140,10 @@ fn serve(index: Arc<PageIndex>) -> Result<(tokio::runtime::Runtime, u16), BenchE
         loop {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,
-                // Out of descriptors, say: wait rather than spin.
-                Err(_) => {
+                // Out of descriptors, say: wait rather than spin, and say why the client may
+                // time out.
+                Err(e) => {
+                    eprintln!("bench portal: accept failed: {e}");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
@@ -227,7 +231,9 @@ effective_date = "EFF_DATE"
             "cpu_s": rss::cpu_seconds_since(cpu),
             // Without a reset the peak would include building the page index: none then.
             "peak_rss_mib": if peak_reset { rss::mib(rss::peak_rss_bytes()) } else { None },
-            "pages_served": index.pages_served.load(std::sync::atomic::Ordering::Relaxed),
+            "peak_reset": peak_reset,
+            "pages": index.ranges.len(),
+            "pages_served": index.served.iter().filter(|p| p.load(std::sync::atomic::Ordering::Relaxed)).count(),
             "rss_before_mib": rss::mib(rss_before),
             "target_peak_rss_mib": 512,
         }),

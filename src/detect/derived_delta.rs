@@ -136,6 +136,7 @@ impl DeltaReader {
         if !read_frame(&mut self.input, &mut self.buf, self.read, self.expected)? {
             return Ok(None);
         }
+        self.read += 1;
         let codec = |m: String| DeltaError::Codec(m);
         let body = match self.buf.split_first() {
             Some((&DELTA_VERSION, body)) => body,
@@ -154,7 +155,6 @@ impl DeltaReader {
             ItemHead::Event(e) => DeltaItem::Event(e),
             ItemHead::Share(id, share) => DeltaItem::Share(id, share),
         };
-        self.read += 1;
         Ok(Some(item))
     }
 

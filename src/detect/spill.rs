@@ -140,16 +140,19 @@ pub(crate) enum FrameError {
 }
 
 /// Reads the next record framed by [`frame_record`] into `buf` (its version byte and body):
-/// `Ok(false)` at the end of the file once `read` equals `expected`, the number of records
-/// written. A file that ends before that — even between records — or inside a record is an
-/// error: a run's commit must fail whole rather than leave part of its records out. The body
-/// is read through `take`, so a damaged length cannot make it allocate that much up front.
+/// `Ok(false)` at the end of the file once `read` (the records framed so far: callers count
+/// a record as soon as this returns `Ok(true)`) equals `expected`, the number written. A file
+/// that ends before that — even between records — or inside a record, or that goes on past
+/// the last record written, is an error: a run's commit must fail whole rather than leave
+/// part of its records out or take in records nobody wrote. The body is read through `take`,
+/// so a damaged length cannot make it allocate that much up front.
 pub(crate) fn read_frame<R: Read>(input: &mut R, buf: &mut Vec<u8>, read: u64, expected: u64) -> Result<bool, FrameError> {
     let mut len = [0u8; 4];
     let mut got = 0;
     while got < len.len() {
         match input.read(&mut len[got..]) {
             Ok(0) if got == 0 && read == expected => return Ok(false),
+            Ok(_) if read >= expected => return Err(FrameError::Cut(format!("the file goes on after the {expected} records written"))),
             Ok(0) if got == 0 => return Err(FrameError::Cut(format!("the file ends after {read} of the {expected} records written"))),
             Ok(0) => return Err(FrameError::Cut("record length cut short".into())),
             Ok(n) => got += n,
@@ -421,6 +424,17 @@ mod tests {
             let err = r.next_entry().unwrap_err().to_string();
             assert!(err.contains("cut short") || err.contains(&format!("after {read_before_error} of the 3")), "cut at {cut}: {err}");
         }
+        // Bytes after the last record written are an error too, not a record.
+        let mut s = Spill::create(dir.path()).unwrap();
+        s.push_quarantine(quarantine(0)).unwrap();
+        let mut r = s.finish().unwrap();
+        let mut file = r.input.get_ref();
+        file.seek(SeekFrom::End(0)).unwrap();
+        file.write_all(&one).unwrap();
+        r.rewind().unwrap();
+        assert!(r.next_entry().unwrap().is_some());
+        let err = r.next_entry().unwrap_err().to_string();
+        assert!(err.contains("goes on after the 1 records written"), "{err}");
         // Whole, it reads to its end twice (rewound), and then ends cleanly.
         let mut s = Spill::create(dir.path()).unwrap();
         for i in 0..3 {

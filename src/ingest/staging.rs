@@ -332,14 +332,26 @@ mod tests {
     }
 
     #[test]
+    fn an_atomic_write_that_cannot_be_put_in_place_leaves_no_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("taken");
+        std::fs::create_dir_all(target.join("x")).unwrap();
+        assert!(write_atomic(&target, b"bytes").is_err());
+        let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["taken"]);
+    }
+
+    /// The previous payload cannot be removed (its name is a directory): the run falls back
+    /// to a temp file and still reads what it fetched; the older version is not replayable.
+    #[test]
     fn a_staging_that_fails_leaves_no_temp_file_and_nothing_older_to_replay() {
         let dir = tempfile::tempdir().unwrap();
         let store = dir.path().join("z.redb");
         stage_features(&store, "s", spool_of(dir.path(), &["old"]), &PortalMeta::default(), 5, dir.path()).unwrap();
         assert!(load(&store, "s").is_ok());
         // The payload's name is now taken by a non-empty directory: it can be neither
-        // removed nor replaced. The run still reads what it fetched, and the older version
-        // (its sidecar removed) is not replayable.
+        // removed nor replaced.
         let payload = staging_dir(&store).join("s.geojson");
         std::fs::remove_file(&payload).unwrap();
         std::fs::create_dir_all(payload.join("x")).unwrap();
