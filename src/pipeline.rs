@@ -47,14 +47,11 @@ pub enum PipelineError {
     Delta(#[from] crate::detect::derived_delta::DeltaError),
 }
 
-/// Where a layer's bytes are: a file is streamed from disk (never read whole into memory);
-/// a single-response HTTP payload is already in memory (its size is capped by the fetch); a
-/// paged portal layer, or a staged payload replayed, is read through the handle it was
-/// written or checked with.
+/// Where a layer's bytes are: a local file is streamed from disk by its path; a fetched
+/// layer (written to its staged payload) or a staged payload replayed is streamed through
+/// the handle it was written or checked with. Never read whole into memory.
 enum LayerInput {
     File(std::path::PathBuf),
-    /// A fetched payload with its hex sha256.
-    Bytes { bytes: Vec<u8>, digest: String },
     Staged(staging::StagedLayer),
 }
 
@@ -414,12 +411,9 @@ impl Engine {
                 let record = self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Skip, &signals, 0, warnings)?;
                 return Ok(SourceReport { record, hold_reason: None });
             }
-            Fetched::Portal(PortalFetch::Layer { body: LayerBody::Bytes(bytes), meta }) => {
-                let digest = source::digest(&bytes);
-                if let Err(e) = staging::stage(self.store.path(), &src.id, &bytes, &digest, &meta, started) {
-                    tracing::warn!(source = %src.id, "could not stage the payload: {e}");
-                }
-                (LayerInput::Bytes { bytes, digest: digest.clone() }, Some(digest), Some(meta))
+            Fetched::Portal(PortalFetch::Layer { body: LayerBody::File { body, digest, size }, meta }) => {
+                let layer = staging::stage_body(self.store.path(), &src.id, body, &digest, size, &meta, started, self.scratch_dir())?;
+                (LayerInput::Staged(layer), Some(digest), Some(meta))
             }
             Fetched::Portal(PortalFetch::Layer { body: LayerBody::Features(features), meta }) => {
                 let layer = staging::stage_features(self.store.path(), &src.id, *features, &meta, started, self.scratch_dir())?;
@@ -456,9 +450,6 @@ impl Engine {
             LayerInput::File(path) => {
                 let file = std::fs::File::open(&*path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
                 scan_digested(file, path, &rules, &view, spill_dir, workers, progress)?
-            }
-            LayerInput::Bytes { bytes, digest } => {
-                (scan_layer(bytes.as_slice(), &rules, &view, spill_dir, workers, progress)?, digest.clone(), bytes.len() as u64)
             }
             LayerInput::Staged(layer) => {
                 let read = scan_digested(&mut layer.file, &layer.path, &rules, &view, spill_dir, workers, progress)?;

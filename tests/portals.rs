@@ -856,6 +856,28 @@ fn overlapping_triggers_are_skipped_and_staging_replays_without_the_portal() {
     assert_eq!(srv.requests().len(), before);
 }
 
+/// A `geojson_url` body is streamed to disk, and an attempt cut short is started over: the
+/// retried attempt's bytes alone are staged, digested and scanned (a half of the first
+/// attempt left in front would make a different digest and an unparseable layer).
+#[test]
+fn a_streamed_geojson_url_body_cut_short_is_fetched_again_from_its_start() {
+    let text = layer(&grid(12));
+    let attempts = Arc::new(AtomicU64::new(0));
+    let a2 = attempts.clone();
+    let srv = Server::start(Arc::new(move |_req: &Req| {
+        let cut = (a2.fetch_add(1, Ordering::SeqCst) == 0).then_some(text.len() / 2);
+        Reply { truncate_to: cut, ..reply(200, "application/geo+json", text.clone()) }
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("g", "geojson_url", &srv.url("/l"), ""), "")).expect("engine");
+    let r = engine.run_source_id("g", RunOptions::default()).expect("run");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 12), "{}", r.line());
+    assert_eq!(attempts.load(Ordering::SeqCst), 2, "the cut attempt was retried");
+    let staged = std::fs::read(zonewatch::ingest::staging::staging_dir(engine.store.path()).join("g.geojson")).expect("staged");
+    assert_eq!(staged, layer(&grid(12)).into_bytes(), "the retried attempt's bytes alone");
+    assert_eq!(r.record.digest, zonewatch::ingest::source::digest(&staged));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Socrata (SODA): no real peer is installable, so the injection server plays the two SODA
 // endpoints zonewatch uses (view metadata and `$limit`/`$offset` paging).

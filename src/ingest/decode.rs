@@ -58,16 +58,18 @@ impl Encoding {
     }
 }
 
-/// The decoded bytes so far, refusing to grow past `limit`.
+/// The decoded bytes not yet taken, refusing to let the body grow past `limit` in all
+/// (`taken` counts what [`BodyDecoder::take_decoded`] already handed on).
 struct Capped {
     out: Vec<u8>,
+    taken: u64,
     limit: u64,
     exceeded: bool,
 }
 
 impl Capped {
     fn push(&mut self, buf: &[u8]) -> Result<(), DecodeError> {
-        if self.out.len() as u64 + buf.len() as u64 > self.limit {
+        if self.taken + self.out.len() as u64 + buf.len() as u64 > self.limit {
             self.exceeded = true;
             return Err(DecodeError::TooLarge { limit: self.limit });
         }
@@ -110,7 +112,7 @@ pub struct BodyDecoder {
 impl BodyDecoder {
     /// A decoder for `encoding` whose output may not exceed `limit` bytes.
     pub fn new(encoding: Encoding, limit: u64) -> BodyDecoder {
-        let capped = || Capped { out: Vec::new(), limit, exceeded: false };
+        let capped = || Capped { out: Vec::new(), taken: 0, limit, exceeded: false };
         let state = match encoding {
             Encoding::Identity => State::Identity,
             Encoding::Gzip => State::Gzip(Box::new(flate2::write::MultiGzDecoder::new(capped()))),
@@ -154,6 +156,18 @@ impl BodyDecoder {
                 inflate(inf, &mut self.out, chunk, self.encoding)
             }
         }
+    }
+
+    /// Hands on the bytes decoded since the last call (a body streamed to disk does not
+    /// accumulate); they still count against the cap. [`BodyDecoder::finish`] then returns
+    /// only the rest.
+    pub fn take_decoded(&mut self) -> Vec<u8> {
+        let capped = match &mut self.state {
+            State::Gzip(dec) => dec.get_mut(),
+            _ => &mut self.out,
+        };
+        capped.taken += capped.out.len() as u64;
+        std::mem::take(&mut capped.out)
     }
 
     /// The bytes decoded so far (gzip may still hold up to one window internally).
@@ -264,6 +278,36 @@ mod tests {
         let mut two = gz(b"hello ");
         two.extend(gz(b"world"));
         assert_eq!(decode(Encoding::Gzip, &two, 100, 3).unwrap(), b"hello world");
+    }
+
+    /// Taking the decoded bytes as they come hands on the same body in pieces, and what was
+    /// taken still counts against the cap (a bomb streamed to disk stops where one held in
+    /// memory does).
+    #[test]
+    fn bytes_taken_as_they_come_make_the_same_body_and_count_against_the_cap() {
+        let data: Vec<u8> = (0..300_000u32).flat_map(|i| (i % 241).to_le_bytes()).collect();
+        for (enc, body) in [(Encoding::Identity, data.clone()), (Encoding::Gzip, gz(&data))] {
+            for chunk in [1, 4096, usize::MAX] {
+                let mut d = BodyDecoder::new(enc, 1 << 30);
+                let mut got = Vec::new();
+                for c in body.chunks(chunk.min(body.len())) {
+                    d.push(c).unwrap();
+                    got.extend(d.take_decoded());
+                }
+                got.extend(d.finish().unwrap());
+                assert_eq!(got, data, "{enc:?} in chunks of {chunk}");
+            }
+        }
+        let zeros = vec![0u8; 10 << 20];
+        let mut d = BodyDecoder::new(Encoding::Gzip, 1 << 20);
+        let mut taken = 0;
+        let err = gz(&zeros).chunks(4096).try_for_each(|c| {
+            let r = d.push(c);
+            taken += d.take_decoded().len();
+            r
+        });
+        assert!(matches!(err, Err(DecodeError::TooLarge { limit }) if limit == 1 << 20), "{err:?}");
+        assert!(taken <= 1 << 20, "{taken}");
     }
 
     #[test]

@@ -69,7 +69,70 @@ pub struct Response {
     pub content_type: String,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
+    /// The body; for one streamed to a [`BodyFile`] ([`Session::get_to_file`]), only its
+    /// first KiB (what [`Response::expect_json`] looks at).
     pub body: Vec<u8>,
+}
+
+/// Where [`Session::get_to_file`] streams a body: a temp file in `dir`, digested as it is
+/// written and started over on every attempt, so a county's GeoJSON download never sits in
+/// memory and a retried attempt never leaves the bytes of a failed one behind.
+pub struct BodyFile {
+    file: std::fs::File,
+    dir: std::path::PathBuf,
+    hasher: sha2::Sha256,
+    size: u64,
+    head: Vec<u8>,
+}
+
+/// How much of a streamed body [`Response::body`] keeps.
+const BODY_HEAD: usize = 1024;
+
+impl BodyFile {
+    /// An anonymous temp file in `dir` (gone when its last handle is closed, also after a
+    /// crash).
+    pub fn new(dir: &std::path::Path) -> Result<BodyFile, FetchError> {
+        let file = tempfile::tempfile_in(dir).map_err(|e| FetchError::Spool { dir: dir.to_path_buf(), source: e })?;
+        Ok(BodyFile { file, dir: dir.to_path_buf(), hasher: Default::default(), size: 0, head: Vec::new() })
+    }
+
+    fn restart(&mut self) -> std::io::Result<()> {
+        use std::io::Seek;
+        self.file.set_len(0)?;
+        self.file.seek(std::io::SeekFrom::Start(0))?;
+        (self.hasher, self.size, self.head) = (Default::default(), 0, Vec::new());
+        Ok(())
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        use sha2::Digest;
+        use std::io::Write;
+        self.file.write_all(bytes)?;
+        self.hasher.update(bytes);
+        self.size += bytes.len() as u64;
+        let room = BODY_HEAD.saturating_sub(self.head.len()).min(bytes.len());
+        self.head.extend_from_slice(&bytes[..room]);
+        Ok(())
+    }
+
+    fn error(&self, source: std::io::Error) -> FetchError {
+        FetchError::Spool { dir: self.dir.clone(), source }
+    }
+
+    /// The body written: the temp file (at its first byte), its hex sha256 and its size.
+    pub fn finish(mut self) -> Result<(std::fs::File, String, u64), FetchError> {
+        use sha2::Digest;
+        use std::io::Seek;
+        let rewound = self.file.seek(std::io::SeekFrom::Start(0));
+        rewound.map_err(|e| self.error(e))?;
+        Ok((self.file, crate::util::hex(&self.hasher.finalize()), self.size))
+    }
+}
+
+impl std::fmt::Debug for BodyFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BodyFile").field("dir", &self.dir).field("size", &self.size).finish()
+    }
 }
 
 impl Response {
@@ -221,10 +284,20 @@ impl Session {
 
     /// GET with retries; returns a 2xx or 304 response. `headers` are sent as given.
     pub async fn get(&self, url: &str, headers: &[(&str, String)]) -> Result<Response, FetchError> {
+        self.get_with(url, headers, None).await
+    }
+
+    /// [`Session::get`], the body streamed to `body` instead of held (the response keeps its
+    /// first KiB); each attempt starts the file over. The caps are the same.
+    pub async fn get_to_file(&self, url: &str, headers: &[(&str, String)], body: &mut BodyFile) -> Result<Response, FetchError> {
+        self.get_with(url, headers, Some(body)).await
+    }
+
+    async fn get_with(&self, url: &str, headers: &[(&str, String)], mut sink: Option<&mut BodyFile>) -> Result<Response, FetchError> {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
-            match self.get_once(url, headers).await? {
+            match self.get_once(url, headers, sink.as_deref_mut()).await? {
                 Ok(resp) => return Ok(resp),
                 Err(r) => self.pause_before_retry(url, attempt, &r.why, r.retry_after).await?,
             }
@@ -232,7 +305,7 @@ impl Session {
     }
 
     /// One attempt (following redirects). Outer error: permanent; inner error: retryable.
-    async fn get_once(&self, url: &str, headers: &[(&str, String)]) -> Result<Result<Response, Retryable>, FetchError> {
+    async fn get_once(&self, url: &str, headers: &[(&str, String)], mut sink: Option<&mut BodyFile>) -> Result<Result<Response, Retryable>, FetchError> {
         let mut current = reqwest::Url::parse(url).map_err(|e| FetchError::BadUrl { url: url.to_string(), reason: e.to_string() })?;
         for _hop in 0..6 {
             let shown = current.to_string();
@@ -311,10 +384,20 @@ impl Session {
                 return Err(FetchError::TooLarge { url: shown, limit: cap });
             }
             let mut decoder = BodyDecoder::new(encoding, self.cfg.max_decompressed_bytes);
-            let read = read_decoded(&mut resp, cap, &mut decoder).await;
+            if let Some(file) = sink.as_deref_mut() {
+                file.restart().map_err(|e| file.error(e))?;
+            }
+            let read = read_decoded(&mut resp, cap, &mut decoder, sink.as_deref_mut()).await;
             let wire_bytes = decoder.wire_bytes();
             let body = match read.and_then(|()| decoder.finish().map_err(ReadError::Decode)) {
-                Ok(b) => b,
+                Ok(rest) => match sink.as_deref_mut() {
+                    None => rest,
+                    Some(file) => {
+                        file.write(&rest).map_err(|e| file.error(e))?;
+                        file.head.clone()
+                    }
+                },
+                Err(ReadError::Sink(e)) => return Err(FetchError::Spool { dir: sink.map(|f| f.dir.clone()).unwrap_or_default(), source: e }),
                 Err(ReadError::TooLarge) => return Err(FetchError::TooLarge { url: shown, limit: cap }),
                 Err(ReadError::Timeout) => return Ok(Err(Retryable { why: "timeout reading the body".into(), retry_after: None })),
                 Err(ReadError::Broken(e)) => return Ok(Err(Retryable { why: format!("body cut short: {e}"), retry_after: None })),
@@ -348,6 +431,8 @@ impl Session {
 }
 
 enum ReadError {
+    /// The body could not be written to its [`BodyFile`].
+    Sink(std::io::Error),
     TooLarge,
     Timeout,
     Broken(String),
@@ -355,8 +440,9 @@ enum ReadError {
 }
 
 /// Streams the body into `decoder`: on-wire bytes capped at `wire_cap`, decoded bytes at the
-/// decoder's own cap (checked chunk by chunk, so a bomb never expands past it).
-async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut BodyDecoder) -> Result<(), ReadError> {
+/// decoder's own cap (checked chunk by chunk, so a bomb never expands past it). With a
+/// `sink`, what is decoded goes on to it chunk by chunk instead of collecting in the decoder.
+async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut BodyDecoder, mut sink: Option<&mut BodyFile>) -> Result<(), ReadError> {
     loop {
         match resp.chunk().await {
             Ok(Some(c)) => {
@@ -364,6 +450,9 @@ async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut
                     return Err(ReadError::TooLarge);
                 }
                 decoder.push(&c).map_err(ReadError::Decode)?;
+                if let Some(file) = sink.as_deref_mut() {
+                    file.write(&decoder.take_decoded()).map_err(ReadError::Sink)?;
+                }
             }
             Ok(None) => return Ok(()),
             Err(e) if e.is_timeout() => return Err(ReadError::Timeout),

@@ -47,9 +47,10 @@ pub enum PortalFetch {
 /// A fetched layer as the fetch holds it.
 #[derive(Debug)]
 pub enum LayerBody {
-    /// One response's bytes, a FeatureCollection as served (`geojson_url`; capped by
-    /// `[ingest] max_response_bytes`).
-    Bytes(Vec<u8>),
+    /// One response's body streamed to an anonymous temp file next to the store
+    /// (`geojson_url`; capped by `[ingest] max_response_bytes` / `max_decompressed_bytes`),
+    /// at its first byte, with its hex sha256 and size.
+    File { body: std::fs::File, digest: String, size: u64 },
     /// A paged layer's features on disk, to be written as one sorted FeatureCollection
     /// ([`FeatureSpool::write_collection`]).
     Features(Box<FeatureSpool>),
@@ -146,7 +147,8 @@ async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due
             }
         }
     }
-    let resp = session.get(url, &headers).await?;
+    let mut body = super::http::BodyFile::new(&session.spool_dir)?;
+    let resp = session.get_to_file(url, &headers, &mut body).await?;
     let meta = PortalMeta { etag: resp.etag.clone(), last_modified: resp.last_modified.clone(), pages: 1, ..Default::default() };
     if resp.status == 304 {
         let meta = PortalMeta {
@@ -157,7 +159,8 @@ async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due
         return Ok(PortalFetch::Skip { reason: "304 Not Modified".into(), meta });
     }
     resp.expect_json()?;
-    Ok(PortalFetch::Layer { body: LayerBody::Bytes(resp.body), meta })
+    let (body, digest, size) = body.finish()?;
+    Ok(PortalFetch::Layer { body: LayerBody::File { body, digest, size }, meta })
 }
 
 async fn arcgis_source(

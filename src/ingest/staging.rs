@@ -86,14 +86,34 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
     write_atomic(&sidecar, &text).map_err(|e| IngestError::Write { path: sidecar, source: e })
 }
 
-/// Stages a fetched payload held in memory.
-pub fn stage(store_path: &Path, source_id: &str, bytes: &[u8], digest: &str, meta: &PortalMeta, now_ms: u64) -> Result<(), IngestError> {
+/// Stages a response body streamed to an anonymous temp file (`geojson_url`): copied into
+/// the staged payload (a temp file in the staging directory, renamed into place), then its
+/// sidecar; returns the payload open for the run's scan. When staging fails anywhere, the
+/// run scans `body` itself (logged; nothing to replay then). An error only when `body`
+/// cannot be rewound.
+#[allow(clippy::too_many_arguments)]
+pub fn stage_body(store_path: &Path, source_id: &str, mut body: std::fs::File, digest: &str, size: u64, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> Result<StagedLayer, IngestError> {
     let dir = staging_dir(store_path);
-    forget_staged(store_path, source_id)?;
-    std::fs::create_dir_all(&dir).map_err(|e| IngestError::Write { path: dir.clone(), source: e })?;
     let (payload, _) = paths(store_path, source_id);
-    write_atomic(&payload, bytes).map_err(|e| IngestError::Write { path: payload, source: e })?;
-    write_sidecar(store_path, source_id, digest, bytes.len() as u64, meta, now_ms)
+    let staged = (|| -> Result<std::fs::File, IngestError> {
+        forget_staged(store_path, source_id)?;
+        let write = |e| IngestError::Write { path: dir.clone(), source: e };
+        std::fs::create_dir_all(&dir).map_err(write)?;
+        let mut tmp = tempfile::Builder::new().prefix(&format!("{source_id}.geojson.")).suffix(".tmp").tempfile_in(&dir).map_err(write)?;
+        body.seek(SeekFrom::Start(0)).and_then(|_| std::io::copy(&mut body, tmp.as_file_mut())).map_err(write)?;
+        let mut file = tmp.persist(&payload).map_err(|e| IngestError::Write { path: payload.clone(), source: e.error })?;
+        file.seek(SeekFrom::Start(0)).map_err(|e| IngestError::Write { path: payload.clone(), source: e })?;
+        write_sidecar(store_path, source_id, digest, size, meta, now_ms)?;
+        Ok(file)
+    })();
+    match staged {
+        Ok(file) => Ok(StagedLayer { file, path: payload, digest: digest.to_string(), size }),
+        Err(e) => {
+            tracing::warn!(source = source_id, "could not stage the payload: {e}; the run reads it from its temp file");
+            body.seek(SeekFrom::Start(0)).map_err(|e| IngestError::Read { path: scratch.to_path_buf(), source: e })?;
+            Ok(StagedLayer { file: body, path: scratch.to_path_buf(), digest: digest.to_string(), size })
+        }
+    }
 }
 
 /// Removes `source_id`'s staged sidecar and payload before a new payload is written (and
@@ -287,7 +307,11 @@ mod tests {
         let store = dir.path().join("z.redb");
         let bytes = br#"{"type":"FeatureCollection","features":[]}"#;
         let d = super::super::source::digest(bytes);
-        stage(&store, "s", bytes, &d, &PortalMeta { etag: Some("e".into()), ..Default::default() }, 5).unwrap();
+        let mut body = tempfile::tempfile_in(dir.path()).unwrap();
+        std::io::Write::write_all(&mut body, bytes).unwrap();
+        body.seek(SeekFrom::Start(0)).unwrap();
+        let layer = stage_body(&store, "s", body, &d, bytes.len() as u64, &PortalMeta { etag: Some("e".into()), ..Default::default() }, 5, dir.path()).unwrap();
+        assert_eq!((read_all(&layer.file), layer.path.clone()), (bytes.to_vec(), staging_dir(&store).join("s.geojson")));
         let (mut staged, m) = load(&store, "s").unwrap();
         let mut b = Vec::new();
         std::io::Read::read_to_end(&mut staged.file, &mut b).unwrap();
@@ -297,6 +321,15 @@ mod tests {
         std::fs::write(staging_dir(&store).join("s.geojson"), b"tampered").unwrap();
         assert!(load(&store, "s").unwrap_err().to_string().contains("refusing"));
         assert!(load(&store, "other").is_err());
+        // Staging impossible (its directory's name taken by a file): the run reads the body
+        // from its own temp file, and nothing is left to replay.
+        let other = dir.path().join("y.redb");
+        std::fs::write(staging_dir(&other), b"not a directory").unwrap();
+        let mut body = tempfile::tempfile_in(dir.path()).unwrap();
+        std::io::Write::write_all(&mut body, bytes).unwrap();
+        let layer = stage_body(&other, "s", body, &d, bytes.len() as u64, &PortalMeta::default(), 5, dir.path()).unwrap();
+        assert_eq!((read_all(&layer.file), layer.path.as_path()), (bytes.to_vec(), dir.path()));
+        assert!(load(&other, "s").is_err());
     }
 
     fn spool_of(dir: &Path, apns: &[&str]) -> FeatureSpool {
