@@ -286,7 +286,9 @@ mod tests {
     #[test]
     fn bytes_taken_as_they_come_make_the_same_body_and_count_against_the_cap() {
         let data: Vec<u8> = (0..300_000u32).flat_map(|i| (i % 241).to_le_bytes()).collect();
-        for (enc, body) in [(Encoding::Identity, data.clone()), (Encoding::Gzip, gz(&data))] {
+        let mut z = ZlibEncoder::new(Vec::new(), Compression::default());
+        z.write_all(&data).unwrap();
+        for (enc, body) in [(Encoding::Identity, data.clone()), (Encoding::Gzip, gz(&data)), (Encoding::Deflate, z.finish().unwrap())] {
             for chunk in [1, 4096, usize::MAX] {
                 let mut d = BodyDecoder::new(enc, 1 << 30);
                 let mut got = Vec::new();
@@ -308,6 +310,11 @@ mod tests {
         });
         assert!(matches!(err, Err(DecodeError::TooLarge { limit }) if limit == 1 << 20), "{err:?}");
         assert!(taken <= 1 << 20, "{taken}");
+        // The same for a plain body.
+        let mut d = BodyDecoder::new(Encoding::Identity, 10);
+        d.push(b"012345").unwrap();
+        assert_eq!(d.take_decoded(), b"012345");
+        assert!(matches!(d.push(b"6789a"), Err(DecodeError::TooLarge { limit: 10 })));
     }
 
     #[test]

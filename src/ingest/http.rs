@@ -57,7 +57,7 @@ pub enum FetchError {
     Corrupt { url: String, reason: String },
     #[error("{url}: the layer's pages add up to more than the configured cap of {limit} bytes ([ingest] max_layer_bytes); stopped after {read} bytes")]
     LayerTooLarge { url: String, limit: u64, read: u64 },
-    #[error("cannot collect the layer's pages on disk in {dir}: {source}")]
+    #[error("cannot write the fetched layer to disk in {dir}: {source}")]
     Spool { dir: std::path::PathBuf, source: std::io::Error },
 }
 
@@ -69,9 +69,12 @@ pub struct Response {
     pub content_type: String,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
-    /// The body; for one streamed to a [`BodyFile`] ([`Session::get_to_file`]), only its
-    /// first KiB (what [`Response::expect_json`] looks at).
+    /// The body; for one streamed to a [`BodyFile`] ([`Session::get_to_file`]), only up to
+    /// a KiB of it from its first byte that is not whitespace (what
+    /// [`Response::expect_json`] looks at).
     pub body: Vec<u8>,
+    /// True when the body went to a [`BodyFile`]: [`Response::json`] then refuses.
+    pub streamed: bool,
 }
 
 /// Where [`Session::get_to_file`] streams a body: a temp file in `dir`, digested as it is
@@ -110,8 +113,11 @@ impl BodyFile {
         self.file.write_all(bytes)?;
         self.hasher.update(bytes);
         self.size += bytes.len() as u64;
-        let room = BODY_HEAD.saturating_sub(self.head.len()).min(bytes.len());
-        self.head.extend_from_slice(&bytes[..room]);
+        // The head starts at the first byte that is not whitespace, however far in: a WAF
+        // page after a run of blank lines is still seen as HTML.
+        let text = if self.head.is_empty() { bytes.iter().position(|b| !b.is_ascii_whitespace()).map_or(&[][..], |i| &bytes[i..]) } else { bytes };
+        let room = BODY_HEAD.saturating_sub(self.head.len()).min(text.len());
+        self.head.extend_from_slice(&text[..room]);
         Ok(())
     }
 
@@ -138,6 +144,9 @@ impl std::fmt::Debug for BodyFile {
 impl Response {
     /// Checks the body looks like JSON (not an HTML / WAF page) and parses it.
     pub fn json(&self) -> Result<serde_json::Value, FetchError> {
+        if self.streamed {
+            return Err(FetchError::Protocol { url: self.url.clone(), reason: "the body was streamed to disk, not kept to be parsed".into() });
+        }
         self.expect_json()?;
         serde_json::from_slice(&self.body).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
     }
@@ -413,7 +422,7 @@ impl Session {
                     return Err(FetchError::Corrupt { url: shown, reason: format!("{e} (content-encoding {})", encoding.as_str()) })
                 }
             };
-            return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, body }));
+            return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, body, streamed: sink.is_some() }));
         }
         Err(FetchError::Protocol { url: url.to_string(), reason: "more than 5 redirects".into() })
     }
@@ -524,6 +533,29 @@ pub fn block_on<T: Send>(fut: impl std::future::Future<Output = T> + Send) -> Re
 mod tests {
     use super::*;
 
+    /// A streamed body's head starts at its first byte that is not whitespace, so HTML
+    /// after any run of blank lines is still refused; a restart forgets the head, the
+    /// digest and the bytes of the attempt before.
+    #[test]
+    fn a_body_file_keeps_the_head_an_html_check_needs_and_starts_over_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = BodyFile::new(dir.path()).unwrap();
+        f.write(b"half of a first attempt").unwrap();
+        f.restart().unwrap();
+        f.write(&vec![b'\n'; 3000]).unwrap();
+        f.write(b"  <html>blocked</html>").unwrap();
+        assert!(f.head.starts_with(b"<html>"), "{:?}", String::from_utf8_lossy(&f.head));
+        let resp = Response { url: "u".into(), status: 200, content_type: "application/json".into(), etag: None, last_modified: None, body: f.head.clone(), streamed: true };
+        assert!(matches!(resp.expect_json(), Err(FetchError::NotJson { .. })));
+        assert!(resp.json().is_err(), "a streamed response is not parsed from its head");
+        let (mut file, digest, size) = f.finish().unwrap();
+        let mut all = Vec::new();
+        std::io::Read::read_to_end(&mut file, &mut all).unwrap();
+        let mut want = vec![b'\n'; 3000];
+        want.extend_from_slice(b"  <html>blocked</html>");
+        assert_eq!((all.as_slice(), digest, size), (want.as_slice(), super::super::source::digest(&want), want.len() as u64));
+    }
+
     #[test]
     fn host_map_stays_bounded_and_keeps_busy_buckets() {
         let mut map = HashMap::new();
@@ -573,6 +605,7 @@ mod tests {
             etag: None,
             last_modified: None,
             body: b"  <html><title>Access Denied</title>".to_vec(),
+            streamed: false,
         };
         let e = r.json().unwrap_err().to_string();
         assert!(e.contains("200") && e.contains("text/html") && e.contains("Access Denied"), "{e}");
