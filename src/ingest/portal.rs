@@ -1,6 +1,7 @@
 //! The HTTP source kinds end to end: probe cheaply, fetch only when something moved, and hand
-//! the pipeline one GeoJSON FeatureCollection (one response's bytes, or a paged layer's
-//! features collected on disk, [`LayerBody`]) plus the signals the watermark records. Also the
+//! the pipeline one GeoJSON FeatureCollection, on disk (one response's body streamed to a
+//! temp file, or a paged layer's features collected there, [`LayerBody`]) plus the signals
+//! the watermark records. Also the
 //! pure watermark decisions (floor, restated, stale) so they are testable without a network.
 //!
 //! * `geojson_url`: conditional GET (`If-None-Match` / `If-Modified-Since`); 304 → skip.

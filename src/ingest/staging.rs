@@ -4,8 +4,9 @@
 //!   digest and portal signals (`<store>.staging/<source>.geojson` + `.json`), so
 //!   `zonewatch run --source ID --from-staging` re-processes it without touching the portal
 //!   (after a mapping fix, or to replay a failed parse). The digest is re-checked on read.
-//!   A paged layer is written there from its on-disk collection and scanned from that file
-//!   ([`stage_features`]), so a county layer never sits in memory whole.
+//!   A fetched layer is written there from disk — a `geojson_url` body from its temp file
+//!   ([`stage_body`]), a paged layer from its on-disk collection ([`stage_features`]) — and
+//!   scanned from that file, so a county layer never sits in memory whole.
 //! * **lease**: one run per source at a time in this process (the store file lock keeps other
 //!   processes out). A trigger while a run is going is recorded as `skipped_overlap`.
 
