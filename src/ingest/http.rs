@@ -296,8 +296,9 @@ impl Session {
         self.get_with(url, headers, None).await
     }
 
-    /// [`Session::get`], the body streamed to `body` instead of held (the response keeps its
-    /// first KiB); each attempt starts the file over. The caps are the same.
+    /// [`Session::get`], the body streamed to `body` instead of held (the response keeps up
+    /// to a KiB of it from its first non-whitespace byte, for the HTML check); each attempt
+    /// starts the file over. The caps are the same.
     pub async fn get_to_file(&self, url: &str, headers: &[(&str, String)], body: &mut BodyFile) -> Result<Response, FetchError> {
         self.get_with(url, headers, Some(body)).await
     }
