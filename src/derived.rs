@@ -359,10 +359,11 @@ impl Engine {
     }
 
     /// Streams a derived run's delta file into its run writer, chunk by chunk (a file that
-    /// gives back fewer records than were written is an error of the reader). A second thread reads the file and matches each chunk's
-    /// events while this one writes the chunk before (the write lock is held for the
-    /// writing); what this thread is done with goes back to be freed over there, where it
-    /// was allocated. An error on either side stops both.
+    /// gives back fewer records than were written is an error of the reader). A second
+    /// thread reads the file and matches each chunk's events while this one writes the chunk
+    /// before (the write lock is held for the writing); what this thread is done with goes
+    /// back to be freed over there, where it was allocated. An error on either side stops
+    /// both.
     fn commit_delta(&self, src: &SourceConfig, w: &mut RunWriter<'_>, mut delta: DeltaReader, hold: bool) -> Result<(), PipelineError> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<(DeltaBatch, Vec<Claim>), PipelineError>>(2);
         let (spent_tx, spent_rx) = std::sync::mpsc::channel::<DeltaBatch>();

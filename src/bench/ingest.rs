@@ -7,7 +7,7 @@
 //!
 //! One child process per county size (see [`super::BenchCtx::run_child`]).
 
-use super::{emit, gen, per_s, rss, secs, BenchCtx, BenchError};
+use super::{COUNTY_FIELDS, emit, gen, per_s, rss, secs, BenchCtx, BenchError};
 use crate::config::{Config, SourceConfig, SourceKind};
 use crate::notify::matcher::{Subscriber, SubscriberIndex};
 use crate::pipeline::{Engine, RunOptions};
@@ -53,11 +53,7 @@ kind = "file"
 path = "{}"
 every = "1h"
 max_change_ratio = 0.05
-[source.fields]
-parcel_id = "APN"
-zoning = "ZONE_CODE"
-effective_date = "EFF_DATE"
-"#,
+{COUNTY_FIELDS}"#,
         files.baseline.display()
     );
     let config = Config::parse_str(&toml, &store_dir).map_err(|e| BenchError::Failed(format!("bench config: {e}")))?;

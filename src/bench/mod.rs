@@ -42,6 +42,10 @@ impl BenchError {
     }
 }
 
+/// The field mapping of the generated county's layer (`gen.rs`), as a source's config
+/// takes it: the parcel source of every measure that ingests the county.
+pub const COUNTY_FIELDS: &str = "[source.fields]\nparcel_id = \"APN\"\nzoning = \"ZONE_CODE\"\neffective_date = \"EFF_DATE\"\n";
+
 /// Preset sizes.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scale {

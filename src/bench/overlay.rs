@@ -16,7 +16,7 @@
 //!
 //! Targets: < 0.5 s (Cambridge) and < 20 s (1M × 5k).
 
-use super::{emit, gen, per_s, rss, BenchCtx, BenchError, Scale};
+use super::{COUNTY_FIELDS, emit, gen, per_s, rss, BenchCtx, BenchError, Scale};
 use crate::config::{Config, LayerKind};
 use crate::derived::derive_all;
 use crate::detect::overlay::DistrictIndex;
@@ -242,11 +242,7 @@ id = "county"
 jurisdiction = "bench-county"
 kind = "file"
 path = "{}"
-[source.fields]
-parcel_id = "APN"
-zoning = "ZONE_CODE"
-effective_date = "EFF_DATE"
-[[source]]
+{COUNTY_FIELDS}[[source]]
 id = "county-zoning"
 jurisdiction = "bench-county"
 kind = "file"

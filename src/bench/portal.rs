@@ -12,7 +12,7 @@
 //! `cpu_s`: a few MiB, and the wall time is shared with it on the same cores. It is a load
 //! generator for this measure only; the tests fetch from real peers (Koop, pygeoapi).
 
-use super::{emit, gen, per_s, rss, secs, BenchCtx, BenchError};
+use super::{COUNTY_FIELDS, emit, gen, per_s, rss, secs, BenchCtx, BenchError};
 use crate::config::Config;
 use crate::pipeline::{Engine, RunOptions};
 use bytes::Bytes;
@@ -196,11 +196,7 @@ url = "http://127.0.0.1:{port}/arcgis/rest/services/County/FeatureServer/0"
 page_size = {PAGE}
 every = "1h"
 max_change_ratio = 0.05
-[source.fields]
-parcel_id = "APN"
-zoning = "ZONE_CODE"
-effective_date = "EFF_DATE"
-"#,
+{COUNTY_FIELDS}"#,
         layer_bytes.saturating_mul(2).max(1 << 20)
     );
     let config = Config::parse_str(&toml, &store_dir).map_err(|e| BenchError::Failed(format!("bench config: {e}")))?;

@@ -15,6 +15,7 @@
 //! * redirects are followed by hand (at most 5) so every hop passes the private-target guard.
 
 use super::decode::{BodyDecoder, DecodeError, Encoding};
+use super::source::DigestingWriter;
 use super::settings::IngestConfig;
 use crate::notify::delivery::parse_retry_after;
 use std::collections::HashMap;
@@ -81,10 +82,8 @@ pub struct Response {
 /// written and started over on every attempt, so a county's GeoJSON download never sits in
 /// memory and a retried attempt never leaves the bytes of a failed one behind.
 pub struct BodyFile {
-    file: std::fs::File,
+    out: DigestingWriter<std::fs::File>,
     dir: std::path::PathBuf,
-    hasher: sha2::Sha256,
-    size: u64,
     head: Vec<u8>,
 }
 
@@ -96,23 +95,21 @@ impl BodyFile {
     /// crash).
     pub fn new(dir: &std::path::Path) -> Result<BodyFile, FetchError> {
         let file = tempfile::tempfile_in(dir).map_err(|e| FetchError::Spool { dir: dir.to_path_buf(), source: e })?;
-        Ok(BodyFile { file, dir: dir.to_path_buf(), hasher: Default::default(), size: 0, head: Vec::new() })
+        Ok(BodyFile { out: DigestingWriter::new(file), dir: dir.to_path_buf(), head: Vec::new() })
     }
 
     fn restart(&mut self) -> std::io::Result<()> {
         use std::io::Seek;
-        self.file.set_len(0)?;
-        self.file.seek(std::io::SeekFrom::Start(0))?;
-        (self.hasher, self.size, self.head) = (Default::default(), 0, Vec::new());
+        self.out.get_mut().set_len(0)?;
+        self.out.get_mut().seek(std::io::SeekFrom::Start(0))?;
+        self.out.restart();
+        self.head.clear();
         Ok(())
     }
 
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        use sha2::Digest;
         use std::io::Write;
-        self.file.write_all(bytes)?;
-        self.hasher.update(bytes);
-        self.size += bytes.len() as u64;
+        self.out.write_all(bytes)?;
         // The head starts at the first byte that is not whitespace, however far in: a WAF
         // page after a run of blank lines is still seen as HTML.
         let text = if self.head.is_empty() { bytes.iter().position(|b| !b.is_ascii_whitespace()).map_or(&[][..], |i| &bytes[i..]) } else { bytes };
@@ -126,18 +123,18 @@ impl BodyFile {
     }
 
     /// The body written: the temp file (at its first byte), its hex sha256 and its size.
-    pub fn finish(mut self) -> Result<(std::fs::File, String, u64), FetchError> {
-        use sha2::Digest;
+    pub fn finish(self) -> Result<(std::fs::File, String, u64), FetchError> {
         use std::io::Seek;
-        let rewound = self.file.seek(std::io::SeekFrom::Start(0));
-        rewound.map_err(|e| self.error(e))?;
-        Ok((self.file, crate::util::hex(&self.hasher.finalize()), self.size))
+        let dir = self.dir;
+        let (mut file, digest, size) = self.out.finish();
+        file.seek(std::io::SeekFrom::Start(0)).map_err(|e| FetchError::Spool { dir, source: e })?;
+        Ok((file, digest, size))
     }
 }
 
 impl std::fmt::Debug for BodyFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BodyFile").field("dir", &self.dir).field("size", &self.size).finish()
+        f.debug_struct("BodyFile").field("dir", &self.dir).finish()
     }
 }
 

@@ -86,6 +86,17 @@ impl<W: std::io::Write> DigestingWriter<W> {
         DigestingWriter { inner, hasher: Sha256::new(), size: 0 }
     }
 
+    /// The writer underneath (writing to it directly bypasses the digest).
+    pub fn get_mut(&mut self) -> &mut W {
+        &mut self.inner
+    }
+
+    /// Forgets what was written so far: the digest and size start over (the caller starts
+    /// the writer underneath over too: a retried download).
+    pub fn restart(&mut self) {
+        (self.hasher, self.size) = (Sha256::new(), 0);
+    }
+
     /// The writer back, with the hex sha256 and size of everything written.
     pub fn finish(self) -> (W, String, u64) {
         (self.inner, crate::util::hex(&self.hasher.finalize()), self.size)

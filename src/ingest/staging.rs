@@ -50,10 +50,16 @@ fn paths(store_path: &Path, source_id: &str) -> (PathBuf, PathBuf) {
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let mut tmp = tempfile::Builder::new().prefix(&format!("{name}.")).suffix(".tmp").tempfile_in(dir)?;
+    let mut tmp = temp_beside(dir, &name)?;
     tmp.write_all(bytes)?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
+}
+
+/// A temp file `<name>.XXXXXX.tmp` in `dir` (the names [`is_staging_temp`] sweeps), removed
+/// unless persisted.
+fn temp_beside(dir: &Path, name: &str) -> std::io::Result<tempfile::NamedTempFile> {
+    tempfile::Builder::new().prefix(&format!("{name}.")).suffix(".tmp").tempfile_in(dir)
 }
 
 /// A layer written out for its run to scan: an open handle at its first byte, and the
@@ -87,34 +93,27 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
     write_atomic(&sidecar, &text).map_err(|e| IngestError::Write { path: sidecar, source: e })
 }
 
-/// Stages a response body streamed to an anonymous temp file (`geojson_url`): copied into
-/// the staged payload (a temp file in the staging directory, renamed into place), then its
-/// sidecar; returns the payload open for the run's scan. When staging fails anywhere, the
-/// run scans `body` itself (logged; nothing to replay then). An error only when `body`
-/// cannot be rewound.
+/// Stages a response body streamed to an anonymous temp file (`geojson_url`; `digest` and
+/// `size` as it was received): copied into the staged payload ([`stage_with`]); a copy that
+/// is not what was received is an error.
 #[allow(clippy::too_many_arguments)]
 pub fn stage_body(store_path: &Path, source_id: &str, mut body: std::fs::File, digest: &str, size: u64, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> Result<StagedLayer, IngestError> {
-    let dir = staging_dir(store_path);
-    let (payload, _) = paths(store_path, source_id);
-    let staged = (|| -> Result<std::fs::File, IngestError> {
-        forget_staged(store_path, source_id)?;
-        let write = |e| IngestError::Write { path: dir.clone(), source: e };
-        std::fs::create_dir_all(&dir).map_err(write)?;
-        let mut tmp = tempfile::Builder::new().prefix(&format!("{source_id}.geojson.")).suffix(".tmp").tempfile_in(&dir).map_err(write)?;
-        body.seek(SeekFrom::Start(0)).and_then(|_| std::io::copy(&mut body, tmp.as_file_mut())).map_err(write)?;
-        let mut file = tmp.persist(&payload).map_err(|e| IngestError::Write { path: payload.clone(), source: e.error })?;
-        file.seek(SeekFrom::Start(0)).map_err(|e| IngestError::Write { path: payload.clone(), source: e })?;
-        write_sidecar(store_path, source_id, digest, size, meta, now_ms)?;
-        Ok(file)
-    })();
-    match staged {
-        Ok(file) => Ok(StagedLayer { file, path: payload, digest: digest.to_string(), size }),
-        Err(e) => {
-            tracing::warn!(source = source_id, "could not stage the payload: {e}; the run reads it from its temp file");
-            body.seek(SeekFrom::Start(0)).map_err(|e| IngestError::Read { path: scratch.to_path_buf(), source: e })?;
-            Ok(StagedLayer { file: body, path: scratch.to_path_buf(), digest: digest.to_string(), size })
-        }
+    let layer = stage_with(store_path, source_id, meta, now_ms, scratch, |out| {
+        body.seek(SeekFrom::Start(0))?;
+        std::io::copy(&mut body, out).map(|_| ())
+    })?;
+    if (layer.digest.as_str(), layer.size) != (digest, size) {
+        return Err(IngestError::Changed(format!(
+            "the body received ({size} bytes, sha256 {digest}) was staged as {} bytes, sha256 {}",
+            layer.size, layer.digest
+        )));
     }
+    Ok(layer)
+}
+
+/// Writes a paged layer's collection as the source's staged payload ([`stage_with`]).
+pub fn stage_features(store_path: &Path, source_id: &str, features: FeatureSpool, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> Result<StagedLayer, IngestError> {
+    stage_with(store_path, source_id, meta, now_ms, scratch, |out| features.write_collection(out).map(|_| ()))
 }
 
 /// Removes `source_id`'s staged sidecar and payload before a new payload is written (and
@@ -157,28 +156,25 @@ fn is_staging_temp(name: &str, source_id: &str) -> bool {
     rest == "tmp" || rest.strip_suffix(".tmp").is_some_and(|r| r.len() == 6 && r.bytes().all(|b| b.is_ascii_alphanumeric()))
 }
 
-/// Writes a paged layer's collection as the source's staged payload, digesting it as it is
-/// written, then its sidecar; returns the payload open for the run's scan. When the staging
-/// directory cannot be used at all, the collection goes to an anonymous temp file in
-/// `scratch` instead (logged; `--from-staging` then has nothing to replay); a payload that
-/// cannot be renamed into place or a sidecar that cannot be written is logged too (nothing
-/// to replay either). An error when writing the collection itself fails (a full disk, or
-/// the spool unreadable): nothing is tried elsewhere, the run fails and is retried later.
-pub fn stage_features(
-    store_path: &Path,
-    source_id: &str,
-    features: FeatureSpool,
-    meta: &PortalMeta,
-    now_ms: u64,
-    scratch: &Path,
-) -> Result<StagedLayer, IngestError> {
+/// Writes a fetched layer as the source's staged payload — `write` puts its bytes — while
+/// digesting it, then its sidecar; returns the payload open at its first byte for the run's
+/// scan. The previous staged version is removed first ([`forget_staged`]). When the staging
+/// directory cannot be used at all, the layer goes to an anonymous temp file in `scratch`
+/// instead (logged; `--from-staging` then has nothing to replay); a payload that cannot be
+/// renamed into place or a sidecar that cannot be written is logged too (nothing to replay
+/// either). An error when `write` itself fails (a full disk, a spool unreadable): nothing is
+/// tried elsewhere, the run fails and is retried later.
+fn stage_with<F>(store_path: &Path, source_id: &str, meta: &PortalMeta, now_ms: u64, scratch: &Path, write: F) -> Result<StagedLayer, IngestError>
+where
+    F: FnOnce(&mut DigestingWriter<BufWriter<&mut std::fs::File>>) -> std::io::Result<()>,
+{
     let dir = staging_dir(store_path);
     let (payload, _) = paths(store_path, source_id);
     let opened = forget_staged(store_path, source_id)
         .map_err(|e| std::io::Error::other(e.to_string()))
         .and_then(|_| std::fs::create_dir_all(&dir))
-        .and_then(|_| tempfile::Builder::new().prefix(&format!("{source_id}.geojson.")).suffix(".tmp").tempfile_in(&dir));
-    let (file, named, written_to) = match opened {
+        .and_then(|_| temp_beside(&dir, &format!("{source_id}.geojson")));
+    let (mut file, named, written_to) = match opened {
         // A named temp file in the staging directory: removed if anything below fails.
         Ok(tmp) => {
             let at = tmp.path().to_path_buf();
@@ -191,14 +187,15 @@ pub fn stage_features(
             (file, None, scratch.to_path_buf())
         }
     };
-    let mut out = DigestingWriter::new(BufWriter::with_capacity(1 << 20, file));
-    let written = features.write_collection(&mut out).and_then(|_| {
+    let mut out = DigestingWriter::new(BufWriter::with_capacity(1 << 20, &mut file));
+    let written = write(&mut out).and_then(|()| {
         let (buffered, digest, size) = out.finish();
-        let mut file = buffered.into_inner().map_err(|e| e.into_error())?;
-        file.seek(SeekFrom::Start(0))?;
-        Ok((file, digest, size))
+        buffered.into_inner().map_err(|e| e.into_error())?;
+        Ok((digest, size))
     });
-    let (file, digest, size) = written.map_err(|e| IngestError::Write { path: written_to.clone(), source: e })?;
+    let (digest, size) = written
+        .and_then(|d| file.seek(SeekFrom::Start(0)).map(|_| d))
+        .map_err(|e| IngestError::Write { path: written_to.clone(), source: e })?;
     let mut path = written_to;
     if let Some(tmp) = named {
         match tmp.persist(&payload) {
