@@ -369,7 +369,7 @@ impl Engine {
             Fetched::Staged(layer, m.portal_meta())
         } else {
             // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
-            match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess, self.scratch_dir()).map_err(IngestError::from)? {
+            match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess, self.store.path(), self.scratch_dir()).map_err(IngestError::from)? {
                 Some(f) => Fetched::Portal(f),
                 None => Fetched::File,
             }
@@ -411,8 +411,9 @@ impl Engine {
                 let record = self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Skip, &signals, 0, warnings)?;
                 return Ok(SourceReport { record, hold_reason: None });
             }
-            Fetched::Portal(PortalFetch::Layer { body: LayerBody::File { body, digest, size }, meta }) => {
-                let layer = staging::stage_body(self.store.path(), &src.id, body, &digest, size, &meta, started, self.scratch_dir())?;
+            Fetched::Portal(PortalFetch::Layer { body: LayerBody::File(body), meta }) => {
+                let layer = staging::stage_body(self.store.path(), &src.id, body, &meta, started, self.scratch_dir());
+                let digest = layer.digest.clone();
                 (LayerInput::Staged(layer), Some(digest), Some(meta))
             }
             Fetched::Portal(PortalFetch::Layer { body: LayerBody::Features(features), meta }) => {

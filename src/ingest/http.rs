@@ -84,7 +84,20 @@ pub struct Response {
 pub struct BodyFile {
     out: DigestingWriter<std::fs::File>,
     dir: std::path::PathBuf,
+    /// The file's name when it has one ([`BodyFile::named`]; removed when dropped).
+    name: Option<tempfile::TempPath>,
     head: Vec<u8>,
+}
+
+/// A body received whole: its file at its first byte, the file's name when it has one (so it
+/// can be renamed into place instead of copied; removed when dropped), its hex sha256 and
+/// size.
+#[derive(Debug)]
+pub struct ReceivedBody {
+    pub file: std::fs::File,
+    pub name: Option<tempfile::TempPath>,
+    pub digest: String,
+    pub size: u64,
 }
 
 /// How much of a streamed body [`Response::body`] keeps.
@@ -95,7 +108,14 @@ impl BodyFile {
     /// crash).
     pub fn new(dir: &std::path::Path) -> Result<BodyFile, FetchError> {
         let file = tempfile::tempfile_in(dir).map_err(|e| FetchError::Spool { dir: dir.to_path_buf(), source: e })?;
-        Ok(BodyFile { out: DigestingWriter::new(file), dir: dir.to_path_buf(), head: Vec::new() })
+        Ok(BodyFile { out: DigestingWriter::new(file), dir: dir.to_path_buf(), name: None, head: Vec::new() })
+    }
+
+    /// A body file that is the named temp file `tmp` (in `dir`), removed when dropped unless
+    /// its name is kept ([`ReceivedBody::name`]).
+    pub fn named(tmp: tempfile::NamedTempFile, dir: &std::path::Path) -> BodyFile {
+        let (file, name) = tmp.into_parts();
+        BodyFile { out: DigestingWriter::new(file), dir: dir.to_path_buf(), name: Some(name), head: Vec::new() }
     }
 
     fn restart(&mut self) -> std::io::Result<()> {
@@ -107,7 +127,7 @@ impl BodyFile {
         Ok(())
     }
 
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+    pub(super) fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         use std::io::Write;
         self.out.write_all(bytes)?;
         // The head starts at the first byte that is not whitespace, however far in: a WAF
@@ -122,13 +142,13 @@ impl BodyFile {
         FetchError::Spool { dir: self.dir.clone(), source }
     }
 
-    /// The body written: the temp file (at its first byte), its hex sha256 and its size.
-    pub fn finish(self) -> Result<(std::fs::File, String, u64), FetchError> {
+    /// The body written, its file at its first byte.
+    pub fn finish(self) -> Result<ReceivedBody, FetchError> {
         use std::io::Seek;
-        let dir = self.dir;
-        let (mut file, digest, size) = self.out.finish();
+        let BodyFile { out, dir, name, .. } = self;
+        let (mut file, digest, size) = out.finish();
         file.seek(std::io::SeekFrom::Start(0)).map_err(|e| FetchError::Spool { dir, source: e })?;
-        Ok((file, digest, size))
+        Ok(ReceivedBody { file, name, digest, size })
     }
 }
 
@@ -546,12 +566,13 @@ mod tests {
         let resp = Response { url: "u".into(), status: 200, content_type: "application/json".into(), etag: None, last_modified: None, body: f.head.clone(), streamed: true };
         assert!(matches!(resp.expect_json(), Err(FetchError::NotJson { .. })));
         assert!(resp.json().is_err(), "a streamed response is not parsed from its head");
-        let (mut file, digest, size) = f.finish().unwrap();
+        let mut body = f.finish().unwrap();
         let mut all = Vec::new();
-        std::io::Read::read_to_end(&mut file, &mut all).unwrap();
+        std::io::Read::read_to_end(&mut body.file, &mut all).unwrap();
         let mut want = vec![b'\n'; 3000];
         want.extend_from_slice(b"  <html>blocked</html>");
-        assert_eq!((all.as_slice(), digest, size), (want.as_slice(), super::super::source::digest(&want), want.len() as u64));
+        assert_eq!((all.as_slice(), body.digest, body.size), (want.as_slice(), super::super::source::digest(&want), want.len() as u64));
+        assert!(body.name.is_none());
     }
 
     #[test]

@@ -15,7 +15,8 @@
 
 use super::arcgis;
 use super::collect::FeatureSpool;
-use super::http::{FetchError, Session};
+use super::http::{BodyFile, FetchError, ReceivedBody, Session};
+use super::staging;
 use super::scan_guard::{LayerBytes, SeenRows};
 use super::settings::IngestConfig;
 use crate::config::{SourceConfig, SourceKind};
@@ -48,10 +49,11 @@ pub enum PortalFetch {
 /// A fetched layer as the fetch holds it.
 #[derive(Debug)]
 pub enum LayerBody {
-    /// One response's body streamed to an anonymous temp file next to the store
-    /// (`geojson_url`; capped by `[ingest] max_response_bytes` / `max_decompressed_bytes`),
-    /// at its first byte, with its hex sha256 and size.
-    File { body: std::fs::File, digest: String, size: u64 },
+    /// One response's body streamed to a temp file in the staging directory, to be renamed
+    /// into the staged payload (or, when that directory cannot be used, to an anonymous temp
+    /// file next to the store) (`geojson_url`; capped by `[ingest] max_response_bytes` /
+    /// `max_decompressed_bytes`).
+    File(ReceivedBody),
     /// A paged layer's features on disk, to be written as one sorted FeatureCollection
     /// ([`FeatureSpool::write_collection`]).
     Features(Box<FeatureSpool>),
@@ -99,14 +101,16 @@ pub fn jittered(every: Duration) -> Duration {
 }
 
 /// Probes and (when needed) fetches an HTTP source. `force` skips the probe shortcut
-/// (`--reprocess`). A paged layer is collected in a temp file in `spool_dir`. `Ok(None)` for
-/// kinds that are not HTTP.
+/// (`--reprocess`). A paged layer is collected in a temp file in `spool_dir`; a
+/// `geojson_url` body is written in the staging directory of the store at `store_path`
+/// ([`staging::body_file`]). `Ok(None)` for kinds that are not HTTP.
 pub fn fetch(
     src: &SourceConfig,
     cfg: &IngestConfig,
     prev: Option<&Watermark>,
     now_ms: u64,
     force: bool,
+    store_path: &std::path::Path,
     spool_dir: &std::path::Path,
 ) -> Result<Option<PortalFetch>, FetchError> {
     if matches!(src.kind, SourceKind::File { .. }) {
@@ -118,7 +122,7 @@ pub fn fetch(
     let out = super::http::block_on(async {
         let mut r = match &src.kind {
             SourceKind::File { .. } => unreachable_file(),
-            SourceKind::GeojsonUrl { url } => geojson_url(&session, url, prev, due).await,
+            SourceKind::GeojsonUrl { url } => geojson_url(&session, url, prev, due, staging::body_file(store_path, &src.id, spool_dir)?).await,
             SourceKind::Arcgis { url, page_size, format } => arcgis_source(&session, url, *page_size, *format, &src.fields.parcel_id, prev, due).await,
             SourceKind::Ogcapi { url, limit } => ogcapi(&session, url, *limit, &src.fields.parcel_id).await,
             SourceKind::Socrata { url, page_size } => socrata(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
@@ -136,7 +140,7 @@ fn unreachable_file() -> Result<PortalFetch, FetchError> {
     Err(FetchError::Protocol { url: String::new(), reason: "a file source is not fetched over HTTP".into() })
 }
 
-async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due: bool) -> Result<PortalFetch, FetchError> {
+async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due: bool, mut body: BodyFile) -> Result<PortalFetch, FetchError> {
     let mut headers = vec![("accept", "application/geo+json, application/json;q=0.9".to_string())];
     if !due {
         if let Some(w) = prev {
@@ -148,7 +152,6 @@ async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due
             }
         }
     }
-    let mut body = super::http::BodyFile::new(&session.spool_dir)?;
     let resp = session.get_to_file(url, &headers, &mut body).await?;
     let meta = PortalMeta { etag: resp.etag.clone(), last_modified: resp.last_modified.clone(), pages: 1, ..Default::default() };
     if resp.status == 304 {
@@ -160,8 +163,7 @@ async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due
         return Ok(PortalFetch::Skip { reason: "304 Not Modified".into(), meta });
     }
     resp.expect_json()?;
-    let (body, digest, size) = body.finish()?;
-    Ok(PortalFetch::Layer { body: LayerBody::File { body, digest, size }, meta })
+    Ok(PortalFetch::Layer { body: LayerBody::File(body.finish()?), meta })
 }
 
 async fn arcgis_source(

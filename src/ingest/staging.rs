@@ -4,13 +4,15 @@
 //!   digest and portal signals (`<store>.staging/<source>.geojson` + `.json`), so
 //!   `zonewatch run --source ID --from-staging` re-processes it without touching the portal
 //!   (after a mapping fix, or to replay a failed parse). The digest is re-checked on read.
-//!   A fetched layer is written there from disk — a `geojson_url` body from its temp file
-//!   ([`stage_body`]), a paged layer from its on-disk collection ([`stage_features`]) — and
+//!   A fetched layer is put there from disk — a `geojson_url` body is received into a temp
+//!   file in the staging directory and renamed into place ([`body_file`], [`stage_body`]),
+//!   a paged layer is written from its on-disk collection ([`stage_features`]) — and
 //!   scanned from that file, so a county layer never sits in memory whole.
 //! * **lease**: one run per source at a time in this process (the store file lock keeps other
 //!   processes out). A trigger while a run is going is recorded as `skipped_overlap`.
 
 use super::collect::FeatureSpool;
+use super::http::{BodyFile, FetchError, ReceivedBody};
 use super::portal::PortalMeta;
 use super::source::{DigestingReader, DigestingWriter};
 use super::IngestError;
@@ -93,22 +95,55 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
     write_atomic(&sidecar, &text).map_err(|e| IngestError::Write { path: sidecar, source: e })
 }
 
-/// Stages a response body streamed to an anonymous temp file (`geojson_url`; `digest` and
-/// `size` as it was received): copied into the staged payload ([`stage_with`]); a copy that
-/// is not what was received is an error.
-#[allow(clippy::too_many_arguments)]
-pub fn stage_body(store_path: &Path, source_id: &str, mut body: std::fs::File, digest: &str, size: u64, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> Result<StagedLayer, IngestError> {
-    let layer = stage_with(store_path, source_id, meta, now_ms, scratch, |out| {
-        body.seek(SeekFrom::Start(0))?;
-        std::io::copy(&mut body, out).map(|_| ())
-    })?;
-    if (layer.digest.as_str(), layer.size) != (digest, size) {
-        return Err(IngestError::Changed(format!(
-            "the body received ({size} bytes, sha256 {digest}) was staged as {} bytes, sha256 {}",
-            layer.size, layer.digest
-        )));
+/// The file a `geojson_url` body of `source_id` is received into: a temp file in the staging
+/// directory, named as [`is_staging_temp`] knows (a run killed while fetching leaves one the
+/// next staging sweeps), so that [`stage_body`] renames it into the staged payload instead
+/// of copying the layer. When the staging directory cannot be used, an anonymous temp file
+/// in `scratch` (logged; the run then scans it unstaged).
+pub fn body_file(store_path: &Path, source_id: &str, scratch: &Path) -> Result<BodyFile, FetchError> {
+    let dir = staging_dir(store_path);
+    match std::fs::create_dir_all(&dir).and_then(|_| temp_beside(&dir, &format!("{source_id}.geojson"))) {
+        Ok(tmp) => Ok(BodyFile::named(tmp, &dir)),
+        Err(e) => {
+            tracing::warn!(source = source_id, "cannot receive the layer in {}: {e}; it goes to a temp file and is not staged", dir.display());
+            BodyFile::new(scratch)
+        }
     }
-    Ok(layer)
+}
+
+/// Stages a `geojson_url` body received whole ([`body_file`]): the previous staged version
+/// is removed ([`forget_staged`]), the body's file renamed into the staged payload and its
+/// sidecar written, with the digest and size it was received with (the run's scan checks
+/// the bytes it reads against them). Nothing is copied. A body that could not be named in
+/// the staging directory, or that cannot be renamed into place, is scanned where it is
+/// (logged; nothing to replay).
+pub fn stage_body(store_path: &Path, source_id: &str, body: ReceivedBody, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> StagedLayer {
+    let ReceivedBody { file, name, digest, size } = body;
+    let (payload, _) = paths(store_path, source_id);
+    let mut path = scratch.to_path_buf();
+    let forgotten = forget_staged(store_path, source_id, name.as_deref());
+    match (name, forgotten) {
+        (Some(name), Ok(())) => match name.persist(&payload) {
+            Ok(()) => {
+                path = payload;
+                if let Err(e) = write_sidecar(store_path, source_id, &digest, size, meta, now_ms) {
+                    tracing::warn!(source = source_id, "could not stage the payload: {e}");
+                }
+            }
+            Err(e) => {
+                // The name is gone with `e` (the open file is not): name the directory.
+                path = staging_dir(store_path);
+                tracing::warn!(source = source_id, "could not stage the payload as {}: {}", payload.display(), e.error);
+            }
+        },
+        (Some(_), Err(e)) => {
+            path = staging_dir(store_path);
+            tracing::warn!(source = source_id, "cannot stage the payload: {e}; the run reads the layer as received");
+        }
+        (None, Err(e)) => tracing::warn!(source = source_id, "{e}"),
+        (None, Ok(())) => {}
+    }
+    StagedLayer { file, path, digest, size }
 }
 
 /// Writes a paged layer's collection as the source's staged payload ([`stage_with`]).
@@ -122,7 +157,8 @@ pub fn stage_features(store_path: &Path, source_id: &str, features: FeatureSpool
 /// replay rather than an older version that still matches its sidecar — and the old payload
 /// does not take disk space beside the new one. Both removals are tried; an error says an
 /// older version may still be replayable.
-fn forget_staged(store_path: &Path, source_id: &str) -> Result<(), IngestError> {
+/// `keep` is a staging temp file of this run's own (a body being staged) that the sweep spares.
+fn forget_staged(store_path: &Path, source_id: &str, keep: Option<&Path>) -> Result<(), IngestError> {
     let (payload, sidecar) = paths(store_path, source_id);
     let remove = |path: &Path| match std::fs::remove_file(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(IngestError::Write { path: path.to_path_buf(), source: e }),
@@ -131,7 +167,7 @@ fn forget_staged(store_path: &Path, source_id: &str) -> Result<(), IngestError> 
     let (a, b) = (remove(&sidecar), remove(&payload));
     if let Ok(entries) = std::fs::read_dir(staging_dir(store_path)) {
         for entry in entries.flatten() {
-            if is_staging_temp(&entry.file_name().to_string_lossy(), source_id) {
+            if is_staging_temp(&entry.file_name().to_string_lossy(), source_id) && keep.and_then(Path::file_name) != Some(entry.file_name().as_os_str()) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
@@ -170,7 +206,7 @@ where
 {
     let dir = staging_dir(store_path);
     let (payload, _) = paths(store_path, source_id);
-    let opened = forget_staged(store_path, source_id)
+    let opened = forget_staged(store_path, source_id, None)
         .map_err(|e| std::io::Error::other(e.to_string()))
         .and_then(|_| std::fs::create_dir_all(&dir))
         .and_then(|_| temp_beside(&dir, &format!("{source_id}.geojson")));
@@ -299,17 +335,31 @@ mod tests {
         assert!(try_lease(p, "s1").is_some());
     }
 
+    /// A body received into the staging directory and staged there, as `geojson_url` does.
+    fn received(store: &Path, scratch: &Path, bytes: &[u8]) -> ReceivedBody {
+        let mut body = body_file(store, "s", scratch).unwrap();
+        body.write(bytes).unwrap();
+        body.finish().unwrap()
+    }
+
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    }
+
     #[test]
     fn staged_payload_round_trips_and_is_checked() {
         let dir = tempfile::tempdir().unwrap();
         let store = dir.path().join("z.redb");
         let bytes = br#"{"type":"FeatureCollection","features":[]}"#;
         let d = super::super::source::digest(bytes);
-        let mut body = tempfile::tempfile_in(dir.path()).unwrap();
-        std::io::Write::write_all(&mut body, bytes).unwrap();
-        body.seek(SeekFrom::Start(0)).unwrap();
-        let layer = stage_body(&store, "s", body, &d, bytes.len() as u64, &PortalMeta { etag: Some("e".into()), ..Default::default() }, 5, dir.path()).unwrap();
+        let body = received(&store, dir.path(), bytes);
+        assert_eq!(body.name.as_deref().and_then(Path::parent), Some(staging_dir(&store).as_path()), "received in the staging directory");
+        let layer = stage_body(&store, "s", body, &PortalMeta { etag: Some("e".into()), ..Default::default() }, 5, dir.path());
         assert_eq!((read_all(&layer.file), layer.path.clone()), (bytes.to_vec(), staging_dir(&store).join("s.geojson")));
+        assert_eq!((layer.digest.as_str(), layer.size), (d.as_str(), bytes.len() as u64));
+        assert_eq!(names_in(&staging_dir(&store)), ["s.geojson", "s.json"], "renamed into place, not copied");
         let (mut staged, m) = load(&store, "s").unwrap();
         let mut b = Vec::new();
         std::io::Read::read_to_end(&mut staged.file, &mut b).unwrap();
@@ -319,14 +369,46 @@ mod tests {
         std::fs::write(staging_dir(&store).join("s.geojson"), b"tampered").unwrap();
         assert!(load(&store, "s").unwrap_err().to_string().contains("refusing"));
         assert!(load(&store, "other").is_err());
-        // Staging impossible (its directory's name taken by a file): the run reads the body
-        // from its own temp file, and nothing is left to replay.
+        // Staging impossible (its directory's name taken by a file): the body is received in
+        // a temp file in the scratch directory and read from there; nothing to replay.
         let other = dir.path().join("y.redb");
         std::fs::write(staging_dir(&other), b"not a directory").unwrap();
-        let mut body = tempfile::tempfile_in(dir.path()).unwrap();
-        std::io::Write::write_all(&mut body, bytes).unwrap();
-        let layer = stage_body(&other, "s", body, &d, bytes.len() as u64, &PortalMeta::default(), 5, dir.path()).unwrap();
+        let body = received(&other, dir.path(), bytes);
+        assert!(body.name.is_none());
+        let layer = stage_body(&other, "s", body, &PortalMeta::default(), 5, dir.path());
         assert_eq!((read_all(&layer.file), layer.path.as_path()), (bytes.to_vec(), dir.path()));
+        assert!(load(&other, "s").is_err());
+    }
+
+    /// While a body is received the previous version stays replayable (a fetch that fails
+    /// or answers 304 loses nothing); staging it replaces that version and sweeps a killed
+    /// run's temp files — but never the body's own file, which has the same kind of name.
+    #[test]
+    fn a_received_body_replaces_the_staged_version_only_when_it_is_staged() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("z.redb");
+        let old = br#"{"type":"FeatureCollection","features":[],"v":1}"#;
+        stage_body(&store, "s", received(&store, dir.path(), old), &PortalMeta::default(), 5, dir.path());
+        std::fs::write(staging_dir(&store).join("s.geojson.a1B2c3.tmp"), b"killed run").unwrap();
+        let new = br#"{"type":"FeatureCollection","features":[],"v":2}"#;
+        let body = received(&store, dir.path(), new);
+        assert_eq!(read_all(&load(&store, "s").unwrap().0.file), old, "the previous version until the new one is staged");
+        drop(received(&store, dir.path(), b"a fetch that failed"));
+        assert_eq!(names_in(&staging_dir(&store)).len(), 4, "a dropped body leaves no file: {:?}", names_in(&staging_dir(&store)));
+        let layer = stage_body(&store, "s", body, &PortalMeta::default(), 6, dir.path());
+        assert_eq!(layer.path, staging_dir(&store).join("s.geojson"));
+        assert_eq!(read_all(&load(&store, "s").unwrap().0.file), new);
+        assert_eq!(names_in(&staging_dir(&store)), ["s.geojson", "s.json"]);
+
+        // The payload's name taken by a non-empty directory: the older version cannot be
+        // removed, the body is not staged, and the run still reads what it received.
+        let payload = staging_dir(&store).join("s.geojson");
+        std::fs::remove_file(&payload).unwrap();
+        std::fs::create_dir_all(payload.join("x")).unwrap();
+        let layer = stage_body(&store, "s", received(&store, dir.path(), old), &PortalMeta::default(), 7, dir.path());
+        assert_eq!((read_all(&layer.file), layer.path), (old.to_vec(), staging_dir(&store)));
+        assert!(load(&store, "s").is_err(), "nothing to replay");
+        assert_eq!(names_in(&staging_dir(&store)), ["s.geojson"], "no temp file left behind");
     }
 
     fn spool_of(dir: &Path, apns: &[&str]) -> FeatureSpool {
@@ -390,11 +472,7 @@ mod tests {
         assert_eq!(read_all(&layer.file), want, "the run still reads what was written");
         let err = load(&store, "s").unwrap_err().to_string();
         assert!(err.contains("s.json"), "the older version is not replayable: {err}");
-        let names = || {
-            let mut v: Vec<String> = std::fs::read_dir(staging_dir(&store)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-            v.sort();
-            v
-        };
+        let names = || names_in(&staging_dir(&store));
         assert_eq!(names(), ["s.geojson"], "no temp file left behind");
 
         // Temp files of a run killed while staging are swept by the next staging of the same
