@@ -96,12 +96,13 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
 }
 
 /// The file a `geojson_url` body of `source_id` is received into: a temp file in the staging
-/// directory, named as [`is_staging_temp`] knows (a run killed while fetching leaves one the
-/// next staging sweeps), so that [`stage_body`] renames it into the staged payload instead
-/// of copying the layer. When the staging directory cannot be used, an anonymous temp file
-/// in `scratch` (logged; the run then scans it unstaged).
+/// directory, named as [`is_staging_temp`] knows (one a run killed while fetching left is
+/// swept first, so disk never holds two), so that [`stage_body`] renames it into the staged
+/// payload instead of copying the layer. When the staging directory cannot be used, an
+/// anonymous temp file in `scratch` (logged; the run then scans it unstaged).
 pub fn body_file(store_path: &Path, source_id: &str, scratch: &Path) -> Result<BodyFile, FetchError> {
     let dir = staging_dir(store_path);
+    sweep_temps(store_path, source_id, None);
     match std::fs::create_dir_all(&dir).and_then(|_| temp_beside(&dir, &format!("{source_id}.geojson"))) {
         Ok(tmp) => Ok(BodyFile::named(tmp, &dir)),
         Err(e) => {
@@ -165,13 +166,7 @@ fn forget_staged(store_path: &Path, source_id: &str, keep: Option<&Path>) -> Res
         _ => Ok(()),
     };
     let (a, b) = (remove(&sidecar), remove(&payload));
-    if let Ok(entries) = std::fs::read_dir(staging_dir(store_path)) {
-        for entry in entries.flatten() {
-            if is_staging_temp(&entry.file_name().to_string_lossy(), source_id) && keep.and_then(Path::file_name) != Some(entry.file_name().as_os_str()) {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-    }
+    sweep_temps(store_path, source_id, keep);
     a.and(b).map_err(|e| match e {
         IngestError::Write { path, source } => IngestError::Write {
             path,
@@ -179,6 +174,19 @@ fn forget_staged(store_path: &Path, source_id: &str, keep: Option<&Path>) -> Res
         },
         other => other,
     })
+}
+
+/// Removes the staging temp files of `source_id` ([`is_staging_temp`]) but `keep`: what a
+/// run killed while receiving or staging left (one run per source at a time, so none is
+/// another run's). Best effort: what cannot be removed is swept next time.
+fn sweep_temps(store_path: &Path, source_id: &str, keep: Option<&Path>) {
+    let Ok(entries) = std::fs::read_dir(staging_dir(store_path)) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if is_staging_temp(&name.to_string_lossy(), source_id) && keep.and_then(Path::file_name) != Some(name.as_os_str()) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Whether `name` is a temp file of `source_id`'s staging: `<id>.geojson.XXXXXX.tmp` or
@@ -381,20 +389,25 @@ mod tests {
     }
 
     /// While a body is received the previous version stays replayable (a fetch that fails
-    /// or answers 304 loses nothing); staging it replaces that version and sweeps a killed
-    /// run's temp files — but never the body's own file, which has the same kind of name.
+    /// or answers 304 loses nothing); a new body first sweeps what a killed run left, and
+    /// staging it replaces that version and sweeps again — but never the body's own file,
+    /// which has the same kind of name.
     #[test]
     fn a_received_body_replaces_the_staged_version_only_when_it_is_staged() {
         let dir = tempfile::tempdir().unwrap();
         let store = dir.path().join("z.redb");
         let old = br#"{"type":"FeatureCollection","features":[],"v":1}"#;
         stage_body(&store, "s", received(&store, dir.path(), old), &PortalMeta::default(), 5, dir.path());
+        // A run killed while receiving left its body: the next body sweeps it, and a body
+        // dropped (a failed fetch) leaves no file.
         std::fs::write(staging_dir(&store).join("s.geojson.a1B2c3.tmp"), b"killed run").unwrap();
+        drop(received(&store, dir.path(), b"a fetch that failed"));
+        assert_eq!(names_in(&staging_dir(&store)), ["s.geojson", "s.json"]);
         let new = br#"{"type":"FeatureCollection","features":[],"v":2}"#;
         let body = received(&store, dir.path(), new);
         assert_eq!(read_all(&load(&store, "s").unwrap().0.file), old, "the previous version until the new one is staged");
-        drop(received(&store, dir.path(), b"a fetch that failed"));
-        assert_eq!(names_in(&staging_dir(&store)).len(), 4, "a dropped body leaves no file: {:?}", names_in(&staging_dir(&store)));
+        assert_eq!(names_in(&staging_dir(&store)).len(), 3, "{:?}", names_in(&staging_dir(&store)));
+        std::fs::write(staging_dir(&store).join("s.json.Q1w2E3.tmp"), b"killed run").unwrap();
         let layer = stage_body(&store, "s", body, &PortalMeta::default(), 6, dir.path());
         assert_eq!(layer.path, staging_dir(&store).join("s.geojson"));
         assert_eq!(read_all(&load(&store, "s").unwrap().0.file), new);
