@@ -303,6 +303,8 @@ impl Engine {
     pub fn open_with_clock(config: Config, clock: SharedClock) -> Result<Engine, PipelineError> {
         let mut subs = config_subscribers(&config)?;
         let store = Arc::new(Store::open_with_cache(&config.store_path, config.store_cache_mib << 20)?);
+        // The store's lock is held: no run of any process is staging now.
+        crate::ingest::staging::sweep_leftovers(&config.store_path);
         subs.extend(stored_subscribers(&store, &config)?);
         let subscribers = Arc::new(SubscriberIndex::build(subs));
         Ok(Engine { config, store, subscribers, clock })

@@ -8,7 +8,8 @@
 //! store as its page arrives; memory keeps 24 bytes per feature (where its text is) and its
 //! id field's value (the sort key), plus a 64-bit hash per object id when pages are
 //! deduplicated. [`FeatureSpool::write_collection`] then writes the FeatureCollection in
-//! order, and the run scans what it wrote as it scans a local file.
+//! order (a long run of equal ids takes 32 bytes per feature more while it is sorted), and
+//! the run scans what it wrote as it scans a local file.
 //!
 //! The order (by the id field's value as bytes, then by the feature's text) and the bytes
 //! (each feature as `serde_json` writes it compactly, `,` between, no whitespace) are the
@@ -172,20 +173,21 @@ impl FeatureSpool {
     /// ids (a shared APN, or many features whose id is null or missing) are ordered by
     /// their texts read back from the file, never by loading them all ([`sort_by_text`]).
     pub fn write_collection<W: Write>(self, out: &mut W) -> std::io::Result<u64> {
-        let FeatureSpool { file, dir, ids, mut entries, keys, overflow, .. } = self;
-        // The object-id maps served the pages' dedup only; free them before sorting.
-        drop((keys, overflow));
+        let FeatureSpool { file, dir, ids, mut entries, keys, overflow, text, .. } = self;
+        // The object-id maps served the pages' dedup only, and the push buffer holds the
+        // largest feature: free them before sorting.
+        drop((keys, overflow, text));
         // An error of the spool's own file says so (the caller names where it was writing).
         let spool_err = |e: std::io::Error| std::io::Error::new(e.kind(), format!("reading the collected features back from a temp file in {}: {e}", dir.display()));
         let file = file.into_inner().map_err(|e| spool_err(e.into_error()))?;
         let id = |e: &Entry| &ids[e.id_at as usize..(e.id_at + e.id_len as u64) as usize];
         entries.sort_unstable_by(|a, b| id(a).cmp(id(b)));
-        let mut merged = Vec::new();
+        let mut buffers = SortBuffers::default();
         let mut start = 0;
         while start < entries.len() {
             let key = id(&entries[start]);
             let run = entries[start..].iter().take_while(|e| id(e) == key).count();
-            sort_by_text(&file, &mut entries[start..start + run], &mut merged).map_err(spool_err)?;
+            sort_by_text(&file, &mut entries[start..start + run], &mut buffers).map_err(spool_err)?;
             start += run;
         }
         const HEAD: &[u8] = b"{\"type\":\"FeatureCollection\",\"features\":[";
@@ -216,40 +218,81 @@ impl FeatureSpool {
 /// Runs of equal ids up to this long are sorted by reading two texts per comparison.
 const SHORT_RUN: usize = 32;
 
-/// Orders a run of features with equal ids by their texts (bytes); `scratch` is the merge
-/// sort's buffer. A short run reads both texts back at every comparison. A long one (a layer
-/// whose id is null or missing for many features) would need O(n log n) reads that way —
-/// 17 s of a 27 s run for a 1M-feature layer with no ids, measured — so it is read twice in
-/// file order instead: once for the prefix every text of the run shares (a feature's text
-/// starts `{"geometry":{"coordinates":[[[`), once for the 8 bytes after it, which order
-/// the run in memory; only features whose 8 bytes tie are then compared by their texts.
-/// A text ending inside its 8 bytes is padded with zeros; the padding never decides an order,
-/// since no text is a strict prefix of another (each is one JSON object).
-fn sort_by_text(file: &File, run: &mut [Entry], scratch: &mut Vec<Entry>) -> std::io::Result<()> {
-    let (mut left, mut right) = (Vec::new(), Vec::new());
+/// How many times a group of features tied on their keys is keyed again, further into
+/// their texts, before it is merge-sorted by reading texts back (bounds the passes a
+/// hostile layer of texts sharing ever longer prefixes can cause).
+const KEY_ROUNDS: u32 = 6;
+
+/// Buffers reused from one run of equal ids to the next.
+#[derive(Default)]
+struct SortBuffers {
+    left: Vec<u8>,
+    right: Vec<u8>,
+    merged: Vec<Entry>,
+}
+
+/// Orders a run of features with equal ids by their texts (bytes). A short run reads both
+/// texts back at every comparison. A long one (a layer whose id is missing or null for many
+/// features) would need O(n log n) reads that way — 17 s of a 27 s run for a 1M-feature layer
+/// without ids, measured — so it is keyed instead ([`key_group`]): read twice in file order,
+/// once for the prefix all its texts share (say `{"geometry":{"coordinates":[[[`), once
+/// for the 8 bytes after it, which order it in memory. Features tied on those 8 bytes form
+/// groups; a group longer than [`SHORT_RUN`] is keyed again, past its own shared prefix (one
+/// feature of another shape in the run — a MultiPolygon, a null geometry — shortens the run's
+/// prefix to where the shapes differ, and the next round finds where the group's texts do),
+/// up to [`KEY_ROUNDS`] times; then it, and every short group, is merge-sorted by texts.
+fn sort_by_text(file: &File, run: &mut [Entry], buf: &mut SortBuffers) -> std::io::Result<()> {
+    let SortBuffers { left, right, merged } = buf;
     let mut by_text = |a: &Entry, b: &Entry| -> std::io::Result<std::cmp::Ordering> {
-        text_of(file, a, &mut left)?;
-        text_of(file, b, &mut right)?;
-        Ok(left.cmp(&right))
+        text_of(file, a, left)?;
+        text_of(file, b, right)?;
+        Ok(left.as_slice().cmp(right.as_slice()))
     };
-    if run.len() <= SHORT_RUN {
-        return merge_sort(run, scratch, &mut by_text);
+    // Groups of `run` still to be ordered: (start, length, rounds of keying so far).
+    let mut todo = vec![(0, run.len(), 0u32)];
+    while let Some((start, len, round)) = todo.pop() {
+        let group = &mut run[start..start + len];
+        if len <= SHORT_RUN || round == KEY_ROUNDS {
+            merge_sort(group, merged, &mut by_text)?;
+            continue;
+        }
+        for (at, tied) in key_group(file, group)? {
+            todo.push((start + at, tied, round + 1));
+        }
     }
-    run.sort_unstable_by_key(|e| e.at);
+    Ok(())
+}
+
+/// Orders `group` by the 8 bytes that follow the prefix all its texts share (see
+/// [`sort_by_text`]) and returns the stretches of it (start, length) tied on those bytes,
+/// each longer than one feature, still to be ordered. None when every text is the same (any
+/// order writes the same bytes). A text ending inside its 8 bytes is padded with zeros; the
+/// padding never decides an order, since no text is a strict prefix of another (each is one
+/// JSON object) — and two texts whose keys tie while one ends inside them are equal, as
+/// compact JSON has no NUL byte.
+fn key_group(file: &File, group: &mut [Entry]) -> std::io::Result<Vec<(usize, usize)>> {
+    group.sort_unstable_by_key(|e| e.at);
     let mut first: Option<Vec<u8>> = None;
-    let mut shared = 0;
-    for_each_text(file, run, |_, text| {
+    let (mut shared, mut all_equal) = (0, true);
+    for_each_text(file, group, |_, text| {
         match &first {
             None => {
                 shared = text.len();
                 first = Some(text.to_vec());
             }
-            Some(first) => shared = first[..shared].iter().zip(text).take_while(|(a, b)| a == b).count(),
+            Some(first) => {
+                shared = first[..shared].iter().zip(text).take_while(|(a, b)| a == b).count();
+                all_equal &= text.len() == first.len() && shared == first.len();
+            }
         }
         Ok(())
     })?;
-    let mut keyed: Vec<(u64, Entry)> = Vec::with_capacity(run.len());
-    for_each_text(file, run, |e, text| {
+    drop(first);
+    if all_equal {
+        return Ok(Vec::new());
+    }
+    let mut keyed: Vec<(u64, Entry)> = Vec::with_capacity(group.len());
+    for_each_text(file, group, |e, text| {
         let tail = text.get(shared..).unwrap_or_default();
         let mut key = [0u8; 8];
         let n = tail.len().min(8);
@@ -258,16 +301,19 @@ fn sort_by_text(file: &File, run: &mut [Entry], scratch: &mut Vec<Entry>) -> std
         Ok(())
     })?;
     keyed.sort_unstable_by_key(|&(key, _)| key);
-    for (slot, &(_, e)) in run.iter_mut().zip(&keyed) {
+    for (slot, &(_, e)) in group.iter_mut().zip(&keyed) {
         *slot = e;
     }
+    let mut ties = Vec::new();
     let mut start = 0;
     while start < keyed.len() {
-        let tie = keyed[start..].iter().take_while(|(key, _)| *key == keyed[start].0).count();
-        merge_sort(&mut run[start..start + tie], scratch, &mut by_text)?;
-        start += tie;
+        let tied = keyed[start..].iter().take_while(|(key, _)| *key == keyed[start].0).count();
+        if tied > 1 {
+            ties.push((start, tied));
+        }
+        start += tied;
     }
-    Ok(())
+    Ok(ties)
 }
 
 /// Calls `f` with each entry's text, `entries` in file order: one read covers as many
@@ -337,6 +383,8 @@ where
 
 /// Reads entry `e`'s text into `buf`.
 fn text_of(file: &File, e: &Entry, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    #[cfg(test)]
+    TEXTS_READ_ONE_BY_ONE.with(|n| n.set(n.get() + 1));
     buf.resize(e.len as usize, 0);
     read_at(file, e.at, buf)
 }
@@ -354,6 +402,13 @@ fn read_at(mut file: &File, at: u64, buf: &mut [u8]) -> std::io::Result<()> {
     // Appends go on at the end: put the cursor back whatever the read did.
     file.seek(SeekFrom::End(0))?;
     read
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Texts read back one at a time on this thread ([`text_of`]), for the tests to see
+    /// which way a run was sorted.
+    static TEXTS_READ_ONE_BY_ONE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 fn corrupt() -> std::io::Error {
@@ -404,7 +459,7 @@ mod tests {
             json!({"type": "Feature", "properties": {"ZONE": "W"}, "geometry": null}),
             feature(json!("a"), "C1"),
         ];
-        // A long run of equal ids, in no order: sorted by text through the merge sort.
+        // A long run of equal ids, in no order: sorted by text through its keys.
         features.extend((0..37).map(|k| feature(json!("same"), &format!("Z{}", (k * 17) % 37))));
         let want = reference(&features);
         for round in 0..6 {
@@ -425,8 +480,8 @@ mod tests {
         assert_eq!(empty, b"{\"type\":\"FeatureCollection\",\"features\":[]}");
     }
 
-    /// A long run of features without the id field (what a layer with many null ids makes)
-    /// goes through the in-memory 8-byte keys: texts that tie on those bytes, and texts that
+    /// A long run of features without the id field (what a layer with many missing ids
+    /// makes) goes through the in-memory 8-byte keys: texts that tie on those bytes, and texts that
     /// differ only in their last bytes (and end inside their keys) must still come out in
     /// byte order, as the reference sorts them.
     #[test]
@@ -466,6 +521,39 @@ mod tests {
                 assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want), "round {round}");
             }
         }
+    }
+
+    /// A run whose texts differ early for a few features (a null geometry, MultiPolygons
+    /// among Polygons) is keyed again past each tied group's own shared prefix: few texts are
+    /// read back one by one (the output's one read per feature, and short tied groups'),
+    /// where a single keying would merge-sort nearly the whole run by reading texts back.
+    #[test]
+    fn a_long_run_of_mixed_shapes_is_keyed_again_not_read_back_per_comparison() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 2000u64;
+        let mut features: Vec<Value> = (0..n)
+            .map(|i| {
+                // Lots along a street, first vertices 0.00001° apart in a scrambled order.
+                let x = -122.0 - ((i * 7919) % n) as f64 * 0.00001;
+                let ring = json!([[x, 37.3], [x + 0.0001, 37.3], [x + 0.0001, 37.3001], [x, 37.3]]);
+                let geometry = if i % 50 == 0 { json!({"type": "MultiPolygon", "coordinates": [[ring]]}) } else { json!({"type": "Polygon", "coordinates": [ring]}) };
+                json!({"type": "Feature", "properties": {"ZONE": "R1"}, "geometry": geometry})
+            })
+            .collect();
+        features.push(json!({"type": "Feature", "properties": {"ZONE": "R1"}, "geometry": null}));
+        // Identical texts, more than a short group's worth: written, never compared.
+        features.extend(std::iter::repeat_n(json!({"type": "Feature", "properties": {}, "geometry": null}), 200));
+        let want = reference(&features);
+        let mut spool = FeatureSpool::new(dir.path()).unwrap();
+        for f in &features {
+            spool.push(None, f, "APN").unwrap();
+        }
+        let before = TEXTS_READ_ONE_BY_ONE.with(|c| c.get());
+        let got = spool.into_bytes().unwrap();
+        let read = TEXTS_READ_ONE_BY_ONE.with(|c| c.get()) - before;
+        assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
+        let total = features.len() as u64;
+        assert!(read < total + total / 4, "{read} texts read one by one for {total} features");
     }
 
     /// The digest of this collection as the in-memory collector before the spool wrote it

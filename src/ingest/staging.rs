@@ -64,6 +64,14 @@ fn temp_beside(dir: &Path, name: &str) -> std::io::Result<tempfile::NamedTempFil
     tempfile::Builder::new().prefix(&format!("{name}.")).suffix(".tmp").tempfile_in(dir)
 }
 
+/// A temp file for `source_id`'s next payload in the staging directory (created if needed),
+/// to be renamed into place once complete ([`put_in_place`]).
+fn payload_temp(store_path: &Path, source_id: &str) -> std::io::Result<tempfile::NamedTempFile> {
+    let dir = staging_dir(store_path);
+    std::fs::create_dir_all(&dir)?;
+    temp_beside(&dir, &format!("{source_id}.geojson"))
+}
+
 /// A layer written out for its run to scan: an open handle at its first byte, and the
 /// digest and size of its bytes.
 #[derive(Debug)]
@@ -103,7 +111,7 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
 pub fn body_file(store_path: &Path, source_id: &str, scratch: &Path) -> Result<BodyFile, FetchError> {
     let dir = staging_dir(store_path);
     sweep_temps(store_path, source_id, None);
-    match std::fs::create_dir_all(&dir).and_then(|_| temp_beside(&dir, &format!("{source_id}.geojson"))) {
+    match payload_temp(store_path, source_id) {
         Ok(tmp) => Ok(BodyFile::named(tmp, &dir)),
         Err(e) => {
             tracing::warn!(source = source_id, "cannot receive the layer in {}: {e}; it goes to a temp file and is not staged", dir.display());
@@ -113,38 +121,46 @@ pub fn body_file(store_path: &Path, source_id: &str, scratch: &Path) -> Result<B
 }
 
 /// Stages a `geojson_url` body received whole ([`body_file`]): the previous staged version
-/// is removed ([`forget_staged`]), the body's file renamed into the staged payload and its
-/// sidecar written, with the digest and size it was received with (the run's scan checks
-/// the bytes it reads against them). Nothing is copied. A body that could not be named in
-/// the staging directory, or that cannot be renamed into place, is scanned where it is
-/// (logged; nothing to replay).
+/// is removed ([`forget_staged`]), then the body's file is renamed into the staged payload
+/// and its sidecar written, with the digest and size it was received with (the run's scan
+/// checks the bytes it reads against them). Nothing is copied. A body that could not be
+/// named in the staging directory, or whose previous version cannot be removed, is scanned
+/// where it is (logged; an older version the directory still holds stays replayable).
 pub fn stage_body(store_path: &Path, source_id: &str, body: ReceivedBody, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> StagedLayer {
     let ReceivedBody { file, name, digest, size } = body;
-    let (payload, _) = paths(store_path, source_id);
-    let mut path = scratch.to_path_buf();
-    let forgotten = forget_staged(store_path, source_id, name.as_deref());
-    match (name, forgotten) {
-        (Some(name), Ok(())) => match name.persist(&payload) {
-            Ok(()) => {
-                path = payload;
-                if let Err(e) = write_sidecar(store_path, source_id, &digest, size, meta, now_ms) {
-                    tracing::warn!(source = source_id, "could not stage the payload: {e}");
-                }
-            }
+    let path = match name {
+        // Already logged by `body_file`.
+        None => scratch.to_path_buf(),
+        Some(name) => match forget_staged(store_path, source_id, Some(&name)) {
+            Ok(()) => put_in_place(store_path, source_id, name, &digest, size, meta, now_ms),
             Err(e) => {
-                // The name is gone with `e` (the open file is not): name the directory.
-                path = staging_dir(store_path);
-                tracing::warn!(source = source_id, "could not stage the payload as {}: {}", payload.display(), e.error);
+                tracing::warn!(source = source_id, "cannot stage the payload: {e}; the run reads the layer as received");
+                staging_dir(store_path)
             }
         },
-        (Some(_), Err(e)) => {
-            path = staging_dir(store_path);
-            tracing::warn!(source = source_id, "cannot stage the payload: {e}; the run reads the layer as received");
-        }
-        (None, Err(e)) => tracing::warn!(source = source_id, "{e}"),
-        (None, Ok(())) => {}
-    }
+    };
     StagedLayer { file, path, digest, size }
+}
+
+/// Renames a complete payload's temp file into the staged payload and writes its sidecar
+/// (payload first, sidecar last); returns where the payload now is — the staging directory
+/// when the rename failed (the temp file is gone then; only its open handle reads it). A
+/// failure is logged: the run goes on with nothing to replay.
+#[allow(clippy::too_many_arguments)]
+fn put_in_place(store_path: &Path, source_id: &str, tmp: tempfile::TempPath, digest: &str, size: u64, meta: &PortalMeta, now_ms: u64) -> PathBuf {
+    let (payload, _) = paths(store_path, source_id);
+    match tmp.persist(&payload) {
+        Ok(()) => {
+            if let Err(e) = write_sidecar(store_path, source_id, digest, size, meta, now_ms) {
+                tracing::warn!(source = source_id, "could not stage the payload: {e}");
+            }
+            payload
+        }
+        Err(e) => {
+            tracing::warn!(source = source_id, "could not stage the payload as {}: {}", payload.display(), e.error);
+            staging_dir(store_path)
+        }
+    }
 }
 
 /// Writes a paged layer's collection as the source's staged payload ([`stage_with`]).
@@ -158,6 +174,7 @@ pub fn stage_features(store_path: &Path, source_id: &str, features: FeatureSpool
 /// replay rather than an older version that still matches its sidecar — and the old payload
 /// does not take disk space beside the new one. Both removals are tried; an error says an
 /// older version may still be replayable.
+///
 /// `keep` is a staging temp file of this run's own (a body being staged) that the sweep spares.
 fn forget_staged(store_path: &Path, source_id: &str, keep: Option<&Path>) -> Result<(), IngestError> {
     let (payload, sidecar) = paths(store_path, source_id);
@@ -189,15 +206,39 @@ fn sweep_temps(store_path: &Path, source_id: &str, keep: Option<&Path>) {
     }
 }
 
-/// Whether `name` is a temp file of `source_id`'s staging: `<id>.geojson.XXXXXX.tmp` or
-/// `<id>.json.XXXXXX.tmp` (six letters or digits, as `tempfile` names them), or
-/// `<id>.geojson.tmp` / `<id>.json.tmp` (older builds). Exact, so that another source whose
-/// id extends this one's (`a.geojson.b`) is never touched.
+/// Whether `name` is a temp file of `source_id`'s staging ([`staging_temp_source`]).
+/// Exact, so that another source whose id extends this one's (`a.geojson.b`) is never
+/// touched.
 fn is_staging_temp(name: &str, source_id: &str) -> bool {
-    let Some(rest) = name.strip_prefix(source_id).and_then(|r| r.strip_prefix(".geojson.").or_else(|| r.strip_prefix(".json."))) else {
-        return false;
+    staging_temp_source(name) == Some(source_id)
+}
+
+/// The source whose staging temp file `name` is: `<id>.geojson.XXXXXX.tmp` or
+/// `<id>.json.XXXXXX.tmp` (six letters or digits, as `tempfile` names them), or
+/// `<id>.geojson.tmp` / `<id>.json.tmp` (older builds). No staged payload or sidecar ends
+/// in `.tmp`.
+fn staging_temp_source(name: &str) -> Option<&str> {
+    let stem = name.strip_suffix(".tmp")?;
+    let stem = match stem.rsplit_once('.') {
+        Some((before, random)) if random.len() == 6 && random.bytes().all(|b| b.is_ascii_alphanumeric()) => before,
+        _ => stem,
     };
-    rest == "tmp" || rest.strip_suffix(".tmp").is_some_and(|r| r.len() == 6 && r.bytes().all(|b| b.is_ascii_alphanumeric()))
+    stem.strip_suffix(".geojson").or_else(|| stem.strip_suffix(".json")).filter(|id| !id.is_empty())
+}
+
+/// Removes every source's staging temp files. Called when an engine opens the store, whose
+/// lock keeps every other run out: each is what a killed run left, also one of a source no
+/// longer in the config, which no later run of its own would sweep (a body being received
+/// is a named file of up to the layer's size).
+pub fn sweep_leftovers(store_path: &Path) {
+    let Ok(entries) = std::fs::read_dir(staging_dir(store_path)) else { return };
+    for entry in entries.flatten() {
+        if staging_temp_source(&entry.file_name().to_string_lossy()).is_some() {
+            if let Err(e) = std::fs::remove_file(entry.path()) {
+                tracing::warn!("cannot remove the leftover staging file {}: {e}", entry.path().display());
+            }
+        }
+    }
 }
 
 /// Writes a fetched layer as the source's staged payload — `write` puts its bytes — while
@@ -213,11 +254,9 @@ where
     F: FnOnce(&mut DigestingWriter<BufWriter<&mut std::fs::File>>) -> std::io::Result<()>,
 {
     let dir = staging_dir(store_path);
-    let (payload, _) = paths(store_path, source_id);
     let opened = forget_staged(store_path, source_id, None)
         .map_err(|e| std::io::Error::other(e.to_string()))
-        .and_then(|_| std::fs::create_dir_all(&dir))
-        .and_then(|_| temp_beside(&dir, &format!("{source_id}.geojson")));
+        .and_then(|_| payload_temp(store_path, source_id));
     let (mut file, named, written_to) = match opened {
         // A named temp file in the staging directory: removed if anything below fails.
         Ok(tmp) => {
@@ -240,22 +279,10 @@ where
     let (digest, size) = written
         .and_then(|d| file.seek(SeekFrom::Start(0)).map(|_| d))
         .map_err(|e| IngestError::Write { path: written_to.clone(), source: e })?;
-    let mut path = written_to;
-    if let Some(tmp) = named {
-        match tmp.persist(&payload) {
-            Ok(()) => {
-                path = payload;
-                if let Err(e) = write_sidecar(store_path, source_id, &digest, size, meta, now_ms) {
-                    tracing::warn!(source = source_id, "could not stage the payload: {e}");
-                }
-            }
-            Err(e) => {
-                // The temp file is gone with `e`: name the directory in later messages.
-                path = dir.clone();
-                tracing::warn!(source = source_id, "could not stage the payload as {}: {}", payload.display(), e.error)
-            }
-        }
-    }
+    let path = match named {
+        Some(tmp) => put_in_place(store_path, source_id, tmp, &digest, size, meta, now_ms),
+        None => written_to,
+    };
     Ok(StagedLayer { file, path, digest, size })
 }
 
@@ -368,6 +395,12 @@ mod tests {
         assert_eq!((read_all(&layer.file), layer.path.clone()), (bytes.to_vec(), staging_dir(&store).join("s.geojson")));
         assert_eq!((layer.digest.as_str(), layer.size), (d.as_str(), bytes.len() as u64));
         assert_eq!(names_in(&staging_dir(&store)), ["s.geojson", "s.json"], "renamed into place, not copied");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            let staged = std::fs::metadata(&layer.path).unwrap();
+            assert_eq!(layer.file.metadata().unwrap().ino(), staged.ino(), "the run reads the very file staged");
+        }
         let (mut staged, m) = load(&store, "s").unwrap();
         let mut b = Vec::new();
         std::io::Read::read_to_end(&mut staged.file, &mut b).unwrap();
@@ -498,6 +531,28 @@ mod tests {
         assert_eq!(names(), ["s.geojson", "s.geojson.b.geojson.tmp", "s.json", "s2.geojson.a1B2c3.tmp"]);
         assert!(is_staging_temp("s.geojson.Zz9Zz9.tmp", "s") && !is_staging_temp("s.geojson.Zz9Zz.tmp", "s"));
         assert!(!is_staging_temp("s.geojson", "s") && !is_staging_temp("s.json", "s"));
+    }
+
+    /// When an engine opens the store every staging temp file is a killed run's leftover:
+    /// all are removed, whichever source they belong to (one may no longer be configured),
+    /// and nothing else is.
+    #[test]
+    fn leftovers_of_every_source_are_swept_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = dir.path().join("z.redb");
+        sweep_leftovers(&store); // no staging directory yet: nothing to do
+        std::fs::create_dir_all(staging_dir(&store)).unwrap();
+        let leftovers = ["gone.geojson.a1B2c3.tmp", "s.json.Q1w2E3.tmp", "s.geojson.tmp", "a.b.json.tmp", "x.geojson.geojson.Zz9Zz9.tmp"];
+        let kept = ["s.geojson", "s.json", "x.geojson.geojson", "notes.txt", ".geojson.tmp", "s.geojson.abcde.tmp", "s.tmp"];
+        for name in leftovers.iter().chain(&kept) {
+            std::fs::write(staging_dir(&store).join(name), b"x").unwrap();
+        }
+        assert_eq!(staging_temp_source("x.geojson.geojson.Zz9Zz9.tmp"), Some("x.geojson"));
+        assert_eq!(staging_temp_source("a.b.json.tmp"), Some("a.b"));
+        sweep_leftovers(&store);
+        let mut want: Vec<&str> = kept.to_vec();
+        want.sort();
+        assert_eq!(names_in(&staging_dir(&store)), want);
     }
 
     #[test]
