@@ -935,10 +935,6 @@ mod tests {
     use crate::detect::spill::Spill;
     use geo::polygon;
 
-    /// A spill that cannot be read back half-way through a commit (five chunks of parcels a
-    /// subscriber's AOI covers, so the writer has written their primed keys and audit rows,
-    /// then a damaged record): the preparing thread reports the error and stops, the commit
-    /// fails whole and leaves no parcel, watermark or audit row behind.
     /// An engine over a store in `dir` with one file source, `s1`.
     fn test_engine(dir: &std::path::Path) -> Engine {
         let toml = r#"
@@ -975,6 +971,26 @@ zoning = "ZONE_CODE"
         }
     }
 
+    /// Opening an engine sweeps the staging temp files killed runs left — also those of a
+    /// source no longer configured — and nothing else.
+    #[test]
+    fn opening_an_engine_sweeps_staging_leftovers() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(test_engine(dir.path()));
+        let staging = crate::ingest::staging::staging_dir(&dir.path().join("zw.redb"));
+        std::fs::create_dir_all(&staging).unwrap();
+        for name in ["gone.geojson.a1B2c3.tmp", "s1.geojson", "s1.json"] {
+            std::fs::write(staging.join(name), b"x").unwrap();
+        }
+        let _engine = test_engine(dir.path());
+        assert!(!staging.join("gone.geojson.a1B2c3.tmp").exists());
+        assert!(staging.join("s1.geojson").exists() && staging.join("s1.json").exists());
+    }
+
+    /// A spill that cannot be read back half-way through a commit (five chunks of parcels a
+    /// subscriber's AOI covers, so the writer has written their primed keys and audit rows,
+    /// then a damaged record): the preparing thread reports the error and stops, the commit
+    /// fails whole and leaves no parcel, watermark or audit row behind.
     #[test]
     fn a_spill_read_error_mid_commit_fails_the_run_whole() {
         let dir = tempfile::tempdir().unwrap();

@@ -8,8 +8,8 @@
 //! store as its page arrives; memory keeps 24 bytes per feature (where its text is) and its
 //! id field's value (the sort key), plus a 64-bit hash per object id when pages are
 //! deduplicated. [`FeatureSpool::write_collection`] then writes the FeatureCollection in
-//! order (a long run of equal ids takes 32 bytes per feature more while it is sorted), and
-//! the run scans what it wrote as it scans a local file.
+//! order (a long run of equal ids takes some 32–50 bytes per feature more while it is
+//! sorted), and the run scans what it wrote as it scans a local file.
 //!
 //! The order (by the id field's value as bytes, then by the feature's text) and the bytes
 //! (each feature as `serde_json` writes it compactly, `,` between, no whitespace) are the
@@ -317,14 +317,16 @@ fn key_group(file: &File, group: &mut [Entry]) -> std::io::Result<Vec<(usize, us
 }
 
 /// Calls `f` with each entry's text, `entries` in file order: one read covers as many
-/// consecutive entries as end within 1 MiB of the first one's start, so a stretch of
-/// adjacent features costs one read and features far apart one read each. The bytes read
-/// are at most the file's.
+/// consecutive entries as end within 1 MiB of the first one's start and lie at most 1 KiB
+/// after the one before, so a stretch of adjacent features costs one read and features
+/// apart one read each. The bytes read are at most the entries' texts and 1 KiB per entry
+/// (a tied group scattered through the file is not read with the file between its members).
 fn for_each_text<F>(file: &File, entries: &[Entry], mut f: F) -> std::io::Result<()>
 where
     F: FnMut(&Entry, &[u8]) -> std::io::Result<()>,
 {
     const WINDOW: u64 = 1 << 20;
+    const GAP: u64 = 1 << 10;
     let mut buf = Vec::new();
     let mut i = 0;
     while i < entries.len() {
@@ -333,7 +335,7 @@ where
         let mut j = i + 1;
         while let Some(e) = entries.get(j) {
             let e_end = e.at + e.len as u64;
-            if e.at < start || e_end - start > WINDOW {
+            if e.at < start || e_end - start > WINDOW || e.at > end + GAP {
                 break;
             }
             end = end.max(e_end);
@@ -341,6 +343,8 @@ where
         }
         buf.resize((end - start) as usize, 0);
         read_at(file, start, &mut buf)?;
+        #[cfg(test)]
+        BYTES_READ_IN_WINDOWS.with(|n| n.set(n.get() + buf.len() as u64));
         for e in &entries[i..j] {
             let from = (e.at - start) as usize;
             f(e, &buf[from..from + e.len as usize])?;
@@ -409,6 +413,8 @@ thread_local! {
     /// Texts read back one at a time on this thread ([`text_of`]), for the tests to see
     /// which way a run was sorted.
     static TEXTS_READ_ONE_BY_ONE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// Bytes [`for_each_text`] read on this thread.
+    static BYTES_READ_IN_WINDOWS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 fn corrupt() -> std::io::Error {
@@ -526,7 +532,9 @@ mod tests {
     /// A run whose texts differ early for a few features (a null geometry, MultiPolygons
     /// among Polygons) is keyed again past each tied group's own shared prefix: few texts are
     /// read back one by one (the output's one read per feature, and short tied groups'),
-    /// where a single keying would merge-sort nearly the whole run by reading texts back.
+    /// where a single keying would merge-sort nearly the whole run by reading texts back;
+    /// and a tied group scattered through the file is read without the bytes between its
+    /// members (each round reads about the run's texts twice, not the file once per group).
     #[test]
     fn a_long_run_of_mixed_shapes_is_keyed_again_not_read_back_per_comparison() {
         let dir = tempfile::tempdir().unwrap();
@@ -548,9 +556,12 @@ mod tests {
         for f in &features {
             spool.push(None, f, "APN").unwrap();
         }
-        let before = TEXTS_READ_ONE_BY_ONE.with(|c| c.get());
+        let spooled = spool.end;
+        let before = (TEXTS_READ_ONE_BY_ONE.with(|c| c.get()), BYTES_READ_IN_WINDOWS.with(|c| c.get()));
         let got = spool.into_bytes().unwrap();
-        let read = TEXTS_READ_ONE_BY_ONE.with(|c| c.get()) - before;
+        let read = TEXTS_READ_ONE_BY_ONE.with(|c| c.get()) - before.0;
+        let windows = BYTES_READ_IN_WINDOWS.with(|c| c.get()) - before.1;
+        assert!(windows <= 8 * spooled, "{windows} bytes read in windows from a {spooled}-byte spool");
         assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want));
         let total = features.len() as u64;
         assert!(read < total + total / 4, "{read} texts read one by one for {total} features");

@@ -124,13 +124,19 @@ pub fn body_file(store_path: &Path, source_id: &str, scratch: &Path) -> Result<B
 /// is removed ([`forget_staged`]), then the body's file is renamed into the staged payload
 /// and its sidecar written, with the digest and size it was received with (the run's scan
 /// checks the bytes it reads against them). Nothing is copied. A body that could not be
-/// named in the staging directory, or whose previous version cannot be removed, is scanned
-/// where it is (logged; an older version the directory still holds stays replayable).
+/// named in the staging directory (it is in `scratch`), or whose previous version cannot be
+/// removed, is scanned where it is (logged); the previous version is removed all the same
+/// when it can be, so that `--from-staging` never replays an older version than the run's.
 pub fn stage_body(store_path: &Path, source_id: &str, body: ReceivedBody, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> StagedLayer {
     let ReceivedBody { file, name, digest, size } = body;
     let path = match name {
-        // Already logged by `body_file`.
-        None => scratch.to_path_buf(),
+        // Not stageable (logged by `body_file`); what was staged before is older than this.
+        None => {
+            if let Err(e) = forget_staged(store_path, source_id, None) {
+                tracing::warn!(source = source_id, "{e}");
+            }
+            scratch.to_path_buf()
+        }
         Some(name) => match forget_staged(store_path, source_id, Some(&name)) {
             Ok(()) => put_in_place(store_path, source_id, name, &digest, size, meta, now_ms),
             Err(e) => {
@@ -419,6 +425,18 @@ mod tests {
         let layer = stage_body(&other, "s", body, &PortalMeta::default(), 5, dir.path());
         assert_eq!((read_all(&layer.file), layer.path.as_path()), (bytes.to_vec(), dir.path()));
         assert!(load(&other, "s").is_err());
+        // A body that could not be named (a temp file could not be made: no inodes, too many
+        // open files) while an older version is staged: that version is removed all the
+        // same, so `--from-staging` cannot replay something older than this run's layer.
+        assert!(load(&store, "s").is_err());
+        stage_body(&store, "s", received(&store, dir.path(), bytes), &PortalMeta::default(), 6, dir.path());
+        assert!(load(&store, "s").is_ok());
+        let mut unnamed = received(&other, dir.path(), b"{}");
+        unnamed.name = None;
+        let layer = stage_body(&store, "s", unnamed, &PortalMeta::default(), 7, dir.path());
+        assert_eq!(layer.path, dir.path());
+        assert!(load(&store, "s").is_err(), "the older version is not replayable");
+        assert_eq!(names_in(&staging_dir(&store)), Vec::<String>::new());
     }
 
     /// While a body is received the previous version stays replayable (a fetch that fails
