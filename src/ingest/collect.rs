@@ -452,6 +452,18 @@ mod tests {
         format!("{{\"type\":\"FeatureCollection\",\"features\":[{}]}}", texts.join(",")).into_bytes()
     }
 
+    /// Calls `check` with `features` in six arrival orders (rotated by `step`, every other
+    /// one reversed).
+    fn in_arrival_orders(features: &mut [Value], step: usize, mut check: impl FnMut(usize, &[Value])) {
+        for round in 0..6 {
+            features.rotate_left(step);
+            if round % 2 == 1 {
+                features.reverse();
+            }
+            check(round, features);
+        }
+    }
+
     #[test]
     fn the_collection_is_sorted_by_id_then_text_whatever_the_arrival_order() {
         let dir = tempfile::tempdir().unwrap();
@@ -468,20 +480,16 @@ mod tests {
         // A long run of equal ids, in no order: sorted by text through its keys.
         features.extend((0..37).map(|k| feature(json!("same"), &format!("Z{}", (k * 17) % 37))));
         let want = reference(&features);
-        for round in 0..6 {
-            features.rotate_left(3);
-            if round % 2 == 1 {
-                features.reverse();
-            }
+        in_arrival_orders(&mut features, 3, |round, features| {
             let mut spool = FeatureSpool::new(dir.path()).unwrap();
-            for f in &features {
+            for f in features {
                 assert!(spool.push(None, f, "APN").unwrap());
             }
             assert_eq!(spool.len(), features.len());
             let got = spool.into_bytes().unwrap();
             assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want), "round {round}");
             let _: Value = serde_json::from_slice(&got).expect("valid JSON");
-        }
+        });
         let empty = FeatureSpool::new(dir.path()).unwrap().into_bytes().unwrap();
         assert_eq!(empty, b"{\"type\":\"FeatureCollection\",\"features\":[]}");
     }
@@ -513,11 +521,7 @@ mod tests {
         features.push(feature(json!(""), "R1"));
         for mut features in [features, nearly_equal] {
             let want = reference(&features);
-            for round in 0..6 {
-                features.rotate_left(5);
-                if round % 2 == 1 {
-                    features.reverse();
-                }
+            in_arrival_orders(&mut features, 5, |round, features| {
                 let mut spool = FeatureSpool::new(dir.path()).unwrap();
                 for (i, f) in features.iter().enumerate() {
                     // Object ids, so the file holds keys between the texts the reads skip.
@@ -525,7 +529,7 @@ mod tests {
                 }
                 let got = spool.into_bytes().unwrap();
                 assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(&want), "round {round}");
-            }
+            });
         }
     }
 

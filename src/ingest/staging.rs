@@ -152,7 +152,6 @@ pub fn stage_body(store_path: &Path, source_id: &str, body: ReceivedBody, meta: 
 /// (payload first, sidecar last); returns where the payload now is — the staging directory
 /// when the rename failed (the temp file is gone then; only its open handle reads it). A
 /// failure is logged: the run goes on with nothing to replay.
-#[allow(clippy::too_many_arguments)]
 fn put_in_place(store_path: &Path, source_id: &str, tmp: tempfile::TempPath, digest: &str, size: u64, meta: &PortalMeta, now_ms: u64) -> PathBuf {
     let (payload, _) = paths(store_path, source_id);
     match tmp.persist(&payload) {
