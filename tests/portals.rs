@@ -462,6 +462,23 @@ fn geojson_url_conditional_get_is_a_skip() {
     let r = engine.run_source_id("g", RunOptions::default()).expect("run");
     assert_eq!(r.record.verdict, Verdict::Run);
     assert_eq!(r.record.counts.changes, 1);
+    // The body was received in the staging directory and renamed into place: the payload and
+    // its sidecar, no temp file.
+    let staging = zonewatch::ingest::staging::staging_dir(engine.store.path());
+    let names = || {
+        let mut v: Vec<String> = std::fs::read_dir(&staging).expect("staging").map(|e| e.expect("entry").file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(), ["g.geojson", "g.json"]);
+    // A 304, then a fetch that fails (a WAF page): the staged version stays replayable and
+    // no temp file is left.
+    assert_eq!(engine.run_source_id("g", RunOptions::default()).expect("skip").record.verdict, Verdict::Skip);
+    *body.lock().expect("body") = ("<html>blocked</html>".into(), "\"v4\"".into());
+    assert!(engine.run_source_id("g", RunOptions::default()).is_err());
+    assert_eq!(names(), ["g.geojson", "g.json"]);
+    let r = engine.run_source_from_staging(engine.config.source("g").expect("source"), RunOptions::default()).expect("staged");
+    assert_eq!(r.record.verdict, Verdict::Identical, "the staged payload is the version last run");
 }
 
 #[test]
