@@ -233,8 +233,8 @@ struct SortBuffers {
 
 /// Orders a run of features with equal ids by their texts (bytes). A short run reads both
 /// texts back at every comparison. A long one (a layer whose id is missing or null for many
-/// features) would need O(n log n) reads that way — 17 s of a 27 s run for a 1M-feature layer
-/// without ids, measured — so it is keyed instead ([`key_group`]): read twice in file order,
+/// features) would need O(n log n) reads that way — most of a 22–29 s run for a 1M-feature
+/// layer without ids, measured — so it is keyed instead ([`key_group`]): read twice in file order,
 /// once for the prefix all its texts share (say `{"geometry":{"coordinates":[[[`), once
 /// for the 8 bytes after it, which order it in memory. Features tied on those 8 bytes form
 /// groups; a group longer than [`SHORT_RUN`] is keyed again, past its own shared prefix (one
@@ -265,7 +265,7 @@ fn sort_by_text(file: &File, run: &mut [Entry], buf: &mut SortBuffers) -> std::i
 
 /// Orders `group` by the 8 bytes that follow the prefix all its texts share (see
 /// [`sort_by_text`]) and returns the stretches of it (start, length) tied on those bytes,
-/// each longer than one feature, still to be ordered. None when every text is the same (any
+/// each longer than one feature, still to be ordered; none when every text is the same (any
 /// order writes the same bytes). A text ending inside its 8 bytes is padded with zeros; the
 /// padding never decides an order, since no text is a strict prefix of another (each is one
 /// JSON object) — and two texts whose keys tie while one ends inside them are equal, as
