@@ -890,7 +890,7 @@ fn a_streamed_geojson_url_body_cut_short_is_fetched_again_from_its_start() {
     let r = engine.run_source_id("g", RunOptions::default()).expect("run");
     assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 12), "{}", r.line());
     assert_eq!(attempts.load(Ordering::SeqCst), 2, "the cut attempt was retried");
-    let staged = std::fs::read(zonewatch::ingest::staging::staging_dir(engine.store.path()).join("g.geojson")).expect("staged");
+    let staged = std::fs::read(zonewatch::ingest::staging::payload_path(engine.store.path(), "g")).expect("staged");
     assert_eq!(staged, layer(&grid(12)).into_bytes(), "the retried attempt's bytes alone");
     assert_eq!(r.record.digest, zonewatch::ingest::source::digest(&staged));
 }

@@ -51,9 +51,7 @@ pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
 }
 
 fn measure(ctx: &BenchCtx, events: &[ChangeEvent], batch: usize, commits: usize) -> Result<(), BenchError> {
-    let dir = ctx.work.join(format!("commit-store-{batch}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+    let dir = ctx.fresh_dir(&format!("commit-store-{batch}"))?;
     let path = dir.join("bench.redb");
     let store = Store::open(&path).map_err(|e| BenchError::Failed(format!("open store: {e}")))?;
     let total = (batch * commits).min(events.len());

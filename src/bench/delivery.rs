@@ -31,7 +31,6 @@ use crate::store::{Claim, Store};
 use crate::synth::{CountyIter, SynthParcel};
 use serde_json::json;
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -308,11 +307,6 @@ fn event_for(lot: &SynthParcel, now_ms: u64) -> ChangeEvent {
     }
 }
 
-pub(super) fn fresh_dir(path: &Path) -> Result<(), BenchError> {
-    let _ = std::fs::remove_dir_all(path);
-    std::fs::create_dir_all(path).map_err(|e| BenchError::io(path, e))
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -324,7 +318,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     let n = rows(ctx.scale);
     let dir = ctx.work.join("delivery-store");
-    fresh_dir(&dir)?;
+    super::fresh_dir(&dir)?;
     let store = Arc::new(Store::open(&dir.join("bench.redb")).map_err(|e| BenchError::Failed(format!("open: {e}")))?);
     let receipts = Arc::new(Receipts::default());
     let receiver = Receiver::start_sink(receipts.on_id()).await.map_err(|e| BenchError::io("receiver", e))?;

@@ -7,7 +7,7 @@
 //! due. It must not poll busily (CPU over the window ≈ 0) and must stay small (target RSS ≤ 50
 //! MiB). Linux only (`/proc`); elsewhere the measure reports an error line instead of guessing.
 
-use super::{emit, gen, rss, BenchCtx, BenchError, Scale};
+use super::{emit, gen, rss, BenchCtx, BenchError, Scale, COUNTY_FIELDS};
 use crate::synth::{write_feature, CountyIter, CountySpec};
 use serde_json::json;
 use std::io::Write as _;
@@ -191,7 +191,7 @@ fn write_setup(dir: &Path, sources: usize, subscribers: usize, seed: u64) -> Res
         buf.push_str("\n]}\n");
         std::fs::write(&path, &buf).map_err(|e| BenchError::io(&path, e))?;
         toml.push_str(&format!(
-            "[[source]]\nid = \"src-{s}\"\njurisdiction = \"bench\"\nkind = \"file\"\npath = \"layers/src-{s}.geojson\"\nevery = \"1h\"\n[source.fields]\nparcel_id = \"APN\"\nzoning = \"ZONE_CODE\"\neffective_date = \"EFF_DATE\"\n"
+            "[[source]]\nid = \"src-{s}\"\njurisdiction = \"bench\"\nkind = \"file\"\npath = \"layers/src-{s}.geojson\"\nevery = \"1h\"\n{COUNTY_FIELDS}"
         ));
     }
     // AOI sizes as in the matching measure: a lot meets ~1.6 of 10k AOIs on average.

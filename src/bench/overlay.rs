@@ -70,9 +70,7 @@ fn cambridge(ctx: &BenchCtx) -> Result<(), BenchError> {
         emit("overlay", json!({"workload": "cambridge", "skipped": "../shared/data/real not found"}));
         return Ok(());
     };
-    let store_dir = ctx.work.join("overlay-cambridge");
-    let _ = std::fs::remove_dir_all(&store_dir);
-    std::fs::create_dir_all(&store_dir).map_err(|e| BenchError::io(&store_dir, e))?;
+    let store_dir = ctx.fresh_dir("overlay-cambridge")?;
     let parcels = dir.join("cambridge-parcels-fy2014.geojson");
     let districts = dir.join("cambridge-zoning-districts-2014-09-30.geojson");
     let overlays = dir.join("cambridge-zoning-overlays-2013-08-15.geojson");
@@ -229,9 +227,7 @@ fn synthetic(ctx: &BenchCtx, parcels: usize, districts: usize) -> Result<(), Ben
 /// the store, and a county's base must not have to fit in memory.
 fn whole_runs(ctx: &BenchCtx, parcels: usize, layer: &[(String, MultiPolygon<f64>)]) -> Result<(), BenchError> {
     let files = gen::county_files(&ctx.work, parcels, ctx.seed, 0.01)?;
-    let dir = ctx.work.join(format!("overlay-run-{parcels}-s{}", ctx.seed));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
+    let dir = ctx.fresh_dir(&format!("overlay-run-{parcels}-s{}", ctx.seed))?;
     let districts = dir.join("districts.geojson");
     let toml = format!(
         r#"

@@ -52,6 +52,8 @@ struct PageIndex {
     /// Byte range of each page's features, from the first's `{` to the last's `}`.
     ranges: Vec<(u64, u64)>,
     features: u64,
+    /// The file's size.
+    bytes: u64,
 }
 
 fn page_index(path: &Path) -> Result<PageIndex, BenchError> {
@@ -79,7 +81,7 @@ fn page_index(path: &Path) -> Result<PageIndex, BenchError> {
         features += 1;
     }
     let served = ranges.iter().map(|_| Default::default()).collect();
-    Ok(PageIndex { path: path.to_path_buf(), served, ranges, features })
+    Ok(PageIndex { path: path.to_path_buf(), served, ranges, features, bytes: pos })
 }
 
 impl PageIndex {
@@ -175,7 +177,7 @@ fn measure(ctx: &BenchCtx, baseline: &Path, n: usize) -> Result<(), BenchError> 
     if index.features != n as u64 {
         return Err(BenchError::Failed(format!("{}: {} features, expected {n}", baseline.display(), index.features)));
     }
-    let layer_bytes = std::fs::metadata(baseline).map(|m| m.len()).unwrap_or(0);
+    let layer_bytes = index.bytes;
     let (_server, port) = serve(index.clone())?;
     let store_dir = ctx.fresh_dir(&format!("portal-store-{n}"))?;
     let toml = format!(
@@ -211,7 +213,7 @@ max_change_ratio = 0.05
     if counts.parcels != n as u64 || counts.changes != n as u64 {
         return Err(BenchError::Failed(format!("portal run: {} parcels, {} changes, expected {n}: {}", counts.parcels, counts.changes, report.line())));
     }
-    let staged = crate::ingest::staging::staging_dir(engine.store.path()).join("bench-portal.geojson");
+    let staged = crate::ingest::staging::payload_path(engine.store.path(), "bench-portal");
     emit(
         "portal",
         json!({

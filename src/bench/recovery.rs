@@ -19,7 +19,8 @@
 //! 6. `serve` is stopped with SIGTERM and the store is checked: every row is either still in
 //!    the outbox or audited `sent` exactly once.
 
-use super::delivery::{fresh_dir, Queuer, Receipts};
+use super::delivery::{Queuer, Receipts};
+use super::fresh_dir;
 use super::{emit, secs, BenchCtx, BenchError, Scale};
 use crate::receiver::Receiver;
 use crate::store::{DeliveryResult, Store};

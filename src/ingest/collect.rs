@@ -63,7 +63,7 @@ impl FeatureSpool {
     /// An empty spool whose temp file lives in `dir` (removed when the spool is dropped,
     /// and by the OS if the process dies).
     pub fn new(dir: &Path) -> Result<FeatureSpool, FetchError> {
-        let file = tempfile::tempfile_in(dir).map_err(|e| spool_error(dir, e))?;
+        let file = tempfile::tempfile_in(dir).map_err(|e| FetchError::spool(dir, e))?;
         Ok(FeatureSpool {
             file: BufWriter::with_capacity(1 << 20, file),
             dir: dir.to_path_buf(),
@@ -99,22 +99,22 @@ impl FeatureSpool {
         let id_at = self.ids.len() as u64;
         match feature.get("properties").and_then(|p| p.get(id_field)) {
             Some(Value::String(s)) => self.ids.extend_from_slice(s.as_bytes()),
-            Some(v) => serde_json::to_writer(&mut self.ids, v).map_err(|e| spool_error(&self.dir, e.into()))?,
+            Some(v) => serde_json::to_writer(&mut self.ids, v).map_err(|e| FetchError::spool(&self.dir, e.into()))?,
             None => {}
         }
         let id_len = self.ids.len() as u64 - id_at;
         if let Some(k) = key {
-            let key_len = u32::try_from(k.len()).map_err(|_| spool_error(&self.dir, std::io::Error::other("an object id is larger than 4 GiB")))?;
+            let key_len = u32::try_from(k.len()).map_err(|_| FetchError::spool(&self.dir, std::io::Error::other("an object id is larger than 4 GiB")))?;
             self.write(k.as_bytes())?;
             self.write(&key_len.to_le_bytes())?;
         }
         self.text.clear();
-        serde_json::to_writer(&mut self.text, feature).map_err(|e| spool_error(&self.dir, e.into()))?;
+        serde_json::to_writer(&mut self.text, feature).map_err(|e| FetchError::spool(&self.dir, e.into()))?;
         let at = self.end;
-        self.file.write_all(&self.text).map_err(|e| spool_error(&self.dir, e))?;
+        self.file.write_all(&self.text).map_err(|e| FetchError::spool(&self.dir, e))?;
         self.end += self.text.len() as u64;
         let (Ok(id_len), Ok(len)) = (u32::try_from(id_len), u32::try_from(self.text.len())) else {
-            return Err(spool_error(&self.dir, std::io::Error::other("a feature or its id is larger than 4 GiB")));
+            return Err(FetchError::spool(&self.dir, std::io::Error::other("a feature or its id is larger than 4 GiB")));
         };
         let entry = Entry { id_at, at, id_len, len };
         match slot {
@@ -123,7 +123,7 @@ impl FeatureSpool {
                 Ok(false)
             }
             None => {
-                let i = u32::try_from(self.entries.len()).map_err(|_| spool_error(&self.dir, std::io::Error::other("more than 4 billion features")))?;
+                let i = u32::try_from(self.entries.len()).map_err(|_| FetchError::spool(&self.dir, std::io::Error::other("more than 4 billion features")))?;
                 if let Some(k) = key {
                     let h = self.hasher.hash_one(k);
                     if let std::collections::hash_map::Entry::Vacant(v) = self.keys.entry(h) {
@@ -150,20 +150,20 @@ impl FeatureSpool {
 
     /// The key written before entry `i`'s text: `[key][key length, u32 LE][text]`.
     fn stored_key(&mut self, i: u32) -> Result<Vec<u8>, FetchError> {
-        self.file.flush().map_err(|e| spool_error(&self.dir, e))?;
+        self.file.flush().map_err(|e| FetchError::spool(&self.dir, e))?;
         let at = self.entries[i as usize].at;
         let mut len = [0u8; 4];
-        let len_at = at.checked_sub(4).ok_or_else(|| spool_error(&self.dir, corrupt()))?;
-        read_at(self.file.get_ref(), len_at, &mut len).map_err(|e| spool_error(&self.dir, e))?;
+        let len_at = at.checked_sub(4).ok_or_else(|| FetchError::spool(&self.dir, corrupt()))?;
+        read_at(self.file.get_ref(), len_at, &mut len).map_err(|e| FetchError::spool(&self.dir, e))?;
         let len = u32::from_le_bytes(len) as u64;
-        let key_at = len_at.checked_sub(len).ok_or_else(|| spool_error(&self.dir, corrupt()))?;
+        let key_at = len_at.checked_sub(len).ok_or_else(|| FetchError::spool(&self.dir, corrupt()))?;
         let mut key = vec![0u8; len as usize];
-        read_at(self.file.get_ref(), key_at, &mut key).map_err(|e| spool_error(&self.dir, e))?;
+        read_at(self.file.get_ref(), key_at, &mut key).map_err(|e| FetchError::spool(&self.dir, e))?;
         Ok(key)
     }
 
     fn write(&mut self, bytes: &[u8]) -> Result<(), FetchError> {
-        self.file.write_all(bytes).map_err(|e| spool_error(&self.dir, e))?;
+        self.file.write_all(bytes).map_err(|e| FetchError::spool(&self.dir, e))?;
         self.end += bytes.len() as u64;
         Ok(())
     }
@@ -234,9 +234,9 @@ struct SortBuffers {
 /// Orders a run of features with equal ids by their texts (bytes). A short run reads both
 /// texts back at every comparison. A long one (a layer whose id is missing or null for many
 /// features) would need O(n log n) reads that way — most of a 22–29 s run for a 1M-feature
-/// layer without ids, measured — so it is keyed instead ([`key_group`]): read twice in file order,
-/// once for the prefix all its texts share (say `{"geometry":{"coordinates":[[[`), once
-/// for the 8 bytes after it, which order it in memory. Features tied on those 8 bytes form
+/// layer without ids, measured — so it is keyed instead ([`key_group`]): read twice in file
+/// order, once for the prefix all its texts share (say `{"geometry":{"coordinates":[[[`),
+/// once for the 8 bytes after it, which order it in memory. Features tied on those 8 bytes form
 /// groups; a group longer than [`SHORT_RUN`] is keyed again, past its own shared prefix (one
 /// feature of another shape in the run — a MultiPolygon, a null geometry — shortens the run's
 /// prefix to where the shapes differ, and the next round finds where the group's texts do),
@@ -421,10 +421,6 @@ fn corrupt() -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, "the spool file does not hold what its index says")
 }
 
-fn spool_error(dir: &Path, source: std::io::Error) -> FetchError {
-    FetchError::Spool { dir: dir.to_path_buf(), source }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -495,9 +491,9 @@ mod tests {
     }
 
     /// A long run of features without the id field (what a layer with many missing ids
-    /// makes) goes through the in-memory 8-byte keys: texts that tie on those bytes, and texts that
-    /// differ only in their last bytes (and end inside their keys) must still come out in
-    /// byte order, as the reference sorts them.
+    /// makes) goes through the in-memory 8-byte keys: texts that tie on those bytes, and
+    /// texts that differ only in their last bytes (and end inside their keys) must still
+    /// come out in byte order, as the reference sorts them.
     #[test]
     fn a_long_run_of_missing_ids_is_sorted_by_text_through_its_keys() {
         let dir = tempfile::tempdir().unwrap();

@@ -58,8 +58,15 @@ pub enum FetchError {
     Corrupt { url: String, reason: String },
     #[error("{url}: the layer's pages add up to more than the configured cap of {limit} bytes ([ingest] max_layer_bytes); stopped after {read} bytes")]
     LayerTooLarge { url: String, limit: u64, read: u64 },
-    #[error("cannot write the fetched layer to disk in {dir}: {source}")]
+    #[error("the fetched layer on disk in {dir}: {source}")]
     Spool { dir: std::path::PathBuf, source: std::io::Error },
+}
+
+impl FetchError {
+    /// An error of the fetched layer's file in `dir` (a body or a paged layer's collection).
+    pub(super) fn spool(dir: &std::path::Path, source: std::io::Error) -> FetchError {
+        FetchError::Spool { dir: dir.to_path_buf(), source }
+    }
 }
 
 /// One received response (2xx or 304).
@@ -107,7 +114,7 @@ impl BodyFile {
     /// An anonymous temp file in `dir` (gone when its last handle is closed, also after a
     /// crash).
     pub fn new(dir: &std::path::Path) -> Result<BodyFile, FetchError> {
-        let file = tempfile::tempfile_in(dir).map_err(|e| FetchError::Spool { dir: dir.to_path_buf(), source: e })?;
+        let file = tempfile::tempfile_in(dir).map_err(|e| FetchError::spool(dir, e))?;
         Ok(BodyFile { out: DigestingWriter::new(file), dir: dir.to_path_buf(), name: None, head: Vec::new() })
     }
 
@@ -139,7 +146,7 @@ impl BodyFile {
     }
 
     fn error(&self, source: std::io::Error) -> FetchError {
-        FetchError::Spool { dir: self.dir.clone(), source }
+        FetchError::spool(&self.dir, source)
     }
 
     /// The body written, its file at its first byte.
@@ -147,7 +154,7 @@ impl BodyFile {
         use std::io::Seek;
         let BodyFile { out, dir, name, .. } = self;
         let (mut file, digest, size) = out.finish();
-        file.seek(std::io::SeekFrom::Start(0)).map_err(|e| FetchError::Spool { dir, source: e })?;
+        file.seek(std::io::SeekFrom::Start(0)).map_err(|e| FetchError::spool(&dir, e))?;
         Ok(ReceivedBody { file, name, digest, size })
     }
 }
@@ -424,7 +431,7 @@ impl Session {
                         file.head.clone()
                     }
                 },
-                Err(ReadError::Sink(e)) => return Err(FetchError::Spool { dir: sink.map(|f| f.dir.clone()).unwrap_or_default(), source: e }),
+                Err(ReadError::Sink(e)) => return Err(e),
                 Err(ReadError::TooLarge) => return Err(FetchError::TooLarge { url: shown, limit: cap }),
                 Err(ReadError::Timeout) => return Ok(Err(Retryable { why: "timeout reading the body".into(), retry_after: None })),
                 Err(ReadError::Broken(e)) => return Ok(Err(Retryable { why: format!("body cut short: {e}"), retry_after: None })),
@@ -459,7 +466,7 @@ impl Session {
 
 enum ReadError {
     /// The body could not be written to its [`BodyFile`].
-    Sink(std::io::Error),
+    Sink(FetchError),
     TooLarge,
     Timeout,
     Broken(String),
@@ -478,7 +485,7 @@ async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut
                 }
                 decoder.push(&c).map_err(ReadError::Decode)?;
                 if let Some(file) = sink.as_deref_mut() {
-                    file.write(&decoder.take_decoded()).map_err(ReadError::Sink)?;
+                    file.write(&decoder.take_decoded()).map_err(|e| ReadError::Sink(file.error(e)))?;
                 }
             }
             Ok(None) => return Ok(()),

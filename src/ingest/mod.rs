@@ -36,8 +36,8 @@ pub enum IngestError {
     Malformed(String),
     #[error("layer uses CRS {0:?}; zonewatch reads RFC 7946 GeoJSON in EPSG:4326 / CRS84 only")]
     UnsupportedCrs(String),
-    /// A layer written out for its run (a paged layer's collection) is not what the scan
-    /// read back.
+    /// A layer's file on disk is not what was written for it: a received body or a paged
+    /// layer's collection read back by the scan, a staged payload against its sidecar.
     #[error("{0}")]
     Changed(String),
     #[error("fetch failed: {0}")]

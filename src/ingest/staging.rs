@@ -42,6 +42,11 @@ pub fn staging_dir(store_path: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Where `source_id`'s staged payload is (`<store>.staging/<source>.geojson`).
+pub fn payload_path(store_path: &Path, source_id: &str) -> PathBuf {
+    paths(store_path, source_id).0
+}
+
 fn paths(store_path: &Path, source_id: &str) -> (PathBuf, PathBuf) {
     let dir = staging_dir(store_path);
     (dir.join(format!("{source_id}.geojson")), dir.join(format!("{source_id}.json")))
@@ -110,7 +115,7 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
 /// anonymous temp file in `scratch` (logged; the run then scans it unstaged).
 pub fn body_file(store_path: &Path, source_id: &str, scratch: &Path) -> Result<BodyFile, FetchError> {
     let dir = staging_dir(store_path);
-    sweep_temps(store_path, source_id, None);
+    sweep(store_path, Some(source_id), None);
     match payload_temp(store_path, source_id) {
         Ok(tmp) => Ok(BodyFile::named(tmp, &dir)),
         Err(e) => {
@@ -188,7 +193,7 @@ fn forget_staged(store_path: &Path, source_id: &str, keep: Option<&Path>) -> Res
         _ => Ok(()),
     };
     let (a, b) = (remove(&sidecar), remove(&payload));
-    sweep_temps(store_path, source_id, keep);
+    sweep(store_path, Some(source_id), keep);
     a.and(b).map_err(|e| match e {
         IngestError::Write { path, source } => IngestError::Write {
             path,
@@ -198,15 +203,24 @@ fn forget_staged(store_path: &Path, source_id: &str, keep: Option<&Path>) -> Res
     })
 }
 
-/// Removes the staging temp files of `source_id` ([`is_staging_temp`]) but `keep`: what a
-/// run killed while receiving or staging left (one run per source at a time, so none is
-/// another run's). Best effort: what cannot be removed is swept next time.
-fn sweep_temps(store_path: &Path, source_id: &str, keep: Option<&Path>) {
+/// Removes the staging temp files ([`staging_temp_source`]) of `only` (every source's when
+/// `None`) but `keep`: what a run killed while receiving or staging left (one run per
+/// source at a time, so none is another run's). Best effort: a file that cannot be removed
+/// is logged and swept next time.
+fn sweep(store_path: &Path, only: Option<&str>, keep: Option<&Path>) {
     let Ok(entries) = std::fs::read_dir(staging_dir(store_path)) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        if is_staging_temp(&name.to_string_lossy(), source_id) && keep.and_then(Path::file_name) != Some(name.as_os_str()) {
-            let _ = std::fs::remove_file(entry.path());
+        let text = name.to_string_lossy();
+        let ours = match only {
+            Some(id) => is_staging_temp(&text, id),
+            None => staging_temp_source(&text).is_some(),
+        };
+        if !ours || keep.and_then(Path::file_name) == Some(name.as_os_str()) {
+            continue;
+        }
+        if let Err(e) = std::fs::remove_file(entry.path()) {
+            tracing::warn!("cannot remove the leftover staging file {}: {e}", entry.path().display());
         }
     }
 }
@@ -236,14 +250,7 @@ fn staging_temp_source(name: &str) -> Option<&str> {
 /// longer in the config, which no later run of its own would sweep (a body being received
 /// is a named file of up to the layer's size).
 pub fn sweep_leftovers(store_path: &Path) {
-    let Ok(entries) = std::fs::read_dir(staging_dir(store_path)) else { return };
-    for entry in entries.flatten() {
-        if staging_temp_source(&entry.file_name().to_string_lossy()).is_some() {
-            if let Err(e) = std::fs::remove_file(entry.path()) {
-                tracing::warn!("cannot remove the leftover staging file {}: {e}", entry.path().display());
-            }
-        }
-    }
+    sweep(store_path, None, None);
 }
 
 /// Writes a fetched layer as the source's staged payload — `write` puts its bytes — while
@@ -297,12 +304,12 @@ pub fn load(store_path: &Path, source_id: &str) -> Result<(StagedLayer, StagedMe
     let (payload, sidecar) = paths(store_path, source_id);
     let text = std::fs::read(&sidecar).map_err(|e| IngestError::Read { path: sidecar.clone(), source: e })?;
     let meta: StagedMeta = serde_json::from_slice(&text)
-        .map_err(|e| IngestError::Malformed(format!("staged sidecar {} is unreadable: {e}", sidecar.display())))?;
+        .map_err(|e| IngestError::Changed(format!("staged sidecar {} is unreadable: {e}", sidecar.display())))?;
     let read_err = |e| IngestError::Read { path: payload.clone(), source: e };
     let mut file = std::fs::File::open(&payload).map_err(read_err)?;
     let (digest, size) = DigestingReader::new(&file).finish().map_err(read_err)?;
     if digest != meta.digest {
-        return Err(IngestError::Malformed(format!(
+        return Err(IngestError::Changed(format!(
             "staged payload {} has digest {digest} but its sidecar says {}; refusing to use it",
             payload.display(),
             meta.digest
