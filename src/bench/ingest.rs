@@ -112,10 +112,11 @@ fn store_floor_line(n: usize, engine: &Engine, src: &SourceConfig, store_dir: &P
     Ok(json!({
         "parcels": n,
         "phase": "baseline_store_floor",
-        "rows": floor.parcels,
+        "rows": floor.rows,
+        "snapshot_parcels": floor.parcels,
         "insert_s": (floor.insert.as_secs_f64() * 1000.0).round() / 1000.0,
         "commit_s": (floor.commit.as_secs_f64() * 1000.0).round() / 1000.0,
-        "us_per_row": (floor.insert.as_secs_f64() * 1e6 / floor.parcels.max(1) as f64 * 100.0).round() / 100.0,
+        "us_per_row": (floor.insert.as_secs_f64() * 1e6 / floor.rows.max(1) as f64 * 100.0).round() / 100.0,
         "over_parse_only": (total / parse.wall_s.max(1e-9) * 100.0).round() / 100.0,
     }))
 }

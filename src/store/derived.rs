@@ -6,10 +6,11 @@
 //! states and shares, merged in parcel id order and handed out a stretch at a time
 //! ([`Store::for_each_base_stretch`]), so that deriving a county never holds its whole base.
 
+use super::blocks::ParcelRows;
 use super::codec::{decode, encode};
 use super::runs::codec_err;
 use super::snapshot::{decode_record, decode_state};
-use super::tables::{DERIVED_SHARES, HELD_SHARES, PARCEL_SNAPSHOT};
+use super::tables::{DERIVED_SHARES, HELD_SHARES, PARCEL_BLOCKS};
 use super::{Store, StoreError};
 use crate::model::{ParcelState, StoredGeometry};
 use redb::{AccessGuard, ReadableDatabase, ReadableTable, WriteTransaction};
@@ -75,9 +76,10 @@ pub struct BaseStretch {
 
 type Row<'t> = (AccessGuard<'t, (&'static str, &'static str)>, AccessGuard<'t, &'static [u8]>);
 
-/// Rows of one source in a `(source id, parcel id)`-keyed table, read in id order with one
-/// row of look-ahead (the merge takes the smallest id of several). Rows are handed out as
-/// redb's guards: nothing is copied that the caller does not decode.
+/// Rows of one source in a `(source id, parcel id)`-keyed table (the derived shares; the
+/// snapshot's parcels come from `blocks::ParcelRows`), read in id order with one row of
+/// look-ahead (the merge takes the smallest id of several). Rows are handed out as redb's
+/// guards: nothing is copied that the caller does not decode.
 struct SourceRows<'t> {
     range: redb::Range<'t, (&'static str, &'static str), &'static [u8]>,
     source_id: &'t str,
@@ -142,14 +144,14 @@ impl Store {
     ) -> Result<u64, E> {
         let stretch = stretch.max(1);
         let rtx = self.db.begin_read().map_err(StoreError::from)?;
-        let snapshot = rtx.open_table(PARCEL_SNAPSHOT).map_err(StoreError::from)?;
+        let snapshot = rtx.open_table(PARCEL_BLOCKS).map_err(StoreError::from)?;
         let shares_t = match rtx.open_table(DERIVED_SHARES) {
             Ok(t) => Some(t),
             Err(redb::TableError::TableDoesNotExist(_)) => None,
             Err(e) => return Err(StoreError::from(e).into()),
         };
-        let mut base = SourceRows::new(&snapshot, base_id)?;
-        let mut derived = SourceRows::new(&snapshot, derived_id)?;
+        let mut base = ParcelRows::new(&snapshot, base_id)?;
+        let mut derived = ParcelRows::new(&snapshot, derived_id)?;
         let mut shares = match &shares_t {
             Some(t) => Some(SourceRows::new(t, derived_id)?),
             None => None,
@@ -173,8 +175,8 @@ impl Store {
                     _ => None,
                 };
                 let derived_here = derived_row.is_some();
-                if let Some((k, v)) = derived_row {
-                    out.derived.insert(k.value().1.to_string(), decode_state(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?);
+                if let Some((id, record)) = derived_row {
+                    out.derived.insert(id, decode_state(&record).map_err(|m| codec_err("parcel_blocks", m))?);
                     stored += 1;
                 }
                 let share = share_row.map(|(k, v)| match decode::<f64>(v.value()) {
@@ -185,9 +187,9 @@ impl Store {
                     }
                 });
                 let mut derivable = false;
-                if let Some((k, v)) = base_row {
-                    if let (state, Some(geometry)) = decode_record(v.value()).map_err(|m| codec_err("parcel_snapshot", m))? {
-                        out.parcels.push((k.value().1.to_string(), state, geometry));
+                if let Some((id, record)) = base_row {
+                    if let (state, Some(geometry)) = decode_record(&record).map_err(|m| codec_err("parcel_blocks", m))? {
+                        out.parcels.push((id, state, geometry));
                         out.parcel_shares.push(share.as_ref().and_then(|s| s.1));
                         derivable = true;
                     }
@@ -199,7 +201,7 @@ impl Store {
                 }
             }
             each(out)?;
-            if base.next.is_none() && derived.next.is_none() && shares.as_ref().is_none_or(|s| s.next.is_none()) {
+            if base.next_id().is_none() && derived.next_id().is_none() && shares.as_ref().is_none_or(|s| s.next.is_none()) {
                 return Ok(stored);
             }
         }

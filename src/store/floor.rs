@@ -2,8 +2,9 @@
 //! fresh scratch file in one durable transaction (with the store's commit settings), with
 //! the time spent reading them left out.
 //!
-//! Why it exists: a baseline commit writes a row per parcel (its state and geometry) and
-//! nothing can make it cheaper than redb inserting those rows. The ingest bench prints this
+//! Why it exists: a baseline commit writes every parcel (its state and geometry, packed into
+//! the snapshot's blocks, `blocks.rs`) and nothing can make it cheaper than redb inserting
+//! those rows. The ingest bench prints this
 //! beside the baseline so a reader sees, measured in the same run, how much of the baseline
 //! is the store's floor.
 //!
@@ -12,21 +13,24 @@
 //! do not sort like the features: the bench's `DC-nnnnnn` ids stop doing so past 999,999),
 //! and the baseline's primed keys and their audit rows are not written.
 
-use super::tables::PARCEL_SNAPSHOT;
-use super::queries::for_each_source_row;
+use super::blocks::decode_block;
+use super::runs::codec_err;
+use super::tables::PARCEL_BLOCKS;
 use super::{Store, StoreError, STORE_CACHE_BYTES};
 use redb::{Database, ReadableDatabase};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-/// Rows copied per batch: the size of a run's commit chunks.
+/// Rows (blocks) copied per batch.
 const BATCH: usize = 4096;
 
 /// The measured floor.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WriteFloor {
-    /// Parcels copied (one row each).
+    /// Parcels copied.
     pub parcels: u64,
+    /// Rows written: the source's snapshot blocks (`blocks.rs`), up to 32 parcels each.
+    pub rows: u64,
     /// Time in redb's inserts.
     pub insert: Duration,
     /// Time in the durable commit.
@@ -35,9 +39,9 @@ pub struct WriteFloor {
 
 impl Store {
     /// Copies `source_id`'s snapshot into a new redb file at `scratch` (refused if something
-    /// is there; the file is left for the caller to remove) the way a run writes it: a row
-    /// per parcel, in batches of a commit chunk, one durable commit with the store's settings
-    /// (quick-repair). Returns the time redb took.
+    /// is there; the file is left for the caller to remove) the way a run writes it: its
+    /// blocks, in batches, one durable commit with the store's settings (quick-repair).
+    /// Returns the time redb took.
     pub fn snapshot_write_floor(&self, source_id: &str, scratch: &Path) -> Result<WriteFloor, StoreError> {
         if scratch.exists() {
             return Err(StoreError::Conflict(format!("{} exists; the floor is measured in a new file", scratch.display())));
@@ -51,15 +55,21 @@ impl Store {
         self.durable_commit_settings(&mut wtx);
         let mut floor = WriteFloor::default();
         {
-            let mut out = wtx.open_table(PARCEL_SNAPSHOT)?;
+            let mut out = wtx.open_table(PARCEL_BLOCKS)?;
             let mut batch: Vec<(String, Vec<u8>)> = Vec::with_capacity(BATCH);
-            for_each_source_row(&rtx.open_table(PARCEL_SNAPSHOT)?, source_id, |id, record| {
-                batch.push((id.to_string(), record.to_vec()));
+            let snapshot = rtx.open_table(PARCEL_BLOCKS)?;
+            for item in snapshot.range((source_id, "")..)? {
+                let (k, v) = item?;
+                let (source, key) = k.value();
+                if source != source_id {
+                    break;
+                }
+                floor.parcels += decode_block(v.value()).map_err(|m| codec_err("parcel_blocks", m))?.len() as u64;
+                batch.push((key.to_string(), v.value().to_vec()));
                 if batch.len() == BATCH {
                     insert_timed(&mut out, source_id, &mut batch, &mut floor)?;
                 }
-                Ok(())
-            })?;
+            }
             insert_timed(&mut out, source_id, &mut batch, &mut floor)?;
         }
         let t = Instant::now();
@@ -81,7 +91,7 @@ fn insert_timed(
         out.insert((source_id, id.as_str()), record.as_slice())?;
     }
     floor.insert += t.elapsed();
-    floor.parcels += batch.len() as u64;
+    floor.rows += batch.len() as u64;
     batch.clear();
     Ok(())
 }

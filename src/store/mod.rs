@@ -22,6 +22,7 @@ mod endpoints;
 mod idem;
 mod key_journal;
 mod expiry;
+mod blocks;
 mod floor;
 mod leases;
 mod outbox;
@@ -54,6 +55,8 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 7: the snapshot's parcels are packed a block of up to 32 to a row of `parcel_blocks`
+/// (`blocks.rs`); a version 6 build would find no snapshot and take every parcel as new.
 /// 6: a parcel's state and geometry are one row of `parcel_snapshot` (`snapshot.rs`); a
 /// version 5 build would find no snapshot and take every parcel as new.
 /// 5: fresh outbox rows have no due-index entry (their ids give the order) and retries live in
@@ -65,7 +68,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 6;
+pub const SCHEMA_VERSION: u32 = 7;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -306,7 +309,7 @@ impl Store {
             wtx.open_table(META)?;
             wtx.open_table(WATERMARKS)?;
             wtx.open_table(WATERMARK_HISTORY)?;
-            wtx.open_table(PARCEL_SNAPSHOT)?;
+            wtx.open_table(PARCEL_BLOCKS)?;
             wtx.open_table(IDEM_KEYS)?;
             wtx.open_table(IDEM_EXPIRY_BUCKETS)?;
             wtx.open_table(IDEM_KEY_JOURNAL)?;
@@ -350,6 +353,10 @@ impl Store {
         }
         if joined.without_geometry > 0 {
             tracing::warn!(parcels = joined.without_geometry, "parcel states without a geometry row kept with an empty geometry; the source's next run stores their shapes again only if they change");
+        }
+        let packed = blocks::migrate_parcel_rows(&wtx)?;
+        if packed > 0 {
+            tracing::info!(parcels = packed, "parcel snapshot rows packed into blocks (schema 7)");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

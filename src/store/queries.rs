@@ -1,6 +1,7 @@
 //! Read-only queries: snapshots for the diff, the audit ledger, holds, runs, dead letters,
 //! quarantine and summary counts. Each uses one read transaction (a consistent view).
 
+use super::blocks::{for_each_parcel, with_record};
 use super::codec::decode;
 use super::runs::codec_err;
 use super::snapshot::{decode_hash_ref, decode_record, decode_state, geometries_of};
@@ -63,8 +64,8 @@ pub struct SnapshotView {
 impl SnapshotView {
     /// The stored state of one parcel.
     pub fn get(&self, parcel_id: &str) -> Result<Option<ParcelState>, StoreError> {
-        match self.table.get((self.source_id.as_str(), parcel_id))? {
-            Some(v) => Ok(Some(decode_state(v.value()).map_err(|m| codec_err("parcel_snapshot", m))?)),
+        match with_record(&self.table, &self.source_id, parcel_id, decode_state)? {
+            Some(state) => Ok(Some(state.map_err(|m| codec_err("parcel_blocks", m))?)),
             None => Ok(None),
         }
     }
@@ -72,8 +73,8 @@ impl SnapshotView {
     /// Every stored parcel's id and content hash, in id order, without allocating: the streaming
     /// diff builds its in-memory index from this. Returns how many there are.
     pub fn for_each_hash(&self, mut f: impl FnMut(&str, &[u8; 32])) -> Result<u64, StoreError> {
-        for_each_source_row(&self.table, &self.source_id, |pid, bytes| {
-            let state = decode_hash_ref(bytes).map_err(|m| codec_err("parcel_snapshot", m))?;
+        for_each_parcel(&self.table, &self.source_id, |pid, bytes| {
+            let state = decode_hash_ref(bytes).map_err(|m| codec_err("parcel_blocks", m))?;
             f(pid, &state.content_hash);
             Ok(())
         })
@@ -81,8 +82,8 @@ impl SnapshotView {
 
     /// Every stored parcel of the source in id order; returns how many there are.
     pub fn for_each(&self, mut f: impl FnMut(&str, ParcelState)) -> Result<u64, StoreError> {
-        for_each_source_row(&self.table, &self.source_id, |pid, bytes| {
-            f(pid, decode_state(bytes).map_err(|m| codec_err("parcel_snapshot", m))?);
+        for_each_parcel(&self.table, &self.source_id, |pid, bytes| {
+            f(pid, decode_state(bytes).map_err(|m| codec_err("parcel_blocks", m))?);
             Ok(())
         })
     }
@@ -140,7 +141,7 @@ impl Store {
     /// A read view of a source's snapshot for the streaming diff.
     pub fn snapshot_view(&self, source_id: &str) -> Result<SnapshotView, StoreError> {
         let rtx = self.db.begin_read()?;
-        Ok(SnapshotView { table: rtx.open_table(PARCEL_SNAPSHOT)?, source_id: source_id.to_string() })
+        Ok(SnapshotView { table: rtx.open_table(PARCEL_BLOCKS)?, source_id: source_id.to_string() })
     }
 
     /// The stored parcel states of a source (no geometries), keyed by parcel id.
@@ -175,8 +176,8 @@ impl Store {
     pub fn snapshot_parcels(&self, source_id: &str) -> Result<Vec<(String, ParcelState, StoredGeometry)>, StoreError> {
         let rtx = self.db.begin_read()?;
         let mut out = Vec::new();
-        for_each_source_row(&rtx.open_table(PARCEL_SNAPSHOT)?, source_id, |pid, bytes| {
-            if let (state, Some(geometry)) = decode_record(bytes).map_err(|m| codec_err("parcel_snapshot", m))? {
+        for_each_parcel(&rtx.open_table(PARCEL_BLOCKS)?, source_id, |pid, bytes| {
+            if let (state, Some(geometry)) = decode_record(bytes).map_err(|m| codec_err("parcel_blocks", m))? {
                 out.push((pid.to_string(), state, geometry));
             }
             Ok(())
@@ -191,7 +192,7 @@ impl Store {
         ids: impl IntoIterator<Item = &'a str>,
     ) -> Result<HashMap<String, StoredGeometry>, StoreError> {
         let rtx = self.db.begin_read()?;
-        geometries_of(&rtx.open_table(PARCEL_SNAPSHOT)?, source_id, ids)
+        geometries_of(&rtx.open_table(PARCEL_BLOCKS)?, source_id, ids)
     }
 
     /// Audit rows matching `filter`, in ledger order.

@@ -1,5 +1,6 @@
 //! Run commits: the one write transaction per source run, holds and their resolution.
 
+use super::blocks::{self, Change};
 use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
 use super::snapshot::{geometries_of, SnapshotRow};
@@ -396,7 +397,7 @@ impl RunWriter<'_> {
     /// The stored geometries of these parcels as they are *before* this run's upserts
     /// (read them for a chunk before calling [`RunWriter::upserts`] on it).
     pub fn old_geometries<'a>(&self, ids: impl IntoIterator<Item = &'a str>) -> Result<HashMap<String, StoredGeometry>, StoreError> {
-        geometries_of(&self.wtx.open_table(PARCEL_SNAPSHOT)?, &self.source_id, ids)
+        geometries_of(&self.wtx.open_table(PARCEL_BLOCKS)?, &self.source_id, ids)
     }
 
     /// New or changed parcels whose snapshot rows were made already, off the writing thread
@@ -413,12 +414,8 @@ impl RunWriter<'_> {
         if self.store.take_injected_write_failure() {
             return Err(StoreError::Injected(format!("snapshot write of run {} of {}", self.run_id, self.source_id)));
         }
-        let src = self.source_id.as_str();
-        let mut snapshot = self.wtx.open_table(PARCEL_SNAPSHOT)?;
-        for r in rows {
-            snapshot.insert((src, r.id.as_str()), r.record.as_slice())?;
-        }
-        Ok(())
+        let mut changes: Vec<Change<'_>> = rows.iter().map(|r| (r.id.as_str(), Some(r.record.as_slice()))).collect();
+        blocks::apply(&mut self.wtx.open_table(PARCEL_BLOCKS)?, &self.source_id, &mut changes)
     }
 
     /// New or changed parcels: into the snapshot, or staged with the hold.
@@ -447,13 +444,9 @@ impl RunWriter<'_> {
                 staged.insert((self.run_id, id.as_str()), encode(&StagedParcel(None)).as_slice())?;
             }
         } else {
-            let src = self.source_id.as_str();
-            let mut snapshot = self.wtx.open_table(PARCEL_SNAPSHOT)?;
-            for id in ids {
-                snapshot.remove((src, id.as_str()))?;
-            }
-            drop(snapshot);
-            super::derived::remove_shares(&self.wtx, src, ids)?;
+            let mut changes: Vec<Change<'_>> = ids.iter().map(|id| (id.as_str(), None)).collect();
+            blocks::apply(&mut self.wtx.open_table(PARCEL_BLOCKS)?, &self.source_id, &mut changes)?;
+            super::derived::remove_shares(&self.wtx, &self.source_id, ids)?;
         }
         Ok(())
     }

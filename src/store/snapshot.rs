@@ -1,8 +1,9 @@
-//! The parcel snapshot's record: one row per parcel in `parcel_snapshot`, holding the parcel's
-//! state and then its geometry.
+//! The parcel snapshot's record: a parcel's state and then its geometry, one record per
+//! parcel, stored in the blocks of `parcel_blocks` (`blocks.rs`; schema 6 kept a row per
+//! record in `parcel_snapshot`).
 //!
-//! Why one row and not two: a baseline commit writes a row for every parcel of a county, and
-//! redb's cost is per row. Schema 5 and older kept states (`parcels`) and geometries
+//! Why one record and not two: a baseline commit writes every parcel of a county, and redb's
+//! cost is per row. Schema 5 and older kept states (`parcels`) and geometries
 //! (`parcel_geoms`) in two tables so the diff's scan read only the small states. Measured on
 //! the bench store's rows (1M parcels, 88-byte states, 87-byte geometries, key order): two
 //! tables cost 1.48–1.50 s of inserts, one table 0.97–0.99 s; the diff's full scan costs
@@ -10,11 +11,12 @@
 //! when its parcels change, but the insert saves thirteen times what the scan loses.
 //!
 //! The layout is `[RECORD_VERSION] ++ postcard(ParcelState) ++ postcard(StoredGeometry)`: the
-//! state comes first so the diff decodes it from the front of the row and never touches the
-//! geometry's bytes.
+//! state comes first so the diff decodes it from the front of the record and never touches
+//! the geometry's bytes.
 
 use super::codec::{split_version, unknown_version, RECORD_VERSION};
-use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, META, META_COMPACT_PENDING, PARCEL_SNAPSHOT};
+use super::blocks::{with_record, BlockTable};
+use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, LEGACY_PARCEL_ROWS, META, META_COMPACT_PENDING};
 use super::StoreError;
 use crate::model::{Envelope, ExteriorEnvelope, ParcelRef, ParcelState, StoredGeometry};
 use redb::{ReadableTable, TableHandle, WriteTransaction};
@@ -143,18 +145,15 @@ pub(super) fn decode_geometry(bytes: &[u8]) -> Result<Option<StoredGeometry>, St
 
 /// The stored geometries of the given parcels of a source, from a snapshot table opened in a
 /// read or a write transaction; parcels without one are left out.
-pub(super) fn geometries_of<'a, T>(
+pub(super) fn geometries_of<'a, T: BlockTable>(
     table: &T,
     source_id: &str,
     ids: impl IntoIterator<Item = &'a str>,
-) -> Result<HashMap<String, StoredGeometry>, StoreError>
-where
-    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
-{
+) -> Result<HashMap<String, StoredGeometry>, StoreError> {
     let mut out = HashMap::new();
     for id in ids {
-        if let Some(v) = table.get((source_id, id))? {
-            if let Some(g) = decode_geometry(v.value()).map_err(|m| super::runs::codec_err("parcel_snapshot", m))? {
+        if let Some(geometry) = with_record(table, source_id, id, decode_geometry)? {
+            if let Some(g) = geometry.map_err(|m| super::runs::codec_err("parcel_blocks", m))? {
                 out.insert(id.to_string(), g);
             }
         }
@@ -167,7 +166,8 @@ fn known_geometry(bytes: &[u8]) -> Result<Option<StoredGeometry>, String> {
     Ok((!g.0.is_empty()).then_some(g))
 }
 
-/// What moving a schema 5 snapshot into `parcel_snapshot` found.
+/// What moving a schema 5 snapshot into `parcel_snapshot` (schema 6's row per parcel, which
+/// `blocks::migrate_parcel_rows` then packs into blocks) found.
 #[derive(Debug, Default, PartialEq)]
 pub(super) struct Migrated {
     /// Parcels moved.
@@ -192,7 +192,7 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
     {
         let states = wtx.open_table(LEGACY_PARCELS)?;
         let geoms = wtx.open_table(LEGACY_PARCEL_GEOMS)?;
-        let mut out = wtx.open_table(PARCEL_SNAPSHOT)?;
+        let mut out = wtx.open_table(LEGACY_PARCEL_ROWS)?;
         let mut geom_rows = geoms.iter()?.peekable();
         let mut record = Vec::new();
         for item in states.iter()? {
@@ -235,7 +235,8 @@ mod tests {
     use super::*;
     use crate::store::codec::encode;
     use crate::store::Store;
-    use crate::store::tables::META_SCHEMA;
+    use crate::store::blocks::for_each_parcel;
+    use crate::store::tables::{META_SCHEMA, PARCEL_BLOCKS};
     use redb::{ReadableDatabase, ReadableTableMetadata};
 
     /// A body's envelope, walked off its bytes, is the decoded geometry's, for every shape
@@ -329,10 +330,11 @@ mod tests {
         wtx.commit().unwrap();
     }
 
-    /// The schema 5 layout of [`write_legacy`]: no `parcel_snapshot`, version 5.
+    /// The schema 5 layout of [`write_legacy`]: no `parcel_blocks` (nor schema 6's
+    /// `parcel_snapshot`), version 5.
     fn as_schema_5(wtx: &WriteTransaction) {
         wtx.open_table(META).unwrap().insert(META_SCHEMA, 5u32.to_le_bytes().as_slice()).unwrap();
-        wtx.delete_table(PARCEL_SNAPSHOT).unwrap();
+        wtx.delete_table(PARCEL_BLOCKS).unwrap();
     }
 
     /// The join itself: every state gets its own geometry (orphans in any position are
@@ -348,7 +350,7 @@ mod tests {
         assert!(wtx.open_table(META).unwrap().get(META_COMPACT_PENDING).unwrap().is_some(), "marked for compaction");
         assert!(!wtx.list_tables().unwrap().any(|t| t.name() == "parcels" || t.name() == "parcel_geoms"));
         {
-            let t = wtx.open_table(PARCEL_SNAPSHOT).unwrap();
+            let t = wtx.open_table(LEGACY_PARCEL_ROWS).unwrap();
             let rows: Vec<((String, String), Vec<u8>)> = t
                 .iter()
                 .unwrap()
@@ -385,7 +387,12 @@ mod tests {
             let meta = rtx.open_table(META).unwrap();
             assert_eq!(meta.get(META_SCHEMA).unwrap().unwrap().value(), crate::store::SCHEMA_VERSION.to_le_bytes());
             assert!(meta.get(META_COMPACT_PENDING).unwrap().is_none(), "compacted, so the mark is gone");
-            assert_eq!(rtx.open_table(PARCEL_SNAPSHOT).unwrap().len().unwrap(), 4);
+            assert!(!names.iter().any(|n| n == LEGACY_PARCEL_ROWS.name()), "schema 6's rows packed into blocks: {names:?}");
+            let mut parcels = 0;
+            for source in ["a", "b"] {
+                parcels += for_each_parcel(&rtx.open_table(PARCEL_BLOCKS).unwrap(), source, |_, _| Ok(())).unwrap();
+            }
+            assert_eq!(parcels, 4);
         }
         for (src, id, s, g) in &parcels {
             assert_eq!(&store.snapshot_states(src).unwrap()[*id], s, "{src}/{id}");
@@ -420,13 +427,13 @@ mod tests {
             as_schema_5(wtx);
         });
         let err = Store::open(&path).unwrap_err();
-        assert!(matches!(err, crate::store::StoreError::Upgrade { from: 5, to: 6, .. }), "{err:?}");
+        assert!(matches!(err, crate::store::StoreError::Upgrade { from: 5, to: crate::store::SCHEMA_VERSION, .. }), "{err:?}");
         assert!(err.to_string().contains("version 7"), "names the cause: {err}");
         let db = redb::Database::open(&path).unwrap();
         let rtx = db.begin_read().unwrap();
         assert_eq!(rtx.open_table(META).unwrap().get(META_SCHEMA).unwrap().unwrap().value(), 5u32.to_le_bytes());
         assert_eq!(rtx.open_table(LEGACY_PARCELS).unwrap().len().unwrap(), 5, "the old tables are still there");
-        assert!(!rtx.list_tables().unwrap().any(|t| t.name() == PARCEL_SNAPSHOT.name()), "and no new one");
+        assert!(!rtx.list_tables().unwrap().any(|t| [LEGACY_PARCEL_ROWS.name(), PARCEL_BLOCKS.name()].contains(&t.name())), "and no new one");
     }
 
     /// An open cut short after the upgrade's commit (the mark left) compacts on the next one.

@@ -16,9 +16,13 @@ pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("water
 /// (source id, run id) → `Watermark` as committed by that run (append-only history).
 pub const WATERMARK_HISTORY: TableDefinition<(&str, u64), &[u8]> =
     TableDefinition::new("watermark_history");
-/// (source id, parcel id) → the parcel's `ParcelState`, then its `StoredGeometry`, in one
-/// record (`snapshot.rs`).
-pub const PARCEL_SNAPSHOT: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_snapshot");
+/// (source id, first parcel id) → a block of up to 32 parcels of the source in id order, each
+/// its id and its snapshot record: `ParcelState`, then `StoredGeometry` (`blocks.rs`,
+/// `snapshot.rs`).
+pub const PARCEL_BLOCKS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_blocks");
+/// Schema 6: (source id, parcel id) → the parcel's snapshot record, a row per parcel. Read
+/// once, by the migration into `parcel_blocks` (and written by the schema 5 one before it).
+pub const LEGACY_PARCEL_ROWS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_snapshot");
 /// Schema 5 and older: (source id, parcel id) → `ParcelState`. Read once, by the migration.
 pub const LEGACY_PARCELS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcels");
 /// Schema 5 and older: (source id, parcel id) → `StoredGeometry`. Read once, by the migration.
