@@ -197,10 +197,11 @@ impl Store {
         Ok(store)
     }
 
-    /// Gives back the pages an upgrade freed. Joining a schema 5 snapshot (`snapshot.rs`)
-    /// writes every parcel again and frees the two old tables, which doubles the file (2.5M
-    /// parcels: 1.1 → 2.3 GB) until runs reuse the pages. redb's compaction moved that file
-    /// to 0.5 GB in 2.1 s (measured). The upgrade leaves a `compact_pending` mark, removed
+    /// Gives back the pages an upgrade freed. Moving an older snapshot into blocks
+    /// (`snapshot.rs` from schema 5, `blocks.rs` from schema 6) writes every parcel again and
+    /// frees the old tables, which doubles the file (2.5M parcels of schema 6: 1.13 → 2.27
+    /// GB) until runs reuse the pages. redb's compaction moved that file to 0.50 GB in 3.1 s
+    /// (measured; the commit after it grows the file again to 1.0 GB, half of it free). The upgrade leaves a `compact_pending` mark, removed
     /// only once a compaction succeeded, so an open cut short compacts on the next one. A
     /// failed compaction leaves a valid, larger file.
     ///
@@ -349,14 +350,14 @@ impl Store {
         }
         let joined = snapshot::migrate_split_tables(&wtx)?;
         if joined.parcels > 0 {
-            tracing::info!(parcels = joined.parcels, "parcel states and geometries joined into one snapshot row each (schema 6)");
+            tracing::info!(parcels = joined.parcels, "parcel states and geometries joined into one snapshot record each, packed into blocks (schema 5 to 7)");
         }
         if joined.without_geometry > 0 {
             tracing::warn!(parcels = joined.without_geometry, "parcel states without a geometry row kept with an empty geometry; the source's next run stores their shapes again only if they change");
         }
         let packed = blocks::migrate_parcel_rows(&wtx)?;
         if packed > 0 {
-            tracing::info!(parcels = packed, "parcel snapshot rows packed into blocks (schema 7)");
+            tracing::info!(parcels = packed, "parcel snapshot rows packed into blocks (schema 6 to 7)");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

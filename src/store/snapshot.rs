@@ -15,8 +15,8 @@
 //! the geometry's bytes.
 
 use super::codec::{split_version, unknown_version, RECORD_VERSION};
-use super::blocks::{with_record, BlockTable};
-use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, LEGACY_PARCEL_ROWS, META, META_COMPACT_PENDING};
+use super::blocks::{with_record, BlockPacker, BlockTable};
+use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, META, META_COMPACT_PENDING, PARCEL_BLOCKS};
 use super::StoreError;
 use crate::model::{Envelope, ExteriorEnvelope, ParcelRef, ParcelState, StoredGeometry};
 use redb::{ReadableTable, TableHandle, WriteTransaction};
@@ -166,8 +166,7 @@ fn known_geometry(bytes: &[u8]) -> Result<Option<StoredGeometry>, String> {
     Ok((!g.0.is_empty()).then_some(g))
 }
 
-/// What moving a schema 5 snapshot into `parcel_snapshot` (schema 6's row per parcel, which
-/// `blocks::migrate_parcel_rows` then packs into blocks) found.
+/// What moving a schema 5 snapshot into `parcel_blocks` found.
 #[derive(Debug, Default, PartialEq)]
 pub(super) struct Migrated {
     /// Parcels moved.
@@ -179,10 +178,12 @@ pub(super) struct Migrated {
 }
 
 /// Once per store of schema 5 or older: each parcel's state (`parcels`) and geometry
-/// (`parcel_geoms`) become one `parcel_snapshot` row, and the two tables are dropped. Both
-/// are keyed alike, so they are read side by side in key order. Runs inside the opening
-/// transaction, with the schema upgrade: both or neither. Marks the file for compaction when
-/// it moved any parcel.
+/// (`parcel_geoms`) become one snapshot record, packed into the blocks of `parcel_blocks`
+/// (`blocks::BlockPacker`; schema 6's row per parcel is skipped, so the file holds the old
+/// tables and the blocks, not a third copy), and the two tables are dropped. Both are keyed
+/// alike, so they are read side by side in key order. Runs inside the opening transaction,
+/// with the schema upgrade: both or neither. Marks the file for compaction when it moved
+/// any parcel.
 pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, StoreError> {
     let legacy = |name: &str| name == LEGACY_PARCELS.name() || name == LEGACY_PARCEL_GEOMS.name();
     if !wtx.list_tables()?.any(|t| legacy(t.name())) {
@@ -192,7 +193,8 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
     {
         let states = wtx.open_table(LEGACY_PARCELS)?;
         let geoms = wtx.open_table(LEGACY_PARCEL_GEOMS)?;
-        let mut out = wtx.open_table(LEGACY_PARCEL_ROWS)?;
+        let mut out = wtx.open_table(PARCEL_BLOCKS)?;
+        let mut packer = BlockPacker::new();
         let mut geom_rows = geoms.iter()?.peekable();
         let mut record = Vec::new();
         for item in states.iter()? {
@@ -216,9 +218,10 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
                     migrated.without_geometry += 1;
                 }
             }
-            out.insert(key, record.as_slice())?;
+            packer.push(&mut out, key.0, key.1, &record)?;
             migrated.parcels += 1;
         }
+        packer.finish(&mut out)?;
     }
     wtx.delete_table(LEGACY_PARCELS)?;
     wtx.delete_table(LEGACY_PARCEL_GEOMS)?;
@@ -236,7 +239,7 @@ mod tests {
     use crate::store::codec::encode;
     use crate::store::Store;
     use crate::store::blocks::for_each_parcel;
-    use crate::store::tables::{META_SCHEMA, PARCEL_BLOCKS};
+    use crate::store::tables::{LEGACY_PARCEL_ROWS, META_SCHEMA};
     use redb::{ReadableDatabase, ReadableTableMetadata};
 
     /// A body's envelope, walked off its bytes, is the decoded geometry's, for every shape
@@ -350,13 +353,16 @@ mod tests {
         assert!(wtx.open_table(META).unwrap().get(META_COMPACT_PENDING).unwrap().is_some(), "marked for compaction");
         assert!(!wtx.list_tables().unwrap().any(|t| t.name() == "parcels" || t.name() == "parcel_geoms"));
         {
-            let t = wtx.open_table(LEGACY_PARCEL_ROWS).unwrap();
-            let rows: Vec<((String, String), Vec<u8>)> = t
-                .iter()
-                .unwrap()
-                .map(|r| r.map(|(k, v)| ((k.value().0.to_string(), k.value().1.to_string()), v.value().to_vec())).unwrap())
-                .collect();
-            assert_eq!(rows.len(), 4, "one row per state, none for an orphan geometry");
+            let t = wtx.open_table(PARCEL_BLOCKS).unwrap();
+            let mut rows: Vec<((String, String), Vec<u8>)> = Vec::new();
+            for source in ["a", "b", "c"] {
+                for_each_parcel(&t, source, |id, record| {
+                    rows.push(((source.to_string(), id.to_string()), record.to_vec()));
+                    Ok(())
+                })
+                .unwrap();
+            }
+            assert_eq!(rows.len(), 4, "one record per state, none for an orphan geometry");
             for ((src, id), record) in &rows {
                 let (_, _, s, g) = parcels.iter().find(|p| (p.0, p.1) == (src.as_str(), id.as_str())).unwrap();
                 assert_eq!(&decode_state(record).unwrap(), s, "{src}/{id}");
@@ -364,6 +370,7 @@ mod tests {
                 assert_eq!(decode_geometry(record).unwrap(), want, "{src}/{id}");
             }
         }
+        assert!(!wtx.list_tables().unwrap().any(|t| t.name() == LEGACY_PARCEL_ROWS.name()), "no row per parcel on the way");
         assert_eq!(migrate_split_tables(&wtx).unwrap(), Migrated::default(), "once only");
     }
 
@@ -434,6 +441,68 @@ mod tests {
         assert_eq!(rtx.open_table(META).unwrap().get(META_SCHEMA).unwrap().unwrap().value(), 5u32.to_le_bytes());
         assert_eq!(rtx.open_table(LEGACY_PARCELS).unwrap().len().unwrap(), 5, "the old tables are still there");
         assert!(!rtx.list_tables().unwrap().any(|t| [LEGACY_PARCEL_ROWS.name(), PARCEL_BLOCKS.name()].contains(&t.name())), "and no new one");
+    }
+
+    /// The schema 6 layout: `parcels` written as a row per parcel in `parcel_snapshot`, no
+    /// `parcel_blocks`, version 6.
+    fn as_schema_6(wtx: &WriteTransaction, parcels: &[(&str, &str, ParcelState, StoredGeometry)]) {
+        let mut rows = wtx.open_table(LEGACY_PARCEL_ROWS).unwrap();
+        for (src, id, s, g) in parcels {
+            rows.insert((*src, *id), encode_record(s, g).as_slice()).unwrap();
+        }
+        drop(rows);
+        wtx.open_table(META).unwrap().insert(META_SCHEMA, 6u32.to_le_bytes().as_slice()).unwrap();
+        wtx.delete_table(PARCEL_BLOCKS).unwrap();
+    }
+
+    /// A schema 6 store opens as the current schema, its rows packed into blocks and the
+    /// file compacted, with what the store reads back unchanged.
+    #[test]
+    fn a_schema_6_store_is_packed_into_blocks_and_compacted_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        let ids: Vec<String> = (0..100).map(|i| format!("p{i:03}")).collect();
+        let mut parcels: Vec<(&str, &str, ParcelState, StoredGeometry)> =
+            ids.iter().enumerate().map(|(i, id)| ("a", id.as_str(), state("R-1", i as u8), square(i as f64))).collect();
+        parcels.push(("a2", "p000", state("C-2", 200), square(-1.0)));
+        older_store(&path, |wtx| as_schema_6(wtx, &parcels));
+        let store = Store::open(&path).unwrap();
+        {
+            let rtx = store.db.begin_read().unwrap();
+            assert!(!rtx.list_tables().unwrap().any(|t| t.name() == LEGACY_PARCEL_ROWS.name()), "the rows are gone");
+            let meta = rtx.open_table(META).unwrap();
+            assert_eq!(meta.get(META_SCHEMA).unwrap().unwrap().value(), crate::store::SCHEMA_VERSION.to_le_bytes());
+            assert!(meta.get(META_COMPACT_PENDING).unwrap().is_none(), "compacted, so the mark is gone");
+            assert!(rtx.open_table(PARCEL_BLOCKS).unwrap().len().unwrap() < 10, "100 parcels in a few blocks");
+        }
+        let want: Vec<(String, ParcelState, StoredGeometry)> =
+            parcels[..100].iter().map(|(_, id, s, g)| (id.to_string(), s.clone(), g.clone())).collect();
+        assert_eq!(store.snapshot_parcels("a").unwrap(), want);
+        assert_eq!(store.snapshot_states("a2").unwrap()["p000"], state("C-2", 200));
+        assert_eq!(store.parcel_geometries("a", ["p042"]).unwrap()["p042"], square(42.0));
+        assert!(store.check_consistency().unwrap().is_consistent());
+    }
+
+    /// A schema 6 row of a record version this build cannot read fails the upgrade, which
+    /// keeps nothing: the file stays at schema 6 with its rows.
+    #[test]
+    fn a_schema_6_row_it_cannot_read_fails_the_upgrade() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        older_store(&path, |wtx| {
+            as_schema_6(wtx, &[("a", "p1", state("R-1", 1), square(0.0)), ("a", "p2", state("R-1", 2), square(1.0))]);
+            let mut future = encode_record(&state("R-9", 9), &square(2.0));
+            future[0] = 7;
+            wtx.open_table(LEGACY_PARCEL_ROWS).unwrap().insert(("a", "p3"), future.as_slice()).unwrap();
+        });
+        let err = Store::open(&path).unwrap_err();
+        assert!(matches!(err, crate::store::StoreError::Upgrade { from: 6, .. }), "{err:?}");
+        assert!(err.to_string().contains("a/p3") && err.to_string().contains("version 7"), "names the row and the cause: {err}");
+        let db = redb::Database::open(&path).unwrap();
+        let rtx = db.begin_read().unwrap();
+        assert_eq!(rtx.open_table(META).unwrap().get(META_SCHEMA).unwrap().unwrap().value(), 6u32.to_le_bytes());
+        assert_eq!(rtx.open_table(LEGACY_PARCEL_ROWS).unwrap().len().unwrap(), 3, "the rows are still there");
+        assert!(!rtx.list_tables().unwrap().any(|t| t.name() == PARCEL_BLOCKS.name()), "and no blocks");
     }
 
     /// An open cut short after the upgrade's commit (the mark left) compacts on the next one.
