@@ -39,9 +39,10 @@ pub struct WriteFloor {
 
 impl Store {
     /// Copies `source_id`'s snapshot into a new redb file at `scratch` (refused if something
-    /// is there; the file is left for the caller to remove) the way a run writes it: its
-    /// blocks, in batches, one durable commit with the store's settings (quick-repair).
-    /// Returns the time redb took.
+    /// is there; the file is left for the caller to remove): its blocks as stored, byte for
+    /// byte, in key order and in batches, one durable commit with the store's settings
+    /// (quick-repair). Returns the time redb took. A run also decodes, merges and encodes
+    /// blocks, and a layer not in id order leaves them part-full; this is only redb's part.
     pub fn snapshot_write_floor(&self, source_id: &str, scratch: &Path) -> Result<WriteFloor, StoreError> {
         if scratch.exists() {
             return Err(StoreError::Conflict(format!("{} exists; the floor is measured in a new file", scratch.display())));

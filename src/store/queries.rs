@@ -70,8 +70,9 @@ impl SnapshotView {
         }
     }
 
-    /// Every stored parcel's id and content hash, in id order, without allocating: the streaming
-    /// diff builds its in-memory index from this. Returns how many there are.
+    /// Every stored parcel's id and content hash, in id order, borrowed (one list of entries
+    /// per block is all it allocates): the streaming diff builds its in-memory index from
+    /// this. Returns how many there are.
     pub fn for_each_hash(&self, mut f: impl FnMut(&str, &[u8; 32])) -> Result<u64, StoreError> {
         for_each_parcel(&self.table, &self.source_id, |pid, bytes| {
             let state = decode_hash_ref(bytes).map_err(|m| codec_err("parcel_blocks", m))?;
