@@ -711,12 +711,13 @@ fn check_store(path: &std::path::Path, explicit: bool) -> usize {
     match crate::store::check::check_file(path) {
         Ok(r) if r.is_consistent() => {
             println!(
-                "store {}: consistent ({} queued outbox row(s), {} audit row(s), {} watermark(s), {} run(s))",
+                "store {}: consistent ({} queued outbox row(s), {} audit row(s), {} watermark(s), {} run(s), {} snapshot parcel(s))",
                 path.display(),
                 r.outbox_rows,
                 r.audit_rows,
                 r.watermarks,
-                r.runs
+                r.runs,
+                r.snapshot_parcels
             );
             0
         }

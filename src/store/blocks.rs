@@ -160,6 +160,36 @@ pub(super) fn for_each_parcel<T: BlockTable>(
     Ok(n)
 }
 
+/// Reads every block of every source, for `zonewatch check --store`: each block must decode
+/// and keep the invariants, follow the source's previous block without overlapping it, and
+/// hold records whose state decodes. Calls `problem` once per block that does not (and goes
+/// on); returns how many parcels the readable blocks hold.
+pub(super) fn check_all<T: BlockTable>(table: &T, mut problem: impl FnMut(String)) -> Result<u64, StoreError> {
+    let mut parcels = 0;
+    let mut source = String::new();
+    let mut last = String::new();
+    for item in table.iter()? {
+        let (k, v) = item?;
+        let (s, key) = k.value();
+        if s != source {
+            s.clone_into(&mut source);
+            last.clear();
+        }
+        let checked = entries_of(key, v.value()).and_then(|entries| {
+            check_follows(&mut last, key, &entries)?;
+            for (id, record) in &entries {
+                super::snapshot::decode_hash_ref(record).map_err(|m| codec_err(TABLE, format!("parcel {id:?}: {m}")))?;
+            }
+            Ok(entries.len() as u64)
+        });
+        match checked {
+            Ok(n) => parcels += n,
+            Err(e) => problem(format!("snapshot of {s}: {e}")),
+        }
+    }
+    Ok(parcels)
+}
+
 /// Calls `f` with the record of one parcel, if the source has it.
 pub(super) fn with_record<T: BlockTable, R>(
     table: &T,
