@@ -101,7 +101,7 @@ max_change_ratio = 0.05
     Ok(())
 }
 
-/// What redb alone takes to write the baseline's snapshot rows (see `store/floor.rs`): the
+/// What redb alone takes to write the baseline's snapshot blocks (see `store/floor.rs`): the
 /// part of the baseline no code of ours can remove, against parse-only.
 fn store_floor_line(n: usize, engine: &Engine, src: &SourceConfig, store_dir: &Path, parse: &Pass) -> Result<serde_json::Value, BenchError> {
     let scratch = store_dir.join("floor.redb");

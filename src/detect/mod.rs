@@ -7,7 +7,7 @@
 //! * [`spill`] keeps a run's delta on disk between the streaming diff and the commit;
 //! * [`derived_delta`] does the same for a derived (district / overlay) run;
 //! * [`row_sort`] puts a run's snapshot rows in key order for the commit (redb inserts them
-//!   several times faster so);
+//!   several times faster so, and they fill the snapshot's blocks a block at a time);
 //! * [`gate`] decides whether a run's events may be published (baseline, reprocess, holds);
 //! * [`severity`] ranks a change;
 //! * [`overlay`] derives a parcel's zoning from district polygons (largest share, R-tree).

@@ -26,15 +26,16 @@
 
 use super::codec::{split_version, unknown_version, RECORD_VERSION};
 use super::runs::codec_err;
-use super::tables::{LEGACY_PARCEL_ROWS, META, META_COMPACT_PENDING, PARCEL_BLOCKS};
+use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, LEGACY_PARCEL_ROWS, META, META_COMPACT_PENDING, PARCEL_BLOCKS};
 use super::StoreError;
 use redb::{ReadableTable, TableHandle, WriteTransaction};
 use serde::ser::{Serialize, SerializeSeq, Serializer};
 use std::collections::VecDeque;
 use std::ops::Bound;
 
-/// Parcels a block holds at most. 32 takes 60% off redb's insert time against one row each
-/// (above); more gains little and makes a changed parcel rewrite more.
+/// Parcels a block holds at most. 32 took 60% off redb's insert time against one row each
+/// (above, 176-byte values); more gains little and makes a changed parcel rewrite more.
+/// Parcels of that size fill a block's bytes ([`BLOCK_MAX_BYTES`]) at about 20.
 pub const BLOCK_MAX_PARCELS: usize = 32;
 
 /// Bytes of entries a block holds at most (ids, records and their length prefixes), unless it
@@ -127,6 +128,8 @@ fn entries_of<'a>(key: &str, bytes: &'a [u8]) -> Result<Vec<Entry<'a>>, StoreErr
 /// parcel (`last`, which it then becomes). Scans read a source's blocks in key order, so this
 /// is what keeps them from handing out a parcel twice or out of order from a damaged file.
 fn check_follows(last: &mut String, key: &str, entries: &[Entry<'_>]) -> Result<(), StoreError> {
+    // Empty: no block read yet. A block that ends with the id "" holds only that parcel,
+    // and every key after it sorts after "", so the test below cannot miss an overlap.
     if !last.is_empty() && key <= last.as_str() {
         return Err(codec_err(TABLE, format!("block {key:?} overlaps the block before it (which ends with parcel {last:?})")));
     }
@@ -290,7 +293,9 @@ fn pieces<'e, 'a>(entries: &'e [Entry<'a>]) -> Vec<&'e [Entry<'a>]> {
 /// Applies `changes` to a source's blocks. Changes may come in any order; for a parcel
 /// changed twice the later change counts. Each block a change falls in is read, merged with
 /// every change that falls in it, and written again (split when it outgrows the limits,
-/// removed when emptied, stored again under its new first id when that moved).
+/// removed when emptied, stored again under its new first id when that moved); a block the
+/// changes leave as it was is not written. An insert that would replace a block other than
+/// the one being written (the store's blocks overlapped already) is an error, not a loss.
 pub(super) fn apply(
     table: &mut BlockTableMut<'_>,
     source_id: &str,
@@ -374,7 +379,13 @@ pub(super) fn apply(
             }
             for block in blocks {
                 encode_block(block, &mut buf)?;
-                table.insert((source_id, block[0].0), buf.as_slice())?;
+                let replaced = table.insert((source_id, block[0].0), buf.as_slice())?.is_some();
+                if replaced && stored.as_ref().is_none_or(|(key, _)| key != block[0].0) {
+                    return Err(StoreError::Conflict(format!(
+                        "snapshot block {:?} of {source_id} would replace another block: the stored blocks overlap (zonewatch check --store names them)",
+                        block[0].0
+                    )));
+                }
             }
         }
         i = end;
@@ -468,6 +479,34 @@ impl BlockPacker {
         self.chunk.clear();
         Ok(())
     }
+}
+
+/// Refuses a file where more than one snapshot layout holds parcels: schema 5's two tables,
+/// schema 6's rows, the blocks. No zonewatch writes one (an older build refuses a newer
+/// file before writing); a damaged file or another tool could. The migrations would merge
+/// the layouts silently, one winning over the other and parcels of one coming back, so the
+/// open fails instead, before any of them runs, and keeps nothing.
+pub(super) fn refuse_mixed_layouts(wtx: &WriteTransaction) -> Result<(), StoreError> {
+    let present: Vec<String> = wtx.list_tables()?.map(|t| t.name().to_string()).collect();
+    let holds = |def: redb::TableDefinition<(&str, &str), &[u8]>| -> Result<bool, StoreError> {
+        if !present.iter().any(|n| n == def.name()) {
+            return Ok(false);
+        }
+        Ok(wtx.open_table(def)?.iter()?.next().is_some())
+    };
+    let layouts = [
+        ("schema 5's parcels / parcel_geoms", holds(LEGACY_PARCELS)? || holds(LEGACY_PARCEL_GEOMS)?),
+        ("schema 6's parcel_snapshot", holds(LEGACY_PARCEL_ROWS)?),
+        ("parcel_blocks", holds(PARCEL_BLOCKS)?),
+    ];
+    let found: Vec<&str> = layouts.iter().filter(|(_, has)| *has).map(|(name, _)| *name).collect();
+    if found.len() > 1 {
+        return Err(StoreError::Conflict(format!(
+            "the store holds parcels in more than one snapshot layout ({}); zonewatch never writes a file so. Restore a backup (zonewatch restore)",
+            found.join(", ")
+        )));
+    }
+    Ok(())
 }
 
 /// Once per store of schema 6: the row per parcel of `parcel_snapshot` is packed into blocks
@@ -640,11 +679,23 @@ mod tests {
             ("s", "a block's first parcel removed: the block is stored again under its next id", del(&["", "a"])),
             ("s", "one batch splitting a block into four", put(&many, 5)),
             ("s", "a removal of a parcel the source never had, before its first block", del(&["0"])),
-            ("s", "a whole block emptied in one batch", del(&many[..30])),
-            ("s", "the whole source emptied", del(&[&many[30..], &["m", "x"][..]].concat())),
+            // "0" falls back to the first block and re-keys it; "n0505" falls in a later block,
+            // found before that write and used after it.
+            ("s", "before the first block and in a later one, in one batch", put(&["0", "n0505"], 7)),
+            ("s", "a middle block emptied in one batch", Vec::new()),
+            ("s", "the whole source emptied", Vec::new()),
             ("s2", "the other source kept whole throughout", put(&["m"], 6)),
         ];
-        for (source, what, changes) in steps {
+        for (source, what, mut changes) in steps {
+            let before = blocks_of(&store);
+            if what == "a middle block emptied in one batch" {
+                let of_s: Vec<_> = before.iter().filter(|b| b.0 == "s").collect();
+                assert!(of_s.len() >= 3, "{what}: {} blocks", of_s.len());
+                changes = of_s[1].2.iter().map(|(id, _)| (id.clone(), None)).collect();
+            }
+            if what == "the whole source emptied" {
+                changes = model.keys().filter(|(s, _)| s == "s").map(|(_, id)| (id.clone(), None)).collect();
+            }
             for (id, change) in &changes {
                 match change {
                     Some(r) => model.insert((source.to_string(), id.clone()), r.clone()),
@@ -661,6 +712,14 @@ mod tests {
             }
             if what.starts_with("a block's first parcel removed") {
                 assert!(blocks.iter().any(|b| b.0 == "s" && b.1 == "m"), "{what}: re-keyed under its next id");
+            }
+            if what == "before the first block and in a later one, in one batch" {
+                assert!(blocks.iter().any(|b| b.0 == "s" && b.1 == "0") && !blocks.iter().any(|b| b.0 == "s" && b.1 == "m"), "{what}: re-keyed under \"0\"");
+            }
+            if what == "a middle block emptied in one batch" {
+                let middle = &before.iter().filter(|b| b.0 == "s").nth(1).unwrap().1;
+                assert!(!blocks.iter().any(|b| b.0 == "s" && &b.1 == middle), "{what}: its key is gone");
+                assert_eq!(blocks.len() + 1, before.len(), "{what}: one block fewer, its neighbours kept");
             }
         }
         assert!(blocks_of(&store).iter().all(|b| b.0 == "s2"), "the emptied source left no block");
@@ -760,7 +819,7 @@ mod tests {
         let got: Vec<((String, String), Vec<u8>)> =
             blocks.iter().flat_map(|(s, _, e)| e.iter().map(move |(id, r)| ((s.clone(), id.clone()), r.clone()))).collect();
         assert_eq!(got, want);
-        assert_eq!(blocks.iter().filter(|b| b.0 == "a").count(), 3, "70 parcels: 32 + 32 + 6");
+        assert_eq!(blocks.iter().filter(|b| b.0 == "a").count(), 3, "70 parcels in three blocks (24 + 24 + 22: spread evenly)");
         assert_eq!(blocks.iter().filter(|b| b.0 == "b").count(), 9, "5000-byte records: one a block");
     }
 }

@@ -1,17 +1,17 @@
-//! What redb alone costs to write a source's snapshot rows: copied byte for byte into a
-//! fresh scratch file in one durable transaction (with the store's commit settings), with
-//! the time spent reading them left out.
+//! What redb alone costs to write a source's snapshot: its blocks (`blocks.rs`) copied byte
+//! for byte into a fresh scratch file in one durable transaction (with the store's commit
+//! settings), with the time spent reading them left out.
 //!
 //! Why it exists: a baseline commit writes every parcel (its state and geometry, packed into
-//! the snapshot's blocks, `blocks.rs`) and nothing can make it cheaper than redb inserting
-//! those rows. The ingest bench prints this
-//! beside the baseline so a reader sees, measured in the same run, how much of the baseline
-//! is the store's floor.
+//! the snapshot's blocks) and nothing can make it cheaper than redb inserting those blocks.
+//! The ingest bench prints this beside the baseline so a reader sees, measured in the same
+//! run, how much of the baseline is the store's floor.
 //!
-//! What it leaves out, so it is a floor and not the baseline's whole store cost: the rows go
-//! in key order (a baseline inserts in the layer's order, which dirties more pages when ids
-//! do not sort like the features: the bench's `DC-nnnnnn` ids stop doing so past 999,999),
-//! and the baseline's primed keys and their audit rows are not written.
+//! What it leaves out, so it is a floor and not the baseline's whole store cost: the blocks
+//! go in key order, finished (a baseline builds them from rows in the layer's order, merging
+//! rows that do not sort like the features into blocks already written: the bench's
+//! `DC-nnnnnn` ids stop doing so past 999,999), and the baseline's primed keys and their audit
+//! rows are not written.
 
 use super::blocks::decode_block;
 use super::runs::codec_err;

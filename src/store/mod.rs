@@ -201,9 +201,10 @@ impl Store {
     /// (`snapshot.rs` from schema 5, `blocks.rs` from schema 6) writes every parcel again and
     /// frees the old tables, which doubles the file (2.5M parcels of schema 6: 1.13 → 2.27
     /// GB) until runs reuse the pages. redb's compaction moved that file to 0.50 GB in 3.1 s
-    /// (measured; the commit after it grows the file again to 1.0 GB, half of it free). The upgrade leaves a `compact_pending` mark, removed
-    /// only once a compaction succeeded, so an open cut short compacts on the next one. A
-    /// failed compaction leaves a valid, larger file.
+    /// (measured; the commit after it grows the file again to 1.0 GB, half of it free). The
+    /// upgrade leaves a `compact_pending` mark, removed only once a compaction succeeded, so
+    /// an open cut short compacts on the next one. A failed compaction leaves a valid, larger
+    /// file.
     ///
     /// redb's compaction commits without a quick-repair record, so a durable commit follows
     /// it either way: a crash afterwards still reopens in milliseconds (`repair.rs`).
@@ -348,6 +349,7 @@ impl Store {
         if moved > 0 {
             tracing::info!(moved, "outbox rows waiting for a retry moved to outbox_retry; the fresh due index is dropped");
         }
+        blocks::refuse_mixed_layouts(&wtx)?;
         let joined = snapshot::migrate_split_tables(&wtx)?;
         if joined.parcels > 0 {
             tracing::info!(parcels = joined.parcels, "parcel states and geometries joined into one snapshot record each, packed into blocks (schema 5 to 7)");

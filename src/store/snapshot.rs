@@ -483,6 +483,38 @@ mod tests {
         assert!(store.check_consistency().unwrap().is_consistent());
     }
 
+    /// A file where blocks and schema 6's rows both hold parcels (no zonewatch writes one) is
+    /// refused on open, with both layouts named, and left as it was; so is one where schema
+    /// 5's tables and schema 6's rows both do.
+    #[test]
+    fn a_store_with_two_snapshot_layouts_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, older) in [
+            ("blocks and rows", Box::new(|wtx: &WriteTransaction| {
+                let mut w = wtx.open_table(PARCEL_BLOCKS).unwrap();
+                let mut buf = Vec::new();
+                let record = encode_record(&state("R-1", 1), &square(0.0));
+                crate::store::blocks::encode_block(&[("p1", record.as_slice())], &mut buf).unwrap();
+                w.insert(("a", "p1"), buf.as_slice()).unwrap();
+                drop(w);
+                wtx.open_table(LEGACY_PARCEL_ROWS).unwrap().insert(("a", "p2"), record.as_slice()).unwrap();
+            }) as Box<dyn Fn(&WriteTransaction)>),
+            ("split tables and rows", Box::new(|wtx: &WriteTransaction| {
+                write_legacy(wtx);
+                as_schema_5(wtx);
+                wtx.open_table(LEGACY_PARCEL_ROWS).unwrap().insert(("a", "p2"), encode_record(&state("R-1", 1), &square(0.0)).as_slice()).unwrap();
+            })),
+        ] {
+            let path = dir.path().join(format!("{}.redb", name.replace(' ', "-")));
+            older_store(&path, |wtx| older(wtx));
+            let err = Store::open(&path).unwrap_err().to_string();
+            assert!(err.contains("more than one snapshot layout") && err.contains("parcel_snapshot"), "{name}: {err}");
+            let db = redb::Database::open(&path).unwrap();
+            let rtx = db.begin_read().unwrap();
+            assert_eq!(rtx.open_table(LEGACY_PARCEL_ROWS).unwrap().len().unwrap(), 1, "{name}: left as it was");
+        }
+    }
+
     /// A schema 6 row of a record version this build cannot read fails the upgrade, which
     /// keeps nothing: the file stays at schema 6 with its rows.
     #[test]

@@ -21,7 +21,7 @@ pub const WATERMARK_HISTORY: TableDefinition<(&str, u64), &[u8]> =
 /// `snapshot.rs`).
 pub const PARCEL_BLOCKS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_blocks");
 /// Schema 6: (source id, parcel id) → the parcel's snapshot record, a row per parcel. Read
-/// once, by the migration into `parcel_blocks` (and written by the schema 5 one before it).
+/// once, by the schema 6 → 7 migration into `parcel_blocks`.
 pub const LEGACY_PARCEL_ROWS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_snapshot");
 /// Schema 5 and older: (source id, parcel id) → `ParcelState`. Read once, by the migration.
 pub const LEGACY_PARCELS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcels");
