@@ -1,4 +1,4 @@
-//! The parcel snapshot on disk: a source's parcels in id order, packed a few dozen to a redb
+//! The parcel snapshot on disk: a source's parcels in id order, packed up to 32 to a redb
 //! row (a *block*) in `parcel_blocks`, keyed by (source id, the block's first parcel id).
 //!
 //! Why blocks and not a row per parcel (schema 6): redb's cost is mostly per row (a tree
