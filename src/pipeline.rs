@@ -414,7 +414,7 @@ impl Engine {
                 return Ok(SourceReport { record, hold_reason: None });
             }
             Fetched::Portal(PortalFetch::Layer { body: LayerBody::File(body), meta }) => {
-                let layer = staging::stage_body(self.store.path(), &src.id, body, &meta, started, self.scratch_dir());
+                let layer = staging::stage_body(self.store.path(), &src.id, body, &meta, started);
                 let digest = layer.digest.clone();
                 (LayerInput::Staged(layer), Some(digest), Some(meta))
             }

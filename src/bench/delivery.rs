@@ -317,8 +317,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     let n = rows(ctx.scale);
-    let dir = ctx.work.join("delivery-store");
-    super::fresh_dir(&dir)?;
+    let dir = ctx.fresh_dir("delivery-store")?;
     let store = Arc::new(Store::open(&dir.join("bench.redb")).map_err(|e| BenchError::Failed(format!("open: {e}")))?);
     let receipts = Arc::new(Receipts::default());
     let receiver = Receiver::start_sink(receipts.on_id()).await.map_err(|e| BenchError::io("receiver", e))?;

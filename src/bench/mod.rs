@@ -102,12 +102,6 @@ pub struct BenchCtx {
     pub in_process: bool,
 }
 
-/// Empties `path` (a folder of a previous run) and creates it again.
-pub(super) fn fresh_dir(path: &std::path::Path) -> Result<(), BenchError> {
-    let _ = std::fs::remove_dir_all(path);
-    std::fs::create_dir_all(path).map_err(|e| BenchError::io(path, e))
-}
-
 impl BenchCtx {
     /// Parcel counts for county-sized measures.
     pub fn parcel_sizes(&self) -> Vec<usize> {
@@ -121,10 +115,12 @@ impl BenchCtx {
         }
     }
 
-    /// `<work>/<name>`, emptied: where a measure keeps its store.
+    /// `<work>/<name>`, emptied (a folder of a previous run) and created again: where a
+    /// measure keeps its store.
     pub fn fresh_dir(&self, name: &str) -> Result<PathBuf, BenchError> {
         let dir = self.work.join(name);
-        fresh_dir(&dir)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| BenchError::io(&dir, e))?;
         Ok(dir)
     }
 

@@ -20,7 +20,6 @@
 //!    the outbox or audited `sent` exactly once.
 
 use super::delivery::{Queuer, Receipts};
-use super::fresh_dir;
 use super::{emit, secs, BenchCtx, BenchError, Scale};
 use crate::receiver::Receiver;
 use crate::store::{DeliveryResult, Store};
@@ -175,8 +174,7 @@ fn commit_cost_ms(store: &Store, quick: bool, n: usize) -> Result<f64, BenchErro
 
 async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     let (rows, target_mib) = sizes(ctx.scale);
-    let dir = ctx.work.join("recovery-store");
-    fresh_dir(&dir)?;
+    let dir = ctx.fresh_dir("recovery-store")?;
     let db = dir.join("zonewatch.redb");
     let receipts = Arc::new(Receipts::default());
     let receiver = Receiver::start_sink(receipts.on_id()).await.map_err(|e| BenchError::io("receiver", e))?;

@@ -103,6 +103,9 @@ pub struct BodyFile {
 pub struct ReceivedBody {
     pub file: std::fs::File,
     pub name: Option<tempfile::TempPath>,
+    /// The folder the body's file is in: the staging directory when it is named there, the
+    /// scratch directory when it is not.
+    pub dir: std::path::PathBuf,
     pub digest: String,
     pub size: u64,
 }
@@ -155,7 +158,7 @@ impl BodyFile {
         let BodyFile { out, dir, name, .. } = self;
         let (mut file, digest, size) = out.finish();
         file.seek(std::io::SeekFrom::Start(0)).map_err(|e| FetchError::spool(&dir, e))?;
-        Ok(ReceivedBody { file, name, digest, size })
+        Ok(ReceivedBody { file, name, dir, digest, size })
     }
 }
 

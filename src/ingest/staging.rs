@@ -129,24 +129,24 @@ pub fn body_file(store_path: &Path, source_id: &str, scratch: &Path) -> Result<B
 /// is removed ([`forget_staged`]), then the body's file is renamed into the staged payload
 /// and its sidecar written, with the digest and size it was received with (the run's scan
 /// checks the bytes it reads against them). Nothing is copied. A body that could not be
-/// named in the staging directory (it is in `scratch`), or whose previous version cannot be
+/// named in the staging directory (it is in the scratch directory), or whose previous version cannot be
 /// removed, is scanned where it is (logged); the previous version is removed all the same
 /// when it can be, so that `--from-staging` never replays an older version than the run's.
-pub fn stage_body(store_path: &Path, source_id: &str, body: ReceivedBody, meta: &PortalMeta, now_ms: u64, scratch: &Path) -> StagedLayer {
-    let ReceivedBody { file, name, digest, size } = body;
+pub fn stage_body(store_path: &Path, source_id: &str, body: ReceivedBody, meta: &PortalMeta, now_ms: u64) -> StagedLayer {
+    let ReceivedBody { file, name, dir, digest, size } = body;
     let path = match name {
         // Not stageable (logged by `body_file`); what was staged before is older than this.
         None => {
             if let Err(e) = forget_staged(store_path, source_id, None) {
                 tracing::warn!(source = source_id, "{e}");
             }
-            scratch.to_path_buf()
+            dir
         }
         Some(name) => match forget_staged(store_path, source_id, Some(&name)) {
             Ok(()) => put_in_place(store_path, source_id, name, &digest, size, meta, now_ms),
             Err(e) => {
                 tracing::warn!(source = source_id, "cannot stage the payload: {e}; the run reads the layer as received");
-                staging_dir(store_path)
+                dir
             }
         },
     };
@@ -403,7 +403,7 @@ mod tests {
         let d = super::super::source::digest(bytes);
         let body = received(&store, dir.path(), bytes);
         assert_eq!(body.name.as_deref().and_then(Path::parent), Some(staging_dir(&store).as_path()), "received in the staging directory");
-        let layer = stage_body(&store, "s", body, &PortalMeta { etag: Some("e".into()), ..Default::default() }, 5, dir.path());
+        let layer = stage_body(&store, "s", body, &PortalMeta { etag: Some("e".into()), ..Default::default() }, 5);
         assert_eq!((read_all(&layer.file), layer.path.clone()), (bytes.to_vec(), staging_dir(&store).join("s.geojson")));
         assert_eq!((layer.digest.as_str(), layer.size), (d.as_str(), bytes.len() as u64));
         assert_eq!(names_in(&staging_dir(&store)), ["s.geojson", "s.json"], "renamed into place, not copied");
@@ -428,18 +428,18 @@ mod tests {
         std::fs::write(staging_dir(&other), b"not a directory").unwrap();
         let body = received(&other, dir.path(), bytes);
         assert!(body.name.is_none());
-        let layer = stage_body(&other, "s", body, &PortalMeta::default(), 5, dir.path());
+        let layer = stage_body(&other, "s", body, &PortalMeta::default(), 5);
         assert_eq!((read_all(&layer.file), layer.path.as_path()), (bytes.to_vec(), dir.path()));
         assert!(load(&other, "s").is_err());
         // A body that could not be named (a temp file could not be made: no inodes, too many
         // open files) while an older version is staged: that version is removed all the
         // same, so `--from-staging` cannot replay something older than this run's layer.
         assert!(load(&store, "s").is_err());
-        stage_body(&store, "s", received(&store, dir.path(), bytes), &PortalMeta::default(), 6, dir.path());
+        stage_body(&store, "s", received(&store, dir.path(), bytes), &PortalMeta::default(), 6);
         assert!(load(&store, "s").is_ok());
         let mut unnamed = received(&other, dir.path(), b"{}");
         unnamed.name = None;
-        let layer = stage_body(&store, "s", unnamed, &PortalMeta::default(), 7, dir.path());
+        let layer = stage_body(&store, "s", unnamed, &PortalMeta::default(), 7);
         assert_eq!(layer.path, dir.path());
         assert!(load(&store, "s").is_err(), "the older version is not replayable");
         assert_eq!(names_in(&staging_dir(&store)), Vec::<String>::new());
@@ -454,7 +454,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = dir.path().join("z.redb");
         let old = br#"{"type":"FeatureCollection","features":[],"v":1}"#;
-        stage_body(&store, "s", received(&store, dir.path(), old), &PortalMeta::default(), 5, dir.path());
+        stage_body(&store, "s", received(&store, dir.path(), old), &PortalMeta::default(), 5);
         // A run killed while receiving left its body: the next body sweeps it, and a body
         // dropped (a failed fetch) leaves no file.
         std::fs::write(staging_dir(&store).join("s.geojson.a1B2c3.tmp"), b"killed run").unwrap();
@@ -465,7 +465,7 @@ mod tests {
         assert_eq!(read_all(&load(&store, "s").unwrap().0.file), old, "the previous version until the new one is staged");
         assert_eq!(names_in(&staging_dir(&store)).len(), 3, "{:?}", names_in(&staging_dir(&store)));
         std::fs::write(staging_dir(&store).join("s.json.Q1w2E3.tmp"), b"killed run").unwrap();
-        let layer = stage_body(&store, "s", body, &PortalMeta::default(), 6, dir.path());
+        let layer = stage_body(&store, "s", body, &PortalMeta::default(), 6);
         assert_eq!(layer.path, staging_dir(&store).join("s.geojson"));
         assert_eq!(read_all(&load(&store, "s").unwrap().0.file), new);
         assert_eq!(names_in(&staging_dir(&store)), ["s.geojson", "s.json"]);
@@ -475,7 +475,7 @@ mod tests {
         let payload = staging_dir(&store).join("s.geojson");
         std::fs::remove_file(&payload).unwrap();
         std::fs::create_dir_all(payload.join("x")).unwrap();
-        let layer = stage_body(&store, "s", received(&store, dir.path(), old), &PortalMeta::default(), 7, dir.path());
+        let layer = stage_body(&store, "s", received(&store, dir.path(), old), &PortalMeta::default(), 7);
         assert_eq!((read_all(&layer.file), layer.path), (old.to_vec(), staging_dir(&store)));
         assert!(load(&store, "s").is_err(), "nothing to replay");
         assert_eq!(names_in(&staging_dir(&store)), ["s.geojson"], "no temp file left behind");

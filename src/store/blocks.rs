@@ -26,6 +26,7 @@
 
 use super::codec::{split_version, unknown_version, RECORD_VERSION};
 use super::runs::codec_err;
+use super::snapshot::postcard_of;
 use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, LEGACY_PARCEL_ROWS, META, META_COMPACT_PENDING, PARCEL_BLOCKS};
 use super::StoreError;
 use redb::{ReadableTable, TableHandle, WriteTransaction};
@@ -138,14 +139,14 @@ fn check_follows(last: &mut String, key: &str, entries: &[Entry<'_>]) -> Result<
     Ok(())
 }
 
-/// Calls `each` with the id and record of every parcel of `source_id`, in id order; returns
-/// how many there were. Stops at the first error.
-pub(super) fn for_each_parcel<T: BlockTable>(
+/// Calls `each` with the key, the stored bytes and the entries of every block of
+/// `source_id`, in key order, each checked ([`entries_of`], [`check_follows`]). Stops at the
+/// first error.
+pub(super) fn for_each_block<T: BlockTable>(
     table: &T,
     source_id: &str,
-    mut each: impl FnMut(&str, &[u8]) -> Result<(), StoreError>,
-) -> Result<u64, StoreError> {
-    let mut n = 0;
+    mut each: impl FnMut(&str, &[u8], Vec<Entry<'_>>) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
     let mut last = String::new();
     for item in table.range((source_id, "")..)? {
         let (k, v) = item?;
@@ -155,11 +156,26 @@ pub(super) fn for_each_parcel<T: BlockTable>(
         }
         let entries = entries_of(key, v.value())?;
         check_follows(&mut last, key, &entries)?;
+        each(key, v.value(), entries)?;
+    }
+    Ok(())
+}
+
+/// Calls `each` with the id and record of every parcel of `source_id`, in id order; returns
+/// how many there were. Stops at the first error.
+pub(super) fn for_each_parcel<T: BlockTable>(
+    table: &T,
+    source_id: &str,
+    mut each: impl FnMut(&str, &[u8]) -> Result<(), StoreError>,
+) -> Result<u64, StoreError> {
+    let mut n = 0;
+    for_each_block(table, source_id, |_, _, entries| {
         for (id, record) in entries {
             each(id, record)?;
             n += 1;
         }
-    }
+        Ok(())
+    })?;
     Ok(n)
 }
 
@@ -440,7 +456,7 @@ pub(super) struct BlockPacker {
     source: String,
     chunk: Vec<(String, Vec<u8>)>,
     /// Parcels written.
-    pub(super) parcels: u64,
+    parcels: u64,
 }
 
 /// Parcels a [`BlockPacker`] hands to [`apply`] at once.
@@ -526,11 +542,7 @@ pub(super) fn migrate_parcel_rows(wtx: &WriteTransaction) -> Result<u64, StoreEr
             let (source, id) = k.value();
             // Copied, not decoded; but a record of a version this build cannot read fails the
             // upgrade (which then keeps nothing) rather than moving into a block unread.
-            match split_version(v.value()) {
-                Ok((RECORD_VERSION, _)) => {}
-                Ok((other, _)) => return Err(codec_err("parcel_snapshot", format!("{source}/{id}: {}", unknown_version(other, "parcel snapshot", RECORD_VERSION)))),
-                Err(m) => return Err(codec_err("parcel_snapshot", format!("{source}/{id}: {m}"))),
-            }
+            postcard_of(v.value()).map_err(|m| codec_err("parcel_snapshot", format!("{source}/{id}: {m}")))?;
             packer.push(&mut out, source, id, v.value())?;
         }
         packer.finish(&mut out)?

@@ -13,8 +13,7 @@
 //! `DC-nnnnnn` ids stop doing so past 999,999), and the baseline's primed keys and their audit
 //! rows are not written.
 
-use super::blocks::decode_block;
-use super::runs::codec_err;
+use super::blocks::for_each_block;
 use super::tables::PARCEL_BLOCKS;
 use super::{Store, StoreError, STORE_CACHE_BYTES};
 use redb::{Database, ReadableDatabase};
@@ -58,19 +57,14 @@ impl Store {
         {
             let mut out = wtx.open_table(PARCEL_BLOCKS)?;
             let mut batch: Vec<(String, Vec<u8>)> = Vec::with_capacity(BATCH);
-            let snapshot = rtx.open_table(PARCEL_BLOCKS)?;
-            for item in snapshot.range((source_id, "")..)? {
-                let (k, v) = item?;
-                let (source, key) = k.value();
-                if source != source_id {
-                    break;
-                }
-                floor.parcels += decode_block(v.value()).map_err(|m| codec_err("parcel_blocks", m))?.len() as u64;
-                batch.push((key.to_string(), v.value().to_vec()));
+            for_each_block(&rtx.open_table(PARCEL_BLOCKS)?, source_id, |key, bytes, entries| {
+                floor.parcels += entries.len() as u64;
+                batch.push((key.to_string(), bytes.to_vec()));
                 if batch.len() == BATCH {
                     insert_timed(&mut out, source_id, &mut batch, &mut floor)?;
                 }
-            }
+                Ok(())
+            })?;
             insert_timed(&mut out, source_id, &mut batch, &mut floor)?;
         }
         let t = Instant::now();

@@ -112,7 +112,9 @@ pub(super) fn encode_record(state: &ParcelState, geometry: &StoredGeometry) -> V
     super::codec::encode(&RecordRef { state, geometry })
 }
 
-fn postcard_of(bytes: &[u8]) -> Result<&[u8], String> {
+/// A record's postcard bytes, after its version byte (an error for a version this build
+/// cannot read).
+pub(super) fn postcard_of(bytes: &[u8]) -> Result<&[u8], String> {
     match split_version(bytes)? {
         (RECORD_VERSION, rest) => Ok(rest),
         (v, _) => Err(unknown_version(v, "parcel snapshot", RECORD_VERSION)),
@@ -219,9 +221,8 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
                 }
             }
             packer.push(&mut out, key.0, key.1, &record)?;
-            migrated.parcels += 1;
         }
-        packer.finish(&mut out)?;
+        migrated.parcels = packer.finish(&mut out)?;
     }
     wtx.delete_table(LEGACY_PARCELS)?;
     wtx.delete_table(LEGACY_PARCEL_GEOMS)?;
