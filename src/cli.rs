@@ -1,5 +1,6 @@
-//! The command line: `demo`, `run`, `serve`, `check`, `audit`, `holds` (and the hidden
-//! `synth` that makes the demo fixtures). Each command is a function returning an exit code;
+//! The command line: `demo`, `run`, `serve`, `check`, `audit`, `holds`, `backup`, `restore`
+//! (and the hidden `synth` that makes the demo fixtures); `bench`, `dlq` and `endpoints` are
+//! dispatched to their own modules. Each command is a function returning an exit code;
 //! `main` only parses and dispatches.
 
 use crate::config::Config;
@@ -13,8 +14,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The whole command line as clap parses it: the global options and one command. The names
+/// here are what operators' scripts call, so they are kept as they are.
 #[derive(Parser, Debug)]
-#[command(name = "zonewatch", version, about = "Watch municipal zoning layers; alert subscribers of real changes, exactly once.")]
+#[command(name = "zonewatch", version, about = "Watch municipal zoning layers; alert subscribers of real changes, exactly once.", long_about = None)]
 pub struct Cli {
     /// Log format on stderr.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Human)]
@@ -23,12 +26,16 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// How logs are written to stderr: for a person at a terminal, or one JSON object a line
+/// for a log collector.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
 pub enum LogFormat {
     Human,
     Json,
 }
 
+/// How `zonewatch audit` prints the ledger: a table to read, or JSON lines / CSV for other
+/// tools.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
 pub enum AuditFormat {
     Table,
@@ -36,6 +43,7 @@ pub enum AuditFormat {
     Csv,
 }
 
+/// The commands, one variant each, with their options.
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Self-contained tour: temp store, bundled demo county, built-in webhook receiver.
@@ -127,6 +135,7 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
 }
 
+/// What `zonewatch holds` does with the publication gate's held runs.
 #[derive(Subcommand, Debug)]
 pub enum HoldAction {
     List {
@@ -147,6 +156,7 @@ pub enum HoldAction {
     },
 }
 
+/// What the hidden `synth` command writes (the bundled demo fixtures are made with it).
 #[derive(Subcommand, Debug)]
 pub enum SynthWhat {
     /// Write the demo county fixtures into a folder.

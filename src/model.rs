@@ -380,6 +380,20 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in the order the API documents them: the control port's `outcome`
+    /// filter and its OpenAPI enum are built from this list, so neither can miss one.
+    pub const ALL: [Outcome; 9] = [
+        Outcome::Queued,
+        Outcome::Sent,
+        Outcome::Duplicate,
+        Outcome::Suppressed,
+        Outcome::DeadLetter,
+        Outcome::Quarantined,
+        Outcome::Held,
+        Outcome::EndpointDisabled,
+        Outcome::EndpointEnabled,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Queued => "queued",

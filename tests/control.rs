@@ -143,6 +143,11 @@ async fn control_port_end_to_end() {
         let by_key: Value = c.get(d.url(&format!("/v1/audit?key={key}"))).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!(by_key["items"].as_array().unwrap().len(), 2);
         assert_eq!(c.get(d.url("/v1/audit?since=yesterday")).header("authorization", &auth).send().unwrap().status(), 400);
+        // Every outcome the ledger can hold is a filter (the endpoint ones too); others are refused.
+        let sent: Value = c.get(d.url("/v1/audit?outcome=sent,endpoint_disabled,endpoint_enabled")).header("authorization", &auth).send().unwrap().json().unwrap();
+        let kinds: Vec<&str> = sent["items"].as_array().unwrap().iter().map(|r| r["outcome"].as_str().unwrap()).collect();
+        assert!(!kinds.is_empty() && kinds.iter().all(|k| *k == "sent"), "{kinds:?}");
+        assert_eq!(c.get(d.url("/v1/audit?outcome=sent,delivered")).header("authorization", &auth).send().unwrap().status(), 400);
         let wm: Value = c.get(d.url("/v1/sources/s1/watermarks")).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!(wm["items"].as_array().unwrap().len(), 2);
         let ch: Value = c.get(d.url("/v1/changes/recent?limit=5")).header("authorization", &auth).send().unwrap().json().unwrap();

@@ -6,6 +6,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::{Response, StatusCode};
 use std::collections::HashMap;
 
+/// Every control-port response: the whole body in memory (the port's answers are small, or
+/// paged), so handlers build one value and return it.
 pub type Resp = Response<Full<Bytes>>;
 
 /// A JSON response.

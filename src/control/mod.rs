@@ -3,7 +3,8 @@
 //! * [`auth`] — the bearer token (file-backed, constant-time comparison);
 //! * [`http`] — request/response plumbing: size-limited bodies, JSON errors, query strings;
 //! * [`routes`] — the `/v1` API, `/healthz`, `/metrics` and the dashboard at `/`;
-//! * [`metrics`] — Prometheus text exposition and the delivery latency histogram;
+//! * [`metrics`] — Prometheus text exposition (the delivery latency histogram it reports is
+//!   kept by `crate::telemetry`);
 //! * [`openapi`] — the OpenAPI 3 document served at `/v1/openapi.json`.
 //!
 //! Every handler returns a response; none panics on input, and a request body never reaches a

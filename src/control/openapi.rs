@@ -2,6 +2,7 @@
 //! against the live port by schemathesis in the test suite (`tests/control_api.py`), so it
 //! must describe every route, parameter, status code and response shape the handlers produce.
 
+use crate::model::Outcome;
 use serde_json::{json, Value};
 
 fn err_ref() -> Value {
@@ -140,7 +141,7 @@ pub fn document() -> Value {
                     "managed_by": {"type": "string", "enum": ["config", "api"]}}},
                 "AuditRow": {"type": "object", "required": ["seq", "ts", "outcome", "detail"], "properties": {
                     "seq": s("integer"), "ts": s("string"),
-                    "outcome": {"type": "string", "enum": ["queued", "sent", "duplicate", "suppressed", "dead_letter", "quarantined", "held"]},
+                    "outcome": {"type": "string", "enum": Outcome::ALL.map(Outcome::as_str)},
                     "idempotency_key": ns("string"), "watcher_id": ns("string"), "source_id": ns("string"), "parcel_id": ns("string"),
                     "lineage_id": ns("string"), "detail": s("string")}},
                 "DeadLetter": {"type": "object", "required": ["id", "idempotency_key", "reason"], "properties": {

@@ -327,9 +327,9 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
     };
     let outcomes: Option<Vec<String>> = q.get("outcome").map(|o| o.split(',').map(|x| x.trim().to_string()).collect());
     if let Some(list) = &outcomes {
-        const KNOWN: [&str; 7] = ["queued", "sent", "duplicate", "suppressed", "dead_letter", "quarantined", "held"];
-        if let Some(bad) = list.iter().find(|o| !KNOWN.contains(&o.as_str())) {
-            return error(StatusCode::BAD_REQUEST, "bad_query", format!("outcome {bad:?} is not one of {}", KNOWN.join(", ")));
+        let known = Outcome::ALL.map(Outcome::as_str);
+        if let Some(bad) = list.iter().find(|o| !known.contains(&o.as_str())) {
+            return error(StatusCode::BAD_REQUEST, "bad_query", format!("outcome {bad:?} is not one of {}", known.join(", ")));
         }
     }
     let keep = |r: &&AuditRow| {

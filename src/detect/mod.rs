@@ -10,7 +10,9 @@
 //!   several times faster so, and they fill the snapshot's blocks a block at a time);
 //! * [`gate`] decides whether a run's events may be published (baseline, reprocess, holds);
 //! * [`severity`] ranks a change;
-//! * [`overlay`] derives a parcel's zoning from district polygons (largest share, R-tree).
+//! * [`overlay`] derives a parcel's zoning from district polygons (largest share, R-tree);
+//! * [`area`] compares two versions of a district layer by area (area mode): which regions
+//!   changed code, with a noise filter.
 
 pub mod canonical;
 pub mod diff;

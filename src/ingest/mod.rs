@@ -3,12 +3,13 @@
 //! * [`source`] reads the bytes of a configured source and digests them;
 //! * [`geojson`] streams the features of a FeatureCollection without building a document tree;
 //! * [`normalize`] turns one raw feature into a [`crate::model::Parcel`] or a quarantine reason,
-//!   validating and repairing its geometry;
+//!   validating and repairing its geometry (OGC validity checked by [`valid`]);
 //! * [`portal`], [`arcgis`] and [`http`] fetch the HTTP source kinds (probe, page, retry,
 //!   rate-limit) and hand back one FeatureCollection, a paged layer's features collected on
 //!   disk by [`collect`]; [`settings`] holds their config keys;
 //!   [`staging`] keeps the last payload on disk and the per-source run lease;
-//!   [`scan_guard`] bounds one paged scan as a whole (total bytes, pages that bring nothing new).
+//!   [`scan_guard`] bounds one paged scan as a whole (total bytes, pages that bring nothing new);
+//!   [`decode`] decodes gzip / deflate bodies with the decoded size capped.
 //! * [`districts`] reads district / overlay layers (code + polygon, no stable id).
 
 pub mod districts;

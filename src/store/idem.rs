@@ -22,6 +22,8 @@ pub const IDEM_RECORD_VERSION: u8 = 2;
 /// META flag: pending version 1 key records have been given their outbox row id.
 const META_IDEM_V2: &str = "idem_records_v2";
 
+/// Where a claimed key's event stands: whether it is still to be delivered (a new claim on
+/// it is a duplicate even past its TTL) or was only primed (baseline, reprocess, a primed hold).
 #[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Debug)]
 pub(super) enum IdemState {
     /// Claimed for delivery: pending while its outbox row (or dead letter) exists.
