@@ -290,6 +290,26 @@ mod tests {
         }
     }
 
+    /// A run that cannot be written (its folder is gone) is the sort's error, from `push`
+    /// or `finish`, whichever comes first.
+    #[test]
+    fn a_run_that_cannot_be_written_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let gone = dir.path().join("gone");
+        for rows in [2usize, 9] {
+            let mut s = RowSorter::with_run_rows(&gone, 2);
+            let pushed = s.push((0..rows).map(|i| row(&format!("r{i}"))).collect());
+            let err = match pushed {
+                Err(e) => e,
+                Ok(()) => s.finish(10).err().expect("a sort whose runs cannot be written fails"),
+            };
+            match err {
+                RowSortError::Io(e) => assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{rows} rows: {e}"),
+                other => panic!("{rows} rows: {other}"),
+            }
+        }
+    }
+
     /// A run file whose part says it is ~4 GiB long but holds a few bytes is damaged. (Such
     /// a length is over the exact-read limit, so it is read through `take`, which grows the
     /// buffer as bytes arrive; this test checks the outcome, not the allocation.)
