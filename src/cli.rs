@@ -214,11 +214,20 @@ fn load_config(path: &std::path::Path) -> Result<Config, i32> {
 }
 
 fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
+    engine_by(path, Engine::open)
+}
+
+/// [`open_engine`] for a command that steers what runs wrote: the store must exist.
+fn open_existing_engine(path: &std::path::Path) -> Result<Engine, i32> {
+    engine_by(path, Engine::open_existing)
+}
+
+fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::pipeline::PipelineError>) -> Result<Engine, i32> {
     let config = load_config(path)?;
     for advice in config.delivery.advisories() {
         tracing::warn!("{advice}");
     }
-    Engine::open(config).map_err(|e| {
+    open(config).map_err(|e| {
         eprintln!("error: {e}");
         2
     })
@@ -777,7 +786,7 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
         Ok(c) => c,
         Err(code) => return code,
     };
-    let store = match crate::store::Store::open(&cfg.store_path) {
+    let store = match crate::store::Store::require_existing(&cfg.store_path).and_then(|()| crate::store::Store::open(&cfg.store_path)) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
@@ -818,10 +827,12 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
             }
         }
         AuditFormat::Table => {
-            let mut table: Vec<Vec<String>> = rows.iter().map(cells).collect();
+            // Cells hold text from feeds (parcel ids, codes): shown escaped, never interpreted.
+            let mut table: Vec<Vec<String>> =
+                rows.iter().map(|r| cells(r).iter().map(|c| crate::util::terminal_safe(c).into_owned()).collect()).collect();
             for row in &mut table {
-                if row[3].len() > 16 {
-                    row[3] = format!("{}…", &row[3][..16]);
+                if row[3].chars().count() > 16 {
+                    row[3] = format!("{}…", row[3].chars().take(16).collect::<String>());
                 }
             }
             let mut widths: Vec<usize> = cols.iter().map(|c| c.len()).collect();
@@ -849,7 +860,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
         HoldAction::Release { run_id, config } => (config, Some((*run_id, false))),
         HoldAction::Prime { run_id, config } => (config, Some((*run_id, true))),
     };
-    let engine = match open_engine(config) {
+    let engine = match open_existing_engine(config) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -867,11 +878,11 @@ fn cmd_holds(action: HoldAction) -> i32 {
                 println!(
                     "{:<8} {:<24} {:<11} {:<25} {:>8}  {}",
                     h.run_id,
-                    h.source_id,
+                    crate::util::terminal_safe(&h.source_id),
                     h.state.label(),
                     rfc3339(h.created_ms),
                     h.changes,
-                    h.reason
+                    crate::util::terminal_safe(&h.reason)
                 );
             }
             println!("({} holds, {} open)", holds.len(), holds.iter().filter(|h| h.state == HoldState::Open).count());

@@ -164,7 +164,7 @@ fn open(config: &std::path::Path) -> Result<Engine, i32> {
         eprintln!("error: {e}");
         2
     })?;
-    Engine::open(cfg).map_err(|e| {
+    Engine::open_existing(cfg).map_err(|e| {
         eprintln!("error: {e}");
         2
     })
@@ -177,9 +177,9 @@ fn line(state: &str, d: &DeadLetter) -> String {
         state,
         rfc3339(d.dead_at_ms),
         d.entry.watcher_id,
-        d.entry.parcel_id,
+        crate::util::terminal_safe(&d.entry.parcel_id),
         d.entry.attempts,
-        d.reason,
+        crate::util::terminal_safe(&d.reason),
         d.entry.key
     )
 }

@@ -1,6 +1,7 @@
 //! The `zonewatch` binary: parse the command line, set up logging, dispatch.
 
 use clap::Parser;
+use std::io::IsTerminal;
 use zonewatch::cli::{dispatch, Cli, LogFormat};
 
 fn main() {
@@ -9,10 +10,28 @@ fn main() {
     let default_level = if matches!(cli.command, zonewatch::cli::Command::Serve { .. }) { "info" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_env("ZONEWATCH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only for a person at a terminal (not in journald or a log file), and never
+    // with NO_COLOR set (https://no-color.org).
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     match cli.log_format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Human => builder.init(),
     }
+    quiet_on_closed_stdout();
     std::process::exit(dispatch(cli));
+}
+
+/// `zonewatch audit | head` closes stdout early: the command stops there quietly, exit 0, as
+/// Unix tools do, instead of panicking with "failed printing to stdout: Broken pipe". Every
+/// other panic is reported as before.
+fn quiet_on_closed_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info.payload().downcast_ref::<String>().map(String::as_str).unwrap_or("");
+        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        report(info);
+    }));
 }

@@ -299,6 +299,13 @@ impl Engine {
         Engine::open_with_clock(config, crate::clock::system())
     }
 
+    /// Like [`Engine::open`], for the commands that only read or steer what runs wrote: the
+    /// store must exist already (see [`Store::open_existing`]).
+    pub fn open_existing(config: Config) -> Result<Engine, PipelineError> {
+        Store::require_existing(&config.store_path)?;
+        Engine::open(config)
+    }
+
     /// Like [`Engine::open`], with time taken from `clock` (tests pass a manual clock).
     pub fn open_with_clock(config: Config, clock: SharedClock) -> Result<Engine, PipelineError> {
         let mut subs = config_subscribers(&config)?;

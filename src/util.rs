@@ -210,6 +210,13 @@ mod tests {
     }
 
     #[test]
+    fn text_from_a_feed_cannot_drive_the_terminal() {
+        assert!(matches!(terminal_safe("R-1 Zürich"), std::borrow::Cow::Borrowed("R-1 Zürich")));
+        assert_eq!(terminal_safe("EVIL\u{1b}]0;pwned\u{7}\u{1b}[2J"), "EVIL\\u{1b}]0;pwned\\u{7}\\u{1b}[2J");
+        assert_eq!(terminal_safe("a\nb\tc\u{202e}d"), "a\\u{a}b\\u{9}c\\u{202e}d");
+    }
+
+    #[test]
     fn rfc3339_round_trips() {
         let ms = 1_796_011_981_123;
         let text = rfc3339(ms);
@@ -218,6 +225,26 @@ mod tests {
         assert_eq!(parse_rfc3339("1970-01-01T01:00:00+01:00"), Some(0));
         assert_eq!(parse_rfc3339("2024-02-30x"), None);
     }
+}
+
+/// `text` as it may be printed to an operator's terminal: control characters (escape
+/// sequences, newlines, tabs) and the bidirectional overrides are shown escaped (`\u{1b}`),
+/// so a parcel id or zoning code from a feed can neither rewrite the screen nor break a
+/// table's rows. Everything else is left as it is.
+pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |c: char| c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    if !text.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if unsafe_char(c) {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// `s` cut to at most `max` bytes on a character boundary, with `…` when cut (raw feature text

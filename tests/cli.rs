@@ -109,6 +109,10 @@ async fn run_audit_and_holds_from_the_command_line() {
     let o = tokio::task::block_in_place(|| run_cli(&[]));
     assert!(o.status.success(), "{:?}", text(&o));
     assert!(text(&o).0.contains("s1: baseline features=40"), "{:?}", text(&o));
+    // The store holds the subscribers' secrets: readable by its owner only.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(ws.path().join("zw.redb")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o077, 0, "store mode {mode:o}");
 
     let mut v2 = v1.clone();
     v2[0].zone = "C3".into();
@@ -161,6 +165,24 @@ async fn run_audit_and_holds_from_the_command_line() {
     let o = zonewatch(&["holds", "prime", &hold_id, "--config", &cfg]);
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).1.contains("not open"));
+
+    // A reader that stops early (`audit | head`) ends the command quietly, not in a panic.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["audit", "--config", &cfg]).stdout(writer).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(o.stderr.is_empty(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // The commands that read what runs wrote refuse a store that is not there, and create none.
+    ws.edit_config("path = \"zw.redb\"", "path = \"typo/zw.redb\"");
+    for args in [&["audit"][..], &["holds", "list"], &["dlq", "list"], &["endpoints", "list"]] {
+        let mut args = args.to_vec();
+        args.extend(["--config", cfg.as_str()]);
+        let o = zonewatch(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {:?}", text(&o));
+        assert!(text(&o).1.contains("no store there"), "{args:?}: {:?}", text(&o));
+    }
+    assert!(!ws.path().join("typo").exists(), "a store was created");
 }
 
 #[test]

@@ -147,6 +147,16 @@ impl std::fmt::Debug for Store {
 /// group commit unchanged within noise (interleaved runs, ninth session; docs/PERFORMANCE.md).
 pub const STORE_CACHE_BYTES: usize = 8 * 1024 * 1024;
 
+/// Creates `path` as an empty file of mode 0600 if there is no file there yet.
+fn create_private(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(StoreError::Open { path: path.to_path_buf(), message: format!("cannot create the store file: {e}") }),
+    }
+}
+
 impl Store {
     /// Opens (or creates) the store at `path`, creating missing tables and checking the schema.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
@@ -163,6 +173,9 @@ impl Store {
                 })?;
             }
         }
+        // A new store is created readable by its owner only: it holds subscribers' signing
+        // secrets. (redb initialises an empty file as a new database.)
+        create_private(path)?;
         // The repair callback is called only when redb has to rebuild the file's allocator
         // state (an unclean shutdown without a quick-repair record).
         let full_repair = std::rc::Rc::new(std::cell::Cell::new(false));
@@ -195,6 +208,19 @@ impl Store {
             store.compact_after_upgrade()?;
         }
         Ok(store)
+    }
+
+    /// An error unless there is a store file at `path`: the commands that read or steer what
+    /// runs wrote (`audit`, `holds`, `dlq`, `endpoints`) call it before opening, so a wrong
+    /// `[store] path` does not read as an empty ledger, nor leave an empty store behind.
+    pub fn require_existing(path: &Path) -> Result<(), StoreError> {
+        if path.exists() {
+            return Ok(());
+        }
+        Err(StoreError::Open {
+            path: path.to_path_buf(),
+            message: "no store there (check `[store] path` in the config; `zonewatch run` or `serve` creates it)".into(),
+        })
     }
 
     /// Gives back the pages an upgrade freed. Moving an older snapshot into blocks
