@@ -255,6 +255,13 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         },
         None => engine.config.sources.clone(),
     };
+    if from_staging {
+        // Only an HTTP fetch stages a payload; a file source's file is its own copy.
+        if let Some(src) = sources.iter().find(|s| matches!(s.kind, crate::config::SourceKind::File { .. })) {
+            eprintln!("error: --from-staging re-processes the payload an HTTP source's last fetch staged; {:?} is a file source (run it without --from-staging)", src.id);
+            return 2;
+        }
+    }
     let mut failed = 0;
     for src in &sources {
         let progress = Arc::new(crate::progress::IngestProgress::start(&src.id, crate::progress::file_size(src)));

@@ -166,6 +166,11 @@ async fn run_audit_and_holds_from_the_command_line() {
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).1.contains("not open"));
 
+    // --from-staging is for HTTP sources; a file source says so.
+    let o = tokio::task::block_in_place(|| run_cli(&["--source", "s1", "--from-staging"]));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("is a file source"), "{:?}", text(&o));
+
     // A reader that stops early (`audit | head`) ends the command quietly, not in a panic.
     let (reader, writer) = std::io::pipe().unwrap();
     drop(reader);

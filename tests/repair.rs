@@ -52,6 +52,29 @@ fn duplicate_ids_out_of_bounds_and_missing_fields_are_quarantined() {
     assert!(!engine.store.snapshot_states("s1").unwrap().contains_key("P0001"));
 }
 
+/// A feature whose bytes are not UTF-8 is quarantined under the id it seems to have, and
+/// that parcel keeps its stored state: no rezoning to a code with U+FFFD in it is alerted.
+/// A layer that starts with a byte order mark reads as any other.
+#[test]
+fn a_feature_whose_bytes_are_not_utf8_is_quarantined_and_keeps_its_parcel() {
+    let ws = Workspace::new(&[], "", "");
+    let engine = ws.engine();
+    let mut parcels = grid(10);
+    parcels[3].zone = "ZZ-1".into();
+    let text = layer(&parcels);
+    std::fs::write(ws.path().join("layer.geojson"), [&b"\xEF\xBB\xBF"[..], text.as_bytes()].concat()).unwrap();
+    assert_eq!(run(&engine, false).record.counts.parcels, 10);
+    let bad = text.replacen("ZZ-1", "ZZ-\u{1}", 1).into_bytes();
+    let bad: Vec<u8> = bad.into_iter().map(|b| if b == 1 { 0xFF } else { b }).collect();
+    std::fs::write(ws.path().join("layer.geojson"), bad).unwrap();
+    let r = run(&engine, false);
+    assert_eq!((r.record.counts.quarantined, r.record.counts.changes), (1, 0), "{:?}", r.record.counts);
+    assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0003"].zoning, "ZZ-1");
+    let q = engine.store.quarantine().unwrap();
+    assert_eq!((q[0].reason, q[0].parcel_id.as_deref()), (QuarantineReason::MalformedFeature, Some("P0003")));
+    assert!(q[0].detail.contains("not UTF-8"), "{}", q[0].detail);
+}
+
 #[test]
 fn malformed_feed_fails_the_run_cleanly() {
     let ws = Workspace::new(&[], "", "");

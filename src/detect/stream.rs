@@ -25,7 +25,7 @@
 use super::diff::{classify, ParcelDelta};
 use super::spill::{frame_parcel, Spill, SpillEntry, SpillError, SpillReader, SpilledParcel};
 use crate::ingest::geojson::{self, FeatureText};
-use crate::ingest::normalize::{normalize_feature, NormalizeRules};
+use crate::ingest::normalize::{normalize_feature, NormalizeRules, Rejected};
 use crate::ingest::IngestError;
 use crate::model::{ChangeKind, ParcelState, QuarantineReason};
 use crate::store::{QuarantineDraft, SnapshotView, StoreError};
@@ -167,6 +167,14 @@ struct FeatureBatch {
     seq: u64,
     text: String,
     items: Vec<(u64, usize, usize)>,
+    /// Indexes of the batch's features whose bytes were not UTF-8 (rare): quarantined.
+    not_utf8: Vec<u64>,
+}
+
+impl FeatureBatch {
+    fn new(seq: u64) -> FeatureBatch {
+        FeatureBatch { seq, text: String::with_capacity(BATCH * 300), items: Vec::with_capacity(BATCH), not_utf8: Vec::new() }
+    }
 }
 
 enum Outcome {
@@ -238,7 +246,7 @@ pub fn scan_layer<R: Read + Send>(
         scope.spawn(|| index.get_or_init(|| build_index(view)));
         let scanner = scope.spawn(move || {
             let mut seq = 0u64;
-            let mut batch = FeatureBatch { seq, text: String::with_capacity(BATCH * 300), items: Vec::with_capacity(BATCH) };
+            let mut batch = FeatureBatch::new(seq);
             let mut hung_up = false;
             let mut last_offset = 0u64;
             let n = geojson::for_each_feature_in(reader, |f: FeatureText<'_>| {
@@ -250,9 +258,12 @@ pub fn scan_layer<R: Read + Send>(
                 let start = batch.text.len();
                 batch.text.push_str(f.json);
                 batch.items.push((f.index, start, batch.text.len()));
+                if f.not_utf8 {
+                    batch.not_utf8.push(f.index);
+                }
                 if batch.items.len() >= BATCH {
                     seq += 1;
-                    let next = FeatureBatch { seq, text: String::with_capacity(BATCH * 300), items: Vec::with_capacity(BATCH) };
+                    let next = FeatureBatch::new(seq);
                     if feat_tx.send(std::mem::replace(&mut batch, next)).is_err() {
                         hung_up = true;
                     }
@@ -465,7 +476,17 @@ fn worker(
         let mut out = ResultBatch { seq: batch.seq, outcomes: Vec::with_capacity(batch.items.len()), framed: Vec::new(), repaired: 0, folded: Vec::new() };
         for &(index, a, b) in &batch.items {
             let json = &batch.text[a..b];
-            match normalize_feature(json, rules) {
+            let mut normalized = normalize_feature(json, rules);
+            if batch.not_utf8.contains(&index) {
+                // Kept with the id it seems to have, so that parcel keeps its stored state.
+                let parcel_id = match normalized {
+                    Ok(n) => Some(n.parcel.id),
+                    Err(r) => r.parcel_id,
+                };
+                let detail = "the feature's bytes are not UTF-8 (shown here with U+FFFD in their place)".to_string();
+                normalized = Err(Rejected { parcel_id, reason: QuarantineReason::MalformedFeature, detail });
+            }
+            match normalized {
                 Ok(n) => {
                     out.repaired += u64::from(n.repaired);
                     for f in n.folded_fields {

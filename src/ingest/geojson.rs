@@ -28,6 +28,9 @@ pub struct FeatureText<'a> {
     /// The feature's JSON text (non-finite tokens already replaced by `null`; bytes that are
     /// not UTF-8 replaced by U+FFFD, so the feature can still be quarantined with its text).
     pub json: &'a str,
+    /// Whether bytes of the feature were not UTF-8 (and so replaced in `json`): its codes and
+    /// id are not what the publisher wrote, so the feature must be quarantined, never diffed.
+    pub not_utf8: bool,
     /// Bytes of the document consumed so far (for progress reporting).
     pub offset: u64,
 }
@@ -50,8 +53,11 @@ where
     let mut crs: Option<String> = None;
     let mut saw_features = false;
     let mut count = 0u64;
-    if sc.next_non_ws()? != Some(b'{') {
-        return Err(sc.error("the document is not a JSON object (expected a FeatureCollection)"));
+    sc.skip_byte_order_mark()?;
+    match sc.next_non_ws()? {
+        Some(b'{') => {}
+        None => return Err(sc.error("the document is empty (expected a FeatureCollection)")),
+        Some(_) => return Err(sc.error("the document is not a JSON object (expected a FeatureCollection)")),
     }
     sc.start += 1;
     let mut first = true;
@@ -97,11 +103,11 @@ where
                         let raw = &sc.buf[a..b];
                         let clean: Cow<'_, [u8]> = if sc.saw_non_finite { sanitize_non_finite(raw) } else { Cow::Borrowed(raw) };
                         // Sanitising only replaces ASCII tokens with ASCII, so UTF-8 stays UTF-8.
-                        let text: Cow<'_, str> = match std::str::from_utf8(&clean) {
-                            Ok(t) => Cow::Borrowed(t),
-                            Err(_) => Cow::Owned(String::from_utf8_lossy(&clean).into_owned()),
+                        let (text, not_utf8): (Cow<'_, str>, bool) = match std::str::from_utf8(&clean) {
+                            Ok(t) => (Cow::Borrowed(t), false),
+                            Err(_) => (Cow::Owned(String::from_utf8_lossy(&clean).into_owned()), true),
                         };
-                        on_feature(FeatureText { index: count, json: &text, offset });
+                        on_feature(FeatureText { index: count, json: &text, offset, not_utf8 });
                     }
                     count += 1;
                     sc.start = b;
@@ -142,8 +148,14 @@ where
     if sc.next_non_ws()?.is_some() {
         return Err(sc.error("trailing characters after the document"));
     }
-    if kind.as_deref() != Some("FeatureCollection") {
-        return Err(IngestError::Malformed(format!("\"type\" is {:?}, expected \"FeatureCollection\"", kind.unwrap_or_default())));
+    match kind.as_deref() {
+        Some("FeatureCollection") => {}
+        Some(other) => return Err(IngestError::Malformed(format!("\"type\" is {other:?}, expected \"FeatureCollection\""))),
+        None => {
+            return Err(IngestError::Malformed(
+                "the document has no \"type\" member (a GeoJSON FeatureCollection has \"type\": \"FeatureCollection\"; Esri JSON is read from an ArcGIS service, kind = \"arcgis\")".into(),
+            ))
+        }
     }
     if !saw_features {
         return Err(IngestError::Malformed("no \"features\" array".into()));
@@ -220,6 +232,16 @@ impl<R: Read> Scanner<R> {
     }
 
     /// Skips whitespace; returns the next byte without consuming it (None at end of input).
+    /// Steps over a UTF-8 byte order mark at the start of the document: Windows tools and
+    /// some GIS exports write one, and it is no reason to refuse a layer.
+    fn skip_byte_order_mark(&mut self) -> Result<(), IngestError> {
+        while self.end - self.start < 3 && self.fill()? {}
+        if self.buf[self.start..self.end].starts_with(&[0xEF, 0xBB, 0xBF]) {
+            self.start += 3;
+        }
+        Ok(())
+    }
+
     fn next_non_ws(&mut self) -> Result<Option<u8>, IngestError> {
         loop {
             while self.start < self.end {
@@ -425,6 +447,26 @@ mod tests {
         assert!(for_each_feature(no_features, |_| {}).is_err());
         assert!(for_each_feature(b"", |_| {}).is_err());
         assert!(for_each_feature(br#"{"type":"FeatureCollection","features":{}}"#, |_| {}).is_err());
+    }
+
+    /// A byte order mark is stepped over (also when it arrives a byte at a time); bytes that
+    /// are not UTF-8 are flagged on their feature; an empty document and one without a
+    /// `type` say so.
+    #[test]
+    fn byte_order_marks_bad_bytes_and_empty_documents() {
+        let doc = b"\xEF\xBB\xBF {\"type\":\"FeatureCollection\",\"features\":[{\"a\":\"R-\xff1\"},{\"b\":2}]}";
+        for trickle in [false, true] {
+            let mut seen = vec![];
+            let on = |f: FeatureText<'_>| seen.push((f.json.to_string(), f.not_utf8));
+            let n = if trickle { for_each_feature_in(Trickle(doc), on) } else { for_each_feature(doc, on) };
+            assert_eq!(n.unwrap(), 2);
+            assert_eq!(seen, vec![("{\"a\":\"R-\u{fffd}1\"}".to_string(), true), (r#"{"b":2}"#.to_string(), false)]);
+        }
+        for empty in [&b""[..], b"  \n", b"\xEF\xBB\xBF"] {
+            assert!(for_each_feature(empty, |_| {}).unwrap_err().to_string().contains("the document is empty"));
+        }
+        let esri = br#"{"geometryType":"esriGeometryPolygon","features":[]}"#;
+        assert!(for_each_feature(esri, |_| {}).unwrap_err().to_string().contains("no \"type\" member"));
     }
 
     #[test]
