@@ -250,7 +250,9 @@ pub fn prop_text_folding(props: &Props<'_>, name: &str, folded: &mut Vec<(String
     prop_text(props.get(key)?)
 }
 
-/// A property as trimmed text; numbers are written in their JSON form. Empty → None.
+/// A property as trimmed text; numbers are written in their JSON form, except that a whole
+/// number written as a float (`12345.0`, `1.2345e4`) reads as the integer (`12345`). Empty →
+/// None.
 fn prop_text(raw: &RawValue) -> Option<String> {
     // A string without escapes, borrowed (most attribute values); anything else is parsed.
     if let Ok(s) = serde_json::from_str::<&str>(raw.get()) {
@@ -259,7 +261,7 @@ fn prop_text(raw: &RawValue) -> Option<String> {
     }
     let text = match serde_json::from_str::<serde_json::Value>(raw.get()).ok()? {
         serde_json::Value::String(s) => s.trim().to_string(),
-        serde_json::Value::Number(n) => n.to_string(),
+        serde_json::Value::Number(n) => number_text(&n),
         serde_json::Value::Bool(b) => b.to_string(),
         _ => return None,
     };
@@ -267,6 +269,18 @@ fn prop_text(raw: &RawValue) -> Option<String> {
         None
     } else {
         Some(text)
+    }
+}
+
+/// A number as an id or code: one text for one value. Publishers write the same integer id
+/// as `12345` in one version and `12345.0` in the next (a float column: pandas makes one of
+/// an integer column with a gap), which must not read as a parcel removed and another added.
+/// Whole numbers up to 2^53 (exact in a double) are written as integers; others as JSON has them.
+fn number_text(n: &serde_json::Number) -> String {
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    match n.as_f64() {
+        Some(x) if n.is_f64() && x.fract() == 0.0 && x.abs() <= EXACT => format!("{}", x as i64),
+        _ => n.to_string(),
     }
 }
 
@@ -610,6 +624,24 @@ mod tests {
         assert_eq!(r.parcel.id, "7");
         assert_eq!(r.parcel.geometry.0.len(), 2);
         assert!(geo::Validation::is_valid(&r.parcel.geometry.to_geo()));
+    }
+
+    /// One number, one id: a whole number written as a float or with an exponent reads as
+    /// the integer; other numbers keep their JSON form.
+    #[test]
+    fn numeric_ids_and_codes_read_the_same_however_written() {
+        let f = fields();
+        let id_of = |apn: &str, zone: &str| {
+            let text = format!(r#"{{"type":"Feature","properties":{{"APN":{apn},"ZONE":{zone}}},"geometry":{{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}}}}"#);
+            let p = normalize_feature(&text, &rules(&f)).unwrap().parcel;
+            (p.id, p.state.zoning)
+        };
+        for apn in ["100010", "100010.0", "1.0001e5", "100010.000", "1000100e-1"] {
+            assert_eq!(id_of(apn, "3.0"), ("100010".to_string(), "3".to_string()), "{apn}");
+        }
+        assert_eq!(id_of("12.5", "-0.0").0, "12.5");
+        assert_eq!(id_of("12345678901234567890", "1").0, "12345678901234567890");
+        assert_eq!(id_of("1e300", "1").0, "1e+300", "beyond 2^53: as serde_json writes the double");
     }
 
     #[test]
