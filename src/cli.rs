@@ -659,9 +659,14 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                 continue;
             }
         };
-        let exists = if path.exists() { "exists" } else { "MISSING" };
+        // Opened, not only looked for: a layer this user may not read fails every run.
+        let state = match std::fs::File::open(path) {
+            Ok(_) => "exists".to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "MISSING".to_string(),
+            Err(e) => format!("NOT READABLE: {e}"),
+        };
         println!(
-            "source {}: kind=file path={} ({exists}) every={} max_change_ratio={} fields: id={} zoning={}",
+            "source {}: kind=file path={} ({state}) every={} max_change_ratio={} fields: id={} zoning={}",
             s.id,
             path.display(),
             crate::util::format_duration(s.every),
@@ -669,7 +674,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             s.fields.parcel_id,
             s.fields.zoning
         );
-        if !path.exists() {
+        if state != "exists" {
             bad += 1;
         }
     }
@@ -691,6 +696,26 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                 bad += 1;
                 println!("subscriber {}: ERROR {e}", s.id);
             }
+        }
+        // A private address written in the target is refused at every delivery unless allowed.
+        let host = reqwest::Url::parse(&s.target).ok().and_then(|u| u.host_str().map(str::to_string));
+        if let Some(host) = host.filter(|_| !cfg.delivery.allow_private_targets) {
+            if crate::netguard::literal_private(&host).is_some() || host.eq_ignore_ascii_case("localhost") {
+                bad += 1;
+                println!(
+                    "subscriber {}: ERROR target {} is a private address: every delivery would be refused (set delivery.allow_private_targets = true to deliver there)",
+                    s.id, s.target
+                );
+            }
+        }
+    }
+    // The control token `serve` will use: one it would refuse fails the pre-start check.
+    match crate::control::auth::read_token(&cfg.control.token_file) {
+        Ok(Some(_)) => println!("control: {} token {} ok", cfg.control.listen, cfg.control.token_file.display()),
+        Ok(None) => println!("control: {} token {} (created on first start)", cfg.control.listen, cfg.control.token_file.display()),
+        Err(e) => {
+            bad += 1;
+            println!("control: ERROR {e}");
         }
     }
     // The store part is asked for: `check --config` alone is the config check a service

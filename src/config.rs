@@ -374,6 +374,20 @@ impl SourceConfig {
     }
 }
 
+/// What a source or subscriber id may be, said in errors.
+pub const ID_RULE: &str = "1-64 characters of letters, digits, '-', '_' or '.' (not dots alone)";
+
+/// Whether `id` may name a source or a subscriber: ids become file names (a source's staged
+/// payload), paths on the control port (`/v1/sources/{id}/run`, `/v1/subscribers/{id}`),
+/// metric labels and table cells, so they are kept to characters that are safe in all of
+/// them. The control port's `POST /v1/subscribers` applies the same rule.
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !id.chars().all(|c| c == '.')
+}
+
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -471,8 +485,8 @@ impl Config {
         for (i, s) in raw.sources.iter().enumerate() {
             let at = format!("source[{i}] ({:?})", s.id);
             let id = s.id.trim().to_string();
-            if id.is_empty() || id.contains(['/', '\n', '\0']) {
-                return Err(invalid(format!("{at}: id must be non-empty and contain no '/'")));
+            if !valid_id(&id) {
+                return Err(invalid(format!("{at}: id must be {ID_RULE}")));
             }
             if !seen.insert(id.clone()) {
                 return Err(invalid(format!("{at}: duplicate source id {id:?}")));
@@ -616,8 +630,8 @@ impl Config {
         for (i, s) in raw.subscribers.iter().enumerate() {
             let at = format!("subscriber[{i}] ({:?})", s.id);
             let id = s.id.trim().to_string();
-            if id.is_empty() {
-                return Err(invalid(format!("{at}: id must not be empty")));
+            if !valid_id(&id) {
+                return Err(invalid(format!("{at}: id must be {ID_RULE}")));
             }
             if !seen.insert(id.clone()) {
                 return Err(invalid(format!("{at}: duplicate subscriber id {id:?}")));
@@ -713,6 +727,25 @@ mod tests {
         let advice = short.advisories();
         assert_eq!(advice.len(), 1);
         assert!(advice[0].contains("delivery.retention") && advice[0].contains("webhook-id"), "{advice:?}");
+    }
+
+    #[test]
+    fn ids_that_cannot_name_a_file_a_route_or_a_table_cell_are_refused() {
+        let with = |source: &str, sub: &str| {
+            let text = format!(
+                "[store]\npath = \"zw.redb\"\n[[source]]\nid = \"{source}\"\njurisdiction = \"t\"\nkind = \"file\"\npath = \"p.geojson\"\n\
+                 [source.fields]\nparcel_id = \"ML\"\nzoning = \"Z\"\n[[subscriber]]\nid = \"{sub}\"\naoi = \"a.geojson\"\ntarget = \"https://example.org/h\"\n"
+            );
+            Config::parse_str(&text, Path::new(".")).map(|_| ()).map_err(|e| e.to_string())
+        };
+        assert_eq!(with("cambridge-zoning_2.v1", "portfolio-7"), Ok(()));
+        let long = "a".repeat(65);
+        for bad in ["a b", "a/b", "a:b", "..", ".", "a\\u0007b", "é", long.as_str()] {
+            let e = with(bad, "w").unwrap_err();
+            assert!(e.contains("source[0]") && e.contains("1-64 characters"), "{bad:?}: {e}");
+            let e = with("s", bad).unwrap_err();
+            assert!(e.contains("subscriber[0]") && e.contains("1-64 characters"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

@@ -75,6 +75,20 @@ fn check_reports_good_and_bad_configs() {
         assert!(text(&o).0.contains("was not closed cleanly"), "{:?}", text(&o));
     }
 
+    // What `serve` or every delivery would refuse fails the check: a control token that is
+    // too short, a target at a private address while those are not allowed.
+    std::fs::write(ws.path().join("control.token"), "short\n").unwrap();
+    ws.edit_config("allow_private_targets = true", "allow_private_targets = false");
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    let out = text(&o).0;
+    assert!(out.contains("control: ERROR") && out.contains("shorter than 16"), "{out}");
+    assert!(out.contains("subscriber w: ERROR target http://127.0.0.1:9/h is a private address"), "{out}");
+    std::fs::write(ws.path().join("control.token"), "a-token-of-sixteen-or-more\n").unwrap();
+    ws.edit_config("allow_private_targets = false", "allow_private_targets = true");
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    assert!(o.status.success() && text(&o).0.contains("control.token ok"), "{:?}", text(&o));
+
     std::fs::write(ws.path().join("aoi/w.geojson"), r#"{"type":"Point","coordinates":[0,0]}"#).unwrap();
     let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));

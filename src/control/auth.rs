@@ -4,17 +4,28 @@
 use base64::Engine as _;
 use std::path::Path;
 
-/// Loads the token, creating the file when it is absent.
-pub fn load_or_create_token(path: &Path) -> Result<String, String> {
+/// The token in `path`, `None` when there is no file yet (`serve` creates one); an error for
+/// a file that cannot be read or holds a token too short to be one. `zonewatch check` asks
+/// this too, so a token `serve` would refuse fails the service's pre-start check.
+pub fn read_token(path: &Path) -> Result<Option<String>, String> {
     match std::fs::read_to_string(path) {
         Ok(t) => {
             let t = t.trim().to_string();
             if t.len() < 16 {
                 return Err(format!("control token in {} is shorter than 16 characters", path.display()));
             }
-            Ok(t)
+            Ok(Some(t))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot read control token {}: {e}", path.display())),
+    }
+}
+
+/// Loads the token, creating the file when it is absent.
+pub fn load_or_create_token(path: &Path) -> Result<String, String> {
+    match read_token(path)? {
+        Some(t) => Ok(t),
+        None => {
             let bytes: [u8; 32] = rand::random();
             let token = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
             if let Some(parent) = path.parent() {
@@ -26,7 +37,6 @@ pub fn load_or_create_token(path: &Path) -> Result<String, String> {
             tracing::warn!(path = %path.display(), "created a new control token");
             Ok(token)
         }
-        Err(e) => Err(format!("cannot read control token {}: {e}", path.display())),
     }
 }
 
