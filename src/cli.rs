@@ -167,9 +167,51 @@ pub enum SynthWhat {
 }
 
 /// Exit codes: 0 ok, 1 runtime failure (a source failed, delivery error), 2 config/store error.
+///
+/// The one-shot commands that read the store run under `store::guard`: a store damaged so
+/// that redb panics reading it is reported as one line (`store FILE is damaged (redb: ...);
+/// restore a backup ...`) with exit 2, not a backtrace. `serve` is not guarded: its store work
+/// runs on the runtime's threads, whose panics are logged as failed tasks.
 pub fn dispatch(cli: Cli) -> i32 {
     crate::progress::set_json_logs(cli.log_format == LogFormat::Json);
-    match cli.command {
+    let Some(config) = cli.command.store_config().map(std::path::Path::to_path_buf) else {
+        return run_command(cli.command);
+    };
+    match crate::store::guard::guarded(|| run_command(cli.command)) {
+        Ok(code) => code,
+        Err(panic) => {
+            // The config loaded before the store was opened, so it loads again here.
+            let store = Config::load(&config).map(|c| c.store_path).unwrap_or(config);
+            eprintln!("error: {}", panic.at(&store));
+            2
+        }
+    }
+}
+
+impl Command {
+    /// The config of a one-shot command that reads the store (what `dispatch` guards), so a
+    /// damaged store can be named; `None` for `serve` and the commands without a store.
+    fn store_config(&self) -> Option<&std::path::Path> {
+        use crate::cli_dlq::{DlqAction, EndpointsAction};
+        match self {
+            Command::Run { config, .. }
+            | Command::Check { config, .. }
+            | Command::Audit { config, .. }
+            | Command::Backup { config, .. }
+            | Command::Restore { config, .. } => Some(config),
+            Command::Holds { action: HoldAction::List { config } | HoldAction::Release { config, .. } | HoldAction::Prime { config, .. } } => Some(config),
+            Command::Dlq {
+                action: DlqAction::List { config, .. } | DlqAction::Show { config, .. } | DlqAction::Replay { config, .. } | DlqAction::Recover { config, .. },
+            } => Some(config),
+            Command::Endpoints { action: EndpointsAction::List { config, .. } | EndpointsAction::Enable { config, .. } } => Some(config),
+            Command::Demo | Command::Serve { .. } | Command::Synth { .. } | Command::Bench(_) => None,
+        }
+    }
+}
+
+/// One command, its exit code.
+fn run_command(command: Command) -> i32 {
+    match command {
         Command::Demo => match crate::demo::run_demo() {
             Ok(()) => 0,
             Err(e) => {
@@ -595,21 +637,45 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             return 1;
         }
     };
-    if let Err(e) = std::fs::copy(&src, dest) {
-        eprintln!("error: cannot copy {} to {}: {e}", src.display(), dest.display());
-        return 1;
-    }
-    match crate::store::backup::verify_file(dest) {
-        Ok(()) => {
-            let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
-            println!("backup: {} ({bytes} bytes, taken by the running daemon; its copy stays at {})", dest.display(), src.display());
+    match copy_daemon_backup(&src, dest) {
+        Ok(bytes) => {
+            // The operator has a verified copy at `dest`: the daemon's copy would only fill
+            // the disk, one whole store per backup.
+            let daemon_copy = match std::fs::remove_file(&src) {
+                Ok(()) => format!("its copy at {} removed", src.display()),
+                Err(e) => format!("its copy stays at {}: cannot remove it: {e}", src.display()),
+            };
+            println!("backup: {} ({bytes} bytes, taken by the running daemon; {daemon_copy})", dest.display());
             0
         }
         Err(e) => {
-            eprintln!("error: the copied backup does not verify: {e}");
+            eprintln!("error: {e}; the daemon's backup is kept at {} (the only copy of this backup)", src.display());
             1
         }
     }
+}
+
+/// Copies the daemon's backup `src` to `dest` (which must not exist) through a temp file
+/// beside `dest`, verifies the copy and renames it into place. Returns its size. `src` is
+/// only read.
+fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u64, String> {
+    let cannot = |e: &dyn std::fmt::Display| format!("cannot copy {} to {}: {e}", src.display(), dest.display());
+    if dest.exists() {
+        return Err(cannot(&"the destination already exists"));
+    }
+    let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let mut tmp = tempfile::Builder::new().prefix(".zonewatch-backup-").tempfile_in(parent).map_err(|e| cannot(&e))?;
+    let mut from = std::fs::File::open(src).map_err(|e| cannot(&e))?;
+    let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(|e| cannot(&e))?;
+    tmp.as_file().sync_all().map_err(|e| cannot(&e))?;
+    let verified = crate::store::guard::guarded(|| crate::store::backup::verify_file(tmp.path()));
+    match verified {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(format!("the copied backup does not verify: {e}")),
+        Err(panic) => return Err(format!("the copied backup does not verify: {}", panic.at(src))),
+    }
+    tmp.persist_noclobber(dest).map_err(|e| cannot(&e.error))?;
+    Ok(bytes)
 }
 
 fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
@@ -618,8 +684,14 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
         Err(code) => return code,
     };
     match crate::store::backup::restore(src, &cfg.store_path) {
-        Ok(()) => {
+        Ok(info) => {
             println!("restored {} to {}", src.display(), cfg.store_path.display());
+            if let Some(kept) = &info.kept {
+                println!("the replaced store is kept at {}", kept.display());
+            }
+            if let Some(warning) = &info.owner_warning {
+                eprintln!("warning: {warning}");
+            }
             0
         }
         Err(e) => {
@@ -737,10 +809,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
 
 /// `check --store`'s part: the cross-table consistency check (`store::check`) on the file,
 /// opened read-only (nothing in it changes, an older schema included). Returns the number of
-/// problems found. Not checked, and not counted as a problem: a store that a running zonewatch
-/// holds open (redb allows one process: check a backup of it instead), one not closed cleanly
-/// (the next writable open repairs it), one this user may not read, and the config's store
-/// before it is first created. A file named on the command line (`explicit`) must exist.
+/// problems found. A file not closed cleanly is checked through a temporary copy that redb
+/// repairs; one that cannot be repaired, or that redb panics reading, is damaged: a problem.
+/// Not checked, and not counted as a problem: a store that a running zonewatch holds open
+/// (redb allows one process: check a backup of it instead), one this user may not read, and
+/// the config's store before it is first created. A file named on the command line
+/// (`explicit`) must exist.
 fn check_store(path: &std::path::Path, explicit: bool) -> usize {
     // `check` is also run as another user than the daemon's: a store (or a folder on its
     // path) it may not read is noted, not counted as a problem.
@@ -759,7 +833,15 @@ fn check_store(path: &std::path::Path, explicit: bool) -> usize {
             return 1;
         }
     }
-    match crate::store::check::check_file(path) {
+    // A file damaged so that redb panics reading it is an error like any other.
+    let checked = crate::store::guard::guarded(|| crate::store::check::check_file(path)).unwrap_or_else(|p| Err(p.at(path)));
+    if matches!(&checked, Ok(r) if r.checked_repaired_copy) {
+        println!(
+            "store {}: was not closed cleanly; checked a temporary copy that redb repaired (the file itself is unchanged; the next `zonewatch run` or `serve` repairs it the same way)",
+            path.display()
+        );
+    }
+    match checked {
         Ok(r) if r.is_consistent() => {
             println!(
                 "store {}: consistent ({} queued outbox row(s), {} audit row(s), {} watermark(s), {} run(s), {} snapshot parcel(s))",
@@ -785,9 +867,9 @@ fn check_store(path: &std::path::Path, explicit: bool) -> usize {
             );
             0
         }
-        Err(e @ crate::store::StoreError::NeedsRepair { .. }) => {
-            println!("{e}; consistency not checked");
-            0
+        Err(crate::store::StoreError::Damaged { message, .. }) => {
+            println!("store {}: ERROR damaged (redb: {message}); restore a backup: zonewatch restore BACKUP --config FILE", path.display());
+            1
         }
         Err(e) => {
             println!("store {}: ERROR {e}", path.display());

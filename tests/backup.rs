@@ -42,3 +42,57 @@ fn backup_copies_every_table_and_restore_checks_its_input() {
     let engine = ws.engine();
     assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0000"].zoning, "C3");
 }
+
+#[test]
+fn restore_never_overwrites_a_kept_store_leaves_the_backup_alone_and_keeps_the_stores_mode() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let ws = Workspace::new(&[], "", "");
+    let live = ws.path().join("zw.redb");
+    let backup = ws.path().join("b.redb");
+    {
+        let engine = ws.engine();
+        ws.write_layer(&layer(&grid(30)));
+        run(&engine, false);
+        engine.store.backup_to(&backup).unwrap();
+        // The store moves on after the backup: P0000 rezoned to C3 (R-1 in the backup).
+        let mut v2 = grid(30);
+        v2[0].zone = "C3".into();
+        ws.write_layer(&layer(&v2));
+        run(&engine, false);
+    }
+    let zoning_of = |path: &std::path::Path| zonewatch::store::Store::open(path).unwrap().snapshot_states("s1").unwrap()["P0000"].zoning.clone();
+    // The backup is read-only (as root that stops nothing), the store belongs to the service.
+    std::fs::set_permissions(&backup, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let backup_bytes = std::fs::read(&backup).unwrap();
+    let backup_mtime = std::fs::metadata(&backup).unwrap().modified().unwrap();
+    std::fs::set_permissions(&live, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let as_root = std::fs::metadata(&backup).unwrap().uid() == 0;
+    if as_root {
+        std::os::unix::fs::chown(&live, Some(4321), Some(4322)).unwrap();
+    }
+
+    let first = zonewatch::store::backup::restore(&backup, &live).unwrap();
+    assert_eq!(first.kept.as_deref(), Some(ws.path().join("zw.redb.before-restore").as_path()));
+    let second = zonewatch::store::backup::restore(&backup, &live).unwrap();
+    assert_eq!(second.kept.as_deref(), Some(ws.path().join("zw.redb.before-restore.1").as_path()), "a second restore keeps its own copy");
+    assert!(ws.path().join("zw.redb.before-restore.1").exists());
+
+    // The backup read from is byte for byte what it was, not even touched.
+    assert!(std::fs::read(&backup).unwrap() == backup_bytes, "restore changed the backup it read");
+    assert_eq!(std::fs::metadata(&backup).unwrap().modified().unwrap(), backup_mtime, "restore wrote to the backup it read");
+
+    // The restored store can be opened by whoever could open the one it replaced.
+    let meta = std::fs::metadata(&live).unwrap();
+    assert_eq!(meta.mode() & 0o777, 0o640, "the restored store takes the replaced store's mode");
+    if as_root {
+        assert_eq!((meta.uid(), meta.gid()), (4321, 4322), "the restored store takes the replaced store's owner");
+        assert_eq!(second.owner_warning, None);
+    }
+    // Without a store to replace: 0600, and nothing kept.
+    let fresh = ws.path().join("fresh/zw.redb");
+    let info = zonewatch::store::backup::restore(&backup, &fresh).unwrap();
+    assert_eq!(info.kept, None);
+    assert_eq!(std::fs::metadata(&fresh).unwrap().mode() & 0o777, 0o600);
+    assert_eq!(zoning_of(&live), "R-1", "the backup's store is in place");
+    assert_eq!(zoning_of(&ws.path().join("zw.redb.before-restore")), "C3", "the first restore's copy of the original store survives the second");
+}

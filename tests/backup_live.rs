@@ -242,3 +242,31 @@ async fn backups_taken_during_ingest_and_delivery_are_whole_and_restore() {
         versions_seen.len()
     );
 }
+
+#[test]
+fn a_backup_through_the_daemon_leaves_no_copy_behind_unless_copying_it_failed() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(20)));
+    let d = Daemon::start(&ws);
+    let backups = ws.path().join("backups");
+    let in_backups = || -> Vec<PathBuf> {
+        std::fs::read_dir(&backups).map(|r| r.filter_map(|e| e.ok().map(|e| e.path())).collect()).unwrap_or_default()
+    };
+    let dest = ws.path().join("copy.redb");
+    cli_backup(&ws, &dest);
+    zonewatch::store::backup::verify_file(&dest).expect("the copy verifies");
+    assert_eq!(in_backups(), Vec::<PathBuf>::new(), "the daemon's copy is removed once the copy at DEST is verified");
+
+    // DEST cannot be written: the daemon's copy is the only one, so it stays, and is named.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["backup", ws.path().join("no-such-folder/copy.redb").to_str().expect("utf-8"), "--config", ws.config_path().to_str().expect("utf-8")])
+        .output()
+        .expect("backup runs");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let kept = in_backups();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert!(err.contains(&format!("kept at {}", kept[0].display())), "{err}");
+    zonewatch::store::backup::verify_file(&kept[0]).expect("the kept copy verifies");
+    d.stop();
+}

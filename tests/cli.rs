@@ -59,9 +59,9 @@ fn check_reports_good_and_bad_configs() {
         assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
         assert!(text(&o).0.contains("ERROR"), "{:?}", text(&o));
     }
-    // A store a running zonewatch holds is left alone, without failing the check; so is a
-    // file not closed cleanly (here a copy taken while it was open), which the next writable
-    // open repairs.
+    // A store a running zonewatch holds is left alone, without failing the check. A file not
+    // closed cleanly (here a copy taken while it was open) is checked through a temporary
+    // copy that redb repairs.
     {
         let engine = ws.engine();
         let o = check_store(&[]);
@@ -73,6 +73,7 @@ fn check_reports_good_and_bad_configs() {
         let o = check_store(&[copy.to_str().unwrap()]);
         assert!(o.status.success(), "{:?}", text(&o));
         assert!(text(&o).0.contains("was not closed cleanly"), "{:?}", text(&o));
+        assert!(text(&o).0.contains(": consistent ("), "a repaired copy was checked: {:?}", text(&o));
     }
 
     // What `serve` or every delivery would refuse fails the check: a control token that is
@@ -236,4 +237,45 @@ fn a_layer_file_that_cannot_be_read_is_named_in_the_error() {
         assert!(out.contains("s1: failed") && out.contains("cannot read") && out.contains("layer.geojson"), "{case}: {out}");
         assert!(err.contains("their watermarks did not move"), "{case}: {err}");
     }
+}
+
+#[test]
+fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(2000)));
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let o = zonewatch(&["run", "--config", cfg]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let good = ws.path().join("good.redb");
+    let o = zonewatch(&["backup", good.to_str().unwrap(), "--config", cfg]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let bytes = std::fs::read(&good).unwrap();
+    assert!(bytes.len() > 300_000, "the store is big enough to damage: {}", bytes.len());
+
+    // Cut short: redb cannot repair it, so nothing is checked, and the check says so.
+    let truncated = ws.path().join("trunc.redb");
+    std::fs::write(&truncated, &bytes[..300_000]).unwrap();
+    let o = zonewatch(&["check", "--config", cfg, "--store", truncated.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(out.contains("ERROR damaged") && !out.contains("all good"), "{out}");
+
+    // Overwritten in the middle: redb panics inside its B-tree code reading it.
+    let mut corrupt = bytes.clone();
+    corrupt[200_000..204_000].fill(0xab);
+    let damaged = ws.path().join("corrupt.redb");
+    std::fs::write(&damaged, &corrupt).unwrap();
+    let o = zonewatch(&["check", "--config", cfg, "--store", damaged.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(out.contains("ERROR damaged (redb: ") && !err.contains("panicked"), "{out}{err}");
+
+    // The same damage in the live store: `backup` says so in one line.
+    std::fs::write(ws.path().join("zw.redb"), &corrupt).unwrap();
+    let o = zonewatch(&["backup", ws.path().join("copy.redb").to_str().unwrap(), "--config", cfg]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(err.contains("zw.redb is damaged (redb: ") && err.contains("restore a backup"), "{err}");
+    assert!(!err.contains("panicked") && err.lines().count() == 1, "one line, no panic noise: {err}");
 }

@@ -85,18 +85,24 @@ impl Store {
     }
 }
 
-/// Opens a store file read-write, runs redb's integrity check and the schema check.
+/// Opens a store file read-write, runs redb's integrity check and the schema check. The open
+/// writes to the file (redb marks it open, and may repair it): check a copy of a file that
+/// must stay as it is (`restore` does).
 pub fn verify_file(path: &Path) -> Result<(), StoreError> {
-    let mut db = Database::open(path).map_err(|e| StoreError::Open {
-        path: path.to_path_buf(),
-        message: format!("not a readable zonewatch store: {e}"),
-    })?;
-    let ok = db.check_integrity().map_err(|e| StoreError::Open { path: path.to_path_buf(), message: format!("integrity check failed: {e}") })?;
+    verify_as(path, path)
+}
+
+/// [`verify_file`] on `path`, with errors naming `shown` (the file the operator named, when
+/// `path` is a temporary copy of it).
+fn verify_as(path: &Path, shown: &Path) -> Result<(), StoreError> {
+    let open_err = |message: String| StoreError::Open { path: shown.to_path_buf(), message };
+    let mut db = Database::open(path).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
+    let ok = db.check_integrity().map_err(|e| open_err(format!("integrity check failed: {e}")))?;
     if !ok {
-        return Err(StoreError::Open { path: path.to_path_buf(), message: "integrity check found damage (it was repaired in memory only)".into() });
+        return Err(open_err("integrity check found damage (it was repaired in memory only)".into()));
     }
     let rtx = db.begin_read()?;
-    let meta = rtx.open_table(META).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: format!("not a zonewatch store: {e}") })?;
+    let meta = rtx.open_table(META).map_err(|e| open_err(format!("not a zonewatch store: {e}")))?;
     let found = match meta.get(META_SCHEMA)? {
         Some(v) => {
             let b = v.value();
@@ -105,44 +111,136 @@ pub fn verify_file(path: &Path) -> Result<(), StoreError> {
             arr[..n].copy_from_slice(&b[..n]);
             u32::from_le_bytes(arr)
         }
-        None => return Err(StoreError::Open { path: path.to_path_buf(), message: "no schema version record: not a zonewatch store".into() }),
+        None => return Err(open_err("no schema version record: not a zonewatch store".into())),
     };
     // A backup of an older format is fine to restore: the next open upgrades it.
     if !(super::OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
-        return Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: SCHEMA_VERSION });
+        return Err(StoreError::SchemaVersion { path: shown.to_path_buf(), found, expected: SCHEMA_VERSION });
     }
     Ok(())
 }
 
+/// What a restore did besides putting the backup in place, for the operator to read.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RestoreInfo {
+    /// Where the replaced store was kept (`None`: there was no store to replace). Never a
+    /// name that already existed, so an earlier restore's copy is never overwritten.
+    pub kept: Option<PathBuf>,
+    /// Set when the restored file could not be given the replaced store's owner (not running
+    /// as root, say): the service user may then be unable to open it until it is chowned.
+    pub owner_warning: Option<String>,
+}
+
 /// Restores `src` (a backup) over the store at `dest`. Refuses when `dest` is in use by a
-/// running zonewatch, and when `src` is not a healthy store of this version. The previous
-/// store, if any, is kept as `<dest>.before-restore`.
-pub fn restore(src: &Path, dest: &Path) -> Result<(), StoreError> {
-    verify_file(src)?;
-    if dest.exists() {
+/// running zonewatch, and when `src` is not a healthy store of this version.
+///
+/// `src` is only read: it is copied to a temp file beside `dest` (same filesystem), and that
+/// copy is verified (redb's open writes to the file it opens) and renamed into place. The
+/// restored file takes the replaced store's mode and, where permitted, its owner and group
+/// (the service user must still be able to open it); without a previous store it is 0600.
+/// The previous store, if any, is kept as `<dest>.before-restore`, or `.before-restore.1`,
+/// `.2`, … when that name is taken.
+pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
+    let open_err = |path: &Path, message: String| StoreError::Open { path: path.to_path_buf(), message };
+    let previous = match std::fs::metadata(dest) {
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(open_err(dest, e.to_string())),
+    };
+    if previous.is_some() {
         // If another process has it open, redb refuses to open it: that is our "in use" check.
-        match Database::open(dest) {
-            Ok(db) => drop(db),
-            Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
-                return Err(StoreError::Conflict(format!(
-                    "store {} is in use by a running zonewatch; stop it (systemctl stop zonewatch) before restoring",
-                    dest.display()
-                )))
-            }
-            Err(_) => {} // a damaged store may be replaced
+        // A damaged store may be replaced, also one that makes redb panic.
+        if let Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) = super::guard::guarded(|| Database::open(dest).map(drop)) {
+            return Err(StoreError::Conflict(format!(
+                "store {} is in use by a running zonewatch; stop it (systemctl stop zonewatch) before restoring",
+                dest.display()
+            )));
         }
     }
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: e.to_string() })?;
-    let tmp = tempfile::Builder::new()
+    std::fs::create_dir_all(parent).map_err(|e| open_err(dest, e.to_string()))?;
+    let mut tmp = tempfile::Builder::new()
         .prefix(".zonewatch-restore-")
         .tempfile_in(parent)
-        .map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot create a temp file: {e}") })?;
-    std::fs::copy(src, tmp.path()).map_err(|e| StoreError::Open { path: src.to_path_buf(), message: format!("cannot copy: {e}") })?;
-    if dest.exists() {
-        let keep = dest.with_extension("redb.before-restore");
-        std::fs::rename(dest, &keep).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot keep the old store: {e}") })?;
+        .map_err(|e| open_err(dest, format!("cannot create a temp file: {e}")))?;
+    copy_into(src, tmp.as_file_mut()).map_err(|e| open_err(src, format!("cannot copy it beside the store: {e}")))?;
+    super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;
+    let owner_warning = take_identity(tmp.as_file(), previous.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?;
+    let kept = match previous {
+        Some(_) => Some(keep_aside(dest)?),
+        None => None,
+    };
+    tmp.persist(dest).map_err(|e| open_err(dest, format!("cannot move the restored store into place: {e}")))?;
+    Ok(RestoreInfo { kept, owner_warning })
+}
+
+/// Copies `src` into `file` (opened by us) and syncs it; `src` is opened read-only.
+fn copy_into(src: &Path, file: &mut std::fs::File) -> std::io::Result<()> {
+    let mut from = std::fs::File::open(src)?;
+    std::io::copy(&mut from, file)?;
+    file.sync_all()
+}
+
+/// The name the store replaced by the `n`-th restore kept beside it (0: the first free one).
+fn before_restore_name(dest: &Path, n: u32) -> PathBuf {
+    let mut name = dest.file_name().map(|f| f.to_os_string()).unwrap_or_default();
+    name.push(".before-restore");
+    if n > 0 {
+        name.push(format!(".{n}"));
     }
-    tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the restored store into place: {e}") })?;
-    Ok(())
+    dest.with_file_name(name)
+}
+
+/// Gives the store at `dest` a second name that did not exist before: a hard link, so `dest`
+/// stays in place until the restored file replaces it in one rename (a rename where links are
+/// not supported). Returns that name.
+fn keep_aside(dest: &Path) -> Result<PathBuf, StoreError> {
+    let err = |message: String| StoreError::Open { path: dest.to_path_buf(), message };
+    for n in 0..10_000 {
+        let candidate = before_restore_name(dest, n);
+        match std::fs::hard_link(dest, &candidate) {
+            Ok(()) => return Ok(candidate),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(_) if std::fs::symlink_metadata(&candidate).is_err() => {
+                std::fs::rename(dest, &candidate).map_err(|e| err(format!("cannot keep the old store as {}: {e}", candidate.display())))?;
+                return Ok(candidate);
+            }
+            Err(e) => return Err(err(format!("cannot keep the old store as {}: {e}", candidate.display()))),
+        }
+    }
+    Err(err("cannot keep the old store: 10,000 earlier copies of it (*.before-restore.N) are in the way".into()))
+}
+
+/// Gives the restored file the replaced store's mode, owner and group (0600 without one), so
+/// whoever could open the old store can open the new one. Changing the owner needs root: when
+/// it fails the mode is still set, and the returned warning says what to do.
+#[cfg(unix)]
+fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> std::io::Result<Option<String>> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let Some(old) = previous else {
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        return Ok(None);
+    };
+    let mine = file.metadata()?;
+    let mut warning = None;
+    if (mine.uid(), mine.gid()) != (old.uid(), old.gid()) {
+        if let Err(e) = std::os::unix::fs::fchown(file, Some(old.uid()), Some(old.gid())) {
+            warning = Some(format!(
+                "the restored store could not be given the replaced store's owner {}:{} ({e}); chown it before starting zonewatch as that user",
+                old.uid(),
+                old.gid()
+            ));
+        }
+    }
+    file.set_permissions(std::fs::Permissions::from_mode(old.mode() & 0o777))?;
+    Ok(warning)
+}
+
+/// Elsewhere only the read-only bit carries over.
+#[cfg(not(unix))]
+fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> std::io::Result<Option<String>> {
+    if let Some(old) = previous {
+        file.set_permissions(old.permissions())?;
+    }
+    Ok(None)
 }

@@ -30,9 +30,13 @@ pub struct ConsistencyReport {
     pub snapshot_parcels: u64,
     /// One sentence per violated invariant (empty: the store is consistent).
     pub problems: Vec<String>,
+    /// The file was not closed cleanly: what was checked is a temporary copy that redb
+    /// repaired (the file itself is as it was; the next writable open repairs it the same way).
+    pub checked_repaired_copy: bool,
 }
 
 impl ConsistencyReport {
+    /// No invariant is violated.
     pub fn is_consistent(&self) -> bool {
         self.problems.is_empty()
     }
@@ -74,17 +78,52 @@ impl Store {
 /// read-only: nothing in it changes (no schema upgrade, not even the file leases of an older
 /// build that `Store::open` would drop). Files of schema 4 and older are checked in their own
 /// outbox layout; tables an older file lacks read as empty. A file a process still holds is
-/// `InUse`; one not closed cleanly is `NeedsRepair` (redb repairs only in a writable open).
+/// `InUse`.
+///
+/// A file not closed cleanly (a crashed daemon's store, a copy taken while it was open, a
+/// truncated file) cannot be read until redb repairs it, which it does only in a writable
+/// open. Such a file is copied to the system's temp folder (`TMPDIR`), the copy is opened
+/// writable (redb repairs it) and checked, and the copy is deleted: the report then has
+/// [`ConsistencyReport::checked_repaired_copy`] set. A copy redb cannot repair is `Damaged`;
+/// when no copy can be made the error says so. The file itself is never written.
 pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreError> {
     // A small page cache: the check reads each table once, in order, so redb's default
     // cache would only grow toward the size of the file (a 300 MiB store peaked at 226 MiB
     // of memory).
-    let db = redb::Builder::new().set_cache_size(CHECK_CACHE_BYTES).open_read_only(path).map_err(|e| match e {
-        redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
-        redb::DatabaseError::RepairAborted => StoreError::NeedsRepair { path: path.to_path_buf() },
-        other => StoreError::Open { path: path.to_path_buf(), message: format!("not a readable zonewatch store: {other}") },
-    })?;
+    let opened = redb::Builder::new().set_cache_size(CHECK_CACHE_BYTES).open_read_only(path);
+    let db = match opened {
+        Ok(db) => db,
+        Err(redb::DatabaseError::DatabaseAlreadyOpen) => return Err(StoreError::InUse { path: path.to_path_buf() }),
+        Err(redb::DatabaseError::RepairAborted) => return check_repaired_copy(path),
+        Err(other) => {
+            return Err(StoreError::Open { path: path.to_path_buf(), message: format!("not a readable zonewatch store: {other}") })
+        }
+    };
     check_txn(&db.begin_read()?)
+}
+
+/// `check_file` for a file that needs redb's repair: a temporary copy is repaired and checked.
+fn check_repaired_copy(path: &std::path::Path) -> Result<ConsistencyReport, StoreError> {
+    let no_copy = |e: std::io::Error| StoreError::Open {
+        path: path.to_path_buf(),
+        message: format!(
+            "was not closed cleanly, and no temporary copy of it could be made in {} to repair and check ({e}); consistency not checked (set TMPDIR to a folder with room for a copy)",
+            std::env::temp_dir().display()
+        ),
+    };
+    let mut copy = tempfile::Builder::new().prefix("zonewatch-check-").suffix(".redb").tempfile().map_err(no_copy)?;
+    {
+        let mut from = std::fs::File::open(path).map_err(no_copy)?;
+        std::io::copy(&mut from, copy.as_file_mut()).map_err(no_copy)?;
+    }
+    let db = redb::Builder::new().set_cache_size(CHECK_CACHE_BYTES).open(copy.path()).map_err(|e| StoreError::Damaged {
+        path: path.to_path_buf(),
+        message: format!("{e}; the file was not closed cleanly and a copy of it cannot be repaired"),
+    })?;
+    let mut report = check_txn(&db.begin_read()?)?;
+    report.checked_repaired_copy = true;
+    drop(db);
+    Ok(report)
 }
 
 fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreError> {

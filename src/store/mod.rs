@@ -15,6 +15,7 @@
 pub mod backup;
 pub mod check;
 pub mod codec;
+pub mod guard;
 mod delivery;
 mod derived;
 mod dlq;
@@ -81,10 +82,10 @@ pub enum StoreError {
     Upgrade { path: PathBuf, from: u32, to: u32, message: String },
     #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
     InUse { path: PathBuf },
-    /// A read-only open (the consistency check) of a file that was not closed cleanly: redb
-    /// repairs it only in a writable open, which the next `run` or `serve` does.
-    #[error("store {path} was not closed cleanly; the next `zonewatch run` or `serve` repairs it when it opens it")]
-    NeedsRepair { path: PathBuf },
+    /// redb panicked reading the file, or cannot repair it: its pages are damaged. Nothing
+    /// but a backup brings the data back, so the message says so.
+    #[error("store {path} is damaged (redb: {message}); restore a backup: zonewatch restore BACKUP --config FILE")]
+    Damaged { path: PathBuf, message: String },
     #[error("store file {path} has schema version {found}; this zonewatch opens versions up to {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
