@@ -795,8 +795,8 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     // not depend on the store's state.
     match store {
         None => {}
-        Some(None) => bad += check_store(&cfg.store_path, false),
-        Some(Some(p)) => bad += check_store(p, true),
+        Some(None) => bad += check_store(&cfg, &cfg.store_path, false),
+        Some(Some(p)) => bad += check_store(&cfg, p, true),
     }
     if bad > 0 {
         eprintln!("error: {bad} problem(s) found");
@@ -814,8 +814,9 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
 /// Not checked, and not counted as a problem: a store that a running zonewatch holds open
 /// (redb allows one process: check a backup of it instead), one this user may not read, and
 /// the config's store before it is first created. A file named on the command line
-/// (`explicit`) must exist.
-fn check_store(path: &std::path::Path, explicit: bool) -> usize {
+/// (`explicit`) must exist. Also warns (not a problem) of subscribers created over the
+/// control port that a config subscriber of the same id hides.
+fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bool) -> usize {
     // `check` is also run as another user than the daemon's: a store (or a folder on its
     // path) it may not read is noted, not counted as a problem.
     match std::fs::File::open(path) {
@@ -840,6 +841,14 @@ fn check_store(path: &std::path::Path, explicit: bool) -> usize {
             "store {}: was not closed cleanly; checked a temporary copy that redb repaired (the file itself is unchanged; the next `zonewatch run` or `serve` repairs it the same way)",
             path.display()
         );
+    }
+    if let Ok(r) = &checked {
+        for id in crate::pipeline::shadowed_subscribers(cfg, r.api_subscribers.iter().cloned()) {
+            println!(
+                "warning: subscriber {id:?} of the config replaces the one of the same id created over the control port (stored in {}): the stored definition is not used",
+                path.display()
+            );
+        }
     }
     match checked {
         Ok(r) if r.is_consistent() => {

@@ -83,8 +83,10 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                 Ok(e) => e,
                 Err(c) => return c,
             };
-            let states: std::collections::HashMap<String, crate::model::EndpointState> = match engine.store.endpoints() {
-                Ok(v) => v.into_iter().collect(),
+            // Config subscribers first, then those created over the control port (the
+            // columns are unchanged: operators' scripts parse them).
+            let listing = match engine.endpoint_listing() {
+                Ok(l) => l,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return 2;
@@ -92,21 +94,15 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
             };
             let now = engine.now();
             println!("id	state	breaker	last_success	reason	target");
-            for sub in &engine.config.subscribers {
-                let s = states.get(&sub.id).cloned().unwrap_or_default();
-                let breaker = match s.breaker_open_until_ms {
-                    Some(t) if t > now => "open",
-                    Some(_) => "half_open",
-                    None => "closed",
-                };
+            for ep in &listing {
                 println!(
                     "{}	{}	{}	{}	{}	{}",
-                    sub.id,
-                    if s.disabled { "disabled" } else { "enabled" },
-                    breaker,
-                    s.last_success_ms.map(rfc3339).unwrap_or_else(|| "-".into()),
-                    s.disabled_reason.unwrap_or_default(),
-                    sub.target
+                    ep.id,
+                    ep.state_str(),
+                    ep.breaker_str(now),
+                    ep.state.last_success_ms.map(rfc3339).unwrap_or_else(|| "-".into()),
+                    ep.state.disabled_reason.as_deref().unwrap_or_default(),
+                    ep.target
                 );
             }
             0
@@ -116,9 +112,16 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                 Ok(e) => e,
                 Err(c) => return c,
             };
-            if !engine.config.subscribers.iter().any(|s| s.id == id) {
-                eprintln!("error: no subscriber {id:?} in the config");
-                return 2;
+            match engine.subscriber_managed_by(&id) {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    eprintln!("error: no subscriber {id:?} in the config or the store");
+                    return 2;
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return 2;
+                }
             }
             match engine.store.enable_endpoint(&id, engine.now()) {
                 Ok(true) => {

@@ -42,6 +42,7 @@ struct RawControl {
     listen: Option<String>,
     token_file: Option<PathBuf>,
     max_body_bytes: Option<usize>,
+    body_timeout: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -156,6 +157,9 @@ pub struct ControlConfig {
     pub token_file: PathBuf,
     /// Largest request body accepted (default 1 MiB).
     pub max_body_bytes: usize,
+    /// How long a request body may take to arrive in full (default 30 s; a slower one gets
+    /// 408): a client trickling a body must not hold a connection open at will.
+    pub body_timeout: Duration,
 }
 
 /// `[delivery]`: how webhooks are sent.
@@ -676,6 +680,7 @@ impl Config {
             listen,
             token_file: resolve(raw.control.token_file.as_deref().unwrap_or(Path::new("control.token"))),
             max_body_bytes: raw.control.max_body_bytes.unwrap_or(1 << 20),
+            body_timeout: dur("control.body_timeout", &raw.control.body_timeout, crate::control::http::BODY_TIMEOUT)?,
         };
         if control.max_body_bytes < 1024 {
             return Err(invalid("control.max_body_bytes must be at least 1024".into()));

@@ -251,27 +251,85 @@ fn config_subscribers(config: &Config) -> Result<Vec<Subscriber>, AoiError> {
     Ok(subs)
 }
 
-/// Subscribers from the store (managed over the control port). One with an AOI that no longer
-/// parses is skipped with an error log rather than taking every other subscriber down.
+/// Subscribers from the store (managed over the control port), except those a config
+/// subscriber of the same id replaces (the config file wins). One with an AOI that no longer
+/// parses matches nothing (an error log says so) but stays a subscriber: delivery still
+/// sends its queued events to its target, signed, instead of dead-lettering them as gone.
 fn stored_subscribers(store: &Store, config: &Config) -> Result<Vec<Subscriber>, StoreError> {
     let mut out = Vec::new();
     for s in store.stored_subscribers()? {
         if config.subscribers.iter().any(|c| c.id == s.id) {
-            continue; // the config file wins
+            continue; // the config file wins (warned at open: `shadowed_subscribers`)
         }
-        match crate::notify::aoi::parse_aoi(&s.aoi_geojson) {
-            Ok(aoi) => out.push(Subscriber {
-                id: s.id,
-                target: s.target,
-                secret: s.secret,
-                secret_old: None,
-                min_severity: s.min_severity,
-                aoi,
-            }),
-            Err(e) => tracing::error!(subscriber = %s.id, "stored AOI no longer valid, subscriber skipped: {e}"),
-        }
+        let aoi = match crate::notify::aoi::parse_aoi(&s.aoi_geojson) {
+            Ok(aoi) => aoi,
+            Err(e) => {
+                tracing::error!(subscriber = %s.id, "stored AOI no longer valid, the subscriber matches nothing until it is replaced: {e}");
+                geo::MultiPolygon(vec![])
+            }
+        };
+        out.push(Subscriber { id: s.id, target: s.target, secret: s.secret, secret_old: None, min_severity: s.min_severity, aoi });
     }
     Ok(out)
+}
+
+/// Ids of subscribers created over the control port that a config subscriber of the same id
+/// hides: the config's definition is used, the stored one is neither matched nor deletable
+/// (`managed_by_config`) until one of the two is renamed. Said at every start, and by
+/// `zonewatch check --store`, because nothing else would.
+pub fn shadowed_subscribers(config: &Config, stored_ids: impl IntoIterator<Item = String>) -> Vec<String> {
+    stored_ids.into_iter().filter(|id| config.subscribers.iter().any(|c| &c.id == id)).collect()
+}
+
+/// Who defines a subscriber.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ManagedBy {
+    /// A `[[subscriber]]` of the config file.
+    Config,
+    /// Created over the control port, kept in the store.
+    Api,
+}
+
+impl ManagedBy {
+    /// As the control port's `managed_by` field spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ManagedBy::Config => "config",
+            ManagedBy::Api => "api",
+        }
+    }
+}
+
+/// One subscriber's endpoint as operators see it (`zonewatch endpoints list`,
+/// `GET /v1/endpoints`): config and API subscribers alike.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointListing {
+    pub id: String,
+    pub managed_by: ManagedBy,
+    pub target: String,
+    /// Its recorded health (the default when it has none: enabled, breaker closed).
+    pub state: crate::model::EndpointState,
+}
+
+impl EndpointListing {
+    /// `enabled` or `disabled`, as `endpoints list` prints it.
+    pub fn state_str(&self) -> &'static str {
+        if self.state.disabled {
+            "disabled"
+        } else {
+            "enabled"
+        }
+    }
+
+    /// The circuit breaker at `now_ms`: `closed`, `open` (cooling down) or `half_open` (its
+    /// probe may go).
+    pub fn breaker_str(&self, now_ms: u64) -> &'static str {
+        match self.state.breaker_open_until_ms {
+            Some(t) if t > now_ms => "open",
+            Some(_) => "half_open",
+            None => "closed",
+        }
+    }
 }
 
 /// How the store commits a run the gate decided on, and the hold reason if it is held.
@@ -312,9 +370,44 @@ impl Engine {
         let store = Arc::new(Store::open_with_cache(&config.store_path, config.store_cache_mib << 20)?);
         // The store's lock is held: no run of any process is staging now.
         crate::ingest::staging::sweep_leftovers(&config.store_path);
+        let stored_ids = store.stored_subscribers()?.into_iter().map(|s| s.id);
+        for id in shadowed_subscribers(&config, stored_ids) {
+            tracing::warn!(
+                subscriber = %id,
+                "subscriber {id:?} of the config file replaces the one of the same id created over the control port: the stored definition is not used (rename one of them)"
+            );
+        }
         subs.extend(stored_subscribers(&store, &config)?);
         let subscribers = Arc::new(SubscriberIndex::build(subs));
         Ok(Engine { config, store, subscribers, clock })
+    }
+
+    /// Who defines subscriber `id`, if anyone (the config first: it wins over the store).
+    pub fn subscriber_managed_by(&self, id: &str) -> Result<Option<ManagedBy>, PipelineError> {
+        if self.config.subscribers.iter().any(|c| c.id == id) {
+            return Ok(Some(ManagedBy::Config));
+        }
+        Ok(self.store.stored_subscribers()?.iter().any(|s| s.id == id).then_some(ManagedBy::Api))
+    }
+
+    /// Every subscriber's endpoint with its health: the config's in config order, then the
+    /// store's (control port) by id, each id once (a config subscriber hides a stored one).
+    pub fn endpoint_listing(&self) -> Result<Vec<EndpointListing>, PipelineError> {
+        let mut states: std::collections::HashMap<String, crate::model::EndpointState> = self.store.endpoints()?.into_iter().collect();
+        let mut out: Vec<EndpointListing> = self
+            .config
+            .subscribers
+            .iter()
+            .map(|c| EndpointListing { id: c.id.clone(), managed_by: ManagedBy::Config, target: c.target.clone(), state: states.remove(&c.id).unwrap_or_default() })
+            .collect();
+        for s in self.store.stored_subscribers()? {
+            if self.config.subscribers.iter().any(|c| c.id == s.id) {
+                continue;
+            }
+            let state = states.remove(&s.id).unwrap_or_default();
+            out.push(EndpointListing { id: s.id, managed_by: ManagedBy::Api, target: s.target, state });
+        }
+        Ok(out)
     }
 
     /// Now, in milliseconds since the epoch, by the engine's clock.

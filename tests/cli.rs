@@ -279,3 +279,42 @@ fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic()
     assert!(err.contains("zw.redb is damaged (redb: ") && err.contains("restore a backup"), "{err}");
     assert!(!err.contains("panicked") && err.lines().count() == 1, "one line, no panic noise: {err}");
 }
+
+/// A config subscriber with the id of one created over the control port hides it: `run`
+/// (and `serve`) warn at start naming the id, and `check --store` says so too.
+#[test]
+fn a_config_subscriber_hiding_an_api_subscriber_is_warned_about() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    {
+        let engine = ws.engine();
+        let sub = zonewatch::store::StoredSubscriber {
+            id: "api-1".into(),
+            target: "http://127.0.0.1:9/api".into(),
+            secret: None,
+            min_severity: zonewatch::model::Severity::Info,
+            aoi_geojson: rect(-71.2, 42.3, -71.0, 42.5).to_string(),
+            created_ms: 0,
+            updated_ms: 0,
+        };
+        engine.store.put_subscriber(&sub, engine.now()).unwrap();
+    }
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let (out, err) = text(&zonewatch(&["run", "--config", cfg]));
+    assert!(!err.contains("api-1"), "no warning while the ids differ:\n{out}{err}");
+    std::fs::write(ws.path().join("aoi/cfg.geojson"), rect(-71.2, 42.3, -71.0, 42.5).to_string()).unwrap();
+    let mut text_cfg = std::fs::read_to_string(cfg).unwrap();
+    text_cfg.push_str("[[subscriber]]\nid = \"api-1\"\naoi = \"aoi/cfg.geojson\"\ntarget = \"http://127.0.0.1:9/cfg\"\n");
+    std::fs::write(cfg, text_cfg).unwrap();
+    let o = zonewatch(&["run", "--config", cfg]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(err.contains("WARN") && err.contains("\"api-1\"") && err.contains("replaces"), "{err}");
+    let o = zonewatch(&["check", "--config", cfg, "--store"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "a warning, not a problem:\n{out}{err}");
+    assert!(out.contains("warning: subscriber \"api-1\" of the config replaces"), "{out}");
+    let o = zonewatch(&["check", "--config", cfg]);
+    assert!(!text(&o).0.contains("api-1\" of the config"), "check without --store does not open the store");
+}

@@ -32,6 +32,7 @@ async fn control_port_end_to_end() {
         "every = \"1h\"",
     );
     ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    ws.edit_config("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:0\"\nbody_timeout = \"1s\"");
     let v1 = grid(100);
     ws.write_layer(&layer(&v1));
     let d = tokio::task::block_in_place(|| Daemon::start(&ws));
@@ -73,6 +74,7 @@ async fn control_port_end_to_end() {
             (&json!({"id": "x", "target": "ftp://h/", "aoi": aoi}).to_string(), "target"),
             (&json!({"id": "x", "target": rx.url("/api"), "aoi": {"type": "Point", "coordinates": [0, 0]}}).to_string(), "aoi"),
             (&json!({"id": "x", "target": rx.url("/api"), "aoi": {"type": "Polygon", "coordinates": [[[0, 0], [1, 1]]]}}).to_string(), "aoi"),
+            (&json!({"id": "x", "target": rx.url("/api"), "aoi": {"type": "Polygon", "coordinates": [[[-200, 0], [200, 0], [200, 95], [-200, 0]]]}}).to_string(), "WGS84"),
             (&json!({"id": "../etc", "target": rx.url("/api"), "aoi": aoi}).to_string(), "id"),
             (&json!({"id": "x", "target": rx.url("/api"), "aoi": aoi, "min_severity": "loud"}).to_string(), "min_severity"),
             (&json!({"id": "x", "target": rx.url("/api"), "aoi": aoi, "secret": "whsec_!!"}).to_string(), "secret"),
@@ -84,6 +86,17 @@ async fn control_port_end_to_end() {
         }
         let huge = format!("{{\"id\":\"x\",\"pad\":\"{}\"}}", "a".repeat(2 << 20));
         assert_eq!(post(&huge).status(), 413);
+        // A body that trickles in is cut off at `[control] body_timeout` (1 s here) with a 408.
+        {
+            use std::io::{Read, Write};
+            let addr = d.url("/").trim_start_matches("http://").trim_end_matches('/').to_string();
+            let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+            conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            write!(conn, "POST /v1/subscribers HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{").unwrap();
+            let mut head = [0u8; 12];
+            conn.read_exact(&mut head).expect("an answer before the body is complete");
+            assert_eq!(&head, b"HTTP/1.1 408");
+        }
 
         // Subscriber CRUD; the index is rebuilt live.
         let r = post(&json!({"id": "api-watcher", "target": rx.url("/api"), "aoi": aoi, "min_severity": "info"}).to_string());
@@ -224,4 +237,89 @@ async fn control_port_end_to_end() {
     let engine = ws.engine();
     assert_eq!(outcomes(&engine).get("sent"), Some(&40));
     assert_eq!(engine.store.stored_subscribers().unwrap().len(), 1);
+}
+
+/// Polls `f` every 50 ms until it is true; fails naming `what` after 20 s.
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// API subscribers whose endpoint answered 410: `GET /v1/endpoints` shows them disabled; a
+/// `PUT` with the same target leaves it disabled, one with a new target re-enables it
+/// (audited, the waiting events go to the new URL); `POST /v1/endpoints/{id}/enable` is
+/// the command line's enable; `DELETE` dead-letters the subscriber's queued events
+/// `subscriber_deleted` instead of leaving them in the outbox forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without_stranding_events() {
+    let gone = receiver(410).await;
+    let good = receiver(200).await;
+    let ws = Workspace::new(&[], "retry_schedule = [\"50ms\", \"50ms\"]", "every = \"1h\"");
+    let v1 = grid(30);
+    ws.write_layer(&layer(&v1));
+    let d = tokio::task::block_in_place(|| Daemon::start(&ws));
+    let c = client();
+    let auth = format!("Bearer {}", d.token);
+    tokio::task::block_in_place(|| {
+        let get = |path: &str| -> Value { c.get(d.url(path)).header("authorization", &auth).send().unwrap().json().unwrap() };
+        wait_for("the baseline", || get("/v1/sources")["items"][0]["last_verdict"] == "baseline");
+        let aoi = json!({"type": "Polygon", "coordinates": [[[-71.2, 42.3], [-71.0, 42.3], [-71.0, 42.5], [-71.2, 42.5], [-71.2, 42.3]]]});
+        for id in ["api-1", "api-2"] {
+            let r = c.post(d.url("/v1/subscribers")).header("authorization", &auth).json(&json!({"id": id, "target": gone.url("/gone"), "aoi": aoi, "min_severity": "info"})).send().unwrap();
+            assert_eq!(r.status(), 201);
+        }
+        let mut v2 = v1.clone();
+        v2[0].zone = "C3".into();
+        v2[4].zone = "C3".into();
+        ws.write_layer(&layer(&v2));
+        let run: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(run["run"]["queued"], 4, "{run}");
+        let state = |id: &str| -> Value {
+            let eps = get("/v1/endpoints");
+            eps["items"].as_array().unwrap().iter().find(|e| e["id"] == id).cloned().unwrap_or(Value::Null)
+        };
+        wait_for("both endpoints disabled", || state("api-1")["state"] == "disabled" && state("api-2")["state"] == "disabled");
+        let e1 = state("api-1");
+        assert_eq!((e1["managed_by"].as_str(), e1["disabled_reason"].as_str(), e1["target"].as_str()), (Some("api"), Some("http_410_gone"), Some(gone.url("/gone").as_str())));
+
+        // The same target again: still disabled.
+        let put = |target: String| c.put(d.url("/v1/subscribers/api-1")).header("authorization", &auth).json(&json!({"target": target, "aoi": aoi, "min_severity": "info"})).send().unwrap();
+        assert_eq!(put(gone.url("/gone")).status(), 200);
+        assert_eq!(state("api-1")["state"], "disabled");
+        // A new target: enabled, audited with why, the two waiting events go to it.
+        assert_eq!(put(good.url("/new")).status(), 200);
+        wait_for("api-1's events at its new target", || good.received().len() == 2);
+        assert_eq!(state("api-1")["state"], "enabled");
+        let audit = get("/v1/audit?outcome=endpoint_enabled");
+        let rows = audit["items"].as_array().unwrap();
+        assert!(rows.len() == 1 && rows[0]["watcher_id"] == "api-1" && rows[0]["detail"].as_str().unwrap().contains("target changed"), "{audit}");
+
+        // The control port's enable: as the command line's (not disabled now: a reset).
+        let r = c.post(d.url("/v1/endpoints/api-1/enable")).header("authorization", &auth).send().unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().unwrap();
+        assert_eq!((body["was_disabled"].as_bool(), body["endpoint"]["state"].as_str()), (Some(false), Some("enabled")), "{body}");
+        assert_eq!(c.post(d.url("/v1/endpoints/nobody/enable")).header("authorization", &auth).send().unwrap().status(), 404);
+        assert_eq!(c.get(d.url("/v1/endpoints/api-1/enable")).header("authorization", &auth).send().unwrap().status(), 405);
+
+        // Deleting api-2 (disabled, two events waiting): they are dead letters now.
+        let r = c.delete(d.url("/v1/subscribers/api-2")).header("authorization", &auth).send().unwrap();
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().unwrap();
+        assert_eq!((body["deleted"].as_str(), body["dead_lettered"].as_u64(), body["in_flight"].as_u64()), (Some("api-2"), Some(2), Some(0)), "{body}");
+        let dead = get("/v1/deadletters");
+        let dead = dead["items"].as_array().unwrap();
+        assert!(dead.len() == 2 && dead.iter().all(|x| x["watcher_id"] == "api-2" && x["reason"] == "subscriber_deleted"), "{dead:?}");
+        assert!(state("api-2").is_null(), "a deleted subscriber's endpoint is not listed");
+        let metrics = c.get(d.url("/metrics")).header("authorization", &auth).send().unwrap().text().unwrap();
+        assert!(metrics.lines().any(|l| l.starts_with("zonewatch_outbox_depth") && l.trim_end().ends_with(" 0")), "{metrics}");
+    });
+    let log = tokio::task::block_in_place(|| d.stop());
+    drop(log);
+    let engine = ws.engine();
+    assert!(engine.store.check_consistency().unwrap().is_consistent());
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
 }

@@ -498,3 +498,98 @@ async fn private_targets_are_refused_by_name_and_by_literal() {
         assert!(health.iter().all(|(_, h)| h.recent.is_empty() && h.failing_since_ms.is_none()), "{host}: {health:?}");
     }
 }
+
+/// A subscriber as the control port stores it (`POST /v1/subscribers`), over the whole area.
+fn api_subscriber(id: &str, target: String) -> zonewatch::store::StoredSubscriber {
+    zonewatch::store::StoredSubscriber {
+        id: id.into(),
+        target,
+        secret: None,
+        min_severity: zonewatch::model::Severity::Info,
+        aoi_geojson: area().to_string(),
+        created_ms: 0,
+        updated_ms: 0,
+    }
+}
+
+/// A workspace without config subscribers whose store holds one API subscriber `api-1`
+/// posting to `url`; returns it with its engine.
+fn ws_with_api_subscriber(url: String) -> (Workspace, zonewatch::pipeline::Engine) {
+    let ws = Workspace::new(&[], "retry_schedule = [\"50ms\", \"50ms\", \"50ms\", \"50ms\"]", "");
+    let engine = ws.engine();
+    engine.store.put_subscriber(&api_subscriber("api-1", url), engine.now()).unwrap();
+    engine.reload_subscribers().unwrap();
+    (ws, engine)
+}
+
+/// `zonewatch endpoints list|enable` cover subscribers created over the control port, not
+/// only the config's: one disabled by a 410 is listed (same columns) and re-enabled, and its
+/// waiting events go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_subscriber_disabled_by_410_is_listed_and_enabled_from_the_command_line() {
+    let back = Arc::new(AtomicBool::new(false));
+    let b = back.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if b.load(Ordering::SeqCst) { 200 } else { 410 })), None).await.unwrap();
+    let (ws, engine) = ws_with_api_subscriber(rx.url("/hook"));
+    queue(&ws, &engine, &[0, 4]);
+    deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(engine.store.outbox_len().unwrap(), 2, "events wait for an enable");
+    drop(engine);
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let (ok, out, err) = zonewatch(&["endpoints", "list", "--config", cfg]);
+    assert!(ok, "{out}{err}");
+    assert_eq!(out.lines().next(), Some("id\tstate\tbreaker\tlast_success\treason\ttarget"), "{out}");
+    let row = out.lines().find(|l| l.starts_with("api-1\t")).unwrap_or_else(|| panic!("api-1 not listed:\n{out}"));
+    assert!(row.starts_with("api-1\tdisabled\t") && row.contains("\thttp_410_gone\t") && row.ends_with(&rx.url("/hook")), "{row}");
+    back.store(true, Ordering::SeqCst);
+    let (ok, out, err) = zonewatch(&["endpoints", "enable", "api-1", "--config", cfg]);
+    assert!(ok && out.contains("endpoint api-1 enabled"), "{out}{err}");
+    let (ok, _, err) = zonewatch(&["endpoints", "enable", "nobody", "--config", cfg]);
+    assert!(!ok && err.contains("no subscriber \"nobody\""), "{err}");
+    let engine = ws.engine();
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, engine.store.outbox_len().unwrap()), (2, 0), "{stats:?}");
+    let o = outcomes(&engine);
+    assert_eq!((o.get("endpoint_disabled"), o.get("endpoint_enabled")), (Some(&1), Some(&1)));
+    let enabled = engine.store.audit(&Default::default()).unwrap().into_iter().find(|r| r.outcome.as_str() == "endpoint_enabled").unwrap();
+    assert_eq!(enabled.detail, "enabled by operator");
+}
+
+/// A config subscriber removed from the config while its endpoint is disabled (410) and its
+/// events wait: delivery dead-letters them `subscriber_gone` (nothing is sent, no row waits
+/// forever behind the disabled endpoint); with the subscriber back, `dlq replay` delivers
+/// them to its current target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_of_a_subscriber_removed_from_the_config_are_dead_lettered_as_gone_and_replayable() {
+    let rx = receiver(410).await;
+    let ws = ws_for(rx.url("/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4]);
+    deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(engine.store.outbox_len().unwrap(), 2);
+    assert_eq!(rx.received().len(), 2);
+    drop(engine);
+    let text = std::fs::read_to_string(ws.config_path()).unwrap();
+    let at = text.find("[[subscriber]]").unwrap();
+    std::fs::write(ws.config_path(), &text[..at]).unwrap();
+    let engine = ws.engine();
+    let stats = deliver(&engine, Duration::from_secs(2)).await;
+    assert_eq!((stats.dead, engine.store.outbox_len().unwrap()), (2, 0), "{stats:?}");
+    assert_eq!(rx.received().len(), 2, "nothing sent for a subscriber that is gone");
+    let dead = engine.store.dead_letters().unwrap();
+    assert!(dead.len() == 2 && dead.iter().all(|d| d.reason == "subscriber_gone"), "{dead:?}");
+    assert_eq!(outcomes(&engine).get("dead_letter"), Some(&2));
+    assert!(engine.store.check_consistency().unwrap().is_consistent());
+    drop(engine);
+    // The subscriber comes back at a new URL (its endpoint is still disabled from the 410:
+    // a config edit is not an enable): once enabled, a replay sends to the new URL.
+    let good = receiver(200).await;
+    std::fs::write(ws.config_path(), text.replace(&rx.url("/hook"), &good.url("/new"))).unwrap();
+    let cfg = ws.config_path();
+    let (ok, out, err) = zonewatch(&["endpoints", "enable", "w", "--config", cfg.to_str().unwrap()]);
+    assert!(ok, "{out}{err}");
+    let (ok, out, err) = zonewatch(&["dlq", "replay", "--config", cfg.to_str().unwrap()]);
+    assert!(ok && out.contains("requeued=2") && out.contains("sent=2"), "{out}{err}");
+    assert_eq!(good.received().len(), 2);
+}

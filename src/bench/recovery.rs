@@ -220,10 +220,20 @@ async fn measure(ctx: &BenchCtx) -> Result<(), BenchError> {
     let store_mib = file_mib(&db);
 
     let config = dir.join("zonewatch.toml");
-    let toml = format!(
+    let mut toml = format!(
         "[store]\npath = \"zonewatch.redb\"\n[delivery]\nconcurrency = {}\nallow_private_targets = true\n[control]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"control.token\"\n",
         super::delivery::CONCURRENCY
     );
+    // The endpoints the queued rows are for: a row whose subscriber is not configured is a
+    // dead letter (`subscriber_gone`), not a webhook. Their AOI matches nothing here.
+    let aoi = dir.join("bench-aoi.geojson");
+    std::fs::write(&aoi, r#"{"type":"Polygon","coordinates":[[[0,0],[0.001,0],[0.001,0.001],[0,0.001],[0,0]]]}"#).map_err(|e| BenchError::io(&aoi, e))?;
+    for i in 0..super::delivery::ENDPOINTS {
+        toml.push_str(&format!(
+            "[[subscriber]]\nid = \"bench-ep-{i}\"\naoi = \"bench-aoi.geojson\"\ntarget = \"http://{}/hook/{i}\"\nmin_severity = \"info\"\n",
+            receiver.addr
+        ));
+    }
     std::fs::write(&config, toml).map_err(|e| BenchError::io(&config, e))?;
     let log = dir.join("serve.log");
     let kill_after = (rows as u64 / 20).clamp(200, 5_000);

@@ -32,13 +32,28 @@ pub fn text(status: StatusCode, content_type: &'static str, body: impl Into<Byte
     r
 }
 
-/// Reads a body of at most `limit` bytes; too large → 413, broken → 400. An oversized body is
-/// drained (up to 16 MiB) before answering, so the client reads the 413 instead of a reset.
-pub async fn read_body(mut body: hyper::body::Incoming, limit: usize) -> Result<Bytes, Resp> {
+/// How long a request body may take to arrive in full by default (`[control] body_timeout`):
+/// a client trickling a body a byte at a time would otherwise hold its connection (and a
+/// task) open for as long as it likes. The headers have their own 10 s limit (`control/mod.rs`).
+pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads a request body of at most `limit` bytes arriving within `within`: too large → 413
+/// (the rest drained, up to 16 MiB, so the client reads the 413 instead of a reset), too
+/// slow → 408, broken → 400.
+pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: std::time::Duration) -> Result<Bytes, Resp> {
     const DRAIN_CAP: usize = 16 << 20;
     let mut buf: Vec<u8> = Vec::new();
     let mut total = 0usize;
-    while let Some(frame) = body.frame().await {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(_) => {
+                let secs = within.as_secs_f64();
+                return Err(error(StatusCode::REQUEST_TIMEOUT, "body_timeout", format!("the request body did not arrive within {secs} s")));
+            }
+        };
         let frame = frame.map_err(|e| error(StatusCode::BAD_REQUEST, "bad_body", format!("cannot read the request body: {e}")))?;
         if let Ok(data) = frame.into_data() {
             total += data.len();

@@ -26,7 +26,7 @@ fn page_of(item: &str) -> Value {
 /// Standard error responses for an authenticated operation, plus extra codes.
 fn with_errors(mut responses: Value, extra: &[&str]) -> Value {
     if let Some(m) = responses.as_object_mut() {
-        for code in ["401", "413"].iter().chain(extra) {
+        for code in ["401", "408", "413"].iter().chain(extra) {
             m.insert(code.to_string(), err_ref());
         }
     }
@@ -50,6 +50,9 @@ pub fn document() -> Value {
     let sub_id = path_param("id", json!({"type": "string"}));
     let limit = query_param("limit", json!({"type": "integer", "minimum": 1, "maximum": 1000}));
     let cursor = query_param("cursor", json!({"type": "integer", "minimum": 0}));
+    // Every outcome the ledger holds is a filter (`Outcome::ALL`, as the handler checks).
+    let one_outcome = format!("({})", Outcome::ALL.map(Outcome::as_str).join("|"));
+    let outcome_pattern = format!("^{one_outcome}(,{one_outcome})*$");
     json!({
         "openapi": "3.1.0",
         "info": {"title": "zonewatch control port", "version": env!("CARGO_PKG_VERSION"),
@@ -85,15 +88,21 @@ pub fn document() -> Value {
                 "get": {"operationId": "getSubscriber", "parameters": [sub_id.clone()], "responses": with_errors(json!({"200": ok("subscriber", json!({"$ref": "#/components/schemas/Subscriber"}))}), &["404"])},
                 "put": {"operationId": "putSubscriber", "parameters": [sub_id.clone()], "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubscriberInput"}}}},
                     "responses": with_errors(json!({"200": ok("replaced", json!({"$ref": "#/components/schemas/Subscriber"})), "201": ok("created", json!({"$ref": "#/components/schemas/Subscriber"}))}), &["400", "409"])},
-                "delete": {"operationId": "deleteSubscriber", "parameters": [sub_id], "responses": with_errors(json!({
-                    "200": ok("deleted", json!({"type": "object", "required": ["deleted"], "properties": {"deleted": s("string")}}))}), &["404", "409"])}
+                "delete": {"operationId": "deleteSubscriber", "parameters": [sub_id.clone()], "responses": with_errors(json!({
+                    "200": ok("deleted; its queued events are dead letters `subscriber_deleted` (those with a send in flight get that send's outcome)",
+                        json!({"type": "object", "required": ["deleted", "dead_lettered", "in_flight"], "properties": {
+                            "deleted": s("string"), "dead_lettered": s("integer"), "in_flight": s("integer")}}))}), &["404", "409"])}
             },
+            "/v1/endpoints": {"get": {"operationId": "listEndpoints", "responses": with_errors(json!({"200": ok("every subscriber's endpoint and its health", list_of("Endpoint"))}), &[])}},
+            "/v1/endpoints/{id}/enable": {"post": {"operationId": "enableEndpoint", "parameters": [sub_id], "responses": with_errors(json!({
+                "200": ok("re-enabled (breaker and history cleared; audited endpoint_enabled when it was disabled)", json!({"type": "object", "required": ["was_disabled", "endpoint"], "properties": {
+                    "was_disabled": s("boolean"), "endpoint": {"$ref": "#/components/schemas/Endpoint"}}}))}), &["404"])}},
             "/v1/audit": {"get": {"operationId": "audit", "parameters": [
                     query_param("parcel", s("string")), query_param("watcher", s("string")), query_param("source", s("string")),
                     query_param("key", s("string")), query_param("lineage", s("string")),
                     query_param("since", json!({"type": "string", "format": "date-time"})),
                     query_param("order", json!({"type": "string", "enum": ["asc", "desc"]})),
-                    query_param("outcome", json!({"type": "string", "pattern": "^(queued|sent|duplicate|suppressed|dead_letter|quarantined|held)(,(queued|sent|duplicate|suppressed|dead_letter|quarantined|held))*$", "description": "comma-separated outcomes"})),
+                    query_param("outcome", json!({"type": "string", "pattern": outcome_pattern, "description": "comma-separated outcomes"})),
                     limit.clone(), cursor],
                 "responses": with_errors(json!({"200": ok("audit rows in ledger order", page_of("AuditRow"))}), &["400"])}},
             "/v1/changes/recent": {"get": {"operationId": "recentChanges", "parameters": [limit],
@@ -139,6 +148,10 @@ pub fn document() -> Value {
                 "Subscriber": {"type": "object", "required": ["id", "target", "signed", "min_severity", "managed_by"], "properties": {
                     "id": s("string"), "target": s("string"), "signed": s("boolean"), "min_severity": s("string"), "aoi": {},
                     "managed_by": {"type": "string", "enum": ["config", "api"]}}},
+                "Endpoint": {"type": "object", "required": ["id", "managed_by", "target", "state", "breaker", "last_success", "disabled_reason", "disabled_at"], "properties": {
+                    "id": s("string"), "managed_by": {"type": "string", "enum": ["config", "api"]}, "target": s("string"),
+                    "state": {"type": "string", "enum": ["enabled", "disabled"]}, "breaker": {"type": "string", "enum": ["closed", "open", "half_open"]},
+                    "last_success": ns("string"), "disabled_reason": ns("string"), "disabled_at": ns("string")}},
                 "AuditRow": {"type": "object", "required": ["seq", "ts", "outcome", "detail"], "properties": {
                     "seq": s("integer"), "ts": s("string"),
                     "outcome": {"type": "string", "enum": Outcome::ALL.map(Outcome::as_str)},

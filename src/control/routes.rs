@@ -50,7 +50,7 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         return r;
     }
     let limit = state.engine.config.control.max_body_bytes;
-    let body = match read_body(req.into_body(), limit).await {
+    let body = match read_body(req.into_body(), limit, state.engine.config.control.body_timeout).await {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -95,6 +95,13 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
             let id = id.to_string();
             blocking(move || delete_subscriber(&st, &id)).await
         }
+        (&Method::GET, ["v1", "endpoints"]) => blocking(move || list_endpoints(&st)).await,
+        (&Method::POST, ["v1", "endpoints", id, "enable"]) => {
+            let id = id.to_string();
+            let r = blocking(move || enable_endpoint(&st, &id)).await;
+            state.wake.notify_one();
+            r
+        }
         (&Method::GET, ["v1", "audit"]) => blocking(move || audit(&st, &q)).await,
         (&Method::GET, ["v1", "changes", "recent"]) => blocking(move || recent_changes(&st, &q)).await,
         (&Method::GET, ["v1", "deadletters"]) => blocking(move || match st.engine.store.dead_letters() {
@@ -125,7 +132,8 @@ fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
         ["v1", "openapi.json"] | ["v1", "sources"] | ["v1", "runs"] | ["v1", "holds"] | ["v1", "audit"] => "GET",
         ["v1", "deadletters"] | ["v1", "quarantine"] | ["v1", "changes", "recent"] | ["v1", "sources", _, "watermarks"] => "GET",
         ["v1", "sources", _, "run"] | ["v1", "holds", _, "release" | "prime"] | ["v1", "backup"] => "POST",
-        ["v1", "deadletters", "replay"] => "POST",
+        ["v1", "deadletters", "replay"] | ["v1", "endpoints", _, "enable"] => "POST",
+        ["v1", "endpoints"] => "GET",
         ["v1", "subscribers"] => "GET, POST",
         ["v1", "subscribers", _] => "GET, PUT, DELETE",
         _ => return None,
@@ -459,10 +467,6 @@ fn get_subscriber(st: &ControlState, id: &str) -> Resp {
     }
 }
 
-fn valid_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 64 && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-}
-
 fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Resp {
     let b: SubscriberBody = match parse_json(body) {
         Ok(b) => b,
@@ -475,8 +479,8 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         (None, Some(i)) => i.clone(),
         (None, None) => return error(StatusCode::BAD_REQUEST, "missing_field", "id is required"),
     };
-    if !valid_id(&id) {
-        return error(StatusCode::BAD_REQUEST, "bad_id", "id must be 1-64 characters of letters, digits, '-', '_' or '.'");
+    if !crate::config::valid_id(&id) {
+        return error(StatusCode::BAD_REQUEST, "bad_id", format!("id must be {}", crate::config::ID_RULE));
     }
     if st.engine.config.subscribers.iter().any(|c| c.id == id) {
         return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
@@ -518,11 +522,16 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         created_ms: existing.as_ref().map(|e| e.created_ms).unwrap_or(now),
         updated_ms: now,
     };
-    if let Err(e) = st.engine.store.put_subscriber(&rec) {
-        return internal(e);
-    }
+    // A new target re-enables a disabled endpoint (same transaction, audited).
+    let put = match st.engine.store.put_subscriber(&rec, now) {
+        Ok(p) => p,
+        Err(e) => return internal(e),
+    };
     if let Err(e) = st.engine.reload_subscribers() {
         return internal(e);
+    }
+    if put.re_enabled {
+        st.wake.notify_one();
     }
     let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
     json(status, &subscriber_json(&rec.id, &rec.target, rec.secret.is_some(), rec.min_severity, b.aoi, "api"))
@@ -532,12 +541,54 @@ fn delete_subscriber(st: &ControlState, id: &str) -> Resp {
     if st.engine.config.subscribers.iter().any(|c| c.id == id) {
         return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
     }
-    match st.engine.store.delete_subscriber(id) {
-        Ok(true) => match st.engine.reload_subscribers() {
-            Ok(_) => json(StatusCode::OK, &json!({"deleted": id})),
+    // Its queued events are dead-lettered `subscriber_deleted` in the deleting transaction.
+    match st.engine.store.delete_subscriber(id, st.engine.now()) {
+        Ok(Some(d)) => match st.engine.reload_subscribers() {
+            Ok(_) => json(StatusCode::OK, &json!({"deleted": id, "dead_lettered": d.rows.dead_lettered, "in_flight": d.rows.in_flight})),
             Err(e) => internal(e),
         },
-        Ok(false) => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
+        Ok(None) => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
+        Err(e) => internal(e),
+    }
+}
+
+fn endpoint_json(ep: &crate::pipeline::EndpointListing, now_ms: u64) -> Value {
+    json!({
+        "id": ep.id, "managed_by": ep.managed_by.as_str(), "target": ep.target,
+        "state": ep.state_str(), "breaker": ep.breaker_str(now_ms),
+        "last_success": ep.state.last_success_ms.map(rfc3339),
+        "disabled_reason": ep.state.disabled_reason, "disabled_at": ep.state.disabled_at_ms.map(rfc3339),
+    })
+}
+
+/// Every subscriber's endpoint with its health, as `zonewatch endpoints list` shows it.
+fn list_endpoints(st: &ControlState) -> Resp {
+    let now = st.engine.now();
+    match st.engine.endpoint_listing() {
+        Ok(list) => json(StatusCode::OK, &json!({"items": list.iter().map(|ep| endpoint_json(ep, now)).collect::<Vec<_>>()})),
+        Err(e) => internal(e),
+    }
+}
+
+/// Re-enables an endpoint exactly as `zonewatch endpoints enable` does (breaker and history
+/// cleared; an `endpoint_enabled` audit row when it was disabled); its waiting events go out
+/// (the caller wakes the delivery loop).
+fn enable_endpoint(st: &ControlState, id: &str) -> Resp {
+    match st.engine.subscriber_managed_by(id) {
+        Ok(Some(_)) => {}
+        Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
+        Err(e) => return internal(e),
+    }
+    let was_disabled = match st.engine.store.enable_endpoint(id, st.engine.now()) {
+        Ok(w) => w,
+        Err(e) => return internal(e),
+    };
+    let now = st.engine.now();
+    match st.engine.endpoint_listing() {
+        Ok(list) => match list.iter().find(|ep| ep.id == id) {
+            Some(ep) => json(StatusCode::OK, &json!({"was_disabled": was_disabled, "endpoint": endpoint_json(ep, now)})),
+            None => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
+        },
         Err(e) => internal(e),
     }
 }
@@ -623,7 +674,7 @@ fn backup(st: &ControlState, body: &[u8]) -> Resp {
         }
     };
     let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(st.engine.now()).replace([':', '.'], "-")));
-    if !valid_id(&name) || name.starts_with('.') {
+    if !crate::config::valid_id(&name) || name.starts_with('.') {
         return error(StatusCode::BAD_REQUEST, "bad_name", "name must be a plain file name (letters, digits, '-', '_', '.')");
     }
     let dir = crate::cli::backup_dir(&st.engine.config);

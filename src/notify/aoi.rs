@@ -32,6 +32,20 @@ pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
         return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
     }
     let mp = MultiPolygon::new(polys);
+    // Coordinates in a projected system (feet, metres) or typed wrong would match nothing,
+    // silently: an AOI is in WGS84 degrees.
+    if let Some(r) = geo::BoundingRect::bounding_rect(&mp) {
+        let inside = |v: f64, limit: f64| v.is_finite() && v.abs() <= limit;
+        if !(inside(r.min().x, 180.0) && inside(r.max().x, 180.0) && inside(r.min().y, 90.0) && inside(r.max().y, 90.0)) {
+            return Err(format!(
+                "coordinates outside longitude -180..180 / latitude -90..90 (extent [{}, {}, {}, {}]): an AOI is in WGS84 degrees",
+                r.min().x,
+                r.min().y,
+                r.max().x,
+                r.max().y
+            ));
+        }
+    }
     let (clean, _) = crate::ingest::normalize::clean_geometry(mp, None)
         .map_err(|(reason, detail)| format!("{}: {detail}", reason.as_str()))?;
     if !crate::ingest::valid::is_valid(&clean) {
@@ -70,6 +84,15 @@ fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, depth: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn coordinates_outside_lon_lat_are_refused() {
+        for bad in ["[[[-200,0],[200,0],[200,95],[-200,0]]]", "[[[0,0],[1e308,0],[1,1],[0,0]]]", "[[[500000,4000000],[500100,4000000],[500100,4000100],[500000,4000000]]]"] {
+            let e = parse_aoi(&format!(r#"{{"type":"Polygon","coordinates":{bad}}}"#)).unwrap_err();
+            assert!(e.contains("WGS84 degrees"), "{bad}: {e}");
+        }
+        assert!(parse_aoi(r#"{"type":"Polygon","coordinates":[[[-180,-90],[180,-90],[180,90],[-180,-90]]]}"#).is_ok());
+    }
 
     #[test]
     fn accepts_the_four_shapes_and_rejects_others() {

@@ -5,6 +5,9 @@
 //!   exponential backoff and full jitter, honouring `Retry-After`; any other status (including
 //!   3xx: redirects are never followed) → dead letter `rejected_<status>`; attempts exhausted
 //!   → dead letter `retries_exhausted`.
+//! * A row whose subscriber no longer exists (removed from the config, or deleted over the
+//!   control port while a send of it was in flight) is not sent: dead letter
+//!   `subscriber_gone`, whatever its endpoint's health.
 //! * A target resolving to a loopback, private or link-local address is refused unless
 //!   `allow_private_targets` is set (`crate::netguard`: checked on the addresses connected
 //!   to, so a DNS answer that changes between a check and the connect is caught too).
@@ -128,6 +131,10 @@ impl SendPlan {
     }
 }
 
+/// The dead-letter reason of a row whose subscriber no longer exists when delivery takes it
+/// (removed from the config, or deleted over the control port while a send was in flight).
+pub const SUBSCRIBER_GONE: &str = "subscriber_gone";
+
 /// Plans kept at most; past this (subscribers come and go) the cache starts again.
 const MAX_PLANS: usize = 100_000;
 
@@ -176,7 +183,10 @@ impl Deliverer {
         let store = self.store.clone();
         let retry_floor = (limit / 4).max(1);
         let now = self.clock.now_ms();
-        let leased = tokio::task::spawn_blocking(move || store.lease_due(now, lease_ms, limit, retry_floor))
+        let subs = self.subscribers.clone();
+        let leased = tokio::task::spawn_blocking(move || {
+            store.lease_due_probing(now, lease_ms, limit, retry_floor, &HashSet::new(), &|id| subs.get(id).is_some())
+        })
             .await
             .map_err(|e| DeliveryError::Client(format!("lease task failed: {e}")))??;
         let batch = leased.entries;
@@ -370,7 +380,8 @@ impl Deliverer {
             let skip = probing.lock().map(|g| g.clone()).unwrap_or_default();
             let tl = Instant::now();
             let now = self.clock.now_ms();
-            let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now, lease_ms, want, retry_floor, &skip)).await;
+            let subs = self.subscribers.clone();
+            let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now, lease_ms, want, retry_floor, &skip, &|id| subs.get(id).is_some())).await;
             tracing::debug!(out, ms = tl.elapsed().as_secs_f64() * 1000.0, n = leased.as_ref().map(|r| r.as_ref().map(|b| b.entries.len()).unwrap_or(0)).unwrap_or(0), "lease");
             let leased = match leased {
                 Ok(Ok(b)) => b,
@@ -555,7 +566,12 @@ impl Deliverer {
 
     async fn try_send(&self, entry: &OutboxEntry, rec: &mut AttemptRecord) -> DeliveryResult {
         let id = entry.id;
-        let plan = self.plan_for(entry);
+        let Some(plan) = self.plan_for(entry) else {
+            // Neither the config nor the store has its subscriber any more: nothing to send
+            // it to (the row's target is a URL someone removed) and no secret to sign with.
+            // A dead letter, replayable should the subscriber come back.
+            return DeliveryResult::Dead { id, reason: SUBSCRIBER_GONE.into() };
+        };
         let url = match &plan.url {
             Ok(url) => url,
             Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone() },
@@ -660,18 +676,16 @@ impl Deliverer {
         }
     }
 
-    /// The [`SendPlan`] for `entry`'s endpoint: the subscriber's current target and secrets
-    /// (or, for a subscriber since removed, the target the row was queued with, unsigned).
-    fn plan_for(&self, entry: &OutboxEntry) -> Arc<SendPlan> {
-        let sub = self.subscribers.get(&entry.watcher_id);
-        let (target, secret, secret_old) = match &sub {
-            Some(s) => (s.target.as_str(), s.secret.as_deref(), s.secret_old.as_deref()),
-            None => (entry.target.as_str(), None, None),
-        };
+    /// The [`SendPlan`] for `entry`'s endpoint: the subscriber's current target and secrets;
+    /// None for a subscriber since removed (from the config, or deleted over the control
+    /// port), whose rows are dead letters `subscriber_gone`.
+    fn plan_for(&self, entry: &OutboxEntry) -> Option<Arc<SendPlan>> {
+        let sub = self.subscribers.get(&entry.watcher_id)?;
+        let (target, secret, secret_old) = (sub.target.as_str(), sub.secret.as_deref(), sub.secret_old.as_deref());
         let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(plan) = plans.get(&entry.watcher_id) {
             if plan.made_from(target, secret, secret_old) {
-                return plan.clone();
+                return Some(plan.clone());
             }
         }
         if plans.len() >= MAX_PLANS {
@@ -679,7 +693,7 @@ impl Deliverer {
         }
         let plan = Arc::new(SendPlan::new(target, secret, secret_old));
         plans.insert(entry.watcher_id.clone(), plan.clone());
-        plan
+        Some(plan)
     }
 }
 
@@ -817,27 +831,26 @@ mod tests {
             next_attempt_ms: 0,
             last_error: None,
         };
-        let first = d.plan_for(&entry);
-        assert!(Arc::ptr_eq(&first, &d.plan_for(&entry)), "made once, then reused");
+        let first = d.plan_for(&entry).unwrap();
+        assert!(Arc::ptr_eq(&first, &d.plan_for(&entry).unwrap()), "made once, then reused");
         assert_eq!(first.url.as_ref().unwrap().as_str(), "http://example.com/a");
         assert_eq!(first.signers.as_ref().unwrap().len(), 1);
         // A rotation: both secrets sign.
         subs.replace(vec![sub("http://example.com/a", Some(B), Some(A))]);
-        let rotated = d.plan_for(&entry);
+        let rotated = d.plan_for(&entry).unwrap();
         assert!(!Arc::ptr_eq(&first, &rotated));
         assert_eq!(rotated.signers.as_ref().unwrap().len(), 2);
         // A new target; then a bad secret and a bad target are reasons, not panics.
         subs.replace(vec![sub("http://example.com/b", Some(B), None)]);
-        assert_eq!(d.plan_for(&entry).url.as_ref().unwrap().as_str(), "http://example.com/b");
+        assert_eq!(d.plan_for(&entry).unwrap().url.as_ref().unwrap().as_str(), "http://example.com/b");
         subs.replace(vec![sub("not a url", Some("whsec_%%%"), None)]);
-        let bad = d.plan_for(&entry);
+        let bad = d.plan_for(&entry).unwrap();
         assert!(bad.url.as_ref().unwrap_err().starts_with("bad_target"));
         assert!(bad.signers.as_ref().unwrap_err().starts_with("bad_secret"));
-        // A subscriber since removed: the row's own target, unsigned.
+        // A subscriber since removed: no plan (the row is dead-lettered `subscriber_gone`,
+        // never sent unsigned to the URL it was queued with).
         subs.replace(vec![]);
-        let gone = d.plan_for(&entry);
-        assert_eq!(gone.url.as_ref().unwrap().as_str(), "http://example.com/queued");
-        assert!(gone.signers.as_ref().unwrap().is_empty());
+        assert!(d.plan_for(&entry).is_none());
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub struct ConsistencyReport {
     pub runs: u64,
     /// Parcels in the snapshot's readable blocks, every source.
     pub snapshot_parcels: u64,
+    /// Ids of the subscribers created over the control port (not a consistency matter:
+    /// `zonewatch check` compares them with the config's, whose same ids hide them).
+    pub api_subscribers: Vec<String>,
     /// One sentence per violated invariant (empty: the store is consistent).
     pub problems: Vec<String>,
     /// The file was not closed cleanly: what was checked is a temporary copy that redb
@@ -388,6 +391,12 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         report.snapshot_parcels = super::blocks::check_all(&blocks, |p| found.push(p))?;
         for p in found {
             problem(&mut report, p);
+        }
+    }
+    if let Some(subs) = open_optional(rtx, SUBSCRIBERS)? {
+        for item in subs.iter()? {
+            let (k, _) = item?;
+            report.api_subscribers.push(k.value().to_string());
         }
     }
     Ok(report)

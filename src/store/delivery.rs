@@ -237,6 +237,61 @@ pub(super) fn claim_in_txn(
     Ok(counts)
 }
 
+/// What [`dead_letter_rows_of`] did with one subscriber's outbox rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RowsDeadLettered {
+    /// Rows moved to the dead letters (each with its `dead_letter` audit row).
+    pub dead_lettered: u64,
+    /// Rows left alone because a send of theirs is in flight in this process: that send's
+    /// outcome is recorded as usual, and a row it leaves queued is dead-lettered by delivery
+    /// (`subscriber_gone`) once it finds no subscriber.
+    pub in_flight: u64,
+}
+
+/// Dead-letters every outbox row (both queues) of `watcher` with `reason`, inside `wtx`:
+/// each row is removed in the transaction that writes its dead letter and its terminal
+/// `dead_letter` audit row (invariant 3), as an outcome commit does. Rows for which
+/// `in_flight` is true are skipped. Reads the whole outbox (an operator's action on a
+/// subscriber, not a delivery path).
+pub(super) fn dead_letter_rows_of(
+    wtx: &WriteTransaction,
+    watcher: &str,
+    reason: &str,
+    now_ms: u64,
+    in_flight: &dyn Fn(u64) -> bool,
+) -> Result<RowsDeadLettered, StoreError> {
+    let mut done = RowsDeadLettered::default();
+    let mut victims: Vec<(super::outbox::Queue, OutboxEntry)> = Vec::new();
+    for (table, queue, name) in [(OUTBOX, super::outbox::Queue::Fresh, "outbox"), (OUTBOX_RETRY, super::outbox::Queue::Retry, "outbox_retry")] {
+        for item in wtx.open_table(table)?.iter()? {
+            let (_, v) = item?;
+            let entry = decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
+            if entry.watcher_id != watcher {
+                continue;
+            }
+            if in_flight(entry.id) {
+                done.in_flight += 1;
+            } else {
+                victims.push((queue, entry));
+            }
+        }
+    }
+    let mut pending = Vec::with_capacity(victims.len());
+    {
+        let mut outbox = super::outbox::OutboxTables::open(wtx)?;
+        let mut dead = wtx.open_table(DEAD_LETTERS)?;
+        for (queue, entry) in victims {
+            outbox.remove(queue, &entry)?;
+            let dl = DeadLetter { entry, reason: reason.to_string(), dead_at_ms: now_ms };
+            dead.insert(dl.entry.id, encode_dead(&dl).as_slice())?;
+            pending.push(AuditRow::for_entry(&dl.entry, Outcome::DeadLetter, now_ms, reason.to_string()));
+            done.dead_lettered += 1;
+        }
+    }
+    append_audits(wtx, &mut pending)?;
+    Ok(done)
+}
+
 impl Store {
     /// Claims keys and queues deliveries for already-detected events outside a run (the path
     /// used to re-inject events, and by tests of the claim race). One transaction.
@@ -369,7 +424,12 @@ impl Store {
                         DeliveryResult::Sent { .. } => (true, false, false),
                         DeliveryResult::Retry { error, .. } => (false, error == "http_410_gone", false),
                         DeliveryResult::Dead { reason, .. } => {
-                            (false, false, reason.starts_with("private_target") || reason.starts_with("bad_") || reason.starts_with("dns"))
+                            // Not the endpoint's doing: nothing went out, or no subscriber is left.
+                            let local = reason.starts_with("private_target")
+                                || reason.starts_with("bad_")
+                                || reason.starts_with("dns")
+                                || reason == crate::notify::delivery::SUBSCRIBER_GONE;
+                            (false, false, local)
                         }
                     };
                     if !local {

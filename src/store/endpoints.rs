@@ -180,25 +180,58 @@ impl Store {
     }
 
     /// Re-enables an endpoint (clears the breaker and its history); audited. Returns false
-    /// when the endpoint was not disabled.
+    /// when the endpoint was not disabled. The command line and the control port both come
+    /// here, so an operator's enable is the same audit row whichever way it was asked for.
     pub fn enable_endpoint(&self, id: &str, now_ms: u64) -> Result<bool, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let was;
-        {
-            let mut t = wtx.open_table(ENDPOINTS)?;
-            let mut s: EndpointState = match t.get(id)? {
-                Some(v) => decode(v.value()).map_err(|e| codec_err("endpoints", e))?,
-                None => EndpointState::default(),
-            };
-            was = s.disabled;
-            s = EndpointState { last_success_ms: s.last_success_ms, ..Default::default() };
-            t.insert(id, encode(&s).as_slice())?;
-        }
-        if was {
-            audit_endpoint(&wtx, id, Outcome::EndpointEnabled, "enabled by operator".into(), now_ms)?;
-        }
+        let was = enable_in(&wtx, id, Reset::Always, ENABLED_BY_OPERATOR, now_ms)?;
         wtx.commit()?;
         Ok(was)
     }
+}
+
+/// The `endpoint_enabled` detail of an operator's enable (`zonewatch endpoints enable`,
+/// `POST /v1/endpoints/{id}/enable`).
+pub const ENABLED_BY_OPERATOR: &str = "enabled by operator";
+
+/// When [`enable_in`] resets an endpoint's health.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Reset {
+    /// Always (an operator's enable also clears a breaker and its history).
+    Always,
+    /// Only when it is disabled (a subscriber's new target: a healthy endpoint keeps its
+    /// breaker state, whichever URL it had).
+    IfDisabled,
+}
+
+/// Re-enables endpoint `id` inside `wtx` (breaker and history cleared, last success kept),
+/// with an `endpoint_enabled` audit row saying `detail` when it was disabled. Returns whether
+/// it was disabled.
+pub(super) fn enable_in(wtx: &WriteTransaction, id: &str, reset: Reset, detail: &str, now_ms: u64) -> Result<bool, StoreError> {
+    let was;
+    {
+        let mut t = wtx.open_table(ENDPOINTS)?;
+        let s: EndpointState = match t.get(id)? {
+            Some(v) => decode(v.value()).map_err(|e| codec_err("endpoints", e))?,
+            None => EndpointState::default(),
+        };
+        was = s.disabled;
+        if reset == Reset::IfDisabled && !was {
+            return Ok(false);
+        }
+        let s = EndpointState { last_success_ms: s.last_success_ms, ..Default::default() };
+        t.insert(id, encode(&s).as_slice())?;
+    }
+    if was {
+        audit_endpoint(wtx, id, Outcome::EndpointEnabled, detail.to_string(), now_ms)?;
+    }
+    Ok(was)
+}
+
+/// Forgets endpoint `id`'s health inside `wtx` (its subscriber was deleted: one created
+/// again under the same id starts enabled, with a closed breaker).
+pub(super) fn forget_in(wtx: &WriteTransaction, id: &str) -> Result<(), StoreError> {
+    wtx.open_table(ENDPOINTS)?.remove(id)?;
+    Ok(())
 }

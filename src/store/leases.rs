@@ -46,6 +46,17 @@ impl Leases {
         self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Runs `f` (a write transaction that resolves outbox rows outside delivery) with the
+    /// lease map locked, telling it which rows are in flight at `now_ms`. Held until `f`
+    /// returns, so `f` should commit inside: a lease pass then either leased a row before
+    /// `f` looked (and `f` leaves it to its send's outcome) or opens its snapshot after the
+    /// commit (and no longer finds the row). Lock order: the write transaction first, then
+    /// this lock (no lease pass waits for a write lock while holding it).
+    pub(super) fn while_held<R>(&self, now_ms: u64, f: impl FnOnce(&dyn Fn(u64) -> bool) -> R) -> R {
+        let state = self.lock();
+        f(&|id| state.by_row.get(&id).is_some_and(|&until| until > now_ms))
+    }
+
     /// Drops the leases of rows whose outcome has been committed.
     pub(super) fn release(&self, ids: impl IntoIterator<Item = u64>) {
         let mut state = self.lock();
@@ -82,11 +93,15 @@ impl Store {
         fresh_limit: usize,
         retry_floor: usize,
     ) -> Result<LeasedBatch, StoreError> {
-        self.lease_due_probing(now_ms, lease_ms, fresh_limit, retry_floor, &std::collections::HashSet::new())
+        self.lease_due_probing(now_ms, lease_ms, fresh_limit, retry_floor, &std::collections::HashSet::new(), &|_| true)
     }
 
     /// [`Store::lease_due`] for a deliverer that keeps several batches in flight: endpoints in
     /// `probing` already have their half-open probe out, so no second one is leased.
+    /// `subscribed` says whether a row's subscriber still exists: the rows of one that does
+    /// not are leased whatever its endpoint's health (a disabled endpoint's would otherwise
+    /// wait forever for an enable no one can give), and delivery dead-letters them
+    /// (`subscriber_gone`).
     pub fn lease_due_probing(
         &self,
         now_ms: u64,
@@ -94,6 +109,7 @@ impl Store {
         fresh_limit: usize,
         retry_floor: usize,
         probing: &std::collections::HashSet<String>,
+        subscribed: &dyn Fn(&str) -> bool,
     ) -> Result<LeasedBatch, StoreError> {
         let until = now_ms.saturating_add(lease_ms);
         // Held until the batch is leased (see `Leases`): taken before the snapshot is opened.
@@ -120,7 +136,11 @@ impl Store {
             let gate = match gates.get(&entry.watcher_id) {
                 Some(&gate) => gate,
                 None => {
-                    let gate = super::endpoints::gate(super::endpoints::load(&endpoints, &entry.watcher_id)?.as_ref(), now_ms);
+                    let gate = if subscribed(&entry.watcher_id) {
+                        super::endpoints::gate(super::endpoints::load(&endpoints, &entry.watcher_id)?.as_ref(), now_ms)
+                    } else {
+                        super::endpoints::Gate::Open
+                    };
                     gates.insert(entry.watcher_id.clone(), gate);
                     gate
                 }

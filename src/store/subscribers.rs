@@ -4,6 +4,8 @@
 use super::codec::{decode, encode};
 use super::runs::codec_err;
 use super::tables::SUBSCRIBERS;
+use super::delivery::{dead_letter_rows_of, RowsDeadLettered};
+use super::endpoints::{enable_in, forget_in, Reset};
 use super::{Store, StoreError};
 use crate::model::Severity;
 use redb::{ReadableDatabase, ReadableTable};
@@ -22,7 +24,29 @@ pub struct StoredSubscriber {
     pub updated_ms: u64,
 }
 
+/// Why the rows of a subscriber deleted over the control port are dead letters (replayable
+/// once a subscriber of that id exists again).
+pub const SUBSCRIBER_DELETED: &str = "subscriber_deleted";
+
+/// What [`Store::put_subscriber`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubscriberPut {
+    /// The record it replaced (None: created).
+    pub previous: Option<StoredSubscriber>,
+    /// The endpoint was disabled and the new record changed its target, so it was re-enabled
+    /// (the disable was about the old URL).
+    pub re_enabled: bool,
+}
+
+/// What [`Store::delete_subscriber`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SubscriberDeleted {
+    /// Its outbox rows dead-lettered `subscriber_deleted`, and those left to a send in flight.
+    pub rows: RowsDeadLettered,
+}
+
 impl Store {
+    /// Every subscriber managed over the control port, by id.
     pub fn stored_subscribers(&self) -> Result<Vec<StoredSubscriber>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(SUBSCRIBERS)?;
@@ -34,11 +58,13 @@ impl Store {
         Ok(out)
     }
 
-    /// Inserts or replaces a subscriber; returns the previous record.
-    pub fn put_subscriber(&self, sub: &StoredSubscriber) -> Result<Option<StoredSubscriber>, StoreError> {
+    /// Inserts or replaces a subscriber. A replacement with another target re-enables its
+    /// endpoint if it was disabled (an `endpoint_enabled` audit row naming both URLs), in the
+    /// same transaction: the 410 or the failures that disabled it were the old URL's.
+    pub fn put_subscriber(&self, sub: &StoredSubscriber, now_ms: u64) -> Result<SubscriberPut, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let prev = {
+        let previous: Option<StoredSubscriber> = {
             let mut t = wtx.open_table(SUBSCRIBERS)?;
             let prev = match t.get(sub.id.as_str())? {
                 Some(v) => Some(decode(v.value()).map_err(|m| codec_err("subscribers", m))?),
@@ -47,16 +73,36 @@ impl Store {
             t.insert(sub.id.as_str(), encode(sub).as_slice())?;
             prev
         };
+        let re_enabled = match &previous {
+            Some(p) if p.target != sub.target => {
+                let detail = format!("target changed from {} to {}: the endpoint was disabled for the old URL", p.target, sub.target);
+                enable_in(&wtx, &sub.id, Reset::IfDisabled, &detail, now_ms)?
+            }
+            _ => false,
+        };
         wtx.commit()?;
-        Ok(prev)
+        Ok(SubscriberPut { previous, re_enabled })
     }
 
-    /// Deletes a subscriber; true when it existed.
-    pub fn delete_subscriber(&self, id: &str) -> Result<bool, StoreError> {
+    /// Deletes a subscriber (None: there was none). In the same transaction its endpoint
+    /// health is forgotten and every outbox row queued for it is dead-lettered
+    /// `subscriber_deleted` (each with its terminal audit row), so none waits forever for a
+    /// subscriber that no longer exists; rows with a send in flight are left to that send's
+    /// outcome (see [`RowsDeadLettered`]).
+    pub fn delete_subscriber(&self, id: &str, now_ms: u64) -> Result<Option<SubscriberDeleted>, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let existed = wtx.open_table(SUBSCRIBERS)?.remove(id)?.is_some();
-        wtx.commit()?;
-        Ok(existed)
+        if wtx.open_table(SUBSCRIBERS)?.remove(id)?.is_none() {
+            wtx.abort()?;
+            return Ok(None);
+        }
+        forget_in(&wtx, id)?;
+        // The lease lock is held through the commit (see `Leases::while_held`).
+        let rows = self.leases.while_held(now_ms, move |in_flight| -> Result<RowsDeadLettered, StoreError> {
+            let rows = dead_letter_rows_of(&wtx, id, SUBSCRIBER_DELETED, now_ms, in_flight)?;
+            wtx.commit()?;
+            Ok(rows)
+        })?;
+        Ok(Some(SubscriberDeleted { rows }))
     }
 }
