@@ -296,9 +296,13 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         }
     };
     letters.retain(|d| (ids.is_empty() || ids.contains(&d.entry.id)) && d.dead_at_ms >= s && d.dead_at_ms <= u);
+    // An id named but not found fails the command (after the others are replayed): a script
+    // must not read "done" when what it asked for was not there.
+    let mut missing = 0;
     for id in &ids {
         if !letters.iter().any(|d| d.entry.id == *id) {
-            eprintln!("warning: no dead letter {id} (in the window)");
+            eprintln!("error: no dead letter {id} (in the window)");
+            missing += 1;
         }
     }
     if let Some(cap) = cap {
@@ -330,7 +334,11 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
                     "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={}",
                     r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead
                 );
-                0
+                if missing > 0 {
+                    1
+                } else {
+                    0
+                }
             }
             Err(e) => {
                 eprintln!("error: {e}");

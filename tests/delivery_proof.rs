@@ -296,6 +296,9 @@ async fn slow_endpoint_dead_letter_replays_under_the_original_key_and_the_receiv
     // A receiver deduplicating on webhook-id processes the event once.
     let unique: BTreeSet<_> = after.iter().filter_map(|r| r.header("webhook-id")).collect();
     assert_eq!(unique.len(), 1);
+    // An id that is not a dead letter (any more) fails the command, saying which.
+    let (ok, out, err) = zonewatch(&["dlq", "replay", &dl.entry.id.to_string(), "--config", cfg]);
+    assert!(!ok && err.contains(&format!("no dead letter {}", dl.entry.id)), "{out}{err}");
 
     // The ledger tells the whole story for the key: queued, dead_letter, queued (replay), sent.
     let (ok, out, _) = zonewatch(&["audit", "--config", cfg, "--key", &dl.entry.key.0, "--format", "csv"]);

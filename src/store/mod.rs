@@ -82,7 +82,7 @@ pub enum StoreError {
     Open { path: PathBuf, message: String },
     #[error("store {path}: upgrading it from schema version {from} to {to} failed, and nothing of the upgrade was kept (the release that wrote the file still opens it): {message}")]
     Upgrade { path: PathBuf, from: u32, to: u32, message: String },
-    #[error("store {path} is in use by another zonewatch process (only one may open a store at a time)")]
+    #[error("store {path} is in use by another zonewatch process (only one may open a store at a time; while `serve` runs, its control port answers instead: /v1/audit, /v1/holds, /v1/deadletters, /v1/endpoints, `zonewatch backup`)")]
     InUse { path: PathBuf },
     /// redb panicked reading the file, or cannot repair it: its pages are damaged. Nothing
     /// but a backup brings the data back, so the message says so.
