@@ -576,7 +576,8 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
         eprintln!("error: {} exists; choose a new file name", dest.display());
         return 2;
     }
-    match crate::store::Store::open(&cfg.store_path) {
+    // A wrong `[store] path` must not back up a new, empty store and report success.
+    match crate::store::Store::require_existing(&cfg.store_path).and_then(|()| crate::store::Store::open(&cfg.store_path)) {
         Ok(store) => match store.backup_to(dest) {
             Ok(info) => {
                 println!("backup: {} ({} bytes, {} tables, {} rows)", info.path.display(), info.bytes, info.tables, info.rows);
@@ -782,9 +783,15 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         }
     }
     // The control token `serve` will use: one it would refuse fails the pre-start check.
-    match crate::control::auth::read_token(&cfg.control.token_file) {
-        Ok(Some(_)) => println!("control: {} token {} ok", cfg.control.listen, cfg.control.token_file.display()),
-        Ok(None) => println!("control: {} token {} (created on first start)", cfg.control.listen, cfg.control.token_file.display()),
+    // (`check` is also run as another user than the daemon's: a token it may not read is
+    // noted, as an unreadable store is.)
+    let token = &cfg.control.token_file;
+    match crate::control::auth::read_token(token) {
+        Ok(Some(_)) => println!("control: {} token {} ok", cfg.control.listen, token.display()),
+        Ok(None) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
+        Err(e) if std::fs::File::open(token).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) => {
+            println!("control: {} token {}: not readable by this user, not checked ({e})", cfg.control.listen, token.display());
+        }
         Err(e) => {
             bad += 1;
             println!("control: ERROR {e}");
@@ -923,6 +930,22 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
             return 2;
         }
     };
+    // Written through a handle whose errors are seen: `audit | head` closing the pipe ends
+    // the command here, with the store closed cleanly (a panic would leave it to repair).
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    match write_audit(&mut out, &rows, format).and_then(|()| std::io::Write::flush(&mut out)) {
+        Ok(()) => 0,
+        // The reader stopped early: as a Unix tool stopped by SIGPIPE.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 141,
+        Err(e) => {
+            eprintln!("error: writing the audit rows: {e}");
+            1
+        }
+    }
+}
+
+/// The audit rows in `format` (`cmd_audit`'s output).
+fn write_audit(out: &mut impl std::io::Write, rows: &[AuditRow], format: AuditFormat) -> std::io::Result<()> {
     let cols = ["seq", "ts", "outcome", "idempotency_key", "watcher_id", "source_id", "parcel_id", "lineage_id", "detail"];
     let cells = |r: &AuditRow| -> Vec<String> {
         vec![
@@ -939,14 +962,14 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
     };
     match format {
         AuditFormat::Jsonl => {
-            for r in &rows {
-                println!("{}", audit_json(r));
+            for r in rows {
+                writeln!(out, "{}", audit_json(r))?;
             }
         }
         AuditFormat::Csv => {
-            println!("{}", cols.join(","));
-            for r in &rows {
-                println!("{}", cells(r).iter().map(|c| csv_field(c)).collect::<Vec<_>>().join(","));
+            writeln!(out, "{}", cols.join(","))?;
+            for r in rows {
+                writeln!(out, "{}", cells(r).iter().map(|c| csv_field(c)).collect::<Vec<_>>().join(","))?;
             }
         }
         AuditFormat::Table => {
@@ -967,14 +990,14 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
             let line = |cells: Vec<String>| {
                 cells.iter().enumerate().map(|(i, c)| format!("{:<w$}", c, w = widths[i])).collect::<Vec<_>>().join("  ")
             };
-            println!("{}", line(cols.iter().map(|c| c.to_string()).collect()));
+            writeln!(out, "{}", line(cols.iter().map(|c| c.to_string()).collect()))?;
             for row in table {
-                println!("{}", line(row));
+                writeln!(out, "{}", line(row))?;
             }
-            println!("({} rows)", rows.len());
+            writeln!(out, "({} rows)", rows.len())?;
         }
     }
-    0
+    Ok(())
 }
 
 fn cmd_holds(action: HoldAction) -> i32 {

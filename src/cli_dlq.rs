@@ -246,10 +246,13 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
                 println!("dead letter {} ({state})", d.entry.id);
                 println!("  key:       {}", d.entry.key);
                 println!("  watcher:   {}  target: {}", d.entry.watcher_id, d.entry.target);
-                println!("  parcel:    {}  source: {}  lineage: {}", d.entry.parcel_id, d.entry.source_id, d.entry.lineage_id);
-                println!("  reason:    {}  at {}", d.reason, rfc3339(d.dead_at_ms));
+                // Feed text (parcel ids, codes in the payload) and a receiver's answer are shown
+                // escaped: neither may drive the operator's terminal.
+                let safe = crate::util::terminal_safe;
+                println!("  parcel:    {}  source: {}  lineage: {}", safe(&d.entry.parcel_id), safe(&d.entry.source_id), safe(&d.entry.lineage_id));
+                println!("  reason:    {}  at {}", safe(&d.reason), rfc3339(d.dead_at_ms));
                 println!("  replays:   {}", engine.store.replay_count(&d.entry.key.0).unwrap_or(0));
-                println!("  payload:   {}", String::from_utf8_lossy(&d.entry.body()));
+                println!("  payload:   {}", safe(&String::from_utf8_lossy(&d.entry.body())));
             }
             println!("attempts of {key}:");
             println!("  #\tat\tresult\tstatus\tduration_ms\terror\tresponse (first 2 KiB)");
@@ -261,8 +264,8 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
                     a.result,
                     a.status.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
                     a.duration_ms,
-                    a.error.unwrap_or_default(),
-                    a.response_head.replace(['\n', '\r', '\t'], " ")
+                    crate::util::terminal_safe(&a.error.unwrap_or_default()),
+                    crate::util::terminal_safe(&a.response_head.replace(['\n', '\r', '\t'], " "))
                 );
             }
             0

@@ -19,18 +19,30 @@ fn main() {
         LogFormat::Human => builder.init(),
     }
     quiet_on_closed_stdout();
-    std::process::exit(dispatch(cli));
+    // Unwinding out of a command closes the store on the way (a process exit would not).
+    let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dispatch(cli))) {
+        Ok(code) => code,
+        Err(_) if STDOUT_CLOSED.load(std::sync::atomic::Ordering::SeqCst) => 141,
+        Err(payload) => std::panic::resume_unwind(payload),
+    };
+    std::process::exit(code);
 }
 
-/// `zonewatch audit | head` closes stdout early: the command stops there quietly, exit 0, as
-/// Unix tools do, instead of panicking with "failed printing to stdout: Broken pipe". Every
+/// Set when a command stopped because its stdout was closed.
+static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `zonewatch audit | head` closes stdout early: the command stops there, quietly, and exits
+/// 141 as a Unix tool killed by SIGPIPE does (so `set -o pipefail` and cron still see that it
+/// did not finish), instead of printing "failed printing to stdout: Broken pipe" with a
+/// backtrace. The panic unwinds to `main`, so the store is closed cleanly on the way. Every
 /// other panic is reported as before.
 fn quiet_on_closed_stdout() {
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let message = info.payload().downcast_ref::<String>().map(String::as_str).unwrap_or("");
         if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
-            std::process::exit(0);
+            STDOUT_CLOSED.store(true, std::sync::atomic::Ordering::SeqCst);
+            return;
         }
         report(info);
     }));

@@ -358,7 +358,7 @@ impl Engine {
     }
 
     /// Like [`Engine::open`], for the commands that only read or steer what runs wrote: the
-    /// store must exist already (see [`Store::open_existing`]).
+    /// store must exist already (see [`Store::require_existing`]).
     pub fn open_existing(config: Config) -> Result<Engine, PipelineError> {
         Store::require_existing(&config.store_path)?;
         Engine::open(config)

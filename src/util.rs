@@ -227,12 +227,18 @@ mod tests {
     }
 }
 
+/// Whether `c` may act on a terminal rather than show on it: a control character (escape
+/// sequences, newlines, tabs) or a bidirectional override.
+pub fn unsafe_on_terminal(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
 /// `text` as it may be printed to an operator's terminal: control characters (escape
 /// sequences, newlines, tabs) and the bidirectional overrides are shown escaped (`\u{1b}`),
 /// so a parcel id or zoning code from a feed can neither rewrite the screen nor break a
 /// table's rows. Everything else is left as it is.
 pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
-    let unsafe_char = |c: char| c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    let unsafe_char = unsafe_on_terminal;
     if !text.chars().any(unsafe_char) {
         return std::borrow::Cow::Borrowed(text);
     }

@@ -73,6 +73,17 @@ fn a_feature_whose_bytes_are_not_utf8_is_quarantined_and_keeps_its_parcel() {
     let q = engine.store.quarantine().unwrap();
     assert_eq!((q[0].reason, q[0].parcel_id.as_deref()), (QuarantineReason::MalformedFeature, Some("P0003")));
     assert!(q[0].detail.contains("not UTF-8"), "{}", q[0].detail);
+
+    // A bad byte outside the fields the diff reads (an owner's name in Latin-1) is let
+    // through: the parcel's rezoning is still seen.
+    let mut moved = parcels.clone();
+    moved[3].zone = "ZZ-2".into();
+    let latin1 = layer(&moved).replacen("\"ZONE_CODE\":\"ZZ-2\"", "\"OWNER\":\"M\u{1}ller\",\"ZONE_CODE\":\"ZZ-2\"", 1).into_bytes();
+    let latin1: Vec<u8> = latin1.into_iter().map(|b| if b == 1 { 0xFC } else { b }).collect();
+    std::fs::write(ws.path().join("layer.geojson"), latin1).unwrap();
+    let r = run(&engine, false);
+    assert_eq!((r.record.counts.quarantined, r.record.counts.changes), (0, 1), "{:?}", r.record.counts);
+    assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0003"].zoning, "ZZ-2");
 }
 
 #[test]

@@ -167,7 +167,8 @@ struct FeatureBatch {
     seq: u64,
     text: String,
     items: Vec<(u64, usize, usize)>,
-    /// Indexes of the batch's features whose bytes were not UTF-8 (rare): quarantined.
+    /// Indexes of the batch's features whose bytes were not UTF-8 (rare; ascending): checked
+    /// for damage in the fields the diff reads.
     not_utf8: Vec<u64>,
 }
 
@@ -477,14 +478,14 @@ fn worker(
         for &(index, a, b) in &batch.items {
             let json = &batch.text[a..b];
             let mut normalized = normalize_feature(json, rules);
-            if batch.not_utf8.contains(&index) {
-                // Kept with the id it seems to have, so that parcel keeps its stored state.
-                let parcel_id = match normalized {
-                    Ok(n) => Some(n.parcel.id),
-                    Err(r) => r.parcel_id,
-                };
-                let detail = "the feature's bytes are not UTF-8 (shown here with U+FFFD in their place)".to_string();
-                normalized = Err(Rejected { parcel_id, reason: QuarantineReason::MalformedFeature, detail });
+            if batch.not_utf8.binary_search(&index).is_ok() {
+                if let Ok(n) = &normalized {
+                    let s = &n.parcel.state;
+                    if let Some(detail) = crate::ingest::normalize::damaged_text(&[Some(&n.parcel.id), Some(&s.zoning), s.effective_date.as_deref()]) {
+                        // Kept under the id it seems to have, so that parcel keeps its stored state.
+                        normalized = Err(Rejected { parcel_id: Some(n.parcel.id.clone()), reason: QuarantineReason::MalformedFeature, detail });
+                    }
+                }
             }
             match normalized {
                 Ok(n) => {

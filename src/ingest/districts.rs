@@ -81,6 +81,10 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             out.rejected.push(reject(QuarantineReason::MissingField, format!("missing {code_field}")));
             return;
         };
+        if let Some(detail) = f.not_utf8.then(|| crate::ingest::normalize::damaged_text(&[Some(&code)])).flatten() {
+            out.rejected.push(reject(QuarantineReason::MalformedFeature, detail));
+            return;
+        }
         let Some(graw) = feature.geometry else {
             out.rejected.push(reject(QuarantineReason::EmptyGeometry, "geometry is null".into()));
             return;

@@ -272,6 +272,18 @@ fn prop_text(raw: &RawValue) -> Option<String> {
     }
 }
 
+/// The quarantine detail of a feature whose id, zoning code or date held bytes that are not
+/// UTF-8 (read as U+FFFD): its parcel keeps its stored state, and no rezoning to a code the
+/// publisher never wrote is alerted. Bad bytes elsewhere in a feature (an owner's name in
+/// Latin-1) do not matter to the diff and are let through.
+pub fn damaged_text(fields: &[Option<&str>]) -> Option<String> {
+    fields
+        .iter()
+        .flatten()
+        .any(|t| t.contains('\u{FFFD}'))
+        .then(|| "the feature's id, zoning or date holds bytes that are not UTF-8 (shown as U+FFFD)".to_string())
+}
+
 /// A number as an id or code: one text for one value. Publishers write the same integer id
 /// as `12345` in one version and `12345.0` in the next (a float column: pandas makes one of
 /// an integer column with a gap), which must not read as a parcel removed and another added.

@@ -149,8 +149,11 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     };
     if previous.is_some() {
         // If another process has it open, redb refuses to open it: that is our "in use" check.
-        // A damaged store may be replaced, also one that makes redb panic.
-        if let Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) = super::guard::guarded(|| Database::open(dest).map(drop)) {
+        // Read-only, so the store being replaced is kept exactly as it was (a writable open
+        // would repair a crashed daemon's file first). A damaged store may be replaced, also
+        // one that makes redb panic.
+        let probe = super::guard::guarded(|| redb::Builder::new().open_read_only(dest).map(drop));
+        if let Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) = probe {
             return Err(StoreError::Conflict(format!(
                 "store {} is in use by a running zonewatch; stop it (systemctl stop zonewatch) before restoring",
                 dest.display()

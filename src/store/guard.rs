@@ -86,18 +86,37 @@ fn redb_panic_text(info: &PanicHookInfo<'_>) -> Option<String> {
     // `.../registry/src/<index>/redb-4.6.0/src/tree_store/btree_cursor.rs` (or a vendored
     // `redb/src/...`): from the crate's folder on.
     let components: Vec<Component<'_>> = file.components().collect();
-    let start = components.iter().position(|c| match c {
-        Component::Normal(name) => name.to_str().is_some_and(|n| n == "redb" || n.starts_with("redb-")),
-        _ => false,
-    })?;
+    let start = redb_crate_folder(&components)?;
     let short: std::path::PathBuf = components[start..].iter().collect();
     let message = info.payload_as_str().unwrap_or("panic");
     Some(format!("{message} at {}:{}", short.display(), location.line()))
 }
 
+/// Where redb's crate folder is in a source path: `redb` or `redb-<version>` holding `src`
+/// directly. A folder of that name higher up (a `CARGO_HOME` under `/srv/redb-build`) must not
+/// make every dependency's panic look like redb's.
+fn redb_crate_folder(components: &[Component<'_>]) -> Option<usize> {
+    let is_crate_dir = |n: &str| n == "redb" || n.strip_prefix("redb-").is_some_and(|v| v.starts_with(|c: char| c.is_ascii_digit()));
+    components.windows(2).rposition(|w| match (w[0], w[1]) {
+        (Component::Normal(name), Component::Normal(next)) => next == "src" && name.to_str().is_some_and(is_crate_dir),
+        _ => false,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a file in redb's own crate folder is redb's: not one under a folder that merely
+    /// has redb in its name.
+    #[test]
+    fn redb_is_told_by_its_crate_folder() {
+        let at = |file: &str| redb_crate_folder(&Path::new(file).components().collect::<Vec<_>>()).is_some();
+        assert!(at("/root/.cargo/registry/src/index.crates.io-1/redb-4.6.0/src/tree_store/btree_cursor.rs"));
+        assert!(at("vendor/redb/src/db.rs"));
+        assert!(!at("/srv/redb-build/.cargo/registry/src/index.crates.io-1/geo-0.33.0/src/algorithm/area.rs"));
+        assert!(!at("/srv/redb/cargo/registry/src/x/geo-0.33.0/src/lib.rs"));
+    }
 
     #[test]
     fn a_panic_outside_redb_is_not_taken_for_damage() {

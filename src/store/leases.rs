@@ -47,14 +47,16 @@ impl Leases {
     }
 
     /// Runs `f` (a write transaction that resolves outbox rows outside delivery) with the
-    /// lease map locked, telling it which rows are in flight at `now_ms`. Held until `f`
+    /// lease map locked, telling it which rows are in flight: every row with a lease, also
+    /// one past its expiry (a lease is dropped only once its outcome is committed, and an
+    /// outcome may wait in the group committer past the lease's time). Held until `f`
     /// returns, so `f` should commit inside: a lease pass then either leased a row before
     /// `f` looked (and `f` leaves it to its send's outcome) or opens its snapshot after the
     /// commit (and no longer finds the row). Lock order: the write transaction first, then
     /// this lock (no lease pass waits for a write lock while holding it).
-    pub(super) fn while_held<R>(&self, now_ms: u64, f: impl FnOnce(&dyn Fn(u64) -> bool) -> R) -> R {
+    pub(super) fn while_held<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> R) -> R {
         let state = self.lock();
-        f(&|id| state.by_row.get(&id).is_some_and(|&until| until > now_ms))
+        f(&|id| state.by_row.contains_key(&id))
     }
 
     /// Drops the leases of rows whose outcome has been committed.

@@ -86,7 +86,7 @@ pub enum StoreError {
     InUse { path: PathBuf },
     /// redb panicked reading the file, or cannot repair it: its pages are damaged. Nothing
     /// but a backup brings the data back, so the message says so.
-    #[error("store {path} is damaged (redb: {message}); restore a backup: zonewatch restore BACKUP --config FILE")]
+    #[error("store {path} is damaged (redb: {message}); check it with `zonewatch check --config FILE --store {path}`, and if it is, restore a backup: zonewatch restore BACKUP --config FILE")]
     Damaged { path: PathBuf, message: String },
     #[error("store file {path} has schema version {found}; this zonewatch opens versions up to {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
@@ -150,14 +150,30 @@ impl std::fmt::Debug for Store {
 /// group commit unchanged within noise (interleaved runs, ninth session; docs/PERFORMANCE.md).
 pub const STORE_CACHE_BYTES: usize = 8 * 1024 * 1024;
 
-/// Creates `path` as an empty file of mode 0600 if there is no file there yet.
+/// Creates `path` as an empty file of mode 0600 if there is no file there yet; warns of an
+/// existing store that others may read (a store made by an older release, or copied), which
+/// is left as the operator set it.
+#[cfg(unix)]
 fn create_private(path: &Path) -> Result<(), StoreError> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
         Ok(_) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            if let Ok(meta) = std::fs::metadata(path) {
+                let mode = meta.permissions().mode();
+                if mode & 0o077 != 0 {
+                    tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), "the store holds subscribers' signing secrets and others may read it: chmod 600 it");
+                }
+            }
+            Ok(())
+        }
         Err(e) => Err(StoreError::Open { path: path.to_path_buf(), message: format!("cannot create the store file: {e}") }),
     }
+}
+
+#[cfg(not(unix))]
+fn create_private(_path: &Path) -> Result<(), StoreError> {
+    Ok(())
 }
 
 impl Store {
@@ -217,13 +233,14 @@ impl Store {
     /// runs wrote (`audit`, `holds`, `dlq`, `endpoints`) call it before opening, so a wrong
     /// `[store] path` does not read as an empty ledger, nor leave an empty store behind.
     pub fn require_existing(path: &Path) -> Result<(), StoreError> {
-        if path.exists() {
-            return Ok(());
+        match path.try_exists() {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(StoreError::Open {
+                path: path.to_path_buf(),
+                message: "no store there (check `[store] path` in the config; `zonewatch run` or `serve` creates it)".into(),
+            }),
+            Err(e) => Err(StoreError::Open { path: path.to_path_buf(), message: format!("cannot look for the store: {e}") }),
         }
-        Err(StoreError::Open {
-            path: path.to_path_buf(),
-            message: "no store there (check `[store] path` in the config; `zonewatch run` or `serve` creates it)".into(),
-        })
     }
 
     /// Gives back the pages an upgrade freed. Moving an older snapshot into blocks

@@ -78,7 +78,11 @@ impl Store {
                 let detail = format!("target changed from {} to {}: the endpoint was disabled for the old URL", p.target, sub.target);
                 enable_in(&wtx, &sub.id, Reset::IfDisabled, &detail, now_ms)?
             }
-            _ => false,
+            Some(_) => false,
+            // A new subscriber starts enabled: health left under its id (a send to a deleted
+            // subscriber that answered after the delete, or a config subscriber of that id
+            // removed while disabled) was another endpoint's.
+            None => enable_in(&wtx, &sub.id, Reset::Always, "a new subscriber of this id: the earlier endpoint's state does not apply", now_ms)?,
         };
         wtx.commit()?;
         Ok(SubscriberPut { previous, re_enabled })
@@ -98,7 +102,7 @@ impl Store {
         }
         forget_in(&wtx, id)?;
         // The lease lock is held through the commit (see `Leases::while_held`).
-        let rows = self.leases.while_held(now_ms, move |in_flight| -> Result<RowsDeadLettered, StoreError> {
+        let rows = self.leases.while_held(move |in_flight| -> Result<RowsDeadLettered, StoreError> {
             let rows = dead_letter_rows_of(&wtx, id, SUBSCRIBER_DELETED, now_ms, in_flight)?;
             wtx.commit()?;
             Ok(rows)
