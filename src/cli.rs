@@ -773,7 +773,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         // A private address written in the target is refused at every delivery unless allowed.
         let host = reqwest::Url::parse(&s.target).ok().and_then(|u| u.host_str().map(str::to_string));
         if let Some(host) = host.filter(|_| !cfg.delivery.allow_private_targets) {
-            if crate::netguard::literal_private(&host).is_some() || host.eq_ignore_ascii_case("localhost") {
+            if crate::netguard::written_private(&host) {
                 bad += 1;
                 println!(
                     "subscriber {}: ERROR target {} is a private address: every delivery would be refused (set delivery.allow_private_targets = true to deliver there)",

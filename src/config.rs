@@ -737,6 +737,12 @@ impl Config {
     pub fn source(&self, id: &str) -> Option<&SourceConfig> {
         self.sources.iter().find(|s| s.id == id)
     }
+
+    /// Whether the config file defines subscriber `id`: it then wins over one of the same id
+    /// created over the control port (that one is hidden, and the API may not change it).
+    pub fn has_subscriber(&self, id: &str) -> bool {
+        self.subscribers.iter().any(|c| c.id == id)
+    }
 }
 
 #[cfg(test)]

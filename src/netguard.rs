@@ -48,6 +48,14 @@ pub fn literal_private(host: &str) -> Option<IpAddr> {
     host.trim_matches(['[', ']']).parse::<IpAddr>().ok().filter(is_private)
 }
 
+/// Whether a target's host is private as written, without a lookup: a private IP literal, or
+/// `localhost` (and its subdomains, RFC 6761). `zonewatch check` refuses such targets while
+/// `allow_private_targets` is false: every delivery to them would be refused.
+pub fn written_private(host: &str) -> bool {
+    let name = host.trim_end_matches('.').to_ascii_lowercase();
+    literal_private(host).is_some() || name == "localhost" || name.ends_with(".localhost")
+}
+
 /// A name that resolved to a private address: the connection was refused before it was made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{host} resolves to private address {ip}")]
@@ -172,6 +180,12 @@ mod tests {
         assert_eq!(literal_private("[::1]"), Some("::1".parse().unwrap()));
         assert_eq!(literal_private("8.8.8.8"), None);
         assert_eq!(literal_private("localhost"), None, "names are the resolver's to check");
+        for host in ["127.0.0.1", "[::1]", "localhost", "LocalHost.", "api.localhost"] {
+            assert!(written_private(host), "{host}");
+        }
+        for host in ["example.org", "8.8.8.8", "localhost.example.org"] {
+            assert!(!written_private(host), "{host}");
+        }
     }
 
     #[tokio::test]

@@ -258,7 +258,7 @@ fn config_subscribers(config: &Config) -> Result<Vec<Subscriber>, AoiError> {
 fn stored_subscribers(store: &Store, config: &Config) -> Result<Vec<Subscriber>, StoreError> {
     let mut out = Vec::new();
     for s in store.stored_subscribers()? {
-        if config.subscribers.iter().any(|c| c.id == s.id) {
+        if config.has_subscriber(&s.id) {
             continue; // the config file wins (warned at open: `shadowed_subscribers`)
         }
         let aoi = match crate::notify::aoi::parse_aoi(&s.aoi_geojson) {
@@ -278,7 +278,7 @@ fn stored_subscribers(store: &Store, config: &Config) -> Result<Vec<Subscriber>,
 /// (`managed_by_config`) until one of the two is renamed. Said at every start, and by
 /// `zonewatch check --store`, because nothing else would.
 pub fn shadowed_subscribers(config: &Config, stored_ids: impl IntoIterator<Item = String>) -> Vec<String> {
-    stored_ids.into_iter().filter(|id| config.subscribers.iter().any(|c| &c.id == id)).collect()
+    stored_ids.into_iter().filter(|id| config.has_subscriber(id)).collect()
 }
 
 /// Who defines a subscriber.
@@ -384,7 +384,7 @@ impl Engine {
 
     /// Who defines subscriber `id`, if anyone (the config first: it wins over the store).
     pub fn subscriber_managed_by(&self, id: &str) -> Result<Option<ManagedBy>, PipelineError> {
-        if self.config.subscribers.iter().any(|c| c.id == id) {
+        if self.config.has_subscriber(id) {
             return Ok(Some(ManagedBy::Config));
         }
         Ok(self.store.stored_subscribers()?.iter().any(|s| s.id == id).then_some(ManagedBy::Api))
@@ -401,7 +401,7 @@ impl Engine {
             .map(|c| EndpointListing { id: c.id.clone(), managed_by: ManagedBy::Config, target: c.target.clone(), state: states.remove(&c.id).unwrap_or_default() })
             .collect();
         for s in self.store.stored_subscribers()? {
-            if self.config.subscribers.iter().any(|c| c.id == s.id) {
+            if self.config.has_subscriber(&s.id) {
                 continue;
             }
             let state = states.remove(&s.id).unwrap_or_default();

@@ -440,7 +440,7 @@ fn list_subscribers(st: &ControlState) -> Resp {
     }
     match st.engine.store.stored_subscribers() {
         Ok(list) => {
-            for s in list.iter().filter(|s| !st.engine.config.subscribers.iter().any(|c| c.id == s.id)) {
+            for s in list.iter().filter(|s| !st.engine.config.has_subscriber(&s.id)) {
                 let aoi = serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null);
                 items.push(subscriber_json(&s.id, &s.target, s.secret.is_some(), s.min_severity, aoi, "api"));
             }
@@ -482,7 +482,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     if !crate::config::valid_id(&id) {
         return error(StatusCode::BAD_REQUEST, "bad_id", format!("id must be {}", crate::config::ID_RULE));
     }
-    if st.engine.config.subscribers.iter().any(|c| c.id == id) {
+    if st.engine.config.has_subscriber(&id) {
         return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
     }
     match reqwest::Url::parse(&b.target) {
@@ -538,7 +538,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
 }
 
 fn delete_subscriber(st: &ControlState, id: &str) -> Resp {
-    if st.engine.config.subscribers.iter().any(|c| c.id == id) {
+    if st.engine.config.has_subscriber(&id) {
         return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
     }
     // Its queued events are dead-lettered `subscriber_deleted` in the deleting transaction.
