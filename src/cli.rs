@@ -577,7 +577,7 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
         return 2;
     }
     // A wrong `[store] path` must not back up a new, empty store and report success.
-    match crate::store::Store::require_existing(&cfg.store_path).and_then(|()| crate::store::Store::open(&cfg.store_path)) {
+    match crate::store::Store::open_existing(&cfg.store_path) {
         Ok(store) => match store.backup_to(dest) {
             Ok(info) => {
                 println!("backup: {} ({} bytes, {} tables, {} rows)", info.path.display(), info.bytes, info.tables, info.rows);
@@ -733,10 +733,10 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             }
         };
         // Opened, not only looked for: a layer this user may not read fails every run.
-        let state = match std::fs::File::open(path) {
-            Ok(_) => "exists".to_string(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "MISSING".to_string(),
-            Err(e) => format!("NOT READABLE: {e}"),
+        let (readable, state) = match std::fs::File::open(path) {
+            Ok(_) => (true, "exists".to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (false, "MISSING".to_string()),
+            Err(e) => (false, format!("NOT READABLE: {e}")),
         };
         println!(
             "source {}: kind=file path={} ({state}) every={} max_change_ratio={} fields: id={} zoning={}",
@@ -747,7 +747,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             s.fields.parcel_id,
             s.fields.zoning
         );
-        if state != "exists" {
+        if !readable {
             bad += 1;
         }
     }
@@ -916,7 +916,7 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
         Ok(c) => c,
         Err(code) => return code,
     };
-    let store = match crate::store::Store::require_existing(&cfg.store_path).and_then(|()| crate::store::Store::open(&cfg.store_path)) {
+    let store = match crate::store::Store::open_existing(&cfg.store_path) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");

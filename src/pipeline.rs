@@ -255,9 +255,9 @@ fn config_subscribers(config: &Config) -> Result<Vec<Subscriber>, AoiError> {
 /// subscriber of the same id replaces (the config file wins). One with an AOI that no longer
 /// parses matches nothing (an error log says so) but stays a subscriber: delivery still
 /// sends its queued events to its target, signed, instead of dead-lettering them as gone.
-fn stored_subscribers(store: &Store, config: &Config) -> Result<Vec<Subscriber>, StoreError> {
+fn stored_subscribers(stored: Vec<crate::store::StoredSubscriber>, config: &Config) -> Vec<Subscriber> {
     let mut out = Vec::new();
-    for s in store.stored_subscribers()? {
+    for s in stored {
         if config.has_subscriber(&s.id) {
             continue; // the config file wins (warned at open: `shadowed_subscribers`)
         }
@@ -270,7 +270,7 @@ fn stored_subscribers(store: &Store, config: &Config) -> Result<Vec<Subscriber>,
         };
         out.push(Subscriber { id: s.id, target: s.target, secret: s.secret, secret_old: None, min_severity: s.min_severity, aoi });
     }
-    Ok(out)
+    out
 }
 
 /// Ids of subscribers created over the control port that a config subscriber of the same id
@@ -370,14 +370,14 @@ impl Engine {
         let store = Arc::new(Store::open_with_cache(&config.store_path, config.store_cache_mib << 20)?);
         // The store's lock is held: no run of any process is staging now.
         crate::ingest::staging::sweep_leftovers(&config.store_path);
-        let stored_ids = store.stored_subscribers()?.into_iter().map(|s| s.id);
-        for id in shadowed_subscribers(&config, stored_ids) {
+        let stored = store.stored_subscribers()?;
+        for id in shadowed_subscribers(&config, stored.iter().map(|s| s.id.clone())) {
             tracing::warn!(
                 subscriber = %id,
                 "subscriber {id:?} of the config file replaces the one of the same id created over the control port: the stored definition is not used (rename one of them)"
             );
         }
-        subs.extend(stored_subscribers(&store, &config)?);
+        subs.extend(stored_subscribers(stored, &config));
         let subscribers = Arc::new(SubscriberIndex::build(subs));
         Ok(Engine { config, store, subscribers, clock })
     }
@@ -419,7 +419,7 @@ impl Engine {
     /// control port). The new index is built aside and swapped in; ingest is never blocked.
     pub fn reload_subscribers(&self) -> Result<usize, PipelineError> {
         let mut subs = config_subscribers(&self.config)?;
-        subs.extend(stored_subscribers(&self.store, &self.config)?);
+        subs.extend(stored_subscribers(self.store.stored_subscribers()?, &self.config));
         let n = subs.len();
         self.subscribers.replace(subs);
         Ok(n)

@@ -502,7 +502,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         },
     };
     let aoi_text = b.aoi.to_string();
-    if let Err(e) = crate::notify::aoi::parse_aoi(&aoi_text) {
+    if let Err(e) = crate::notify::aoi::parse_new_aoi(&aoi_text) {
         return error(StatusCode::BAD_REQUEST, "bad_aoi", format!("aoi: {e}"));
     }
     let existing = match st.engine.store.stored_subscribers() {

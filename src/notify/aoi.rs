@@ -13,17 +13,33 @@ pub enum AoiError {
     Invalid { path: String, message: String },
 }
 
-/// Loads and validates an AOI file.
+/// Loads and validates an AOI file of the config (checked as a new AOI: see [`parse_new_aoi`]).
 pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
     let text = std::fs::read_to_string(path).map_err(|e| AoiError::Read {
         path: path.display().to_string(),
         message: e.to_string(),
     })?;
-    parse_aoi(&text).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
+    parse_new_aoi(&text).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
 }
 
-/// Parses AOI GeoJSON text into a valid MultiPolygon.
+/// Longitude / latitude bounds every new AOI must lie within.
+const WGS84: [f64; 4] = [-180.0, -90.0, 180.0, 90.0];
+
+/// Parses an AOI coming in (a config file, a control-port body) into a valid MultiPolygon,
+/// refusing coordinates outside WGS84 longitude/latitude: an AOI in a projected system (feet,
+/// metres) or typed wrong would match nothing, silently.
+pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
+    parse_within(text, Some(WGS84))
+}
+
+/// Parses AOI GeoJSON text into a valid MultiPolygon as it was accepted when stored (an API
+/// subscriber's AOI stored before the WGS84 check, an event's geometry re-validated on
+/// replay): without the range check, so nothing that matched before stops matching.
 pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
+    parse_within(text, None)
+}
+
+fn parse_within(text: &str, bounds: Option<[f64; 4]>) -> Result<MultiPolygon<f64>, String> {
     let clean = crate::ingest::geojson::sanitize_non_finite(text.as_bytes());
     let value: serde_json::Value = serde_json::from_slice(&clean).map_err(|e| format!("not JSON: {e}"))?;
     let mut polys = Vec::new();
@@ -32,22 +48,12 @@ pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
         return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
     }
     let mp = MultiPolygon::new(polys);
-    // Coordinates in a projected system (feet, metres) or typed wrong would match nothing,
-    // silently: an AOI is in WGS84 degrees.
-    if let Some(r) = geo::BoundingRect::bounding_rect(&mp) {
-        let inside = |v: f64, limit: f64| v.is_finite() && v.abs() <= limit;
-        if !(inside(r.min().x, 180.0) && inside(r.max().x, 180.0) && inside(r.min().y, 90.0) && inside(r.max().y, 90.0)) {
-            return Err(format!(
-                "coordinates outside longitude -180..180 / latitude -90..90 (extent [{}, {}, {}, {}]): an AOI is in WGS84 degrees",
-                r.min().x,
-                r.min().y,
-                r.max().x,
-                r.max().y
-            ));
+    let (clean, _) = crate::ingest::normalize::clean_geometry(mp, bounds).map_err(|(reason, detail)| match reason {
+        crate::model::QuarantineReason::OutOfBounds => {
+            "coordinates outside longitude -180..180 / latitude -90..90: an AOI is in WGS84 degrees".to_string()
         }
-    }
-    let (clean, _) = crate::ingest::normalize::clean_geometry(mp, None)
-        .map_err(|(reason, detail)| format!("{}: {detail}", reason.as_str()))?;
+        _ => format!("{}: {detail}", reason.as_str()),
+    })?;
     if !crate::ingest::valid::is_valid(&clean) {
         return Err("geometry is invalid and could not be repaired".into());
     }
@@ -88,10 +94,13 @@ mod tests {
     #[test]
     fn coordinates_outside_lon_lat_are_refused() {
         for bad in ["[[[-200,0],[200,0],[200,95],[-200,0]]]", "[[[0,0],[1e308,0],[1,1],[0,0]]]", "[[[500000,4000000],[500100,4000000],[500100,4000100],[500000,4000000]]]"] {
-            let e = parse_aoi(&format!(r#"{{"type":"Polygon","coordinates":{bad}}}"#)).unwrap_err();
+            let text = format!(r#"{{"type":"Polygon","coordinates":{bad}}}"#);
+            let e = parse_new_aoi(&text).unwrap_err();
             assert!(e.contains("WGS84 degrees"), "{bad}: {e}");
+            // One stored before the check still parses: it keeps matching what it matched.
+            assert!(parse_aoi(&text).is_ok(), "{bad}");
         }
-        assert!(parse_aoi(r#"{"type":"Polygon","coordinates":[[[-180,-90],[180,-90],[180,90],[-180,-90]]]}"#).is_ok());
+        assert!(parse_new_aoi(r#"{"type":"Polygon","coordinates":[[[-180,-90],[180,-90],[180,90],[-180,-90]]]}"#).is_ok());
     }
 
     #[test]

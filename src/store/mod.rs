@@ -243,6 +243,12 @@ impl Store {
         }
     }
 
+    /// [`Store::open`] for a store that must exist already (see [`Store::require_existing`]).
+    pub fn open_existing(path: &Path) -> Result<Store, StoreError> {
+        Store::require_existing(path)?;
+        Store::open(path)
+    }
+
     /// Gives back the pages an upgrade freed. Moving an older snapshot into blocks
     /// (`snapshot.rs` from schema 5, `blocks.rs` from schema 6) writes every parcel again and
     /// frees the old tables, which doubles the file (2.5M parcels of schema 6: 1.13 → 2.27
