@@ -31,3 +31,62 @@ async fn republish_yields_zero_changes() {
     deliver(&engine, Duration::from_secs(1)).await;
     assert!(rx.received().is_empty());
 }
+
+/// A layer in which one feature lost its id (and one parcel really went): the stored
+/// parcel lying under the id-less feature is kept, not alerted as removed; the parcel that
+/// went is. A feature with neither an id nor a geometry cannot be placed: the run says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feature_that_lost_its_id_is_not_alerted_as_a_removed_parcel() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "all", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    let engine = ws.engine();
+    let v1 = grid(40);
+    ws.write_layer(&layer(&v1));
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+
+    // P0005's feature comes without its APN; P0006 is gone from the layer.
+    let mut doc: serde_json::Value = serde_json::from_str(&layer(&v1)).unwrap();
+    let features = doc["features"].as_array_mut().unwrap();
+    features[5]["properties"].as_object_mut().unwrap().remove("APN");
+    features.remove(6);
+    ws.write_layer(&doc.to_string());
+    let r = run(&engine, false);
+    assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.quarantined), (Verdict::Run, 1, 1));
+    let warning = r.record.warnings.iter().find(|w| w.contains("kept, not removed")).expect("the run names the kept parcel");
+    assert!(warning.contains("\"P0005\"") && warning.contains("features 5"), "{warning}");
+    assert!(engine.store.snapshot_states("s1").unwrap().contains_key("P0005"));
+    deliver(&engine, Duration::from_secs(5)).await;
+    let got: Vec<(String, String)> = rx
+        .received()
+        .iter()
+        .filter_map(|r| {
+            let j = r.json()?;
+            Some((j["data"]["parcel_id"].as_str()?.to_string(), j["data"]["change"].as_str().unwrap_or("?").to_string()))
+        })
+        .collect();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].0, "P0006");
+
+    // The next layer names P0005 again, unchanged: nothing to say about it.
+    let mut v3 = v1.clone();
+    v3.remove(6);
+    ws.write_layer(&layer(&v3));
+    let r = run(&engine, false);
+    assert_eq!((r.record.counts.changes, r.record.counts.quarantined), (0, 0));
+
+    // A feature with no id and no geometry cannot be placed: P0007, gone, is removed, and
+    // the run says the unplaceable feature might have been it.
+    let mut doc: serde_json::Value = serde_json::from_str(&layer(&v3)).unwrap();
+    let features = doc["features"].as_array_mut().unwrap();
+    features.remove(6);
+    features.push(serde_json::json!({"type": "Feature", "properties": {"ZONE_CODE": "R-1"}, "geometry": null}));
+    ws.write_layer(&doc.to_string());
+    let r = run(&engine, false);
+    assert_eq!((r.record.counts.changes, r.record.counts.quarantined), (1, 1));
+    assert!(r.record.warnings.iter().any(|w| w.contains("without a readable geometry") && w.contains("1 parcel(s) were removed")), "{:?}", r.record.warnings);
+    assert!(!engine.store.snapshot_states("s1").unwrap().contains_key("P0007"));
+}

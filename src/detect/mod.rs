@@ -4,6 +4,8 @@
 //!   rings) hash the same;
 //! * [`diff`] compares a new layer with the stored snapshot and emits [`crate::model::ChangeEvent`]s;
 //! * [`stream`] is the streaming diff of a whole layer (normalise, look up, classify, spill);
+//! * [`unidentified`] keeps a stored parcel that lies under a feature quarantined without
+//!   an id from being taken for removed;
 //! * [`spill`] keeps a run's delta on disk between the streaming diff and the commit;
 //! * [`derived_delta`] does the same for a derived (district / overlay) run;
 //! * [`row_sort`] puts a run's snapshot rows in key order for the commit (redb inserts them
@@ -24,3 +26,4 @@ pub mod row_sort;
 pub mod spill;
 pub mod derived_delta;
 pub mod stream;
+pub mod unidentified;

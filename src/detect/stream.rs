@@ -14,7 +14,8 @@
 //! of a re-publish) leave nothing behind but a 20-byte fingerprint of their id.
 //!
 //! After the scan, the stored ids are walked once in order: an id that was not seen (and was
-//! not quarantined this run) is a removal. When every stored id was seen as a valid feature
+//! not quarantined this run, nor lies under a feature quarantined without an id:
+//! [`super::unidentified`]) is a removal. When every stored id was seen as a valid feature
 //! (the common case), there can be no removal and that walk is skipped. Duplicate ids are found by sorting the
 //! fingerprints; every copy is quarantined and the parcel is left as it is stored.
 //!
@@ -23,11 +24,12 @@
 //! in flight. Everything else is on disk.
 
 use super::diff::{classify, ParcelDelta};
+use super::unidentified::Unidentified;
 use super::spill::{frame_parcel, Spill, SpillEntry, SpillError, SpillReader, SpilledParcel};
 use crate::ingest::geojson::{self, FeatureText};
 use crate::ingest::normalize::{normalize_feature, NormalizeRules, Rejected};
 use crate::ingest::IngestError;
-use crate::model::{ChangeKind, ParcelState, QuarantineReason};
+use crate::model::{ChangeKind, Envelope, ParcelState, QuarantineReason};
 use crate::store::{QuarantineDraft, SnapshotView, StoreError};
 use std::collections::{BTreeMap, HashSet};
 use std::hash::{Hash, Hasher};
@@ -184,7 +186,8 @@ enum Outcome {
     /// A new or changed parcel, its spill record framed by the worker in the batch's
     /// `framed` bytes (so the collecting thread neither encodes it nor frees it).
     Upsert { print: [u64; 2], index: u64, stored: bool, change: bool, framed: std::ops::Range<usize> },
-    Rejected(QuarantineDraft),
+    /// A quarantined feature, with where it lies if it has no id ([`Rejected::footprint`]).
+    Rejected { draft: QuarantineDraft, footprint: Option<Envelope> },
 }
 
 struct ResultBatch {
@@ -232,6 +235,7 @@ pub fn scan_layer<R: Read + Send>(
 
     let mut seen: Vec<([u64; 2], u64)> = Vec::new();
     let mut untouchable: HashSet<String> = HashSet::new();
+    let mut unidentified = Unidentified::default();
     let mut folded: Vec<(String, String)> = Vec::new();
     let (mut repaired, mut quarantined, mut systemic, mut changes) = (0u64, 0u64, 0u64, 0u64);
     // Valid features whose id is in the stored snapshot (each stored id at most once when
@@ -323,11 +327,14 @@ pub fn scan_layer<R: Read + Send>(
                             changes += u64::from(change);
                             spill.push_framed_parcel(&b.framed[framed])
                         }
-                        Outcome::Rejected(q) => {
+                        Outcome::Rejected { draft: q, footprint } => {
                             quarantined += 1;
                             systemic += u64::from(q.reason.is_systemic());
-                            if let Some(id) = &q.parcel_id {
-                                untouchable.insert(id.clone());
+                            match &q.parcel_id {
+                                Some(id) => {
+                                    untouchable.insert(id.clone());
+                                }
+                                None => unidentified.add(q.feature_index, footprint),
                             }
                             spill.push_quarantine(q)
                         }
@@ -388,8 +395,22 @@ pub fn scan_layer<R: Read + Send>(
             }
         })?,
     };
+    // A stored parcel mostly under a feature that has no id may be that feature: it is not
+    // taken for removed on this layer's word (it keeps its stored state, as a quarantined
+    // feature with an id does).
+    let footprints = unidentified.footprints();
+    let mut withheld: Vec<String> = Vec::new();
     for pid in gone {
-        if let Some(state) = view.get(&pid)? {
+        let Some(footprints) = &footprints else {
+            if let Some(state) = view.get(&pid)? {
+                removed.push((pid, state));
+            }
+            continue;
+        };
+        let Some((state, envelope)) = view.get_with_envelope(&pid)? else { continue };
+        if envelope.is_some_and(|e| footprints.cover(e)) {
+            withheld.push(pid);
+        } else {
             removed.push((pid, state));
         }
     }
@@ -430,10 +451,11 @@ pub fn scan_layer<R: Read + Send>(
             }
         }
     }
-    let warnings = folded
+    let mut warnings: Vec<String> = folded
         .iter()
         .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
         .collect();
+    warnings.extend(unidentified.warnings(&withheld, removed.len()));
     Ok(ScanResult {
         spill: reader,
         features,
@@ -483,7 +505,7 @@ fn worker(
                     let s = &n.parcel.state;
                     if let Some(detail) = crate::ingest::normalize::damaged_text(&[Some(&n.parcel.id), Some(&s.zoning), s.effective_date.as_deref()]) {
                         // Kept under the id it seems to have, so that parcel keeps its stored state.
-                        normalized = Err(Rejected { parcel_id: Some(n.parcel.id.clone()), reason: QuarantineReason::MalformedFeature, detail });
+                        normalized = Err(Rejected { parcel_id: Some(n.parcel.id.clone()), reason: QuarantineReason::MalformedFeature, detail, footprint: None });
                     }
                 }
             }
@@ -540,13 +562,16 @@ fn worker(
                         out.outcomes.push(Outcome::Unchanged { index, print });
                     }
                 }
-                Err(rej) => out.outcomes.push(Outcome::Rejected(QuarantineDraft {
-                    feature_index: index,
-                    parcel_id: rej.parcel_id,
-                    reason: rej.reason,
-                    detail: rej.detail,
-                    raw: crate::util::truncate_text(json, 16 * 1024),
-                })),
+                Err(rej) => out.outcomes.push(Outcome::Rejected {
+                    draft: QuarantineDraft {
+                        feature_index: index,
+                        parcel_id: rej.parcel_id,
+                        reason: rej.reason,
+                        detail: rej.detail,
+                        raw: crate::util::truncate_text(json, 16 * 1024),
+                    },
+                    footprint: rej.footprint,
+                }),
             }
         }
         if cancel.load(Ordering::Relaxed) || res_tx.send(Ok(out)).is_err() {

@@ -8,7 +8,7 @@
 
 use crate::config::FieldMap;
 use crate::detect::canonical;
-use crate::model::{Parcel, ParcelState, QuarantineReason, StoredGeometry};
+use crate::model::{Envelope, Parcel, ParcelState, QuarantineReason, StoredGeometry};
 use geo::{
     BoundingRect, Coord, GeodesicArea, LineString, MakeValid, MultiPolygon, Polygon,
 };
@@ -24,6 +24,11 @@ pub struct Rejected {
     pub parcel_id: Option<String>,
     pub reason: QuarantineReason,
     pub detail: String,
+    /// Where a feature without a parcel id lies: the bounding rectangle of its geometry's
+    /// exterior rings, when that geometry can be read. The diff does not take a stored
+    /// parcel lying under it for removed (it may be this feature, its id lost). `None` for a
+    /// feature with an id (that parcel keeps its stored state anyway) or no readable geometry.
+    pub footprint: Option<Envelope>,
 }
 
 /// What normalising needs to know about the source.
@@ -71,7 +76,7 @@ enum GeometryInput<'a> {
 
 /// Normalises one feature given as raw JSON.
 pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized, Rejected> {
-    let reject = |pid: Option<String>, reason, detail: String| Rejected { parcel_id: pid, reason, detail };
+    let reject = |pid: Option<String>, reason, detail: String| Rejected { parcel_id: pid, reason, detail, footprint: None };
     let (properties, geometry) = match serde_json::from_str::<OnePassFeature>(raw) {
         Ok(f) => (f.properties, f.geometry.map(GeometryInput::Parsed)),
         Err(_) => {
@@ -80,11 +85,21 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
             (feature.properties, feature.geometry.map(GeometryInput::Text))
         }
     };
-    let props = feature_properties(properties).map_err(|e| reject(None, QuarantineReason::MalformedFeature, e))?;
+    // A feature taken without an id still says where it lies, if it can.
+    let unidentified = |reason, detail: String, geometry: Option<GeometryInput<'_>>| Rejected {
+        parcel_id: None,
+        reason,
+        detail,
+        footprint: geometry.and_then(footprint_of),
+    };
+    let props = match feature_properties(properties) {
+        Ok(props) => props,
+        Err(e) => return Err(unidentified(QuarantineReason::MalformedFeature, e, geometry)),
+    };
     let mut folded_fields = Vec::new();
     let id = prop_text_folding(&props, &rules.fields.parcel_id, &mut folded_fields);
     let Some(id) = id else {
-        return Err(reject(None, QuarantineReason::MissingField, format!("missing {}", rules.fields.parcel_id)));
+        return Err(unidentified(QuarantineReason::MissingField, format!("missing {}", rules.fields.parcel_id), geometry));
     };
     // An empty zoning field name means a pure parcel base (zoning derived from districts).
     let zoning = if rules.fields.zoning.trim().is_empty() {
@@ -121,6 +136,19 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
         repaired,
         folded_fields,
     })
+}
+
+/// The [`Rejected::footprint`] of a feature's geometry: the bounding rectangle of its
+/// polygons' exterior rings, or `None` when the geometry cannot be read or has no finite
+/// point.
+fn footprint_of(geometry: GeometryInput<'_>) -> Option<Envelope> {
+    let polygons = match geometry {
+        GeometryInput::Parsed(g) => polygons_of(g),
+        GeometryInput::Text(text) => parse_geometry(text.get()),
+    };
+    let rect = polygons.ok()?.bounding_rect()?;
+    let (lo, hi) = (rect.min(), rect.max());
+    [lo.x, lo.y, hi.x, hi.y].iter().all(|v| v.is_finite()).then_some(([lo.x, lo.y], [hi.x, hi.y]))
 }
 
 /// Area of a parcel in square metres. Parcel-sized shapes (under ~2 km across) are projected
@@ -622,6 +650,25 @@ mod tests {
     }
     fn raw(s: &str) -> &str {
         s
+    }
+
+    #[test]
+    fn a_feature_without_an_id_says_where_it_lies_when_it_can() {
+        let f = fields();
+        let square = r#""geometry":{"type":"Polygon","coordinates":[[[1,2],[3,2],[3,5],[1,5],[1,2]]]}"#;
+        let no_id = normalize_feature(&format!(r#"{{"properties":{{"ZONE":"R"}},{square}}}"#), &rules(&f)).unwrap_err();
+        assert_eq!((no_id.parcel_id, no_id.reason, no_id.footprint), (None, QuarantineReason::MissingField, Some(([1.0, 2.0], [3.0, 5.0]))));
+        // Properties that cannot be read: no id either, still placed.
+        let bad_props = normalize_feature(&format!(r#"{{"properties":[1],{square}}}"#), &rules(&f)).unwrap_err();
+        assert_eq!((bad_props.reason, bad_props.footprint.is_some()), (QuarantineReason::MalformedFeature, true));
+        // No geometry, or one that cannot be read: not placed.
+        let bare = normalize_feature(r#"{"properties":{"ZONE":"R"},"geometry":null}"#, &rules(&f)).unwrap_err();
+        assert_eq!(bare.footprint, None);
+        let broken = normalize_feature(r#"{"properties":{"ZONE":"R"},"geometry":{"type":"Polygon","coordinates":"x"}}"#, &rules(&f)).unwrap_err();
+        assert_eq!(broken.footprint, None);
+        // A feature with an id carries none (its parcel is kept by id).
+        let with_id = normalize_feature(r#"{"properties":{"APN":"a"},"geometry":null}"#, &rules(&f)).unwrap_err();
+        assert_eq!((with_id.parcel_id.as_deref(), with_id.footprint), (Some("a"), None));
     }
 
     #[test]

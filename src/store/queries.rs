@@ -4,7 +4,7 @@
 use super::blocks::{for_each_parcel, with_record};
 use super::codec::decode;
 use super::runs::codec_err;
-use super::snapshot::{decode_hash_ref, decode_record, decode_state, geometries_of};
+use super::snapshot::{decode_hash_ref, decode_record, decode_state, decode_state_envelope, geometries_of};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -66,6 +66,15 @@ impl SnapshotView {
     pub fn get(&self, parcel_id: &str) -> Result<Option<ParcelState>, StoreError> {
         match with_record(&self.table, &self.source_id, parcel_id, decode_state)? {
             Some(state) => Ok(Some(state.map_err(|m| codec_err("parcel_blocks", m))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The stored state of one parcel and the bounding rectangle of its geometry's exterior
+    /// rings (`None` for a parcel stored without a geometry).
+    pub fn get_with_envelope(&self, parcel_id: &str) -> Result<Option<(ParcelState, Option<Envelope>)>, StoreError> {
+        match with_record(&self.table, &self.source_id, parcel_id, decode_state_envelope)? {
+            Some(found) => Ok(Some(found.map_err(|m| codec_err("parcel_blocks", m))?)),
             None => Ok(None),
         }
     }

@@ -131,6 +131,12 @@ pub(super) fn decode_state(bytes: &[u8]) -> Result<ParcelState, String> {
     postcard::take_from_bytes(postcard_of(bytes)?).map(|(s, _)| s).map_err(|e| e.to_string())
 }
 
+/// The state of a record and its geometry's [`StoredGeometry::exterior_envelope`] (the
+/// geometry walked, not built).
+pub(super) fn decode_state_envelope(bytes: &[u8]) -> Result<(ParcelState, Option<Envelope>), String> {
+    body_parts::<ParcelState, ExteriorEnvelope>(postcard_of(bytes)?).map(|(state, envelope)| (state, envelope.0))
+}
+
 /// Both halves of a record (the geometry as [`decode_geometry`] gives it).
 pub(super) fn decode_record(bytes: &[u8]) -> Result<(ParcelState, Option<StoredGeometry>), String> {
     let (state, rest) = postcard::take_from_bytes(postcard_of(bytes)?).map_err(|e| e.to_string())?;
