@@ -170,8 +170,8 @@ pub enum SynthWhat {
 ///
 /// The one-shot commands that read the store run under `store::guard`: a store damaged so
 /// that redb panics reading it is reported as one line (`store FILE is damaged (redb: ...);
-/// restore a backup ...`) with exit 2, not a backtrace. `serve` is not guarded: its store work
-/// runs on the runtime's threads, whose panics are logged as failed tasks.
+/// restore a backup ...`) with exit 2, not a backtrace. So does `serve`, whose store work runs
+/// on the runtime's threads: the first redb panic begins its shutdown (`guard::on_damage`).
 pub fn dispatch(cli: Cli) -> i32 {
     crate::progress::set_json_logs(cli.log_format == LogFormat::Json);
     let Some(config) = cli.command.store_config().map(std::path::Path::to_path_buf) else {
@@ -189,8 +189,9 @@ pub fn dispatch(cli: Cli) -> i32 {
 }
 
 impl Command {
-    /// The config of a one-shot command that reads the store (what `dispatch` guards), so a
-    /// damaged store can be named; `None` for `serve` and the commands without a store.
+    /// The config of a command that reads the store (what `dispatch` guards), so a damaged
+    /// store can be named; `None` for the commands without a store (`demo` and `bench` make
+    /// their own).
     fn store_config(&self) -> Option<&std::path::Path> {
         use crate::cli_dlq::{DlqAction, EndpointsAction};
         match self {
@@ -204,7 +205,8 @@ impl Command {
                 action: DlqAction::List { config, .. } | DlqAction::Show { config, .. } | DlqAction::Replay { config, .. } | DlqAction::Recover { config, .. },
             } => Some(config),
             Command::Endpoints { action: EndpointsAction::List { config, .. } | EndpointsAction::Enable { config, .. } } => Some(config),
-            Command::Demo | Command::Serve { .. } | Command::Synth { .. } | Command::Bench(_) => None,
+            Command::Serve { config } => Some(config),
+            Command::Demo | Command::Synth { .. } | Command::Bench(_) => None,
         }
     }
 }
@@ -371,6 +373,17 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         Err(c) => return c,
     };
     let (tx, rx) = tokio::sync::watch::channel(false);
+    let tx = Arc::new(tx);
+    {
+        // A damaged store (redb panicked on one of the runtime's threads) stops the daemon:
+        // `dispatch`'s guard then says so in one line, exit 2. Left running, every pass of
+        // every task would fail on the same pages.
+        let tx = tx.clone();
+        crate::store::guard::on_damage(move || {
+            eprintln!("zonewatch: the store file is damaged (redb panicked reading it); stopping");
+            let _ = tx.send(true);
+        });
+    }
     let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     {
         let signals = signals.clone();

@@ -281,6 +281,40 @@ fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic()
     assert_eq!(o.status.code(), Some(2), "{out}{err}");
     assert!(err.contains("zw.redb is damaged (redb: ") && err.contains("restore a backup"), "{err}");
     assert!(!err.contains("panicked") && err.lines().count() == 1, "one line, no panic noise: {err}");
+
+    // `serve` reads the same damage on its runtime's threads (the diff of a changed layer):
+    // it stops, and says so the same way, instead of failing every pass of every task.
+    let mut v2 = grid(2000);
+    v2[7].zone = "C-9".into();
+    ws.write_layer(&layer(&v2));
+    // Offsets where redb panics reading this store (`check --store` says "ERROR damaged
+    // (redb: ...)" for them): if the page layout changes, pick new ones.
+    for offset in [8192usize, 131_072] {
+        let mut corrupt = bytes.clone();
+        corrupt[offset..offset + 4000].fill(0xab);
+        std::fs::write(ws.path().join("zw.redb"), &corrupt).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+            .args(["serve", "--config", cfg])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("serve starts");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while child.try_wait().expect("wait").is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let o = child.wait_with_output().expect("output");
+                panic!("offset {offset}: serve kept running on a damaged store: {:?}", text(&o));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let o = child.wait_with_output().expect("output");
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "offset {offset}: {out}{err}");
+        let last = err.lines().last().unwrap_or("");
+        assert!(last.starts_with("error: store ") && last.contains("zw.redb is damaged (redb: ") && last.contains("restore a backup"), "offset {offset}: {err}");
+        assert!(!err.contains("panicked at") && !err.contains("stack backtrace"), "offset {offset}: no panic noise: {err}");
+    }
 }
 
 /// A config subscriber with the id of one created over the control port hides it: `run`

@@ -6,6 +6,10 @@
 //! backtrace. Any other panic (a bug of ours) is printed by the default hook and unwinds on as
 //! before, so real bugs stay visible.
 //!
+//! `serve` runs under a guard too: its store work runs on the runtime's threads, so it sets
+//! an [`on_damage`] handler that begins its shutdown at the first redb panic, and then
+//! reports the damage the same way (one line, exit 2) instead of failing task after task.
+//!
 //! The guard is process-wide, not per thread: the diff's worker threads read the store too,
 //! and a redb panic on one of them reaches the command as a second panic ("a scoped thread
 //! panicked") or as a failed task. Once a redb panic has been recorded, the panics that follow
@@ -22,6 +26,10 @@ static GUARDS: AtomicUsize = AtomicUsize::new(0);
 static REDB_PANIC: Mutex<Option<String>> = Mutex::new(None);
 /// The quiet hook is installed once, the first time a guard goes up.
 static HOOK: Once = Once::new();
+/// Called when a redb panic is first recorded under a guard: a long-running command (`serve`)
+/// whose store work runs on other threads stops on it instead of failing task after task.
+type DamageHandler = Box<dyn Fn() + Send>;
+static ON_DAMAGE: Mutex<Option<DamageHandler>> = Mutex::new(None);
 
 /// redb panicked while a guard was up: the store file it was reading is damaged.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,6 +68,13 @@ fn recorded() -> MutexGuard<'static, Option<String>> {
     REDB_PANIC.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Sets what to do when a redb panic is first recorded under a guard (replacing any handler
+/// set before). `serve` begins its shutdown: the guard around it then reports the damage.
+/// The handler runs inside the panic hook, on the panicking thread: it must only signal.
+pub fn on_damage(handler: impl Fn() + Send + 'static) {
+    *ON_DAMAGE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Box::new(handler));
+}
+
 /// Chains a hook in front of the one in place (the default, which prints the message and
 /// backtrace): quiet for redb panics under a guard, the previous hook for everything else.
 fn install_hook() {
@@ -68,7 +83,14 @@ fn install_hook() {
         if GUARDS.load(Ordering::SeqCst) > 0 {
             let mut seen = recorded();
             if let Some(text) = redb_panic_text(info) {
+                let first = seen.is_none();
                 seen.get_or_insert(text);
+                drop(seen);
+                if first {
+                    if let Some(handler) = ON_DAMAGE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).as_ref() {
+                        handler();
+                    }
+                }
                 return;
             }
             if seen.is_some() {
