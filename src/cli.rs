@@ -1032,6 +1032,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     return 2;
                 }
             };
+            crate::cli_dlq::close_before_printing(engine);
             println!("{:<8} {:<24} {:<11} {:<25} {:>8}  reason", "run_id", "source", "state", "created", "changes");
             for h in &holds {
                 println!(

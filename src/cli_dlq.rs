@@ -93,6 +93,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                 }
             };
             let now = engine.now();
+            close_before_printing(engine);
             println!("id	state	breaker	last_success	reason	target");
             for ep in &listing {
                 println!(
@@ -162,6 +163,13 @@ fn window(since: Option<&str>, until: Option<&str>, now_ms: u64) -> Result<(u64,
     Ok((s, u))
 }
 
+/// A listing reads everything it shows first, then closes the store, then prints: a reader
+/// that stops early (`| head`) ends the command in a panic that unwinds to `main` (exit
+/// 141), and redb leaves a store dropped while panicking to be repaired on its next open.
+pub(crate) fn close_before_printing(engine: Engine) {
+    drop(engine);
+}
+
 fn open(config: &std::path::Path) -> Result<Engine, i32> {
     let cfg = crate::config::Config::load(config).map_err(|e| {
         eprintln!("error: {e}");
@@ -209,6 +217,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
                     return 2;
                 }
             };
+            close_before_printing(engine);
             println!("id\tstate\tdead_at\twatcher\tparcel\tattempts\treason\tkey");
             for (state, list) in [("dead", &dead), ("quarantined", &quarantined)] {
                 for d in list.iter().filter(|d| d.dead_at_ms >= s && d.dead_at_ms <= u) {
@@ -242,6 +251,8 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
                 eprintln!("error: no dead letter or delivery attempt for {id_or_key:?}");
                 return 1;
             }
+            let replays = found.map(|(_, d)| engine.store.replay_count(&d.entry.key.0).unwrap_or(0)).unwrap_or(0);
+            close_before_printing(engine);
             if let Some((state, d)) = found {
                 println!("dead letter {} ({state})", d.entry.id);
                 println!("  key:       {}", d.entry.key);
@@ -251,7 +262,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
                 let safe = crate::util::terminal_safe;
                 println!("  parcel:    {}  source: {}  lineage: {}", safe(&d.entry.parcel_id), safe(&d.entry.source_id), safe(&d.entry.lineage_id));
                 println!("  reason:    {}  at {}", safe(&d.reason), rfc3339(d.dead_at_ms));
-                println!("  replays:   {}", engine.store.replay_count(&d.entry.key.0).unwrap_or(0));
+                println!("  replays:   {replays}");
                 println!("  payload:   {}", safe(&String::from_utf8_lossy(&d.entry.body())));
             }
             println!("attempts of {key}:");

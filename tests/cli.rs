@@ -195,6 +195,16 @@ async fn run_audit_and_holds_from_the_command_line() {
     // ... and the store was closed on the way: the check finds it closed cleanly.
     let o = zonewatch(&["check", "--config", &cfg, "--store"]);
     assert!(o.status.success() && !text(&o).0.contains("not closed cleanly"), "{:?}", text(&o));
+    // So do the other listings.
+    for listing in [&["holds", "list"][..], &["dlq", "list"], &["endpoints", "list"]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let args: Vec<&str> = listing.iter().copied().chain(["--config", cfg.as_str()]).collect();
+        let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(&args).stdout(writer).output().unwrap();
+        assert_eq!(o.status.code(), Some(141), "{listing:?}: {}", String::from_utf8_lossy(&o.stderr));
+        let o = zonewatch(&["check", "--config", &cfg, "--store"]);
+        assert!(o.status.success() && !text(&o).0.contains("not closed cleanly"), "{listing:?}: {:?}", text(&o));
+    }
 
     // The commands that read what runs wrote refuse a store that is not there, and create none.
     ws.edit_config("path = \"zw.redb\"", "path = \"typo/zw.redb\"");
