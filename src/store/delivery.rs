@@ -237,7 +237,7 @@ pub(super) fn claim_in_txn(
     Ok(counts)
 }
 
-/// What [`dead_letter_rows_of`] did with one subscriber's outbox rows.
+/// What [`dead_letter_rows`] did with one subscriber's outbox rows.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RowsDeadLettered {
     /// Rows moved to the dead letters (each with its `dead_letter` audit row).
@@ -248,48 +248,67 @@ pub struct RowsDeadLettered {
     pub in_flight: u64,
 }
 
-/// Dead-letters every outbox row (both queues) of `watcher` with `reason`, inside `wtx`:
-/// each row is removed in the transaction that writes its dead letter and its terminal
-/// `dead_letter` audit row (invariant 3), as an outcome commit does. Rows for which
-/// `in_flight` is true are skipped. Reads the whole outbox (an operator's action on a
-/// subscriber, not a delivery path).
-pub(super) fn dead_letter_rows_of(
+/// The outbox rows (both queues) of `watcher`, read in `wtx`. Reads the whole outbox (an
+/// operator's action on a subscriber, not a delivery path): done before the lease lock is
+/// taken, since the write transaction already keeps every row as read.
+pub(super) fn outbox_rows_of(wtx: &WriteTransaction, watcher: &str) -> Result<Vec<(super::outbox::Queue, OutboxEntry)>, StoreError> {
+    let mut rows = Vec::new();
+    for (table, queue, name) in [(OUTBOX, super::outbox::Queue::Fresh, "outbox"), (OUTBOX_RETRY, super::outbox::Queue::Retry, "outbox_retry")] {
+        for item in wtx.open_table(table)?.iter()? {
+            let (_, v) = item?;
+            let entry = decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
+            if entry.watcher_id == watcher {
+                rows.push((queue, entry));
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// Dead-letters `rows` (read by [`outbox_rows_of`] in the same `wtx`) with `reason`, each
+/// with its terminal `dead_letter` audit row (invariant 3). Rows for which `in_flight` is
+/// true are skipped: asked under the lease lock, whose holder commits before releasing it.
+pub(super) fn dead_letter_rows(
     wtx: &WriteTransaction,
-    watcher: &str,
+    rows: Vec<(super::outbox::Queue, OutboxEntry)>,
     reason: &str,
     now_ms: u64,
     in_flight: &dyn Fn(u64) -> bool,
 ) -> Result<RowsDeadLettered, StoreError> {
     let mut done = RowsDeadLettered::default();
-    let mut victims: Vec<(super::outbox::Queue, OutboxEntry)> = Vec::new();
-    for (table, queue, name) in [(OUTBOX, super::outbox::Queue::Fresh, "outbox"), (OUTBOX_RETRY, super::outbox::Queue::Retry, "outbox_retry")] {
-        for item in wtx.open_table(table)?.iter()? {
-            let (_, v) = item?;
-            let entry = decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
-            if entry.watcher_id != watcher {
-                continue;
-            }
-            if in_flight(entry.id) {
-                done.in_flight += 1;
-            } else {
-                victims.push((queue, entry));
-            }
-        }
-    }
-    let mut pending = Vec::with_capacity(victims.len());
+    let mut pending = Vec::with_capacity(rows.len());
     {
         let mut outbox = super::outbox::OutboxTables::open(wtx)?;
         let mut dead = wtx.open_table(DEAD_LETTERS)?;
-        for (queue, entry) in victims {
-            outbox.remove(queue, &entry)?;
-            let dl = DeadLetter { entry, reason: reason.to_string(), dead_at_ms: now_ms };
-            dead.insert(dl.entry.id, encode_dead(&dl).as_slice())?;
-            pending.push(AuditRow::for_entry(&dl.entry, Outcome::DeadLetter, now_ms, reason.to_string()));
+        for (queue, entry) in rows {
+            if in_flight(entry.id) {
+                done.in_flight += 1;
+                continue;
+            }
+            pending.push(dead_letter_in(&mut outbox, &mut dead, queue, entry, reason, now_ms)?);
             done.dead_lettered += 1;
         }
     }
     append_audits(wtx, &mut pending)?;
     Ok(done)
+}
+
+/// Moves one outbox row from `queue` to the dead letters with `reason`; returns its terminal
+/// `dead_letter` audit row, for the caller to append with its batch. The one way a row
+/// becomes a dead letter, for delivery outcomes and operator actions alike.
+fn dead_letter_in(
+    outbox: &mut super::outbox::OutboxTables<'_>,
+    dead: &mut redb::Table<'_, u64, &'static [u8]>,
+    queue: super::outbox::Queue,
+    entry: OutboxEntry,
+    reason: &str,
+    now_ms: u64,
+) -> Result<AuditRow, StoreError> {
+    outbox.remove(queue, &entry)?;
+    let audit = AuditRow::for_entry(&entry, Outcome::DeadLetter, now_ms, reason.to_string());
+    let dl = DeadLetter { entry, reason: reason.to_string(), dead_at_ms: now_ms };
+    dead.insert(dl.entry.id, encode_dead(&dl).as_slice())?;
+    Ok(audit)
 }
 
 impl Store {
@@ -447,14 +466,9 @@ impl Store {
                         pending.push(audit);
                     }
                     DeliveryResult::Dead { reason, .. } => {
-                        outbox.remove(queue, &entry)?;
                         let mut dead_entry = entry.clone();
                         dead_entry.attempts = attempts;
-                        let dl = DeadLetter { entry: dead_entry, reason: reason.clone(), dead_at_ms: now_ms };
-                        dead.insert(entry.id, encode_dead(&dl).as_slice())?;
-                        audit.outcome = Outcome::DeadLetter;
-                        audit.detail = reason.clone();
-                        pending.push(audit);
+                        pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, reason, now_ms)?);
                     }
                     DeliveryResult::Retry { next_attempt_ms, error, .. } => {
                         let mut updated = entry.clone();

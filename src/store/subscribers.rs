@@ -4,7 +4,7 @@
 use super::codec::{decode, encode};
 use super::runs::codec_err;
 use super::tables::SUBSCRIBERS;
-use super::delivery::{dead_letter_rows_of, RowsDeadLettered};
+use super::delivery::{dead_letter_rows, outbox_rows_of, RowsDeadLettered};
 use super::endpoints::{enable_in, forget_in, Reset};
 use super::{Store, StoreError};
 use crate::model::Severity;
@@ -101,9 +101,12 @@ impl Store {
             return Ok(None);
         }
         forget_in(&wtx, id)?;
-        // The lease lock is held through the commit (see `Leases::while_held`).
+        // Its rows are found before the lease lock is taken (lease passes are not stalled by
+        // a scan of the whole outbox); which of them are in flight is asked under it, and
+        // the lock is held through the commit (see `Leases::while_held`).
+        let queued = outbox_rows_of(&wtx, id)?;
         let rows = self.leases.while_held(move |in_flight| -> Result<RowsDeadLettered, StoreError> {
-            let rows = dead_letter_rows_of(&wtx, id, SUBSCRIBER_DELETED, now_ms, in_flight)?;
+            let rows = dead_letter_rows(&wtx, queued, SUBSCRIBER_DELETED, now_ms, in_flight)?;
             wtx.commit()?;
             Ok(rows)
         })?;
