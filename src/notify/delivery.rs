@@ -16,7 +16,7 @@ use crate::config::DeliveryConfig;
 use crate::model::{AttemptRecord, OutboxEntry};
 use crate::notify::matcher::SubscriberIndex;
 use crate::notify::signing;
-use crate::store::{DeliveryResult, Store, StoreError};
+use crate::store::{DeadCause, DeliveryResult, Store, StoreError};
 use crate::clock::SharedClock;
 use crate::notify::replay::TokenBucket;
 use std::collections::{HashMap, HashSet};
@@ -570,22 +570,22 @@ impl Deliverer {
             // Neither the config nor the store has its subscriber any more: nothing to send
             // it to (the row's target is a URL someone removed) and no secret to sign with.
             // A dead letter, replayable should the subscriber come back.
-            return DeliveryResult::Dead { id, reason: SUBSCRIBER_GONE.into() };
+            return DeliveryResult::Dead { id, reason: SUBSCRIBER_GONE.into(), cause: DeadCause::NotSent };
         };
         let url = match &plan.url {
             Ok(url) => url,
-            Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone() },
+            Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone(), cause: DeadCause::NotSent },
         };
         match self.check_target(url).await {
             Ok(()) => {}
-            Err(TargetCheck::Refused(reason)) => return DeliveryResult::Dead { id, reason },
+            Err(TargetCheck::Refused(reason)) => return DeliveryResult::Dead { id, reason, cause: DeadCause::NotSent },
             // A name that does not resolve now (through a proxy, checked here) is retried like
             // one the client's resolver cannot resolve: DNS has bad minutes.
             Err(TargetCheck::Unresolved(error)) => return self.retry_or_dead(entry, rec, None, error),
         }
         let signers = match &plan.signers {
             Ok(signers) => signers,
-            Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone() },
+            Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone(), cause: DeadCause::NotSent },
         };
         let ts = (self.clock.now_ms() / 1000).to_string();
         let body = entry.body();
@@ -627,7 +627,7 @@ impl Deliverer {
                     // Gone: the store disables the endpoint; the event waits for re-enable.
                     (ra, "http_410_gone".to_string())
                 } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
-                    return DeliveryResult::Dead { id, reason: format!("rejected_{status}") };
+                    return DeliveryResult::Dead { id, reason: format!("rejected_{status}"), cause: DeadCause::Endpoint };
                 } else {
                     (ra, format!("http_{status}"))
                 }
@@ -635,7 +635,7 @@ impl Deliverer {
             Err(e) if e.is_timeout() => (None, "timeout".to_string()),
             Err(e) => {
                 if let Some(refused) = crate::netguard::refusal(&e) {
-                    return DeliveryResult::Dead { id, reason: format!("private_target_refused: {refused}") };
+                    return DeliveryResult::Dead { id, reason: format!("private_target_refused: {refused}"), cause: DeadCause::NotSent };
                 }
                 (None, format!("connection: {e}"))
             }
@@ -651,11 +651,11 @@ impl Deliverer {
         rec.error = Some(error.clone());
         let now = self.clock.now_ms();
         match next_retry(&self.cfg, attempts_after, retry_after) {
-            None => DeliveryResult::Dead { id, reason: "retries_exhausted".into() },
+            None => DeliveryResult::Dead { id, reason: "retries_exhausted".into(), cause: DeadCause::Endpoint },
             Some(delay) => {
                 let next = now.saturating_add(delay.as_millis() as u64);
                 if next > entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64) {
-                    return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into() };
+                    return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::Endpoint };
                 }
                 DeliveryResult::Retry { id, next_attempt_ms: next, error }
             }

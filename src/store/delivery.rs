@@ -45,7 +45,19 @@ pub struct ClaimCounts {
 pub enum DeliveryResult {
     Sent { id: u64, status: u16 },
     Retry { id: u64, next_attempt_ms: u64, error: String },
-    Dead { id: u64, reason: String },
+    Dead { id: u64, reason: String, cause: DeadCause },
+}
+
+/// Whose doing a dead letter is. Only what the endpoint did counts against its health
+/// (circuit breaker, `disable_after`); a row that never reached it says nothing about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadCause {
+    /// The endpoint rejected the event, or kept failing until the attempts or the retry
+    /// window ran out.
+    Endpoint,
+    /// Nothing went out: the target or secret is unusable, the address is private and
+    /// refused, or no subscriber is left to send to.
+    NotSent,
 }
 
 /// How many earlier rows a key record names at most (a change that keeps coming back after
@@ -442,14 +454,7 @@ impl Store {
                     let (success, gone, local) = match result {
                         DeliveryResult::Sent { .. } => (true, false, false),
                         DeliveryResult::Retry { error, .. } => (false, error == "http_410_gone", false),
-                        DeliveryResult::Dead { reason, .. } => {
-                            // Not the endpoint's doing: nothing went out, or no subscriber is left.
-                            let local = reason.starts_with("private_target")
-                                || reason.starts_with("bad_")
-                                || reason.starts_with("dns")
-                                || reason == crate::notify::delivery::SUBSCRIBER_GONE;
-                            (false, false, local)
-                        }
+                        DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
                     };
                     if !local {
                         if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {

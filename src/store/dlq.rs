@@ -171,7 +171,7 @@ mod tests {
         // for the first time; both end as dead letters.
         assert_eq!(store.enqueue(&events, &claims, "l2", 2 * HOUR, HOUR).unwrap().queued, 2);
         let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
-        let dead: Vec<DeliveryResult> = rows.iter().map(|(_, id)| DeliveryResult::Dead { id: *id, reason: "rejected_400".into() }).collect();
+        let dead: Vec<DeliveryResult> = rows.iter().map(|(_, id)| DeliveryResult::Dead { id: *id, reason: "rejected_400".into(), cause: crate::store::DeadCause::Endpoint }).collect();
         let logged: Vec<AttemptRecord> = rows.iter().map(|(k, id)| attempt(k, *id, "dead_letter", 2 * HOUR)).collect();
         store.record_outcomes(&dead, &logged, 2 * HOUR).unwrap();
         assert_eq!(store.dead_letters().unwrap().len(), 2);

@@ -235,3 +235,41 @@ pub(super) fn forget_in(wtx: &WriteTransaction, id: &str) -> Result<(), StoreErr
     wtx.open_table(ENDPOINTS)?.remove(id)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{sample_event, IdemKey, Severity};
+    use crate::store::{Claim, DeadCause, DeliveryResult, Store};
+
+    /// Dead letters count against an endpoint's health only when they are its doing: rows
+    /// that never reached it (a refused private address, an unusable target, no subscriber
+    /// left) leave its breaker closed and its history empty.
+    #[test]
+    fn only_the_endpoints_own_dead_letters_count_against_its_health() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let policy = HealthPolicy { breaker_min: 4, ..Default::default() };
+        let events: Vec<_> = (0..8).map(|i| sample_event(&format!("P{i}"))).collect();
+        for (watcher, cause) in [("local", DeadCause::NotSent), ("remote", DeadCause::Endpoint)] {
+            let claims: Vec<Claim> = (0..events.len())
+                .map(|i| Claim { event: i, watcher_id: watcher.into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("{watcher}-{i}")) })
+                .collect();
+            store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+            let dead: Vec<DeliveryResult> = store
+                .outbox()
+                .unwrap()
+                .iter()
+                .filter(|e| e.watcher_id == watcher)
+                .map(|e| DeliveryResult::Dead { id: e.id, reason: "some reason".into(), cause })
+                .collect();
+            store.record_outcomes_with(&dead, &[], 10, Some(&policy)).unwrap();
+        }
+        let states: std::collections::HashMap<String, EndpointState> = store.endpoints().unwrap().into_iter().collect();
+        let local = states.get("local").cloned().unwrap_or_default();
+        assert!(local.recent.is_empty() && local.breaker_open_until_ms.is_none(), "{local:?}");
+        let remote = &states["remote"];
+        assert!(remote.recent.iter().all(|ok| !ok) && remote.recent.len() == 8 && remote.breaker_open_until_ms.is_some(), "{remote:?}");
+        assert_eq!(store.dead_letters().unwrap().len(), 16, "both are dead letters all the same");
+    }
+}

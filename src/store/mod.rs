@@ -36,7 +36,7 @@ mod probe;
 mod repair;
 mod tables;
 
-pub use delivery::{Claim, ClaimCounts, ClaimMode, DeliveryResult};
+pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::LeasedBatch;
 pub use dlq::ReplayOutcome;
 pub use endpoints::HealthPolicy;
