@@ -678,16 +678,7 @@ fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u
         return Err(cannot(&"the destination already exists"));
     }
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let mut tmp = tempfile::Builder::new().prefix(".zonewatch-backup-").tempfile_in(parent).map_err(|e| cannot(&e))?;
-    let mut from = std::fs::File::open(src).map_err(|e| cannot(&e))?;
-    let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(|e| cannot(&e))?;
-    tmp.as_file().sync_all().map_err(|e| cannot(&e))?;
-    let verified = crate::store::guard::guarded(|| crate::store::backup::verify_file(tmp.path()));
-    match verified {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(format!("the copied backup does not verify: {e}")),
-        Err(panic) => return Err(format!("the copied backup does not verify: {}", panic.at(src))),
-    }
+    let (tmp, bytes) = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| cannot(&e))?;
     tmp.persist_noclobber(dest).map_err(|e| cannot(&e.error))?;
     Ok(bytes)
 }

@@ -162,12 +162,7 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     }
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| open_err(dest, e.to_string()))?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".zonewatch-restore-")
-        .tempfile_in(parent)
-        .map_err(|e| open_err(dest, format!("cannot create a temp file: {e}")))?;
-    copy_into(src, tmp.as_file_mut()).map_err(|e| open_err(src, format!("cannot copy it beside the store: {e}")))?;
-    super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;
+    let (tmp, _) = verified_copy(src, parent, ".zonewatch-restore-")?;
     let owner_warning = take_identity(tmp.as_file(), previous.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?;
     let kept = match previous {
         Some(_) => Some(keep_aside(dest)?),
@@ -177,11 +172,19 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     Ok(RestoreInfo { kept, owner_warning })
 }
 
-/// Copies `src` into `file` (opened by us) and syncs it; `src` is opened read-only.
-fn copy_into(src: &Path, file: &mut std::fs::File) -> std::io::Result<()> {
-    let mut from = std::fs::File::open(src)?;
-    std::io::copy(&mut from, file)?;
-    file.sync_all()
+/// A verified copy of the store file `src` in a new temp file in `dir` (named `prefix…`),
+/// synced, ready to be renamed into place there; with its size. Verified as
+/// [`verify_file`] does, under the redb-panic guard, errors naming `src` (redb's open
+/// writes to the file it opens: the copy is opened, `src` is only read). `restore` and the
+/// command line's copy of a live backup both put a file in place this way.
+pub fn verified_copy(src: &Path, dir: &Path, prefix: &str) -> Result<(tempfile::NamedTempFile, u64), StoreError> {
+    let cannot = |e: std::io::Error| StoreError::Open { path: src.to_path_buf(), message: format!("cannot copy it into {}: {e}", dir.display()) };
+    let mut tmp = tempfile::Builder::new().prefix(prefix).tempfile_in(dir).map_err(cannot)?;
+    let mut from = std::fs::File::open(src).map_err(cannot)?;
+    let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(cannot)?;
+    tmp.as_file().sync_all().map_err(cannot)?;
+    super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;
+    Ok((tmp, bytes))
 }
 
 /// The name the store replaced by the `n`-th restore kept beside it (0: the first free one).
