@@ -387,7 +387,7 @@ impl Engine {
         if self.config.has_subscriber(id) {
             return Ok(Some(ManagedBy::Config));
         }
-        Ok(self.store.stored_subscribers()?.iter().any(|s| s.id == id).then_some(ManagedBy::Api))
+        Ok(self.store.stored_subscriber(id)?.map(|_| ManagedBy::Api))
     }
 
     /// Every subscriber's endpoint with its health: the config's in config order, then the

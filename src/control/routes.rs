@@ -455,8 +455,8 @@ fn get_subscriber(st: &ControlState, id: &str) -> Resp {
         let aoi = st.engine.subscribers.get(id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
         return json(StatusCode::OK, &subscriber_json(&c.id, &c.target, c.secret.is_some(), c.min_severity, aoi, "config"));
     }
-    match st.engine.store.stored_subscribers() {
-        Ok(list) => match list.into_iter().find(|s| s.id == id) {
+    match st.engine.store.stored_subscriber(id) {
+        Ok(found) => match found {
             Some(s) => json(
                 StatusCode::OK,
                 &subscriber_json(&s.id, &s.target, s.secret.is_some(), s.min_severity, serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null), "api"),
@@ -505,8 +505,8 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     if let Err(e) = crate::notify::aoi::parse_new_aoi(&aoi_text) {
         return error(StatusCode::BAD_REQUEST, "bad_aoi", format!("aoi: {e}"));
     }
-    let existing = match st.engine.store.stored_subscribers() {
-        Ok(l) => l.into_iter().find(|s| s.id == id),
+    let existing = match st.engine.store.stored_subscriber(&id) {
+        Ok(found) => found,
         Err(e) => return internal(e),
     };
     if creating && existing.is_some() {
@@ -538,7 +538,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
 }
 
 fn delete_subscriber(st: &ControlState, id: &str) -> Resp {
-    if st.engine.config.has_subscriber(&id) {
+    if st.engine.config.has_subscriber(id) {
         return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
     }
     // Its queued events are dead-lettered `subscriber_deleted` in the deleting transaction.

@@ -58,6 +58,14 @@ impl Store {
         Ok(out)
     }
 
+    /// The subscriber `id` managed over the control port, if there is one (a point lookup).
+    pub fn stored_subscriber(&self, id: &str) -> Result<Option<StoredSubscriber>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(SUBSCRIBERS)?;
+        let found = t.get(id)?;
+        found.map(|v| decode(v.value()).map_err(|m| codec_err("subscribers", m))).transpose()
+    }
+
     /// Inserts or replaces a subscriber. A replacement with another target re-enables its
     /// endpoint if it was disabled (an `endpoint_enabled` audit row naming both URLs), in the
     /// same transaction: the 410 or the failures that disabled it were the old URL's.
