@@ -1585,3 +1585,145 @@ fn sources_on_one_host_share_its_bucket_and_another_host_is_not_delayed() {
     assert!(fb < Duration::from_secs_f64((7.0 - burst) / rate + 1.0), "county B took {fb:?}");
     println!("rate_per_host {rate}: county A 14 requests over {span_a:?} (runs done at {fa:?}); county B 7 requests, done at {fb:?}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pages that overlap, a count too low, a next link dropped early: the layer must not look
+// complete, or the parcels the pages skipped would be alerted as removed.
+
+/// How the paging servers below misbehave.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Paging {
+    Honest,
+    /// The page asked at this offset is served from two features earlier.
+    OverlapAt(usize),
+    /// The count says this many (fewer than there are); no `exceededTransferLimit`.
+    CountSays(usize),
+    /// OGC: no next link after the second page.
+    NextDroppedAfterTwo,
+    /// OGC: every next link advances its offset, every page is the first one.
+    SamePageNewUrl,
+}
+
+fn page_start(mode: Paging, offset: usize) -> usize {
+    match mode {
+        Paging::OverlapAt(at) if offset == at => offset - 2,
+        _ => offset,
+    }
+}
+
+/// Runs `id` against its hostile server: the run fails with `expect` in its error, and
+/// nothing moved (no snapshot change, no watermark, nothing queued).
+fn assert_refused(engine: &Engine, id: &str, expect: &str) {
+    let wm = engine.store.watermark(id).expect("wm");
+    let snapshot = engine.store.snapshot_states(id).expect("snapshot");
+    let err = engine.run_source_id(id, RunOptions::default()).unwrap_err().to_string();
+    assert!(err.contains(expect), "{id}: {err}");
+    assert_eq!(engine.store.watermark(id).expect("wm"), wm, "{id}: the watermark did not move");
+    assert_eq!(engine.store.snapshot_states(id).expect("snapshot"), snapshot, "{id}: no parcel removed");
+    assert_eq!(engine.store.outbox_len().expect("outbox"), 0, "{id}: nothing queued");
+}
+
+#[test]
+fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
+    let parcels = grid(40);
+    let dir = tempfile::tempdir().expect("tmp");
+    let mode = Arc::new(Mutex::new(Paging::Honest));
+    let edit = Arc::new(AtomicU64::new(1_700_000_000_000));
+
+    // ArcGIS without object ids (a view, a joined MapServer layer): features are known by
+    // their content.
+    let esri: Vec<Value> = esri_features(&parcels)
+        .into_iter()
+        .map(|mut f| {
+            f["attributes"].as_object_mut().expect("attributes").remove("OBJECTID");
+            f
+        })
+        .collect();
+    let arc = {
+        let (mode, edit) = (mode.clone(), edit.clone());
+        Server::start(Arc::new(move |req: &Req| {
+            let m = *mode.lock().expect("mode");
+            let path = req.target.split('?').next().unwrap_or("");
+            if path.ends_with("/MapServer/0") {
+                return json_reply(&json!({"name": "parcels", "maxRecordCount": 10, "editingInfo": {"dataLastEditDate": edit.load(Ordering::SeqCst)},
+                    "fields": [{"name": "APN", "type": "esriFieldTypeString"}, {"name": "ZONE_CODE", "type": "esriFieldTypeString"}]}));
+            }
+            if req.param("returnCountOnly").as_deref() == Some("true") {
+                let n = match m {
+                    Paging::CountSays(n) => n,
+                    _ => esri.len(),
+                };
+                return json_reply(&json!({"count": n}));
+            }
+            let offset: usize = req.param("resultOffset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let start = page_start(m, offset);
+            let page: Vec<Value> = esri.iter().skip(start).take(10).cloned().collect();
+            let mut body = json!({"features": page});
+            if !matches!(m, Paging::CountSays(_)) {
+                body["exceededTransferLimit"] = json!(start + 10 < esri.len());
+            }
+            json_reply(&body)
+        }))
+    };
+
+    // Socrata, rows without `:id`.
+    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&parcels)).expect("json")["features"].as_array().expect("features").clone();
+    let soda = {
+        let (mode, edit, rows) = (mode.clone(), edit.clone(), rows.clone());
+        Server::start(Arc::new(move |req: &Req| {
+            let m = *mode.lock().expect("mode");
+            if req.target.starts_with("/api/views/abcd-1234.json") {
+                return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": edit.load(Ordering::SeqCst) / 1000}));
+            }
+            if req.target.starts_with("/resource/abcd-1234.json") {
+                return json_reply(&json!([{"count": rows.len().to_string()}]));
+            }
+            let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let page: Vec<Value> = rows.iter().skip(page_start(m, offset)).take(10).cloned().collect();
+            reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string())
+        }))
+    };
+
+    // OGC API Features with `numberMatched`.
+    let ogc = {
+        let (mode, rows) = (mode.clone(), rows.clone());
+        Server::start(Arc::new(move |req: &Req| {
+            let m = *mode.lock().expect("mode");
+            let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let start = if m == Paging::SamePageNewUrl { 0 } else { page_start(m, offset) };
+            let page: Vec<Value> = rows.iter().skip(start).take(10).cloned().collect();
+            let mut links = Vec::new();
+            let last = offset + 10 >= rows.len() || (m == Paging::NextDroppedAfterTwo && offset >= 10);
+            if !last {
+                links.push(json!({"rel": "next", "type": "application/geo+json", "href": format!("/collections/parcels/items?f=json&limit=10&offset={}", offset + 10)}));
+            }
+            json_reply(&json!({"type": "FeatureCollection", "numberMatched": rows.len(), "numberReturned": page.len(), "features": page, "links": links}))
+        }))
+    };
+
+    let sources = [
+        source("arc", "arcgis", &arc.url("/x/MapServer/0"), "page_size = 10"),
+        source("soda", "socrata", &soda.url("/resource/abcd-1234.geojson"), "page_size = 10"),
+        source("ogc", "ogcapi", &ogc.url("/collections/parcels"), "page_size = 10"),
+    ]
+    .join("\n");
+    let engine = Engine::open(portal_config(dir.path(), &sources, "")).expect("engine");
+    for id in ["arc", "soda", "ogc"] {
+        let r = engine.run_source_id(id, RunOptions::default()).expect("baseline");
+        assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 40), "{id}: {}", r.line());
+    }
+
+    let hostile = [
+        (Paging::OverlapAt(20), "arc", "incomplete scan: 38 distinct features collected (2 repeated)"),
+        (Paging::CountSays(30), "arc", "incomplete scan: 40 distinct features collected"),
+        (Paging::OverlapAt(20), "soda", "38 distinct rows (2 served twice) but count(*) says 40"),
+        (Paging::OverlapAt(20), "ogc", "incomplete scan: 38 distinct features collected (2 served twice) but numberMatched says 40"),
+        (Paging::NextDroppedAfterTwo, "ogc", "incomplete scan: 20 distinct features collected (0 served twice) but numberMatched says 40"),
+        (Paging::SamePageNewUrl, "ogc", "no progress"),
+    ];
+    for (m, id, expect) in hostile {
+        *mode.lock().expect("mode") = m;
+        edit.fetch_add(1000, Ordering::SeqCst);
+        assert_refused(&engine, id, expect);
+    }
+}

@@ -6,11 +6,14 @@
 //! * the scan pages `query` with `resultOffset`/`resultRecordCount`, ordered by the object-id
 //!   field, **while `exceededTransferLimit` is true** (top level or under `properties`); when
 //!   the flag is absent the scan is complete only when the collected features equal the
-//!   `returnCountOnly` count; an empty page always ends the scan (never loops forever);
+//!   `returnCountOnly` count, and a full page is never the last (a count that is too low
+//!   must not end the scan early); an empty page always ends the scan (never loops forever);
 //! * the count is taken before and after the scan; if it moved the layer is scanned again;
 //! * one scan's pages together are capped by `[ingest] max_layer_bytes`
 //!   ([`super::scan_guard::LayerBytes`]); its features are collected on disk, deduplicated
-//!   by object id ([`super::collect`]);
+//!   by object id ([`super::collect`]), or by content on a layer without object ids (views,
+//!   joined MapServer layers: [`super::scan_guard::SeenRows::page`]), so pages that overlap
+//!   leave the scan short of the count — an incomplete scan, never parcels skipped;
 //! * errors arrive as HTTP 200 with `{"error":{"code":…}}`: `code >= 500` is retried with half
 //!   the page size, 498/499 is an authentication error, anything else is permanent;
 //! * `format = "geojson"` pages with `f=geojson` instead (servers that support it, e.g. Koop):
@@ -182,25 +185,45 @@ pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_s
     scan_as(session, layer_url, probe, page_size, id_field, ArcgisFormat::Json).await
 }
 
-/// One query page's feature → (dedup key, GeoJSON feature without the object id).
-fn page_feature(format: ArcgisFormat, f: &Value, oid_field: Option<&str>, position: u64) -> (String, Value) {
+/// How a page's features are told apart when pages repeat them.
+enum KeyKind {
+    /// By object id (every feature of the page carries one).
+    ObjectId,
+    /// By content ([`super::scan_guard::SeenRows`]): a layer without object ids (views,
+    /// joined MapServer layers) or a page where some feature lacks one.
+    Content,
+}
+
+/// Whether every feature of the page has an object id to be known by.
+fn page_feature_key_kind(format: ArcgisFormat, feats: &[Value], oid_field: Option<&str>) -> KeyKind {
+    let has_key = |f: &Value| page_feature_key(format, f, oid_field).is_some();
+    if feats.iter().all(has_key) {
+        KeyKind::ObjectId
+    } else {
+        KeyKind::Content
+    }
+}
+
+/// A query page's feature's object id as a dedup key, if it has one.
+fn page_feature_key(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) -> Option<String> {
+    let found = match format {
+        ArcgisFormat::Json => oid_field.and_then(|o| f.get("attributes")?.get(o)),
+        ArcgisFormat::Geojson => f.get("id").filter(|v| !v.is_null()).or_else(|| oid_field.and_then(|o| f.get("properties")?.get(o))),
+    };
+    found.filter(|v| !v.is_null()).map(Value::to_string)
+}
+
+/// One query page's feature → (its object id as a dedup key, if it has one; the GeoJSON
+/// feature without the object id).
+fn page_feature(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) -> (Option<String>, Value) {
+    let key = page_feature_key(format, f, oid_field);
     match format {
         ArcgisFormat::Json => {
             let attrs = f.get("attributes").and_then(Value::as_object).cloned().unwrap_or_default();
-            let key = match oid_field.and_then(|o| attrs.get(o)) {
-                Some(v) => v.to_string(),
-                None => format!("#{position}"),
-            };
             (key, esri_feature_to_geojson(attrs, f.get("geometry"), oid_field))
         }
         ArcgisFormat::Geojson => {
             let mut props = f.get("properties").and_then(Value::as_object).cloned().unwrap_or_default();
-            let key = f
-                .get("id")
-                .filter(|v| !v.is_null())
-                .or_else(|| oid_field.and_then(|o| props.get(o)))
-                .map(Value::to_string)
-                .unwrap_or_else(|| format!("#{position}"));
             if let Some(o) = oid_field {
                 props.remove(o);
             }
@@ -225,6 +248,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
     let mut pages = 0;
     for scan_no in 1..=3u32 {
         let mut collected = FeatureSpool::new(&session.spool_dir)?;
+        let mut content_seen = super::scan_guard::SeenRows::new();
         let mut duplicates = 0u64;
         let mut offset: u64 = 0;
         let mut page = page_cap;
@@ -268,9 +292,21 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             })?;
             let n = feats.len() as u64;
             let mut fresh = 0u64;
+            // Without object ids, features are known by their content (`SeenRows`): a page
+            // served twice or pages that overlap repeat features, which are not taken again
+            // and are counted, so the count check below sees the scan as incomplete.
+            let new_rows = match page_feature_key_kind(format, feats, probe.object_id_field.as_deref()) {
+                KeyKind::ObjectId => None,
+                KeyKind::Content => Some(content_seen.page(feats)),
+            };
             for (i, f) in feats.iter().enumerate() {
-                let (key, feature) = page_feature(format, f, probe.object_id_field.as_deref(), offset + i as u64);
-                if collected.push(Some(&key), &feature, id_field)? {
+                let (key, feature) = page_feature(format, f, probe.object_id_field.as_deref());
+                let taken = match (&new_rows, key) {
+                    (Some(new), _) if !new[i] => false,
+                    (Some(_), _) => collected.push(None, &feature, id_field)?,
+                    (None, key) => collected.push(key.as_deref(), &feature, id_field)?,
+                };
+                if taken {
                     fresh += 1;
                 } else {
                     duplicates += 1;
@@ -288,7 +324,10 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             match exceeded(&v) {
                 Some(true) => continue,
                 Some(false) => break,
-                None if collected.len() as u64 >= expected => break,
+                // Without the flag, a full last page may have more behind it (a count that
+                // is too low): the scan ends at a short or empty page once it holds the
+                // count, and the count check below sees any surplus.
+                None if collected.len() as u64 >= expected && n < page as u64 => break,
                 None => continue,
             }
         }

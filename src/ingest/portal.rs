@@ -205,6 +205,10 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
     let mut pages = 0;
     let mut first_meta = PortalMeta::default();
     let mut layer_bytes = LayerBytes::new(session.cfg.max_layer_bytes);
+    let mut rows = SeenRows::new();
+    let mut repeated = 0u64;
+    // The server's `numberMatched` on the first page, when it gives one: the layer's size.
+    let mut matched: Option<u64> = None;
     while let Some(url) = next.take() {
         if !seen.insert(url.clone()) {
             return Err(FetchError::Protocol { url, reason: "links[rel=next] points back to a page already read".into() });
@@ -217,13 +221,29 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
         }
         pages += 1;
         let mut v = resp.json()?;
+        if pages == 1 {
+            matched = v.get("numberMatched").and_then(Value::as_u64);
+        }
         let page = take_features(&url, &mut v)?;
         let empty = page.is_empty();
-        for f in page {
-            features.push(None, &f, id_field)?;
+        // Features the scan already holds (a page served again under another URL, pages
+        // that overlap) are not taken twice; a page of nothing new ends the paging.
+        let new_rows = rows.page(&page);
+        let fresh = new_rows.iter().filter(|new| **new).count() as u64;
+        repeated += page.len() as u64 - fresh;
+        for (f, new) in page.iter().zip(new_rows) {
+            if new {
+                features.push(None, f, id_field)?;
+            }
         }
         if empty {
             break;
+        }
+        if fresh == 0 {
+            return Err(FetchError::Protocol {
+                url,
+                reason: format!("no progress: the page returned {} features, all already held; the server's next links do not advance, refusing to page on", page.len()),
+            });
         }
         next = v
             .get("links")
@@ -236,6 +256,24 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
             })
             .and_then(|l| l.get("href").and_then(Value::as_str))
             .map(|href| reqwest::Url::parse(&url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
+    }
+    // The pages must add up to the layer: a next link dropped early, or pages that overlap
+    // and skip features, would otherwise look like parcels removed.
+    let got = features.len() as u64;
+    match matched {
+        Some(m) if got != m => {
+            return Err(FetchError::Protocol {
+                url: collection_url.to_string(),
+                reason: format!("incomplete scan: {got} distinct features collected ({repeated} served twice) but numberMatched says {m}; refusing a partial layer"),
+            })
+        }
+        None if repeated > 0 => {
+            return Err(FetchError::Protocol {
+                url: collection_url.to_string(),
+                reason: format!("pages overlapped ({repeated} features served twice) and the server gives no numberMatched to check the layer against: features may have been skipped; refusing a partial layer"),
+            })
+        }
+        _ => {}
     }
     Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..first_meta } })
 }
@@ -276,8 +314,15 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     // is not paging (it ignores `$offset` or `$order`) and the run fails saying where.
     let mut expected = socrata_count(session, url).await;
     for _ in 0..3 {
-        let SodaScan { features, pages, stalled } = socrata_scan(session, url, page_size, id_field, expected).await?;
+        let SodaScan { features, pages, repeated, stalled } = socrata_scan(session, url, page_size, id_field, expected).await?;
         let got = features.len() as u64;
+        // Without a count, overlapping pages are the only sign that rows were skipped.
+        if stalled.is_none() && expected.is_none() && repeated > 0 {
+            return Err(FetchError::Protocol {
+                url: url.to_string(),
+                reason: format!("pages overlapped ({repeated} rows served twice) and there is no count(*) to check the layer against: rows may have been skipped; refusing a partial layer"),
+            });
+        }
         if stalled.is_none() && expected.is_none_or(|c| got == c) {
             return Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..meta } });
         }
@@ -295,7 +340,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
             (None, c) => FetchError::Protocol {
                 url: url.to_string(),
                 reason: format!(
-                    "paging returned {got} rows but count(*) says {} (and did not move); refusing a partial layer",
+                    "paging returned {got} distinct rows ({repeated} served twice) but count(*) says {} (and did not move); refusing a partial layer",
                     c.unwrap_or_default()
                 ),
             },
@@ -308,6 +353,8 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
 struct SodaScan {
     features: FeatureSpool,
     pages: u32,
+    /// Rows served again on a later page (pages that overlap), not taken twice.
+    repeated: u64,
     /// Set when a non-empty page brought no row the scan did not already hold: the "no
     /// progress" error, naming the page URL and its offset. The scan stopped there.
     stalled: Option<FetchError>,
@@ -326,6 +373,7 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
     let max_pages = expected.map(|c| c.saturating_add(10)).unwrap_or(u64::MAX);
     let mut layer_bytes = LayerBytes::new(session.cfg.max_layer_bytes);
     let mut seen = SeenRows::new();
+    let mut repeated = 0u64;
     while (pages as u64) < max_pages {
         let page_url = format!("{url}{sep}$limit={page_size}&$offset={offset}&$order=:id");
         let resp = session.get(&page_url, &[]).await?;
@@ -336,17 +384,23 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
         let page = take_features(&page_url, &mut body)?;
         drop(body);
         let n = page.len() as u64;
-        let fresh = page.iter().fold(0u64, |k, row| k + seen.insert(row) as u64);
+        let new_rows = seen.page(&page);
+        let fresh = new_rows.iter().filter(|new| **new).count() as u64;
         if n > 0 && fresh == 0 {
             let reason = format!(
                 "no progress: the page at $offset={offset} returned {n} rows, all already held ({} distinct rows so far{}); the server ignores $offset or $order, refusing to page on",
                 seen.len(),
                 expected.map(|c| format!(" of a claimed count(*) of {c}")).unwrap_or_default()
             );
-            return Ok(SodaScan { features, pages, stalled: Some(FetchError::Protocol { url: page_url, reason }) });
+            return Ok(SodaScan { features, pages, repeated, stalled: Some(FetchError::Protocol { url: page_url, reason }) });
         }
-        for f in page {
-            features.push(None, &f, id_field)?;
+        // A row the scan already holds (pages that overlap) is not taken twice: counted,
+        // so the scan is not mistaken for a complete one.
+        repeated += n - fresh;
+        for (f, new) in page.iter().zip(new_rows) {
+            if new {
+                features.push(None, f, id_field)?;
+            }
         }
         offset += n;
         let done = match expected {
@@ -357,7 +411,7 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
             break;
         }
     }
-    Ok(SodaScan { features, pages, stalled: None })
+    Ok(SodaScan { features, pages, repeated, stalled: None })
 }
 
 /// The SODA `count(*)` URL of a resource: its JSON endpoint with the resource URL's own

@@ -68,6 +68,24 @@ impl SeenRows {
         self.seen.insert(h)
     }
 
+    /// Records one page's rows; for each, true when the scan did not hold it yet. Rows are
+    /// told apart within the page too: the second of two identical rows on one page is a
+    /// row of the layer (a server does not repeat a row inside a page), while the same rows
+    /// on a later page — a page served twice, pages that overlap — are repeats. So a layer
+    /// that holds two identical rows keeps both, and an overlap is still caught.
+    pub fn page(&mut self, rows: &[Value]) -> Vec<bool> {
+        let mut on_page: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+        rows.iter()
+            .map(|row| {
+                let h = self.identity(row);
+                let nth = on_page.entry(h).or_insert(0);
+                let key = if *nth == 0 { h } else { self.key.hash_one((h, *nth)) };
+                *nth += 1;
+                self.seen.insert(key)
+            })
+            .collect()
+    }
+
     /// How many distinct rows are held.
     pub fn len(&self) -> usize {
         self.seen.len()
@@ -147,5 +165,18 @@ mod tests {
         // An id and a whole row with the same text are different identities.
         assert!(s.insert(&json!(7)));
         assert_eq!(s.len(), 8);
+    }
+
+    #[test]
+    fn identical_rows_on_one_page_are_rows_and_on_a_later_page_repeats() {
+        let mut s = SeenRows::new();
+        let a = json!({"type": "Feature", "properties": {"APN": "1"}, "geometry": null});
+        let b = json!({"type": "Feature", "properties": {"APN": "2"}, "geometry": null});
+        assert_eq!(s.page(&[a.clone(), a.clone(), b.clone()]), vec![true, true, true]);
+        // The same page again: all repeats; an overlap of one row: that row only.
+        assert_eq!(s.page(&[a.clone(), a.clone(), b.clone()]), vec![false, false, false]);
+        let c = json!({"type": "Feature", "properties": {"APN": "3"}, "geometry": null});
+        assert_eq!(s.page(&[b, c]), vec![false, true]);
+        assert_eq!(s.len(), 4);
     }
 }
