@@ -288,6 +288,14 @@ fn arcgis_pages_skips_and_holds_a_restatement() {
     assert_eq!(r.record.verdict, Verdict::Identical, "OBJECTIDs are not part of the digest");
     assert_eq!(engine.store.watermark("arc").expect("wm").expect("some").publisher_ts_ms, Some(1_700_000_060_000));
 
+    // The same content under an older timestamp: identical, said in a warning, and the
+    // watermark keeps the newer timestamp — or the restatement below would not look like one.
+    layer.lock().expect("layer").edit_ms = 1_600_000_000_000;
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("identical, older timestamp");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    assert!(r.record.warnings.iter().any(|w| w.contains("went backwards") && w.contains("same content")), "{:?}", r.record.warnings);
+    assert_eq!(engine.store.watermark("arc").expect("wm").expect("some").publisher_ts_ms, Some(1_700_000_060_000));
+
     // Restated: the timestamp goes backwards with different content → held with its reason.
     {
         let mut l = layer.lock().expect("layer");

@@ -24,7 +24,8 @@ impl Store {
     /// * `Verdict::Skip`: only the run record (with `warnings`, e.g. `stale`) is written; the
     ///   watermark stays, so the `floor` interval counts from the last real fetch.
     /// * `Verdict::Identical`: the fetched bytes matched the watermark's digest. The consumed
-    ///   time and the portal signals move, a watermark history row is appended under this
+    ///   time and the portal signals move (the publisher timestamp never backwards: an older
+    ///   one is a warning), a watermark history row is appended under this
     ///   run's id, and open holds are superseded (the publisher went back to the committed
     ///   version), exactly as `commit_identical` does for files.
     pub fn commit_unchanged(
@@ -35,7 +36,7 @@ impl Store {
         verdict: Verdict,
         signals: &PortalSignals,
         features_hint: u64,
-        warnings: Vec<String>,
+        mut warnings: Vec<String>,
     ) -> Result<RunRecord, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -52,7 +53,19 @@ impl Store {
         if verdict == Verdict::Identical {
             let mut wm = wm.ok_or_else(|| StoreError::NotFound(format!("source {source_id} has no watermark")))?;
             wm.consumed_at_ms = now_ms;
-            wm.publisher_ts_ms = signals.publisher_ts_ms.or(wm.publisher_ts_ms);
+            match (signals.publisher_ts_ms, wm.publisher_ts_ms) {
+                // The same bytes under an older timestamp: the watermark keeps the newer one,
+                // or the next restated version (older content under that older timestamp)
+                // would not look restated and would be sent, not held.
+                (Some(new), Some(old)) if new < old => warnings.push(format!(
+                    "publisher timestamp went backwards from {} to {} with the same content; the watermark keeps {}",
+                    crate::util::rfc3339(old),
+                    crate::util::rfc3339(new),
+                    crate::util::rfc3339(old)
+                )),
+                (Some(new), _) => wm.publisher_ts_ms = Some(new),
+                (None, _) => {}
+            }
             wm.etag = signals.etag.clone();
             wm.last_modified = signals.last_modified.clone();
             wm.schema_hash = signals.schema_hash.clone().or(wm.schema_hash);
