@@ -1735,3 +1735,17 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
         assert_refused(&engine, id, expect);
     }
 }
+
+/// A server (or a cache in front of it) that answers 304 to a request that asked nothing
+/// conditional has sent no content: the run fails saying so, never a `skip` that would leave
+/// the source without a baseline for good.
+#[test]
+fn a_304_to_an_unconditional_request_fails_the_run_not_skips_it() {
+    let srv = Server::start(Arc::new(|_: &Req| Reply { status: 304, ..Default::default() }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("g", "geojson_url", &srv.url("/layer.geojson"), ""), "")).expect("engine");
+    let err = engine.run_source_id("g", RunOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("304 Not Modified to a request without If-None-Match or If-Modified-Since"), "{err}");
+    assert!(engine.store.watermark("g").expect("wm").is_none());
+    assert_eq!(engine.store.runs(Some("g"), 1).expect("runs")[0].verdict, Verdict::Failed);
+}

@@ -152,8 +152,17 @@ async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due
             }
         }
     }
+    let conditional = headers.len() > 1;
     let resp = session.get_to_file(url, &headers, &mut body).await?;
     let meta = PortalMeta { etag: resp.etag.clone(), last_modified: resp.last_modified.clone(), pages: 1, ..Default::default() };
+    if resp.status == 304 && !conditional {
+        // "Not modified" since nothing: a broken server or cache. Taken as a skip, the source
+        // would never get a baseline (or never be fetched on its floor) and say nothing.
+        return Err(FetchError::Protocol {
+            url: url.to_string(),
+            reason: "304 Not Modified to a request without If-None-Match or If-Modified-Since; the server (or a cache in front of it) answers no real content".into(),
+        });
+    }
     if resp.status == 304 {
         let meta = PortalMeta {
             etag: prev.and_then(|w| w.etag.clone()),
