@@ -278,19 +278,29 @@ pub fn prop_text_folding(props: &Props<'_>, name: &str, folded: &mut Vec<(String
     prop_text(props.get(key)?)
 }
 
-/// A property as trimmed text; numbers are written in their JSON form, except that a whole
-/// number written as a float (`12345.0`, `1.2345e4`) reads as the integer (`12345`). Empty →
-/// None.
+/// A property as trimmed text; numbers are written in their JSON form (an integer exactly as
+/// written, however long; a number out of a float's range too), except that a whole number
+/// written as a float (`12345.0`, `1.2345e4`) reads as the integer (`12345`). Empty → None.
 fn prop_text(raw: &RawValue) -> Option<String> {
     // A string without escapes, borrowed (most attribute values); anything else is parsed.
     if let Ok(s) = serde_json::from_str::<&str>(raw.get()) {
         let t = s.trim();
         return (!t.is_empty()).then(|| t.to_string());
     }
-    let text = match serde_json::from_str::<serde_json::Value>(raw.get()).ok()? {
-        serde_json::Value::String(s) => s.trim().to_string(),
-        serde_json::Value::Number(n) => number_text(&n),
-        serde_json::Value::Bool(b) => b.to_string(),
+    let literal = raw.get().trim();
+    // An integer is its digits as written: one past 2^64 would otherwise be read as a float
+    // and lose digits (two long codes or ids could then read the same).
+    let digits = literal.strip_prefix('-').unwrap_or(literal);
+    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(literal.to_string());
+    }
+    let text = match serde_json::from_str::<serde_json::Value>(literal) {
+        Ok(serde_json::Value::String(s)) => s.trim().to_string(),
+        Ok(serde_json::Value::Number(n)) => number_text(&n),
+        Ok(serde_json::Value::Bool(b)) => b.to_string(),
+        // A number too large for a float (`1e400`) is there all the same: as written, not
+        // taken for a missing field.
+        Err(_) if literal.starts_with(|c: char| c == '-' || c.is_ascii_digit()) => literal.to_string(),
         _ => return None,
     };
     if text.is_empty() {
@@ -701,6 +711,12 @@ mod tests {
         assert_eq!(id_of("12.5", "-0.0").0, "12.5");
         assert_eq!(id_of("12345678901234567890", "1").0, "12345678901234567890");
         assert_eq!(id_of("1e300", "1").0, "1e+300", "beyond 2^53: as serde_json writes the double");
+        // An integer past 2^64 keeps every digit (two such codes must not read the same); a
+        // number out of a float's range is kept as written, not taken for a missing field.
+        assert_eq!(id_of("1", "123456789012345678901234567890").1, "123456789012345678901234567890");
+        assert_ne!(id_of("123456789012345678901234567890", "1").0, id_of("123456789012345678901234567891", "1").0);
+        assert_eq!(id_of("-98765432109876543210987", "1").0, "-98765432109876543210987");
+        assert_eq!(id_of("1", "1e400").1, "1e400");
     }
 
     #[test]
