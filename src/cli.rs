@@ -733,6 +733,19 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                     s.fields.parcel_id,
                     s.fields.zoning
                 );
+                // A private address written in the URL is refused at every fetch unless allowed.
+                let url = crate::ingest::settings::kind_url(other);
+                let host = url.and_then(|u| reqwest::Url::parse(u).ok()).and_then(|u| u.host_str().map(str::to_string));
+                if let Some(host) = host.filter(|_| !cfg.ingest.allow_private_targets) {
+                    if crate::netguard::written_private(&host) {
+                        bad += 1;
+                        println!(
+                            "source {}: ERROR url {} is a private address: every fetch would be refused (set ingest.allow_private_targets = true to read it)",
+                            s.id,
+                            url.unwrap_or_default()
+                        );
+                    }
+                }
                 continue;
             }
         };

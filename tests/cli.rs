@@ -90,6 +90,18 @@ fn check_reports_good_and_bad_configs() {
     let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
     assert!(o.status.success() && text(&o).0.contains("control.token ok"), "{:?}", text(&o));
 
+    // So does an HTTP source at a private address while `[ingest]` does not allow those: every
+    // fetch would be refused.
+    let portal_cfg = ws.path().join("portal.toml");
+    let source = "[[source]]\nid = \"p\"\njurisdiction = \"t\"\nkind = \"arcgis\"\nurl = \"http://127.0.0.1:9/x/FeatureServer/0\"\n[source.fields]\nparcel_id = \"APN\"\nzoning = \"Z\"\n";
+    std::fs::write(&portal_cfg, format!("[store]\npath = \"p.redb\"\n{source}")).unwrap();
+    let o = zonewatch(&["check", "--config", portal_cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).0.contains("source p: ERROR url http://127.0.0.1:9/x/FeatureServer/0 is a private address"), "{:?}", text(&o));
+    std::fs::write(&portal_cfg, format!("[store]\npath = \"p.redb\"\n[ingest]\nallow_private_targets = true\n{source}")).unwrap();
+    let o = zonewatch(&["check", "--config", portal_cfg.to_str().unwrap()]);
+    assert!(o.status.success(), "{:?}", text(&o));
+
     std::fs::write(ws.path().join("aoi/w.geojson"), r#"{"type":"Point","coordinates":[0,0]}"#).unwrap();
     let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));

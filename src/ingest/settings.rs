@@ -144,6 +144,14 @@ pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>, format: 
 }
 
 /// `kind=arcgis url=… page_size=…` for `zonewatch check`.
+/// The URL an HTTP source kind reads (`None` for a file).
+pub fn kind_url(kind: &SourceKind) -> Option<&str> {
+    match kind {
+        SourceKind::File { .. } => None,
+        SourceKind::GeojsonUrl { url } | SourceKind::Arcgis { url, .. } | SourceKind::Ogcapi { url, .. } | SourceKind::Socrata { url, .. } => Some(url),
+    }
+}
+
 pub fn describe_kind(kind: &SourceKind) -> String {
     match kind {
         SourceKind::File { path } => format!("kind=file path={}", path.display()),
