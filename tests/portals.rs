@@ -1749,3 +1749,19 @@ fn a_304_to_an_unconditional_request_fails_the_run_not_skips_it() {
     assert!(engine.store.watermark("g").expect("wm").is_none());
     assert_eq!(engine.store.runs(Some("g"), 1).expect("runs")[0].verdict, Verdict::Failed);
 }
+
+/// A page that starts with a UTF-8 byte order mark (some Windows-hosted portals send one)
+/// reads as the same JSON, as a file layer with one does.
+#[test]
+fn a_page_with_a_byte_order_mark_is_read() {
+    let text = layer(&grid(5));
+    let srv = Server::start(Arc::new(move |_: &Req| {
+        let mut body = b"\xEF\xBB\xBF".to_vec();
+        body.extend_from_slice(text.as_bytes());
+        reply(200, "application/geo+json", body)
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), ""), "")).expect("engine");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 5), "{}", r.line());
+}

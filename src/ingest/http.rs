@@ -175,12 +175,15 @@ impl Response {
             return Err(FetchError::Protocol { url: self.url.clone(), reason: "the body was streamed to disk, not kept to be parsed".into() });
         }
         self.expect_json()?;
-        serde_json::from_slice(&self.body).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+        // A UTF-8 byte order mark (some Windows-hosted portals send one) is not JSON but says
+        // nothing either: skipped, as a file layer's is.
+        let body = self.body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&self.body);
+        serde_json::from_slice(body).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
     }
 
     /// Refuses HTML (by content type or by a leading `<`) where JSON was expected.
     pub fn expect_json(&self) -> Result<(), FetchError> {
-        let first = self.body.iter().find(|b| !b.is_ascii_whitespace()).copied();
+        let first = self.body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&self.body).iter().find(|b| !b.is_ascii_whitespace()).copied();
         if self.content_type.to_ascii_lowercase().contains("html") || first == Some(b'<') {
             return Err(FetchError::NotJson {
                 url: self.url.clone(),
