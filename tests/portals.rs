@@ -1765,3 +1765,31 @@ fn a_page_with_a_byte_order_mark_is_read() {
     let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
     assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 5), "{}", r.line());
 }
+
+/// A server that keeps answering fresh pages under a huge count, slowly, is stopped by
+/// `[ingest] max_fetch_time` (before it, only `max_layer_bytes` would have, days later at a
+/// slow rate): the run fails naming the key, and nothing is committed.
+#[test]
+fn a_fetch_past_max_fetch_time_stops() {
+    let srv = Server::start(Arc::new(|req: &Req| {
+        if req.target.starts_with("/api/views/abcd-1234.json") {
+            return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": 1_700_000_000}));
+        }
+        if req.target.starts_with("/resource/abcd-1234.json") {
+            return json_reply(&json!([{"count": "1000000"}]));
+        }
+        let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let page: Vec<Value> = (offset..offset + 10)
+            .map(|i| {
+                let p = common::square(&format!("JUNK{i:09}"), "R-1", -71.10, 42.36, 0.0009);
+                json!({"type": "Feature", "properties": {"APN": p.id, "ZONE_CODE": p.zone}, "geometry": {"type": "Polygon", "coordinates": [p.ring]}})
+            })
+            .collect();
+        Reply { delay: Duration::from_millis(50), ..reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string()) }
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &srv.url("/resource/abcd-1234.geojson"), "page_size = 10"), "max_fetch_time = \"1s\"")).expect("engine");
+    let err = engine.run_source_id("soda", RunOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("max_fetch_time") && err.contains("past the configured limit of 1 s"), "{err}");
+    assert!(engine.store.watermark("soda").expect("wm").is_none());
+}

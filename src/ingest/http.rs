@@ -60,6 +60,8 @@ pub enum FetchError {
     LayerTooLarge { url: String, limit: u64, read: u64 },
     #[error("the fetched layer on disk in {dir}: {source}")]
     Spool { dir: std::path::PathBuf, source: std::io::Error },
+    #[error("{url}: the fetch has gone on for {elapsed_s} s, past the configured limit of {limit_s} s ([ingest] max_fetch_time); stopped before this request")]
+    FetchTooLong { url: String, limit_s: u64, elapsed_s: u64 },
 }
 
 impl FetchError {
@@ -336,6 +338,12 @@ impl Session {
     async fn get_with(&self, url: &str, headers: &[(&str, String)], mut sink: Option<&mut BodyFile>) -> Result<Response, FetchError> {
         let mut attempt = 0u32;
         loop {
+            // Every request of the run counts against its fetch time: a server that keeps
+            // answering (fresh junk under a huge count, slowly) is stopped, not paged for days.
+            let elapsed = self.started.elapsed();
+            if elapsed > self.cfg.max_fetch_time {
+                return Err(FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
+            }
             attempt += 1;
             match self.get_once(url, headers, sink.as_deref_mut()).await? {
                 Ok(resp) => return Ok(resp),

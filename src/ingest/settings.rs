@@ -21,6 +21,7 @@ pub struct RawIngest {
     allow_private_targets: Option<bool>,
     max_decompressed_bytes: Option<u64>,
     max_layer_bytes: Option<u64>,
+    max_fetch_time: Option<String>,
 }
 
 /// `[ingest]`: how HTTP sources talk to portals. One budget for every source; the token
@@ -48,6 +49,10 @@ pub struct IngestConfig {
     /// Cap on all the pages of one paged scan (`arcgis`, `ogcapi`, `socrata`) added up,
     /// after decoding: a server that keeps answering full pages stops here.
     pub max_layer_bytes: u64,
+    /// Wall-clock limit on one run's fetch, every request and page of it: no new request
+    /// is sent past it (a slow server that keeps answering would otherwise be paged on for
+    /// as long as it takes to reach `max_layer_bytes`).
+    pub max_fetch_time: Duration,
 }
 
 impl Default for IngestConfig {
@@ -63,6 +68,7 @@ impl Default for IngestConfig {
             allow_private_targets: false,
             max_decompressed_bytes: 1024 * 1024 * 1024,
             max_layer_bytes: 4 * 1024 * 1024 * 1024,
+            max_fetch_time: Duration::from_secs(4 * 3600),
         }
     }
 }
@@ -85,6 +91,10 @@ impl RawIngest {
             allow_private_targets: self.allow_private_targets.unwrap_or(false),
             max_decompressed_bytes: self.max_decompressed_bytes.unwrap_or(d.max_decompressed_bytes),
             max_layer_bytes: self.max_layer_bytes.unwrap_or(d.max_layer_bytes),
+            max_fetch_time: match &self.max_fetch_time {
+                Some(s) => parse_duration(s).map_err(|e| format!("ingest.max_fetch_time: {e}"))?,
+                None => d.max_fetch_time,
+            },
         };
         if cfg.max_attempts == 0 || cfg.max_attempts > 100 {
             return Err("ingest.max_attempts must be between 1 and 100".into());
@@ -103,6 +113,9 @@ impl RawIngest {
         }
         if cfg.max_layer_bytes < 1024 {
             return Err("ingest.max_layer_bytes must be at least 1024".into());
+        }
+        if cfg.max_fetch_time.is_zero() {
+            return Err("ingest.max_fetch_time must be positive".into());
         }
         if !(cfg.rate_per_host.is_finite() && cfg.rate_per_host > 0.0) {
             return Err("ingest.rate_per_host must be a positive number of requests per second".into());
