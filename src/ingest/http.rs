@@ -30,7 +30,7 @@ pub enum FetchError {
     Status { url: String, status: u16, detail: String },
     #[error("{url}: gave up after {attempts} attempt(s): {last}")]
     RetriesExhausted { url: String, attempts: u32, last: String },
-    #[error("{url}: retry budget of {budget_ms} ms spent after {attempts} attempt(s): {last}")]
+    #[error("{url}: gave up after {attempts} attempt(s): the next wait would end past the run's retry budget of {budget_ms} ms ([ingest] retry_budget): {last}")]
     BudgetExhausted { url: String, attempts: u32, budget_ms: u64, last: String },
     #[error("{url}: expected JSON but got HTTP {status} content-type {content_type:?}, body starts {first_bytes:?}")]
     NotJson { url: String, status: u16, content_type: String, first_bytes: String },
@@ -304,8 +304,8 @@ impl Session {
                 attempts: attempt,
                 budget_ms: self.cfg.retry_budget.as_millis() as u64,
                 last: match retry_after {
-                    Some(ra) => format!("{why} (Retry-After {} ms)", ra.as_millis()),
-                    None => why.to_string(),
+                    Some(ra) => format!("{why}; the server asked to wait {} ms (Retry-After, read up to a day)", ra.as_millis()),
+                    None => format!("{why}; next wait {} ms", delay.as_millis()),
                 },
             });
         }
