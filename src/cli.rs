@@ -380,7 +380,8 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         // every task would fail on the same pages.
         let tx = tx.clone();
         crate::store::guard::on_damage(move || {
-            eprintln!("zonewatch: the store file is damaged (redb panicked reading it); stopping");
+            // Inside the panic hook: nothing here may panic (eprintln! would, on a closed stderr).
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), b"zonewatch: the store file is damaged (redb panicked reading it); stopping\n");
             let _ = tx.send(true);
         });
     }

@@ -336,6 +336,7 @@ fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic()
         let last = err.lines().last().unwrap_or("");
         assert!(last.starts_with("error: store ") && last.contains("zw.redb is damaged (redb: ") && last.contains("restore a backup"), "offset {offset}: {err}");
         assert!(!err.contains("panicked at") && !err.contains("stack backtrace"), "offset {offset}: no panic noise: {err}");
+        assert!(err.contains("the store file is damaged (redb panicked reading it); stopping"), "offset {offset}: stopped by the damage handler, not at open: {err}");
     }
 }
 

@@ -38,7 +38,7 @@ fn deb_builds_is_lintian_clean_and_its_default_config_checks() {
         assert!(dir.path().join(f).exists(), "package lacks {f}");
     }
     let unit = std::fs::read_to_string(dir.path().join("lib/systemd/system/zonewatch.service")).unwrap();
-    for needle in ["StateDirectory=zonewatch", "ProtectSystem=strict", "Restart=on-failure", "User=zonewatch"] {
+    for needle in ["StateDirectory=zonewatch", "ProtectSystem=strict", "Restart=on-failure", "RestartPreventExitStatus=2", "User=zonewatch"] {
         assert!(unit.contains(needle), "unit lacks {needle}");
     }
     let o = Command::new(dir.path().join("usr/bin/zonewatch"))

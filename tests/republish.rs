@@ -57,7 +57,7 @@ async fn a_feature_that_lost_its_id_is_not_alerted_as_a_removed_parcel() {
     let r = run(&engine, false);
     assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.quarantined), (Verdict::Run, 1, 1));
     let warning = r.record.warnings.iter().find(|w| w.contains("kept, not removed")).expect("the run names the kept parcel");
-    assert!(warning.contains("\"P0005\"") && warning.contains("features 5"), "{warning}");
+    assert!(warning.contains("\"P0005\"") && warning.contains("positions 5 of the layer"), "{warning}");
     assert!(engine.store.snapshot_states("s1").unwrap().contains_key("P0005"));
     deliver(&engine, Duration::from_secs(5)).await;
     let got: Vec<(String, String)> = rx
@@ -87,6 +87,6 @@ async fn a_feature_that_lost_its_id_is_not_alerted_as_a_removed_parcel() {
     ws.write_layer(&doc.to_string());
     let r = run(&engine, false);
     assert_eq!((r.record.counts.changes, r.record.counts.quarantined), (1, 1));
-    assert!(r.record.warnings.iter().any(|w| w.contains("without a readable geometry") && w.contains("1 parcel(s) were removed")), "{:?}", r.record.warnings);
+    assert!(r.record.warnings.iter().any(|w| w.contains("without a parcel id or a readable geometry") && w.contains("1 parcel(s) were removed")), "{:?}", r.record.warnings);
     assert!(!engine.store.snapshot_states("s1").unwrap().contains_key("P0007"));
 }

@@ -243,10 +243,12 @@ fn foreign_crs(v: &Value) -> Option<String> {
 /// Scans the whole layer (see the module doc) in `format` into a FeatureCollection.
 pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, page_size: u32, id_field: &str, format: ArcgisFormat) -> Result<Scan, FetchError> {
     let mut expected = count(session, layer_url).await?;
-    let page_cap = probe.max_record_count.unwrap_or(page_size).min(page_size).max(1);
+    let mut page_cap = probe.max_record_count.unwrap_or(page_size).min(page_size).max(1);
+    // Set once the scan has been tried again with other page boundaries.
+    let mut shifted = false;
     let mut order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
     let mut pages = 0;
-    for scan_no in 1..=3u32 {
+    for scan_no in 1..=4u32 {
         let mut collected = FeatureSpool::new(&session.spool_dir)?;
         let mut content_seen = super::scan_guard::SeenRows::new();
         let mut duplicates = 0u64;
@@ -344,11 +346,21 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             order = id_field.to_string();
             continue;
         }
+        if collected.len() as u64 != expected && duplicates > 0 && !shifted && page_cap > 1 {
+            // Features known by content repeat either because pages overlapped or because
+            // the layer holds identical features and a page boundary fell between them: a
+            // pass with other boundaries tells the two apart.
+            tracing::info!(url = layer_url, duplicates, "features repeated across pages; scanning again with pages of {}", page_cap - 1);
+            shifted = true;
+            page_cap -= 1;
+            continue;
+        }
         if collected.len() as u64 != expected {
+            let what = if collected.len() as u64 > expected { "the scan does not add up" } else { "incomplete scan" };
             return Err(FetchError::Protocol {
                 url: layer_url.to_string(),
                 reason: format!(
-                    "incomplete scan: {} distinct features collected ({duplicates} repeated) but returnCountOnly says {expected}",
+                    "{what}: {} distinct features collected ({duplicates} repeated) but returnCountOnly says {expected}",
                     collected.len()
                 ),
             });
@@ -356,7 +368,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
         let n = collected.len();
         return Ok(Scan { layer: collected, features: n, pages, scans: scan_no });
     }
-    Err(FetchError::Protocol { url: layer_url.to_string(), reason: "the feature count kept moving over 3 scans; try again later".into() })
+    Err(FetchError::Protocol { url: layer_url.to_string(), reason: "the feature count kept moving from one scan to the next; try again later".into() })
 }
 
 fn urlencode(s: &str) -> String {

@@ -179,13 +179,17 @@ impl Response {
         self.expect_json()?;
         // A UTF-8 byte order mark (some Windows-hosted portals send one) is not JSON but says
         // nothing either: skipped, as a file layer's is.
-        let body = self.body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&self.body);
-        serde_json::from_slice(body).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+        serde_json::from_slice(self.body_after_bom()).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+    }
+
+    /// The body without a leading UTF-8 byte order mark.
+    fn body_after_bom(&self) -> &[u8] {
+        self.body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&self.body)
     }
 
     /// Refuses HTML (by content type or by a leading `<`) where JSON was expected.
     pub fn expect_json(&self) -> Result<(), FetchError> {
-        let first = self.body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&self.body).iter().find(|b| !b.is_ascii_whitespace()).copied();
+        let first = self.body_after_bom().iter().find(|b| !b.is_ascii_whitespace()).copied();
         if self.content_type.to_ascii_lowercase().contains("html") || first == Some(b'<') {
             return Err(FetchError::NotJson {
                 url: self.url.clone(),

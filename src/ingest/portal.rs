@@ -152,7 +152,7 @@ async fn geojson_url(session: &Session, url: &str, prev: Option<&Watermark>, due
             }
         }
     }
-    let conditional = headers.len() > 1;
+    let conditional = headers.iter().any(|(name, _)| name.starts_with("if-"));
     let resp = session.get_to_file(url, &headers, &mut body).await?;
     let meta = PortalMeta { etag: resp.etag.clone(), last_modified: resp.last_modified.clone(), pages: 1, ..Default::default() };
     if resp.status == 304 && !conditional {
@@ -207,6 +207,38 @@ fn take_features(url: &str, v: &mut Value) -> Result<Vec<Value>, FetchError> {
 }
 
 async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<PortalFetch, FetchError> {
+    let refused = |r: RepeatedFeatures| FetchError::Protocol { url: collection_url.to_string(), reason: repeated_reason(r) };
+    match ogcapi_pass(session, collection_url, limit, id_field).await? {
+        Ok(fetch) => Ok(fetch),
+        // Features repeated: pages that overlapped, or identical features a page boundary
+        // fell between. A pass with other boundaries tells the two apart.
+        Err(r) if limit > 1 => {
+            tracing::info!(url = collection_url, repeated = r.repeated, "features repeated across pages; scanning again with pages of {}", limit - 1);
+            ogcapi_pass(session, collection_url, limit - 1, id_field).await?.map_err(refused)
+        }
+        Err(r) => Err(refused(r)),
+    }
+}
+
+/// Why a scan whose pages repeated features is refused.
+fn repeated_reason(r: RepeatedFeatures) -> String {
+    match r.matched {
+        Some(m) => format!("incomplete scan: {} distinct features collected ({} served twice) but numberMatched says {m}; refusing a partial layer", r.got, r.repeated),
+        None => format!("pages overlapped ({} features served twice) and the server gives no numberMatched to check the layer against: features may have been skipped; refusing a partial layer", r.repeated),
+    }
+}
+
+/// An OGC API scan whose pages served some features twice and do not add up.
+#[derive(Debug, Clone, Copy)]
+struct RepeatedFeatures {
+    got: u64,
+    repeated: u64,
+    matched: Option<u64>,
+}
+
+/// One pass over an OGC API collection with pages of `limit`: the layer, or
+/// `Err(RepeatedFeatures)` when features came twice and the pages do not add up.
+async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<Result<PortalFetch, RepeatedFeatures>, FetchError> {
     let accept = [("accept", "application/geo+json, application/json;q=0.9".to_string())];
     let mut next = Some(format!("{collection_url}/items?f=json&limit={limit}"));
     let mut seen = HashSet::new();
@@ -214,7 +246,7 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
     let mut pages = 0;
     let mut first_meta = PortalMeta::default();
     let mut layer_bytes = LayerBytes::new(session.cfg.max_layer_bytes);
-    let mut rows = SeenRows::new();
+    let mut rows = SeenRows::by_content();
     let mut repeated = 0u64;
     // The server's `numberMatched` on the first page, when it gives one: the layer's size.
     let mut matched: Option<u64> = None;
@@ -270,21 +302,12 @@ async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &
     // and skip features, would otherwise look like parcels removed.
     let got = features.len() as u64;
     match matched {
-        Some(m) if got != m => {
-            return Err(FetchError::Protocol {
-                url: collection_url.to_string(),
-                reason: format!("incomplete scan: {got} distinct features collected ({repeated} served twice) but numberMatched says {m}; refusing a partial layer"),
-            })
-        }
-        None if repeated > 0 => {
-            return Err(FetchError::Protocol {
-                url: collection_url.to_string(),
-                reason: format!("pages overlapped ({repeated} features served twice) and the server gives no numberMatched to check the layer against: features may have been skipped; refusing a partial layer"),
-            })
-        }
+        Some(m) if got != m && repeated > 0 => return Ok(Err(RepeatedFeatures { got, repeated, matched })),
+        Some(m) if got != m => return Err(FetchError::Protocol { url: collection_url.to_string(), reason: repeated_reason(RepeatedFeatures { got, repeated, matched }) }),
+        None if repeated > 0 => return Ok(Err(RepeatedFeatures { got, repeated, matched })),
         _ => {}
     }
-    Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..first_meta } })
+    Ok(Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..first_meta } }))
 }
 
 /// `https://host/resource/abcd-1234.geojson` → `https://host/api/views/abcd-1234.json`.
@@ -322,9 +345,21 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     // decides: if it moved, rows moved under the scan and it runs again; if not, the server
     // is not paging (it ignores `$offset` or `$order`) and the run fails saying where.
     let mut expected = socrata_count(session, url).await;
-    for _ in 0..3 {
+    let mut page_size = page_size;
+    let mut shifted = false;
+    for _ in 0..4 {
         let SodaScan { features, pages, repeated, stalled } = socrata_scan(session, url, page_size, id_field, expected).await?;
         let got = features.len() as u64;
+        let short = expected.is_some_and(|c| got != c) || expected.is_none();
+        if stalled.is_none() && repeated > 0 && short && !shifted && page_size > 1 {
+            // Rows known by content repeat either because pages overlapped or because the
+            // resource holds identical rows and a page boundary fell between them: a pass
+            // with other boundaries tells the two apart.
+            tracing::info!(url, repeated, "rows repeated across pages; scanning again with pages of {}", page_size - 1);
+            shifted = true;
+            page_size -= 1;
+            continue;
+        }
         // Without a count, overlapping pages are the only sign that rows were skipped.
         if stalled.is_none() && expected.is_none() && repeated > 0 {
             return Err(FetchError::Protocol {
@@ -355,7 +390,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
             },
         });
     }
-    Err(FetchError::Protocol { url: url.to_string(), reason: "the row count kept moving over 3 scans; try again later".into() })
+    Err(FetchError::Protocol { url: url.to_string(), reason: "the row count kept moving from one scan to the next; try again later".into() })
 }
 
 /// One pass over a SODA resource.

@@ -48,18 +48,27 @@ impl LayerBytes {
 /// The identities of the rows one scan holds, as keyed 64-bit hashes (SipHash with a random
 /// key per scan, so a server cannot aim collisions at it). A row's identity is its own id
 /// when it carries one — a GeoJSON feature `id`, or SODA's `:id` system field (present when
-/// the resource URL selects `:*`) — and otherwise the row's whole JSON: two rows with the same
-/// bytes are the same row as far as progress is concerned.
+/// the resource URL selects `:*`) — and otherwise the row's whole JSON ([`SeenRows::page`]
+/// tells identical rows on one page apart).
 #[derive(Debug, Default)]
 pub struct SeenRows {
     key: RandomState,
     seen: HashSet<u64>,
+    /// Rows are known by their bytes only, never by an id they carry (a server whose ids
+    /// are not unique must not lose rows to them).
+    by_content: bool,
 }
 
 impl SeenRows {
     /// An empty set for one scan pass.
     pub fn new() -> SeenRows {
         SeenRows::default()
+    }
+
+    /// An empty set that knows rows by their bytes only (OGC API features, whose `id` a
+    /// server may derive from a field that is not unique).
+    pub fn by_content() -> SeenRows {
+        SeenRows { by_content: true, ..SeenRows::default() }
     }
 
     /// Records `row`; true when the scan did not hold it yet.
@@ -102,7 +111,7 @@ impl SeenRows {
             .get("id")
             .or_else(|| row.get(":id"))
             .or_else(|| row.get("properties").and_then(|p| p.get(":id")))
-            .filter(|v| !v.is_null());
+            .filter(|v| !v.is_null() && !self.by_content);
         let (tag, what) = match own_id {
             Some(id) => (b'i', id),
             None => (b'r', row),
@@ -178,5 +187,9 @@ mod tests {
         let c = json!({"type": "Feature", "properties": {"APN": "3"}, "geometry": null});
         assert_eq!(s.page(&[b, c]), vec![false, true]);
         assert_eq!(s.len(), 4);
+        // Known by content only, two rows with one id are two rows.
+        let mut by_content = SeenRows::by_content();
+        assert_eq!(by_content.page(&[json!({"id": 1, "v": 1}), json!({"id": 1, "v": 2})]), vec![true, true]);
+        assert_eq!(by_content.page(&[json!({"id": 1, "v": 2})]), vec![false]);
     }
 }

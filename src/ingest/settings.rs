@@ -68,7 +68,7 @@ impl Default for IngestConfig {
             allow_private_targets: false,
             max_decompressed_bytes: 1024 * 1024 * 1024,
             max_layer_bytes: 4 * 1024 * 1024 * 1024,
-            max_fetch_time: Duration::from_secs(4 * 3600),
+            max_fetch_time: Duration::from_secs(12 * 3600),
         }
     }
 }
@@ -156,7 +156,6 @@ pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>, format: 
     }))
 }
 
-/// `kind=arcgis url=… page_size=…` for `zonewatch check`.
 /// The URL an HTTP source kind reads (`None` for a file).
 pub fn kind_url(kind: &SourceKind) -> Option<&str> {
     match kind {
@@ -165,6 +164,7 @@ pub fn kind_url(kind: &SourceKind) -> Option<&str> {
     }
 }
 
+/// `kind=arcgis url=… page_size=…` for `zonewatch check`.
 pub fn describe_kind(kind: &SourceKind) -> String {
     match kind {
         SourceKind::File { path } => format!("kind=file path={}", path.display()),
