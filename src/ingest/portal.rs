@@ -269,14 +269,8 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
         let empty = page.is_empty();
         // Features the scan already holds (a page served again under another URL, pages
         // that overlap) are not taken twice; a page of nothing new ends the paging.
-        let new_rows = rows.page(&page);
-        let fresh = new_rows.iter().filter(|new| **new).count() as u64;
+        let fresh = take_new_rows(&mut features, &mut rows, &page, id_field)?;
         repeated += page.len() as u64 - fresh;
-        for (f, new) in page.iter().zip(new_rows) {
-            if new {
-                features.push(None, f, id_field)?;
-            }
-        }
         if empty {
             break;
         }
@@ -393,6 +387,18 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     Err(FetchError::Protocol { url: url.to_string(), reason: "the row count kept moving from one scan to the next; try again later".into() })
 }
 
+/// Adds the rows of `page` that `seen` does not hold yet to `features`; returns how many.
+fn take_new_rows(features: &mut FeatureSpool, seen: &mut SeenRows, page: &[Value], id_field: &str) -> Result<u64, FetchError> {
+    let mut fresh = 0;
+    for (row, new) in page.iter().zip(seen.page(page)) {
+        if new {
+            features.push(None, row, id_field)?;
+            fresh += 1;
+        }
+    }
+    Ok(fresh)
+}
+
 /// One pass over a SODA resource.
 struct SodaScan {
     features: FeatureSpool,
@@ -428,8 +434,10 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
         let page = take_features(&page_url, &mut body)?;
         drop(body);
         let n = page.len() as u64;
-        let new_rows = seen.page(&page);
-        let fresh = new_rows.iter().filter(|new| **new).count() as u64;
+        // A row the scan already holds (pages that overlap) is not taken twice: counted,
+        // so the scan is not mistaken for a complete one.
+        let fresh = take_new_rows(&mut features, &mut seen, &page, id_field)?;
+        repeated += n - fresh;
         if n > 0 && fresh == 0 {
             let reason = format!(
                 "no progress: the page at $offset={offset} returned {n} rows, all already held ({} distinct rows so far{}); the server ignores $offset or $order, refusing to page on",
@@ -437,14 +445,6 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
                 expected.map(|c| format!(" of a claimed count(*) of {c}")).unwrap_or_default()
             );
             return Ok(SodaScan { features, pages, repeated, stalled: Some(FetchError::Protocol { url: page_url, reason }) });
-        }
-        // A row the scan already holds (pages that overlap) is not taken twice: counted,
-        // so the scan is not mistaken for a complete one.
-        repeated += n - fresh;
-        for (f, new) in page.iter().zip(new_rows) {
-            if new {
-                features.push(None, f, id_field)?;
-            }
         }
         offset += n;
         let done = match expected {
