@@ -1824,3 +1824,50 @@ fn a_fetch_past_max_fetch_time_stops() {
     assert!(err.contains("max_fetch_time") && err.contains("past the configured limit of 1 s"), "{err}");
     assert!(engine.store.watermark("soda").expect("wm").is_none());
 }
+
+/// Numbers a JSON value cannot hold exactly, on a portal page: a zoning code past the 64-bit
+/// range keeps every digit (a rezoning that changes its last digit is seen), and a number
+/// past a float's range in another attribute does not fail the layer.
+#[test]
+fn long_integer_codes_on_portal_pages_keep_every_digit() {
+    let zone = Arc::new(Mutex::new("123456789012345678901234567890".to_string()));
+    let edit = Arc::new(AtomicU64::new(1_700_000_000_000));
+    let parcels = grid(3);
+    let srv = {
+        let (zone, edit) = (zone.clone(), edit.clone());
+        Server::start(Arc::new(move |req: &Req| {
+            let path = req.target.split('?').next().unwrap_or("");
+            if path.ends_with("/FeatureServer/0") {
+                return json_reply(&json!({"name": "parcels", "objectIdField": "OBJECTID", "maxRecordCount": 10, "editingInfo": {"dataLastEditDate": edit.load(Ordering::SeqCst)},
+                    "fields": [{"name": "OBJECTID", "type": "esriFieldTypeOID"}, {"name": "APN", "type": "esriFieldTypeString"}, {"name": "ZONE_CODE", "type": "esriFieldTypeDouble"}, {"name": "AREA", "type": "esriFieldTypeDouble"}]}));
+            }
+            if req.param("returnCountOnly").as_deref() == Some("true") {
+                return json_reply(&json!({"count": parcels.len()}));
+            }
+            // Written as text: a serde_json::Value cannot hold these numbers.
+            let z = zone.lock().expect("zone").clone();
+            let features: Vec<String> = parcels
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let ring: Vec<[f64; 2]> = p.ring.iter().rev().copied().collect();
+                    let code = if i == 1 { z.as_str() } else { "98765432109876543210987654321" };
+                    format!(r#"{{"attributes":{{"OBJECTID":{},"APN":"{}","ZONE_CODE":{code},"AREA":1e400}},"geometry":{{"rings":[{}]}}}}"#, 1000 + i, p.id, json!(ring))
+                })
+                .collect();
+            reply(200, "application/json", format!(r#"{{"exceededTransferLimit":false,"features":[{}]}}"#, features.join(",")))
+        }))
+    };
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("arc", "arcgis", &srv.url("/x/FeatureServer/0"), ""), "")).expect("engine");
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels, r.record.counts.quarantined), (Verdict::Baseline, 3, 0), "{}", r.line());
+    assert_eq!(engine.store.snapshot_states("arc").expect("snapshot")["P0001"].zoning, "123456789012345678901234567890");
+    assert_eq!(engine.store.snapshot_states("arc").expect("snapshot")["P0000"].zoning, "98765432109876543210987654321");
+
+    *zone.lock().expect("zone") = "123456789012345678901234567891".into();
+    edit.fetch_add(1000, Ordering::SeqCst);
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("run");
+    assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 1), "the last digit changed: {}", r.line());
+    assert_eq!(engine.store.snapshot_states("arc").expect("snapshot")["P0001"].zoning, "123456789012345678901234567891");
+}

@@ -170,6 +170,70 @@ impl std::fmt::Debug for BodyFile {
     }
 }
 
+/// A page's JSON with every number a `serde_json::Value` cannot hold exactly written as a
+/// string of the same text: an integer past the 64-bit range (read as a float, it would lose
+/// its digits past the 17th, and two long zoning codes or ids would read the same) and a
+/// number past a float's range (`1e400`, which fails the whole parse). The normaliser reads
+/// such a string as the number was written, as it reads the number itself in a file layer.
+/// `None` when the text has no such number (the common case: nothing is copied).
+pub fn quote_unreadable_numbers(json: &[u8]) -> Option<Vec<u8>> {
+    // Most tokens are coordinates: they are told apart by their bytes alone, and only a
+    // long integer or a float with a long mantissa or a large exponent is parsed.
+    let unreadable = |token: &[u8]| -> bool {
+        let Ok(text) = std::str::from_utf8(token) else { return false };
+        match text.find(['.', 'e', 'E']) {
+            None => {
+                let digits = text.strip_prefix('-').unwrap_or(text);
+                digits.len() >= 19 && digits.bytes().all(|b| b.is_ascii_digit()) && text.parse::<i64>().is_err() && text.parse::<u64>().is_err()
+            }
+            Some(_) => {
+                let exponent = text.find(['e', 'E']).map(|at| text[at + 1..].trim_start_matches(['+', '-']).len()).unwrap_or(0);
+                let mantissa = text.find(['e', 'E']).unwrap_or(text.len());
+                (exponent >= 3 || mantissa > 300) && text.parse::<f64>().is_ok_and(f64::is_infinite)
+            }
+        }
+    };
+    let mut out: Option<Vec<u8>> = None;
+    let (mut i, mut copied) = (0, 0);
+    let mut in_string = false;
+    while i < json.len() {
+        let b = json[i];
+        if in_string {
+            match b {
+                b'\\' => i += 1,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            i += 1;
+            continue;
+        }
+        if b == b'"' {
+            in_string = true;
+            i += 1;
+            continue;
+        }
+        if b == b'-' || b.is_ascii_digit() {
+            let start = i;
+            while i < json.len() && matches!(json[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E') {
+                i += 1;
+            }
+            if unreadable(&json[start..i]) {
+                let o = out.get_or_insert_with(|| Vec::with_capacity(json.len() + 16));
+                o.extend_from_slice(&json[copied..start]);
+                o.push(b'"');
+                o.extend_from_slice(&json[start..i]);
+                o.push(b'"');
+                copied = i;
+            }
+            continue;
+        }
+        i += 1;
+    }
+    let mut o = out?;
+    o.extend_from_slice(&json[copied..]);
+    Some(o)
+}
+
 impl Response {
     /// Checks the body looks like JSON (not an HTML / WAF page) and parses it.
     pub fn json(&self) -> Result<serde_json::Value, FetchError> {
@@ -179,7 +243,9 @@ impl Response {
         self.expect_json()?;
         // A UTF-8 byte order mark (some Windows-hosted portals send one) is not JSON but says
         // nothing either: skipped, as a file layer's is.
-        serde_json::from_slice(self.body_after_bom()).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+        let body = self.body_after_bom();
+        let quoted = quote_unreadable_numbers(body);
+        serde_json::from_slice(quoted.as_deref().unwrap_or(body)).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
     }
 
     /// The body without a leading UTF-8 byte order mark.
@@ -575,6 +641,18 @@ pub fn block_on<T: Send>(fut: impl std::future::Future<Output = T> + Send) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_a_value_cannot_hold_are_read_as_written() {
+        let q = |s: &str| quote_unreadable_numbers(s.as_bytes()).map(|v| String::from_utf8(v).unwrap());
+        assert_eq!(q(r#"{"a":1,"b":-12.5e3,"c":18446744073709551615,"d":-9223372036854775808,"s":"123456789012345678901234567890"}"#), None, "nothing to change");
+        assert_eq!(
+            q(r#"{"z":123456789012345678901234567890,"n":-98765432109876543210987,"f":1e400,"g":[1.5,-2e-400],"s":"1e400 \" 123456789012345678901"}"#).as_deref(),
+            Some(r#"{"z":"123456789012345678901234567890","n":"-98765432109876543210987","f":"1e400","g":[1.5,-2e-400],"s":"1e400 \" 123456789012345678901"}"#)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&quote_unreadable_numbers(br#"{"z":18446744073709551616}"#).unwrap()).unwrap();
+        assert_eq!(v["z"], "18446744073709551616");
+    }
 
     /// A streamed body's head starts at its first byte that is not whitespace, so HTML
     /// after any run of blank lines is still refused; a restart forgets the head, the
