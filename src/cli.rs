@@ -735,17 +735,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                     s.fields.zoning
                 );
                 // A private address written in the URL is refused at every fetch unless allowed.
-                let url = crate::ingest::settings::kind_url(other);
-                let host = url.and_then(|u| reqwest::Url::parse(u).ok()).and_then(|u| u.host_str().map(str::to_string));
-                if let Some(host) = host.filter(|_| !cfg.ingest.allow_private_targets) {
-                    if crate::netguard::written_private(&host) {
-                        bad += 1;
-                        println!(
-                            "source {}: ERROR url {} is a private address: every fetch would be refused (set ingest.allow_private_targets = true to read it)",
-                            s.id,
-                            url.unwrap_or_default()
-                        );
-                    }
+                if let Some(url) = crate::ingest::settings::kind_url(other).filter(|u| !cfg.ingest.allow_private_targets && crate::netguard::url_written_private(u)) {
+                    bad += 1;
+                    println!(
+                        "source {}: ERROR url {url} is a private address: every fetch would be refused (set ingest.allow_private_targets = true to read it)",
+                        s.id
+                    );
                 }
                 continue;
             }
@@ -789,15 +784,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             }
         }
         // A private address written in the target is refused at every delivery unless allowed.
-        let host = reqwest::Url::parse(&s.target).ok().and_then(|u| u.host_str().map(str::to_string));
-        if let Some(host) = host.filter(|_| !cfg.delivery.allow_private_targets) {
-            if crate::netguard::written_private(&host) {
-                bad += 1;
-                println!(
-                    "subscriber {}: ERROR target {} is a private address: every delivery would be refused (set delivery.allow_private_targets = true to deliver there)",
-                    s.id, s.target
-                );
-            }
+        if !cfg.delivery.allow_private_targets && crate::netguard::url_written_private(&s.target) {
+            bad += 1;
+            println!(
+                "subscriber {}: ERROR target {} is a private address: every delivery would be refused (set delivery.allow_private_targets = true to deliver there)",
+                s.id, s.target
+            );
         }
     }
     // The control token `serve` will use: one it would refuse fails the pre-start check.

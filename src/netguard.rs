@@ -56,6 +56,12 @@ pub fn written_private(host: &str) -> bool {
     literal_private(host).is_some() || name == "localhost" || name.ends_with(".localhost")
 }
 
+/// Whether `url`'s host is private as written ([`written_private`]); false for a URL that
+/// does not parse or has no host (the config check reports those).
+pub fn url_written_private(url: &str) -> bool {
+    reqwest::Url::parse(url).ok().and_then(|u| u.host_str().map(written_private)).unwrap_or(false)
+}
+
 /// A name that resolved to a private address: the connection was refused before it was made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{host} resolves to private address {ip}")]

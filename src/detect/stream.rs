@@ -395,20 +395,19 @@ pub fn scan_layer<R: Read + Send>(
             }
         })?,
     };
-    // A stored parcel mostly under a feature that has no id may be that feature: it is not
-    // taken for removed on this layer's word (it keeps its stored state, as a quarantined
-    // feature with an id does).
+    // A stored parcel where a feature without an id lies, nearly the same box, may be that
+    // feature: it is not taken for removed on this layer's word (it keeps its stored state,
+    // as a quarantined feature with an id does). Its envelope is read only when there are
+    // such features.
     let footprints = unidentified.footprints();
     let mut withheld: Vec<String> = Vec::new();
     for pid in gone {
-        let Some(footprints) = &footprints else {
-            if let Some(state) = view.get(&pid)? {
-                removed.push((pid, state));
-            }
-            continue;
+        let found = match &footprints {
+            Some(_) => view.get_with_envelope(&pid)?,
+            None => view.get(&pid)?.map(|state| (state, None)),
         };
-        let Some((state, envelope)) = view.get_with_envelope(&pid)? else { continue };
-        if envelope.is_some_and(|e| footprints.cover(e)) {
+        let Some((state, envelope)) = found else { continue };
+        if envelope.zip(footprints.as_ref()).is_some_and(|(e, f)| f.cover(e)) {
             withheld.push(pid);
         } else {
             removed.push((pid, state));

@@ -185,25 +185,6 @@ pub async fn scan(session: &Session, layer_url: &str, probe: &LayerProbe, page_s
     scan_as(session, layer_url, probe, page_size, id_field, ArcgisFormat::Json).await
 }
 
-/// How a page's features are told apart when pages repeat them.
-enum KeyKind {
-    /// By object id (every feature of the page carries one).
-    ObjectId,
-    /// By content ([`super::scan_guard::SeenRows`]): a layer without object ids (views,
-    /// joined MapServer layers) or a page where some feature lacks one.
-    Content,
-}
-
-/// Whether every feature of the page has an object id to be known by.
-fn page_feature_key_kind(format: ArcgisFormat, feats: &[Value], oid_field: Option<&str>) -> KeyKind {
-    let has_key = |f: &Value| page_feature_key(format, f, oid_field).is_some();
-    if feats.iter().all(has_key) {
-        KeyKind::ObjectId
-    } else {
-        KeyKind::Content
-    }
-}
-
 /// A query page's feature's object id as a dedup key, if it has one.
 fn page_feature_key(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) -> Option<String> {
     let found = match format {
@@ -213,14 +194,12 @@ fn page_feature_key(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) ->
     found.filter(|v| !v.is_null()).map(Value::to_string)
 }
 
-/// One query page's feature → (its object id as a dedup key, if it has one; the GeoJSON
-/// feature without the object id).
-fn page_feature(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) -> (Option<String>, Value) {
-    let key = page_feature_key(format, f, oid_field);
+/// One query page's feature as a GeoJSON feature without the object id.
+fn page_feature(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) -> Value {
     match format {
         ArcgisFormat::Json => {
             let attrs = f.get("attributes").and_then(Value::as_object).cloned().unwrap_or_default();
-            (key, esri_feature_to_geojson(attrs, f.get("geometry"), oid_field))
+            esri_feature_to_geojson(attrs, f.get("geometry"), oid_field)
         }
         ArcgisFormat::Geojson => {
             let mut props = f.get("properties").and_then(Value::as_object).cloned().unwrap_or_default();
@@ -228,7 +207,7 @@ fn page_feature(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) -> (Op
                 props.remove(o);
             }
             let geometry = f.get("geometry").cloned().unwrap_or(Value::Null);
-            (key, json!({"type": "Feature", "properties": Value::Object(props), "geometry": geometry}))
+            json!({"type": "Feature", "properties": Value::Object(props), "geometry": geometry})
         }
     }
 }
@@ -294,19 +273,18 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             })?;
             let n = feats.len() as u64;
             let mut fresh = 0u64;
-            // Without object ids, features are known by their content (`SeenRows`): a page
-            // served twice or pages that overlap repeat features, which are not taken again
-            // and are counted, so the count check below sees the scan as incomplete.
-            let new_rows = match page_feature_key_kind(format, feats, probe.object_id_field.as_deref()) {
-                KeyKind::ObjectId => None,
-                KeyKind::Content => Some(content_seen.page(feats)),
-            };
-            for (i, f) in feats.iter().enumerate() {
-                let (key, feature) = page_feature(format, f, probe.object_id_field.as_deref());
-                let taken = match (&new_rows, key) {
-                    (Some(new), _) if !new[i] => false,
-                    (Some(_), _) => collected.push(None, &feature, id_field)?,
-                    (None, key) => collected.push(key.as_deref(), &feature, id_field)?,
+            // Features are known by object id when every one on the page has one; otherwise
+            // by their content (`SeenRows`): a page served twice or pages that overlap repeat
+            // features, which are not taken again and are counted, so the count check below
+            // sees the scan as incomplete.
+            let oid_field = probe.object_id_field.as_deref();
+            let keys: Vec<Option<String>> = feats.iter().map(|f| page_feature_key(format, f, oid_field)).collect();
+            let new_rows = (!keys.iter().all(Option::is_some)).then(|| content_seen.page(feats));
+            for (i, (f, key)) in feats.iter().zip(&keys).enumerate() {
+                let taken = match &new_rows {
+                    Some(new) if !new[i] => false,
+                    Some(_) => collected.push(None, &page_feature(format, f, oid_field), id_field)?,
+                    None => collected.push(key.as_deref(), &page_feature(format, f, oid_field), id_field)?,
                 };
                 if taken {
                     fresh += 1;
