@@ -273,7 +273,13 @@ fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::p
     }
     open(config).map_err(|e| {
         eprintln!("error: {e}");
-        2
+        // Another process holding the store (an operator's `zonewatch backup` while the
+        // service restarts, say) lets go of it: exit 1, which the packaged unit retries, as
+        // `restore` does. Every other open error is the config's or the store's: exit 2.
+        match e {
+            crate::pipeline::PipelineError::Store(crate::store::StoreError::InUse { .. }) => 1,
+            _ => 2,
+        }
     })
 }
 
@@ -425,7 +431,13 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             Ok(l) => l,
             Err(e) => {
                 eprintln!("error: cannot listen on control.listen {}: {e}", engine.config.control.listen);
-                return 2;
+                // A port held by another program for now, or an address not yet up at boot,
+                // passes: exit 1, which the packaged unit restarts. Anything else (no
+                // permission for the port, say) is the config's: exit 2, not restarted.
+                return match e.kind() {
+                    std::io::ErrorKind::AddrInUse | std::io::ErrorKind::AddrNotAvailable => 1,
+                    _ => 2,
+                };
             }
         };
         let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();

@@ -639,6 +639,12 @@ pub struct Watermark {
     pub read_fingerprint: String,
     /// ArcGIS: hash of the layer's `fields[]` (names and types) at the last fetch.
     pub schema_hash: Option<String>,
+    /// The publisher timestamp the portal reported at the last fetch, when it is older than
+    /// `publisher_ts_ms`: the same content came under an older timestamp, and the watermark
+    /// keeps the newer one (so older content under the older timestamp is still seen as
+    /// restated). The probe compares against this one ([`Watermark::probe_ts`]): while the
+    /// portal keeps saying it, nothing moved, and the run is a `skip`. Record version 2.
+    pub probe_ts_ms: Option<u64>,
 }
 
 impl Watermark {
@@ -659,7 +665,14 @@ impl Watermark {
             last_modified: None,
             read_fingerprint,
             schema_hash: None,
+            probe_ts_ms: None,
         }
+    }
+
+    /// The publisher timestamp the portal reported at the last fetch: what a probe that
+    /// finds nothing moved reports again.
+    pub fn probe_ts(&self) -> Option<u64> {
+        self.probe_ts_ms.or(self.publisher_ts_ms)
     }
 }
 

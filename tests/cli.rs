@@ -340,6 +340,32 @@ fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic()
     }
 }
 
+/// `serve` whose control port is held by another program for now, or whose store another
+/// zonewatch holds (an operator's `backup` while the service restarts), exits 1, which the
+/// packaged unit restarts; exit 2, a config or store error, is not restarted.
+#[test]
+fn serve_on_a_port_or_store_in_use_exits_1_so_systemd_tries_again() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let held = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = held.local_addr().expect("addr").port();
+    ws.edit_config("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
+    let o = zonewatch(&["serve", "--config", cfg]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}{err}");
+    assert!(err.contains(&format!("cannot listen on control.listen 127.0.0.1:{port}")), "{err}");
+    drop(held);
+
+    let store = ws.engine();
+    let o = zonewatch(&["serve", "--config", cfg]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}{err}");
+    assert!(err.contains("in use"), "{err}");
+    drop(store);
+}
+
 /// A config subscriber with the id of one created over the control port hides it: `run`
 /// (and `serve`) warn at start naming the id, and `check --store` says so too.
 #[test]

@@ -251,7 +251,8 @@ fn arcgis_pages_skips_and_holds_a_restatement() {
     let srv = Server::start(arc_handler(layer.clone()));
     let dir = tempfile::tempdir().expect("tmp");
     let url = srv.url("/arcgis/rest/services/Parcels/FeatureServer/0");
-    let engine = Engine::open(portal_config(dir.path(), &source("arc", "arcgis", &url, "page_size = 25"), "")).expect("engine");
+    let clock = ManualClock::at(1_750_000_000_000);
+    let engine = Engine::open_with_clock(portal_config(dir.path(), &source("arc", "arcgis", &url, "page_size = 25"), ""), clock.clone()).expect("engine");
 
     // Baseline: every feature exactly once, over pages of min(page_size, maxRecordCount) = 10.
     let r = engine.run_source_id("arc", RunOptions::default()).expect("baseline");
@@ -294,14 +295,26 @@ fn arcgis_pages_skips_and_holds_a_restatement() {
     let r = engine.run_source_id("arc", RunOptions::default()).expect("identical, older timestamp");
     assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
     assert!(r.record.warnings.iter().any(|w| w.contains("went backwards") && w.contains("same content")), "{:?}", r.record.warnings);
-    assert_eq!(engine.store.watermark("arc").expect("wm").expect("some").publisher_ts_ms, Some(1_700_000_060_000));
+    let wm = engine.store.watermark("arc").expect("wm").expect("some");
+    assert_eq!((wm.publisher_ts_ms, wm.probe_ts_ms), (Some(1_700_000_060_000), Some(1_600_000_000_000)));
+    // While the portal keeps saying the older timestamp, nothing moved: the probe alone
+    // decides `skip` again, and the layer is not downloaded on every run.
+    let before = srv.requests().len();
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("skip run");
+    assert_eq!(r.record.verdict, Verdict::Skip, "{}", r.line());
+    assert_eq!(srv.requests().len() - before, 1, "only the metadata probe");
 
-    // Restated: the timestamp goes backwards with different content → held with its reason.
+    // Restated: the timestamp stays behind with different content. The probe cannot see it
+    // (as for any edit that does not move the timestamp); the `floor` fetch does, 24 h after
+    // the last fetch, and holds it with its reason.
     {
         let mut l = layer.lock().expect("layer");
         l.edit_ms = 1_600_000_000_000;
         l.features[3]["attributes"]["ZONE_CODE"] = json!("C-9");
     }
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("skip run");
+    assert_eq!(r.record.verdict, Verdict::Skip, "{}", r.line());
+    clock.advance(Duration::from_secs(86_400));
     let r = engine.run_source_id("arc", RunOptions::default()).expect("restated run");
     assert_eq!(r.record.verdict, Verdict::Held);
     assert!(r.hold_reason.as_deref().unwrap_or("").contains("restated"), "{:?}", r.hold_reason);
@@ -361,6 +374,29 @@ fn arcgis_without_flag_uses_the_count_and_retries_error_bodies_with_smaller_page
     // Configuring OBJECTID as the key is refused.
     let err = block_on(arcgis::probe(&session, &url, "OBJECTID")).expect("runtime").unwrap_err();
     assert!(err.to_string().contains("object-id"), "{err}");
+
+    // A page that holds features *and* a retryable error is refused, not retried: its
+    // features were taken as they were read, and a retry would take them again.
+    layer.lock().expect("layer").fail_next = None;
+    let both = arc_handler(layer.clone());
+    let srv = Server::start(Arc::new(move |req: &Req| {
+        let mut r = both(req);
+        if req.param("resultOffset").is_some() {
+            let mut page: Value = serde_json::from_slice(&r.body).expect("page");
+            page["error"] = json!({"code": 500, "message": "injected"});
+            r.body = page.to_string().into_bytes();
+        }
+        r
+    }));
+    let url = srv.url("/x/FeatureServer/0");
+    let err = block_on(async {
+        let p = arcgis::probe(&session, &url, "APN").await?;
+        arcgis::scan(&session, &url, &p, 100, "APN").await
+    })
+    .expect("runtime")
+    .unwrap_err();
+    assert!(err.to_string().contains("holds 8 features and the error 500"), "{err}");
+    assert_eq!(srv.requests().iter().filter(|q| q.param("resultOffset").is_some()).count(), 1, "not retried");
 }
 
 #[test]
@@ -1770,6 +1806,49 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
 /// A server (or a cache in front of it) that answers 304 to a request that asked nothing
 /// conditional has sent no content: the run fails saying so, never a `skip` that would leave
 /// the source without a baseline for good.
+/// An OGC API collection edited while it is paged (a feature deleted after the first page
+/// was served, so the later pages shift and one feature is skipped) is scanned again: the run
+/// commits the collection as it now is, and only the deleted parcel is removed.
+#[test]
+fn ogcapi_rescans_when_number_matched_moves_during_the_scan() {
+    let parcels = grid(40);
+    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&parcels)).expect("json")["features"].as_array().expect("features").clone();
+    // The collection, and whether to delete its sixth feature once a first page is served.
+    let state = Arc::new(Mutex::new((rows, false)));
+    let srv = {
+        let state = state.clone();
+        Server::start(Arc::new(move |req: &Req| {
+            let mut s = state.lock().expect("state");
+            let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
+            let page: Vec<Value> = s.0.iter().skip(offset).take(size).cloned().collect();
+            let mut links = Vec::new();
+            if offset + size < s.0.len() {
+                links.push(json!({"rel": "next", "type": "application/geo+json", "href": format!("/collections/parcels/items?f=json&limit={size}&offset={}", offset + size)}));
+            }
+            let body = json!({"type": "FeatureCollection", "numberMatched": s.0.len(), "numberReturned": page.len(), "features": page, "links": links});
+            if offset == 0 && s.1 {
+                s.0.remove(5);
+                s.1 = false;
+            }
+            json_reply(&body)
+        }))
+    };
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 40), "{}", r.line());
+
+    state.lock().expect("state").1 = true;
+    let before = srv.requests().len();
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("the rescan reads the edited collection whole");
+    assert_eq!((r.record.verdict, r.record.counts.parcels, r.record.counts.changes), (Verdict::Run, 39, 1), "{}", r.line());
+    let stored = engine.store.snapshot_states("ogc").expect("snapshot");
+    assert!(!stored.contains_key("P0005") && stored.contains_key("P0010") && stored.len() == 39, "only the deleted parcel is gone");
+    let first_pages = srv.requests()[before..].iter().filter(|q| q.param("offset").is_none()).count();
+    assert_eq!(first_pages, 2, "one pass, then a second after numberMatched moved");
+}
+
 #[test]
 fn a_304_to_an_unconditional_request_fails_the_run_not_skips_it() {
     let srv = Server::start(Arc::new(|_: &Req| Reply { status: 304, ..Default::default() }));

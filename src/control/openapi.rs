@@ -135,7 +135,7 @@ pub fn document() -> Value {
                     "hold_id": ns("integer"), "warnings": {"type": "array", "items": s("string")}, "error": ns("string")}},
                 "Watermark": {"type": "object", "required": ["run_id", "digest"], "properties": {
                     "run_id": s("integer"), "digest": s("string"), "size": s("integer"), "consumed_at": s("string"), "content_changed_at": s("string"),
-                    "publisher_ts": ns("string"), "etag": ns("string"), "last_modified": ns("string")}},
+                    "publisher_ts": ns("string"), "etag": ns("string"), "last_modified": ns("string"), "probe_ts": ns("string")}},
                 "Hold": {"type": "object", "required": ["run_id", "source_id", "state", "reason"], "properties": {
                     "run_id": s("integer"), "source_id": s("string"), "lineage_id": s("string"), "created": s("string"), "reason": s("string"),
                     "state": {"type": "string", "enum": ["open", "released", "primed", "superseded"]}, "resolved": {"type": ["object", "null"]},

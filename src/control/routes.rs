@@ -192,6 +192,9 @@ fn watermark_json(w: &Watermark) -> Value {
         "run_id": w.run_id, "digest": w.digest, "size": w.size, "consumed_at": rfc3339(w.consumed_at_ms),
         "content_changed_at": rfc3339(w.content_changed_at_ms),
         "publisher_ts": w.publisher_ts_ms.map(rfc3339), "etag": w.etag, "last_modified": w.last_modified,
+        // The timestamp the portal reports now, when it went back behind `publisher_ts` with
+        // the same content (the probe compares against it).
+        "probe_ts": w.probe_ts_ms.map(rfc3339),
     })
 }
 

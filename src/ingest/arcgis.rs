@@ -12,7 +12,7 @@
 //! * one scan's pages together are capped by `[ingest] max_layer_bytes`
 //!   ([`super::scan_guard::LayerBytes`]); its features are collected on disk, deduplicated
 //!   by object id ([`super::collect`]), or by content on a layer without object ids (views,
-//!   joined MapServer layers: [`super::scan_guard::SeenRows::page`]), so pages that overlap
+//!   joined MapServer layers: [`super::scan_guard::PageRows`]), so pages that overlap
 //!   leave the scan short of the count — an incomplete scan, never parcels skipped;
 //! * errors arrive as HTTP 200 with `{"error":{"code":…}}`: `code >= 500` is retried with half
 //!   the page size, 498/499 is an authentication error, anything else is permanent;
@@ -103,13 +103,15 @@ fn retryable_arcgis(e: &FetchError) -> bool {
     matches!(e, FetchError::Arcgis { code, .. } if *code >= 500)
 }
 
-/// GET + JSON + ArcGIS error check; ArcGIS errors with `code >= 500` are retried within the
-/// session's attempts and budget.
-async fn get_json(session: &Session, url: &str) -> Result<Value, FetchError> {
+/// GET + JSON + ArcGIS error check, keeping the answer's members named in `keep` (and
+/// `error`); ArcGIS errors with `code >= 500` are retried within the session's attempts and
+/// budget.
+async fn get_json(session: &Session, url: &str, keep: &[&str]) -> Result<Value, FetchError> {
+    let keep: Vec<&str> = keep.iter().copied().chain(["error"]).collect();
     let mut attempt = 0;
     loop {
         attempt += 1;
-        let v = session.get(url, &[]).await?.json()?;
+        let v = session.get(url, &[]).await?.members(&keep)?;
         match check_error(url, &v) {
             Ok(()) => return Ok(v),
             Err(e) if retryable_arcgis(&e) => session.pause_before_retry(url, attempt, &e.to_string(), None).await?,
@@ -122,7 +124,7 @@ async fn get_json(session: &Session, url: &str) -> Result<Value, FetchError> {
 /// object-id field.
 pub async fn probe(session: &Session, layer_url: &str, id_field: &str) -> Result<LayerProbe, FetchError> {
     let url = format!("{layer_url}?f=json");
-    let v = get_json(session, &url).await?;
+    let v = get_json(session, &url, &["fields", "objectIdField", "editingInfo", "maxRecordCount"]).await?;
     let fields = v.get("fields").and_then(Value::as_array).ok_or_else(|| FetchError::Protocol {
         url: url.clone(),
         reason: "layer metadata has no fields[] (is this a layer URL ending in the layer number?)".into(),
@@ -168,7 +170,7 @@ pub async fn probe(session: &Session, layer_url: &str, id_field: &str) -> Result
 /// `returnCountOnly` of the whole layer.
 pub async fn count(session: &Session, layer_url: &str) -> Result<u64, FetchError> {
     let url = format!("{layer_url}/query?where=1%3D1&returnCountOnly=true&f=json");
-    let v = get_json(session, &url).await?;
+    let v = get_json(session, &url, &["count"]).await?;
     v.get("count")
         .and_then(Value::as_u64)
         .ok_or_else(|| FetchError::Protocol { url, reason: "returnCountOnly answer has no count".into() })
@@ -195,19 +197,26 @@ fn page_feature_key(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) ->
 }
 
 /// One query page's feature as a GeoJSON feature without the object id.
-fn page_feature(format: ArcgisFormat, f: &Value, oid_field: Option<&str>) -> Value {
+fn page_feature(format: ArcgisFormat, mut f: Value, oid_field: Option<&str>) -> Value {
+    let mut take = |member: &str| f.get_mut(member).map(Value::take).unwrap_or(Value::Null);
     match format {
         ArcgisFormat::Json => {
-            let attrs = f.get("attributes").and_then(Value::as_object).cloned().unwrap_or_default();
-            esri_feature_to_geojson(attrs, f.get("geometry"), oid_field)
+            let attrs = match take("attributes") {
+                Value::Object(attrs) => attrs,
+                _ => Map::new(),
+            };
+            let geometry = take("geometry");
+            esri_feature_to_geojson(attrs, (!geometry.is_null()).then_some(&geometry), oid_field)
         }
         ArcgisFormat::Geojson => {
-            let mut props = f.get("properties").and_then(Value::as_object).cloned().unwrap_or_default();
+            let mut props = match take("properties") {
+                Value::Object(props) => props,
+                _ => Map::new(),
+            };
             if let Some(o) = oid_field {
                 props.remove(o);
             }
-            let geometry = f.get("geometry").cloned().unwrap_or(Value::Null);
-            json!({"type": "Feature", "properties": Value::Object(props), "geometry": geometry})
+            json!({"type": "Feature", "properties": Value::Object(props), "geometry": take("geometry")})
         }
     }
 }
@@ -244,53 +253,50 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
             );
             pages += 1;
             scan_pages += 1;
-            if scan_pages > 2 * expected.max(collected.len() as u64) + 10 {
+            if scan_pages > expected.max(collected.len() as u64).saturating_mul(2).saturating_add(10) {
                 return Err(FetchError::Protocol { url, reason: format!("{scan_pages} pages without reaching the end of a {expected}-feature layer; giving up") });
             }
             let resp = session.get(&url, &[]).await?;
             layer_bytes.add(&url, resp.body.len() as u64)?;
-            let v = match resp.json().and_then(|v| check_error(&url, &v).map(|_| v)) {
-                Ok(v) => v,
-                Err(e) if retryable_arcgis(&e) => {
+            // Each feature is taken as it is parsed (the page is never one tree): known by
+            // its object id when it has one, otherwise by its content (`SeenRows`). A page
+            // served twice or pages that overlap repeat features, which are not taken again
+            // and are counted, so the count check below sees the scan as incomplete.
+            let oid_field = probe.object_id_field.as_deref();
+            let (mut n, mut fresh) = (0u64, 0u64);
+            let mut by_content = content_seen.on_page();
+            let answer = resp.features(&["error", "exceededTransferLimit", "properties", "spatialReference", "crs"], |f| {
+                n += 1;
+                let taken = match page_feature_key(format, &f, oid_field) {
+                    Some(key) => collected.push(Some(&key), &page_feature(format, f, oid_field), id_field)?,
+                    None => by_content.is_new(&f) && collected.push(None, &page_feature(format, f, oid_field), id_field)?,
+                };
+                fresh += u64::from(taken);
+                Ok(())
+            });
+            drop(resp);
+            duplicates += n - fresh;
+            let v = match answer.and_then(|head| check_error(&url, &head.members).map(|_| head)) {
+                Ok(head) if head.features.is_some() => head.members,
+                Ok(_) => return Err(FetchError::Protocol { url, reason: "query answer has no features[]".into() }),
+                // A retried page must not have added features: an answer with both is refused.
+                Err(e) if retryable_arcgis(&e) && n == 0 => {
                     failures += 1;
                     session.pause_before_retry(&url, failures, &e.to_string(), None).await?;
                     page = (page / 2).max(1);
                     continue;
                 }
+                Err(FetchError::Arcgis { url, code, message }) if n > 0 => {
+                    return Err(FetchError::Protocol { url, reason: format!("the answer holds {n} features and the error {code} ({message}); refusing a page that is both") });
+                }
                 Err(e) => return Err(e),
             };
-            drop(resp);
             let wkid = v.get("spatialReference").and_then(|sr| sr.get("latestWkid").or_else(|| sr.get("wkid"))).and_then(Value::as_i64);
             if let Some(w) = wkid.filter(|w| *w != 4326) {
                 return Err(FetchError::Protocol { url, reason: format!("the server answered in spatial reference {w} although outSR=4326 was asked") });
             }
             if let Some(crs) = foreign_crs(&v) {
                 return Err(FetchError::Protocol { url, reason: format!("the server answered in CRS {crs:?} although outSR=4326 was asked") });
-            }
-            let feats = v.get("features").and_then(Value::as_array).ok_or_else(|| FetchError::Protocol {
-                url: url.clone(),
-                reason: "query answer has no features[]".into(),
-            })?;
-            let n = feats.len() as u64;
-            let mut fresh = 0u64;
-            // Features are known by object id when every one on the page has one; otherwise
-            // by their content (`SeenRows`): a page served twice or pages that overlap repeat
-            // features, which are not taken again and are counted, so the count check below
-            // sees the scan as incomplete.
-            let oid_field = probe.object_id_field.as_deref();
-            let keys: Vec<Option<String>> = feats.iter().map(|f| page_feature_key(format, f, oid_field)).collect();
-            let new_rows = (!keys.iter().all(Option::is_some)).then(|| content_seen.page(feats));
-            for (i, (f, key)) in feats.iter().zip(&keys).enumerate() {
-                let taken = match &new_rows {
-                    Some(new) if !new[i] => false,
-                    Some(_) => collected.push(None, &page_feature(format, f, oid_field), id_field)?,
-                    None => collected.push(key.as_deref(), &page_feature(format, f, oid_field), id_field)?,
-                };
-                if taken {
-                    fresh += 1;
-                } else {
-                    duplicates += 1;
-                }
             }
             offset += n;
             if n == 0 {

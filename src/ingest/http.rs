@@ -237,15 +237,36 @@ pub fn quote_unreadable_numbers(json: &[u8]) -> Option<Vec<u8>> {
 impl Response {
     /// Checks the body looks like JSON (not an HTML / WAF page) and parses it.
     pub fn json(&self) -> Result<serde_json::Value, FetchError> {
+        let body = self.json_text()?;
+        serde_json::from_slice(&body).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+    }
+
+    /// Checks the body looks like JSON and reads it as a page of features, handing each to
+    /// `each` as it is parsed and keeping the other members named in `keep`
+    /// ([`super::page::read_features`]: the page is never one tree).
+    pub fn features(&self, keep: &[&str], each: impl FnMut(serde_json::Value) -> Result<(), FetchError>) -> Result<super::page::PageHead, FetchError> {
+        let body = self.json_text()?;
+        super::page::read_features(&self.url, &body, keep, each)
+    }
+
+    /// The members named in `keep` of a JSON object answer (layer metadata, a count), read
+    /// as a page is: a `features` array in it (a server that answers a whole layer where a
+    /// count was asked) is parsed one feature at a time and dropped.
+    pub fn members(&self, keep: &[&str]) -> Result<serde_json::Value, FetchError> {
+        Ok(self.features(keep, |_| Ok(()))?.members)
+    }
+
+    /// The body as JSON text to parse: refused when it was streamed to disk or looks like
+    /// HTML, without a UTF-8 byte order mark (some Windows-hosted portals send one; it is not
+    /// JSON but says nothing either, and is skipped as a file layer's is), and with the
+    /// numbers a `Value` cannot hold quoted ([`quote_unreadable_numbers`]).
+    fn json_text(&self) -> Result<std::borrow::Cow<'_, [u8]>, FetchError> {
         if self.streamed {
             return Err(FetchError::Protocol { url: self.url.clone(), reason: "the body was streamed to disk, not kept to be parsed".into() });
         }
         self.expect_json()?;
-        // A UTF-8 byte order mark (some Windows-hosted portals send one) is not JSON but says
-        // nothing either: skipped, as a file layer's is.
         let body = self.body_after_bom();
-        let quoted = quote_unreadable_numbers(body);
-        serde_json::from_slice(quoted.as_deref().unwrap_or(body)).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+        Ok(quote_unreadable_numbers(body).map_or(std::borrow::Cow::Borrowed(body), std::borrow::Cow::Owned))
     }
 
     /// The body without a leading UTF-8 byte order mark.

@@ -9,6 +9,7 @@
 //!   disk by [`collect`]; [`settings`] holds their config keys;
 //!   [`staging`] keeps the last payload on disk and the per-source run lease;
 //!   [`scan_guard`] bounds one paged scan as a whole (total bytes, pages that bring nothing new);
+//!   [`page`] reads a page's features one at a time (a page is never one JSON tree);
 //!   [`decode`] decodes gzip / deflate bodies with the decoded size capped.
 //! * [`districts`] reads district / overlay layers (code + polygon, no stable id).
 
@@ -25,6 +26,7 @@ pub mod staging;
 pub mod valid;
 pub mod decode;
 pub mod scan_guard;
+pub mod page;
 
 /// Errors that stop a whole layer (a single bad feature is quarantined instead).
 #[derive(Debug, thiserror::Error)]

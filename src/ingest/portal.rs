@@ -6,7 +6,8 @@
 //!
 //! * `geojson_url`: conditional GET (`If-None-Match` / `If-Modified-Since`); 304 → skip.
 //! * `arcgis`: see [`super::arcgis`].
-//! * `ogcapi`: `…/items?limit=N`, then `links[rel=next]` until absent (never self-built offsets).
+//! * `ogcapi`: `…/items?limit=N`, then `links[rel=next]` until absent (never self-built offsets);
+//!   the features must add up to `numberMatched`, and a pass during which it moved is run again.
 //! * `socrata`: probe `rowsUpdatedAt` from `/api/views/{id}.json`, then page `$limit`/`$offset`
 //!   ordered by `:id` until `count(*)` rows are held (without a count: a short or empty page).
 //!   A page that brings no row not already held stops the scan (the count decides between a
@@ -188,7 +189,7 @@ async fn arcgis_source(
     let meta = PortalMeta { publisher_ts_ms: probe.publisher_ts_ms, schema_hash: Some(probe.schema_hash.clone()), ..Default::default() };
     if !due {
         if let Some(w) = prev {
-            if probe.publisher_ts_ms.is_some() && w.publisher_ts_ms == probe.publisher_ts_ms && w.schema_hash.as_deref() == Some(probe.schema_hash.as_str()) {
+            if probe.publisher_ts_ms.is_some() && w.probe_ts() == probe.publisher_ts_ms && w.schema_hash.as_deref() == Some(probe.schema_hash.as_str()) {
                 let ts = probe.publisher_ts_ms.map(crate::util::rfc3339).unwrap_or_default();
                 return Ok(PortalFetch::Skip { reason: format!("dataLastEditDate unchanged ({ts}) and fields unchanged"), meta });
             }
@@ -198,47 +199,55 @@ async fn arcgis_source(
     Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(scan.layer)), meta: PortalMeta { pages: scan.pages, ..meta } })
 }
 
-/// Takes a page's `features[]` out of its answer (not copied: a county's pages are big).
-fn take_features(url: &str, v: &mut Value) -> Result<Vec<Value>, FetchError> {
-    match v.get_mut("features").map(Value::take) {
-        Some(Value::Array(features)) => Ok(features),
-        _ => Err(FetchError::Protocol { url: url.to_string(), reason: "answer has no features[]".into() }),
-    }
-}
-
 async fn ogcapi(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<PortalFetch, FetchError> {
-    let refused = |r: RepeatedFeatures| FetchError::Protocol { url: collection_url.to_string(), reason: repeated_reason(r) };
-    match ogcapi_pass(session, collection_url, limit, id_field).await? {
-        Ok(fetch) => Ok(fetch),
-        // Features repeated: pages that overlapped, or identical features a page boundary
-        // fell between. A pass with other boundaries tells the two apart.
-        Err(r) if limit > 1 => {
-            tracing::info!(url = collection_url, repeated = r.repeated, "features repeated across pages; scanning again with pages of {}", limit - 1);
-            ogcapi_pass(session, collection_url, limit - 1, id_field).await?.map_err(refused)
+    let refused = |r: UnsettledPass| FetchError::Protocol { url: collection_url.to_string(), reason: unsettled_reason(r) };
+    let (mut limit, mut shifted) = (limit, false);
+    for _ in 0..4 {
+        match ogcapi_pass(session, collection_url, limit, id_field).await? {
+            Ok(fetch) => return Ok(fetch),
+            // The collection was edited while it was paged (its `numberMatched` moved): the
+            // pages may have shifted under the scan. Scan again, as ArcGIS and Socrata do
+            // when their count moves.
+            Err(r @ UnsettledPass { matched: Some(before), moved_to: Some(after), .. }) => {
+                tracing::info!(url = collection_url, before, after, got = r.got, "numberMatched moved during the scan; scanning again");
+            }
+            // Features repeated: pages that overlapped, or identical features a page
+            // boundary fell between. A pass with other boundaries tells the two apart.
+            Err(r) if r.repeated > 0 && !shifted && limit > 1 => {
+                tracing::info!(url = collection_url, repeated = r.repeated, "features repeated across pages; scanning again with pages of {}", limit - 1);
+                shifted = true;
+                limit -= 1;
+            }
+            Err(r) => return Err(refused(r)),
         }
-        Err(r) => Err(refused(r)),
     }
+    Err(FetchError::Protocol { url: collection_url.to_string(), reason: "numberMatched kept moving from one scan to the next; try again later".into() })
 }
 
-/// Why a scan whose pages repeated features is refused.
-fn repeated_reason(r: RepeatedFeatures) -> String {
+/// Why a scan whose pages do not add up is refused.
+fn unsettled_reason(r: UnsettledPass) -> String {
     match r.matched {
         Some(m) => format!("incomplete scan: {} distinct features collected ({} served twice) but numberMatched says {m}; refusing a partial layer", r.got, r.repeated),
         None => format!("pages overlapped ({} features served twice) and the server gives no numberMatched to check the layer against: features may have been skipped; refusing a partial layer", r.repeated),
     }
 }
 
-/// An OGC API scan whose pages served some features twice and do not add up.
+/// An OGC API pass that another pass may settle: its pages served some features twice and
+/// do not add up, or the collection's `numberMatched` moved while it was paged.
 #[derive(Debug, Clone, Copy)]
-struct RepeatedFeatures {
+struct UnsettledPass {
     got: u64,
     repeated: u64,
+    /// `numberMatched` on the first page.
     matched: Option<u64>,
+    /// `numberMatched` on the last page that gave one, when it differs from the first's.
+    moved_to: Option<u64>,
 }
 
 /// One pass over an OGC API collection with pages of `limit`: the layer, or
-/// `Err(RepeatedFeatures)` when features came twice and the pages do not add up.
-async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<Result<PortalFetch, RepeatedFeatures>, FetchError> {
+/// `Err(UnsettledPass)` when features came twice and the pages do not add up, or the
+/// collection's size moved during the pass.
+async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<Result<PortalFetch, UnsettledPass>, FetchError> {
     let accept = [("accept", "application/geo+json, application/json;q=0.9".to_string())];
     let mut next = Some(format!("{collection_url}/items?f=json&limit={limit}"));
     let mut seen = HashSet::new();
@@ -248,8 +257,10 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
     let mut layer_bytes = LayerBytes::new(session.cfg.max_layer_bytes);
     let mut rows = SeenRows::by_content();
     let mut repeated = 0u64;
-    // The server's `numberMatched` on the first page, when it gives one: the layer's size.
+    // The server's `numberMatched` on the first page, when it gives one: the layer's size;
+    // and the one a later page gave, when it is another (the collection was edited).
     let mut matched: Option<u64> = None;
+    let mut moved_to: Option<u64> = None;
     while let Some(url) = next.take() {
         if !seen.insert(url.clone()) {
             return Err(FetchError::Protocol { url, reason: "links[rel=next] points back to a page already read".into() });
@@ -261,23 +272,24 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
             first_meta.last_modified = resp.last_modified.clone();
         }
         pages += 1;
-        let mut v = resp.json()?;
-        if pages == 1 {
-            matched = v.get("numberMatched").and_then(Value::as_u64);
-        }
-        let page = take_features(&url, &mut v)?;
-        let empty = page.is_empty();
         // Features the scan already holds (a page served again under another URL, pages
         // that overlap) are not taken twice; a page of nothing new ends the paging.
-        let fresh = take_new_rows(&mut features, &mut rows, &page, id_field)?;
-        repeated += page.len() as u64 - fresh;
-        if empty {
+        let NewRows { head: v, served, fresh } = take_new_rows(&resp, &["numberMatched", "links"], &mut features, &mut rows, id_field)?;
+        drop(resp);
+        let number_matched = v.get("numberMatched").and_then(Value::as_u64);
+        if pages == 1 {
+            matched = number_matched;
+        } else if matched.is_some() && number_matched.is_some() && number_matched != matched {
+            moved_to = number_matched;
+        }
+        repeated += served - fresh;
+        if served == 0 {
             break;
         }
         if fresh == 0 {
             return Err(FetchError::Protocol {
                 url,
-                reason: format!("no progress: the page returned {} features, all already held; the server's next links do not advance, refusing to page on", page.len()),
+                reason: format!("no progress: the page returned {served} features, all already held; the server's next links do not advance, refusing to page on"),
             });
         }
         next = v
@@ -294,11 +306,15 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
     }
     // The pages must add up to the layer: a next link dropped early, or pages that overlap
     // and skip features, would otherwise look like parcels removed.
+    // A collection edited during the pass is read again even when its pages add up to the
+    // first page's count: features may have shifted across page boundaries.
     let got = features.len() as u64;
+    let unsettled = UnsettledPass { got, repeated, matched, moved_to };
     match matched {
-        Some(m) if got != m && repeated > 0 => return Ok(Err(RepeatedFeatures { got, repeated, matched })),
-        Some(m) if got != m => return Err(FetchError::Protocol { url: collection_url.to_string(), reason: repeated_reason(RepeatedFeatures { got, repeated, matched }) }),
-        None if repeated > 0 => return Ok(Err(RepeatedFeatures { got, repeated, matched })),
+        _ if moved_to.is_some() => return Ok(Err(unsettled)),
+        Some(m) if got != m && repeated > 0 => return Ok(Err(unsettled)),
+        Some(m) if got != m => return Err(FetchError::Protocol { url: collection_url.to_string(), reason: unsettled_reason(unsettled) }),
+        None if repeated > 0 => return Ok(Err(unsettled)),
         _ => {}
     }
     Ok(Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..first_meta } }))
@@ -322,12 +338,12 @@ pub fn socrata_views_url(resource_url: &str) -> Option<String> {
 async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, prev: Option<&Watermark>, due: bool) -> Result<PortalFetch, FetchError> {
     let views = socrata_views_url(url)
         .ok_or_else(|| FetchError::BadUrl { url: url.to_string(), reason: "expected a SODA resource URL like https://host/resource/abcd-1234.geojson".into() })?;
-    let v = session.get(&views, &[]).await?.json()?;
+    let v = session.get(&views, &[]).await?.members(&["rowsUpdatedAt"])?;
     let publisher_ts_ms = v.get("rowsUpdatedAt").and_then(Value::as_u64).map(|s| s * 1000);
     let meta = PortalMeta { publisher_ts_ms, ..Default::default() };
     if !due {
         if let (Some(w), Some(ts)) = (prev, publisher_ts_ms) {
-            if w.publisher_ts_ms == Some(ts) {
+            if w.probe_ts() == Some(ts) {
                 return Ok(PortalFetch::Skip { reason: format!("rowsUpdatedAt unchanged ({})", crate::util::rfc3339(ts)), meta });
             }
         }
@@ -386,16 +402,34 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     Err(FetchError::Protocol { url: url.to_string(), reason: "the row count kept moving from one scan to the next; try again later".into() })
 }
 
-/// Adds the rows of `page` that `seen` does not hold yet to `features`; returns how many.
-fn take_new_rows(features: &mut FeatureSpool, seen: &mut SeenRows, page: &[Value], id_field: &str) -> Result<u64, FetchError> {
-    let mut fresh = 0;
-    for (row, new) in page.iter().zip(seen.page(page)) {
-        if new {
-            features.push(None, row, id_field)?;
+/// A page read into the scan's features ([`take_new_rows`]).
+struct NewRows {
+    /// The page's members other than its features.
+    head: Value,
+    /// Features on the page.
+    served: u64,
+    /// Of those, the ones the scan did not hold yet (taken).
+    fresh: u64,
+}
+
+/// Reads the page `resp` one feature at a time, adding those `seen` does not hold yet to
+/// `features`, and keeping the page's members named in `keep`. A page without a `features`
+/// array is refused.
+fn take_new_rows(resp: &super::http::Response, keep: &[&str], features: &mut FeatureSpool, seen: &mut SeenRows, id_field: &str) -> Result<NewRows, FetchError> {
+    let (mut served, mut fresh) = (0, 0);
+    let mut rows = seen.on_page();
+    let head = resp.features(keep, |row| {
+        served += 1;
+        if rows.is_new(&row) {
+            features.push(None, &row, id_field)?;
             fresh += 1;
         }
+        Ok(())
+    })?;
+    if head.features.is_none() {
+        return Err(FetchError::Protocol { url: resp.url.clone(), reason: "answer has no features[]".into() });
     }
-    Ok(fresh)
+    Ok(NewRows { head: head.members, served, fresh })
 }
 
 /// One pass over a SODA resource.
@@ -427,15 +461,11 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
         let page_url = format!("{url}{sep}$limit={page_size}&$offset={offset}&$order=:id");
         let resp = session.get(&page_url, &[]).await?;
         layer_bytes.add(&page_url, resp.body.len() as u64)?;
-        let mut body = resp.json()?;
-        drop(resp);
         pages += 1;
-        let page = take_features(&page_url, &mut body)?;
-        drop(body);
-        let n = page.len() as u64;
         // A row the scan already holds (pages that overlap) is not taken twice: counted,
         // so the scan is not mistaken for a complete one.
-        let fresh = take_new_rows(&mut features, &mut seen, &page, id_field)?;
+        let NewRows { served: n, fresh, .. } = take_new_rows(&resp, &[], &mut features, &mut seen, id_field)?;
+        drop(resp);
         repeated += n - fresh;
         if n > 0 && fresh == 0 {
             let reason = format!(

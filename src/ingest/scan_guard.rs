@@ -48,7 +48,7 @@ impl LayerBytes {
 /// The identities of the rows one scan holds, as keyed 64-bit hashes (SipHash with a random
 /// key per scan, so a server cannot aim collisions at it). A row's identity is its own id
 /// when it carries one — a GeoJSON feature `id`, or SODA's `:id` system field (present when
-/// the resource URL selects `:*`) — and otherwise the row's whole JSON ([`SeenRows::page`]
+/// the resource URL selects `:*`) — and otherwise the row's whole JSON ([`PageRows::is_new`]
 /// tells identical rows on one page apart).
 #[derive(Debug, Default)]
 pub struct SeenRows {
@@ -77,22 +77,10 @@ impl SeenRows {
         self.seen.insert(h)
     }
 
-    /// Records one page's rows; for each, true when the scan did not hold it yet. Rows are
-    /// told apart within the page too: the second of two identical rows on one page is a
-    /// row of the layer (a server does not repeat a row inside a page), while the same rows
-    /// on a later page — a page served twice, pages that overlap — are repeats. So a layer
-    /// that holds two identical rows keeps both, and an overlap is still caught.
-    pub fn page(&mut self, rows: &[Value]) -> Vec<bool> {
-        let mut on_page: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
-        rows.iter()
-            .map(|row| {
-                let h = self.identity(row);
-                let nth = on_page.entry(h).or_insert(0);
-                let key = if *nth == 0 { h } else { self.key.hash_one((h, *nth)) };
-                *nth += 1;
-                self.seen.insert(key)
-            })
-            .collect()
+    /// Starts one page: its rows are then recorded one at a time ([`PageRows::is_new`]), as
+    /// the page is parsed.
+    pub fn on_page(&mut self) -> PageRows<'_> {
+        PageRows { seen: self, on_page: std::collections::HashMap::new() }
     }
 
     /// How many distinct rows are held.
@@ -121,6 +109,28 @@ impl SeenRows {
         // partial hash would still be a valid (if weaker) identity.
         let _ = serde_json::to_writer(&mut w, what);
         w.0.finish()
+    }
+}
+
+/// One page's rows being recorded. Rows are told apart within the page too: the second of
+/// two identical rows on one page is a row of the layer (a server does not repeat a row
+/// inside a page), while the same rows on a later page — a page served twice, pages that
+/// overlap — are repeats. So a layer that holds two identical rows keeps both, and an
+/// overlap is still caught.
+pub struct PageRows<'a> {
+    seen: &'a mut SeenRows,
+    /// How often each identity came on this page so far.
+    on_page: std::collections::HashMap<u64, u64>,
+}
+
+impl PageRows<'_> {
+    /// Records the page's next row; true when the scan did not hold it yet.
+    pub fn is_new(&mut self, row: &Value) -> bool {
+        let h = self.seen.identity(row);
+        let nth = self.on_page.entry(h).or_insert(0);
+        let key = if *nth == 0 { h } else { self.seen.key.hash_one((h, *nth)) };
+        *nth += 1;
+        self.seen.seen.insert(key)
     }
 }
 
@@ -176,20 +186,25 @@ mod tests {
         assert_eq!(s.len(), 8);
     }
 
+    fn page(s: &mut SeenRows, rows: &[Value]) -> Vec<bool> {
+        let mut p = s.on_page();
+        rows.iter().map(|r| p.is_new(r)).collect()
+    }
+
     #[test]
     fn identical_rows_on_one_page_are_rows_and_on_a_later_page_repeats() {
         let mut s = SeenRows::new();
         let a = json!({"type": "Feature", "properties": {"APN": "1"}, "geometry": null});
         let b = json!({"type": "Feature", "properties": {"APN": "2"}, "geometry": null});
-        assert_eq!(s.page(&[a.clone(), a.clone(), b.clone()]), vec![true, true, true]);
+        assert_eq!(page(&mut s, &[a.clone(), a.clone(), b.clone()]), vec![true, true, true]);
         // The same page again: all repeats; an overlap of one row: that row only.
-        assert_eq!(s.page(&[a.clone(), a.clone(), b.clone()]), vec![false, false, false]);
+        assert_eq!(page(&mut s, &[a.clone(), a.clone(), b.clone()]), vec![false, false, false]);
         let c = json!({"type": "Feature", "properties": {"APN": "3"}, "geometry": null});
-        assert_eq!(s.page(&[b, c]), vec![false, true]);
+        assert_eq!(page(&mut s, &[b, c]), vec![false, true]);
         assert_eq!(s.len(), 4);
         // Known by content only, two rows with one id are two rows.
         let mut by_content = SeenRows::by_content();
-        assert_eq!(by_content.page(&[json!({"id": 1, "v": 1}), json!({"id": 1, "v": 2})]), vec![true, true]);
-        assert_eq!(by_content.page(&[json!({"id": 1, "v": 2})]), vec![false]);
+        assert_eq!(page(&mut by_content, &[json!({"id": 1, "v": 1}), json!({"id": 1, "v": 2})]), vec![true, true]);
+        assert_eq!(page(&mut by_content, &[json!({"id": 1, "v": 2})]), vec![false]);
     }
 }

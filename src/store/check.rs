@@ -360,7 +360,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             let (k, v) = item?;
             report.watermarks += 1;
             let source = k.value();
-            let wm: Watermark = decode(v.value()).map_err(|m| codec_err("watermarks", m))?;
+            let wm: Watermark = super::watermark_rows::decode_watermark(v.value()).map_err(|m| codec_err("watermarks", m))?;
             match runs.get(wm.run_id)? {
                 None => problem(&mut report, format!("watermark of {source} names run {}, which does not exist", wm.run_id)),
                 Some(r) => {
@@ -454,7 +454,7 @@ mod tests {
             };
             wtx.open_table(AUDIT).expect("audit").insert(5u64, encode(&row).as_slice()).expect("insert");
             let wm = Watermark::for_read("abc", 3, 1, None, String::new());
-            wtx.open_table(WATERMARKS).expect("wm").insert("s", encode(&wm).as_slice()).expect("insert");
+            wtx.open_table(WATERMARKS).expect("wm").insert("s", super::super::watermark_rows::encode_watermark(&wm).as_slice()).expect("insert");
         }
         wtx.commit().expect("commit");
         let r = store.check_consistency().expect("check");

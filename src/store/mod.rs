@@ -28,6 +28,7 @@ mod floor;
 mod leases;
 mod outbox;
 mod outbox_rows;
+mod watermark_rows;
 mod queries;
 mod runs;
 mod snapshot;

@@ -2,7 +2,8 @@
 //! `identical` with the portal's new signals (ETag, Last-Modified, publisher timestamp, schema
 //! hash). Kept apart from `runs.rs` because only the portal kinds need it.
 
-use super::codec::{decode, encode};
+use super::codec::encode;
+use super::watermark_rows::{decode_watermark, encode_watermark};
 use super::runs::{codec_err, lineage_for, next_key, supersede_open_holds};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -45,7 +46,7 @@ impl Store {
             let t = wtx.open_table(WATERMARKS)?;
             let v = t.get(source_id)?;
             match v {
-                Some(v) => Some(decode(v.value()).map_err(|m| codec_err("watermarks", m))?),
+                Some(v) => Some(decode_watermark(v.value()).map_err(|m| codec_err("watermarks", m))?),
                 None => None,
             }
         };
@@ -56,20 +57,30 @@ impl Store {
             match (signals.publisher_ts_ms, wm.publisher_ts_ms) {
                 // The same bytes under an older timestamp: the watermark keeps the newer one,
                 // or the next restated version (older content under that older timestamp)
-                // would not look restated and would be sent, not held.
-                (Some(new), Some(old)) if new < old => warnings.push(format!(
-                    "publisher timestamp went backwards from {} to {} with the same content; the watermark keeps {}",
-                    crate::util::rfc3339(old),
-                    crate::util::rfc3339(new),
-                    crate::util::rfc3339(old)
-                )),
-                (Some(new), _) => wm.publisher_ts_ms = Some(new),
-                (None, _) => {}
+                // would not look restated and would be sent, not held. The older one is what
+                // the portal says now: the probe compares against it, so the next runs can
+                // `skip` while it keeps saying it.
+                (Some(new), Some(old)) if new < old => {
+                    if wm.probe_ts_ms != Some(new) {
+                        warnings.push(format!(
+                            "publisher timestamp went backwards from {} to {} with the same content; the watermark keeps {}",
+                            crate::util::rfc3339(old),
+                            crate::util::rfc3339(new),
+                            crate::util::rfc3339(old)
+                        ));
+                    }
+                    wm.probe_ts_ms = Some(new);
+                }
+                (Some(new), _) => {
+                    wm.publisher_ts_ms = Some(new);
+                    wm.probe_ts_ms = None;
+                }
+                (None, _) => wm.probe_ts_ms = None,
             }
             wm.etag = signals.etag.clone();
             wm.last_modified = signals.last_modified.clone();
             wm.schema_hash = signals.schema_hash.clone().or(wm.schema_hash);
-            let bytes = encode(&wm);
+            let bytes = encode_watermark(&wm);
             wtx.open_table(WATERMARKS)?.insert(source_id, bytes.as_slice())?;
             wtx.open_table(WATERMARK_HISTORY)?.insert((source_id, run_id), bytes.as_slice())?;
             supersede_open_holds(&wtx, source_id, run_id, now_ms)?;

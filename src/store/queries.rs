@@ -4,6 +4,7 @@
 use super::blocks::{for_each_parcel, with_record};
 use super::codec::decode;
 use super::runs::codec_err;
+use super::watermark_rows::{decode_hold, decode_watermark};
 use super::snapshot::{decode_hash_ref, decode_record, decode_state, decode_state_envelope, geometries_of};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -128,7 +129,7 @@ impl Store {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(WATERMARKS)?;
         match t.get(source_id)? {
-            Some(v) => Ok(Some(decode(v.value()).map_err(|m| codec_err("watermarks", m))?)),
+            Some(v) => Ok(Some(decode_watermark(v.value()).map_err(|m| codec_err("watermarks", m))?)),
             None => Ok(None),
         }
     }
@@ -143,7 +144,7 @@ impl Store {
             if k.value().0 != source_id {
                 break;
             }
-            out.push(decode(v.value()).map_err(|m| codec_err("watermark_history", m))?);
+            out.push(decode_watermark(v.value()).map_err(|m| codec_err("watermark_history", m))?);
         }
         Ok(out)
     }
@@ -230,7 +231,7 @@ impl Store {
         let mut out = Vec::new();
         for item in t.iter()? {
             let (_, v) = item?;
-            out.push(decode(v.value()).map_err(|m| codec_err("holds", m))?);
+            out.push(decode_hold(v.value()).map_err(|m| codec_err("holds", m))?);
         }
         Ok(out)
     }
@@ -239,7 +240,7 @@ impl Store {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(HOLDS)?;
         match t.get(run_id)? {
-            Some(v) => Ok(Some(decode(v.value()).map_err(|m| codec_err("holds", m))?)),
+            Some(v) => Ok(Some(decode_hold(v.value()).map_err(|m| codec_err("holds", m))?)),
             None => Ok(None),
         }
     }
@@ -332,7 +333,7 @@ impl Store {
         s.outbox = super::outbox::len(&rtx.open_table(OUTBOX)?, &rtx.open_table(OUTBOX_RETRY)?)?;
         for item in rtx.open_table(HOLDS)?.iter()? {
             let (_, v) = item?;
-            let h: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;
+            let h: Hold = decode_hold(v.value()).map_err(|m| codec_err("holds", m))?;
             if h.state == HoldState::Open {
                 s.open_holds += 1;
             }

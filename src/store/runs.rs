@@ -1,6 +1,7 @@
 //! Run commits: the one write transaction per source run, holds and their resolution.
 
 use super::blocks::{self, Change};
+use super::watermark_rows::{decode_hold, decode_watermark, encode_hold, encode_watermark};
 use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
 use super::snapshot::{geometries_of, SnapshotRow};
@@ -135,7 +136,7 @@ impl Store {
             let mut to_update = Vec::new();
             for item in holds.iter()? {
                 let (k, v) = item?;
-                let hold: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;
+                let hold: Hold = decode_hold(v.value()).map_err(|m| codec_err("holds", m))?;
                 if hold.source_id == source_id && hold.state == HoldState::Open {
                     to_update.push((k.value(), hold));
                 }
@@ -149,7 +150,7 @@ impl Store {
                 } else {
                     HoldState::Superseded { at_ms: now_ms, by_run: run_id }
                 };
-                holds.insert(id, encode(&hold).as_slice())?;
+                holds.insert(id, encode_hold(&hold).as_slice())?;
                 clear_staged(&wtx, id)?;
             }
         }
@@ -185,11 +186,11 @@ impl Store {
             let v = t
                 .get(source_id)?
                 .ok_or_else(|| StoreError::NotFound(format!("source {source_id} has no watermark")))?;
-            decode(v.value()).map_err(|m| codec_err("watermarks", m))?
+            decode_watermark(v.value()).map_err(|m| codec_err("watermarks", m))?
         };
         let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
         wm.consumed_at_ms = now_ms;
-        wtx.open_table(WATERMARKS)?.insert(source_id, encode(&wm).as_slice())?;
+        wtx.open_table(WATERMARKS)?.insert(source_id, encode_watermark(&wm).as_slice())?;
         let record = RunRecord {
             run_id,
             source_id: source_id.to_string(),
@@ -525,7 +526,7 @@ impl RunWriter<'_> {
                     changes: events,
                     features: counts.features,
                 };
-                wtx.open_table(HOLDS)?.insert(run_id, encode(&hold).as_slice())?;
+                wtx.open_table(HOLDS)?.insert(run_id, encode_hold(&hold).as_slice())?;
                 append_audit(
                     &wtx,
                     &mut AuditRow {
@@ -581,7 +582,7 @@ impl RunWriter<'_> {
 }
 
 pub(super) fn write_watermark(wtx: &WriteTransaction, source_id: &str, wm: &Watermark) -> Result<(), StoreError> {
-    let bytes = encode(wm);
+    let bytes = encode_watermark(wm);
     wtx.open_table(WATERMARKS)?.insert(source_id, bytes.as_slice())?;
     wtx.open_table(WATERMARK_HISTORY)?.insert((source_id, wm.run_id), bytes.as_slice())?;
     Ok(())
@@ -597,14 +598,14 @@ pub(super) fn supersede_open_holds(
     let mut open = Vec::new();
     for item in holds.iter()? {
         let (k, v) = item?;
-        let hold: Hold = decode(v.value()).map_err(|m| codec_err("holds", m))?;
+        let hold: Hold = decode_hold(v.value()).map_err(|m| codec_err("holds", m))?;
         if hold.source_id == source_id && hold.state == HoldState::Open {
             open.push((k.value(), hold));
         }
     }
     for (id, mut hold) in open {
         hold.state = HoldState::Superseded { at_ms: now_ms, by_run };
-        holds.insert(id, encode(&hold).as_slice())?;
+        holds.insert(id, encode_hold(&hold).as_slice())?;
         clear_staged(wtx, id)?;
     }
     Ok(())

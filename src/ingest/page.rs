@@ -1,0 +1,181 @@
+//! A portal page read one feature at a time. A query page (ArcGIS, OGC API, Socrata) is one
+//! JSON object whose `features` array is nearly all of it. Parsed into one
+//! `serde_json::Value` tree, a page takes about fifteen times its bytes: a server that ignores
+//! the page size asked for and answers the whole layer in one 71 MB page took the process to
+//! 1.06 GB, and a page at the 512 MiB `max_response_bytes` cap would have needed ~7 GB.
+//! [`read_features`] hands each feature to the caller as soon as it is parsed and keeps only
+//! the other members the caller names (links, counts, flags, an error; anything else is
+//! skipped unparsed), so a page costs its bytes plus one feature's tree. The small answers
+//! around a scan (layer metadata, counts) are read the same way: a server that ignores
+//! `returnCountOnly` and answers a whole layer costs no more there.
+
+use super::http::FetchError;
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Value};
+
+/// A page without its features: the other top-level members asked for, and how many features
+/// its `features` array held (`None` when it has no such array, or `features` is `null`).
+#[derive(Debug, Default)]
+pub struct PageHead {
+    /// The page's other members asked for, as one JSON object (`links`, `numberMatched`,
+    /// `exceededTransferLimit`, `spatialReference`, `error`, …).
+    pub members: Value,
+    pub features: Option<u64>,
+}
+
+/// Parses the JSON object `json` (from `url`), calling `each` with every element of its
+/// `features` array in order, and keeping the top-level members named in `keep` (the others
+/// are checked to be JSON and skipped). An error from `each` stops the parse and is returned
+/// as it is; a body that is not a JSON object, or whose `features` is neither an array nor
+/// `null`, is `BadJson`.
+pub fn read_features<F>(url: &str, json: &[u8], keep: &[&str], mut each: F) -> Result<PageHead, FetchError>
+where
+    F: FnMut(Value) -> Result<(), FetchError>,
+{
+    let mut failed = None;
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let parsed = PageSeed { each: &mut each, failed: &mut failed, keep }.deserialize(&mut de).and_then(|head| de.end().map(|()| head));
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    parsed.map_err(|e| FetchError::BadJson { url: url.to_string(), reason: e.to_string() })
+}
+
+/// The top-level object.
+struct PageSeed<'a, F> {
+    each: &'a mut F,
+    failed: &'a mut Option<FetchError>,
+    keep: &'a [&'a str],
+}
+
+impl<'de, F: FnMut(Value) -> Result<(), FetchError>> DeserializeSeed<'de> for PageSeed<'_, F> {
+    type Value = PageHead;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<PageHead, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de, F: FnMut(Value) -> Result<(), FetchError>> Visitor<'de> for PageSeed<'_, F> {
+    type Value = PageHead;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object (a page of features)")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PageHead, A::Error> {
+        let mut members = Map::new();
+        let mut features = None;
+        let mut seen_features = false;
+        while let Some(key) = map.next_key::<String>()? {
+            if key == "features" {
+                if seen_features {
+                    return Err(de::Error::custom("the page has two `features` members"));
+                }
+                seen_features = true;
+                features = map.next_value_seed(FeaturesSeed { each: &mut *self.each, failed: &mut *self.failed })?;
+            } else if self.keep.contains(&key.as_str()) {
+                let v: Value = map.next_value()?;
+                members.insert(key, v);
+            } else {
+                map.next_value::<de::IgnoredAny>()?;
+            }
+        }
+        Ok(PageHead { members: Value::Object(members), features })
+    }
+}
+
+/// The `features` array, each element handed on as it is parsed.
+struct FeaturesSeed<'a, F> {
+    each: &'a mut F,
+    failed: &'a mut Option<FetchError>,
+}
+
+impl<'de, F: FnMut(Value) -> Result<(), FetchError>> DeserializeSeed<'de> for FeaturesSeed<'_, F> {
+    type Value = Option<u64>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<u64>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de, F: FnMut(Value) -> Result<(), FetchError>> Visitor<'de> for FeaturesSeed<'_, F> {
+    type Value = Option<u64>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an array of features")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<u64>, A::Error> {
+        let mut n = 0u64;
+        while let Some(feature) = seq.next_element::<Value>()? {
+            n += 1;
+            if let Err(e) = (self.each)(feature) {
+                *self.failed = Some(e);
+                return Err(de::Error::custom("stopped"));
+            }
+        }
+        Ok(Some(n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn read(text: &str) -> (Result<PageHead, FetchError>, Vec<Value>) {
+        let mut got = Vec::new();
+        let r = read_features("http://x/p", text.as_bytes(), &["type", "numberMatched", "links", "error", "count"], |f| {
+            got.push(f);
+            Ok(())
+        });
+        (r, got)
+    }
+
+    #[test]
+    fn features_come_one_by_one_and_the_rest_is_kept() {
+        let (head, got) = read(r#"{"type":"FeatureCollection","numberMatched":2,"features":[{"id":1},{"id":2}],"links":[{"rel":"next","href":"n"}]}"#);
+        let head = head.unwrap();
+        assert_eq!(got, vec![json!({"id": 1}), json!({"id": 2})]);
+        assert_eq!(head.features, Some(2));
+        assert_eq!(head.members, json!({"type": "FeatureCollection", "numberMatched": 2, "links": [{"rel": "next", "href": "n"}]}));
+        let (head, got) = read(r#"{"error":{"code":500},"features":null}"#);
+        let head = head.unwrap();
+        assert!(got.is_empty() && head.features.is_none() && head.members.get("error").is_some());
+        assert_eq!(read(r#"{"count":3}"#).0.unwrap().features, None);
+        assert_eq!(read(r#"{"features":[]}"#).0.unwrap().features, Some(0));
+        // Members not asked for are skipped, not kept (a server can make them any size).
+        let (head, _) = read(r#"{"junk":[[1,2],{"a":"b"}],"count":3,"features":[]}"#);
+        assert_eq!(head.unwrap().members, json!({"count": 3}));
+        assert!(matches!(read(r#"{"junk":[1,}],"features":[]}"#).0, Err(FetchError::BadJson { .. })), "skipped members are still JSON");
+    }
+
+    #[test]
+    fn a_page_that_is_not_an_object_of_features_is_bad_json() {
+        for bad in [r#"[{"id":1}]"#, r#"{"features":{"id":1}}"#, r#"{"features":[{"id":1}]"#, r#"{"features":[]} trailing"#, r#"{"features":[],"features":[]}"#] {
+            let e = read(bad).0.unwrap_err();
+            assert!(matches!(e, FetchError::BadJson { .. }), "{bad}: {e}");
+            assert!(e.to_string().contains("http://x/p"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_callers_error_stops_the_page_and_is_returned_as_it_is() {
+        let mut calls = 0;
+        let e = read_features("http://x/p", br#"{"features":[1,2,3]}"#, &[], |_| {
+            calls += 1;
+            if calls == 2 {
+                return Err(FetchError::Protocol { url: "u".into(), reason: "spool full".into() });
+            }
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!(calls, 2);
+        assert!(matches!(&e, FetchError::Protocol { reason, .. } if reason == "spool full"), "{e}");
+    }
+}

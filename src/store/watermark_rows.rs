@@ -1,0 +1,169 @@
+//! The stored shape of watermarks (the `watermarks` and `watermark_history` tables) and of
+//! holds (the `holds` table: a hold carries the watermark its release writes). Record version
+//! 2 added `probe_ts_ms` to the watermark, the publisher timestamp a portal reported at the
+//! last fetch when the watermark keeps a newer one (`Watermark::probe_ts_ms`). Rows of either
+//! version are read; every row this build writes is version 2.
+
+use super::codec::{decode_postcard, encode_versioned, split_version, unknown_version};
+use crate::model::{Hold, HoldState, Watermark};
+use serde::{Deserialize, Serialize};
+
+/// The version byte of watermark and hold rows written now.
+pub const WATERMARK_RECORD_VERSION: u8 = 2;
+
+/// `Watermark` as record version 1 wrote it.
+#[derive(Serialize, Deserialize)]
+struct WatermarkV1 {
+    digest: String,
+    size: u64,
+    run_id: u64,
+    consumed_at_ms: u64,
+    content_changed_at_ms: u64,
+    publisher_ts_ms: Option<u64>,
+    etag: Option<String>,
+    last_modified: Option<String>,
+    read_fingerprint: String,
+    schema_hash: Option<String>,
+}
+
+impl From<WatermarkV1> for Watermark {
+    fn from(v: WatermarkV1) -> Self {
+        Watermark {
+            digest: v.digest,
+            size: v.size,
+            run_id: v.run_id,
+            consumed_at_ms: v.consumed_at_ms,
+            content_changed_at_ms: v.content_changed_at_ms,
+            publisher_ts_ms: v.publisher_ts_ms,
+            etag: v.etag,
+            last_modified: v.last_modified,
+            read_fingerprint: v.read_fingerprint,
+            schema_hash: v.schema_hash,
+            probe_ts_ms: None,
+        }
+    }
+}
+
+/// `Hold` as record version 1 wrote it (its watermark a version 1 one).
+#[derive(Serialize, Deserialize)]
+struct HoldV1 {
+    run_id: u64,
+    source_id: String,
+    lineage_id: String,
+    created_ms: u64,
+    reason: String,
+    state: HoldState,
+    digest: String,
+    watermark: WatermarkV1,
+    changes: u64,
+    features: u64,
+}
+
+impl From<HoldV1> for Hold {
+    fn from(v: HoldV1) -> Self {
+        Hold {
+            run_id: v.run_id,
+            source_id: v.source_id,
+            lineage_id: v.lineage_id,
+            created_ms: v.created_ms,
+            reason: v.reason,
+            state: v.state,
+            digest: v.digest,
+            watermark: v.watermark.into(),
+            changes: v.changes,
+            features: v.features,
+        }
+    }
+}
+
+pub(super) fn encode_hold(hold: &Hold) -> Vec<u8> {
+    encode_versioned(WATERMARK_RECORD_VERSION, hold)
+}
+
+pub(super) fn decode_hold(bytes: &[u8]) -> Result<Hold, String> {
+    match split_version(bytes)? {
+        (1, rest) => decode_postcard::<HoldV1>(rest).map(Hold::from),
+        (WATERMARK_RECORD_VERSION, rest) => decode_postcard(rest),
+        (v, _) => Err(unknown_version(v, "holds", WATERMARK_RECORD_VERSION)),
+    }
+}
+
+pub(super) fn encode_watermark(wm: &Watermark) -> Vec<u8> {
+    encode_versioned(WATERMARK_RECORD_VERSION, wm)
+}
+
+pub(super) fn decode_watermark(bytes: &[u8]) -> Result<Watermark, String> {
+    match split_version(bytes)? {
+        (1, rest) => decode_postcard::<WatermarkV1>(rest).map(Watermark::from),
+        (WATERMARK_RECORD_VERSION, rest) => decode_postcard(rest),
+        (v, _) => Err(unknown_version(v, "watermarks", WATERMARK_RECORD_VERSION)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_version_1_watermark_reads_without_a_probe_timestamp_and_is_written_as_version_2() {
+        let v1 = WatermarkV1 {
+            digest: "ab".into(),
+            size: 3,
+            run_id: 9,
+            consumed_at_ms: 10,
+            content_changed_at_ms: 5,
+            publisher_ts_ms: Some(7),
+            etag: Some("\"e\"".into()),
+            last_modified: None,
+            read_fingerprint: "f".into(),
+            schema_hash: Some("s".into()),
+        };
+        let old = encode_versioned(1, &v1);
+        let wm = decode_watermark(&old).expect("version 1 reads");
+        assert_eq!((wm.digest.as_str(), wm.run_id, wm.publisher_ts_ms, wm.probe_ts_ms), ("ab", 9, Some(7), None));
+        assert_eq!(wm.etag.as_deref(), Some("\"e\""));
+        let new = Watermark { probe_ts_ms: Some(6), ..wm };
+        let bytes = encode_watermark(&new);
+        assert_eq!(bytes[0], WATERMARK_RECORD_VERSION);
+        assert_eq!(decode_watermark(&bytes).expect("version 2 reads"), new);
+        let e = decode_watermark(&[3, 0]).unwrap_err();
+        assert!(e.contains("version 3") && e.contains("watermarks"), "{e}");
+
+        // A hold written before carries a version 1 watermark: it reads whole, whatever its
+        // counts (postcard's varints would otherwise run into the new field).
+        for changes in [0, 1, 37, 1 << 40] {
+            let v1_hold = HoldV1 {
+                run_id: 4,
+                source_id: "s".into(),
+                lineage_id: "l".into(),
+                created_ms: 11,
+                reason: "change_spike".into(),
+                state: HoldState::Open,
+                digest: "ab".into(),
+                watermark: WatermarkV1 { run_id: 4, ..clone_v1(&v1) },
+                changes,
+                features: 99,
+            };
+            let hold = decode_hold(&encode_versioned(1, &v1_hold)).expect("a version 1 hold reads");
+            assert_eq!((hold.run_id, hold.changes, hold.features, hold.watermark.publisher_ts_ms, hold.watermark.probe_ts_ms), (4, changes, 99, Some(7), None));
+            let bytes = encode_hold(&hold);
+            assert_eq!(bytes[0], WATERMARK_RECORD_VERSION);
+            assert_eq!(decode_hold(&bytes).expect("version 2 reads"), hold);
+        }
+    }
+
+    fn clone_v1(v: &WatermarkV1) -> WatermarkV1 {
+        WatermarkV1 {
+            digest: v.digest.clone(),
+            size: v.size,
+            run_id: v.run_id,
+            consumed_at_ms: v.consumed_at_ms,
+            content_changed_at_ms: v.content_changed_at_ms,
+            publisher_ts_ms: v.publisher_ts_ms,
+            etag: v.etag.clone(),
+            last_modified: v.last_modified.clone(),
+            read_fingerprint: v.read_fingerprint.clone(),
+            schema_hash: v.schema_hash.clone(),
+        }
+    }
+}
