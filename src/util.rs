@@ -146,6 +146,19 @@ pub fn full_jitter_backoff(base: Duration, max: Duration, attempt: u32, retry_af
     }
 }
 
+/// An error and every error under it (`source()`), joined by ": ": a transport error's
+/// outer text alone ("error sending request") does not say what went wrong.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
 /// Lower-case hex of a byte slice.
 pub fn hex(bytes: &[u8]) -> String {
     hex::encode(bytes)

@@ -162,6 +162,86 @@ async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
     assert_eq!((o.get("endpoint_disabled"), o.get("endpoint_enabled"), o.get("sent")), (Some(&1), Some(&1), Some(&2)));
 }
 
+/// A 410 on the last attempt the schedule allows still disables the endpoint, and the event
+/// waits for an operator, also past `max_retry_window`: a Gone is never a dead letter on its
+/// own account.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_on_the_last_allowed_attempt_disables_the_endpoint_and_the_event_waits() {
+    let back = Arc::new(AtomicBool::new(false));
+    let b = back.clone();
+    // 500 four times (attempts 1-4 of 5), then 410 until the endpoint is back.
+    let rx = Receiver::start_replies(Arc::new(move |n, _| Reply::status(if b.load(Ordering::SeqCst) { 200 } else if n < 4 { 500 } else { 410 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "max_retry_window = \"1s\"");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0]);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, stats.dead, stats.retried), (0, 0, 5), "{stats:?}");
+    assert_eq!(rx.received().len(), 5);
+    assert_eq!(engine.store.outbox_len().unwrap(), 1, "the event waits");
+    let eps = engine.store.endpoints().unwrap();
+    assert!(eps[0].1.disabled && eps[0].1.disabled_reason.as_deref() == Some("http_410_gone"), "{eps:?}");
+    // Past the retry window, an operator enables the endpoint: the event goes out.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    back.store(true, Ordering::SeqCst);
+    engine.store.enable_endpoint("w", engine.now()).unwrap();
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!((stats.sent, stats.dead), (1, 0), "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
+}
+
+/// A retry taken after `max_retry_window` (it waited on an open breaker, a daemon that was
+/// down, a `run` cadence) is dead-lettered `retry_window_exceeded` when it is taken, never
+/// sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_taken_past_max_retry_window_is_dead_lettered_not_sent() {
+    let rx = Receiver::start_replies(Arc::new(|n, _| Reply::status(if n == 0 { 500 } else { 200 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "max_retry_window = \"10s\"");
+    let clock = zonewatch::clock::ManualClock::at(1_800_000_000_000);
+    let engine = ws.engine_at(clock.clone());
+    queue(&ws, &engine, &[0]);
+    // The first try fails; its retry falls due 50 ms later on a clock that does not move.
+    let stats = deliver(&engine, Duration::from_millis(300)).await;
+    assert_eq!((stats.sent, stats.retried), (0, 1), "{stats:?}");
+    clock.advance(Duration::from_secs(20));
+    let stats = deliver(&engine, Duration::from_secs(2)).await;
+    assert_eq!((stats.sent, stats.dead), (0, 1), "{stats:?}");
+    assert_eq!(rx.received().len(), 1, "the retry past the window is not sent");
+    let dead = engine.store.dead_letters().unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason, "retry_window_exceeded");
+}
+
+/// `run`'s deadline bounds retries even while slow sends keep a pass going: the first tries
+/// all go out, a retry falling due after the deadline is left queued for the next run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_takes_no_retry_that_falls_due_after_its_deadline_while_slow_sends_run() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply { status: 503, delay: Duration::from_millis(300), ..Default::default() }), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_concurrency = 1");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4, 8]);
+    let stats = deliver(&engine, Duration::from_millis(200)).await;
+    assert_eq!((stats.attempted, stats.retried), (3, 3), "{stats:?}");
+    assert_eq!(rx.received().len(), 3, "only the first tries");
+    assert_eq!(engine.store.outbox_len().unwrap(), 3, "the retries wait for the next run");
+}
+
+/// A failed connection's attempt row says what failed under reqwest's "error sending
+/// request" (here: nothing listens), so `dlq show` tells a refused connection from a
+/// protocol error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connection_says_why_in_the_attempt_log() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let ws = ws_for(format!("http://127.0.0.1:{port}/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0]);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(stats.dead, 1, "{stats:?}");
+    let key = engine.store.dead_letters().unwrap()[0].entry.key.0.clone();
+    let attempts = engine.store.attempts(&key).unwrap();
+    let error = attempts[0].error.as_deref().unwrap_or("");
+    assert!(error.starts_with("connection: ") && error.to_lowercase().contains("refused"), "{error}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn circuit_breaker_opens_probes_half_open_and_closes() {
     let healthy = Arc::new(AtomicBool::new(false));

@@ -479,7 +479,7 @@ impl Session {
                     if let Some(refused) = crate::netguard::refusal(&e) {
                         return Err(FetchError::PrivateTarget { url: shown, host: refused.host.clone(), ip: refused.ip });
                     }
-                    return Ok(Err(Retryable { why: format!("connection: {}", error_chain(&e)), retry_after: None }));
+                    return Ok(Err(Retryable { why: format!("connection: {}", crate::util::error_chain(&e)), retry_after: None }));
                 }
             };
             let status = resp.status().as_u16();
@@ -595,7 +595,7 @@ async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut
             }
             Ok(None) => return Ok(()),
             Err(e) if e.is_timeout() => return Err(ReadError::Timeout),
-            Err(e) => return Err(ReadError::Broken(error_chain(&e))),
+            Err(e) => return Err(ReadError::Broken(crate::util::error_chain(&e))),
         }
     }
 }
@@ -627,20 +627,9 @@ async fn read_capped(resp: &mut reqwest::Response, cap: u64) -> Result<Vec<u8>, 
             }
             Ok(None) => return Ok(out),
             Err(e) if e.is_timeout() => return Err(ReadError::Timeout),
-            Err(e) => return Err(ReadError::Broken(error_chain(&e))),
+            Err(e) => return Err(ReadError::Broken(crate::util::error_chain(&e))),
         }
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
-    }
-    s
 }
 
 /// Runs an async portal fetch to completion on its own thread and runtime, so the synchronous

@@ -60,7 +60,7 @@ impl<'de, F: FnMut(Value) -> Result<(), FetchError>> Visitor<'de> for PageSeed<'
     type Value = PageHead;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a JSON object (a page of features)")
+        f.write_str("a JSON object")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PageHead, A::Error> {

@@ -135,6 +135,10 @@ impl SendPlan {
 /// (removed from the config, or deleted over the control port while a send was in flight).
 pub const SUBSCRIBER_GONE: &str = "subscriber_gone";
 
+/// The attempt error of a 410: the store disables the endpoint on it, and the row waits for
+/// an operator to enable it (never a dead letter on its own account).
+pub const HTTP_410_GONE: &str = "http_410_gone";
+
 /// Plans kept at most; past this (subscribers come and go) the cache starts again.
 const MAX_PLANS: usize = 100_000;
 
@@ -275,12 +279,14 @@ impl Deliverer {
     /// outcome commits, so a crash between the send and that commit leaves the row in the
     /// outbox (a new process holds no leases) and it is sent again under the same key.
     pub async fn pump(&self) -> Result<PassStats, DeliveryError> {
-        self.pump_until(None).await
+        self.pump_until(None, None).await
     }
 
     /// [`Deliverer::pump`] that stops leasing once `stop` reads true; what is in flight is
     /// still sent and its outcomes committed before it returns (a graceful `serve` stop).
-    pub async fn pump_until(&self, stop: Option<&tokio::sync::watch::Receiver<bool>>) -> Result<PassStats, DeliveryError> {
+    /// With `due_by` (clock ms), only rows due by then are leased: a retry falling due later
+    /// is left for the next pass, however long the sends in flight take (`run`'s `run_wait`).
+    pub async fn pump_until(&self, stop: Option<&tokio::sync::watch::Receiver<bool>>, due_by: Option<u64>) -> Result<PassStats, DeliveryError> {
         let lease_batch = PIPE_LEASE_BATCH.max(self.cfg.concurrency * 4);
         let max_outstanding = PIPE_MAX_OUTSTANDING.max(lease_batch * 2);
         let lease_ms = self.lease_ms_for(max_outstanding);
@@ -379,7 +385,7 @@ impl Deliverer {
             let store = self.store.clone();
             let skip = probing.lock().map(|g| g.clone()).unwrap_or_default();
             let tl = Instant::now();
-            let now = self.clock.now_ms();
+            let now = due_by.map_or(self.clock.now_ms(), |by| self.clock.now_ms().min(by));
             let subs = self.subscribers.clone();
             let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now, lease_ms, want, retry_floor, &skip, &|id| subs.get(id).is_some())).await;
             tracing::debug!(out, ms = tl.elapsed().as_secs_f64() * 1000.0, n = leased.as_ref().map(|r| r.as_ref().map(|b| b.entries.len()).unwrap_or(0)).unwrap_or(0), "lease");
@@ -438,8 +444,11 @@ impl Deliverer {
     /// the next run or for `serve`.
     pub async fn drain(&self, deadline: Instant) -> Result<PassStats, DeliveryError> {
         let mut total = PassStats::default();
+        // The deadline on the deliverer's clock: rows due after it are not leased, even while
+        // slow sends keep a pass going (a run must not keep retrying long past `run_wait`).
+        let due_by = self.clock.now_ms().saturating_add(deadline.saturating_duration_since(Instant::now()).as_millis() as u64);
         loop {
-            let pass = self.pump().await?;
+            let pass = self.pump_until(None, Some(due_by)).await?;
             total += pass;
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = self.clock.now_ms();
@@ -476,7 +485,7 @@ impl Deliverer {
             if *shutdown.borrow() {
                 break;
             }
-            let idle = match self.pump_until(Some(&shutdown)).await {
+            let idle = match self.pump_until(Some(&shutdown), None).await {
                 Ok(p) => p.attempted == 0,
                 Err(e) => {
                     tracing::error!("delivery pass failed: {e}");
@@ -566,6 +575,14 @@ impl Deliverer {
 
     async fn try_send(&self, entry: &OutboxEntry, rec: &mut AttemptRecord) -> DeliveryResult {
         let id = entry.id;
+        // No retry later than `max_retry_window` after the event was queued, however long it
+        // waited (an open breaker, a daemon that was down, a `run` cadence): checked when the
+        // retry is taken, not only when it is scheduled. A row that waited on a 410-disabled
+        // endpoint goes out once an operator enables it, as the README promises.
+        let window_end = entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64);
+        if entry.attempts > 0 && entry.last_error.as_deref() != Some(HTTP_410_GONE) && self.clock.now_ms() > window_end {
+            return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::NotSent };
+        }
         let Some(plan) = self.plan_for(entry) else {
             // Neither the config nor the store has its subscriber any more: nothing to send
             // it to (the row's target is a URL someone removed) and no secret to sign with.
@@ -624,8 +641,10 @@ impl Deliverer {
                     return DeliveryResult::Sent { id, status };
                 }
                 if status == 410 {
-                    // Gone: the store disables the endpoint; the event waits for re-enable.
-                    (ra, "http_410_gone".to_string())
+                    // Gone: the store disables the endpoint; the event waits for re-enable,
+                    // whatever attempts or window it has left.
+                    let delay = next_retry(&self.cfg, entry.attempts + 1, ra).unwrap_or(self.cfg.base_delay);
+                    return DeliveryResult::Retry { id, next_attempt_ms: self.clock.now_ms().saturating_add(delay.as_millis() as u64), error: HTTP_410_GONE.into() };
                 } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
                     return DeliveryResult::Dead { id, reason: format!("rejected_{status}"), cause: DeadCause::Endpoint };
                 } else {
@@ -637,7 +656,7 @@ impl Deliverer {
                 if let Some(refused) = crate::netguard::refusal(&e) {
                     return DeliveryResult::Dead { id, reason: format!("private_target_refused: {refused}"), cause: DeadCause::NotSent };
                 }
-                (None, format!("connection: {e}"))
+                (None, format!("connection: {}", crate::util::error_chain(&e)))
             }
         };
         self.retry_or_dead(entry, rec, retry_after, error)

@@ -453,7 +453,7 @@ impl Store {
                 if let Some(policy) = health {
                     let (success, gone, local) = match result {
                         DeliveryResult::Sent { .. } => (true, false, false),
-                        DeliveryResult::Retry { error, .. } => (false, error == "http_410_gone", false),
+                        DeliveryResult::Retry { error, .. } => (false, error == crate::notify::delivery::HTTP_410_GONE, false),
                         DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
                     };
                     if !local {
