@@ -431,11 +431,11 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             Ok(l) => l,
             Err(e) => {
                 eprintln!("error: cannot listen on control.listen {}: {e}", engine.config.control.listen);
-                // A port held by another program for now, or an address not yet up at boot,
-                // passes: exit 1, which the packaged unit restarts. Anything else (no
-                // permission for the port, say) is the config's: exit 2, not restarted.
+                // A port held by another program for now passes: exit 1, which the packaged
+                // unit restarts. Anything else (an address this machine does not have, no
+                // permission for the port) is the config's: exit 2, not restarted.
                 return match e.kind() {
-                    std::io::ErrorKind::AddrInUse | std::io::ErrorKind::AddrNotAvailable => 1,
+                    std::io::ErrorKind::AddrInUse => 1,
                     _ => 2,
                 };
             }

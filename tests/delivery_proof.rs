@@ -134,7 +134,20 @@ async fn answer_429_with_retry_after_2_waits_at_least_2s() {
 async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
     let back = Arc::new(AtomicBool::new(false));
     let b = back.clone();
-    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if b.load(Ordering::SeqCst) { 200 } else { 410 })), None).await.unwrap();
+    // The 410 asks for an hour's wait: the events still go out as soon as the endpoint is
+    // enabled (a disabled endpoint holds them; no backoff is added on top).
+    let rx = Receiver::start_replies(
+        Arc::new(move |_, _| {
+            if b.load(Ordering::SeqCst) {
+                Reply::status(200)
+            } else {
+                Reply { status: 410, headers: vec![("Retry-After".into(), "3600".into())], ..Default::default() }
+            }
+        }),
+        None,
+    )
+    .await
+    .unwrap();
     let ws = ws_for(rx.url("/hook"), "");
     let engine = ws.engine();
     queue(&ws, &engine, &[0, 4]);

@@ -1803,9 +1803,6 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
     }
 }
 
-/// A server (or a cache in front of it) that answers 304 to a request that asked nothing
-/// conditional has sent no content: the run fails saying so, never a `skip` that would leave
-/// the source without a baseline for good.
 /// An OGC API collection edited while it is paged (a feature deleted after the first page
 /// was served, so the later pages shift and one feature is skipped) is scanned again: the run
 /// commits the collection as it now is, and only the deleted parcel is removed.
@@ -1849,6 +1846,9 @@ fn ogcapi_rescans_when_number_matched_moves_during_the_scan() {
     assert_eq!(first_pages, 2, "one pass, then a second after numberMatched moved");
 }
 
+/// A server (or a cache in front of it) that answers 304 to a request that asked nothing
+/// conditional has sent no content: the run fails saying so, never a `skip` that would leave
+/// the source without a baseline for good.
 #[test]
 fn a_304_to_an_unconditional_request_fails_the_run_not_skips_it() {
     let srv = Server::start(Arc::new(|_: &Req| Reply { status: 304, ..Default::default() }));

@@ -4,7 +4,9 @@
 //! * 2xx → `sent`; 408/429/5xx, timeouts and connection errors → retry with capped
 //!   exponential backoff and full jitter, honouring `Retry-After`; any other status (including
 //!   3xx: redirects are never followed) → dead letter `rejected_<status>`; attempts exhausted
-//!   → dead letter `retries_exhausted`.
+//!   → dead letter `retries_exhausted`; a retry taken past `max_retry_window` → dead letter
+//!   `retry_window_exceeded`, not sent; 410 → the endpoint disabled, the row kept for an
+//!   operator whatever its attempts or window.
 //! * A row whose subscriber no longer exists (removed from the config, or deleted over the
 //!   control port while a send of it was in flight) is not sent: dead letter
 //!   `subscriber_gone`, whatever its endpoint's health.
@@ -575,14 +577,6 @@ impl Deliverer {
 
     async fn try_send(&self, entry: &OutboxEntry, rec: &mut AttemptRecord) -> DeliveryResult {
         let id = entry.id;
-        // No retry later than `max_retry_window` after the event was queued, however long it
-        // waited (an open breaker, a daemon that was down, a `run` cadence): checked when the
-        // retry is taken, not only when it is scheduled. A row that waited on a 410-disabled
-        // endpoint goes out once an operator enables it, as the README promises.
-        let window_end = entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64);
-        if entry.attempts > 0 && entry.last_error.as_deref() != Some(HTTP_410_GONE) && self.clock.now_ms() > window_end {
-            return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::NotSent };
-        }
         let Some(plan) = self.plan_for(entry) else {
             // Neither the config nor the store has its subscriber any more: nothing to send
             // it to (the row's target is a URL someone removed) and no secret to sign with.
@@ -593,6 +587,14 @@ impl Deliverer {
             Ok(url) => url,
             Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone(), cause: DeadCause::NotSent },
         };
+        // No retry later than `max_retry_window` after the event was queued, however long it
+        // waited (an open breaker, a daemon that was down, a `run` cadence): checked when the
+        // retry is taken, not only when it is scheduled. The row that got a 410 goes out once
+        // an operator enables its endpoint, as the README says.
+        let window_end = entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64);
+        if entry.attempts > 0 && entry.last_error.as_deref() != Some(HTTP_410_GONE) && self.clock.now_ms() > window_end {
+            return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::NotSent };
+        }
         match self.check_target(url).await {
             Ok(()) => {}
             Err(TargetCheck::Refused(reason)) => return DeliveryResult::Dead { id, reason, cause: DeadCause::NotSent },
@@ -641,10 +643,11 @@ impl Deliverer {
                     return DeliveryResult::Sent { id, status };
                 }
                 if status == 410 {
-                    // Gone: the store disables the endpoint; the event waits for re-enable,
-                    // whatever attempts or window it has left.
-                    let delay = next_retry(&self.cfg, entry.attempts + 1, ra).unwrap_or(self.cfg.base_delay);
-                    return DeliveryResult::Retry { id, next_attempt_ms: self.clock.now_ms().saturating_add(delay.as_millis() as u64), error: HTTP_410_GONE.into() };
+                    // Gone: the store disables the endpoint in the transaction that records
+                    // this, and the event waits for re-enable, whatever attempts or window it
+                    // has left; due at once, so it goes out as soon as an operator enables it
+                    // (the disabled endpoint holds it until then).
+                    return DeliveryResult::Retry { id, next_attempt_ms: self.clock.now_ms(), error: HTTP_410_GONE.into() };
                 } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
                     return DeliveryResult::Dead { id, reason: format!("rejected_{status}"), cause: DeadCause::Endpoint };
                 } else {
