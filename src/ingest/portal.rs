@@ -404,7 +404,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
 
 /// A page read into the scan's features ([`take_new_rows`]).
 struct NewRows {
-    /// The page's members other than its features.
+    /// The page's members asked for (`keep`), as one JSON object.
     head: Value,
     /// Features on the page.
     served: u64,

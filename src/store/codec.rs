@@ -43,6 +43,21 @@ pub fn decode_postcard<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     postcard::from_bytes(bytes).map_err(|e| e.to_string())
 }
 
+/// Decodes a record of a family whose stored shape changed once: version `current` as `T`,
+/// version 1 as `Old` (the shape it had then) converted to `T`; any other version is an
+/// error naming `family` (outbox rows, dead letters, idempotency keys, watermarks, holds).
+pub fn decode_migrating<Old, T>(bytes: &[u8], current: u8, family: &str) -> Result<T, String>
+where
+    Old: DeserializeOwned + Into<T>,
+    T: DeserializeOwned,
+{
+    match split_version(bytes)? {
+        (1, rest) => decode_postcard::<Old>(rest).map(Into::into),
+        (v, rest) if v == current => decode_postcard(rest),
+        (v, _) => Err(unknown_version(v, family, current)),
+    }
+}
+
 /// Decodes a record written by [`encode`], checking its version byte.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     match split_version(bytes)? {

@@ -139,7 +139,7 @@ fn observe(s: &mut EndpointState, id: &str, success: bool, gone: bool, now_ms: u
     } else {
         let since = *s.failing_since_ms.get_or_insert(now_ms);
         if gone {
-            disable = Some("http_410_gone".into());
+            disable = Some(crate::notify::delivery::HTTP_410_GONE.into());
         } else if now_ms.saturating_sub(since) > policy.disable_after_ms {
             disable = Some(format!("failing without success since {}", crate::util::rfc3339(since)));
         }

@@ -9,7 +9,7 @@
 //! `DeadLetter` by outcomes) are still read, and [`migrate_pending`] gives the pending ones
 //! their row id once, when a store written before version 2 is first opened.
 
-use super::codec::{decode_postcard, encode_versioned, split_version};
+use super::codec::{decode_migrating, encode_versioned};
 use super::key_journal::{KeyIndex, KeyTables};
 use super::runs::codec_err;
 use super::tables::*;
@@ -75,8 +75,12 @@ pub(super) fn encode_idem(rec: &IdemRecord) -> Vec<u8> {
 }
 
 pub(super) fn decode_idem(bytes: &[u8]) -> Result<IdemRecord, String> {
-    match split_version(bytes)? {
-        (1, rest) => decode_postcard::<IdemRecordV1>(rest).map(|v| IdemRecord {
+    decode_migrating::<IdemRecordV1, _>(bytes, IDEM_RECORD_VERSION, "idempotency keys")
+}
+
+impl From<IdemRecordV1> for IdemRecord {
+    fn from(v: IdemRecordV1) -> Self {
+        IdemRecord {
             claimed_ms: v.claimed_ms,
             expires_ms: v.expires_ms,
             lineage_id: v.lineage_id,
@@ -84,9 +88,7 @@ pub(super) fn decode_idem(bytes: &[u8]) -> Result<IdemRecord, String> {
             outbox_id: None,
             ttl_ms: v.expires_ms.saturating_sub(v.claimed_ms),
             earlier_rows: Vec::new(),
-        }),
-        (IDEM_RECORD_VERSION, rest) => decode_postcard(rest),
-        (v, _) => Err(super::codec::unknown_version(v, "idempotency keys", IDEM_RECORD_VERSION)),
+        }
     }
 }
 

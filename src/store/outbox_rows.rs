@@ -5,7 +5,7 @@
 //! every row this build writes is version 2, and a version 1 row keeps its body as
 //! `OutboxPayload::Built` when it is rewritten (a retry, a dead letter).
 
-use super::codec::{decode_postcard, encode_versioned, split_version};
+use super::codec::{decode_migrating, encode_versioned};
 use crate::model::{DeadLetter, IdemKey, OutboxEntry, OutboxPayload, Severity};
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +38,12 @@ struct DeadLetterV1 {
     dead_at_ms: u64,
 }
 
+impl From<DeadLetterV1> for DeadLetter {
+    fn from(d: DeadLetterV1) -> Self {
+        DeadLetter { entry: d.entry.into(), reason: d.reason, dead_at_ms: d.dead_at_ms }
+    }
+}
+
 impl From<OutboxEntryV1> for OutboxEntry {
     fn from(v: OutboxEntryV1) -> Self {
         OutboxEntry {
@@ -63,11 +69,7 @@ pub(super) fn encode_entry(entry: &OutboxEntry) -> Vec<u8> {
 }
 
 pub(super) fn decode_entry(bytes: &[u8]) -> Result<OutboxEntry, String> {
-    match split_version(bytes)? {
-        (1, rest) => decode_postcard::<OutboxEntryV1>(rest).map(OutboxEntry::from),
-        (OUTBOX_RECORD_VERSION, rest) => decode_postcard(rest),
-        (v, _) => Err(unknown(v)),
-    }
+    decode_migrating::<OutboxEntryV1, _>(bytes, OUTBOX_RECORD_VERSION, OUTBOX_FAMILY)
 }
 
 pub(super) fn encode_dead(dead: &DeadLetter) -> Vec<u8> {
@@ -75,17 +77,11 @@ pub(super) fn encode_dead(dead: &DeadLetter) -> Vec<u8> {
 }
 
 pub(super) fn decode_dead(bytes: &[u8]) -> Result<DeadLetter, String> {
-    match split_version(bytes)? {
-        (1, rest) => decode_postcard::<DeadLetterV1>(rest)
-            .map(|d| DeadLetter { entry: d.entry.into(), reason: d.reason, dead_at_ms: d.dead_at_ms }),
-        (OUTBOX_RECORD_VERSION, rest) => decode_postcard(rest),
-        (v, _) => Err(unknown(v)),
-    }
+    decode_migrating::<DeadLetterV1, _>(bytes, OUTBOX_RECORD_VERSION, OUTBOX_FAMILY)
 }
 
-fn unknown(v: u8) -> String {
-    super::codec::unknown_version(v, "outbox rows", OUTBOX_RECORD_VERSION)
-}
+/// How an unknown version byte of these rows is named.
+const OUTBOX_FAMILY: &str = "outbox rows";
 
 #[cfg(test)]
 mod tests {

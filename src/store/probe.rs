@@ -26,7 +26,8 @@ impl Store {
     ///   watermark stays, so the `floor` interval counts from the last real fetch.
     /// * `Verdict::Identical`: the fetched bytes matched the watermark's digest. The consumed
     ///   time and the portal signals move (the publisher timestamp never backwards: an older
-    ///   one is a warning), a watermark history row is appended under this
+    ///   one is a warning, kept as `probe_ts_ms` for the probe), a watermark history row is
+    ///   appended under this
     ///   run's id, and open holds are superseded (the publisher went back to the committed
     ///   version), exactly as `commit_identical` does for files.
     pub fn commit_unchanged(

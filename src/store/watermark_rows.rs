@@ -4,7 +4,7 @@
 //! last fetch when the watermark keeps a newer one (`Watermark::probe_ts_ms`). Rows of either
 //! version are read; every row this build writes is version 2.
 
-use super::codec::{decode_postcard, encode_versioned, split_version, unknown_version};
+use super::codec::{decode_migrating, encode_versioned};
 use crate::model::{Hold, HoldState, Watermark};
 use serde::{Deserialize, Serialize};
 
@@ -81,11 +81,7 @@ pub(super) fn encode_hold(hold: &Hold) -> Vec<u8> {
 }
 
 pub(super) fn decode_hold(bytes: &[u8]) -> Result<Hold, String> {
-    match split_version(bytes)? {
-        (1, rest) => decode_postcard::<HoldV1>(rest).map(Hold::from),
-        (WATERMARK_RECORD_VERSION, rest) => decode_postcard(rest),
-        (v, _) => Err(unknown_version(v, "holds", WATERMARK_RECORD_VERSION)),
-    }
+    decode_migrating::<HoldV1, _>(bytes, WATERMARK_RECORD_VERSION, "holds")
 }
 
 pub(super) fn encode_watermark(wm: &Watermark) -> Vec<u8> {
@@ -93,11 +89,7 @@ pub(super) fn encode_watermark(wm: &Watermark) -> Vec<u8> {
 }
 
 pub(super) fn decode_watermark(bytes: &[u8]) -> Result<Watermark, String> {
-    match split_version(bytes)? {
-        (1, rest) => decode_postcard::<WatermarkV1>(rest).map(Watermark::from),
-        (WATERMARK_RECORD_VERSION, rest) => decode_postcard(rest),
-        (v, _) => Err(unknown_version(v, "watermarks", WATERMARK_RECORD_VERSION)),
-    }
+    decode_migrating::<WatermarkV1, _>(bytes, WATERMARK_RECORD_VERSION, "watermarks")
 }
 
 #[cfg(test)]
