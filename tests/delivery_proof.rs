@@ -255,6 +255,83 @@ async fn a_failed_connection_says_why_in_the_attempt_log() {
     assert!(error.starts_with("connection: ") && error.to_lowercase().contains("refused"), "{error}");
 }
 
+/// A receiver that answers the first request on each connection (kept alive, no
+/// `Connection: close`) and hangs up on the next one after reading it: the race a real
+/// receiver loses when it closes an idle kept-alive connection as a request arrives on it.
+/// Returns its port and the `webhook-id`s it read, answered (`true`) or hung up on.
+async fn hang_up_on_reuse() -> (u16, Arc<std::sync::Mutex<Vec<(String, bool)>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                for answered in [true, false] {
+                    // One request: its head, then Content-Length bytes of body.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let field = |name: &str| head.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_string()));
+                    let len: usize = field("content-length:").and_then(|v| v.parse().ok()).unwrap_or(0);
+                    while buf.len() < head_end + len {
+                        let mut chunk = [0u8; 4096];
+                        match conn.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    log.lock().unwrap().push((field("webhook-id:").unwrap_or_default(), answered));
+                    if answered {
+                        conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
+                    }
+                }
+                // Dropped here: the second request on the connection gets no answer.
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// A request that goes out on a kept-alive connection the receiver closes under it is sent
+/// again at once on a fresh one, as the same attempt: no retry, no backoff, the same
+/// `webhook-id`, one attempt row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_on_a_connection_closed_under_it_goes_again_at_once_as_the_same_attempt() {
+    let (port, seen) = hang_up_on_reuse().await;
+    let ws = ws_for(format!("http://127.0.0.1:{port}/hook"), "");
+    ws.edit_config("concurrency = 4", "concurrency = 1");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4, 8, 12]);
+    let stats = deliver(&engine, Duration::from_secs(10)).await;
+    assert_eq!((stats.sent, stats.retried, stats.dead), (4, 0, 0), "{stats:?}");
+    let seen = seen.lock().unwrap().clone();
+    let hung_up: Vec<&String> = seen.iter().filter(|(_, answered)| !answered).map(|(k, _)| k).collect();
+    assert!(!hung_up.is_empty(), "the receiver hung up on a reused connection at least once: {seen:?}");
+    let answered: BTreeSet<&String> = seen.iter().filter(|(_, answered)| *answered).map(|(k, _)| k).collect();
+    assert_eq!(answered.len(), 4, "{seen:?}");
+    for key in hung_up {
+        assert!(answered.contains(key), "{key} was sent again under the same webhook-id: {seen:?}");
+    }
+    for key in answered {
+        let attempts = engine.store.attempts(key).unwrap();
+        assert_eq!(attempts.len(), 1, "{key}: {attempts:?}");
+        assert_eq!((attempts[0].result.as_str(), attempts[0].status), ("sent", Some(200)));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn circuit_breaker_opens_probes_half_open_and_closes() {
     let healthy = Arc::new(AtomicBool::new(false));

@@ -7,6 +7,8 @@
 //!   → dead letter `retries_exhausted`; a retry taken past `max_retry_window` → dead letter
 //!   `retry_window_exceeded`, not sent; 410 → the endpoint disabled, the row kept for an
 //!   operator whatever its attempts or window.
+//! * A request on a kept-alive connection closed under it (the receiver hung up as it
+//!   arrived) goes once more at once on a fresh connection, within the same attempt.
 //! * A row whose subscriber no longer exists (removed from the config, or deleted over the
 //!   control port while a send of it was in flight) is not sent: dead letter
 //!   `subscriber_gone`, whatever its endpoint's health.
@@ -607,7 +609,7 @@ impl Deliverer {
             Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone(), cause: DeadCause::NotSent },
         };
         let ts = (self.clock.now_ms() / 1000).to_string();
-        let body = entry.body();
+        let body = bytes::Bytes::from(entry.body());
         // Signed before the body moves into the request (no second copy of it per attempt).
         // During a rotation both signatures go out, space-separated, new one first.
         let mut signature = String::new();
@@ -617,17 +619,27 @@ impl Deliverer {
             }
             signature.push_str(&signing::sign_with(signer, &entry.key.0, &ts, &body));
         }
-        let mut req = self
-            .client
-            .post(url.clone())
-            .header(reqwest::header::CONTENT_TYPE, CONTENT_TYPE.clone())
-            .header(WEBHOOK_ID.clone(), entry.key.0.as_str())
-            .header(WEBHOOK_TIMESTAMP.clone(), ts)
-            .body(body);
-        if !signature.is_empty() {
-            req = req.header(WEBHOOK_SIGNATURE.clone(), signature);
+        let request = || {
+            let req = self
+                .client
+                .post(url.clone())
+                .header(reqwest::header::CONTENT_TYPE, CONTENT_TYPE.clone())
+                .header(WEBHOOK_ID.clone(), entry.key.0.as_str())
+                .header(WEBHOOK_TIMESTAMP.clone(), ts.as_str())
+                .body(body.clone());
+            if signature.is_empty() { req } else { req.header(WEBHOOK_SIGNATURE.clone(), signature.as_str()) }
+        };
+        let mut sent = request().send().await;
+        if sent.as_ref().err().is_some_and(closed_under_request) {
+            // A kept-alive connection the receiver closed as this request went out on it (it
+            // answered the last request without `Connection: close`, then hung up): the same
+            // request once more, at once, on a fresh connection, as part of this attempt. It
+            // carries the same `webhook-id`, which is what a retry would send anyway; only
+            // the extra attempt and the breaker's count are spared.
+            tracing::debug!(id, url = %url, "connection closed under the request; sending it again on a fresh connection");
+            sent = request().send().await;
         }
-        let (retry_after, error) = match req.send().await {
+        let (retry_after, error) = match sent {
             Ok(mut resp) => {
                 let status = resp.status().as_u16();
                 rec.status = Some(status);
@@ -717,6 +729,30 @@ impl Deliverer {
         plans.insert(entry.watcher_id.clone(), plan.clone());
         Some(plan)
     }
+}
+
+/// Whether a send failed because the connection under it was closed as the request went
+/// out: hyper's "connection closed before message completed", or a reset / broken pipe on
+/// an established connection. Not a connect error (a fresh connection that failed) and not a
+/// timeout (the receiver had the request and took too long).
+fn closed_under_request(e: &reqwest::Error) -> bool {
+    if e.is_timeout() || e.is_connect() {
+        return false;
+    }
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(inner) = src {
+        if inner.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_incomplete_message) {
+            return true;
+        }
+        if let Some(io) = inner.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::*;
+            if matches!(io.kind(), ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof) {
+                return true;
+            }
+        }
+        src = inner.source();
+    }
+    false
 }
 
 /// Why a target was not sent to.
