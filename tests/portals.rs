@@ -598,7 +598,7 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
     assert_eq!(srv.requests().len() - before, 1);
 
     // HTML where JSON was expected: status, content type and first bytes.
-    let err = get(&cfg, &srv.url("/html")).expect("200").json().unwrap_err().to_string();
+    let err = get(&cfg, &srv.url("/html")).expect("200").members(&[]).unwrap_err().to_string();
     assert!(err.contains("200") && err.contains("text/html") && err.contains("Request blocked by WAF"), "{err}");
 
     // Truncated bodies are connection errors: retried, then given up.

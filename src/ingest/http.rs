@@ -235,10 +235,11 @@ pub fn quote_unreadable_numbers(json: &[u8]) -> Option<Vec<u8>> {
 }
 
 impl Response {
-    /// Checks the body looks like JSON (not an HTML / WAF page) and parses it.
-    pub fn json(&self) -> Result<serde_json::Value, FetchError> {
+    /// Checks the body looks like JSON (not an HTML / WAF page) and reads the first element
+    /// of the array it must be, skipping the rest unparsed ([`super::page::first_element`]).
+    pub fn first_element(&self) -> Result<Option<serde_json::Value>, FetchError> {
         let body = self.json_text()?;
-        serde_json::from_slice(&body).map_err(|e| FetchError::BadJson { url: self.url.clone(), reason: e.to_string() })
+        super::page::first_element(&self.url, &body)
     }
 
     /// Checks the body looks like JSON and reads it as a page of features, handing each to
@@ -678,7 +679,7 @@ mod tests {
         assert!(f.head.starts_with(b"<html>"), "{:?}", String::from_utf8_lossy(&f.head));
         let resp = Response { url: "u".into(), status: 200, content_type: "application/json".into(), etag: None, last_modified: None, body: f.head.clone(), streamed: true };
         assert!(matches!(resp.expect_json(), Err(FetchError::NotJson { .. })));
-        assert!(resp.json().is_err(), "a streamed response is not parsed from its head");
+        assert!(resp.members(&[]).is_err(), "a streamed response is not parsed from its head");
         let mut body = f.finish().unwrap();
         let mut all = Vec::new();
         std::io::Read::read_to_end(&mut body.file, &mut all).unwrap();
@@ -739,7 +740,7 @@ mod tests {
             body: b"  <html><title>Access Denied</title>".to_vec(),
             streamed: false,
         };
-        let e = r.json().unwrap_err().to_string();
+        let e = r.members(&[]).unwrap_err().to_string();
         assert!(e.contains("200") && e.contains("text/html") && e.contains("Access Denied"), "{e}");
     }
 }

@@ -123,6 +123,31 @@ impl<'de, F: FnMut(Value) -> Result<(), FetchError>> Visitor<'de> for FeaturesSe
     }
 }
 
+/// The first element of the JSON array `json` (from `url`), the rest checked to be JSON and
+/// skipped unparsed: a SODA `count(*)` answer is `[{"count": "N"}]`, and a server that
+/// ignores `$select` answers rows instead, which are not kept. `None` for an empty array; a
+/// body that is not a JSON array is `BadJson`.
+pub fn first_element(url: &str, json: &[u8]) -> Result<Option<Value>, FetchError> {
+    struct First;
+    impl<'de> Visitor<'de> for First {
+        type Value = Option<Value>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON array")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Value>, A::Error> {
+            let first = seq.next_element::<Value>()?;
+            while seq.next_element::<de::IgnoredAny>()?.is_some() {}
+            Ok(first)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_slice(json);
+    de::Deserializer::deserialize_seq(&mut de, First)
+        .and_then(|first| de.end().map(|()| first))
+        .map_err(|e| FetchError::BadJson { url: url.to_string(), reason: e.to_string() })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,5 +202,18 @@ mod tests {
         .unwrap_err();
         assert_eq!(calls, 2);
         assert!(matches!(&e, FetchError::Protocol { reason, .. } if reason == "spool full"), "{e}");
+    }
+
+    #[test]
+    fn an_arrays_first_element_is_read_and_the_rest_skipped() {
+        let first = |text: &str| first_element("http://x/c", text.as_bytes());
+        assert_eq!(first(r#"[{"count":"12"}]"#).unwrap(), Some(json!({"count": "12"})));
+        // A server ignoring `$select` answers rows: the first is read, the others skipped.
+        assert_eq!(first(r#"[{"a":1},{"b":[1,{"c":2}]},3]"#).unwrap(), Some(json!({"a": 1})));
+        assert_eq!(first("[]").unwrap(), None);
+        for bad in [r#"{"count":1}"#, r#"[{"a":1},}]"#, "[1] trailing", "[1"] {
+            let e = first(bad).unwrap_err();
+            assert!(matches!(e, FetchError::BadJson { .. }) && e.to_string().contains("http://x/c"), "{bad}: {e}");
+        }
     }
 }

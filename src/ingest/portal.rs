@@ -510,9 +510,9 @@ pub fn socrata_count_url(resource_url: &str) -> Option<String> {
 /// all the scan has to go on, and a warning says so).
 async fn socrata_count(session: &Session, url: &str) -> Option<u64> {
     let count_url = socrata_count_url(url)?;
-    let answer = session.get(&count_url, &[]).await.and_then(|r| r.json());
+    let answer = session.get(&count_url, &[]).await.and_then(|r| r.first_element());
     let parsed = answer.as_ref().ok().and_then(|v| {
-        let first = v.as_array()?.first()?.as_object()?;
+        let first = v.as_ref()?.as_object()?;
         let value = first.get("count").or_else(|| first.values().next())?;
         value.as_u64().or_else(|| value.as_str().and_then(|t| t.trim().parse().ok()))
     });
