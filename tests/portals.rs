@@ -1904,6 +1904,38 @@ fn a_fetch_past_max_fetch_time_stops() {
     assert!(engine.store.watermark("soda").expect("wm").is_none());
 }
 
+/// An ArcGIS layer of `parcels` whose pages carry numbers a JSON value cannot hold exactly,
+/// written as text: parcel 1's ZONE_CODE is `zone`, the others' a 29-digit code, every AREA
+/// `1e400`; pages start with a UTF-8 byte order mark when `bom` is set.
+fn long_number_layer(parcels: Vec<common::P>, zone: Arc<Mutex<String>>, edit: Arc<AtomicU64>, bom: bool) -> Server {
+    Server::start(Arc::new(move |req: &Req| {
+        let path = req.target.split('?').next().unwrap_or("");
+        if path.ends_with("/FeatureServer/0") {
+            return json_reply(&json!({"name": "parcels", "objectIdField": "OBJECTID", "maxRecordCount": 10, "editingInfo": {"dataLastEditDate": edit.load(Ordering::SeqCst)},
+                "fields": [{"name": "OBJECTID", "type": "esriFieldTypeOID"}, {"name": "APN", "type": "esriFieldTypeString"}, {"name": "ZONE_CODE", "type": "esriFieldTypeDouble"}, {"name": "AREA", "type": "esriFieldTypeDouble"}]}));
+        }
+        if req.param("returnCountOnly").as_deref() == Some("true") {
+            return json_reply(&json!({"count": parcels.len()}));
+        }
+        let z = zone.lock().expect("zone").clone();
+        let offset: usize = req.param("resultOffset").and_then(|o| o.parse().ok()).unwrap_or(0);
+        let features: Vec<String> = parcels
+            .iter()
+            .enumerate()
+            .skip(offset)
+            .take(10)
+            .map(|(i, p)| {
+                let ring: Vec<[f64; 2]> = p.ring.iter().rev().copied().collect();
+                let code = if i == 1 { z.as_str() } else { "98765432109876543210987654321" };
+                format!(r#"{{"attributes":{{"OBJECTID":{},"APN":"{}","ZONE_CODE":{code},"AREA":1e400}},"geometry":{{"rings":[{}]}}}}"#, 1000 + i, p.id, json!(ring))
+            })
+            .collect();
+        let more = offset + features.len() < parcels.len();
+        let page = format!(r#"{}{{"exceededTransferLimit":{more},"features":[{}]}}"#, if bom { "\u{feff}" } else { "" }, features.join(","));
+        reply(200, "application/json", page)
+    }))
+}
+
 /// Numbers a JSON value cannot hold exactly, on a portal page: a zoning code past the 64-bit
 /// range keeps every digit (a rezoning that changes its last digit is seen), and a number
 /// past a float's range in another attribute does not fail the layer.
@@ -1911,32 +1943,7 @@ fn a_fetch_past_max_fetch_time_stops() {
 fn long_integer_codes_on_portal_pages_keep_every_digit() {
     let zone = Arc::new(Mutex::new("123456789012345678901234567890".to_string()));
     let edit = Arc::new(AtomicU64::new(1_700_000_000_000));
-    let parcels = grid(3);
-    let srv = {
-        let (zone, edit) = (zone.clone(), edit.clone());
-        Server::start(Arc::new(move |req: &Req| {
-            let path = req.target.split('?').next().unwrap_or("");
-            if path.ends_with("/FeatureServer/0") {
-                return json_reply(&json!({"name": "parcels", "objectIdField": "OBJECTID", "maxRecordCount": 10, "editingInfo": {"dataLastEditDate": edit.load(Ordering::SeqCst)},
-                    "fields": [{"name": "OBJECTID", "type": "esriFieldTypeOID"}, {"name": "APN", "type": "esriFieldTypeString"}, {"name": "ZONE_CODE", "type": "esriFieldTypeDouble"}, {"name": "AREA", "type": "esriFieldTypeDouble"}]}));
-            }
-            if req.param("returnCountOnly").as_deref() == Some("true") {
-                return json_reply(&json!({"count": parcels.len()}));
-            }
-            // Written as text: a serde_json::Value cannot hold these numbers.
-            let z = zone.lock().expect("zone").clone();
-            let features: Vec<String> = parcels
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let ring: Vec<[f64; 2]> = p.ring.iter().rev().copied().collect();
-                    let code = if i == 1 { z.as_str() } else { "98765432109876543210987654321" };
-                    format!(r#"{{"attributes":{{"OBJECTID":{},"APN":"{}","ZONE_CODE":{code},"AREA":1e400}},"geometry":{{"rings":[{}]}}}}"#, 1000 + i, p.id, json!(ring))
-                })
-                .collect();
-            reply(200, "application/json", format!(r#"{{"exceededTransferLimit":false,"features":[{}]}}"#, features.join(",")))
-        }))
-    };
+    let srv = long_number_layer(grid(3), zone.clone(), edit.clone(), false);
     let dir = tempfile::tempdir().expect("tmp");
     let engine = Engine::open(portal_config(dir.path(), &source("arc", "arcgis", &srv.url("/x/FeatureServer/0"), ""), "")).expect("engine");
     let r = engine.run_source_id("arc", RunOptions::default()).expect("baseline");
@@ -1949,4 +1956,36 @@ fn long_integer_codes_on_portal_pages_keep_every_digit() {
     let r = engine.run_source_id("arc", RunOptions::default()).expect("run");
     assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 1), "the last digit changed: {}", r.line());
     assert_eq!(engine.store.snapshot_states("arc").expect("snapshot")["P0001"].zoning, "123456789012345678901234567891");
+}
+
+/// A response past `Session::page_in_memory` is received into a temp file and parsed from
+/// there, with the same result as one held in memory: every page, the layer metadata and the
+/// count spilled here (a limit of 64 bytes), with a byte order mark, long integer codes and a
+/// number past a float's range on every page.
+#[test]
+fn pages_past_the_memory_limit_are_read_back_from_disk_with_the_same_result() {
+    let srv = long_number_layer(grid(23), Arc::new(Mutex::new("123456789012345678901234567890".into())), Arc::new(AtomicU64::new(1_700_000_000_000)), true);
+    let url = srv.url("/x/FeatureServer/0");
+    let spool = tempfile::tempdir().expect("tmp");
+    let scan_with = |page_in_memory: u64| {
+        let mut session = Session::new(&ingest_cfg(), T0).expect("session");
+        session.page_in_memory = page_in_memory;
+        session.spool_dir = spool.path().to_path_buf();
+        let scan = block_on(async {
+            let p = arcgis::probe(&session, &url, "APN").await?;
+            arcgis::scan(&session, &url, &p, 10, "APN").await
+        })
+        .expect("runtime")
+        .expect("scan");
+        (scan.features, scan.layer.into_bytes().expect("collection"))
+    };
+    let (held, held_layer) = scan_with(zonewatch::ingest::http::PAGE_IN_MEMORY);
+    let (spilled, spilled_layer) = scan_with(64);
+    assert_eq!((held, spilled), (23, 23));
+    assert!(held_layer == spilled_layer, "the same collection either way");
+    let fc: Value = serde_json::from_slice(&spilled_layer).expect("json");
+    let codes: Vec<&str> = fc["features"].as_array().expect("features").iter().filter_map(|f| f["properties"]["ZONE_CODE"].as_str()).collect();
+    assert_eq!(codes.len(), 23);
+    assert!(codes.contains(&"123456789012345678901234567890") && codes.contains(&"98765432109876543210987654321"), "{codes:?}");
+    assert_eq!(std::fs::read_dir(spool.path()).expect("spool").count(), 0, "no spool file left behind");
 }

@@ -257,7 +257,7 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
                 return Err(FetchError::Protocol { url, reason: format!("{scan_pages} pages without reaching the end of a {expected}-feature layer; giving up") });
             }
             let resp = session.get(&url, &[]).await?;
-            layer_bytes.add(&url, resp.body.len() as u64)?;
+            layer_bytes.add(&url, resp.size())?;
             // Each feature is taken as it is parsed (the page is never one tree): known by
             // its object id when it has one, otherwise by its content (`SeenRows`). A page
             // served twice or pages that overlap repeat features, which are not taken again

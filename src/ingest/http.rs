@@ -15,6 +15,7 @@
 //! * redirects are followed by hand (at most 5) so every hop passes the private-target guard.
 
 use super::decode::{BodyDecoder, DecodeError, Encoding};
+use super::numbers::quote_unreadable_numbers;
 use super::source::DigestingWriter;
 use super::settings::IngestConfig;
 use crate::notify::delivery::parse_retry_after;
@@ -79,12 +80,31 @@ pub struct Response {
     pub content_type: String,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
-    /// The body; for one streamed to a [`BodyFile`] ([`Session::get_to_file`]), only up to
-    /// a KiB of it from its first byte that is not whitespace (what
+    /// The body; for one streamed to a [`BodyFile`] ([`Session::get_to_file`]) or spilled
+    /// to disk, only up to a KiB of it from its first byte that is not whitespace (what
     /// [`Response::expect_json`] looks at).
     pub body: Vec<u8>,
-    /// True when the body went to a [`BodyFile`]: [`Response::json`] then refuses.
+    /// True when the body went to the caller's [`BodyFile`]: the parsing methods then refuse.
     pub streamed: bool,
+    /// The body, when it was larger than [`Session::page_in_memory`]: in a temp file, read
+    /// back by the parsing methods.
+    pub spilled: Option<Spilled>,
+}
+
+/// A body too large to hold, received into an anonymous temp file in the session's
+/// `spool_dir` (gone when the last handle is closed, also after a crash).
+#[derive(Debug, Clone)]
+pub struct Spilled {
+    file: std::sync::Arc<std::fs::File>,
+    size: u64,
+}
+
+/// A response body as JSON text to parse.
+enum JsonText<'a> {
+    Held(std::borrow::Cow<'a, [u8]>),
+    /// Read back from its spool file, the byte order mark skipped and the numbers a `Value`
+    /// cannot hold quoted on the way.
+    Spilled(std::io::BufReader<super::numbers::QuotingReader<std::io::BufReader<std::fs::File>>>),
 }
 
 /// Where [`Session::get_to_file`] streams a body: a temp file in `dir`, digested as it is
@@ -170,84 +190,31 @@ impl std::fmt::Debug for BodyFile {
     }
 }
 
-/// A page's JSON with every number a `serde_json::Value` cannot hold exactly written as a
-/// string of the same text: an integer past the 64-bit range (read as a float, it would lose
-/// its digits past the 17th, and two long zoning codes or ids would read the same) and a
-/// number past a float's range (`1e400`, which fails the whole parse). The normaliser reads
-/// such a string as the number was written, as it reads the number itself in a file layer.
-/// `None` when the text has no such number (the common case: nothing is copied).
-pub fn quote_unreadable_numbers(json: &[u8]) -> Option<Vec<u8>> {
-    // Most tokens are coordinates: they are told apart by their bytes alone, and only a
-    // long integer or a float with a long mantissa or a large exponent is parsed.
-    let unreadable = |token: &[u8]| -> bool {
-        let Ok(text) = std::str::from_utf8(token) else { return false };
-        match text.find(['.', 'e', 'E']) {
-            None => {
-                let digits = text.strip_prefix('-').unwrap_or(text);
-                digits.len() >= 19 && digits.bytes().all(|b| b.is_ascii_digit()) && text.parse::<i64>().is_err() && text.parse::<u64>().is_err()
-            }
-            Some(_) => {
-                let exponent = text.find(['e', 'E']).map(|at| text[at + 1..].trim_start_matches(['+', '-']).len()).unwrap_or(0);
-                let mantissa = text.find(['e', 'E']).unwrap_or(text.len());
-                (exponent >= 3 || mantissa > 300) && text.parse::<f64>().is_ok_and(f64::is_infinite)
-            }
-        }
-    };
-    let mut out: Option<Vec<u8>> = None;
-    let (mut i, mut copied) = (0, 0);
-    let mut in_string = false;
-    while i < json.len() {
-        let b = json[i];
-        if in_string {
-            match b {
-                b'\\' => i += 1,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            i += 1;
-            continue;
-        }
-        if b == b'"' {
-            in_string = true;
-            i += 1;
-            continue;
-        }
-        if b == b'-' || b.is_ascii_digit() {
-            let start = i;
-            while i < json.len() && matches!(json[i], b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E') {
-                i += 1;
-            }
-            if unreadable(&json[start..i]) {
-                let o = out.get_or_insert_with(|| Vec::with_capacity(json.len() + 16));
-                o.extend_from_slice(&json[copied..start]);
-                o.push(b'"');
-                o.extend_from_slice(&json[start..i]);
-                o.push(b'"');
-                copied = i;
-            }
-            continue;
-        }
-        i += 1;
-    }
-    let mut o = out?;
-    o.extend_from_slice(&json[copied..]);
-    Some(o)
-}
-
 impl Response {
     /// Checks the body looks like JSON (not an HTML / WAF page) and reads the first element
     /// of the array it must be, skipping the rest unparsed ([`super::page::first_element`]).
     pub fn first_element(&self) -> Result<Option<serde_json::Value>, FetchError> {
-        let body = self.json_text()?;
-        super::page::first_element(&self.url, &body)
+        use serde_json::Deserializer;
+        match self.json_text()? {
+            JsonText::Held(body) => super::page::first_element(&self.url, Deserializer::from_slice(&body)),
+            JsonText::Spilled(reader) => super::page::first_element(&self.url, Deserializer::from_reader(reader)),
+        }
+    }
+
+    /// The body's size in bytes (decoded), held or spilled.
+    pub fn size(&self) -> u64 {
+        self.spilled.as_ref().map_or(self.body.len() as u64, |s| s.size)
     }
 
     /// Checks the body looks like JSON and reads it as a page of features, handing each to
     /// `each` as it is parsed and keeping the other members named in `keep`
     /// ([`super::page::read_features`]: the page is never one tree).
     pub fn features(&self, keep: &[&str], each: impl FnMut(serde_json::Value) -> Result<(), FetchError>) -> Result<super::page::PageHead, FetchError> {
-        let body = self.json_text()?;
-        super::page::read_features(&self.url, &body, keep, each)
+        use serde_json::Deserializer;
+        match self.json_text()? {
+            JsonText::Held(body) => super::page::read_features(&self.url, Deserializer::from_slice(&body), keep, each),
+            JsonText::Spilled(reader) => super::page::read_features(&self.url, Deserializer::from_reader(reader), keep, each),
+        }
     }
 
     /// The members named in `keep` of a JSON object answer (layer metadata, a count), read
@@ -257,17 +224,34 @@ impl Response {
         Ok(self.features(keep, |_| Ok(()))?.members)
     }
 
-    /// The body as JSON text to parse: refused when it was streamed to disk or looks like
-    /// HTML, without a UTF-8 byte order mark (some Windows-hosted portals send one; it is not
-    /// JSON but says nothing either, and is skipped as a file layer's is), and with the
-    /// numbers a `Value` cannot hold quoted ([`quote_unreadable_numbers`]).
-    fn json_text(&self) -> Result<std::borrow::Cow<'_, [u8]>, FetchError> {
+    /// The body as JSON text to parse: refused when it was streamed to the caller's file or
+    /// looks like HTML, without a UTF-8 byte order mark (some Windows-hosted portals send one;
+    /// it is not JSON but says nothing either, and is skipped as a file layer's is), and with
+    /// the numbers a `Value` cannot hold quoted ([`quote_unreadable_numbers`]).
+    fn json_text(&self) -> Result<JsonText<'_>, FetchError> {
         if self.streamed {
             return Err(FetchError::Protocol { url: self.url.clone(), reason: "the body was streamed to disk, not kept to be parsed".into() });
         }
         self.expect_json()?;
+        if let Some(spilled) = &self.spilled {
+            use std::io::{Read, Seek, SeekFrom};
+            let unreadable = |e: std::io::Error| FetchError::Protocol { url: self.url.clone(), reason: format!("cannot read the body back from its spool file: {e}") };
+            // Its own handle (a parse reads from the start every time) at the first byte
+            // after a byte order mark.
+            let mut file = spilled.file.try_clone().map_err(unreadable)?;
+            let mut bom = [0u8; 3];
+            file.seek(SeekFrom::Start(0)).map_err(unreadable)?;
+            let start = match file.read_exact(&mut bom) {
+                Ok(()) if bom == *b"\xEF\xBB\xBF" => 3,
+                _ => 0,
+            };
+            file.seek(SeekFrom::Start(start)).map_err(unreadable)?;
+            // serde_json reads a byte at a time: the outer buffer serves those from memory.
+            let quoting = super::numbers::QuotingReader::new(std::io::BufReader::with_capacity(1 << 16, file));
+            return Ok(JsonText::Spilled(std::io::BufReader::with_capacity(1 << 16, quoting)));
+        }
         let body = self.body_after_bom();
-        Ok(quote_unreadable_numbers(body).map_or(std::borrow::Cow::Borrowed(body), std::borrow::Cow::Owned))
+        Ok(JsonText::Held(quote_unreadable_numbers(body).map_or(std::borrow::Cow::Borrowed(body), std::borrow::Cow::Owned)))
     }
 
     /// The body without a leading UTF-8 byte order mark.
@@ -356,9 +340,18 @@ pub struct Session {
     pub requests: std::sync::atomic::AtomicU32,
     /// Where a paged scan collects its features ([`super::collect`]): the system's temp
     /// directory unless set; a run sets its store's directory (on disk, where `/tmp` may be
-    /// memory).
+    /// memory). A response larger than `page_in_memory` is received into a temp file here.
     pub spool_dir: std::path::PathBuf,
+    /// The most bytes of one response held in memory ([`PAGE_IN_MEMORY`] unless set): past
+    /// it, the body moves to a temp file as it arrives and is parsed from there, so a server
+    /// that ignores the page size asked for and answers a whole county in one page costs
+    /// disk, not memory.
+    pub page_in_memory: u64,
 }
+
+/// [`Session::page_in_memory`]'s default: 16 MiB, eight times a 2,000-feature page of county
+/// parcels.
+pub const PAGE_IN_MEMORY: u64 = 16 << 20;
 
 /// What made an attempt fail in a way worth retrying.
 struct Retryable {
@@ -380,7 +373,7 @@ impl Session {
             .build()
             .map_err(|e| FetchError::Client(e.to_string()))?;
         let now = Instant::now();
-        Ok(Session { client, guard, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir() })
+        Ok(Session { client, guard, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir(), page_in_memory: PAGE_IN_MEMORY })
     }
 
     /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts
@@ -524,17 +517,29 @@ impl Session {
                 return Err(FetchError::TooLarge { url: shown, limit: cap });
             }
             let mut decoder = BodyDecoder::new(encoding, self.cfg.max_decompressed_bytes);
-            if let Some(file) = sink.as_deref_mut() {
-                file.restart().map_err(|e| file.error(e))?;
-            }
-            let read = read_decoded(&mut resp, cap, &mut decoder, sink.as_deref_mut()).await;
+            let mut to = match sink.as_deref_mut() {
+                Some(file) => {
+                    file.restart().map_err(|e| file.error(e))?;
+                    Sink::File(file)
+                }
+                None => Sink::Memory { limit: self.page_in_memory, dir: &self.spool_dir, spilled: None },
+            };
+            let read = read_decoded(&mut resp, cap, &mut decoder, &mut to).await;
             let wire_bytes = decoder.wire_bytes();
+            let mut spilled = None;
             let body = match read.and_then(|()| decoder.finish().map_err(ReadError::Decode)) {
-                Ok(rest) => match sink.as_deref_mut() {
-                    None => rest,
-                    Some(file) => {
+                Ok(rest) => match to {
+                    Sink::Memory { spilled: None, .. } => rest,
+                    Sink::File(file) => {
                         file.write(&rest).map_err(|e| file.error(e))?;
                         file.head.clone()
+                    }
+                    Sink::Memory { spilled: Some(mut file), .. } => {
+                        file.write(&rest).map_err(|e| file.error(e))?;
+                        let head = file.head.clone();
+                        let received = file.finish()?;
+                        spilled = Some(Spilled { file: std::sync::Arc::new(received.file), size: received.size });
+                        head
                     }
                 },
                 Err(ReadError::Sink(e)) => return Err(e),
@@ -553,7 +558,7 @@ impl Session {
                     return Err(FetchError::Corrupt { url: shown, reason: format!("{e} (content-encoding {})", encoding.as_str()) })
                 }
             };
-            return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, body, streamed: sink.is_some() }));
+            return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, body, streamed: sink.is_some(), spilled }));
         }
         Err(FetchError::Protocol { url: url.to_string(), reason: "more than 5 redirects".into() })
     }
@@ -579,10 +584,40 @@ enum ReadError {
     Decode(DecodeError),
 }
 
+/// Where [`read_decoded`] puts a body as it is decoded.
+enum Sink<'a> {
+    /// The caller's file ([`Session::get_to_file`]).
+    File(&'a mut BodyFile),
+    /// Memory, up to `limit` bytes; past it, a temp file in `dir` made then
+    /// ([`Session::page_in_memory`]).
+    Memory { limit: u64, dir: &'a std::path::Path, spilled: Option<BodyFile> },
+}
+
+impl Sink<'_> {
+    /// Moves what `decoder` has decoded on to the file, once there is one: the caller's, or
+    /// the temp file made when the body grows past the memory limit.
+    fn drain(&mut self, decoder: &mut BodyDecoder) -> Result<(), FetchError> {
+        let file = match self {
+            Sink::File(file) => &mut **file,
+            Sink::Memory { limit, dir, spilled } => {
+                if spilled.is_none() && decoder.decoded_so_far().len() as u64 > *limit {
+                    *spilled = Some(BodyFile::new(dir)?);
+                }
+                match spilled {
+                    Some(file) => file,
+                    None => return Ok(()),
+                }
+            }
+        };
+        file.write(&decoder.take_decoded()).map_err(|e| file.error(e))
+    }
+}
+
 /// Streams the body into `decoder`: on-wire bytes capped at `wire_cap`, decoded bytes at the
-/// decoder's own cap (checked chunk by chunk, so a bomb never expands past it). With a
-/// `sink`, what is decoded goes on to it chunk by chunk instead of collecting in the decoder.
-async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut BodyDecoder, mut sink: Option<&mut BodyFile>) -> Result<(), ReadError> {
+/// decoder's own cap (checked chunk by chunk, so a bomb never expands past it). Once `sink`
+/// has a file, what is decoded goes on to it chunk by chunk instead of collecting in the
+/// decoder.
+async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut BodyDecoder, sink: &mut Sink<'_>) -> Result<(), ReadError> {
     loop {
         match resp.chunk().await {
             Ok(Some(c)) => {
@@ -590,9 +625,7 @@ async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut
                     return Err(ReadError::TooLarge);
                 }
                 decoder.push(&c).map_err(ReadError::Decode)?;
-                if let Some(file) = sink.as_deref_mut() {
-                    file.write(&decoder.take_decoded()).map_err(|e| ReadError::Sink(file.error(e)))?;
-                }
+                sink.drain(decoder).map_err(ReadError::Sink)?;
             }
             Ok(None) => return Ok(()),
             Err(e) if e.is_timeout() => return Err(ReadError::Timeout),
@@ -653,18 +686,6 @@ pub fn block_on<T: Send>(fut: impl std::future::Future<Output = T> + Send) -> Re
 mod tests {
     use super::*;
 
-    #[test]
-    fn numbers_a_value_cannot_hold_are_read_as_written() {
-        let q = |s: &str| quote_unreadable_numbers(s.as_bytes()).map(|v| String::from_utf8(v).unwrap());
-        assert_eq!(q(r#"{"a":1,"b":-12.5e3,"c":18446744073709551615,"d":-9223372036854775808,"s":"123456789012345678901234567890"}"#), None, "nothing to change");
-        assert_eq!(
-            q(r#"{"z":123456789012345678901234567890,"n":-98765432109876543210987,"f":1e400,"g":[1.5,-2e-400],"s":"1e400 \" 123456789012345678901"}"#).as_deref(),
-            Some(r#"{"z":"123456789012345678901234567890","n":"-98765432109876543210987","f":"1e400","g":[1.5,-2e-400],"s":"1e400 \" 123456789012345678901"}"#)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&quote_unreadable_numbers(br#"{"z":18446744073709551616}"#).unwrap()).unwrap();
-        assert_eq!(v["z"], "18446744073709551616");
-    }
-
     /// A streamed body's head starts at its first byte that is not whitespace, so HTML
     /// after any run of blank lines is still refused; a restart forgets the head, the
     /// digest and the bytes of the attempt before.
@@ -677,7 +698,7 @@ mod tests {
         f.write(&vec![b'\n'; 3000]).unwrap();
         f.write(b"  <html>blocked</html>").unwrap();
         assert!(f.head.starts_with(b"<html>"), "{:?}", String::from_utf8_lossy(&f.head));
-        let resp = Response { url: "u".into(), status: 200, content_type: "application/json".into(), etag: None, last_modified: None, body: f.head.clone(), streamed: true };
+        let resp = Response { url: "u".into(), status: 200, content_type: "application/json".into(), etag: None, last_modified: None, body: f.head.clone(), streamed: true, spilled: None };
         assert!(matches!(resp.expect_json(), Err(FetchError::NotJson { .. })));
         assert!(resp.members(&[]).is_err(), "a streamed response is not parsed from its head");
         let mut body = f.finish().unwrap();
@@ -739,6 +760,7 @@ mod tests {
             last_modified: None,
             body: b"  <html><title>Access Denied</title>".to_vec(),
             streamed: false,
+            spilled: None,
         };
         let e = r.members(&[]).unwrap_err().to_string();
         assert!(e.contains("200") && e.contains("text/html") && e.contains("Access Denied"), "{e}");

@@ -27,6 +27,7 @@ pub mod valid;
 pub mod decode;
 pub mod scan_guard;
 pub mod page;
+pub mod numbers;
 
 /// Errors that stop a whole layer (a single bad feature is quarantined instead).
 #[derive(Debug, thiserror::Error)]

@@ -5,13 +5,15 @@
 //! 1.06 GB, and a page at the 512 MiB `max_response_bytes` cap would have needed ~7 GB.
 //! [`read_features`] hands each feature to the caller as soon as it is parsed and keeps only
 //! the other members the caller names (links, counts, flags, an error; anything else is
-//! skipped unparsed), so a page costs its bytes plus one feature's tree. The small answers
+//! skipped unparsed), so a page costs its bytes plus one feature's tree; a page too large to
+//! hold (`http::Session::page_in_memory`) is read back from its spool file, and costs one
+//! feature's tree and a read buffer. The small answers
 //! around a scan (layer metadata, counts) are read the same way: a server that ignores
 //! `returnCountOnly` and answers a whole layer costs no more there.
 
 use super::http::FetchError;
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
-use serde_json::{Map, Value};
+use serde_json::{Deserializer, Map, Value};
 
 /// A page without its features: the other top-level members asked for, and how many features
 /// its `features` array held (`None` when it has no such array, or `features` is `null`).
@@ -23,22 +25,30 @@ pub struct PageHead {
     pub features: Option<u64>,
 }
 
-/// Parses the JSON object `json` (from `url`), calling `each` with every element of its
-/// `features` array in order, and keeping the top-level members named in `keep` (the others
-/// are checked to be JSON and skipped). An error from `each` stops the parse and is returned
-/// as it is; a body that is not a JSON object, or whose `features` is neither an array nor
-/// `null`, is `BadJson`.
-pub fn read_features<F>(url: &str, json: &[u8], keep: &[&str], mut each: F) -> Result<PageHead, FetchError>
+/// Parses the JSON object `de` reads (from `url`: a page held in memory, or read back from
+/// disk), calling `each` with every element of its `features` array in order, and keeping the
+/// top-level members named in `keep` (the others are checked to be JSON and skipped). An
+/// error from `each` stops the parse and is returned as it is; a body that is not a JSON
+/// object, or whose `features` is neither an array nor `null`, is `BadJson`.
+pub fn read_features<'de, R, F>(url: &str, mut de: Deserializer<R>, keep: &[&str], mut each: F) -> Result<PageHead, FetchError>
 where
+    R: serde_json::de::Read<'de>,
     F: FnMut(Value) -> Result<(), FetchError>,
 {
     let mut failed = None;
-    let mut de = serde_json::Deserializer::from_slice(json);
     let parsed = PageSeed { each: &mut each, failed: &mut failed, keep }.deserialize(&mut de).and_then(|head| de.end().map(|()| head));
     if let Some(e) = failed {
         return Err(e);
     }
-    parsed.map_err(|e| FetchError::BadJson { url: url.to_string(), reason: e.to_string() })
+    parsed.map_err(|e| parse_error(url, e))
+}
+
+/// A parse's error: `BadJson`, or the spool file failing to read back.
+fn parse_error(url: &str, e: serde_json::Error) -> FetchError {
+    if e.is_io() {
+        return FetchError::Protocol { url: url.to_string(), reason: format!("cannot read the body back from its spool file: {e}") };
+    }
+    FetchError::BadJson { url: url.to_string(), reason: e.to_string() }
 }
 
 /// The top-level object.
@@ -123,11 +133,11 @@ impl<'de, F: FnMut(Value) -> Result<(), FetchError>> Visitor<'de> for FeaturesSe
     }
 }
 
-/// The first element of the JSON array `json` (from `url`), the rest checked to be JSON and
-/// skipped unparsed: a SODA `count(*)` answer is `[{"count": "N"}]`, and a server that
+/// The first element of the JSON array `de` reads (from `url`), the rest checked to be JSON
+/// and skipped unparsed: a SODA `count(*)` answer is `[{"count": "N"}]`, and a server that
 /// ignores `$select` answers rows instead, which are not kept. `None` for an empty array; a
 /// body that is not a JSON array is `BadJson`.
-pub fn first_element(url: &str, json: &[u8]) -> Result<Option<Value>, FetchError> {
+pub fn first_element<'de, R: serde_json::de::Read<'de>>(url: &str, mut de: Deserializer<R>) -> Result<Option<Value>, FetchError> {
     struct First;
     impl<'de> Visitor<'de> for First {
         type Value = Option<Value>;
@@ -142,10 +152,7 @@ pub fn first_element(url: &str, json: &[u8]) -> Result<Option<Value>, FetchError
             Ok(first)
         }
     }
-    let mut de = serde_json::Deserializer::from_slice(json);
-    de::Deserializer::deserialize_seq(&mut de, First)
-        .and_then(|first| de.end().map(|()| first))
-        .map_err(|e| FetchError::BadJson { url: url.to_string(), reason: e.to_string() })
+    de::Deserializer::deserialize_seq(&mut de, First).and_then(|first| de.end().map(|()| first)).map_err(|e| parse_error(url, e))
 }
 
 #[cfg(test)]
@@ -155,7 +162,7 @@ mod tests {
 
     fn read(text: &str) -> (Result<PageHead, FetchError>, Vec<Value>) {
         let mut got = Vec::new();
-        let r = read_features("http://x/p", text.as_bytes(), &["type", "numberMatched", "links", "error", "count"], |f| {
+        let r = read_features("http://x/p", Deserializer::from_slice(text.as_bytes()), &["type", "numberMatched", "links", "error", "count"], |f| {
             got.push(f);
             Ok(())
         });
@@ -192,7 +199,7 @@ mod tests {
     #[test]
     fn the_callers_error_stops_the_page_and_is_returned_as_it_is() {
         let mut calls = 0;
-        let e = read_features("http://x/p", br#"{"features":[1,2,3]}"#, &[], |_| {
+        let e = read_features("http://x/p", Deserializer::from_slice(br#"{"features":[1,2,3]}"#), &[], |_| {
             calls += 1;
             if calls == 2 {
                 return Err(FetchError::Protocol { url: "u".into(), reason: "spool full".into() });
@@ -206,7 +213,7 @@ mod tests {
 
     #[test]
     fn an_arrays_first_element_is_read_and_the_rest_skipped() {
-        let first = |text: &str| first_element("http://x/c", text.as_bytes());
+        let first = |text: &str| first_element("http://x/c", Deserializer::from_slice(text.as_bytes()));
         assert_eq!(first(r#"[{"count":"12"}]"#).unwrap(), Some(json!({"count": "12"})));
         // A server ignoring `$select` answers rows: the first is read, the others skipped.
         assert_eq!(first(r#"[{"a":1},{"b":[1,{"c":2}]},3]"#).unwrap(), Some(json!({"a": 1})));

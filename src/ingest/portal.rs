@@ -266,7 +266,7 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
             return Err(FetchError::Protocol { url, reason: "links[rel=next] points back to a page already read".into() });
         }
         let resp = session.get(&url, &accept).await?;
-        layer_bytes.add(&url, resp.body.len() as u64)?;
+        layer_bytes.add(&url, resp.size())?;
         if pages == 0 {
             first_meta.etag = resp.etag.clone();
             first_meta.last_modified = resp.last_modified.clone();
@@ -460,7 +460,7 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
     while (pages as u64) < max_pages {
         let page_url = format!("{url}{sep}$limit={page_size}&$offset={offset}&$order=:id");
         let resp = session.get(&page_url, &[]).await?;
-        layer_bytes.add(&page_url, resp.body.len() as u64)?;
+        layer_bytes.add(&page_url, resp.size())?;
         pages += 1;
         // A row the scan already holds (pages that overlap) is not taken twice: counted,
         // so the scan is not mistaken for a complete one.
