@@ -274,13 +274,24 @@ fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::p
     open(config).map_err(|e| {
         eprintln!("error: {e}");
         // Another process holding the store (an operator's `zonewatch backup` while the
-        // service restarts, say) lets go of it: exit 1, which the packaged unit retries, as
-        // `restore` does. Every other open error is the config's or the store's: exit 2.
+        // service restarts, say) lets go of it, and a full disk is freed: exit 1, which the
+        // packaged unit retries, as `restore` does. Every other open error is the config's or
+        // the store's: exit 2.
         match e {
-            crate::pipeline::PipelineError::Store(crate::store::StoreError::InUse { .. }) => 1,
+            crate::pipeline::PipelineError::Store(e) => store_exit_code(&e),
             _ => 2,
         }
     })
+}
+
+/// The exit code of a command stopped by a store error: 1 when it passes by itself (the store
+/// in use, a full disk; `StoreError::passes`), else 2.
+pub(crate) fn store_exit_code(e: &crate::store::StoreError) -> i32 {
+    if e.passes() {
+        1
+    } else {
+        2
+    }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, i32> {
@@ -389,6 +400,22 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             // Inside the panic hook: nothing here may panic (eprintln! would, on a closed stderr).
             let _ = std::io::Write::write_all(&mut std::io::stderr(), b"zonewatch: the store file is damaged (redb panicked reading it); stopping\n");
             let _ = tx.send(true);
+        });
+    }
+    // After an I/O error (a full disk) redb refuses all work on the open file until it is
+    // opened again: stop and exit 1, so the packaged unit restarts the daemon on a reopened
+    // file, instead of failing every run and delivery while `/healthz` says ok.
+    let reopen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let (tx, reopen) = (tx.clone(), reopen.clone());
+        crate::store::on_reopen_needed(move || {
+            if !reopen.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                let _ = std::io::Write::write_all(
+                    &mut std::io::stderr(),
+                    b"zonewatch: the store refuses work after an I/O error (a full disk?) until it is opened again; stopping (exit 1: the service manager restarts zonewatch)\n",
+                );
+                let _ = tx.send(true);
+            }
         });
     }
     let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -535,6 +562,10 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
         while tasks.join_next().await.is_some() {}
+        if reopen.load(std::sync::atomic::Ordering::SeqCst) {
+            tracing::error!("zonewatch stopped: the store must be opened again after an I/O error");
+            return 1;
+        }
         tracing::info!("zonewatch stopped cleanly");
         0
     })
@@ -819,6 +850,19 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             println!("control: ERROR {e}");
         }
     }
+    // Where the store goes, without opening it: a `[store] path` naming a folder, or an empty
+    // file (a store cut to nothing, which `run` and `serve` refuse), fails here already.
+    match std::fs::metadata(&cfg.store_path) {
+        Ok(m) if m.is_dir() => {
+            bad += 1;
+            println!("store: ERROR {} is a folder; `[store] path` names the store file (it is created there)", cfg.store_path.display());
+        }
+        Ok(m) if m.len() == 0 => {
+            bad += 1;
+            println!("store: ERROR {} is empty (0 bytes), not a store: restore a backup (zonewatch restore BACKUP --config FILE), or remove it to start a new store", cfg.store_path.display());
+        }
+        _ => {}
+    }
     // The store part is asked for: `check --config` alone is the config check a service
     // runs before every start (packaging/zonewatch.service), which must stay quick and must
     // not depend on the store's state.
@@ -862,6 +906,15 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
             println!("store {}: ERROR {e}", path.display());
             return 1;
         }
+    }
+    // What `run` and `serve` need besides reading it, said (not counted: this may be another
+    // user than the daemon's): writing the file, and making temp files in its folder.
+    if std::fs::OpenOptions::new().read(true).write(true).open(path).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
+        println!("warning: store {}: not writable by this user: `run` and `serve` as this user would fail", path.display());
+    }
+    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    if let Err(e) = tempfile::tempfile_in(folder) {
+        println!("warning: store {}: this user cannot make files in {} ({e}): `run` and `serve` as this user would fail on the first change", path.display(), folder.display());
     }
     // A file damaged so that redb panics reading it is an error like any other.
     let checked = crate::store::guard::guarded(|| crate::store::check::check_file(path)).unwrap_or_else(|p| Err(p.at(path)));
@@ -942,14 +995,14 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
-            return 2;
+            return store_exit_code(&e);
         }
     };
     let rows = match store.audit(&filter) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: {e}");
-            return 2;
+            return store_exit_code(&e);
         }
     };
     // Written through a handle whose errors are seen: `audit | head` closing the pipe ends

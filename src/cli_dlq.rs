@@ -177,7 +177,10 @@ fn open(config: &std::path::Path) -> Result<Engine, i32> {
     })?;
     Engine::open_existing(cfg).map_err(|e| {
         eprintln!("error: {e}");
-        2
+        match e {
+            crate::pipeline::PipelineError::Store(e) => crate::cli::store_exit_code(&e),
+            _ => 2,
+        }
     })
 }
 

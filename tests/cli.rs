@@ -342,7 +342,8 @@ fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic()
 
 /// `serve` whose control port is held by another program for now, or whose store another
 /// zonewatch holds (an operator's `backup` while the service restarts), exits 1, which the
-/// packaged unit restarts; exit 2, a config or store error, is not restarted.
+/// packaged unit restarts; exit 2, a config or store error, is not restarted. Every other
+/// command that opens the store exits 1 on a store in use as well, as README says.
 #[test]
 fn serve_on_a_port_or_store_in_use_exits_1_so_systemd_tries_again() {
     let ws = Workspace::new(&[], "", "");
@@ -359,11 +360,44 @@ fn serve_on_a_port_or_store_in_use_exits_1_so_systemd_tries_again() {
     drop(held);
 
     let store = ws.engine();
-    let o = zonewatch(&["serve", "--config", cfg]);
-    let (out, err) = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{out}{err}");
-    assert!(err.contains("in use"), "{err}");
+    for args in [
+        &["serve", "--config", cfg][..],
+        &["run", "--config", cfg],
+        &["audit", "--config", cfg],
+        &["holds", "list", "--config", cfg],
+        &["dlq", "list", "--config", cfg],
+        &["dlq", "replay", "--config", cfg, "1"],
+        &["endpoints", "list", "--config", cfg],
+    ] {
+        let o = zonewatch(args);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {out}{err}");
+        assert!(err.contains("in use"), "{args:?}: {err}");
+    }
     drop(store);
+}
+
+/// A store file cut to nothing (a crash, an interrupted copy) is refused by every command,
+/// naming the way out, and left as it is; it used to be taken for a new store, which made the
+/// next run a silent baseline over the lost history. The pre-start `check` refuses it too.
+#[test]
+fn an_empty_store_file_is_refused_not_taken_for_a_new_store() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let store = ws.path().join("zw.redb");
+    let o = zonewatch(&["run", "--config", cfg]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(std::fs::metadata(&store).expect("store").len() > 0, "the store is {}", store.display());
+    std::fs::write(&store, b"").expect("cut the store");
+    for args in [&["run", "--config", cfg][..], &["audit", "--config", cfg], &["dlq", "list", "--config", cfg], &["holds", "list", "--config", cfg], &["check", "--config", cfg]] {
+        let o = zonewatch(args);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {out}{err}");
+        assert!(format!("{out}{err}").contains("empty (0 bytes)") && format!("{out}{err}").contains("restore"), "{args:?}: {out}{err}");
+        assert_eq!(std::fs::metadata(&store).expect("store").len(), 0, "{args:?} left the file as it was");
+    }
 }
 
 /// A config subscriber with the id of one created over the control port hides it: `run`

@@ -63,3 +63,54 @@ async fn serve_ingests_on_schedule_delivers_and_stops_on_sigterm() {
     assert_eq!(engine.store.outbox_len().unwrap(), 0);
     assert_eq!(outcomes(&engine).get("sent"), Some(&1));
 }
+
+/// After an I/O error on the store (here: a file size limit it cannot grow past, as a full
+/// disk would stop it), redb refuses all work on the open file until it is opened again.
+/// `serve` used to go on failing every run while `/healthz` said ok and exit 0 on SIGTERM;
+/// it now stops by itself and exits 1, which the packaged unit restarts, and the store is
+/// whole and usable once opened again.
+#[test]
+fn serve_exits_1_when_the_store_must_be_opened_again_after_an_io_error() {
+    let ws = Workspace::new(&[], "", "");
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    // The store made (the source fails: no layer yet), then a layer whose baseline must grow it.
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["run", "--config", cfg]).output().expect("run");
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    let store = ws.path().join("zw.redb");
+    let size = std::fs::metadata(&store).expect("store").len();
+    ws.write_layer(&layer(&grid(3000)));
+    // bash's `ulimit -f` counts KiB; SIGXFSZ ignored, so a write past it is an EFBIG error.
+    let limited = format!("ulimit -f {}; trap '' XFSZ; exec \"$0\" serve --config \"$1\"", size.div_ceil(1024));
+    let mut child = Command::new("bash")
+        .args(["-c", &limited, env!("CARGO_BIN_EXE_zonewatch"), cfg])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve starts");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let mut log = String::new();
+            use std::io::Read;
+            let _ = child.stderr.take().expect("stderr").read_to_string(&mut log);
+            panic!("serve kept running on a store that refuses all work:\n{log}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut log = String::new();
+    use std::io::Read;
+    child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("until it is opened again"), "{log}");
+    // Opened again (no limit now): consistent, and the run the error stopped goes through.
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["check", "--config", cfg, "--store"]).output().expect("check");
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("consistent"), "{}", String::from_utf8_lossy(&o.stdout));
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["run", "--config", cfg]).output().expect("run");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && out.contains("baseline features=3000"), "{out}{}", String::from_utf8_lossy(&o.stderr));
+}

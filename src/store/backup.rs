@@ -60,15 +60,19 @@ impl Store {
             .tempfile_in(parent)
             .map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot create a temp file: {e}") })?;
         let mut rows = 0u64;
-        let tables;
-        {
+        // Errors here are the copy's (a full backup disk, named as such), not the store's.
+        let tables = super::on_other_file(|| -> Result<usize, StoreError> {
             let db = Database::create(tmp.path())?;
             let rtx = self.db.begin_read()?;
             let wtx = db.begin_write()?;
-            tables = copy_all(&rtx, &wtx, &mut rows)?;
+            let tables = copy_all(&rtx, &wtx, &mut rows)?;
             wtx.commit()?;
-            drop(db);
-        }
+            Ok(tables)
+        })
+        .map_err(|e| match e {
+            StoreError::Db(e) => StoreError::Open { path: dest.to_path_buf(), message: format!("writing the backup failed: {e}") },
+            other => other,
+        })?;
         // Check what we wrote before it takes the destination's name.
         verify_file(tmp.path())?;
         tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
@@ -95,6 +99,10 @@ pub fn verify_file(path: &Path) -> Result<(), StoreError> {
 /// [`verify_file`] on `path`, with errors naming `shown` (the file the operator named, when
 /// `path` is a temporary copy of it).
 fn verify_as(path: &Path, shown: &Path) -> Result<(), StoreError> {
+    super::on_other_file(|| verify_other(path, shown))
+}
+
+fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
     let open_err = |message: String| StoreError::Open { path: shown.to_path_buf(), message };
     let mut db = Database::open(path).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
     let ok = db.check_integrity().map_err(|e| open_err(format!("integrity check failed: {e}")))?;

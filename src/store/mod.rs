@@ -92,8 +92,8 @@ pub enum StoreError {
     #[error("store file {path} has schema version {found}; this zonewatch opens versions up to {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
-    Db(#[from] redb::Error),
-    #[error("cannot decode a stored record in table {table}: {message}")]
+    Db(redb::Error),
+    #[error("cannot decode a stored record in table {table}: {message} (a store written by a newer zonewatch, or a damaged file; if this zonewatch is not older than the one that wrote it, restore a backup: zonewatch restore BACKUP --config FILE)")]
     Codec { table: &'static str, message: String },
     #[error("{0}")]
     NotFound(String),
@@ -103,10 +103,21 @@ pub enum StoreError {
     Injected(String),
 }
 
+impl From<redb::Error> for StoreError {
+    fn from(e: redb::Error) -> Self {
+        // Any I/O error latches redb's failure flag: from then on the open file answers
+        // `PreviousIo` to everything.
+        if matches!(e, redb::Error::PreviousIo | redb::Error::Io(_)) && OTHER_FILE.with(|n| n.get()) == 0 {
+            reopen_needed();
+        }
+        StoreError::Db(e)
+    }
+}
+
 macro_rules! from_redb {
     ($($t:ty),*) => {$(
         impl From<$t> for StoreError {
-            fn from(e: $t) -> Self { StoreError::Db(e.into()) }
+            fn from(e: $t) -> Self { StoreError::from(redb::Error::from(e)) }
         }
     )*};
 }
@@ -117,6 +128,68 @@ from_redb!(
     redb::StorageError,
     redb::CommitError
 );
+
+impl StoreError {
+    /// Whether the error is one that passes by itself, so a command failing on it exits 1
+    /// (which the packaged unit retries) rather than 2 (a config or a damaged store, which a
+    /// restart would only repeat): another zonewatch holds the store for now, the disk or
+    /// the quota is full, or an earlier I/O error left the open file refusing work until it
+    /// is opened again.
+    pub fn passes(&self) -> bool {
+        match self {
+            StoreError::InUse { .. } => true,
+            StoreError::Db(redb::Error::PreviousIo) => true,
+            StoreError::Db(redb::Error::Io(e)) => is_out_of_space(e),
+            _ => false,
+        }
+    }
+}
+
+/// A full disk or an exhausted quota (`ENOSPC`, `EDQUOT`).
+pub fn is_out_of_space(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::StorageFull || e.kind() == std::io::ErrorKind::QuotaExceeded || matches!(e.raw_os_error(), Some(28) | Some(122))
+}
+
+/// What a long-running process does once redb refuses work after an I/O error
+/// ([`on_reopen_needed`]).
+type ReopenHandler = Box<dyn Fn() + Send>;
+static ON_REOPEN_NEEDED: std::sync::Mutex<Option<ReopenHandler>> = std::sync::Mutex::new(None);
+
+/// Sets what to do when redb reports an I/O error, or answers "Previous I/O error occurred.
+/// Please close and re-open the database": after an I/O error (a full disk, a failing
+/// device) redb refuses every read and write of the open file until it is opened again, even
+/// once the cause is gone. `serve` cannot reopen the file under its running tasks, so it stops and exits 1, and
+/// the service manager starts it again on a reopened file; left running, it would fail every
+/// run and delivery while its health check said ok. The handler must only signal.
+pub fn on_reopen_needed(handler: impl Fn() + Send + 'static) {
+    *ON_REOPEN_NEEDED.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(handler));
+}
+
+thread_local! {
+    /// Above zero while this thread works on another redb file than the store's own.
+    static OTHER_FILE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `work` on another redb file than the store's own (a backup being written, a copy
+/// being verified): an I/O error there (a full backup disk) says nothing about the store's
+/// open file, and must not stop `serve` ([`on_reopen_needed`]).
+pub(crate) fn on_other_file<T>(work: impl FnOnce() -> T) -> T {
+    struct Scope;
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            OTHER_FILE.with(|n| n.set(n.get().saturating_sub(1)));
+        }
+    }
+    OTHER_FILE.with(|n| n.set(n.get() + 1));
+    let _scope = Scope;
+    work()
+}
+
+fn reopen_needed() {
+    if let Some(handler) = ON_REOPEN_NEEDED.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        handler();
+    }
+}
 
 /// The one redb file holding everything zonewatch remembers.
 pub struct Store {
@@ -151,14 +224,14 @@ impl std::fmt::Debug for Store {
 /// group commit unchanged within noise (interleaved runs, ninth session; docs/PERFORMANCE.md).
 pub const STORE_CACHE_BYTES: usize = 8 * 1024 * 1024;
 
-/// Creates `path` as an empty file of mode 0600 if there is no file there yet; warns of an
-/// existing store that others may read (a store made by an older release, or copied), which
-/// is left as the operator set it.
+/// Creates `path` as an empty file of mode 0600 if there is no file there yet (true when it
+/// did); warns of an existing store that others may read (a store made by an older release,
+/// or copied), which is left as the operator set it.
 #[cfg(unix)]
-fn create_private(path: &Path) -> Result<(), StoreError> {
+fn create_private(path: &Path) -> Result<bool, StoreError> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     match std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
             if let Ok(meta) = std::fs::metadata(path) {
                 let mode = meta.permissions().mode();
@@ -166,15 +239,15 @@ fn create_private(path: &Path) -> Result<(), StoreError> {
                     tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), "the store holds subscribers' signing secrets and others may read it: chmod 600 it");
                 }
             }
-            Ok(())
+            Ok(false)
         }
         Err(e) => Err(StoreError::Open { path: path.to_path_buf(), message: format!("cannot create the store file: {e}") }),
     }
 }
 
 #[cfg(not(unix))]
-fn create_private(_path: &Path) -> Result<(), StoreError> {
-    Ok(())
+fn create_private(path: &Path) -> Result<bool, StoreError> {
+    Ok(!path.exists())
 }
 
 impl Store {
@@ -194,8 +267,15 @@ impl Store {
             }
         }
         // A new store is created readable by its owner only: it holds subscribers' signing
-        // secrets. (redb initialises an empty file as a new database.)
-        create_private(path)?;
+        // secrets. redb would initialise any empty file as a new database: one that was
+        // there already is a store cut to nothing (a crash, a failed copy), and taking it for
+        // a new store would make the next run a silent baseline over lost history.
+        if !create_private(path)? && std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == 0) {
+            return Err(StoreError::Open {
+                path: path.to_path_buf(),
+                message: "the file is empty (0 bytes), not a store: a crash or an interrupted copy leaves this. Restore a backup (zonewatch restore BACKUP --config FILE), or remove the file to start a new store, whose first run of each source is a silent baseline".into(),
+            });
+        }
         // The repair callback is called only when redb has to rebuild the file's allocator
         // state (an unclean shutdown without a quick-repair record).
         let full_repair = std::rc::Rc::new(std::cell::Cell::new(false));
@@ -203,6 +283,11 @@ impl Store {
         let opened = std::time::Instant::now();
         let db = Database::builder().set_cache_size(cache_bytes).set_repair_callback(move |_| flag.set(true)).create(path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
+            // Not damage: restoring a backup would not help.
+            redb::DatabaseError::Storage(redb::StorageError::Io(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => StoreError::Open {
+                path: path.to_path_buf(),
+                message: format!("{e}: this user may not write the store file (zonewatch reads and writes it, and makes temp files in its folder); run zonewatch as the file's owner, or give that user the file"),
+            },
             other => StoreError::Open {
                 path: path.to_path_buf(),
                 message: format!(
