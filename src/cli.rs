@@ -642,7 +642,7 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
             }
             Err(e) => {
                 eprintln!("error: {e}");
-                1
+                store_exit_code(&e)
             }
         },
         Err(crate::store::StoreError::InUse { .. }) => backup_via_daemon(&cfg, dest),
@@ -663,8 +663,11 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     let token = match std::fs::read_to_string(&cfg.control.token_file) {
         Ok(t) => t.trim().to_string(),
         Err(e) => {
-            eprintln!("error: the store is in use and the control token {} cannot be read: {e}", cfg.control.token_file.display());
-            return 2;
+            eprintln!(
+                "error: the store is in use by another zonewatch: a `run` or another command still going (try again when it has finished), or a `serve` whose control token {} cannot be read by this user ({e})",
+                cfg.control.token_file.display()
+            );
+            return 1;
         }
     };
     let rt = match runtime() {
@@ -680,7 +683,7 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             .body("{}")
             .send()
             .await
-            .map_err(|e| format!("the store is in use and the daemon's control port {addr} did not answer: {e}"))?;
+            .map_err(|e| format!("the store is in use by another zonewatch, and no daemon answered on its control port {addr} ({e}): a `run` or another command is still going; try again when it has finished"))?;
         let status = resp.status();
         let body: serde_json::Value = resp.json().await.map_err(|e| e.to_string())?;
         if !status.is_success() {
@@ -745,7 +748,12 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
         }
         Err(e) => {
             eprintln!("error: {e}");
-            1
+            // In use (stop the daemon first) or a full disk: 1. A backup that is not a
+            // healthy store, or is not there: 2, trying again would not help.
+            match e {
+                crate::store::StoreError::Conflict(_) => 1,
+                e => store_exit_code(&e),
+            }
         }
     }
 }

@@ -438,3 +438,32 @@ fn a_config_subscriber_hiding_an_api_subscriber_is_warned_about() {
     let o = zonewatch(&["check", "--config", cfg]);
     assert!(!text(&o).0.contains("api-1\" of the config"), "check without --store does not open the store");
 }
+
+/// `backup` and `restore` say which file is wrong, and exit 2 where trying again cannot help
+/// (a backup that is not a store or is not there, a destination folder that does not exist);
+/// they used to exit 1, which reads as "busy, retry".
+#[test]
+fn backup_and_restore_name_the_file_and_exit_2_on_what_a_retry_cannot_mend() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    assert!(zonewatch(&["run", "--config", cfg]).status.success());
+    let missing_folder = ws.path().join("no-such-folder/copy.redb");
+    let o = zonewatch(&["backup", missing_folder.to_str().unwrap(), "--config", cfg]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(err.contains(&format!("backup {}", missing_folder.display())) && !err.contains("error: store "), "{err}");
+    let garbage = ws.path().join("garbage.redb");
+    std::fs::write(&garbage, vec![0x5a; 9000]).unwrap();
+    let missing = ws.path().join("no-such-backup.redb");
+    for (backup, says) in [(&garbage, "not a readable zonewatch store"), (&missing, "cannot read it")] {
+        let o = zonewatch(&["restore", backup.to_str().unwrap(), "--config", cfg]);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{out}{err}");
+        assert!(err.contains(&backup.display().to_string()) && err.contains(says), "{err}");
+    }
+    // The store was left alone by both.
+    let o = zonewatch(&["check", "--config", cfg, "--store"]);
+    assert!(o.status.success() && text(&o).0.contains("consistent"), "{:?}", text(&o));
+}

@@ -19,7 +19,7 @@ const SPILL_VERSION: u8 = 1;
 /// Errors of the spill file (disk full, unreadable temp dir).
 #[derive(Debug, thiserror::Error)]
 pub enum SpillError {
-    #[error("spill file: {0}")]
+    #[error("spill file (a temp file in the store's folder): {0}")]
     Io(#[from] std::io::Error),
     #[error("spill file record: {0}")]
     Codec(String),

@@ -55,10 +55,10 @@ impl Store {
             return Err(StoreError::Conflict(format!("backup destination {} already exists", dest.display())));
         }
         let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let tmp = tempfile::Builder::new()
-            .prefix(".zonewatch-backup-")
-            .tempfile_in(parent)
-            .map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot create a temp file: {e}") })?;
+        let backup_err = |source: StoreError| StoreError::Backup { dest: dest.to_path_buf(), source: Box::new(source) };
+        let tmp = tempfile::Builder::new().prefix(".zonewatch-backup-").tempfile_in(parent).map_err(|e| {
+            backup_err(StoreError::NotFound(format!("cannot create a temp file in {}: {e}", parent.display())))
+        })?;
         let mut rows = 0u64;
         // Errors here are the copy's (a full backup disk, named as such), not the store's.
         let tables = super::on_other_file(|| -> Result<usize, StoreError> {
@@ -69,10 +69,7 @@ impl Store {
             wtx.commit()?;
             Ok(tables)
         })
-        .map_err(|e| match e {
-            StoreError::Db(e) => StoreError::Open { path: dest.to_path_buf(), message: format!("writing the backup failed: {e}") },
-            other => other,
-        })?;
+        .map_err(backup_err)?;
         // Check what we wrote before it takes the destination's name.
         verify_file(tmp.path())?;
         tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
@@ -187,8 +184,8 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
 /// command line's copy of a live backup both put a file in place this way.
 pub fn verified_copy(src: &Path, dir: &Path, prefix: &str) -> Result<(tempfile::NamedTempFile, u64), StoreError> {
     let cannot = |e: std::io::Error| StoreError::Open { path: src.to_path_buf(), message: format!("cannot copy it into {}: {e}", dir.display()) };
+    let mut from = std::fs::File::open(src).map_err(|e| StoreError::Open { path: src.to_path_buf(), message: format!("cannot read it: {e}") })?;
     let mut tmp = tempfile::Builder::new().prefix(prefix).tempfile_in(dir).map_err(cannot)?;
-    let mut from = std::fs::File::open(src).map_err(cannot)?;
     let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(cannot)?;
     tmp.as_file().sync_all().map_err(cannot)?;
     super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;

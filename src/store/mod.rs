@@ -95,6 +95,10 @@ pub enum StoreError {
     Db(redb::Error),
     #[error("cannot decode a stored record in table {table}: {message} (a store written by a newer zonewatch, or a damaged file; if this zonewatch is not older than the one that wrote it, restore a backup: zonewatch restore BACKUP --config FILE)")]
     Codec { table: &'static str, message: String },
+    /// Writing a backup failed (its folder missing, its disk full): the backup's file is
+    /// named, not the store's.
+    #[error("backup {dest}: {source}")]
+    Backup { dest: PathBuf, source: Box<StoreError> },
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -140,6 +144,7 @@ impl StoreError {
             StoreError::InUse { .. } => true,
             StoreError::Db(redb::Error::PreviousIo) => true,
             StoreError::Db(redb::Error::Io(e)) => is_out_of_space(e),
+            StoreError::Backup { source, .. } => source.passes(),
             _ => false,
         }
     }
