@@ -803,8 +803,9 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             Err(e) => (false, format!("NOT READABLE: {e}")),
         };
         println!(
-            "source {}: kind=file path={} ({state}) every={} max_change_ratio={} fields: id={} zoning={}",
+            "source {}: {}kind=file path={} ({state}) every={} max_change_ratio={} fields: id={} zoning={}",
             s.id,
+            if readable { "" } else { "ERROR " },
             path.display(),
             crate::util::format_duration(s.every),
             s.max_change_ratio,

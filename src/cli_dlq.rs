@@ -117,7 +117,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                 Ok(Some(_)) => {}
                 Ok(None) => {
                     eprintln!("error: no subscriber {id:?} in the config or the store");
-                    return 2;
+                    return 1;
                 }
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -316,8 +316,16 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
     // An id named but not found fails the command (after the others are replayed): a script
     // must not read "done" when what it asked for was not there.
     let mut missing = 0;
+    let quarantined: Vec<u64> = if ids.iter().any(|id| !letters.iter().any(|d| d.entry.id == *id)) {
+        engine.store.dlq_quarantine().map(|q| q.iter().map(|d| d.entry.id).collect()).unwrap_or_default()
+    } else {
+        Vec::new()
+    };
     for id in &ids {
-        if !letters.iter().any(|d| d.entry.id == *id) {
+        if quarantined.contains(id) {
+            eprintln!("error: dead letter {id} is quarantined (replayed past max_replays, or its geometry is invalid): replay does not take it; `dlq show {id}` shows why");
+            missing += 1;
+        } else if !letters.iter().any(|d| d.entry.id == *id) {
             eprintln!("error: no dead letter {id} (in the window)");
             missing += 1;
         }

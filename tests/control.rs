@@ -70,6 +70,8 @@ async fn control_port_end_to_end() {
         let aoi = json!({"type": "Polygon", "coordinates": [[[-71.2, 42.3], [-71.0, 42.3], [-71.0, 42.5], [-71.2, 42.3]]]});
         for (body, needle) in [
             ("{not json", "invalid JSON"),
+            ("[]", "must be a JSON object"),
+            (r#"["x", "http://h/", {}, null, null]"#, "must be a JSON object"),
             (&json!({"id": "x", "target": rx.url("/api"), "aoi": aoi, "colour": "red"}).to_string(), "unknown field"),
             (&json!({"id": "x", "target": "ftp://h/", "aoi": aoi}).to_string(), "target"),
             (&json!({"id": "x", "target": rx.url("/api"), "aoi": {"type": "Point", "coordinates": [0, 0]}}).to_string(), "aoi"),

@@ -524,6 +524,10 @@ async fn replays_beyond_max_replays_go_to_quarantine_and_recover_is_capped() {
     assert!(ok);
     assert_eq!(out.lines().filter(|l| l.contains("\tquarantined\t")).count(), 2, "{out}");
     assert_eq!(out.lines().filter(|l| l.contains("\tdead\t")).count(), 1, "{out}");
+    // Replaying a quarantined one by id says it is quarantined, not that it does not exist.
+    let q_id = out.lines().find(|l| l.contains("\tquarantined\t")).and_then(|l| l.split('\t').next()).expect("a quarantined row").to_string();
+    let (ok, _, err) = zonewatch(&["dlq", "replay", "--config", cfg, &q_id]);
+    assert!(!ok && err.contains(&format!("dead letter {q_id} is quarantined")), "{err}");
     let (ok, _, err) = zonewatch(&["dlq", "recover", "--config", cfg, "--since", "yesterday-ish"]);
     assert!(!ok && err.contains("--since"), "{err}");
 }

@@ -72,6 +72,11 @@ pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: st
 
 /// Parses a JSON body into `T` (unknown fields are errors when `T` says so).
 pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Resp> {
+    // Every body of this API is an object; serde would also take a struct written as an
+    // array and answer in its own words ("expected struct SubscriberBody with 5 elements").
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(error(StatusCode::BAD_REQUEST, "bad_json", "invalid JSON body: it must be a JSON object"));
+    }
     serde_json::from_slice(bytes).map_err(|e| error(StatusCode::BAD_REQUEST, "bad_json", format!("invalid JSON body: {e}")))
 }
 

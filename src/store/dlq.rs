@@ -87,7 +87,7 @@ impl Store {
             ReplayOutcome::Duplicate
         } else if let Err(reason) = geometry.map_err(|m| format!("invalid_geometry: {m}")).and_then(|_| {
             if replays >= max_replays {
-                Err(format!("replayed {replays} times (max_replays {max_replays})"))
+                Err(format!("replayed {replays} time{} (max_replays {max_replays})", if replays == 1 { "" } else { "s" }))
             } else {
                 Ok(())
             }
