@@ -258,7 +258,17 @@ fn load_config(path: &std::path::Path) -> Result<Config, i32> {
 }
 
 fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
-    engine_by(path, Engine::open)
+    let engine = engine_by(path, Engine::open)?;
+    // A run writes its spill and sort files beside the store: a folder it may not write in
+    // fails here, at start, not at the first real change hours later.
+    if let Err(e) = tempfile::tempfile_in(engine.scratch_dir()) {
+        eprintln!(
+            "error: cannot make temp files in the store's folder {} ({e}): runs write their spill files there; give this user write access to it",
+            engine.scratch_dir().display()
+        );
+        return Err(if crate::store::is_out_of_space(&e) { 1 } else { 2 });
+    }
+    Ok(engine)
 }
 
 /// [`open_engine`] for a command that steers what runs wrote: the store must exist.

@@ -439,6 +439,22 @@ fn a_config_subscriber_hiding_an_api_subscriber_is_warned_about() {
     assert!(!text(&o).0.contains("api-1\" of the config"), "check without --store does not open the store");
 }
 
+/// A `[store] path` in a folder that does not exist (a typo) is refused, naming it, and the
+/// folder is not made: a new empty store there would make every source's next run a silent
+/// baseline, every change since the real store's last run unsaid.
+#[test]
+fn a_store_path_in_a_missing_folder_is_refused_not_made() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    ws.edit_config("path = \"zw.redb\"", "path = \"stroe/zw.redb\"");
+    let cfg = ws.config_path();
+    let o = zonewatch(&["run", "--config", cfg.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(err.contains("stroe") && err.contains("does not exist"), "{err}");
+    assert!(!ws.path().join("stroe").exists(), "the folder was not made");
+}
+
 /// `backup` and `restore` say which file is wrong, and exit 2 where trying again cannot help
 /// (a backup that is not a store or is not there, a destination folder that does not exist);
 /// they used to exit 1, which reads as "busy, retry".

@@ -263,12 +263,16 @@ impl Store {
 
     /// Like [`Store::open`] with a page cache of `cache_bytes`.
     pub fn open_with_cache(path: &Path, cache_bytes: usize) -> Result<Store, StoreError> {
-        if let Some(parent) = path.parent() {
-            if !parent.as_os_str().is_empty() && !parent.exists() {
-                std::fs::create_dir_all(parent).map_err(|e| StoreError::Open {
+        // The store's folder is not made here: a mistyped `[store] path` would otherwise
+        // become a new, empty store whose first runs are silent baselines, every change since
+        // the real store's last run unsaid. (The packaged unit's StateDirectory makes the
+        // folder; a first start elsewhere makes it with mkdir.)
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if !parent.is_dir() {
+                return Err(StoreError::Open {
                     path: path.to_path_buf(),
-                    message: format!("cannot create folder {}: {e}", parent.display()),
-                })?;
+                    message: format!("its folder {} does not exist: check `[store] path` in the config, or create the folder (mkdir -p) for a new store", parent.display()),
+                });
             }
         }
         // A new store is created readable by its owner only: it holds subscribers' signing
