@@ -281,8 +281,12 @@ fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::p
     for advice in config.delivery.advisories() {
         tracing::warn!("{advice}");
     }
+    let store_path = config.store_path.clone();
     open(config).map_err(|e| {
-        eprintln!("error: {e}");
+        match &e {
+            crate::pipeline::PipelineError::Store(se) => eprintln!("error: {}", store_error_text(&store_path, se)),
+            _ => eprintln!("error: {e}"),
+        }
         // Another process holding the store (an operator's `zonewatch backup` while the
         // service restarts, say) lets go of it, and a full disk is freed: exit 1, which the
         // packaged unit retries, as `restore` does. Every other open error is the config's or
@@ -292,6 +296,15 @@ fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::p
             _ => 2,
         }
     })
+}
+
+/// A store error as the operator reads it: redb's own words (`database error: ...`) say not
+/// which file, and a full disk would read as a broken store, so they are given the store's.
+pub(crate) fn store_error_text(store: &std::path::Path, e: &crate::store::StoreError) -> String {
+    match e {
+        crate::store::StoreError::Db(_) => format!("store {}: {e}", store.display()),
+        _ => e.to_string(),
+    }
 }
 
 /// The exit code of a command stopped by a store error: 1 when it passes by itself (the store
@@ -677,7 +690,8 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
                 "error: the store is in use by another zonewatch: a `run` or another command still going (try again when it has finished), or a `serve` whose control token {} cannot be read by this user ({e})",
                 cfg.control.token_file.display()
             );
-            return 1;
+            // No permission stays so on a retry; no token yet most likely means a `run`.
+            return if e.kind() == std::io::ErrorKind::PermissionDenied { 2 } else { 1 };
         }
     };
     let rt = match runtime() {
@@ -708,7 +722,7 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             return 1;
         }
     };
-    match copy_daemon_backup(&src, dest) {
+    match copy_daemon_backup(&src, dest).map_err(|(e, code)| (format!("cannot copy {} to {}: {e}", src.display(), dest.display()), code)) {
         Ok(bytes) => {
             // The operator has a verified copy at `dest`: the daemon's copy would only fill
             // the disk, one whole store per backup.
@@ -719,24 +733,27 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             println!("backup: {} ({bytes} bytes, taken by the running daemon; {daemon_copy})", dest.display());
             0
         }
-        Err(e) => {
+        Err((e, code)) => {
             eprintln!("error: {e}; the daemon's backup is kept at {} (the only copy of this backup)", src.display());
-            1
+            code
         }
     }
 }
 
 /// Copies the daemon's backup `src` to `dest` (which must not exist) through a temp file
-/// beside `dest`, verifies the copy and renames it into place. Returns its size. `src` is
-/// only read.
-fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u64, String> {
-    let cannot = |e: &dyn std::fmt::Display| format!("cannot copy {} to {}: {e}", src.display(), dest.display());
+/// beside `dest`, verifies the copy and renames it into place. Returns its size, or why not
+/// with the exit code it makes (1 when trying again can succeed: a full disk). `src` is only
+/// read.
+fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u64, (String, i32)> {
     if dest.exists() {
-        return Err(cannot(&"the destination already exists"));
+        return Err(("the destination already exists".into(), 2));
     }
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let (tmp, bytes) = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| cannot(&e))?;
-    tmp.persist_noclobber(dest).map_err(|e| cannot(&e.error))?;
+    let (tmp, bytes) = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| (e.to_string(), store_exit_code(&e)))?;
+    tmp.persist_noclobber(dest).map_err(|e| {
+        let code = if crate::store::is_out_of_space(&e.error) { 1 } else { 2 };
+        (e.error.to_string(), code)
+    })?;
     Ok(bytes)
 }
 
@@ -883,8 +900,8 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         _ => {}
     }
     // The store part is asked for: `check --config` alone is the config check a service
-    // runs before every start (packaging/zonewatch.service), which must stay quick and must
-    // not depend on the store's state.
+    // runs before every start (packaging/zonewatch.service), which must stay quick: it
+    // looks at where the store goes (above), never into it.
     match store {
         None => {}
         Some(None) => bad += check_store(&cfg, &cfg.store_path, false),
@@ -1013,7 +1030,7 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
     let store = match crate::store::Store::open_existing(&cfg.store_path) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", store_error_text(&cfg.store_path, &e));
             return store_exit_code(&e);
         }
     };

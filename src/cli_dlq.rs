@@ -175,11 +175,15 @@ fn open(config: &std::path::Path) -> Result<Engine, i32> {
         eprintln!("error: {e}");
         2
     })?;
-    Engine::open_existing(cfg).map_err(|e| {
-        eprintln!("error: {e}");
-        match e {
-            crate::pipeline::PipelineError::Store(e) => crate::cli::store_exit_code(&e),
-            _ => 2,
+    let store_path = cfg.store_path.clone();
+    Engine::open_existing(cfg).map_err(|e| match e {
+        crate::pipeline::PipelineError::Store(e) => {
+            eprintln!("error: {}", crate::cli::store_error_text(&store_path, &e));
+            crate::cli::store_exit_code(&e)
+        }
+        e => {
+            eprintln!("error: {e}");
+            2
         }
     })
 }

@@ -263,7 +263,8 @@ fn a_backup_through_the_daemon_leaves_no_copy_behind_unless_copying_it_failed() 
         .output()
         .expect("backup runs");
     let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(o.status.code(), Some(2), "a folder that does not exist stays so on a retry: {err}");
+    assert!(err.contains("no-such-folder"), "{err}");
     let kept = in_backups();
     assert_eq!(kept.len(), 1, "{kept:?}");
     assert!(err.contains(&format!("kept at {}", kept[0].display())), "{err}");

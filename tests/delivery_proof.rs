@@ -255,12 +255,48 @@ async fn a_failed_connection_says_why_in_the_attempt_log() {
     assert!(error.starts_with("connection: ") && error.to_lowercase().contains("refused"), "{error}");
 }
 
-/// A receiver that answers the first request on each connection (kept alive, no
-/// `Connection: close`) and hangs up on the next one after reading it: the race a real
-/// receiver loses when it closes an idle kept-alive connection as a request arrives on it.
-/// Returns its port and the `webhook-id`s it read, answered (`true`) or hung up on.
-async fn hang_up_on_reuse() -> (u16, Arc<std::sync::Mutex<Vec<(String, bool)>>>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Reads one HTTP/1.1 request (its head, then Content-Length bytes of body) off `conn`,
+/// keeping what follows it in `buf`; its `webhook-id`, or None once the peer is gone.
+async fn read_request(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<String> {
+    /// More bytes onto `buf`; false once the peer is gone.
+    async fn more(conn: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut chunk = [0u8; 4096];
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => false,
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                true
+            }
+        }
+    }
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        if !more(conn, buf).await {
+            return None;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let field = |name: &str| head.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_string()));
+    let len: usize = field("content-length:").and_then(|v| v.parse().ok()).unwrap_or(0);
+    while buf.len() < head_end + len {
+        if !more(conn, buf).await {
+            return None;
+        }
+    }
+    buf.drain(..head_end + len);
+    Some(field("webhook-id:").unwrap_or_default())
+}
+
+/// A raw loopback receiver. On each connection it answers the first request 200 (kept
+/// alive, no `Connection: close`) when `answer_first` is set, then reads one more request and
+/// hangs up on it after `hang_up_after`: at once, the race a real receiver loses when it
+/// closes an idle kept-alive connection as a request arrives on it; later, a server's own
+/// write timeout. Returns its port and the `webhook-id`s it read, answered (`true`) or not.
+async fn hang_up_receiver(answer_first: bool, hang_up_after: Duration) -> (u16, Arc<std::sync::Mutex<Vec<(String, bool)>>>) {
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -270,35 +306,15 @@ async fn hang_up_on_reuse() -> (u16, Arc<std::sync::Mutex<Vec<(String, bool)>>>)
             let log = log.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
-                for answered in [true, false] {
-                    // One request: its head, then Content-Length bytes of body.
-                    let head_end = loop {
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        let mut chunk = [0u8; 4096];
-                        match conn.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-                    let field = |name: &str| head.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_string()));
-                    let len: usize = field("content-length:").and_then(|v| v.parse().ok()).unwrap_or(0);
-                    while buf.len() < head_end + len {
-                        let mut chunk = [0u8; 4096];
-                        match conn.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    buf.drain(..head_end + len);
-                    log.lock().unwrap().push((field("webhook-id:").unwrap_or_default(), answered));
-                    if answered {
-                        conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
-                    }
+                if answer_first {
+                    let Some(key) = read_request(&mut conn, &mut buf).await else { return };
+                    log.lock().unwrap().push((key, true));
+                    conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.unwrap();
                 }
-                // Dropped here: the second request on the connection gets no answer.
+                let Some(key) = read_request(&mut conn, &mut buf).await else { return };
+                log.lock().unwrap().push((key, false));
+                tokio::time::sleep(hang_up_after).await;
+                // Dropped here: this request gets no answer.
             });
         }
     });
@@ -310,7 +326,7 @@ async fn hang_up_on_reuse() -> (u16, Arc<std::sync::Mutex<Vec<(String, bool)>>>)
 /// `webhook-id`, one attempt row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_on_a_connection_closed_under_it_goes_again_at_once_as_the_same_attempt() {
-    let (port, seen) = hang_up_on_reuse().await;
+    let (port, seen) = hang_up_receiver(true, Duration::ZERO).await;
     let ws = ws_for(format!("http://127.0.0.1:{port}/hook"), "");
     ws.edit_config("concurrency = 4", "concurrency = 1");
     let engine = ws.engine();
@@ -330,6 +346,24 @@ async fn a_request_on_a_connection_closed_under_it_goes_again_at_once_as_the_sam
         assert_eq!(attempts.len(), 1, "{key}: {attempts:?}");
         assert_eq!((attempts[0].result.as_str(), attempts[0].status), ("sent", Some(200)));
     }
+}
+
+/// A receiver that takes the request and hangs up on it only later (a server whose own write
+/// timeout is shorter than ours) is not sent it again within the attempt: each request it
+/// read is one attempt in the log, a retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_hung_up_on_late_is_a_failed_attempt_not_sent_again_at_once() {
+    let (port, seen) = hang_up_receiver(false, Duration::from_millis(1200)).await;
+    let ws = ws_for(format!("http://127.0.0.1:{port}/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0]);
+    let stats = deliver(&engine, Duration::from_secs(3)).await;
+    assert!(stats.retried >= 1 && stats.sent == 0, "{stats:?}");
+    let seen = seen.lock().unwrap().clone();
+    let key = seen.first().map(|(k, _)| k.clone()).expect("a request");
+    let attempts = engine.store.attempts(&key).unwrap();
+    assert_eq!(seen.len(), attempts.len(), "one request per attempt: {seen:?} {attempts:?}");
+    assert!(attempts.iter().all(|a| a.error.as_deref().is_some_and(|e| e.starts_with("connection: "))), "{attempts:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1959,9 +1959,9 @@ fn long_integer_codes_on_portal_pages_keep_every_digit() {
 }
 
 /// A response past `Session::page_in_memory` is received into a temp file and parsed from
-/// there, with the same result as one held in memory: every page, the layer metadata and the
-/// count spilled here (a limit of 64 bytes), with a byte order mark, long integer codes and a
-/// number past a float's range on every page.
+/// there, with the same result as one held in memory: every page and the layer metadata
+/// spilled here (a limit of 64 bytes; the count answer is smaller and stays in memory), with a
+/// byte order mark, long integer codes and a number past a float's range on every page.
 #[test]
 fn pages_past_the_memory_limit_are_read_back_from_disk_with_the_same_result() {
     let srv = long_number_layer(grid(23), Arc::new(Mutex::new("123456789012345678901234567890".into())), Arc::new(AtomicU64::new(1_700_000_000_000)), true);

@@ -81,6 +81,9 @@ fn serve_exits_1_when_the_store_must_be_opened_again_after_an_io_error() {
     let size = std::fs::metadata(&store).expect("store").len();
     ws.write_layer(&layer(&grid(3000)));
     // bash's `ulimit -f` counts KiB; SIGXFSZ ignored, so a write past it is an EFBIG error.
+    // The limit is the store's size, so any growth of it fails. (The run's spill file, in the
+    // same folder, fails first; recording the failed run then grows the store past it. Were
+    // that record to fit, serve would rightly stay up and this test would time out.)
     let limited = format!("ulimit -f {}; trap '' XFSZ; exec \"$0\" serve --config \"$1\"", size.div_ceil(1024));
     let mut child = Command::new("bash")
         .args(["-c", &limited, env!("CARGO_BIN_EXE_zonewatch"), cfg])

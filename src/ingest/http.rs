@@ -236,8 +236,9 @@ impl Response {
         if let Some(spilled) = &self.spilled {
             use std::io::{Read, Seek, SeekFrom};
             let unreadable = |e: std::io::Error| FetchError::Protocol { url: self.url.clone(), reason: format!("cannot read the body back from its spool file: {e}") };
-            // Its own handle (a parse reads from the start every time) at the first byte
-            // after a byte order mark.
+            // A second handle on the file, at the first byte after a byte order mark: a
+            // parse reads from the start every time. (It shares the file's offset with the
+            // first: parses of one response run one after another, never two at once.)
             let mut file = spilled.file.try_clone().map_err(unreadable)?;
             let mut bom = [0u8; 3];
             file.seek(SeekFrom::Start(0)).map_err(unreadable)?;

@@ -229,7 +229,7 @@ mod tests {
         assert_eq!(v["z"], "18446744073709551616");
     }
 
-    /// Through the reader, read in chunks of every size from 1 byte, a text comes out as the
+    /// Through the reader, read in chunks of 1, 2, 3, 5, 7, 64 and 8192 bytes, a text comes out as the
     /// in-memory quoting makes it: random texts of the tokens that matter (strings with
     /// escapes and digits, long and short numbers, floats past range, punctuation), each
     /// token cut at every chunk boundary somewhere.

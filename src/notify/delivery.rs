@@ -7,8 +7,9 @@
 //!   → dead letter `retries_exhausted`; a retry taken past `max_retry_window` → dead letter
 //!   `retry_window_exceeded`, not sent; 410 → the endpoint disabled, the row kept for an
 //!   operator whatever its attempts or window.
-//! * A request on a kept-alive connection closed under it (the receiver hung up as it
-//!   arrived) goes once more at once on a fresh connection, within the same attempt.
+//! * A request whose connection is closed under it at once (a kept-alive connection the
+//!   receiver hung up as it arrived) goes once more on a fresh connection, within the same
+//!   attempt and its timeout.
 //! * A row whose subscriber no longer exists (removed from the config, or deleted over the
 //!   control port while a send of it was in flight) is not sent: dead letter
 //!   `subscriber_gone`, whatever its endpoint's health.
@@ -629,15 +630,20 @@ impl Deliverer {
                 .body(body.clone());
             if signature.is_empty() { req } else { req.header(WEBHOOK_SIGNATURE.clone(), signature.as_str()) }
         };
+        let started = Instant::now();
         let mut sent = request().send().await;
-        if sent.as_ref().err().is_some_and(closed_under_request) {
-            // A kept-alive connection the receiver closed as this request went out on it (it
-            // answered the last request without `Connection: close`, then hung up): the same
-            // request once more, at once, on a fresh connection, as part of this attempt. It
-            // carries the same `webhook-id`, which is what a retry would send anyway; only
-            // the extra attempt and the breaker's count are spared.
-            tracing::debug!(id, url = %url, "connection closed under the request; sending it again on a fresh connection");
-            sent = request().send().await;
+        let failed_after = started.elapsed();
+        if failed_after < RESEND_WITHIN.min(self.cfg.timeout / 2) && sent.as_ref().err().is_some_and(closed_under_request) {
+            // A connection closed under the request at once: most often a kept-alive one the
+            // receiver closed as this request went out on it (it answered the last request
+            // without `Connection: close`, then hung up). The same request once more, on a
+            // fresh connection, as part of this attempt and within its timeout (a lease
+            // outlives no attempt: `lease_ms_for`). It carries the same `webhook-id` a retry
+            // would; only the backoff and the breaker's count are spared. A receiver that
+            // takes the request and hangs up later (a server's own write timeout) is not sent
+            // it again here: that is a failed attempt.
+            tracing::info!(id, key = %entry.key.0, url = %url, "connection closed under the request at once; sending it again on a fresh connection");
+            sent = request().timeout(self.cfg.timeout.saturating_sub(failed_after)).send().await;
         }
         let (retry_after, error) = match sent {
             Ok(mut resp) => {
@@ -730,6 +736,10 @@ impl Deliverer {
         Some(plan)
     }
 }
+
+/// How soon a send must fail on a connection closed under it to be sent again at once (at
+/// most half the delivery timeout): the kept-alive race fails in milliseconds.
+const RESEND_WITHIN: Duration = Duration::from_secs(1);
 
 /// Whether a send failed because the connection under it was closed as the request went
 /// out: hyper's "connection closed before message completed", or a reset / broken pipe on

@@ -19,16 +19,25 @@ pub struct BackupInfo {
     pub rows: u64,
 }
 
+/// Where a copy step failed: reading the store, or writing the backup. Only the store's own
+/// failure says anything about the store's open file (`super::on_reopen_needed`).
+enum CopyError {
+    Store(redb::Error),
+    Backup(redb::Error),
+}
+
 macro_rules! copy_tables {
     ($rtx:expr, $wtx:expr, $rows:expr, $($def:expr),* $(,)?) => {{
+        let store = |e: redb::Error| CopyError::Store(e);
+        let backup = |e: redb::Error| CopyError::Backup(e);
         let mut n = 0usize;
         $(
             {
-                let src = $rtx.open_table($def)?;
-                let mut dst = $wtx.open_table($def)?;
-                for item in src.iter()? {
-                    let (k, v) = item?;
-                    dst.insert(k.value(), v.value())?;
+                let src = $rtx.open_table($def).map_err(|e| store(e.into()))?;
+                let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
+                for item in src.iter().map_err(|e| store(e.into()))? {
+                    let (k, v) = item.map_err(|e| store(e.into()))?;
+                    dst.insert(k.value(), v.value()).map_err(|e| backup(e.into()))?;
                     $rows += 1;
                 }
                 n += 1;
@@ -38,7 +47,7 @@ macro_rules! copy_tables {
     }};
 }
 
-fn copy_all(rtx: &ReadTransaction, wtx: &WriteTransaction, rows: &mut u64) -> Result<usize, StoreError> {
+fn copy_all(rtx: &ReadTransaction, wtx: &WriteTransaction, rows: &mut u64) -> Result<usize, CopyError> {
     Ok(copy_tables!(
         rtx, wtx, *rows, META, WATERMARKS, WATERMARK_HISTORY, PARCEL_BLOCKS, IDEM_KEYS, IDEM_KEY_JOURNAL, IDEM_EXPIRY_BUCKETS, OUTBOX,
         OUTBOX_RETRY, AUDIT, DEAD_LETTERS, QUARANTINE, RUNS, HOLDS, HELD_PARCELS, HELD_EVENTS, SUBSCRIBERS,
@@ -56,22 +65,31 @@ impl Store {
         }
         let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let backup_err = |source: StoreError| StoreError::Backup { dest: dest.to_path_buf(), source: Box::new(source) };
-        let tmp = tempfile::Builder::new().prefix(".zonewatch-backup-").tempfile_in(parent).map_err(|e| {
-            backup_err(StoreError::NotFound(format!("cannot create a temp file in {}: {e}", parent.display())))
-        })?;
+        let tmp = tempfile::Builder::new()
+            .prefix(".zonewatch-backup-")
+            .tempfile_in(parent)
+            .map_err(|source| backup_err(StoreError::Io { what: format!("cannot create a temp file in {}", absolute(parent).display()), source }))?;
         let mut rows = 0u64;
-        // Errors here are the copy's (a full backup disk, named as such), not the store's.
-        let tables = super::on_other_file(|| -> Result<usize, StoreError> {
+        let rtx = self.db.begin_read()?;
+        // The copy's errors (a full backup disk) are the backup's, named as such, and say
+        // nothing about the store; a failure reading the store is the store's, converted
+        // outside the scope.
+        let copied = super::on_other_file(|| -> Result<Result<usize, redb::Error>, StoreError> {
             let db = Database::create(tmp.path())?;
-            let rtx = self.db.begin_read()?;
             let wtx = db.begin_write()?;
-            let tables = copy_all(&rtx, &wtx, &mut rows)?;
-            wtx.commit()?;
-            Ok(tables)
+            match copy_all(&rtx, &wtx, &mut rows) {
+                Ok(tables) => {
+                    wtx.commit()?;
+                    Ok(Ok(tables))
+                }
+                Err(CopyError::Store(e)) => Ok(Err(e)),
+                Err(CopyError::Backup(e)) => Err(e.into()),
+            }
         })
         .map_err(backup_err)?;
+        let tables = copied?;
         // Check what we wrote before it takes the destination's name.
-        verify_file(tmp.path())?;
+        verify_file(tmp.path()).map_err(backup_err)?;
         tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
         let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
         Ok(BackupInfo { path: dest.to_path_buf(), bytes, tables, rows })
@@ -183,13 +201,18 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
 /// writes to the file it opens: the copy is opened, `src` is only read). `restore` and the
 /// command line's copy of a live backup both put a file in place this way.
 pub fn verified_copy(src: &Path, dir: &Path, prefix: &str) -> Result<(tempfile::NamedTempFile, u64), StoreError> {
-    let cannot = |e: std::io::Error| StoreError::Open { path: src.to_path_buf(), message: format!("cannot copy it into {}: {e}", dir.display()) };
+    let cannot = |source: std::io::Error| StoreError::Io { what: format!("cannot copy {} into {}", src.display(), absolute(dir).display()), source };
     let mut from = std::fs::File::open(src).map_err(|e| StoreError::Open { path: src.to_path_buf(), message: format!("cannot read it: {e}") })?;
     let mut tmp = tempfile::Builder::new().prefix(prefix).tempfile_in(dir).map_err(cannot)?;
     let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(cannot)?;
     tmp.as_file().sync_all().map_err(cannot)?;
     super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;
     Ok((tmp, bytes))
+}
+
+/// `path` made absolute for a message (`.` says nothing), as it is when that fails.
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// The name the store replaced by the `n`-th restore kept beside it (0: the first free one).

@@ -95,6 +95,10 @@ pub enum StoreError {
     Db(redb::Error),
     #[error("cannot decode a stored record in table {table}: {message} (a store written by a newer zonewatch, or a damaged file; if this zonewatch is not older than the one that wrote it, restore a backup: zonewatch restore BACKUP --config FILE)")]
     Codec { table: &'static str, message: String },
+    /// A file step outside the store failed (copying a backup in, making a temp file):
+    /// `what` names the files.
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
     /// Writing a backup failed (its folder missing, its disk full): the backup's file is
     /// named, not the store's.
     #[error("backup {dest}: {source}")]
@@ -145,6 +149,7 @@ impl StoreError {
             StoreError::Db(redb::Error::PreviousIo) => true,
             StoreError::Db(redb::Error::Io(e)) => is_out_of_space(e),
             StoreError::Backup { source, .. } => source.passes(),
+            StoreError::Io { source, .. } => is_out_of_space(source),
             _ => false,
         }
     }
@@ -279,7 +284,13 @@ impl Store {
         // secrets. redb would initialise any empty file as a new database: one that was
         // there already is a store cut to nothing (a crash, a failed copy), and taking it for
         // a new store would make the next run a silent baseline over lost history.
-        if !create_private(path)? && std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == 0) {
+        let created = create_private(path)?;
+        if !created && std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == 0) {
+            // Another zonewatch making this store this very moment holds redb's lock on it:
+            // in use, not cut short.
+            if std::fs::File::open(path).is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock))) {
+                return Err(StoreError::InUse { path: path.to_path_buf() });
+            }
             return Err(StoreError::Open {
                 path: path.to_path_buf(),
                 message: "the file is empty (0 bytes), not a store: a crash or an interrupted copy leaves this. Restore a backup (zonewatch restore BACKUP --config FILE), or remove the file to start a new store, whose first run of each source is a silent baseline".into(),
@@ -303,7 +314,18 @@ impl Store {
                     "{other}. If the file is damaged, restore a backup: zonewatch restore BACKUP --config FILE"
                 ),
             },
-        })?;
+        });
+        let db = match db {
+            Ok(db) => db,
+            Err(e) => {
+                // The empty file this call made is not left behind, where it would read as a
+                // store cut short at the next start.
+                if created {
+                    let _ = std::fs::remove_file(path);
+                }
+                return Err(e);
+            }
+        };
         let open_info = OpenInfo { full_repair: full_repair.get(), open_s: opened.elapsed().as_secs_f64() };
         if open_info.full_repair {
             tracing::warn!(seconds = open_info.open_s, "store was not shut down cleanly: redb rebuilt it (full repair)");
