@@ -168,9 +168,10 @@ static ON_REOPEN_NEEDED: std::sync::Mutex<Option<ReopenHandler>> = std::sync::Mu
 /// Sets what to do when redb reports an I/O error, or answers "Previous I/O error occurred.
 /// Please close and re-open the database": after an I/O error (a full disk, a failing
 /// device) redb refuses every read and write of the open file until it is opened again, even
-/// once the cause is gone. `serve` cannot reopen the file under its running tasks, so it stops and exits 1, and
-/// the service manager starts it again on a reopened file; left running, it would fail every
-/// run and delivery while its health check said ok. The handler must only signal.
+/// once the cause is gone. `serve` cannot reopen the file under its running tasks, so it
+/// stops and exits 1, and the service manager starts it again on a reopened file; left
+/// running, it would fail every run and delivery while its health check said ok. The
+/// handler must only signal.
 pub fn on_reopen_needed(handler: impl Fn() + Send + 'static) {
     *ON_REOPEN_NEEDED.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(handler));
 }
@@ -308,6 +309,9 @@ impl Store {
                 path: path.to_path_buf(),
                 message: format!("{e}: this user may not write the store file (zonewatch reads and writes it, and makes temp files in its folder); run zonewatch as the file's owner, or give that user the file"),
             },
+            redb::DatabaseError::Storage(redb::StorageError::Io(source)) if is_out_of_space(&source) => {
+                StoreError::Io { what: format!("store {}: cannot open it", path.display()), source }
+            }
             other => StoreError::Open {
                 path: path.to_path_buf(),
                 message: format!(
