@@ -943,14 +943,18 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
             return 1;
         }
     }
-    // What `run` and `serve` need besides reading it, said (not counted: this may be another
-    // user than the daemon's): writing the file, and making temp files in its folder.
-    if std::fs::OpenOptions::new().read(true).write(true).open(path).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
-        println!("warning: store {}: not writable by this user: `run` and `serve` as this user would fail", path.display());
-    }
-    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    if let Err(e) = tempfile::tempfile_in(folder) {
-        println!("warning: store {}: this user cannot make files in {} ({e}): `run` and `serve` as this user would fail on the first change", path.display(), folder.display());
+    // What `run` and `serve` need of the config's store besides reading it, said (not
+    // counted: this may be another user than the daemon's; not for a backup named on the
+    // command line, which nothing runs on): writing the file, and making temp files in its
+    // folder.
+    if !explicit {
+        if std::fs::OpenOptions::new().read(true).write(true).open(path).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
+            println!("warning: store {}: not writable by this user: `run` and `serve` as this user would fail", path.display());
+        }
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        if let Err(e) = tempfile::tempfile_in(folder) {
+            println!("warning: store {}: this user cannot make files in {} ({e}): `run` and `serve` as this user would fail on the first change", path.display(), folder.display());
+        }
     }
     // A file damaged so that redb panics reading it is an error like any other.
     let checked = crate::store::guard::guarded(|| crate::store::check::check_file(path)).unwrap_or_else(|p| Err(p.at(path)));
