@@ -261,18 +261,19 @@ fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
     let engine = engine_by(path, Engine::open)?;
     // A run writes its spill and sort files beside the store: a folder it may not write in
     // fails here, at start, not at the first real change hours later.
-    if let Err(e) = tempfile::tempfile_in(engine.scratch_dir()) {
-        eprintln!(
-            "error: cannot make temp files in the store's folder {} ({e}): runs write their spill files there; give this user write access to it",
-            engine.scratch_dir().display()
-        );
-        return Err(if crate::store::is_out_of_space(&e) { 1 } else { 2 });
+    if let Err(source) = tempfile::tempfile_in(engine.scratch_dir()) {
+        let e = crate::store::StoreError::Io {
+            what: format!("cannot make temp files in the store's folder {} (runs write their spill files there; give this user write access to it)", engine.scratch_dir().display()),
+            source,
+        };
+        eprintln!("error: {e}");
+        return Err(store_exit_code(&e));
     }
     Ok(engine)
 }
 
 /// [`open_engine`] for a command that steers what runs wrote: the store must exist.
-fn open_existing_engine(path: &std::path::Path) -> Result<Engine, i32> {
+pub(crate) fn open_existing_engine(path: &std::path::Path) -> Result<Engine, i32> {
     engine_by(path, Engine::open_existing)
 }
 
@@ -751,8 +752,8 @@ fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
     let (tmp, bytes) = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| (e.to_string(), store_exit_code(&e)))?;
     tmp.persist_noclobber(dest).map_err(|e| {
-        let code = if crate::store::is_out_of_space(&e.error) { 1 } else { 2 };
-        (e.error.to_string(), code)
+        let e = crate::store::StoreError::Io { what: "cannot move the copy into place".into(), source: e.error };
+        (e.to_string(), store_exit_code(&e))
     })?;
     Ok(bytes)
 }
@@ -895,7 +896,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         }
         Ok(m) if m.len() == 0 => {
             bad += 1;
-            println!("store: ERROR {} is empty (0 bytes), not a store: restore a backup (zonewatch restore BACKUP --config FILE), or remove it to start a new store", cfg.store_path.display());
+            println!("store: ERROR {}: {}", cfg.store_path.display(), crate::store::EMPTY_STORE_FILE);
         }
         _ => {}
     }

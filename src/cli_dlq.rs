@@ -5,6 +5,7 @@
 use crate::model::DeadLetter;
 use crate::notify::delivery::Deliverer;
 use crate::notify::replay;
+use crate::cli::open_existing_engine;
 use crate::pipeline::Engine;
 use crate::util::{parse_duration, parse_rfc3339, rfc3339};
 use clap::Subcommand;
@@ -79,7 +80,7 @@ pub enum EndpointsAction {
 pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
     match action {
         EndpointsAction::List { config } => {
-            let engine = match open(&config) {
+            let engine = match open_existing_engine(&config) {
                 Ok(e) => e,
                 Err(c) => return c,
             };
@@ -109,7 +110,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
             0
         }
         EndpointsAction::Enable { id, config } => {
-            let engine = match open(&config) {
+            let engine = match open_existing_engine(&config) {
                 Ok(e) => e,
                 Err(c) => return c,
             };
@@ -170,24 +171,6 @@ pub(crate) fn close_before_printing(engine: Engine) {
     drop(engine);
 }
 
-fn open(config: &std::path::Path) -> Result<Engine, i32> {
-    let cfg = crate::config::Config::load(config).map_err(|e| {
-        eprintln!("error: {e}");
-        2
-    })?;
-    let store_path = cfg.store_path.clone();
-    Engine::open_existing(cfg).map_err(|e| match e {
-        crate::pipeline::PipelineError::Store(e) => {
-            eprintln!("error: {}", crate::cli::store_error_text(&store_path, &e));
-            crate::cli::store_exit_code(&e)
-        }
-        e => {
-            eprintln!("error: {e}");
-            2
-        }
-    })
-}
-
 fn line(state: &str, d: &DeadLetter) -> String {
     format!(
         "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
@@ -213,7 +196,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
                     return 2;
                 }
             };
-            let engine = match open(&config) {
+            let engine = match open_existing_engine(&config) {
                 Ok(e) => e,
                 Err(c) => return c,
             };
@@ -234,7 +217,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
             0
         }
         DlqAction::Show { id_or_key, config } => {
-            let engine = match open(&config) {
+            let engine = match open_existing_engine(&config) {
                 Ok(e) => e,
                 Err(c) => return c,
             };
@@ -305,7 +288,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
             return 2;
         }
     };
-    let engine = match open(config) {
+    let engine = match open_existing_engine(config) {
         Ok(e) => e,
         Err(c) => return c,
     };

@@ -8,6 +8,14 @@ fn zonewatch(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(args).output().expect("binary runs")
 }
 
+/// A workspace whose layer is a grid of `parcels`, and its config file's path.
+fn grid_workspace(parcels: usize) -> (Workspace, String) {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(parcels)));
+    let cfg = ws.config_path().to_str().expect("utf-8 path").to_string();
+    (ws, cfg)
+}
+
 fn text(o: &Output) -> (String, String) {
     (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
 }
@@ -266,10 +274,8 @@ fn a_layer_file_that_cannot_be_read_is_named_in_the_error() {
 
 #[test]
 fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic() {
-    let ws = Workspace::new(&[], "", "");
-    ws.write_layer(&layer(&grid(2000)));
-    let cfg = ws.config_path();
-    let cfg = cfg.to_str().unwrap();
+    let (ws, cfg) = grid_workspace(2000);
+    let cfg = cfg.as_str();
     let o = zonewatch(&["run", "--config", cfg]);
     assert!(o.status.success(), "{:?}", text(&o));
     let good = ws.path().join("good.redb");
@@ -346,10 +352,8 @@ fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic()
 /// command that opens the store exits 1 on a store in use as well, as README says.
 #[test]
 fn serve_on_a_port_or_store_in_use_exits_1_so_systemd_tries_again() {
-    let ws = Workspace::new(&[], "", "");
-    ws.write_layer(&layer(&grid(4)));
-    let cfg = ws.config_path();
-    let cfg = cfg.to_str().unwrap();
+    let (ws, cfg) = grid_workspace(4);
+    let cfg = cfg.as_str();
     let held = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = held.local_addr().expect("addr").port();
     ws.edit_config("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:{port}\""));
@@ -382,10 +386,8 @@ fn serve_on_a_port_or_store_in_use_exits_1_so_systemd_tries_again() {
 /// next run a silent baseline over the lost history. The pre-start `check` refuses it too.
 #[test]
 fn an_empty_store_file_is_refused_not_taken_for_a_new_store() {
-    let ws = Workspace::new(&[], "", "");
-    ws.write_layer(&layer(&grid(4)));
-    let cfg = ws.config_path();
-    let cfg = cfg.to_str().unwrap();
+    let (ws, cfg) = grid_workspace(4);
+    let cfg = cfg.as_str();
     let store = ws.path().join("zw.redb");
     let o = zonewatch(&["run", "--config", cfg]);
     assert!(o.status.success(), "{:?}", text(&o));
@@ -460,10 +462,8 @@ fn a_store_path_in_a_missing_folder_is_refused_not_made() {
 /// they used to exit 1, which reads as "busy, retry".
 #[test]
 fn backup_and_restore_name_the_file_and_exit_2_on_what_a_retry_cannot_mend() {
-    let ws = Workspace::new(&[], "", "");
-    ws.write_layer(&layer(&grid(4)));
-    let cfg = ws.config_path();
-    let cfg = cfg.to_str().unwrap();
+    let (ws, cfg) = grid_workspace(4);
+    let cfg = cfg.as_str();
     assert!(zonewatch(&["run", "--config", cfg]).status.success());
     let missing_folder = ws.path().join("no-such-folder/copy.redb");
     let o = zonewatch(&["backup", missing_folder.to_str().unwrap(), "--config", cfg]);

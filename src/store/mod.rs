@@ -160,6 +160,10 @@ pub fn is_out_of_space(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::StorageFull || e.kind() == std::io::ErrorKind::QuotaExceeded || matches!(e.raw_os_error(), Some(28) | Some(122))
 }
 
+/// What a store file of 0 bytes is, and the way out (`Store::open` refuses one; `check` says
+/// so before a start).
+pub const EMPTY_STORE_FILE: &str = "the file is empty (0 bytes), not a store: a crash or an interrupted copy leaves this. Restore a backup (zonewatch restore BACKUP --config FILE), or remove the file to start a new store, whose first run of each source is a silent baseline";
+
 /// What a long-running process does once redb refuses work after an I/O error
 /// ([`on_reopen_needed`]).
 type ReopenHandler = Box<dyn Fn() + Send>;
@@ -292,10 +296,7 @@ impl Store {
             if std::fs::File::open(path).is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock))) {
                 return Err(StoreError::InUse { path: path.to_path_buf() });
             }
-            return Err(StoreError::Open {
-                path: path.to_path_buf(),
-                message: "the file is empty (0 bytes), not a store: a crash or an interrupted copy leaves this. Restore a backup (zonewatch restore BACKUP --config FILE), or remove the file to start a new store, whose first run of each source is a silent baseline".into(),
-            });
+            return Err(StoreError::Open { path: path.to_path_buf(), message: EMPTY_STORE_FILE.into() });
         }
         // The repair callback is called only when redb has to rebuild the file's allocator
         // state (an unclean shutdown without a quick-repair record).
