@@ -260,51 +260,95 @@ impl<R: Read> Scanner<R> {
 
     /// The span `buf[a..b]` of the JSON value starting at `start` (which must not be
     /// whitespace). Only boundaries are found here; the value is parsed by whoever needs it.
+    ///
+    /// This runs on the one thread that reads the document while the workers parse, so it
+    /// jumps between the bytes that matter with `memchr` instead of looking at every byte:
+    /// an object's end is found by counting only braces, an array's only brackets (the other
+    /// kind cannot close it, and a feature whose brackets do not pair is that feature's
+    /// problem: it is cut at its own closing brace and quarantined, not run into the next),
+    /// and a string's end by its unescaped quote.
     fn value_span(&mut self) -> Result<(usize, usize), IngestError> {
+        let first = self.buf[self.start];
+        self.saw_non_finite = false;
+        let (open, close) = match first {
+            b'{' => (b'{', b'}'),
+            b'[' => (b'[', b']'),
+            b'"' => (0, 0),
+            _ => return self.scalar_span(),
+        };
         let mut i = 0usize; // offset from `start`, stable across `fill`
         let mut depth = 0u32;
         let mut in_string = false;
         let mut escaped = false;
-        let first = self.buf[self.start];
-        let scalar = !matches!(first, b'{' | b'[' | b'"');
-        self.saw_non_finite = false;
         loop {
             while self.start + i < self.end {
-                let b = self.buf[self.start + i];
+                let rest = &self.buf[self.start + i..self.end];
                 if in_string {
                     if escaped {
                         escaped = false;
-                    } else if b == b'\\' {
-                        escaped = true;
-                    } else if b == b'"' {
-                        in_string = false;
-                        if depth == 0 {
-                            return Ok((self.start, self.start + i + 1));
+                        i += 1;
+                        continue;
+                    }
+                    match memchr::memchr2(b'"', b'\\', rest) {
+                        None => i += rest.len(),
+                        Some(k) if rest[k] == b'\\' => {
+                            escaped = true;
+                            i += k + 1;
                         }
-                    }
-                } else if scalar {
-                    if matches!(b, b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t') {
-                        return Ok((self.start, self.start + i));
-                    }
-                    self.saw_non_finite |= b == b'N' || b == b'I';
-                } else {
-                    match b {
-                        b'"' => in_string = true,
-                        b'N' | b'I' => self.saw_non_finite = true,
-                        b'{' | b'[' => depth += 1,
-                        b'}' | b']' => {
-                            depth = depth.saturating_sub(1);
+                        Some(k) => {
+                            in_string = false;
+                            i += k + 1;
                             if depth == 0 {
-                                return Ok((self.start, self.start + i + 1));
+                                return Ok((self.start, self.start + i));
                             }
                         }
-                        _ => {}
+                    }
+                } else {
+                    // Outside strings, only quotes and this value's own brackets matter;
+                    // the stretch before the next of them is checked for `NaN` / `Infinity`.
+                    let hit = if open == 0 { memchr::memchr(b'"', rest) } else { memchr::memchr3(b'"', open, close, rest) };
+                    let stretch = &rest[..hit.unwrap_or(rest.len())];
+                    self.saw_non_finite |= memchr::memchr2(b'N', b'I', stretch).is_some();
+                    match hit {
+                        None => i += rest.len(),
+                        Some(k) => {
+                            let b = rest[k];
+                            i += k + 1;
+                            if b == b'"' {
+                                in_string = true;
+                            } else if b == open {
+                                depth += 1;
+                            } else {
+                                depth -= 1;
+                                if depth == 0 {
+                                    return Ok((self.start, self.start + i));
+                                }
+                            }
+                        }
                     }
                 }
+            }
+            if !self.fill()? {
+                return Err(self.error("document ends inside a value (truncated?)"));
+            }
+        }
+    }
+
+    /// The span of a number, `true`, `false` or `null` (or a bare word that is none of them,
+    /// for the parser to refuse): it ends at the next delimiter or at the end of input.
+    fn scalar_span(&mut self) -> Result<(usize, usize), IngestError> {
+        let mut i = 0usize;
+        loop {
+            while self.start + i < self.end {
+                let b = self.buf[self.start + i];
+                if matches!(b, b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t') {
+                    return Ok((self.start, self.start + i));
+                }
+                self.saw_non_finite |= b == b'N' || b == b'I';
                 i += 1;
             }
             if !self.fill()? {
-                if scalar && i > 0 {
+                if i > 0 {
                     return Ok((self.start, self.start + i));
                 }
                 return Err(self.error("document ends inside a value (truncated?)"));
@@ -467,6 +511,148 @@ mod tests {
         }
         let esri = br#"{"geometryType":"esriGeometryPolygon","features":[]}"#;
         assert!(for_each_feature(esri, |_| {}).unwrap_err().to_string().contains("no \"type\" member"));
+    }
+
+    /// A reader that hands out `n` bytes per call.
+    struct Chunks<'a>(&'a [u8], usize);
+    impl Read for Chunks<'_> {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.1.min(out.len()).min(self.0.len());
+            out[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+
+    /// Random JSON with what makes boundaries hard: strings holding quotes, backslashes,
+    /// braces, brackets and the letters of `NaN` / `Infinity`, nesting of both kinds.
+    /// With `non_finite`, some scalars are bare `NaN` / `Infinity` tokens (not JSON).
+    fn random_value(seed: &mut u64, depth: u32, non_finite: bool, out: &mut String) {
+        let mut next = |m: u64| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            *seed % m
+        };
+        let scalars = ["-93.2972075", "44.95", "0", "1e3", "true", "null", "NaN", "-Infinity", "Infinity"];
+        match if depth >= 4 { next(4) } else { next(7) } {
+            0 => out.push_str(scalars[next(if non_finite { 9 } else { 6 }) as usize]),
+            1..=3 => {
+                out.push('"');
+                for _ in 0..next(6) {
+                    out.push_str(["a", "\\\"", "\\\\", "{", "}", "[", "]", "NaN", "I", "\\u00e9", ","][next(11) as usize]);
+                }
+                out.push('"');
+            }
+            4 | 5 => {
+                out.push('{');
+                for k in 0..next(4) {
+                    if k > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&format!("\"k{k}\" : "));
+                    random_value(seed, depth + 1, non_finite, out);
+                }
+                out.push('}');
+            }
+            _ => {
+                out.push('[');
+                for k in 0..next(4) {
+                    if k > 0 {
+                        out.push_str(" ,\n");
+                    }
+                    random_value(seed, depth + 1, non_finite, out);
+                }
+                out.push(']');
+            }
+        }
+    }
+
+    /// Property: for any document, at any read size, the features handed over are exactly
+    /// the texts it was built from (and, when it is JSON, the texts serde_json finds); a
+    /// feature is flagged for the non-finite rewrite exactly when a byte outside its strings
+    /// is `N` or `I`.
+    #[test]
+    fn spans_match_the_features_at_every_read_size() {
+        #[derive(serde::Deserialize)]
+        struct Doc<'a> {
+            #[serde(borrow)]
+            features: Vec<&'a serde_json::value::RawValue>,
+        }
+        fn letters_outside_strings(text: &str) -> bool {
+            let (mut in_string, mut escaped) = (false, false);
+            text.bytes().any(|b| {
+                if in_string {
+                    if escaped {
+                        escaped = false;
+                    } else if b == b'\\' {
+                        escaped = true;
+                    } else if b == b'"' {
+                        in_string = false;
+                    }
+                    false
+                } else {
+                    in_string = b == b'"';
+                    b == b'N' || b == b'I'
+                }
+            })
+        }
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut flagged = 0;
+        for case in 0..600 {
+            let non_finite = case % 2 == 1;
+            let mut doc = String::from("{\"bbox\": [1, [2, {\"x\": \"]\"}]], \"type\": \"FeatureCollection\", \"features\": [");
+            let mut texts = vec![];
+            for k in 0..(case % 7) {
+                if k > 0 {
+                    doc.push_str(",\n ");
+                }
+                let mut value = String::new();
+                random_value(&mut seed, 1, non_finite, &mut value);
+                // Features are objects; a scalar or array member of `features` is streamed
+                // too (the parser refuses it later).
+                let text = if k % 3 == 2 { value } else { format!("{{\"type\":\"Feature\",\"properties\":{value}}}") };
+                doc.push_str(&text);
+                texts.push(text);
+            }
+            doc.push_str("], \"crs\": {\"properties\": {\"name\": \"EPSG:4326\"}}}");
+            if !non_finite {
+                let parsed: Doc<'_> = serde_json::from_str(&doc).unwrap_or_else(|e| panic!("{e}: {doc}"));
+                assert_eq!(parsed.features.iter().map(|r| r.get()).collect::<Vec<_>>(), texts);
+            }
+            for size in [1, 2, 3, 7, 64, 1 << 20] {
+                let mut seen = vec![];
+                let count = for_each_feature_in(Chunks(doc.as_bytes(), size), |f| seen.push(f.json.to_string())).unwrap_or_else(|e| panic!("{e}: {doc}"));
+                assert_eq!(count as usize, texts.len());
+                // Non-finite tokens come out as `null`; the rest is as written.
+                let cleaned: Vec<String> = texts.iter().map(|t| String::from_utf8(sanitize_non_finite(t.as_bytes()).into_owned()).unwrap()).collect();
+                assert_eq!(seen, cleaned, "read size {size}: {doc}");
+            }
+            // The flag, checked on the spans themselves.
+            let mut sc = Scanner { reader: doc.as_bytes(), buf: vec![0; WINDOW], start: 0, end: 0, base: 0, eof: false, saw_non_finite: false };
+            sc.fill().unwrap();
+            let mut at = 0;
+            for text in &texts {
+                at += doc[at..].find(text.as_str()).unwrap();
+                sc.start = at;
+                let (a, b) = sc.value_span().unwrap();
+                assert_eq!(&doc[a..b], text);
+                assert_eq!(sc.saw_non_finite, letters_outside_strings(text), "{text}");
+                flagged += usize::from(sc.saw_non_finite);
+                at = b;
+            }
+        }
+        assert!(flagged > 20, "the generator made too few features with non-finite tokens: {flagged}");
+    }
+
+    /// A feature whose brackets do not pair ends at its own closing brace: it alone is handed
+    /// over broken (to be quarantined), and the features after it stream as usual.
+    #[test]
+    fn unpaired_brackets_break_one_feature_not_the_layer() {
+        let doc = br#"{"type":"FeatureCollection","features":[{"a":[1,2},{"b":2},{"c":3]}]}"#;
+        let mut seen = vec![];
+        assert_eq!(for_each_feature(doc, |f| seen.push(f.json.to_string())).unwrap(), 3);
+        assert_eq!(seen, vec![r#"{"a":[1,2}"#, r#"{"b":2}"#, r#"{"c":3]}"#]);
     }
 
     #[test]
