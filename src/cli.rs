@@ -114,7 +114,7 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Dead letters: list, show (with every attempt), replay, recover.
+    /// Dead letters: list, show (with every attempt), replay, recover, release from quarantine.
     Dlq {
         #[command(subcommand)]
         action: crate::cli_dlq::DlqAction,
@@ -202,7 +202,12 @@ impl Command {
             | Command::Restore { config, .. } => Some(config),
             Command::Holds { action: HoldAction::List { config } | HoldAction::Release { config, .. } | HoldAction::Prime { config, .. } } => Some(config),
             Command::Dlq {
-                action: DlqAction::List { config, .. } | DlqAction::Show { config, .. } | DlqAction::Replay { config, .. } | DlqAction::Recover { config, .. },
+                action:
+                    DlqAction::List { config, .. }
+                    | DlqAction::Show { config, .. }
+                    | DlqAction::Replay { config, .. }
+                    | DlqAction::Recover { config, .. }
+                    | DlqAction::Release { config, .. },
             } => Some(config),
             Command::Endpoints { action: EndpointsAction::List { config, .. } | EndpointsAction::Enable { config, .. } } => Some(config),
             Command::Serve { config } => Some(config),

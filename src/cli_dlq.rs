@@ -1,4 +1,4 @@
-//! `zonewatch dlq list|show|replay|recover`: the operator's view of dead letters and the
+//! `zonewatch dlq list|show|replay|recover|release`: the operator's view of dead letters and the
 //! way back into the outbox. Kept apart from `cli.rs` so the delivery commands evolve on their
 //! own; `cli.rs` only dispatches here.
 
@@ -57,6 +57,15 @@ pub enum DlqAction {
         max: usize,
         #[arg(long, default_value_t = 5.0)]
         rate: f64,
+    },
+    /// Take quarantined dead letters back to the dead letters (their replay count starts
+    /// over), once what put them there is fixed; `dlq replay` then sends them.
+    Release {
+        /// Outbox ids of quarantined dead letters (`dlq list` shows them).
+        #[arg(required = true)]
+        ids: Vec<u64>,
+        #[arg(long)]
+        config: PathBuf,
     },
 }
 
@@ -273,6 +282,46 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
         }
         DlqAction::Replay { ids, config, since, until, rate } => run_replay(&config, ids, since, until, rate, None),
         DlqAction::Recover { config, since, until, max, rate } => run_replay(&config, vec![], Some(since), until, rate, Some(max)),
+        DlqAction::Release { ids, config } => release(&config, &ids),
+    }
+}
+
+/// `dlq release`: each id named, out of quarantine. An id that is not quarantined fails the
+/// command after the others are released, saying what it is.
+fn release(config: &std::path::Path, ids: &[u64]) -> i32 {
+    let engine = match open_existing_engine(config) {
+        Ok(e) => e,
+        Err(c) => return c,
+    };
+    let now = engine.now();
+    let mut released = Vec::new();
+    let mut missing = Vec::new();
+    for &id in ids {
+        match engine.store.release_quarantined(id, now) {
+            Ok(crate::store::ReleaseOutcome::Released { was }) => released.push((id, was)),
+            Ok(crate::store::ReleaseOutcome::NotFound) => missing.push(id),
+            Err(e) => {
+                eprintln!("error: releasing dead letter {id}: {}", crate::cli::store_error_text(&engine.config.store_path, &e));
+                return crate::cli::store_exit_code(&e);
+            }
+        }
+    }
+    let dead: Vec<u64> = if missing.is_empty() { Vec::new() } else { engine.store.dead_letters().map(|d| d.iter().map(|d| d.entry.id).collect()).unwrap_or_default() };
+    close_before_printing(engine);
+    for (id, was) in &released {
+        println!("released {id} (was: {}); `zonewatch dlq replay {id}` sends it again", crate::util::terminal_safe(was));
+    }
+    for id in &missing {
+        if dead.contains(id) {
+            eprintln!("error: dead letter {id} is not quarantined: `zonewatch dlq replay {id}` replays it");
+        } else {
+            eprintln!("error: no quarantined dead letter {id}");
+        }
+    }
+    if missing.is_empty() {
+        0
+    } else {
+        1
     }
 }
 
@@ -310,7 +359,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
     };
     for id in &ids {
         if quarantined.contains(id) {
-            eprintln!("error: dead letter {id} is quarantined (replayed past max_replays, or its geometry is invalid): replay does not take it; `dlq show {id}` shows why");
+            eprintln!("error: dead letter {id} is quarantined (replayed past max_replays, or its geometry is invalid): replay does not take it; `dlq show {id}` shows why, `dlq release {id}` takes it out once that is fixed");
             missing += 1;
         } else if !letters.iter().any(|d| d.entry.id == *id) {
             eprintln!("error: no dead letter {id} (in the window)");

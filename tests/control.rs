@@ -259,7 +259,8 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without_stranding_events() {
     let gone = receiver(410).await;
     let good = receiver(200).await;
-    let ws = Workspace::new(&[], "retry_schedule = [\"50ms\", \"50ms\"]", "every = \"1h\"");
+    // No replay allowed: a replayed dead letter goes straight to quarantine (the release below).
+    let ws = Workspace::new(&[], "retry_schedule = [\"50ms\", \"50ms\"]\nmax_replays = 0", "every = \"1h\"");
     let v1 = grid(30);
     ws.write_layer(&layer(&v1));
     let d = tokio::task::block_in_place(|| Daemon::start(&ws));
@@ -316,6 +317,32 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
         let dead = dead["items"].as_array().unwrap();
         assert!(dead.len() == 2 && dead.iter().all(|x| x["watcher_id"] == "api-2" && x["reason"] == "subscriber_deleted"), "{dead:?}");
         assert!(state("api-2").is_null(), "a deleted subscriber's endpoint is not listed");
+
+        // Quarantine and its way out: a replay past max_replays (0 here) sets one aside; it
+        // is listed, and released it is a dead letter again (audited), to be replayed later.
+        let id0 = dead[0]["id"].as_u64().unwrap();
+        let r: Value = c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).json(&json!({"ids": [id0]})).send().unwrap().json().unwrap();
+        assert_eq!(r["quarantined"].as_u64(), Some(1), "{r}");
+        let q = get("/v1/deadletters/quarantined");
+        let q = q["items"].as_array().unwrap();
+        assert!(q.len() == 1 && q[0]["id"].as_u64() == Some(id0) && q[0]["reason"].as_str().unwrap().contains("max_replays 0"), "{q:?}");
+        assert_eq!(get("/v1/deadletters")["items"].as_array().unwrap().len(), 1);
+        let release = |body: Value| c.post(d.url("/v1/deadletters/release")).header("authorization", &auth).json(&body).send().unwrap();
+        let r = release(json!({"ids": [id0, 424242]}));
+        assert_eq!(r.status(), 200);
+        let r: Value = r.json().unwrap();
+        assert_eq!((r["released"].as_u64(), r["not_found"].as_u64()), (Some(1), Some(1)), "{r}");
+        assert!(r["items"][0]["was"].as_str().unwrap().contains("max_replays 0"), "{r}");
+        assert_eq!(r["items"][1], json!({"id": 424242, "outcome": "not_found"}));
+        assert!(get("/v1/deadletters/quarantined")["items"].as_array().unwrap().is_empty());
+        let back = get("/v1/deadletters");
+        let back = back["items"].as_array().unwrap();
+        assert!(back.len() == 2 && back.iter().any(|x| x["id"].as_u64() == Some(id0) && x["reason"].as_str().unwrap().starts_with("released from quarantine")), "{back:?}");
+        let audit = get("/v1/audit?outcome=dead_letter");
+        assert!(audit["items"].as_array().unwrap().iter().any(|x| x["detail"].as_str().unwrap().contains("released from quarantine")), "{audit}");
+        assert_eq!(release(json!({"ids": []})).status(), 400);
+        assert_eq!(release(json!({"id": id0})).status(), 400);
+        assert_eq!(c.get(d.url("/v1/deadletters/release")).header("authorization", &auth).send().unwrap().status(), 405);
         let metrics = c.get(d.url("/metrics")).header("authorization", &auth).send().unwrap().text().unwrap();
         assert!(metrics.lines().any(|l| l.starts_with("zonewatch_outbox_depth") && l.trim_end().ends_with(" 0")), "{metrics}");
     });

@@ -523,7 +523,7 @@ async fn slow_endpoint_dead_letter_replays_under_the_original_key_and_the_receiv
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replays_beyond_max_replays_go_to_quarantine_and_recover_is_capped() {
+async fn replays_beyond_max_replays_go_to_quarantine_until_released_and_recover_is_capped() {
     let rx = receiver(400).await;
     let ws = ws_for(rx.url("/hook"), "max_replays = 2");
     let engine = ws.engine();
@@ -562,6 +562,23 @@ async fn replays_beyond_max_replays_go_to_quarantine_and_recover_is_capped() {
     let q_id = out.lines().find(|l| l.contains("\tquarantined\t")).and_then(|l| l.split('\t').next()).expect("a quarantined row").to_string();
     let (ok, _, err) = zonewatch(&["dlq", "replay", "--config", cfg, &q_id]);
     assert!(!ok && err.contains(&format!("dead letter {q_id} is quarantined")), "{err}");
+    // Its way out: released, it is a dead letter again with its replays counted from 0, so a
+    // replay queues it (the receiver still refuses it: a dead letter again). A dead letter
+    // that is not quarantined, and an unknown id, fail the command after the others.
+    let d_id = out.lines().find(|l| l.contains("\tdead\t")).and_then(|l| l.split('\t').next()).expect("a dead row").to_string();
+    let (ok, released, err) = zonewatch(&["dlq", "release", &q_id, &d_id, "999999", "--config", cfg]);
+    assert!(!ok, "{released}{err}");
+    assert!(released.contains(&format!("released {q_id} (was: replayed 2 times (max_replays 2))")), "{released}");
+    assert!(err.contains(&format!("dead letter {d_id} is not quarantined")) && err.contains("no quarantined dead letter 999999"), "{err}");
+    let (ok, out, err) = zonewatch(&["dlq", "replay", &q_id, "--config", cfg, "--rate", "100"]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("requeued=1") && out.contains("quarantined=0") && out.contains("dead_letters=1"), "{out}");
+    let engine = ws.engine();
+    assert_eq!(engine.store.dlq_quarantine().unwrap().len(), 1, "the other one stays quarantined");
+    assert!(engine.store.check_consistency().unwrap().is_consistent());
+    drop(engine);
+    let (ok, _, err) = zonewatch(&["dlq", "release", "--config", cfg]);
+    assert!(!ok && err.contains("<IDS>"), "an id is required: {err}");
     let (ok, _, err) = zonewatch(&["dlq", "recover", "--config", cfg, "--since", "yesterday-ish"]);
     assert!(!ok && err.contains("--since"), "{err}");
 }

@@ -115,6 +115,12 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         })
         .await,
         (&Method::POST, ["v1", "backup"]) => blocking(move || backup(&st, &body)).await,
+        (&Method::GET, ["v1", "deadletters", "quarantined"]) => blocking(move || match st.engine.store.dlq_quarantine() {
+            Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(dead_letter_json).collect::<Vec<_>>()})),
+            Err(e) => internal(e),
+        })
+        .await,
+        (&Method::POST, ["v1", "deadletters", "release"]) => blocking(move || release_quarantined(&st, &body)).await,
         (&Method::POST, ["v1", "deadletters", "replay"]) => {
             let r = blocking(move || replay_dead_letters(&st, &body)).await;
             state.wake.notify_one();
@@ -132,7 +138,8 @@ fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
         ["v1", "openapi.json"] | ["v1", "sources"] | ["v1", "runs"] | ["v1", "holds"] | ["v1", "audit"] => "GET",
         ["v1", "deadletters"] | ["v1", "quarantine"] | ["v1", "changes", "recent"] | ["v1", "sources", _, "watermarks"] => "GET",
         ["v1", "sources", _, "run"] | ["v1", "holds", _, "release" | "prime"] | ["v1", "backup"] => "POST",
-        ["v1", "deadletters", "replay"] | ["v1", "endpoints", _, "enable"] => "POST",
+        ["v1", "deadletters", "replay" | "release"] | ["v1", "endpoints", _, "enable"] => "POST",
+        ["v1", "deadletters", "quarantined"] => "GET",
         ["v1", "endpoints"] => "GET",
         ["v1", "subscribers"] => "GET, POST",
         ["v1", "subscribers", _] => "GET, PUT, DELETE",
@@ -657,6 +664,43 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
         }
     }
     json(StatusCode::OK, &json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "items": items}))
+}
+
+/// Body of `POST /v1/deadletters/release`: which quarantined dead letters (named; never all).
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+struct ReleaseBody {
+    ids: Vec<u64>,
+}
+
+/// Takes quarantined dead letters back to the dead letters, each in its own transaction
+/// (`Store::release_quarantined`); a replay then sends them. Ids that are not quarantined
+/// are listed as `not_found`.
+fn release_quarantined(st: &ControlState, body: &[u8]) -> Resp {
+    let b: ReleaseBody = match parse_json(body) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    if b.ids.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "missing_field", "ids must name at least one quarantined dead letter");
+    }
+    let now = st.engine.now();
+    let (mut released, mut not_found) = (0u64, 0u64);
+    let mut items = Vec::new();
+    for id in b.ids {
+        match st.engine.store.release_quarantined(id, now) {
+            Ok(crate::store::ReleaseOutcome::Released { was }) => {
+                released += 1;
+                items.push(json!({"id": id, "outcome": "released", "was": was}));
+            }
+            Ok(crate::store::ReleaseOutcome::NotFound) => {
+                not_found += 1;
+                items.push(json!({"id": id, "outcome": "not_found"}));
+            }
+            Err(e) => return internal(e),
+        }
+    }
+    json(StatusCode::OK, &json!({"released": released, "not_found": not_found, "items": items}))
 }
 
 /// Body of `POST /v1/backup` (optional).

@@ -2,7 +2,9 @@
 //! idempotency key and body (so a receiver that already has it drops it by `webhook-id`), in
 //! the same transaction that audits it; a key whose attempt log shows a `sent` attempt (on
 //! any row its record names) is absorbed as a `duplicate`; a dead letter replayed more than `max_replays` times, or whose geometry no
-//! longer validates, is moved to the delivery quarantine for a person.
+//! longer validates, is moved to the delivery quarantine for a person. That person takes one
+//! back out with a release (`zonewatch dlq release`, `POST /v1/deadletters/release`): it is a
+//! dead letter again, its replay count starts over, and the next replay decides afresh.
 
 use super::runs::{append_audit, codec_err};
 use super::tables::*;
@@ -20,6 +22,15 @@ pub enum ReplayOutcome {
     /// Set aside for a person.
     Quarantined { reason: String },
     /// No dead letter with that id.
+    NotFound,
+}
+
+/// What releasing one quarantined dead letter did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReleaseOutcome {
+    /// A dead letter again (same id, same key, same body); `was` is why it was quarantined.
+    Released { was: String },
+    /// No quarantined dead letter with that id.
     NotFound,
 }
 
@@ -123,6 +134,35 @@ impl Store {
         Ok(outcome)
     }
 
+    /// Takes quarantined dead letter `id` back to the dead letters, for a person who has
+    /// fixed what put it there (a receiver that was down past `max_replays` replays, say):
+    /// same row id, key and body; its replay count starts again from 0; one `dead_letter`
+    /// audit row saying it was released and why it had been quarantined. A replay then
+    /// decides afresh: an event whose geometry does not validate is quarantined again, one
+    /// whose key shows a `sent` attempt is absorbed as a duplicate. One transaction.
+    pub fn release_quarantined(&self, id: u64, now_ms: u64) -> Result<ReleaseOutcome, StoreError> {
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
+        let q: DeadLetter = {
+            let mut t = wtx.open_table(DLQ_QUARANTINE)?;
+            let Some(v) = t.remove(id)? else {
+                drop(t);
+                wtx.abort()?;
+                return Ok(ReleaseOutcome::NotFound);
+            };
+            super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dlq_quarantine", m))?
+        };
+        let was = q.reason.clone();
+        let reason = format!("released from quarantine (was: {was})");
+        let dead = DeadLetter { entry: q.entry, reason: reason.clone(), dead_at_ms: now_ms };
+        wtx.open_table(DEAD_LETTERS)?.insert(id, super::outbox_rows::encode_dead(&dead).as_slice())?;
+        wtx.open_table(DLQ_REPLAYS)?.remove(dead.entry.key.0.as_str())?;
+        let mut audit = AuditRow::for_entry(&dead.entry, Outcome::DeadLetter, now_ms, format!("dead letter {id} {reason}; replays start again from 0"));
+        append_audit(&wtx, &mut audit)?;
+        wtx.commit()?;
+        Ok(ReleaseOutcome::Released { was })
+    }
+
     /// Dead letters set aside for a person (replayed too often, invalid geometry).
     pub fn dlq_quarantine(&self) -> Result<Vec<DeadLetter>, StoreError> {
         let rtx = self.db.begin_read()?;
@@ -180,5 +220,41 @@ mod tests {
         assert!(matches!(store.replay_dead_letter(row_of("key-B"), 3 * HOUR, 3, Ok(())).unwrap(), ReplayOutcome::Requeued { replay: 1, .. }));
         assert!(store.dead_letters().unwrap().is_empty());
         assert_eq!(store.outbox().unwrap().len(), 1, "only B is queued again");
+    }
+
+    /// A dead letter replayed past `max_replays` is quarantined; released, it is a dead
+    /// letter again under the same id and key, its replay count starts over, the release is
+    /// audited, and the next replay queues it. The store stays consistent throughout.
+    #[test]
+    fn a_released_dead_letter_can_be_replayed_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let claim = Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey("key-A".into()) };
+        store.enqueue(&[sample_event("A")], &[claim], "l1", 0, HOUR).unwrap();
+        let row = store.outbox().unwrap()[0].id;
+        let dead = |id: u64, at: u64| {
+            store
+                .record_outcomes(&[DeliveryResult::Dead { id, reason: "rejected_400".into(), cause: crate::store::DeadCause::Endpoint }], &[attempt("key-A", id, "dead_letter", at)], at)
+                .unwrap()
+        };
+        dead(row, 1);
+        // One replay allowed: the first queues it (and it dies again), the second quarantines.
+        let ReplayOutcome::Requeued { outbox_id, replay: 1 } = store.replay_dead_letter(row, 2, 1, Ok(())).unwrap() else { panic!("not requeued") };
+        dead(outbox_id, 3);
+        assert!(matches!(store.replay_dead_letter(outbox_id, 4, 1, Ok(())).unwrap(), ReplayOutcome::Quarantined { .. }));
+        assert_eq!(store.release_quarantined(row, 5).unwrap(), ReleaseOutcome::NotFound, "the first row is not the quarantined one");
+        let ReleaseOutcome::Released { was } = store.release_quarantined(outbox_id, 5).unwrap() else { panic!("not released") };
+        assert!(was.contains("max_replays 1"), "{was}");
+        assert!(store.dlq_quarantine().unwrap().is_empty());
+        let back = store.dead_letters().unwrap();
+        assert_eq!((back.len(), back[0].entry.id, back[0].entry.key.0.as_str(), back[0].dead_at_ms), (1, outbox_id, "key-A", 5));
+        assert_eq!(store.replay_count("key-A").unwrap(), 0);
+        let last = store.audit(&Default::default()).unwrap().pop().unwrap();
+        assert_eq!(last.outcome, Outcome::DeadLetter);
+        assert!(last.detail.contains("released from quarantine") && last.detail.contains(&outbox_id.to_string()), "{}", last.detail);
+        assert!(store.check_consistency().unwrap().problems.is_empty(), "{:?}", store.check_consistency().unwrap().problems);
+        assert_eq!(store.release_quarantined(outbox_id, 6).unwrap(), ReleaseOutcome::NotFound, "released once");
+        assert!(matches!(store.replay_dead_letter(outbox_id, 7, 1, Ok(())).unwrap(), ReplayOutcome::Requeued { replay: 1, .. }));
+        assert!(store.check_consistency().unwrap().problems.is_empty());
     }
 }

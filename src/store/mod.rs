@@ -39,7 +39,7 @@ mod tables;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::LeasedBatch;
-pub use dlq::ReplayOutcome;
+pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::HealthPolicy;
 pub use queries::{AuditFilter, SnapshotView, StoreStats};
 pub use derived::BaseStretch;
