@@ -182,7 +182,7 @@ pub fn dispatch(cli: Cli) -> i32 {
         Err(panic) => {
             // The config loaded before the store was opened, so it loads again here.
             let store = Config::load(&config).map(|c| c.store_path).unwrap_or(config);
-            eprintln!("error: {}", panic.at(&store));
+            error_line!("{}", panic.at(&store));
             2
         }
     }
@@ -222,7 +222,7 @@ fn run_command(command: Command) -> i32 {
         Command::Demo => match crate::demo::run_demo() {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("demo failed: {e:#}");
+                error_line!("demo failed: {e:#}");
                 1
             }
         },
@@ -248,7 +248,7 @@ fn run_command(command: Command) -> i32 {
                 0
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 1
             }
         },
@@ -257,7 +257,7 @@ fn run_command(command: Command) -> i32 {
 
 fn load_config(path: &std::path::Path) -> Result<Config, i32> {
     Config::load(path).map_err(|e| {
-        eprintln!("error: {e}");
+        error_line!("{e}");
         2
     })
 }
@@ -271,7 +271,7 @@ fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
             what: format!("cannot make temp files in the store's folder {} (runs write their spill files there; give this user write access to it)", engine.scratch_dir().display()),
             source,
         };
-        eprintln!("error: {e}");
+        error_line!("{e}");
         return Err(store_exit_code(&e));
     }
     Ok(engine)
@@ -290,8 +290,8 @@ fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::p
     let store_path = config.store_path.clone();
     open(config).map_err(|e| {
         match &e {
-            crate::pipeline::PipelineError::Store(se) => eprintln!("error: {}", store_error_text(&store_path, se)),
-            _ => eprintln!("error: {e}"),
+            crate::pipeline::PipelineError::Store(se) => error_line!("{}", store_error_text(&store_path, se)),
+            _ => error_line!("{e}"),
         }
         // Another process holding the store (an operator's `zonewatch backup` while the
         // service restarts, say) lets go of it, and a full disk is freed: exit 1, which the
@@ -325,7 +325,7 @@ pub(crate) fn store_exit_code(e: &crate::store::StoreError) -> i32 {
 
 fn runtime() -> Result<tokio::runtime::Runtime, i32> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| {
-        eprintln!("error: cannot start the async runtime: {e}");
+        error_line!("cannot start the async runtime: {e}");
         1
     })
 }
@@ -339,7 +339,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         Some(id) => match engine.config.source(id) {
             Some(s) => vec![s.clone()],
             None => {
-                eprintln!("error: no source {id:?} in {}", config.display());
+                error_line!("no source {id:?} in {}", config.display());
                 return 2;
             }
         },
@@ -348,7 +348,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     if from_staging {
         // Only an HTTP fetch stages a payload; a file source's file is its own copy.
         if let Some(src) = sources.iter().find(|s| matches!(s.kind, crate::config::SourceKind::File { .. })) {
-            eprintln!("error: --from-staging re-processes the payload an HTTP source's last fetch staged; {:?} is a file source (run it without --from-staging)", src.id);
+            error_line!("--from-staging re-processes the payload an HTTP source's last fetch staged; {:?} is a file source (run it without --from-staging)", src.id);
             return 2;
         }
     }
@@ -378,7 +378,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 return 1;
             }
         };
@@ -389,20 +389,20 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
                 0
             }
             Err(e) => {
-                eprintln!("error: delivery: {e}");
+                error_line!("delivery: {e}");
                 1
             }
         }
     });
     if let Err(e) = engine.store.sweep_expired_keys(engine.now(), 10_000) {
-        eprintln!("warning: sweeping expired idempotency keys failed: {e}");
+        warning_line!("sweeping expired idempotency keys failed: {e}");
     }
     let horizon = engine.now().saturating_sub(engine.config.delivery.retention.as_millis() as u64);
     if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
-        eprintln!("warning: retention sweep of delivery attempts failed: {e}");
+        warning_line!("retention sweep of delivery attempts failed: {e}");
     }
     if failed > 0 {
-        eprintln!("error: {failed} of {} sources failed (see above); their watermarks did not move", sources.len());
+        error_line!("{failed} of {} sources failed (see above); their watermarks did not move", sources.len());
         return 1;
     }
     code
@@ -426,8 +426,8 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         // every task would fail on the same pages.
         let tx = tx.clone();
         crate::store::guard::on_damage(move || {
-            // Inside the panic hook: nothing here may panic (eprintln! would, on a closed stderr).
-            let _ = std::io::Write::write_all(&mut std::io::stderr(), b"zonewatch: the store file is damaged (redb panicked reading it); stopping\n");
+            // Inside the panic hook: nothing here may panic (`say::line` ignores a closed stderr).
+            crate::say::line(crate::say::Level::Stopping, format_args!("the store file is damaged (redb panicked reading it); stopping"));
             let _ = tx.send(true);
         });
     }
@@ -439,9 +439,9 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         let (tx, reopen) = (tx.clone(), reopen.clone());
         crate::store::on_reopen_needed(move || {
             if !reopen.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                let _ = std::io::Write::write_all(
-                    &mut std::io::stderr(),
-                    b"zonewatch: the store refuses work after an I/O error (a full disk?) until it is opened again; stopping (exit 1: the service manager restarts zonewatch)\n",
+                crate::say::line(
+                    crate::say::Level::Stopping,
+                    format_args!("the store refuses work after an I/O error (a full disk?) until it is opened again; stopping (exit 1: the service manager restarts zonewatch)"),
                 );
                 let _ = tx.send(true);
             }
@@ -453,14 +453,14 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         if let Err(e) = ctrlc::set_handler(move || {
             let n = signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if n == 0 {
-                eprintln!("zonewatch: stopping (in-flight work finishes; signal again to exit at once)");
+                crate::say::line(crate::say::Level::Status, format_args!("stopping (in-flight work finishes; signal again to exit at once)"));
                 let _ = tx.send(true);
             } else {
-                eprintln!("zonewatch: exiting now (the outbox makes this safe)");
+                crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
                 std::process::exit(130);
             }
         }) {
-            eprintln!("error: cannot install the signal handler: {e}");
+            error_line!("cannot install the signal handler: {e}");
             return 1;
         }
     }
@@ -468,7 +468,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 return 1;
             }
         };
@@ -479,14 +479,14 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         let token = match crate::control::auth::load_or_create_token(&engine.config.control.token_file) {
             Ok(t) => t,
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 return 2;
             }
         };
         let listener = match crate::control::bind(engine.config.control.listen).await {
             Ok(l) => l,
             Err(e) => {
-                eprintln!("error: cannot listen on control.listen {}: {e}", engine.config.control.listen);
+                error_line!("cannot listen on control.listen {}: {e}", engine.config.control.listen);
                 // A port held by another program for now passes: exit 1, which the packaged
                 // unit restarts. Anything else (an address this machine does not have, no
                 // permission for the port) is the config's: exit 2, not restarted.
@@ -659,7 +659,7 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
         Err(code) => return code,
     };
     if dest.exists() {
-        eprintln!("error: {} exists; choose a new file name", dest.display());
+        error_line!("{} exists; choose a new file name", dest.display());
         return 2;
     }
     // A wrong `[store] path` must not back up a new, empty store and report success.
@@ -670,13 +670,13 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
                 0
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 store_exit_code(&e)
             }
         },
         Err(crate::store::StoreError::InUse { .. }) => backup_via_daemon(&cfg, dest),
         Err(e) => {
-            eprintln!("error: {e}");
+            error_line!("{e}");
             2
         }
     }
@@ -692,8 +692,8 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     let token = match std::fs::read_to_string(&cfg.control.token_file) {
         Ok(t) => t.trim().to_string(),
         Err(e) => {
-            eprintln!(
-                "error: the store is in use by another zonewatch: a `run` or another command still going (try again when it has finished), or a `serve` whose control token {} cannot be read by this user ({e})",
+            error_line!(
+                "the store is in use by another zonewatch: a `run` or another command still going (try again when it has finished), or a `serve` whose control token {} cannot be read by this user ({e})",
                 cfg.control.token_file.display()
             );
             // No permission stays so on a retry; no token yet most likely means a `run`.
@@ -724,7 +724,7 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     let src = match result {
         Ok(p) => PathBuf::from(p),
         Err(e) => {
-            eprintln!("error: {e}");
+            error_line!("{e}");
             return 1;
         }
     };
@@ -740,7 +740,7 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             0
         }
         Err((e, code)) => {
-            eprintln!("error: {e}; the daemon's backup is kept at {} (the only copy of this backup)", src.display());
+            error_line!("{e}; the daemon's backup is kept at {} (the only copy of this backup)", src.display());
             code
         }
     }
@@ -775,12 +775,12 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
                 println!("the replaced store is kept at {}", kept.display());
             }
             if let Some(warning) = &info.owner_warning {
-                eprintln!("warning: {warning}");
+                warning_line!("{warning}");
             }
             0
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            error_line!("{e}");
             // In use (stop the daemon first) or a full disk: 1. A backup that is not a
             // healthy store, or is not there: 2, trying again would not help.
             match e {
@@ -914,7 +914,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         Some(Some(p)) => bad += check_store(&cfg, p, true),
     }
     if bad > 0 {
-        eprintln!("error: {bad} problem(s) found");
+        error_line!("{bad} problem(s) found");
         2
     } else {
         println!("all good: {} source(s), {} subscriber(s)", cfg.sources.len(), cfg.subscribers.len());
@@ -1040,14 +1040,14 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
     let store = match crate::store::Store::open_existing(&cfg.store_path) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {}", store_error_text(&cfg.store_path, &e));
+            error_line!("{}", store_error_text(&cfg.store_path, &e));
             return store_exit_code(&e);
         }
     };
     let rows = match store.audit(&filter) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: {e}");
+            error_line!("{e}");
             return store_exit_code(&e);
         }
     };
@@ -1059,7 +1059,7 @@ fn cmd_audit(config: &std::path::Path, filter: AuditFilter, format: AuditFormat)
         // The reader stopped early: as a Unix tool stopped by SIGPIPE.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 141,
         Err(e) => {
-            eprintln!("error: writing the audit rows: {e}");
+            error_line!("writing the audit rows: {e}");
             1
         }
     }
@@ -1136,7 +1136,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
             let holds = match engine.store.holds() {
                 Ok(h) => h,
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     return 2;
                 }
             };
@@ -1181,19 +1181,19 @@ fn cmd_holds(action: HoldAction) -> i32 {
                                 0
                             }
                             Err(e) => {
-                                eprintln!("error: delivery: {e}");
+                                error_line!("delivery: {e}");
                                 1
                             }
                         },
                         Err(e) => {
-                            eprintln!("error: {e}");
+                            error_line!("{e}");
                             1
                         }
                     }
                 })
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 1
             }
         },

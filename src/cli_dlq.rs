@@ -98,7 +98,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
             let listing = match engine.endpoint_listing() {
                 Ok(l) => l,
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     return 2;
                 }
             };
@@ -126,11 +126,11 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
             match engine.subscriber_managed_by(&id) {
                 Ok(Some(_)) => {}
                 Ok(None) => {
-                    eprintln!("error: no subscriber {id:?} in the config or the store");
+                    error_line!("no subscriber {id:?} in the config or the store");
                     return 1;
                 }
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     return 2;
                 }
             }
@@ -144,7 +144,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                     0
                 }
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     2
                 }
             }
@@ -201,7 +201,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
             let (s, u) = match window(since.as_deref(), until.as_deref(), crate::clock::Clock::now_ms(&crate::clock::SystemClock)) {
                 Ok(w) => w,
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     return 2;
                 }
             };
@@ -212,7 +212,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
             let (dead, quarantined) = match (engine.store.dead_letters(), engine.store.dlq_quarantine()) {
                 (Ok(d), Ok(q)) => (d, q),
                 (Err(e), _) | (_, Err(e)) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     return 2;
                 }
             };
@@ -233,7 +233,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
             let all = match (engine.store.dead_letters(), engine.store.dlq_quarantine()) {
                 (Ok(d), Ok(q)) => d.into_iter().map(|d| ("dead", d)).chain(q.into_iter().map(|d| ("quarantined", d))).collect::<Vec<_>>(),
                 (Err(e), _) | (_, Err(e)) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     return 2;
                 }
             };
@@ -242,12 +242,12 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
             let attempts = match engine.store.attempts(&key) {
                 Ok(a) => a,
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    error_line!("{e}");
                     return 2;
                 }
             };
             if found.is_none() && attempts.is_empty() {
-                eprintln!("error: no dead letter or delivery attempt for {id_or_key:?}");
+                error_line!("no dead letter or delivery attempt for {id_or_key:?}");
                 return 1;
             }
             let replays = found.map(|(_, d)| engine.store.replay_count(&d.entry.key.0).unwrap_or(0)).unwrap_or(0);
@@ -301,7 +301,7 @@ fn release(config: &std::path::Path, ids: &[u64]) -> i32 {
             Ok(crate::store::ReleaseOutcome::Released { was }) => released.push((id, was)),
             Ok(crate::store::ReleaseOutcome::NotFound) => missing.push(id),
             Err(e) => {
-                eprintln!("error: releasing dead letter {id}: {}", crate::cli::store_error_text(&engine.config.store_path, &e));
+                error_line!("releasing dead letter {id}: {}", crate::cli::store_error_text(&engine.config.store_path, &e));
                 return crate::cli::store_exit_code(&e);
             }
         }
@@ -313,9 +313,9 @@ fn release(config: &std::path::Path, ids: &[u64]) -> i32 {
     }
     for id in &missing {
         if dead.contains(id) {
-            eprintln!("error: dead letter {id} is not quarantined: `zonewatch dlq replay {id}` replays it");
+            error_line!("dead letter {id} is not quarantined: `zonewatch dlq replay {id}` replays it");
         } else {
-            eprintln!("error: no quarantined dead letter {id}");
+            error_line!("no quarantined dead letter {id}");
         }
     }
     if missing.is_empty() {
@@ -327,13 +327,13 @@ fn release(config: &std::path::Path, ids: &[u64]) -> i32 {
 
 fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, until: Option<String>, rate: f64, cap: Option<usize>) -> i32 {
     if !(rate.is_finite() && rate > 0.0) {
-        eprintln!("error: --rate must be a positive number of replays per second");
+        error_line!("--rate must be a positive number of replays per second");
         return 2;
     }
     let (s, u) = match window(since.as_deref(), until.as_deref(), crate::clock::Clock::now_ms(&crate::clock::SystemClock)) {
         Ok(w) => w,
         Err(e) => {
-            eprintln!("error: {e}");
+            error_line!("{e}");
             return 2;
         }
     };
@@ -344,7 +344,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
     let mut letters: Vec<DeadLetter> = match engine.store.dead_letters() {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("error: {e}");
+            error_line!("{e}");
             return 2;
         }
     };
@@ -359,24 +359,24 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
     };
     for id in &ids {
         if quarantined.contains(id) {
-            eprintln!("error: dead letter {id} is quarantined (replayed past max_replays, or its geometry is invalid): replay does not take it; `dlq show {id}` shows why, `dlq release {id}` takes it out once that is fixed");
+            error_line!("dead letter {id} is quarantined (replayed past max_replays, or its geometry is invalid): replay does not take it; `dlq show {id}` shows why, `dlq release {id}` takes it out once that is fixed");
             missing += 1;
         } else if !letters.iter().any(|d| d.entry.id == *id) {
-            eprintln!("error: no dead letter {id} (in the window)");
+            error_line!("no dead letter {id} (in the window)");
             missing += 1;
         }
     }
     if let Some(cap) = cap {
         letters.sort_by_key(|d| (replay::observed_ms(d), d.entry.id));
         if letters.len() > cap {
-            eprintln!("note: {} dead letters in the window; recovering the oldest {cap} (--max)", letters.len());
+            note_line!("{} dead letters in the window; recovering the oldest {cap} (--max)", letters.len());
             letters.truncate(cap);
         }
     }
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
+            error_line!("cannot start the runtime: {e}");
             return 1;
         }
     };
@@ -385,7 +385,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), cfg.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 return 1;
             }
         };
@@ -402,7 +402,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
                 }
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                error_line!("{e}");
                 1
             }
         }

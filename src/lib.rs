@@ -3,6 +3,19 @@
 //! parcel by parcel, and alerts exactly the subscribers whose areas of interest they touch —
 //! once. Everything it remembers lives in one redb file. See `docs/ARCHITECTURE.md`.
 
+/// `error: …` on stderr (a JSON line with `--log-format json`): see `say.rs`.
+macro_rules! error_line {
+    ($($t:tt)*) => { $crate::say::line($crate::say::Level::Error, format_args!($($t)*)) };
+}
+/// `warning: …` on stderr: see `say.rs`.
+macro_rules! warning_line {
+    ($($t:tt)*) => { $crate::say::line($crate::say::Level::Warning, format_args!($($t)*)) };
+}
+/// `note: …` on stderr: see `say.rs`.
+macro_rules! note_line {
+    ($($t:tt)*) => { $crate::say::line($crate::say::Level::Note, format_args!($($t)*)) };
+}
+
 pub mod bench;
 pub mod cli;
 pub mod clock;
@@ -19,6 +32,7 @@ pub mod notify;
 pub mod pipeline;
 pub mod progress;
 pub mod receiver;
+pub mod say;
 pub mod schedule;
 pub mod store;
 pub mod synth;

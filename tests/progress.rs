@@ -84,4 +84,16 @@ fn a_short_run_prints_no_progress_and_json_logs_stay_json() {
         }
     }
     assert!(progress_events >= 2, "no progress events among the JSON logs:\n{err}");
+
+    // A run that fails says why in a JSON line too (not an `error:` text line a log
+    // collector cannot parse), also with the log filter off; as text without the flag.
+    std::fs::write(ws.path().join("layer.geojson"), "{\"type\": \"FeatureCollection\", \"features\": [").unwrap();
+    let o = run_cli(&ws, &["--log-format", "json"], &[("ZONEWATCH_LOG", "off")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let lines: Vec<serde_json::Value> =
+        err.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("stderr line is not JSON ({e}): {l:?}"))).collect();
+    assert!(lines.iter().any(|v| v["level"] == "ERROR" && v["fields"]["message"].as_str().is_some_and(|m| m.contains("sources failed"))), "{err}");
+    let o = run_cli(&ws, &[], &[]);
+    assert!(String::from_utf8_lossy(&o.stderr).lines().any(|l| l.starts_with("error: ") && l.contains("sources failed")), "{}", String::from_utf8_lossy(&o.stderr));
 }
