@@ -385,7 +385,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         match deliverer.drain(Instant::now() + engine.config.delivery.run_wait).await {
             Ok(s) => {
                 let left = engine.store.outbox_len().unwrap_or(0);
-                println!("delivery: sent={} retried={} dead_letters={} outbox_remaining={}", s.sent, s.retried, s.dead, left);
+                println!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} endpoint_gone={}", s.sent, s.retried, s.dead, left, s.gone);
                 0
             }
             Err(e) => {
@@ -1177,7 +1177,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
                         Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
                             Ok(s) => {
-                                println!("delivery: sent={} retried={} dead_letters={}", s.sent, s.retried, s.dead);
+                                println!("delivery: sent={} retried={} dead_letters={} endpoint_gone={}", s.sent, s.retried, s.dead, s.gone);
                                 0
                             }
                             Err(e) => {

@@ -392,8 +392,8 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         match replay::replay(&engine.store, &deliverer, letters, rate, cfg.max_replays, Instant::now() + cfg.run_wait).await {
             Ok(r) => {
                 println!(
-                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={}",
-                    r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead
+                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} endpoint_gone={}",
+                    r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead, r.delivery.gone
                 );
                 if missing > 0 {
                     1

@@ -43,8 +43,12 @@ pub enum DeliveryError {
 pub struct PassStats {
     pub attempted: u64,
     pub sent: u64,
+    /// Sends that failed and will be tried again (a 410 is not one: see `gone`).
     pub retried: u64,
     pub dead: u64,
+    /// Sends the receiver answered 410 Gone: the endpoint is disabled and its rows wait for
+    /// an operator (`endpoints enable`, a new target), not for a retry.
+    pub gone: u64,
     /// Outcome transactions committed (group commits).
     pub commits: u64,
     /// When the pass ended with due rows held back by an open circuit breaker: the earliest
@@ -53,12 +57,26 @@ pub struct PassStats {
     pub held_until_ms: Option<u64>,
 }
 
+impl PassStats {
+    /// Counts one send's result.
+    fn count(&mut self, result: &DeliveryResult) {
+        self.attempted += 1;
+        match result {
+            DeliveryResult::Sent { .. } => self.sent += 1,
+            DeliveryResult::Retry { error, .. } if error == HTTP_410_GONE => self.gone += 1,
+            DeliveryResult::Retry { .. } => self.retried += 1,
+            DeliveryResult::Dead { .. } => self.dead += 1,
+        }
+    }
+}
+
 impl std::ops::AddAssign for PassStats {
     fn add_assign(&mut self, o: PassStats) {
         self.attempted += o.attempted;
         self.sent += o.sent;
         self.retried += o.retried;
         self.dead += o.dead;
+        self.gone += o.gone;
         self.commits += o.commits;
         self.held_until_ms = o.held_until_ms;
     }
@@ -227,13 +245,9 @@ impl Deliverer {
                 Err(e) => tracing::error!("delivery task failed: {e}"),
             }
         }
-        let mut stats = PassStats { attempted: results.len() as u64, ..Default::default() };
+        let mut stats = PassStats::default();
         for r in &results {
-            match r {
-                DeliveryResult::Sent { .. } => stats.sent += 1,
-                DeliveryResult::Retry { .. } => stats.retried += 1,
-                DeliveryResult::Dead { .. } => stats.dead += 1,
-            }
+            stats.count(r);
         }
         let store = self.store.clone();
         let policy = crate::store::HealthPolicy {
@@ -329,12 +343,7 @@ impl Deliverer {
                     let mut log = Vec::with_capacity(n);
                     let mut probes_done = Vec::new();
                     for o in batch {
-                        match &o.result {
-                            DeliveryResult::Sent { .. } => stats.sent += 1,
-                            DeliveryResult::Retry { .. } => stats.retried += 1,
-                            DeliveryResult::Dead { .. } => stats.dead += 1,
-                        }
-                        stats.attempted += 1;
+                        stats.count(&o.result);
                         if let Some(p) = o.probe_of {
                             probes_done.push(p);
                         }
