@@ -352,8 +352,32 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             return 2;
         }
     }
+    // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): the source being read
+    // finishes (its run commits whole or not at all), no other starts, the sends in flight
+    // finish; exit 130. A second signal exits at once: the outbox makes that safe.
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let signals = std::sync::atomic::AtomicUsize::new(0);
+    if let Err(e) = ctrlc::set_handler(move || {
+        if signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            crate::say::line(
+                crate::say::Level::Status,
+                format_args!("stopping: the source being read finishes and commits, no other starts, sends in flight finish; queued alerts wait for the next run (signal again to exit at once)"),
+            );
+            let _ = stop_tx.send(true);
+        } else {
+            crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
+            std::process::exit(130);
+        }
+    }) {
+        warning_line!("cannot install the signal handler ({e}): a signal stops this run at once");
+    }
+    let interrupted = || *stop.borrow();
     let mut failed = 0;
     for src in &sources {
+        if interrupted() {
+            println!("{}: skipped (interrupted)", src.id);
+            continue;
+        }
         let progress = Arc::new(crate::progress::IngestProgress::start(&src.id, crate::progress::file_size(src)));
         let opts = RunOptions { reprocess, progress: Some(progress.clone()) };
         let result = if from_staging {
@@ -382,7 +406,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
                 return 1;
             }
         };
-        match deliverer.drain(Instant::now() + engine.config.delivery.run_wait).await {
+        match deliverer.drain_until(Instant::now() + engine.config.delivery.run_wait, Some(&stop)).await {
             Ok(s) => {
                 let left = engine.store.outbox_len().unwrap_or(0);
                 println!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} endpoint_gone={}", s.sent, s.retried, s.dead, left, s.gone);
@@ -404,6 +428,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     if failed > 0 {
         error_line!("{failed} of {} sources failed (see above); their watermarks did not move", sources.len());
         return 1;
+    }
+    if interrupted() {
+        crate::say::line(crate::say::Level::Status, format_args!("stopped on a signal; what was committed stays, queued alerts wait for the next run"));
+        return 130;
     }
     code
 }

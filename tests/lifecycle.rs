@@ -1,5 +1,6 @@
 //! Lifecycle edges of issue 6: a second signal makes `serve` exit at once (the outbox makes
-//! that safe: nothing in flight is lost), and a damaged store or one of an unknown format
+//! that safe: nothing in flight is lost), a signal stops `run` without waiting out its
+//! retries, and a damaged store or one of an unknown format
 //! version is refused with a message pointing at `zonewatch restore`.
 
 mod common;
@@ -88,6 +89,62 @@ async fn a_second_signal_exits_at_once_and_loses_nothing() {
     assert_eq!(outcomes(&engine).get("sent"), None);
     let report = engine.store.check_consistency().expect("check");
     assert!(report.is_consistent(), "{:?}", report.problems);
+}
+
+/// A signal while `run` waits for retries (here ten seconds off, with a minute of
+/// `run_wait`) stops it at once: exit 130, saying so; the failed sends' outcomes are
+/// committed and their rows stay queued for the next run; nothing is sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_stops_run_without_waiting_for_its_retries() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(503)), None).await.expect("receiver");
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "retry_schedule = [\"10s\"]",
+        "",
+    );
+    ws.edit_config("run_wait = \"5s\"", "run_wait = \"60s\"");
+    let v1 = grid(40);
+    ws.write_layer(&layer(&v1));
+    run(&ws.engine(), false);
+    let mut v2 = v1.clone();
+    for p in v2.iter_mut().take(3) {
+        p.zone = "M-1".into();
+    }
+    ws.write_layer(&layer(&v2));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["run", "--config", ws.config_path().to_str().expect("utf-8")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run starts");
+    let signalled = tokio::task::block_in_place(|| {
+        let start = Instant::now();
+        while rx.received().len() < 3 {
+            assert!(start.elapsed() < Duration::from_secs(30), "deliveries never started ({} received)", rx.received().len());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        signal(&child, "-INT");
+        Instant::now()
+    });
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(signalled.elapsed() < Duration::from_secs(8), "run kept waiting for its retries after a signal");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    use std::io::Read;
+    let (mut out, mut err) = (String::new(), String::new());
+    child.stdout.take().expect("stdout").read_to_string(&mut out).expect("stdout");
+    child.stderr.take().expect("stderr").read_to_string(&mut err).expect("stderr");
+    assert_eq!(status.code(), Some(130), "{out}{err}");
+    assert!(err.contains("zonewatch: stopping") && err.contains("stopped on a signal"), "{err}");
+    assert!(out.contains("s1: ") && out.contains("delivery: sent=0 retried=3 "), "{out}");
+    assert_eq!(rx.received().len(), 3, "no retry was sent");
+    let engine = ws.engine();
+    assert_eq!(engine.store.outbox_len().expect("outbox"), 3, "the events wait for the next run");
+    let report = engine.store.check_consistency().expect("check");
+    assert!(report.is_consistent() && report.leases == 0, "{:?}", report.problems);
 }
 
 #[test]

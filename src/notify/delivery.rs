@@ -457,13 +457,43 @@ impl Deliverer {
     /// fall due before `deadline`; later ones (and a disabled endpoint's rows) are left for
     /// the next run or for `serve`.
     pub async fn drain(&self, deadline: Instant) -> Result<PassStats, DeliveryError> {
+        self.drain_until(deadline, None).await
+    }
+
+    /// [`Deliverer::drain`] that stops once `stop` reads true (`run` on a signal): nothing
+    /// more is leased and no retry is waited for; what is leased is still sent and its
+    /// outcomes committed before it returns. What is left stays queued for the next run.
+    pub async fn drain_until(&self, deadline: Instant, stop: Option<&tokio::sync::watch::Receiver<bool>>) -> Result<PassStats, DeliveryError> {
+        let stopped = || stop.is_some_and(|s| *s.borrow());
+        // Sleeps until `at` or a stop, whichever comes first.
+        let pause = |wait: Duration| async move {
+            match stop {
+                Some(s) => {
+                    let mut s = s.clone();
+                    let stop_or_never = async move {
+                        // A stop sender that is gone can never stop us: sleep the wait out.
+                        if s.wait_for(|v| *v).await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    };
+                    let _ = tokio::time::timeout(wait, stop_or_never).await;
+                }
+                None => tokio::time::sleep(wait).await,
+            }
+        };
         let mut total = PassStats::default();
         // The deadline on the deliverer's clock: rows due after it are not leased, even while
         // slow sends keep a pass going (a run must not keep retrying long past `run_wait`).
         let due_by = self.clock.now_ms().saturating_add(deadline.saturating_duration_since(Instant::now()).as_millis() as u64);
         loop {
-            let pass = self.pump_until(None, Some(due_by)).await?;
+            if stopped() {
+                break;
+            }
+            let pass = self.pump_until(stop, Some(due_by)).await?;
             total += pass;
+            if stopped() {
+                break;
+            }
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = self.clock.now_ms();
             if pass.attempted == 0 && next <= now {
@@ -476,7 +506,7 @@ impl Deliverer {
                 let wake = [pass.held_until_ms, later_retry].into_iter().flatten().min();
                 match wake {
                     Some(at) if Instant::now() + Duration::from_millis(at.saturating_sub(now)) <= deadline => {
-                        tokio::time::sleep(Duration::from_millis(at.saturating_sub(now))).await;
+                        pause(Duration::from_millis(at.saturating_sub(now))).await;
                         continue;
                     }
                     _ => break,
@@ -487,7 +517,7 @@ impl Deliverer {
                 if Instant::now() + wait > deadline {
                     break;
                 }
-                tokio::time::sleep(wait).await;
+                pause(wait).await;
             }
         }
         Ok(total)
