@@ -173,7 +173,7 @@ pub enum SynthWhat {
 /// restore a backup ...`) with exit 2, not a backtrace. So does `serve`, whose store work runs
 /// on the runtime's threads: the first redb panic begins its shutdown (`guard::on_damage`).
 pub fn dispatch(cli: Cli) -> i32 {
-    crate::progress::set_json_logs(cli.log_format == LogFormat::Json);
+    crate::say::use_json(cli.log_format == LogFormat::Json);
     let Some(config) = cli.command.store_config().map(std::path::Path::to_path_buf) else {
         return run_command(cli.command);
     };
@@ -409,7 +409,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         match deliverer.drain_until(Instant::now() + engine.config.delivery.run_wait, Some(&stop)).await {
             Ok(s) => {
                 let left = engine.store.outbox_len().unwrap_or(0);
-                println!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} endpoint_gone={}", s.sent, s.retried, s.dead, left, s.gone);
+                println!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}", s.sent, s.retried, s.dead, left, s.gone);
                 0
             }
             Err(e) => {
@@ -1205,7 +1205,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
                         Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
                             Ok(s) => {
-                                println!("delivery: sent={} retried={} dead_letters={} endpoint_gone={}", s.sent, s.retried, s.dead, s.gone);
+                                println!("delivery: sent={} retried={} dead_letters={} gone={}", s.sent, s.retried, s.dead, s.gone);
                                 0
                             }
                             Err(e) => {

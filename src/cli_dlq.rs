@@ -293,17 +293,19 @@ fn release(config: &std::path::Path, ids: &[u64]) -> i32 {
         Ok(e) => e,
         Err(c) => return c,
     };
-    let now = engine.now();
+    let outcomes = match engine.store.release_quarantined(ids, engine.now()) {
+        Ok(o) => o,
+        Err(e) => {
+            error_line!("releasing dead letters: {}", crate::cli::store_error_text(&engine.config.store_path, &e));
+            return crate::cli::store_exit_code(&e);
+        }
+    };
     let mut released = Vec::new();
     let mut missing = Vec::new();
-    for &id in ids {
-        match engine.store.release_quarantined(id, now) {
-            Ok(crate::store::ReleaseOutcome::Released { was }) => released.push((id, was)),
-            Ok(crate::store::ReleaseOutcome::NotFound) => missing.push(id),
-            Err(e) => {
-                error_line!("releasing dead letter {id}: {}", crate::cli::store_error_text(&engine.config.store_path, &e));
-                return crate::cli::store_exit_code(&e);
-            }
+    for (id, outcome) in outcomes {
+        match outcome {
+            crate::store::ReleaseOutcome::Released { was } => released.push((id, was)),
+            crate::store::ReleaseOutcome::NotFound => missing.push(id),
         }
     }
     let dead: Vec<u64> = if missing.is_empty() { Vec::new() } else { engine.store.dead_letters().map(|d| d.iter().map(|d| d.entry.id).collect()).unwrap_or_default() };
@@ -392,7 +394,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         match replay::replay(&engine.store, &deliverer, letters, rate, cfg.max_replays, Instant::now() + cfg.run_wait).await {
             Ok(r) => {
                 println!(
-                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} endpoint_gone={}",
+                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={}",
                     r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead, r.delivery.gone
                 );
                 if missing > 0 {

@@ -18,7 +18,6 @@ fn main() {
         LogFormat::Json => builder.json().init(),
         LogFormat::Human => builder.init(),
     }
-    zonewatch::say::use_json(matches!(cli.log_format, LogFormat::Json));
     quiet_on_closed_stdout();
     // Unwinding out of a command closes the store on the way (a process exit would not).
     let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dispatch(cli))) {

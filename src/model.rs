@@ -377,12 +377,14 @@ pub enum Outcome {
     EndpointDisabled,
     /// An operator re-enabled an endpoint.
     EndpointEnabled,
+    /// An operator took a quarantined dead letter back to the dead letters (`dlq release`).
+    Released,
 }
 
 impl Outcome {
     /// Every outcome, in the order the API documents them: the control port's `outcome`
     /// filter and its OpenAPI enum are built from this list, so neither can miss one.
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: [Outcome; 10] = [
         Outcome::Queued,
         Outcome::Sent,
         Outcome::Duplicate,
@@ -392,6 +394,7 @@ impl Outcome {
         Outcome::Held,
         Outcome::EndpointDisabled,
         Outcome::EndpointEnabled,
+        Outcome::Released,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -405,6 +408,7 @@ impl Outcome {
             Outcome::Held => "held",
             Outcome::EndpointDisabled => "endpoint_disabled",
             Outcome::EndpointEnabled => "endpoint_enabled",
+            Outcome::Released => "released",
         }
     }
 }

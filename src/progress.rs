@@ -19,14 +19,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Set once by the command line: logs on stderr are JSON, so nothing else may write there.
-static JSON_LOGS: AtomicBool = AtomicBool::new(false);
-
-/// Tells the progress reporters that stderr carries JSON logs (`--log-format json`).
-pub fn set_json_logs(json: bool) {
-    JSON_LOGS.store(json, Ordering::Relaxed);
-}
-
 /// Default delay before the first plain line, and between lines.
 const DEFAULT_EVERY: Duration = Duration::from_secs(5);
 /// Bar refresh granularity for the feature count in the bar's message.
@@ -104,7 +96,8 @@ impl IngestProgress {
     /// Starts reporting the run of `source_id` reading `total_bytes` (when known). Chooses a
     /// bar or throttled lines from the terminal and the log format (see the module doc).
     pub fn start(source_id: &str, total_bytes: Option<u64>) -> IngestProgress {
-        let json = JSON_LOGS.load(Ordering::Relaxed);
+        // Logs on stderr are JSON (`say::use_json`): nothing else may write text there.
+        let json = crate::say::json();
         let tty = std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
         if tty && !json {
             return IngestProgress::with_bar(source_id, total_bytes);

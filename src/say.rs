@@ -25,14 +25,20 @@ pub enum Level {
     Stopping,
 }
 
-/// Chooses JSON lines (`--log-format json`); `main` calls it once, before dispatching.
+/// Chooses JSON lines (`--log-format json`): `cli::dispatch` sets it once, first. The
+/// progress reporters read it too (`progress.rs`): stderr carrying JSON takes nothing else.
 pub fn use_json(on: bool) {
     JSON.store(on, Ordering::Relaxed);
 }
 
+/// Whether stderr carries JSON lines.
+pub fn json() -> bool {
+    JSON.load(Ordering::Relaxed)
+}
+
 /// The line for `message` at `level`, as it is printed (without the newline).
-pub fn format(level: Level, message: &str, now_ms: u64) -> String {
-    if JSON.load(Ordering::Relaxed) {
+pub fn format(level: Level, message: &str, now_ms: u64, json: bool) -> String {
+    if json {
         let level = match level {
             Level::Error => "ERROR",
             Level::Warning => "WARN",
@@ -60,7 +66,7 @@ pub fn format(level: Level, message: &str, now_ms: u64) -> String {
 /// Prints one line on stderr. Use the macros: `error_line!`, `warning_line!`, `note_line!`.
 pub fn line(level: Level, message: std::fmt::Arguments<'_>) {
     let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
-    let text = format(level, &message.to_string(), now);
+    let text = format(level, &message.to_string(), now, json());
     let mut err = std::io::stderr().lock();
     let _ = writeln!(err, "{text}");
 }
@@ -71,11 +77,9 @@ mod tests {
 
     #[test]
     fn text_and_json_lines() {
-        assert_eq!(format(Level::Error, "no source \"x\"", 0), "error: no source \"x\"");
-        assert_eq!(format(Level::Stopping, "stopping", 0), "zonewatch: stopping");
-        use_json(true);
-        let v: serde_json::Value = serde_json::from_str(&format(Level::Warning, "a \"quoted\"\nline", 1_000)).unwrap();
-        use_json(false);
+        assert_eq!(format(Level::Error, "no source \"x\"", 0, false), "error: no source \"x\"");
+        assert_eq!(format(Level::Stopping, "stopping", 0, false), "zonewatch: stopping");
+        let v: serde_json::Value = serde_json::from_str(&format(Level::Warning, "a \"quoted\"\nline", 1_000, true)).unwrap();
         assert_eq!(v["level"], "WARN");
         assert_eq!(v["fields"]["message"], "a \"quoted\"\nline");
         assert_eq!(v["timestamp"], "1970-01-01T00:00:01.000Z");

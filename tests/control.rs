@@ -332,13 +332,13 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
         assert_eq!(r.status(), 200);
         let r: Value = r.json().unwrap();
         assert_eq!((r["released"].as_u64(), r["not_found"].as_u64()), (Some(1), Some(1)), "{r}");
-        assert!(r["items"][0]["was"].as_str().unwrap().contains("max_replays 0"), "{r}");
+        assert!(r["items"][0]["quarantine_reason"].as_str().unwrap().contains("max_replays 0"), "{r}");
         assert_eq!(r["items"][1], json!({"id": 424242, "outcome": "not_found"}));
         assert!(get("/v1/deadletters/quarantined")["items"].as_array().unwrap().is_empty());
         let back = get("/v1/deadletters");
         let back = back["items"].as_array().unwrap();
         assert!(back.len() == 2 && back.iter().any(|x| x["id"].as_u64() == Some(id0) && x["reason"].as_str().unwrap().starts_with("released from quarantine")), "{back:?}");
-        let audit = get("/v1/audit?outcome=dead_letter");
+        let audit = get("/v1/audit?outcome=released");
         assert!(audit["items"].as_array().unwrap().iter().any(|x| x["detail"].as_str().unwrap().contains("released from quarantine")), "{audit}");
         assert_eq!(release(json!({"ids": []})).status(), 400);
         assert_eq!(release(json!({"id": id0})).status(), 400);

@@ -104,22 +104,14 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         }
         (&Method::GET, ["v1", "audit"]) => blocking(move || audit(&st, &q)).await,
         (&Method::GET, ["v1", "changes", "recent"]) => blocking(move || recent_changes(&st, &q)).await,
-        (&Method::GET, ["v1", "deadletters"]) => blocking(move || match st.engine.store.dead_letters() {
-            Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(dead_letter_json).collect::<Vec<_>>()})),
-            Err(e) => internal(e),
-        })
-        .await,
+        (&Method::GET, ["v1", "deadletters"]) => blocking(move || dead_letter_list(st.engine.store.dead_letters())).await,
         (&Method::GET, ["v1", "quarantine"]) => blocking(move || match st.engine.store.quarantine() {
             Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(quarantine_json).collect::<Vec<_>>()})),
             Err(e) => internal(e),
         })
         .await,
         (&Method::POST, ["v1", "backup"]) => blocking(move || backup(&st, &body)).await,
-        (&Method::GET, ["v1", "deadletters", "quarantined"]) => blocking(move || match st.engine.store.dlq_quarantine() {
-            Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(dead_letter_json).collect::<Vec<_>>()})),
-            Err(e) => internal(e),
-        })
-        .await,
+        (&Method::GET, ["v1", "deadletters", "quarantined"]) => blocking(move || dead_letter_list(st.engine.store.dlq_quarantine())).await,
         (&Method::POST, ["v1", "deadletters", "release"]) => blocking(move || release_quarantined(&st, &body)).await,
         (&Method::POST, ["v1", "deadletters", "replay"]) => {
             let r = blocking(move || replay_dead_letters(&st, &body)).await;
@@ -203,6 +195,14 @@ fn watermark_json(w: &Watermark) -> Value {
         // the same content (the probe compares against it).
         "probe_ts": w.probe_ts_ms.map(rfc3339),
     })
+}
+
+/// `{"items": [...]}` of dead letters (or quarantined ones).
+fn dead_letter_list(letters: Result<Vec<DeadLetter>, crate::store::StoreError>) -> Resp {
+    match letters {
+        Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(dead_letter_json).collect::<Vec<_>>()})),
+        Err(e) => internal(e),
+    }
 }
 
 fn dead_letter_json(d: &DeadLetter) -> Value {
@@ -684,22 +684,24 @@ fn release_quarantined(st: &ControlState, body: &[u8]) -> Resp {
     if b.ids.is_empty() {
         return error(StatusCode::BAD_REQUEST, "missing_field", "ids must name at least one quarantined dead letter");
     }
-    let now = st.engine.now();
+    let outcomes = match st.engine.store.release_quarantined(&b.ids, st.engine.now()) {
+        Ok(o) => o,
+        Err(e) => return internal(e),
+    };
     let (mut released, mut not_found) = (0u64, 0u64);
-    let mut items = Vec::new();
-    for id in b.ids {
-        match st.engine.store.release_quarantined(id, now) {
-            Ok(crate::store::ReleaseOutcome::Released { was }) => {
+    let items: Vec<Value> = outcomes
+        .into_iter()
+        .map(|(id, outcome)| match outcome {
+            crate::store::ReleaseOutcome::Released { was } => {
                 released += 1;
-                items.push(json!({"id": id, "outcome": "released", "was": was}));
+                json!({"id": id, "outcome": "released", "quarantine_reason": was})
             }
-            Ok(crate::store::ReleaseOutcome::NotFound) => {
+            crate::store::ReleaseOutcome::NotFound => {
                 not_found += 1;
-                items.push(json!({"id": id, "outcome": "not_found"}));
+                json!({"id": id, "outcome": "not_found"})
             }
-            Err(e) => return internal(e),
-        }
-    }
+        })
+        .collect();
     json(StatusCode::OK, &json!({"released": released, "not_found": not_found, "items": items}))
 }
 

@@ -98,6 +98,8 @@ where
                         return Err(sc.error("document ends inside \"features\""));
                     }
                     let (a, b) = sc.value_span()?;
+                    let len = sc.settle_feature_end(b - a)?;
+                    let (a, b) = (sc.start, sc.start + len);
                     let offset = sc.base + b as u64;
                     {
                         let raw = &sc.buf[a..b];
@@ -326,6 +328,86 @@ impl<R: Read> Scanner<R> {
                             }
                         }
                     }
+                }
+            }
+            if !self.fill()? {
+                return Err(self.error("document ends inside a value (truncated?)"));
+            }
+        }
+    }
+
+    /// The length of the feature starting at `start`, given the `len` [`Scanner::value_span`]
+    /// found. A feature is followed by `,` or `]`; when it is not, its brackets do not pair
+    /// and its end is a guess: counting braces only misreads a feature whose array was
+    /// closed with a brace (`{"c":[1,2}},...`), counting every closer misreads one whose
+    /// array was never closed (`{"a":[1,2},...`). The other count is tried, and whichever
+    /// end a `,` or `]` follows is taken, so one broken feature is quarantined and the layer
+    /// goes on; when neither is, the layer fails where it did before.
+    fn settle_feature_end(&mut self, len: usize) -> Result<usize, IngestError> {
+        if matches!(self.peek_non_ws_after(len)?, Some(b',' | b']')) {
+            return Ok(len);
+        }
+        if let Ok((a, b)) = self.any_closer_span() {
+            if matches!(self.peek_non_ws_after(b - a)?, Some(b',' | b']')) {
+                return Ok(b - a);
+            }
+        }
+        // Neither: keep the first end (and its non-finite flag, scanned again).
+        self.value_span()?;
+        Ok(len)
+    }
+
+    /// The first byte after `len` bytes from `start` that is not whitespace (None at the
+    /// end of input). Offsets from `start` stay valid across [`Scanner::fill`].
+    fn peek_non_ws_after(&mut self, len: usize) -> Result<Option<u8>, IngestError> {
+        let mut i = len;
+        loop {
+            while self.start + i < self.end {
+                let b = self.buf[self.start + i];
+                if !matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                    return Ok(Some(b));
+                }
+                i += 1;
+            }
+            if !self.fill()? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The span of the object or array at `start` with any closer closing any opener (the
+    /// count this scanner used before it counted only the value's own kind): the other guess
+    /// for a feature whose brackets do not pair. Byte by byte; it runs only for such features.
+    fn any_closer_span(&mut self) -> Result<(usize, usize), IngestError> {
+        let mut i = 0usize;
+        let mut depth = 0u32;
+        let (mut in_string, mut escaped) = (false, false);
+        self.saw_non_finite = false;
+        loop {
+            while self.start + i < self.end {
+                let b = self.buf[self.start + i];
+                i += 1;
+                if in_string {
+                    if escaped {
+                        escaped = false;
+                    } else if b == b'\\' {
+                        escaped = true;
+                    } else if b == b'"' {
+                        in_string = false;
+                    }
+                    continue;
+                }
+                match b {
+                    b'"' => in_string = true,
+                    b'N' | b'I' => self.saw_non_finite = true,
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth = depth.saturating_sub(1);
+                        if depth == 0 {
+                            return Ok((self.start, self.start + i));
+                        }
+                    }
+                    _ => {}
                 }
             }
             if !self.fill()? {
@@ -645,14 +727,28 @@ mod tests {
         assert!(flagged > 20, "the generator made too few features with non-finite tokens: {flagged}");
     }
 
-    /// A feature whose brackets do not pair ends at its own closing brace: it alone is handed
-    /// over broken (to be quarantined), and the features after it stream as usual.
+    /// A feature whose brackets do not pair is handed over broken (to be quarantined) and the
+    /// features after it stream as usual, whichever way they fail to pair: an array never
+    /// closed, a stray closer, an array closed by a brace, an object closed by a bracket. At
+    /// every read size (the second guess re-reads across refills).
     #[test]
     fn unpaired_brackets_break_one_feature_not_the_layer() {
-        let doc = br#"{"type":"FeatureCollection","features":[{"a":[1,2},{"b":2},{"c":3]}]}"#;
-        let mut seen = vec![];
-        assert_eq!(for_each_feature(doc, |f| seen.push(f.json.to_string())).unwrap(), 3);
-        assert_eq!(seen, vec![r#"{"a":[1,2}"#, r#"{"b":2}"#, r#"{"c":3]}"#]);
+        let cases: [(&str, &[&str]); 4] = [
+            (r#"[{"a":[1,2},{"b":2}]"#, &[r#"{"a":[1,2}"#, r#"{"b":2}"#]),
+            (r#"[{"c":3]} , {"d":1}]"#, &[r#"{"c":3]}"#, r#"{"d":1}"#]),
+            (r#"[{"c":[1,2}},{"d":1}]"#, &[r#"{"c":[1,2}}"#, r#"{"d":1}"#]),
+            (r#"[{"x":{"b":1]},{"d":1}]"#, &[r#"{"x":{"b":1]}"#, r#"{"d":1}"#]),
+        ];
+        for (features, want) in cases {
+            let doc = format!(r#"{{"type":"FeatureCollection","features":{features}}}"#);
+            for size in [1, 2, 5, 1 << 20] {
+                let mut seen = vec![];
+                let n = for_each_feature_in(Chunks(doc.as_bytes(), size), |f| seen.push(f.json.to_string())).unwrap_or_else(|e| panic!("{e}: {doc}"));
+                assert_eq!((n as usize, seen.as_slice()), (want.len(), want.iter().map(|w| w.to_string()).collect::<Vec<_>>().as_slice()), "{doc} at {size}");
+            }
+        }
+        // Nothing pairs: the layer fails, as it did.
+        assert!(for_each_feature(br#"{"type":"FeatureCollection","features":[{"a":[}}}]}"#, |_| {}).is_err());
     }
 
     #[test]

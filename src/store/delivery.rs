@@ -63,7 +63,7 @@ pub enum DeadCause {
 /// How many earlier rows a key record names at most (a change that keeps coming back after
 /// its TTL would otherwise grow its record without bound; older attempts are still found by
 /// the log scan once they are no longer named).
-const MAX_EARLIER_ROWS: usize = 32;
+pub(super) const MAX_EARLIER_ROWS: usize = 32;
 
 /// Claims `claims` inside `wtx`: keys (found through `index` in the key journal or the key
 /// table), outbox rows for the winners, an audit row for every claim.

@@ -4,7 +4,8 @@
 //! any row its record names) is absorbed as a `duplicate`; a dead letter replayed more than `max_replays` times, or whose geometry no
 //! longer validates, is moved to the delivery quarantine for a person. That person takes one
 //! back out with a release (`zonewatch dlq release`, `POST /v1/deadletters/release`): it is a
-//! dead letter again, its replay count starts over, and the next replay decides afresh.
+//! dead letter again, its replay count starts over (audited `released`), and the next replay
+//! decides afresh.
 
 use super::runs::{append_audit, codec_err};
 use super::tables::*;
@@ -68,6 +69,14 @@ fn key_was_sent(index: &super::key_journal::KeyIndex, wtx: &WriteTransaction, ke
     Ok(super::leases::named_attempts(&legacy, &log, key, rows)?.iter().any(|a| a.result == "sent"))
 }
 
+/// Takes row `id` out of `table` (the dead letters or the delivery quarantine), decoded.
+fn take_dead(wtx: &WriteTransaction, table: redb::TableDefinition<u64, &[u8]>, name: &'static str, id: u64) -> Result<Option<DeadLetter>, StoreError> {
+    let mut t = wtx.open_table(table)?;
+    let Some(v) = t.remove(id)? else { return Ok(None) };
+    let dead = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err(name, m))?;
+    Ok(Some(dead))
+}
+
 impl Store {
     /// Replays dead letter `id` (see the module doc). `geometry` is the caller's re-validation
     /// of the payload geometry. One transaction.
@@ -80,20 +89,15 @@ impl Store {
     ) -> Result<ReplayOutcome, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let dl: DeadLetter = {
-            let t = wtx.open_table(DEAD_LETTERS)?;
-            let Some(v) = t.get(id)? else {
-                drop(t);
-                wtx.abort()?;
-                return Ok(ReplayOutcome::NotFound);
-            };
-            super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?
+        // Every outcome below takes the row out of the dead letters.
+        let Some(dl) = take_dead(&wtx, DEAD_LETTERS, "dead_letters", id)? else {
+            wtx.abort()?;
+            return Ok(ReplayOutcome::NotFound);
         };
         let e = &dl.entry;
         let mut audit = AuditRow::for_entry(e, Outcome::Duplicate, now_ms, String::new());
         let replays = wtx.open_table(DLQ_REPLAYS)?.get(e.key.0.as_str())?.map(|v| v.value()).unwrap_or(0);
         let outcome = if key_was_sent(&self.key_index, &wtx, &e.key.0)? {
-            wtx.open_table(DEAD_LETTERS)?.remove(id)?;
             audit.detail = format!("replay of dead letter {id}: already delivered");
             ReplayOutcome::Duplicate
         } else if let Err(reason) = geometry.map_err(|m| format!("invalid_geometry: {m}")).and_then(|_| {
@@ -103,14 +107,12 @@ impl Store {
                 Ok(())
             }
         }) {
-            wtx.open_table(DEAD_LETTERS)?.remove(id)?;
             let q = DeadLetter { entry: e.clone(), reason: reason.clone(), dead_at_ms: now_ms };
             wtx.open_table(DLQ_QUARANTINE)?.insert(id, super::outbox_rows::encode_dead(&q).as_slice())?;
             audit.outcome = Outcome::Quarantined;
             audit.detail = format!("dead letter {id}: {reason}");
             ReplayOutcome::Quarantined { reason }
         } else {
-            wtx.open_table(DEAD_LETTERS)?.remove(id)?;
             let new_id = next_outbox_id(&wtx)?;
             let entry = OutboxEntry {
                 id: new_id,
@@ -134,33 +136,41 @@ impl Store {
         Ok(outcome)
     }
 
-    /// Takes quarantined dead letter `id` back to the dead letters, for a person who has
-    /// fixed what put it there (a receiver that was down past `max_replays` replays, say):
-    /// same row id, key and body; its replay count starts again from 0; one `dead_letter`
-    /// audit row saying it was released and why it had been quarantined. A replay then
-    /// decides afresh: an event whose geometry does not validate is quarantined again, one
-    /// whose key shows a `sent` attempt is absorbed as a duplicate. One transaction.
-    pub fn release_quarantined(&self, id: u64, now_ms: u64) -> Result<ReleaseOutcome, StoreError> {
+    /// Takes quarantined dead letters `ids` back to the dead letters, for a person who has
+    /// fixed what put them there (a receiver that was down past `max_replays` replays, say):
+    /// same row id, key and body; each one's replay count starts again from 0; one
+    /// `released` audit row each, saying why it had been quarantined. A replay then decides
+    /// afresh: an event whose geometry does not validate is quarantined again, one whose key
+    /// shows a `sent` attempt is absorbed as a duplicate. One transaction for all of them; an
+    /// id that is also a live dead letter (a damaged or hand-edited store) fails it whole.
+    pub fn release_quarantined(&self, ids: &[u64], now_ms: u64) -> Result<Vec<(u64, ReleaseOutcome)>, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let q: DeadLetter = {
-            let mut t = wtx.open_table(DLQ_QUARANTINE)?;
-            let Some(v) = t.remove(id)? else {
-                drop(t);
-                wtx.abort()?;
-                return Ok(ReleaseOutcome::NotFound);
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let Some(q) = take_dead(&wtx, DLQ_QUARANTINE, "dlq_quarantine", id)? else {
+                out.push((id, ReleaseOutcome::NotFound));
+                continue;
             };
-            super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dlq_quarantine", m))?
-        };
-        let was = q.reason.clone();
-        let reason = format!("released from quarantine (was: {was})");
-        let dead = DeadLetter { entry: q.entry, reason: reason.clone(), dead_at_ms: now_ms };
-        wtx.open_table(DEAD_LETTERS)?.insert(id, super::outbox_rows::encode_dead(&dead).as_slice())?;
-        wtx.open_table(DLQ_REPLAYS)?.remove(dead.entry.key.0.as_str())?;
-        let mut audit = AuditRow::for_entry(&dead.entry, Outcome::DeadLetter, now_ms, format!("dead letter {id} {reason}; replays start again from 0"));
-        append_audit(&wtx, &mut audit)?;
-        wtx.commit()?;
-        Ok(ReleaseOutcome::Released { was })
+            let mut dead_letters = wtx.open_table(DEAD_LETTERS)?;
+            if dead_letters.get(id)?.is_some() {
+                return Err(StoreError::Conflict(format!("dead letter {id} is both quarantined and a dead letter; run `zonewatch check --store`")));
+            }
+            let was = q.reason;
+            let dead = DeadLetter { entry: q.entry, reason: format!("released from quarantine (was: {was})"), dead_at_ms: now_ms };
+            dead_letters.insert(id, super::outbox_rows::encode_dead(&dead).as_slice())?;
+            drop(dead_letters);
+            wtx.open_table(DLQ_REPLAYS)?.remove(dead.entry.key.0.as_str())?;
+            let detail = format!("dead letter {id} released from quarantine (was: {was}); replays start again from 0");
+            append_audit(&wtx, &mut AuditRow::for_entry(&dead.entry, Outcome::Released, now_ms, detail))?;
+            out.push((id, ReleaseOutcome::Released { was }));
+        }
+        if out.iter().any(|(_, o)| matches!(o, ReleaseOutcome::Released { .. })) {
+            wtx.commit()?;
+        } else {
+            wtx.abort()?;
+        }
+        Ok(out)
     }
 
     /// Dead letters set aside for a person (replayed too often, invalid geometry).
@@ -242,19 +252,41 @@ mod tests {
         let ReplayOutcome::Requeued { outbox_id, replay: 1 } = store.replay_dead_letter(row, 2, 1, Ok(())).unwrap() else { panic!("not requeued") };
         dead(outbox_id, 3);
         assert!(matches!(store.replay_dead_letter(outbox_id, 4, 1, Ok(())).unwrap(), ReplayOutcome::Quarantined { .. }));
-        assert_eq!(store.release_quarantined(row, 5).unwrap(), ReleaseOutcome::NotFound, "the first row is not the quarantined one");
-        let ReleaseOutcome::Released { was } = store.release_quarantined(outbox_id, 5).unwrap() else { panic!("not released") };
+        let released = store.release_quarantined(&[row, outbox_id], 5).unwrap();
+        assert_eq!(released[0], (row, ReleaseOutcome::NotFound), "the first row is not the quarantined one");
+        let (_, ReleaseOutcome::Released { was }) = &released[1] else { panic!("not released: {released:?}") };
         assert!(was.contains("max_replays 1"), "{was}");
         assert!(store.dlq_quarantine().unwrap().is_empty());
         let back = store.dead_letters().unwrap();
         assert_eq!((back.len(), back[0].entry.id, back[0].entry.key.0.as_str(), back[0].dead_at_ms), (1, outbox_id, "key-A", 5));
         assert_eq!(store.replay_count("key-A").unwrap(), 0);
         let last = store.audit(&Default::default()).unwrap().pop().unwrap();
-        assert_eq!(last.outcome, Outcome::DeadLetter);
+        assert_eq!(last.outcome, Outcome::Released);
         assert!(last.detail.contains("released from quarantine") && last.detail.contains(&outbox_id.to_string()), "{}", last.detail);
         assert!(store.check_consistency().unwrap().problems.is_empty(), "{:?}", store.check_consistency().unwrap().problems);
-        assert_eq!(store.release_quarantined(outbox_id, 6).unwrap(), ReleaseOutcome::NotFound, "released once");
+        assert_eq!(store.release_quarantined(&[outbox_id], 6).unwrap(), vec![(outbox_id, ReleaseOutcome::NotFound)], "released once");
         assert!(matches!(store.replay_dead_letter(outbox_id, 7, 1, Ok(())).unwrap(), ReplayOutcome::Requeued { replay: 1, .. }));
         assert!(store.check_consistency().unwrap().problems.is_empty());
+    }
+
+    /// A row that is both quarantined and a live dead letter (only a damaged or hand-edited
+    /// store has one) is not overwritten by a release: the release fails whole, naming it.
+    #[test]
+    fn a_release_never_overwrites_a_live_dead_letter() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let claim = Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey("key-A".into()) };
+        store.enqueue(&[sample_event("A")], &[claim], "l1", 0, HOUR).unwrap();
+        let row = store.outbox().unwrap()[0].id;
+        let dead = DeliveryResult::Dead { id: row, reason: "rejected_400".into(), cause: crate::store::DeadCause::Endpoint };
+        store.record_outcomes(&[dead], &[attempt("key-A", row, "dead_letter", 1)], 1).unwrap();
+        assert!(matches!(store.replay_dead_letter(row, 2, 0, Ok(())).unwrap(), ReplayOutcome::Quarantined { .. }));
+        let quarantined = store.dlq_quarantine().unwrap().remove(0);
+        let wtx = store.db.begin_write().unwrap();
+        wtx.open_table(DEAD_LETTERS).unwrap().insert(row, super::super::outbox_rows::encode_dead(&quarantined).as_slice()).unwrap();
+        wtx.commit().unwrap();
+        let err = store.release_quarantined(&[row], 3).unwrap_err();
+        assert!(err.to_string().contains(&format!("dead letter {row} is both quarantined and a dead letter")), "{err}");
+        assert_eq!((store.dlq_quarantine().unwrap().len(), store.dead_letters().unwrap().len()), (1, 1), "nothing changed");
     }
 }

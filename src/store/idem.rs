@@ -120,6 +120,10 @@ pub(super) fn repoint(index: &KeyIndex, wtx: &WriteTransaction, key: &str, outbo
         rec.state = IdemState::Queued;
         if let Some(previous) = rec.outbox_id.replace(outbox_id) {
             rec.earlier_rows.push(previous);
+            // Bounded as a claim bounds it: released and replayed again and again, a key
+            // would otherwise name ever more rows (each one a read in `key_was_sent`).
+            let keep_from = rec.earlier_rows.len().saturating_sub(super::delivery::MAX_EARLIER_ROWS);
+            rec.earlier_rows.drain(..keep_from);
         }
         keys.update(place, key, &rec)?;
     }
