@@ -352,24 +352,15 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             return 2;
         }
     }
-    // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): the source being read
-    // finishes (its run commits whole or not at all), no other starts, the sends in flight
-    // finish; exit 130. A second signal exits at once: the outbox makes that safe.
+    // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): see `stop_run_on_signals`.
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(c) => return c,
+    };
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    let signals = std::sync::atomic::AtomicUsize::new(0);
-    if let Err(e) = ctrlc::set_handler(move || {
-        if signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-            crate::say::line(
-                crate::say::Level::Status,
-                format_args!("stopping: the source being read finishes and commits, no other starts, sends in flight finish; queued alerts wait for the next run (signal again to exit at once)"),
-            );
-            let _ = stop_tx.send(true);
-        } else {
-            crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
-            std::process::exit(130);
-        }
-    }) {
-        warning_line!("cannot install the signal handler ({e}): a signal stops this run at once");
+    let signal_code = Arc::new(std::sync::atomic::AtomicI32::new(0));
+    if let Err(e) = stop_run_on_signals(&rt, stop_tx, signal_code.clone()) {
+        warning_line!("cannot watch for signals ({e}): a signal stops this run at once");
     }
     let interrupted = || *stop.borrow();
     let mut failed = 0;
@@ -394,10 +385,6 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             }
         }
     }
-    let rt = match runtime() {
-        Ok(rt) => rt,
-        Err(c) => return c,
-    };
     let code = rt.block_on(async {
         let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
@@ -425,15 +412,52 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
         warning_line!("retention sweep of delivery attempts failed: {e}");
     }
+    if interrupted() {
+        let queued = engine.store.outbox_len().unwrap_or(0);
+        crate::say::line(crate::say::Level::Status, format_args!("stopped on a signal; what was committed stays, {queued} queued alert(s) wait for the next run"));
+    }
     if failed > 0 {
         error_line!("{failed} of {} sources failed (see above); their watermarks did not move", sources.len());
         return 1;
     }
-    if interrupted() {
-        crate::say::line(crate::say::Level::Status, format_args!("stopped on a signal; what was committed stays, queued alerts wait for the next run"));
-        return 130;
+    // A failure outranks the signal; the signal outranks success (130 for SIGINT, 143 for
+    // SIGTERM, as a shell reports a command those signals killed).
+    match signal_code.load(std::sync::atomic::Ordering::SeqCst) {
+        signal if code == 0 && signal != 0 => signal,
+        _ => code,
     }
-    code
+}
+
+/// `run`'s answer to SIGINT and SIGTERM (only those: a SIGHUP that `nohup` ignores stays
+/// ignored). The first says what happens and flips `stop`: the source being read finishes
+/// (its run commits whole or not at all), no other starts, sends already begun finish and
+/// nothing more is sent or waited for; `run` then exits 130 (SIGINT) or 143 (SIGTERM),
+/// recorded in `code`. A second signal exits at once: the outbox makes that safe.
+fn stop_run_on_signals(rt: &tokio::runtime::Runtime, stop: tokio::sync::watch::Sender<bool>, code: Arc<std::sync::atomic::AtomicI32>) -> std::io::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let _entered = rt.enter();
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    rt.spawn(async move {
+        loop {
+            let got = tokio::select! {
+                _ = interrupt.recv() => 130,
+                _ = terminate.recv() => 143,
+            };
+            if code.compare_exchange(0, got, std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst).is_ok() {
+                // Stop first, then say so: a stalled stderr must not hold the stop up.
+                let _ = stop.send(true);
+                crate::say::line(
+                    crate::say::Level::Status,
+                    format_args!("stopping: the source being read finishes and commits, no other starts, sends already begun finish; queued alerts wait for the next run (signal again to exit at once)"),
+                );
+            } else {
+                crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
+                std::process::exit(got);
+            }
+        }
+    });
+    Ok(())
 }
 
 fn cmd_serve(config: &std::path::Path) -> i32 {

@@ -121,7 +121,7 @@ pub fn document() -> Value {
                     "ids": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}}}}},
                 "responses": with_errors(json!({"200": ok("what each id became: released (a dead letter again, replay count reset) or not_found", json!({"type": "object", "required": ["released", "not_found", "items"], "properties": {
                     "released": s("integer"), "not_found": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
-                        "id": s("integer"), "outcome": {"type": "string", "enum": ["released", "not_found"]}, "quarantine_reason": s("string")}}}}}))}), &["400"])}},
+                        "id": s("integer"), "outcome": {"type": "string", "enum": ["released", "not_found"]}, "quarantine_reason": s("string")}}}}}))}), &["400", "409"])}},
             "/v1/quarantine": {"get": {"operationId": "listQuarantine", "responses": with_errors(json!({"200": ok("quarantined features", list_of("Quarantined"))}), &[])}},
             "/v1/backup": {"post": {"operationId": "backup",
                 "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"}}}}}},

@@ -686,6 +686,7 @@ fn release_quarantined(st: &ControlState, body: &[u8]) -> Resp {
     }
     let outcomes = match st.engine.store.release_quarantined(&b.ids, st.engine.now()) {
         Ok(o) => o,
+        Err(e @ crate::store::StoreError::Conflict(_)) => return error(StatusCode::CONFLICT, "conflict", e.to_string()),
         Err(e) => return internal(e),
     };
     let (mut released, mut not_found) = (0u64, 0u64);

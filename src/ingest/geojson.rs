@@ -41,6 +41,10 @@ pub const MAX_VALUE_BYTES: usize = 256 * 1024 * 1024;
 
 const WINDOW: usize = 1 << 20;
 
+/// How far past the first guess at a broken feature's end the second may look
+/// ([`Scanner::settle_feature_end`]): closers and whitespace left over, no more.
+const SECOND_GUESS_SLACK: usize = 256;
+
 /// Calls `on_feature` for each feature of the FeatureCollection read from `reader`.
 /// Returns the number of features seen.
 pub fn for_each_feature_in<R, F>(reader: R, mut on_feature: F) -> Result<u64, IngestError>
@@ -265,10 +269,9 @@ impl<R: Read> Scanner<R> {
     ///
     /// This runs on the one thread that reads the document while the workers parse, so it
     /// jumps between the bytes that matter with `memchr` instead of looking at every byte:
-    /// an object's end is found by counting only braces, an array's only brackets (the other
-    /// kind cannot close it, and a feature whose brackets do not pair is that feature's
-    /// problem: it is cut at its own closing brace and quarantined, not run into the next),
-    /// and a string's end by its unescaped quote.
+    /// an object's end is found by counting only braces, an array's only brackets (a feature
+    /// whose brackets do not pair gets a second look: [`Scanner::settle_feature_end`]), and a
+    /// string's end by its unescaped quote.
     fn value_span(&mut self) -> Result<(usize, usize), IngestError> {
         let first = self.buf[self.start];
         self.saw_non_finite = false;
@@ -338,21 +341,26 @@ impl<R: Read> Scanner<R> {
 
     /// The length of the feature starting at `start`, given the `len` [`Scanner::value_span`]
     /// found. A feature is followed by `,` or `]`; when it is not, its brackets do not pair
-    /// and its end is a guess: counting braces only misreads a feature whose array was
-    /// closed with a brace (`{"c":[1,2}},...`), counting every closer misreads one whose
-    /// array was never closed (`{"a":[1,2},...`). The other count is tried, and whichever
-    /// end a `,` or `]` follows is taken, so one broken feature is quarantined and the layer
-    /// goes on; when neither is, the layer fails where it did before.
+    /// and its end is a guess. Counting braces only misreads an object with an array closed
+    /// by a brace (`{"c":[1,2}},...`: the end found is one short) or with an object closed by
+    /// a bracket (`{"x":{"b":1]},...`: the end found is far past). So the other count (any
+    /// closer closes any opener) is tried too, for an object or array only, and taken when a
+    /// `,` or `]` follows it and it ends before the first guess or past it by closers and
+    /// whitespace alone: never by swallowing what follows (a valid feature taken into a
+    /// broken one would read as removed). Otherwise the first guess stands, and the layer
+    /// fails as it did. The second count looks no further than a little past the first end,
+    /// so it never holds more of the document than the first did.
     fn settle_feature_end(&mut self, len: usize) -> Result<usize, IngestError> {
-        if matches!(self.peek_non_ws_after(len)?, Some(b',' | b']')) {
+        if matches!(self.peek_non_ws_after(len)?, Some(b',' | b']')) || !matches!(self.buf[self.start], b'{' | b'[') {
             return Ok(len);
         }
-        if let Ok((a, b)) = self.any_closer_span() {
-            if matches!(self.peek_non_ws_after(b - a)?, Some(b',' | b']')) {
-                return Ok(b - a);
+        if let Some(other) = self.any_closer_len(len + SECOND_GUESS_SLACK)? {
+            let past = self.buf[self.start + len.min(other)..self.start + other].iter().all(|b| matches!(b, b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t'));
+            if (other < len || past) && matches!(self.peek_non_ws_after(other)?, Some(b',' | b']')) {
+                return Ok(other);
             }
         }
-        // Neither: keep the first end (and its non-finite flag, scanned again).
+        // The first end stands (its non-finite flag, scanned again).
         self.value_span()?;
         Ok(len)
     }
@@ -375,16 +383,20 @@ impl<R: Read> Scanner<R> {
         }
     }
 
-    /// The span of the object or array at `start` with any closer closing any opener (the
-    /// count this scanner used before it counted only the value's own kind): the other guess
-    /// for a feature whose brackets do not pair. Byte by byte; it runs only for such features.
-    fn any_closer_span(&mut self) -> Result<(usize, usize), IngestError> {
+    /// The length of the object or array at `start` when any closer closes any opener (the
+    /// count this scanner used before it counted only the value's own kind), if it ends
+    /// within `limit` bytes. Byte by byte; it runs only for a feature whose brackets do not
+    /// pair. Sets the non-finite flag for that span.
+    fn any_closer_len(&mut self, limit: usize) -> Result<Option<usize>, IngestError> {
         let mut i = 0usize;
         let mut depth = 0u32;
         let (mut in_string, mut escaped) = (false, false);
         self.saw_non_finite = false;
         loop {
             while self.start + i < self.end {
+                if i >= limit {
+                    return Ok(None);
+                }
                 let b = self.buf[self.start + i];
                 i += 1;
                 if in_string {
@@ -404,14 +416,14 @@ impl<R: Read> Scanner<R> {
                     b'}' | b']' => {
                         depth = depth.saturating_sub(1);
                         if depth == 0 {
-                            return Ok((self.start, self.start + i));
+                            return Ok(Some(i));
                         }
                     }
                     _ => {}
                 }
             }
-            if !self.fill()? {
-                return Err(self.error("document ends inside a value (truncated?)"));
+            if i >= limit || !self.fill()? {
+                return Ok(None);
             }
         }
     }
@@ -747,8 +759,14 @@ mod tests {
                 assert_eq!((n as usize, seen.as_slice()), (want.len(), want.iter().map(|w| w.to_string()).collect::<Vec<_>>().as_slice()), "{doc} at {size}");
             }
         }
-        // Nothing pairs: the layer fails, as it did.
-        assert!(for_each_feature(br#"{"type":"FeatureCollection","features":[{"a":[}}}]}"#, |_| {}).is_err());
+        // Nothing pairs, or pairing would swallow the features after it: the layer fails
+        // (nothing is taken for removed), as it did.
+        for features in [r#"[{"a":[}}}]"#, r#"[{"a":1},"junk" x,{"id":"b"},{"id":"c"}]"#, r#"[{"a":1},5 6,{"id":"b"}]"#, r#"[{"a":[1} x,{"id":"b"},{"c":1]}]"#] {
+            let doc = format!(r#"{{"type":"FeatureCollection","features":{features}}}"#);
+            let mut seen = vec![];
+            assert!(for_each_feature(doc.as_bytes(), |f| seen.push(f.json.to_string())).is_err(), "{doc}: {seen:?}");
+            assert!(!seen.iter().any(|f| f.contains(r#""id":"b""#) && f != r#"{"id":"b"}"#), "a valid feature swallowed: {seen:?}");
+        }
     }
 
     #[test]

@@ -301,8 +301,10 @@ impl Deliverer {
         self.pump_until(None, None).await
     }
 
-    /// [`Deliverer::pump`] that stops leasing once `stop` reads true; what is in flight is
-    /// still sent and its outcomes committed before it returns (a graceful `serve` stop).
+    /// [`Deliverer::pump`] that stops leasing once `stop` reads true; the sends already begun
+    /// finish and their outcomes are committed before it returns, and leased rows whose send
+    /// has not begun (waiting for an endpoint slot) are left queued, unsent (a graceful stop
+    /// of `serve` or `run`).
     /// With `due_by` (clock ms), only rows due by then are leased: a retry falling due later
     /// is left for the next pass, however long the sends in flight take (`run`'s `run_wait`).
     pub async fn pump_until(&self, stop: Option<&tokio::sync::watch::Receiver<bool>>, due_by: Option<u64>) -> Result<PassStats, DeliveryError> {
@@ -434,10 +436,16 @@ impl Deliverer {
                 let sem = sem.clone();
                 let otx = otx.clone();
                 let probe_of = probes.contains(&entry.watcher_id).then(|| entry.watcher_id.clone());
+                let stop = stop.cloned();
                 tokio::spawn(async move {
                     let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
                     let _permit = sem.acquire_owned().await;
                     this.endpoint_rate_wait(&entry.watcher_id).await;
+                    // Stopping: a row whose send has not begun is not sent. It stays queued
+                    // (its lease is this process's and ends with it) and has no outcome.
+                    if stop.as_ref().is_some_and(|s| *s.borrow()) {
+                        return;
+                    }
                     let (result, attempt) = this.attempt(&entry).await;
                     // The committer outlives every sender (it ends when the last sender is gone).
                     let _ = otx.send(Outcome { result, attempt, probe_of });

@@ -146,8 +146,11 @@ impl Store {
     pub fn release_quarantined(&self, ids: &[u64], now_ms: u64) -> Result<Vec<(u64, ReleaseOutcome)>, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let mut out = Vec::with_capacity(ids.len());
+        let mut out: Vec<(u64, ReleaseOutcome)> = Vec::with_capacity(ids.len());
         for &id in ids {
+            if out.iter().any(|(done, _)| *done == id) {
+                continue; // named twice: one outcome
+            }
             let Some(q) = take_dead(&wtx, DLQ_QUARANTINE, "dlq_quarantine", id)? else {
                 out.push((id, ReleaseOutcome::NotFound));
                 continue;
@@ -235,24 +238,32 @@ mod tests {
     /// A dead letter replayed past `max_replays` is quarantined; released, it is a dead
     /// letter again under the same id and key, its replay count starts over, the release is
     /// audited, and the next replay queues it. The store stays consistent throughout.
-    #[test]
-    fn a_released_dead_letter_can_be_replayed_again() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+    /// A store with one event (key `key-A`) queued; returns its outbox row.
+    fn one_queued(dir: &std::path::Path) -> (Store, u64) {
+        let store = Store::open(&dir.join("z.redb")).unwrap();
         let claim = Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey("key-A".into()) };
         store.enqueue(&[sample_event("A")], &[claim], "l1", 0, HOUR).unwrap();
         let row = store.outbox().unwrap()[0].id;
-        let dead = |id: u64, at: u64| {
-            store
-                .record_outcomes(&[DeliveryResult::Dead { id, reason: "rejected_400".into(), cause: crate::store::DeadCause::Endpoint }], &[attempt("key-A", id, "dead_letter", at)], at)
-                .unwrap()
-        };
-        dead(row, 1);
+        (store, row)
+    }
+
+    /// Outbox row `id` of `key-A` refused (400) at `at`: a dead letter.
+    fn dead(store: &Store, id: u64, at: u64) {
+        let refused = DeliveryResult::Dead { id, reason: "rejected_400".into(), cause: crate::store::DeadCause::Endpoint };
+        store.record_outcomes(&[refused], &[attempt("key-A", id, "dead_letter", at)], at).unwrap();
+    }
+
+    #[test]
+    fn a_released_dead_letter_can_be_replayed_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, row) = one_queued(dir.path());
+        dead(&store, row, 1);
         // One replay allowed: the first queues it (and it dies again), the second quarantines.
         let ReplayOutcome::Requeued { outbox_id, replay: 1 } = store.replay_dead_letter(row, 2, 1, Ok(())).unwrap() else { panic!("not requeued") };
-        dead(outbox_id, 3);
+        dead(&store, outbox_id, 3);
         assert!(matches!(store.replay_dead_letter(outbox_id, 4, 1, Ok(())).unwrap(), ReplayOutcome::Quarantined { .. }));
-        let released = store.release_quarantined(&[row, outbox_id], 5).unwrap();
+        let released = store.release_quarantined(&[row, outbox_id, outbox_id], 5).unwrap();
+        assert_eq!(released.len(), 2, "an id named twice has one outcome: {released:?}");
         assert_eq!(released[0], (row, ReleaseOutcome::NotFound), "the first row is not the quarantined one");
         let (_, ReleaseOutcome::Released { was }) = &released[1] else { panic!("not released: {released:?}") };
         assert!(was.contains("max_replays 1"), "{was}");
@@ -274,12 +285,8 @@ mod tests {
     #[test]
     fn a_release_never_overwrites_a_live_dead_letter() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let claim = Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey("key-A".into()) };
-        store.enqueue(&[sample_event("A")], &[claim], "l1", 0, HOUR).unwrap();
-        let row = store.outbox().unwrap()[0].id;
-        let dead = DeliveryResult::Dead { id: row, reason: "rejected_400".into(), cause: crate::store::DeadCause::Endpoint };
-        store.record_outcomes(&[dead], &[attempt("key-A", row, "dead_letter", 1)], 1).unwrap();
+        let (store, row) = one_queued(dir.path());
+        dead(&store, row, 1);
         assert!(matches!(store.replay_dead_letter(row, 2, 0, Ok(())).unwrap(), ReplayOutcome::Quarantined { .. }));
         let quarantined = store.dlq_quarantine().unwrap().remove(0);
         let wtx = store.db.begin_write().unwrap();
