@@ -47,6 +47,32 @@ fn wait_received(rx: &Receiver, n: usize) {
     }
 }
 
+/// Starts `zonewatch run`, sends it `sig` once `rx` has `after` requests, and waits (at
+/// most 8 s) for it to exit: its exit code, stdout and stderr.
+fn run_signalled(ws: &Workspace, rx: &Receiver, after: usize, sig: &str) -> (Option<i32>, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["run", "--config", ws.config_path().to_str().expect("utf-8")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run starts");
+    wait_received(rx, after);
+    signal(&child, sig);
+    let signalled = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(signalled.elapsed() < Duration::from_secs(8), "run kept going 8 s after {sig}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    use std::io::Read;
+    let (mut out, mut err) = (String::new(), String::new());
+    child.stdout.take().expect("stdout").read_to_string(&mut out).expect("stdout");
+    child.stderr.take().expect("stderr").read_to_string(&mut err).expect("stderr");
+    (status.code(), out, err)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_exits_at_once_and_loses_nothing() {
     // A receiver that takes far longer than the test waits: deliveries stay in flight.
@@ -102,29 +128,8 @@ async fn a_signal_stops_run_without_waiting_for_its_retries() {
     let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(503)), None).await.expect("receiver");
     let ws = three_rezonings_pending(rx.url("/hook"), "retry_schedule = [\"10s\"]", "");
     ws.edit_config("run_wait = \"5s\"", "run_wait = \"60s\"");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
-        .args(["run", "--config", ws.config_path().to_str().expect("utf-8")])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run starts");
-    let signalled = tokio::task::block_in_place(|| {
-        wait_received(&rx, 3);
-        signal(&child, "-INT");
-        Instant::now()
-    });
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(signalled.elapsed() < Duration::from_secs(8), "run kept waiting for its retries after a signal");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    use std::io::Read;
-    let (mut out, mut err) = (String::new(), String::new());
-    child.stdout.take().expect("stdout").read_to_string(&mut out).expect("stdout");
-    child.stderr.take().expect("stderr").read_to_string(&mut err).expect("stderr");
-    assert_eq!(status.code(), Some(130), "{out}{err}");
+    let (code, out, err) = tokio::task::block_in_place(|| run_signalled(&ws, &rx, 3, "-INT"));
+    assert_eq!(code, Some(130), "{out}{err}");
     assert!(err.contains("zonewatch: stopping") && err.contains("stopped on a signal"), "{err}");
     assert!(out.contains("s1: ") && out.contains("delivery: sent=0 retried=3 "), "{out}");
     assert_eq!(rx.received().len(), 3, "no retry was sent");
@@ -143,24 +148,8 @@ async fn a_signal_leaves_rows_whose_send_has_not_begun_queued() {
     let ws = three_rezonings_pending(rx.url("/hook"), "endpoint_concurrency = 1", "");
     let config = ws.config_path();
     let config = config.to_str().expect("utf-8");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["run", "--config", config]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("run starts");
-    let signalled = tokio::task::block_in_place(|| {
-        wait_received(&rx, 1);
-        signal(&child, "-TERM");
-        Instant::now()
-    });
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(signalled.elapsed() < Duration::from_secs(8), "run kept sending after a signal");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    use std::io::Read;
-    let (mut out, mut err) = (String::new(), String::new());
-    child.stdout.take().expect("stdout").read_to_string(&mut out).expect("stdout");
-    child.stderr.take().expect("stderr").read_to_string(&mut err).expect("stderr");
-    assert_eq!(status.code(), Some(143), "{out}{err}");
+    let (code, out, err) = tokio::task::block_in_place(|| run_signalled(&ws, &rx, 1, "-TERM"));
+    assert_eq!(code, Some(143), "{out}{err}");
     assert!(out.contains("delivery: sent=1 retried=0 dead_letters=0 outbox_remaining=2 "), "{out}");
     assert!(err.contains("2 queued alert(s) wait for the next run"), "{err}");
     assert_eq!(rx.received().len(), 1);
