@@ -101,3 +101,37 @@ fn malformed_feed_fails_the_run_cleanly() {
     }
     assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 10);
 }
+
+/// Features whose quotes or brackets are broken so that the scanner's guess at where one ends
+/// takes the next ones into it (a quote left unescaped beside a bracket, an object closed by
+/// a bracket): quarantining that one feature would leave the parcels inside it unseen, and
+/// they would be alerted as removed. The layer is refused instead, saying why, and nothing
+/// moves. One broken feature that takes nothing in is quarantined alone, as before.
+#[test]
+fn a_broken_feature_that_swallows_others_fails_the_layer_instead_of_removing_them() {
+    let ws = Workspace::new(&[], "", "");
+    let engine = ws.engine();
+    let text = layer(&grid(10));
+    ws.write_layer(&text);
+    run(&engine, false);
+    let wm = engine.store.watermark("s1").unwrap();
+    let features: Vec<String> = serde_json::from_str::<serde_json::Value>(&text).unwrap()["features"].as_array().unwrap().iter().map(|f| f.to_string()).collect();
+    let doc = |parts: Vec<String>| format!("{{\"type\":\"FeatureCollection\",\"features\":[{}]}}", parts.join(","));
+    let rest = features[2..].to_vec();
+    // Two notes with a quote left unescaped, one beside a bracket: P0000 falls between them.
+    let quotes = [vec![r#"{"type":"Feature","properties":{"NOTE":"6" [x"}}"#.to_string(), features[0].clone(), r#"{"type":"Feature","properties":{"NOTE":"1" y"}}"#.to_string(), features[1].clone()], rest.clone()].concat();
+    // An object closed by a bracket, a brace too many after P0000.
+    let bracket = [vec![r#"{"type":"Feature","properties":{"NOTE":{"b":1]}}"#.to_string(), format!("{}}}", features[0]), features[1].clone()], rest.clone()].concat();
+    for broken in [quotes, bracket] {
+        let broken = doc(broken);
+        ws.write_layer(&broken);
+        let err = engine.run_source_id("s1", Default::default()).unwrap_err();
+        assert!(err.to_string().contains("holds more than one \"Feature\""), "{broken}: {err}");
+        assert_eq!(engine.store.watermark("s1").unwrap(), wm, "watermark untouched");
+        assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 10, "nothing removed");
+    }
+    let alone = r#"{"type":"Feature","properties":{"APN":"BAD","NOTE":"a "quoted" word"},"geometry":null}"#;
+    ws.write_layer(&doc([vec![alone.to_string()], features].concat()));
+    let r = run(&engine, false);
+    assert_eq!((r.record.counts.quarantined, r.record.counts.changes), (1, 0), "{:?}", r.record.counts);
+}

@@ -211,6 +211,15 @@ fn fingerprint(id: &str) -> [u64; 2] {
 }
 
 
+/// Whether a feature's text is not JSON and has `"Feature"` more than once: every GeoJSON
+/// feature says
+/// `"type": "Feature"`, so a broken feature that does has taken the features after it into
+/// itself (the scanner's guess at where it ends could not be right). Quarantining it would
+/// leave those parcels unseen, so read as removed.
+fn holds_more_than_one_feature(json: &str) -> bool {
+    memchr::memmem::find_iter(json.as_bytes(), b"\"Feature\"").nth(1).is_some() && serde_json::from_str::<serde::de::IgnoredAny>(json).is_err()
+}
+
 /// Worker threads to use: every core, at most 8.
 pub fn default_workers() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 8)
@@ -560,6 +569,14 @@ fn worker(
                     } else {
                         out.outcomes.push(Outcome::Unchanged { index, print });
                     }
+                }
+                Err(rej) if rej.reason == QuarantineReason::MalformedFeature && holds_more_than_one_feature(json) => {
+                    let message = format!(
+                        "feature {index} is not valid JSON and its text holds more than one \"Feature\" (an unescaped quote or an unpaired bracket joined the features after it to it): the layer is refused rather than have the parcels inside it read as removed"
+                    );
+                    let _ = res_tx.send(Err(IngestError::Malformed(message).into()));
+                    cancel.store(true, Ordering::Relaxed);
+                    break;
                 }
                 Err(rej) => out.outcomes.push(Outcome::Rejected {
                     draft: QuarantineDraft {

@@ -438,14 +438,23 @@ impl Deliverer {
                 let probe_of = probes.contains(&entry.watcher_id).then(|| entry.watcher_id.clone());
                 let stop = stop.cloned();
                 tokio::spawn(async move {
-                    let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
-                    let _permit = sem.acquire_owned().await;
-                    this.endpoint_rate_wait(&entry.watcher_id).await;
-                    // Stopping: a row whose send has not begun is not sent. It stays queued
-                    // (its lease is this process's and ends with it) and has no outcome.
-                    if stop.as_ref().is_some_and(|s| *s.borrow()) {
-                        return;
-                    }
+                    let begin = async {
+                        let slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
+                        let permit = sem.acquire_owned().await;
+                        this.endpoint_rate_wait(&entry.watcher_id).await;
+                        (slot, permit)
+                    };
+                    // Stopping: a row whose send has not begun is not sent, however long its
+                    // wait for a slot or a rate token would be. It stays queued (its lease is
+                    // this process's and ends with it) and has no outcome.
+                    let (_slot, _permit) = match stop {
+                        None => begin.await,
+                        Some(mut stop) => tokio::select! {
+                            biased;
+                            _ = stopped(&mut stop) => return,
+                            held = begin => held,
+                        },
+                    };
                     let (result, attempt) = this.attempt(&entry).await;
                     // The committer outlives every sender (it ends when the last sender is gone).
                     let _ = otx.send(Outcome { result, attempt, probe_of });
@@ -469,22 +478,17 @@ impl Deliverer {
     }
 
     /// [`Deliverer::drain`] that stops once `stop` reads true (`run` on a signal): nothing
-    /// more is leased and no retry is waited for; what is leased is still sent and its
-    /// outcomes committed before it returns. What is left stays queued for the next run.
+    /// more is leased or sent and no retry is waited for; the sends already begun finish and
+    /// their outcomes are committed before it returns (see [`Deliverer::pump_until`]). What
+    /// is left stays queued for the next run.
     pub async fn drain_until(&self, deadline: Instant, stop: Option<&tokio::sync::watch::Receiver<bool>>) -> Result<PassStats, DeliveryError> {
-        let stopped = || stop.is_some_and(|s| *s.borrow());
-        // Sleeps until `at` or a stop, whichever comes first.
+        let is_stopped = || stop.is_some_and(|s| *s.borrow());
+        // Sleeps `wait`, or until a stop, whichever comes first.
         let pause = |wait: Duration| async move {
             match stop {
                 Some(s) => {
                     let mut s = s.clone();
-                    let stop_or_never = async move {
-                        // A stop sender that is gone can never stop us: sleep the wait out.
-                        if s.wait_for(|v| *v).await.is_err() {
-                            std::future::pending::<()>().await;
-                        }
-                    };
-                    let _ = tokio::time::timeout(wait, stop_or_never).await;
+                    let _ = tokio::time::timeout(wait, stopped(&mut s)).await;
                 }
                 None => tokio::time::sleep(wait).await,
             }
@@ -494,12 +498,12 @@ impl Deliverer {
         // slow sends keep a pass going (a run must not keep retrying long past `run_wait`).
         let due_by = self.clock.now_ms().saturating_add(deadline.saturating_duration_since(Instant::now()).as_millis() as u64);
         loop {
-            if stopped() {
+            if is_stopped() {
                 break;
             }
             let pass = self.pump_until(stop, Some(due_by)).await?;
             total += pass;
-            if stopped() {
+            if is_stopped() {
                 break;
             }
             let Some(next) = self.store.next_due_ms()? else { break };
@@ -823,6 +827,13 @@ enum TargetCheck {
 /// The HTTP client webhooks go out with: no redirects followed (a redirect is an answer, not
 /// a delivery), the configured timeouts, zonewatch's user agent. `zonewatch bench` measures
 /// the bare HTTP exchange with the same client (the reference of the delivery measure).
+/// Resolves once `stop` reads true; never, if its sender is gone without saying so.
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    if stop.wait_for(|v| *v).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 pub fn http_client(cfg: &DeliveryConfig) -> Result<reqwest::Client, DeliveryError> {
     http_client_with(cfg, crate::netguard::Guard::new(cfg.allow_private_targets))
 }

@@ -147,8 +147,9 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let mut out: Vec<(u64, ReleaseOutcome)> = Vec::with_capacity(ids.len());
+        let mut named = std::collections::HashSet::with_capacity(ids.len());
         for &id in ids {
-            if out.iter().any(|(done, _)| *done == id) {
+            if !named.insert(id) {
                 continue; // named twice: one outcome
             }
             let Some(q) = take_dead(&wtx, DLQ_QUARANTINE, "dlq_quarantine", id)? else {
