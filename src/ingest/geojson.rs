@@ -248,20 +248,11 @@ impl<R: Read> Scanner<R> {
         Ok(())
     }
 
+    /// Skips whitespace (consuming it); returns the next byte without consuming it.
     fn next_non_ws(&mut self) -> Result<Option<u8>, IngestError> {
-        loop {
-            while self.start < self.end {
-                let b = self.buf[self.start];
-                if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
-                    self.start += 1;
-                } else {
-                    return Ok(Some(b));
-                }
-            }
-            if !self.fill()? {
-                return Ok(None);
-            }
-        }
+        let (at, b) = self.non_ws_from(0)?;
+        self.start += at;
+        Ok(b)
     }
 
     /// The span `buf[a..b]` of the JSON value starting at `start` (which must not be
@@ -351,12 +342,12 @@ impl<R: Read> Scanner<R> {
     /// fails as it did. The second count looks no further than a little past the first end,
     /// so it never holds more of the document than the first did.
     fn settle_feature_end(&mut self, len: usize) -> Result<usize, IngestError> {
-        if matches!(self.peek_non_ws_after(len)?, Some(b',' | b']')) || !matches!(self.buf[self.start], b'{' | b'[') {
+        if matches!(self.non_ws_from(len)?.1, Some(b',' | b']')) || !matches!(self.buf[self.start], b'{' | b'[') {
             return Ok(len);
         }
         if let Some(other) = self.any_closer_len(len + SECOND_GUESS_SLACK)? {
-            let past = self.buf[self.start + len.min(other)..self.start + other].iter().all(|b| matches!(b, b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t'));
-            if (other < len || past) && matches!(self.peek_non_ws_after(other)?, Some(b',' | b']')) {
+            let past = self.buf[self.start + len.min(other)..self.start + other].iter().all(|&b| matches!(b, b'}' | b']') || is_ws(b));
+            if (other < len || past) && matches!(self.non_ws_from(other)?.1, Some(b',' | b']')) {
                 return Ok(other);
             }
         }
@@ -365,20 +356,21 @@ impl<R: Read> Scanner<R> {
         Ok(len)
     }
 
-    /// The first byte after `len` bytes from `start` that is not whitespace (None at the
-    /// end of input). Offsets from `start` stay valid across [`Scanner::fill`].
-    fn peek_non_ws_after(&mut self, len: usize) -> Result<Option<u8>, IngestError> {
-        let mut i = len;
+    /// The first byte at or after `from` bytes past `start` that is not whitespace, with its
+    /// offset from `start` (None, and the offset of the end, at the end of input). Nothing
+    /// is consumed; offsets from `start` stay valid across [`Scanner::fill`].
+    fn non_ws_from(&mut self, from: usize) -> Result<(usize, Option<u8>), IngestError> {
+        let mut i = from;
         loop {
             while self.start + i < self.end {
                 let b = self.buf[self.start + i];
-                if !matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
-                    return Ok(Some(b));
+                if !is_ws(b) {
+                    return Ok((i, Some(b)));
                 }
                 i += 1;
             }
             if !self.fill()? {
-                return Ok(None);
+                return Ok((i, None));
             }
         }
     }
@@ -435,7 +427,7 @@ impl<R: Read> Scanner<R> {
         loop {
             while self.start + i < self.end {
                 let b = self.buf[self.start + i];
-                if matches!(b, b',' | b']' | b'}' | b' ' | b'\n' | b'\r' | b'\t') {
+                if matches!(b, b',' | b']' | b'}') || is_ws(b) {
                     return Ok((self.start, self.start + i));
                 }
                 self.saw_non_finite |= b == b'N' || b == b'I';
@@ -449,6 +441,11 @@ impl<R: Read> Scanner<R> {
             }
         }
     }
+}
+
+/// JSON's whitespace.
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\n' | b'\r' | b'\t')
 }
 
 /// True for the names GeoJSON producers use for lon/lat WGS84.
