@@ -352,16 +352,27 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             return 2;
         }
     }
-    // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): see `stop_run_on_signals`.
+    // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): the source being read finishes
+    // (its run commits whole or not at all), no other starts, sends already begun finish and
+    // nothing more is sent or waited for; then exit 130 / 143. See `signals.rs`.
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(c) => return c,
     };
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
-    let signal_code = Arc::new(std::sync::atomic::AtomicI32::new(0));
-    if let Err(e) = stop_run_on_signals(&rt, stop_tx, signal_code.clone()) {
-        warning_line!("cannot watch for signals ({e}): a signal stops this run at once");
-    }
+    let signal = match crate::signals::watch(
+        &rt,
+        "stopping: the source being read finishes and commits, no other starts, sends already begun finish; queued alerts wait for the next run (signal again to exit at once)",
+        move || {
+            let _ = stop_tx.send(true);
+        },
+    ) {
+        Ok(signal) => Some(signal),
+        Err(e) => {
+            warning_line!("cannot watch for signals ({e}): a signal stops this run at once");
+            None
+        }
+    };
     let interrupted = || *stop.borrow();
     let mut failed = 0;
     for src in &sources {
@@ -422,42 +433,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     }
     // A failure outranks the signal; the signal outranks success (130 for SIGINT, 143 for
     // SIGTERM, as a shell reports a command those signals killed).
-    match signal_code.load(std::sync::atomic::Ordering::SeqCst) {
-        signal if code == 0 && signal != 0 => signal,
+    match signal.and_then(|s| s.code()) {
+        Some(signal) if code == 0 => signal,
         _ => code,
     }
-}
-
-/// `run`'s answer to SIGINT and SIGTERM (only those: a SIGHUP that `nohup` ignores stays
-/// ignored). The first says what happens and flips `stop`: the source being read finishes
-/// (its run commits whole or not at all), no other starts, sends already begun finish and
-/// nothing more is sent or waited for; `run` then exits 130 (SIGINT) or 143 (SIGTERM),
-/// recorded in `code`. A second signal exits at once: the outbox makes that safe.
-fn stop_run_on_signals(rt: &tokio::runtime::Runtime, stop: tokio::sync::watch::Sender<bool>, code: Arc<std::sync::atomic::AtomicI32>) -> std::io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let _entered = rt.enter();
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    rt.spawn(async move {
-        loop {
-            let got = tokio::select! {
-                _ = interrupt.recv() => 130,
-                _ = terminate.recv() => 143,
-            };
-            if code.compare_exchange(0, got, std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst).is_ok() {
-                // Stop first, then say so: a stalled stderr must not hold the stop up.
-                let _ = stop.send(true);
-                crate::say::line(
-                    crate::say::Level::Status,
-                    format_args!("stopping: the source being read finishes and commits, no other starts, sends already begun finish; queued alerts wait for the next run (signal again to exit at once)"),
-                );
-            } else {
-                crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
-                std::process::exit(got);
-            }
-        }
-    });
-    Ok(())
 }
 
 fn cmd_serve(config: &std::path::Path) -> i32 {
@@ -499,20 +478,14 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             }
         });
     }
-    let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // SIGINT / SIGTERM (Ctrl-C, the service manager's stop): in-flight work finishes, then
+    // exit 0; a second signal exits at once. SIGHUP is left alone (`nohup`). See `signals.rs`.
     {
-        let signals = signals.clone();
-        if let Err(e) = ctrlc::set_handler(move || {
-            let n = signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            if n == 0 {
-                crate::say::line(crate::say::Level::Status, format_args!("stopping (in-flight work finishes; signal again to exit at once)"));
-                let _ = tx.send(true);
-            } else {
-                crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
-                std::process::exit(130);
-            }
+        let tx = tx.clone();
+        if let Err(e) = crate::signals::watch(&rt, "stopping (in-flight work finishes; signal again to exit at once)", move || {
+            let _ = tx.send(true);
         }) {
-            error_line!("cannot install the signal handler: {e}");
+            error_line!("cannot install the signal handlers: {e}");
             return 1;
         }
     }

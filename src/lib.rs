@@ -33,6 +33,7 @@ pub mod pipeline;
 pub mod progress;
 pub mod receiver;
 pub mod say;
+pub mod signals;
 pub mod schedule;
 pub mod store;
 pub mod synth;

@@ -1,4 +1,5 @@
-//! Lifecycle edges of issue 6: a second signal makes `serve` exit at once (the outbox makes
+//! Lifecycle edges of issue 6: `serve` keeps a SIGHUP / SIGINT it inherited as ignored, a
+//! second signal makes `serve` exit at once (the outbox makes
 //! that safe: nothing in flight is lost), a signal stops `run` without waiting out its
 //! retries, and a damaged store or one of an unknown format
 //! version is refused with a message pointing at `zonewatch restore`.
@@ -106,7 +107,8 @@ async fn a_second_signal_exits_at_once_and_loses_nothing() {
     let mut log = String::new();
     use std::io::Read;
     child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
-    assert_eq!(status.code(), Some(130), "{log}");
+    // The second signal's own code, as a shell reports a command SIGTERM killed.
+    assert_eq!(status.code(), Some(143), "{log}");
     assert!(log.contains("stopping") && log.contains("exiting now"), "{log}");
 
     // Nothing lost: the three events are still queued (their leases died with the process),
@@ -123,6 +125,44 @@ async fn a_second_signal_exits_at_once_and_loses_nothing() {
 /// A signal while `run` waits for retries (here ten seconds off, with a minute of
 /// `run_wait`) stops it at once: exit 130, saying so; the failed sends' outcomes are
 /// committed and their rows stay queued for the next run; nothing is sent again.
+/// `serve` started the way `nohup` or a non-interactive shell's `&` start it — SIGHUP and
+/// SIGINT inherited as ignored — keeps them ignored (a terminal's hangup or a Ctrl-C meant for
+/// the foreground must not stop a daemon), and still stops cleanly on SIGTERM: exit 0, what
+/// was sent recorded as sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_keeps_inherited_ignores_and_stops_cleanly_on_sigterm() {
+    let rx = Receiver::start(Arc::new(|_, _| 200), None).await.expect("receiver");
+    let ws = three_rezonings_pending(rx.url("/hook"), "", "every = \"1h\"");
+    let mut child = Command::new("sh")
+        .args(["-c", "trap '' HUP INT; exec \"$0\" serve --config \"$1\"", env!("CARGO_BIN_EXE_zonewatch"), ws.config_path().to_str().expect("utf-8")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve starts");
+    tokio::task::block_in_place(|| wait_received(&rx, 3));
+    signal(&child, "-HUP");
+    signal(&child, "-INT");
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(child.try_wait().expect("wait").is_none(), "an inherited ignore of SIGHUP / SIGINT was overridden");
+    signal(&child, "-TERM");
+    let asked = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(asked.elapsed() < Duration::from_secs(10), "serve did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut log = String::new();
+    use std::io::Read;
+    child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("stopping") && !log.contains("exiting now"), "{log}");
+    let engine = ws.engine();
+    assert_eq!(outcomes(&engine).get("sent"), Some(&3), "{log}");
+    assert_eq!(engine.store.outbox_len().expect("outbox"), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signal_stops_run_without_waiting_for_its_retries() {
     let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(503)), None).await.expect("receiver");
