@@ -687,6 +687,8 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
         error_line!("{} exists; choose a new file name", dest.display());
         return 2;
     }
+    // An interrupted backup leaves no half-written temp file beside DEST.
+    crate::signals::remove_scratch_on_signal();
     // A wrong `[store] path` must not back up a new, empty store and report success.
     match crate::store::Store::open_existing(&cfg.store_path) {
         Ok(store) => match store.backup_to(dest) {
@@ -793,6 +795,8 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
+    // An interrupted restore leaves the store as it was, and no temp copy beside it.
+    crate::signals::remove_scratch_on_signal();
     match crate::store::backup::restore(src, &cfg.store_path) {
         Ok(info) => {
             println!("restored {} to {}", src.display(), cfg.store_path.display());
@@ -988,6 +992,8 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
         }
     }
     // A file damaged so that redb panics reading it is an error like any other.
+    // A file that needs repair is checked on a copy in TMPDIR: an interrupted check removes it.
+    crate::signals::remove_scratch_on_signal();
     let checked = crate::store::guard::guarded(|| crate::store::check::check_file(path)).unwrap_or_else(|p| Err(p.at(path)));
     if matches!(&checked, Ok(r) if r.checked_repaired_copy) {
         println!(

@@ -10,9 +10,15 @@
 //! SIGTERM); the command decides whether a graceful stop reports it (`run`: yes, so a timer
 //! unit sees the pass was cut short) or exits 0 (`serve`: a service manager's stop is a clean
 //! stop).
+//!
+//! The commands that copy a whole store (`backup`, `restore`, `check --store` on a file that
+//! needs repair) have no graceful stop: a signal ends them as it always did, but first removes
+//! the unfinished copy they registered with [`scratch`], so a Ctrl-C on a 2 GB backup does not
+//! leave a 2 GB temp file beside it (`remove_scratch_on_signal`).
 
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// Which stopping signal arrived first, if any: the exit code it stands for (130 SIGINT,
 /// 143 SIGTERM), or 0 while none has. Shared between the watcher task and the command.
@@ -56,6 +62,79 @@ pub fn watch(rt: &tokio::runtime::Runtime, stopping: &'static str, stop: impl Fn
         }
     });
     Ok(signal)
+}
+
+/// Temp files a signal must not leave behind: unfinished copies of a store.
+static SCRATCH: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// An unfinished copy registered with [`scratch`]: removed if a signal ends the process
+/// (after [`remove_scratch_on_signal`]); forgotten when this is dropped — by then the copy was
+/// renamed into place or removed by its own `tempfile` guard.
+#[derive(Debug)]
+pub struct Scratch(PathBuf);
+
+/// Registers `path` as an unfinished copy until the returned guard is dropped.
+pub fn scratch(path: &Path) -> Scratch {
+    if let Ok(mut paths) = SCRATCH.lock() {
+        paths.push(path.to_path_buf());
+    }
+    Scratch(path.to_path_buf())
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Ok(mut paths) = SCRATCH.lock() {
+            if let Some(at) = paths.iter().rposition(|p| *p == self.0) {
+                paths.swap_remove(at);
+            }
+        }
+    }
+}
+
+/// For a command without a runtime of its own that copies a store: on SIGINT / SIGTERM,
+/// remove the registered unfinished copies, say so, and exit with the signal's code (130 /
+/// 143, what a shell reports for a command those signals killed). A signal inherited as
+/// ignored stays ignored. If the watcher cannot start, a signal kills as before (the copy is
+/// left: a warning says so now, not after).
+pub fn remove_scratch_on_signal() {
+    let (ready_tx, ready) = std::sync::mpsc::channel::<std::io::Result<()>>();
+    let started = std::thread::Builder::new().name("zonewatch-signals".into()).spawn(move || {
+        let rt = match tokio::runtime::Builder::new_current_thread().enable_io().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return;
+            }
+        };
+        rt.block_on(async move {
+            let mut arrivals = match Arrivals::install() {
+                Ok(a) => a,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let code = arrivals.next().await;
+            let paths = SCRATCH.lock().map(|p| p.clone()).unwrap_or_default();
+            for path in paths {
+                match std::fs::remove_file(&path) {
+                    Ok(()) => crate::say::line(crate::say::Level::Status, format_args!("interrupted: removed the unfinished copy {}", path.display())),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => crate::say::line(crate::say::Level::Warning, format_args!("interrupted: cannot remove the unfinished copy {}: {e}", path.display())),
+                }
+            }
+            std::process::exit(code);
+        });
+    });
+    // Wait until the handlers are in place, so the copy does not start unwatched.
+    let failed = match started {
+        Ok(_) => ready.recv().map_err(|_| std::io::Error::other("the signal thread stopped")).and_then(|r| r).err(),
+        Err(e) => Some(e),
+    };
+    if let Some(e) = failed {
+        crate::say::line(crate::say::Level::Warning, format_args!("cannot watch for signals ({e}): an interrupted copy leaves its temp file behind"));
+    }
 }
 
 /// The installed handlers, yielding each arrival's exit code. A signal the process inherited

@@ -96,3 +96,50 @@ fn restore_never_overwrites_a_kept_store_leaves_the_backup_alone_and_keeps_the_s
     assert_eq!(zoning_of(&live), "R-1", "the backup's store is in place");
     assert_eq!(zoning_of(&ws.path().join("zw.redb.before-restore")), "C3", "the first restore's copy of the original store survives the second");
 }
+
+/// A signal during `restore` — here while it reads a backup streamed through a pipe, so the
+/// test holds it mid-copy — ends it with the signal's code, removes the unfinished copy it was
+/// writing beside the store, and leaves the store exactly as it was.
+#[test]
+fn an_interrupted_restore_removes_its_unfinished_copy_and_leaves_the_store() {
+    use std::io::{Read, Write};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let ws = Workspace::new(&[], "", "");
+    {
+        let engine = ws.engine();
+        ws.write_layer(&layer(&grid(30)));
+        run(&engine, false);
+    }
+    let live = ws.path().join("zw.redb");
+    let before = std::fs::read(&live).unwrap();
+    let pipe = ws.path().join("streamed-backup.redb");
+    assert!(Command::new("mkfifo").arg(&pipe).status().expect("mkfifo runs").success());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["restore", pipe.to_str().unwrap(), "--config", ws.config_path().to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("restore starts");
+    // Opening the pipe waits for the restore to open it; half a store, then nothing more.
+    let mut writer = std::fs::OpenOptions::new().write(true).open(&pipe).expect("pipe");
+    writer.write_all(&before[..before.len() / 2]).unwrap();
+    let unfinished = || -> Vec<String> {
+        std::fs::read_dir(ws.path()).unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with(".zonewatch-restore-")).collect()
+    };
+    let started = Instant::now();
+    while unfinished().is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(20), "restore never started its copy");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let status = child.wait().expect("restore exits");
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    drop(writer);
+    assert_eq!(status.code(), Some(143), "{err}");
+    assert!(err.contains("removed the unfinished copy"), "{err}");
+    assert_eq!(unfinished(), Vec::<String>::new(), "the unfinished copy is left behind: {err}");
+    assert!(!ws.path().join("zw.redb.before-restore").exists(), "nothing was replaced");
+    assert!(std::fs::read(&live).unwrap() == before, "the store is exactly as it was");
+}

@@ -69,6 +69,7 @@ impl Store {
             .prefix(".zonewatch-backup-")
             .tempfile_in(parent)
             .map_err(|source| backup_err(StoreError::Io { what: format!("cannot create a temp file in {}", absolute(parent).display()), source }))?;
+        let _unfinished = crate::signals::scratch(tmp.path());
         let mut rows = 0u64;
         let rtx = self.db.begin_read()?;
         // The copy's errors (a full backup disk) are the backup's, named as such, and say
@@ -204,6 +205,8 @@ pub fn verified_copy(src: &Path, dir: &Path, prefix: &str) -> Result<(tempfile::
     let cannot = |source: std::io::Error| StoreError::Io { what: format!("cannot copy {} into {}", src.display(), absolute(dir).display()), source };
     let mut from = std::fs::File::open(src).map_err(|e| StoreError::Open { path: src.to_path_buf(), message: format!("cannot read it: {e}") })?;
     let mut tmp = tempfile::Builder::new().prefix(prefix).tempfile_in(dir).map_err(cannot)?;
+    // Forgotten on return: the caller renames the copy into place or drops it (which removes it).
+    let _unfinished = crate::signals::scratch(tmp.path());
     let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(cannot)?;
     tmp.as_file().sync_all().map_err(cannot)?;
     super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;

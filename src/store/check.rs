@@ -115,6 +115,7 @@ fn check_repaired_copy(path: &std::path::Path) -> Result<ConsistencyReport, Stor
         ),
     };
     let mut copy = tempfile::Builder::new().prefix("zonewatch-check-").suffix(".redb").tempfile().map_err(no_copy)?;
+    let _unfinished = crate::signals::scratch(copy.path());
     {
         let mut from = std::fs::File::open(path).map_err(no_copy)?;
         std::io::copy(&mut from, copy.as_file_mut()).map_err(no_copy)?;
