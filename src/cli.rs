@@ -727,6 +727,14 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             return if e.kind() == std::io::ErrorKind::PermissionDenied { 2 } else { 1 };
         }
     };
+    // The name is ours, so the daemon's copy is known before it answers: a signal while it
+    // writes, or while this command copies it, removes it (or says where it will be left).
+    let name = format!("zonewatch-{}-{}.redb", crate::util::rfc3339(crate::clock::Clock::now_ms(&crate::clock::SystemClock)).replace([':', '.'], "-"), std::process::id());
+    let daemon_copy = backup_dir(cfg).join(&name);
+    let _unfinished = crate::signals::scratch_of_another(
+        &daemon_copy,
+        format!("the running daemon may still be writing its backup {}: remove that file once it appears", daemon_copy.display()),
+    );
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(c) => return c,
@@ -737,7 +745,7 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             .post(format!("http://{addr}/v1/backup"))
             .bearer_auth(&token)
             .header("content-type", "application/json")
-            .body("{}")
+            .body(serde_json::json!({ "name": name }).to_string())
             .send()
             .await
             .map_err(|e| format!("the store is in use by another zonewatch, and no daemon answered on its control port {addr} ({e}): a `run` or another command is still going; try again when it has finished"))?;
@@ -748,7 +756,10 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
         }
         body["path"].as_str().map(str::to_string).ok_or_else(|| "daemon answer lacks path".to_string())
     });
+    // The daemon's answer is its own path to the copy; this command's view of the store's
+    // folder finds the same file even where the two see the file system differently.
     let src = match result {
+        Ok(_) if daemon_copy.exists() => daemon_copy.clone(),
         Ok(p) => PathBuf::from(p),
         Err(e) => {
             error_line!("{e}");
@@ -782,8 +793,9 @@ fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u
         return Err(("the destination already exists".into(), 2));
     }
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let (tmp, bytes) = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| (e.to_string(), store_exit_code(&e)))?;
-    tmp.persist_noclobber(dest).map_err(|e| {
+    let copy = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| (e.to_string(), store_exit_code(&e)))?;
+    let bytes = copy.bytes;
+    copy.tmp.persist_noclobber(dest).map_err(|e| {
         let e = crate::store::StoreError::Io { what: "cannot move the copy into place".into(), source: e.error };
         (e.to_string(), store_exit_code(&e))
     })?;

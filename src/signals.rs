@@ -64,8 +64,9 @@ pub fn watch(rt: &tokio::runtime::Runtime, stopping: &'static str, stop: impl Fn
     Ok(signal)
 }
 
-/// Temp files a signal must not leave behind: unfinished copies of a store.
-static SCRATCH: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// Files a signal must not leave behind (unfinished copies of a store), each with what to say
+/// if it is not there yet.
+static SCRATCH: Mutex<Vec<(PathBuf, Option<String>)>> = Mutex::new(Vec::new());
 
 /// An unfinished copy registered with [`scratch`]: removed if a signal ends the process
 /// (after [`remove_scratch_on_signal`]); forgotten when this is dropped — by then the copy was
@@ -75,8 +76,19 @@ pub struct Scratch(PathBuf);
 
 /// Registers `path` as an unfinished copy until the returned guard is dropped.
 pub fn scratch(path: &Path) -> Scratch {
+    register(path, None)
+}
+
+/// Registers `path` as a copy another process (the daemon) is writing for this one: removed
+/// if it exists when a signal arrives; if it does not exist yet, `if_missing` is printed, to
+/// say what will be left and where.
+pub fn scratch_of_another(path: &Path, if_missing: String) -> Scratch {
+    register(path, Some(if_missing))
+}
+
+fn register(path: &Path, if_missing: Option<String>) -> Scratch {
     if let Ok(mut paths) = SCRATCH.lock() {
-        paths.push(path.to_path_buf());
+        paths.push((path.to_path_buf(), if_missing));
     }
     Scratch(path.to_path_buf())
 }
@@ -84,7 +96,7 @@ pub fn scratch(path: &Path) -> Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         if let Ok(mut paths) = SCRATCH.lock() {
-            if let Some(at) = paths.iter().rposition(|p| *p == self.0) {
+            if let Some(at) = paths.iter().rposition(|(p, _)| *p == self.0) {
                 paths.swap_remove(at);
             }
         }
@@ -117,10 +129,14 @@ pub fn remove_scratch_on_signal() {
             let _ = ready_tx.send(Ok(()));
             let code = arrivals.next().await;
             let paths = SCRATCH.lock().map(|p| p.clone()).unwrap_or_default();
-            for path in paths {
+            for (path, if_missing) in paths {
                 match std::fs::remove_file(&path) {
                     Ok(()) => crate::say::line(crate::say::Level::Status, format_args!("interrupted: removed the unfinished copy {}", path.display())),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        if let Some(note) = if_missing {
+                            crate::say::line(crate::say::Level::Warning, format_args!("interrupted: {note}"));
+                        }
+                    }
                     Err(e) => crate::say::line(crate::say::Level::Warning, format_args!("interrupted: cannot remove the unfinished copy {}: {e}", path.display())),
                 }
             }

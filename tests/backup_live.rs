@@ -271,3 +271,27 @@ fn a_backup_through_the_daemon_leaves_no_copy_behind_unless_copying_it_failed() 
     zonewatch::store::backup::verify_file(&kept[0]).expect("the kept copy verifies");
     d.stop();
 }
+
+/// The README's bare-binary set-up: `serve --config zonewatch.toml` started in its folder,
+/// `backup` run from elsewhere with the config's full path. The daemon's relative store path is
+/// not the client's: the backup still lands at DEST and leaves no copy behind.
+#[test]
+fn a_backup_through_a_daemon_started_with_a_relative_config_works_from_anywhere() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(20)));
+    let d = Daemon::start_in_its_folder(&ws);
+    let dest = ws.path().join("copy.redb");
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .current_dir(elsewhere.path())
+        .args(["backup", dest.to_str().expect("utf-8"), "--config", ws.config_path().to_str().expect("utf-8")])
+        .output()
+        .expect("backup runs");
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains("taken by the running daemon") && out.contains("removed"), "{out}");
+    zonewatch::store::backup::verify_file(&dest).expect("the copy verifies");
+    let left: Vec<_> = std::fs::read_dir(ws.path().join("backups")).map(|r| r.filter_map(|e| e.ok().map(|e| e.path())).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "the daemon's copy is left: {left:?}");
+    d.stop();
+}

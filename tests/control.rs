@@ -193,6 +193,13 @@ async fn control_port_end_to_end() {
         assert_eq!(b.status(), 201);
         let info: Value = b.json().unwrap();
         assert!(info["rows"].as_u64().unwrap() > 100);
+        // Its path is absolute (a client's working directory is not the daemon's).
+        assert!(std::path::Path::new(info["path"].as_str().unwrap()).is_absolute(), "{info}");
+        // A name too long says so.
+        let long = serde_json::json!({ "name": format!("{}.redb", "b".repeat(300)) }).to_string();
+        let b = c.post(d.url("/v1/backup")).header("authorization", &auth).body(long).send().unwrap();
+        assert_eq!(b.status(), 400);
+        assert!(b.text().unwrap().contains("at most 64 characters"));
         let dest = ws.path().join("copy.redb");
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
             .args(["backup", dest.to_str().unwrap(), "--config", ws.config_path().to_str().unwrap()])

@@ -725,7 +725,7 @@ fn backup(st: &ControlState, body: &[u8]) -> Resp {
     };
     let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(st.engine.now()).replace([':', '.'], "-")));
     if !crate::config::valid_id(&name) || name.starts_with('.') {
-        return error(StatusCode::BAD_REQUEST, "bad_name", "name must be a plain file name (letters, digits, '-', '_', '.')");
+        return error(StatusCode::BAD_REQUEST, "bad_name", "name must be a plain file name of at most 64 characters (letters, digits, '-', '_', '.'), not starting with '.'");
     }
     let dir = crate::cli::backup_dir(&st.engine.config);
     if let Err(e) = std::fs::create_dir_all(&dir) {
@@ -733,7 +733,12 @@ fn backup(st: &ControlState, body: &[u8]) -> Resp {
     }
     let dest = dir.join(&name);
     match st.engine.store.backup_to(&dest) {
-        Ok(info) => json(StatusCode::CREATED, &json!({"path": info.path.display().to_string(), "bytes": info.bytes, "tables": info.tables, "rows": info.rows})),
+        // Absolute: a client's working directory is not the daemon's (a relative `[store] path`
+        // resolves against the daemon's).
+        Ok(info) => {
+            let path = std::path::absolute(&info.path).unwrap_or(info.path);
+            json(StatusCode::CREATED, &json!({"path": path.display().to_string(), "bytes": info.bytes, "tables": info.tables, "rows": info.rows}))
+        }
         Err(crate::store::StoreError::Conflict(m)) => error(StatusCode::CONFLICT, "exists", m),
         Err(e) => internal(e),
     }

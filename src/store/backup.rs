@@ -186,13 +186,16 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     }
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| open_err(dest, e.to_string()))?;
-    let (tmp, _) = verified_copy(src, parent, ".zonewatch-restore-")?;
+    let copy = verified_copy(src, parent, ".zonewatch-restore-")?;
+    let tmp = &copy.tmp;
     let owner_warning = take_identity(tmp.as_file(), previous.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?;
     let kept = match previous {
         Some(_) => Some(keep_aside(dest)?),
         None => None,
     };
+    let VerifiedCopy { tmp, _unfinished: registered, .. } = copy;
     tmp.persist(dest).map_err(|e| open_err(dest, format!("cannot move the restored store into place: {e}")))?;
+    drop(registered);
     Ok(RestoreInfo { kept, owner_warning })
 }
 
@@ -201,16 +204,25 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
 /// [`verify_file`] does, under the redb-panic guard, errors naming `src` (redb's open
 /// writes to the file it opens: the copy is opened, `src` is only read). `restore` and the
 /// command line's copy of a live backup both put a file in place this way.
-pub fn verified_copy(src: &Path, dir: &Path, prefix: &str) -> Result<(tempfile::NamedTempFile, u64), StoreError> {
+pub fn verified_copy(src: &Path, dir: &Path, prefix: &str) -> Result<VerifiedCopy, StoreError> {
     let cannot = |source: std::io::Error| StoreError::Io { what: format!("cannot copy {} into {}", src.display(), absolute(dir).display()), source };
     let mut from = std::fs::File::open(src).map_err(|e| StoreError::Open { path: src.to_path_buf(), message: format!("cannot read it: {e}") })?;
     let mut tmp = tempfile::Builder::new().prefix(prefix).tempfile_in(dir).map_err(cannot)?;
-    // Forgotten on return: the caller renames the copy into place or drops it (which removes it).
-    let _unfinished = crate::signals::scratch(tmp.path());
+    let unfinished = crate::signals::scratch(tmp.path());
     let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(cannot)?;
     tmp.as_file().sync_all().map_err(cannot)?;
     super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;
-    Ok((tmp, bytes))
+    Ok(VerifiedCopy { tmp, bytes, _unfinished: unfinished })
+}
+
+/// What [`verified_copy`] made: the temp file, its size, and its registration as an
+/// unfinished copy that a signal removes — kept until the caller has renamed it into place
+/// (or dropped it), so no signal between the copy and the rename leaves it behind.
+#[derive(Debug)]
+pub struct VerifiedCopy {
+    pub tmp: tempfile::NamedTempFile,
+    pub bytes: u64,
+    _unfinished: crate::signals::Scratch,
 }
 
 /// `path` made absolute for a message (`.` says nothing), as it is when that fails.

@@ -189,8 +189,18 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `zonewatch serve` for the workspace and waits for its control port.
     pub fn start(ws: &Workspace) -> Daemon {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
-            .args(["serve", "--config", ws.config_path().to_str().expect("utf-8 path")])
+        Daemon::spawn(ws, std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["serve", "--config", ws.config_path().to_str().expect("utf-8 path")]))
+    }
+
+    /// Starts `zonewatch serve` as an operator in the workspace's folder would, with a
+    /// relative `--config` (so its store's path is relative to its own working directory).
+    pub fn start_in_its_folder(ws: &Workspace) -> Daemon {
+        let name = ws.config_path().file_name().expect("config file name").to_owned();
+        Daemon::spawn(ws, std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch")).current_dir(ws.path()).arg("serve").arg("--config").arg(name))
+    }
+
+    fn spawn(ws: &Workspace, command: &mut std::process::Command) -> Daemon {
+        let child = command
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
