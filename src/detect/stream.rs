@@ -360,6 +360,15 @@ pub fn scan_layer<R: Read + Send>(
         // Stop the producers: the scanner sees `cancel`, workers stop working and drain.
         cancel.store(true, Ordering::Relaxed);
         drop(res_rx);
+        // Workers that died (redb panicking on a damaged page of the store) drain nothing: the
+        // scanner could wait forever on a full channel before it sees `cancel`. Drain it here
+        // too until the scanner has hung up; their panic then reaches the caller.
+        while !scanner.is_finished() {
+            let rx = feat_rx.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if let Err(std::sync::mpsc::RecvTimeoutError::Disconnected) = rx.recv_timeout(std::time::Duration::from_millis(10)) {
+                break;
+            }
+        }
         let scanned = scanner.join().map_err(|_| ScanError::Worker("the scanning thread panicked".into()))?;
         if let Some(e) = failure {
             return Err(e);
