@@ -361,7 +361,6 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     };
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let signal = match crate::signals::watch(
-        &rt,
         "stopping: the source being read finishes and commits, no other starts, sends already begun finish; queued alerts wait for the next run (signal again to exit at once)",
         move || {
             let _ = stop_tx.send(true);
@@ -431,10 +430,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         error_line!("{failed} of {} sources failed (see above); their watermarks did not move", sources.len());
         return 1;
     }
-    // A failure outranks the signal; the signal outranks success (130 for SIGINT, 143 for
-    // SIGTERM, as a shell reports a command those signals killed).
+    // A failure outranks the signal; the signal outranks success: the process then dies by
+    // it once the store is closed (a shell reports 130 for SIGINT, 143 for SIGTERM).
     match signal.and_then(|s| s.code()) {
-        Some(signal) if code == 0 => signal,
+        Some(signal) if code == 0 => crate::signals::end_by(signal),
         _ => code,
     }
 }
@@ -482,19 +481,19 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
     // exit 0; a second signal exits at once. SIGHUP is left alone (`nohup`). See `signals.rs`.
     {
         let tx = tx.clone();
-        if let Err(e) = crate::signals::watch(&rt, "stopping (in-flight work finishes; signal again to exit at once)", move || {
+        if let Err(e) = crate::signals::watch("stopping (in-flight work finishes; signal again to exit at once)", move || {
             let _ = tx.send(true);
         }) {
             error_line!("cannot install the signal handlers: {e}");
             return 1;
         }
     }
-    rt.block_on(async move {
+    let failed_start: Option<i32> = rt.block_on(async {
         let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
                 error_line!("{e}");
-                return 1;
+                return Some(1);
             }
         };
         let wake = Arc::new(tokio::sync::Notify::new());
@@ -505,7 +504,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             Ok(t) => t,
             Err(e) => {
                 error_line!("{e}");
-                return 2;
+                return Some(2);
             }
         };
         let listener = match crate::control::bind(engine.config.control.listen).await {
@@ -515,10 +514,10 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                 // A port held by another program for now passes: exit 1, which the packaged
                 // unit restarts. Anything else (an address this machine does not have, no
                 // permission for the port) is the config's: exit 2, not restarted.
-                return match e.kind() {
+                return Some(match e.kind() {
                     std::io::ErrorKind::AddrInUse => 1,
                     _ => 2,
-                };
+                });
             }
         };
         let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
@@ -616,13 +615,20 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
         while tasks.join_next().await.is_some() {}
-        if reopen.load(std::sync::atomic::Ordering::SeqCst) {
-            tracing::error!("zonewatch stopped: the store must be opened again after an I/O error");
-            return 1;
-        }
-        tracing::info!("zonewatch stopped cleanly");
-        0
-    })
+        None
+    });
+    // Dropping the runtime waits for its blocking tasks (a backup a client asked for is
+    // written to the end); a second signal still ends the process meanwhile.
+    drop(rt);
+    if let Some(code) = failed_start {
+        return code;
+    }
+    if reopen.load(std::sync::atomic::Ordering::SeqCst) {
+        tracing::error!("zonewatch stopped: the store must be opened again after an I/O error");
+        return 1;
+    }
+    tracing::info!("zonewatch stopped cleanly");
+    0
 }
 
 /// Rows one sweep call may delete: bounds how long a sweep holds the write lock.
@@ -688,7 +694,7 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
         return 2;
     }
     // An interrupted backup leaves no half-written temp file beside DEST.
-    crate::signals::remove_scratch_on_signal();
+    let _finish = crate::signals::on_signal_remove_scratch();
     // A wrong `[store] path` must not back up a new, empty store and report success.
     match crate::store::Store::open_existing(&cfg.store_path) {
         Ok(store) => match store.backup_to(dest) {
@@ -731,7 +737,7 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     // writes, or while this command copies it, removes it (or says where it will be left).
     let name = format!("zonewatch-{}-{}.redb", crate::util::rfc3339(crate::clock::Clock::now_ms(&crate::clock::SystemClock)).replace([':', '.'], "-"), std::process::id());
     let daemon_copy = backup_dir(cfg).join(&name);
-    let _unfinished = crate::signals::scratch_of_another(
+    let mut unfinished = crate::signals::scratch_of_another(
         &daemon_copy,
         format!("the running daemon may still be writing its backup {}: remove that file once it appears", daemon_copy.display()),
     );
@@ -748,7 +754,11 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             .body(serde_json::json!({ "name": name }).to_string())
             .send()
             .await
-            .map_err(|e| format!("the store is in use by another zonewatch, and no daemon answered on its control port {addr} ({e}): a `run` or another command is still going; try again when it has finished"))?;
+            .map_err(|e| match e.is_connect() {
+                true => format!("the store is in use by another zonewatch, and no daemon answered on its control port {addr} ({e}): a `run` or another command is still going; try again when it has finished"),
+                // The request went out: the daemon may be writing the backup (and stopping).
+                false => format!("the daemon on {addr} did not answer the backup request ({e}); if it started the backup, it will be at {}", daemon_copy.display()),
+            })?;
         let status = resp.status();
         let body: serde_json::Value = resp.json().await.map_err(|e| e.to_string())?;
         if !status.is_success() {
@@ -760,7 +770,11 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     // folder finds the same file even where the two see the file system differently.
     let src = match result {
         Ok(_) if daemon_copy.exists() => daemon_copy.clone(),
-        Ok(p) => PathBuf::from(p),
+        Ok(p) => {
+            let p = PathBuf::from(p);
+            unfinished = crate::signals::scratch(&p);
+            p
+        }
         Err(e) => {
             error_line!("{e}");
             return 1;
@@ -778,6 +792,8 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             0
         }
         Err((e, code)) => {
+            // The only copy of this backup now: no signal may remove it.
+            drop(unfinished);
             error_line!("{e}; the daemon's backup is kept at {} (the only copy of this backup)", src.display());
             code
         }
@@ -795,6 +811,7 @@ fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
     let copy = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| (e.to_string(), store_exit_code(&e)))?;
     let bytes = copy.bytes;
+    crate::signals::committing();
     copy.tmp.persist_noclobber(dest).map_err(|e| {
         let e = crate::store::StoreError::Io { what: "cannot move the copy into place".into(), source: e.error };
         (e.to_string(), store_exit_code(&e))
@@ -808,7 +825,7 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
         Err(code) => return code,
     };
     // An interrupted restore leaves the store as it was, and no temp copy beside it.
-    crate::signals::remove_scratch_on_signal();
+    let _finish = crate::signals::on_signal_remove_scratch();
     match crate::store::backup::restore(src, &cfg.store_path) {
         Ok(info) => {
             println!("restored {} to {}", src.display(), cfg.store_path.display());
@@ -1005,7 +1022,7 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
     }
     // A file damaged so that redb panics reading it is an error like any other.
     // A file that needs repair is checked on a copy in TMPDIR: an interrupted check removes it.
-    crate::signals::remove_scratch_on_signal();
+    let _finish = crate::signals::on_signal_remove_scratch();
     let checked = crate::store::guard::guarded(|| crate::store::check::check_file(path)).unwrap_or_else(|p| Err(p.at(path)));
     if matches!(&checked, Ok(r) if r.checked_repaired_copy) {
         println!(

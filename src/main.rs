@@ -25,7 +25,8 @@ fn main() {
         Err(_) if STDOUT_CLOSED.load(std::sync::atomic::Ordering::SeqCst) => 141,
         Err(payload) => std::panic::resume_unwind(payload),
     };
-    std::process::exit(code);
+    // A command a signal stopped dies by that signal (see `signals.rs`).
+    zonewatch::signals::exit(code);
 }
 
 /// Set when a command stopped because its stdout was closed.

@@ -1,27 +1,31 @@
-//! The one answer to SIGINT and SIGTERM for the commands that run a while (`run`, `serve`).
+//! What zonewatch does on SIGINT and SIGTERM: one watcher, on its own thread.
 //!
-//! Why one watcher, on tokio: both commands already run a tokio runtime, and both want the
-//! same thing of a signal — the first stops the work gracefully (what is in flight finishes,
-//! the outbox keeps the rest), a second exits at once (the outbox makes that safe). Only
-//! SIGINT and SIGTERM are watched: a SIGHUP that `nohup` (or a service manager) told the
-//! process to ignore stays ignored, so a daemon started from a terminal outlives it.
-//!
-//! The exit code a signal leaves is the shell's (128 + its number: 130 for SIGINT, 143 for
-//! SIGTERM); the command decides whether a graceful stop reports it (`run`: yes, so a timer
-//! unit sees the pass was cut short) or exits 0 (`serve`: a service manager's stop is a clean
-//! stop).
-//!
+//! `run` and `serve` stop gracefully on the first signal (what is in flight finishes, the
+//! outbox keeps the rest) and die at once on a second (the outbox makes that safe): [`watch`].
 //! The commands that copy a whole store (`backup`, `restore`, `check --store` on a file that
-//! needs repair) have no graceful stop: a signal ends them as it always did, but first removes
-//! the unfinished copy they registered with [`scratch`], so a Ctrl-C on a 2 GB backup does not
-//! leave a 2 GB temp file beside it (`remove_scratch_on_signal`).
+//! needs repair) have no graceful stop: a signal first removes the unfinished copy they
+//! registered with [`scratch`], so a Ctrl-C on a 2 GB backup does not leave a 2 GB temp file
+//! beside it; past their point of no return (a rename into place, see [`committing`]) the
+//! signal waits until the command has finished and said what it did: [`on_signal_remove_scratch`].
+//!
+//! Rules shared by both:
+//! - Only SIGINT and SIGTERM are watched. SIGHUP is never caught, so `nohup` keeps working; a
+//!   signal the process inherited as ignored (a non-interactive shell starts a background
+//!   job, `zonewatch serve &`, with SIGINT ignored) gets no handler.
+//! - A command ended by a signal dies *by that signal* (its handler reset, the signal raised
+//!   again), not by `exit(130)`: a shell script running it then stops too (bash stops a
+//!   script on Ctrl-C only when the child was killed by SIGINT), and a service manager counts
+//!   a SIGTERM stop as clean. The shell reports it as 130 (SIGINT) or 143 (SIGTERM).
+//!   `serve`'s graceful stop exits 0: the daemon finished everything it had begun.
+//! - The watcher runs on a thread of its own, not on the command's runtime: it answers while
+//!   that runtime shuts down and waits for its blocking tasks (a backup being written).
 
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Which stopping signal arrived first, if any: the exit code it stands for (130 SIGINT,
-/// 143 SIGTERM), or 0 while none has. Shared between the watcher task and the command.
+/// 143 SIGTERM), or 0 while none has. Shared between the watcher thread and the command.
 #[derive(Debug, Clone, Default)]
 pub struct StopSignal(Arc<AtomicI32>);
 
@@ -40,37 +44,52 @@ impl StopSignal {
     }
 }
 
-/// Watches SIGINT and SIGTERM on `rt`. The first calls `stop` (which must not block: it flips
-/// a watch channel) and then prints `stopping` as a status line — stop first, so a stalled
-/// stderr cannot hold the stop up. A second signal prints one line and exits the process at
-/// once with that signal's code. Fails only if the handlers cannot be installed.
-pub fn watch(rt: &tokio::runtime::Runtime, stopping: &'static str, stop: impl Fn() + Send + 'static) -> std::io::Result<StopSignal> {
+/// Watches SIGINT and SIGTERM for a command with a graceful stop. The first calls `stop`
+/// (which must not block: it flips a watch channel), then prints `stopping` as a status line —
+/// stop first, so a stalled stderr cannot hold the stop up. A second signal removes any
+/// registered unfinished copy, prints one line and dies by that signal. Fails only if the
+/// handlers cannot be installed.
+pub fn watch(stopping: &'static str, stop: impl Fn() + Send + 'static) -> std::io::Result<StopSignal> {
     let signal = StopSignal::default();
-    let _entered = rt.enter();
-    let mut arrivals = Arrivals::install()?;
     let seen = signal.clone();
-    rt.spawn(async move {
-        loop {
-            let code = arrivals.next().await;
-            if seen.first(code) {
-                stop();
-                crate::say::line(crate::say::Level::Status, format_args!("{stopping}"));
-            } else {
-                crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
-                std::process::exit(code);
-            }
+    spawn_watcher(move |code| {
+        if seen.first(code) {
+            stop();
+            crate::say::line(crate::say::Level::Status, format_args!("{stopping}"));
+        } else {
+            remove_scratch();
+            crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
+            die_by(code);
         }
-    });
+    })?;
     Ok(signal)
 }
 
-/// Files a signal must not leave behind (unfinished copies of a store), each with what to say
-/// if it is not there yet.
-static SCRATCH: Mutex<Vec<(PathBuf, Option<String>)>> = Mutex::new(Vec::new());
+/// What the process must clean up or finish if a signal comes.
+struct State {
+    /// Unfinished copies of a store, each with what to say if it is not there yet.
+    scratch: Vec<(PathBuf, Option<String>)>,
+    /// [`on_signal_remove_scratch`] is watching (only then does [`committing`] defer signals).
+    watching: bool,
+    /// The command is past its point of no return: a signal waits for [`Finish`].
+    committed: bool,
+    /// A signal that came while committed, for [`Finish`] to die by.
+    pending: Option<i32>,
+    /// A signal is removing the copies before the process dies: nothing may commit now.
+    dying: bool,
+}
 
-/// An unfinished copy registered with [`scratch`]: removed if a signal ends the process
-/// (after [`remove_scratch_on_signal`]); forgotten when this is dropped — by then the copy was
-/// renamed into place or removed by its own `tempfile` guard.
+static STATE: Mutex<State> = Mutex::new(State { scratch: Vec::new(), watching: false, committed: false, pending: None, dying: false });
+
+fn state() -> std::sync::MutexGuard<'static, State> {
+    // Nothing panics while holding it; a poisoned lock still holds a usable list.
+    STATE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// An unfinished copy registered with [`scratch`]: removed if a signal ends the process;
+/// forgotten when this is dropped — by then the copy was renamed into place or removed by its
+/// own `tempfile` guard. (Between a temp file's creation and its registration, a few
+/// instructions, a signal still leaves it.)
 #[derive(Debug)]
 pub struct Scratch(PathBuf);
 
@@ -87,30 +106,129 @@ pub fn scratch_of_another(path: &Path, if_missing: String) -> Scratch {
 }
 
 fn register(path: &Path, if_missing: Option<String>) -> Scratch {
-    if let Ok(mut paths) = SCRATCH.lock() {
-        paths.push((path.to_path_buf(), if_missing));
-    }
+    state().scratch.push((path.to_path_buf(), if_missing));
     Scratch(path.to_path_buf())
 }
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        if let Ok(mut paths) = SCRATCH.lock() {
-            if let Some(at) = paths.iter().rposition(|(p, _)| *p == self.0) {
-                paths.swap_remove(at);
-            }
+        let mut state = state();
+        if let Some(at) = state.scratch.iter().rposition(|(p, _)| *p == self.0) {
+            state.scratch.swap_remove(at);
         }
     }
 }
 
-/// For a command without a runtime of its own that copies a store: on SIGINT / SIGTERM,
-/// remove the registered unfinished copies, say so, and exit with the signal's code (130 /
-/// 143, what a shell reports for a command those signals killed). A signal inherited as
-/// ignored stays ignored. If the watcher cannot start, a signal kills as before (the copy is
-/// left: a warning says so now, not after).
-pub fn remove_scratch_on_signal() {
+/// Removes the registered unfinished copies, saying so (and what it could not remove).
+fn remove_scratch() {
+    let paths = std::mem::take(&mut state().scratch);
+    for (path, if_missing) in paths {
+        match std::fs::remove_file(&path) {
+            Ok(()) => crate::say::line(crate::say::Level::Status, format_args!("interrupted: removed the unfinished copy {}", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if let Some(note) = if_missing {
+                    crate::say::line(crate::say::Level::Warning, format_args!("interrupted: {note}"));
+                }
+            }
+            Err(e) => crate::say::line(crate::say::Level::Warning, format_args!("interrupted: cannot remove the unfinished copy {}: {e}", path.display())),
+        }
+    }
+}
+
+/// The point of no return of a command watched by [`on_signal_remove_scratch`]: what follows
+/// puts a finished copy in place (a rename, keeping the replaced store aside first). A signal
+/// from now on waits until the command has finished and printed what it did ([`Finish`]), so
+/// it never stops a restore between keeping the old store aside and renaming the new one in,
+/// and never reports a finished backup as interrupted. Does nothing where no such watcher runs
+/// (the daemon's own backups).
+pub fn committing() {
+    let mut state = state();
+    if state.dying {
+        // The watcher is removing this command's copy and will end the process: never start
+        // putting a copy in place that is being removed.
+        drop(state);
+        loop {
+            std::thread::park();
+        }
+    }
+    if state.watching {
+        state.committed = true;
+    }
+}
+
+/// Held by a command watched by [`on_signal_remove_scratch`] until it has printed its result:
+/// a signal that arrived after [`committing`] then ends the process — by [`exit`], once the
+/// command has returned and closed what it opened.
+#[derive(Debug)]
+pub struct Finish(());
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        let pending = {
+            let mut state = state();
+            state.watching = false;
+            state.pending.take()
+        };
+        if let Some(code) = pending {
+            end_by(code);
+        }
+    }
+}
+
+/// The signal (as its exit code) the process must die by once the command has returned.
+static END_BY: AtomicI32 = AtomicI32::new(0);
+
+/// Records that the command, once returned, ends by the signal `code` stands for (130 / 143)
+/// rather than by an exit code (see [`exit`]); returns `code`.
+pub fn end_by(code: i32) -> i32 {
+    END_BY.store(code, Ordering::SeqCst);
+    code
+}
+
+/// How `main` ends the process after the command returned `code` (its store closed on the
+/// way): by the signal recorded with [`end_by`] if any, so the parent sees a death by that
+/// signal; otherwise with `code`.
+pub fn exit(code: i32) -> ! {
+    match END_BY.load(Ordering::SeqCst) {
+        0 => std::process::exit(code),
+        signal => {
+            remove_scratch();
+            die_by(signal)
+        }
+    }
+}
+
+/// For a command without a graceful stop that copies a store: on SIGINT / SIGTERM, remove the
+/// registered unfinished copies, say so, and die by the signal — or, past [`committing`], let
+/// the command finish first. If the watcher cannot start, a signal kills as before (a warning
+/// says now that an interrupted copy would be left).
+pub fn on_signal_remove_scratch() -> Finish {
+    state().watching = true;
+    let started = spawn_watcher(|code| {
+        {
+            let mut state = state();
+            if state.committed {
+                state.pending.get_or_insert(code);
+                drop(state);
+                crate::say::line(crate::say::Level::Status, format_args!("signal received: finishing first (the copy is being put in place)"));
+                return;
+            }
+            state.dying = true;
+        }
+        remove_scratch();
+        die_by(code);
+    });
+    if let Err(e) = started {
+        crate::say::line(crate::say::Level::Warning, format_args!("cannot watch for signals ({e}): an interrupted copy leaves its temp file behind"));
+    }
+    Finish(())
+}
+
+/// Starts the watcher thread and waits until its handlers are installed (so the work does not
+/// start unwatched). `on_signal` gets each arrival's exit code (130 / 143).
+fn spawn_watcher(mut on_signal: impl FnMut(i32) + Send + 'static) -> std::io::Result<()> {
     let (ready_tx, ready) = std::sync::mpsc::channel::<std::io::Result<()>>();
-    let started = std::thread::Builder::new().name("zonewatch-signals".into()).spawn(move || {
+    std::thread::Builder::new().name("zonewatch-signals".into()).spawn(move || {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_io().build() {
             Ok(rt) => rt,
             Err(e) => {
@@ -127,37 +245,45 @@ pub fn remove_scratch_on_signal() {
                 }
             };
             let _ = ready_tx.send(Ok(()));
-            let code = arrivals.next().await;
-            let paths = SCRATCH.lock().map(|p| p.clone()).unwrap_or_default();
-            for (path, if_missing) in paths {
-                match std::fs::remove_file(&path) {
-                    Ok(()) => crate::say::line(crate::say::Level::Status, format_args!("interrupted: removed the unfinished copy {}", path.display())),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        if let Some(note) = if_missing {
-                            crate::say::line(crate::say::Level::Warning, format_args!("interrupted: {note}"));
-                        }
-                    }
-                    Err(e) => crate::say::line(crate::say::Level::Warning, format_args!("interrupted: cannot remove the unfinished copy {}: {e}", path.display())),
-                }
+            loop {
+                let code = arrivals.next().await;
+                on_signal(code);
             }
-            std::process::exit(code);
         });
-    });
-    // Wait until the handlers are in place, so the copy does not start unwatched.
-    let failed = match started {
-        Ok(_) => ready.recv().map_err(|_| std::io::Error::other("the signal thread stopped")).and_then(|r| r).err(),
-        Err(e) => Some(e),
-    };
-    if let Some(e) = failed {
-        crate::say::line(crate::say::Level::Warning, format_args!("cannot watch for signals ({e}): an interrupted copy leaves its temp file behind"));
+    })?;
+    ready.recv().map_err(|_| std::io::Error::other("the signal thread stopped"))?
+}
+
+/// Ends the process by the signal `code` stands for (130 SIGINT, 143 SIGTERM): its handler
+/// reset to the default, then raised, so the parent sees a death by that signal. Falls back
+/// to exiting with `code` if that did not end it.
+pub fn die_by(code: i32) -> ! {
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    #[cfg(unix)]
+    {
+        extern "C" {
+            fn signal(signum: std::os::raw::c_int, handler: usize) -> usize;
+            fn raise(signum: std::os::raw::c_int) -> std::os::raw::c_int;
+        }
+        /// `SIG_DFL`: the null handler on every unix.
+        const SIG_DFL: usize = 0;
+        let number = code - 128;
+        if number == 2 || number == 15 {
+            // SAFETY: `signal` with SIG_DFL installs no Rust code as a handler, and `raise`
+            // takes a plain integer; both are async-signal-safe and callable from any thread.
+            unsafe {
+                signal(number, SIG_DFL);
+                raise(number);
+            }
+        }
     }
+    std::process::exit(code)
 }
 
 /// The installed handlers, yielding each arrival's exit code. A signal the process inherited
-/// as ignored gets no handler — the convention for programs that catch signals: a
-/// non-interactive shell starts a background job (`zonewatch serve &`) with SIGINT ignored so
-/// that a Ctrl-C meant for the foreground does not reach it, and installing a handler would
-/// undo that.
+/// as ignored gets no handler (the convention for programs that catch signals): installing
+/// one would undo what the parent asked.
 #[cfg(unix)]
 struct Arrivals {
     interrupt: Option<tokio::signal::unix::Signal>,

@@ -91,6 +91,7 @@ impl Store {
         let tables = copied?;
         // Check what we wrote before it takes the destination's name.
         verify_file(tmp.path()).map_err(backup_err)?;
+        crate::signals::committing();
         tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
         let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
         Ok(BackupInfo { path: dest.to_path_buf(), bytes, tables, rows })
@@ -189,6 +190,8 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     let copy = verified_copy(src, parent, ".zonewatch-restore-")?;
     let tmp = &copy.tmp;
     let owner_warning = take_identity(tmp.as_file(), previous.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?;
+    // From here the old store is kept aside and the new one renamed in: a signal waits.
+    crate::signals::committing();
     let kept = match previous {
         Some(_) => Some(keep_aside(dest)?),
         None => None,
