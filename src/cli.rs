@@ -354,7 +354,8 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     }
     // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): the source being read finishes
     // (its run commits whole or not at all), no other starts, sends already begun finish and
-    // nothing more is sent or waited for; then exit 130 / 143. See `signals.rs`.
+    // nothing more is sent or waited for; then, the store closed, it dies by that signal (a
+    // shell's 130 / 143). See `signals.rs`.
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(c) => return c,
