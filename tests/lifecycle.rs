@@ -25,6 +25,25 @@ fn shell_code(status: std::process::ExitStatus) -> Option<i32> {
     status.code().or(status.signal().map(|s| 128 + s))
 }
 
+/// Waits (at most `within`) for `child` to exit, failing with `what` if it does not: its exit
+/// status and what it wrote on stderr.
+fn wait_exit(child: &mut std::process::Child, within: Duration, what: &str) -> (std::process::ExitStatus, String) {
+    let since = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(since.elapsed() < within, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    if let Some(mut e) = child.stderr.take() {
+        e.read_to_string(&mut err).expect("stderr");
+    }
+    (status, err)
+}
+
 fn signal(child: &std::process::Child, sig: &str) {
     let ok = Command::new("kill").args([sig, &child.id().to_string()]).status().expect("kill runs").success();
     assert!(ok, "kill {sig}");
@@ -65,18 +84,10 @@ fn run_signalled(ws: &Workspace, rx: &Receiver, after: usize, sig: &str) -> (std
         .expect("run starts");
     wait_received(rx, after);
     signal(&child, sig);
-    let signalled = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(signalled.elapsed() < Duration::from_secs(8), "run kept going 8 s after {sig}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (status, err) = wait_exit(&mut child, Duration::from_secs(8), &format!("run kept going 8 s after {sig}"));
     use std::io::Read;
-    let (mut out, mut err) = (String::new(), String::new());
+    let mut out = String::new();
     child.stdout.take().expect("stdout").read_to_string(&mut out).expect("stdout");
-    child.stderr.take().expect("stderr").read_to_string(&mut err).expect("stderr");
     (status, out, err)
 }
 
@@ -101,18 +112,8 @@ async fn a_second_signal_exits_at_once_and_loses_nothing() {
     signal(&child, "-TERM");
     std::thread::sleep(Duration::from_millis(500));
     assert!(child.try_wait().expect("wait").is_none(), "the first signal must not kill in-flight sends at once");
-    let second = Instant::now();
     signal(&child, "-TERM");
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(second.elapsed() < Duration::from_secs(10), "serve did not exit after a second signal");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut log = String::new();
-    use std::io::Read;
-    child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
+    let (status, log) = wait_exit(&mut child, Duration::from_secs(10), "serve did not exit after a second signal");
     // Killed by the second signal, as a shell sees it (143: SIGTERM).
     use std::os::unix::process::ExitStatusExt;
     assert_eq!((status.code(), status.signal()), (None, Some(15)), "{log}");
@@ -149,17 +150,7 @@ async fn serve_keeps_inherited_ignores_and_stops_cleanly_on_sigterm() {
     std::thread::sleep(Duration::from_millis(700));
     assert!(child.try_wait().expect("wait").is_none(), "an inherited ignore of SIGHUP / SIGINT was overridden");
     signal(&child, "-TERM");
-    let asked = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        assert!(asked.elapsed() < Duration::from_secs(10), "serve did not stop on SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut log = String::new();
-    use std::io::Read;
-    child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
+    let (status, log) = wait_exit(&mut child, Duration::from_secs(10), "serve did not stop on SIGTERM");
     assert_eq!(status.code(), Some(0), "{log}");
     assert!(log.contains("stopping") && !log.contains("exiting now"), "{log}");
     let engine = ws.engine();
