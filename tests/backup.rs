@@ -98,7 +98,7 @@ fn restore_never_overwrites_a_kept_store_leaves_the_backup_alone_and_keeps_the_s
 }
 
 /// A signal during `restore` — here while it reads a backup streamed through a pipe, so the
-/// test holds it mid-copy — ends it with the signal's code, removes the unfinished copy it was
+/// test holds it mid-copy — ends it by that signal, removes the unfinished copy it was
 /// writing beside the store, and leaves the store exactly as it was.
 #[test]
 fn an_interrupted_restore_removes_its_unfinished_copy_and_leaves_the_store() {
