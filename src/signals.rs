@@ -57,6 +57,8 @@ pub fn watch(stopping: &'static str, stop: impl Fn() + Send + 'static) -> std::i
             stop();
             crate::say::line(crate::say::Level::Status, format_args!("{stopping}"));
         } else {
+            // Default first: if saying so blocks (a stalled stderr), the next signal kills.
+            reset_to_default(code);
             remove_scratch();
             crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
             die_by(code);
@@ -167,6 +169,8 @@ impl Drop for Finish {
         let pending = {
             let mut state = state();
             state.watching = false;
+            // A signal from now on is not deferred: nothing would answer it.
+            state.committed = false;
             state.pending.take()
         };
         if let Some(code) = pending {
@@ -189,9 +193,17 @@ pub fn end_by(code: i32) -> i32 {
 /// way): by the signal recorded with [`end_by`] if any, so the parent sees a death by that
 /// signal; otherwise with `code`.
 pub fn exit(code: i32) -> ! {
+    if state().dying {
+        // The watcher is removing this command's copy and ends the process by its signal:
+        // an error the command met meanwhile (its copy gone under it) must not end it first.
+        loop {
+            std::thread::park();
+        }
+    }
     match END_BY.load(Ordering::SeqCst) {
         0 => std::process::exit(code),
         signal => {
+            reset_to_default(signal);
             remove_scratch();
             die_by(signal)
         }
@@ -215,6 +227,7 @@ pub fn on_signal_remove_scratch() -> Finish {
             }
             state.dying = true;
         }
+        reset_to_default(code);
         remove_scratch();
         die_by(code);
     });
@@ -259,26 +272,59 @@ fn spawn_watcher(mut on_signal: impl FnMut(i32) + Send + 'static) -> std::io::Re
 /// to exiting with `code` if that did not end it.
 pub fn die_by(code: i32) -> ! {
     use std::io::Write as _;
+    reset_to_default(code);
     let _ = std::io::stdout().flush();
     #[cfg(unix)]
     {
         extern "C" {
-            fn signal(signum: std::os::raw::c_int, handler: usize) -> usize;
             fn raise(signum: std::os::raw::c_int) -> std::os::raw::c_int;
         }
-        /// `SIG_DFL`: the null handler on every unix.
-        const SIG_DFL: usize = 0;
-        let number = code - 128;
-        if number == 2 || number == 15 {
-            // SAFETY: `signal` with SIG_DFL installs no Rust code as a handler, and `raise`
-            // takes a plain integer; both are async-signal-safe and callable from any thread.
+        if let Some(number) = signal_number(code) {
+            // SAFETY: `raise` takes a plain integer and is callable from any thread.
             unsafe {
-                signal(number, SIG_DFL);
                 raise(number);
             }
         }
     }
     std::process::exit(code)
+}
+
+/// Puts back the default action (ending the process) of both signals we watch, so the next
+/// SIGINT or SIGTERM kills at once even if the way out stalls (a blocked stderr). `code`'s
+/// signal first. Called only on the way out.
+fn reset_to_default(code: i32) {
+    #[cfg(unix)]
+    {
+        extern "C" {
+            fn signal(signum: std::os::raw::c_int, handler: usize) -> usize;
+        }
+        /// `SIG_DFL`: the null handler on every unix.
+        const SIG_DFL: usize = 0;
+        let inherited = inherited_ignored_at_start();
+        for number in signal_number(code).into_iter().chain([2, 15]) {
+            // A signal inherited as ignored has no handler of ours: leave it ignored.
+            if inherited & (1 << (number - 1)) != 0 {
+                continue;
+            }
+            // SAFETY: `signal` with SIG_DFL installs no Rust code as a handler; it takes two
+            // integers and is callable from any thread.
+            unsafe {
+                signal(number, SIG_DFL);
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = code;
+}
+
+/// The signal number behind an exit code we use for one (130 → 2, 143 → 15).
+#[cfg(unix)]
+fn signal_number(code: i32) -> Option<std::os::raw::c_int> {
+    match code {
+        130 => Some(2),
+        143 => Some(15),
+        _ => None,
+    }
 }
 
 /// The installed handlers, yielding each arrival's exit code. A signal the process inherited
@@ -294,7 +340,7 @@ struct Arrivals {
 impl Arrivals {
     fn install() -> std::io::Result<Arrivals> {
         use tokio::signal::unix::{signal, SignalKind};
-        let ignored = inherited_ignored();
+        let ignored = inherited_ignored_at_start();
         let watch = |number: u32, kind: SignalKind| -> std::io::Result<Option<tokio::signal::unix::Signal>> {
             match ignored & (1 << (number - 1)) {
                 0 => signal(kind).map(Some),
@@ -325,9 +371,11 @@ async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) -> Option<()> {
 /// The signals this process inherited as ignored, as the kernel's mask (bit n-1 for signal
 /// n), read from `/proc/self/status` before any handler is installed. Where that file does
 /// not exist (not Linux) nothing counts as ignored and both signals are watched.
+/// Read once, before the first handler: later the mask no longer shows what was inherited.
 #[cfg(unix)]
-fn inherited_ignored() -> u64 {
-    std::fs::read_to_string("/proc/self/status").ok().as_deref().and_then(ignored_mask).unwrap_or(0)
+fn inherited_ignored_at_start() -> u64 {
+    static MASK: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *MASK.get_or_init(|| std::fs::read_to_string("/proc/self/status").ok().as_deref().and_then(ignored_mask).unwrap_or(0))
 }
 
 /// The `SigIgn:` mask of a `/proc/<pid>/status` text.
