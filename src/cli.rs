@@ -1021,9 +1021,9 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
             println!("warning: store {}: this user cannot make files in {} ({e}): `run` and `serve` as this user would fail on the first change", path.display(), folder.display());
         }
     }
-    // A file damaged so that redb panics reading it is an error like any other.
     // A file that needs repair is checked on a copy in TMPDIR: an interrupted check removes it.
     let _finish = crate::signals::on_signal_remove_scratch();
+    // A file damaged so that redb panics reading it is an error like any other.
     let checked = crate::store::guard::guarded(|| crate::store::check::check_file(path)).unwrap_or_else(|p| Err(p.at(path)));
     if matches!(&checked, Ok(r) if r.checked_repaired_copy) {
         println!(

@@ -57,11 +57,7 @@ pub fn watch(stopping: &'static str, stop: impl Fn() + Send + 'static) -> std::i
             stop();
             crate::say::line(crate::say::Level::Status, format_args!("{stopping}"));
         } else {
-            // Default first: if saying so blocks (a stalled stderr), the next signal kills.
-            reset_to_default(code);
-            remove_scratch();
-            crate::say::line(crate::say::Level::Status, format_args!("exiting now (the outbox makes this safe)"));
-            die_by(code);
+            die_by(code, Some("exiting now (the outbox makes this safe)"));
         }
     })?;
     Ok(signal)
@@ -203,9 +199,7 @@ pub fn exit(code: i32) -> ! {
     match END_BY.load(Ordering::SeqCst) {
         0 => std::process::exit(code),
         signal => {
-            reset_to_default(signal);
-            remove_scratch();
-            die_by(signal)
+            die_by(signal, None)
         }
     }
 }
@@ -227,9 +221,7 @@ pub fn on_signal_remove_scratch() -> Finish {
             }
             state.dying = true;
         }
-        reset_to_default(code);
-        remove_scratch();
-        die_by(code);
+        die_by(code, None);
     });
     if let Err(e) = started {
         crate::say::line(crate::say::Level::Warning, format_args!("cannot watch for signals ({e}): an interrupted copy leaves its temp file behind"));
@@ -267,12 +259,18 @@ fn spawn_watcher(mut on_signal: impl FnMut(i32) + Send + 'static) -> std::io::Re
     ready.recv().map_err(|_| std::io::Error::other("the signal thread stopped"))?
 }
 
-/// Ends the process by the signal `code` stands for (130 SIGINT, 143 SIGTERM): its handler
-/// reset to the default, then raised, so the parent sees a death by that signal. Falls back
-/// to exiting with `code` if that did not end it.
-pub fn die_by(code: i32) -> ! {
+/// Ends the process by the signal `code` stands for (130 SIGINT, 143 SIGTERM): both
+/// signals' handlers reset to the default first (if what follows blocks on a stalled stderr,
+/// the next signal kills), then the registered unfinished copies removed, `last_line` said,
+/// and the signal raised, so the parent sees a death by it. Falls back to exiting with `code`
+/// if that did not end it.
+fn die_by(code: i32, last_line: Option<&str>) -> ! {
     use std::io::Write as _;
     reset_to_default(code);
+    remove_scratch();
+    if let Some(line) = last_line {
+        crate::say::line(crate::say::Level::Status, format_args!("{line}"));
+    }
     let _ = std::io::stdout().flush();
     #[cfg(unix)]
     {
@@ -289,9 +287,8 @@ pub fn die_by(code: i32) -> ! {
     std::process::exit(code)
 }
 
-/// Puts back the default action (ending the process) of both signals we watch, so the next
-/// SIGINT or SIGTERM kills at once even if the way out stalls (a blocked stderr). `code`'s
-/// signal first. Called only on the way out.
+/// Puts back the default action (ending the process) of both signals we watch, `code`'s
+/// first. Called only on the way out ([`die_by`]).
 fn reset_to_default(code: i32) {
     #[cfg(unix)]
     {
@@ -341,13 +338,13 @@ impl Arrivals {
     fn install() -> std::io::Result<Arrivals> {
         use tokio::signal::unix::{signal, SignalKind};
         let ignored = inherited_ignored_at_start();
-        let watch = |number: u32, kind: SignalKind| -> std::io::Result<Option<tokio::signal::unix::Signal>> {
+        let watched = |number: u32, kind: SignalKind| -> std::io::Result<Option<tokio::signal::unix::Signal>> {
             match ignored & (1 << (number - 1)) {
                 0 => signal(kind).map(Some),
                 _ => Ok(None),
             }
         };
-        Ok(Arrivals { interrupt: watch(2, SignalKind::interrupt())?, terminate: watch(15, SignalKind::terminate())? })
+        Ok(Arrivals { interrupt: watched(2, SignalKind::interrupt())?, terminate: watched(15, SignalKind::terminate())? })
     }
 
     async fn next(&mut self) -> i32 {
