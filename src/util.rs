@@ -159,9 +159,22 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The cores this process may use, asked once: `available_parallelism` reads the affinity
+/// mask and the cgroup's CPU quota on every call, and the matcher asks per batch.
+pub fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+}
+
 /// Lower-case hex of a byte slice.
 pub fn hex(bytes: &[u8]) -> String {
-    hex::encode(bytes)
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for &b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    out
 }
 
 /// Caps glibc's malloc arenas at one per core, for the long-lived `serve`.
@@ -210,6 +223,12 @@ pub fn release_free_memory() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_is_lower_case_two_digits_a_byte() {
+        assert_eq!(hex(&[]), "");
+        assert_eq!(hex(&[0x00, 0x0f, 0xa5, 0xff, 0x10]), "000fa5ff10");
+    }
 
     #[test]
     fn durations_parse_and_chain() {

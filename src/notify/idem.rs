@@ -6,24 +6,72 @@ use crate::detect::canonical::normalize_code;
 use crate::model::{ChangeEvent, IdemKey};
 use sha2::{Digest, Sha256};
 
-/// The key of one (watcher, change) pair.
+/// The key of one (watcher, change) pair: sha256 over the watcher id, jurisdiction, parcel
+/// id, kind, normalised from / to codes and effective date, each escaped (`\` → `\\`,
+/// `|` → `\|`) and joined by `|`, so that field boundaries cannot be forged. Hashed as it
+/// is escaped, without building the fields (a baseline computes one per parcel an AOI
+/// touches).
 pub fn key_for(watcher_id: &str, event: &ChangeEvent) -> IdemKey {
+    let from = event.from.as_deref().map(normalize_code);
+    let to = event.to.as_deref().map(normalize_code);
     let fields = [
-        watcher_id.to_string(),
-        event.jurisdiction.clone(),
-        event.parcel_id.clone(),
-        event.kind.as_str().to_string(),
-        event.from.as_deref().map(normalize_code).unwrap_or_default(),
-        event.to.as_deref().map(normalize_code).unwrap_or_default(),
-        event.effective_date.clone().unwrap_or_default(),
+        watcher_id,
+        event.jurisdiction.as_str(),
+        event.parcel_id.as_str(),
+        event.kind.as_str(),
+        from.as_deref().unwrap_or_default(),
+        to.as_deref().unwrap_or_default(),
+        event.effective_date.as_deref().unwrap_or_default(),
     ];
     let mut h = Sha256::new();
     for (i, f) in fields.iter().enumerate() {
         if i > 0 {
             h.update(b"|");
         }
-        // Escape the separator so that field boundaries cannot be forged.
-        h.update(f.replace('\\', "\\\\").replace('|', "\\|").as_bytes());
+        update_escaped(&mut h, f);
     }
     IdemKey(crate::util::hex(&h.finalize()))
+}
+
+/// Feeds `field` to `h` with every `\` and `|` preceded by a `\`.
+fn update_escaped(h: &mut Sha256, field: &str) {
+    let bytes = field.as_bytes();
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if b == b'\\' || b == b'|' {
+            h.update(&bytes[start..i]);
+            h.update(b"\\");
+            // The byte itself starts the next stretch.
+            start = i;
+        }
+    }
+    h.update(&bytes[start..]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{sample_event, ChangeKind};
+
+    /// Keys are stored: a change in how they are computed would let every change already
+    /// claimed be claimed (and sent) again after an upgrade. These values were computed by the
+    /// first implementation; any rewrite must give them byte for byte.
+    #[test]
+    fn keys_are_what_they_were() {
+        let mut e = sample_event("P-1");
+        let plain = key_for("w1", &e);
+        e.jurisdiction = "Town|of\\Here".into();
+        e.parcel_id = "12|34\\\\5|".into();
+        e.kind = ChangeKind::Rezoned;
+        e.from = Some("  r-1 ".into());
+        e.to = Some("c|2".into());
+        e.effective_date = Some("2026-01-01".into());
+        let escaped = key_for("sub\\|x", &e);
+        e.from = None;
+        e.effective_date = None;
+        let missing = key_for("", &e);
+        assert_eq!(plain.0, "877ad3e31ed742671e193c56b4ff1faa21b15c1499c6e88e23f4ed2565b838b9");
+        assert_eq!(escaped.0, "7a8a55cfb11678827e5ee0ab6e85bb5f5801621ac9af1d54eddda08228e3cb16");
+        assert_eq!(missing.0, "7520553fefd815c23cf25fddf3cfd3c5835cdceb0038f871aa63fa432f85aca1");
+    }
 }

@@ -188,9 +188,7 @@ impl PinnedIndex {
                 })
                 .collect()
         };
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
+        let threads = crate::util::cores()
             .min(events.len() / MIN_EVENTS_PER_THREAD)
             .max(1);
         if threads == 1 {

@@ -5,7 +5,8 @@ use super::idem::{is_pending, IdemRecord, IdemState};
 use super::expiry::ExpiryIndex;
 use super::key_journal::{KeyIndex, KeyTables, Place};
 use super::outbox_rows::{decode_entry, encode_dead, encode_entry};
-use super::runs::{append_audits, codec_err};
+use super::runs::{append_audit_refs, append_audits, codec_err, AuditRowRef};
+use std::borrow::Cow;
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
@@ -183,32 +184,32 @@ pub(super) fn claim_in_txn(
     // Pass 2, in claim order: outbox rows for the claimed keys, an audit row for every claim.
     for (i, claim) in claims.iter().enumerate() {
         let event = &events[claim.event];
-        let mut row = AuditRow {
+        let mut row = AuditRowRef {
             seq: 0,
             ts_ms: now_ms,
             outcome: Outcome::Queued,
-            idempotency_key: Some(claim.key.0.clone()),
-            watcher_id: Some(claim.watcher_id.clone()),
-            source_id: Some(event.source_id.clone()),
-            parcel_id: Some(event.parcel_id.clone()),
-            lineage_id: Some(lineage.to_string()),
-            detail: format!("{} {}", event.kind.as_str(), event.severity.as_str()),
+            idempotency_key: Some(claim.key.0.as_str()),
+            watcher_id: Some(claim.watcher_id.as_str()),
+            source_id: Some(event.source_id.as_str()),
+            parcel_id: Some(event.parcel_id.as_str()),
+            lineage_id: Some(lineage),
+            detail: Cow::Borrowed(""),
         };
         if event.severity < claim.min_severity {
             counts.below_min_severity += 1;
             row.outcome = Outcome::Suppressed;
-            row.detail = format!(
+            row.detail = Cow::Owned(format!(
                 "below_min_severity: {} < {}",
                 event.severity.as_str(),
                 claim.min_severity.as_str()
-            );
+            ));
             pending_audit.push(row);
             continue;
         }
         if let Some(holder) = held_by[i].take() {
             counts.duplicates += 1;
             row.outcome = Outcome::Duplicate;
-            row.detail = format!("key claimed by {holder}");
+            row.detail = Cow::Owned(format!("key claimed by {holder}"));
             pending_audit.push(row);
             continue;
         }
@@ -216,7 +217,7 @@ pub(super) fn claim_in_txn(
             ClaimMode::Prime { detail } => {
                 counts.suppressed += 1;
                 row.outcome = Outcome::Suppressed;
-                row.detail = detail.to_string();
+                row.detail = Cow::Borrowed(detail);
             }
             ClaimMode::Deliver => {
                 let Some(id) = row_of[i] else {
@@ -239,13 +240,14 @@ pub(super) fn claim_in_txn(
                 };
                 outbox.insert(id, encode_entry(&entry).as_slice())?;
                 counts.queued += 1;
+                row.detail = Cow::Owned(format!("{} {}", event.kind.as_str(), event.severity.as_str()));
             }
         }
         pending_audit.push(row);
     }
     meta.insert(META_NEXT_OUTBOX_ID, next_id.to_le_bytes().as_slice())?;
     drop((keys, expiry, outbox, retry_rows, dead, quarantine, meta));
-    append_audits(wtx, &mut pending_audit)?;
+    append_audit_refs(wtx, &mut pending_audit)?;
     Ok(counts)
 }
 
