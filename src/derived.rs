@@ -29,7 +29,7 @@ use crate::model::*;
 use crate::pipeline::{Engine, PipelineError, RunOptions, SourceReport};
 use crate::detect::derived_delta::{DeltaFile, DeltaItem, DeltaReader};
 use crate::pipeline::COMMIT_CHUNK;
-use crate::store::{BaseStretch, Claim, CommitMode, QuarantineDraft, RunCommit, RunWriter, SnapshotRow};
+use crate::store::{BaseStretch, Claim, CommitMode, QuarantineDraft, RunCommit, RunNote, RunWriter, SnapshotRow};
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -64,7 +64,7 @@ pub fn derive_all(
             LayerKind::Overlays => {
                 let mut names: Vec<(String, f64)> =
                     cov.shares.into_iter().filter(|(_, s)| *s >= overlay_min_share).collect();
-                names.sort_by(|a, b| normalize_code(&a.0).cmp(&normalize_code(&b.0)));
+                names.sort_by_key(|n| normalize_code(&n.0));
                 let share = names.iter().map(|n| n.1).fold(0.0, f64::max);
                 (names.into_iter().map(|n| n.0).collect::<Vec<_>>().join(&SET_SEP.to_string()), share)
             }
@@ -223,7 +223,7 @@ impl Engine {
             });
             if let Some(h) = open_same {
                 let record =
-                    self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
+                    self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest: &fetched.digest, hold_id: Some(h.run_id), error: None })?;
                 return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
             }
         }
@@ -512,7 +512,7 @@ impl Engine {
                 h.source_id == src.id && h.state == HoldState::Open && h.digest == fetched.digest && h.watermark.read_fingerprint == fingerprint
             });
             if let Some(h) = open_same {
-                let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, &fetched.digest, Some(h.run_id), None)?;
+                let record = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest: &fetched.digest, hold_id: Some(h.run_id), error: None })?;
                 return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
             }
         }

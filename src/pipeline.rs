@@ -17,7 +17,7 @@ use crate::model::*;
 use crate::notify::aoi::{load_aoi, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{PinnedIndex, Subscriber, SubscriberIndex};
-use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunWriter, SnapshotRow, Store, StoreError};
+use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunNote, RunWriter, SnapshotRow, Store, StoreError, UnchangedRun};
 use crate::clock::SharedClock;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -447,13 +447,13 @@ impl Engine {
         let started = self.now();
         // One run per source at a time: a trigger during a run is recorded, not run.
         let Some(_lease) = staging::try_lease(self.store.path(), &src.id) else {
-            let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::SkippedOverlap, "", None, None)?;
+            let record = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::SkippedOverlap, digest: "", hold_id: None, error: None })?;
             return Ok(SourceReport { record, hold_reason: None });
         };
         match self.run_source_inner(src, opts, started, from_staging) {
             Ok(r) => Ok(r),
             Err(e) => {
-                if let Err(note_err) = self.store.record_run_note(&src.id, started, self.now(), Verdict::Failed, "", None, Some(e.to_string())) {
+                if let Err(note_err) = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Failed, digest: "", hold_id: None, error: Some(e.to_string()) }) {
                     tracing::error!(source = %src.id, "could not record the failed run: {note_err}");
                 }
                 Err(e)
@@ -510,7 +510,7 @@ impl Engine {
                 let mut warnings = vec![format!("probe: {reason}")];
                 warnings.extend(portal::stale(wm.as_ref(), started, src.stale_after));
                 let signals = portal_signals(&meta);
-                let record = self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Skip, &signals, 0, warnings)?;
+                let record = self.store.commit_unchanged(&src.id, started, self.now(), UnchangedRun { verdict: Verdict::Skip, signals: &signals, features_hint: 0, warnings })?;
                 return Ok(SourceReport { record, hold_reason: None });
             }
             Fetched::Portal(PortalFetch::Layer { body: LayerBody::File(body), meta }) => {
@@ -631,7 +631,7 @@ impl Engine {
                     None => self.store.commit_identical(&src.id, started, self.now(), 0)?,
                     Some(m) => {
                         let warnings = portal::stale(wm, started, src.stale_after).into_iter().collect();
-                        self.store.commit_unchanged(&src.id, started, self.now(), Verdict::Identical, &portal_signals(m), 0, warnings)?
+                        self.store.commit_unchanged(&src.id, started, self.now(), UnchangedRun { verdict: Verdict::Identical, signals: &portal_signals(m), features_hint: 0, warnings })?
                     }
                 };
                 return Ok(Some(SourceReport { record, hold_reason: None }));
@@ -641,7 +641,7 @@ impl Engine {
             h.source_id == src.id && h.state == HoldState::Open && h.digest == digest && h.watermark.read_fingerprint == fingerprint
         });
         if let Some(h) = open_same {
-            let record = self.store.record_run_note(&src.id, started, self.now(), Verdict::Held, digest, Some(h.run_id), None)?;
+            let record = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest, hold_id: Some(h.run_id), error: None })?;
             return Ok(Some(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) }));
         }
         Ok(None)
@@ -1153,7 +1153,7 @@ zoning = "ZONE_CODE"
                 // A few snapshot-only updates among them: stored, no event.
                 kind: (i % 997 != 5).then_some(ChangeKind::Added),
                 from: None,
-                state: ParcelState { zoning: format!("Z{i}"), effective_date: (i % 3 == 0).then(|| format!("2026-01-{:02}", i % 28 + 1)), content_hash: [i as u8; 32], geom_hash: [2; 32], area_m2: i as f64 },
+                state: ParcelState { zoning: format!("Z{i}"), effective_date: i.is_multiple_of(3).then(|| format!("2026-01-{:02}", i % 28 + 1)), content_hash: [i as u8; 32], geom_hash: [2; 32], area_m2: i as f64 },
                 geometry: StoredGeometry(vec![vec![vec![[x, 42.0], [x + 1e-5, 42.0], [x, 42.0 + (i % 7 + 1) as f64 * 1e-5], [x, 42.0]]]]),
             }
         };

@@ -163,7 +163,7 @@ impl IngestProgress {
         match &self.sink {
             Sink::Bar(bar) => {
                 bar.set_position(bytes);
-                if features % BAR_MESSAGE_EVERY == 0 {
+                if features.is_multiple_of(BAR_MESSAGE_EVERY) {
                     bar.set_message(format!("{features} features"));
                 }
             }

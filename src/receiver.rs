@@ -51,6 +51,9 @@ impl Reply {
 /// How the receiver answers the n-th request (0-based), with full control of the reply.
 pub type ReplyScript = Arc<dyn Fn(usize, &Received) -> Reply + Send + Sync>;
 
+/// Called with each request the receiver records (after the script chose its reply, before any delay).
+pub type OnReceive = Arc<dyn Fn(&Received) + Send + Sync>;
+
 /// A running receiver. Dropping it stops accepting connections.
 pub struct Receiver {
     pub addr: SocketAddr,
@@ -71,13 +74,13 @@ impl Receiver {
     }
 
     /// Starts a receiver with a response script and an optional callback per request.
-    pub async fn start(script: Script, on_receive: Option<Arc<dyn Fn(&Received) + Send + Sync>>) -> std::io::Result<Receiver> {
+    pub async fn start(script: Script, on_receive: Option<OnReceive>) -> std::io::Result<Receiver> {
         Receiver::start_replies(Arc::new(move |n, r| Reply::status(script(n, r))), on_receive).await
     }
 
     /// Starts a receiver whose script chooses status, delay, headers and body per request.
     /// The request is recorded when it arrives, before the delay.
-    pub async fn start_replies(script: ReplyScript, on_receive: Option<Arc<dyn Fn(&Received) + Send + Sync>>) -> std::io::Result<Receiver> {
+    pub async fn start_replies(script: ReplyScript, on_receive: Option<OnReceive>) -> std::io::Result<Receiver> {
         let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let received: Arc<Mutex<Vec<Received>>> = Arc::new(Mutex::new(Vec::new()));

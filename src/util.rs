@@ -46,7 +46,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis() as u64;
     for (unit, f) in [("d", 86_400_000u64), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
-        if ms >= f && ms % f == 0 {
+        if ms >= f && ms.is_multiple_of(f) {
             return format!("{}{}", ms / f, unit);
         }
     }
@@ -220,45 +220,6 @@ pub fn release_free_memory() {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hex_is_lower_case_two_digits_a_byte() {
-        assert_eq!(hex(&[]), "");
-        assert_eq!(hex(&[0x00, 0x0f, 0xa5, 0xff, 0x10]), "000fa5ff10");
-    }
-
-    #[test]
-    fn durations_parse_and_chain() {
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
-        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5_400));
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert!(parse_duration("10").is_err());
-        assert!(parse_duration("3x").is_err());
-        assert!(parse_duration("").is_err());
-        assert_eq!(format_duration(Duration::from_secs(3600)), "1h");
-    }
-
-    #[test]
-    fn text_from_a_feed_cannot_drive_the_terminal() {
-        assert!(matches!(terminal_safe("R-1 Zürich"), std::borrow::Cow::Borrowed("R-1 Zürich")));
-        assert_eq!(terminal_safe("EVIL\u{1b}]0;pwned\u{7}\u{1b}[2J"), "EVIL\\u{1b}]0;pwned\\u{7}\\u{1b}[2J");
-        assert_eq!(terminal_safe("a\nb\tc\u{202e}d"), "a\\u{a}b\\u{9}c\\u{202e}d");
-    }
-
-    #[test]
-    fn rfc3339_round_trips() {
-        let ms = 1_796_011_981_123;
-        let text = rfc3339(ms);
-        assert_eq!(parse_rfc3339(&text), Some(ms));
-        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0));
-        assert_eq!(parse_rfc3339("1970-01-01T01:00:00+01:00"), Some(0));
-        assert_eq!(parse_rfc3339("2024-02-30x"), None);
-    }
-}
-
 /// Whether `c` may act on a terminal rather than show on it: a control character (escape
 /// sequences, newlines, tabs) or a bidirectional override.
 pub fn unsafe_on_terminal(c: char) -> bool {
@@ -296,4 +257,43 @@ pub fn truncate_text(s: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_is_lower_case_two_digits_a_byte() {
+        assert_eq!(hex(&[]), "");
+        assert_eq!(hex(&[0x00, 0x0f, 0xa5, 0xff, 0x10]), "000fa5ff10");
+    }
+
+    #[test]
+    fn durations_parse_and_chain() {
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5_400));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("3x").is_err());
+        assert!(parse_duration("").is_err());
+        assert_eq!(format_duration(Duration::from_secs(3600)), "1h");
+    }
+
+    #[test]
+    fn text_from_a_feed_cannot_drive_the_terminal() {
+        assert!(matches!(terminal_safe("R-1 Zürich"), std::borrow::Cow::Borrowed("R-1 Zürich")));
+        assert_eq!(terminal_safe("EVIL\u{1b}]0;pwned\u{7}\u{1b}[2J"), "EVIL\\u{1b}]0;pwned\\u{7}\\u{1b}[2J");
+        assert_eq!(terminal_safe("a\nb\tc\u{202e}d"), "a\\u{a}b\\u{9}c\\u{202e}d");
+    }
+
+    #[test]
+    fn rfc3339_round_trips() {
+        let ms = 1_796_011_981_123;
+        let text = rfc3339(ms);
+        assert_eq!(parse_rfc3339(&text), Some(ms));
+        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(parse_rfc3339("1970-01-01T01:00:00+01:00"), Some(0));
+        assert_eq!(parse_rfc3339("2024-02-30x"), None);
+    }
 }

@@ -534,7 +534,7 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
         let n = h.fetch_add(1, Ordering::SeqCst);
         match req.target.as_str() {
             // 429 with Retry-After (seconds), then success.
-            "/429" if n % 2 == 0 => Reply { status: 429, headers: vec![("retry-after".into(), "1".into())], ..Default::default() },
+            "/429" if n.is_multiple_of(2) => Reply { status: 429, headers: vec![("retry-after".into(), "1".into())], ..Default::default() },
             "/429" => json_reply(&json!({"ok": true})),
             "/429-far" => Reply { status: 429, headers: vec![("retry-after".into(), "3600".into())], ..Default::default() },
             "/429-date" => {
@@ -1412,9 +1412,9 @@ fn gzip_and_deflate_layers_are_decoded_and_bombs_stop_at_the_cap() {
 
     // The on-wire cap counts compressed bytes; unknown encodings are refused.
     let small = IngestConfig { max_response_bytes: 4096, ..ingest_cfg() };
-    let err = get(&small, &srv.url("/noise")).err().expect("over the wire cap");
+    let err = get(&small, &srv.url("/noise")).expect_err("over the wire cap");
     assert!(matches!(err, FetchError::TooLarge { limit: 4096, .. }), "{err}");
-    let err = get(&ingest_cfg(), &srv.url("/br")).err().expect("br refused");
+    let err = get(&ingest_cfg(), &srv.url("/br")).expect_err("br refused");
     assert!(matches!(err, FetchError::Encoded { .. }) && err.to_string().contains("br"), "{err}");
     // The healthy sources are untouched by the failures.
     assert_eq!(engine.store.snapshot_states("gz").expect("snap").len(), 40);
@@ -1508,13 +1508,13 @@ fn arcgis_geojson_without_the_flag_completes_by_the_count_only() {
     // An empty page before the count is reached ends the scan (no endless loop) and the scan
     // fails as incomplete: nothing is trusted short of the count.
     let srv = Server::start(arc_geojson_handler(new_layer(), GeojsonQuirks { empty_from: Some(20), ..Default::default() }));
-    let err = geojson_scan(&srv.url("/x/FeatureServer/0")).err().expect("incomplete");
+    let err = geojson_scan(&srv.url("/x/FeatureServer/0")).expect_err("incomplete");
     assert!(err.to_string().contains("incomplete scan") && err.to_string().contains("47"), "{err}");
     assert!(srv.requests().len() < 20, "{} requests", srv.requests().len());
 
     // A server that ignores resultOffset repeats its first page forever: stopped, not looped.
     let srv = Server::start(arc_geojson_handler(new_layer(), GeojsonQuirks { ignore_offset: true, ..Default::default() }));
-    let err = geojson_scan(&srv.url("/x/FeatureServer/0")).err().expect("incomplete");
+    let err = geojson_scan(&srv.url("/x/FeatureServer/0")).expect_err("incomplete");
     assert!(err.to_string().contains("incomplete scan"), "{err}");
     assert!(srv.requests().len() < 20, "{} requests", srv.requests().len());
 }

@@ -10,6 +10,11 @@ use std::collections::HashMap;
 /// paged), so handlers build one value and return it.
 pub type Resp = Response<Full<Bytes>>;
 
+/// The error response a helper hands back when it refuses a request (bad JSON, bad query
+/// parameter), for the handler to return as is. Boxed: a `Resp` is ~144 bytes, and unboxed
+/// it would make every `Result` carrying it that large on the success path too.
+pub type Refusal = Box<Resp>;
+
 /// A JSON response.
 pub fn json(status: StatusCode, value: &serde_json::Value) -> Resp {
     let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
@@ -71,13 +76,13 @@ pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: st
 }
 
 /// Parses a JSON body into `T` (unknown fields are errors when `T` says so).
-pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Resp> {
+pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Refusal> {
     // Every body of this API is an object; serde would also take a struct written as an
     // array and answer in its own words ("expected struct SubscriberBody with 5 elements").
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(error(StatusCode::BAD_REQUEST, "bad_json", "invalid JSON body: it must be a JSON object"));
+        return Err(Box::new(error(StatusCode::BAD_REQUEST, "bad_json", "invalid JSON body: it must be a JSON object")));
     }
-    serde_json::from_slice(bytes).map_err(|e| error(StatusCode::BAD_REQUEST, "bad_json", format!("invalid JSON body: {e}")))
+    serde_json::from_slice(bytes).map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, "bad_json", format!("invalid JSON body: {e}"))))
 }
 
 /// Decodes `a=1&b=x%20y` into a map (later duplicates win).
@@ -114,13 +119,13 @@ fn percent_decode(s: &str) -> String {
 }
 
 /// A query parameter parsed as a number; a bad value is a 400 naming the parameter.
-pub fn query_u64(q: &HashMap<String, String>, name: &str) -> Result<Option<u64>, Resp> {
+pub fn query_u64(q: &HashMap<String, String>, name: &str) -> Result<Option<u64>, Refusal> {
     match q.get(name) {
         None => Ok(None),
         Some(v) => v
             .parse::<u64>()
             .map(Some)
-            .map_err(|_| error(StatusCode::BAD_REQUEST, "bad_query", format!("query parameter {name} must be a non-negative integer, got {v:?}"))),
+            .map_err(|_| Box::new(error(StatusCode::BAD_REQUEST, "bad_query", format!("query parameter {name} must be a non-negative integer, got {v:?}")))),
     }
 }
 

@@ -1,7 +1,7 @@
 //! The control port's routes. Each handler validates its input, does its work (blocking store
 //! work on the blocking pool) and answers JSON. Unknown routes are 404, wrong methods 405.
 
-use super::http::{error, json, parse_json, query, query_u64, read_body, text, Resp};
+use super::http::{error, json, parse_json, query, query_u64, read_body, text, Refusal, Resp};
 use super::{auth, ControlState};
 use crate::cli::audit_json;
 use crate::model::*;
@@ -281,22 +281,22 @@ fn watermarks(st: &ControlState, id: &str) -> Resp {
     }
 }
 
-fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Resp> {
+fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Refusal> {
     match query_u64(q, "limit")? {
         None => Ok(100),
         Some(n) if (1..=1000).contains(&n) => Ok(n as usize),
-        Some(n) => Err(error(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}"))),
+        Some(n) => Err(Box::new(error(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}")))),
     }
 }
 
 fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
     let limit = match limit_of(q) {
         Ok(l) => l,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let cursor = match query_u64(q, "cursor") {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let source = q.get("source").filter(|s| !s.is_empty()).cloned();
     let all = match st.engine.store.runs(source.as_deref(), usize::MAX) {
@@ -311,11 +311,11 @@ fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -
 fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
     let limit = match limit_of(q) {
         Ok(l) => l,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let cursor = match query_u64(q, "cursor") {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let since_ms = match q.get("since") {
         None => None,
@@ -373,7 +373,7 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
 fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
     let limit = match limit_of(q) {
         Ok(l) => l,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let rows = match st.engine.store.audit(&AuditFilter::default()) {
         Ok(r) => r,
@@ -480,7 +480,7 @@ fn get_subscriber(st: &ControlState, id: &str) -> Resp {
 fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Resp {
     let b: SubscriberBody = match parse_json(body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let creating = path_id.is_none();
     let id = match (&path_id, &b.id) {
@@ -621,20 +621,20 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
     } else {
         match parse_json(body) {
             Ok(b) => b,
-            Err(r) => return r,
+            Err(r) => return *r,
         }
     };
-    let time = |name: &str, v: &Option<String>| -> Result<Option<u64>, Resp> {
+    let time = |name: &str, v: &Option<String>| -> Result<Option<u64>, Refusal> {
         match v {
             None => Ok(None),
             Some(t) => crate::util::parse_rfc3339(t)
                 .map(Some)
-                .ok_or_else(|| error(StatusCode::BAD_REQUEST, "bad_time", format!("{name} must be an RFC 3339 time, got {t:?}"))),
+                .ok_or_else(|| Box::new(error(StatusCode::BAD_REQUEST, "bad_time", format!("{name} must be an RFC 3339 time, got {t:?}")))),
         }
     };
     let (since, until) = match (time("since", &b.since), time("until", &b.until)) {
         (Ok(s), Ok(u)) => (s.unwrap_or(0), u.unwrap_or(u64::MAX)),
-        (Err(r), _) | (_, Err(r)) => return r,
+        (Err(r), _) | (_, Err(r)) => return *r,
     };
     let mut letters = match st.engine.store.dead_letters() {
         Ok(d) => d,
@@ -679,7 +679,7 @@ struct ReleaseBody {
 fn release_quarantined(st: &ControlState, body: &[u8]) -> Resp {
     let b: ReleaseBody = match parse_json(body) {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     if b.ids.is_empty() {
         return error(StatusCode::BAD_REQUEST, "missing_field", "ids must name at least one quarantined dead letter");
@@ -720,7 +720,7 @@ fn backup(st: &ControlState, body: &[u8]) -> Resp {
     } else {
         match parse_json(body) {
             Ok(b) => b,
-            Err(r) => return r,
+            Err(r) => return *r,
         }
     };
     let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(st.engine.now()).replace([':', '.'], "-")));

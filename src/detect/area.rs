@@ -23,6 +23,10 @@ use std::collections::BTreeMap;
 
 type Entry = GeomWithData<Rectangle<[f64; 2]>, u32>;
 
+/// One piece of changed area as [`cross`] finds it: (from code, to code, polygon), with ""
+/// for no zone on that side.
+type ChangePiece = (String, String, Polygon<f64>);
+
 /// One connected change region.
 #[derive(Debug, Clone)]
 pub struct Region {
@@ -115,7 +119,7 @@ fn guarded<F: FnOnce() -> MultiPolygon<f64> + std::panic::UnwindSafe>(f: F, fail
 /// For each polygon of `a`: its intersections with `b` polygons of another code, and (when
 /// `uncovered`) the part of it no `b` polygon covers. Returns (from, to, piece) triples with
 /// `from` the `b` code when `a_is_new`, else the other way round.
-fn cross(a: &[Piece], b: &[Piece], btree: &RTree<Entry>, a_is_new: bool, with_changes: bool, failed: &mut u64) -> Vec<(String, String, Polygon<f64>)> {
+fn cross(a: &[Piece], b: &[Piece], btree: &RTree<Entry>, a_is_new: bool, with_changes: bool, failed: &mut u64) -> Vec<ChangePiece> {
     let mut out = Vec::new();
     for pa in a.iter().filter(|p| !p.unchanged) {
         let amp = MultiPolygon::new(vec![pa.polygon.clone()]);
@@ -165,7 +169,7 @@ pub fn area_diff(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiPolyg
     raw.extend(cross(&op, &np, &ntree, false, false, &mut out.failed));
 
     // Group by (from, to), then connected components of touching pieces.
-    let mut groups: BTreeMap<(String, String), Vec<(String, String, Polygon<f64>)>> = BTreeMap::new();
+    let mut groups: BTreeMap<(String, String), Vec<ChangePiece>> = BTreeMap::new();
     for (f, t, p) in raw {
         groups.entry((normalize_code(&f), normalize_code(&t))).or_default().push((f, t, p));
     }

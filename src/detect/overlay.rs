@@ -94,7 +94,8 @@ impl DistrictIndex {
         let mut out = Coverage::default();
         let total = parcel.unsigned_area();
         let Some(prect) = parcel.bounding_rect() else { return out };
-        if !(total > 0.0) {
+        // No area to share out: zero, or NaN from a degenerate parcel (NaN must stop here too).
+        if total.is_nan() || total <= 0.0 {
             return out;
         }
         let env = AABB::from_corners([prect.min().x, prect.min().y], [prect.max().x, prect.max().y]);

@@ -590,8 +590,9 @@ enum Sink<'a> {
     /// The caller's file ([`Session::get_to_file`]).
     File(&'a mut BodyFile),
     /// Memory, up to `limit` bytes; past it, a temp file in `dir` made then
-    /// ([`Session::page_in_memory`]).
-    Memory { limit: u64, dir: &'a std::path::Path, spilled: Option<BodyFile> },
+    /// ([`Session::page_in_memory`]). Boxed: a `BodyFile` is ~200 bytes and is made only
+    /// for the rare body that spills.
+    Memory { limit: u64, dir: &'a std::path::Path, spilled: Option<Box<BodyFile>> },
 }
 
 impl Sink<'_> {
@@ -602,10 +603,10 @@ impl Sink<'_> {
             Sink::File(file) => &mut **file,
             Sink::Memory { limit, dir, spilled } => {
                 if spilled.is_none() && decoder.decoded_so_far().len() as u64 > *limit {
-                    *spilled = Some(BodyFile::new(dir)?);
+                    *spilled = Some(Box::new(BodyFile::new(dir)?));
                 }
                 match spilled {
-                    Some(file) => file,
+                    Some(file) => &mut **file,
                     None => return Ok(()),
                 }
             }

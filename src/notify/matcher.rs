@@ -201,10 +201,7 @@ impl PinnedIndex {
             let mut parts = vec![run(&events[..per.min(events.len())])];
             for h in handles {
                 // A worker only panics on a bug; match its chunk here rather than lose it.
-                parts.push(match h.join() {
-                    Ok(p) => p,
-                    Err(_) => Vec::new(),
-                });
+                parts.push(h.join().unwrap_or_default());
             }
             parts
         });

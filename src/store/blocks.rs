@@ -564,12 +564,18 @@ mod tests {
     use redb::ReadableDatabase;
     use std::collections::BTreeMap;
 
+    /// A block as read back: (source, key, entries of (parcel id, record)).
+    type BlockDump = (String, String, Vec<(String, Vec<u8>)>);
+
+    /// One batch of changes: (parcel id, its new record or `None` to remove it).
+    type ChangeBatch = Vec<(String, Option<Vec<u8>>)>;
+
     /// Every block of every source, as (source, key, entries), checked against the
     /// invariants of the module doc.
-    fn blocks_of(store: &Store) -> Vec<(String, String, Vec<(String, Vec<u8>)>)> {
+    fn blocks_of(store: &Store) -> Vec<BlockDump> {
         let rtx = store.db.begin_read().unwrap();
         let t = rtx.open_table(PARCEL_BLOCKS).unwrap();
-        let mut out: Vec<(String, String, Vec<(String, Vec<u8>)>)> = Vec::new();
+        let mut out: Vec<BlockDump> = Vec::new();
         for item in t.iter().unwrap() {
             let (k, v) = item.unwrap();
             let (source, key) = k.value();
@@ -620,7 +626,7 @@ mod tests {
                             None
                         } else {
                             let len = match rng.below(20) { 0 => 9000 + rng.below(3000), 1 => 2000, _ => 1 + rng.below(200) };
-                            Some(vec![(trial + batch) as u8; len as usize])
+                            Some(vec![(trial + batch) as u8; len])
                         };
                         changes.push((id, change));
                     }
@@ -677,11 +683,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
         let mut model: BTreeMap<(String, String), Vec<u8>> = BTreeMap::new();
-        let put = |ids: &[&str], byte: u8| -> Vec<(String, Option<Vec<u8>>)> { ids.iter().map(|id| (id.to_string(), Some(vec![byte; 60]))).collect() };
-        let del = |ids: &[&str]| -> Vec<(String, Option<Vec<u8>>)> { ids.iter().map(|id| (id.to_string(), None)).collect() };
+        let put = |ids: &[&str], byte: u8| -> ChangeBatch { ids.iter().map(|id| (id.to_string(), Some(vec![byte; 60]))).collect() };
+        let del = |ids: &[&str]| -> ChangeBatch { ids.iter().map(|id| (id.to_string(), None)).collect() };
         let many: Vec<String> = (0..100).map(|i| format!("n{i:03}")).collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
-        let steps: Vec<(&str, &str, Vec<(String, Option<Vec<u8>>)>)> = vec![
+        let steps: Vec<(&str, &str, ChangeBatch)> = vec![
             // A source whose name extends another's has blocks; the shorter one has none yet:
             // its first change must not take the other's first block for its own.
             ("s2", "the longer-named source first", put(&["m", "p", "q"], 1)),

@@ -19,10 +19,7 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // postcard only fails on types serde cannot describe (e.g. maps with non-string keys are
     // fine); our records are plain structs, so a failure is a programming error we surface as
     // an empty payload that `decode` will reject rather than a panic.
-    match postcard::to_extend(value, out) {
-        Ok(v) => v,
-        Err(_) => vec![],
-    }
+    postcard::to_extend(value, out).unwrap_or_default()
 }
 
 /// Encodes a record whose stored shape has moved on from [`RECORD_VERSION`] as

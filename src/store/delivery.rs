@@ -482,7 +482,7 @@ impl Store {
                         updated.attempts = attempts;
                         updated.next_attempt_ms = *next_attempt_ms;
                         updated.last_error = Some(error.clone());
-                        outbox.to_retry(queue, &entry, &updated)?;
+                        outbox.move_to_retry(queue, &entry, &updated)?;
                     }
                 }
             }

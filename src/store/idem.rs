@@ -240,7 +240,7 @@ mod tests {
         // A is delivered; past the TTL its key goes and B's (still queued) stays.
         let a = rows.iter().find(|(k, _)| k == "key-A").unwrap().1;
         let attempt = crate::model::sample_attempt("key-A", a, "sent", 10);
-        store.record_outcomes(&[DeliveryResult::Sent { id: a, status: 200 }], &[attempt.clone()], 10).unwrap();
+        store.record_outcomes(&[DeliveryResult::Sent { id: a, status: 200 }], std::slice::from_ref(&attempt), 10).unwrap();
         assert_eq!(store.sweep_expired_keys(2 * HOUR, 100).unwrap(), 1);
         // Swept, the key's attempts are still found (by a scan of the log)...
         assert_eq!(store.attempts("key-A").unwrap().len(), 1);

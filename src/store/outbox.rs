@@ -62,7 +62,7 @@ impl<'t> OutboxTables<'t> {
 
     /// Puts `updated` (a row that was `was` in `queue`) in the retry queue, due at its
     /// `next_attempt_ms`.
-    pub(super) fn to_retry(&mut self, queue: Queue, was: &OutboxEntry, updated: &OutboxEntry) -> Result<(), StoreError> {
+    pub(super) fn move_to_retry(&mut self, queue: Queue, was: &OutboxEntry, updated: &OutboxEntry) -> Result<(), StoreError> {
         self.remove(queue, was)?;
         self.retry.insert(updated.id, encode_entry(updated).as_slice())?;
         self.retry_due.insert((updated.next_attempt_ms, updated.id), ())?;

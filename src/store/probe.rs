@@ -19,6 +19,18 @@ pub struct PortalSignals {
     pub schema_hash: Option<String>,
 }
 
+/// What [`Store::commit_unchanged`] records about a run that committed no data.
+#[derive(Debug, Clone)]
+pub struct UnchangedRun<'a> {
+    /// `Verdict::Skip` or `Verdict::Identical`.
+    pub verdict: Verdict,
+    /// The portal's signals as this run saw them (an `identical` run moves the watermark to them).
+    pub signals: &'a PortalSignals,
+    /// The run record's feature count.
+    pub features_hint: u64,
+    pub warnings: Vec<String>,
+}
+
 impl Store {
     /// Records a run that committed no data, in one transaction.
     ///
@@ -30,16 +42,8 @@ impl Store {
     ///   appended under this
     ///   run's id, and open holds are superseded (the publisher went back to the committed
     ///   version), exactly as `commit_identical` does for files.
-    pub fn commit_unchanged(
-        &self,
-        source_id: &str,
-        started_ms: u64,
-        now_ms: u64,
-        verdict: Verdict,
-        signals: &PortalSignals,
-        features_hint: u64,
-        mut warnings: Vec<String>,
-    ) -> Result<RunRecord, StoreError> {
+    pub fn commit_unchanged(&self, source_id: &str, started_ms: u64, now_ms: u64, run: UnchangedRun<'_>) -> Result<RunRecord, StoreError> {
+        let UnchangedRun { verdict, signals, features_hint, mut warnings } = run;
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));

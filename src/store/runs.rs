@@ -56,6 +56,18 @@ pub struct RunCommit {
     pub idem_ttl_ms: u64,
 }
 
+/// What [`Store::record_run_note`] records about a run that committed nothing.
+#[derive(Debug, Clone)]
+pub struct RunNote<'a> {
+    pub verdict: Verdict,
+    /// The digest of the content the run read ("" when it read none).
+    pub digest: &'a str,
+    /// The open hold whose content the run re-read.
+    pub hold_id: Option<u64>,
+    /// Why the run failed.
+    pub error: Option<String>,
+}
+
 /// One staged parcel of a held run: `None` removes the parcel.
 #[derive(Serialize, Deserialize)]
 struct StagedParcel(Option<(ParcelState, StoredGeometry)>);
@@ -247,16 +259,8 @@ impl Store {
 
     /// Records a run that changed nothing because it re-read the content of an open hold, or
     /// that failed before committing. Such runs leave the watermark and snapshot alone.
-    pub fn record_run_note(
-        &self,
-        source_id: &str,
-        started_ms: u64,
-        finished_ms: u64,
-        verdict: Verdict,
-        digest: &str,
-        hold_id: Option<u64>,
-        error: Option<String>,
-    ) -> Result<RunRecord, StoreError> {
+    pub fn record_run_note(&self, source_id: &str, started_ms: u64, finished_ms: u64, note: RunNote<'_>) -> Result<RunRecord, StoreError> {
+        let RunNote { verdict, digest, hold_id, error } = note;
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));

@@ -200,18 +200,26 @@ impl Daemon {
     }
 
     fn spawn(ws: &Workspace, command: &mut std::process::Command) -> Daemon {
-        let child = command
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("serve starts");
+        // Owned by a Daemon from the start, so that if the wait below panics (no control
+        // port in time, no token file) its Drop kills and reaps the child rather than
+        // leaving a running `serve` behind.
+        let mut daemon = Daemon {
+            child: command
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("serve starts"),
+            addr: String::new(),
+            token: String::new(),
+        };
         let addr_file = ws.path().join("zw.control-addr");
         let start = Instant::now();
         loop {
             if let Ok(a) = std::fs::read_to_string(&addr_file) {
                 if !a.trim().is_empty() {
-                    let token = std::fs::read_to_string(ws.path().join("control.token")).expect("token file").trim().to_string();
-                    return Daemon { child, addr: a.trim().to_string(), token };
+                    daemon.token = std::fs::read_to_string(ws.path().join("control.token")).expect("token file").trim().to_string();
+                    daemon.addr = a.trim().to_string();
+                    return daemon;
                 }
             }
             assert!(start.elapsed() < Duration::from_secs(20), "serve did not open its control port");
