@@ -420,6 +420,7 @@ impl fmt::Display for Outcome {
 }
 
 /// One immutable row of the audit ledger. `seq` is the ledger's monotonic key.
+/// `store::runs::AuditRowRef` writes the same row from borrowed text: keep the two in step.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct AuditRow {
     pub seq: u64,

@@ -8,9 +8,9 @@ use sha2::{Digest, Sha256};
 
 /// The key of one (watcher, change) pair: sha256 over the watcher id, jurisdiction, parcel
 /// id, kind, normalised from / to codes and effective date, each escaped (`\` → `\\`,
-/// `|` → `\|`) and joined by `|`, so that field boundaries cannot be forged. Hashed as it
-/// is escaped, without building the fields (a baseline computes one per parcel an AOI
-/// touches).
+/// `|` → `\|`) and joined by `|`, so that field boundaries cannot be forged. Each field is
+/// hashed as it is escaped, not copied first (a baseline computes one key per parcel an AOI
+/// touches); only the from / to codes are normalised into new strings.
 pub fn key_for(watcher_id: &str, event: &ChangeEvent) -> IdemKey {
     let from = event.from.as_deref().map(normalize_code);
     let to = event.to.as_deref().map(normalize_code);
@@ -55,14 +55,14 @@ mod tests {
 
     /// Keys are stored: a change in how they are computed would let every change already
     /// claimed be claimed (and sent) again after an upgrade. These values were computed by the
-    /// first implementation; any rewrite must give them byte for byte.
+    /// first implementation (and again by a few lines of Python doing what the module doc
+    /// says); any rewrite must give them byte for byte.
     #[test]
     fn keys_are_what_they_were() {
         let mut e = sample_event("P-1");
         let plain = key_for("w1", &e);
         e.jurisdiction = "Town|of\\Here".into();
         e.parcel_id = "12|34\\\\5|".into();
-        e.kind = ChangeKind::Rezoned;
         e.from = Some("  r-1 ".into());
         e.to = Some("c|2".into());
         e.effective_date = Some("2026-01-01".into());
@@ -70,8 +70,16 @@ mod tests {
         e.from = None;
         e.effective_date = None;
         let missing = key_for("", &e);
+        // Another kind, fields ending in a backslash or a pipe, text past ASCII, a code that
+        // normalisation changes.
+        e.kind = ChangeKind::Added;
+        e.jurisdiction = "Zürich|".into();
+        e.parcel_id = "日本\\".into();
+        e.to = Some(" r-1 été ".into());
+        let wide = key_for("wé\\", &e);
         assert_eq!(plain.0, "877ad3e31ed742671e193c56b4ff1faa21b15c1499c6e88e23f4ed2565b838b9");
         assert_eq!(escaped.0, "7a8a55cfb11678827e5ee0ab6e85bb5f5801621ac9af1d54eddda08228e3cb16");
         assert_eq!(missing.0, "7520553fefd815c23cf25fddf3cfd3c5835cdceb0038f871aa63fa432f85aca1");
+        assert_eq!(wide.0, "f3b5ceba5c55334efdaa63b8d9de6a61a4254d86a27da9623404a8f0ae508fed");
     }
 }

@@ -200,7 +200,8 @@ impl PinnedIndex {
             // The calling thread takes the first chunk itself.
             let mut parts = vec![run(&events[..per.min(events.len())])];
             for h in handles {
-                // A worker only panics on a bug; match its chunk here rather than lose it.
+                // A worker only panics on a bug: its chunk comes back empty, the count below
+                // falls short, and the whole batch is matched again on the plain path.
                 parts.push(h.join().unwrap_or_default());
             }
             parts

@@ -5,12 +5,12 @@ use super::idem::{is_pending, IdemRecord, IdemState};
 use super::expiry::ExpiryIndex;
 use super::key_journal::{KeyIndex, KeyTables, Place};
 use super::outbox_rows::{decode_entry, encode_dead, encode_entry};
-use super::runs::{append_audit_refs, append_audits, codec_err, AuditRowRef};
-use std::borrow::Cow;
+use super::runs::{append_audits, codec_err, AuditRowRef};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
 use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
+use std::borrow::Cow;
 use std::collections::HashSet;
 
 /// One (change event, subscriber) pair the matcher found.
@@ -184,70 +184,59 @@ pub(super) fn claim_in_txn(
     // Pass 2, in claim order: outbox rows for the claimed keys, an audit row for every claim.
     for (i, claim) in claims.iter().enumerate() {
         let event = &events[claim.event];
-        let mut row = AuditRowRef {
+        let (outcome, detail) = if event.severity < claim.min_severity {
+            counts.below_min_severity += 1;
+            let detail = format!("below_min_severity: {} < {}", event.severity.as_str(), claim.min_severity.as_str());
+            (Outcome::Suppressed, Cow::Owned(detail))
+        } else if let Some(holder) = held_by[i].take() {
+            counts.duplicates += 1;
+            (Outcome::Duplicate, Cow::Owned(format!("key claimed by {holder}")))
+        } else {
+            match mode {
+                ClaimMode::Prime { detail } => {
+                    counts.suppressed += 1;
+                    (Outcome::Suppressed, Cow::Borrowed(detail))
+                }
+                ClaimMode::Deliver => {
+                    let Some(id) = row_of[i] else {
+                        return Err(StoreError::Conflict(format!("claim {i} won its key but has no outbox row")));
+                    };
+                    let entry = OutboxEntry {
+                        id,
+                        key: claim.key.clone(),
+                        watcher_id: claim.watcher_id.clone(),
+                        target: claim.target.clone(),
+                        source_id: event.source_id.clone(),
+                        parcel_id: event.parcel_id.clone(),
+                        lineage_id: lineage.to_string(),
+                        severity: event.severity,
+                        payload: OutboxPayload::Change(ChangeFields::of(event, now_ms)),
+                        attempts: 0,
+                        created_ms: now_ms,
+                        next_attempt_ms: now_ms,
+                        last_error: None,
+                    };
+                    outbox.insert(id, encode_entry(&entry).as_slice())?;
+                    counts.queued += 1;
+                    (Outcome::Queued, Cow::Owned(format!("{} {}", event.kind.as_str(), event.severity.as_str())))
+                }
+            }
+        };
+        pending_audit.push(AuditRowRef {
             seq: 0,
             ts_ms: now_ms,
-            outcome: Outcome::Queued,
+            outcome,
             idempotency_key: Some(claim.key.0.as_str()),
             watcher_id: Some(claim.watcher_id.as_str()),
             source_id: Some(event.source_id.as_str()),
             parcel_id: Some(event.parcel_id.as_str()),
             lineage_id: Some(lineage),
-            detail: Cow::Borrowed(""),
-        };
-        if event.severity < claim.min_severity {
-            counts.below_min_severity += 1;
-            row.outcome = Outcome::Suppressed;
-            row.detail = Cow::Owned(format!(
-                "below_min_severity: {} < {}",
-                event.severity.as_str(),
-                claim.min_severity.as_str()
-            ));
-            pending_audit.push(row);
-            continue;
-        }
-        if let Some(holder) = held_by[i].take() {
-            counts.duplicates += 1;
-            row.outcome = Outcome::Duplicate;
-            row.detail = Cow::Owned(format!("key claimed by {holder}"));
-            pending_audit.push(row);
-            continue;
-        }
-        match mode {
-            ClaimMode::Prime { detail } => {
-                counts.suppressed += 1;
-                row.outcome = Outcome::Suppressed;
-                row.detail = Cow::Borrowed(detail);
-            }
-            ClaimMode::Deliver => {
-                let Some(id) = row_of[i] else {
-                    return Err(StoreError::Conflict(format!("claim {i} won its key but has no outbox row")));
-                };
-                let entry = OutboxEntry {
-                    id,
-                    key: claim.key.clone(),
-                    watcher_id: claim.watcher_id.clone(),
-                    target: claim.target.clone(),
-                    source_id: event.source_id.clone(),
-                    parcel_id: event.parcel_id.clone(),
-                    lineage_id: lineage.to_string(),
-                    severity: event.severity,
-                    payload: OutboxPayload::Change(ChangeFields::of(event, now_ms)),
-                    attempts: 0,
-                    created_ms: now_ms,
-                    next_attempt_ms: now_ms,
-                    last_error: None,
-                };
-                outbox.insert(id, encode_entry(&entry).as_slice())?;
-                counts.queued += 1;
-                row.detail = Cow::Owned(format!("{} {}", event.kind.as_str(), event.severity.as_str()));
-            }
-        }
-        pending_audit.push(row);
+            detail,
+        });
     }
     meta.insert(META_NEXT_OUTBOX_ID, next_id.to_le_bytes().as_slice())?;
     drop((keys, expiry, outbox, retry_rows, dead, quarantine, meta));
-    append_audit_refs(wtx, &mut pending_audit)?;
+    append_audits(wtx, &mut pending_audit)?;
     Ok(counts)
 }
 

@@ -28,6 +28,7 @@ pub struct UnchangedRun<'a> {
     pub signals: &'a PortalSignals,
     /// The run record's feature count.
     pub features_hint: u64,
+    /// The run record's warnings (a `stale` skip, say); the commit may add its own.
     pub warnings: Vec<String>,
 }
 

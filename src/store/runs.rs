@@ -90,19 +90,37 @@ pub(super) fn append_audit(
 
 /// Appends rows to the ledger with consecutive `seq`s, opening the table and reading the last
 /// key once (a run may append thousands). Returns the last `seq` written.
-pub(super) fn append_audits(wtx: &WriteTransaction, rows: &mut [AuditRow]) -> Result<u64, StoreError> {
+pub(super) fn append_audits<R: LedgerRow>(wtx: &WriteTransaction, rows: &mut [R]) -> Result<u64, StoreError> {
     let mut audit = wtx.open_table(AUDIT)?;
     let mut seq = audit.last()?.map(|(k, _)| k.value()).unwrap_or(0);
     for row in rows {
         seq += 1;
-        row.seq = seq;
+        row.set_seq(seq);
         audit.insert(seq, encode(row).as_slice())?;
     }
     Ok(seq)
 }
 
+/// A row [`append_audits`] can write: stored as an [`AuditRow`], numbered as it is appended.
+pub(super) trait LedgerRow: Serialize {
+    fn set_seq(&mut self, seq: u64);
+}
+
+impl LedgerRow for AuditRow {
+    fn set_seq(&mut self, seq: u64) {
+        self.seq = seq;
+    }
+}
+
+impl LedgerRow for AuditRowRef<'_> {
+    fn set_seq(&mut self, seq: u64) {
+        self.seq = seq;
+    }
+}
+
 /// An [`AuditRow`] whose text is borrowed, for the claims of a run: serde encodes a `&str`
-/// as the `String` it stands for, so the stored bytes are an `AuditRow`'s. A baseline writes
+/// as the `String` it stands for, so the stored bytes are an `AuditRow`'s (its fields must
+/// stay those of `AuditRow`, in the same order: a unit test checks the bytes). A baseline writes
 /// one per parcel an AOI touches; building owned rows copied five strings for each.
 #[derive(Serialize)]
 pub(super) struct AuditRowRef<'a> {
@@ -115,18 +133,6 @@ pub(super) struct AuditRowRef<'a> {
     pub parcel_id: Option<&'a str>,
     pub lineage_id: Option<&'a str>,
     pub detail: std::borrow::Cow<'a, str>,
-}
-
-/// [`append_audits`] for borrowed rows.
-pub(super) fn append_audit_refs(wtx: &WriteTransaction, rows: &mut [AuditRowRef<'_>]) -> Result<u64, StoreError> {
-    let mut audit = wtx.open_table(AUDIT)?;
-    let mut seq = audit.last()?.map(|(k, _)| k.value()).unwrap_or(0);
-    for row in rows {
-        seq += 1;
-        row.seq = seq;
-        audit.insert(seq, encode(row).as_slice())?;
-    }
-    Ok(seq)
 }
 
 pub(super) fn lineage_for(source_id: &str, run_id: u64, digest: &str) -> String {
