@@ -546,7 +546,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         // are cores only spreads them over more threads and allocator arenas (measured, issue 7:
         // 100 sources × 200 parcels starting together left an idle `serve` at 56 MiB RSS, against
         // 25 MiB for the same daemon without sources).
-        let run_slots = Arc::new(tokio::sync::Semaphore::new(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)));
+        let run_slots = Arc::new(tokio::sync::Semaphore::new(crate::util::cores()));
         for src in engine.config.sources.clone() {
             let run_slots = run_slots.clone();
             let engine = engine.clone();

@@ -29,7 +29,7 @@ use crate::model::*;
 use crate::pipeline::{Engine, PipelineError, RunOptions, SourceReport};
 use crate::detect::derived_delta::{DeltaFile, DeltaItem, DeltaReader};
 use crate::pipeline::COMMIT_CHUNK;
-use crate::store::{BaseStretch, Claim, CommitMode, QuarantineDraft, RunCommit, RunNote, RunWriter, SnapshotRow};
+use crate::store::{BaseStretch, Claim, CommitMode, QuarantineDraft, RunCommit, RunWriter, SnapshotRow};
 use std::collections::HashSet;
 use std::time::Instant;
 
@@ -64,7 +64,7 @@ pub fn derive_all(
             LayerKind::Overlays => {
                 let mut names: Vec<(String, f64)> =
                     cov.shares.into_iter().filter(|(_, s)| *s >= overlay_min_share).collect();
-                names.sort_by_key(|n| normalize_code(&n.0));
+                names.sort_by_cached_key(|n| normalize_code(&n.0));
                 let share = names.iter().map(|n| n.1).fold(0.0, f64::max);
                 (names.into_iter().map(|n| n.0).collect::<Vec<_>>().join(&SET_SEP.to_string()), share)
             }
@@ -100,9 +100,7 @@ fn coverages(index: &DistrictIndex, base: &[(String, ParcelState, StoredGeometry
     let one = |chunk: &[(String, ParcelState, StoredGeometry)]| -> Vec<Coverage> {
         chunk.iter().map(|(_, _, g)| index.coverage(&g.to_geo())).collect()
     };
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    let threads = crate::util::cores()
         .min(base.len() / MIN_PARCELS_PER_THREAD)
         .max(1);
     if threads == 1 {
@@ -215,16 +213,8 @@ impl Engine {
                     return Ok(SourceReport { record, hold_reason: None });
                 }
             }
-            let open_same = self.store.holds()?.into_iter().find(|h| {
-                h.source_id == src.id
-                    && h.state == HoldState::Open
-                    && h.digest == fetched.digest
-                    && h.watermark.read_fingerprint == fingerprint
-            });
-            if let Some(h) = open_same {
-                let record =
-                    self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest: &fetched.digest, hold_id: Some(h.run_id), error: None })?;
-                return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
+            if let Some(report) = self.still_held(src, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
+                return Ok(report);
             }
         }
 
@@ -508,12 +498,8 @@ impl Engine {
                     return Ok(SourceReport { record, hold_reason: None });
                 }
             }
-            let open_same = self.store.holds()?.into_iter().find(|h| {
-                h.source_id == src.id && h.state == HoldState::Open && h.digest == fetched.digest && h.watermark.read_fingerprint == fingerprint
-            });
-            if let Some(h) = open_same {
-                let record = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest: &fetched.digest, hold_id: Some(h.run_id), error: None })?;
-                return Ok(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) });
+            if let Some(report) = self.still_held(src, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
+                return Ok(report);
             }
         }
         let layer = read_districts(&fetched.bytes, &src.fields.zoning, src.bbox)?;

@@ -637,14 +637,19 @@ impl Engine {
                 return Ok(Some(SourceReport { record, hold_reason: None }));
             }
         }
+        self.still_held(src, holds, digest, fingerprint, started)
+    }
+
+    /// When an open hold of `src` holds exactly these bytes read this way (`digest`,
+    /// `fingerprint`), records the run as still held (nothing else changes) and reports it.
+    /// `None`: no such hold.
+    pub(crate) fn still_held(&self, src: &SourceConfig, holds: &[Hold], digest: &str, fingerprint: &str, started: u64) -> Result<Option<SourceReport>, PipelineError> {
         let open_same = holds.iter().find(|h| {
             h.source_id == src.id && h.state == HoldState::Open && h.digest == digest && h.watermark.read_fingerprint == fingerprint
         });
-        if let Some(h) = open_same {
-            let record = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest, hold_id: Some(h.run_id), error: None })?;
-            return Ok(Some(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) }));
-        }
-        Ok(None)
+        let Some(h) = open_same else { return Ok(None) };
+        let record = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest, hold_id: Some(h.run_id), error: None })?;
+        Ok(Some(SourceReport { record, hold_reason: Some(format!("still held: {}", h.reason)) }))
     }
 
     /// Commits a scanned layer in one write transaction, fed in chunks: a second thread

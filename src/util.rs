@@ -159,10 +159,10 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// The cores this process may use, asked once and kept for the life of the process (a later
-/// change of affinity or CPU quota is not followed): `available_parallelism` reads the
-/// affinity mask and the cgroup's quota on every call. For what asks per batch (the matcher);
-/// once-per-run callers ask `available_parallelism` themselves.
+/// The cores this process may use (at least 1), asked once and kept for the life of the
+/// process (a later change of affinity or CPU quota is not followed): `available_parallelism`
+/// reads the affinity mask and the cgroup's quota on every call, and the matcher asks per
+/// batch. Every thread count of the pipeline, the daemon and the bench comes from here.
 pub fn cores() -> usize {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CORES.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))

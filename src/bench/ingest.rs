@@ -154,7 +154,7 @@ fn phase_line(n: usize, phase: &str, p: &Pass, parse: Option<&Pass>) -> serde_js
         v["over_parse_only"] = json!((p.wall_s / parse.wall_s.max(1e-9) * 100.0).round() / 100.0);
         // The best this phase's ratio could be with its CPU time spread perfectly over every
         // core: what bounds it when the ratio is above target and this is too.
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
+        let cores = crate::util::cores() as f64;
         v["cores"] = json!(cores);
         v["cpu_floor_over_parse_only"] = json!(p.cpu_s.map(|c| (c / cores / parse.wall_s.max(1e-9) * 100.0).round() / 100.0));
     }

@@ -148,7 +148,7 @@ zoning = "name"
                 "parcels_baseline_s": (parcels_s * 1000.0).round() / 1000.0,
                 "parcels_baseline_features": base.record.counts.features,
                 "parcels_per_s": per_s(d.parcels.len() as u64, derive_s),
-                "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+                "threads": crate::util::cores(),
                 "target_s": 0.5,
             }),
         );

@@ -15,6 +15,11 @@ pub type Resp = Response<Full<Bytes>>;
 /// it would make every `Result` carrying it that large on the success path too.
 pub type Refusal = Box<Resp>;
 
+/// A refusal: the [`error`] response, boxed for a `Result`.
+pub fn refuse(status: StatusCode, code: &str, message: impl Into<String>) -> Refusal {
+    Box::new(error(status, code, message))
+}
+
 /// A JSON response.
 pub fn json(status: StatusCode, value: &serde_json::Value) -> Resp {
     let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
@@ -80,9 +85,9 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Ref
     // Every body of this API is an object; serde would also take a struct written as an
     // array and answer in its own words ("expected struct SubscriberBody with 5 elements").
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(Box::new(error(StatusCode::BAD_REQUEST, "bad_json", "invalid JSON body: it must be a JSON object")));
+        return Err(refuse(StatusCode::BAD_REQUEST, "bad_json", "invalid JSON body: it must be a JSON object"));
     }
-    serde_json::from_slice(bytes).map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, "bad_json", format!("invalid JSON body: {e}"))))
+    serde_json::from_slice(bytes).map_err(|e| refuse(StatusCode::BAD_REQUEST, "bad_json", format!("invalid JSON body: {e}")))
 }
 
 /// Decodes `a=1&b=x%20y` into a map (later duplicates win).
@@ -125,7 +130,7 @@ pub fn query_u64(q: &HashMap<String, String>, name: &str) -> Result<Option<u64>,
         Some(v) => v
             .parse::<u64>()
             .map(Some)
-            .map_err(|_| Box::new(error(StatusCode::BAD_REQUEST, "bad_query", format!("query parameter {name} must be a non-negative integer, got {v:?}")))),
+            .map_err(|_| refuse(StatusCode::BAD_REQUEST, "bad_query", format!("query parameter {name} must be a non-negative integer, got {v:?}"))),
     }
 }
 

@@ -1,7 +1,7 @@
 //! The control port's routes. Each handler validates its input, does its work (blocking store
 //! work on the blocking pool) and answers JSON. Unknown routes are 404, wrong methods 405.
 
-use super::http::{error, json, parse_json, query, query_u64, read_body, text, Refusal, Resp};
+use super::http::{error, json, parse_json, query, query_u64, read_body, refuse, text, Refusal, Resp};
 use super::{auth, ControlState};
 use crate::cli::audit_json;
 use crate::model::*;
@@ -285,7 +285,7 @@ fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Refu
     match query_u64(q, "limit")? {
         None => Ok(100),
         Some(n) if (1..=1000).contains(&n) => Ok(n as usize),
-        Some(n) => Err(Box::new(error(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}")))),
+        Some(n) => Err(refuse(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}"))),
     }
 }
 
@@ -629,7 +629,7 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
             None => Ok(None),
             Some(t) => crate::util::parse_rfc3339(t)
                 .map(Some)
-                .ok_or_else(|| Box::new(error(StatusCode::BAD_REQUEST, "bad_time", format!("{name} must be an RFC 3339 time, got {t:?}")))),
+                .ok_or_else(|| refuse(StatusCode::BAD_REQUEST, "bad_time", format!("{name} must be an RFC 3339 time, got {t:?}"))),
         }
     };
     let (since, until) = match (time("since", &b.since), time("until", &b.until)) {

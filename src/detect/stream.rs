@@ -222,7 +222,7 @@ fn holds_more_than_one_feature(json: &str) -> bool {
 
 /// Worker threads to use: every core, at most 8.
 pub fn default_workers() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).clamp(1, 8)
+    crate::util::cores().clamp(1, 8)
 }
 
 /// Streams the layer read from `reader` through normalise + diff against `view`, spilling
