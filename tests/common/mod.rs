@@ -131,6 +131,11 @@ zoning = "ZONE_CODE"
         std::fs::write(self.dir.path().join("layer.geojson"), text).expect("layer");
     }
 
+    /// Writes the layer as raw bytes (not necessarily UTF-8: a damaged feed).
+    pub fn write_layer_bytes(&self, bytes: &[u8]) {
+        std::fs::write(self.dir.path().join("layer.geojson"), bytes).expect("layer");
+    }
+
     pub fn config(&self) -> Config {
         Config::load(&self.config_path()).expect("config loads")
     }
