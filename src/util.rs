@@ -70,6 +70,11 @@ pub fn rfc3339(ms: u64) -> String {
 
 /// Parses an RFC 3339 / ISO 8601 UTC time (`2026-11-30T03:53:01Z`, fractional seconds and
 /// `+00:00` offsets accepted, or a bare date) into epoch milliseconds.
+///
+/// Every field is held to RFC 3339's ranges (a four-digit year, an hour of 0-23, an offset of
+/// at most 23:59) before any arithmetic: the text comes from operators' queries, and a year
+/// or an offset that fills an `i64` used to wrap around to some time in the past (`?since=`
+/// a time centuries away listed the whole ledger) or, with overflow checks, panic.
 pub fn parse_rfc3339(text: &str) -> Option<u64> {
     let t = text.trim();
     let (date, time) = match t.find(['T', 't', ' ']) {
@@ -80,7 +85,7 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
     let y: i64 = dp.next()?.parse().ok()?;
     let mo: u32 = dp.next()?.parse().ok()?;
     let d: u32 = dp.next()?.parse().ok()?;
-    if dp.next().is_some() || !(1..=12).contains(&mo) || !(1..=31).contains(&d) {
+    if dp.next().is_some() || !(0..=9999).contains(&y) || !(1..=12).contains(&mo) || !(1..=31).contains(&d) {
         return None;
     }
     let (clock, offset_min): (&str, i64) = if let Some(c) = time.strip_suffix(['Z', 'z']) {
@@ -91,6 +96,9 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
         let mut op = off[1..].split(':');
         let oh: i64 = op.next()?.parse().ok()?;
         let om: i64 = op.next().unwrap_or("0").parse().ok()?;
+        if !(0..=23).contains(&oh) || !(0..=59).contains(&om) {
+            return None;
+        }
         (c, sign * (oh * 60 + om))
     } else {
         (time, 0)
@@ -100,7 +108,7 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
     let mi: i64 = cp.next()?.parse().ok()?;
     let sec_text = cp.next().unwrap_or("0");
     let sec: f64 = sec_text.parse().ok()?;
-    if h > 23 || mi > 59 || !(0.0..61.0).contains(&sec) {
+    if !(0..=23).contains(&h) || !(0..=59).contains(&mi) || !(0.0..61.0).contains(&sec) {
         return None;
     }
     let days = days_from_civil(y, mo, d);
@@ -297,5 +305,12 @@ mod tests {
         assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0));
         assert_eq!(parse_rfc3339("1970-01-01T01:00:00+01:00"), Some(0));
         assert_eq!(parse_rfc3339("2024-02-30x"), None);
+        // Out of RFC 3339's ranges: refused, not wrapped around (nor a panic).
+        for text in ["292277026596-12-04T15:30:08Z", "9223372036854775807-01-01T00:00:00Z", "10000-01-01",
+            "2020-01-01T00:00:00+9223372036854775807:00", "2020-01-01T00:00:00+24:00", "2020-01-01T-9223372036854775808:00:00Z", "2020-01-01T01:-5:00Z"] {
+            assert_eq!(parse_rfc3339(text), None, "{text}");
+        }
+        assert_eq!(parse_rfc3339("9999-12-31T23:59:59Z"), Some(253_402_300_799_000));
+        assert_eq!(parse_rfc3339("2020-01-01T00:00:00-23:59"), Some(1_577_836_800_000 + 23 * 3_600_000 + 59 * 60_000));
     }
 }

@@ -17,6 +17,8 @@ const DASHBOARD: &str = include_str!("dashboard.html");
 
 /// Entry point for every request.
 pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming>) -> Resp {
+    // A Content-Length above 0, or chunked: answers given before it is read say so.
+    let has_body = !hyper::body::Body::is_end_stream(req.body());
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let q = query(req.uri().query());
@@ -25,11 +27,11 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
 
     // Known path, unsupported method → 405 with `Allow`; unknown path → 404.
     match allowed_methods(&seg) {
-        None => return error(StatusCode::NOT_FOUND, "not_found", format!("no route {path}")),
+        None => return before_body(has_body, error(StatusCode::NOT_FOUND, "not_found", format!("no route {path}"))),
         Some(allow) if !allow.split(", ").any(|m| m == method.as_str()) => {
             let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("{method} is not allowed on {path}; allowed: {allow}"));
             r.headers_mut().insert(hyper::header::ALLOW, hyper::header::HeaderValue::from_static(allow));
-            return r;
+            return before_body(has_body, r);
         }
         Some(_) => {}
     }
@@ -38,21 +40,23 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     // the API with the token the operator gives it, kept in the URL fragment, never sent).
     match (&method, seg.as_slice()) {
         (&Method::GET, ["healthz"]) => {
-            return json(StatusCode::OK, &json!({"status": "ok", "version": env!("CARGO_PKG_VERSION"), "uptime_s": state.engine.now().saturating_sub(state.started_ms) / 1000}))
+            let uptime_s = state.engine.now().saturating_sub(state.started_ms) / 1000;
+            return before_body(has_body, json(StatusCode::OK, &json!({"status": "ok", "version": env!("CARGO_PKG_VERSION"), "uptime_s": uptime_s})));
         }
-        (&Method::GET, []) => return text(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD),
+        (&Method::GET, []) => return before_body(has_body, text(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD)),
         _ => {}
     }
     let authz = req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok());
     if !auth::authorized(&state.token, authz) {
         let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token from control.token_file>)");
         r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
-        return r;
+        return before_body(has_body, r);
     }
     let limit = state.engine.config.control.max_body_bytes;
     let body = match read_body(req.into_body(), limit, state.engine.config.control.body_timeout).await {
         Ok(b) => b,
-        Err(r) => return r,
+        // Too slow, too large past the drain cap, or broken: the rest is not read either.
+        Err(r) => return before_body(true, r),
     };
     let st = state.clone();
     let result = match (&method, seg.as_slice()) {
@@ -121,6 +125,20 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         _ => error(StatusCode::NOT_FOUND, "not_found", format!("no route {path}")),
     };
     result
+}
+
+/// An answer given before the request's body was read to its end (no such route, a wrong
+/// method, no token, a body refused as it arrived) says `Connection: close`. Hyper reads no
+/// further into a body its handler left: unless the rest is already in its buffer, it closes
+/// the connection after the answer. Unannounced, that close let a keep-alive client pool the
+/// connection and fail its next request on it ("connection closed before message
+/// completed", seen with reqwest after a 401 to a 200 kB body); announced, the client opens
+/// a new one.
+fn before_body(has_body: bool, mut r: Resp) -> Resp {
+    if has_body {
+        r.headers_mut().insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
+    }
+    r
 }
 
 /// The methods a known path accepts (None: no such route).
@@ -331,7 +349,11 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
         source: get("source"),
         key: get("key"),
         lineage: get("lineage"),
-        since_seq: cursor.map(|c| c + 1),
+        // Saturating: `?cursor=18446744073709551615` (u64::MAX) wrapped `c + 1` around to 0
+        // and listed the ledger from its start again (with overflow checks, a panic and a
+        // 500). No row's seq reaches u64::MAX, so from there the page is empty, as it is
+        // after any cursor past the last row.
+        since_seq: cursor.map(|c| c.saturating_add(1)),
         limit: None,
     };
     let rows = match st.engine.store.audit(&filter) {
