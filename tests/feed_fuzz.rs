@@ -107,9 +107,12 @@ fn base_layers() -> Vec<Vec<u8>> {
     ]
 }
 
+/// The watermark and each parcel's (content, geometry) hashes.
+type Stored = (Option<zonewatch::model::Watermark>, std::collections::BTreeMap<String, ([u8; 32], [u8; 32])>);
+
 /// What a run commits, compared before and after a failed one: the watermark and each
 /// parcel's hashes (equal hashes are equal states; an area is a float).
-fn stored(engine: &zonewatch::pipeline::Engine) -> (Option<zonewatch::model::Watermark>, std::collections::BTreeMap<String, ([u8; 32], [u8; 32])>) {
+fn stored(engine: &zonewatch::pipeline::Engine) -> Stored {
     let watermark = engine.store.watermark("s1").expect("watermark reads");
     let states = engine.store.snapshot_states("s1").expect("snapshot reads");
     (watermark, states.into_iter().map(|(id, s)| (id, (s.content_hash, s.geom_hash))).collect())

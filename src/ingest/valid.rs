@@ -46,7 +46,9 @@ fn any_pair_overlaps(polys: &[Polygon<f64>]) -> bool {
     if polys.len() < 2 {
         return false;
     }
-    let segments: Vec<GeomWithData<Rectangle<[f64; 2]>, (usize, Line<f64>)>> = polys
+    /// A segment's box, with its part and the segment.
+    type PartSegment = GeomWithData<Rectangle<[f64; 2]>, (usize, Line<f64>)>;
+    let segments: Vec<PartSegment> = polys
         .iter()
         .enumerate()
         .flat_map(|(i, p)| std::iter::once(p.exterior()).chain(p.interiors()).flat_map(move |r| r.lines().map(move |l| (i, l))))
