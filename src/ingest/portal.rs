@@ -6,8 +6,9 @@
 //!
 //! * `geojson_url`: conditional GET (`If-None-Match` / `If-Modified-Since`); 304 → skip.
 //! * `arcgis`: see [`super::arcgis`].
-//! * `ogcapi`: `…/items?limit=N`, then `links[rel=next]` until absent (never self-built offsets);
-//!   the features must add up to `numberMatched`, and a pass during which it moved is run again.
+//! * `ogcapi`: `…/items?limit=N`, then `links[rel=next]` until absent (never self-built offsets,
+//!   never to another host); the features must add up to `numberMatched`, and a pass during
+//!   which it moved is run again.
 //! * `socrata`: probe `rowsUpdatedAt` from `/api/views/{id}.json`, then page `$limit`/`$offset`
 //!   ordered by `:id` until `count(*)` rows are held (without a count: a short or empty page).
 //!   A page that brings no row not already held stops the scan (the count decides between a
@@ -303,6 +304,14 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
             })
             .and_then(|l| l.get("href").and_then(Value::as_str))
             .map(|href| reqwest::Url::parse(&url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
+        if let Some(link) = &next {
+            if let Some(elsewhere) = other_host(collection_url, link) {
+                return Err(FetchError::Protocol {
+                    url,
+                    reason: format!("links[rel=next] leads to another host ({elsewhere}: {link}); only the collection's own host is paged, refusing to follow it"),
+                });
+            }
+        }
     }
     // The pages must add up to the layer: a next link dropped early, or pages that overlap
     // and skip features, would otherwise look like parcels removed.
@@ -320,6 +329,23 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
     Ok(Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..first_meta } }))
 }
 
+/// The host (and port, when it is not the scheme's default) of `link` when they are not those
+/// of `collection_url`; `None` when they are, or when either is not an absolute URL (the
+/// request then fails on it as a bad URL). A next link is the page's content: followed to
+/// another host, it would have zonewatch ask whatever server a page names and take its
+/// answer as this collection's parcels (the private-target guard stops private addresses
+/// only). The scheme may differ: a server behind a TLS proxy may link `http` pages of its
+/// `https` self.
+fn other_host(collection_url: &str, link: &str) -> Option<String> {
+    let (Ok(base), Ok(next)) = (reqwest::Url::parse(collection_url), reqwest::Url::parse(link)) else { return None };
+    // `port()` is `None` for the scheme's default port; hosts are lower-cased when parsed.
+    if (base.host_str(), base.port()) == (next.host_str(), next.port()) {
+        return None;
+    }
+    let host = next.host_str().unwrap_or("no host");
+    Some(next.port().map_or_else(|| host.to_string(), |port| format!("{host}:{port}")))
+}
+
 /// `https://host/resource/abcd-1234.geojson` → `https://host/api/views/abcd-1234.json`.
 pub fn socrata_views_url(resource_url: &str) -> Option<String> {
     let u = reqwest::Url::parse(resource_url).ok()?;
@@ -335,11 +361,19 @@ pub fn socrata_views_url(resource_url: &str) -> Option<String> {
     Some(v.to_string())
 }
 
+/// The view metadata's `rowsUpdatedAt` (epoch seconds) in epoch ms; `None` when it is not a
+/// whole number of seconds, or too large to be one in ms (a server can answer any number:
+/// multiplied unchecked it would overflow, a panic where overflow is checked and a wrapped,
+/// meaningless publisher timestamp where it is not).
+fn rows_updated_ms(view: &Value) -> Option<u64> {
+    view.get("rowsUpdatedAt").and_then(Value::as_u64).and_then(|s| s.checked_mul(1000))
+}
+
 async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, prev: Option<&Watermark>, due: bool) -> Result<PortalFetch, FetchError> {
     let views = socrata_views_url(url)
         .ok_or_else(|| FetchError::BadUrl { url: url.to_string(), reason: "expected a SODA resource URL like https://host/resource/abcd-1234.geojson".into() })?;
     let v = session.get(&views, &[]).await?.members(&["rowsUpdatedAt"])?;
-    let publisher_ts_ms = v.get("rowsUpdatedAt").and_then(Value::as_u64).map(|s| s * 1000);
+    let publisher_ts_ms = rows_updated_ms(&v);
     let meta = PortalMeta { publisher_ts_ms, ..Default::default() };
     if !due {
         if let (Some(w), Some(ts)) = (prev, publisher_ts_ms) {
@@ -563,6 +597,41 @@ mod tests {
         for _ in 0..100 {
             let d = jittered(Duration::from_secs(100));
             assert!(d >= Duration::from_secs(90) && d <= Duration::from_secs(110));
+        }
+    }
+
+    /// A next link is followed on the collection's host only (the scheme may change); a
+    /// page linking to another host, another port of it, or something that is no HTTP URL
+    /// is refused before anything is asked of it.
+    #[test]
+    fn next_links_stay_on_the_collections_host() {
+        let c = "https://gis.example.gov/ogc/collections/parcels";
+        for same in ["https://gis.example.gov/ogc/collections/parcels/items?offset=10", "http://GIS.example.gov:80/x", "https://gis.example.gov:443/y"] {
+            assert_eq!(other_host(c, same), None, "{same}");
+        }
+        for (elsewhere, named) in [
+            ("http://203.0.113.1/collections/parcels/items?offset=0", "203.0.113.1"),
+            ("https://gis.example.gov:8443/ogc/collections/parcels/items", "gis.example.gov:8443"),
+            ("https://evil.example.com/ogc/collections/parcels/items", "evil.example.com"),
+            ("http://127.0.0.1:39475/collections/parcels/items", "127.0.0.1:39475"),
+            ("file:///etc/passwd", "no host"),
+        ] {
+            assert_eq!(other_host(c, elsewhere).as_deref(), Some(named), "{elsewhere}");
+        }
+        assert_eq!(other_host("http://127.0.0.1:8080/c", "http://127.0.0.1:8081/c/items").as_deref(), Some("127.0.0.1:8081"));
+    }
+
+    /// `rowsUpdatedAt` past what fits in ms (a hostile portal's `u64::MAX`) is no timestamp,
+    /// not an overflow.
+    #[test]
+    fn rows_updated_at_too_large_for_ms_is_no_timestamp() {
+        let at = |v: Value| rows_updated_ms(&serde_json::json!({ "rowsUpdatedAt": v }));
+        assert_eq!(at(serde_json::json!(1_700_000_000)), Some(1_700_000_000_000));
+        assert_eq!(at(serde_json::json!(u64::MAX / 1000)), Some(u64::MAX / 1000 * 1000));
+        assert_eq!(at(serde_json::json!(u64::MAX / 1000 + 1)), None);
+        assert_eq!(at(serde_json::json!(u64::MAX)), None);
+        for odd in [serde_json::json!(-5), serde_json::json!(1.5), serde_json::json!("1700000000"), Value::Null] {
+            assert_eq!(at(odd.clone()), None, "{odd}");
         }
     }
 
