@@ -304,13 +304,14 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
             })
             .and_then(|l| l.get("href").and_then(Value::as_str))
             .map(|href| reqwest::Url::parse(&url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
-        if let Some(link) = &next {
-            if let Some(elsewhere) = other_host(collection_url, link) {
+        if let Some(link) = next.take() {
+            if let Some(elsewhere) = other_host(collection_url, &link) {
                 return Err(FetchError::Protocol {
                     url,
                     reason: format!("links[rel=next] leads to another host ({elsewhere}: {link}); only the collection's own host is paged, refusing to follow it"),
                 });
             }
+            next = Some(keep_https(collection_url, link));
         }
     }
     // The pages must add up to the layer: a next link dropped early, or pages that overlap
@@ -335,7 +336,7 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
 /// another host, it would have zonewatch ask whatever server a page names and take its
 /// answer as this collection's parcels (the private-target guard stops private addresses
 /// only). The scheme may differ: a server behind a TLS proxy may link `http` pages of its
-/// `https` self.
+/// `https` self (they are asked over `https` all the same: [`keep_https`]).
 fn other_host(collection_url: &str, link: &str) -> Option<String> {
     let (Ok(base), Ok(next)) = (reqwest::Url::parse(collection_url), reqwest::Url::parse(link)) else { return None };
     // `port()` is `None` for the scheme's default port; hosts are lower-cased when parsed.
@@ -344,6 +345,19 @@ fn other_host(collection_url: &str, link: &str) -> Option<String> {
     }
     let host = next.host_str().unwrap_or("no host");
     Some(next.port().map_or_else(|| host.to_string(), |port| format!("{host}:{port}")))
+}
+
+/// `link` (on the collection's host: [`other_host`]) asked over `https` when the collection
+/// was: a server behind a TLS proxy often links `http` pages of its `https` self, and
+/// following them as written would fetch the rest of the layer in clear text, where it can be
+/// altered on the way. A link that is not an absolute URL is returned as it is (its request
+/// fails on it).
+fn keep_https(collection_url: &str, link: String) -> String {
+    let (Ok(base), Ok(mut next)) = (reqwest::Url::parse(collection_url), reqwest::Url::parse(&link)) else { return link };
+    if base.scheme() == "https" && next.scheme() == "http" && next.set_scheme("https").is_ok() {
+        return next.to_string();
+    }
+    link
 }
 
 /// `https://host/resource/abcd-1234.geojson` → `https://host/api/views/abcd-1234.json`.
@@ -619,6 +633,17 @@ mod tests {
             assert_eq!(other_host(c, elsewhere).as_deref(), Some(named), "{elsewhere}");
         }
         assert_eq!(other_host("http://127.0.0.1:8080/c", "http://127.0.0.1:8081/c/items").as_deref(), Some("127.0.0.1:8081"));
+    }
+
+    /// An `http` next link of an `https` collection is asked over `https`; nothing else moves.
+    #[test]
+    fn next_links_of_an_https_collection_stay_https() {
+        let c = "https://gis.example.gov/ogc/collections/parcels";
+        assert_eq!(keep_https(c, "http://gis.example.gov/ogc/collections/parcels/items?offset=10".into()), "https://gis.example.gov/ogc/collections/parcels/items?offset=10");
+        assert_eq!(keep_https(c, "http://gis.example.gov:80/x".into()), "https://gis.example.gov/x");
+        assert_eq!(keep_https(c, "https://gis.example.gov/y".into()), "https://gis.example.gov/y");
+        assert_eq!(keep_https("http://127.0.0.1:8080/c", "http://127.0.0.1:8080/c/items".into()), "http://127.0.0.1:8080/c/items");
+        assert_eq!(keep_https(c, "not a url".into()), "not a url");
     }
 
     /// `rowsUpdatedAt` past what fits in ms (a hostile portal's `u64::MAX`) is no timestamp,
