@@ -3,6 +3,7 @@
 //! scripts/test, schemathesis against the OpenAPI document and a real Prometheus parser.
 
 mod common;
+use common::fuzz::Lcg;
 use common::*;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -23,18 +24,22 @@ fn peer_python() -> Option<std::path::PathBuf> {
     }
 }
 
+/// A workspace for a live daemon: one config subscriber `sub` over the grid sending to
+/// `target`, a 5% change gate (a 20% rezoning is held), request bodies cut off after
+/// `body_timeout`, and the 100-parcel layer it starts with (returned).
+fn gated_workspace(sub: &'static str, target: String, body_timeout: &str) -> (Workspace, Vec<P>) {
+    let ws = Workspace::new(&[Sub { id: sub, aoi: rect(-71.2, 42.3, -71.0, 42.5), target, min_severity: "info", secret: None }], "", "every = \"1h\"");
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    ws.edit_config("listen = \"127.0.0.1:0\"", &format!("listen = \"127.0.0.1:0\"\nbody_timeout = \"{body_timeout}\""));
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    (ws, v1)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_port_end_to_end() {
     let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "cfg-watcher", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
-        "",
-        "every = \"1h\"",
-    );
-    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
-    ws.edit_config("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:0\"\nbody_timeout = \"1s\"");
-    let v1 = grid(100);
-    ws.write_layer(&layer(&v1));
+    let (ws, v1) = gated_workspace("cfg-watcher", rx.url("/hook"), "1s");
     let d = tokio::task::block_in_place(|| Daemon::start(&ws));
     let c = client();
     let auth = format!("Bearer {}", d.token);
@@ -370,30 +375,6 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
 // ```sh
 // ZONEWATCH_CONTROL_FUZZ_RUNS=3000 ZONEWATCH_CONTROL_FUZZ_SEED=5 cargo test --release --test control hostile -- --nocapture
 // ```
-
-/// Tiny deterministic generator (as in `tests/feed_fuzz.rs`), so a failing sequence can be
-/// repeated from its seed.
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    /// In `0..n` (n > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-    /// [`Lcg::pick`] for a list of references or numbers: the item itself.
-    fn one_of<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())]
-    }
-}
 
 /// Every route of the control port as the OpenAPI document names it (the test checks that the
 /// document has no route missing here), with `{src}`, `{run}` and `{sub}` filled in by the
@@ -1551,16 +1532,8 @@ async fn hostile_requests_never_crash_the_daemon_or_get_a_5xx() {
     let runs: usize = std::env::var("ZONEWATCH_CONTROL_FUZZ_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(360);
     let seed: u64 = std::env::var("ZONEWATCH_CONTROL_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(11);
     let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "cfg-a", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/cfg"), min_severity: "info", secret: None }],
-        "",
-        "every = \"1h\"",
-    );
     // A hold to aim at (a 20% rezoning over a 5% gate); bodies that stop short are cut off fast.
-    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
-    ws.edit_config("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:0\"\nbody_timeout = \"300ms\"");
-    let v1 = grid(100);
-    ws.write_layer(&layer(&v1));
+    let (ws, v1) = gated_workspace("cfg-a", rx.url("/cfg"), "300ms");
     let mut d = tokio::task::block_in_place(|| Daemon::start(&ws));
     // The daemon's log, read as it comes (a full pipe would stall it), kept for a failure.
     let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));

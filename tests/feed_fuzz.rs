@@ -13,84 +13,16 @@
 //! ```
 
 mod common;
+use common::fuzz::{damage, Lcg, TOKENS};
 use common::*;
 use std::panic::AssertUnwindSafe;
 use zonewatch::pipeline::RunOptions;
 
-/// Tiny deterministic generator, so a failing sequence can be repeated from its seed.
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    /// In `0..n` (n > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-/// Tokens that have broken parsers: what a damaged or hostile feed is made of.
-const TOKENS: &[&str] = &[
-    "{", "}", "[", "]", "\"", ",", ":", "\\", "null", "NaN", "-Infinity", "-", "1e999", "-0", "1e-330",
-    "123456789012345678901234567890", "\"\\ud800\"", "\"\\u0000\"", "true", "{}", "[]", "\"type\":\"Point\"",
-    "\"coordinates\":[]", "\"geometries\":[{\"type\":\"GeometryCollection\",\"geometries\":[]}]", "\"APN\":null",
-    "\"APN\":\"P0001\"", "\"ZONE_CODE\":[1,2]", "\u{feff}", "\r\n", "\u{2028}", "é",
+/// What a feed is damaged with besides [`TOKENS`]: members a feature's reading rests on.
+const FEED_TOKENS: &[&str] = &[
+    "\"type\":\"Point\"", "\"coordinates\":[]", "\"geometries\":[{\"type\":\"GeometryCollection\",\"geometries\":[]}]", "\"APN\":null",
+    "\"APN\":\"P0001\"", "\"ZONE_CODE\":[1,2]", "\u{2028}",
 ];
-
-/// A run of `[` (or `{"a":`) deep enough to trip a recursive parser.
-fn deep_nesting(rng: &mut Lcg) -> Vec<u8> {
-    let depth = 50 + rng.below(400);
-    if rng.below(2) == 0 { "[".repeat(depth).into_bytes() } else { "{\"a\":".repeat(depth).into_bytes() }
-}
-
-/// One to four random damages to `doc`.
-fn damage(doc: &[u8], rng: &mut Lcg) -> Vec<u8> {
-    let mut out = doc.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        if out.is_empty() {
-            break;
-        }
-        let at = rng.below(out.len());
-        match rng.below(8) {
-            // A byte changed, to anything (invalid UTF-8 included).
-            0 => out[at] = rng.next() as u8,
-            // A span cut out.
-            1 => {
-                let end = (at + 1 + rng.below(60)).min(out.len());
-                out.drain(at..end);
-            }
-            // A span copied elsewhere (duplicated features, half features).
-            2 => {
-                let end = (at + 1 + rng.below(400)).min(out.len());
-                let span = out[at..end].to_vec();
-                let to = rng.below(out.len());
-                out.splice(to..to, span);
-            }
-            // Cut short.
-            3 => out.truncate(at),
-            4 => {
-                let nest = deep_nesting(rng);
-                out.splice(at..at, nest);
-            }
-            // A number replaced by an extreme one, or a token put in.
-            _ => {
-                let token = TOKENS[rng.below(TOKENS.len())].as_bytes().to_vec();
-                let digit = out[at..].iter().position(|b| b.is_ascii_digit()).map(|p| at + p);
-                match digit {
-                    Some(d) if rng.below(2) == 0 => {
-                        let end = d + out[d..].iter().take_while(|b| b.is_ascii_digit() || **b == b'.').count();
-                        out.splice(d..end, token);
-                    }
-                    _ => {
-                        out.splice(at..at, token);
-                    }
-                }
-            }
-        }
-    }
-    out
-}
 
 /// The layers damaged: the hand-made hostile one, a grid of squares (some inside the
 /// subscribers' areas) and the demo county.
@@ -129,12 +61,13 @@ fn damaged_feeds_never_panic_and_commit_all_or_nothing() {
     let ws = Workspace::new(&subs, "", "");
     let engine = ws.engine();
     let bases = base_layers();
+    let tokens = [TOKENS, FEED_TOKENS].concat();
     let mut rng = Lcg(seed);
     let (mut committed, mut failed) = (0u32, 0u32);
     for i in 0..runs {
         let base = &bases[rng.below(bases.len())];
         // One version in six goes out undamaged, so the snapshot keeps changing both ways.
-        let doc = if rng.below(6) == 0 { base.clone() } else { damage(base, &mut rng) };
+        let doc = if rng.below(6) == 0 { base.clone() } else { damage(base, &mut rng, &tokens) };
         ws.write_layer_bytes(&doc);
         let before = stored(&engine);
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run_source_id("s1", RunOptions::default())));

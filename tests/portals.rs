@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::fuzz::{damage, Lcg, TOKENS};
 use common::{grid, layer};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
@@ -2024,75 +2025,16 @@ fn pages_past_the_memory_limit_are_read_back_from_disk_with_the_same_result() {
 //
 //   ZONEWATCH_PORTAL_FUZZ_RUNS=3000 ZONEWATCH_PORTAL_FUZZ_SEED=5 cargo test --release --test portals hostile_portal -- --nocapture
 
-/// Tiny deterministic generator (as in tests/feed_fuzz.rs), so a failing sequence can be
-/// repeated from its seed.
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-    /// In `0..n` (n > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// One of `options`.
-    fn pick<T: Clone>(&mut self, options: &[T]) -> T {
-        options[self.below(options.len())].clone()
-    }
-}
-
-/// Tokens that have broken parsers (tests/feed_fuzz.rs's, and the members a portal's
-/// completeness rests on).
+/// What a portal's answer is damaged with besides [`TOKENS`]: the members its completeness
+/// rests on.
 const PORTAL_TOKENS: &[&str] = &[
-    "{", "}", "[", "]", "\"", ",", ":", "\\", "null", "NaN", "-Infinity", "-", "1e999", "-0", "1e-330",
-    "123456789012345678901234567890", "\"\\ud800\"", "\"\\u0000\"", "true", "{}", "[]", "\u{feff}", "\r\n", "é",
     "\"exceededTransferLimit\":true,", "\"count\":-1,", "\"numberMatched\":1e999,", "\"error\":{\"code\":500},",
     "\"features\":[],", "\"rings\":[[[0,0]]],", "\"OBJECTID\":1000,", "\"APN\":null,", "\"links\":[{\"rel\":\"next\",\"href\":\"?\"}],",
 ];
 
-/// One to four random damages to a body's bytes (tests/feed_fuzz.rs's `damage`).
-fn damage_bytes(doc: &[u8], rng: &mut Lcg) -> Vec<u8> {
-    let mut out = doc.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        if out.is_empty() {
-            break;
-        }
-        let at = rng.below(out.len());
-        match rng.below(8) {
-            0 => out[at] = rng.next() as u8,
-            1 => {
-                let end = (at + 1 + rng.below(60)).min(out.len());
-                out.drain(at..end);
-            }
-            2 => {
-                let end = (at + 1 + rng.below(400)).min(out.len());
-                let span = out[at..end].to_vec();
-                let to = rng.below(out.len());
-                out.splice(to..to, span);
-            }
-            3 => out.truncate(at),
-            4 => {
-                let depth = 50 + rng.below(400);
-                let nest = if rng.below(2) == 0 { "[".repeat(depth) } else { "{\"a\":".repeat(depth) };
-                out.splice(at..at, nest.into_bytes());
-            }
-            _ => {
-                let token = PORTAL_TOKENS[rng.below(PORTAL_TOKENS.len())].as_bytes().to_vec();
-                let digit = out[at..].iter().position(|b| b.is_ascii_digit()).map(|p| at + p);
-                match digit {
-                    Some(d) if rng.below(2) == 0 => {
-                        let end = d + out[d..].iter().take_while(|b| b.is_ascii_digit() || **b == b'.').count();
-                        out.splice(d..end, token);
-                    }
-                    _ => {
-                        out.splice(at..at, token);
-                    }
-                }
-            }
-        }
-    }
-    out
+/// [`TOKENS`] then [`PORTAL_TOKENS`], as the damage draws from them.
+fn portal_tokens() -> Vec<&'static str> {
+    [TOKENS, PORTAL_TOKENS].concat()
 }
 
 /// The source kinds the hostile portal serves, one source each.
@@ -2255,7 +2197,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
                 *rings = match rng.below(8) {
                     0..=4 => json!([points]),
                     5 => json!([points, [[0, 0], [1, 1], [0, 0]]]),
-                    _ => rng.pick(&[json!(5), json!([1, 2, 3]), json!([[1, 2]]), json!([[[1]]]), json!([[["a", "b"]]])]),
+                    _ => rng.one_of(&[json!(5), json!([1, 2, 3]), json!([[1, 2]]), json!([[[1]]]), json!([[["a", "b"]]])]),
                 };
             }
             (short > 0).then(|| format!("esri rings short or not rings in {short} features"))
@@ -2266,14 +2208,14 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             match rng.below(3) {
                 0 => f.insert("geometry".into(), Value::Null),
                 1 => f.remove("geometry"),
-                _ => f.insert("geometry".into(), rng.pick(&[json!("POLYGON"), json!([]), json!({"type": "Polygon"}), json!({"type": "Point", "coordinates": [[0, 0]]})])),
+                _ => f.insert("geometry".into(), rng.one_of(&[json!("POLYGON"), json!([]), json!({"type": "Polygon"}), json!({"type": "Point", "coordinates": [[0, 0]]})])),
             };
             Some("geometry null, missing or wrong".into())
         }
         // `features` not an array.
         4 => {
             let f = v.get_mut("features")?;
-            *f = rng.pick(&[json!({}), json!(7), json!("features"), Value::Null, json!([[]]), json!([1, "a", null])]);
+            *f = rng.one_of(&[json!({}), json!(7), json!("features"), Value::Null, json!([[]]), json!([1, "a", null])]);
             Some("features not an array of features".into())
         }
         // `exceededTransferLimit` flipped, dropped, or not a boolean.
@@ -2294,7 +2236,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
                 _ => v.get_mut("count")?,
             };
             let n = c.as_u64().or_else(|| c.as_str().and_then(|s| s.parse().ok())).unwrap_or(0);
-            *c = if rng.below(2) == 0 { json!(n.saturating_add(1 + rng.below(30) as u64).saturating_sub(rng.below(31) as u64)) } else { rng.pick(&odd_numbers) };
+            *c = if rng.below(2) == 0 { json!(n.saturating_add(1 + rng.below(30) as u64).saturating_sub(rng.below(31) as u64)) } else { rng.one_of(&odd_numbers) };
             Some(format!("count lies (was {n}): {c}"))
         }
         // Object ids repeated, missing or odd.
@@ -2316,7 +2258,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             let new = match rng.below(3) {
                 0 => other,
                 1 => Value::Null,
-                _ => rng.pick(&odd_numbers),
+                _ => rng.one_of(&odd_numbers),
             };
             *oid(&mut features[i])? = new;
             Some(format!("object id of feature {i} replaced (feature {j}'s, null or odd)"))
@@ -2345,7 +2287,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
         9 => {
             let m = v.get_mut("numberMatched")?;
             let n = m.as_u64().unwrap_or(0);
-            *m = if rng.below(2) == 0 { json!(n + 1 + rng.below(5) as u64) } else { rng.pick(&odd_numbers) };
+            *m = if rng.below(2) == 0 { json!(n + 1 + rng.below(5) as u64) } else { rng.one_of(&odd_numbers) };
             Some(format!("numberMatched lies (was {n})"))
         }
         // A next link that loops, leads to another host, or is not a link.
@@ -2356,8 +2298,8 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
                 2 | 3 => json!(format!("{decoy}/collections/parcels/items?f=json&limit=10&offset=0")),
                 4 | 5 => json!(format!("{decoy}{}", req.target)),
                 // Another host that is not on loopback (TEST-NET-3), also written without a scheme.
-                6 => rng.pick(&[json!("http://203.0.113.1/collections/parcels/items?f=json&limit=10&offset=10"), json!("//203.0.113.1/ogc/collections/parcels/items")]),
-                _ => rng.pick(&[json!(""), json!(5), Value::Null, json!("javascript:alert(1)"), json!("file:///etc/passwd"), json!("http://")]),
+                6 => rng.one_of(&[json!("http://203.0.113.1/collections/parcels/items?f=json&limit=10&offset=10"), json!("//203.0.113.1/ogc/collections/parcels/items")]),
+                _ => rng.one_of(&[json!(""), json!(5), Value::Null, json!("javascript:alert(1)"), json!("file:///etc/passwd"), json!("http://")]),
             };
             let links = if rng.below(5) == 0 { json!({"rel": "next", "href": href}) } else { json!([{"rel": "next", "type": "application/geo+json", "href": href}]) };
             o.insert("links".into(), links);
@@ -2366,7 +2308,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
         // `rowsUpdatedAt` odd.
         11 => {
             let r = v.get_mut("rowsUpdatedAt")?;
-            *r = rng.pick(&[json!("soon"), json!(-5), json!(1e30), json!(1.5), Value::Null, json!(u64::MAX)]);
+            *r = rng.one_of(&[json!("soon"), json!(-5), json!(1e30), json!(1.5), Value::Null, json!(u64::MAX)]);
             Some(format!("rowsUpdatedAt {r}"))
         }
         // Layer metadata that lies.
@@ -2377,16 +2319,16 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
                     o.remove("fields");
                 }
                 1 => {
-                    o.insert("fields".into(), rng.pick(&[json!([]), json!({}), json!([1, null, {"name": 5}])]));
+                    o.insert("fields".into(), rng.one_of(&[json!([]), json!({}), json!([1, null, {"name": 5}])]));
                 }
                 2 => {
-                    o.insert("objectIdField".into(), rng.pick(&[json!("APN"), json!("apn"), json!(5), Value::Null, json!("NOPE")]));
+                    o.insert("objectIdField".into(), rng.one_of(&[json!("APN"), json!("apn"), json!(5), Value::Null, json!("NOPE")]));
                 }
                 3 => {
-                    o.insert("maxRecordCount".into(), rng.pick(&[json!(0), json!(-5), json!("10"), json!(1e12), json!(1), json!(3)]));
+                    o.insert("maxRecordCount".into(), rng.one_of(&[json!(0), json!(-5), json!("10"), json!(1e12), json!(1), json!(3)]));
                 }
                 4 => {
-                    let t = rng.pick(&[json!(-1), json!(1e30), json!("yesterday"), json!(1), json!(u64::MAX), json!(1.5e12)]);
+                    let t = rng.one_of(&[json!(-1), json!(1e30), json!("yesterday"), json!(1), json!(u64::MAX), json!(1.5e12)]);
                     o.insert("editingInfo".into(), json!({"dataLastEditDate": t}));
                 }
                 _ => {
@@ -2399,9 +2341,9 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
         13 => {
             let o = v.as_object_mut().filter(|o| o.contains_key("features"))?;
             if rng.below(2) == 0 {
-                o.insert("spatialReference".into(), json!({"wkid": rng.pick(&[json!(3857), json!(102100), json!("4326"), json!(-1)])}));
+                o.insert("spatialReference".into(), json!({"wkid": rng.one_of(&[json!(3857), json!(102100), json!("4326"), json!(-1)])}));
             } else {
-                o.insert("crs".into(), json!({"type": "name", "properties": {"name": rng.pick(&[json!("EPSG:3857"), json!(5), json!("urn:ogc:def:crs:EPSG::2263")])}}));
+                o.insert("crs".into(), json!({"type": "name", "properties": {"name": rng.one_of(&[json!("EPSG:3857"), json!(5), json!("urn:ogc:def:crs:EPSG::2263")])}}));
             }
             Some("foreign spatial reference".into())
         }
@@ -2411,21 +2353,21 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             if rng.below(2) == 0 {
                 o.remove("features");
             }
-            let code = rng.pick(&[json!(500), json!(498), json!(400), json!("500"), Value::Null, json!(1e300)]);
-            o.insert("error".into(), json!({"code": code, "message": "injected", "details": rng.pick(&[json!([]), json!(["a", 1]), json!("x")])}));
+            let code = rng.one_of(&[json!(500), json!(498), json!(400), json!("500"), Value::Null, json!(1e300)]);
+            o.insert("error".into(), json!({"code": code, "message": "injected", "details": rng.one_of(&[json!([]), json!(["a", 1]), json!("x")])}));
             Some(format!("error {code}"))
         }
         // A feature that is not an object.
         15 => {
             let f = some_feature(v, rng)?;
-            *f = rng.pick(&[json!(5), json!("feature"), Value::Null, json!([]), json!([{"type": "Feature"}])]);
+            *f = rng.one_of(&[json!(5), json!("feature"), Value::Null, json!([]), json!([{"type": "Feature"}])]);
             Some("a feature that is not an object".into())
         }
         // Attributes / properties that are not an object.
         16 => {
             let f = some_feature(v, rng)?.as_object_mut()?;
             let member = if f.contains_key("attributes") { "attributes" } else { "properties" };
-            f.insert(member.into(), rng.pick(&[Value::Null, json!([]), json!("x"), json!(1)]));
+            f.insert(member.into(), rng.one_of(&[Value::Null, json!([]), json!("x"), json!(1)]));
             Some(format!("{member} not an object"))
         }
         // GeoJSON coordinates that are not a polygon's.
@@ -2433,8 +2375,8 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             let g = some_feature(v, rng)?.get_mut("geometry")?.as_object_mut()?;
             g.get("coordinates")?;
             match rng.below(5) {
-                0 => g.insert("coordinates".into(), rng.pick(&[json!([]), json!([[[1, 2]]]), json!([[[0, 0], [1, 1]]]), json!([[[[[[0]]]]]]), json!([[["a", "b"], [1, 2], [3, 4], ["a", "b"]]])])),
-                1 => g.insert("type".into(), rng.pick(&[json!("Point"), json!("LineString"), json!("MultiPolygon"), json!("GeometryCollection"), json!(5)])),
+                0 => g.insert("coordinates".into(), rng.one_of(&[json!([]), json!([[[1, 2]]]), json!([[[0, 0], [1, 1]]]), json!([[[[[[0]]]]]]), json!([[["a", "b"], [1, 2], [3, 4], ["a", "b"]]])])),
+                1 => g.insert("type".into(), rng.one_of(&[json!("Point"), json!("LineString"), json!("MultiPolygon"), json!("GeometryCollection"), json!(5)])),
                 2 => g.remove("type"),
                 3 => g.insert("coordinates".into(), json!([[[1e308, 1e308], [-1e308, 1e308], [1e308, -1e308], [1e308, 1e308]]])),
                 _ => g.insert("geometries".into(), json!([{"type": "GeometryCollection", "geometries": [{"type": "Point", "coordinates": [0, 0]}]}])),
@@ -2474,7 +2416,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
         }
         // The answer replaced by another JSON value altogether.
         _ => {
-            *v = rng.pick(&[json!([]), json!({}), json!(null), json!("ok"), json!(0), json!([{"count": "x"}]), json!({"type": "FeatureCollection"})]);
+            *v = rng.one_of(&[json!([]), json!({}), json!(null), json!("ok"), json!(0), json!([{"count": "x"}]), json!({"type": "FeatureCollection"})]);
             Some(format!("answer replaced by {v}"))
         }
     }
@@ -2485,7 +2427,7 @@ fn hostile(honest: Reply, harm: Harm, req: &Req, decoy: &str, rng: &mut Lcg) -> 
     match harm {
         Harm::None => (honest, "honest".into()),
         Harm::Bytes => {
-            let body = damage_bytes(&honest.body, rng);
+            let body = damage(&honest.body, rng, &portal_tokens());
             (Reply { body, ..honest }, "bytes damaged".into())
         }
         Harm::Lie => {
@@ -2528,16 +2470,16 @@ fn hostile(honest: Reply, harm: Harm, req: &Req, decoy: &str, rng: &mut Lcg) -> 
                     let cut = if n == 0 { 0 } else { rng.below(n) };
                     (Reply { truncate_to: Some(cut), ..honest }, format!("body cut at {cut} of {n} (Content-Length says all)"))
                 }
-                6 => (status_reply(rng.pick(&[404, 400, 401, 403, 410]), "text/plain", "no"), "4xx".into()),
+                6 => (status_reply(rng.one_of(&[404, 400, 401, 403, 410]), "text/plain", "no"), "4xx".into()),
                 7 => (Reply { status: 304, ..Default::default() }, "304 to anything".into()),
                 8 => {
                     let mut r = honest;
-                    r.headers.push(("content-encoding".into(), rng.pick(&["gzip".to_string(), "deflate".into(), "br".into(), "gzip, gzip".into()])));
+                    r.headers.push(("content-encoding".into(), rng.one_of(&["gzip".to_string(), "deflate".into(), "br".into(), "gzip, gzip".into()])));
                     (r, "a content-encoding the body does not have".into())
                 }
                 9 => {
-                    let after = rng.pick(&["3600", "0", "-1", "99999999999999999999", "1e999", "soon", "Wed, 21 Oct 2015 07:28:00 GMT", "Fri, 31 Dec 9999 23:59:59 GMT"]);
-                    (Reply { status: rng.pick(&[429, 503]), headers: vec![("retry-after".into(), after.into())], ..Default::default() }, format!("429/503, Retry-After {after}"))
+                    let after = rng.one_of(&["3600", "0", "-1", "99999999999999999999", "1e999", "soon", "Wed, 21 Oct 2015 07:28:00 GMT", "Fri, 31 Dec 9999 23:59:59 GMT"]);
+                    (Reply { status: rng.one_of(&[429, 503]), headers: vec![("retry-after".into(), after.into())], ..Default::default() }, format!("429/503, Retry-After {after}"))
                 }
                 10 => (Reply { body: Vec::new(), ..honest }, "200 empty".into()),
                 11 => (Reply { status: 302, headers: vec![("location".into(), req.target.clone())], ..Default::default() }, "redirect to itself".into()),
@@ -2617,7 +2559,7 @@ fn hostile_portal_answers_never_panic_and_commit_all_or_nothing() {
     let t = Instant::now();
     for i in 0..runs {
         // ArcGIS in Esri JSON, the most common portal and the most code, twice as often.
-        let kind = rng.pick(&[PortalKind::Arcgis, PortalKind::Arcgis, PortalKind::ArcgisGeojson, PortalKind::Ogcapi, PortalKind::Socrata, PortalKind::GeojsonUrl]);
+        let kind = rng.one_of(&[PortalKind::Arcgis, PortalKind::Arcgis, PortalKind::ArcgisGeojson, PortalKind::Ogcapi, PortalKind::Socrata, PortalKind::GeojsonUrl]);
         let plan = {
             let harm = match rng.below(10) {
                 0 | 1 => Harm::None,
@@ -2634,7 +2576,7 @@ fn hostile_portal_answers_never_panic_and_commit_all_or_nothing() {
             match rng.below(10) {
                 0 => {
                     let k = rng.below(p.parcels.len());
-                    p.parcels[k].zone = rng.pick(&["R-1", "R-2", "C-1", "I-1", "MU-3"]).to_string();
+                    p.parcels[k].zone = rng.one_of(&["R-1", "R-2", "C-1", "I-1", "MU-3"]).to_string();
                 }
                 1 if p.parcels.len() > 22 => {
                     let k = rng.below(p.parcels.len());

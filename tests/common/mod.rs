@@ -2,6 +2,8 @@
 //! loopback webhook receiver from `zonewatch::receiver`.
 #![allow(dead_code)]
 
+pub mod fuzz;
+
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
