@@ -1865,6 +1865,31 @@ fn ogcapi_refuses_a_next_link_to_another_host() {
     assert_eq!(srv.requests().len(), 1, "the first page only");
 }
 
+/// A collection that moved (its configured URL redirects to another host) pages on where it
+/// moved to: next links are held to the host that served their page, after redirects.
+#[test]
+fn ogcapi_pages_on_the_host_a_moved_collection_redirects_to() {
+    let rows = geojson_features(&grid(20));
+    let moved: Arc<Mutex<String>> = Arc::new(Mutex::new(String::new()));
+    let base = moved.clone();
+    let new_home = Server::start(Arc::new(move |r: &Req| {
+        let offset: usize = r.param("offset").and_then(|o| o.parse().ok()).unwrap_or(0);
+        let page = &rows[offset..(offset + 10).min(rows.len())];
+        let next = format!("{}/collections/parcels/items?f=json&limit=10&offset={}", base.lock().unwrap(), offset + 10);
+        let links = if offset + 10 < rows.len() { json!([{"rel": "next", "type": "application/geo+json", "href": next}]) } else { json!([]) };
+        json_reply(&json!({"type": "FeatureCollection", "numberMatched": 20, "features": page, "links": links}))
+    }));
+    *moved.lock().unwrap() = new_home.url("");
+    let target = new_home.url("");
+    let old_home = Server::start(Arc::new(move |r: &Req| Reply { status: 301, headers: vec![("location".into(), format!("{target}{}", r.target))], ..Default::default() }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &old_home.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("the moved collection is read");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 20), "{}", r.line());
+    assert_eq!(old_home.requests().len(), 1, "only the first page asked at the old address");
+    assert_eq!(new_home.requests().len(), 2, "both pages served where the collection moved");
+}
+
 /// A server (or a cache in front of it) that answers 304 to a request that asked nothing
 /// conditional has sent no content: the run fails saying so, never a `skip` that would leave
 /// the source without a baseline for good.

@@ -7,8 +7,8 @@
 //! * `geojson_url`: conditional GET (`If-None-Match` / `If-Modified-Since`); 304 → skip.
 //! * `arcgis`: see [`super::arcgis`].
 //! * `ogcapi`: `…/items?limit=N`, then `links[rel=next]` until absent (never self-built offsets,
-//!   never to another host); the features must add up to `numberMatched`, and a pass during
-//!   which it moved is run again.
+//!   never to another host than the one that served the page); the features must add up to
+//!   `numberMatched`, and a pass during which it moved is run again.
 //! * `socrata`: probe `rowsUpdatedAt` from `/api/views/{id}.json`, then page `$limit`/`$offset`
 //!   ordered by `:id` until `count(*)` rows are held (without a count: a short or empty page).
 //!   A page that brings no row not already held stops the scan (the count decides between a
@@ -276,6 +276,8 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
         // Features the scan already holds (a page served again under another URL, pages
         // that overlap) are not taken twice; a page of nothing new ends the paging.
         let NewRows { head: v, served, fresh } = take_new_rows(&resp, &["numberMatched", "links"], &mut features, &mut rows, id_field)?;
+        // Where the page came from, after redirects: its links are relative to it, and stay on its host.
+        let page_url = resp.url.clone();
         drop(resp);
         let number_matched = v.get("numberMatched").and_then(Value::as_u64);
         if pages == 1 {
@@ -303,15 +305,15 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
                 })
             })
             .and_then(|l| l.get("href").and_then(Value::as_str))
-            .map(|href| reqwest::Url::parse(&url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
+            .map(|href| reqwest::Url::parse(&page_url).and_then(|base| base.join(href)).map(|u| u.to_string()).unwrap_or_else(|_| href.to_string()));
         if let Some(link) = next.take() {
-            if let Some(elsewhere) = other_host(collection_url, &link) {
+            if let Some(elsewhere) = other_host(&page_url, &link) {
                 return Err(FetchError::Protocol {
                     url,
-                    reason: format!("links[rel=next] leads to another host ({elsewhere}: {link}); only the collection's own host is paged, refusing to follow it"),
+                    reason: format!("links[rel=next] leads to another host ({elsewhere}: {link}); next links are followed only on the host that served their page ({page_url}), refusing to follow it"),
                 });
             }
-            next = Some(keep_https(collection_url, link));
+            next = Some(keep_https(&page_url, link));
         }
     }
     // The pages must add up to the layer: a next link dropped early, or pages that overlap
@@ -331,14 +333,15 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
 }
 
 /// The host (and port, when it is not the scheme's default) of `link` when they are not those
-/// of `collection_url`; `None` when they are, or when either is not an absolute URL (the
-/// request then fails on it as a bad URL). A next link is the page's content: followed to
-/// another host, it would have zonewatch ask whatever server a page names and take its
-/// answer as this collection's parcels (the private-target guard stops private addresses
-/// only). The scheme may differ: a server behind a TLS proxy may link `http` pages of its
-/// `https` self (they are asked over `https` all the same: [`keep_https`]).
-fn other_host(collection_url: &str, link: &str) -> Option<String> {
-    let (Ok(base), Ok(next)) = (reqwest::Url::parse(collection_url), reqwest::Url::parse(link)) else { return None };
+/// of `page_url`, the page that carried the link as it was finally served (after redirects: a
+/// collection that moved to another host pages on there); `None` when they are, or when
+/// either is not an absolute URL (the request then fails on it as a bad URL). A next link is
+/// the page's content: followed to another host, it would have zonewatch ask whatever server
+/// a page names and take its answer as this collection's parcels (the private-target guard
+/// stops private addresses only). The scheme may differ: a server behind a TLS proxy may link
+/// `http` pages of its `https` self (they are asked over `https` all the same: [`keep_https`]).
+fn other_host(page_url: &str, link: &str) -> Option<String> {
+    let (Ok(base), Ok(next)) = (reqwest::Url::parse(page_url), reqwest::Url::parse(link)) else { return None };
     // `port()` is `None` for the scheme's default port; hosts are lower-cased when parsed.
     if (base.host_str(), base.port()) == (next.host_str(), next.port()) {
         return None;
@@ -347,13 +350,12 @@ fn other_host(collection_url: &str, link: &str) -> Option<String> {
     Some(next.port().map_or_else(|| host.to_string(), |port| format!("{host}:{port}")))
 }
 
-/// `link` (on the collection's host: [`other_host`]) asked over `https` when the collection
-/// was: a server behind a TLS proxy often links `http` pages of its `https` self, and
+/// `link` (on its page's host: [`other_host`]) asked over `https` when its page was: a server behind a TLS proxy often links `http` pages of its `https` self, and
 /// following them as written would fetch the rest of the layer in clear text, where it can be
 /// altered on the way. A link that is not an absolute URL is returned as it is (its request
 /// fails on it).
-fn keep_https(collection_url: &str, link: String) -> String {
-    let (Ok(base), Ok(mut next)) = (reqwest::Url::parse(collection_url), reqwest::Url::parse(&link)) else { return link };
+fn keep_https(page_url: &str, link: String) -> String {
+    let (Ok(base), Ok(mut next)) = (reqwest::Url::parse(page_url), reqwest::Url::parse(&link)) else { return link };
     if base.scheme() == "https" && next.scheme() == "http" && next.set_scheme("https").is_ok() {
         return next.to_string();
     }
