@@ -36,6 +36,19 @@ fn gated_workspace(sub: &'static str, target: String, body_timeout: &str) -> (Wo
     (ws, v1)
 }
 
+/// Rezones 20 of the grid's 100 parcels (past the 5% gate of [`gated_workspace`]), runs the
+/// source over the control port and returns the id of the hold the run made.
+fn rezone_into_a_hold(ws: &Workspace, v1: &[P], c: &reqwest::blocking::Client, d: &Daemon, auth: &str) -> u64 {
+    let mut v2 = v1.to_vec();
+    for p in v2.iter_mut().take(20) {
+        p.zone = "M-1".into();
+    }
+    ws.write_layer(&layer(&v2));
+    let run: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", auth).send().unwrap().json().unwrap();
+    assert_eq!(run["run"]["verdict"], "held", "{run}");
+    run["run"]["hold_id"].as_u64().unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_port_end_to_end() {
     let rx = receiver(200).await;
@@ -117,14 +130,7 @@ async fn control_port_end_to_end() {
         assert_eq!(c.get(d.url("/v1/subscribers/nobody")).header("authorization", &auth).send().unwrap().status(), 404);
 
         // A rezoning of 20% is held; the API shows it; releasing it delivers to both watchers.
-        let mut v2 = v1.clone();
-        for p in v2.iter_mut().take(20) {
-            p.zone = "M-1".into();
-        }
-        ws.write_layer(&layer(&v2));
-        let run: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", &auth).send().unwrap().json().unwrap();
-        assert_eq!(run["run"]["verdict"], "held", "{run}");
-        let hold_id = run["run"]["hold_id"].as_u64().unwrap();
+        let hold_id = rezone_into_a_hold(&ws, &v1, &c, &d, &auth);
         let holds: Value = c.get(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!(holds["items"][0]["state"], "open");
         assert_eq!(c.post(d.url("/v1/holds/abc/release")).header("authorization", &auth).send().unwrap().status(), 400);
@@ -1570,14 +1576,7 @@ async fn hostile_requests_never_crash_the_daemon_or_get_a_5xx() {
         }
         let r = c.post(d.url("/v1/subscribers")).header("authorization", &auth).json(&json!({"id": "api-a", "target": rx.url("/api"), "aoi": rect(-71.2, 42.3, -71.0, 42.5), "min_severity": "info"})).send().unwrap();
         assert_eq!(r.status(), 201);
-        let mut v2 = v1.clone();
-        for p in v2.iter_mut().take(20) {
-            p.zone = "M-1".into();
-        }
-        ws.write_layer(&layer(&v2));
-        let run: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", &auth).send().unwrap().json().unwrap();
-        assert_eq!(run["run"]["verdict"], "held", "{run}");
-        let hold_id = run["run"]["hold_id"].as_u64().unwrap();
+        let hold_id = rezone_into_a_hold(&ws, &v1, &c, &d, &auth);
 
         let addr = d.addr.clone();
         let mut rng = Lcg(seed);
