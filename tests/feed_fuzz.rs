@@ -13,7 +13,7 @@
 //! ```
 
 mod common;
-use common::fuzz::{damage, Lcg, TOKENS};
+use common::fuzz::{committed, damage, Lcg, TOKENS};
 use common::*;
 use std::panic::AssertUnwindSafe;
 use zonewatch::pipeline::RunOptions;
@@ -39,17 +39,6 @@ fn base_layers() -> Vec<Vec<u8>> {
     ]
 }
 
-/// The watermark and each parcel's (content, geometry) hashes.
-type Stored = (Option<zonewatch::model::Watermark>, std::collections::BTreeMap<String, ([u8; 32], [u8; 32])>);
-
-/// What a run commits, compared before and after a failed one: the watermark and each
-/// parcel's hashes (equal hashes are equal states; an area is a float).
-fn stored(engine: &zonewatch::pipeline::Engine) -> Stored {
-    let watermark = engine.store.watermark("s1").expect("watermark reads");
-    let states = engine.store.snapshot_states("s1").expect("snapshot reads");
-    (watermark, states.into_iter().map(|(id, s)| (id, (s.content_hash, s.geom_hash))).collect())
-}
-
 #[test]
 fn damaged_feeds_never_panic_and_commit_all_or_nothing() {
     let runs: usize = std::env::var("ZONEWATCH_FUZZ_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(240);
@@ -63,13 +52,13 @@ fn damaged_feeds_never_panic_and_commit_all_or_nothing() {
     let bases = base_layers();
     let tokens = [TOKENS, FEED_TOKENS].concat();
     let mut rng = Lcg(seed);
-    let (mut committed, mut failed) = (0u32, 0u32);
+    let (mut commits, mut failed) = (0u32, 0u32);
     for i in 0..runs {
         let base = &bases[rng.below(bases.len())];
         // One version in six goes out undamaged, so the snapshot keeps changing both ways.
         let doc = if rng.below(6) == 0 { base.clone() } else { damage(base, &mut rng, &tokens) };
         ws.write_layer_bytes(&doc);
-        let before = stored(&engine);
+        let before = committed(&engine, "s1");
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run_source_id("s1", RunOptions::default())));
         let keep = || {
             let path = std::env::temp_dir().join(format!("zonewatch-fuzz-seed{seed}-run{i}.geojson"));
@@ -79,7 +68,7 @@ fn damaged_feeds_never_panic_and_commit_all_or_nothing() {
         match outcome {
             Err(_) => panic!("run {i} (seed {seed}) panicked; its layer is kept at {}", keep().display()),
             Ok(Ok(report)) => {
-                committed += 1;
+                commits += 1;
                 let c = &report.record.counts;
                 assert_eq!(
                     c.parcels + c.quarantined,
@@ -95,7 +84,7 @@ fn damaged_feeds_never_panic_and_commit_all_or_nothing() {
                 // A thread of the run that panicked is reported as an error: still a bug.
                 assert!(!message.contains("panicked"), "run {i} (seed {seed}): {message}; layer kept at {}", keep().display());
                 assert!(
-                    stored(&engine) == before,
+                    committed(&engine, "s1") == before,
                     "run {i} (seed {seed}) failed ({e}) but changed the watermark or the snapshot; layer kept at {}",
                     keep().display()
                 );
@@ -106,6 +95,6 @@ fn damaged_feeds_never_panic_and_commit_all_or_nothing() {
             assert!(report.is_consistent(), "after run {i} (seed {seed}): {:?}", report.problems);
         }
     }
-    println!("{runs} damaged versions (seed {seed}): {committed} committed, {failed} failed with a message");
-    assert!(committed > 0 && failed > 0, "the damage should make some runs fail and let others commit");
+    println!("{runs} damaged versions (seed {seed}): {commits} committed, {failed} failed with a message");
+    assert!(commits > 0 && failed > 0, "the damage should make some runs fail and let others commit");
 }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::fuzz::{damage, Lcg, TOKENS};
+use common::fuzz::{committed, damage, Lcg, TOKENS};
 use common::{grid, layer};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
@@ -2538,16 +2538,6 @@ fn hostile_portal(state: Arc<Mutex<Portal>>) -> Handler {
         p.log.push(format!("#{n} {}: {said}", req.target));
         r
     })
-}
-
-/// A source's committed state: its watermark and each parcel's hashes (equal hashes are
-/// equal states).
-type Committed = (Option<zonewatch::model::Watermark>, std::collections::BTreeMap<String, ([u8; 32], [u8; 32])>);
-
-fn committed(engine: &Engine, id: &str) -> Committed {
-    let watermark = engine.store.watermark(id).expect("watermark reads");
-    let states = engine.store.snapshot_states(id).expect("snapshot reads");
-    (watermark, states.into_iter().map(|(id, s)| (id, (s.content_hash, s.geom_hash))).collect())
 }
 
 #[test]

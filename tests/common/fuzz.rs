@@ -77,3 +77,14 @@ pub fn damage(doc: &[u8], rng: &mut Lcg, tokens: &[&str]) -> Vec<u8> {
     }
     out
 }
+
+/// What a run of `source` commits: its watermark and each parcel's (content, geometry)
+/// hashes. Compared before and after a failed run, which must change neither (equal hashes
+/// are equal states; an area is a float).
+pub type Committed = (Option<zonewatch::model::Watermark>, std::collections::BTreeMap<String, ([u8; 32], [u8; 32])>);
+
+pub fn committed(engine: &zonewatch::pipeline::Engine, source: &str) -> Committed {
+    let watermark = engine.store.watermark(source).expect("watermark reads");
+    let states = engine.store.snapshot_states(source).expect("snapshot reads");
+    (watermark, states.into_iter().map(|(id, s)| (id, (s.content_hash, s.geom_hash))).collect())
+}
