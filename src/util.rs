@@ -85,7 +85,7 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
     let y: i64 = dp.next()?.parse().ok()?;
     let mo: u32 = dp.next()?.parse().ok()?;
     let d: u32 = dp.next()?.parse().ok()?;
-    if dp.next().is_some() || !(0..=9999).contains(&y) || !(1..=12).contains(&mo) || !(1..=31).contains(&d) {
+    if dp.next().is_some() || !(0..=9999).contains(&y) || !(1..=12).contains(&mo) || !(1..=days_in_month(y, mo)).contains(&d) {
         return None;
     }
     let (clock, offset_min): (&str, i64) = if let Some(c) = time.strip_suffix(['Z', 'z']) {
@@ -128,6 +128,17 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
     let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
     (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+/// The days of month `m` (1-12) of year `y` in the proleptic Gregorian calendar: an operator's
+/// `2026-02-30` is a typo to refuse, not a day to roll over into March.
+fn days_in_month(y: i64, m: u32) -> u32 {
+    match m {
+        2 if y % 4 == 0 && (y % 100 != 0 || y % 400 == 0) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
 }
 
 fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
@@ -311,6 +322,14 @@ mod tests {
             assert_eq!(parse_rfc3339(text), None, "{text}");
         }
         assert_eq!(parse_rfc3339("9999-12-31T23:59:59Z"), Some(253_402_300_799_000));
+        // Days a month does not have are refused, not rolled over into the next month.
+        for text in ["2020-02-30", "2021-02-29", "1900-02-29", "2026-04-31T00:00:00Z", "2026-11-31", "2026-01-00"] {
+            assert_eq!(parse_rfc3339(text), None, "{text}");
+        }
+        for (text, next_day) in [("2020-02-29", "2020-03-01"), ("2000-02-29", "2000-03-01"), ("2026-12-31", "2027-01-01"), ("2026-04-30", "2026-05-01")] {
+            let (a, b) = (parse_rfc3339(text), parse_rfc3339(next_day));
+            assert_eq!(a.zip(b).map(|(a, b)| b - a), Some(86_400_000), "{text}");
+        }
         assert_eq!(parse_rfc3339("2020-01-01T00:00:00-23:59"), Some(1_577_836_800_000 + 23 * 3_600_000 + 59 * 60_000));
     }
 }
