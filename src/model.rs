@@ -652,6 +652,13 @@ pub struct Watermark {
     pub probe_ts_ms: Option<u64>,
 }
 
+/// How far ahead of this machine's clock a publisher timestamp may be and still be taken as
+/// the version's time. Portals and this machine disagree by seconds to hours (clock drift, a
+/// local time written as UTC); a timestamp further ahead is a publisher's clock or data error
+/// (a year-2099 `lastEditDate`), and believing it would make every later, honest version look
+/// restated (older than the watermark's) and be held until an operator steps in.
+pub const PUBLISHER_CLOCK_SKEW_MS: u64 = 24 * 3_600_000;
+
 impl Watermark {
     /// The watermark a run that read `digest` (`size` bytes) at `now_ms` commits. The time the
     /// content last changed carries over from `previous` when the digest is the same.
@@ -672,6 +679,33 @@ impl Watermark {
             schema_hash: None,
             probe_ts_ms: None,
         }
+    }
+
+    /// True when publisher timestamp `ts_ms` is further ahead of `now_ms` than
+    /// [`PUBLISHER_CLOCK_SKEW_MS`]: a time that cannot have happened yet, so no evidence of
+    /// which version is newer.
+    pub fn from_the_future(ts_ms: u64, now_ms: u64) -> bool {
+        ts_ms > now_ms.saturating_add(PUBLISHER_CLOCK_SKEW_MS)
+    }
+
+    /// The run's warning when a publisher timestamp is [`Watermark::from_the_future`]: the
+    /// portal's `new` one (recorded, so its probe can still tell "nothing moved", but not
+    /// trusted to order versions), or the watermark's `old` one that `new` went back from (no
+    /// restatement).
+    pub fn future_timestamp_warning(old: Option<u64>, new: u64, now_ms: u64) -> Option<String> {
+        let now = crate::util::rfc3339(now_ms);
+        if Self::from_the_future(new, now_ms) {
+            return Some(format!(
+                "publisher timestamp {} is more than a day ahead of this machine's clock ({now}): recorded, but not trusted to order versions",
+                crate::util::rfc3339(new)
+            ));
+        }
+        let old = old.filter(|&old| new < old && Self::from_the_future(old, now_ms))?;
+        Some(format!(
+            "publisher timestamp went back to {} from {}, which was more than a day ahead of this machine's clock ({now}): not held as a restatement",
+            crate::util::rfc3339(new),
+            crate::util::rfc3339(old)
+        ))
     }
 
     /// The publisher timestamp the portal reported at the last fetch: what a probe that

@@ -549,7 +549,7 @@ impl Engine {
         let scan_started = std::time::Instant::now();
         let progress = opts.progress.clone().map(|p| move |bytes: u64, features: u64| p.at(features, bytes));
         let progress: Option<&(dyn Fn(u64, u64) + Sync)> = progress.as_ref().map(|f| f as _);
-        let (scan, digest, size) = match &mut input {
+        let (mut scan, digest, size) = match &mut input {
             LayerInput::File(path) => {
                 let file = std::fs::File::open(&*path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
                 scan_digested(file, path, &rules, &view, spill_dir, workers, progress)?
@@ -584,7 +584,9 @@ impl Engine {
 
         let now = self.now();
         // A publisher timestamp that went backwards is a restatement: the gate holds it.
-        let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m)) };
+        // One from the future (a publisher's clock or data error) is not evidence either way.
+        let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m, now)) };
+        scan.warnings.extend(meta.as_ref().and_then(|m| portal::future_timestamp_warning(wm.as_ref(), m, now)));
         let decision = decide(GateInput {
             first_ingest,
             reprocess: opts.reprocess,

@@ -329,6 +329,73 @@ fn arcgis_pages_skips_and_holds_a_restatement() {
     assert!(engine.store.watermark_history("arc").expect("history").len() >= 2);
 }
 
+/// A publisher whose `lastEditDate` once said the year 2100 (a clock or data error) must not
+/// make every later, honest version look restated and be held until an operator steps in:
+/// a timestamp more than a day ahead of this machine's clock is recorded, said in a warning,
+/// and not trusted to order versions. Once an honest one replaces it, restatements are held
+/// again.
+#[test]
+fn a_publisher_timestamp_from_the_future_does_not_hold_the_versions_after_it() {
+    let parcels = grid(57);
+    let now_ms = 1_750_000_000_000;
+    let year_2100 = 4_102_444_800_000;
+    let layer = Arc::new(Mutex::new(ArcLayer { features: esri_features(&parcels), edit_ms: year_2100, max_record_count: 100, omit_flag: false, fail_next: None }));
+    let srv = Server::start(arc_handler(layer.clone()));
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/arcgis/rest/services/Parcels/FeatureServer/0");
+    let clock = ManualClock::at(now_ms);
+    let engine = Engine::open_with_clock(portal_config(dir.path(), &source("arc", "arcgis", &url, ""), ""), clock.clone()).expect("engine");
+
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("baseline");
+    assert_eq!(r.record.verdict, Verdict::Baseline, "{}", r.line());
+    assert!(r.record.warnings.iter().any(|w| w.contains("2100-01-01") && w.contains("not trusted to order versions")), "{:?}", r.record.warnings);
+    assert_eq!(engine.store.watermark("arc").expect("wm").expect("some").publisher_ts_ms, Some(year_2100), "recorded as the portal said it");
+
+    // The same content under an honest timestamp: identical, and the honest timestamp
+    // replaces the one from the future (an older one from the present would not).
+    let honest = now_ms - 3_600_000;
+    layer.lock().expect("layer").edit_ms = honest - 60_000;
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("identical run");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    assert!(r.record.warnings.iter().any(|w| w.contains("not held as a restatement")), "{:?}", r.record.warnings);
+    let wm = engine.store.watermark("arc").expect("wm").expect("some");
+    assert_eq!((wm.publisher_ts_ms, wm.probe_ts_ms), (Some(honest - 60_000), None));
+    // And it says the year 2100 again (same content): recorded, with the warning.
+    layer.lock().expect("layer").edit_ms = year_2100;
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("identical run");
+    assert_eq!(r.record.verdict, Verdict::Identical, "{}", r.line());
+    assert!(r.record.warnings.iter().any(|w| w.contains("not trusted to order versions")), "{:?}", r.record.warnings);
+
+    // The publisher fixes its clock and rezones a parcel: an honest, earlier timestamp. It is
+    // a run, not a restatement held for an operator, and the run says why.
+    {
+        let mut l = layer.lock().expect("layer");
+        l.edit_ms = honest;
+        l.features[3]["attributes"]["ZONE_CODE"] = json!("C-9");
+    }
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("honest run");
+    assert_eq!(r.record.verdict, Verdict::Run, "{} {:?}", r.line(), r.hold_reason);
+    assert_eq!(r.record.counts.changes, 1);
+    assert!(r.record.warnings.iter().any(|w| w.contains("not held as a restatement")), "{:?}", r.record.warnings);
+    assert!(engine.store.holds().expect("holds").is_empty());
+    assert_eq!(engine.store.snapshot_states("arc").expect("snap")["P0003"].zoning, "C-9");
+    let wm = engine.store.watermark("arc").expect("wm").expect("some");
+    assert_eq!(wm.publisher_ts_ms, Some(honest), "the honest timestamp replaces the one from the future");
+
+    // A real restatement after it (the timestamp goes back from the honest one, other content)
+    // is held as before.
+    {
+        let mut l = layer.lock().expect("layer");
+        l.edit_ms = honest - 86_400_000;
+        l.features[3]["attributes"]["ZONE_CODE"] = json!("R-1");
+    }
+    clock.advance(Duration::from_secs(60));
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("restated run");
+    assert_eq!(r.record.verdict, Verdict::Held, "{}", r.line());
+    assert!(r.hold_reason.as_deref().unwrap_or("").contains("restated"), "{:?}", r.hold_reason);
+    assert!(!r.record.warnings.iter().any(|w| w.contains("ahead of this machine's clock")), "{:?}", r.record.warnings);
+}
+
 #[test]
 fn arcgis_without_flag_uses_the_count_and_retries_error_bodies_with_smaller_pages() {
     let parcels = grid(23);

@@ -5,7 +5,8 @@
 //! * change spike (changed parcels above `max_change_ratio` of the layer) or quarantine spike
 //!   (more than half the features quarantined as `missing_field` / `out_of_bounds`, the sign
 //!   of a renamed field or a datum drift) → held until an operator releases or primes it;
-//! * a restated layer (publisher timestamp went backwards) → held with that reason.
+//! * a restated layer (publisher timestamp went backwards, from one not in the future:
+//!   [`crate::model::Watermark::from_the_future`]) → held with that reason.
 
 /// The gate's decision for one run.
 #[derive(Debug, Clone, PartialEq)]

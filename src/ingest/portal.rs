@@ -69,16 +69,24 @@ pub fn floor_due(prev: Option<&Watermark>, now_ms: u64, floor: Duration) -> bool
     }
 }
 
-/// `Some(reason)` when the publisher timestamp went backwards: the layer was restated.
-pub fn restated(prev: Option<&Watermark>, meta: &PortalMeta) -> Option<String> {
+/// `Some(reason)` when the publisher timestamp went backwards: the layer was restated. A
+/// watermark timestamp from the future ([`Watermark::from_the_future`], as of `now_ms`) is no
+/// evidence: going back from it is no restatement ([`future_timestamp_warning`] says so).
+pub fn restated(prev: Option<&Watermark>, meta: &PortalMeta, now_ms: u64) -> Option<String> {
     let (Some(old), Some(new)) = (prev.and_then(|w| w.publisher_ts_ms), meta.publisher_ts_ms) else { return None };
-    (new < old).then(|| {
+    (new < old && !Watermark::from_the_future(old, now_ms)).then(|| {
         format!(
             "restated: publisher timestamp went backwards from {} to {}",
             crate::util::rfc3339(old),
             crate::util::rfc3339(new)
         )
     })
+}
+
+/// `Some(warning)` when a publisher timestamp involved in this run is from the future
+/// ([`Watermark::future_timestamp_warning`]).
+pub fn future_timestamp_warning(prev: Option<&Watermark>, meta: &PortalMeta, now_ms: u64) -> Option<String> {
+    Watermark::future_timestamp_warning(prev.and_then(|w| w.publisher_ts_ms), meta.publisher_ts_ms?, now_ms)
 }
 
 /// `Some(warning)` when the content has not changed for longer than `stale_after`.
@@ -599,10 +607,28 @@ mod tests {
         assert!(!floor_due(Some(&wm(None, 1_000, 0)), 1_000 + 3_600_000, day));
         assert!(floor_due(Some(&wm(None, 1_000, 0)), 1_000 + 86_400_000, day));
         let m = |ts| PortalMeta { publisher_ts_ms: ts, ..Default::default() };
-        assert!(restated(Some(&wm(Some(2_000), 0, 0)), &m(Some(1_000))).is_some());
-        assert!(restated(Some(&wm(Some(2_000), 0, 0)), &m(Some(2_000))).is_none());
-        assert!(restated(Some(&wm(None, 0, 0)), &m(Some(1_000))).is_none());
-        assert!(restated(None, &m(Some(1))).is_none());
+        let now = 10_000;
+        assert!(restated(Some(&wm(Some(2_000), 0, 0)), &m(Some(1_000)), now).is_some());
+        assert!(restated(Some(&wm(Some(2_000), 0, 0)), &m(Some(2_000)), now).is_none());
+        assert!(restated(Some(&wm(None, 0, 0)), &m(Some(1_000)), now).is_none());
+        assert!(restated(None, &m(Some(1)), now).is_none());
+        assert_eq!(future_timestamp_warning(Some(&wm(Some(2_000), 0, 0)), &m(Some(1_000)), now), None);
+        assert_eq!(future_timestamp_warning(None, &m(Some(now)), now), None);
+        // A watermark timestamp from the future is no evidence: going back from it is not a
+        // restatement, and the run says why.
+        let ahead = now + crate::model::PUBLISHER_CLOCK_SKEW_MS;
+        assert!(restated(Some(&wm(Some(ahead), 0, 0)), &m(Some(1_000)), now).is_some(), "a day ahead is still believed");
+        assert!(future_timestamp_warning(Some(&wm(Some(ahead), 0, 0)), &m(Some(1_000)), now).is_none());
+        let future = ahead + 1;
+        assert!(restated(Some(&wm(Some(future), 0, 0)), &m(Some(1_000)), now).is_none());
+        assert!(restated(Some(&wm(Some(u64::MAX), 0, 0)), &m(Some(1_000)), now).is_none());
+        let said = future_timestamp_warning(Some(&wm(Some(future), 0, 0)), &m(Some(1_000)), now).unwrap_or_default();
+        assert!(said.contains("not held as a restatement"), "{said}");
+        // The portal's own timestamp from the future: recorded with a warning.
+        let said = future_timestamp_warning(Some(&wm(Some(2_000), 0, 0)), &m(Some(u64::MAX)), now).unwrap_or_default();
+        assert!(said.contains("not trusted to order versions"), "{said}");
+        // Once this machine's clock catches up, the same timestamp is believed again.
+        assert!(restated(Some(&wm(Some(future), 0, 0)), &m(Some(1_000)), future).is_some());
         let d45 = Duration::from_secs(45 * 86_400);
         assert!(stale(Some(&wm(None, 0, 1)), 46 * 86_400_000, d45).is_some());
         assert!(stale(Some(&wm(None, 0, 1)), 44 * 86_400_000, d45).is_none());

@@ -66,7 +66,9 @@ impl Store {
                 // would not look restated and would be sent, not held. The older one is what
                 // the portal says now: the probe compares against it, so the next runs can
                 // `skip` while it keeps saying it.
-                (Some(new), Some(old)) if new < old => {
+                // (Unless the newer one is from the future: that is no version's time, and
+                // the portal's honest one replaces it.)
+                (Some(new), Some(old)) if new < old && !Watermark::from_the_future(old, now_ms) => {
                     if wm.probe_ts_ms != Some(new) {
                         warnings.push(format!(
                             "publisher timestamp went backwards from {} to {} with the same content; the watermark keeps {}",
@@ -77,7 +79,8 @@ impl Store {
                     }
                     wm.probe_ts_ms = Some(new);
                 }
-                (Some(new), _) => {
+                (Some(new), old) => {
+                    warnings.extend(Watermark::future_timestamp_warning(old, new, now_ms));
                     wm.publisher_ts_ms = Some(new);
                     wm.probe_ts_ms = None;
                 }
