@@ -53,6 +53,11 @@ pub enum FetchError {
     Protocol { url: String, reason: String },
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
+    /// The fetch could not run to an answer for a reason inside zonewatch (its runtime would
+    /// not start, or its thread panicked): a bug or an exhausted machine, never the portal's
+    /// doing, and said so rather than blamed on the HTTP client. Nothing was committed.
+    #[error("the fetch stopped on an internal error: {0} (not the portal's doing; nothing of this run was committed)")]
+    Internal(String),
     #[error("{url}: {encoding} response decodes to more than the configured cap of {limit} bytes ([ingest] max_decompressed_bytes); stopped after {wire_bytes} bytes on the wire")]
     DecodedTooLarge { url: String, encoding: String, limit: u64, wire_bytes: u64 },
     #[error("{url}: {reason}")]
@@ -676,17 +681,35 @@ pub fn block_on<T: Send>(fut: impl std::future::Future<Output = T> + Send) -> Re
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .map_err(|e| FetchError::Client(format!("cannot start a runtime: {e}")))?;
+                .map_err(|e| FetchError::Internal(format!("cannot start its runtime: {e}")))?;
             Ok(rt.block_on(fut))
         })
         .join()
-        .unwrap_or_else(|_| Err(FetchError::Client("the fetch thread panicked".into())))
+        .unwrap_or_else(|payload| Err(FetchError::Internal(format!("its thread panicked: {}", panic_text(payload.as_ref())))))
     })
+}
+
+/// What a panic said, when it said it as text (`panic!("...")` gives a `&str` or a `String`).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panicking_fetch_is_an_internal_error_that_says_what_panicked() {
+        let e = block_on(async { panic!("page {} lost", 3) }).map(|()| ()).err();
+        let said = e.as_ref().map(ToString::to_string).unwrap_or_default();
+        assert!(matches!(e, Some(FetchError::Internal(_))), "{said}");
+        assert!(said.contains("panicked: page 3 lost") && !said.contains("HTTP client"), "{said}");
+        assert_eq!(block_on(async { 7 }).ok(), Some(7));
+    }
 
     /// A streamed body's head starts at its first byte that is not whitespace, so HTML
     /// after any run of blank lines is still refused; a restart forgets the head, the
