@@ -704,7 +704,7 @@ mod tests {
 
     #[test]
     fn a_panicking_fetch_is_an_internal_error_that_says_what_panicked() {
-        let e = block_on(async { panic!("page {} lost", 3) }).map(|()| ()).err();
+        let e = block_on::<()>(async { panic!("page {} lost", 3) }).err();
         let said = e.as_ref().map(ToString::to_string).unwrap_or_default();
         assert!(matches!(e, Some(FetchError::Internal(_))), "{said}");
         assert!(said.contains("panicked: page 3 lost") && !said.contains("HTTP client"), "{said}");
