@@ -162,6 +162,23 @@ fn esri_features(parcels: &[common::P]) -> Vec<Value> {
         .collect()
 }
 
+/// The GeoJSON features of `parcels`, as `layer` writes them (the Socrata and OGC API servers here page these).
+fn geojson_features(parcels: &[common::P]) -> Vec<Value> {
+    serde_json::from_str::<Value>(&layer(parcels)).expect("json")["features"].as_array().expect("features").clone()
+}
+
+/// The href of the OGC API items page at `offset`, `limit` long, under the path prefix `base`: one form for the fake OGC servers.
+fn ogc_items_href(base: &str, limit: usize, offset: usize) -> String {
+    format!("{base}/collections/parcels/items?f=json&limit={limit}&offset={offset}")
+}
+
+/// An OGC API items page with `numberMatched`/`numberReturned`, built once for every fake OGC server that counts its
+/// collection: `page` of `matched` features, `links`, then a `next` link to `next_href` when there is one.
+fn ogc_items_page(page: &[Value], matched: usize, mut links: Vec<Value>, next_href: Option<String>) -> Value {
+    links.extend(next_href.map(|href| json!({"rel": "next", "type": "application/geo+json", "href": href})));
+    json!({"type": "FeatureCollection", "numberMatched": matched, "numberReturned": page.len(), "features": page, "links": links})
+}
+
 fn arc_handler(layer: Arc<Mutex<ArcLayer>>) -> Handler {
     Arc::new(move |req: &Req| {
         let mut l = layer.lock().expect("layer");
@@ -1014,7 +1031,7 @@ fn a_streamed_geojson_url_body_cut_short_is_fetched_again_from_its_start() {
 
 #[test]
 fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
-    let features: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let features = geojson_features(&grid(25));
     let updated = Arc::new(AtomicU64::new(1_700_000_000));
     let u2 = updated.clone();
     let srv = Server::start(Arc::new(move |req: &Req| {
@@ -1094,7 +1111,7 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
 /// cleanly: no partial layer is committed.
 #[test]
 fn socrata_trusts_count_not_a_short_page() {
-    let features: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let features = geojson_features(&grid(25));
     let claimed = Arc::new(AtomicU64::new(25));
     let c2 = claimed.clone();
     let srv = Server::start(Arc::new(move |req: &Req| {
@@ -1141,22 +1158,33 @@ enum Soda {
     EverNew,
 }
 
+/// Answers a request to SODA dataset `abcd-1234` (under any path prefix), so the SODA servers here speak it alike: the
+/// view metadata with `rows_updated_at`, `count(*)` as `count` (`None`: a 404), or the page `page(offset, limit)` picks.
+fn soda_answer(req: &Req, rows_updated_at: u64, count: Option<usize>, page: impl FnOnce(usize, usize) -> Vec<Value>) -> Reply {
+    let path = req.target.split('?').next().unwrap_or("");
+    if path.contains("/api/views/") {
+        return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": rows_updated_at}));
+    }
+    if path.ends_with("/resource/abcd-1234.json") {
+        return match count {
+            Some(n) => json_reply(&json!([{"count": n.to_string()}])),
+            None => reply(404, "application/json", r#"{"error": true}"#),
+        };
+    }
+    let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+    reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page(offset, limit)}).to_string())
+}
+
 fn soda_server(rows: Vec<Value>, mode: Arc<Mutex<Soda>>, updated: Arc<AtomicU64>) -> Server {
     Server::start(Arc::new(move |req: &Req| {
         let m = *mode.lock().expect("mode");
-        if req.target.starts_with("/api/views/abcd-1234.json") {
-            return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": updated.load(Ordering::SeqCst)}));
-        }
-        if req.target.starts_with("/resource/abcd-1234.json") {
-            return match m {
-                Soda::Honest => json_reply(&json!([{"count": rows.len().to_string()}])),
-                Soda::SamePage | Soda::EverNew => json_reply(&json!([{"count": "1000000"}])),
-                Soda::SamePageNoCount => reply(404, "application/json", r#"{"error": true}"#),
-            };
-        }
-        let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
-        let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
-        let page: Vec<Value> = match m {
+        let count = match m {
+            Soda::Honest => Some(rows.len()),
+            Soda::SamePage | Soda::EverNew => Some(1_000_000),
+            Soda::SamePageNoCount => None,
+        };
+        soda_answer(req, updated.load(Ordering::SeqCst), count, |offset, limit| match m {
             Soda::Honest => rows.iter().skip(offset).take(limit).cloned().collect(),
             Soda::SamePage | Soda::SamePageNoCount => rows.iter().take(limit).cloned().collect(),
             Soda::EverNew => (offset..offset + limit)
@@ -1165,8 +1193,7 @@ fn soda_server(rows: Vec<Value>, mode: Arc<Mutex<Soda>>, updated: Arc<AtomicU64>
                     json!({"type": "Feature", "properties": {"APN": p.id, "ZONE_CODE": p.zone}, "geometry": {"type": "Polygon", "coordinates": [p.ring]}})
                 })
                 .collect(),
-        };
-        reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string())
+        })
     }))
 }
 
@@ -1176,7 +1203,7 @@ fn soda_server(rows: Vec<Value>, mode: Arc<Mutex<Soda>>, updated: Arc<AtomicU64>
 /// `count(*)` the same server (which used to be paged forever) stops the same way.
 #[test]
 fn socrata_stops_when_a_page_brings_nothing_new() {
-    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let rows = geojson_features(&grid(25));
     let mode = Arc::new(Mutex::new(Soda::Honest));
     let updated = Arc::new(AtomicU64::new(1_700_000_000));
     let srv = soda_server(rows, mode.clone(), updated.clone());
@@ -1227,7 +1254,7 @@ fn socrata_stops_when_a_page_brings_nothing_new() {
 /// the scan runs again and gets every row instead of failing with "no progress".
 #[test]
 fn socrata_rescans_when_a_stalled_page_comes_with_a_moved_count() {
-    let all: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(35))).expect("json")["features"].as_array().expect("features").clone();
+    let all = geojson_features(&grid(35));
     let (front, rows) = (all[25..].to_vec(), all[..25].to_vec());
     let inserted = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ins = inserted.clone();
@@ -1264,7 +1291,7 @@ fn socrata_rescans_when_a_stalled_page_comes_with_a_moved_count() {
 /// names the cap and the key and nothing is committed. The same cap bounds an ArcGIS scan.
 #[test]
 fn socrata_and_arcgis_scans_stop_at_max_layer_bytes() {
-    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let rows = geojson_features(&grid(25));
     let mode = Arc::new(Mutex::new(Soda::EverNew));
     let updated = Arc::new(AtomicU64::new(1_700_000_000));
     let srv = soda_server(rows, mode.clone(), updated);
@@ -1623,7 +1650,7 @@ fn koop_serves_f_geojson_pages_completely() {
 
 #[test]
 fn sources_on_one_host_share_its_bucket_and_another_host_is_not_delayed() {
-    let features: Vec<Value> = serde_json::from_str::<Value>(&layer(&grid(25))).expect("json")["features"].as_array().expect("features").clone();
+    let features = geojson_features(&grid(25));
     let soda = move |arrivals: Arc<Mutex<Vec<Instant>>>| -> Handler {
         let features = features.clone();
         Arc::new(move |req: &Req| {
@@ -1795,7 +1822,7 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
     };
 
     // Socrata, rows without `:id`.
-    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&parcels)).expect("json")["features"].as_array().expect("features").clone();
+    let rows = geojson_features(&parcels);
     let soda = {
         let (mode, edit, rows) = (mode.clone(), edit.clone(), rows.clone());
         Server::start(Arc::new(move |req: &Req| {
@@ -1824,12 +1851,8 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
             let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
             let start = if m == Paging::SamePageNewUrl { 0 } else { page_start(m, offset, size) };
             let page: Vec<Value> = rows.iter().skip(start).take(size).cloned().collect();
-            let mut links = Vec::new();
             let last = offset + size >= rows.len() || (m == Paging::NextDroppedAfterTwo && offset >= 10);
-            if !last {
-                links.push(json!({"rel": "next", "type": "application/geo+json", "href": format!("/collections/parcels/items?f=json&limit={size}&offset={}", offset + size)}));
-            }
-            json_reply(&json!({"type": "FeatureCollection", "numberMatched": rows.len(), "numberReturned": page.len(), "features": page, "links": links}))
+            json_reply(&ogc_items_page(&page, rows.len(), Vec::new(), (!last).then(|| ogc_items_href("", size, offset + size))))
         }))
     };
 
@@ -1877,7 +1900,7 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
 #[test]
 fn ogcapi_rescans_when_number_matched_moves_during_the_scan() {
     let parcels = grid(40);
-    let rows: Vec<Value> = serde_json::from_str::<Value>(&layer(&parcels)).expect("json")["features"].as_array().expect("features").clone();
+    let rows = geojson_features(&parcels);
     // The collection, and whether to delete its sixth feature once a first page is served.
     let state = Arc::new(Mutex::new((rows, false)));
     let srv = {
@@ -1887,11 +1910,7 @@ fn ogcapi_rescans_when_number_matched_moves_during_the_scan() {
             let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
             let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
             let page: Vec<Value> = s.0.iter().skip(offset).take(size).cloned().collect();
-            let mut links = Vec::new();
-            if offset + size < s.0.len() {
-                links.push(json!({"rel": "next", "type": "application/geo+json", "href": format!("/collections/parcels/items?f=json&limit={size}&offset={}", offset + size)}));
-            }
-            let body = json!({"type": "FeatureCollection", "numberMatched": s.0.len(), "numberReturned": page.len(), "features": page, "links": links});
+            let body = ogc_items_page(&page, s.0.len(), Vec::new(), (offset + size < s.0.len()).then(|| ogc_items_href("", size, offset + size)));
             if offset == 0 && s.1 {
                 s.0.remove(5);
                 s.1 = false;
@@ -2193,11 +2212,6 @@ struct Portal {
     decoy: String,
 }
 
-/// The GeoJSON features of `parcels`.
-fn geojson_features(parcels: &[common::P]) -> Vec<Value> {
-    serde_json::from_str::<Value>(&layer(parcels)).expect("json")["features"].as_array().expect("features").clone()
-}
-
 /// The honest answer to `req` for the layer `p` holds.
 fn honest_answer(p: &Portal, arc: &Arc<Mutex<ArcLayer>>, arc_inner: &Handler, req: &Req) -> Reply {
     let path = req.target.split('?').next().unwrap_or("");
@@ -2208,28 +2222,17 @@ fn honest_answer(p: &Portal, arc: &Arc<Mutex<ArcLayer>>, arc_inner: &Handler, re
         }
         return arc_inner(req);
     }
-    if path.contains("/api/views/") {
-        return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": p.edit_ms / 1000}));
-    }
-    if path.ends_with("/resource/abcd-1234.json") {
-        return json_reply(&json!([{"count": p.parcels.len().to_string()}]));
-    }
     let rows = geojson_features(&p.parcels);
-    if path.contains("/resource/") {
-        let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
-        let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
-        let page: Vec<Value> = rows.iter().skip(offset).take(limit).cloned().collect();
-        return reply(200, "application/vnd.geo+json", json!({"type": "FeatureCollection", "features": page}).to_string());
+    if path.contains("/api/views/") || path.contains("/resource/") {
+        return soda_answer(req, p.edit_ms / 1000, Some(rows.len()), |offset, limit| rows.iter().skip(offset).take(limit).cloned().collect());
     }
     if path.contains("/collections/") {
         let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
         let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).clamp(1, 10);
         let page: Vec<Value> = rows.iter().skip(offset).take(size).cloned().collect();
-        let mut links = vec![json!({"rel": "self", "type": "application/geo+json", "href": req.target})];
-        if offset + size < rows.len() {
-            links.push(json!({"rel": "next", "type": "application/geo+json", "href": format!("/ogc/collections/parcels/items?f=json&limit={size}&offset={}", offset + size)}));
-        }
-        return json_reply(&json!({"type": "FeatureCollection", "numberMatched": rows.len(), "numberReturned": page.len(), "features": page, "links": links}));
+        let self_link = json!({"rel": "self", "type": "application/geo+json", "href": req.target});
+        let next_href = (offset + size < rows.len()).then(|| ogc_items_href("/ogc", size, offset + size));
+        return json_reply(&ogc_items_page(&page, rows.len(), vec![self_link], next_href));
     }
     // A GeoJSON URL, with an ETag of its content.
     let text = layer(&p.parcels);
@@ -2257,25 +2260,87 @@ fn some_feature<'a>(v: &'a mut Value, rng: &mut Lcg) -> Option<&'a mut Value> {
     features.get_mut(i)
 }
 
-/// Tells one lie in the JSON answer `v` to `req`, if it holds what the lie is about; says which.
-fn tell_lie(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg) -> Option<String> {
-    let which = rng.below(22);
-    tell_lie_number(v, req, decoy, rng, which)
+/// Declares the enum `Lie` and its list `Lie::ALL` from one list of variants, so no lie can be left out of the draw.
+macro_rules! lies {
+    ($($(#[$doc:meta])* $lie:ident,)*) => {
+        /// The lies a hostile portal tells in its JSON answers ([`tell_lie`] draws one, [`tell_this_lie`] tells it).
+        #[derive(Clone, Copy, Debug)]
+        enum Lie {
+            $($(#[$doc])* $lie,)*
+        }
+
+        impl Lie {
+            /// Every lie, in the order declared (the order [`tell_lie`] draws them in).
+            const ALL: &'static [Lie] = &[$(Lie::$lie,)*];
+        }
+    };
 }
 
-/// The lies that break an Esri page's rings, a GeoJSON page's coordinates, an OGC page's next
-/// link.
-const RINGS_LIE: usize = 0;
-const COORDINATES_LIE: usize = 17;
-const NEXT_LINK_LIE: usize = 10;
+lies! {
+    /// Esri rings of one or two points, or rings that are not rings, in a third of the page's features.
+    EsriRingsShort,
+    /// Geometry null, missing or not a geometry.
+    GeometryWrong,
+    /// `features` not an array.
+    FeaturesNotArray,
+    /// `exceededTransferLimit` flipped, dropped, or not a boolean.
+    TransferLimitLies,
+    /// A count that lies (ArcGIS `count`, SODA `[{"count": …}]`).
+    CountLies,
+    /// Object ids repeated, missing or odd.
+    ObjectIdWrong,
+    /// The parcel id null, a number, another feature's, missing, empty or very long.
+    ParcelIdWrong,
+    /// `numberMatched` that lies.
+    NumberMatchedLies,
+    /// A next link that loops, leads to another host, or is not a link.
+    NextLinkWrong,
+    /// `rowsUpdatedAt` odd.
+    RowsUpdatedAtOdd,
+    /// Layer metadata that lies.
+    LayerMetadataLies,
+    /// Another spatial reference than asked for.
+    ForeignSpatialReference,
+    /// An ArcGIS error body, with or without the features.
+    ErrorBody,
+    /// A feature that is not an object.
+    FeatureNotObject,
+    /// Attributes / properties that are not an object.
+    AttributesNotObject,
+    /// GeoJSON coordinates that are not a polygon's.
+    GeojsonGeometryBroken,
+    /// The page's features twice, or none.
+    FeaturesTwiceOrNone,
+    /// A feature served again (the same on a later page, or two identical in one page).
+    FeatureCopied,
+    /// Features dropped from the page.
+    FeaturesDropped,
+    /// The answer replaced by another JSON value altogether.
+    AnswerReplaced,
+}
 
-/// Tells lie number `which` (`0..22`, see [`tell_lie`]).
-fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: usize) -> Option<String> {
+impl Lie {
+    /// How many of [`tell_lie`]'s draws tell this lie: short Esri rings three (rings are most of a page), any other one.
+    fn draws(self) -> usize {
+        match self {
+            Lie::EsriRingsShort => 3,
+            _ => 1,
+        }
+    }
+}
+
+/// Tells one lie in the JSON answer `v` to `req`, if it holds what the lie is about; says which.
+fn tell_lie(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg) -> Option<String> {
+    let draws: Vec<Lie> = Lie::ALL.iter().flat_map(|&lie| std::iter::repeat_n(lie, lie.draws())).collect();
+    let lie = draws[rng.below(draws.len())];
+    tell_this_lie(v, req, decoy, rng, lie)
+}
+
+/// Tells the lie `lie` (see [`tell_lie`]).
+fn tell_this_lie(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, lie: Lie) -> Option<String> {
     let odd_numbers = [json!(-1), json!(0), json!("12"), json!(1e300), json!(2.5), Value::Null, json!({"n": 1}), json!(u64::MAX)];
-    match which {
-        // Esri rings of one or two points, or rings that are not rings, in a third of the
-        // page's features (drawn more often than the other lies: rings are most of a page).
-        0..=2 => {
+    match lie {
+        Lie::EsriRingsShort => {
             let features = v.get_mut("features")?.as_array_mut()?;
             let mut short = 0;
             for f in features.iter_mut() {
@@ -2294,8 +2359,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             }
             (short > 0).then(|| format!("esri rings short or not rings in {short} features"))
         }
-        // Geometry null, missing or not a geometry.
-        3 => {
+        Lie::GeometryWrong => {
             let f = some_feature(v, rng)?.as_object_mut()?;
             match rng.below(3) {
                 0 => f.insert("geometry".into(), Value::Null),
@@ -2304,14 +2368,12 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             };
             Some("geometry null, missing or wrong".into())
         }
-        // `features` not an array.
-        4 => {
+        Lie::FeaturesNotArray => {
             let f = v.get_mut("features")?;
             *f = rng.one_of(&[json!({}), json!(7), json!("features"), Value::Null, json!([[]]), json!([1, "a", null])]);
             Some("features not an array of features".into())
         }
-        // `exceededTransferLimit` flipped, dropped, or not a boolean.
-        5 => {
+        Lie::TransferLimitLies => {
             let o = v.as_object_mut().filter(|o| o.contains_key("features"))?;
             let now = o.get("exceededTransferLimit").and_then(Value::as_bool).unwrap_or(false);
             match rng.below(3) {
@@ -2321,8 +2383,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             };
             Some(format!("exceededTransferLimit lies (was {now})"))
         }
-        // A count that lies (ArcGIS `count`, SODA `[{"count": …}]`).
-        6 => {
+        Lie::CountLies => {
             let c = match v {
                 Value::Array(a) => a.get_mut(0)?.get_mut("count")?,
                 _ => v.get_mut("count")?,
@@ -2331,8 +2392,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             *c = if rng.below(2) == 0 { json!(n.saturating_add(1 + rng.below(30) as u64).saturating_sub(rng.below(31) as u64)) } else { rng.one_of(&odd_numbers) };
             Some(format!("count lies (was {n}): {c}"))
         }
-        // Object ids repeated, missing or odd.
-        7 => {
+        Lie::ObjectIdWrong => {
             let features = v.get_mut("features")?.as_array_mut()?;
             if features.len() < 2 {
                 return None;
@@ -2355,8 +2415,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             *oid(&mut features[i])? = new;
             Some(format!("object id of feature {i} replaced (feature {j}'s, null or odd)"))
         }
-        // The parcel id null, a number, another feature's, missing, empty or very long.
-        8 => {
+        Lie::ParcelIdWrong => {
             let features = v.get_mut("features")?.as_array_mut()?;
             if features.is_empty() {
                 return None;
@@ -2375,15 +2434,13 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             };
             Some(format!("APN of feature {i} replaced"))
         }
-        // `numberMatched` that lies.
-        9 => {
+        Lie::NumberMatchedLies => {
             let m = v.get_mut("numberMatched")?;
             let n = m.as_u64().unwrap_or(0);
             *m = if rng.below(2) == 0 { json!(n + 1 + rng.below(5) as u64) } else { rng.one_of(&odd_numbers) };
             Some(format!("numberMatched lies (was {n})"))
         }
-        // A next link that loops, leads to another host, or is not a link.
-        10 => {
+        Lie::NextLinkWrong => {
             let o = v.as_object_mut().filter(|o| o.contains_key("numberMatched") || o.contains_key("links"))?;
             let href = match rng.below(8) {
                 0 | 1 => json!(req.target.clone()),
@@ -2397,14 +2454,12 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             o.insert("links".into(), links);
             Some(format!("next link {href}"))
         }
-        // `rowsUpdatedAt` odd.
-        11 => {
+        Lie::RowsUpdatedAtOdd => {
             let r = v.get_mut("rowsUpdatedAt")?;
             *r = rng.one_of(&[json!("soon"), json!(-5), json!(1e30), json!(1.5), Value::Null, json!(u64::MAX)]);
             Some(format!("rowsUpdatedAt {r}"))
         }
-        // Layer metadata that lies.
-        12 => {
+        Lie::LayerMetadataLies => {
             let o = v.as_object_mut().filter(|o| o.contains_key("fields"))?;
             match rng.below(6) {
                 0 => {
@@ -2429,8 +2484,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             }
             Some("layer metadata lies".into())
         }
-        // Another spatial reference than asked for.
-        13 => {
+        Lie::ForeignSpatialReference => {
             let o = v.as_object_mut().filter(|o| o.contains_key("features"))?;
             if rng.below(2) == 0 {
                 o.insert("spatialReference".into(), json!({"wkid": rng.one_of(&[json!(3857), json!(102100), json!("4326"), json!(-1)])}));
@@ -2439,8 +2493,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             }
             Some("foreign spatial reference".into())
         }
-        // An ArcGIS error body, with or without the features.
-        14 => {
+        Lie::ErrorBody => {
             let o = v.as_object_mut()?;
             if rng.below(2) == 0 {
                 o.remove("features");
@@ -2449,21 +2502,18 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             o.insert("error".into(), json!({"code": code, "message": "injected", "details": rng.one_of(&[json!([]), json!(["a", 1]), json!("x")])}));
             Some(format!("error {code}"))
         }
-        // A feature that is not an object.
-        15 => {
+        Lie::FeatureNotObject => {
             let f = some_feature(v, rng)?;
             *f = rng.one_of(&[json!(5), json!("feature"), Value::Null, json!([]), json!([{"type": "Feature"}])]);
             Some("a feature that is not an object".into())
         }
-        // Attributes / properties that are not an object.
-        16 => {
+        Lie::AttributesNotObject => {
             let f = some_feature(v, rng)?.as_object_mut()?;
             let member = if f.contains_key("attributes") { "attributes" } else { "properties" };
             f.insert(member.into(), rng.one_of(&[Value::Null, json!([]), json!("x"), json!(1)]));
             Some(format!("{member} not an object"))
         }
-        // GeoJSON coordinates that are not a polygon's.
-        17 => {
+        Lie::GeojsonGeometryBroken => {
             let g = some_feature(v, rng)?.get_mut("geometry")?.as_object_mut()?;
             g.get("coordinates")?;
             match rng.below(5) {
@@ -2475,8 +2525,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             };
             Some("geojson geometry broken".into())
         }
-        // The page's features twice, or none.
-        18 => {
+        Lie::FeaturesTwiceOrNone => {
             let features = v.get_mut("features")?.as_array_mut()?;
             if rng.below(2) == 0 {
                 let copy = features.clone();
@@ -2487,16 +2536,14 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
                 Some("features emptied".into())
             }
         }
-        // A feature served again (the same on a later page, or two identical in one page).
-        19 => {
+        Lie::FeatureCopied => {
             let features = v.get_mut("features")?.as_array_mut()?;
             let f = features.get(rng.below(features.len().max(1)))?.clone();
             let at = rng.below(features.len() + 1);
             features.insert(at, f);
             Some("a feature copied".into())
         }
-        // Features dropped from the page.
-        20 => {
+        Lie::FeaturesDropped => {
             let features = v.get_mut("features")?.as_array_mut()?;
             if features.is_empty() {
                 return None;
@@ -2506,8 +2553,7 @@ fn tell_lie_number(v: &mut Value, req: &Req, decoy: &str, rng: &mut Lcg, which: 
             features.drain(at..end);
             Some(format!("features {at}..{end} dropped"))
         }
-        // The answer replaced by another JSON value altogether.
-        _ => {
+        Lie::AnswerReplaced => {
             *v = rng.one_of(&[json!([]), json!({}), json!(null), json!("ok"), json!(0), json!([{"count": "x"}]), json!({"type": "FeatureCollection"})]);
             Some(format!("answer replaced by {v}"))
         }
@@ -2530,11 +2576,11 @@ fn hostile(honest: Reply, harm: Harm, req: &Req, decoy: &str, rng: &mut Lcg) -> 
             let mut said = Vec::new();
             if rng.below(3) != 0 {
                 let esri = v.get("features").and_then(|f| f.get(0)).is_some_and(|f| f.get("attributes").is_some());
-                said.extend(tell_lie_number(&mut v, req, decoy, rng, if esri { RINGS_LIE } else { COORDINATES_LIE }));
+                said.extend(tell_this_lie(&mut v, req, decoy, rng, if esri { Lie::EsriRingsShort } else { Lie::GeojsonGeometryBroken }));
             }
             // And an OGC page's next link in one of two.
             if v.get("links").is_some() && rng.below(2) == 0 {
-                said.extend(tell_lie_number(&mut v, req, decoy, rng, NEXT_LINK_LIE));
+                said.extend(tell_this_lie(&mut v, req, decoy, rng, Lie::NextLinkWrong));
             }
             for _ in 0..1 + rng.below(2) {
                 if let Some(lie) = (0..30).find_map(|_| tell_lie(&mut v, req, decoy, rng)) {
