@@ -42,3 +42,33 @@ fn hostile_layer_is_fully_accounted_for() {
     assert_eq!(without_id, want_without);
     assert!(q.iter().all(|x| !x.raw.is_empty() && !x.detail.is_empty()), "every quarantine row keeps the feature and a reason");
 }
+
+/// A feature whose validity no checker of its kind can decide in bounded time (a ring of
+/// 10,000 spikes around one point: every spike's box holds the middle) is quarantined as
+/// `unrepairable` with a detail saying why, within the work budget; the layer's other
+/// features ingest, and every feature is accounted for.
+#[test]
+fn a_feature_too_complex_to_check_is_quarantined_and_the_rest_ingest() {
+    let mut parcels = grid(20);
+    let (cx, cy, n) = (-71.05, 42.40, 10_000);
+    let mut ring: Vec<[f64; 2]> = (0..2 * n)
+        .map(|k| {
+            let a = k as f64 / (2 * n) as f64 * std::f64::consts::TAU;
+            let r = if k % 2 == 0 { 0.01 } else { 0.00001 };
+            [cx + r * a.cos(), cy + r * a.sin()]
+        })
+        .collect();
+    ring.push(ring[0]);
+    parcels.push(P { id: "SPIKY".into(), zone: "R-1".into(), ring });
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&parcels));
+    let engine = ws.engine();
+    let r = run(&engine, false);
+    let c = &r.record.counts;
+    assert_eq!((c.features, c.parcels, c.quarantined), (21, 20, 1), "{}", r.line());
+    let q = engine.store.quarantine().expect("quarantine");
+    assert_eq!(q.len(), 1);
+    assert_eq!((q[0].parcel_id.as_deref(), q[0].reason.as_str()), (Some("SPIKY"), "unrepairable"));
+    assert!(q[0].detail.contains("too complex to check"), "{}", q[0].detail);
+    assert!(!engine.store.snapshot_states("s1").expect("snapshot").contains_key("SPIKY"));
+}

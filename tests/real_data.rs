@@ -559,3 +559,47 @@ fn check_republication(engine: &Engine, src: &Path, layer_path: &Path, strict: b
     }
     rows
 }
+
+/// Every feature of every real layer in the data directory is decided well within the
+/// validity check's work budget (`zonewatch::ingest::valid::WORK_BUDGET`), which refuses as too
+/// complex what would take a scan worker more than about a second: the budget must never
+/// quarantine a real municipal feature.
+#[test]
+fn real_layers_stay_far_below_the_validity_budget() {
+    use zonewatch::ingest::valid::{check_within, Validity, WORK_BUDGET};
+    let dir = data_dir();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "geojson")).collect())
+        .unwrap_or_default();
+    files.sort();
+    if files.is_empty() {
+        eprintln!();
+        eprintln!("==================================================================================");
+        eprintln!("SKIPPED real_layers_stay_far_below_the_validity_budget: no .geojson in {}", dir.display());
+        eprintln!("==================================================================================");
+        return;
+    }
+    let mut worst: (u64, String) = (0, String::new());
+    let mut checked = 0usize;
+    for path in &files {
+        let text = std::fs::read_to_string(path).expect("read layer");
+        let doc: Value = serde_json::from_str(&text).expect("layer is JSON");
+        for (i, f) in doc["features"].as_array().expect("features").iter().enumerate() {
+            let Ok(g) = serde_json::from_value::<geojson::Geometry>(f["geometry"].clone()) else { continue };
+            let mp = match geo::Geometry::<f64>::try_from(g) {
+                Ok(geo::Geometry::Polygon(p)) => geo::MultiPolygon(vec![p]),
+                Ok(geo::Geometry::MultiPolygon(mp)) => mp,
+                _ => continue,
+            };
+            let (verdict, spent) = check_within(&mp, u64::MAX);
+            assert_ne!(verdict, Validity::TooComplex);
+            checked += 1;
+            if spent > worst.0 {
+                worst = (spent, format!("{} feature {i}", path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()));
+            }
+        }
+    }
+    eprintln!("validity work: {checked} real features in {} layers, the most costly {} units ({}), budget {WORK_BUDGET}", files.len(), worst.0, worst.1);
+    assert!(checked > 10_000, "only {checked} features read");
+    assert!(worst.0 < WORK_BUDGET / 10, "{} needs {} of the budget's {WORK_BUDGET} units", worst.1, worst.0);
+}

@@ -8,6 +8,7 @@
 
 use crate::config::FieldMap;
 use crate::detect::canonical;
+use super::valid::Validity;
 use crate::model::{Envelope, Parcel, ParcelState, QuarantineReason, StoredGeometry};
 use geo::{
     BoundingRect, Coord, GeodesicArea, LineString, MakeValid, MultiPolygon, Polygon,
@@ -563,10 +564,20 @@ pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(
     // starts and which way it runs, and the same shape must always repair the same way.
     let tidy = crate::detect::canonical::canonical_order(tidy);
     let result = std::panic::catch_unwind(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
-        if super::valid::is_valid(&tidy) {
-            return Ok((orient_default(tidy), false));
+        match super::valid::check(&tidy) {
+            Validity::Valid => Ok((orient_default(tidy), false)),
+            Validity::Invalid => Ok((repair(&tidy)?, true)),
+            // Neither checked nor repaired: a repair would cost as much again, and its result
+            // could not be checked either.
+            Validity::TooComplex => Err((
+                QuarantineReason::Unrepairable,
+                format!(
+                    "too complex to check in bounded time: {} parts with {} vertices, laid out so that checking their validity would take more than about a second of CPU",
+                    tidy.0.len(),
+                    tidy.0.iter().flat_map(|p| std::iter::once(p.exterior()).chain(p.interiors())).map(|r| r.0.len()).sum::<usize>()
+                ),
+            )),
         }
-        Ok((repair(&tidy)?, true))
     });
     match result {
         Ok(r) => r,

@@ -9,6 +9,10 @@
 //! ring). A hole's containment in its exterior uses geo's own `Relate`, as geo does; the rule
 //! that no two parts (or holes) overlap relates only the pairs whose boundaries meet, and
 //! decides the others with a point-in-polygon test ([`any_pair_overlaps`]).
+//!
+//! Some shapes stay quadratic for any checker of this kind, so every step spends from a work
+//! budget ([`WORK_BUDGET`]) and a geometry past it is [`Validity::TooComplex`]: quarantined by
+//! the feed, refused as an AOI, never allowed to hold a scan worker for minutes.
 
 use geo::coordinate_position::CoordPos;
 use geo::dimensions::Dimensions;
@@ -19,9 +23,79 @@ use rstar::{RTree, RTreeObject, AABB};
 /// Rings with fewer segments than this are checked pair by pair: cheaper than a tree.
 const BRUTE_FORCE_SEGMENTS: usize = 64;
 
-/// Whether `mp` is a valid multipolygon by the rules geo's `Validation` applies.
+/// How much checking one geometry may cost, in units of about one segment-pair or
+/// point-segment test (10-30 ns each on the 2-core machine this is built on, so about a
+/// second of one core at the limit). Real municipal layers need far less
+/// (`real_layers_stay_far_below_the_validity_budget` in `tests/real_data.rs`), but some shapes
+/// are quadratic for any checker of this kind: thousands of parts nested in one another's
+/// holes or touching at one point, a ring of thousands of spikes around one point (40,000
+/// spikes took 21 s to check before this budget). A feed's feature or an AOI past the budget
+/// is refused as [`Validity::TooComplex`], so it cannot hold a scan worker (or the control
+/// port) for minutes.
+pub const WORK_BUDGET: u64 = 50_000_000;
+
+/// The answer of [`check`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Validity {
+    Valid,
+    Invalid,
+    /// Not decided within [`WORK_BUDGET`]: to be quarantined (or refused), never repaired.
+    TooComplex,
+}
+
+/// Work spent so far against a budget; `Err` once it runs out.
+struct Work {
+    left: u64,
+}
+
+/// The budget ran out (see [`WORK_BUDGET`]).
+struct OverBudget;
+
+impl Work {
+    fn spend(&mut self, units: u64) -> Result<(), OverBudget> {
+        self.left = self.left.checked_sub(units).ok_or(OverBudget)?;
+        Ok(())
+    }
+}
+
+/// At most this many pairs of parts (or holes) whose bounding boxes meet are held for one
+/// geometry (20 MB); more is [`Validity::TooComplex`]. Real layers have a few hundred at most
+/// (a Cambridge parcel's holes: 784), and 2,000 parts nested in one another's holes (2M
+/// pairs) are still checked.
+const MAX_BOX_PAIRS: usize = 2_500_000;
+
+/// A `Relate` costs this many units per segment of the two geometries (it builds a graph of
+/// both, with their intersections, before it answers).
+const RELATE_UNITS_PER_SEGMENT: u64 = 20;
+
+/// Whether `mp` is a valid multipolygon by the rules geo's `Validation` applies, within
+/// [`WORK_BUDGET`].
+pub fn check(mp: &MultiPolygon<f64>) -> Validity {
+    check_within(mp, WORK_BUDGET).0
+}
+
+/// [`check`] with a budget of `budget` units; also returns the units spent.
+pub fn check_within(mp: &MultiPolygon<f64>, budget: u64) -> (Validity, u64) {
+    let mut work = Work { left: budget };
+    let verdict = (|| -> Result<bool, OverBudget> {
+        for p in &mp.0 {
+            if !polygon_is_valid(p, &mut work)? {
+                return Ok(false);
+            }
+        }
+        Ok(!any_pair_overlaps(&mp.0, &mut work)?)
+    })();
+    let spent = budget - work.left;
+    match verdict {
+        Ok(true) => (Validity::Valid, spent),
+        Ok(false) => (Validity::Invalid, spent),
+        Err(OverBudget) => (Validity::TooComplex, spent),
+    }
+}
+
+/// Whether `mp` is valid ([`check`]); a geometry too complex to decide is not.
 pub fn is_valid(mp: &MultiPolygon<f64>) -> bool {
-    mp.0.iter().all(polygon_is_valid) && !any_pair_overlaps(&mp.0)
+    check(mp) == Validity::Valid
 }
 
 /// geo's rule for the parts of a multipolygon and for the holes of a polygon: no two overlap
@@ -43,31 +117,41 @@ pub fn is_valid(mp: &MultiPolygon<f64>) -> bool {
 ///
 /// Same answers as relating every pair (tests: `agrees_with_geo_on_generated_shapes`,
 /// `nested_and_touching_parts`). Still quadratic in the worst case (every box meeting every
-/// other), with a cost per pair of a point-in-polygon test instead of a `Relate`.
-fn any_pair_overlaps(polys: &[Polygon<f64>]) -> bool {
+/// other), with a cost per pair of a point-in-polygon test instead of a `Relate`: each pair,
+/// segment pair and test is paid from `work`, and at most [`MAX_BOX_PAIRS`] pairs are held.
+fn any_pair_overlaps(polys: &[Polygon<f64>], work: &mut Work) -> Result<bool, OverBudget> {
     use geo::coordinate_position::CoordinatePosition;
     use std::collections::HashSet;
     if polys.len() < 2 {
-        return false;
+        return Ok(false);
     }
+    let segments_of = |p: &Polygon<f64>| std::iter::once(p.exterior()).chain(p.interiors()).map(|r| r.0.len() as u64).sum::<u64>();
+    work.spend(polys.len() as u64)?;
     let boxes: Vec<GeomWithData<Rectangle<[f64; 2]>, usize>> = polys
         .iter()
         .enumerate()
         .filter_map(|(i, p)| p.bounding_rect().map(|r| GeomWithData::new(Rectangle::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]), i)))
         .collect();
     let box_tree = RTree::bulk_load(boxes);
-    // Pairs (lower index first) whose boxes meet.
-    let mut candidates: Vec<(usize, usize)> = Vec::new();
+    // Pairs (lower index first) whose boxes meet, at most MAX_BOX_PAIRS of them (memory).
+    let mut candidates: Vec<(u32, u32)> = Vec::new();
     for b in box_tree.iter() {
         let i = b.data;
-        candidates.extend(box_tree.locate_in_envelope_intersecting(b.geom().envelope()).map(|c| c.data).filter(|&j| j > i).map(|j| (i, j)));
+        for j in box_tree.locate_in_envelope_intersecting(b.geom().envelope()).map(|c| c.data).filter(|&j| j > i) {
+            work.spend(1)?;
+            if candidates.len() >= MAX_BOX_PAIRS {
+                return Err(OverBudget);
+            }
+            candidates.push((u32::try_from(i).map_err(|_| OverBudget)?, u32::try_from(j).map_err(|_| OverBudget)?));
+        }
     }
     if candidates.is_empty() {
-        return false;
+        return Ok(false);
     }
-    let concerned: HashSet<usize> = candidates.iter().flat_map(|&(i, j)| [i, j]).collect();
+    let concerned: HashSet<usize> = candidates.iter().flat_map(|&(i, j)| [i as usize, j as usize]).collect();
     /// A segment's box, with its part and the segment.
     type PartSegment = GeomWithData<Rectangle<[f64; 2]>, (usize, Line<f64>)>;
+    work.spend(concerned.iter().map(|&i| segments_of(&polys[i])).sum())?;
     let segments: Vec<PartSegment> = concerned
         .iter()
         .flat_map(|&i| std::iter::once(polys[i].exterior()).chain(polys[i].interiors()).flat_map(move |r| r.lines().map(move |l| (i, l))))
@@ -79,6 +163,7 @@ fn any_pair_overlaps(polys: &[Polygon<f64>]) -> bool {
     for s in segment_tree.iter() {
         let (i, a) = s.data;
         for c in segment_tree.locate_in_envelope_intersecting(s.geom().envelope()) {
+            work.spend(1)?;
             let (j, b) = c.data;
             if j > i && !meeting.contains(&(i, j)) && a.intersects(&b) {
                 meeting.insert((i, j));
@@ -90,21 +175,27 @@ fn any_pair_overlaps(polys: &[Polygon<f64>]) -> bool {
         im.get(CoordPos::Inside, CoordPos::Inside) == Dimensions::TwoDimensional
             || im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) == Dimensions::OneDimensional
     };
-    if meeting.iter().any(|&(i, j)| related(&polys[i], &polys[j])) {
-        return true;
+    for &(i, j) in &meeting {
+        work.spend(RELATE_UNITS_PER_SEGMENT.saturating_mul(segments_of(&polys[i]) + segments_of(&polys[j])))?;
+        if related(&polys[i], &polys[j]) {
+            return Ok(true);
+        }
     }
     let inside = |point: Option<&geo::Coord<f64>>, p: &Polygon<f64>| point.is_some_and(|c| p.coordinate_position(c) == CoordPos::Inside);
-    candidates
-        .iter()
-        .filter(|pair| !meeting.contains(pair))
-        .any(|&(i, j)| inside(polys[i].exterior().0.first(), &polys[j]) || inside(polys[j].exterior().0.first(), &polys[i]))
+    for (i, j) in candidates.iter().map(|&(i, j)| (i as usize, j as usize)).filter(|pair| !meeting.contains(pair)) {
+        work.spend(segments_of(&polys[i]) + segments_of(&polys[j]))?;
+        if inside(polys[i].exterior().0.first(), &polys[j]) || inside(polys[j].exterior().0.first(), &polys[i]) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// One polygon: every ring has enough points, no self-intersection and finite coordinates;
 /// holes lie inside the exterior and do not share a line with it or overlap one another.
-fn polygon_is_valid(polygon: &Polygon<f64>) -> bool {
+fn polygon_is_valid(polygon: &Polygon<f64>, work: &mut Work) -> Result<bool, OverBudget> {
     if polygon.is_empty() {
-        return true;
+        return Ok(true);
     }
     for ring in std::iter::once(polygon.exterior()).chain(polygon.interiors()) {
         if ring.0.is_empty() {
@@ -112,42 +203,54 @@ fn polygon_is_valid(polygon: &Polygon<f64>) -> bool {
         }
         if ring.remove_repeated_points().0.len() < 4
             || ring.0.iter().any(|c| !(c.x.is_finite() && c.y.is_finite()))
-            || ring_self_intersects(ring)
+            || ring_self_intersects(ring, work)?
         {
-            return false;
+            return Ok(false);
         }
     }
     if polygon.interiors().iter().all(|r| r.0.is_empty()) {
-        return true;
+        return Ok(true);
     }
+    work.spend(RELATE_UNITS_PER_SEGMENT.saturating_mul(polygon.exterior().0.len() as u64))?;
     let exterior = Polygon::new(polygon.exterior().clone(), vec![]);
     let prepared_exterior = PreparedGeometry::from(&exterior);
     let holes: Vec<Polygon<f64>> = polygon.interiors().iter().filter(|r| !r.0.is_empty()).map(|r| Polygon::new(r.clone(), vec![])).collect();
-    let contained = holes.iter().all(|hole| {
+    for hole in &holes {
+        work.spend(RELATE_UNITS_PER_SEGMENT.saturating_mul(hole.exterior().0.len() as u64))?;
         let im = prepared_exterior.relate(hole);
-        im.is_contains() && im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) != Dimensions::OneDimensional
-    });
-    contained && !any_pair_overlaps(&holes)
+        if !im.is_contains() || im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) == Dimensions::OneDimensional {
+            return Ok(false);
+        }
+    }
+    Ok(!any_pair_overlaps(&holes, work)?)
 }
 
 /// geo's rule: two distinct segments of the ring intersect, and not merely where one ends and
 /// the other begins. (The rule is symmetric, so each unordered pair is tested once.)
-fn ring_self_intersects(ring: &LineString<f64>) -> bool {
+fn ring_self_intersects(ring: &LineString<f64>, work: &mut Work) -> Result<bool, OverBudget> {
     let lines: Vec<Line<f64>> = ring.lines().collect();
     let offends = |a: &Line<f64>, b: &Line<f64>| a.intersects(b) && a.start != b.end && a.end != b.start;
     if lines.len() < BRUTE_FORCE_SEGMENTS {
-        return lines.iter().enumerate().any(|(i, a)| lines[i + 1..].iter().any(|b| offends(a, b)));
+        work.spend((lines.len() * lines.len() / 2) as u64)?;
+        return Ok(lines.iter().enumerate().any(|(i, a)| lines[i + 1..].iter().any(|b| offends(a, b))));
     }
+    work.spend(lines.len() as u64)?;
     let boxes: Vec<GeomWithData<Rectangle<[f64; 2]>, usize>> = lines
         .iter()
         .enumerate()
         .map(|(i, l)| GeomWithData::new(Rectangle::from_corners([l.start.x, l.start.y], [l.end.x, l.end.y]), i))
         .collect();
     let tree = RTree::bulk_load(boxes);
-    lines.iter().enumerate().any(|(i, a)| {
+    for (i, a) in lines.iter().enumerate() {
         let env = AABB::from_corners([a.start.x.min(a.end.x), a.start.y.min(a.end.y)], [a.start.x.max(a.end.x), a.start.y.max(a.end.y)]);
-        tree.locate_in_envelope_intersecting(env).any(|c| c.data > i && offends(a, &lines[c.data]))
-    })
+        for c in tree.locate_in_envelope_intersecting(env) {
+            work.spend(1)?;
+            if c.data > i && offends(a, &lines[c.data]) {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]
@@ -227,6 +330,52 @@ mod tests {
     /// A square ring of half-side `r` around (x, 0).
     fn square_ring(x: f64, r: f64) -> LineString<f64> {
         LineString::from(vec![(x - r, -r), (x + r, -r), (x + r, r), (x - r, r), (x - r, -r)])
+    }
+
+    #[test]
+    fn shapes_quadratic_for_any_checker_are_too_complex_not_slow() {
+        let annulus = |r: f64| Polygon::new(square_ring(0.0, r), vec![square_ring(0.0, r - 0.5)]);
+        // More parts nested in one another's holes than MAX_BOX_PAIRS lets through.
+        let nested = MultiPolygon((1..=3_000).map(|k| annulus(k as f64)).collect());
+        assert_eq!(check(&nested), Validity::TooComplex);
+        // A fan of triangles that all touch at one point (valid: touching at points is
+        // allowed), so every pair's boundaries meet and each pair would be related.
+        let fan = |n: usize| {
+            MultiPolygon(
+                (0..n)
+                    .map(|k| {
+                        let (a, b) = (k as f64 / n as f64 * std::f64::consts::TAU, (k as f64 + 0.5) / n as f64 * std::f64::consts::TAU);
+                        Polygon::new(LineString::from(vec![(0.0, 0.0), (a.cos(), a.sin()), (b.cos(), b.sin()), (0.0, 0.0)]), vec![])
+                    })
+                    .collect(),
+            )
+        };
+        assert_eq!(check(&fan(8)), Validity::Valid);
+        assert!(fan(8).is_valid());
+        assert_eq!(check(&fan(1_000)), Validity::TooComplex);
+        // One ring of thousands of spikes around a small circle: every spike's box holds the
+        // middle, so the segment pairs to test grow with the square of the spikes.
+        let star = |n: usize| {
+            let mut pts: Vec<(f64, f64)> = (0..2 * n)
+                .map(|k| {
+                    let a = k as f64 / (2 * n) as f64 * std::f64::consts::TAU;
+                    let r = if k % 2 == 0 { 1.0 } else { 1e-3 };
+                    (r * a.cos(), r * a.sin())
+                })
+                .collect();
+            pts.push(pts[0]);
+            MultiPolygon(vec![Polygon::new(LineString::from(pts), vec![])])
+        };
+        assert_eq!(check(&star(100)), Validity::Valid);
+        let spiky = star(10_000);
+        assert_eq!(check(&spiky), Validity::TooComplex);
+        // is_valid counts what it could not decide as not valid.
+        assert!(!is_valid(&spiky));
+        // The budget is what decides: the same shape with room enough is decided.
+        let (verdict, spent) = check_within(&fan(300), u64::MAX);
+        assert_eq!(verdict, Validity::Valid);
+        assert_eq!(check_within(&fan(300), spent - 1).0, Validity::TooComplex);
+        assert_eq!(check_within(&fan(300), spent), (Validity::Valid, spent));
     }
 
     #[test]
