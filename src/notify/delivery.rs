@@ -206,9 +206,10 @@ impl Deliverer {
     /// other pass can take an entry that is still in flight.
     pub async fn deliver_due(&self) -> Result<PassStats, DeliveryError> {
         let limit = self.cfg.concurrency * 4;
-        let lease_ms = self.lease_ms_for(limit);
-        let store = self.store.clone();
         let retry_floor = (limit / 4).max(1);
+        // A pass leases up to `limit` rows plus at least `retry_floor` retries.
+        let lease_ms = self.lease_ms_for(limit + retry_floor);
+        let store = self.store.clone();
         let now = self.clock.now_ms();
         let subs = self.subscribers.clone();
         let leased = tokio::task::spawn_blocking(move || {
@@ -269,16 +270,21 @@ impl Deliverer {
     /// How long a lease must last when up to `outstanding` leased entries may be ahead of an
     /// entry's outcome commit: every slot timing out in turn, globally and per endpoint, plus
     /// a rate-limited endpoint's whole share.
+    ///
+    /// The bound holds for any `outstanding` a caller passes, so callers pass the most a pass
+    /// can lease (its fresh limit plus its retry floor). Saturating throughout: a huge
+    /// `timeout_ms` or a tiny `endpoint_rate` gives a long lease, never a wrapped short one.
     fn lease_ms_for(&self, outstanding: usize) -> u64 {
-        let rounds = outstanding.div_ceil(self.cfg.concurrency.max(1)) as u32 + 1;
-        let mut lease_ms = self.cfg.timeout.saturating_mul(rounds).as_millis() as u64 + 5_000;
-        if self.cfg.endpoint_rate > 0.0 {
-            // A rate-limited endpoint may take outstanding/rate seconds for the whole batch.
-            lease_ms += (outstanding as f64 / self.cfg.endpoint_rate * 1000.0) as u64;
-        }
-        // Per-endpoint slots serialise an endpoint's share of the batch.
-        let ep_rounds = outstanding.div_ceil(self.cfg.endpoint_concurrency.max(1)) as u32 + 1;
-        lease_ms.max(self.cfg.timeout.saturating_mul(ep_rounds).as_millis() as u64 + 5_000)
+        let rounds_of = |slots: usize| u32::try_from(outstanding.div_ceil(slots.max(1))).unwrap_or(u32::MAX).saturating_add(1);
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        // Every global slot, or every slot of the one endpoint that has the whole batch,
+        // timing out in turn.
+        let slots_ms = ms(self.cfg.timeout.saturating_mul(rounds_of(self.cfg.concurrency)))
+            .max(ms(self.cfg.timeout.saturating_mul(rounds_of(self.cfg.endpoint_concurrency))));
+        // A rate-limited endpoint waits for its tokens while it holds its slots: the whole
+        // batch at its rate comes on top (a float cast saturates).
+        let rate_ms = if self.cfg.endpoint_rate > 0.0 { (outstanding as f64 / self.cfg.endpoint_rate * 1000.0) as u64 } else { 0 };
+        slots_ms.saturating_add(rate_ms).saturating_add(5_000)
     }
 
     /// Pipelined delivery until nothing is due: leasing, sending and recording overlap.
@@ -310,8 +316,10 @@ impl Deliverer {
     pub async fn pump_until(&self, stop: Option<&tokio::sync::watch::Receiver<bool>>, due_by: Option<u64>) -> Result<PassStats, DeliveryError> {
         let lease_batch = PIPE_LEASE_BATCH.max(self.cfg.concurrency * 4);
         let max_outstanding = PIPE_MAX_OUTSTANDING.max(lease_batch * 2);
-        let lease_ms = self.lease_ms_for(max_outstanding);
         let retry_floor = (lease_batch / 4).max(1);
+        // A lease pass may add its retry floor on top of what it was asked for, so up to
+        // `max_outstanding + retry_floor` rows can be ahead of the last one leased.
+        let lease_ms = self.lease_ms_for(max_outstanding + retry_floor);
         let outstanding = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let committed = Arc::new(tokio::sync::Notify::new());
         let probing: Arc<Mutex<HashSet<String>>> = Default::default();
@@ -514,10 +522,14 @@ impl Deliverer {
                 // run's alerts until the next run) or a retry falling due later, perhaps of
                 // an endpoint that is not held. A disabled endpoint's rows wait for an
                 // operator.
+                // Only a time by `due_by` can let anything through: the pump looks at the
+                // clock capped there. (After a wall-clock step ahead, a breaker can open until
+                // a time between `due_by` and now: waiting for it would be no wait at all, a
+                // spin of lease passes until the deadline.)
                 let later_retry = self.store.next_retry_due_after_ms(now)?;
                 let wake = [pass.held_until_ms, later_retry].into_iter().flatten().min();
                 match wake {
-                    Some(at) if Instant::now() + Duration::from_millis(at.saturating_sub(now)) <= deadline => {
+                    Some(at) if at <= due_by && Instant::now() + Duration::from_millis(at.saturating_sub(now)) <= deadline => {
                         pause(Duration::from_millis(at.saturating_sub(now))).await;
                         continue;
                     }
@@ -599,7 +611,7 @@ impl Deliverer {
         let mut rec = AttemptRecord {
             key: entry.key.0.clone(),
             outbox_id: entry.id,
-            attempt: entry.attempts + 1,
+            attempt: entry.attempts.saturating_add(1),
             ts_ms: self.clock.now_ms(),
             duration_ms: 0,
             status: None,
@@ -738,7 +750,7 @@ impl Deliverer {
     /// letter once the attempts or the retry window are used up.
     fn retry_or_dead(&self, entry: &OutboxEntry, rec: &mut AttemptRecord, retry_after: Option<Duration>, error: String) -> DeliveryResult {
         let id = entry.id;
-        let attempts_after = entry.attempts + 1;
+        let attempts_after = entry.attempts.saturating_add(1);
         rec.error = Some(error.clone());
         let now = self.clock.now_ms();
         match next_retry(&self.cfg, attempts_after, retry_after) {
@@ -920,6 +932,30 @@ mod tests {
         assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now), Some(Duration::from_secs(10)));
         assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now + 60_000), Some(Duration::ZERO));
         assert_eq!(parse_retry_after("soon", now), None);
+    }
+
+    /// A lease outlasts the worst case of what can be ahead of its row: every slot of the one
+    /// endpoint holding the whole batch timing out in turn, plus that endpoint's rate; and it
+    /// saturates rather than wrapping for absurd settings.
+    #[test]
+    fn leases_outlast_every_row_ahead_and_never_wrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+        let subs = Arc::new(SubscriberIndex::build(vec![]));
+        let deliverer = |cfg: DeliveryConfig| Deliverer::new(store.clone(), subs.clone(), cfg).unwrap();
+        let cfg = DeliveryConfig { concurrency: 64, endpoint_concurrency: 8, timeout: Duration::from_secs(15), endpoint_rate: 0.0, ..Default::default() };
+        // 4,352 rows (the pump's 4,096 plus its retry floor of 256) behind 8 slots of one
+        // endpoint: 544 rounds of 15 s, and the lease must be longer.
+        let worst = 4_352u64.div_ceil(8) * 15_000;
+        assert!(deliverer(cfg.clone()).lease_ms_for(4_352) > worst);
+        // A rate-limited endpoint waits for its tokens on top of its slots.
+        let rated = DeliveryConfig { endpoint_rate: 2.0, ..cfg.clone() };
+        assert!(deliverer(rated).lease_ms_for(4_352) > worst + 4_352 * 500);
+        // Absurd settings give a long lease, not a wrapped short one.
+        let huge = DeliveryConfig { timeout: Duration::MAX, ..cfg.clone() };
+        assert_eq!(deliverer(huge).lease_ms_for(4_352), u64::MAX);
+        let crawl = DeliveryConfig { endpoint_rate: f64::MIN_POSITIVE, ..cfg };
+        assert_eq!(deliverer(crawl).lease_ms_for(usize::MAX), u64::MAX);
     }
 
     /// A plan is made once per endpoint and made again when the subscriber's target or

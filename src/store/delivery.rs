@@ -453,7 +453,7 @@ impl Store {
                         }
                     }
                 }
-                let attempts = entry.attempts + 1;
+                let attempts = entry.attempts.saturating_add(1);
                 let mut audit = AuditRow::for_entry(&entry, Outcome::Sent, now_ms, String::new());
                 match result {
                     DeliveryResult::Sent { status, .. } => {

@@ -69,6 +69,19 @@ fn key_was_sent(index: &super::key_journal::KeyIndex, wtx: &WriteTransaction, ke
     Ok(super::leases::named_attempts(&legacy, &log, key, rows)?.iter().any(|a| a.result == "sent"))
 }
 
+/// The outbox row other than `except` that `key`'s record names and that is still queued, if
+/// any. A store written by key records of version 1 can hold a dead letter and a newer queued
+/// row of one key; replaying the dead letter then would make two live rows of one event.
+fn key_queued_elsewhere(index: &super::key_journal::KeyIndex, wtx: &WriteTransaction, key: &str, except: u64) -> Result<Option<u64>, StoreError> {
+    let named = {
+        let keys = super::key_journal::KeyTables::open(wtx, index)?;
+        keys.find(key)?.and_then(|(_, rec)| rec.outbox_id)
+    };
+    let Some(row) = named.filter(|&row| row != except) else { return Ok(None) };
+    let queued = wtx.open_table(OUTBOX)?.get(row)?.is_some() || wtx.open_table(OUTBOX_RETRY)?.get(row)?.is_some();
+    Ok(queued.then_some(row))
+}
+
 /// Takes row `id` out of `table` (the dead letters or the delivery quarantine), decoded.
 fn take_dead(wtx: &WriteTransaction, table: redb::TableDefinition<u64, &[u8]>, name: &'static str, id: u64) -> Result<Option<DeadLetter>, StoreError> {
     let mut t = wtx.open_table(table)?;
@@ -99,6 +112,10 @@ impl Store {
         let replays = wtx.open_table(DLQ_REPLAYS)?.get(e.key.0.as_str())?.map(|v| v.value()).unwrap_or(0);
         let outcome = if key_was_sent(&self.key_index, &wtx, &e.key.0)? {
             audit.detail = format!("replay of dead letter {id}: already delivered");
+            ReplayOutcome::Duplicate
+        } else if let Some(row) = key_queued_elsewhere(&self.key_index, &wtx, &e.key.0, id)? {
+            // The event is still on its way under that row, which ends it.
+            audit.detail = format!("replay of dead letter {id}: its key is still queued as outbox row {row}");
             ReplayOutcome::Duplicate
         } else if let Err(reason) = geometry.map_err(|m| format!("invalid_geometry: {m}")).and_then(|_| {
             if replays >= max_replays {
@@ -279,6 +296,29 @@ mod tests {
         assert_eq!(store.release_quarantined(&[outbox_id], 6).unwrap(), vec![(outbox_id, ReleaseOutcome::NotFound)], "released once");
         assert!(matches!(store.replay_dead_letter(outbox_id, 7, 1, Ok(())).unwrap(), ReplayOutcome::Requeued { replay: 1, .. }));
         assert!(store.check_consistency().unwrap().problems.is_empty());
+    }
+
+    /// A dead letter whose key's record names another row still queued (a store whose key
+    /// records were written at version 1 can hold both) is absorbed as a duplicate when
+    /// replayed: requeueing it would make two live rows, and two sends, of one event.
+    #[test]
+    fn replay_of_a_dead_letter_whose_key_is_still_queued_is_a_duplicate() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, queued) = one_queued(dir.path());
+        let older = queued + 100;
+        let mut entry = store.outbox().unwrap().remove(0);
+        entry.id = older;
+        let letter = DeadLetter { entry, reason: "retries_exhausted".into(), dead_at_ms: 1 };
+        let wtx = store.db.begin_write().unwrap();
+        wtx.open_table(DEAD_LETTERS).unwrap().insert(older, super::super::outbox_rows::encode_dead(&letter).as_slice()).unwrap();
+        wtx.commit().unwrap();
+        assert_eq!(store.replay_dead_letter(older, 2, 3, Ok(())).unwrap(), ReplayOutcome::Duplicate);
+        let outbox: Vec<u64> = store.outbox().unwrap().into_iter().map(|e| e.id).collect();
+        assert_eq!(outbox, vec![queued], "no second live row");
+        assert!(store.dead_letters().unwrap().is_empty());
+        let last = store.audit(&Default::default()).unwrap().pop().unwrap();
+        assert_eq!(last.outcome, Outcome::Duplicate);
+        assert!(last.detail.contains(&format!("still queued as outbox row {queued}")), "{}", last.detail);
     }
 
     /// A row that is both quarantined and a live dead letter (only a damaged or hand-edited

@@ -149,7 +149,7 @@ fn observe(s: &mut EndpointState, id: &str, success: bool, gone: bool, now_ms: u
             if s.breaker_open_until_ms.is_none() {
                 tracing::warn!(endpoint = id, failures, of = s.recent.len(), "circuit breaker opened");
             }
-            s.breaker_open_until_ms = Some(now_ms + policy.breaker_cooldown_ms);
+            s.breaker_open_until_ms = Some(now_ms.saturating_add(policy.breaker_cooldown_ms));
         }
     }
     let newly_disabled = disable.is_some() && !s.disabled;
