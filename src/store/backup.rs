@@ -179,12 +179,16 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
         // one that makes redb panic.
         let probe = super::guard::guarded(|| redb::Builder::new().open_read_only(dest).map(drop));
         if let Ok(Err(redb::DatabaseError::DatabaseAlreadyOpen)) = probe {
-            return Err(StoreError::Conflict(format!(
-                "store {} is in use by a running zonewatch; stop it (systemctl stop zonewatch) before restoring",
-                dest.display()
-            )));
+            return Err(in_use_conflict(dest));
         }
     }
+    // Held from here until the restored file is in place: without it a `run` from a timer
+    // or a restarting `serve` could open the old store during the copy, go on writing it once
+    // it is set aside, and a second zonewatch open the restored one: two live ledgers.
+    let _held = match previous {
+        Some(_) => hold_against_opens(dest)?,
+        None => None,
+    };
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| open_err(dest, e.to_string()))?;
     let copy = verified_copy(src, parent, ".zonewatch-restore-")?;
@@ -200,6 +204,25 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     tmp.persist(dest).map_err(|e| open_err(dest, format!("cannot move the restored store into place: {e}")))?;
     drop(registered);
     Ok(RestoreInfo { kept, owner_warning })
+}
+
+/// What `restore` says when the store it would replace is open in some process.
+fn in_use_conflict(path: &Path) -> StoreError {
+    StoreError::Conflict(format!("store {} is in use by a running zonewatch; stop it (systemctl stop zonewatch) before restoring", path.display()))
+}
+
+/// Takes the whole-file lock (`flock`) that redb also takes when it opens a store, so no
+/// zonewatch can open the store at `path` while the returned file is held: redb then reports
+/// it as already open ([`StoreError::InUse`]). A store some process has open already is a
+/// [`StoreError::Conflict`]. `None` where the file system has no such lock (the restore goes
+/// on, as it did before this lock).
+fn hold_against_opens(path: &Path) -> Result<Option<std::fs::File>, StoreError> {
+    let Ok(file) = std::fs::File::open(path) else { return Ok(None) };
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Err(in_use_conflict(path)),
+        Err(std::fs::TryLockError::Error(_)) => Ok(None),
+    }
 }
 
 /// A verified copy of the store file `src` in a new temp file in `dir` (named `prefix…`),
@@ -295,4 +318,28 @@ fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> 
         file.set_permissions(old.permissions())?;
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// While `restore` holds the store against opens, a zonewatch that tries to open it (a
+    /// `run` from a timer, a restarting `serve`) is told it is in use; once the hold ends it
+    /// opens. And a store already open cannot be held: that is restore's "in use" answer.
+    #[test]
+    fn a_held_store_cannot_be_opened_and_an_open_one_cannot_be_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        drop(super::super::Store::open(&path).unwrap());
+        let held = hold_against_opens(&path).unwrap();
+        assert!(held.is_some(), "a local file system has the lock");
+        let opened = super::super::Store::open(&path);
+        assert!(matches!(opened, Err(StoreError::InUse { .. })), "{:?}", opened.err());
+        drop(held);
+        let store = super::super::Store::open(&path).unwrap();
+        let again = hold_against_opens(&path);
+        assert!(matches!(&again, Err(StoreError::Conflict(m)) if m.contains("in use")), "{:?}", again.err());
+        drop(store);
+    }
 }
