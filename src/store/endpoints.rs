@@ -99,8 +99,14 @@ impl<'t, 'txn> HealthBatch<'t, 'txn> {
     /// other rows, when this result disabled the endpoint.
     pub(super) fn observe(&mut self, id: &str, success: bool, gone: bool, now_ms: u64, policy: &HealthPolicy) -> Result<Option<AuditRow>, StoreError> {
         if !self.touched.contains_key(id) {
+            // A health record that cannot be read (a damaged page, a bug) starts afresh rather
+            // than failing the outcome commit: that would lose every outcome of the group and
+            // resend its rows, on every commit that touches this endpoint, for ever.
             let s: EndpointState = match self.table.get(id)? {
-                Some(v) => decode(v.value()).map_err(|e| codec_err("endpoints", e))?,
+                Some(v) => decode(v.value()).unwrap_or_else(|why| {
+                    tracing::error!(endpoint = id, "endpoint health record cannot be read ({why}); starting it afresh");
+                    EndpointState::default()
+                }),
                 None => EndpointState::default(),
             };
             self.touched.insert(id.to_string(), s);

@@ -38,6 +38,9 @@ pub(super) struct LeaseState {
     /// before its limit wraps to the front, so a row passed over (a held endpoint, a lease
     /// that expired) is read again at least once per sweep of the queue.
     fresh_resume: u64,
+    /// Outbox rows a lease pass could not decode (a damaged page, a bug): skipped by every
+    /// pass, left in place for `zonewatch check`, and reported once each.
+    unreadable: std::collections::HashSet<u64>,
 }
 
 impl Leases {
@@ -127,19 +130,35 @@ impl Store {
         let mut held_until: Option<u64> = None;
         let fresh_rows = rtx.open_table(OUTBOX)?;
         let retry_rows = rtx.open_table(OUTBOX_RETRY)?;
-        // Whether row `id` (decoded from `bytes`) may go out now; leases it if so.
+        // Rows of this pass that could not be decoded: (table, id, why).
+        let mut unreadable: Vec<(&'static str, u64, String)> = Vec::new();
+        // Whether row `id` (decoded from `bytes`) may go out now; leases it if so. A row that
+        // cannot be decoded is skipped, not an error: one damaged row must not stop delivery
+        // of every other (every pass would fail on it, for ever).
         let mut take = |by_row: &mut HashMap<u64, u64>, id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
             if by_row.get(&id).is_some_and(|&l| l > now_ms) {
                 return Ok(false);
             }
-            let entry: OutboxEntry = super::outbox_rows::decode_entry(bytes).map_err(|m| codec_err(table, m))?;
+            let entry: OutboxEntry = match super::outbox_rows::decode_entry(bytes) {
+                Ok(entry) => entry,
+                Err(why) => {
+                    unreadable.push((table, id, why));
+                    return Ok(false);
+                }
+            };
             // Disabled endpoints and open breakers hold their entries back; a
             // half-open breaker lets one probe through.
             let gate = match gates.get(&entry.watcher_id) {
                 Some(&gate) => gate,
                 None => {
                     let gate = if subscribed(&entry.watcher_id) {
-                        super::endpoints::gate(super::endpoints::load(&endpoints, &entry.watcher_id)?.as_ref(), now_ms)
+                        // An unreadable health record holds nothing back (the next outcome
+                        // commit writes it afresh): one damaged record must not stop delivery.
+                        let health = super::endpoints::load(&endpoints, &entry.watcher_id).unwrap_or_else(|why| {
+                            tracing::error!(endpoint = %entry.watcher_id, "endpoint health record cannot be read ({why}); its rows are not held back");
+                            None
+                        });
+                        super::endpoints::gate(health.as_ref(), now_ms)
                     } else {
                         super::endpoints::Gate::Open
                     };
@@ -202,6 +221,11 @@ impl Store {
                         break;
                     }
                 }
+            }
+        }
+        for (table, id, why) in unreadable {
+            if leases.unreadable.insert(id) {
+                tracing::error!(table, id, "outbox row cannot be read ({why}); delivery skips it and leaves it in place: `zonewatch check` reports the store's damage");
             }
         }
         batch.probes = probed.into_iter().collect();
@@ -395,6 +419,41 @@ pub(super) fn log_attempt_in(t: &mut redb::Table<(u64, u32), &[u8]>, rec: &Attem
 mod tests {
     use crate::model::{sample_attempt, sample_event, IdemKey, Severity};
     use crate::store::{Claim, DeliveryResult, Store};
+
+    /// An outbox row that cannot be decoded (a damaged page, a bug) is skipped by every lease
+    /// pass and left in place; the other rows go out as before. (It used to fail every pass:
+    /// delivery stopped for the whole store, and rows leased earlier in the pass kept leases.)
+    #[test]
+    fn an_unreadable_row_is_skipped_and_the_others_go_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let events = vec![sample_event("A"), sample_event("B")];
+        let claims: Vec<Claim> = ["A", "B"]
+            .iter()
+            .enumerate()
+            .map(|(i, p)| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("key-{p}")) })
+            .collect();
+        store.enqueue(&events, &claims, "l1", 0, 3_600_000).unwrap();
+        let rows: Vec<u64> = store.outbox().unwrap().into_iter().map(|e| e.id).collect();
+        let damaged = rows[0];
+        // The endpoint's health record damaged too: it holds nothing back, and the outcome
+        // commit writes it afresh instead of failing.
+        let wtx = store.db.begin_write().unwrap();
+        wtx.open_table(super::OUTBOX).unwrap().insert(damaged, [0xFFu8, 0x01, 0x02].as_slice()).unwrap();
+        wtx.open_table(super::ENDPOINTS).unwrap().insert("w", [0xFFu8, 0xFF].as_slice()).unwrap();
+        wtx.commit().unwrap();
+        for pass in 0..3 {
+            let batch = store.lease_due(pass, 60_000, 10, 1).unwrap();
+            let ids: Vec<u64> = batch.entries.iter().map(|e| e.id).collect();
+            assert_eq!(ids, if pass == 0 { vec![rows[1]] } else { vec![] }, "pass {pass}");
+        }
+        assert_eq!(store.leased_len().unwrap(), 1, "only the readable row is leased");
+        store.record_outcomes(&[DeliveryResult::Sent { id: rows[1], status: 200 }], &[sample_attempt("key-B", rows[1], "sent", 5)], 5).unwrap();
+        let fresh = redb::ReadableDatabase::begin_read(&store.db).unwrap().open_table(super::OUTBOX).unwrap();
+        assert!(fresh.get(rows[1]).unwrap().is_none(), "the readable row went out");
+        let raw = fresh.get(damaged).unwrap().map(|v| v.value().to_vec());
+        assert_eq!(raw.as_deref(), Some([0xFFu8, 0x01, 0x02].as_slice()), "the damaged one is left in place");
+    }
 
     /// Two deliverers lease and record outcomes against one store at the same time: leasing
     /// reads a snapshot without the write lock, so only the order of lease release (after the
