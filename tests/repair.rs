@@ -86,6 +86,40 @@ fn a_feature_whose_bytes_are_not_utf8_is_quarantined_and_keeps_its_parcel() {
     assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0003"].zoning, "ZZ-2");
 }
 
+/// A feature whose *id* holds a byte that is not UTF-8 (`P0\xFF03` for `P0003`) names no
+/// stored parcel: it is quarantined without an id, where it lies, and the parcel it was keeps
+/// its stored state instead of being read as removed and alerted (so also when its geometry
+/// is broken too, by where its raw text says it lies).
+#[test]
+fn a_feature_whose_id_is_not_utf8_keeps_the_parcel_it_was() {
+    let ws = Workspace::new(&[], "", "");
+    let engine = ws.engine();
+    let parcels = grid(10);
+    let text = layer(&parcels);
+    ws.write_layer(&text);
+    assert_eq!(run(&engine, false).record.counts.parcels, 10);
+    let damage = |text: String| -> Vec<u8> { text.replacen("\"P0003\"", "\"P0\u{1}03\"", 1).into_bytes().into_iter().map(|b| if b == 1 { 0xFF } else { b }).collect() };
+    std::fs::write(ws.path().join("layer.geojson"), damage(text.clone())).unwrap();
+    let r = run(&engine, false);
+    let c = &r.record.counts;
+    assert_eq!((c.features, c.parcels, c.quarantined, c.changes), (10, 9, 1, 0), "{}", r.line());
+    assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0003"].zoning, parcels[3].zone, "kept, not removed");
+    let q = engine.store.quarantine().unwrap();
+    assert_eq!((q[0].reason, q[0].parcel_id.as_deref()), (QuarantineReason::MalformedFeature, None));
+    assert!(q[0].detail.contains("not UTF-8"), "{}", q[0].detail);
+    assert!(engine.store.audit(&Default::default()).unwrap().iter().all(|a| a.outcome.as_str() != "queued"), "nothing alerted");
+
+    // The same with a geometry the repair cannot save (a ring of two points): the feature
+    // is rejected for its geometry, still without the damaged id, placed by its raw text.
+    let mut broken = parcels.clone();
+    broken[3].ring = vec![parcels[3].ring[0], parcels[3].ring[2], parcels[3].ring[0]];
+    std::fs::write(ws.path().join("layer.geojson"), damage(layer(&broken))).unwrap();
+    let r = run(&engine, false);
+    let c = &r.record.counts;
+    assert_eq!((c.features, c.parcels, c.quarantined, c.changes), (10, 9, 1, 0), "{}", r.line());
+    assert!(engine.store.snapshot_states("s1").unwrap().contains_key("P0003"), "kept, not removed");
+}
+
 #[test]
 fn malformed_feed_fails_the_run_cleanly() {
     let ws = Workspace::new(&[], "", "");

@@ -139,6 +139,13 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
     })
 }
 
+/// Where the feature `raw` lies (its [`Rejected::footprint`]), read again from its text: for
+/// a feature rejected under an id that turned out not to be one (bytes that are not UTF-8).
+pub fn footprint_of_feature(raw: &str) -> Option<Envelope> {
+    let feature: RawFeature = serde_json::from_str(raw).ok()?;
+    feature.geometry.map(GeometryInput::Text).and_then(footprint_of)
+}
+
 /// The [`Rejected::footprint`] of a feature's geometry: the bounding rectangle of its
 /// polygons' exterior rings, or `None` when the geometry cannot be read or has no finite
 /// point.
