@@ -999,11 +999,25 @@ impl Engine {
     }
 
     /// Releases (`prime = false`: deliver) or primes (accept silently) an open hold.
+    ///
+    /// A hold of a source that has no watermark is its held first ingest (any run that
+    /// commits writes one, and supersedes open holds): a baseline sends nothing, so its
+    /// release primes, and the run record says so. (The store checks again, inside the
+    /// release's transaction, that the hold is still open.)
     pub fn resolve_hold(&self, hold_id: u64, prime: bool) -> Result<RunRecord, PipelineError> {
         let hold = self.store.hold(hold_id)?.ok_or(PipelineError::UnknownHold(hold_id))?;
         if hold.state != HoldState::Open {
             return Err(PipelineError::HoldNotOpen { id: hold_id, state: hold.state.label().to_string() });
         }
+        let mut notes = vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })];
+        let prime = if !prime && self.store.watermark(&hold.source_id)?.is_none() {
+            notes.push("the held run was the source's first ingest: a baseline sends nothing, so releasing it primes".to_string());
+            true
+        } else {
+            prime
+        };
+        // The held run's own counts of what it read: the release reads nothing again.
+        let held = self.store.run_record(hold.run_id)?.map(|r| r.counts).unwrap_or_default();
         let now = self.now();
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;
@@ -1025,13 +1039,8 @@ impl Engine {
             }
             HeldChunk::Shares(shares) => w.shares(&shares),
         })?;
-        let counts = RunCounts { features: hold.features, parcels: 0, ..Default::default() };
-        let record = w.finish(
-            now,
-            now,
-            counts,
-            vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })],
-        )?;
+        let counts = RunCounts { features: hold.features, parcels: held.parcels, quarantined: held.quarantined, repaired: held.repaired, ..Default::default() };
+        let record = w.finish(now, now, counts, notes)?;
         Ok(record)
     }
 }

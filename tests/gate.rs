@@ -130,3 +130,77 @@ async fn primed_hold_is_accepted_silently() {
     assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0001"].zoning, "C-9");
     assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);
 }
+
+/// A source's first ingest held by the gate (most features outside its bbox: a wrong bbox or
+/// a datum drift) is a baseline: releasing it stores the snapshot and primes the keys, and
+/// sends nothing, as a baseline does. Its record's counts add up to what the held run read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_held_first_ingest_sends_nothing() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-72.0, 42.0, -68.0, 43.0), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    let engine = ws.engine();
+    let mut v1 = grid(100);
+    for p in v1.iter_mut().take(60) {
+        for c in &mut p.ring {
+            c[0] += 2.0; // east of the source's bbox [-72, 42, -70, 43]
+        }
+    }
+    ws.write_layer(&layer(&v1));
+    let held = run(&engine, false);
+    assert_eq!(held.record.verdict, Verdict::Held, "{}", held.line());
+    assert!(held.hold_reason.clone().unwrap_or_default().starts_with("quarantine_spike"), "{:?}", held.hold_reason);
+    let released = engine.resolve_hold(held.record.hold_id.unwrap(), false).unwrap();
+    assert_eq!(released.counts.queued, 0, "{:?}", released.counts);
+    assert!(released.warnings.iter().any(|w| w.contains("first ingest")), "{:?}", released.warnings);
+    let c = &released.counts;
+    assert_eq!((c.features, c.parcels, c.quarantined), (100, 40, 60));
+    deliver(&engine, Duration::from_secs(1)).await;
+    assert!(rx.received().is_empty(), "a baseline sends nothing");
+    assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 40);
+    assert!(engine.store.watermark("s1").unwrap().is_some());
+
+    // A change spike of the established source, released, does send (and counts add up).
+    let mut v2 = v1.clone();
+    for p in v2.iter_mut().skip(60).take(10) {
+        p.zone = "C-9".into();
+    }
+    ws.write_layer(&layer(&v2));
+    let spike = run(&engine, false);
+    assert_eq!(spike.record.verdict, Verdict::Held, "{}", spike.line());
+    let sent = engine.resolve_hold(spike.record.hold_id.unwrap(), false).unwrap();
+    assert_eq!(sent.counts.queued, 10, "{:?}", sent.counts);
+    assert!(!sent.warnings.iter().any(|w| w.contains("first ingest")), "{:?}", sent.warnings);
+    assert_eq!(sent.counts.features, sent.counts.parcels + sent.counts.quarantined);
+    deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(rx.received().len(), 10);
+}
+
+/// A release that read its hold as open while a newer run of the source superseded it is
+/// refused inside its own transaction: committing it would set the watermark back to the
+/// held version's over the newer run's snapshot.
+#[test]
+fn a_hold_superseded_after_it_was_read_is_not_resolved() {
+    let ws = Workspace::new(&[], "", "");
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    let engine = ws.engine();
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let committed = engine.store.watermark("s1").unwrap().unwrap();
+    ws.write_layer(&layer(&with_zones(&v1, &(0..50).collect::<Vec<_>>(), "C-9")));
+    let h = run(&engine, false).record.hold_id.unwrap();
+    let read = engine.store.hold(h).unwrap().unwrap();
+    assert_eq!(read.state, HoldState::Open);
+    // The publisher goes back to v1: that run supersedes the hold.
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    assert!(matches!(engine.store.hold(h).unwrap().unwrap().state, HoldState::Superseded { .. }));
+    let late = engine.store.begin_run("s1", zonewatch::store::CommitMode::ResolveHold { hold_id: h, prime: false }, read.watermark.clone(), 1, 3_600_000);
+    let err = late.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("no longer open"), "{err}");
+    assert_eq!(engine.store.watermark("s1").unwrap().unwrap().digest, committed.digest, "watermark not set back");
+}

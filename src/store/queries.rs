@@ -245,6 +245,14 @@ impl Store {
         }
     }
 
+    /// The record of run `run_id`, if there is one.
+    pub fn run_record(&self, run_id: u64) -> Result<Option<RunRecord>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(RUNS)?;
+        let v = t.get(run_id)?;
+        v.map(|v| decode(v.value()).map_err(|m| codec_err("runs", m))).transpose()
+    }
+
     /// Run records, newest first, optionally for one source.
     pub fn runs(&self, source_id: Option<&str>, limit: usize) -> Result<Vec<RunRecord>, StoreError> {
         let rtx = self.db.begin_read()?;

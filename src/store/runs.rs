@@ -187,6 +187,14 @@ impl Store {
                     to_update.push((k.value(), hold));
                 }
             }
+            // Checked inside this transaction: a run of the source that committed after the
+            // caller read the hold as open has superseded it (and cleared what it staged), and
+            // resolving it now would set the watermark back to the held version's.
+            if let Some(id) = resolving {
+                if !to_update.iter().any(|(k, _)| *k == id) {
+                    return Err(StoreError::Conflict(format!("hold {id} of source {source_id} is no longer open (a later run of the source has resolved or superseded it)")));
+                }
+            }
             for (id, mut hold) in to_update {
                 hold.state = if Some(id) == resolving {
                     match mode {
