@@ -4,7 +4,7 @@
 use super::blocks::{for_each_parcel, with_record};
 use super::codec::decode;
 use super::runs::codec_err;
-use super::watermark_rows::{decode_hold, decode_watermark};
+use super::watermark_rows::{decode_hold, decode_watermark, readable_hold};
 use super::snapshot::{decode_hash_ref, decode_record, decode_state, decode_state_envelope, geometries_of};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -230,8 +230,8 @@ impl Store {
         let t = rtx.open_table(HOLDS)?;
         let mut out = Vec::new();
         for item in t.iter()? {
-            let (_, v) = item?;
-            out.push(decode_hold(v.value()).map_err(|m| codec_err("holds", m))?);
+            let (k, v) = item?;
+            out.extend(readable_hold(k.value(), v.value()));
         }
         Ok(out)
     }
@@ -340,9 +340,8 @@ impl Store {
         }
         s.outbox = super::outbox::len(&rtx.open_table(OUTBOX)?, &rtx.open_table(OUTBOX_RETRY)?)?;
         for item in rtx.open_table(HOLDS)?.iter()? {
-            let (_, v) = item?;
-            let h: Hold = decode_hold(v.value()).map_err(|m| codec_err("holds", m))?;
-            if h.state == HoldState::Open {
+            let (k, v) = item?;
+            if readable_hold(k.value(), v.value()).is_some_and(|h| h.state == HoldState::Open) {
                 s.open_holds += 1;
             }
         }

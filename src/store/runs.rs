@@ -1,7 +1,7 @@
 //! Run commits: the one write transaction per source run, holds and their resolution.
 
 use super::blocks::{self, Change};
-use super::watermark_rows::{decode_hold, decode_watermark, encode_hold, encode_watermark};
+use super::watermark_rows::{decode_watermark, encode_hold, encode_watermark, readable_hold};
 use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
 use super::snapshot::{geometries_of, SnapshotRow};
@@ -182,7 +182,7 @@ impl Store {
             let mut to_update = Vec::new();
             for item in holds.iter()? {
                 let (k, v) = item?;
-                let hold: Hold = decode_hold(v.value()).map_err(|m| codec_err("holds", m))?;
+                let Some(hold) = readable_hold(k.value(), v.value()) else { continue };
                 if hold.source_id == source_id && hold.state == HoldState::Open {
                     to_update.push((k.value(), hold));
                 }
@@ -644,7 +644,7 @@ pub(super) fn supersede_open_holds(
     let mut open = Vec::new();
     for item in holds.iter()? {
         let (k, v) = item?;
-        let hold: Hold = decode_hold(v.value()).map_err(|m| codec_err("holds", m))?;
+        let Some(hold) = readable_hold(k.value(), v.value()) else { continue };
         if hold.source_id == source_id && hold.state == HoldState::Open {
             open.push((k.value(), hold));
         }

@@ -84,6 +84,15 @@ pub(super) fn decode_hold(bytes: &[u8]) -> Result<Hold, String> {
     decode_migrating::<HoldV1, _>(bytes, WATERMARK_RECORD_VERSION, "holds")
 }
 
+/// Hold row `run_id` decoded, or `None` (logged) when it cannot be: the passes over every
+/// hold (each run's, the gate's, the stats) skip a damaged row rather than fail on it, or one
+/// such row would stop every run of every source. `zonewatch check --store` reports it.
+pub(super) fn readable_hold(run_id: u64, bytes: &[u8]) -> Option<Hold> {
+    decode_hold(bytes)
+        .map_err(|why| tracing::error!(hold = run_id, "hold row cannot be read ({why}); skipped: `zonewatch check --store` reports the store's damage"))
+        .ok()
+}
+
 pub(super) fn encode_watermark(wm: &Watermark) -> Vec<u8> {
     encode_versioned(WATERMARK_RECORD_VERSION, wm)
 }
