@@ -139,8 +139,9 @@ impl Store {
             if by_row.get(&id).is_some_and(|&l| l > now_ms) {
                 return Ok(false);
             }
-            let entry: OutboxEntry = match super::outbox_rows::decode_entry(bytes) {
-                Ok(entry) => entry,
+            // Gated by its endpoint before it is decoded whole (see `entry_watcher`).
+            let watcher = match super::outbox_rows::entry_watcher(bytes) {
+                Ok(watcher) => watcher,
                 Err(why) => {
                     unreadable.push((table, id, why));
                     return Ok(false);
@@ -148,21 +149,21 @@ impl Store {
             };
             // Disabled endpoints and open breakers hold their entries back; a
             // half-open breaker lets one probe through.
-            let gate = match gates.get(&entry.watcher_id) {
+            let gate = match gates.get(watcher) {
                 Some(&gate) => gate,
                 None => {
-                    let gate = if subscribed(&entry.watcher_id) {
+                    let gate = if subscribed(watcher) {
                         // An unreadable health record holds nothing back (the next outcome
                         // commit writes it afresh): one damaged record must not stop delivery.
-                        let health = super::endpoints::load(&endpoints, &entry.watcher_id).unwrap_or_else(|why| {
-                            tracing::error!(endpoint = %entry.watcher_id, "endpoint health record cannot be read ({why}); its rows are not held back");
+                        let health = super::endpoints::load(&endpoints, watcher).unwrap_or_else(|why| {
+                            tracing::error!(endpoint = %watcher, "endpoint health record cannot be read ({why}); its rows are not held back");
                             None
                         });
                         super::endpoints::gate(health.as_ref(), now_ms)
                     } else {
                         super::endpoints::Gate::Open
                     };
-                    gates.insert(entry.watcher_id.clone(), gate);
+                    gates.insert(watcher.to_string(), gate);
                     gate
                 }
             };
@@ -173,11 +174,21 @@ impl Store {
                     return Ok(false);
                 }
                 super::endpoints::Gate::Probe => {
-                    if probing.contains(&entry.watcher_id) || !probed.insert(entry.watcher_id.clone()) {
+                    if probing.contains(watcher) || probed.contains(watcher) {
                         return Ok(false);
                     }
                 }
                 super::endpoints::Gate::Open => {}
+            }
+            let entry: OutboxEntry = match super::outbox_rows::decode_entry(bytes) {
+                Ok(entry) => entry,
+                Err(why) => {
+                    unreadable.push((table, id, why));
+                    return Ok(false);
+                }
+            };
+            if gate == super::endpoints::Gate::Probe {
+                probed.insert(entry.watcher_id.clone());
             }
             by_row.insert(id, until);
             out.push(entry);
