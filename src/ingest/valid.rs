@@ -211,18 +211,41 @@ fn polygon_is_valid(polygon: &Polygon<f64>, work: &mut Work) -> Result<bool, Ove
     if polygon.interiors().iter().all(|r| r.0.is_empty()) {
         return Ok(true);
     }
-    work.spend(RELATE_UNITS_PER_SEGMENT.saturating_mul(polygon.exterior().0.len() as u64))?;
+    let exterior_len = polygon.exterior().0.len() as u64;
+    work.spend(RELATE_UNITS_PER_SEGMENT.saturating_mul(exterior_len))?;
+    // What the relates below will meet where holes cross the exterior: every pair of an
+    // exterior and a hole segment whose boxes meet (a comb of holes across a comb of an
+    // exterior gives millions of crossings for geo to put in its graph), paid up front.
+    spend_on_meeting_segments(polygon.exterior(), polygon.interiors(), work)?;
     let exterior = Polygon::new(polygon.exterior().clone(), vec![]);
     let prepared_exterior = PreparedGeometry::from(&exterior);
     let holes: Vec<Polygon<f64>> = polygon.interiors().iter().filter(|r| !r.0.is_empty()).map(|r| Polygon::new(r.clone(), vec![])).collect();
     for hole in &holes {
-        work.spend(RELATE_UNITS_PER_SEGMENT.saturating_mul(hole.exterior().0.len() as u64))?;
+        // Each relate copies the prepared exterior's graph and places the hole against the
+        // whole exterior: two units per exterior segment, on top of the hole's own.
+        work.spend(RELATE_UNITS_PER_SEGMENT.saturating_mul(hole.exterior().0.len() as u64).saturating_add(2 * exterior_len))?;
         let im = prepared_exterior.relate(hole);
         if !im.is_contains() || im.get(CoordPos::OnBoundary, CoordPos::OnBoundary) == Dimensions::OneDimensional {
             return Ok(false);
         }
     }
     Ok(!any_pair_overlaps(&holes, work)?)
+}
+
+/// Spends one unit per pair of an `exterior` segment and a `holes` segment whose boxes meet
+/// (found with an R-tree of the exterior's segments), deciding nothing: the cost of the
+/// crossings the relates of the holes will compute.
+fn spend_on_meeting_segments(exterior: &LineString<f64>, holes: &[LineString<f64>], work: &mut Work) -> Result<(), OverBudget> {
+    let segment_box = |l: &Line<f64>| AABB::from_corners([l.start.x.min(l.end.x), l.start.y.min(l.end.y)], [l.start.x.max(l.end.x), l.start.y.max(l.end.y)]);
+    work.spend(exterior.0.len() as u64)?;
+    let tree = RTree::bulk_load(exterior.lines().map(|l| Rectangle::from_aabb(segment_box(&l))).collect::<Vec<_>>());
+    for l in holes.iter().flat_map(|h| h.lines()) {
+        work.spend(1)?;
+        for _ in tree.locate_in_envelope_intersecting(segment_box(&l)) {
+            work.spend(1)?;
+        }
+    }
+    Ok(())
 }
 
 /// geo's rule: two distinct segments of the ring intersect, and not merely where one ends and
@@ -371,6 +394,22 @@ mod tests {
         assert_eq!(check(&spiky), Validity::TooComplex);
         // is_valid counts what it could not decide as not valid.
         assert!(!is_valid(&spiky));
+        // Holes: a hole zigzagging across a zigzag exterior thousands of times (millions of
+        // crossings for a relate to build), and thousands of holes in an exterior of
+        // thousands of vertices (each relate goes over the whole exterior).
+        let zigzag = |n: usize, vertical: bool| {
+            let mut pts: Vec<(f64, f64)> = (0..n).map(|k| { let (a, b) = (k as f64 / n as f64, if k % 2 == 0 { 0.0 } else { 1.0 }); if vertical { (a, b) } else { (b, a) } }).collect();
+            pts.push(if vertical { (1.0, -1.0) } else { (-1.0, 1.0) });
+            pts.push(if vertical { (0.0, -1.0) } else { (-1.0, 0.0) });
+            pts.push(pts[0]);
+            LineString::from(pts)
+        };
+        let crossed = MultiPolygon(vec![Polygon::new(zigzag(8_000, true), vec![zigzag(8_000, false)])]);
+        assert_eq!(check(&crossed), Validity::TooComplex);
+        let circle = |cx: f64, cy: f64, r: f64, n: usize| LineString::from((0..=n).map(|k| { let a = (k % n) as f64 / n as f64 * std::f64::consts::TAU; (cx + r * a.cos(), cy + r * a.sin()) }).collect::<Vec<_>>());
+        let holes: Vec<LineString<f64>> = (0..10_000).map(|k| { let a = k as f64 / 10_000.0 * std::f64::consts::TAU; circle(500.0 * a.cos(), 500.0 * a.sin(), 0.01, 4) }).collect();
+        let swiss = MultiPolygon(vec![Polygon::new(circle(0.0, 0.0, 1_000.0, 20_000), holes)]);
+        assert_eq!(check(&swiss), Validity::TooComplex);
         // The budget is what decides: the same shape with room enough is decided.
         let (verdict, spent) = check_within(&fan(300), u64::MAX);
         assert_eq!(verdict, Validity::Valid);
