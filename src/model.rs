@@ -688,6 +688,14 @@ impl Watermark {
         ts_ms > now_ms.saturating_add(PUBLISHER_CLOCK_SKEW_MS)
     }
 
+    /// The "now" a publisher timestamp is held against: this machine's clock, or the time this
+    /// watermark was consumed if that is later (a clock set back, an edge box without a
+    /// real-time clock booting at an old time, must not make every honest timestamp look
+    /// like one from the future and so turn restatement holds off).
+    pub fn clock_floor(prev: Option<&Watermark>, now_ms: u64) -> u64 {
+        prev.map_or(now_ms, |w| now_ms.max(w.consumed_at_ms))
+    }
+
     /// The run's warning when a publisher timestamp is [`Watermark::from_the_future`]: the
     /// portal's `new` one (recorded, so its probe can still tell "nothing moved", but not
     /// trusted to order versions), or the watermark's `old` one that `new` went back from (no

@@ -1017,7 +1017,8 @@ impl Engine {
             prime
         };
         // The held run's own counts of what it read: the release reads nothing again.
-        let held = self.store.run_record(hold.run_id)?.map(|r| r.counts).unwrap_or_default();
+        // (Only its counts: a record that cannot be read does not stop the release.)
+        let held = self.store.run_record(hold.run_id).ok().flatten().map(|r| r.counts).unwrap_or_default();
         let now = self.now();
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;

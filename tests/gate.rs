@@ -163,7 +163,8 @@ async fn releasing_a_held_first_ingest_sends_nothing() {
     assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 40);
     assert!(engine.store.watermark("s1").unwrap().is_some());
 
-    // A change spike of the established source, released, does send (and counts add up).
+    // A later version of the established source, still quarantine-spiked (60 of 100 out of
+    // bbox) and so held again, released, does send (and counts add up).
     let mut v2 = v1.clone();
     for p in v2.iter_mut().skip(60).take(10) {
         p.zone = "C-9".into();

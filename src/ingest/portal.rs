@@ -74,7 +74,7 @@ pub fn floor_due(prev: Option<&Watermark>, now_ms: u64, floor: Duration) -> bool
 /// evidence: going back from it is no restatement ([`future_timestamp_warning`] says so).
 pub fn restated(prev: Option<&Watermark>, meta: &PortalMeta, now_ms: u64) -> Option<String> {
     let (Some(old), Some(new)) = (prev.and_then(|w| w.publisher_ts_ms), meta.publisher_ts_ms) else { return None };
-    (new < old && !Watermark::from_the_future(old, now_ms)).then(|| {
+    (new < old && !Watermark::from_the_future(old, Watermark::clock_floor(prev, now_ms))).then(|| {
         format!(
             "restated: publisher timestamp went backwards from {} to {}",
             crate::util::rfc3339(old),
@@ -86,7 +86,7 @@ pub fn restated(prev: Option<&Watermark>, meta: &PortalMeta, now_ms: u64) -> Opt
 /// `Some(warning)` when a publisher timestamp involved in this run is from the future
 /// ([`Watermark::future_timestamp_warning`]).
 pub fn future_timestamp_warning(prev: Option<&Watermark>, meta: &PortalMeta, now_ms: u64) -> Option<String> {
-    Watermark::future_timestamp_warning(prev.and_then(|w| w.publisher_ts_ms), meta.publisher_ts_ms?, now_ms)
+    Watermark::future_timestamp_warning(prev.and_then(|w| w.publisher_ts_ms), meta.publisher_ts_ms?, Watermark::clock_floor(prev, now_ms))
 }
 
 /// `Some(warning)` when the content has not changed for longer than `stale_after`.
@@ -629,6 +629,9 @@ mod tests {
         assert!(said.contains("not trusted to order versions"), "{said}");
         // Once this machine's clock catches up, the same timestamp is believed again.
         assert!(restated(Some(&wm(Some(future), 0, 0)), &m(Some(1_000)), future).is_some());
+        // A clock set back behind the last run's: timestamps are held against that run's time.
+        assert!(restated(Some(&wm(Some(future), future, 0)), &m(Some(1_000)), now).is_some());
+        assert_eq!(future_timestamp_warning(Some(&wm(Some(2_000), future, 0)), &m(Some(future)), now), None);
         let d45 = Duration::from_secs(45 * 86_400);
         assert!(stale(Some(&wm(None, 0, 1)), 46 * 86_400_000, d45).is_some());
         assert!(stale(Some(&wm(None, 0, 1)), 44 * 86_400_000, d45).is_none());

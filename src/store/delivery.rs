@@ -372,11 +372,10 @@ impl Store {
     /// When the earliest outbox entry (fresh or retry) falls due (None when the outbox is empty).
     pub fn next_due_ms(&self) -> Result<Option<u64>, StoreError> {
         let rtx = self.db.begin_read()?;
-        // A fresh row is due from its claim on.
-        let fresh = match rtx.open_table(OUTBOX)?.first()? {
-            Some((_, v)) => Some(decode_entry(v.value()).map_err(|m| codec_err("outbox", m))?.next_attempt_ms),
-            None => None,
-        };
+        // A fresh row is due from its claim on. One that cannot be decoded (lease passes skip
+        // it, `check` names it) reads as due already, as every fresh row is: failing here
+        // would stop every drain, and every `run`, on it.
+        let fresh = rtx.open_table(OUTBOX)?.first()?.map(|(_, v)| decode_entry(v.value()).map_or(0, |e| e.next_attempt_ms));
         let retry = rtx.open_table(OUTBOX_RETRY_DUE)?.first()?.map(|(k, _)| k.value().0);
         Ok(match (fresh, retry) {
             (Some(a), Some(b)) => Some(a.min(b)),

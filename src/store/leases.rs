@@ -460,6 +460,8 @@ mod tests {
         }
         assert_eq!(store.leased_len().unwrap(), 1, "only the readable row is leased");
         store.record_outcomes(&[DeliveryResult::Sent { id: rows[1], status: 200 }], &[sample_attempt("key-B", rows[1], "sent", 5)], 5).unwrap();
+        // When the next row falls due reads past the damaged first row too.
+        assert!(store.next_due_ms().unwrap().is_some());
         let fresh = redb::ReadableDatabase::begin_read(&store.db).unwrap().open_table(super::OUTBOX).unwrap();
         assert!(fresh.get(rows[1]).unwrap().is_none(), "the readable row went out");
         let raw = fresh.get(damaged).unwrap().map(|v| v.value().to_vec());

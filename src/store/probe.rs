@@ -59,6 +59,7 @@ impl Store {
         let digest = wm.as_ref().map(|w| w.digest.clone()).unwrap_or_default();
         if verdict == Verdict::Identical {
             let mut wm = wm.ok_or_else(|| StoreError::NotFound(format!("source {source_id} has no watermark")))?;
+            let clock = Watermark::clock_floor(Some(&wm), now_ms);
             wm.consumed_at_ms = now_ms;
             match (signals.publisher_ts_ms, wm.publisher_ts_ms) {
                 // The same bytes under an older timestamp: the watermark keeps the newer one,
@@ -68,7 +69,7 @@ impl Store {
                 // `skip` while it keeps saying it.
                 // (Unless the newer one is from the future: that is no version's time, and
                 // the portal's honest one replaces it.)
-                (Some(new), Some(old)) if new < old && !Watermark::from_the_future(old, now_ms) => {
+                (Some(new), Some(old)) if new < old && !Watermark::from_the_future(old, clock) => {
                     if wm.probe_ts_ms != Some(new) {
                         warnings.push(format!(
                             "publisher timestamp went backwards from {} to {} with the same content; the watermark keeps {}",
@@ -80,7 +81,7 @@ impl Store {
                     wm.probe_ts_ms = Some(new);
                 }
                 (Some(new), old) => {
-                    warnings.extend(Watermark::future_timestamp_warning(old, new, now_ms));
+                    warnings.extend(Watermark::future_timestamp_warning(old, new, clock));
                     wm.publisher_ts_ms = Some(new);
                     wm.probe_ts_ms = None;
                 }

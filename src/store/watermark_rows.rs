@@ -88,8 +88,14 @@ pub(super) fn decode_hold(bytes: &[u8]) -> Result<Hold, String> {
 /// hold (each run's, the gate's, the stats) skip a damaged row rather than fail on it, or one
 /// such row would stop every run of every source. `zonewatch check --store` reports it.
 pub(super) fn readable_hold(run_id: u64, bytes: &[u8]) -> Option<Hold> {
+    /// Hold rows already reported by this process: every run and every stats poll meets them.
+    static REPORTED: std::sync::Mutex<std::collections::BTreeSet<u64>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
     decode_hold(bytes)
-        .map_err(|why| tracing::error!(hold = run_id, "hold row cannot be read ({why}); skipped: `zonewatch check --store` reports the store's damage"))
+        .map_err(|why| {
+            if REPORTED.lock().map_or(true, |mut seen| seen.insert(run_id)) {
+                tracing::error!(hold = run_id, "hold row cannot be read ({why}); skipped: `zonewatch check --store` reports the store's damage");
+            }
+        })
         .ok()
 }
 
