@@ -13,6 +13,19 @@ use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
 use std::borrow::Cow;
 use std::collections::HashSet;
 
+/// Test events for `parcels` and one claim each for subscriber `w` (key `key-<parcel>`,
+/// an unroutable loopback target), as the store tests queue them.
+#[cfg(test)]
+pub(crate) fn sample_claims(parcels: &[&str]) -> (Vec<crate::model::ChangeEvent>, Vec<Claim>) {
+    let events = parcels.iter().map(|p| crate::model::sample_event(p)).collect();
+    let claims = parcels
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: crate::model::Severity::Info, key: crate::model::IdemKey(format!("key-{p}")) })
+        .collect();
+    (events, claims)
+}
+
 /// One (change event, subscriber) pair the matcher found.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Claim {

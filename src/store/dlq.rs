@@ -228,12 +228,7 @@ mod tests {
     fn replay_absorbs_a_key_already_sent_and_requeues_one_never_sent() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let events = vec![sample_event("A"), sample_event("B")];
-        let claims: Vec<Claim> = ["A", "B"]
-            .iter()
-            .enumerate()
-            .map(|(i, p)| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("key-{p}")) })
-            .collect();
+        let (events, claims) = super::super::delivery::sample_claims(&["A", "B"]);
         // Cycle 1: only A's claim, delivered.
         store.enqueue(&events, &claims[..1], "l1", 0, HOUR).unwrap();
         let a1 = store.outbox().unwrap()[0].id;

@@ -438,12 +438,7 @@ mod tests {
     fn an_unreadable_row_is_skipped_and_the_others_go_out() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let events = vec![sample_event("A"), sample_event("B")];
-        let claims: Vec<Claim> = ["A", "B"]
-            .iter()
-            .enumerate()
-            .map(|(i, p)| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("key-{p}")) })
-            .collect();
+        let (events, claims) = super::super::delivery::sample_claims(&["A", "B"]);
         store.enqueue(&events, &claims, "l1", 0, 3_600_000).unwrap();
         let rows: Vec<u64> = store.outbox().unwrap().into_iter().map(|e| e.id).collect();
         let damaged = rows[0];
