@@ -518,24 +518,19 @@ fn worker(
             let json = &batch.text[a..b];
             let mut normalized = normalize_feature(json, rules);
             if batch.not_utf8.binary_search(&index).is_ok() {
-                let damaged_id = |id: &str| id.contains('\u{FFFD}');
+                use crate::ingest::normalize::damaged_text;
                 normalized = match normalized {
                     // An id with bytes that are not UTF-8 names no stored parcel (`Stra\xDFe-12`
                     // read as `Stra\u{FFFD}e-12` is not `Straße-12`): the feature is taken
                     // without an id, where it lies, so that the parcel it was is kept by place
                     // rather than read as removed and alerted.
-                    Ok(n) if damaged_id(&n.parcel.id) => Err(Rejected {
-                        parcel_id: None,
-                        reason: QuarantineReason::MalformedFeature,
-                        detail: crate::ingest::normalize::damaged_text(&[Some(&n.parcel.id)]).unwrap_or_default(),
-                        footprint: n.parcel.geometry.exterior_envelope(),
-                    }),
-                    Ok(n) => match crate::ingest::normalize::damaged_text(&[Some(&n.parcel.state.zoning), n.parcel.state.effective_date.as_deref()]) {
+                    Ok(n) => match (damaged_text(&[Some(&n.parcel.id)]), damaged_text(&[Some(&n.parcel.state.zoning), n.parcel.state.effective_date.as_deref()])) {
+                        (Some(detail), _) => Err(Rejected { parcel_id: None, reason: QuarantineReason::MalformedFeature, detail, footprint: n.parcel.geometry.exterior_envelope() }),
                         // Kept under its id, so that parcel keeps its stored state.
-                        Some(detail) => Err(Rejected { parcel_id: Some(n.parcel.id), reason: QuarantineReason::MalformedFeature, detail, footprint: None }),
-                        None => Ok(n),
+                        (None, Some(detail)) => Err(Rejected { parcel_id: Some(n.parcel.id), reason: QuarantineReason::MalformedFeature, detail, footprint: None }),
+                        (None, None) => Ok(n),
                     },
-                    Err(rej) if rej.parcel_id.as_deref().is_some_and(damaged_id) => {
+                    Err(rej) if damaged_text(&[rej.parcel_id.as_deref()]).is_some() => {
                         let footprint = rej.footprint.or_else(|| crate::ingest::normalize::footprint_of_feature(json));
                         Err(Rejected { parcel_id: None, footprint, ..rej })
                     }

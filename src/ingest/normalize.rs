@@ -542,8 +542,15 @@ fn polygon_from(c: Coords) -> Result<Option<Polygon<f64>>, String> {
 }
 
 /// Finite check, repeated points, bbox, repair, orientation. Returns the clean geometry and
-/// whether it needed repair.
+/// whether it needed repair. Validity is checked within [`super::valid::WORK_BUDGET`].
 pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(MultiPolygon<f64>, bool), GeomError> {
+    clean_geometry_within(mp, bbox, super::valid::WORK_BUDGET)
+}
+
+/// [`clean_geometry`] with the validity check's work budget `budget`: `u64::MAX` for a
+/// geometry accepted before (a stored AOI), which a budget it was never held to must not
+/// make unusable.
+pub fn clean_geometry_within(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>, budget: u64) -> Result<(MultiPolygon<f64>, bool), GeomError> {
     if mp.0.iter().any(|p| {
         std::iter::once(p.exterior()).chain(p.interiors()).any(|r| r.0.iter().any(|c| !c.x.is_finite() || !c.y.is_finite()))
     }) {
@@ -571,7 +578,7 @@ pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(
     // starts and which way it runs, and the same shape must always repair the same way.
     let tidy = crate::detect::canonical::canonical_order(tidy);
     let result = std::panic::catch_unwind(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
-        match super::valid::check(&tidy) {
+        match super::valid::check_within(&tidy, budget).0 {
             Validity::Valid => Ok((orient_default(tidy), false)),
             Validity::Invalid => Ok((repair(&tidy)?, true)),
             // Neither checked nor repaired: a repair would cost as much again, and its result

@@ -46,6 +46,9 @@ pub enum Validity {
 /// Work spent so far against a budget; `Err` once it runs out.
 struct Work {
     left: u64,
+    /// How many pairs of parts whose boxes meet may be held at once (memory): the budget
+    /// over [`UNITS_PER_HELD_PAIR`].
+    pair_cap: usize,
 }
 
 /// The budget ran out (see [`WORK_BUDGET`]).
@@ -58,11 +61,12 @@ impl Work {
     }
 }
 
-/// At most this many pairs of parts (or holes) whose bounding boxes meet are held for one
-/// geometry (20 MB); more is [`Validity::TooComplex`]. Real layers have a few hundred at most
-/// (a Cambridge parcel's holes: 784), and 2,000 parts nested in one another's holes (2M
-/// pairs) are still checked.
-const MAX_BOX_PAIRS: usize = 2_500_000;
+/// One held pair of parts whose bounding boxes meet counts as this many units against the
+/// pairs a check may hold: [`WORK_BUDGET`] allows 2.5M pairs (20 MB); more is
+/// [`Validity::TooComplex`]. Real layers have a few hundred at most (a Cambridge parcel's
+/// holes: 784), and 2,000 parts nested in one another's holes (2M pairs) are still checked.
+/// An unlimited budget (a stored AOI) holds any number.
+const UNITS_PER_HELD_PAIR: u64 = 20;
 
 /// A `Relate` costs this many units per segment of the two geometries (it builds a graph of
 /// both, with their intersections, before it answers).
@@ -76,7 +80,7 @@ pub fn check(mp: &MultiPolygon<f64>) -> Validity {
 
 /// [`check`] with a budget of `budget` units; also returns the units spent.
 pub fn check_within(mp: &MultiPolygon<f64>, budget: u64) -> (Validity, u64) {
-    let mut work = Work { left: budget };
+    let mut work = Work { left: budget, pair_cap: usize::try_from(budget / UNITS_PER_HELD_PAIR).unwrap_or(usize::MAX) };
     let verdict = (|| -> Result<bool, OverBudget> {
         for p in &mp.0 {
             if !polygon_is_valid(p, &mut work)? {
@@ -118,7 +122,7 @@ pub fn is_valid(mp: &MultiPolygon<f64>) -> bool {
 /// Same answers as relating every pair (tests: `agrees_with_geo_on_generated_shapes`,
 /// `nested_and_touching_parts`). Still quadratic in the worst case (every box meeting every
 /// other), with a cost per pair of a point-in-polygon test instead of a `Relate`: each pair,
-/// segment pair and test is paid from `work`, and at most [`MAX_BOX_PAIRS`] pairs are held.
+/// segment pair and test is paid from `work`, which also caps the pairs held (`Work::pair_cap`).
 fn any_pair_overlaps(polys: &[Polygon<f64>], work: &mut Work) -> Result<bool, OverBudget> {
     use geo::coordinate_position::CoordinatePosition;
     use std::collections::HashSet;
@@ -133,13 +137,13 @@ fn any_pair_overlaps(polys: &[Polygon<f64>], work: &mut Work) -> Result<bool, Ov
         .filter_map(|(i, p)| p.bounding_rect().map(|r| GeomWithData::new(Rectangle::from_corners([r.min().x, r.min().y], [r.max().x, r.max().y]), i)))
         .collect();
     let box_tree = RTree::bulk_load(boxes);
-    // Pairs (lower index first) whose boxes meet, at most MAX_BOX_PAIRS of them (memory).
+    // Pairs (lower index first) whose boxes meet, at most `pair_cap` of them (memory).
     let mut candidates: Vec<(u32, u32)> = Vec::new();
     for b in box_tree.iter() {
         let i = b.data;
         for j in box_tree.locate_in_envelope_intersecting(b.geom().envelope()).map(|c| c.data).filter(|&j| j > i) {
             work.spend(1)?;
-            if candidates.len() >= MAX_BOX_PAIRS {
+            if candidates.len() >= work.pair_cap {
                 return Err(OverBudget);
             }
             candidates.push((u32::try_from(i).map_err(|_| OverBudget)?, u32::try_from(j).map_err(|_| OverBudget)?));
@@ -235,7 +239,15 @@ fn polygon_is_valid(polygon: &Polygon<f64>, work: &mut Work) -> Result<bool, Ove
 /// Spends one unit per pair of an `exterior` segment and a `holes` segment whose boxes meet
 /// (found with an R-tree of the exterior's segments), deciding nothing: the cost of the
 /// crossings the relates of the holes will compute.
+///
+/// When even every pair meeting (exterior segments × hole segments) fits in what is left of
+/// the budget, nothing is counted: most holed polygons (a parcel around a courtyard) need no
+/// tree for this.
 fn spend_on_meeting_segments(exterior: &LineString<f64>, holes: &[LineString<f64>], work: &mut Work) -> Result<(), OverBudget> {
+    let hole_segments: u64 = holes.iter().map(|h| h.0.len() as u64).sum();
+    if (exterior.0.len() as u64).saturating_mul(hole_segments) <= work.left {
+        return Ok(());
+    }
     let segment_box = |l: &Line<f64>| AABB::from_corners([l.start.x.min(l.end.x), l.start.y.min(l.end.y)], [l.start.x.max(l.end.x), l.start.y.max(l.end.y)]);
     work.spend(exterior.0.len() as u64)?;
     let tree = RTree::bulk_load(exterior.lines().map(|l| Rectangle::from_aabb(segment_box(&l))).collect::<Vec<_>>());
@@ -358,7 +370,7 @@ mod tests {
     #[test]
     fn shapes_quadratic_for_any_checker_are_too_complex_not_slow() {
         let annulus = |r: f64| Polygon::new(square_ring(0.0, r), vec![square_ring(0.0, r - 0.5)]);
-        // More parts nested in one another's holes than MAX_BOX_PAIRS lets through.
+        // More parts nested in one another's holes than the budget lets a check hold pairs of.
         let nested = MultiPolygon((1..=3_000).map(|k| annulus(k as f64)).collect());
         assert_eq!(check(&nested), Validity::TooComplex);
         // A fan of triangles that all touch at one point (valid: touching at points is

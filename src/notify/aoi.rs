@@ -29,17 +29,20 @@ const WGS84: [f64; 4] = [-180.0, -90.0, 180.0, 90.0];
 /// refusing coordinates outside WGS84 longitude/latitude: an AOI in a projected system (feet,
 /// metres) or typed wrong would match nothing, silently.
 pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    parse_within(text, Some(WGS84))
+    parse_within(text, Some(WGS84), crate::ingest::valid::WORK_BUDGET)
 }
 
 /// Parses AOI GeoJSON text into a valid MultiPolygon as it was accepted when stored (an API
 /// subscriber's AOI stored before the WGS84 check, an event's geometry re-validated on
-/// replay): without the range check, so nothing that matched before stops matching.
+/// replay): without the range check nor the validity check's work budget, so nothing that
+/// matched before stops matching (a subscriber whose AOI no longer parses matches nothing).
 pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    parse_within(text, None)
+    parse_within(text, None, u64::MAX)
 }
 
-fn parse_within(text: &str, bounds: Option<[f64; 4]>) -> Result<MultiPolygon<f64>, String> {
+/// An AOI's polygons, cleaned (and repaired) by [`crate::ingest::normalize::clean_geometry_within`],
+/// which returns only a valid geometry.
+fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64) -> Result<MultiPolygon<f64>, String> {
     let clean = crate::ingest::geojson::sanitize_non_finite(text.as_bytes());
     let value: serde_json::Value = serde_json::from_slice(&clean).map_err(|e| format!("not JSON: {e}"))?;
     let mut polys = Vec::new();
@@ -48,15 +51,12 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>) -> Result<MultiPolygon<f64
         return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
     }
     let mp = MultiPolygon::new(polys);
-    let (clean, _) = crate::ingest::normalize::clean_geometry(mp, bounds).map_err(|(reason, detail)| match reason {
+    let (clean, _) = crate::ingest::normalize::clean_geometry_within(mp, bounds, budget).map_err(|(reason, detail)| match reason {
         crate::model::QuarantineReason::OutOfBounds => {
             "coordinates outside longitude -180..180 / latitude -90..90: an AOI is in WGS84 degrees".to_string()
         }
         _ => format!("{}: {detail}", reason.as_str()),
     })?;
-    if !crate::ingest::valid::is_valid(&clean) {
-        return Err("geometry is invalid and could not be repaired".into());
-    }
     Ok(clean)
 }
 
@@ -90,6 +90,17 @@ fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, depth: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A new AOI is checked within the validity work budget; a stored one, accepted before
+    /// by a build that may have had none, is not held to it (so it keeps matching).
+    #[test]
+    fn only_new_aois_are_held_to_the_validity_budget() {
+        let square = r#"{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1],[0,0]]]}"#;
+        let starved = parse_within(square, None, 1).unwrap_err();
+        assert!(starved.contains("too complex to check"), "{starved}");
+        assert!(parse_within(square, None, u64::MAX).is_ok());
+        assert!(parse_new_aoi(square).is_ok() && parse_aoi(square).is_ok());
+    }
 
     #[test]
     fn coordinates_outside_lon_lat_are_refused() {
