@@ -82,6 +82,8 @@ pub fn derive_all(
                 content_hash: content,
                 geom_hash: state.geom_hash,
                 area_m2: state.area_m2,
+                revision: 0,
+                announced: None,
             },
             geometry,
         });
@@ -230,7 +232,9 @@ impl Engine {
         // `Engine::derive_pass`); the delta goes to a file, the counts to the gate.
         let now = self.now();
         let pass_started = Instant::now();
-        let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, now)?;
+        // A first derivation and a reprocess tell no one of their changes (`detect::diff::step`).
+        let announce = !opts.reprocess && wm.is_some();
+        let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, announce, now)?;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
         warnings.push(format!(
@@ -300,6 +304,7 @@ impl Engine {
         base_id: &str,
         index: &DistrictIndex,
         stretch: usize,
+        announce: bool,
         now: u64,
     ) -> Result<DerivePass, PipelineError> {
         let mut file = DeltaFile::create(self.scratch_dir())?;
@@ -329,7 +334,7 @@ impl Engine {
             for id in &orphan_shares {
                 file.removal(id)?;
             }
-            let diffed = diff(&derived, d.parcels, &HashSet::new());
+            let diffed = diff(&derived, d.parcels, &HashSet::new(), announce);
             let (changes, coverage_only) = alerting_changes(src.layer, diffed.changes);
             pass.coverage_only += coverage_only;
             let events = self.build_events(src, &changes, &diffed.upserts, &derived, now)?;
@@ -550,6 +555,7 @@ impl Engine {
                     area_m2: r.area_m2,
                     observed_at_ms: now,
                     severity: crate::detect::severity::rank(ChangeKind::AreaRezoned, Some(&r.from), Some(&r.to), r.area_m2, &src.severity),
+                    revision: 0,
                 }
             })
             .collect();
@@ -567,6 +573,8 @@ impl Engine {
                         content_hash: content_hash(&d.code, None, &gh),
                         geom_hash: gh,
                         area_m2: d.geometry.geodesic_area_unsigned(),
+                        revision: 0,
+                        announced: None,
                     },
                     geometry: StoredGeometry::from_geo(&d.geometry),
                 }
@@ -730,9 +738,19 @@ min_severity = "info"
         stored_of(engine, "zoning")
     }
 
+    /// What a derived source has stored, as derivation gives it: a stored state's history
+    /// (its revision and last announcement, `detect::diff::step`) is the runs', not the
+    /// derivation's, and is left out.
     fn stored_of(engine: &Engine, source: &str) -> (HashMap<String, ParcelState>, HashMap<String, u64>) {
         let shares = engine.store.derived_shares(source).unwrap().into_iter().map(|(id, s)| (id, s.to_bits())).collect();
-        (engine.store.snapshot_states(source).unwrap(), shares)
+        let states = engine
+            .store
+            .snapshot_states(source)
+            .unwrap()
+            .into_iter()
+            .map(|(id, s)| (id, ParcelState { revision: 0, announced: None, ..s }))
+            .collect();
+        (states, shares)
     }
 
     /// Parcels whose winning code moved from one real code to another between two derived

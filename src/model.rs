@@ -262,7 +262,31 @@ pub struct ParcelState {
     pub geom_hash: [u8; 32],
     /// Geodesic area in square metres.
     pub area_m2: f64,
+    /// How many changes of this parcel id were announced (committed by a run that delivers,
+    /// as opposed to a baseline, a reprocess or a primed hold) since this store first stored
+    /// it: the revision a key of its next change carries (`notify::idem`). 0 for a parcel as
+    /// its first ingest found it. Records written before it existed read as 0.
+    pub revision: u32,
+    /// What subscribers were last told of this parcel, when a change was announced: its
+    /// content then and the revision its key carried. A change back to that content (after
+    /// an unannounced detour: a restatement primed, a reprocess) gets that key again, so it
+    /// is a `duplicate`, not news. See [`crate::detect::diff::step`].
+    pub announced: Option<Announced>,
 }
+
+/// The last announced state of a parcel (or its removal): see [`ParcelState::announced`].
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Announced {
+    /// The first 16 bytes of the announced state's content hash ([`ABSENT_CONTENT`] for a
+    /// removal).
+    pub content: [u8; 16],
+    /// The revision the announcing change's key carried.
+    pub key_revision: u32,
+}
+
+/// The content an announced removal leaves in [`Announced::content`] (no content hash is all
+/// zeros in practice: a sha256 prefix).
+pub const ABSENT_CONTENT: [u8; 16] = [0; 16];
 
 /// One parcel as read from a feed, normalised and validated.
 #[derive(Clone, Debug)]
@@ -307,6 +331,11 @@ pub struct ChangeEvent {
     pub area_m2: f64,
     pub observed_at_ms: u64,
     pub severity: Severity,
+    /// The revision its idempotency key carries (part of the key when not 0): the parcel's
+    /// [`ParcelState::revision`] before the change, or, for a change back to what
+    /// subscribers were last told, the revision of the key that told them
+    /// ([`crate::detect::diff::step`]). Events held before it existed read as 0.
+    pub revision: u32,
 }
 
 impl ChangeEvent {
@@ -350,6 +379,7 @@ pub(crate) fn sample_event(parcel: &str) -> ChangeEvent {
         area_m2: 1.0,
         observed_at_ms: 0,
         severity: Severity::Critical,
+        revision: 0,
     }
 }
 

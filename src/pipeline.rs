@@ -4,7 +4,7 @@
 //! the store into one `RunWriter` transaction, as a run's delta is from its spill.
 
 use crate::config::{Config, SourceConfig};
-use crate::detect::diff::RawChange;
+use crate::detect::diff::{step, Prior, RawChange};
 use crate::detect::row_sort::RowSorter;
 use crate::detect::spill::{SpillEntry, SpillError, SpilledParcel};
 use crate::detect::stream::{default_workers, scan_layer, ScanError, ScanResult};
@@ -58,18 +58,20 @@ enum LayerInput {
 /// Scans a layer read from `file` (its path for messages) through a digesting reader:
 /// returns the scan with the sha256 and size of the very bytes it read. A file that could
 /// not be read is reported as such, with its path, not as a document that is not GeoJSON.
+#[allow(clippy::too_many_arguments)]
 fn scan_digested<R: std::io::Read + Send>(
     file: R,
     path: &std::path::Path,
     rules: &NormalizeRules,
     view: &crate::store::SnapshotView,
+    announce: bool,
     spill_dir: &std::path::Path,
     workers: usize,
     progress: Option<&(dyn Fn(u64, u64) + Sync)>,
 ) -> Result<(ScanResult, String, u64), PipelineError> {
     let read_err = |e| IngestError::Read { path: path.to_path_buf(), source: e };
     let mut reader = source::DigestingReader::new(file);
-    let scan = match scan_layer(&mut reader, rules, view, spill_dir, workers, progress) {
+    let scan = match scan_layer(&mut reader, rules, view, announce, spill_dir, workers, progress) {
         Ok(scan) => scan,
         Err(e) => return Err(reader.take_error().map(read_err).map(PipelineError::from).unwrap_or(e.into())),
     };
@@ -544,6 +546,8 @@ impl Engine {
         // The streaming diff: normalise, look up, classify; the delta goes to a spill file.
         let rules = NormalizeRules { fields: &src.fields, bbox: src.bbox };
         let view = self.store.snapshot_view(&src.id)?;
+        // A first ingest (no watermark yet) and a reprocess tell no one of their changes.
+        let announce = !opts.reprocess && wm.is_some();
         let spill_dir = self.scratch_dir();
         let workers = default_workers();
         let scan_started = std::time::Instant::now();
@@ -552,10 +556,10 @@ impl Engine {
         let (mut scan, digest, size) = match &mut input {
             LayerInput::File(path) => {
                 let file = std::fs::File::open(&*path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
-                scan_digested(file, path, &rules, &view, spill_dir, workers, progress)?
+                scan_digested(file, path, &rules, &view, announce, spill_dir, workers, progress)?
             }
             LayerInput::Staged(layer) => {
-                let read = scan_digested(&mut layer.file, &layer.path, &rules, &view, spill_dir, workers, progress)?;
+                let read = scan_digested(&mut layer.file, &layer.path, &rules, &view, announce, spill_dir, workers, progress)?;
                 // The digest the run records is that of the bytes it scanned.
                 if read.1 != layer.digest || read.2 != layer.size {
                     return Err(IngestError::Changed(format!(
@@ -669,6 +673,7 @@ impl Engine {
         now: u64,
     ) -> Result<RunRecord, PipelineError> {
         let hold = matches!(mode, CommitMode::Hold { .. });
+        let announce = mode.announces();
         let counts = RunCounts {
             features: scan.features,
             parcels: scan.parcels,
@@ -721,7 +726,14 @@ impl Engine {
             let events: Vec<ChangeEvent> = chunk
                 .iter()
                 .map(|(id, prev)| {
-                    let change = RawChange { parcel_id: id.clone(), kind: ChangeKind::Removed, from: Some(prev.zoning.clone()), to: None, new_index: None };
+                    let change = RawChange {
+                        parcel_id: id.clone(),
+                        kind: ChangeKind::Removed,
+                        from: Some(prev.zoning.clone()),
+                        to: None,
+                        new_index: None,
+                        revision: step(Prior::of(prev), ABSENT_CONTENT, announce).key_revision,
+                    };
                     self.change_event(src, change, None, old_geoms.remove(id), prev.area_m2, prev.effective_date.clone(), now)
                 })
                 .collect();
@@ -867,7 +879,7 @@ impl Engine {
             let Some(kind) = p.kind else { continue };
             let old_geometry = stored.remove(&p.id);
             let ParcelState { zoning, area_m2, effective_date, .. } = p.state;
-            let change = RawChange { parcel_id: p.id, kind, from: p.from, to: Some(zoning), new_index: None };
+            let change = RawChange { parcel_id: p.id, kind, from: p.from, to: Some(zoning), new_index: None, revision: p.key_revision };
             events.push(self.change_event(src, change, Some(p.geometry), old_geometry, area_m2, effective_date, now));
         }
         let claims = if hold { vec![] } else { self.claims_with(index, &events) };
@@ -926,6 +938,7 @@ impl Engine {
         now: u64,
     ) -> ChangeEvent {
         let severity = severity::rank(c.kind, c.from.as_deref(), c.to.as_deref(), area_m2, &src.severity);
+        let revision = c.revision;
         ChangeEvent {
             source_id: src.id.clone(),
             jurisdiction: src.jurisdiction.clone(),
@@ -939,6 +952,7 @@ impl Engine {
             area_m2,
             observed_at_ms: now,
             severity,
+            revision,
         }
     }
 
@@ -1116,13 +1130,13 @@ zoning = "ZONE_CODE"
         let sub = Subscriber { id: "w1".into(), target: "http://127.0.0.1:9/hook".into(), secret: None, min_severity: Severity::Info, aoi, secret_old: None };
         engine.subscribers = Arc::new(SubscriberIndex::build(vec![sub]));
         let src = engine.config.sources[0].clone();
-        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 100.0 };
+        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 100.0, revision: 0, announced: None };
         let geometry = StoredGeometry(vec![vec![vec![[-71.0, 42.0], [-70.999, 42.0], [-70.999, 42.001], [-71.0, 42.0]]]]);
         let parcels = 5 * COMMIT_CHUNK as u64;
         let scan = |damaged: bool| {
             let mut spill = Spill::create(dir.path()).unwrap();
             for i in 0..parcels {
-                let p = SpilledParcel { feature_index: i, id: format!("p{i:06}"), state: state.clone(), geometry: geometry.clone(), kind: Some(ChangeKind::Added), from: None };
+                let p = SpilledParcel { feature_index: i, key_revision: 0, id: format!("p{i:06}"), state: state.clone(), geometry: geometry.clone(), kind: Some(ChangeKind::Added), from: None };
                 spill.push_parcel(p).unwrap();
             }
             if damaged {
@@ -1170,7 +1184,8 @@ zoning = "ZONE_CODE"
                 // A few snapshot-only updates among them: stored, no event.
                 kind: (i % 997 != 5).then_some(ChangeKind::Added),
                 from: None,
-                state: ParcelState { zoning: format!("Z{i}"), effective_date: i.is_multiple_of(3).then(|| format!("2026-01-{:02}", i % 28 + 1)), content_hash: [i as u8; 32], geom_hash: [2; 32], area_m2: i as f64 },
+                key_revision: 0,
+                state: ParcelState { zoning: format!("Z{i}"), effective_date: i.is_multiple_of(3).then(|| format!("2026-01-{:02}", i % 28 + 1)), content_hash: [i as u8; 32], geom_hash: [2; 32], area_m2: i as f64, revision: 0, announced: None },
                 geometry: StoredGeometry(vec![vec![vec![[x, 42.0], [x + 1e-5, 42.0], [x, 42.0 + (i % 7 + 1) as f64 * 1e-5], [x, 42.0]]]]),
             }
         };

@@ -46,6 +46,8 @@ fn rebuilt_event(parcel: &str, from: &str, to: &str) -> ChangeEvent {
         area_m2: 100.0,
         observed_at_ms: T0,
         severity: Severity::Notice,
+        // The parcel's first change since its baseline carries revision 0.
+        revision: 0,
     }
 }
 
@@ -406,4 +408,76 @@ async fn equal_keys_in_one_batch_first_claim_wins_in_claim_order() {
         .collect();
     assert_eq!(rows, want);
     assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 3);
+}
+
+/// The `webhook-id` of every request the receiver got, in order.
+fn ids_received(rx: &zonewatch::receiver::Receiver) -> Vec<String> {
+    rx.received().iter().map(|r| r.header("webhook-id").unwrap_or_default().to_string()).collect()
+}
+
+/// A change that happens again is news again: a parcel rezoned R-1 → R-3, back and to R-3
+/// again, and one removed, published again, removed and published again, all within the key
+/// TTL, are told of every change, each under a key of its own (a receiver deduplicating on
+/// `webhook-id` keeps them all). A rollback taken silently (a reprocess back to the old
+/// version) and undone by the next real run tells the receiver nothing twice: it was told
+/// R-3 and still believes it. The change after that is news again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_that_happens_again_is_told_again() {
+    let (rx, ws) = whole_area_workspace().await;
+    let engine = ws.engine();
+    let v1 = grid(40);
+    let v2 = rezone(&v1, &[0], "R-3");
+    let without: Vec<P> = v2.iter().filter(|p| p.id != "P0005").cloned().collect();
+    ws.write_layer(&layer(&v1));
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    for (i, v) in [&v2, &v1, &v2, &without, &v2, &without, &v2].into_iter().enumerate() {
+        ws.write_layer(&layer(v));
+        let r = run(&engine, false);
+        assert_eq!((r.record.counts.changes, r.record.counts.queued, r.record.counts.duplicates), (1, 1, 0), "change {i}");
+    }
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 7);
+    let ids = ids_received(&rx);
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 7, "seven changes, seven keys: {ids:?}");
+    // Delivery order is not run order (more severe first): compare them sorted.
+    let mut told: Vec<String> = rx
+        .received()
+        .iter()
+        .filter_map(|r| r.json())
+        .map(|j| format!("{} {} {}→{}", j["data"]["parcel_id"], j["data"]["change"], j["data"]["from"], j["data"]["to"]))
+        .collect();
+    told.sort();
+    assert_eq!(
+        told,
+        vec![
+            r#""P0000" "rezoned" "R-1"→"R-3""#,
+            r#""P0000" "rezoned" "R-1"→"R-3""#,
+            r#""P0000" "rezoned" "R-3"→"R-1""#,
+            r#""P0005" "added" null→"R-2""#,
+            r#""P0005" "added" null→"R-2""#,
+            r#""P0005" "removed" "R-2"→null"#,
+            r#""P0005" "removed" "R-2"→null"#,
+        ]
+    );
+    // The parcel's first change has the key a zonewatch without revisions gave it.
+    let first = zonewatch::notify::idem::key_for("w1", &rebuilt_event("P0000", "R-1", "R-3"));
+    assert!(ids.contains(&first.0), "{ids:?}");
+
+    // A silent rollback, then the real version again: a duplicate of the third change.
+    ws.write_layer(&layer(&v1));
+    let rollback = run(&engine, true);
+    assert_eq!((rollback.record.counts.changes, rollback.record.counts.suppressed), (1, 1));
+    ws.write_layer(&layer(&v2));
+    let back = run(&engine, false);
+    assert_eq!((back.record.counts.changes, back.record.counts.queued, back.record.counts.duplicates), (1, 0, 1));
+    assert_eq!(deliver(&engine, Duration::from_secs(1)).await.attempted, 0);
+    assert_eq!(rx.received().len(), 7, "the receiver already believes R-3");
+
+    // R-3 → R-1 for real: news.
+    ws.write_layer(&layer(&v1));
+    assert_eq!(run(&engine, false).record.counts.queued, 1);
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
+    let ids = ids_received(&rx);
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 8, "{ids:?}");
+    let o = outcomes(&engine);
+    assert_eq!((o.get("sent"), o.get("duplicate")), (Some(&8), Some(&1)));
 }

@@ -205,3 +205,43 @@ fn a_hold_superseded_after_it_was_read_is_not_resolved() {
     assert!(err.contains("no longer open"), "{err}");
     assert_eq!(engine.store.watermark("s1").unwrap().unwrap().digest, committed.digest, "watermark not set back");
 }
+
+/// A primed hold announces nothing, so its parcels keep what subscribers were last told: a
+/// publisher's rollback held (a spike) and primed, then undone by the next version (held,
+/// and released), sends the parcel the receiver was told of no second alert. (The parcels
+/// the rollback changed away from their first ingest are told of their return: nothing was
+/// ever announced of them to return to.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primed_rollback_undone_tells_no_one_twice() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    let engine = ws.engine();
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    // P0000 rezoned for real, and told.
+    let v2 = with_zones(&v1, &[0], "R-3");
+    ws.write_layer(&layer(&v2));
+    assert_eq!(run(&engine, false).record.counts.queued, 1);
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
+    // The publisher rolls back (P0000 to R-1) with 50 other parcels: held, primed.
+    let rollback = with_zones(&v1, &(50..100).collect::<Vec<_>>(), "C-9");
+    ws.write_layer(&layer(&rollback));
+    let h = run(&engine, false).record.hold_id.expect("a spike is held");
+    let primed = engine.resolve_hold(h, true).unwrap();
+    assert_eq!((primed.counts.queued, primed.counts.suppressed), (0, 51));
+    // And undoes it: held again, released.
+    ws.write_layer(&layer(&v2));
+    let h = run(&engine, false).record.hold_id.expect("a spike is held");
+    let released = engine.resolve_hold(h, false).unwrap();
+    assert_eq!((released.counts.changes, released.counts.queued, released.counts.duplicates), (51, 50, 1));
+    deliver(&engine, Duration::from_secs(5)).await;
+    let p0000: Vec<_> = rx.received().iter().filter_map(|r| r.json()).filter(|j| j["data"]["parcel_id"] == "P0000").collect();
+    assert_eq!(p0000.len(), 1, "P0000's R-3 was told once: {p0000:?}");
+    assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0000"].zoning, "R-3");
+}

@@ -42,6 +42,7 @@ pub fn run(ctx: &BenchCtx) -> Result<(), BenchError> {
             area_m2: 1_400.0,
             observed_at_ms: 1_780_000_000_000,
             severity: Severity::Critical,
+            revision: 0,
         })
         .collect();
     for (batch, commits) in plan {

@@ -304,6 +304,7 @@ fn event_for(lot: &SynthParcel, now_ms: u64) -> ChangeEvent {
         area_m2: 1_000.0,
         observed_at_ms: now_ms,
         severity: Severity::Material,
+        revision: 0,
     }
 }
 

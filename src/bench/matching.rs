@@ -60,6 +60,7 @@ fn events_of(spec: &CountySpec, n: usize) -> Vec<ChangeEvent> {
                 area_m2: LOT_SIDE_M * LOT_SIDE_M,
                 observed_at_ms: 0,
                 severity: Severity::Notice,
+                revision: 0,
             }
         })
         .collect()

@@ -180,6 +180,8 @@ fn synthetic(ctx: &BenchCtx, parcels: usize, districts: usize) -> Result<(), Ben
                 content_hash: [0; 32],
                 geom_hash: [0; 32],
                 area_m2: 0.0,
+                revision: 0,
+                announced: None,
             };
             (lot.id, state, StoredGeometry(vec![vec![lot.ring]]))
         })

@@ -170,7 +170,7 @@ mod tests {
     use std::io::Read;
 
     fn state(code: &str) -> ParcelState {
-        ParcelState { zoning: code.into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 12.5 }
+        ParcelState { zoning: code.into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 12.5, revision: 0, announced: None }
     }
 
     /// Every kind of record reads back as written, in order; the end is `None`.

@@ -9,7 +9,7 @@
 //! a feature we could not read is not evidence that the parcel is gone.
 
 use super::canonical::normalize_code;
-use crate::model::{ChangeKind, Parcel, ParcelState};
+use crate::model::{Announced, ChangeKind, Parcel, ParcelState, ABSENT_CONTENT};
 use std::collections::{HashMap, HashSet};
 
 /// A change before geometries and severity are attached.
@@ -21,6 +21,71 @@ pub struct RawChange {
     pub to: Option<String>,
     /// Index into `DiffResult::upserts` of the new parcel (None for removals).
     pub new_index: Option<usize>,
+    /// The revision the change's key carries ([`Step::key_revision`]).
+    pub revision: u32,
+}
+
+/// What a parcel's record says before a change: its stored state's, or its tombstone's,
+/// revision and last announcement (`Prior::default()`: never stored, or not within the key TTL).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prior {
+    pub revision: u32,
+    pub announced: Option<Announced>,
+}
+
+impl Prior {
+    /// The prior of a stored state.
+    pub fn of(state: &ParcelState) -> Prior {
+        Prior { revision: state.revision, announced: state.announced }
+    }
+}
+
+/// One change of a parcel, as its key and its record see it (see [`step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Step {
+    /// The revision the change's idempotency key carries.
+    pub key_revision: u32,
+    /// The parcel's [`ParcelState::revision`] after it (a removal's tombstone keeps it).
+    pub revision: u32,
+    /// The parcel's [`ParcelState::announced`] after it.
+    pub announced: Option<Announced>,
+}
+
+/// The key revision of a change to `content` (a state's [`content_of`], or
+/// [`ABSENT_CONTENT`] for a removal) from `prior`, and what the parcel remembers after it.
+///
+/// The rule keeps one promise to a receiver, who deduplicates on the key: a change it has not
+/// been told of has a key it has never seen, and a change to what it was last told has the
+/// key that told it. So:
+/// * an announced change (its run delivers) to content other than the last announced
+///   carries the prior revision, and the revision goes up by one: a parcel going R-1 → C-2,
+///   back, and to C-2 again is told three times, under three keys;
+/// * an announced change back to the last announced content carries that announcement's key
+///   revision: after an unannounced detour (a publisher's rollback primed, a reprocess back
+///   to an old version), the return is a `duplicate` of what was sent, not a second alert;
+/// * an unannounced change (a baseline, a reprocess, a primed hold, an effective-date-only
+///   update that has no event) carries the prior revision and changes neither the revision
+///   nor the announcement: the receiver still knows what it knew.
+///
+/// Its key revision is the same whenever the same change is found from the same record, so
+/// a change found twice (a held run released, a reprocess) has one key.
+pub fn step(prior: Prior, content: [u8; 16], announce: bool) -> Step {
+    if !announce {
+        return Step { key_revision: prior.revision, revision: prior.revision, announced: prior.announced };
+    }
+    let key_revision = match prior.announced {
+        Some(a) if a.content == content => a.key_revision,
+        _ => prior.revision,
+    };
+    Step { key_revision, revision: prior.revision.saturating_add(1), announced: Some(Announced { content, key_revision }) }
+}
+
+/// What [`step`] compares a state by: the first half of its content hash (zoning, effective
+/// date and geometry).
+pub fn content_of(state: &ParcelState) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&state.content_hash[..16]);
+    out
 }
 
 /// What the snapshot must become, and the changes that describe it.
@@ -60,12 +125,15 @@ pub fn classify(prev: Option<&ParcelState>, new: &ParcelState) -> ParcelDelta {
 }
 
 /// Compares `new` parcels with the `old` snapshot. `untouchable` ids (quarantined this run)
-/// are left as they are. (The pipeline streams county-sized layers through [`classify`]
-/// instead; this in-memory form serves derived layers and tests.)
-pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &HashSet<String>) -> DiffResult {
+/// are left as they are. `announce`: whether the run delivers (each change takes a [`step`];
+/// a parcel not stored has no prior, as no tombstones are read: this form serves derived
+/// layers, whose additions and removals never alert). (The pipeline streams county-sized
+/// layers through [`classify`] and [`step`] instead; this in-memory form serves derived
+/// layers and tests.)
+pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &HashSet<String>, announce: bool) -> DiffResult {
     let mut out = DiffResult::default();
     let mut seen: HashSet<String> = HashSet::with_capacity(new.len());
-    for parcel in new {
+    for mut parcel in new {
         seen.insert(parcel.id.clone());
         let prev = old.get(&parcel.id);
         let kind = match classify(prev, &parcel.state) {
@@ -73,6 +141,8 @@ pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &
             ParcelDelta::Added => Some(ChangeKind::Added),
             ParcelDelta::Changed(kind) => kind,
         };
+        let s = step(prev.map(Prior::of).unwrap_or_default(), content_of(&parcel.state), announce && kind.is_some());
+        (parcel.state.revision, parcel.state.announced) = (s.revision, s.announced);
         if let Some(kind) = kind {
             out.changes.push(RawChange {
                 parcel_id: parcel.id.clone(),
@@ -80,6 +150,7 @@ pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &
                 from: prev.map(|p| p.zoning.clone()),
                 to: Some(parcel.state.zoning.clone()),
                 new_index: Some(out.upserts.len()),
+                revision: s.key_revision,
             });
         }
         out.upserts.push(parcel);
@@ -97,6 +168,7 @@ pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &
             from: Some(prev.zoning.clone()),
             to: None,
             new_index: None,
+            revision: step(Prior::of(prev), ABSENT_CONTENT, announce).key_revision,
         });
     }
     out
@@ -118,6 +190,8 @@ mod tests {
                 content_hash: content_hash(zoning, None, &gh),
                 geom_hash: gh,
                 area_m2: 1.0,
+                revision: 0,
+                announced: None,
             },
             geometry: StoredGeometry::default(),
         }
@@ -137,7 +211,7 @@ mod tests {
         .collect();
         let new = vec![parcel("a", "r-1", 1), parcel("b", "C-2", 1), parcel("c", "R-1", 2), parcel("e", "R-1", 1)];
         let untouchable: HashSet<String> = ["q".to_string()].into();
-        let d = diff(&old, new, &untouchable);
+        let d = diff(&old, new, &untouchable, true);
         let kinds: Vec<(&str, ChangeKind)> = d.changes.iter().map(|c| (c.parcel_id.as_str(), c.kind)).collect();
         assert_eq!(
             kinds,
@@ -145,5 +219,61 @@ mod tests {
         );
         assert_eq!(d.removals, vec!["d".to_string()]);
         assert_eq!(d.upserts.len(), 3);
+    }
+
+    /// Plays changes through [`step`] the way runs would, from a parcel never stored, and
+    /// returns the key revision of each announced one.
+    fn announced_keys(changes: &[(u8, bool)]) -> Vec<u32> {
+        let mut prior = Prior::default();
+        let mut keys = Vec::new();
+        for &(content, announce) in changes {
+            let s = step(prior, [content; 16], announce);
+            if announce {
+                keys.push(s.key_revision);
+            }
+            prior = Prior { revision: s.revision, announced: s.announced };
+        }
+        keys
+    }
+
+    /// The receiver's promise of [`step`], case by case (content 0 is a removal).
+    #[test]
+    fn a_change_has_a_new_key_unless_it_returns_to_what_was_announced() {
+        // Baseline R (silent), then R → C, C → R, R → C, all announced: three keys.
+        assert_eq!(announced_keys(&[(1, false), (2, true), (1, true), (2, true)]), vec![0, 1, 2]);
+        // R → C announced, back to R silently (a rollback primed), C again: the key that told
+        // C, then a new one for the next real change back to R.
+        assert_eq!(announced_keys(&[(1, false), (2, true), (1, false), (2, true), (1, true)]), vec![0, 0, 2]);
+        // A reprocess to C and back, then C for real: the key the reprocess primed (0).
+        assert_eq!(announced_keys(&[(1, false), (2, false), (1, false), (2, true)]), vec![0]);
+        // Removed, added back, removed, added back (announced): four keys.
+        assert_eq!(announced_keys(&[(1, false), (0, true), (1, true), (0, true), (1, true)]), vec![0, 1, 2, 3]);
+        // A silent detour to a third state and back, then a real change: still new.
+        assert_eq!(announced_keys(&[(1, false), (2, true), (3, false), (2, false), (1, true)]), vec![0, 1]);
+        // A parcel first seen by a delivering run: 0, then on.
+        assert_eq!(announced_keys(&[(5, true), (6, true), (5, true)]), vec![0, 1, 2]);
+    }
+
+    /// Unannounced changes leave the record as it was; the revision never wraps.
+    #[test]
+    fn an_unannounced_change_changes_nothing_remembered() {
+        let prior = Prior { revision: 7, announced: Some(Announced { content: [3; 16], key_revision: 4 }) };
+        assert_eq!(step(prior, [9; 16], false), Step { key_revision: 7, revision: 7, announced: prior.announced });
+        let top = Prior { revision: u32::MAX, announced: None };
+        assert_eq!(step(top, [9; 16], true).revision, u32::MAX);
+    }
+
+    /// The in-memory diff takes the same steps: an announced run's changes carry and leave
+    /// revisions, an unannounced one's leave them alone.
+    #[test]
+    fn the_diff_takes_steps() {
+        let mut stored = parcel("b", "R-1", 1).state;
+        stored.revision = 3;
+        let old: HashMap<String, ParcelState> = [("b".to_string(), stored.clone()), ("d".to_string(), stored)].into();
+        let d = diff(&old, vec![parcel("b", "C-2", 1)], &HashSet::new(), true);
+        assert_eq!(d.changes.iter().map(|c| c.revision).collect::<Vec<_>>(), vec![3, 3]);
+        assert_eq!((d.upserts[0].state.revision, d.upserts[0].state.announced.map(|a| a.key_revision)), (4, Some(3)));
+        let quiet = diff(&old, vec![parcel("b", "C-2", 1)], &HashSet::new(), false);
+        assert_eq!((quiet.upserts[0].state.revision, quiet.upserts[0].state.announced), (3, None));
     }
 }

@@ -37,6 +37,8 @@ pub struct SpilledParcel {
     pub kind: Option<ChangeKind>,
     /// The stored zoning before this run (None for an added parcel).
     pub from: Option<String>,
+    /// The revision the change's key carries (`detect::diff::Step::key_revision`).
+    pub key_revision: u32,
     pub state: ParcelState,
     pub geometry: StoredGeometry,
 }
@@ -50,8 +52,8 @@ impl SpilledParcel {
 
     /// A parcel read as its head, then its state and geometry.
     pub fn from_head(head: ParcelHead, state: ParcelState, geometry: StoredGeometry) -> SpilledParcel {
-        let ParcelHead { feature_index, id, kind, from } = head;
-        SpilledParcel { feature_index, id, kind, from, state, geometry }
+        let ParcelHead { feature_index, id, kind, from, key_revision } = head;
+        SpilledParcel { feature_index, id, kind, from, key_revision, state, geometry }
     }
 
     /// This parcel as a [`ParcelRef`], for writing it to the store.
@@ -85,6 +87,7 @@ pub struct ParcelHead {
     pub id: String,
     pub kind: Option<ChangeKind>,
     pub from: Option<String>,
+    pub key_revision: u32,
 }
 
 /// A record as it is written, borrowing its content: serde encodes a reference as what it
@@ -355,10 +358,11 @@ mod tests {
         let parcel = |i: u64| SpilledParcel {
             feature_index: i,
             id: format!("p{i}"),
-            state: ParcelState { zoning: "R-1".into(), effective_date: Some("2026-01-01".into()), content_hash: [3; 32], geom_hash: [4; 32], area_m2: 2.5 },
+            state: ParcelState { zoning: "R-1".into(), effective_date: Some("2026-01-01".into()), content_hash: [3; 32], geom_hash: [4; 32], area_m2: 2.5, revision: 0, announced: None },
             geometry: StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]),
             kind: Some(ChangeKind::Rezoned),
             from: Some("C-1".into()),
+            key_revision: 0,
         };
         let mut framed = Vec::new();
         frame_parcel(&mut framed, &parcel(1)).unwrap();
@@ -455,7 +459,7 @@ mod tests {
     fn round_trips_in_order_and_rewinds() {
         let dir = tempfile::tempdir().unwrap();
         let mut s = Spill::create(dir.path()).unwrap();
-        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 3.5 };
+        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 3.5, revision: 0, announced: None };
         for i in 0..1000u64 {
             s.push_parcel(SpilledParcel {
                 feature_index: i,
@@ -464,6 +468,7 @@ mod tests {
                 geometry: StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]),
                 kind: Some(ChangeKind::Added),
                 from: None,
+                key_revision: 0,
             })
             .unwrap();
         }

@@ -23,7 +23,7 @@
 //! seen-id fingerprints (24 bytes a feature) — ~155 MB at 2.5M parcels — the removals, the quarantined ids, and a few batches
 //! in flight. Everything else is on disk.
 
-use super::diff::{classify, ParcelDelta};
+use super::diff::{classify, content_of, step, ParcelDelta, Prior};
 use super::unidentified::Unidentified;
 use super::spill::{frame_parcel, Spill, SpillEntry, SpillError, SpillReader, SpilledParcel};
 use crate::ingest::geojson::{self, FeatureText};
@@ -226,12 +226,15 @@ pub fn default_workers() -> usize {
 }
 
 /// Streams the layer read from `reader` through normalise + diff against `view`, spilling
-/// the delta into a temporary file in `spill_dir`. `progress(bytes, features)` is called
-/// from the scanning thread as the document is read.
+/// the delta into a temporary file in `spill_dir`. `announce`: whether the run is to tell
+/// subscribers of its changes (not a baseline, not a reprocess): each changed parcel's
+/// revision and key revision follow from it ([`step`]). `progress(bytes, features)` is
+/// called from the scanning thread as the document is read.
 pub fn scan_layer<R: Read + Send>(
     reader: R,
     rules: &NormalizeRules,
     view: &SnapshotView,
+    announce: bool,
     spill_dir: &Path,
     workers: usize,
     progress: Option<&(dyn Fn(u64, u64) + Sync)>,
@@ -297,7 +300,7 @@ pub fn scan_layer<R: Read + Send>(
         for _ in 0..workers {
             let res_tx = res_tx.clone();
             let (feat_rx, index) = (&feat_rx, &index);
-            scope.spawn(move || worker(feat_rx, res_tx, rules, view, index, cancel));
+            scope.spawn(move || worker(feat_rx, res_tx, rules, view, announce, index, cancel));
         }
         drop(res_tx);
 
@@ -494,6 +497,7 @@ fn worker(
     res_tx: std::sync::mpsc::SyncSender<Result<ResultBatch, ScanError>>,
     rules: &NormalizeRules,
     view: &SnapshotView,
+    announce: bool,
     snapshot: &OnceLock<Result<SnapshotIndex, String>>,
     cancel: &AtomicBool,
 ) {
@@ -577,7 +581,22 @@ fn worker(
                         ParcelDelta::Changed(kind) => (kind, true),
                     };
                     if keep {
-                        let parcel = SpilledParcel { feature_index: index, id: p.id, state: p.state, geometry: p.geometry, kind, from: prev.map(|s| s.zoning) };
+                        let mut state = p.state;
+                        let prior = match &prev {
+                            Some(s) => Prior::of(s),
+                            None => view.tombstone(&p.id).map(|t| Prior { revision: t.revision, announced: t.announced }).unwrap_or_default(),
+                        };
+                        let taken = step(prior, content_of(&state), announce && kind.is_some());
+                        (state.revision, state.announced) = (taken.revision, taken.announced);
+                        let parcel = SpilledParcel {
+                            feature_index: index,
+                            id: p.id,
+                            state,
+                            geometry: p.geometry,
+                            kind,
+                            from: prev.map(|s| s.zoning),
+                            key_revision: taken.key_revision,
+                        };
                         let start = out.framed.len();
                         if let Err(e) = frame_parcel(&mut out.framed, &parcel) {
                             let _ = res_tx.send(Err(e.into()));

@@ -131,7 +131,7 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
     Ok(Normalized {
         parcel: Parcel {
             id,
-            state: ParcelState { zoning, effective_date, content_hash, geom_hash, area_m2 },
+            state: ParcelState { zoning, effective_date, content_hash, geom_hash, area_m2, revision: 0, announced: None },
             geometry: StoredGeometry::from_geo(&geometry),
         },
         repaired,

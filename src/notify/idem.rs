@@ -1,6 +1,13 @@
 //! Idempotency keys: sha256 over `watcher | jurisdiction | parcel | kind | old code | new code
-//! | effective date`. Only stable fields go in (never a timestamp or a run id), so the same
-//! change for the same watcher always has the same key, across runs and restarts.
+//! | effective date [| revision]`. Only stable fields go in (never a timestamp or a run id),
+//! so the same change for the same watcher always has the same key, across runs and
+//! restarts. The revision (`ChangeEvent::revision`, the parcel's revision after the change,
+//! kept in the snapshot) tells apart a change that happens *again*: a parcel rezoned
+//! R-1 → C-2, back to R-1 and to C-2 again within the key TTL gets three keys, not a
+//! `duplicate` for the third (its receiver would be left believing R-1). The same change
+//! found twice from the same snapshot (a held run released, a reprocess) has the same
+//! revision, so the same key. Revision 0 (a parcel as its first ingest found it, and every
+//! event of a store older than revisions) adds no field: those keys are what they were.
 
 use crate::detect::canonical::normalize_code;
 use crate::model::{ChangeEvent, IdemKey};
@@ -8,7 +15,9 @@ use sha2::{Digest, Sha256};
 
 /// The key of one (watcher, change) pair: sha256 over the watcher id, jurisdiction, parcel
 /// id, kind, normalised from / to codes and effective date, each escaped (`\` → `\\`,
-/// `|` → `\|`) and joined by `|`, so that field boundaries cannot be forged. Each field is
+/// `|` → `\|`) and joined by `|`, so that field boundaries cannot be forged, and then, when
+/// the event's revision is not 0, `|` and the revision in decimal (no escaping needed: an
+/// escaped field never ends in an unescaped `|`, so no key without it can equal one with it). Each field is
 /// hashed as it is escaped, not copied first (a baseline computes one key per parcel an AOI
 /// touches); only the from / to codes are normalised into new strings.
 pub fn key_for(watcher_id: &str, event: &ChangeEvent) -> IdemKey {
@@ -29,6 +38,10 @@ pub fn key_for(watcher_id: &str, event: &ChangeEvent) -> IdemKey {
             h.update(b"|");
         }
         update_escaped(&mut h, f);
+    }
+    if event.revision > 0 {
+        h.update(b"|");
+        h.update(event.revision.to_string().as_bytes());
     }
     IdemKey(crate::util::hex(&h.finalize()))
 }
@@ -81,5 +94,28 @@ mod tests {
         assert_eq!(escaped.0, "7a8a55cfb11678827e5ee0ab6e85bb5f5801621ac9af1d54eddda08228e3cb16");
         assert_eq!(missing.0, "7520553fefd815c23cf25fddf3cfd3c5835cdceb0038f871aa63fa432f85aca1");
         assert_eq!(wide.0, "f3b5ceba5c55334efdaa63b8d9de6a61a4254d86a27da9623404a8f0ae508fed");
+    }
+
+    /// A change that happens again (a later revision of the parcel) has a key of its own; the
+    /// revision is hashed after the other fields, as `|` and its decimal digits (checked
+    /// against the hash of that text, computed here field by field).
+    #[test]
+    fn a_later_revision_of_the_same_change_has_its_own_key() {
+        let mut e = sample_event("P-1");
+        let first = key_for("w1", &e);
+        e.revision = 2;
+        let again = key_for("w1", &e);
+        e.revision = 12;
+        let later = key_for("w1", &e);
+        assert_ne!(first, again);
+        assert_ne!(again, later);
+        let by_hand = |text: &str| crate::util::hex(&Sha256::digest(text.as_bytes()));
+        assert_eq!(first.0, by_hand("w1|j|P-1|rezoned|R-1|C-2|"));
+        assert_eq!(again.0, by_hand("w1|j|P-1|rezoned|R-1|C-2||2"));
+        assert_eq!(later.0, by_hand("w1|j|P-1|rezoned|R-1|C-2||12"));
+        // An effective date that looks like a revision is escaped, so it cannot stand in for one.
+        e.revision = 0;
+        e.effective_date = Some("|2".into());
+        assert_ne!(key_for("w1", &e), again);
     }
 }

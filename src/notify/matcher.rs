@@ -380,6 +380,7 @@ mod tests {
             area_m2: 1.0,
             observed_at_ms: 0,
             severity: Severity::Info,
+            revision: 0,
         }
     }
 

@@ -26,7 +26,7 @@
 
 use super::codec::{split_version, unknown_version, RECORD_VERSION};
 use super::runs::codec_err;
-use super::snapshot::postcard_of;
+use super::snapshot::record_parts;
 use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, LEGACY_PARCEL_ROWS, META, META_COMPACT_PENDING, PARCEL_BLOCKS};
 use super::StoreError;
 use redb::{ReadableTable, TableHandle, WriteTransaction};
@@ -542,7 +542,7 @@ pub(super) fn migrate_parcel_rows(wtx: &WriteTransaction) -> Result<u64, StoreEr
             let (source, id) = k.value();
             // Copied, not decoded; but a record of a version this build cannot read fails the
             // upgrade (which then keeps nothing) rather than moving into a block unread.
-            postcard_of(v.value()).map_err(|m| codec_err("parcel_snapshot", format!("{source}/{id}: {m}")))?;
+            record_parts(v.value()).map_err(|m| codec_err("parcel_snapshot", format!("{source}/{id}: {m}")))?;
             packer.push(&mut out, source, id, v.value())?;
         }
         packer.finish(&mut out)?

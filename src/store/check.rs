@@ -402,6 +402,13 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             problem(&mut report, p);
         }
     }
+    // Every tombstone reads (a run skips one that does not: its parcel would start again
+    // from revision 0 if it came back).
+    if let Some(tombstones) = open_optional(rtx, PARCEL_TOMBSTONES)? {
+        for p in super::tombstones::unreadable(&tombstones)? {
+            problem(&mut report, format!("tombstone {p} does not decode"));
+        }
+    }
     if let Some(subs) = open_optional(rtx, SUBSCRIBERS)? {
         for item in subs.iter()? {
             let (k, _) = item?;
@@ -457,6 +464,14 @@ mod tests {
         assert_eq!(store.watermark("s").expect("wm").map(|w| w.run_id), Some(record.run_id));
         let all = store.check_consistency().expect("check").problems.join("\n");
         assert!(all.contains("hold 7 does not decode"), "{all}");
+
+        // Likewise a tombstone: the source's diff reads around it, `check` names it.
+        let wtx = store.db.begin_write().expect("write");
+        wtx.open_table(PARCEL_TOMBSTONES).expect("tombstones").insert(("t", "p9"), [0xFFu8].as_slice()).expect("insert");
+        wtx.commit().expect("commit");
+        assert_eq!(store.snapshot_view("t").expect("the view opens").tombstone("p9"), None);
+        let all = store.check_consistency().expect("check").problems.join("\n");
+        assert!(all.contains("tombstone t/p9: "), "{all}");
     }
 
     #[test]
@@ -504,7 +519,7 @@ mod tests {
         use crate::store::CommitMode;
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(&dir.path().join("zw.redb")).expect("open");
-        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0 };
+        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0, revision: 0, announced: None };
         let geometry = StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]);
         let parcels: Vec<Parcel> = (0..100).map(|i| Parcel { id: format!("p{i:03}"), state: state.clone(), geometry: geometry.clone() }).collect();
         let mut w = store.begin_run("s", CommitMode::Baseline, Watermark::default(), 1, 1_000).expect("run");

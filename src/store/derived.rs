@@ -234,7 +234,7 @@ mod tests {
         let ring = vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]];
         Parcel {
             id: id.into(),
-            state: ParcelState { zoning: format!("Z{id}"), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0 },
+            state: ParcelState { zoning: format!("Z{id}"), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0, revision: 0, announced: None },
             geometry: StoredGeometry(if with_geometry { vec![vec![ring]] } else { vec![] }),
         }
     }

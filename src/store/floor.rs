@@ -102,7 +102,7 @@ mod tests {
     fn copies_one_sources_snapshot() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0 };
+        let state = ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0, revision: 0, announced: None };
         let geometry = StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]);
         for (source, n) in [("a", 5000), ("b", 7)] {
             let parcels: Vec<Parcel> = (0..n).map(|i| Parcel { id: format!("p{i}"), state: state.clone(), geometry: geometry.clone() }).collect();

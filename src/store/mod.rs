@@ -25,6 +25,7 @@ mod key_journal;
 mod expiry;
 mod blocks;
 mod floor;
+mod held_rows;
 mod leases;
 mod outbox;
 mod outbox_rows;
@@ -33,6 +34,7 @@ mod queries;
 mod runs;
 mod snapshot;
 mod subscribers;
+mod tombstones;
 mod probe;
 mod repair;
 mod tables;
@@ -45,6 +47,7 @@ pub use queries::{AuditFilter, SnapshotView, StoreStats};
 pub use derived::BaseStretch;
 pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunNote, RunWriter};
 pub use snapshot::SnapshotRow;
+pub use tombstones::Tombstone;
 pub use subscribers::{StoredSubscriber, SubscriberDeleted, SubscriberPut, SUBSCRIBER_DELETED};
 pub use delivery::RowsDeadLettered;
 pub use endpoints::ENABLED_BY_OPERATOR;
@@ -59,6 +62,10 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 8: snapshot records at version 2 carry the parcel's revision, removed parcels leave a
+/// tombstone (`parcel_tombstones`), and change events' keys include the revision
+/// (`snapshot.rs`, `tombstones.rs`, `notify::idem`); a version 7 build could not read the
+/// records, nor keep the revisions the keys depend on.
 /// 7: the snapshot's parcels are packed a block of up to 32 to a row of `parcel_blocks`
 /// (`blocks.rs`); a version 6 build would find no snapshot and take every parcel as new.
 /// 6: a parcel's state and geometry are one row of `parcel_snapshot` (`snapshot.rs`); a
@@ -72,7 +79,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 7;
+pub const SCHEMA_VERSION: u32 = 8;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -486,6 +493,7 @@ impl Store {
             wtx.open_table(WATERMARKS)?;
             wtx.open_table(WATERMARK_HISTORY)?;
             wtx.open_table(PARCEL_BLOCKS)?;
+            wtx.open_table(PARCEL_TOMBSTONES)?;
             wtx.open_table(IDEM_KEYS)?;
             wtx.open_table(IDEM_EXPIRY_BUCKETS)?;
             wtx.open_table(IDEM_KEY_JOURNAL)?;

@@ -7,6 +7,7 @@ use super::runs::codec_err;
 use super::watermark_rows::{decode_hold, decode_watermark, readable_hold};
 use super::snapshot::{decode_hash_ref, decode_record, decode_state, decode_state_envelope, geometries_of};
 use super::tables::*;
+use super::tombstones::Tombstone;
 use super::{Store, StoreError};
 use crate::model::*;
 use redb::{ReadableDatabase, ReadableTable};
@@ -60,9 +61,21 @@ pub struct StoreStats {
 pub struct SnapshotView {
     table: redb::ReadOnlyTable<(&'static str, &'static str), &'static [u8]>,
     source_id: String,
+    /// The source's removed parcels (`tombstones.rs`), read with the snapshot: as many as
+    /// were removed within the key TTL.
+    tombstones: HashMap<String, Tombstone>,
 }
 
 impl SnapshotView {
+    /// A removed parcel's tombstone, if it has one (a parcel not in the snapshot that has
+    /// none was never stored, or not within the key TTL).
+    pub fn tombstone(&self, parcel_id: &str) -> Option<Tombstone> {
+        if self.tombstones.is_empty() {
+            return None;
+        }
+        self.tombstones.get(parcel_id).copied()
+    }
+
     /// The stored state of one parcel.
     pub fn get(&self, parcel_id: &str) -> Result<Option<ParcelState>, StoreError> {
         match with_record(&self.table, &self.source_id, parcel_id, decode_state)? {
@@ -152,7 +165,8 @@ impl Store {
     /// A read view of a source's snapshot for the streaming diff.
     pub fn snapshot_view(&self, source_id: &str) -> Result<SnapshotView, StoreError> {
         let rtx = self.db.begin_read()?;
-        Ok(SnapshotView { table: rtx.open_table(PARCEL_BLOCKS)?, source_id: source_id.to_string() })
+        let tombstones = super::tombstones::all_of(&rtx.open_table(PARCEL_TOMBSTONES)?, source_id)?;
+        Ok(SnapshotView { table: rtx.open_table(PARCEL_BLOCKS)?, source_id: source_id.to_string(), tombstones })
     }
 
     /// The stored parcel states of a source (no geometries), keyed by parcel id.

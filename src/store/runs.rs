@@ -4,12 +4,15 @@ use super::blocks::{self, Change};
 use super::watermark_rows::{decode_watermark, encode_hold, encode_watermark, readable_hold};
 use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
-use super::snapshot::{geometries_of, SnapshotRow};
+use super::held_rows::{decode_held_event, decode_staged, encode_held_event, encode_staged};
+use super::tombstones::Tombstone;
+use crate::detect::diff::{content_of, step, Prior};
+use super::snapshot::{decode_state, geometries_of, SnapshotRow};
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::*;
 use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::collections::HashMap;
 
 /// How a run's events are treated when it commits.
@@ -25,6 +28,16 @@ pub enum CommitMode {
     Hold { reason: String },
     /// An operator resolves hold `hold_id`: `prime = false` delivers it, `true` accepts silently.
     ResolveHold { hold_id: u64, prime: bool },
+}
+
+impl CommitMode {
+    /// Whether the run's changes are announced to subscribers, which moves the revisions
+    /// their keys carry on (`detect::diff::step`): a delivering run, and a held one, whose
+    /// delta is staged as its release would deliver it (a primed release takes the steps
+    /// again, unannounced: [`RunWriter::upserts`]).
+    pub fn announces(&self) -> bool {
+        matches!(self, CommitMode::Deliver | CommitMode::Hold { .. } | CommitMode::ResolveHold { prime: false, .. })
+    }
 }
 
 /// A feature the run could not take, before it gets its run and lineage ids.
@@ -67,15 +80,6 @@ pub struct RunNote<'a> {
     /// Why the run failed.
     pub error: Option<String>,
 }
-
-/// One staged parcel of a held run: `None` removes the parcel.
-#[derive(Serialize, Deserialize)]
-struct StagedParcel(Option<(ParcelState, StoredGeometry)>);
-
-/// [`StagedParcel`] written from borrowed parts: serde encodes a reference as what it
-/// refers to, so the bytes are the same.
-#[derive(Serialize)]
-struct StagedParcelRef<'a>(Option<(&'a ParcelState, &'a StoredGeometry)>);
 
 pub(super) fn next_key(last: Option<u64>) -> u64 {
     last.map(|k| k + 1).unwrap_or(1)
@@ -318,7 +322,7 @@ impl Store {
             if h != hold_id {
                 break;
             }
-            let s: StagedParcel = decode(v.value()).map_err(|m| codec_err("held_parcels", m))?;
+            let s = decode_staged(v.value()).map_err(|m| codec_err("held_parcels", m))?;
             match s.0 {
                 Some((state, geometry)) => upserts.push(Parcel { id: pid.to_string(), state, geometry }),
                 None => removals.push(pid.to_string()),
@@ -334,7 +338,7 @@ impl Store {
         let mut events = Vec::new();
         for item in events_t.range((hold_id, 0u64)..=(hold_id, u64::MAX))? {
             let (_, v) = item?;
-            events.push(decode(v.value()).map_err(|m| codec_err("held_events", m))?);
+            events.push(decode_held_event(v.value()).map_err(|m| codec_err("held_events", m))?);
             if events.len() >= chunk {
                 feed(HeldChunk::Events(std::mem::take(&mut events)))?;
             }
@@ -470,9 +474,24 @@ impl RunWriter<'_> {
         if matches!(self.mode, CommitMode::Hold { .. }) {
             let mut staged = self.wtx.open_table(HELD_PARCELS)?;
             for p in parcels {
-                let s = StagedParcelRef(Some((p.state, p.geometry)));
-                staged.insert((self.run_id, p.id), encode(&s).as_slice())?;
+                staged.insert((self.run_id, p.id), encode_staged(Some((p.state, p.geometry))).as_slice())?;
             }
+        } else if matches!(self.mode, CommitMode::ResolveHold { prime: true, .. }) {
+            // The held run staged its parcels as a release would announce them; primed, they
+            // announce nothing, so each keeps the revision and announcement its stored state
+            // (or tombstone) has. The snapshot is the one the held run diffed against: any
+            // later commit of the source would have superseded the hold.
+            let blocks = self.wtx.open_table(PARCEL_BLOCKS)?;
+            let tombstones = self.wtx.open_table(PARCEL_TOMBSTONES)?;
+            let mut rows = Vec::new();
+            for p in parcels {
+                let prior = prior_in(&blocks, &tombstones, &self.source_id, p.id)?;
+                let quiet = step(prior, content_of(p.state), false);
+                let state = ParcelState { revision: quiet.revision, announced: quiet.announced, ..p.state.clone() };
+                rows.push(SnapshotRow::encode(ParcelRef { id: p.id, state: &state, geometry: p.geometry }));
+            }
+            drop((blocks, tombstones));
+            self.upserts_encoded(&rows)?;
         } else {
             let rows: Vec<SnapshotRow> = parcels.into_iter().map(SnapshotRow::encode).collect();
             self.upserts_encoded(&rows)?;
@@ -488,11 +507,26 @@ impl RunWriter<'_> {
         if matches!(self.mode, CommitMode::Hold { .. }) {
             let mut staged = self.wtx.open_table(HELD_PARCELS)?;
             for id in ids {
-                staged.insert((self.run_id, id.as_str()), encode(&StagedParcel(None)).as_slice())?;
+                staged.insert((self.run_id, id.as_str()), encode_staged(None).as_slice())?;
             }
         } else {
+            let mut table = self.wtx.open_table(PARCEL_BLOCKS)?;
+            // Each removed parcel's revision and announcement go on in its tombstone
+            // (`tombstones.rs`), stepped as the run's removal event was: read before the
+            // blocks lose them. An id not stored leaves nothing to remember.
+            let announce = self.mode.announces();
+            let mut buried = Vec::with_capacity(ids.len());
+            for id in ids {
+                if let Some(state) = blocks::with_record(&table, &self.source_id, id, decode_state)? {
+                    let state = state.map_err(|m| codec_err("parcel_blocks", m))?;
+                    let gone = step(Prior::of(&state), ABSENT_CONTENT, announce);
+                    buried.push((id.as_str(), Tombstone { revision: gone.revision, announced: gone.announced, removed_ms: self.now_ms }));
+                }
+            }
             let mut changes: Vec<Change<'_>> = ids.iter().map(|id| (id.as_str(), None)).collect();
-            blocks::apply(&mut self.wtx.open_table(PARCEL_BLOCKS)?, &self.source_id, &mut changes)?;
+            blocks::apply(&mut table, &self.source_id, &mut changes)?;
+            drop(table);
+            super::tombstones::bury(&self.wtx, &self.source_id, &buried)?;
             super::derived::remove_shares(&self.wtx, &self.source_id, ids)?;
         }
         Ok(())
@@ -517,7 +551,7 @@ impl RunWriter<'_> {
         if matches!(self.mode, CommitMode::Hold { .. }) {
             let mut held = self.wtx.open_table(HELD_EVENTS)?;
             for (i, e) in events.iter().enumerate() {
-                held.insert((self.run_id, self.events + i as u64), encode(e).as_slice())?;
+                held.insert((self.run_id, self.events + i as u64), encode_held_event(e).as_slice())?;
             }
         } else {
             let claim_mode = match self.mode {
@@ -548,7 +582,7 @@ impl RunWriter<'_> {
     /// Writes the hold (if held) or the watermark, and the run record, and commits.
     /// `counts.changes` is taken from the events written and counted.
     pub fn finish(self, started_ms: u64, finished_ms: u64, mut counts: RunCounts, warnings: Vec<String>) -> Result<RunRecord, StoreError> {
-        let RunWriter { wtx, store, run_id, lineage, source_id, mode, watermark, now_ms, claims, events, .. } = self;
+        let RunWriter { wtx, store, run_id, lineage, source_id, mode, watermark, now_ms, idem_ttl_ms, claims, events, .. } = self;
         let mut verdict = match mode {
             CommitMode::Baseline => Verdict::Baseline,
             CommitMode::Deliver => Verdict::Run,
@@ -590,6 +624,12 @@ impl RunWriter<'_> {
             }
             mode => {
                 write_watermark(&wtx, &source_id, &watermark)?;
+                // Tombstones older than the key TTL have outlived every key they could tell
+                // apart (`tombstones.rs`).
+                let swept = super::tombstones::sweep(&wtx, &source_id, now_ms.saturating_sub(idem_ttl_ms))?;
+                if swept > 0 {
+                    tracing::debug!(source = %source_id, swept, "tombstones past the key TTL removed");
+                }
                 counts.queued = claims.queued;
                 counts.duplicates = claims.duplicates;
                 counts.suppressed = claims.suppressed;
@@ -667,6 +707,20 @@ fn clear_staged(wtx: &WriteTransaction, hold_id: u64) -> Result<(), StoreError> 
     Ok(())
 }
 
+/// What a parcel's record says before a change, read in a run's transaction: its stored
+/// state's revision and announcement, or its tombstone's, or nothing (never stored).
+fn prior_in<B: blocks::BlockTable, T: ReadableTable<(&'static str, &'static str), &'static [u8]>>(
+    blocks: &B,
+    tombstones: &T,
+    source_id: &str,
+    parcel_id: &str,
+) -> Result<Prior, StoreError> {
+    if let Some(state) = blocks::with_record(blocks, source_id, parcel_id, decode_state)? {
+        return Ok(Prior::of(&state.map_err(|m| codec_err("parcel_blocks", m))?));
+    }
+    Ok(super::tombstones::find(tombstones, source_id, parcel_id)?.map(|t| Prior { revision: t.revision, announced: t.announced }).unwrap_or_default())
+}
+
 pub(super) fn codec_err(table: &'static str, message: String) -> StoreError {
     StoreError::Codec { table, message }
 }
@@ -711,18 +765,9 @@ mod tests {
     fn parcel(id: &str) -> Parcel {
         Parcel {
             id: id.into(),
-            state: ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0 },
+            state: ParcelState { zoning: "R-1".into(), effective_date: None, content_hash: [1; 32], geom_hash: [2; 32], area_m2: 1.0, revision: 0, announced: None },
             geometry: StoredGeometry(vec![vec![vec![[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]]]),
         }
-    }
-
-    /// Staging from borrowed parts writes the bytes `StagedParcel` reads back.
-    #[test]
-    fn a_staged_parcel_encodes_the_same_from_borrowed_parts() {
-        let p = parcel("p1");
-        let owned = encode(&StagedParcel(Some((p.state.clone(), p.geometry.clone()))));
-        assert_eq!(encode(&StagedParcelRef(Some((&p.state, &p.geometry)))), owned);
-        assert_eq!(encode(&StagedParcelRef(None)), encode(&StagedParcel(None)));
     }
 
     /// A held delta comes back whole, in staging order, never more than `chunk` at a time.

@@ -10,11 +10,14 @@
 //! 112–119 ms against 136–149 ms. The scan is paid on every run of a source, the insert only
 //! when its parcels change, but the insert saves thirteen times what the scan loses.
 //!
-//! The layout is `[RECORD_VERSION] ++ postcard(ParcelState) ++ postcard(StoredGeometry)`: the
+//! The layout is `[version] ++ postcard(ParcelState) ++ postcard(StoredGeometry)`: the
 //! state comes first so the diff decodes it from the front of the record and never touches
-//! the geometry's bytes.
+//! the geometry's bytes. Version 2 ([`SNAPSHOT_RECORD_VERSION`], schema 8) added
+//! `ParcelState::revision` as the state's last field; version 1 records (the state without
+//! it) are read as revision 0 and stay as they are until their parcel changes. The fields
+//! before it are laid out alike in both, so the diff's index reads either version the same.
 
-use super::codec::{split_version, unknown_version, RECORD_VERSION};
+use super::codec::{split_version, unknown_version};
 use super::blocks::{with_record, BlockPacker, BlockTable};
 use super::tables::{LEGACY_PARCELS, LEGACY_PARCEL_GEOMS, META, META_COMPACT_PENDING, PARCEL_BLOCKS};
 use super::StoreError;
@@ -22,6 +25,43 @@ use crate::model::{Envelope, ExteriorEnvelope, ParcelRef, ParcelState, StoredGeo
 use redb::{ReadableTable, TableHandle, WriteTransaction};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+
+/// The version byte of the snapshot records this build writes (see the module doc).
+pub const SNAPSHOT_RECORD_VERSION: u8 = 2;
+
+/// The version byte of snapshot records written before `ParcelState::revision` (schema 7 and
+/// older; the schema 5 and 6 upgrades still write them, copying states of that shape).
+pub(super) const SNAPSHOT_RECORD_V1: u8 = 1;
+
+/// `ParcelState` as version 1 records hold it: without its revision.
+#[derive(Serialize, Deserialize)]
+pub(super) struct ParcelStateV1 {
+    zoning: String,
+    effective_date: Option<String>,
+    content_hash: [u8; 32],
+    geom_hash: [u8; 32],
+    area_m2: f64,
+}
+
+impl ParcelStateV1 {
+    /// `state` as a version 1 record held it (tests write such records).
+    #[cfg(test)]
+    pub(super) fn of(state: &ParcelState) -> ParcelStateV1 {
+        ParcelStateV1 {
+            zoning: state.zoning.clone(),
+            effective_date: state.effective_date.clone(),
+            content_hash: state.content_hash,
+            geom_hash: state.geom_hash,
+            area_m2: state.area_m2,
+        }
+    }
+}
+
+impl From<ParcelStateV1> for ParcelState {
+    fn from(v: ParcelStateV1) -> Self {
+        ParcelState { zoning: v.zoning, effective_date: v.effective_date, content_hash: v.content_hash, geom_hash: v.geom_hash, area_m2: v.area_m2, revision: 0, announced: None }
+    }
+}
 
 /// One parcel's snapshot row, encoded as [`RunWriter::upserts`](super::RunWriter::upserts)
 /// writes it. A baseline writes millions: encoding them on another thread than the one
@@ -45,7 +85,7 @@ impl SnapshotRow {
     /// this way, not encoded a second time; the bytes are [`SnapshotRow::encode`]'s (tested).
     pub fn from_body(id: String, body: &[u8]) -> SnapshotRow {
         let mut record = Vec::with_capacity(1 + body.len());
-        record.push(RECORD_VERSION);
+        record.push(SNAPSHOT_RECORD_VERSION);
         record.extend_from_slice(body);
         SnapshotRow { id, record }
     }
@@ -94,6 +134,25 @@ struct StateRef<'a> {
     geom_hash: [u8; 32],
     #[allow(dead_code)]
     area_m2: f64,
+    #[allow(dead_code)]
+    revision: u32,
+    #[allow(dead_code)]
+    announced: Option<crate::model::Announced>,
+}
+
+/// [`StateRef`] of a version 1 record (no revision).
+#[derive(Deserialize)]
+struct StateRefV1<'a> {
+    #[allow(dead_code)]
+    zoning: &'a str,
+    #[allow(dead_code)]
+    effective_date: Option<&'a str>,
+    #[allow(dead_code)]
+    content_hash: [u8; 32],
+    #[allow(dead_code)]
+    geom_hash: [u8; 32],
+    #[allow(dead_code)]
+    area_m2: f64,
 }
 
 /// The front of a state up to its content hash: all the diff's index needs of each row
@@ -107,39 +166,67 @@ pub(super) struct HashRef<'a> {
     pub(super) content_hash: [u8; 32],
 }
 
-/// Encodes a snapshot record.
+/// Encodes a snapshot record (at [`SNAPSHOT_RECORD_VERSION`]).
 pub(super) fn encode_record(state: &ParcelState, geometry: &StoredGeometry) -> Vec<u8> {
-    super::codec::encode(&RecordRef { state, geometry })
+    super::codec::encode_versioned(SNAPSHOT_RECORD_VERSION, &RecordRef { state, geometry })
 }
 
-/// A record's postcard bytes, after its version byte (an error for a version this build
-/// cannot read).
-pub(super) fn postcard_of(bytes: &[u8]) -> Result<&[u8], String> {
+/// A record's version byte and its postcard bytes (an error for a version this build cannot
+/// read).
+pub(super) fn record_parts(bytes: &[u8]) -> Result<(u8, &[u8]), String> {
     match split_version(bytes)? {
-        (RECORD_VERSION, rest) => Ok(rest),
-        (v, _) => Err(unknown_version(v, "parcel snapshot", RECORD_VERSION)),
+        (v @ (SNAPSHOT_RECORD_V1 | SNAPSHOT_RECORD_VERSION), rest) => Ok((v, rest)),
+        (v, _) => Err(unknown_version(v, "parcel snapshot", SNAPSHOT_RECORD_VERSION)),
     }
 }
 
-/// The content hash of a record's state, borrowed.
+/// The state at the front of a record's postcard bytes of `version`, and what follows it.
+fn take_state(version: u8, bytes: &[u8]) -> Result<(ParcelState, &[u8]), String> {
+    let taken = match version {
+        SNAPSHOT_RECORD_V1 => postcard::take_from_bytes::<ParcelStateV1>(bytes).map(|(s, rest)| (s.into(), rest)),
+        _ => postcard::take_from_bytes::<ParcelState>(bytes),
+    };
+    taken.map_err(|e| e.to_string())
+}
+
+/// What follows the state at the front of a record's postcard bytes of `version` (the state
+/// skipped borrowed, without allocating).
+fn skip_state(version: u8, bytes: &[u8]) -> Result<&[u8], String> {
+    let skipped = match version {
+        SNAPSHOT_RECORD_V1 => postcard::take_from_bytes::<StateRefV1<'_>>(bytes).map(|(_, rest)| rest),
+        _ => postcard::take_from_bytes::<StateRef<'_>>(bytes).map(|(_, rest)| rest),
+    };
+    skipped.map_err(|e| e.to_string())
+}
+
+/// The content hash of a record's state, borrowed (the fields up to it are alike in every
+/// version).
 pub(super) fn decode_hash_ref(bytes: &[u8]) -> Result<HashRef<'_>, String> {
-    postcard::take_from_bytes(postcard_of(bytes)?).map(|(s, _)| s).map_err(|e| e.to_string())
+    postcard::take_from_bytes(record_parts(bytes)?.1).map(|(s, _)| s).map_err(|e| e.to_string())
 }
 
 /// The state of a record (its geometry is not decoded).
 pub(super) fn decode_state(bytes: &[u8]) -> Result<ParcelState, String> {
-    postcard::take_from_bytes(postcard_of(bytes)?).map(|(s, _)| s).map_err(|e| e.to_string())
+    let (version, rest) = record_parts(bytes)?;
+    take_state(version, rest).map(|(s, _)| s)
 }
 
 /// The state of a record and its geometry's [`StoredGeometry::exterior_envelope`] (the
 /// geometry walked, not built).
 pub(super) fn decode_state_envelope(bytes: &[u8]) -> Result<(ParcelState, Option<Envelope>), String> {
-    body_parts::<ParcelState, ExteriorEnvelope>(postcard_of(bytes)?).map(|(state, envelope)| (state, envelope.0))
+    let (version, rest) = record_parts(bytes)?;
+    let (state, rest) = take_state(version, rest)?;
+    let (envelope, after) = postcard::take_from_bytes::<ExteriorEnvelope>(rest).map_err(|e| e.to_string())?;
+    if !after.is_empty() {
+        return Err(format!("{} bytes after the geometry", after.len()));
+    }
+    Ok((state, envelope.0))
 }
 
 /// Both halves of a record (the geometry as [`decode_geometry`] gives it).
 pub(super) fn decode_record(bytes: &[u8]) -> Result<(ParcelState, Option<StoredGeometry>), String> {
-    let (state, rest) = postcard::take_from_bytes(postcard_of(bytes)?).map_err(|e| e.to_string())?;
+    let (version, rest) = record_parts(bytes)?;
+    let (state, rest) = take_state(version, rest)?;
     Ok((state, known_geometry(rest)?))
 }
 
@@ -147,8 +234,8 @@ pub(super) fn decode_record(bytes: &[u8]) -> Result<(ParcelState, Option<StoredG
 /// geometry the schema 6 upgrade gave a parcel whose geometry row was missing: unknown, as
 /// it was before the upgrade (every geometry a run stores has a polygon).
 pub(super) fn decode_geometry(bytes: &[u8]) -> Result<Option<StoredGeometry>, String> {
-    let (_, rest) = postcard::take_from_bytes::<StateRef<'_>>(postcard_of(bytes)?).map_err(|e| e.to_string())?;
-    known_geometry(rest)
+    let (version, rest) = record_parts(bytes)?;
+    known_geometry(skip_state(version, rest)?)
 }
 
 /// The stored geometries of the given parcels of a source, from a snapshot table opened in a
@@ -215,12 +302,13 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
             let geometry = geom_rows.next_if(|g| g.as_ref().map(|(gk, _)| gk.value() == key).unwrap_or(true)).transpose()?;
             // Stored bytes are copied, not decoded and re-encoded: a state and a geometry of
             // record version 1 are exactly the two halves of a snapshot record.
-            let state = postcard_of(state.value()).map_err(|m| super::runs::codec_err("parcels", m))?;
+            // Both were written by `codec::encode` (version 1, the state without a revision).
+            let state = legacy_postcard(state.value()).map_err(|m| super::runs::codec_err("parcels", m))?;
             record.clear();
-            record.push(RECORD_VERSION);
+            record.push(SNAPSHOT_RECORD_V1);
             record.extend_from_slice(state);
             match &geometry {
-                Some((_, g)) => record.extend_from_slice(postcard_of(g.value()).map_err(|m| super::runs::codec_err("parcel_geoms", m))?),
+                Some((_, g)) => record.extend_from_slice(legacy_postcard(g.value()).map_err(|m| super::runs::codec_err("parcel_geoms", m))?),
                 None => {
                     record.extend(postcard::to_allocvec(&StoredGeometry(Vec::new())).map_err(|e| super::runs::codec_err("parcel_geoms", e.to_string()))?);
                     migrated.without_geometry += 1;
@@ -240,6 +328,14 @@ pub(super) fn migrate_split_tables(wtx: &WriteTransaction) -> Result<Migrated, S
     Ok(migrated)
 }
 
+/// The postcard bytes of a schema 5 state or geometry row (record version 1).
+fn legacy_postcard(bytes: &[u8]) -> Result<&[u8], String> {
+    match split_version(bytes)? {
+        (1, rest) => Ok(rest),
+        (v, _) => Err(unknown_version(v, "parcel states and geometries", 1)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,7 +351,7 @@ mod tests {
     #[test]
     fn a_body_envelope_is_the_decoded_geometrys() {
         let ring = |x: f64, y: f64, s: f64| vec![[x, y], [x + s, y], [x + s, y + s * 0.5], [x, y]];
-        let state = ParcelState { zoning: "R-1".into(), effective_date: Some("2026-03-01".into()), content_hash: [5; 32], geom_hash: [6; 32], area_m2: 9.0 };
+        let state = ParcelState { zoning: "R-1".into(), effective_date: Some("2026-03-01".into()), content_hash: [5; 32], geom_hash: [6; 32], area_m2: 9.0, revision: 0, announced: None };
         let shapes = vec![
             StoredGeometry(vec![vec![ring(1.0, 2.0, 0.5)]]),
             StoredGeometry(vec![vec![ring(1.0, 2.0, 0.5), ring(-9.0, -9.0, 20.0)]]),
@@ -277,26 +373,47 @@ mod tests {
     }
 
     fn state(zoning: &str, n: u8) -> ParcelState {
-        ParcelState { zoning: zoning.into(), effective_date: Some("2026-01-01".into()), content_hash: [n; 32], geom_hash: [n + 1; 32], area_m2: 412.5 }
+        ParcelState { zoning: zoning.into(), effective_date: Some("2026-01-01".into()), content_hash: [n; 32], geom_hash: [n + 1; 32], area_m2: 412.5, revision: 0, announced: None }
     }
 
     fn square(x: f64) -> StoredGeometry {
         StoredGeometry(vec![vec![vec![[x, 0.0], [x + 1.0, 0.0], [x + 1.0, 1.0], [x, 0.0]]]])
     }
 
+    /// A version 1 record (schema 7 and older): the state without its revision.
+    fn v1_record(s: &ParcelState, g: &StoredGeometry) -> Vec<u8> {
+        let mut bytes = vec![SNAPSHOT_RECORD_V1];
+        bytes.extend(postcard::to_allocvec(&ParcelStateV1::of(s)).unwrap());
+        bytes.extend(postcard::to_allocvec(g).unwrap());
+        bytes
+    }
+
     /// Each half of a record decodes on its own, and the borrowed hash agrees, with and
-    /// without an effective date.
+    /// without an effective date, at every revision; a version 1 record (no revision) reads
+    /// the same way, as revision 0.
     #[test]
     fn a_record_gives_back_its_state_and_its_geometry() {
         let (mut s, g) = (state("R-1", 3), square(2.0));
-        for effective_date in [None, Some("2026-01-01".to_string())] {
+        for (effective_date, revision) in [(None, 0), (Some("2026-01-01".to_string()), 0), (None, 1), (None, 300), (None, u32::MAX)] {
             s.effective_date = effective_date;
+            s.revision = revision;
             let bytes = encode_record(&s, &g);
-            assert_eq!(bytes[0], RECORD_VERSION);
+            assert_eq!(bytes[0], SNAPSHOT_RECORD_VERSION);
             assert_eq!(decode_state(&bytes).unwrap(), s);
             assert_eq!(decode_geometry(&bytes).unwrap(), Some(g.clone()));
             assert_eq!(decode_record(&bytes).unwrap(), (s.clone(), Some(g.clone())));
+            assert_eq!(decode_state_envelope(&bytes).unwrap(), (s.clone(), g.exterior_envelope()));
             assert_eq!(decode_hash_ref(&bytes).unwrap().content_hash, [3; 32]);
+            // The row a spilled parcel's body gives is the same bytes.
+            assert_eq!(SnapshotRow::from_body("p".into(), &bytes[1..]).record, bytes);
+
+            let old = v1_record(&s, &g);
+            let as_read = ParcelState { revision: 0, ..s.clone() };
+            assert_eq!(decode_state(&old).unwrap(), as_read);
+            assert_eq!(decode_geometry(&old).unwrap(), Some(g.clone()));
+            assert_eq!(decode_record(&old).unwrap(), (as_read.clone(), Some(g.clone())));
+            assert_eq!(decode_state_envelope(&old).unwrap(), (as_read, g.exterior_envelope()));
+            assert_eq!(decode_hash_ref(&old).unwrap().content_hash, [3; 32]);
         }
         let bytes = encode_record(&s, &g);
         let mut future = bytes.clone();
@@ -320,7 +437,7 @@ mod tests {
         let mut states = wtx.open_table(LEGACY_PARCELS).unwrap();
         let mut geoms = wtx.open_table(LEGACY_PARCEL_GEOMS).unwrap();
         for (src, id, s, g) in &parcels {
-            states.insert((*src, *id), encode(s).as_slice()).unwrap();
+            states.insert((*src, *id), encode(&ParcelStateV1::of(s)).as_slice()).unwrap();
             if (*src, *id) != ("a", "p3") {
                 geoms.insert((*src, *id), encode(g).as_slice()).unwrap();
             }

@@ -20,6 +20,9 @@ pub const WATERMARK_HISTORY: TableDefinition<(&str, u64), &[u8]> =
 /// its id and its snapshot record: `ParcelState`, then `StoredGeometry` (`blocks.rs`,
 /// `snapshot.rs`).
 pub const PARCEL_BLOCKS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_blocks");
+/// (source id, parcel id) → `Tombstone`: the revision a removed parcel had reached
+/// (`store::tombstones`; schema 8).
+pub const PARCEL_TOMBSTONES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_tombstones");
 /// Schema 6: (source id, parcel id) → the parcel's snapshot record, a row per parcel. Read
 /// once, by the schema 6 → 7 migration into `parcel_blocks`.
 pub const LEGACY_PARCEL_ROWS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_snapshot");
