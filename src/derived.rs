@@ -20,7 +20,7 @@
 
 use crate::config::{LayerKind, SourceConfig};
 use crate::detect::canonical::{content_hash, normalize_code};
-use crate::detect::diff::{diff, RawChange};
+use crate::detect::diff::{diff, Prior, RawChange, Steps};
 use crate::detect::gate::{decide, GateInput};
 use crate::detect::overlay::{Coverage, DistrictIndex};
 use crate::ingest::districts::read_districts;
@@ -144,13 +144,39 @@ fn overlay_set(s: &str) -> Vec<&str> {
     s.split(SET_SEP).filter(|n| !n.is_empty()).collect()
 }
 
-/// Turns the diff of derived states into the changes that alert: code changes between two
-/// real codes (districts), or gained / lost overlays (overlays).
+/// Whether a change of derived states alerts: a code change between two real codes
+/// (districts), or overlays gained or lost (overlays). Only those are announced
+/// (`detect::diff::step`); coverage gained or lost, parcels added, removed or reshaped in the
+/// base update the derived snapshot silently.
+fn alerts(layer: LayerKind, c: &RawChange) -> bool {
+    if c.kind != ChangeKind::Rezoned {
+        return false;
+    }
+    let from = c.from.as_deref().unwrap_or("");
+    let to = c.to.as_deref().unwrap_or("");
+    match layer {
+        LayerKind::Overlays => {
+            let norm = |s: &str| -> HashSet<String> { overlay_set(s).iter().map(|n| normalize_code(n)).collect() };
+            norm(from) != norm(to)
+        }
+        _ => !from.is_empty() && !to.is_empty(),
+    }
+}
+
+/// Turns the diff of derived states into the changes that alert (see [`alerts`]): a
+/// district change as it is, an overlay change as one event per overlay gained or lost.
+/// Also counts the code changes to or from no coverage.
 fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> (Vec<RawChange>, u64) {
     let mut out = Vec::new();
     let mut coverage_only = 0;
     for c in changes {
         if c.kind != ChangeKind::Rezoned {
+            continue;
+        }
+        if !alerts(layer, &c) {
+            if layer != LayerKind::Overlays {
+                coverage_only += 1;
+            }
             continue;
         }
         let from = c.from.as_deref().unwrap_or("");
@@ -172,13 +198,7 @@ fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> (Vec<RawChange
                     }
                 }
             }
-            _ => {
-                if from.is_empty() || to.is_empty() {
-                    coverage_only += 1;
-                } else {
-                    out.push(c);
-                }
-            }
+            _ => out.push(c),
         }
     }
     (out, coverage_only)
@@ -232,8 +252,9 @@ impl Engine {
         // `Engine::derive_pass`); the delta goes to a file, the counts to the gate.
         let now = self.now();
         let pass_started = Instant::now();
-        // A first derivation and a reprocess tell no one of their changes (`detect::diff::step`).
-        let announce = !opts.reprocess && wm.is_some();
+        // A first derivation (no watermark and nothing stored: the gate's baseline) and a
+        // reprocess tell no one of their changes (`detect::diff::step`).
+        let announce = !opts.reprocess && (wm.is_some() || self.store.snapshot_view(&src.id)?.has_parcels()?);
         let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, announce, now)?;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
@@ -309,6 +330,8 @@ impl Engine {
     ) -> Result<DerivePass, PipelineError> {
         let mut file = DeltaFile::create(self.scratch_dir())?;
         let mut pass = DeriveCounts::default();
+        // Where a derived parcel removed and derived again goes on from (its tombstone).
+        let view = self.store.snapshot_view(&src.id)?;
         pass.previous = self.store.for_each_base_stretch(base_id, &src.id, stretch, |s: BaseStretch| -> Result<(), PipelineError> {
             let BaseStretch { parcels, parcel_shares, derived, orphan_shares, unreadable_shares } = s;
             pass.unreadable_shares += unreadable_shares;
@@ -334,7 +357,9 @@ impl Engine {
             for id in &orphan_shares {
                 file.removal(id)?;
             }
-            let diffed = diff(&derived, d.parcels, &HashSet::new(), announce);
+            let announces = |c: &RawChange| announce && alerts(src.layer, c);
+            let buried = |id: &str| Ok(view.tombstone(id)?.as_ref().map(Prior::buried));
+            let diffed = diff(&derived, d.parcels, &HashSet::new(), &Steps { announces: &announces, buried: &buried })?;
             let (changes, coverage_only) = alerting_changes(src.layer, diffed.changes);
             pass.coverage_only += coverage_only;
             let events = self.build_events(src, &changes, &diffed.upserts, &derived, now)?;

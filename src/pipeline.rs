@@ -546,8 +546,9 @@ impl Engine {
         // The streaming diff: normalise, look up, classify; the delta goes to a spill file.
         let rules = NormalizeRules { fields: &src.fields, bbox: src.bbox };
         let view = self.store.snapshot_view(&src.id)?;
-        // A first ingest (no watermark yet) and a reprocess tell no one of their changes.
-        let announce = !opts.reprocess && wm.is_some();
+        // A first ingest (no watermark and nothing stored: the gate's baseline) and a
+        // reprocess tell no one of their changes (`detect::diff::step`).
+        let announce = !opts.reprocess && (wm.is_some() || view.has_parcels()?);
         let spill_dir = self.scratch_dir();
         let workers = default_workers();
         let scan_started = std::time::Instant::now();

@@ -458,7 +458,8 @@ async fn a_change_that_happens_again_is_told_again() {
             r#""P0005" "removed" "R-2"→null"#,
         ]
     );
-    // The parcel's first change has the key a zonewatch without revisions gave it.
+    // The parcel's first change carries revision 0, so its key is the one a zonewatch
+    // without revisions gave it (the algorithm is pinned in `notify::idem`'s tests).
     let first = zonewatch::notify::idem::key_for("w1", &rebuilt_event("P0000", "R-1", "R-3"));
     assert!(ids.contains(&first.0), "{ids:?}");
 

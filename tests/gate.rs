@@ -245,3 +245,47 @@ async fn a_primed_rollback_undone_tells_no_one_twice() {
     assert_eq!(p0000.len(), 1, "P0000's R-3 was told once: {p0000:?}");
     assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0000"].zoning, "R-3");
 }
+
+/// A `--reprocess` the gate holds (here: most features lost their zoning field) and an
+/// operator then releases is delivered, so it is announced: its parcels are stepped again as
+/// announced when released, and a later real change back is news, not a `duplicate` of an
+/// older announcement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_reprocess_released_is_announced() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    let engine = ws.engine();
+    let v1 = grid(40);
+    let c = with_zones(&v1, &[0], "C-9");
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    for v in [&c, &v1] {
+        ws.write_layer(&layer(v));
+        assert_eq!(run(&engine, false).record.counts.queued, 1);
+    }
+    // P0000 to C-9 again, in a layer where 21 of 40 features lost their zoning field: a
+    // reprocess run, held as a quarantine spike, then released.
+    let text = layer(&c);
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for f in doc["features"].as_array_mut().unwrap().iter_mut().skip(19) {
+        let code = f["properties"]["ZONE_CODE"].take();
+        f["properties"]["OLD_ZONE"] = code;
+        f["properties"].as_object_mut().unwrap().remove("ZONE_CODE");
+    }
+    ws.write_layer(&doc.to_string());
+    let held = run(&engine, true);
+    let h = held.record.hold_id.expect("a quarantine spike is held");
+    let released = engine.resolve_hold(h, false).unwrap();
+    assert_eq!(released.counts.queued, 1, "P0000 to C-9, told");
+    // And back to R-1 for real: news.
+    ws.write_layer(&layer(&v1));
+    let back = run(&engine, false);
+    assert_eq!((back.record.counts.changes, back.record.counts.queued, back.record.counts.duplicates), (1, 1, 0));
+    deliver(&engine, Duration::from_secs(5)).await;
+    let ids: std::collections::HashSet<String> = rx.received().iter().map(|r| r.header("webhook-id").unwrap_or_default().to_string()).collect();
+    assert_eq!(ids.len(), 4, "four changes told, four keys");
+}

@@ -10,6 +10,7 @@
 
 use super::canonical::normalize_code;
 use crate::model::{Announced, ChangeKind, Parcel, ParcelState, ABSENT_CONTENT};
+use crate::store::{StoreError, Tombstone};
 use std::collections::{HashMap, HashSet};
 
 /// A change before geometries and severity are attached.
@@ -37,6 +38,36 @@ impl Prior {
     /// The prior of a stored state.
     pub fn of(state: &ParcelState) -> Prior {
         Prior { revision: state.revision, announced: state.announced }
+    }
+
+    /// The prior of a removed parcel, from its tombstone.
+    pub fn buried(t: &Tombstone) -> Prior {
+        Prior { revision: t.revision, announced: t.announced }
+    }
+}
+
+/// How [`diff`] steps each change: whether the run announces it, and where a parcel not
+/// stored may have left a tombstone.
+pub struct Steps<'a> {
+    /// Whether the run announces this change (a derived layer: only a change that alerts).
+    pub announces: &'a dyn Fn(&RawChange) -> bool,
+    /// The prior of a parcel the snapshot does not hold (its tombstone's, if any).
+    pub buried: &'a dyn Fn(&str) -> Result<Option<Prior>, StoreError>,
+}
+
+impl Steps<'_> {
+    /// Every change announced (`announce`) or none, no tombstones (tests).
+    pub fn all(announce: bool) -> Steps<'static> {
+        fn yes(_: &RawChange) -> bool {
+            true
+        }
+        fn no(_: &RawChange) -> bool {
+            false
+        }
+        fn none(_: &str) -> Result<Option<Prior>, StoreError> {
+            Ok(None)
+        }
+        Steps { announces: if announce { &yes } else { &no }, buried: &none }
     }
 }
 
@@ -68,7 +99,10 @@ pub struct Step {
 ///   nor the announcement: the receiver still knows what it knew.
 ///
 /// Its key revision is the same whenever the same change is found from the same record, so
-/// a change found twice (a held run released, a reprocess) has one key.
+/// a change found twice (a held run released, a reprocess) has one key. A return to the
+/// announced content by another way (a silent removal and then the parcel published again,
+/// a silent detour through a third code) has another kind or another `from`, so another
+/// key: it is told, once more than needed, never lost.
 pub fn step(prior: Prior, content: [u8; 16], announce: bool) -> Step {
     if !announce {
         return Step { key_revision: prior.revision, revision: prior.revision, announced: prior.announced };
@@ -125,12 +159,11 @@ pub fn classify(prev: Option<&ParcelState>, new: &ParcelState) -> ParcelDelta {
 }
 
 /// Compares `new` parcels with the `old` snapshot. `untouchable` ids (quarantined this run)
-/// are left as they are. `announce`: whether the run delivers (each change takes a [`step`];
-/// a parcel not stored has no prior, as no tombstones are read: this form serves derived
-/// layers, whose additions and removals never alert). (The pipeline streams county-sized
-/// layers through [`classify`] and [`step`] instead; this in-memory form serves derived
-/// layers and tests.)
-pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &HashSet<String>, announce: bool) -> DiffResult {
+/// are left as they are. Each change takes a [`step`] as `steps` says (announced or not; a
+/// parcel not stored from its tombstone); an effective-date-only update is never announced.
+/// (The pipeline streams county-sized layers through [`classify`] and [`step`] instead; this
+/// in-memory form serves derived layers and tests.)
+pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &HashSet<String>, steps: &Steps<'_>) -> Result<DiffResult, StoreError> {
     let mut out = DiffResult::default();
     let mut seen: HashSet<String> = HashSet::with_capacity(new.len());
     for mut parcel in new {
@@ -141,17 +174,23 @@ pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &
             ParcelDelta::Added => Some(ChangeKind::Added),
             ParcelDelta::Changed(kind) => kind,
         };
-        let s = step(prev.map(Prior::of).unwrap_or_default(), content_of(&parcel.state), announce && kind.is_some());
+        let prior = match prev {
+            Some(p) => Prior::of(p),
+            None => (steps.buried)(&parcel.id)?.unwrap_or_default(),
+        };
+        let change = kind.map(|kind| RawChange {
+            parcel_id: parcel.id.clone(),
+            kind,
+            from: prev.map(|p| p.zoning.clone()),
+            to: Some(parcel.state.zoning.clone()),
+            new_index: Some(out.upserts.len()),
+            revision: 0,
+        });
+        let s = step(prior, content_of(&parcel.state), change.as_ref().is_some_and(|c| (steps.announces)(c)));
         (parcel.state.revision, parcel.state.announced) = (s.revision, s.announced);
-        if let Some(kind) = kind {
-            out.changes.push(RawChange {
-                parcel_id: parcel.id.clone(),
-                kind,
-                from: prev.map(|p| p.zoning.clone()),
-                to: Some(parcel.state.zoning.clone()),
-                new_index: Some(out.upserts.len()),
-                revision: s.key_revision,
-            });
+        if let Some(mut change) = change {
+            change.revision = s.key_revision;
+            out.changes.push(change);
         }
         out.upserts.push(parcel);
     }
@@ -162,16 +201,11 @@ pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &
     removed.sort_by(|a, b| a.0.cmp(b.0));
     for (id, prev) in removed {
         out.removals.push(id.clone());
-        out.changes.push(RawChange {
-            parcel_id: id.clone(),
-            kind: ChangeKind::Removed,
-            from: Some(prev.zoning.clone()),
-            to: None,
-            new_index: None,
-            revision: step(Prior::of(prev), ABSENT_CONTENT, announce).key_revision,
-        });
+        let mut change = RawChange { parcel_id: id.clone(), kind: ChangeKind::Removed, from: Some(prev.zoning.clone()), to: None, new_index: None, revision: 0 };
+        change.revision = step(Prior::of(prev), ABSENT_CONTENT, (steps.announces)(&change)).key_revision;
+        out.changes.push(change);
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -211,7 +245,7 @@ mod tests {
         .collect();
         let new = vec![parcel("a", "r-1", 1), parcel("b", "C-2", 1), parcel("c", "R-1", 2), parcel("e", "R-1", 1)];
         let untouchable: HashSet<String> = ["q".to_string()].into();
-        let d = diff(&old, new, &untouchable, true);
+        let d = diff(&old, new, &untouchable, &Steps::all(true)).unwrap();
         let kinds: Vec<(&str, ChangeKind)> = d.changes.iter().map(|c| (c.parcel_id.as_str(), c.kind)).collect();
         assert_eq!(
             kinds,
@@ -270,10 +304,30 @@ mod tests {
         let mut stored = parcel("b", "R-1", 1).state;
         stored.revision = 3;
         let old: HashMap<String, ParcelState> = [("b".to_string(), stored.clone()), ("d".to_string(), stored)].into();
-        let d = diff(&old, vec![parcel("b", "C-2", 1)], &HashSet::new(), true);
+        let d = diff(&old, vec![parcel("b", "C-2", 1)], &HashSet::new(), &Steps::all(true)).unwrap();
         assert_eq!(d.changes.iter().map(|c| c.revision).collect::<Vec<_>>(), vec![3, 3]);
         assert_eq!((d.upserts[0].state.revision, d.upserts[0].state.announced.map(|a| a.key_revision)), (4, Some(3)));
-        let quiet = diff(&old, vec![parcel("b", "C-2", 1)], &HashSet::new(), false);
+        let quiet = diff(&old, vec![parcel("b", "C-2", 1)], &HashSet::new(), &Steps::all(false)).unwrap();
         assert_eq!((quiet.upserts[0].state.revision, quiet.upserts[0].state.announced), (3, None));
+    }
+
+    /// The diff steps a parcel it does not hold from its tombstone, and announces only the
+    /// changes its caller says the run announces (a derived layer: those that alert).
+    #[test]
+    fn the_diff_reads_tombstones_and_announces_what_it_is_told() {
+        let old: HashMap<String, ParcelState> = [("b".to_string(), parcel("b", "R-1", 1).state)].into();
+        let buried = |id: &str| Ok((id == "e").then_some(Prior { revision: 4, announced: Some(Announced { content: ABSENT_CONTENT, key_revision: 3 }) }));
+        let only_rezonings = |c: &RawChange| c.kind == ChangeKind::Rezoned;
+        let steps = Steps { announces: &only_rezonings, buried: &buried };
+        let d = diff(&old, vec![parcel("b", "C-2", 1), parcel("e", "R-1", 1), parcel("f", "R-1", 1)], &HashSet::new(), &steps).unwrap();
+        let by_id: HashMap<&str, (u32, Option<Announced>)> = d.upserts.iter().map(|p| (p.id.as_str(), (p.state.revision, p.state.announced))).collect();
+        assert_eq!(by_id["b"], (1, Some(Announced { content: content_of(&parcel("b", "C-2", 1).state), key_revision: 0 })), "announced");
+        assert_eq!(by_id["e"], (4, Some(Announced { content: ABSENT_CONTENT, key_revision: 3 })), "back from its tombstone, unannounced");
+        assert_eq!(by_id["f"], (0, None), "never stored, unannounced");
+        let keys: Vec<(&str, u32)> = d.changes.iter().map(|c| (c.parcel_id.as_str(), c.revision)).collect();
+        assert_eq!(keys, vec![("b", 0), ("e", 4), ("f", 0)]);
+        // A store error reading a tombstone fails the diff.
+        let failing = |_: &str| Err(StoreError::Conflict("unreadable".into()));
+        assert!(diff(&old, vec![parcel("e", "R-1", 1)], &HashSet::new(), &Steps { announces: &only_rezonings, buried: &failing }).is_err());
     }
 }

@@ -584,7 +584,14 @@ fn worker(
                         let mut state = p.state;
                         let prior = match &prev {
                             Some(s) => Prior::of(s),
-                            None => view.tombstone(&p.id).map(|t| Prior { revision: t.revision, announced: t.announced }).unwrap_or_default(),
+                            None => match view.tombstone(&p.id) {
+                                Ok(t) => t.as_ref().map(Prior::buried).unwrap_or_default(),
+                                Err(e) => {
+                                    let _ = res_tx.send(Err(e.into()));
+                                    cancel.store(true, Ordering::Relaxed);
+                                    break;
+                                }
+                            },
                         };
                         let taken = step(prior, content_of(&state), announce && kind.is_some());
                         (state.revision, state.announced) = (taken.revision, taken.announced);

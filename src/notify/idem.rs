@@ -1,8 +1,9 @@
 //! Idempotency keys: sha256 over `watcher | jurisdiction | parcel | kind | old code | new code
 //! | effective date [| revision]`. Only stable fields go in (never a timestamp or a run id),
 //! so the same change for the same watcher always has the same key, across runs and
-//! restarts. The revision (`ChangeEvent::revision`, the parcel's revision after the change,
-//! kept in the snapshot) tells apart a change that happens *again*: a parcel rezoned
+//! restarts. The key revision (`ChangeEvent::revision`: how many changes of the parcel were
+//! announced before this one, kept in the snapshot, `detect::diff::step`) tells apart a
+//! change that happens *again*: a parcel rezoned
 //! R-1 → C-2, back to R-1 and to C-2 again within the key TTL gets three keys, not a
 //! `duplicate` for the third (its receiver would be left believing R-1). The same change
 //! found twice from the same snapshot (a held run released, a reprocess) has the same

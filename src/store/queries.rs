@@ -10,7 +10,7 @@ use super::tables::*;
 use super::tombstones::Tombstone;
 use super::{Store, StoreError};
 use crate::model::*;
-use redb::{ReadableDatabase, ReadableTable};
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::collections::HashMap;
 
 /// Filters for the audit ledger; `None` matches everything.
@@ -61,19 +61,29 @@ pub struct StoreStats {
 pub struct SnapshotView {
     table: redb::ReadOnlyTable<(&'static str, &'static str), &'static [u8]>,
     source_id: String,
-    /// The source's removed parcels (`tombstones.rs`), read with the snapshot: as many as
-    /// were removed within the key TTL.
-    tombstones: HashMap<String, Tombstone>,
+    /// Removed parcels' tombstones (`tombstones.rs`), from the same read transaction;
+    /// `None` when the store has none (then no parcel is looked up).
+    tombstones: Option<redb::ReadOnlyTable<(&'static str, &'static str), &'static [u8]>>,
 }
 
 impl SnapshotView {
     /// A removed parcel's tombstone, if it has one (a parcel not in the snapshot that has
-    /// none was never stored, or not within the key TTL).
-    pub fn tombstone(&self, parcel_id: &str) -> Option<Tombstone> {
-        if self.tombstones.is_empty() {
-            return None;
+    /// none was never stored, or not within the key TTL). Looked up only for a parcel the
+    /// snapshot does not hold: a point read, and none at all while the store has no
+    /// tombstone (a first ingest's millions of new parcels).
+    pub fn tombstone(&self, parcel_id: &str) -> Result<Option<Tombstone>, StoreError> {
+        match &self.tombstones {
+            Some(table) => super::tombstones::find(table, &self.source_id, parcel_id),
+            None => Ok(None),
         }
-        self.tombstones.get(parcel_id).copied()
+    }
+
+    /// Whether the source has any parcel stored.
+    pub fn has_parcels(&self) -> Result<bool, StoreError> {
+        match self.table.range((self.source_id.as_str(), "")..)?.next() {
+            Some(item) => Ok(item?.0.value().0 == self.source_id),
+            None => Ok(false),
+        }
     }
 
     /// The stored state of one parcel.
@@ -165,7 +175,8 @@ impl Store {
     /// A read view of a source's snapshot for the streaming diff.
     pub fn snapshot_view(&self, source_id: &str) -> Result<SnapshotView, StoreError> {
         let rtx = self.db.begin_read()?;
-        let tombstones = super::tombstones::all_of(&rtx.open_table(PARCEL_TOMBSTONES)?, source_id)?;
+        let tombstones = rtx.open_table(PARCEL_TOMBSTONES)?;
+        let tombstones = if tombstones.len()? == 0 { None } else { Some(tombstones) };
         Ok(SnapshotView { table: rtx.open_table(PARCEL_BLOCKS)?, source_id: source_id.to_string(), tombstones })
     }
 

@@ -6,7 +6,7 @@ use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
 use super::held_rows::{decode_held_event, decode_staged, encode_held_event, encode_staged};
 use super::tombstones::Tombstone;
-use crate::detect::diff::{content_of, step, Prior};
+use crate::detect::diff::{classify, content_of, step, ParcelDelta, Prior};
 use super::snapshot::{decode_state, geometries_of, SnapshotRow};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -32,9 +32,9 @@ pub enum CommitMode {
 
 impl CommitMode {
     /// Whether the run's changes are announced to subscribers, which moves the revisions
-    /// their keys carry on (`detect::diff::step`): a delivering run, and a held one, whose
-    /// delta is staged as its release would deliver it (a primed release takes the steps
-    /// again, unannounced: [`RunWriter::upserts`]).
+    /// their keys carry on (`detect::diff::step`): a delivering run, a released hold, and a
+    /// held run's removal events (its parcels are stepped again when it is resolved:
+    /// [`RunWriter::upserts`]).
     pub fn announces(&self) -> bool {
         matches!(self, CommitMode::Deliver | CommitMode::Hold { .. } | CommitMode::ResolveHold { prime: false, .. })
     }
@@ -476,18 +476,22 @@ impl RunWriter<'_> {
             for p in parcels {
                 staged.insert((self.run_id, p.id), encode_staged(Some((p.state, p.geometry))).as_slice())?;
             }
-        } else if matches!(self.mode, CommitMode::ResolveHold { prime: true, .. }) {
-            // The held run staged its parcels as a release would announce them; primed, they
-            // announce nothing, so each keeps the revision and announcement its stored state
-            // (or tombstone) has. The snapshot is the one the held run diffed against: any
-            // later commit of the source would have superseded the hold.
+        } else if let CommitMode::ResolveHold { prime, .. } = self.mode {
+            // A held run's parcels were staged as its scan stepped them (`detect::diff::step`),
+            // before anyone chose how to resolve it. They are stepped again here from the
+            // record each parcel has now — the one the held run diffed against (any later
+            // commit of the source would have superseded the hold) — as this resolution
+            // announces: a primed hold announces nothing, a released one announces its
+            // changes (a held reprocess too, since its release delivers them), and rows staged
+            // before revisions existed get theirs.
             let blocks = self.wtx.open_table(PARCEL_BLOCKS)?;
             let tombstones = self.wtx.open_table(PARCEL_TOMBSTONES)?;
             let mut rows = Vec::new();
             for p in parcels {
-                let prior = prior_in(&blocks, &tombstones, &self.source_id, p.id)?;
-                let quiet = step(prior, content_of(p.state), false);
-                let state = ParcelState { revision: quiet.revision, announced: quiet.announced, ..p.state.clone() };
+                let (prior, stored) = prior_in(&blocks, &tombstones, &self.source_id, p.id)?;
+                let announced = !prime && matches!(classify(stored.as_ref(), p.state), ParcelDelta::Added | ParcelDelta::Changed(Some(_)));
+                let taken = step(prior, content_of(p.state), announced);
+                let state = ParcelState { revision: taken.revision, announced: taken.announced, ..p.state.clone() };
                 rows.push(SnapshotRow::encode(ParcelRef { id: p.id, state: &state, geometry: p.geometry }));
             }
             drop((blocks, tombstones));
@@ -708,17 +712,20 @@ fn clear_staged(wtx: &WriteTransaction, hold_id: u64) -> Result<(), StoreError> 
 }
 
 /// What a parcel's record says before a change, read in a run's transaction: its stored
-/// state's revision and announcement, or its tombstone's, or nothing (never stored).
+/// state's revision and announcement (and the state), or its tombstone's, or nothing (never
+/// stored).
 fn prior_in<B: blocks::BlockTable, T: ReadableTable<(&'static str, &'static str), &'static [u8]>>(
     blocks: &B,
     tombstones: &T,
     source_id: &str,
     parcel_id: &str,
-) -> Result<Prior, StoreError> {
+) -> Result<(Prior, Option<ParcelState>), StoreError> {
     if let Some(state) = blocks::with_record(blocks, source_id, parcel_id, decode_state)? {
-        return Ok(Prior::of(&state.map_err(|m| codec_err("parcel_blocks", m))?));
+        let state = state.map_err(|m| codec_err("parcel_blocks", m))?;
+        return Ok((Prior::of(&state), Some(state)));
     }
-    Ok(super::tombstones::find(tombstones, source_id, parcel_id)?.map(|t| Prior { revision: t.revision, announced: t.announced }).unwrap_or_default())
+    let buried = super::tombstones::find(tombstones, source_id, parcel_id)?;
+    Ok((buried.as_ref().map(Prior::buried).unwrap_or_default(), None))
 }
 
 pub(super) fn codec_err(table: &'static str, message: String) -> StoreError {

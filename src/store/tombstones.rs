@@ -2,8 +2,8 @@
 //! snapshot by (source id, parcel id), so that a parcel removed and then published again is
 //! not mistaken for one never seen.
 //!
-//! Why it exists: a change event's idempotency key includes the revision the change brings
-//! its parcel to (`ParcelState::revision`), so that a parcel going R-1 → C-2, back, and to
+//! Why it exists: a change event's idempotency key includes a revision taken from its
+//! parcel's record (`ParcelState::revision`, `detect::diff::step`), so that a parcel going R-1 → C-2, back, and to
 //! C-2 again is alerted three times, under three keys. The snapshot holds a parcel's revision
 //! while the parcel is there; once it is removed, only its tombstone remembers it. Without
 //! one, a parcel removed, added back, removed again and added back within the key TTL would
@@ -13,7 +13,11 @@
 //!
 //! A tombstone is needed only while a key of the parcel's earlier life can still be live: it
 //! is swept, by a committing run of its source, once it is older than the key TTL (the keys
-//! of that life were claimed before the removal, so they have expired by then). A tombstone
+//! of that life were claimed before the removal, so they have expired by then — unless the
+//! TTL was lowered since, or a key was kept past it because its event is still pending, a
+//! dead letter not replayed: then the parcel, back, may be audited `duplicate` of that key).
+//! The sweep walks the source's tombstones in the run's write transaction: as many as its
+//! removals within the TTL. A tombstone
 //! left in place after its parcel came back is harmless: the parcel's state carries the
 //! revision from there on, and its next removal writes a new tombstone over it.
 //!
@@ -25,7 +29,6 @@ use super::StoreError;
 use redb::{ReadableTable, WriteTransaction};
 use crate::model::Announced;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 
 /// The table name errors and logs give.
 const TABLE: &str = "parcel_tombstones";
@@ -54,37 +57,22 @@ pub(super) fn bury(wtx: &WriteTransaction, source_id: &str, removed: &[(&str, To
     Ok(())
 }
 
-/// One parcel's tombstone; one that does not decode reads as none (see [`all_of`]).
+/// One parcel's tombstone, from a table opened in a read or a write transaction. A row that
+/// does not decode reads as none, logged: its parcel, back, starts again from revision 0,
+/// which at worst makes a change of it look like one already sent; it never stops a run
+/// (`zonewatch check --store` names the row).
 pub(super) fn find<T>(table: &T, source_id: &str, parcel_id: &str) -> Result<Option<Tombstone>, StoreError>
 where
     T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
 {
-    Ok(table.get((source_id, parcel_id))?.and_then(|v| decode::<Tombstone>(v.value()).ok()))
-}
-
-/// Every tombstone of `source_id`, by parcel id, from a table opened in a read or a write
-/// transaction. A row that does not decode is left out and logged (once per call): its
-/// parcel, if it comes back, starts again from revision 0, which at worst makes a change of
-/// it look like one already sent; it never stops a run.
-pub(super) fn all_of<T>(table: &T, source_id: &str) -> Result<HashMap<String, Tombstone>, StoreError>
-where
-    T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
-{
-    let mut out = HashMap::new();
-    let mut unreadable = 0u64;
-    super::queries::for_each_source_row(table, source_id, |id, bytes| {
-        match decode::<Tombstone>(bytes) {
-            Ok(t) => {
-                out.insert(id.to_string(), t);
-            }
-            Err(_) => unreadable += 1,
+    let Some(row) = table.get((source_id, parcel_id))? else { return Ok(None) };
+    match decode::<Tombstone>(row.value()) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) => {
+            tracing::warn!(source = source_id, parcel = parcel_id, error = %e, "{TABLE}: a row that does not decode is ignored");
+            Ok(None)
         }
-        Ok(())
-    })?;
-    if unreadable > 0 {
-        tracing::warn!(source = source_id, unreadable, "{TABLE}: rows that do not decode are ignored (`zonewatch check --store` names them)");
     }
-    Ok(out)
 }
 
 /// Removes `source_id`'s tombstones written before `before_ms`, and any that does not
@@ -126,8 +114,7 @@ mod tests {
     use crate::store::Store;
     use redb::ReadableDatabase;
 
-    /// Buried parcels are found by source; a sweep takes only the source's tombstones older
-    /// than its cut-off (and damaged ones), and a reading skips a damaged row.
+    /// A tombstone of a parcel whose removal was announced.
     fn buried(revision: u32, removed_ms: u64) -> Tombstone {
         Tombstone { revision, announced: Some(Announced { content: [0; 16], key_revision: revision.saturating_sub(1) }), removed_ms }
     }
@@ -147,11 +134,11 @@ mod tests {
 
         let rtx = store.db.begin_read().unwrap();
         let table = rtx.open_table(PARCEL_TOMBSTONES).unwrap();
-        let a = all_of(&table, "a").unwrap();
-        assert_eq!(a, [("p1".to_string(), buried(2, 1_000)), ("p2".to_string(), buried(5, 1_000)), ("p3".to_string(), buried(1, 5_000))].into());
-        assert_eq!(all_of(&table, "b").unwrap(), [("p1".to_string(), buried(9, 1_000))].into());
-        assert!(all_of(&table, "c").unwrap().is_empty());
+        assert_eq!(find(&table, "a", "p1").unwrap(), Some(buried(2, 1_000)));
         assert_eq!(find(&table, "a", "p2").unwrap(), Some(buried(5, 1_000)));
+        assert_eq!(find(&table, "a", "p3").unwrap(), Some(buried(1, 5_000)));
+        assert_eq!(find(&table, "b", "p1").unwrap(), Some(buried(9, 1_000)));
+        assert_eq!(find(&table, "c", "p1").unwrap(), None);
         assert_eq!(find(&table, "a", "p4").unwrap(), None, "a damaged row reads as none");
         assert_eq!(find(&table, "a", "p9").unwrap(), None);
         let bad = unreadable(&table).unwrap();
@@ -164,7 +151,8 @@ mod tests {
         wtx.commit().unwrap();
         let rtx = store.db.begin_read().unwrap();
         let table = rtx.open_table(PARCEL_TOMBSTONES).unwrap();
-        assert_eq!(all_of(&table, "a").unwrap(), [("p3".to_string(), buried(1, 5_000))].into());
-        assert_eq!(all_of(&table, "b").unwrap().len(), 1, "another source's are left");
+        assert_eq!((find(&table, "a", "p1").unwrap(), find(&table, "a", "p2").unwrap()), (None, None));
+        assert_eq!(find(&table, "a", "p3").unwrap(), Some(buried(1, 5_000)));
+        assert_eq!(find(&table, "b", "p1").unwrap(), Some(buried(9, 1_000)), "another source's are left");
     }
 }
