@@ -163,6 +163,15 @@ fn alerts(layer: LayerKind, c: &RawChange) -> bool {
     }
 }
 
+/// Whether a delivering run of a `layer` source announces change `c` (`detect::diff::step`):
+/// a parcel layer every change, a derived layer only those that alert ([`alerts`]).
+pub(crate) fn announces(layer: LayerKind, c: &RawChange) -> bool {
+    match layer {
+        LayerKind::Parcels => true,
+        _ => alerts(layer, c),
+    }
+}
+
 /// Turns the diff of derived states into the changes that alert (see [`alerts`]): a
 /// district change as it is, an overlay change as one event per overlay gained or lost.
 /// Also counts the code changes to or from no coverage.
@@ -447,7 +456,8 @@ impl Engine {
         } else {
             w.upserts_encoded(&batch.upserts)?;
         }
-        w.removals(&batch.removals)?;
+        // Derived parcels come and go silently: their tombstones are unannounced.
+        w.removals(&batch.removals, false)?;
         w.events(&batch.events, claims)?;
         w.shares(&batch.shares)?;
         Ok(())

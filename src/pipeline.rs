@@ -3,8 +3,8 @@
 //! thread. Also resolves holds (release / prime): the hold's staged delta is streamed from
 //! the store into one `RunWriter` transaction, as a run's delta is from its spill.
 
-use crate::config::{Config, SourceConfig};
-use crate::detect::diff::{step, Prior, RawChange};
+use crate::config::{Config, LayerKind, SourceConfig};
+use crate::detect::diff::{classify, step, ParcelDelta, Prior, RawChange};
 use crate::detect::row_sort::RowSorter;
 use crate::detect::spill::{SpillEntry, SpillError, SpilledParcel};
 use crate::detect::stream::{default_workers, scan_layer, ScanError, ScanResult};
@@ -740,7 +740,7 @@ impl Engine {
                 .collect();
             let claims = if hold { vec![] } else { self.claims_for(&events) };
             let ids: Vec<String> = chunk.iter().map(|(id, _)| id.clone()).collect();
-            w.removals(&ids)?;
+            w.removals(&ids, true)?;
             w.events(&events, &claims)?;
         }
         Ok(w.finish(started, self.now(), counts, warnings)?)
@@ -1038,6 +1038,20 @@ impl Engine {
         let mut watermark = hold.watermark.clone();
         watermark.consumed_at_ms = now;
         let ttl_ms = self.config.delivery.idem_ttl.as_millis() as u64;
+        // What the source announces when its run delivers (a source no longer configured is
+        // taken as the parcel layer it most likely was).
+        let layer = self.config.sources.iter().find(|s| s.id == hold.source_id).map_or(LayerKind::Parcels, |s| s.layer);
+        let announces = |stored: Option<&ParcelState>, staged: &ParcelState| {
+            let kind = match classify(stored, staged) {
+                ParcelDelta::Unchanged => None,
+                ParcelDelta::Added => Some(ChangeKind::Added),
+                ParcelDelta::Changed(kind) => kind,
+            };
+            kind.is_some_and(|kind| {
+                let change = RawChange { parcel_id: String::new(), kind, from: stored.map(|s| s.zoning.clone()), to: Some(staged.zoning.clone()), new_index: None, revision: 0 };
+                crate::derived::announces(layer, &change)
+            })
+        };
         let mut w = self.store.begin_run(&hold.source_id, CommitMode::ResolveHold { hold_id, prime }, watermark, now, ttl_ms)?;
         // Streamed from the staged tables into the one release transaction, chunk by chunk.
         // `begin_run` has already cleared the hold's staged rows inside that (uncommitted)
@@ -1046,8 +1060,8 @@ impl Engine {
         const RELEASE_CHUNK: usize = 4096;
         self.store.for_each_held(hold_id, RELEASE_CHUNK, |chunk| match chunk {
             HeldChunk::Parcels { upserts, removals } => {
-                w.upserts(upserts.iter().map(Parcel::borrowed))?;
-                w.removals(&removals)
+                w.upserts_held(upserts.iter().map(Parcel::borrowed), &announces)?;
+                w.removals(&removals, layer == LayerKind::Parcels)
             }
             HeldChunk::Events(events) => {
                 let claims = self.claims_for(&events);

@@ -15,15 +15,25 @@ fn with_zones(v: &[P], ids: &[usize], to: &str) -> Vec<P> {
     out
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn renamed_zoning_field_is_held_until_mapped() {
+/// A loopback receiver answering 200, a workspace whose one subscriber (`w`) watches the
+/// whole test grid with `max_change_ratio` at `ratio`, and its engine.
+async fn watched_grid(ratio: f64) -> (zonewatch::receiver::Receiver, Workspace, zonewatch::pipeline::Engine) {
     let rx = receiver(200).await;
     let ws = Workspace::new(
         &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
         "",
         "",
     );
+    if ratio != 0.5 {
+        ws.edit_config("max_change_ratio = 0.5", &format!("max_change_ratio = {ratio}"));
+    }
     let engine = ws.engine();
+    (rx, ws, engine)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renamed_zoning_field_is_held_until_mapped() {
+    let (rx, ws, engine) = watched_grid(0.5).await;
     let v1 = grid(100);
     ws.write_layer(&layer(&v1));
     run(&engine, false);
@@ -63,14 +73,7 @@ async fn renamed_zoning_field_is_held_until_mapped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn change_spike_is_held_then_released_and_superseded_holds_stay_closed() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
-        "",
-        "",
-    );
-    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
-    let engine = ws.engine();
+    let (rx, ws, engine) = watched_grid(0.05).await;
     let v1 = grid(100);
     ws.write_layer(&layer(&v1));
     run(&engine, false);
@@ -109,14 +112,7 @@ async fn change_spike_is_held_then_released_and_superseded_holds_stay_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primed_hold_is_accepted_silently() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
-        "",
-        "",
-    );
-    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
-    let engine = ws.engine();
+    let (rx, ws, engine) = watched_grid(0.05).await;
     let v1 = grid(100);
     ws.write_layer(&layer(&v1));
     run(&engine, false);
@@ -213,14 +209,7 @@ fn a_hold_superseded_after_it_was_read_is_not_resolved() {
 /// ever announced of them to return to.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primed_rollback_undone_tells_no_one_twice() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
-        "",
-        "",
-    );
-    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
-    let engine = ws.engine();
+    let (rx, ws, engine) = watched_grid(0.05).await;
     let v1 = grid(100);
     ws.write_layer(&layer(&v1));
     run(&engine, false);
@@ -252,13 +241,7 @@ async fn a_primed_rollback_undone_tells_no_one_twice() {
 /// older announcement.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_reprocess_released_is_announced() {
-    let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
-        "",
-        "",
-    );
-    let engine = ws.engine();
+    let (rx, ws, engine) = watched_grid(0.5).await;
     let v1 = grid(40);
     let c = with_zones(&v1, &[0], "C-9");
     ws.write_layer(&layer(&v1));

@@ -55,6 +55,7 @@ pub struct Steps<'a> {
     pub buried: &'a dyn Fn(&str) -> Result<Option<Prior>, StoreError>,
 }
 
+#[cfg(test)]
 impl Steps<'_> {
     /// Every change announced (`announce`) or none, no tombstones (tests).
     pub fn all(announce: bool) -> Steps<'static> {

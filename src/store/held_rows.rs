@@ -1,7 +1,8 @@
 //! The stored shape of what a held run keeps until an operator resolves it: its staged
 //! parcels (`held_parcels`) and its change events (`held_events`). Record version 2
-//! (schema 8) added the parcel's revision to both (`ParcelState::revision`,
-//! `ChangeEvent::revision`), so that releasing a hold claims the keys the run would have
+//! (schema 8) added the parcel's revision and last announcement to staged parcels
+//! (`ParcelState::revision`, `ParcelState::announced`) and the key revision to events
+//! (`ChangeEvent::revision`), so that releasing a hold claims the keys the run would have
 //! claimed had it not been held. Rows of either version are read (a version 1 row as
 //! revision 0, the keys a zonewatch of that time gave them); every row this build writes is
 //! version 2.

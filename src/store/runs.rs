@@ -150,7 +150,7 @@ impl Store {
         let mut w = self.begin_run(&run.source_id, run.mode.clone(), run.watermark, run.now_ms, run.idem_ttl_ms)?;
         w.quarantine(&run.quarantine)?;
         w.upserts(run.upserts.iter().map(Parcel::borrowed))?;
-        w.removals(&run.removals)?;
+        w.removals(&run.removals, true)?;
         w.events(&run.events, &run.claims)?;
         w.finish(run.started_ms, run.now_ms, run.counts, run.warnings)
     }
@@ -476,26 +476,8 @@ impl RunWriter<'_> {
             for p in parcels {
                 staged.insert((self.run_id, p.id), encode_staged(Some((p.state, p.geometry))).as_slice())?;
             }
-        } else if let CommitMode::ResolveHold { prime, .. } = self.mode {
-            // A held run's parcels were staged as its scan stepped them (`detect::diff::step`),
-            // before anyone chose how to resolve it. They are stepped again here from the
-            // record each parcel has now — the one the held run diffed against (any later
-            // commit of the source would have superseded the hold) — as this resolution
-            // announces: a primed hold announces nothing, a released one announces its
-            // changes (a held reprocess too, since its release delivers them), and rows staged
-            // before revisions existed get theirs.
-            let blocks = self.wtx.open_table(PARCEL_BLOCKS)?;
-            let tombstones = self.wtx.open_table(PARCEL_TOMBSTONES)?;
-            let mut rows = Vec::new();
-            for p in parcels {
-                let (prior, stored) = prior_in(&blocks, &tombstones, &self.source_id, p.id)?;
-                let announced = !prime && matches!(classify(stored.as_ref(), p.state), ParcelDelta::Added | ParcelDelta::Changed(Some(_)));
-                let taken = step(prior, content_of(p.state), announced);
-                let state = ParcelState { revision: taken.revision, announced: taken.announced, ..p.state.clone() };
-                rows.push(SnapshotRow::encode(ParcelRef { id: p.id, state: &state, geometry: p.geometry }));
-            }
-            drop((blocks, tombstones));
-            self.upserts_encoded(&rows)?;
+        } else if matches!(self.mode, CommitMode::ResolveHold { .. }) {
+            self.upserts_held(parcels, &|prev, new| matches!(classify(prev, new), ParcelDelta::Added | ParcelDelta::Changed(Some(_))))?;
         } else {
             let rows: Vec<SnapshotRow> = parcels.into_iter().map(SnapshotRow::encode).collect();
             self.upserts_encoded(&rows)?;
@@ -503,8 +485,40 @@ impl RunWriter<'_> {
         Ok(())
     }
 
-    /// Parcels gone from the layer: out of the snapshot, or staged with the hold.
-    pub fn removals(&mut self, ids: &[String]) -> Result<(), StoreError> {
+    /// A resolved hold's staged parcels into the snapshot. They were staged as the held run's
+    /// scan stepped them (`detect::diff::step`), before anyone chose how to resolve it; each
+    /// is stepped again here from the record it has now — the one the held run diffed
+    /// against (any later commit of the source would have superseded the hold) — as this
+    /// resolution announces it: a primed hold nothing; a released one the changes
+    /// `announces(stored state, staged state)` says its source announces (a parcel layer:
+    /// every change but an effective-date-only one; a derived layer: those that alert), a held
+    /// reprocess's too, since its release delivers them. Rows staged before revisions existed
+    /// get theirs the same way.
+    pub fn upserts_held<'p>(
+        &mut self,
+        parcels: impl IntoIterator<Item = ParcelRef<'p>>,
+        announces: &dyn Fn(Option<&ParcelState>, &ParcelState) -> bool,
+    ) -> Result<(), StoreError> {
+        let CommitMode::ResolveHold { prime, .. } = self.mode else {
+            return Err(StoreError::Conflict("only the resolution of a hold writes held parcels".into()));
+        };
+        let blocks = self.wtx.open_table(PARCEL_BLOCKS)?;
+        let tombstones = self.wtx.open_table(PARCEL_TOMBSTONES)?;
+        let mut rows = Vec::new();
+        for p in parcels {
+            let (prior, stored) = prior_in(&blocks, &tombstones, &self.source_id, p.id)?;
+            let taken = step(prior, content_of(p.state), !prime && announces(stored.as_ref(), p.state));
+            let state = ParcelState { revision: taken.revision, announced: taken.announced, ..p.state.clone() };
+            rows.push(SnapshotRow::encode(ParcelRef { id: p.id, state: &state, geometry: p.geometry }));
+        }
+        drop((blocks, tombstones));
+        self.upserts_encoded(&rows)
+    }
+
+    /// Parcels gone from the layer: out of the snapshot, or staged with the hold. `announced`:
+    /// whether the source announces a removal when its run does (a parcel layer does; a
+    /// derived layer never does), for the tombstone's step.
+    pub fn removals(&mut self, ids: &[String], announced: bool) -> Result<(), StoreError> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -518,7 +532,7 @@ impl RunWriter<'_> {
             // Each removed parcel's revision and announcement go on in its tombstone
             // (`tombstones.rs`), stepped as the run's removal event was: read before the
             // blocks lose them. An id not stored leaves nothing to remember.
-            let announce = self.mode.announces();
+            let announce = announced && self.mode.announces();
             let mut buried = Vec::with_capacity(ids.len());
             for id in ids {
                 if let Some(state) = blocks::with_record(&table, &self.source_id, id, decode_state)? {
@@ -786,7 +800,7 @@ mod tests {
         let ids: Vec<String> = (0..7).map(|i| format!("p{i}")).collect();
         let parcels: Vec<Parcel> = ids.iter().map(|id| parcel(id)).collect();
         w.upserts(parcels.iter().map(Parcel::borrowed)).unwrap();
-        w.removals(&["q0".to_string(), "q1".to_string()]).unwrap();
+        w.removals(&["q0".to_string(), "q1".to_string()], true).unwrap();
         w.events(&ids.iter().take(5).map(|id| sample_event(id)).collect::<Vec<_>>(), &[]).unwrap();
         w.shares(&[("p0".to_string(), 0.75), ("p1".to_string(), 1.0), ("p2".to_string(), 0.5)]).unwrap();
         let rec = w.finish(1, 1, RunCounts::default(), vec![]).unwrap();
@@ -794,7 +808,7 @@ mod tests {
         // Another source's hold, staged after it: its rows must not be mixed in.
         let mut other = store.begin_run("t", CommitMode::Hold { reason: "test".into() }, Watermark::default(), 1, 1_000).unwrap();
         other.upserts([parcel("x0")].iter().map(Parcel::borrowed)).unwrap();
-        other.removals(&["x1".to_string()]).unwrap();
+        other.removals(&["x1".to_string()], true).unwrap();
         other.events(&[sample_event("x0")], &[]).unwrap();
         other.shares(&[("x0".to_string(), 0.25)]).unwrap();
         assert!(other.finish(1, 1, RunCounts::default(), vec![]).unwrap().hold_id.unwrap() > hold);
@@ -829,5 +843,58 @@ mod tests {
         let mut n = 0;
         store.for_each_held(hold + 100, 2, |_| { n += 1; Ok(()) }).unwrap();
         assert_eq!(n, 0);
+    }
+
+    /// A parcel with zoning `zoning` (its content hash follows the code) at `revision`.
+    fn zoned(id: &str, zoning: &str, revision: u32) -> Parcel {
+        let mut p = parcel(id);
+        p.state.zoning = zoning.into();
+        p.state.content_hash = crate::detect::canonical::content_hash(zoning, None, &p.state.geom_hash);
+        p.state.revision = revision;
+        p
+    }
+
+    /// What the store holds of a parcel: its state's revision and announcement, or its
+    /// tombstone's.
+    fn remembered(store: &Store, id: &str) -> (u32, Option<Announced>) {
+        let view = store.snapshot_view("s").unwrap();
+        match view.get(id).unwrap() {
+            Some(state) => (state.revision, state.announced),
+            None => view.tombstone(id).unwrap().map(|t| (t.revision, t.announced)).expect("a tombstone"),
+        }
+    }
+
+    /// A removal's tombstone is stepped as its caller says the source announces removals (a
+    /// derived source never does) and as the run's mode allows; a resolved hold's parcels
+    /// are stepped again from their records, as the resolution and the source's rule say.
+    #[test]
+    fn removals_and_resolved_holds_step_as_their_source_announces() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let mut w = store.begin_run("s", CommitMode::Baseline, Watermark::default(), 1, 1_000_000).unwrap();
+        let base: Vec<Parcel> = ["a", "b", "c", "d"].iter().map(|id| zoned(id, "R-1", 0)).collect();
+        w.upserts(base.iter().map(Parcel::borrowed)).unwrap();
+        w.finish(1, 1, RunCounts::default(), vec![]).unwrap();
+
+        let mut w = store.begin_run("s", CommitMode::Deliver, Watermark::default(), 2, 1_000_000).unwrap();
+        w.removals(&["a".to_string()], true).unwrap();
+        w.removals(&["b".to_string()], false).unwrap();
+        w.finish(2, 2, RunCounts::default(), vec![]).unwrap();
+        assert_eq!(remembered(&store, "a"), (1, Some(Announced { content: ABSENT_CONTENT, key_revision: 0 })), "announced");
+        assert_eq!(remembered(&store, "b"), (0, None), "a derived removal tells no one");
+
+        // A hold of c and d rezoned, released: c by a rule that announces, d by one that does not.
+        let mut w = store.begin_run("s", CommitMode::Hold { reason: "test".into() }, Watermark::default(), 3, 1_000_000).unwrap();
+        let staged = [zoned("c", "C-2", 9), zoned("d", "C-2", 9)];
+        w.upserts(staged.iter().map(Parcel::borrowed)).unwrap();
+        let hold = w.finish(3, 3, RunCounts::default(), vec![]).unwrap().hold_id.unwrap();
+        let mut w = store.begin_run("s", CommitMode::ResolveHold { hold_id: hold, prime: false }, Watermark::default(), 4, 1_000_000).unwrap();
+        w.upserts_held(staged[..1].iter().map(Parcel::borrowed), &|_, _| true).unwrap();
+        w.upserts_held(staged[1..].iter().map(Parcel::borrowed), &|_, _| false).unwrap();
+        w.finish(4, 4, RunCounts::default(), vec![]).unwrap();
+        let told_c2 = Announced { content: crate::detect::diff::content_of(&staged[0].state), key_revision: 0 };
+        assert_eq!(remembered(&store, "c"), (1, Some(told_c2)), "stepped from its record (revision 0), not the staged 9");
+        assert_eq!(remembered(&store, "d"), (0, None));
+        assert!(store.begin_run("s", CommitMode::Deliver, Watermark::default(), 5, 1).unwrap().upserts_held(staged.iter().map(Parcel::borrowed), &|_, _| true).is_err());
     }
 }

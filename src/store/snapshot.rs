@@ -13,8 +13,8 @@
 //! The layout is `[version] ++ postcard(ParcelState) ++ postcard(StoredGeometry)`: the
 //! state comes first so the diff decodes it from the front of the record and never touches
 //! the geometry's bytes. Version 2 ([`SNAPSHOT_RECORD_VERSION`], schema 8) added
-//! `ParcelState::revision` as the state's last field; version 1 records (the state without
-//! it) are read as revision 0 and stay as they are until their parcel changes. The fields
+//! `ParcelState::revision` and `ParcelState::announced` as the state's last fields; version 1
+//! records (the state without them) are read as revision 0, nothing announced and stay as they are until their parcel changes. The fields
 //! before it are laid out alike in both, so the diff's index reads either version the same.
 
 use super::codec::{split_version, unknown_version};
@@ -120,20 +120,14 @@ struct RecordRef<'a> {
     geometry: &'a StoredGeometry,
 }
 
-/// A borrowed view of the state at the front of a record: the same fields in the same order,
-/// so postcard skips it without allocating to reach the geometry.
+/// A borrowed view of the state at the front of a record: the same fields in the same order
+/// (postcard writes a nested struct's fields in place, so the version 1 fields first, then
+/// the ones version 2 added), so postcard skips it without allocating to reach the geometry.
 #[derive(Deserialize)]
 struct StateRef<'a> {
     #[allow(dead_code)]
-    zoning: &'a str,
-    #[allow(dead_code)]
-    effective_date: Option<&'a str>,
-    #[allow(dead_code)]
-    content_hash: [u8; 32],
-    #[allow(dead_code)]
-    geom_hash: [u8; 32],
-    #[allow(dead_code)]
-    area_m2: f64,
+    #[serde(borrow)]
+    front: StateRefV1<'a>,
     #[allow(dead_code)]
     revision: u32,
     #[allow(dead_code)]
@@ -394,9 +388,13 @@ mod tests {
     #[test]
     fn a_record_gives_back_its_state_and_its_geometry() {
         let (mut s, g) = (state("R-1", 3), square(2.0));
-        for (effective_date, revision) in [(None, 0), (Some("2026-01-01".to_string()), 0), (None, 1), (None, 300), (None, u32::MAX)] {
+        let told = Some(crate::model::Announced { content: [7; 16], key_revision: 299 });
+        for (effective_date, revision, announced) in
+            [(None, 0, None), (Some("2026-01-01".to_string()), 0, None), (None, 1, told), (None, 300, told), (Some("2026-02-01".to_string()), u32::MAX, told)]
+        {
             s.effective_date = effective_date;
             s.revision = revision;
+            s.announced = announced;
             let bytes = encode_record(&s, &g);
             assert_eq!(bytes[0], SNAPSHOT_RECORD_VERSION);
             assert_eq!(decode_state(&bytes).unwrap(), s);
@@ -408,7 +406,7 @@ mod tests {
             assert_eq!(SnapshotRow::from_body("p".into(), &bytes[1..]).record, bytes);
 
             let old = v1_record(&s, &g);
-            let as_read = ParcelState { revision: 0, ..s.clone() };
+            let as_read = ParcelState { revision: 0, announced: None, ..s.clone() };
             assert_eq!(decode_state(&old).unwrap(), as_read);
             assert_eq!(decode_geometry(&old).unwrap(), Some(g.clone()));
             assert_eq!(decode_record(&old).unwrap(), (as_read.clone(), Some(g.clone())));
