@@ -155,12 +155,14 @@ fn alerts(layer: LayerKind, c: &RawChange) -> bool {
     let from = c.from.as_deref().unwrap_or("");
     let to = c.to.as_deref().unwrap_or("");
     match layer {
-        LayerKind::Overlays => {
-            let norm = |s: &str| -> HashSet<String> { overlay_set(s).iter().map(|n| normalize_code(n)).collect() };
-            norm(from) != norm(to)
-        }
+        LayerKind::Overlays => normalized_overlays(from) != normalized_overlays(to),
         _ => !from.is_empty() && !to.is_empty(),
     }
+}
+
+/// An overlay set's names, normalised (`normalize_code`): what tells two sets apart.
+fn normalized_overlays(s: &str) -> HashSet<String> {
+    overlay_set(s).iter().map(|n| normalize_code(n)).collect()
 }
 
 /// Whether a delivering run of a `layer` source announces change `c` (`detect::diff::step`):
@@ -194,8 +196,7 @@ fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> (Vec<RawChange
             LayerKind::Overlays => {
                 let old = overlay_set(from);
                 let new = overlay_set(to);
-                let norm_old: HashSet<String> = old.iter().map(|n| normalize_code(n)).collect();
-                let norm_new: HashSet<String> = new.iter().map(|n| normalize_code(n)).collect();
+                let (norm_old, norm_new) = (normalized_overlays(from), normalized_overlays(to));
                 for n in &new {
                     if !norm_old.contains(&normalize_code(n)) {
                         out.push(RawChange { kind: ChangeKind::OverlayAdded, from: None, to: Some(n.to_string()), ..c.clone() });
@@ -261,9 +262,7 @@ impl Engine {
         // `Engine::derive_pass`); the delta goes to a file, the counts to the gate.
         let now = self.now();
         let pass_started = Instant::now();
-        // A first derivation (no watermark and nothing stored: the gate's baseline) and a
-        // reprocess tell no one of their changes (`detect::diff::step`).
-        let announce = !opts.reprocess && (wm.is_some() || self.store.snapshot_view(&src.id)?.has_parcels()?);
+        let announce = crate::pipeline::announces_changes(opts.reprocess, wm.as_ref(), &self.store.snapshot_view(&src.id)?)?;
         let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, announce, now)?;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");

@@ -55,6 +55,12 @@ enum LayerInput {
     Staged(staging::StagedLayer),
 }
 
+/// Whether a run announces its changes (`detect::diff::step`): not a reprocess, and not a
+/// first ingest (no watermark and nothing stored in `view`: the gate's baseline).
+pub(crate) fn announces_changes(reprocess: bool, wm: Option<&Watermark>, view: &crate::store::SnapshotView) -> Result<bool, StoreError> {
+    Ok(!reprocess && (wm.is_some() || view.has_parcels()?))
+}
+
 /// Scans a layer read from `file` (its path for messages) through a digesting reader:
 /// returns the scan with the sha256 and size of the very bytes it read. A file that could
 /// not be read is reported as such, with its path, not as a document that is not GeoJSON.
@@ -546,9 +552,7 @@ impl Engine {
         // The streaming diff: normalise, look up, classify; the delta goes to a spill file.
         let rules = NormalizeRules { fields: &src.fields, bbox: src.bbox };
         let view = self.store.snapshot_view(&src.id)?;
-        // A first ingest (no watermark and nothing stored: the gate's baseline) and a
-        // reprocess tell no one of their changes (`detect::diff::step`).
-        let announce = !opts.reprocess && (wm.is_some() || view.has_parcels()?);
+        let announce = announces_changes(opts.reprocess, wm.as_ref(), &view)?;
         let spill_dir = self.scratch_dir();
         let workers = default_workers();
         let scan_started = std::time::Instant::now();
