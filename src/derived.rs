@@ -20,7 +20,7 @@
 
 use crate::config::{LayerKind, SourceConfig};
 use crate::detect::canonical::{content_hash, normalize_code};
-use crate::detect::diff::{diff, Prior, RawChange, Steps};
+use crate::detect::diff::{diff, RawChange, Steps};
 use crate::detect::gate::{decide, GateInput};
 use crate::detect::overlay::{Coverage, DistrictIndex};
 use crate::ingest::districts::read_districts;
@@ -366,7 +366,7 @@ impl Engine {
                 file.removal(id)?;
             }
             let announces = |c: &RawChange| announce && alerts(src.layer, c);
-            let buried = |id: &str| Ok(view.tombstone(id)?.as_ref().map(Prior::buried));
+            let buried = |id: &str| view.prior_of_absent(id);
             let diffed = diff(&derived, d.parcels, &HashSet::new(), &Steps { announces: &announces, buried: &buried })?;
             let (changes, coverage_only) = alerting_changes(src.layer, diffed.changes);
             pass.coverage_only += coverage_only;

@@ -51,8 +51,8 @@ impl Prior {
 pub struct Steps<'a> {
     /// Whether the run announces this change (a derived layer: only a change that alerts).
     pub announces: &'a dyn Fn(&RawChange) -> bool,
-    /// The prior of a parcel the snapshot does not hold (its tombstone's, if any).
-    pub buried: &'a dyn Fn(&str) -> Result<Option<Prior>, StoreError>,
+    /// The prior of a parcel the snapshot does not hold (its tombstone's, or nothing).
+    pub buried: &'a dyn Fn(&str) -> Result<Prior, StoreError>,
 }
 
 #[cfg(test)]
@@ -65,8 +65,8 @@ impl Steps<'_> {
         fn no(_: &RawChange) -> bool {
             false
         }
-        fn none(_: &str) -> Result<Option<Prior>, StoreError> {
-            Ok(None)
+        fn none(_: &str) -> Result<Prior, StoreError> {
+            Ok(Prior::default())
         }
         Steps { announces: if announce { &yes } else { &no }, buried: &none }
     }
@@ -177,7 +177,7 @@ pub fn diff(old: &HashMap<String, ParcelState>, new: Vec<Parcel>, untouchable: &
         };
         let prior = match prev {
             Some(p) => Prior::of(p),
-            None => (steps.buried)(&parcel.id)?.unwrap_or_default(),
+            None => (steps.buried)(&parcel.id)?,
         };
         let change = kind.map(|kind| RawChange {
             parcel_id: parcel.id.clone(),
@@ -317,7 +317,7 @@ mod tests {
     #[test]
     fn the_diff_reads_tombstones_and_announces_what_it_is_told() {
         let old: HashMap<String, ParcelState> = [("b".to_string(), parcel("b", "R-1", 1).state)].into();
-        let buried = |id: &str| Ok((id == "e").then_some(Prior { revision: 4, announced: Some(Announced { content: ABSENT_CONTENT, key_revision: 3 }) }));
+        let buried = |id: &str| Ok(if id == "e" { Prior { revision: 4, announced: Some(Announced { content: ABSENT_CONTENT, key_revision: 3 }) } } else { Prior::default() });
         let only_rezonings = |c: &RawChange| c.kind == ChangeKind::Rezoned;
         let steps = Steps { announces: &only_rezonings, buried: &buried };
         let d = diff(&old, vec![parcel("b", "C-2", 1), parcel("e", "R-1", 1), parcel("f", "R-1", 1)], &HashSet::new(), &steps).unwrap();

@@ -584,8 +584,8 @@ fn worker(
                         let mut state = p.state;
                         let prior = match &prev {
                             Some(s) => Prior::of(s),
-                            None => match view.tombstone(&p.id) {
-                                Ok(t) => t.as_ref().map(Prior::buried).unwrap_or_default(),
+                            None => match view.prior_of_absent(&p.id) {
+                                Ok(prior) => prior,
                                 Err(e) => {
                                     let _ = res_tx.send(Err(e.into()));
                                     cancel.store(true, Ordering::Relaxed);

@@ -78,6 +78,12 @@ impl SnapshotView {
         }
     }
 
+    /// What the record of a parcel the snapshot does not hold says before a change
+    /// (`detect::diff::step`): its tombstone's revision and announcement, or nothing.
+    pub fn prior_of_absent(&self, parcel_id: &str) -> Result<crate::detect::diff::Prior, StoreError> {
+        Ok(self.tombstone(parcel_id)?.as_ref().map(crate::detect::diff::Prior::buried).unwrap_or_default())
+    }
+
     /// Whether the source has any parcel stored.
     pub fn has_parcels(&self) -> Result<bool, StoreError> {
         match self.table.range((self.source_id.as_str(), "")..)?.next() {
