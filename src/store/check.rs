@@ -404,9 +404,11 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     }
     // Every tombstone reads (a run skips one that does not: its parcel would start again
     // from revision 0 if it came back).
+    // and is in the index by age that the runs' sweeps read.
     if let Some(tombstones) = open_optional(rtx, PARCEL_TOMBSTONES)? {
-        for p in super::tombstones::unreadable(&tombstones)? {
-            problem(&mut report, format!("tombstone {p} does not decode"));
+        let ages = open_optional(rtx, PARCEL_TOMBSTONE_AGES)?;
+        for p in super::tombstones::problems(&tombstones, ages.as_ref())? {
+            problem(&mut report, p);
         }
     }
     if let Some(subs) = open_optional(rtx, SUBSCRIBERS)? {

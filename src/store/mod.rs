@@ -62,6 +62,8 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 9: tombstones are indexed by removal time (`parcel_tombstone_ages`, `tombstones.rs`); a
+/// version 8 build would write tombstones without index rows, which would then never be swept.
 /// 8: snapshot records at version 2 carry the parcel's revision, removed parcels leave a
 /// tombstone (`parcel_tombstones`), and change events' keys include the revision
 /// (`snapshot.rs`, `tombstones.rs`, `notify::idem`); a version 7 build could not read the
@@ -79,7 +81,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 8;
+pub const SCHEMA_VERSION: u32 = 9;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -494,6 +496,7 @@ impl Store {
             wtx.open_table(WATERMARK_HISTORY)?;
             wtx.open_table(PARCEL_BLOCKS)?;
             wtx.open_table(PARCEL_TOMBSTONES)?;
+            wtx.open_table(PARCEL_TOMBSTONE_AGES)?;
             wtx.open_table(IDEM_KEYS)?;
             wtx.open_table(IDEM_EXPIRY_BUCKETS)?;
             wtx.open_table(IDEM_KEY_JOURNAL)?;
@@ -542,6 +545,10 @@ impl Store {
         let packed = blocks::migrate_parcel_rows(&wtx)?;
         if packed > 0 {
             tracing::info!(parcels = packed, "parcel snapshot rows packed into blocks (schema 6 to 7)");
+        }
+        let indexed = tombstones::index_by_age(&wtx)?;
+        if indexed > 0 {
+            tracing::info!(indexed, "parcel tombstones indexed by removal time (schema 8 to 9)");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

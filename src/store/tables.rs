@@ -23,6 +23,9 @@ pub const PARCEL_BLOCKS: TableDefinition<(&str, &str), &[u8]> = TableDefinition:
 /// (source id, parcel id) → `Tombstone`: the revision a removed parcel had reached
 /// (`store::tombstones`; schema 8).
 pub const PARCEL_TOMBSTONES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_tombstones");
+/// (source id, removed at, parcel id) → (): the tombstones of each source by age, so that a
+/// run's sweep reads only those past the key TTL, not every tombstone of its source (schema 9).
+pub const PARCEL_TOMBSTONE_AGES: TableDefinition<(&str, u64, &str), ()> = TableDefinition::new("parcel_tombstone_ages");
 /// Schema 6: (source id, parcel id) → the parcel's snapshot record, a row per parcel. Read
 /// once, by the schema 6 → 7 migration into `parcel_blocks`.
 pub const LEGACY_PARCEL_ROWS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_snapshot");
