@@ -634,6 +634,7 @@ impl Engine {
         });
         let watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
         let (mode, hold_reason) = crate::pipeline::commit_mode(decision);
+        let (events, places) = step_places(events, &diff.regions, self.store.area_places(&src.id)?, mode.announces(), now);
         let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
         let counts = RunCounts {
             features: layer.features,
@@ -653,6 +654,7 @@ impl Engine {
             removals,
             events,
             claims,
+            places,
             quarantine,
             counts,
             warnings,
@@ -660,6 +662,35 @@ impl Engine {
         })?;
         Ok(SourceReport { record, hold_reason })
     }
+}
+
+/// Gives each area-mode event (one per region, in the order of `regions`) the key revision of
+/// its place's step (`detect::diff::step`, from what the place last announced: `stored`), and
+/// returns the places the run moves: those it announces, at `now_ms`. A place is the region's
+/// snapped shape whatever its codes, so A → B, back to A and to B again are three keys, while a
+/// return to what was announced after a silent detour (a primed hold, a reprocess) has the
+/// announced change's key: a duplicate, not a second alert.
+fn step_places(
+    mut events: Vec<ChangeEvent>,
+    regions: &[crate::detect::area::Region],
+    mut stored: std::collections::HashMap<String, crate::store::PlaceState>,
+    announce: bool,
+    now_ms: u64,
+) -> (Vec<ChangeEvent>, Vec<(String, crate::store::PlaceState)>) {
+    use crate::detect::diff::{step, Prior};
+    let mut moved = std::collections::BTreeSet::new();
+    for (event, region) in events.iter_mut().zip(regions) {
+        let prior = stored.get(&region.place).map(|p| Prior { revision: p.revision, announced: p.announced }).unwrap_or_default();
+        let taken = step(prior, crate::detect::area::place_content(&region.to), announce);
+        event.revision = taken.key_revision;
+        if announce {
+            // Two regions of one run on the same place step one after the other.
+            stored.insert(region.place.clone(), crate::store::PlaceState { revision: taken.revision, announced: taken.announced, changed_ms: now_ms });
+            moved.insert(region.place.clone());
+        }
+    }
+    let places = moved.into_iter().filter_map(|place| stored.get(&place).map(|s| (place, *s))).collect();
+    (events, places)
 }
 
 #[cfg(test)]

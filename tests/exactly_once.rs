@@ -482,3 +482,89 @@ async fn a_change_that_happens_again_is_told_again() {
     let o = outcomes(&engine);
     assert_eq!((o.get("sent"), o.get("duplicate")), (Some(&8), Some(&1)));
 }
+
+/// A district layer of three 0.01° districts side by side (area mode: no parcel base), the
+/// first coded `first`.
+fn districts(first: &str) -> String {
+    let d = |i: usize, zone: &str| square(&format!("D{i}"), zone, -71.15 + 0.01 * i as f64, 42.35, 0.01);
+    layer(&[d(0, first), d(1, "R-2"), d(2, "C-1")])
+}
+
+/// A workspace whose source `s1` is a district layer in area mode, watched whole.
+async fn area_workspace() -> (zonewatch::receiver::Receiver, Workspace) {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[whole_area(rx.url("/hook"))], "", "layer = \"districts\"\nmin_change_area_m2 = 200\ntolerance_m = 3");
+    (rx, ws)
+}
+
+/// Area mode keeps the promise parcel layers keep: a district going R-1 → C-2, back and to
+/// C-2 again within the key TTL is told three times under three keys (its region is named by
+/// its codes and shape, so the third change used to have the first one's key: a
+/// `duplicate`, never sent). A silent rollback (a reprocess) undone by the next real run is a
+/// duplicate of what the receiver was told; the change after that is news.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_area_that_changes_again_is_told_again() {
+    let (rx, ws) = area_workspace().await;
+    let engine = ws.engine();
+    ws.write_layer(&districts("R-1"));
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    for (i, zone) in ["C-2", "R-1", "C-2"].into_iter().enumerate() {
+        ws.write_layer(&districts(zone));
+        let r = run(&engine, false);
+        assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.queued, r.record.counts.duplicates), (Verdict::Run, 1, 1, 0), "change {i}: {}", r.line());
+    }
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 3);
+    let ids = ids_received(&rx);
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 3, "three changes, three keys: {ids:?}");
+    let mut told: Vec<String> =
+        rx.received().iter().filter_map(|r| r.json()).map(|j| format!("{} {}→{}", j["data"]["change"], j["data"]["from"], j["data"]["to"])).collect();
+    told.sort();
+    assert_eq!(told, vec![r#""area_rezoned" "C-2"→"R-1""#, r#""area_rezoned" "R-1"→"C-2""#, r#""area_rezoned" "R-1"→"C-2""#]);
+
+    // A silent rollback, then the real version again: a duplicate of the third change.
+    ws.write_layer(&districts("R-1"));
+    let rollback = run(&engine, true);
+    assert_eq!((rollback.record.counts.changes, rollback.record.counts.suppressed), (1, 1));
+    ws.write_layer(&districts("C-2"));
+    let back = run(&engine, false);
+    assert_eq!((back.record.counts.changes, back.record.counts.queued, back.record.counts.duplicates), (1, 0, 1), "{}", back.line());
+    assert_eq!(deliver(&engine, Duration::from_secs(1)).await.attempted, 0);
+    assert_eq!(rx.received().len(), 3, "the receiver already believes C-2");
+
+    // C-2 → R-1 for real: news (not the primed rollback's key).
+    ws.write_layer(&districts("R-1"));
+    assert_eq!(run(&engine, false).record.counts.queued, 1);
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
+    assert_eq!(ids_received(&rx).iter().collect::<std::collections::HashSet<_>>().len(), 4);
+    let o = outcomes(&engine);
+    assert_eq!((o.get("sent"), o.get("duplicate")), (Some(&4), Some(&1)));
+    assert!(engine.store.check_consistency().expect("check").is_consistent());
+}
+
+/// Held area-mode runs: a released hold's places are the source's from then on (so the flip
+/// after two released flips is news), a primed hold's are not (so undoing a primed rollback
+/// is a duplicate of what was announced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_area_changes_step_their_places_as_they_are_resolved() {
+    let (rx, ws) = area_workspace().await;
+    // One district of three changing is a spike: every change below is held.
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.2");
+    let engine = ws.engine();
+    ws.write_layer(&districts("R-1"));
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    let resolve = |zone: &str, prime: bool| {
+        ws.write_layer(&districts(zone));
+        let held = run(&engine, false);
+        assert_eq!(held.record.verdict, Verdict::Held, "{}", held.line());
+        let r = engine.resolve_hold(held.record.hold_id.expect("a hold"), prime).expect("resolved");
+        (r.counts.queued, r.counts.duplicates, r.counts.suppressed)
+    };
+    assert_eq!(resolve("C-2", false), (1, 0, 0));
+    assert_eq!(resolve("R-1", false), (1, 0, 0));
+    assert_eq!(resolve("C-2", false), (1, 0, 0), "the third flip is news: the releases moved the place on");
+    assert_eq!(resolve("R-1", true), (0, 0, 1), "a primed rollback");
+    assert_eq!(resolve("C-2", false), (0, 1, 0), "undone: the receiver was told C-2 already");
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 3);
+    assert_eq!(ids_received(&rx).iter().collect::<std::collections::HashSet<_>>().len(), 3);
+    assert!(engine.store.check_consistency().expect("check").is_consistent());
+}

@@ -15,6 +15,7 @@
 //! tolerance grid.
 
 use crate::detect::canonical::{geometry_hash, normalize_code};
+use crate::model::ABSENT_CONTENT;
 use geo::orient::{Direction, Orient};
 use geo::{Area, BooleanOps, BoundingRect, Buffer, Coord, GeodesicArea, Intersects, MapCoords, MultiPolygon, Polygon, Rect};
 use rstar::primitives::{GeomWithData, Rectangle};
@@ -39,6 +40,10 @@ pub struct Region {
     pub area_m2: f64,
     /// Content id: hex of sha256 over the codes and the snapped region.
     pub id: String,
+    /// Place id: hex of the snapped region's canonical hash alone, the same whatever the
+    /// codes, so that a place that changes back and forth is one place
+    /// (`store::area_places`).
+    pub place: String,
 }
 
 /// The result of comparing two versions.
@@ -262,11 +267,24 @@ pub fn area_diff(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiPolyg
                 rest
             };
             let area_m2 = region.geodesic_area_unsigned();
-            let id = region_id(&from, &to, &region, tolerance_m);
-            out.regions.push(Region { from, to, geometry: region, area_m2, id });
+            let (id, place) = region_id(&from, &to, &region, tolerance_m);
+            out.regions.push(Region { from, to, geometry: region, area_m2, id, place });
         }
     }
     out.regions.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+/// What a place became, as `detect::diff::step` compares it: the first half of the sha256 of
+/// its normalised new code, or [`ABSENT_CONTENT`] where it lost its zone.
+pub fn place_content(to: &str) -> [u8; 16] {
+    use sha2::{Digest, Sha256};
+    let to = normalize_code(to);
+    if to.is_empty() {
+        return ABSENT_CONTENT;
+    }
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&Sha256::digest(to.as_bytes())[..16]);
     out
 }
 
@@ -294,21 +312,23 @@ fn is_noise(region: &MultiPolygon<f64>, min_area_m2: f64, tolerance_m: f64, fail
     !opened.0.iter().any(|p| p.unsigned_area() >= min_area_m2)
 }
 
-/// sha256 over the normalised codes and the region snapped to the tolerance grid (degrees
-/// per metre at the integer latitude below the region, so the grid is fixed per place).
-fn region_id(from: &str, to: &str, region: &MultiPolygon<f64>, tolerance_m: f64) -> String {
+/// The region's content id, sha256 over the normalised codes and the region snapped to the
+/// tolerance grid (degrees per metre at the integer latitude below the region, so the grid is
+/// fixed per place), and its place id, the snapped region's canonical hash alone.
+fn region_id(from: &str, to: &str, region: &MultiPolygon<f64>, tolerance_m: f64) -> (String, String) {
     use sha2::{Digest, Sha256};
     let lat_ref = region.bounding_rect().map(|r| r.min().y.floor()).unwrap_or(0.0);
     let sy = tolerance_m / 110_540.0;
     let sx = tolerance_m / (111_320.0 * lat_ref.to_radians().cos().max(0.01));
     let snapped = region.map_coords(|c| Coord { x: (c.x / sx).round() * sx, y: (c.y / sy).round() * sy });
+    let shape = geometry_hash(&snapped);
     let mut h = Sha256::new();
     h.update(normalize_code(from).as_bytes());
     h.update([0x1f]);
     h.update(normalize_code(to).as_bytes());
     h.update([0x1f]);
-    h.update(geometry_hash(&snapped));
-    crate::util::hex(&h.finalize()[..16])
+    h.update(shape);
+    (crate::util::hex(&h.finalize()[..16]), crate::util::hex(&shape[..16]))
 }
 
 #[cfg(test)]
@@ -340,6 +360,15 @@ mod tests {
         assert_eq!(again.regions[0].id, d.regions[0].id);
         // Nothing changed: nothing at all.
         assert!(area_diff(&old, &old, 200.0, 3.0).regions.is_empty());
+        // The change undone: the same place, another region id.
+        let back = area_diff(&new, &old, 200.0, 3.0);
+        let undone = back.regions.iter().find(|r| (r.from.as_str(), r.to.as_str()) == ("C-1", "R-1")).expect("C-1 → R-1");
+        assert_eq!(undone.place, d.regions[0].place);
+        assert_ne!(undone.id, d.regions[0].id);
+        // What a place became, as the step compares it: its code, normalised; no zone is absent.
+        assert_eq!(place_content("C-1"), place_content(" c-1 "));
+        assert_ne!(place_content("C-1"), place_content("R-1"));
+        assert_eq!(place_content(""), ABSENT_CONTENT);
     }
 
     #[test]

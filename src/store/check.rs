@@ -411,6 +411,10 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             problem(&mut report, p);
         }
     }
+    // Every area place reads (a run skips one that does not: its place would start again).
+    for p in super::area_places::problems(rtx)? {
+        problem(&mut report, p);
+    }
     if let Some(subs) = open_optional(rtx, SUBSCRIBERS)? {
         for item in subs.iter()? {
             let (k, _) = item?;

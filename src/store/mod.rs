@@ -35,6 +35,7 @@ mod runs;
 mod snapshot;
 mod subscribers;
 mod tombstones;
+mod area_places;
 mod probe;
 mod repair;
 mod tables;
@@ -48,6 +49,7 @@ pub use derived::BaseStretch;
 pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunNote, RunWriter};
 pub use snapshot::SnapshotRow;
 pub use tombstones::Tombstone;
+pub use area_places::PlaceState;
 pub use subscribers::{StoredSubscriber, SubscriberDeleted, SubscriberPut, SUBSCRIBER_DELETED};
 pub use delivery::RowsDeadLettered;
 pub use endpoints::ENABLED_BY_OPERATOR;
@@ -62,8 +64,10 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
-/// 9: tombstones are indexed by removal time (`parcel_tombstone_ages`, `tombstones.rs`); a
-/// version 8 build would write tombstones without index rows, which would then never be swept.
+/// 9: tombstones are indexed by removal time (`parcel_tombstone_ages`, `tombstones.rs`), and
+/// area-mode sources remember each announced place (`area_places`, `held_area_places`,
+/// `area_places.rs`); a version 8 build would write tombstones without index rows, which would
+/// then never be swept, and give a place that changes again its first change's key.
 /// 8: snapshot records at version 2 carry the parcel's revision, removed parcels leave a
 /// tombstone (`parcel_tombstones`), and change events' keys include the revision
 /// (`snapshot.rs`, `tombstones.rs`, `notify::idem`); a version 7 build could not read the
@@ -497,6 +501,8 @@ impl Store {
             wtx.open_table(PARCEL_BLOCKS)?;
             wtx.open_table(PARCEL_TOMBSTONES)?;
             wtx.open_table(PARCEL_TOMBSTONE_AGES)?;
+            wtx.open_table(AREA_PLACES)?;
+            wtx.open_table(HELD_AREA_PLACES)?;
             wtx.open_table(IDEM_KEYS)?;
             wtx.open_table(IDEM_EXPIRY_BUCKETS)?;
             wtx.open_table(IDEM_KEY_JOURNAL)?;

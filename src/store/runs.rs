@@ -63,6 +63,8 @@ pub struct RunCommit {
     pub removals: Vec<String>,
     pub events: Vec<ChangeEvent>,
     pub claims: Vec<Claim>,
+    /// An area-mode run's places ([`RunWriter::places`]); empty for any other run.
+    pub places: Vec<(String, super::PlaceState)>,
     pub quarantine: Vec<QuarantineDraft>,
     pub counts: RunCounts,
     pub warnings: Vec<String>,
@@ -152,6 +154,7 @@ impl Store {
         w.upserts(run.upserts.iter().map(Parcel::borrowed))?;
         w.removals(&run.removals, true)?;
         w.events(&run.events, &run.claims)?;
+        w.places(&run.places)?;
         w.finish(run.started_ms, run.now_ms, run.counts, run.warnings)
     }
 
@@ -209,6 +212,11 @@ impl Store {
                     HoldState::Superseded { at_ms: now_ms, by_run: run_id }
                 };
                 holds.insert(id, encode_hold(&hold).as_slice())?;
+                // A released area-mode hold's places become the source's (its events are
+                // claimed as announced); a primed or superseded one's are dropped.
+                if matches!(hold.state, HoldState::Released { .. }) {
+                    super::area_places::release(&wtx, id, source_id, now_ms)?;
+                }
                 clear_staged(&wtx, id)?;
             }
         }
@@ -560,6 +568,18 @@ impl RunWriter<'_> {
         }
     }
 
+    /// An area-mode run's places, as `detect::diff::step` left them (`store::area_places`):
+    /// written when the run announces, staged with the hold when it is held (the release
+    /// writes them); a run that announces nothing leaves them as they were, since an
+    /// unannounced step moves nothing.
+    pub fn places(&mut self, places: &[(String, super::PlaceState)]) -> Result<(), StoreError> {
+        match self.mode {
+            CommitMode::Hold { .. } => super::area_places::stage(&self.wtx, self.run_id, places),
+            ref mode if mode.announces() => super::area_places::write(&self.wtx, &self.source_id, places),
+            _ => Ok(()),
+        }
+    }
+
     /// Change events and the subscribers' claims on them (`Claim::event` indexes `events`):
     /// keys claimed, outbox rows and audit rows written — or, for a hold, the events staged.
     pub fn events(&mut self, events: &[ChangeEvent], claims: &[Claim]) -> Result<(), StoreError> {
@@ -648,6 +668,11 @@ impl RunWriter<'_> {
                 if swept > 0 {
                     tracing::debug!(source = %source_id, swept, "tombstones past the key TTL removed");
                 }
+                // Likewise an area-mode source's places (`area_places.rs`).
+                let swept = super::area_places::sweep(&wtx, &source_id, now_ms.saturating_sub(idem_ttl_ms))?;
+                if swept > 0 {
+                    tracing::debug!(source = %source_id, swept, "area places past the key TTL removed");
+                }
                 counts.queued = claims.queued;
                 counts.duplicates = claims.duplicates;
                 counts.suppressed = claims.suppressed;
@@ -722,7 +747,7 @@ fn clear_staged(wtx: &WriteTransaction, hold_id: u64) -> Result<(), StoreError> 
     events.retain_in((hold_id, 0u64)..(hold_id + 1, 0u64), |_, _| false)?;
     let mut shares = wtx.open_table(HELD_SHARES)?;
     shares.retain_in((hold_id, "")..(hold_id + 1, ""), |_, _| false)?;
-    Ok(())
+    super::area_places::clear_staged(wtx, hold_id)
 }
 
 /// What a parcel's record says before a change, read in a run's transaction: its stored

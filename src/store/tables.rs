@@ -26,6 +26,12 @@ pub const PARCEL_TOMBSTONES: TableDefinition<(&str, &str), &[u8]> = TableDefinit
 /// (source id, removed at, parcel id) → (): the tombstones of each source by age, so that a
 /// run's sweep reads only those past the key TTL, not every tombstone of its source (schema 9).
 pub const PARCEL_TOMBSTONE_AGES: TableDefinition<(&str, u64, &str), ()> = TableDefinition::new("parcel_tombstone_ages");
+/// (area-mode source id, place id) → `PlaceState`: the revision and last announcement of each
+/// place whose change the source announced (`store::area_places`; schema 9).
+pub const AREA_PLACES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("area_places");
+/// (hold id, place id) → `PlaceState`: the places a held area-mode run would announce, moved
+/// into `area_places` if the hold is released (schema 9).
+pub const HELD_AREA_PLACES: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_area_places");
 /// Schema 6: (source id, parcel id) → the parcel's snapshot record, a row per parcel. Read
 /// once, by the schema 6 → 7 migration into `parcel_blocks`.
 pub const LEGACY_PARCEL_ROWS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("parcel_snapshot");

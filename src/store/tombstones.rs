@@ -174,8 +174,11 @@ mod tests {
         Tombstone { revision, announced: Some(Announced { content: [0; 16], key_revision: revision.saturating_sub(1) }), removed_ms }
     }
 
-    /// Every tombstone of the store, and every index row, as (source, parcel, removed_ms).
-    fn rows(store: &Store) -> (Vec<(String, String, u64)>, Vec<(String, String, u64)>) {
+    /// (source, parcel, removed_ms): a tombstone or an index row, as the tests compare them.
+    type Row = (String, String, u64);
+
+    /// Every tombstone of the store, and every index row.
+    fn rows(store: &Store) -> (Vec<Row>, Vec<Row>) {
         let rtx = store.db.begin_read().unwrap();
         let table = rtx.open_table(PARCEL_TOMBSTONES).unwrap();
         let tombstones = table
@@ -200,7 +203,7 @@ mod tests {
         (tombstones, indexed)
     }
 
-    fn row(s: &str, id: &str, ms: u64) -> (String, String, u64) {
+    fn row(s: &str, id: &str, ms: u64) -> Row {
         (s.to_string(), id.to_string(), ms)
     }
 

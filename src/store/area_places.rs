@@ -1,0 +1,235 @@
+//! Area places: what an area-mode source (a district layer with no parcel base) remembers of
+//! each place whose zoning it announced, in `area_places`, keyed by (source id, place id).
+//!
+//! Why it exists: an area-mode event is named by its content (`area:<hash>` of its codes and
+//! its shape snapped to the tolerance grid), so a place going A → B, back to A, and to B again
+//! within the key TTL gave its third change the first one's key: audited `duplicate`, never
+//! sent, and the receivers left believing A. A parcel layer solves this with the revision in
+//! each parcel's record (`detect::diff::step`); an area-mode source has no per-place record
+//! (its snapshot is the district polygons, keyed by position), so this table is that record:
+//! the place id is the hash of the snapped shape alone, and its [`PlaceState`] carries the
+//! revision and the last announcement the same rule steps. Only places whose change was
+//! announced have a row (an unannounced step moves nothing), so the table holds as many rows
+//! as the source announced regions within the TTL.
+//!
+//! A held area run stages its places' steps (`held_area_places`, by hold id); releasing the
+//! hold moves them into place, priming or superseding it drops them. Nothing else writes the
+//! source's places between the held run and its resolution (any run of the source supersedes
+//! the hold), so the staged steps are the ones the release would compute.
+//!
+//! A place is swept by a committing run of its source once its last announcement is older
+//! than the key TTL: the keys it told apart have expired by then.
+//!
+//! Record: `[1] ++ postcard(PlaceState)`.
+
+use super::codec::{decode, encode};
+use super::tables::{AREA_PLACES, HELD_AREA_PLACES};
+use super::{Store, StoreError};
+use crate::model::Announced;
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// What an area-mode source last told its subscribers about one place.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlaceState {
+    /// How many of the place's changes were announced (`ParcelState::revision`'s rule).
+    pub revision: u32,
+    /// What the last announced change said the place became, and its key revision.
+    pub announced: Option<Announced>,
+    /// When that announcement was committed (this machine's clock); the sweep's age.
+    pub changed_ms: u64,
+}
+
+impl Store {
+    /// The places `source_id` has announced (an area-mode source; empty for any other). A
+    /// row that does not decode is left out, logged: its place starts again from revision 0,
+    /// which at worst makes its next change look like one already sent (`check --store`
+    /// names the row).
+    pub fn area_places(&self, source_id: &str) -> Result<HashMap<String, PlaceState>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let table = match rtx.open_table(AREA_PLACES) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(HashMap::new()),
+            Err(e) => return Err(e.into()),
+        };
+        let mut out = HashMap::new();
+        super::queries::for_each_source_row(&table, source_id, |place, bytes| {
+            match decode::<PlaceState>(bytes) {
+                Ok(state) => {
+                    out.insert(place.to_string(), state);
+                }
+                Err(e) => tracing::warn!(source = source_id, place, error = %e, "area_places: a row that does not decode is ignored"),
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+}
+
+/// Writes the places a run announced.
+pub(super) fn write(wtx: &WriteTransaction, source_id: &str, places: &[(String, PlaceState)]) -> Result<(), StoreError> {
+    if places.is_empty() {
+        return Ok(());
+    }
+    let mut table = wtx.open_table(AREA_PLACES)?;
+    for (place, state) in places {
+        table.insert((source_id, place.as_str()), encode(state).as_slice())?;
+    }
+    Ok(())
+}
+
+/// Stages the places a held run would announce, with its hold.
+pub(super) fn stage(wtx: &WriteTransaction, hold_id: u64, places: &[(String, PlaceState)]) -> Result<(), StoreError> {
+    if places.is_empty() {
+        return Ok(());
+    }
+    let mut table = wtx.open_table(HELD_AREA_PLACES)?;
+    for (place, state) in places {
+        table.insert((hold_id, place.as_str()), encode(state).as_slice())?;
+    }
+    Ok(())
+}
+
+/// A released hold's staged places, into `source_id`'s places (before its staged rows are
+/// cleared). Their announcement time becomes the release's, when the keys are claimed.
+pub(super) fn release(wtx: &WriteTransaction, hold_id: u64, source_id: &str, now_ms: u64) -> Result<(), StoreError> {
+    let mut staged = Vec::new();
+    {
+        let table = wtx.open_table(HELD_AREA_PLACES)?;
+        if table.is_empty()? {
+            return Ok(());
+        }
+        for item in table.range((hold_id, "")..(hold_id + 1, ""))? {
+            let (k, v) = item?;
+            let state = decode::<PlaceState>(v.value()).map_err(|m| super::runs::codec_err("held_area_places", m))?;
+            staged.push((k.value().1.to_string(), PlaceState { changed_ms: now_ms, ..state }));
+        }
+    }
+    write(wtx, source_id, &staged)
+}
+
+/// Drops a resolved or superseded hold's staged places.
+pub(super) fn clear_staged(wtx: &WriteTransaction, hold_id: u64) -> Result<(), StoreError> {
+    let mut table = wtx.open_table(HELD_AREA_PLACES)?;
+    if !table.is_empty()? {
+        table.retain_in((hold_id, "")..(hold_id + 1, ""), |_, _| false)?;
+    }
+    Ok(())
+}
+
+/// Removes `source_id`'s places last announced before `before_ms`, and any that does not
+/// decode; returns how many went. (A source's places are its announced regions within the
+/// TTL, few: walking them is cheap, and a source that is not in area mode has none.)
+pub(super) fn sweep(wtx: &WriteTransaction, source_id: &str, before_ms: u64) -> Result<u64, StoreError> {
+    let mut table = wtx.open_table(AREA_PLACES)?;
+    if table.is_empty()? {
+        return Ok(0);
+    }
+    let mut expired = Vec::new();
+    super::queries::for_each_source_row(&table, source_id, |place, bytes| {
+        if decode::<PlaceState>(bytes).map_or(true, |p| p.changed_ms < before_ms) {
+            expired.push(place.to_string());
+        }
+        Ok(())
+    })?;
+    for place in &expired {
+        table.remove((source_id, place.as_str()))?;
+    }
+    Ok(expired.len() as u64)
+}
+
+/// Every place row (live or staged) that does not decode, for `zonewatch check --store`.
+pub(super) fn problems(rtx: &redb::ReadTransaction) -> Result<Vec<String>, StoreError> {
+    let mut out = Vec::new();
+    match rtx.open_table(AREA_PLACES) {
+        Ok(table) => {
+            for item in table.iter()? {
+                let (k, v) = item?;
+                if let Err(m) = decode::<PlaceState>(v.value()) {
+                    let (source, place) = k.value();
+                    out.push(format!("area place {source}/{place}: {m} does not decode"));
+                }
+            }
+        }
+        Err(redb::TableError::TableDoesNotExist(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    match rtx.open_table(HELD_AREA_PLACES) {
+        Ok(table) => {
+            for item in table.iter()? {
+                let (k, v) = item?;
+                if let Err(m) = decode::<PlaceState>(v.value()) {
+                    let (hold, place) = k.value();
+                    out.push(format!("staged area place {place} of hold {hold}: {m} does not decode"));
+                }
+            }
+        }
+        Err(redb::TableError::TableDoesNotExist(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Watermark;
+    use crate::store::CommitMode;
+
+    fn told(revision: u32, changed_ms: u64) -> PlaceState {
+        PlaceState { revision, announced: Some(Announced { content: [revision as u8; 16], key_revision: revision - 1 }), changed_ms }
+    }
+
+    fn places(v: &[(&str, PlaceState)]) -> Vec<(String, PlaceState)> {
+        v.iter().map(|(p, s)| (p.to_string(), *s)).collect()
+    }
+
+    /// Each mode of a run does with its places what its events are: a delivering run writes
+    /// them, a held run stages them, a reprocess leaves them; releasing the hold writes the
+    /// staged ones (at the release's time), priming it drops them; a sweep takes the source's
+    /// places older than its cut-off and damaged ones, and `check` names a damaged row.
+    #[test]
+    fn places_follow_their_runs_and_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let commit = |mode: CommitMode, at: u64, v: &[(&str, PlaceState)]| {
+            let mut w = store.begin_run("a", mode, Watermark::for_read("d", 1, at, None, String::new()), at, 1_000).unwrap();
+            w.places(&places(v)).unwrap();
+            w.finish(at, at, Default::default(), vec![]).unwrap()
+        };
+        commit(CommitMode::Deliver, 10, &[("p1", told(1, 10)), ("p2", told(1, 10))]);
+        commit(CommitMode::Reprocess, 20, &[("p1", told(5, 20))]);
+        assert_eq!(store.area_places("a").unwrap(), places(&[("p1", told(1, 10)), ("p2", told(1, 10))]).into_iter().collect());
+        assert!(store.area_places("b").unwrap().is_empty());
+
+        let held = commit(CommitMode::Hold { reason: "change_spike".into() }, 30, &[("p1", told(2, 30)), ("p3", told(1, 30))]);
+        assert_eq!(store.area_places("a").unwrap().len(), 2, "a held run's places wait for its release");
+        commit(CommitMode::ResolveHold { hold_id: held.run_id, prime: false }, 40, &[]);
+        let now = store.area_places("a").unwrap();
+        assert_eq!((now["p1"], now["p2"], now["p3"]), (told(2, 40), told(1, 10), told(1, 40)), "released: the staged steps, at the release's time");
+
+        let held = commit(CommitMode::Hold { reason: "change_spike".into() }, 50, &[("p1", told(3, 50))]);
+        commit(CommitMode::ResolveHold { hold_id: held.run_id, prime: true }, 60, &[]);
+        assert_eq!(store.area_places("a").unwrap()["p1"], told(2, 40), "primed: nothing moves");
+        let rtx = store.db.begin_read().unwrap();
+        assert!(rtx.open_table(HELD_AREA_PLACES).unwrap().is_empty().unwrap(), "nothing staged is left behind");
+        drop(rtx);
+
+        // Another source's place, and a damaged row of this one.
+        let wtx = store.db.begin_write().unwrap();
+        write(&wtx, "b", &places(&[("p1", told(1, 0))])).unwrap();
+        wtx.open_table(AREA_PLACES).unwrap().insert(("a", "p9"), [7u8, 1].as_slice()).unwrap();
+        wtx.commit().unwrap();
+        assert_eq!(store.area_places("a").unwrap().len(), 3, "a damaged row is left out");
+        let all = store.check_consistency().unwrap().problems.join("\n");
+        assert!(all.contains("area place a/p9: "), "{all}");
+
+        // A run at 1,035 with a TTL of 1,000 sweeps what was announced before 35.
+        commit(CommitMode::Deliver, 1_035, &[]);
+        let left = store.area_places("a").unwrap();
+        assert_eq!(left.keys().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), ["p1", "p3"].into());
+        assert_eq!(store.area_places("b").unwrap().len(), 1, "another source's are left");
+        assert!(store.check_consistency().unwrap().is_consistent());
+    }
+}
