@@ -1204,13 +1204,16 @@ fn cmd_holds(action: HoldAction) -> i32 {
             crate::cli_dlq::close_before_printing(engine);
             println!("{:<8} {:<24} {:<11} {:<25} {:>8}  reason", "run_id", "source", "state", "created", "changes");
             for h in &holds {
+                // A held reprocess primes when released: say so where the choice is made.
+                let marker = if h.reprocess { "(--reprocess: releasing it primes) " } else { "" };
                 println!(
-                    "{:<8} {:<24} {:<11} {:<25} {:>8}  {}",
+                    "{:<8} {:<24} {:<11} {:<25} {:>8}  {}{}",
                     h.run_id,
                     crate::util::terminal_safe(&h.source_id),
                     h.state.label(),
                     rfc3339(h.created_ms),
                     h.changes,
+                    marker,
                     crate::util::terminal_safe(&h.reason)
                 );
             }
@@ -1227,6 +1230,10 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     rec.counts.queued,
                     rec.counts.suppressed
                 );
+                // Why a release primed (a held first ingest, a held reprocess).
+                for note in rec.warnings.iter().filter(|w| w.starts_with("the held run was")) {
+                    println!("note: {note}");
+                }
                 if prime {
                     return 0;
                 }

@@ -301,7 +301,7 @@ impl Engine {
             restated: None,
         });
         let watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
-        let (mode, hold_reason) = crate::pipeline::commit_mode(decision);
+        let (mode, hold_reason) = crate::pipeline::commit_mode(decision, opts.reprocess);
         let hold = matches!(mode, CommitMode::Hold { .. });
         let counts = RunCounts {
             features: layer.features,
@@ -633,7 +633,7 @@ impl Engine {
             restated: None,
         });
         let watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
-        let (mode, hold_reason) = crate::pipeline::commit_mode(decision);
+        let (mode, hold_reason) = crate::pipeline::commit_mode(decision, opts.reprocess);
         let (events, places) = step_places(events, &diff.regions, self.store.area_places(&src.id)?, mode.announces(), now);
         let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
         let counts = RunCounts {

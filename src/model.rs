@@ -819,6 +819,10 @@ pub struct Hold {
     pub watermark: Watermark,
     pub changes: u64,
     pub features: u64,
+    /// The held run was a `--reprocess` (it sends nothing): releasing it primes, as the
+    /// operator asked when running it. Hold record version 3.
+    #[serde(default)]
+    pub reprocess: bool,
 }
 
 /// One delivery attempt as logged: kept per idempotency key so an operator can see exactly

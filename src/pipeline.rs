@@ -341,12 +341,13 @@ impl EndpointListing {
 }
 
 /// How the store commits a run the gate decided on, and the hold reason if it is held.
-pub(crate) fn commit_mode(decision: GateDecision) -> (CommitMode, Option<String>) {
+/// `reprocess`: the run is a `--reprocess` (a hold of it remembers so, and its release primes).
+pub(crate) fn commit_mode(decision: GateDecision, reprocess: bool) -> (CommitMode, Option<String>) {
     match decision {
         GateDecision::Baseline => (CommitMode::Baseline, None),
         GateDecision::Deliver => (CommitMode::Deliver, None),
         GateDecision::Reprocess => (CommitMode::Reprocess, None),
-        GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone() }, Some(reason)),
+        GateDecision::Hold(reason) => (CommitMode::Hold { reason: reason.clone(), reprocess }, Some(reason)),
     }
 }
 
@@ -613,7 +614,7 @@ impl Engine {
             watermark.last_modified = m.last_modified.clone();
             watermark.schema_hash = m.schema_hash.clone();
         }
-        let (mode, hold_reason) = commit_mode(decision);
+        let (mode, hold_reason) = commit_mode(decision, opts.reprocess);
         let scan_ms = scan_started.elapsed().as_millis() as u64;
         let commit_started = std::time::Instant::now();
         let record = self.commit_scan(src, scan, mode, watermark, started, now)?;
@@ -1021,15 +1022,20 @@ impl Engine {
     ///
     /// A hold of a source that has no watermark is its held first ingest (any run that
     /// commits writes one, and supersedes open holds): a baseline sends nothing, so its
-    /// release primes, and the run record says so. (The store checks again, inside the
-    /// release's transaction, that the hold is still open.)
+    /// release primes, and the run record says so. So does a hold of a `--reprocess`
+    /// (`Hold::reprocess`): the operator ran it to send nothing, and the gate held it only
+    /// because of what it read (an empty layer, a quarantine spike). (The store checks again,
+    /// inside the release's transaction, that the hold is still open.)
     pub fn resolve_hold(&self, hold_id: u64, prime: bool) -> Result<RunRecord, PipelineError> {
         let hold = self.store.hold(hold_id)?.ok_or(PipelineError::UnknownHold(hold_id))?;
         if hold.state != HoldState::Open {
             return Err(PipelineError::HoldNotOpen { id: hold_id, state: hold.state.label().to_string() });
         }
         let mut notes = vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })];
-        let prime = if !prime && self.store.watermark(&hold.source_id)?.is_none() {
+        let prime = if !prime && hold.reprocess {
+            notes.push("the held run was a --reprocess: it sends nothing, so releasing it primes".to_string());
+            true
+        } else if !prime && self.store.watermark(&hold.source_id)?.is_none() {
             notes.push("the held run was the source's first ingest: a baseline sends nothing, so releasing it primes".to_string());
             true
         } else {

@@ -201,6 +201,21 @@ async fn run_audit_and_holds_from_the_command_line() {
     assert_eq!(o.status.code(), Some(1));
     assert!(text(&o).1.contains("not open"));
 
+    // A `--reprocess` of a layer that came in empty is held; the list says its release
+    // primes, and releasing it sends nothing and says why.
+    ws.write_layer(&layer(&[]));
+    let o = tokio::task::block_in_place(|| run_cli(&["--reprocess"]));
+    assert!(text(&o).0.contains("s1: held") && text(&o).0.contains("empty_layer"), "{:?}", text(&o));
+    let list = text(&zonewatch(&["holds", "list", "--config", &cfg])).0;
+    let hold_line = list.lines().find(|l| l.contains("open")).expect("an open hold").to_string();
+    assert!(hold_line.contains("(--reprocess: releasing it primes) empty_layer"), "{list}");
+    let hold_id = hold_line.split_whitespace().next().unwrap().to_string();
+    let o = tokio::task::block_in_place(|| zonewatch(&["holds", "release", &hold_id, "--config", &cfg]));
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(text(&o).0.contains("note: the held run was a --reprocess: it sends nothing, so releasing it primes"), "{:?}", text(&o));
+    assert!(text(&o).0.contains(" 0 queued, 40 suppressed"), "{:?}", text(&o));
+    assert_eq!(rx.received().len(), 2 + 10, "nothing more was sent");
+
     // --from-staging is for HTTP sources; a file source says so.
     let o = tokio::task::block_in_place(|| run_cli(&["--source", "s1", "--from-staging"]));
     assert_eq!(o.status.code(), Some(2));

@@ -133,6 +133,7 @@ async fn control_port_end_to_end() {
         let hold_id = rezone_into_a_hold(&ws, &v1, &c, &d, &auth);
         let holds: Value = c.get(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!(holds["items"][0]["state"], "open");
+        assert_eq!(holds["items"][0]["reprocess"], false, "a held run that was not a --reprocess");
         assert_eq!(c.post(d.url("/v1/holds/abc/release")).header("authorization", &auth).send().unwrap().status(), 400);
         assert_eq!(c.post(d.url("/v1/holds/999999/release")).header("authorization", &auth).send().unwrap().status(), 404);
         let rel = c.post(d.url(&format!("/v1/holds/{hold_id}/release"))).header("authorization", &auth).send().unwrap();

@@ -235,12 +235,13 @@ async fn a_primed_rollback_undone_tells_no_one_twice() {
     assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0000"].zoning, "R-3");
 }
 
-/// A `--reprocess` the gate holds (here: most features lost their zoning field) and an
-/// operator then releases is delivered, so it is announced: its parcels are stepped again as
-/// announced when released, and a later real change back is news, not a `duplicate` of an
-/// older announcement.
+/// A `--reprocess` the gate holds (here: most features lost their zoning field) sends
+/// nothing when an operator then releases it: the operator ran it to send nothing, and the
+/// gate held it only for what it read. Its release primes (the run record says why), so it
+/// announces nothing: a later real change back to what subscribers were last told is a
+/// `duplicate`, and the change after that is news.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_held_reprocess_released_is_announced() {
+async fn a_held_reprocess_released_sends_nothing() {
     let (rx, ws, engine) = watched_grid(0.5).await;
     let v1 = grid(40);
     let c = with_zones(&v1, &[0], "C-9");
@@ -262,13 +263,20 @@ async fn a_held_reprocess_released_is_announced() {
     ws.write_layer(&doc.to_string());
     let held = run(&engine, true);
     let h = held.record.hold_id.expect("a quarantine spike is held");
+    let listed = engine.store.hold(h).unwrap().expect("the hold");
+    assert!(listed.reprocess, "the hold knows it holds a reprocess");
     let released = engine.resolve_hold(h, false).unwrap();
-    assert_eq!(released.counts.queued, 1, "P0000 to C-9, told");
-    // And back to R-1 for real: news.
+    assert_eq!((released.counts.queued, released.counts.suppressed), (0, 1), "P0000 to C-9, primed: {:?}", released.warnings);
+    assert!(released.warnings.iter().any(|w| w.contains("--reprocess")), "{:?}", released.warnings);
+    // Back to R-1 for real: subscribers were last told R-1.
     ws.write_layer(&layer(&v1));
     let back = run(&engine, false);
-    assert_eq!((back.record.counts.changes, back.record.counts.queued, back.record.counts.duplicates), (1, 1, 0));
+    assert_eq!((back.record.counts.changes, back.record.counts.queued, back.record.counts.duplicates), (1, 0, 1));
+    // And C-9 for real: news.
+    ws.write_layer(&layer(&c));
+    assert_eq!(run(&engine, false).record.counts.queued, 1);
     deliver(&engine, Duration::from_secs(5)).await;
     let ids: std::collections::HashSet<String> = rx.received().iter().map(|r| r.header("webhook-id").unwrap_or_default().to_string()).collect();
-    assert_eq!(ids.len(), 4, "four changes told, four keys");
+    assert_eq!(ids.len(), 3, "three changes told, three keys");
+    assert_eq!(rx.received().len(), 3);
 }

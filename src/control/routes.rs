@@ -200,7 +200,7 @@ pub fn hold_json(h: &Hold) -> Value {
     json!({
         "run_id": h.run_id, "source_id": h.source_id, "lineage_id": h.lineage_id, "created": rfc3339(h.created_ms),
         "reason": h.reason, "state": h.state.label(), "resolved": resolved, "digest": h.digest,
-        "changes": h.changes, "features": h.features,
+        "changes": h.changes, "features": h.features, "reprocess": h.reprocess,
     })
 }
 

@@ -203,13 +203,13 @@ mod tests {
         assert_eq!(store.area_places("a").unwrap(), places(&[("p1", told(1, 10)), ("p2", told(1, 10))]).into_iter().collect());
         assert!(store.area_places("b").unwrap().is_empty());
 
-        let held = commit(CommitMode::Hold { reason: "change_spike".into() }, 30, &[("p1", told(2, 30)), ("p3", told(1, 30))]);
+        let held = commit(CommitMode::Hold { reason: "change_spike".into(), reprocess: false }, 30, &[("p1", told(2, 30)), ("p3", told(1, 30))]);
         assert_eq!(store.area_places("a").unwrap().len(), 2, "a held run's places wait for its release");
         commit(CommitMode::ResolveHold { hold_id: held.run_id, prime: false }, 40, &[]);
         let now = store.area_places("a").unwrap();
         assert_eq!((now["p1"], now["p2"], now["p3"]), (told(2, 40), told(1, 10), told(1, 40)), "released: the staged steps, at the release's time");
 
-        let held = commit(CommitMode::Hold { reason: "change_spike".into() }, 50, &[("p1", told(3, 50))]);
+        let held = commit(CommitMode::Hold { reason: "change_spike".into(), reprocess: false }, 50, &[("p1", told(3, 50))]);
         commit(CommitMode::ResolveHold { hold_id: held.run_id, prime: true }, 60, &[]);
         assert_eq!(store.area_places("a").unwrap()["p1"], told(2, 40), "primed: nothing moves");
         let rtx = store.db.begin_read().unwrap();

@@ -25,7 +25,8 @@ pub enum CommitMode {
     /// `--reprocess`: snapshot updated, keys primed, audit `suppressed`, nothing sent.
     Reprocess,
     /// The publication gate held the run: stage its delta and events, touch nothing else.
-    Hold { reason: String },
+    /// `reprocess`: the run was a `--reprocess`, whose release primes (`Hold::reprocess`).
+    Hold { reason: String, reprocess: bool },
     /// An operator resolves hold `hold_id`: `prime = false` delivers it, `true` accepts silently.
     ResolveHold { hold_id: u64, prime: bool },
 }
@@ -36,7 +37,7 @@ impl CommitMode {
     /// held run's removal events (its parcels are stepped again when it is resolved:
     /// [`RunWriter::upserts`]).
     pub fn announces(&self) -> bool {
-        matches!(self, CommitMode::Deliver | CommitMode::Hold { .. } | CommitMode::ResolveHold { prime: false, .. })
+        matches!(self, CommitMode::Deliver | CommitMode::Hold { reprocess: false, .. } | CommitMode::ResolveHold { prime: false, .. })
     }
 }
 
@@ -630,7 +631,7 @@ impl RunWriter<'_> {
         };
         let mut hold_id = None;
         match &mode {
-            CommitMode::Hold { reason } => {
+            CommitMode::Hold { reason, reprocess } => {
                 hold_id = Some(run_id);
                 let hold = Hold {
                     run_id,
@@ -643,6 +644,7 @@ impl RunWriter<'_> {
                     watermark: watermark.clone(),
                     changes: events,
                     features: counts.features,
+                    reprocess: *reprocess,
                 };
                 wtx.open_table(HOLDS)?.insert(run_id, encode_hold(&hold).as_slice())?;
                 append_audit(
@@ -821,7 +823,7 @@ mod tests {
     fn held_runs_are_read_back_in_bounded_chunks() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let mut w = store.begin_run("s", CommitMode::Hold { reason: "test".into() }, Watermark::default(), 1, 1_000).unwrap();
+        let mut w = store.begin_run("s", CommitMode::Hold { reason: "test".into(), reprocess: false }, Watermark::default(), 1, 1_000).unwrap();
         let ids: Vec<String> = (0..7).map(|i| format!("p{i}")).collect();
         let parcels: Vec<Parcel> = ids.iter().map(|id| parcel(id)).collect();
         w.upserts(parcels.iter().map(Parcel::borrowed)).unwrap();
@@ -831,7 +833,7 @@ mod tests {
         let rec = w.finish(1, 1, RunCounts::default(), vec![]).unwrap();
         let hold = rec.hold_id.unwrap();
         // Another source's hold, staged after it: its rows must not be mixed in.
-        let mut other = store.begin_run("t", CommitMode::Hold { reason: "test".into() }, Watermark::default(), 1, 1_000).unwrap();
+        let mut other = store.begin_run("t", CommitMode::Hold { reason: "test".into(), reprocess: false }, Watermark::default(), 1, 1_000).unwrap();
         other.upserts([parcel("x0")].iter().map(Parcel::borrowed)).unwrap();
         other.removals(&["x1".to_string()], true).unwrap();
         other.events(&[sample_event("x0")], &[]).unwrap();
@@ -909,7 +911,7 @@ mod tests {
         assert_eq!(remembered(&store, "b"), (0, None), "a derived removal tells no one");
 
         // A hold of c and d rezoned, released: c by a rule that announces, d by one that does not.
-        let mut w = store.begin_run("s", CommitMode::Hold { reason: "test".into() }, Watermark::default(), 3, 1_000_000).unwrap();
+        let mut w = store.begin_run("s", CommitMode::Hold { reason: "test".into(), reprocess: false }, Watermark::default(), 3, 1_000_000).unwrap();
         let staged = [zoned("c", "C-2", 9), zoned("d", "C-2", 9)];
         w.upserts(staged.iter().map(Parcel::borrowed)).unwrap();
         let hold = w.finish(3, 3, RunCounts::default(), vec![]).unwrap().hold_id.unwrap();

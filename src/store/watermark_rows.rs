@@ -2,14 +2,19 @@
 //! holds (the `holds` table: a hold carries the watermark its release writes). Record version
 //! 2 added `probe_ts_ms` to the watermark, the publisher timestamp a portal reported at the
 //! last fetch when the watermark keeps a newer one (`Watermark::probe_ts_ms`). Rows of either
-//! version are read; every row this build writes is version 2.
+//! version are read; every row this build writes is version 2. Holds went on to record
+//! version 3, which adds `Hold::reprocess` (whether the held run was a `--reprocess`); a hold
+//! of version 1 or 2 reads as not one.
 
-use super::codec::{decode_migrating, encode_versioned};
+use super::codec::{decode_migrating, decode_postcard, encode_versioned, split_version, unknown_version};
 use crate::model::{Hold, HoldState, Watermark};
 use serde::{Deserialize, Serialize};
 
-/// The version byte of watermark and hold rows written now.
+/// The version byte of watermark rows written now.
 pub const WATERMARK_RECORD_VERSION: u8 = 2;
+
+/// The version byte of hold rows written now.
+pub const HOLD_RECORD_VERSION: u8 = 3;
 
 /// `Watermark` as record version 1 wrote it.
 #[derive(Serialize, Deserialize)]
@@ -72,16 +77,55 @@ impl From<HoldV1> for Hold {
             watermark: v.watermark.into(),
             changes: v.changes,
             features: v.features,
+            reprocess: false,
+        }
+    }
+}
+
+/// `Hold` as record version 2 wrote it (before `reprocess`).
+#[derive(Serialize, Deserialize)]
+struct HoldV2 {
+    run_id: u64,
+    source_id: String,
+    lineage_id: String,
+    created_ms: u64,
+    reason: String,
+    state: HoldState,
+    digest: String,
+    watermark: Watermark,
+    changes: u64,
+    features: u64,
+}
+
+impl From<HoldV2> for Hold {
+    fn from(v: HoldV2) -> Self {
+        Hold {
+            run_id: v.run_id,
+            source_id: v.source_id,
+            lineage_id: v.lineage_id,
+            created_ms: v.created_ms,
+            reason: v.reason,
+            state: v.state,
+            digest: v.digest,
+            watermark: v.watermark,
+            changes: v.changes,
+            features: v.features,
+            reprocess: false,
         }
     }
 }
 
 pub(super) fn encode_hold(hold: &Hold) -> Vec<u8> {
-    encode_versioned(WATERMARK_RECORD_VERSION, hold)
+    encode_versioned(HOLD_RECORD_VERSION, hold)
 }
 
 pub(super) fn decode_hold(bytes: &[u8]) -> Result<Hold, String> {
-    decode_migrating::<HoldV1, _>(bytes, WATERMARK_RECORD_VERSION, "holds")
+    match split_version(bytes)? {
+        (1, rest) => decode_postcard::<HoldV1>(rest).map(Into::into),
+        (2, rest) => decode_postcard::<HoldV2>(rest).map(Into::into),
+        (HOLD_RECORD_VERSION, rest) => decode_postcard(rest),
+        (v, _) => Err(unknown_version(v, "holds", HOLD_RECORD_VERSION)),
+    }
 }
 
 /// Hold row `run_id` decoded, or `None` (logged) when it cannot be: the passes over every
@@ -153,10 +197,28 @@ mod tests {
             };
             let hold = decode_hold(&encode_versioned(1, &v1_hold)).expect("a version 1 hold reads");
             assert_eq!((hold.run_id, hold.changes, hold.features, hold.watermark.publisher_ts_ms, hold.watermark.probe_ts_ms), (4, changes, 99, Some(7), None));
-            let bytes = encode_hold(&hold);
-            assert_eq!(bytes[0], WATERMARK_RECORD_VERSION);
-            assert_eq!(decode_hold(&bytes).expect("version 2 reads"), hold);
+            assert!(!hold.reprocess);
+            // As version 2 wrote it, it reads the same.
+            let v2_hold = HoldV2 {
+                run_id: hold.run_id,
+                source_id: hold.source_id.clone(),
+                lineage_id: hold.lineage_id.clone(),
+                created_ms: hold.created_ms,
+                reason: hold.reason.clone(),
+                state: hold.state.clone(),
+                digest: hold.digest.clone(),
+                watermark: hold.watermark.clone(),
+                changes: hold.changes,
+                features: hold.features,
+            };
+            assert_eq!(decode_hold(&encode_versioned(2, &v2_hold)).expect("a version 2 hold reads"), hold);
+            let held_reprocess = Hold { reprocess: true, ..hold };
+            let bytes = encode_hold(&held_reprocess);
+            assert_eq!(bytes[0], HOLD_RECORD_VERSION);
+            assert_eq!(decode_hold(&bytes).expect("version 3 reads"), held_reprocess);
         }
+        let e = decode_hold(&[4, 0]).unwrap_err();
+        assert!(e.contains("version 4") && e.contains("holds"), "{e}");
     }
 
     fn clone_v1(v: &WatermarkV1) -> WatermarkV1 {
