@@ -9,7 +9,6 @@
 
 use super::codec::decode;
 use super::idem::{decode_idem, IdemRecord, IdemState};
-use super::runs::codec_err;
 use super::tables::*;
 use super::{Store, StoreError};
 use crate::model::{AuditRow, OutboxEntry, Outcome, RunRecord, Verdict, Watermark};
@@ -163,7 +162,13 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         }
         for item in keys.iter()? {
             let (k, v) = item?;
-            let rec: IdemRecord = decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?;
+            let rec: IdemRecord = match decode_idem(v.value()) {
+                Ok(rec) => rec,
+                Err(m) => {
+                    problem(&mut report, format!("idempotency key {} does not decode: {m}", k.value()));
+                    continue;
+                }
+            };
             if !expiry.contains(&entry_fp(rec.expires_ms, k.value())) {
                 problem(&mut report, format!("idempotency key {} has no expiry index entry", k.value()));
             }
@@ -182,13 +187,15 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         }
     }
     // A key's record wherever it lives (the journal's row wins, as it does for the store).
-    let claim_of = |key: &str| -> Result<Option<IdemRecord>, StoreError> {
+    // A record that does not decode was named above; the rows that name its key are not
+    // judged against it (`Err`).
+    let claim_of = |key: &str| -> Result<Result<Option<IdemRecord>, ()>, StoreError> {
         if let Some(rec) = journal_claims.get(key) {
-            return Ok(Some(rec.clone()));
+            return Ok(Ok(Some(rec.clone())));
         }
         match keys.get(key)? {
-            Some(v) => Ok(Some(decode_idem(v.value()).map_err(|m| codec_err("idem_keys", m))?)),
-            None => Ok(None),
+            Some(v) => Ok(decode_idem(v.value()).map(Some).map_err(|_| ())),
+            None => Ok(Ok(None)),
         }
     };
     // Outbox rows whose key's last lifecycle audit row must be `queued` (checked once the
@@ -220,20 +227,27 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 if !outbox_ids.insert(id) {
                     problem(&mut report, format!("outbox {id}: queued both as fresh and as a retry"));
                 }
-                let e: OutboxEntry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
+                let e: OutboxEntry = match super::outbox_rows::decode_entry(v.value()) {
+                    Ok(e) => e,
+                    Err(m) => {
+                        problem(&mut report, format!("{name} {id} does not decode: {m}"));
+                        continue;
+                    }
+                };
                 match claim_of(&e.key.0)? {
-                    None => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", e.key.0)),
-                    Some(rec) if rec.state == IdemState::Sent => {
+                    Err(()) => {}
+                    Ok(None) => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", e.key.0)),
+                    Ok(Some(rec)) if rec.state == IdemState::Sent => {
                         problem(&mut report, format!("{name} {id}: key {} is already recorded as sent", e.key.0))
                     }
-                    Some(rec) if rec.outbox_id.is_some_and(|o| o != id) => problem(
+                    Ok(Some(rec)) if rec.outbox_id.is_some_and(|o| o != id) => problem(
                         &mut report,
                         format!("{name} {id}: key {} names outbox row {} as its pending row", e.key.0, rec.outbox_id.unwrap_or_default()),
                     ),
-                    Some(rec) if rec.state == IdemState::Suppressed => {
+                    Ok(Some(rec)) if rec.state == IdemState::Suppressed => {
                         problem(&mut report, format!("{name} {id}: key {} was primed (suppressed), not claimed for delivery", e.key.0))
                     }
-                    Some(_) => {}
+                    Ok(Some(_)) => {}
                 }
                 pending_rows.push((name, id, e.key.0.clone()));
                 let indexed = match &retry_due {
@@ -291,16 +305,23 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         for item in dead.iter()? {
             let (k, v) = item?;
             let id = k.value();
-            let d = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
+            let d = match super::outbox_rows::decode_dead(v.value()) {
+                Ok(d) => d,
+                Err(m) => {
+                    problem(&mut report, format!("{name} {id} does not decode: {m}"));
+                    continue;
+                }
+            };
             match claim_of(&d.entry.key.0)? {
-                None => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", d.entry.key.0)),
+                Err(()) => {}
+                Ok(None) => problem(&mut report, format!("{name} {id}: key {} is not claimed (neither in idem_keys nor in the key journal)", d.entry.key.0)),
                 // A version 1 key (no row named) is kept by its state.
-                Some(rec) if rec.outbox_id.is_none() && matches!(rec.state, IdemState::Queued | IdemState::DeadLetter) => {}
-                Some(rec) if rec.outbox_id != Some(id) => problem(
+                Ok(Some(rec)) if rec.outbox_id.is_none() && matches!(rec.state, IdemState::Queued | IdemState::DeadLetter) => {}
+                Ok(Some(rec)) if rec.outbox_id != Some(id) => problem(
                     &mut report,
                     format!("{name} {id}: key {} names row {:?}, not this one", d.entry.key.0, rec.outbox_id),
                 ),
-                Some(_) => {}
+                Ok(Some(_)) => {}
             }
         }
     }
@@ -321,7 +342,15 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             }
             expected = seq + 1;
             report.audit_rows += 1;
-            let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
+            let row: AuditRow = match decode(v.value()) {
+                Ok(row) => row,
+                Err(m) => {
+                    if gaps.len() < MAX_PROBLEMS {
+                        gaps.push(format!("audit row {seq} does not decode: {m}"));
+                    }
+                    continue;
+                }
+            };
             if matches!(row.outcome, Outcome::Queued | Outcome::Sent | Outcome::DeadLetter) {
                 if let Some(slot) = row.idempotency_key.as_deref().and_then(|key| last_lifecycle.get_mut(key)) {
                     *slot = Some(row.outcome);
@@ -369,11 +398,23 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             let (k, v) = item?;
             report.watermarks += 1;
             let source = k.value();
-            let wm: Watermark = super::watermark_rows::decode_watermark(v.value()).map_err(|m| codec_err("watermarks", m))?;
+            let wm: Watermark = match super::watermark_rows::decode_watermark(v.value()) {
+                Ok(wm) => wm,
+                Err(m) => {
+                    problem(&mut report, format!("watermark of {source} does not decode: {m}"));
+                    continue;
+                }
+            };
             match runs.get(wm.run_id)? {
                 None => problem(&mut report, format!("watermark of {source} names run {}, which does not exist", wm.run_id)),
                 Some(r) => {
-                    let rec: RunRecord = decode(r.value()).map_err(|m| codec_err("runs", m))?;
+                    let rec: RunRecord = match decode(r.value()) {
+                        Ok(rec) => rec,
+                        Err(m) => {
+                            problem(&mut report, format!("run {} (named by the watermark of {source}) does not decode: {m}", wm.run_id));
+                            continue;
+                        }
+                    };
                     if rec.source_id != source {
                         problem(&mut report, format!("watermark of {source} names run {} of source {}", wm.run_id, rec.source_id));
                     }
@@ -409,6 +450,16 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         let ages = open_optional(rtx, PARCEL_TOMBSTONE_AGES)?;
         for p in super::tombstones::problems(&tombstones, ages.as_ref())? {
             problem(&mut report, p);
+        }
+    }
+    // Every endpoint health record reads (delivery takes one that does not as healthy, and
+    // `endpoints list` cannot show it).
+    if let Some(endpoints) = open_optional(rtx, ENDPOINTS)? {
+        for item in endpoints.iter()? {
+            let (k, v) = item?;
+            if let Err(m) = decode::<crate::model::EndpointState>(v.value()) {
+                problem(&mut report, format!("endpoint health record of {} does not decode: {m}", k.value()));
+            }
         }
     }
     // Every area place reads (a run skips one that does not: its place would start again).
@@ -513,6 +564,40 @@ mod tests {
         assert!(all.contains("audit seq jumps from 0 to 5"), "{all}");
         assert!(all.contains("watermark of s names run 0, which does not exist"), "{all}");
         assert_eq!(r.problems.len(), 4, "{all}"); // + the missing history row
+    }
+
+    /// A row that does not decode is a problem named with its table and key, and the check
+    /// goes on to the rest of the store (it used to stop at the first, as an error).
+    #[test]
+    fn rows_that_do_not_decode_are_each_named_and_the_check_goes_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        let bad = [0xFFu8, 1, 2].as_slice();
+        let wtx = store.db.begin_write().expect("write");
+        {
+            wtx.open_table(IDEM_KEYS).expect("keys").insert("k1", bad).expect("insert");
+            wtx.open_table(OUTBOX).expect("outbox").insert(7u64, bad).expect("insert");
+            wtx.open_table(DEAD_LETTERS).expect("dead").insert(8u64, bad).expect("insert");
+            wtx.open_table(AUDIT).expect("audit").insert(1u64, bad).expect("insert");
+            wtx.open_table(WATERMARKS).expect("wm").insert("s", bad).expect("insert");
+            wtx.open_table(ENDPOINTS).expect("endpoints").insert("w", bad).expect("insert");
+            // And an orphan lease after them all: still found.
+            wtx.open_table(OUTBOX_LEASES).expect("leases").insert(42u64, 1u64).expect("insert");
+        }
+        wtx.commit().expect("commit");
+        let r = store.check_consistency().expect("a damaged row is a finding, not an error");
+        let all = r.problems.join("\n");
+        for named in [
+            "idempotency key k1 does not decode",
+            "outbox 7 does not decode",
+            "dead letter 8 does not decode",
+            "audit row 1 does not decode",
+            "watermark of s does not decode",
+            "endpoint health record of w does not decode",
+            "orphan lease on outbox id 42",
+        ] {
+            assert!(all.contains(named), "{named}: {all}");
+        }
     }
 
     /// The snapshot's blocks are read whole: a sound snapshot counts its parcels; a block
