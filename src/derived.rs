@@ -669,7 +669,9 @@ impl Engine {
 /// returns the places the run moves: those it announces, at `now_ms`. A place is the region's
 /// snapped shape whatever its codes, so A → B, back to A and to B again are three keys, while a
 /// return to what was announced after a silent detour (a primed hold, a reprocess) has the
-/// announced change's key: a duplicate, not a second alert.
+/// announced change's key: a duplicate, not a second alert. Every other stored place that an
+/// announced region overlaps forgets its announcement (`store::area_places`): what was said
+/// about its ground since is another place's.
 fn step_places(
     mut events: Vec<ChangeEvent>,
     regions: &[crate::detect::area::Region],
@@ -678,15 +680,32 @@ fn step_places(
     now_ms: u64,
 ) -> (Vec<ChangeEvent>, Vec<(String, crate::store::PlaceState)>) {
     use crate::detect::diff::{step, Prior};
+    use geo::BoundingRect;
     let mut moved = std::collections::BTreeSet::new();
+    let mut extents = Vec::new();
     for (event, region) in events.iter_mut().zip(regions) {
         let prior = stored.get(&region.place).map(|p| Prior { revision: p.revision, announced: p.announced }).unwrap_or_default();
         let taken = step(prior, crate::detect::area::place_content(&region.to), announce);
         event.revision = taken.key_revision;
         if announce {
+            let extent = region.geometry.bounding_rect().map_or([0.0; 4], |r| [r.min().x, r.min().y, r.max().x, r.max().y]);
             // Two regions of one run on the same place step one after the other.
-            stored.insert(region.place.clone(), crate::store::PlaceState { revision: taken.revision, announced: taken.announced, changed_ms: now_ms });
+            stored.insert(region.place.clone(), crate::store::PlaceState { revision: taken.revision, announced: taken.announced, changed_ms: now_ms, extent });
             moved.insert(region.place.clone());
+            extents.push(extent);
+        }
+    }
+    // The places this run did not step, under any region it announced: their announcement is
+    // stale. (A region of this run is not judged against another of it: a diff's regions do
+    // not overlap, bar layers that overlap themselves.)
+    if !extents.is_empty() {
+        let overlaps = |a: &[f64; 4], b: &[f64; 4]| a[0] < b[2] && b[0] < a[2] && a[1] < b[3] && b[1] < a[3];
+        for (place, state) in stored.iter_mut() {
+            if state.announced.is_some() && !moved.contains(place) && extents.iter().any(|e| overlaps(e, &state.extent)) {
+                state.announced = None;
+                state.changed_ms = now_ms;
+                moved.insert(place.clone());
+            }
         }
     }
     let places = moved.into_iter().filter_map(|place| stored.get(&place).map(|s| (place, *s))).collect();
@@ -704,6 +723,54 @@ mod tests {
 
     const SPEC: CountySpec = CountySpec { seed: 11, parcels: 600, origin: [-93.30, 44.95], blocks_per_row: 6 };
     const CUTS: [f64; 4] = [-0.5, 0.37, 0.71, 1.5];
+
+    /// The places of `step_places` carried from run to run as the store would keep them
+    /// (announced runs only), and each run's key revisions. Reviewer's case: D0 and D1 side
+    /// by side go R-1 → C-2 one at a time, then back to R-1 together as one region (another
+    /// place, overlapping both), then D0 → C-2 again: news, not the first change's key.
+    #[test]
+    fn an_announced_region_makes_the_places_it_overlaps_forget_what_they_were_told() {
+        use crate::detect::area::Region;
+        use crate::model::{ChangeKind, Severity};
+        let region = |place: &str, from: &str, to: &str, x0: f64, x1: f64| Region {
+            from: from.into(),
+            to: to.into(),
+            geometry: MultiPolygon(vec![Polygon::from(Rect::new((x0, 42.0), (x1, 42.01)))]),
+            area_m2: 1.0,
+            id: format!("{place}:{from}:{to}"),
+            place: place.into(),
+        };
+        let event = || ChangeEvent {
+            source_id: "a".into(),
+            jurisdiction: "j".into(),
+            parcel_id: String::new(),
+            kind: ChangeKind::AreaRezoned,
+            from: None,
+            to: None,
+            effective_date: None,
+            old_geometry: None,
+            new_geometry: None,
+            area_m2: 1.0,
+            observed_at_ms: 0,
+            severity: Severity::Notice,
+            revision: 0,
+        };
+        let mut stored = HashMap::new();
+        let run = |stored: &mut HashMap<String, crate::store::PlaceState>, regions: Vec<Region>, announce: bool| {
+            let (events, moved) = step_places(regions.iter().map(|_| event()).collect(), &regions, stored.clone(), announce, 5);
+            stored.extend(moved);
+            events.iter().map(|e| e.revision).collect::<Vec<u32>>()
+        };
+        assert_eq!(run(&mut stored, vec![region("d0", "R-1", "C-2", 0.0, 0.01)], true), vec![0]);
+        assert_eq!(run(&mut stored, vec![region("d1", "R-1", "C-2", 0.01, 0.02)], true), vec![0]);
+        assert!(stored["d0"].announced.is_some(), "a neighbour that only touches it leaves it as it was");
+        assert_eq!(run(&mut stored, vec![region("d01", "C-2", "R-1", 0.0, 0.02)], true), vec![0]);
+        assert!(stored["d0"].announced.is_none() && stored["d1"].announced.is_none());
+        assert_eq!(run(&mut stored, vec![region("d0", "R-1", "C-2", 0.0, 0.01)], true), vec![1], "not the first change's key");
+        // A silent detour and back on the same place is still the announced change's key.
+        assert_eq!(run(&mut stored, vec![region("d0", "C-2", "R-1", 0.0, 0.01)], false), vec![2]);
+        assert_eq!(run(&mut stored, vec![region("d0", "R-1", "C-2", 0.0, 0.01)], true), vec![1]);
+    }
 
     fn write_parcels(path: &Path, lots: &[SynthParcel]) {
         let mut out = String::from("{\"type\":\"FeatureCollection\",\"features\":[");

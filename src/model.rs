@@ -820,8 +820,8 @@ pub struct Hold {
     pub changes: u64,
     pub features: u64,
     /// The held run was a `--reprocess` (it sends nothing): releasing it primes, as the
-    /// operator asked when running it. Hold record version 3.
-    #[serde(default)]
+    /// operator asked when running it. Hold record version 3 (older rows read as `false`,
+    /// `store::watermark_rows`).
     pub reprocess: bool,
 }
 

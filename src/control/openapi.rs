@@ -146,7 +146,8 @@ pub fn document() -> Value {
                 "Hold": {"type": "object", "required": ["run_id", "source_id", "state", "reason"], "properties": {
                     "run_id": s("integer"), "source_id": s("string"), "lineage_id": s("string"), "created": s("string"), "reason": s("string"),
                     "state": {"type": "string", "enum": ["open", "released", "primed", "superseded"]}, "resolved": {"type": ["object", "null"]},
-                    "digest": s("string"), "changes": s("integer"), "features": s("integer")}},
+                    "digest": s("string"), "changes": s("integer"), "features": s("integer"),
+                    "reprocess": {"type": "boolean", "description": "the held run was a --reprocess: releasing it primes"}}},
                 "SubscriberInput": {"type": "object", "additionalProperties": false, "required": ["target", "aoi"], "properties": {
                     "id": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,64}$"}, "target": {"type": "string", "format": "uri"},
                     "secret": {"type": ["string", "null"], "description": "whsec_ + base64 of at least 16 bytes"},

@@ -438,7 +438,12 @@ async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
             return error(StatusCode::CONFLICT, "source_busy", format!("a run of {source} is in progress; try again"));
         };
         match st2.engine.resolve_hold(id, prime) {
-            Ok(rec) => json(StatusCode::OK, &json!({"status": if prime { "primed" } else { "released" }, "run": run_json(&rec)})),
+            // What the resolution did: a release of a held first ingest or `--reprocess`
+            // primes (the run record's warnings say why).
+            Ok(rec) => {
+                let primed = prime || rec.verdict == crate::model::Verdict::Reprocessed;
+                json(StatusCode::OK, &json!({"status": if primed { "primed" } else { "released" }, "run": run_json(&rec)}))
+            }
             Err(PipelineError::UnknownHold(_)) => error(StatusCode::NOT_FOUND, "unknown_hold", format!("hold {id} does not exist")),
             Err(e @ PipelineError::HoldNotOpen { .. }) => error(StatusCode::CONFLICT, "hold_not_open", e.to_string()),
             Err(e) => internal(e),

@@ -17,6 +17,13 @@
 //! source's places between the held run and its resolution (any run of the source supersedes
 //! the hold), so the staged steps are the ones the release would compute.
 //!
+//! Places overlap: a district changed alone, then together with its neighbour as one region,
+//! is two places. When a region's change is announced, every other stored place whose extent
+//! overlaps it forgets its announcement (its revision stays), so its next change cannot take
+//! the key of a change that a later one over the same ground has since contradicted. (Extents
+//! are coarse: a place merely near the region can forget too; that costs at most one alert
+//! told again after a silent detour, never one lost.)
+//!
 //! A place is swept by a committing run of its source once its last announcement is older
 //! than the key TTL: the keys it told apart have expired by then.
 //!
@@ -31,14 +38,19 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
 /// What an area-mode source last told its subscribers about one place.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Default)]
 pub struct PlaceState {
     /// How many of the place's changes were announced (`ParcelState::revision`'s rule).
     pub revision: u32,
-    /// What the last announced change said the place became, and its key revision.
+    /// What the last announced change said the place became, and its key revision. Cleared
+    /// when a change of another place that overlaps this one is announced: what subscribers
+    /// were last told about this ground is then no longer one thing.
     pub announced: Option<Announced>,
     /// When that announcement was committed (this machine's clock); the sweep's age.
     pub changed_ms: u64,
+    /// The place's extent, `[min x, min y, max x, max y]` in degrees, to find the places an
+    /// announced region overlaps.
+    pub extent: [f64; 4],
 }
 
 impl Store {
@@ -102,8 +114,12 @@ pub(super) fn release(wtx: &WriteTransaction, hold_id: u64, source_id: &str, now
         }
         for item in table.range((hold_id, "")..(hold_id + 1, ""))? {
             let (k, v) = item?;
-            let state = decode::<PlaceState>(v.value()).map_err(|m| super::runs::codec_err("held_area_places", m))?;
-            staged.push((k.value().1.to_string(), PlaceState { changed_ms: now_ms, ..state }));
+            // A staged row that does not decode is left out, logged, as a live one is read as
+            // absent: its place starts again, which at worst tells its next return once more.
+            match decode::<PlaceState>(v.value()) {
+                Ok(state) => staged.push((k.value().1.to_string(), PlaceState { changed_ms: now_ms, ..state })),
+                Err(e) => tracing::warn!(hold = hold_id, place = k.value().1, error = %e, "held_area_places: a row that does not decode is not released"),
+            }
         }
     }
     write(wtx, source_id, &staged)
@@ -178,7 +194,7 @@ mod tests {
     use crate::store::CommitMode;
 
     fn told(revision: u32, changed_ms: u64) -> PlaceState {
-        PlaceState { revision, announced: Some(Announced { content: [revision as u8; 16], key_revision: revision - 1 }), changed_ms }
+        PlaceState { revision, announced: Some(Announced { content: [revision as u8; 16], key_revision: revision - 1 }), changed_ms, extent: [0.0, 0.0, 1.0, 1.0] }
     }
 
     fn places(v: &[(&str, PlaceState)]) -> Vec<(String, PlaceState)> {

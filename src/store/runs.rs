@@ -34,8 +34,9 @@ pub enum CommitMode {
 impl CommitMode {
     /// Whether the run's changes are announced to subscribers, which moves the revisions
     /// their keys carry on (`detect::diff::step`): a delivering run, a released hold, and a
-    /// held run's removal events (its parcels are stepped again when it is resolved:
-    /// [`RunWriter::upserts`]).
+    /// held run's removal events and area places (its parcels are stepped again when it is
+    /// resolved: [`RunWriter::upserts`]) — unless the held run is a `--reprocess`, whose
+    /// release primes.
     pub fn announces(&self) -> bool {
         matches!(self, CommitMode::Deliver | CommitMode::Hold { reprocess: false, .. } | CommitMode::ResolveHold { prime: false, .. })
     }
@@ -500,9 +501,9 @@ impl RunWriter<'_> {
     /// against (any later commit of the source would have superseded the hold) — as this
     /// resolution announces it: a primed hold nothing; a released one the changes
     /// `announces(stored state, staged state)` says its source announces (a parcel layer:
-    /// every change but an effective-date-only one; a derived layer: those that alert), a held
-    /// reprocess's too, since its release delivers them. Rows staged before revisions existed
-    /// get theirs the same way.
+    /// every change but an effective-date-only one; a derived layer: those that alert); a held
+    /// `--reprocess` is resolved as a prime (`Engine::resolve_hold`). Rows staged before
+    /// revisions existed get theirs the same way.
     pub fn upserts_held<'p>(
         &mut self,
         parcels: impl IntoIterator<Item = ParcelRef<'p>>,

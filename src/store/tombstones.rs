@@ -117,7 +117,9 @@ pub(super) fn sweep(wtx: &WriteTransaction, source_id: &str, before_ms: u64) -> 
 
 /// Schema 8 → 9: an index row for every tombstone written before the index existed. A row
 /// that does not decode is indexed at time 0, so that the next run of its source sweeps it
-/// (as schema 8's sweep did). Returns how many rows were indexed.
+/// (as schema 8's sweep did). Returns how many rows were indexed. It runs at every open but
+/// does its work only while the index is empty: an index that lost rows later (damage) is not
+/// rebuilt, only named by `check --store`.
 pub(super) fn index_by_age(wtx: &WriteTransaction) -> Result<u64, StoreError> {
     let table = wtx.open_table(PARCEL_TOMBSTONES)?;
     let mut ages = wtx.open_table(PARCEL_TOMBSTONE_AGES)?;
@@ -137,7 +139,9 @@ pub(super) fn index_by_age(wtx: &WriteTransaction) -> Result<u64, StoreError> {
 
 /// What `zonewatch check --store` says is wrong with the tombstones: every row that does not
 /// decode (`tombstone source/parcel: message does not decode`), and every row the index by
-/// age does not hold (it would never be swept).
+/// age does not hold (it would never be swept). A file without the index (`ages` is `None`:
+/// schema 8, a backup taken before an upgrade, say) is not judged by it: the upgrade indexes
+/// every row.
 pub(super) fn problems<T, A>(table: &T, ages: Option<&A>) -> Result<Vec<String>, StoreError>
 where
     T: ReadableTable<(&'static str, &'static str), &'static [u8]>,
@@ -152,7 +156,7 @@ where
             Ok(t) => {
                 let indexed = match ages {
                     Some(ages) => ages.get((source, t.removed_ms, id))?.is_some(),
-                    None => false,
+                    None => true,
                 };
                 if !indexed {
                     out.push(format!("tombstone {source}/{id} has no row in parcel_tombstone_ages: no run would ever sweep it"));
@@ -277,6 +281,13 @@ mod tests {
             let all = report.problems.join("\n");
             assert!(all.contains("tombstone a/p1 has no row in parcel_tombstone_ages"), "{all}");
             assert!(all.contains("tombstone a/p3: "), "{all}");
+            // As a schema 8 file has it (a backup taken before the upgrade): no index at all,
+            // which `check` does not hold against it.
+            let wtx = store.db.begin_write().unwrap();
+            assert!(wtx.delete_table(PARCEL_TOMBSTONE_AGES).unwrap());
+            wtx.commit().unwrap();
+            let all = store.check_consistency().unwrap().problems.join("\n");
+            assert!(!all.contains("parcel_tombstone_ages") && all.contains("tombstone a/p3: "), "{all}");
             store.force_schema_version(8).unwrap();
         }
         let store = Store::open(&path).unwrap();
