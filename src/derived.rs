@@ -688,11 +688,15 @@ fn step_places(
         let taken = step(prior, crate::detect::area::place_content(&region.to), announce);
         event.revision = taken.key_revision;
         if announce {
-            let extent = region.geometry.bounding_rect().map_or([0.0; 4], |r| [r.min().x, r.min().y, r.max().x, r.max().y]);
+            // (A region always has an extent; one without would overlap nothing.)
+            let extent = region.geometry.bounding_rect().map(|r| [r.min().x, r.min().y, r.max().x, r.max().y]);
             // Two regions of one run on the same place step one after the other.
-            stored.insert(region.place.clone(), crate::store::PlaceState { revision: taken.revision, announced: taken.announced, changed_ms: now_ms, extent });
+            stored.insert(
+                region.place.clone(),
+                crate::store::PlaceState { revision: taken.revision, announced: taken.announced, changed_ms: now_ms, extent: extent.unwrap_or([f64::NAN; 4]) },
+            );
             moved.insert(region.place.clone());
-            extents.push(extent);
+            extents.extend(extent);
         }
     }
     // The places this run did not step, under any region it announced: their announcement is

@@ -19,13 +19,14 @@
 //!
 //! Places overlap: a district changed alone, then together with its neighbour as one region,
 //! is two places. When a region's change is announced, every other stored place whose extent
-//! overlaps it forgets its announcement (its revision stays), so its next change cannot take
+//! (bounding box) overlaps the region's forgets its announcement (its revision stays), so its next change cannot take
 //! the key of a change that a later one over the same ground has since contradicted. (Extents
 //! are coarse: a place merely near the region can forget too; that costs at most one alert
 //! told again after a silent detour, never one lost.)
 //!
-//! A place is swept by a committing run of its source once its last announcement is older
-//! than the key TTL: the keys it told apart have expired by then.
+//! A place is swept by a committing run of its source once it last moved (an announcement, a
+//! release, a forgetting) longer ago than the key TTL: the keys it told apart have expired by
+//! then.
 //!
 //! Record: `[1] ++ postcard(PlaceState)`.
 
@@ -46,7 +47,8 @@ pub struct PlaceState {
     /// when a change of another place that overlaps this one is announced: what subscribers
     /// were last told about this ground is then no longer one thing.
     pub announced: Option<Announced>,
-    /// When that announcement was committed (this machine's clock); the sweep's age.
+    /// When the place last moved (this machine's clock): its announcement was committed or
+    /// released, or it forgot it; the sweep's age.
     pub changed_ms: u64,
     /// The place's extent, `[min x, min y, max x, max y]` in degrees, to find the places an
     /// announced region overlaps.

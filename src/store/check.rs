@@ -141,6 +141,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     let entry_fp = |t: u64, key: &str| fingerprints.hash_one((t, key));
     let keys = rtx.open_table(IDEM_KEYS)?;
     let mut journal_claims: HashMap<String, IdemRecord> = HashMap::new();
+    // Keys whose record is in the journal but does not decode (named once, below).
+    let mut damaged_keys: HashSet<String> = HashSet::new();
     {
         // A file written before expiry buckets (a backup being checked) has the per-key index.
         let mut expiry: HashSet<u64> = HashSet::new();
@@ -175,7 +177,20 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         }
         // New keys not merged yet (a file of schema version 2 or older has no journal).
         if let Some(journal) = open_optional(rtx, IDEM_KEY_JOURNAL)? {
-            for (seq, key, rec) in super::key_journal::rows(&journal)? {
+            for (seq, row) in super::key_journal::rows_as_read(&journal)? {
+                let (key, rec) = match row {
+                    Ok((Some(key), Ok(rec))) => (key, rec),
+                    Ok((key, Err(m))) => {
+                        problem(&mut report, format!("idempotency key {} (journal row {seq}) does not decode: {m}", key.as_deref().unwrap_or("?")));
+                        damaged_keys.extend(key);
+                        continue;
+                    }
+                    Ok((None, Ok(_))) => continue,
+                    Err(m) => {
+                        problem(&mut report, format!("journal row {seq} does not decode: {m}"));
+                        continue;
+                    }
+                };
                 if !expiry.contains(&entry_fp(rec.expires_ms, &key)) {
                     problem(&mut report, format!("idempotency key {key} (journal row {seq}) has no expiry index entry"));
                 }
@@ -192,6 +207,9 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     let claim_of = |key: &str| -> Result<Result<Option<IdemRecord>, ()>, StoreError> {
         if let Some(rec) = journal_claims.get(key) {
             return Ok(Ok(Some(rec.clone())));
+        }
+        if damaged_keys.contains(key) {
+            return Ok(Err(()));
         }
         match keys.get(key)? {
             Some(v) => Ok(decode_idem(v.value()).map(Some).map_err(|_| ())),
@@ -231,6 +249,10 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     Ok(e) => e,
                     Err(m) => {
                         problem(&mut report, format!("{name} {id} does not decode: {m}"));
+                        // Its due entry is not another finding.
+                        if retry {
+                            retry_ids.insert(id);
+                        }
                         continue;
                     }
                 };
@@ -329,6 +351,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     // Audit ledger: contiguous seq; the last lifecycle outcome of each pending row's key
     // (only those keys are kept: the ledger names every key ever claimed). Gaps are listed
     // first, as they were when the ledger was read first, so the cap never hides them.
+    let mut unreadable_audit_rows = 0u64;
     let mut last_lifecycle: HashMap<&str, Option<Outcome>> = pending_rows.iter().map(|(_, _, key)| (key.as_str(), None)).collect();
     {
         let audit = rtx.open_table(AUDIT)?;
@@ -345,6 +368,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             let row: AuditRow = match decode(v.value()) {
                 Ok(row) => row,
                 Err(m) => {
+                    unreadable_audit_rows += 1;
                     if gaps.len() < MAX_PROBLEMS {
                         gaps.push(format!("audit row {seq} does not decode: {m}"));
                     }
@@ -360,11 +384,13 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         report.problems.splice(0..0, gaps);
         report.problems.truncate(MAX_PROBLEMS);
     }
+    // (With audit rows that do not decode, a pending row's own may be one of them: said.)
+    let unreadable_audit = if unreadable_audit_rows > 0 { format!(" ({unreadable_audit_rows} audit rows do not decode)") } else { String::new() };
     for (name, id, key) in &pending_rows {
         match last_lifecycle.get(key.as_str()).copied().flatten() {
             Some(Outcome::Queued) => {}
-            Some(other) => problem(&mut report, format!("{name} {id}: the last audit row of key {key} is {}, not queued", other.as_str())),
-            None => problem(&mut report, format!("{name} {id}: key {key} has no queued audit row")),
+            Some(other) => problem(&mut report, format!("{name} {id}: the last audit row of key {key} is {}, not queued{unreadable_audit}", other.as_str())),
+            None => problem(&mut report, format!("{name} {id}: key {key} has no queued audit row{unreadable_audit}")),
         }
     }
 
@@ -407,24 +433,20 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             };
             match runs.get(wm.run_id)? {
                 None => problem(&mut report, format!("watermark of {source} names run {}, which does not exist", wm.run_id)),
-                Some(r) => {
-                    let rec: RunRecord = match decode(r.value()) {
-                        Ok(rec) => rec,
-                        Err(m) => {
-                            problem(&mut report, format!("run {} (named by the watermark of {source}) does not decode: {m}", wm.run_id));
-                            continue;
+                Some(r) => match decode::<RunRecord>(r.value()) {
+                    Err(m) => problem(&mut report, format!("run {} (named by the watermark of {source}) does not decode: {m}", wm.run_id)),
+                    Ok(rec) => {
+                        if rec.source_id != source {
+                            problem(&mut report, format!("watermark of {source} names run {} of source {}", wm.run_id, rec.source_id));
                         }
-                    };
-                    if rec.source_id != source {
-                        problem(&mut report, format!("watermark of {source} names run {} of source {}", wm.run_id, rec.source_id));
+                        if rec.digest != wm.digest {
+                            problem(&mut report, format!("watermark of {source}: digest differs from its run {}", wm.run_id));
+                        }
+                        if !matches!(rec.verdict, Verdict::Baseline | Verdict::Run | Verdict::Reprocessed) {
+                            problem(&mut report, format!("watermark of {source} names run {}, which is {} (not a commit)", wm.run_id, rec.verdict.as_str()));
+                        }
                     }
-                    if rec.digest != wm.digest {
-                        problem(&mut report, format!("watermark of {source}: digest differs from its run {}", wm.run_id));
-                    }
-                    if !matches!(rec.verdict, Verdict::Baseline | Verdict::Run | Verdict::Reprocessed) {
-                        problem(&mut report, format!("watermark of {source} names run {}, which is {} (not a commit)", wm.run_id, rec.verdict.as_str()));
-                    }
-                }
+                },
             }
             let has_history = match &history {
                 Some(t) => t.get((source, wm.run_id))?.is_some(),
@@ -581,6 +603,15 @@ mod tests {
             wtx.open_table(AUDIT).expect("audit").insert(1u64, bad).expect("insert");
             wtx.open_table(WATERMARKS).expect("wm").insert("s", bad).expect("insert");
             wtx.open_table(ENDPOINTS).expect("endpoints").insert("w", bad).expect("insert");
+            // A retry row with its due entry (the entry is not a second finding), a journal
+            // row, and a watermark of t naming a run that does not decode (its missing
+            // history row is still found).
+            wtx.open_table(OUTBOX_RETRY).expect("retry").insert(9u64, bad).expect("insert");
+            wtx.open_table(OUTBOX_RETRY_DUE).expect("due").insert((5u64, 9u64), ()).expect("insert");
+            wtx.open_table(IDEM_KEY_JOURNAL).expect("journal").insert(3u64, bad).expect("insert");
+            wtx.open_table(RUNS).expect("runs").insert(77u64, bad).expect("insert");
+            let wm = Watermark { run_id: 77, ..Watermark::for_read("abc", 3, 1, None, String::new()) };
+            wtx.open_table(WATERMARKS).expect("wm").insert("t", super::super::watermark_rows::encode_watermark(&wm).as_slice()).expect("insert");
             // And an orphan lease after them all: still found.
             wtx.open_table(OUTBOX_LEASES).expect("leases").insert(42u64, 1u64).expect("insert");
         }
@@ -594,10 +625,15 @@ mod tests {
             "audit row 1 does not decode",
             "watermark of s does not decode",
             "endpoint health record of w does not decode",
+            "outbox_retry 9 does not decode",
+            "journal row 3 does not decode",
+            "run 77 (named by the watermark of t) does not decode",
+            "watermark of t: no history row for run 77",
             "orphan lease on outbox id 42",
         ] {
             assert!(all.contains(named), "{named}: {all}");
         }
+        assert_eq!(r.problems.len(), 11, "each damaged row once, nothing more: {all}");
     }
 
     /// The snapshot's blocks are read whole: a sound snapshot counts its parcels; a block

@@ -189,15 +189,28 @@ where
     }
 }
 
-/// Every journal row as (sequence number, key, record), in sequence order (for the
-/// consistency check, which reads the file without an index).
+/// Every journal row as (sequence number, key, record), in sequence order (tests and test
+/// hooks: a row that does not decode is an error).
 pub(super) fn rows<J: ReadableTable<u64, &'static [u8]>>(journal: &J) -> Result<Vec<(u64, String, IdemRecord)>, StoreError> {
+    let mut out = Vec::new();
+    for (seq, row) in rows_as_read(journal)? {
+        let (key, rec) = row.map_err(|m| codec_err("idem_key_journal", m))?;
+        out.push((seq, key.unwrap_or_default(), rec.map_err(|m| codec_err("idem_key_journal", m))?));
+    }
+    Ok(out)
+}
+
+/// Every journal row as the consistency check reads it (the file without an index), in
+/// sequence order: the row's key and its record, or why the row does not decode (`Err`), or
+/// why its record does not (`Ok((key, Err))`).
+pub(super) type JournalRowRead = Result<(Option<String>, Result<IdemRecord, String>), String>;
+
+pub(super) fn rows_as_read<J: ReadableTable<u64, &'static [u8]>>(journal: &J) -> Result<Vec<(u64, JournalRowRead)>, StoreError> {
     let mut out = Vec::new();
     for item in journal.iter()? {
         let (k, v) = item?;
-        let row = decode_row(v.value()).map_err(|m| codec_err("idem_key_journal", m))?;
-        let rec = decode_idem(row.record).map_err(|m| codec_err("idem_key_journal", m))?;
-        out.push((k.value(), row.key.to_string(), rec));
+        let row = decode_row(v.value()).map(|row| (Some(row.key.to_string()), decode_idem(row.record)));
+        out.push((k.value(), row));
     }
     Ok(out)
 }
