@@ -160,33 +160,31 @@ pub(super) fn sweep(wtx: &WriteTransaction, source_id: &str, before_ms: u64) -> 
 /// Every place row (live or staged) that does not decode, for `zonewatch check --store`.
 pub(super) fn problems(rtx: &redb::ReadTransaction) -> Result<Vec<String>, StoreError> {
     let mut out = Vec::new();
-    match rtx.open_table(AREA_PLACES) {
-        Ok(table) => {
-            for item in table.iter()? {
-                let (k, v) = item?;
-                if let Err(m) = decode::<PlaceState>(v.value()) {
-                    let (source, place) = k.value();
-                    out.push(format!("area place {source}/{place}: {m} does not decode"));
-                }
-            }
-        }
-        Err(redb::TableError::TableDoesNotExist(_)) => {}
-        Err(e) => return Err(e.into()),
-    }
-    match rtx.open_table(HELD_AREA_PLACES) {
-        Ok(table) => {
-            for item in table.iter()? {
-                let (k, v) = item?;
-                if let Err(m) = decode::<PlaceState>(v.value()) {
-                    let (hold, place) = k.value();
-                    out.push(format!("staged area place {place} of hold {hold}: {m} does not decode"));
-                }
-            }
-        }
-        Err(redb::TableError::TableDoesNotExist(_)) => {}
-        Err(e) => return Err(e.into()),
-    }
+    undecodable(rtx, AREA_PLACES, &mut out, |(source, place)| format!("area place {source}/{place}"))?;
+    undecodable(rtx, HELD_AREA_PLACES, &mut out, |(hold, place)| format!("staged area place {place} of hold {hold}"))?;
     Ok(out)
+}
+
+/// Names (`name` of its key) every row of `def` that does not decode as a [`PlaceState`]; a
+/// table the file lacks has none.
+fn undecodable<K: redb::Key + 'static>(
+    rtx: &redb::ReadTransaction,
+    def: redb::TableDefinition<K, &'static [u8]>,
+    out: &mut Vec<String>,
+    name: impl Fn(K::SelfType<'_>) -> String,
+) -> Result<(), StoreError> {
+    let table = match rtx.open_table(def) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    for item in table.iter()? {
+        let (k, v) = item?;
+        if let Err(m) = decode::<PlaceState>(v.value()) {
+            out.push(format!("{} does not decode: {m}", name(k.value())));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -241,7 +239,7 @@ mod tests {
         wtx.commit().unwrap();
         assert_eq!(store.area_places("a").unwrap().len(), 3, "a damaged row is left out");
         let all = store.check_consistency().unwrap().problems.join("\n");
-        assert!(all.contains("area place a/p9: "), "{all}");
+        assert!(all.contains("area place a/p9 does not decode: "), "{all}");
 
         // A run at 1,035 with a TTL of 1,000 sweeps what was announced before 35.
         commit(CommitMode::Deliver, 1_035, &[]);

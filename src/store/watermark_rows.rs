@@ -64,9 +64,9 @@ struct HoldV1 {
     features: u64,
 }
 
-impl From<HoldV1> for Hold {
+impl From<HoldV1> for HoldV2 {
     fn from(v: HoldV1) -> Self {
-        Hold {
+        HoldV2 {
             run_id: v.run_id,
             source_id: v.source_id,
             lineage_id: v.lineage_id,
@@ -77,7 +77,6 @@ impl From<HoldV1> for Hold {
             watermark: v.watermark.into(),
             changes: v.changes,
             features: v.features,
-            reprocess: false,
         }
     }
 }
@@ -121,7 +120,7 @@ pub(super) fn encode_hold(hold: &Hold) -> Vec<u8> {
 
 pub(super) fn decode_hold(bytes: &[u8]) -> Result<Hold, String> {
     match split_version(bytes)? {
-        (1, rest) => decode_postcard::<HoldV1>(rest).map(Into::into),
+        (1, rest) => decode_postcard::<HoldV1>(rest).map(HoldV2::from).map(Into::into),
         (2, rest) => decode_postcard::<HoldV2>(rest).map(Into::into),
         (HOLD_RECORD_VERSION, rest) => decode_postcard(rest),
         (v, _) => Err(unknown_version(v, "holds", HOLD_RECORD_VERSION)),
