@@ -1223,7 +1223,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
         Some((run_id, prime)) => match engine.resolve_hold(run_id, prime) {
             Ok(rec) => {
                 // A release of a held first ingest or `--reprocess` primes.
-                let prime = prime || rec.verdict == Verdict::Reprocessed;
+                let prime = rec.verdict == Verdict::Reprocessed;
                 println!(
                     "hold {run_id} {}: run {} committed, {} changes, {} queued, {} suppressed",
                     if prime { "primed" } else { "released" },

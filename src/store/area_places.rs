@@ -62,11 +62,7 @@ impl Store {
     /// names the row).
     pub fn area_places(&self, source_id: &str) -> Result<HashMap<String, PlaceState>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let table = match rtx.open_table(AREA_PLACES) {
-            Ok(t) => t,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(HashMap::new()),
-            Err(e) => return Err(e.into()),
-        };
+        let table = rtx.open_table(AREA_PLACES)?;
         let mut out = HashMap::new();
         super::queries::for_each_source_row(&table, source_id, |place, bytes| {
             match decode::<PlaceState>(bytes) {
@@ -159,32 +155,10 @@ pub(super) fn sweep(wtx: &WriteTransaction, source_id: &str, before_ms: u64) -> 
 
 /// Every place row (live or staged) that does not decode, for `zonewatch check --store`.
 pub(super) fn problems(rtx: &redb::ReadTransaction) -> Result<Vec<String>, StoreError> {
-    let mut out = Vec::new();
-    undecodable(rtx, AREA_PLACES, &mut out, |(source, place)| format!("area place {source}/{place}"))?;
-    undecodable(rtx, HELD_AREA_PLACES, &mut out, |(hold, place)| format!("staged area place {place} of hold {hold}"))?;
+    use super::check::undecodable;
+    let mut out = undecodable::<_, PlaceState>(rtx, AREA_PLACES, |(source, place)| format!("area place {source}/{place}"))?;
+    out.extend(undecodable::<_, PlaceState>(rtx, HELD_AREA_PLACES, |(hold, place)| format!("staged area place {place} of hold {hold}"))?);
     Ok(out)
-}
-
-/// Names (`name` of its key) every row of `def` that does not decode as a [`PlaceState`]; a
-/// table the file lacks has none.
-fn undecodable<K: redb::Key + 'static>(
-    rtx: &redb::ReadTransaction,
-    def: redb::TableDefinition<K, &'static [u8]>,
-    out: &mut Vec<String>,
-    name: impl Fn(K::SelfType<'_>) -> String,
-) -> Result<(), StoreError> {
-    let table = match rtx.open_table(def) {
-        Ok(t) => t,
-        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(()),
-        Err(e) => return Err(e.into()),
-    };
-    for item in table.iter()? {
-        let (k, v) = item?;
-        if let Err(m) = decode::<PlaceState>(v.value()) {
-            out.push(format!("{} does not decode: {m}", name(k.value())));
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -179,13 +179,12 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         if let Some(journal) = open_optional(rtx, IDEM_KEY_JOURNAL)? {
             for (seq, row) in super::key_journal::rows_as_read(&journal)? {
                 let (key, rec) = match row {
-                    Ok((Some(key), Ok(rec))) => (key, rec),
+                    Ok((key, Ok(rec))) => (key, rec),
                     Ok((key, Err(m))) => {
-                        problem(&mut report, format!("idempotency key {} (journal row {seq}) does not decode: {m}", key.as_deref().unwrap_or("?")));
-                        damaged_keys.extend(key);
+                        problem(&mut report, format!("idempotency key {key} (journal row {seq}) does not decode: {m}"));
+                        damaged_keys.insert(key);
                         continue;
                     }
-                    Ok((None, Ok(_))) => continue,
                     Err(m) => {
                         problem(&mut report, format!("journal row {seq} does not decode: {m}"));
                         continue;
@@ -476,13 +475,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     }
     // Every endpoint health record reads (delivery takes one that does not as healthy, and
     // `endpoints list` cannot show it).
-    if let Some(endpoints) = open_optional(rtx, ENDPOINTS)? {
-        for item in endpoints.iter()? {
-            let (k, v) = item?;
-            if let Err(m) = decode::<crate::model::EndpointState>(v.value()) {
-                problem(&mut report, format!("endpoint health record of {} does not decode: {m}", k.value()));
-            }
-        }
+    for p in undecodable::<_, crate::model::EndpointState>(rtx, ENDPOINTS, |id| format!("endpoint health record of {id}"))? {
+        problem(&mut report, p);
     }
     // Every area place reads (a run skips one that does not: its place would start again).
     for p in super::area_places::problems(rtx)? {
@@ -509,7 +503,26 @@ impl<T: redb::ReadableTableMetadata> LenHint for T {
 }
 
 /// A table that files written by an older build may not have (`None` then).
-fn open_optional<K: redb::Key + 'static, V: redb::Value + 'static>(
+/// `name`d (by its key) every row of `def` that does not decode as a `T`, as `… does not
+/// decode: why`; a table the file lacks has none.
+pub(super) fn undecodable<K: redb::Key + 'static, T: serde::de::DeserializeOwned>(
+    rtx: &redb::ReadTransaction,
+    def: redb::TableDefinition<K, &'static [u8]>,
+    name: impl Fn(K::SelfType<'_>) -> String,
+) -> Result<Vec<String>, StoreError> {
+    let mut out = Vec::new();
+    if let Some(table) = open_optional(rtx, def)? {
+        for item in table.iter()? {
+            let (k, v) = item?;
+            if let Err(m) = decode::<T>(v.value()) {
+                out.push(format!("{} does not decode: {m}", name(k.value())));
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub(super) fn open_optional<K: redb::Key + 'static, V: redb::Value + 'static>(
     rtx: &redb::ReadTransaction,
     def: redb::TableDefinition<K, V>,
 ) -> Result<Option<redb::ReadOnlyTable<K, V>>, StoreError> {

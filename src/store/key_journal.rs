@@ -195,7 +195,7 @@ pub(super) fn rows<J: ReadableTable<u64, &'static [u8]>>(journal: &J) -> Result<
     let mut out = Vec::new();
     for (seq, row) in rows_as_read(journal)? {
         let (key, rec) = row.map_err(|m| codec_err("idem_key_journal", m))?;
-        out.push((seq, key.unwrap_or_default(), rec.map_err(|m| codec_err("idem_key_journal", m))?));
+        out.push((seq, key, rec.map_err(|m| codec_err("idem_key_journal", m))?));
     }
     Ok(out)
 }
@@ -203,13 +203,13 @@ pub(super) fn rows<J: ReadableTable<u64, &'static [u8]>>(journal: &J) -> Result<
 /// Every journal row as the consistency check reads it (the file without an index), in
 /// sequence order: the row's key and its record, or why the row does not decode (`Err`), or
 /// why its record does not (`Ok((key, Err))`).
-pub(super) type JournalRowRead = Result<(Option<String>, Result<IdemRecord, String>), String>;
+pub(super) type JournalRowRead = Result<(String, Result<IdemRecord, String>), String>;
 
 pub(super) fn rows_as_read<J: ReadableTable<u64, &'static [u8]>>(journal: &J) -> Result<Vec<(u64, JournalRowRead)>, StoreError> {
     let mut out = Vec::new();
     for item in journal.iter()? {
         let (k, v) = item?;
-        let row = decode_row(v.value()).map(|row| (Some(row.key.to_string()), decode_idem(row.record)));
+        let row = decode_row(v.value()).map(|row| (row.key.to_string(), decode_idem(row.record)));
         out.push((k.value(), row));
     }
     Ok(out)

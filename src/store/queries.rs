@@ -10,7 +10,7 @@ use super::tables::*;
 use super::tombstones::Tombstone;
 use super::{Store, StoreError};
 use crate::model::*;
-use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use redb::{ReadableDatabase, ReadableTable};
 use std::collections::HashMap;
 
 /// Filters for the audit ledger; `None` matches everything.
@@ -62,7 +62,7 @@ pub struct SnapshotView {
     table: redb::ReadOnlyTable<(&'static str, &'static str), &'static [u8]>,
     source_id: String,
     /// Removed parcels' tombstones (`tombstones.rs`), from the same read transaction;
-    /// `None` when the store has none (then no parcel is looked up).
+    /// `None` when the source has none (then no parcel is looked up).
     tombstones: Option<redb::ReadOnlyTable<(&'static str, &'static str), &'static [u8]>>,
 }
 
@@ -178,11 +178,16 @@ impl Store {
         Ok(out)
     }
 
-    /// A read view of a source's snapshot for the streaming diff.
+    /// A read view of a source's snapshot for the streaming diff. While the source has no
+    /// tombstone (a first ingest, a source that never lost a parcel), the view looks none up.
     pub fn snapshot_view(&self, source_id: &str) -> Result<SnapshotView, StoreError> {
         let rtx = self.db.begin_read()?;
         let tombstones = rtx.open_table(PARCEL_TOMBSTONES)?;
-        let tombstones = if tombstones.len()? == 0 { None } else { Some(tombstones) };
+        let has_any = match tombstones.range((source_id, "")..)?.next() {
+            Some(item) => item?.0.value().0 == source_id,
+            None => false,
+        };
+        let tombstones = has_any.then_some(tombstones);
         Ok(SnapshotView { table: rtx.open_table(PARCEL_BLOCKS)?, source_id: source_id.to_string(), tombstones })
     }
 

@@ -6,7 +6,7 @@ use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
 use super::held_rows::{decode_held_event, decode_staged, encode_held_event, encode_staged};
 use super::tombstones::Tombstone;
-use crate::detect::diff::{classify, content_of, step, ParcelDelta, Prior};
+use crate::detect::diff::{content_of, step, Prior};
 use super::snapshot::{decode_state, geometries_of, SnapshotRow};
 use super::tables::*;
 use super::{Store, StoreError};
@@ -154,7 +154,9 @@ impl Store {
         let mut w = self.begin_run(&run.source_id, run.mode.clone(), run.watermark, run.now_ms, run.idem_ttl_ms)?;
         w.quarantine(&run.quarantine)?;
         w.upserts(run.upserts.iter().map(Parcel::borrowed))?;
-        w.removals(&run.removals, true)?;
+        // Its one caller is area mode, whose rows are district polygons keyed by position: no
+        // removal of one is an event, so none is announced (as its held release has it).
+        w.removals(&run.removals, false)?;
         w.events(&run.events, &run.claims)?;
         w.places(&run.places)?;
         w.finish(run.started_ms, run.now_ms, run.counts, run.warnings)
@@ -479,7 +481,9 @@ impl RunWriter<'_> {
         blocks::apply(&mut self.wtx.open_table(PARCEL_BLOCKS)?, &self.source_id, &mut changes)
     }
 
-    /// New or changed parcels: into the snapshot, or staged with the hold.
+    /// New or changed parcels: into the snapshot, or staged with the hold. (A hold's
+    /// resolution writes its staged parcels through [`RunWriter::upserts_held`], which knows
+    /// what the source announces.)
     pub fn upserts<'p>(&mut self, parcels: impl IntoIterator<Item = ParcelRef<'p>>) -> Result<(), StoreError> {
         if matches!(self.mode, CommitMode::Hold { .. }) {
             let mut staged = self.wtx.open_table(HELD_PARCELS)?;
@@ -487,7 +491,7 @@ impl RunWriter<'_> {
                 staged.insert((self.run_id, p.id), encode_staged(Some((p.state, p.geometry))).as_slice())?;
             }
         } else if matches!(self.mode, CommitMode::ResolveHold { .. }) {
-            self.upserts_held(parcels, &|prev, new| matches!(classify(prev, new), ParcelDelta::Added | ParcelDelta::Changed(Some(_))))?;
+            return Err(StoreError::Conflict("a hold's resolution writes its staged parcels with upserts_held".into()));
         } else {
             let rows: Vec<SnapshotRow> = parcels.into_iter().map(SnapshotRow::encode).collect();
             self.upserts_encoded(&rows)?;
