@@ -72,3 +72,31 @@ fn a_feature_too_complex_to_check_is_quarantined_and_the_rest_ingest() {
     assert!(q[0].detail.contains("too complex to check"), "{}", q[0].detail);
     assert!(!engine.store.snapshot_states("s1").expect("snapshot").contains_key("SPIKY"));
 }
+
+/// A feature whose repair would take minutes and gigabytes (a star of 2,001 points: each of
+/// its segments crosses nearly every other, a million crossings for the overlay to resolve) is
+/// quarantined as `unrepairable`, "too tangled to repair in bounded time", before any repair
+/// runs; the layer's other features ingest, and every feature is accounted for.
+#[test]
+fn a_feature_too_tangled_to_repair_is_quarantined_and_the_rest_ingest() {
+    let mut parcels = grid(20);
+    let (cx, cy, n) = (-71.05, 42.40, 2_001);
+    let ring: Vec<[f64; 2]> = (0..=n)
+        .map(|i| {
+            let a = ((i * 1_000) % n) as f64 / n as f64 * std::f64::consts::TAU;
+            [cx + 0.001 * a.cos(), cy + 0.001 * a.sin()]
+        })
+        .collect();
+    parcels.push(P { id: "STAR".into(), zone: "R-1".into(), ring });
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&parcels));
+    let engine = ws.engine();
+    let r = run(&engine, false);
+    let c = &r.record.counts;
+    assert_eq!((c.features, c.parcels, c.quarantined, c.repaired), (21, 20, 1, 0), "{}", r.line());
+    let q = engine.store.quarantine().expect("quarantine");
+    assert_eq!(q.len(), 1);
+    assert_eq!((q[0].parcel_id.as_deref(), q[0].reason.as_str()), (Some("STAR"), "unrepairable"));
+    assert!(q[0].detail.starts_with("too tangled to repair in bounded time: its 2001 segments"), "{}", q[0].detail);
+    assert!(!engine.store.snapshot_states("s1").expect("snapshot").contains_key("STAR"));
+}

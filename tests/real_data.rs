@@ -562,11 +562,13 @@ fn check_republication(engine: &Engine, src: &Path, layer_path: &Path, strict: b
 
 /// Every feature of every real layer in the data directory is decided well within the
 /// validity check's work budget (`zonewatch::ingest::valid::WORK_BUDGET`), which refuses as too
-/// complex what would take a scan worker more than about a second: the budget must never
-/// quarantine a real municipal feature.
+/// complex what would take a scan worker more than about a second, and every invalid one's
+/// repair well within the repair's (`zonewatch::ingest::normalize::REPAIR_BUDGET`): the budgets
+/// must never quarantine a real municipal feature.
 #[test]
 fn real_layers_stay_far_below_the_validity_budget() {
-    use zonewatch::ingest::valid::{check_within, Validity, WORK_BUDGET};
+    use zonewatch::ingest::normalize::{repair_units, REPAIR_BUDGET};
+    use zonewatch::ingest::valid::{check_within, tangle_within, Validity, WORK_BUDGET};
     let dir = data_dir();
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "geojson")).collect())
@@ -580,7 +582,8 @@ fn real_layers_stay_far_below_the_validity_budget() {
         return;
     }
     let mut worst: (u64, String) = (0, String::new());
-    let mut checked = 0usize;
+    let mut worst_repair: (u64, String) = (0, String::new());
+    let (mut checked, mut invalid) = (0usize, 0usize);
     for path in &files {
         let text = std::fs::read_to_string(path).expect("read layer");
         let doc: Value = serde_json::from_str(&text).expect("layer is JSON");
@@ -594,12 +597,22 @@ fn real_layers_stay_far_below_the_validity_budget() {
             let (verdict, spent) = check_within(&mp, u64::MAX);
             assert_ne!(verdict, Validity::TooComplex);
             checked += 1;
+            let name = || format!("{} feature {i}", path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
             if spent > worst.0 {
-                worst = (spent, format!("{} feature {i}", path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()));
+                worst = (spent, name());
+            }
+            if verdict == Validity::Invalid {
+                let tangle = tangle_within(&mp, u64::MAX, u64::MAX).expect("an unlimited count");
+                invalid += 1;
+                if repair_units(tangle) > worst_repair.0 {
+                    worst_repair = (repair_units(tangle), format!("{} ({} segments, {} crossings)", name(), tangle.segments, tangle.crossings));
+                }
             }
         }
     }
     eprintln!("validity work: {checked} real features in {} layers, the most costly {} units ({}), budget {WORK_BUDGET}", files.len(), worst.0, worst.1);
+    eprintln!("repair work: {invalid} invalid real features, the most costly {} units ({}), budget {REPAIR_BUDGET}", worst_repair.0, worst_repair.1);
     assert!(checked > 10_000, "only {checked} features read");
     assert!(worst.0 < WORK_BUDGET / 10, "{} needs {} of the budget's {WORK_BUDGET} units", worst.1, worst.0);
+    assert!(worst_repair.0 < REPAIR_BUDGET / 10, "{} needs {} of the repair budget's {REPAIR_BUDGET} units", worst_repair.1, worst_repair.0);
 }

@@ -288,6 +288,46 @@ fn ring_self_intersects(ring: &LineString<f64>, work: &mut Work) -> Result<bool,
     Ok(false)
 }
 
+/// The size of the work a repair of `mp` would do: its segments, and the pairs of segments
+/// that cross (meet at one point inside both). An overlay has to split the rings at every
+/// crossing and its result can have about as many faces as there are crossings, so this is what
+/// a repair's time and memory grow with (`normalize::repair_fits`). Touching and shared
+/// stretches of boundary cost an overlay little and are not counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tangle {
+    pub segments: u64,
+    pub crossings: u64,
+}
+
+/// Counts [`Tangle`], spending a unit per segment and per pair of segments whose boxes meet
+/// from `budget`, and stopping once `max_crossings` is passed: `None` when the budget runs out
+/// first or the crossings pass the cap. A star of 401 points (each segment crossing nearly
+/// every other: ~80,000 crossings, whose repair took 1.5 s) is `None` after the cap's worth
+/// of crossings found.
+pub fn tangle_within(mp: &MultiPolygon<f64>, max_crossings: u64, budget: u64) -> Option<Tangle> {
+    use geo::line_intersection::line_intersection;
+    let mut work = Work { left: budget, pair_cap: 0 };
+    let lines: Vec<Line<f64>> = mp.0.iter().flat_map(|p| std::iter::once(p.exterior()).chain(p.interiors())).flat_map(|r| r.lines()).collect();
+    let segments = lines.len() as u64;
+    work.spend(segments).ok()?;
+    let boxes: Vec<GeomWithData<Rectangle<[f64; 2]>, usize>> =
+        lines.iter().enumerate().map(|(i, l)| GeomWithData::new(Rectangle::from_corners([l.start.x, l.start.y], [l.end.x, l.end.y]), i)).collect();
+    let tree = RTree::bulk_load(boxes);
+    let mut crossings = 0u64;
+    for s in tree.iter() {
+        for c in tree.locate_in_envelope_intersecting(s.geom().envelope()) {
+            work.spend(1).ok()?;
+            if c.data > s.data && line_intersection(lines[s.data], lines[c.data]).is_some_and(|x| x.is_proper()) {
+                crossings += 1;
+                if crossings > max_crossings {
+                    return None;
+                }
+            }
+        }
+    }
+    Some(Tangle { segments, crossings })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -498,5 +538,41 @@ mod tests {
         crossed.swap(100, 2_600);
         assert!(!is_valid(&sq(&crossed)));
         assert!(!sq(&crossed).is_valid());
+    }
+
+    /// A star ring of `n` points visiting every `k`-th point of a circle: its segments cross
+    /// one another wherever the star's chords do.
+    fn star(n: usize, k: usize) -> MultiPolygon<f64> {
+        let pts: Vec<(f64, f64)> = (0..=n)
+            .map(|i| {
+                let a = ((i * k) % n) as f64 / n as f64 * std::f64::consts::TAU;
+                (a.cos(), a.sin())
+            })
+            .collect();
+        MultiPolygon(vec![Polygon::new(LineString::from(pts), vec![])])
+    }
+
+    #[test]
+    fn a_tangle_counts_segments_and_the_points_where_they_cross() {
+        let sq = |pts: &[(f64, f64)]| MultiPolygon(vec![Polygon::new(LineString::from(pts.to_vec()), vec![])]);
+        let tangle = |mp: &MultiPolygon<f64>| tangle_within(mp, u64::MAX, u64::MAX).map(|t| (t.segments, t.crossings));
+        assert_eq!(tangle(&MultiPolygon(vec![Polygon::new(square_ring(0.0, 1.0), vec![])])), Some((4, 0)));
+        assert_eq!(tangle(&sq(&[(0.0, 0.0), (2.0, 2.0), (2.0, 0.0), (0.0, 2.0), (0.0, 0.0)])), Some((4, 1)), "a bow-tie");
+        assert_eq!(tangle(&star(5, 2)), Some((5, 5)), "a pentagram");
+        // Two parts overlapping: their boundaries cross twice.
+        let overlapping = MultiPolygon(vec![Polygon::new(square_ring(0.0, 1.0), vec![]), Polygon::new(square_ring(1.0, 0.5), vec![])]);
+        assert_eq!(tangle(&overlapping), Some((8, 2)));
+        // A hole across its exterior, likewise; touching and shared stretches are not crossings.
+        let hole_across = MultiPolygon(vec![Polygon::new(square_ring(0.0, 1.0), vec![square_ring(1.0, 0.5)])]);
+        assert_eq!(tangle(&hole_across), Some((8, 2)));
+        let sharing = MultiPolygon(vec![Polygon::new(square_ring(0.0, 1.0), vec![]), Polygon::new(square_ring(2.0, 1.0), vec![])]);
+        assert_eq!(tangle(&sharing), Some((8, 0)));
+        // Every chord of a star of 101 points (step 50) crosses every chord it does not share a
+        // point with: 101 × 98 / 2.
+        assert_eq!(tangle(&star(101, 50)), Some((101, 4_949)));
+        // Past the cap, or past the budget of pair tests, it is not counted.
+        assert_eq!(tangle_within(&star(101, 50), 4_948, u64::MAX), None);
+        assert_eq!(tangle_within(&star(101, 50), 4_949, u64::MAX).map(|t| t.crossings), Some(4_949));
+        assert_eq!(tangle_within(&star(101, 50), u64::MAX, 1_000), None);
     }
 }
