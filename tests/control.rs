@@ -269,6 +269,43 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// A hold whose release primes (here a source's first ingest, held for a quarantine spike)
+/// answers `"status": "primed"` over `POST /v1/holds/{run}/release`, as `zonewatch holds
+/// release` prints "primed": the operator's script learns that nothing was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_hold_that_primes_answers_primed() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[Sub { id: "w", aoi: rect(-72.0, 42.0, -68.0, 43.0), target: rx.url("/hook"), min_severity: "info", secret: None }], "", "every = \"1h\"");
+    let mut v1 = grid(100);
+    for p in v1.iter_mut().take(60) {
+        for c in &mut p.ring {
+            c[0] += 2.0; // east of the source's bbox
+        }
+    }
+    ws.write_layer(&layer(&v1));
+    let d = tokio::task::block_in_place(|| Daemon::start(&ws));
+    let c = client();
+    let auth = format!("Bearer {}", d.token);
+    tokio::task::block_in_place(|| {
+        let mut hold = Value::Null;
+        wait_for("the first ingest's hold", || {
+            let holds: Value = c.get(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().json().unwrap();
+            hold = holds["items"][0].clone();
+            hold["state"] == "open"
+        });
+        assert!(hold["reason"].as_str().unwrap_or_default().starts_with("quarantine_spike"), "{hold}");
+        assert_eq!(hold["reprocess"], false);
+        let id = hold["run_id"].as_u64().expect("a hold is named by its run");
+        let rel = c.post(d.url(&format!("/v1/holds/{id}/release"))).header("authorization", &auth).send().unwrap();
+        assert_eq!(rel.status(), 200);
+        let body: Value = rel.json().unwrap();
+        assert_eq!(body["status"], "primed", "{body}");
+        assert_eq!((body["run"]["queued"].as_u64(), body["run"]["parcels"].as_u64()), (Some(0), Some(40)), "{body}");
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(rx.received().is_empty(), "a primed release sends nothing");
+}
+
 /// API subscribers whose endpoint answered 410: `GET /v1/endpoints` shows them disabled; a
 /// `PUT` with the same target leaves it disabled, one with a new target re-enables it
 /// (audited, the waiting events go to the new URL); `POST /v1/endpoints/{id}/enable` is
