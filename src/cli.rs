@@ -4,7 +4,7 @@
 //! `main` only parses and dispatches.
 
 use crate::config::Config;
-use crate::model::{AuditRow, HoldState, Verdict};
+use crate::model::{AuditRow, HoldState};
 use crate::notify::delivery::Deliverer;
 use crate::pipeline::{Engine, RunOptions};
 use crate::store::{AuditFilter, Store, StoreError};
@@ -1223,7 +1223,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
         Some((run_id, prime)) => match engine.resolve_hold(run_id, prime) {
             Ok(rec) => {
                 // A release of a held first ingest or `--reprocess` primes.
-                let prime = rec.verdict == Verdict::Reprocessed;
+                let prime = rec.verdict.primed();
                 println!(
                     "hold {run_id} {}: run {} committed, {} changes, {} queued, {} suppressed",
                     if prime { "primed" } else { "released" },

@@ -628,7 +628,8 @@ pub enum Verdict {
     Skip,
     /// Held by the publication gate until an operator decides.
     Held,
-    /// `--reprocess`: committed with keys primed and nothing sent.
+    /// `--reprocess`: committed with keys primed and nothing sent. Also a hold resolved by
+    /// priming it, unless the held run was the source's first ingest (that is a `Baseline`).
     Reprocessed,
     /// The run failed before committing; nothing of it exists but this record.
     Failed,
@@ -637,6 +638,13 @@ pub enum Verdict {
 }
 
 impl Verdict {
+    /// Whether a committed run of this verdict primed its keys and sent nothing: a first
+    /// ingest, a `--reprocess`, and a hold resolution that primed (whether an operator asked
+    /// for it, or the held run was a first ingest or a `--reprocess`).
+    pub fn primed(self) -> bool {
+        matches!(self, Verdict::Baseline | Verdict::Reprocessed)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Baseline => "baseline",

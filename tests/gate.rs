@@ -151,6 +151,8 @@ async fn releasing_a_held_first_ingest_sends_nothing() {
     assert!(held.hold_reason.clone().unwrap_or_default().starts_with("quarantine_spike"), "{:?}", held.hold_reason);
     let released = engine.resolve_hold(held.record.hold_id.unwrap(), false).unwrap();
     assert_eq!(released.counts.queued, 0, "{:?}", released.counts);
+    // Its record is the source's baseline (not a reprocess, whose changes the metrics count).
+    assert_eq!(released.verdict, Verdict::Baseline);
     assert!(released.warnings.iter().any(|w| w.contains("first ingest")), "{:?}", released.warnings);
     let c = &released.counts;
     assert_eq!((c.features, c.parcels, c.quarantined), (100, 40, 60));
@@ -169,7 +171,7 @@ async fn releasing_a_held_first_ingest_sends_nothing() {
     let spike = run(&engine, false);
     assert_eq!(spike.record.verdict, Verdict::Held, "{}", spike.line());
     let sent = engine.resolve_hold(spike.record.hold_id.unwrap(), false).unwrap();
-    assert_eq!(sent.counts.queued, 10, "{:?}", sent.counts);
+    assert_eq!((sent.verdict, sent.counts.queued), (Verdict::Run, 10), "{:?}", sent.counts);
     assert!(!sent.warnings.iter().any(|w| w.contains("first ingest")), "{:?}", sent.warnings);
     assert_eq!(sent.counts.features, sent.counts.parcels + sent.counts.quarantined);
     deliver(&engine, Duration::from_secs(5)).await;

@@ -441,7 +441,7 @@ async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
             // What the resolution did: a release of a held first ingest or `--reprocess`
             // primes (the run record's warnings say why).
             Ok(rec) => {
-                let primed = rec.verdict == crate::model::Verdict::Reprocessed;
+                let primed = rec.verdict.primed();
                 json(StatusCode::OK, &json!({"status": if primed { "primed" } else { "released" }, "run": run_json(&rec)}))
             }
             Err(PipelineError::UnknownHold(_)) => error(StatusCode::NOT_FOUND, "unknown_hold", format!("hold {id} does not exist")),

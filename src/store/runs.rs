@@ -668,6 +668,8 @@ impl RunWriter<'_> {
                 )?;
             }
             mode => {
+                // A hold resolution that primes the source's first ingest is its baseline.
+                let first_ingest = matches!(mode, CommitMode::ResolveHold { prime: true, .. }) && wtx.open_table(WATERMARKS)?.get(source_id.as_str())?.is_none();
                 write_watermark(&wtx, &source_id, &watermark)?;
                 // Tombstones older than the key TTL have outlived every key they could tell
                 // apart (`tombstones.rs`).
@@ -687,7 +689,7 @@ impl RunWriter<'_> {
                 if let CommitMode::ResolveHold { hold_id: h, prime } = mode {
                     hold_id = Some(*h);
                     if *prime {
-                        verdict = Verdict::Reprocessed;
+                        verdict = if first_ingest { Verdict::Baseline } else { Verdict::Reprocessed };
                     }
                 }
             }
