@@ -1032,11 +1032,11 @@ impl Engine {
             return Err(PipelineError::HoldNotOpen { id: hold_id, state: hold.state.label().to_string() });
         }
         let mut notes = vec![format!("resolves hold {hold_id} ({})", if prime { "primed" } else { "released" })];
-        let prime = if !prime && hold.reprocess {
-            notes.push("the held run was a --reprocess: it sends nothing, so releasing it primes".to_string());
-            true
-        } else if !prime && self.store.watermark(&hold.source_id)?.is_none() {
+        let prime = if !prime && self.store.watermark(&hold.source_id)?.is_none() {
             notes.push("the held run was the source's first ingest: a baseline sends nothing, so releasing it primes".to_string());
+            true
+        } else if !prime && hold.reprocess {
+            notes.push("the held run was a --reprocess: it sends nothing, so releasing it primes".to_string());
             true
         } else {
             prime

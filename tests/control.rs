@@ -301,6 +301,11 @@ async fn releasing_a_hold_that_primes_answers_primed() {
         let body: Value = rel.json().unwrap();
         assert_eq!((body["status"].as_str(), body["run"]["verdict"].as_str()), (Some("primed"), Some("baseline")), "{body}");
         assert_eq!((body["run"]["queued"].as_u64(), body["run"]["parcels"].as_u64()), (Some(0), Some(40)), "{body}");
+        let holds: Value = c.get(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(holds["items"][0]["state"], "primed", "{holds}");
+        // Its primed keys are the baseline's: not listed as recent changes.
+        let recent: Value = c.get(d.url("/v1/changes/recent?limit=50")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(recent["items"].as_array().map(Vec::len), Some(0), "{recent}");
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(rx.received().is_empty(), "a primed release sends nothing");

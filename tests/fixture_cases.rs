@@ -74,7 +74,7 @@ fn a_feature_too_complex_to_check_is_quarantined_and_the_rest_ingest() {
 }
 
 /// A feature whose repair would take minutes and gigabytes (a star of 2,001 points: each of
-/// its segments crosses nearly every other, a million crossings for the overlay to resolve) is
+/// its segments crosses nearly every other, about two million crossings for the overlay) is
 /// quarantined as `unrepairable`, "too tangled to repair in bounded time", before any repair
 /// runs; the layer's other features ingest, and every feature is accounted for.
 #[test]

@@ -1,6 +1,6 @@
 //! The publication gate: whether a run's events may be published.
 //!
-//! * first ingest of a source → baseline (nothing sent);
+//! * first ingest of a source → baseline (nothing sent), also when run as a `--reprocess`;
 //! * `--reprocess` → keys primed, nothing sent;
 //! * change spike (changed parcels above `max_change_ratio` of the layer) or quarantine spike
 //!   (more than half the features quarantined as `missing_field` / `out_of_bounds`, the sign
@@ -49,11 +49,13 @@ pub fn decide(i: GateInput) -> GateDecision {
             i.previous_parcels
         ));
     }
-    if i.reprocess {
-        return GateDecision::Reprocess;
-    }
+    // A source's first ingest is its baseline, whether or not it was asked for as a
+    // `--reprocess` (both send nothing; the baseline is what its record and audit rows say).
     if i.first_ingest {
         return GateDecision::Baseline;
+    }
+    if i.reprocess {
+        return GateDecision::Reprocess;
     }
     if let Some(reason) = i.restated {
         return GateDecision::Hold(reason);
@@ -96,6 +98,8 @@ mod tests {
         assert!(matches!(decide(GateInput { systemic_quarantined: 501, ..input() }), GateDecision::Hold(r) if r.starts_with("quarantine_spike")));
         assert_eq!(decide(GateInput { first_ingest: true, previous_parcels: 0, changed: 1000, ..input() }), GateDecision::Baseline);
         assert_eq!(decide(GateInput { reprocess: true, changed: 900, ..input() }), GateDecision::Reprocess);
+        // A first ingest run as a `--reprocess` is the source's baseline.
+        assert_eq!(decide(GateInput { first_ingest: true, reprocess: true, previous_parcels: 0, changed: 1000, ..input() }), GateDecision::Baseline);
         assert!(matches!(decide(GateInput { features: 0, ..input() }), GateDecision::Hold(_)));
         let restated = GateInput { restated: Some("restated: went backwards".into()), ..input() };
         assert_eq!(decide(restated.clone()), GateDecision::Hold("restated: went backwards".into()));

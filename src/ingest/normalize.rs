@@ -606,10 +606,10 @@ pub fn clean_geometry_within(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>, budg
 /// [`repair`] put into their graphs (the share of the validity check's
 /// [`super::valid::WORK_BUDGET`] that a repair gets: 1M units, about a second of one core on
 /// the machine this is built on). A repair's time and memory grow with the segments and, much
-/// faster, with the points where they cross: the union's result has about a face per crossing.
-/// Measured on that machine (release build): a ring of 1M segments with one bowtie repaired in
-/// 1.7 s; stars whose segments cross one another 4,949 / 19,899 / 79,799 / ~250,000 times in
-/// 67 ms / 0.25 s / 1.5 s / 20 s and 300 MB. Real parcels need far less
+/// faster, with the points where they cross ([`super::valid::Tangle::repair_units`]). Measured
+/// on that machine (release build): a ring of 1M segments with one bowtie repaired in 1.7 s;
+/// stars whose segments cross one another 4,949 / 19,899 / 79,799 / 499,499 times in 67 ms /
+/// 0.25 s / 1.5 s / 20 s (and 300 MB). Real parcels need far less
 /// (`real_layers_stay_far_below_the_validity_budget` in `tests/real_data.rs`).
 pub const REPAIR_BUDGET: u64 = super::valid::WORK_BUDGET / REPAIR_SHARE;
 
@@ -617,20 +617,14 @@ pub const REPAIR_BUDGET: u64 = super::valid::WORK_BUDGET / REPAIR_SHARE;
 /// stored AOI) has an unlimited repair too.
 const REPAIR_SHARE: u64 = 50;
 
-/// What one crossing costs a repair, in segments' worth of units ([`REPAIR_BUDGET`]).
-pub const REPAIR_UNITS_PER_CROSSING: u64 = 25;
-
-/// The units a repair of a geometry of this [`super::valid::Tangle`] would cost.
-pub fn repair_units(tangle: super::valid::Tangle) -> u64 {
-    tangle.segments.saturating_add(tangle.crossings.saturating_mul(REPAIR_UNITS_PER_CROSSING))
-}
-
 /// Whether repairing `mp` fits the repair's share of the check's `budget`
 /// ([`REPAIR_BUDGET`] for a feed's feature): `Err` (`unrepairable`, saying why) for a polygon
 /// too large or too tangled to repair in bounded time, so that a hostile ring cannot hold a scan
-/// worker (or the control port) for minutes nor take gigabytes. Crossings are counted only
-/// when there could be too many: a ring of fewer than ~280 segments cannot have enough.
+/// worker (or the control port) for minutes nor take gigabytes. The crossings are counted only
+/// when there could be too many: a ring of fewer than ~280 segments cannot have enough. In
+/// all, a feature's check, count and repair take at most about three budgets' worth of CPU.
 fn repair_cost_within(mp: &MultiPolygon<f64>, budget: u64) -> Result<(), GeomError> {
+    use super::valid::{tangle_within, Tangle, TangleStop};
     let allowed = budget / REPAIR_SHARE;
     let segments: u64 = mp.0.iter().flat_map(|p| std::iter::once(p.exterior()).chain(p.interiors())).map(|r| r.0.len().saturating_sub(1) as u64).sum();
     if segments > allowed {
@@ -639,18 +633,22 @@ fn repair_cost_within(mp: &MultiPolygon<f64>, budget: u64) -> Result<(), GeomErr
             format!("too large to repair in bounded time: {segments} segments, more than the {allowed} a repair may take (about a second of CPU)"),
         ));
     }
-    let most_crossings = segments.saturating_mul(segments.saturating_sub(1)) / 2;
-    if repair_units(super::valid::Tangle { segments, crossings: most_crossings }) <= allowed {
+    // Each pair of segments crosses at most once.
+    let pairs = segments.saturating_mul(segments.saturating_sub(1)) / 2;
+    if (Tangle { segments, crossings: pairs }).repair_units() <= allowed {
         return Ok(());
     }
-    let max_crossings = (allowed - segments) / REPAIR_UNITS_PER_CROSSING;
-    match super::valid::tangle_within(mp, max_crossings, budget) {
-        Some(_) => Ok(()),
-        None => Err((
+    match tangle_within(mp, allowed, budget) {
+        Ok(_) => Ok(()),
+        Err(TangleStop::TooTangled) => Err((
             QuarantineReason::Unrepairable,
             format!(
-                "too tangled to repair in bounded time: its {segments} segments cross one another more than {max_crossings} times, or too many to count (repairing it would take more than about a second of CPU)"
+                "too tangled to repair in bounded time: its {segments} segments cross one another so often that repairing it would take more than about a second of CPU"
             ),
+        )),
+        Err(TangleStop::OverBudget) => Err((
+            QuarantineReason::Unrepairable,
+            format!("too complex to repair in bounded time: counting where its {segments} segments meet would take more than about a second of CPU"),
         )),
     }
 }
@@ -788,25 +786,28 @@ mod tests {
     }
 
     /// A repair's cost grows with the crossings of what it repairs (a star of 401 points,
-    /// ~80,000 crossings, took 1.5 s; one of 1,001 points 20 s and 300 MB): past the repair's
+    /// 79,799 crossings, took 1.5 s; one of 1,001 points 20 s and 300 MB): past the repair's
     /// budget a polygon is quarantined as unrepairable with the reason, before any overlay runs.
     #[test]
     fn a_polygon_too_tangled_to_repair_in_bounded_time_is_quarantined_unrepaired() {
-        let (reason, detail) = clean_geometry(star(401, 200), None).unwrap_err();
-        assert_eq!(reason, QuarantineReason::Unrepairable);
-        assert!(detail.starts_with("too tangled to repair in bounded time: its 401 segments cross one another more than 39983 times"), "{detail}");
-        let (reason, detail) = clean_geometry(star(1_001, 500), None).unwrap_err();
-        assert_eq!(reason, QuarantineReason::Unrepairable, "{detail}");
+        use super::super::valid::{is_valid, tangle_within};
+        let tangled = "too tangled to repair in bounded time: its 401 segments cross one another so often";
+        for (n, k) in [(401, 200), (1_001, 500)] {
+            let (reason, detail) = clean_geometry(star(n, k), None).unwrap_err();
+            assert_eq!(reason, QuarantineReason::Unrepairable);
+            assert!(detail.starts_with(&tangled.replace("401", &n.to_string())), "{detail}");
+        }
         // Few crossings in a long ring (counted: it has too many segments to skip the count) and
         // many in a short one (too few segments to need counting) are repaired.
         let mut circle = star(1_000, 1);
         circle.0[0].exterior_mut(|r| r.0.swap(1, 2));
-        assert_eq!(super::super::valid::tangle_within(&circle, u64::MAX, u64::MAX).map(|t| t.crossings), Some(1));
+        assert_eq!(tangle_within(&circle, u64::MAX, u64::MAX).map(|t| t.crossings), Ok(1));
         let (fixed, repaired) = clean_geometry(circle, None).unwrap();
-        assert!(repaired && super::super::valid::is_valid(&fixed));
+        assert!(repaired && is_valid(&fixed));
         let (fixed, repaired) = clean_geometry(star(31, 15), None).unwrap();
-        assert!(repaired && super::super::valid::is_valid(&fixed));
-        // A budget: too many segments are refused without counting; none is unlimited.
+        assert!(repaired && is_valid(&fixed));
+        // A budget: too many segments are refused without counting; an unlimited one counts
+        // and lets the repair run.
         let (reason, detail) = repair_cost_within(&star(401, 200), 100 * REPAIR_SHARE).unwrap_err();
         assert_eq!(reason, QuarantineReason::Unrepairable);
         assert!(detail.starts_with("too large to repair in bounded time: 401 segments, more than the 100 a repair may take"), "{detail}");

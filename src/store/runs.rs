@@ -225,7 +225,11 @@ impl Store {
             }
         }
         let next_quarantine = next_key(wtx.open_table(QUARANTINE)?.last()?.map(|(k, _)| k.value()));
+        // A hold resolution that primes the source's first ingest is its baseline (read in this
+        // transaction: the watermark is written by every commit that writes parcels).
+        let first_ingest = matches!(mode, CommitMode::ResolveHold { prime: true, .. }) && wtx.open_table(WATERMARKS)?.get(source_id)?.is_none();
         Ok(RunWriter {
+            first_ingest,
             wtx,
             store: self,
             run_id,
@@ -405,6 +409,9 @@ pub struct RunWriter<'s> {
     /// ([`RunWriter::unmatched_events`]). Held events are numbered by it.
     events: u64,
     next_quarantine: u64,
+    /// A hold resolution that primes the source's first ingest: its claims and its record
+    /// are the baseline's (audit detail `baseline`, verdict `Baseline`).
+    first_ingest: bool,
 }
 
 impl RunWriter<'_> {
@@ -601,6 +608,7 @@ impl RunWriter<'_> {
             let claim_mode = match self.mode {
                 CommitMode::Baseline => ClaimMode::Prime { detail: "baseline" },
                 CommitMode::Reprocess => ClaimMode::Prime { detail: "reprocess" },
+                CommitMode::ResolveHold { prime: true, .. } if self.first_ingest => ClaimMode::Prime { detail: "baseline" },
                 CommitMode::ResolveHold { prime: true, .. } => ClaimMode::Prime { detail: "hold_primed" },
                 _ => ClaimMode::Deliver,
             };
@@ -626,7 +634,7 @@ impl RunWriter<'_> {
     /// Writes the hold (if held) or the watermark, and the run record, and commits.
     /// `counts.changes` is taken from the events written and counted.
     pub fn finish(self, started_ms: u64, finished_ms: u64, mut counts: RunCounts, warnings: Vec<String>) -> Result<RunRecord, StoreError> {
-        let RunWriter { wtx, store, run_id, lineage, source_id, mode, watermark, now_ms, idem_ttl_ms, claims, events, .. } = self;
+        let RunWriter { wtx, store, run_id, lineage, source_id, mode, watermark, now_ms, idem_ttl_ms, claims, events, first_ingest, .. } = self;
         let mut verdict = match mode {
             CommitMode::Baseline => Verdict::Baseline,
             CommitMode::Deliver => Verdict::Run,
@@ -668,8 +676,6 @@ impl RunWriter<'_> {
                 )?;
             }
             mode => {
-                // A hold resolution that primes the source's first ingest is its baseline.
-                let first_ingest = matches!(mode, CommitMode::ResolveHold { prime: true, .. }) && wtx.open_table(WATERMARKS)?.get(source_id.as_str())?.is_none();
                 write_watermark(&wtx, &source_id, &watermark)?;
                 // Tombstones older than the key TTL have outlived every key they could tell
                 // apart (`tombstones.rs`).
