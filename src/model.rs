@@ -629,7 +629,8 @@ pub enum Verdict {
     /// Held by the publication gate until an operator decides.
     Held,
     /// `--reprocess`: committed with keys primed and nothing sent. Also a hold resolved by
-    /// priming it, unless the held run was the source's first ingest (that is a `Baseline`).
+    /// priming it. A source's first ingest is a `Baseline` in both cases (and when run as a
+    /// `--reprocess`).
     Reprocessed,
     /// The run failed before committing; nothing of it exists but this record.
     Failed,

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 use std::time::Duration;
-use zonewatch::model::{HoldState, Verdict};
+use zonewatch::model::{HoldState, Outcome, Verdict};
 use zonewatch::pipeline::PipelineError;
 
 fn with_zones(v: &[P], ids: &[usize], to: &str) -> Vec<P> {
@@ -151,8 +151,13 @@ async fn releasing_a_held_first_ingest_sends_nothing() {
     assert!(held.hold_reason.clone().unwrap_or_default().starts_with("quarantine_spike"), "{:?}", held.hold_reason);
     let released = engine.resolve_hold(held.record.hold_id.unwrap(), false).unwrap();
     assert_eq!(released.counts.queued, 0, "{:?}", released.counts);
-    // Its record is the source's baseline (not a reprocess, whose changes the metrics count).
+    // Its record is the source's baseline (not a reprocess, whose changes the metrics count),
+    // and so are its primed keys' audit rows (not listed as recent changes).
     assert_eq!(released.verdict, Verdict::Baseline);
+    let primed: Vec<String> =
+        engine.store.audit(&Default::default()).unwrap().into_iter().filter(|r| r.outcome == Outcome::Suppressed).map(|r| r.detail).collect();
+    assert!(released.counts.suppressed > 0 && primed.len() as u64 == released.counts.suppressed, "{primed:?}");
+    assert!(primed.iter().all(|d| d == "baseline"), "{primed:?}");
     assert!(released.warnings.iter().any(|w| w.contains("first ingest")), "{:?}", released.warnings);
     let c = &released.counts;
     assert_eq!((c.features, c.parcels, c.quarantined), (100, 40, 60));
@@ -281,4 +286,24 @@ async fn a_held_reprocess_released_sends_nothing() {
     let ids: std::collections::HashSet<String> = rx.received().iter().map(|r| r.header("webhook-id").unwrap_or_default().to_string()).collect();
     assert_eq!(ids.len(), 3, "three changes told, three keys");
     assert_eq!(rx.received().len(), 3);
+}
+
+/// A source's first ingest run as a `--reprocess` is its baseline: verdict `baseline`, its keys
+/// primed with the baseline's audit detail, nothing sent; the next real change is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_ingest_run_as_a_reprocess_is_the_baseline() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[Sub { id: "w", aoi: rect(-72.0, 42.0, -68.0, 43.0), target: rx.url("/hook"), min_severity: "info", secret: None }], "", "");
+    let engine = ws.engine();
+    let v1 = grid(20);
+    ws.write_layer(&layer(&v1));
+    let first = run(&engine, true);
+    assert_eq!((first.record.verdict, first.record.counts.queued), (Verdict::Baseline, 0), "{}", first.line());
+    let rows = engine.store.audit(&Default::default()).unwrap();
+    assert!(rows.iter().filter(|r| r.outcome == Outcome::Suppressed).all(|r| r.detail == "baseline"));
+    assert_eq!(rows.iter().filter(|r| r.outcome == Outcome::Suppressed).count() as u64, first.record.counts.suppressed);
+    ws.write_layer(&layer(&with_zones(&v1, &[0], "C-9")));
+    assert_eq!(run(&engine, false).record.counts.queued, 1);
+    deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(rx.received().len(), 1);
 }

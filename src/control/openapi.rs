@@ -76,7 +76,7 @@ pub fn document() -> Value {
                 "responses": with_errors(json!({"200": ok("runs, newest first", page_of("Run"))}), &["400"])}},
             "/v1/holds": {"get": {"operationId": "listHolds", "responses": with_errors(json!({"200": ok("holds", list_of("Hold"))}), &[])}},
             "/v1/holds/{run}/release": {"post": {"operationId": "releaseHold", "parameters": [run_id.clone()], "responses": with_errors(json!({
-                "200": ok("released: the held run was committed and its alerts queued", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
+                "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
             "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
                 "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
             "/v1/subscribers": {

@@ -806,8 +806,8 @@ mod tests {
         assert!(repaired && is_valid(&fixed));
         let (fixed, repaired) = clean_geometry(star(31, 15), None).unwrap();
         assert!(repaired && is_valid(&fixed));
-        // A budget: too many segments are refused without counting; an unlimited one counts
-        // and lets the repair run.
+        // A budget: too many segments are refused without counting; an unlimited one lets the
+        // repair run (its bound fits without counting).
         let (reason, detail) = repair_cost_within(&star(401, 200), 100 * REPAIR_SHARE).unwrap_err();
         assert_eq!(reason, QuarantineReason::Unrepairable);
         assert!(detail.starts_with("too large to repair in bounded time: 401 segments, more than the 100 a repair may take"), "{detail}");
