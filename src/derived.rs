@@ -570,6 +570,13 @@ impl Engine {
         if diff.failed > 0 {
             warnings.push(format!("{} overlay operations failed and were skipped", diff.failed));
         }
+        if diff.too_tangled > 0 {
+            let n = diff.too_tangled;
+            tracing::warn!(source = %src.id, n, "area mode: district pieces too tangled with the other version to compare in bounded time");
+            warnings.push(format!(
+                "{n} district pieces or regions cross the other version's boundaries too often to compare in bounded time (more than about 400,000 crossings, seconds of CPU each) and were skipped: a change there is not alerted"
+            ));
+        }
         let now = self.now();
         let events: Vec<ChangeEvent> = diff
             .regions

@@ -356,6 +356,25 @@ pub fn tangle_within(mp: &MultiPolygon<f64>, max_units: u64, budget: u64) -> Res
     Ok(tangle)
 }
 
+/// Whether an overlay of `polys` (each valid, so only boundaries of different polygons can
+/// cross) fits in `max_units` of [`Tangle::repair_units`]: the guard of the overlays that
+/// compare two versions of a district layer, whose inputs passed the validity check one by one
+/// but may cross each other anywhere (two combs at right angles: every tooth across every
+/// tooth). Counted with [`tangle_within`] within [`WORK_BUDGET`] only when the polygons have
+/// enough pairs of segments between them to pass the cap.
+pub fn overlay_fits(polys: &[&Polygon<f64>], max_units: u64) -> bool {
+    let sizes: Vec<u128> =
+        polys.iter().map(|p| std::iter::once(p.exterior()).chain(p.interiors()).map(|r| r.0.len().saturating_sub(1) as u128).sum()).collect();
+    let total: u128 = sizes.iter().sum();
+    let between = (total * total - sizes.iter().map(|s| s * s).sum::<u128>()) / 2;
+    let bound = total.saturating_add(between.saturating_mul(u128::from(UNITS_PER_CROSSING)));
+    if bound <= u128::from(max_units) {
+        return true;
+    }
+    let mp = MultiPolygon(polys.iter().map(|p| (*p).clone()).collect());
+    tangle_within(&mp, max_units, WORK_BUDGET).is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -605,5 +624,26 @@ mod tests {
         assert_eq!(tangle_within(&star(101, 50), units - 1, u64::MAX), Err(TangleStop::TooTangled));
         assert_eq!(tangle_within(&star(101, 50), units, u64::MAX).map(|t| t.repair_units()), Ok(units));
         assert_eq!(tangle_within(&star(101, 50), u64::MAX, 1_000), Err(TangleStop::OverBudget));
+    }
+
+    #[test]
+    fn an_overlay_fits_unless_the_polygons_cross_each_other_too_often() {
+        let p = |mp: MultiPolygon<f64>| mp.0.into_iter().next().unwrap();
+        // Small polygons fit without counting; two large ones that merely touch fit after it.
+        let (a, b) = (Polygon::new(square_ring(0.0, 1.0), vec![]), Polygon::new(square_ring(1.5, 1.0), vec![]));
+        assert!(overlay_fits(&[&a, &b], 100));
+        let circle = |cx: f64| {
+            let ring: Vec<(f64, f64)> = (0..=2_000).map(|k| {
+                let t = (k % 2_000) as f64 / 2_000.0 * std::f64::consts::TAU;
+                (cx + t.cos(), t.sin())
+            }).collect();
+            Polygon::new(LineString::from(ring), vec![])
+        };
+        assert!(overlay_fits(&[&circle(0.0), &circle(2.0)], 10_000), "touching at one point, no crossing");
+        assert!(overlay_fits(&[&circle(0.0), &circle(1.0)], 10_000), "two crossings");
+        // Past the bound of pairs between them (105 + 404 × 25 units), the count finds the
+        // star's own crossings (valid polygons have none, which the bound assumes).
+        assert!(!overlay_fits(&[&p(star(101, 50)), &a], 5_000));
+        assert!(overlay_fits(&[&p(star(101, 50)), &a], u64::MAX));
     }
 }
