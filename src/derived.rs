@@ -574,7 +574,7 @@ impl Engine {
             let n = diff.too_tangled;
             tracing::warn!(source = %src.id, n, "area mode: district pieces too tangled with the other version to compare in bounded time");
             warnings.push(format!(
-                "{n} district pieces or regions cross the other version's boundaries too often to compare in bounded time (more than about 400,000 crossings, seconds of CPU each) and were skipped: a change there is not alerted"
+                "{n} district pieces or regions cross the other version's boundaries too often (more than about 300,000 crossings), or are too large, to compare in bounded time and were skipped: a change there is not alerted, now or by a later run"
             ));
         }
         let now = self.now();

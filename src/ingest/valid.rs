@@ -629,7 +629,8 @@ mod tests {
     #[test]
     fn an_overlay_fits_unless_the_polygons_cross_each_other_too_often() {
         let p = |mp: MultiPolygon<f64>| mp.0.into_iter().next().unwrap();
-        // Small polygons fit without counting; two large ones that merely touch fit after it.
+        // Two overlapping squares fit (counted: their bound of 408 units is over the cap of 100,
+        // their 2 crossings are not); two large circles that touch or cross twice fit too.
         let (a, b) = (Polygon::new(square_ring(0.0, 1.0), vec![]), Polygon::new(square_ring(1.5, 1.0), vec![]));
         assert!(overlay_fits(&[&a, &b], 100));
         let circle = |cx: f64| {
