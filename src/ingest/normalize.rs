@@ -626,7 +626,7 @@ const REPAIR_SHARE: u64 = 50;
 fn repair_cost_within(mp: &MultiPolygon<f64>, budget: u64) -> Result<(), GeomError> {
     use super::valid::{tangle_within, Tangle, TangleStop};
     let allowed = budget / REPAIR_SHARE;
-    let segments: u64 = mp.0.iter().flat_map(|p| std::iter::once(p.exterior()).chain(p.interiors())).map(|r| r.0.len().saturating_sub(1) as u64).sum();
+    let segments: u64 = mp.0.iter().map(super::valid::segment_count).sum();
     if segments > allowed {
         return Err((
             QuarantineReason::Unrepairable,

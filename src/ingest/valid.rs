@@ -330,9 +330,25 @@ pub enum TangleStop {
 /// segment crossing nearly every other: 79,799 crossings, whose repair took 1.5 s) stops after
 /// a twenty-fifth of the cap's worth of crossings.
 pub fn tangle_within(mp: &MultiPolygon<f64>, max_units: u64, budget: u64) -> Result<Tangle, TangleStop> {
+    tangle_of_rings(mp.0.iter().flat_map(rings), max_units, budget)
+}
+
+/// A polygon's rings, exterior first.
+fn rings(p: &Polygon<f64>) -> impl Iterator<Item = &LineString<f64>> {
+    std::iter::once(p.exterior()).chain(p.interiors())
+}
+
+/// A polygon's segments: each ring's points less one (its closing point).
+pub fn segment_count(p: &Polygon<f64>) -> u64 {
+    rings(p).map(|r| r.0.len().saturating_sub(1) as u64).sum()
+}
+
+/// [`tangle_within`] over any rings (the polygons of an overlay are not copied into one
+/// multipolygon to be counted).
+fn tangle_of_rings<'a>(rings: impl Iterator<Item = &'a LineString<f64>>, max_units: u64, budget: u64) -> Result<Tangle, TangleStop> {
     use geo::line_intersection::line_intersection;
     let mut work = Work { left: budget, pair_cap: 0 };
-    let lines: Vec<Line<f64>> = mp.0.iter().flat_map(|p| std::iter::once(p.exterior()).chain(p.interiors())).flat_map(|r| r.lines()).collect();
+    let lines: Vec<Line<f64>> = rings.flat_map(|r| r.lines()).collect();
     let mut tangle = Tangle { segments: lines.len() as u64, crossings: 0 };
     work.spend(tangle.segments).map_err(|_| TangleStop::OverBudget)?;
     if tangle.repair_units() > max_units {
@@ -363,16 +379,14 @@ pub fn tangle_within(mp: &MultiPolygon<f64>, max_units: u64, budget: u64) -> Res
 /// tooth). Counted with [`tangle_within`] within [`WORK_BUDGET`] only when the polygons have
 /// enough pairs of segments between them to pass the cap.
 pub fn overlay_fits(polys: &[&Polygon<f64>], max_units: u64) -> bool {
-    let sizes: Vec<u128> =
-        polys.iter().map(|p| std::iter::once(p.exterior()).chain(p.interiors()).map(|r| r.0.len().saturating_sub(1) as u128).sum()).collect();
+    let sizes: Vec<u128> = polys.iter().map(|p| u128::from(segment_count(p))).collect();
     let total: u128 = sizes.iter().sum();
     let between = (total * total - sizes.iter().map(|s| s * s).sum::<u128>()) / 2;
     let bound = total.saturating_add(between.saturating_mul(u128::from(UNITS_PER_CROSSING)));
     if bound <= u128::from(max_units) {
         return true;
     }
-    let mp = MultiPolygon(polys.iter().map(|p| (*p).clone()).collect());
-    tangle_within(&mp, max_units, WORK_BUDGET).is_ok()
+    tangle_of_rings(polys.iter().flat_map(|p| rings(p)), max_units, WORK_BUDGET).is_ok()
 }
 
 #[cfg(test)]

@@ -502,8 +502,7 @@ impl<T: redb::ReadableTableMetadata> LenHint for T {
     }
 }
 
-/// A table that files written by an older build may not have (`None` then).
-/// `name`d (by its key) every row of `def` that does not decode as a `T`, as `… does not
+/// Every row of `def` that does not decode as a `T`, `name`d by its key, as `… does not
 /// decode: why`; a table the file lacks has none.
 pub(super) fn undecodable<K: redb::Key + 'static, T: serde::de::DeserializeOwned>(
     rtx: &redb::ReadTransaction,
@@ -522,6 +521,7 @@ pub(super) fn undecodable<K: redb::Key + 'static, T: serde::de::DeserializeOwned
     Ok(out)
 }
 
+/// A table that files written by an older build may not have (`None` then).
 pub(super) fn open_optional<K: redb::Key + 'static, V: redb::Value + 'static>(
     rtx: &redb::ReadTransaction,
     def: redb::TableDefinition<K, V>,
