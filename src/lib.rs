@@ -36,6 +36,7 @@ pub mod say;
 pub mod signals;
 pub mod schedule;
 pub mod store;
+pub mod subscriber_edit;
 pub mod synth;
 pub mod telemetry;
 pub mod util;

@@ -424,16 +424,6 @@ impl Engine {
         self.clock.now_ms()
     }
 
-    /// Rebuilds the subscriber index from the config and the store (after an edit over the
-    /// control port). The new index is built aside and swapped in; ingest is never blocked.
-    pub fn reload_subscribers(&self) -> Result<usize, PipelineError> {
-        let mut subs = config_subscribers(&self.config)?;
-        subs.extend(stored_subscribers(self.store.stored_subscribers()?, &self.config));
-        let n = subs.len();
-        self.subscribers.replace(subs);
-        Ok(n)
-    }
-
     /// Runs one source by id.
     pub fn run_source_id(&self, id: &str, opts: RunOptions) -> Result<SourceReport, PipelineError> {
         let src = self.config.source(id).ok_or_else(|| PipelineError::UnknownSource(id.to_string()))?.clone();

@@ -415,6 +415,44 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
     assert_eq!(engine.store.outbox_len().unwrap(), 0);
 }
 
+/// Subscriber edits over the control port are one at a time and touch one subscriber:
+/// eight creates of one id at once give one `201` and seven `409`s; eight creates of
+/// different ids at once all reach the live index (`zonewatch_subscribers`); and a config
+/// AOI file damaged on disk since the start does not fail an edit of another subscriber
+/// (the edit does not read every AOI again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriber_edits_are_serialised_and_do_not_reread_other_aois() {
+    let (ws, _) = gated_workspace("cfg-a", "http://127.0.0.1:9/hook".into(), "5s");
+    let d = tokio::task::block_in_place(|| Daemon::start(&ws));
+    let auth = format!("Bearer {}", d.token);
+    let aoi = json!({"type": "Polygon", "coordinates": [[[-71.2, 42.3], [-71.0, 42.3], [-71.0, 42.5], [-71.2, 42.5], [-71.2, 42.3]]]});
+    tokio::task::block_in_place(|| {
+        let post = |id: String| {
+            let (url, auth, aoi) = (d.url("/v1/subscribers"), auth.clone(), aoi.clone());
+            std::thread::spawn(move || client().post(url).header("authorization", auth).json(&json!({"id": id, "target": "http://127.0.0.1:9/api", "aoi": aoi})).send().map(|r| r.status().as_u16()))
+        };
+        let same: Vec<_> = (0..8).map(|_| post("dup".into())).collect();
+        let mut codes: Vec<u16> = same.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        codes.sort_unstable();
+        assert_eq!(codes, [201, 409, 409, 409, 409, 409, 409, 409]);
+        let many: Vec<_> = (0..8).map(|i| post(format!("api-{i}"))).collect();
+        assert!(many.into_iter().all(|h| h.join().unwrap().unwrap() == 201));
+        let c = client();
+        let metrics = c.get(d.url("/metrics")).header("authorization", &auth).send().unwrap().text().unwrap();
+        assert!(metrics.lines().any(|l| l == "zonewatch_subscribers 10"), "the config's one, dup and api-0..7: {metrics}");
+
+        // The config subscriber's AOI file is damaged on disk: the edits still succeed.
+        std::fs::write(ws.path().join("aoi/cfg-a.geojson"), "not an AOI").unwrap();
+        let r = c.put(d.url("/v1/subscribers/dup")).header("authorization", &auth).json(&json!({"target": "http://127.0.0.1:9/moved", "aoi": aoi})).send().unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().unwrap_or_default());
+        assert_eq!(c.delete(d.url("/v1/subscribers/api-0")).header("authorization", &auth).send().unwrap().status(), 200);
+        let metrics = c.get(d.url("/metrics")).header("authorization", &auth).send().unwrap().text().unwrap();
+        assert!(metrics.lines().any(|l| l == "zonewatch_subscribers 9"), "{metrics}");
+        let got: Value = c.get(d.url("/v1/subscribers/dup")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(got["target"], "http://127.0.0.1:9/moved", "{got}");
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hostile requests, generated: a seeded storm of malformed, lying and half-sent requests
 // against one live `zonewatch serve`.

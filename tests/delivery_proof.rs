@@ -745,8 +745,9 @@ fn api_subscriber(id: &str, target: String) -> zonewatch::store::StoredSubscribe
 fn ws_with_api_subscriber(url: String) -> (Workspace, zonewatch::pipeline::Engine) {
     let ws = Workspace::new(&[], "retry_schedule = [\"50ms\", \"50ms\", \"50ms\", \"50ms\"]", "");
     let engine = ws.engine();
-    engine.store.put_subscriber(&api_subscriber("api-1", url), engine.now()).unwrap();
-    engine.reload_subscribers().unwrap();
+    let rec = api_subscriber("api-1", url);
+    let aoi = zonewatch::notify::aoi::parse_new_aoi(&rec.aoi_geojson).unwrap();
+    engine.edit_subscribers().put(&rec, aoi).unwrap();
     (ws, engine)
 }
 

@@ -539,10 +539,13 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         },
     };
     let aoi_text = b.aoi.to_string();
-    if let Err(e) = crate::notify::aoi::parse_new_aoi(&aoi_text) {
-        return error(StatusCode::BAD_REQUEST, "bad_aoi", format!("aoi: {e}"));
-    }
-    let existing = match st.engine.store.stored_subscriber(&id) {
+    let aoi = match crate::notify::aoi::parse_new_aoi(&aoi_text) {
+        Ok(aoi) => aoi,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_aoi", format!("aoi: {e}")),
+    };
+    // From here to the index's swap, no other edit of the subscribers runs.
+    let edit = st.engine.edit_subscribers();
+    let existing = match edit.stored(&id) {
         Ok(found) => found,
         Err(e) => return internal(e),
     };
@@ -560,13 +563,11 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         updated_ms: now,
     };
     // A new target re-enables a disabled endpoint (same transaction, audited).
-    let put = match st.engine.store.put_subscriber(&rec, now) {
+    let put = match edit.put(&rec, aoi) {
         Ok(p) => p,
         Err(e) => return internal(e),
     };
-    if let Err(e) = st.engine.reload_subscribers() {
-        return internal(e);
-    }
+    drop(edit);
     if put.re_enabled {
         st.wake.notify_one();
     }
@@ -579,11 +580,8 @@ fn delete_subscriber(st: &ControlState, id: &str) -> Resp {
         return error(StatusCode::CONFLICT, "managed_by_config", format!("subscriber {id:?} is defined in the config file; edit it there"));
     }
     // Its queued events are dead-lettered `subscriber_deleted` in the deleting transaction.
-    match st.engine.store.delete_subscriber(id, st.engine.now()) {
-        Ok(Some(d)) => match st.engine.reload_subscribers() {
-            Ok(_) => json(StatusCode::OK, &json!({"deleted": id, "dead_lettered": d.rows.dead_lettered, "in_flight": d.rows.in_flight})),
-            Err(e) => internal(e),
-        },
+    match st.engine.edit_subscribers().delete(id) {
+        Ok(Some(d)) => json(StatusCode::OK, &json!({"deleted": id, "dead_lettered": d.rows.dead_lettered, "in_flight": d.rows.in_flight})),
         Ok(None) => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
         Err(e) => internal(e),
     }

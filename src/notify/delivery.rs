@@ -998,20 +998,20 @@ mod tests {
         assert_eq!(first.url.as_ref().unwrap().as_str(), "http://example.com/a");
         assert_eq!(first.signers.as_ref().unwrap().len(), 1);
         // A rotation: both secrets sign.
-        subs.replace(vec![sub("http://example.com/a", Some(B), Some(A))]);
+        subs.edit().upsert(sub("http://example.com/a", Some(B), Some(A)));
         let rotated = d.plan_for(&entry).unwrap();
         assert!(!Arc::ptr_eq(&first, &rotated));
         assert_eq!(rotated.signers.as_ref().unwrap().len(), 2);
         // A new target; then a bad secret and a bad target are reasons, not panics.
-        subs.replace(vec![sub("http://example.com/b", Some(B), None)]);
+        subs.edit().upsert(sub("http://example.com/b", Some(B), None));
         assert_eq!(d.plan_for(&entry).unwrap().url.as_ref().unwrap().as_str(), "http://example.com/b");
-        subs.replace(vec![sub("not a url", Some("whsec_%%%"), None)]);
+        subs.edit().upsert(sub("not a url", Some("whsec_%%%"), None));
         let bad = d.plan_for(&entry).unwrap();
         assert!(bad.url.as_ref().unwrap_err().starts_with("bad_target"));
         assert!(bad.signers.as_ref().unwrap_err().starts_with("bad_secret"));
         // A subscriber since removed: no plan (the row is dead-lettered `subscriber_gone`,
         // never sent unsigned to the URL it was queued with).
-        subs.replace(vec![]);
+        subs.edit().remove("w1");
         assert!(d.plan_for(&entry).is_none());
     }
 
