@@ -471,11 +471,11 @@ impl Config {
             endpoint_rate: rd.endpoint_rate.unwrap_or(d.endpoint_rate),
             retention: dur("delivery.retention", &rd.retention, d.retention)?,
         };
-        if delivery.endpoint_concurrency == 0 {
-            return Err(invalid("delivery.endpoint_concurrency must be at least 1".into()));
+        if delivery.endpoint_concurrency == 0 || delivery.endpoint_concurrency > 4096 {
+            return Err(invalid("delivery.endpoint_concurrency must be between 1 and 4096".into()));
         }
-        if !(delivery.endpoint_rate.is_finite() && delivery.endpoint_rate >= 0.0) {
-            return Err(invalid("delivery.endpoint_rate must be >= 0 (0 = unlimited)".into()));
+        if !(delivery.endpoint_rate.is_finite() && (delivery.endpoint_rate == 0.0 || delivery.endpoint_rate >= 0.001)) {
+            return Err(invalid("delivery.endpoint_rate must be 0 (unlimited) or at least 0.001 webhooks per second".into()));
         }
         if !(0.0..1.0).contains(&delivery.retry_jitter) {
             return Err(invalid("delivery.retry_jitter must be in [0, 1)".into()));
@@ -884,5 +884,15 @@ min_severity = "material"
         assert!(Config::parse_str(&stray_path, Path::new(".")).unwrap_err().to_string().contains("`path` does not apply"));
         let bad_kind = GOOD.replace("kind = \"file\"", "kind = \"ftp\"");
         assert!(Config::parse_str(&bad_kind, Path::new(".")).unwrap_err().to_string().contains("ftp"));
+        // Past what a semaphore holds or a wait fits: a clear error, not a panic in a sender.
+        for (key, value, says) in [
+            ("endpoint_concurrency", "3000000000000000000", "between 1 and 4096"),
+            ("endpoint_concurrency", "0", "between 1 and 4096"),
+            ("endpoint_rate", "1e-20", "at least 0.001"),
+        ] {
+            let bad = GOOD.replace("idem_ttl = \"7d\"", &format!("idem_ttl = \"7d\"\n{key} = {value}"));
+            let err = Config::parse_str(&bad, Path::new(".")).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(says), "{key} = {value}: {err}");
+        }
     }
 }

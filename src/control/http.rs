@@ -95,18 +95,26 @@ pub fn query(q: Option<&str>) -> HashMap<String, String> {
     let mut out = HashMap::new();
     for pair in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        out.insert(percent_decode(k), percent_decode(v));
+        out.insert(percent_decode(k, true), percent_decode(v, true));
     }
     out
 }
 
-fn percent_decode(s: &str) -> String {
+/// Decodes one segment of a path (`/v1/sources/{id}/run`): `%XX` escapes only. A `+` is a
+/// `+` and an `&` or `=` is itself, not a query string's separator: `parks&rec` names the
+/// source `parks&rec`, never `parks`.
+pub fn path_segment(s: &str) -> String {
+    percent_decode(s, false)
+}
+
+/// `%XX` escapes decoded (a malformed one kept as it is); `+` is a space in a query string.
+fn percent_decode(s: &str, plus_is_space: bool) -> String {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
-            b'+' => out.push(b' '),
+            b'+' if plus_is_space => out.push(b' '),
             b'%' if i + 2 < bytes.len() => {
                 match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
                     Ok(b) => {
@@ -148,5 +156,15 @@ mod tests {
         assert_eq!(q["tail"], "%4");
         assert!(query_u64(&query(Some("limit=abc")), "limit").is_err());
         assert_eq!(query_u64(&query(Some("limit=5")), "limit").unwrap(), Some(5));
+    }
+
+    /// A path segment is the id it spells: no query-string separators, no `+` for a space.
+    #[test]
+    fn path_segments_decode_escapes_only() {
+        assert_eq!(path_segment("parks&rec"), "parks&rec");
+        assert_eq!(path_segment("5&x=7"), "5&x=7");
+        assert_eq!(path_segment("a+b"), "a+b");
+        assert_eq!(path_segment("a%20b%26c"), "a b&c");
+        assert_eq!(path_segment("bad%zz%4"), "bad%zz%4");
     }
 }

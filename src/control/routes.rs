@@ -22,7 +22,7 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let q = query(req.uri().query());
-    let segments: Vec<String> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).map(decode_segment).collect();
+    let segments: Vec<String> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).map(crate::control::http::path_segment).collect();
     let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
 
     // Known path, unsupported method → 405 with `Allow`; unknown path → 404.
@@ -155,11 +155,6 @@ fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
         ["v1", "subscribers", _] => "GET, PUT, DELETE",
         _ => return None,
     })
-}
-
-fn decode_segment(s: &str) -> String {
-    let q = query(Some(&format!("x={}", s.replace('+', "%2B"))));
-    q.get("x").cloned().unwrap_or_default()
 }
 
 async fn blocking<F: FnOnce() -> Resp + Send + 'static>(f: F) -> Resp {

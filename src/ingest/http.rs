@@ -31,7 +31,7 @@ pub enum FetchError {
     Status { url: String, status: u16, detail: String },
     #[error("{url}: gave up after {attempts} attempt(s): {last}")]
     RetriesExhausted { url: String, attempts: u32, last: String },
-    #[error("{url}: gave up after {attempts} attempt(s): the next wait would end past the run's retry budget of {budget_ms} ms ([ingest] retry_budget): {last}")]
+    #[error("{url}: gave up after {attempts} attempt(s): the run's failed attempts and waits to retry would pass its retry budget of {budget_ms} ms ([ingest] retry_budget): {last}")]
     BudgetExhausted { url: String, attempts: u32, budget_ms: u64, last: String },
     #[error("{url}: expected JSON but got HTTP {status} content-type {content_type:?}, body starts {first_bytes:?}")]
     NotJson { url: String, status: u16, content_type: String, first_bytes: String },
@@ -321,7 +321,8 @@ fn reserve_in(map: &mut HashMap<String, Bucket>, host: &str, rate: f64, now: Ins
     if b.tokens >= 0.0 {
         Duration::ZERO
     } else {
-        Duration::from_secs_f64(-b.tokens / rate)
+        // (A rate is at least `MIN_RATE_PER_HOST`; a wait past what a Duration holds is never.)
+        Duration::try_from_secs_f64(-b.tokens / rate).unwrap_or(Duration::MAX)
     }
 }
 
@@ -332,13 +333,16 @@ pub fn backoff(cfg: &IngestConfig, attempt: u32, retry_after: Option<Duration>) 
 }
 
 /// One source run's view of the transport: the client, the settings and the run's retry
-/// budget (a deadline). Requests made through one session share the budget.
+/// budget. Requests made through one session share the budget.
 pub struct Session {
     /// The SSRF guard `client` was built with.
     guard: crate::netguard::Guard,
     client: reqwest::Client,
     pub cfg: IngestConfig,
-    deadline: Instant,
+    /// Time the run has spent on failed attempts and on waits before retrying them (ms):
+    /// what `retry_budget` bounds. A paged scan of a large layer that answers every request
+    /// spends none of it, however long it runs (`max_fetch_time` bounds that).
+    retry_spent_ms: std::sync::atomic::AtomicU64,
     started: Instant,
     /// The run's time at `started` (ms since the epoch).
     started_ms: u64,
@@ -373,13 +377,17 @@ impl Session {
         let client = guard
             .client(reqwest::Client::builder())
             .redirect(reqwest::redirect::Policy::none())
-            .timeout(cfg.timeout)
+            // `timeout_ms` is how long a response may go silent (waiting for its head, or
+            // between two reads of its body), not how long all of it may take: a county's
+            // 1 GB GeoJSON takes minutes to arrive. Each request's total is what is left of
+            // `max_fetch_time` (set per request below).
+            .read_timeout(cfg.timeout)
             .connect_timeout(cfg.timeout.min(Duration::from_secs(15)))
             .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| FetchError::Client(e.to_string()))?;
         let now = Instant::now();
-        Ok(Session { client, guard, cfg: cfg.clone(), deadline: now + cfg.retry_budget, started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir(), page_in_memory: PAGE_IN_MEMORY })
+        Ok(Session { client, guard, cfg: cfg.clone(), retry_spent_ms: Default::default(), started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir(), page_in_memory: PAGE_IN_MEMORY })
     }
 
     /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts
@@ -389,7 +397,8 @@ impl Session {
             return Err(FetchError::RetriesExhausted { url: url.to_string(), attempts: attempt, last: why.to_string() });
         }
         let delay = backoff(&self.cfg, attempt, retry_after);
-        if Instant::now() + delay > self.deadline {
+        let spent = Duration::from_millis(self.retry_spent_ms.load(std::sync::atomic::Ordering::Relaxed));
+        if spent.saturating_add(delay) > self.cfg.retry_budget {
             return Err(FetchError::BudgetExhausted {
                 url: url.to_string(),
                 attempts: attempt,
@@ -400,8 +409,15 @@ impl Session {
                 },
             });
         }
+        self.spend_on_retries(delay);
         tokio::time::sleep(delay).await;
         Ok(())
+    }
+
+    /// Counts `d` against the run's retry budget (a failed attempt's time, a wait to retry).
+    fn spend_on_retries(&self, d: Duration) {
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let _ = self.retry_spent_ms.fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |v| Some(v.saturating_add(ms)));
     }
 
     /// Time spent since the session started.
@@ -436,9 +452,18 @@ impl Session {
                 return Err(FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
             }
             attempt += 1;
+            let tried = Instant::now();
             match self.get_once(url, headers, sink.as_deref_mut()).await? {
                 Ok(resp) => return Ok(resp),
-                Err(r) => self.pause_before_retry(url, attempt, &r.why, r.retry_after).await?,
+                Err(r) => {
+                    let elapsed = self.started.elapsed();
+                    if elapsed >= self.cfg.max_fetch_time {
+                        // The attempt was cut at the fetch's limit: that, not the retries, ended it.
+                        return Err(FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
+                    }
+                    self.spend_on_retries(tried.elapsed());
+                    self.pause_before_retry(url, attempt, &r.why, r.retry_after).await?
+                }
             }
         }
     }
@@ -457,17 +482,16 @@ impl Session {
             }
             let wait = reserve(&format!("{host}:{}", current.port_or_known_default().unwrap_or(0)), self.cfg.rate_per_host, Instant::now());
             if !wait.is_zero() {
-                if Instant::now() + wait > self.deadline {
-                    return Err(FetchError::BudgetExhausted {
-                        url: shown,
-                        attempts: 0,
-                        budget_ms: self.cfg.retry_budget.as_millis() as u64,
-                        last: format!("rate limit of {} requests/s per host", self.cfg.rate_per_host),
-                    });
+                // A wait for the host's rate is paced work, not a retry: bounded by the
+                // fetch's own limit.
+                let elapsed = self.started.elapsed();
+                if elapsed.saturating_add(wait) > self.cfg.max_fetch_time {
+                    return Err(FetchError::FetchTooLong { url: shown, limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
                 }
                 tokio::time::sleep(wait).await;
             }
-            let mut req = self.client.get(current.clone()).header("accept-encoding", "gzip, deflate");
+            let left = self.cfg.max_fetch_time.saturating_sub(self.started.elapsed()).max(Duration::from_millis(1));
+            let mut req = self.client.get(current.clone()).timeout(left).header("accept-encoding", "gzip, deflate");
             for (k, v) in headers {
                 req = req.header(*k, v.as_str());
             }

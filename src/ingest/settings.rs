@@ -7,6 +7,10 @@ use crate::util::parse_duration;
 use serde::Deserialize;
 use std::time::Duration;
 
+/// The slowest `ingest.rate_per_host` accepted: one request per ~17 minutes. A slower one
+/// would pace a paged layer over weeks (and its waits would not fit a `Duration`).
+pub const MIN_RATE_PER_HOST: f64 = 0.001;
+
 /// The raw `[ingest]` table as written.
 #[derive(Deserialize, Debug, Clone, Default)]
 #[serde(deny_unknown_fields)]
@@ -117,8 +121,8 @@ impl RawIngest {
         if cfg.max_fetch_time.is_zero() {
             return Err("ingest.max_fetch_time must be positive".into());
         }
-        if !(cfg.rate_per_host.is_finite() && cfg.rate_per_host > 0.0) {
-            return Err("ingest.rate_per_host must be a positive number of requests per second".into());
+        if !(cfg.rate_per_host.is_finite() && cfg.rate_per_host >= MIN_RATE_PER_HOST) {
+            return Err(format!("ingest.rate_per_host must be a number of requests per second of at least {MIN_RATE_PER_HOST}"));
         }
         Ok(cfg)
     }
@@ -216,6 +220,8 @@ mod tests {
         assert!(cfg("kind = \"ogcapi\"\nurl = \"ftp://x/y\"", "").unwrap_err().contains("http(s)"));
         assert!(cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.json\"\npage_size = 0", "").unwrap_err().contains("page_size"));
         assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nrate_per_host = 0.0").unwrap_err().contains("rate_per_host"));
+        // So slow its waits would not fit a Duration (and would pace a layer over weeks).
+        assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nrate_per_host = 1e-20").unwrap_err().contains("at least 0.001"));
         assert!(cfg("kind = \"geojson_url\"\nurl = \"https://x/a\"", "[ingest]\nbogus = 1").is_err());
         assert!(cfg("kind = \"arcgis\"\nurl = \"https://x/a/0\"\nformat = \"pbf\"", "").unwrap_err().contains("geojson"));
         assert!(cfg("kind = \"ogcapi\"\nurl = \"https://x/c\"\nformat = \"geojson\"", "").unwrap_err().contains("only to kind"));
