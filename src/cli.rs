@@ -582,9 +582,11 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         Ok(Err(err)) => tracing::error!(source = %src.id, "run failed: {err}"),
                         Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
                     }
-                    runs.set_next_run(&src.id, engine.now() + src.every.as_millis() as u64);
+                    // The wait drawn once: the time shown (`next_run`) is the one slept to.
+                    let wait = crate::ingest::portal::jittered(src.every);
+                    runs.set_next_run(&src.id, engine.now().saturating_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)));
                     tokio::select! {
-                        _ = tokio::time::sleep(crate::ingest::portal::jittered(src.every)) => {}
+                        _ = tokio::time::sleep(wait) => {}
                         _ = rx.changed() => {}
                     }
                 }
@@ -602,12 +604,12 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = rx.changed() => break,
                     }
                     let now = clock.now_ms();
-                    let n = sweep_in_batches(&store, "key sweep", Store::sweep_expired_keys, now).await;
+                    let n = sweep_in_batches(&store, "key sweep", Store::sweep_expired_keys, now, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "expired idempotency keys removed");
                     }
                     let horizon = clock.now_ms().saturating_sub(retention.as_millis() as u64);
-                    let n = sweep_in_batches(&store, "attempt retention sweep", Store::sweep_attempts, horizon).await;
+                    let n = sweep_in_batches(&store, "attempt retention sweep", Store::sweep_attempts, horizon, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "delivery attempts past retention removed");
                     }
@@ -641,15 +643,20 @@ const SWEEP_BATCHES_PER_PERIOD: usize = 100;
 /// delivery and source runs get the write lock in between: a backlog larger than one batch
 /// (a county's baseline keys expiring together, a busy week's attempts) is worked off in this
 /// period instead of one batch per period, which a steady high rate could outgrow. Returns
-/// the rows deleted; a failure is logged and ends the period.
+/// the rows deleted; a failure is logged and ends the period, and so does a shutdown (the
+/// batch under way commits; the rest waits for the next start).
 async fn sweep_in_batches(
     store: &Arc<Store>,
     what: &'static str,
     sweep: fn(&Store, u64, usize) -> Result<usize, StoreError>,
     arg: u64,
+    shutdown: &tokio::sync::watch::Receiver<bool>,
 ) -> usize {
     let mut total = 0;
     for _ in 0..SWEEP_BATCHES_PER_PERIOD {
+        if *shutdown.borrow() {
+            break;
+        }
         let s = store.clone();
         match tokio::task::spawn_blocking(move || sweep(&s, arg, SWEEP_BATCH)).await {
             Ok(Ok(n)) => {

@@ -1732,3 +1732,23 @@ async fn hostile_requests_never_crash_the_daemon_or_get_a_5xx() {
     let report = engine.store.check_consistency().unwrap();
     assert!(report.is_consistent(), "seed {seed}: {:?}", report.problems);
 }
+
+/// A flood of idle connections to the control port is capped at `MAX_CONNECTIONS`: past it
+/// a new one is closed at once (the process's descriptors stay for its runs and webhooks),
+/// and once the flood ends the port answers again.
+#[test]
+fn idle_connections_past_the_cap_are_closed_and_the_port_recovers() {
+    use std::io::Read;
+    let (ws, _) = gated_workspace("w", "http://127.0.0.1:9/hook".into(), "5s");
+    let d = Daemon::start(&ws);
+    let flood: Vec<std::net::TcpStream> = (0..zonewatch::control::MAX_CONNECTIONS).map(|_| std::net::TcpStream::connect(&d.addr).unwrap()).collect();
+    // Past the cap: closed without a byte (read gives EOF or a reset, never an answer).
+    std::thread::sleep(Duration::from_millis(200));
+    let mut extra = std::net::TcpStream::connect(&d.addr).unwrap();
+    extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 16];
+    let read = extra.read(&mut buf);
+    assert!(matches!(&read, Ok(0)) || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset), "closed at once, not left open: {read:?}");
+    drop(flood);
+    wait_for("the port to answer again", || client().get(d.url("/healthz")).send().is_ok_and(|r| r.status() == 200));
+}

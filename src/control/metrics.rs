@@ -68,9 +68,10 @@ pub fn render(engine: &Engine) -> Result<String, StoreError> {
     header(&mut out, "zonewatch_outbox_depth", "gauge", "Deliveries waiting in the outbox.");
     let _ = writeln!(out, "zonewatch_outbox_depth {}", stats.outbox);
     header(&mut out, "zonewatch_dead_letters", "gauge", "Dead letters kept for an operator.");
-    let _ = writeln!(out, "zonewatch_dead_letters {}", store.dead_letters()?.len());
+    let (dead_letters, quarantined) = store.kept_counts()?;
+    let _ = writeln!(out, "zonewatch_dead_letters {dead_letters}");
     header(&mut out, "zonewatch_quarantine", "gauge", "Quarantined features kept for an operator.");
-    let _ = writeln!(out, "zonewatch_quarantine {}", store.quarantine()?.len());
+    let _ = writeln!(out, "zonewatch_quarantine {quarantined}");
 
     let holds = store.holds()?;
     header(&mut out, "zonewatch_holds", "gauge", "Holds by state.");

@@ -40,14 +40,23 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves the control port until `shutdown` flips.
+/// The most connections served at once. Each costs a file descriptor the process shares
+/// with its runs and deliveries: a flood of idle connections (each held up to the 10 s
+/// header timeout) would otherwise make every portal fetch and webhook fail with EMFILE.
+/// Past it a new connection is closed at once; an operator's next request gets through.
+pub const MAX_CONNECTIONS: usize = 64;
+
+/// Serves the control port until `shutdown` flips; then each open connection finishes the
+/// request it is serving and closes (no new request is read from a kept-alive one).
 pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut warned: Option<std::time::Instant> = None;
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = shutdown.changed() => break,
         };
-        let (stream, _) = match accepted {
+        let (stream, peer) = match accepted {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!("control port accept failed: {e}");
@@ -55,8 +64,18 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            if warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(60)) {
+                tracing::warn!(%peer, "control port: {MAX_CONNECTIONS} connections open already; closing new ones until some end (said once a minute)");
+                warned = Some(std::time::Instant::now());
+            }
+            drop(stream);
+            continue;
+        };
         let state = state.clone();
+        let mut stop = shutdown.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let svc = service_fn(move |req| {
                 let state = state.clone();
                 async move { Ok::<_, std::convert::Infallible>(routes::handle(state, req).await) }
@@ -65,7 +84,15 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(std::time::Duration::from_secs(10))
                 .serve_connection(TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
+            let mut conn = std::pin::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!("control connection ended: {e}");
             }
         });

@@ -312,11 +312,11 @@ fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -
         Err(r) => return *r,
     };
     let source = q.get("source").filter(|s| !s.is_empty()).cloned();
-    let all = match st.engine.store.runs(source.as_deref(), usize::MAX) {
+    let all = match st.engine.store.runs_before(source.as_deref(), cursor.unwrap_or(u64::MAX), limit) {
         Ok(r) => r,
         Err(e) => return internal(e),
     };
-    let page: Vec<&RunRecord> = all.iter().filter(|r| cursor.is_none_or(|c| r.run_id < c)).take(limit).collect();
+    let page: Vec<&RunRecord> = all.iter().collect();
     let next = if page.len() == limit { page.last().map(|r| r.run_id.to_string()) } else { None };
     json(StatusCode::OK, &json!({"items": page.iter().map(|r| run_json(r)).collect::<Vec<_>>(), "next_cursor": next}))
 }
@@ -351,10 +351,6 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
         since_seq: cursor.map(|c| c.saturating_add(1)),
         limit: None,
     };
-    let rows = match st.engine.store.audit(&filter) {
-        Ok(r) => r,
-        Err(e) => return internal(e),
-    };
     let desc = match q.get("order").map(String::as_str) {
         None | Some("asc") => false,
         Some("desc") => true,
@@ -367,23 +363,23 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
             return error(StatusCode::BAD_REQUEST, "bad_query", format!("outcome {bad:?} is not one of {}", known.join(", ")));
         }
     }
-    let keep = |r: &&AuditRow| {
+    let keep = |r: &AuditRow| {
         since_ms.is_none_or(|s| r.ts_ms >= s) && outcomes.as_ref().is_none_or(|l| l.iter().any(|o| o == r.outcome.as_str()))
     };
-    let page: Vec<&AuditRow> = if desc {
-        // Newest first; the cursor continues below the last seq seen.
-        let all = match st.engine.store.audit(&AuditFilter { since_seq: None, ..filter.clone() }) {
-            Ok(r) => r,
-            Err(e) => return internal(e),
-        };
-        let rows: Vec<&AuditRow> = all.iter().rev().filter(|r| cursor.is_none_or(|c| r.seq < c)).filter(keep).take(limit).collect();
-        let next = if rows.len() == limit { rows.last().map(|r| r.seq.to_string()) } else { None };
-        return json(StatusCode::OK, &json!({"items": rows.iter().map(|r| audit_json(r)).collect::<Vec<_>>(), "next_cursor": next}));
-    } else {
-        rows.iter().filter(keep).take(limit).collect()
-    };
+    // Oldest first after the cursor, or newest first below it: read until the page is full.
+    let (walk, before) = if desc { (AuditFilter { since_seq: None, ..filter }, cursor) } else { (filter, None) };
+    let mut page: Vec<AuditRow> = Vec::with_capacity(limit);
+    let walked = st.engine.store.audit_walk(&walk, desc, before, |r| {
+        if keep(&r) {
+            page.push(r);
+        }
+        page.len() < limit
+    });
+    if let Err(e) = walked {
+        return internal(e);
+    }
     let next = if page.len() == limit { page.last().map(|r| r.seq.to_string()) } else { None };
-    json(StatusCode::OK, &json!({"items": page.iter().map(|r| audit_json(r)).collect::<Vec<_>>(), "next_cursor": next}))
+    json(StatusCode::OK, &json!({"items": page.iter().map(audit_json).collect::<Vec<_>>(), "next_cursor": next}))
 }
 
 /// The latest changed parcels (from the ledger) with their current geometry, for the map.
@@ -392,22 +388,20 @@ fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, Strin
         Ok(l) => l,
         Err(r) => return *r,
     };
-    let rows = match st.engine.store.audit(&AuditFilter::default()) {
-        Ok(r) => r,
-        Err(e) => return internal(e),
-    };
+    // Newest first, until `limit` distinct parcels: the ledger is read back only that far.
     let mut seen = std::collections::HashSet::new();
-    let mut picked: Vec<&AuditRow> = Vec::new();
-    for r in rows.iter().rev() {
-        if picked.len() >= limit {
-            break;
-        }
+    let mut picked: Vec<AuditRow> = Vec::new();
+    let walked = st.engine.store.audit_walk(&AuditFilter::default(), true, None, |r| {
         let relevant = matches!(r.outcome, Outcome::Queued | Outcome::Sent) || (r.outcome == Outcome::Suppressed && r.detail != "baseline");
         if let (true, Some(src), Some(pid)) = (relevant, &r.source_id, &r.parcel_id) {
             if seen.insert((src.clone(), pid.clone())) {
                 picked.push(r);
             }
         }
+        picked.len() < limit
+    });
+    if let Err(e) = walked {
+        return internal(e);
     }
     let mut items = Vec::with_capacity(picked.len());
     for r in picked {

@@ -10,7 +10,7 @@ use super::tables::*;
 use super::tombstones::Tombstone;
 use super::{Store, StoreError};
 use crate::model::*;
-use redb::{ReadableDatabase, ReadableTable};
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::collections::HashMap;
 
 /// Filters for the audit ledger; `None` matches everything.
@@ -242,6 +242,29 @@ impl Store {
         geometries_of(&rtx.open_table(PARCEL_BLOCKS)?, source_id, ids)
     }
 
+    /// Walks the audit rows matching `filter` (its `limit` ignored) one at a time, oldest
+    /// first from `since_seq`, or newest first from below `before_seq` when `desc`, until
+    /// `visit` answers false. Nothing is collected: a page of a ledger of millions of rows
+    /// (the dashboard asks for one every few seconds) costs what it reads, not the ledger.
+    pub fn audit_walk(&self, filter: &AuditFilter, desc: bool, before_seq: Option<u64>, mut visit: impl FnMut(AuditRow) -> bool) -> Result<(), StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(AUDIT)?;
+        let from = filter.since_seq.unwrap_or(0);
+        let mut rows = match before_seq {
+            Some(b) => t.range(from..b.max(from))?,
+            None => t.range(from..)?,
+        };
+        loop {
+            let item = if desc { rows.next_back() } else { rows.next() };
+            let Some(item) = item else { return Ok(()) };
+            let (_, v) = item?;
+            let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
+            if filter.matches(&row) && !visit(row) {
+                return Ok(());
+            }
+        }
+    }
+
     /// Audit rows matching `filter`, in ledger order.
     pub fn audit(&self, filter: &AuditFilter) -> Result<Vec<AuditRow>, StoreError> {
         let rtx = self.db.begin_read()?;
@@ -291,10 +314,16 @@ impl Store {
 
     /// Run records, newest first, optionally for one source.
     pub fn runs(&self, source_id: Option<&str>, limit: usize) -> Result<Vec<RunRecord>, StoreError> {
+        self.runs_before(source_id, u64::MAX, limit)
+    }
+
+    /// [`Self::runs`] with run ids below `before` (a page after a cursor): reads back from
+    /// there, never the runs above it.
+    pub fn runs_before(&self, source_id: Option<&str>, before: u64, limit: usize) -> Result<Vec<RunRecord>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(RUNS)?;
         let mut out = Vec::new();
-        for item in t.iter()?.rev() {
+        for item in t.range(..before)?.rev() {
             if out.len() >= limit {
                 break;
             }
@@ -316,6 +345,12 @@ impl Store {
             out.push(super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?);
         }
         Ok(out)
+    }
+
+    /// How many dead letters and quarantined features are kept (counted, not decoded).
+    pub fn kept_counts(&self) -> Result<(u64, u64), StoreError> {
+        let rtx = self.db.begin_read()?;
+        Ok((rtx.open_table(DEAD_LETTERS)?.len()?, rtx.open_table(QUARANTINE)?.len()?))
     }
 
     pub fn quarantine(&self) -> Result<Vec<QuarantineRecord>, StoreError> {
