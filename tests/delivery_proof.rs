@@ -822,3 +822,48 @@ async fn rows_of_a_subscriber_removed_from_the_config_are_dead_lettered_as_gone_
     assert!(ok && out.contains("requeued=2") && out.contains("sent=2"), "{out}{err}");
     assert_eq!(good.received().len(), 2);
 }
+
+/// One endpoint that hangs (every answer 5 s late) with thousands of events queued ahead of
+/// another endpoint's one event does not hold that event back: the slow endpoint may fill a
+/// quarter of the deliverer's window, not all of it, so the other's row is leased in the
+/// same pass and sent at once. (Before, the window's 4,096 rows all went to the slow
+/// endpoint and the other waited for ~3,000 of its answers.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_endpoints_backlog_does_not_hold_back_another_endpoints_event() {
+    let slow = Receiver::start_replies(Arc::new(|_, _| Reply { status: 200, delay: Duration::from_secs(5), ..Default::default() }), None).await.unwrap();
+    let fast = receiver(200).await;
+    let n = 4_200;
+    let last = grid(n).pop().unwrap();
+    let [x, y] = last.ring[0];
+    let ws = Workspace::new(
+        &[
+            Sub { id: "slow", aoi: rect(-71.2, 42.3, -71.0, 42.7), target: slow.url("/hook"), min_severity: "info", secret: None },
+            // Only the last parcel: its row comes after every one of `slow`'s.
+            Sub { id: "fast", aoi: rect(x + 0.0001, y + 0.0001, x + 0.0002, y + 0.0002), target: fast.url("/hook"), min_severity: "info", secret: None },
+        ],
+        "",
+        "",
+    );
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 1.0");
+    // More requests in flight than one endpoint's 8 slots, as in production (the workspace's
+    // 4 would let the hanging endpoint's sends take every one of them).
+    ws.edit_config("concurrency = 4", "concurrency = 64");
+    let engine = ws.engine();
+    let v1 = grid(n);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let mut v2 = v1.clone();
+    for p in &mut v2 {
+        p.zone = "C3".into();
+    }
+    ws.write_layer(&layer(&v2));
+    assert_eq!(run(&engine, false).record.counts.queued, n as u64 + 1);
+    let d = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
+    let pump = tokio::spawn(async move { d.drain(std::time::Instant::now() + Duration::from_secs(60)).await });
+    let t = std::time::Instant::now();
+    while fast.received().is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(4), "the other endpoint's event waited behind the hanging one's backlog");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    pump.abort();
+}

@@ -97,6 +97,37 @@ struct Outcome {
     probe_of: Option<String>,
 }
 
+/// One leased row's place in [`Deliverer::pump_until`]'s counts, given back when its send
+/// task ends however it ends: its endpoint's count always; the window's (`outstanding`) only
+/// when no outcome went to the committer (which counts those off after their commit). A
+/// send that stopped before it began, or a task that panicked, would otherwise hold its
+/// place for ever, and the pump wait on a count that never falls. (Its row keeps its lease
+/// and goes out again when the lease ends: nothing is lost.)
+struct Pending {
+    outstanding: Arc<std::sync::atomic::AtomicUsize>,
+    per_endpoint: Arc<Mutex<HashMap<String, usize>>>,
+    committed: Arc<tokio::sync::Notify>,
+    watcher: String,
+    outcome_sent: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut g = self.per_endpoint.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = g.get_mut(&self.watcher) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                g.remove(&self.watcher);
+            }
+        }
+        drop(g);
+        if !self.outcome_sent {
+            self.outstanding.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            self.committed.notify_one();
+        }
+    }
+}
+
 /// Sends the outbox. Cheap to clone (all shared state is behind `Arc`).
 #[derive(Clone)]
 pub struct Deliverer {
@@ -213,7 +244,7 @@ impl Deliverer {
         let now = self.clock.now_ms();
         let subs = self.subscribers.clone();
         let leased = tokio::task::spawn_blocking(move || {
-            store.lease_due_probing(now, lease_ms, limit, retry_floor, &HashSet::new(), &|id| subs.get(id).is_some())
+            store.lease_due_probing(now, lease_ms, limit, retry_floor, &HashSet::new(), &|id| subs.get(id).is_some(), &|_| usize::MAX)
         })
             .await
             .map_err(|e| DeliveryError::Client(format!("lease task failed: {e}")))??;
@@ -321,6 +352,12 @@ impl Deliverer {
         // `max_outstanding + retry_floor` rows can be ahead of the last one leased.
         let lease_ms = self.lease_ms_for(max_outstanding + retry_floor);
         let outstanding = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        // Leased rows per endpoint whose send has not ended, and the most one endpoint may
+        // have: a quarter of the window (or four rounds of its slots, if more). One slow or
+        // hanging endpoint's backlog then holds at most that much of the window, and every
+        // other endpoint's rows are still leased past it.
+        let per_endpoint: Arc<Mutex<HashMap<String, usize>>> = Default::default();
+        let endpoint_share = (max_outstanding / 4).max(self.cfg.endpoint_concurrency.saturating_mul(4));
         let committed = Arc::new(tokio::sync::Notify::new());
         let probing: Arc<Mutex<HashSet<String>>> = Default::default();
         let sem = Arc::new(Semaphore::new(self.cfg.concurrency.max(1)));
@@ -411,7 +448,9 @@ impl Deliverer {
             let tl = Instant::now();
             let now = due_by.map_or(self.clock.now_ms(), |by| self.clock.now_ms().min(by));
             let subs = self.subscribers.clone();
-            let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now, lease_ms, want, retry_floor, &skip, &|id| subs.get(id).is_some())).await;
+            let held = per_endpoint.lock().map(|g| g.clone()).unwrap_or_default();
+            let room = move |id: &str| endpoint_share.saturating_sub(held.get(id).copied().unwrap_or(0));
+            let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now, lease_ms, want, retry_floor, &skip, &|id| subs.get(id).is_some(), &room)).await;
             tracing::debug!(out, ms = tl.elapsed().as_secs_f64() * 1000.0, n = leased.as_ref().map(|r| r.as_ref().map(|b| b.entries.len()).unwrap_or(0)).unwrap_or(0), "lease");
             let leased = match leased {
                 Ok(Ok(b)) => b,
@@ -439,13 +478,20 @@ impl Deliverer {
                 g.extend(probes.iter().cloned());
             }
             outstanding.fetch_add(leased.entries.len(), std::sync::atomic::Ordering::SeqCst);
+            if let Ok(mut g) = per_endpoint.lock() {
+                for e in &leased.entries {
+                    *g.entry(e.watcher_id.clone()).or_default() += 1;
+                }
+            }
             for entry in leased.entries {
+                let pending = Pending { outstanding: outstanding.clone(), per_endpoint: per_endpoint.clone(), committed: committed.clone(), watcher: entry.watcher_id.clone(), outcome_sent: false };
                 let this = shared.clone();
                 let sem = sem.clone();
                 let otx = otx.clone();
                 let probe_of = probes.contains(&entry.watcher_id).then(|| entry.watcher_id.clone());
                 let stop = stop.cloned();
                 tokio::spawn(async move {
+                    let mut pending = pending;
                     let begin = async {
                         let slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
                         let permit = sem.acquire_owned().await;
@@ -465,7 +511,7 @@ impl Deliverer {
                     };
                     let (result, attempt) = this.attempt(&entry).await;
                     // The committer outlives every sender (it ends when the last sender is gone).
-                    let _ = otx.send(Outcome { result, attempt, probe_of });
+                    pending.outcome_sent = otx.send(Outcome { result, attempt, probe_of }).is_ok();
                 });
             }
         }

@@ -98,7 +98,7 @@ impl Store {
         fresh_limit: usize,
         retry_floor: usize,
     ) -> Result<LeasedBatch, StoreError> {
-        self.lease_due_probing(now_ms, lease_ms, fresh_limit, retry_floor, &std::collections::HashSet::new(), &|_| true)
+        self.lease_due_probing(now_ms, lease_ms, fresh_limit, retry_floor, &std::collections::HashSet::new(), &|_| true, &|_| usize::MAX)
     }
 
     /// [`Store::lease_due`] for a deliverer that keeps several batches in flight: endpoints in
@@ -106,7 +106,10 @@ impl Store {
     /// `subscribed` says whether a row's subscriber still exists: the rows of one that does
     /// not are leased whatever its endpoint's health (a disabled endpoint's would otherwise
     /// wait forever for an enable no one can give), and delivery dead-letters them
-    /// (`subscriber_gone`).
+    /// (`subscriber_gone`). `room` says how many more rows an endpoint may have leased: one
+    /// slow endpoint's backlog must not fill the deliverer's whole window while another
+    /// endpoint's rows wait behind it (its rows past its room are passed over, left queued).
+    #[allow(clippy::too_many_arguments)]
     pub fn lease_due_probing(
         &self,
         now_ms: u64,
@@ -115,6 +118,7 @@ impl Store {
         retry_floor: usize,
         probing: &std::collections::HashSet<String>,
         subscribed: &dyn Fn(&str) -> bool,
+        room: &dyn Fn(&str) -> usize,
     ) -> Result<LeasedBatch, StoreError> {
         let until = now_ms.saturating_add(lease_ms);
         // Held until the batch is leased (see `Leases`): taken before the snapshot is opened.
@@ -125,7 +129,8 @@ impl Store {
         // every endpoint's on each pass cost ~2.5k instructions per endpoint, per pass,
         // whether it had rows or not); `now_ms` is fixed for the pass.
         let endpoints = rtx.open_table(ENDPOINTS)?;
-        let mut gates: HashMap<String, super::endpoints::Gate> = HashMap::new();
+        // With it, the rows the endpoint may still take in this pass (`room`, less what it took).
+        let mut gates: HashMap<String, (super::endpoints::Gate, usize)> = HashMap::new();
         let mut probed = std::collections::HashSet::new();
         let mut held_until: Option<u64> = None;
         let fresh_rows = rtx.open_table(OUTBOX)?;
@@ -149,24 +154,22 @@ impl Store {
             };
             // Disabled endpoints and open breakers hold their entries back; a
             // half-open breaker lets one probe through.
-            let gate = match gates.get(watcher) {
-                Some(&gate) => gate,
-                None => {
-                    let gate = if subscribed(watcher) {
-                        // An unreadable health record holds nothing back (the next outcome
-                        // commit writes it afresh): one damaged record must not stop delivery.
-                        let health = super::endpoints::load(&endpoints, watcher).unwrap_or_else(|why| {
-                            tracing::error!(endpoint = %watcher, "endpoint health record cannot be read ({why}); its rows are not held back");
-                            None
-                        });
-                        super::endpoints::gate(health.as_ref(), now_ms)
-                    } else {
-                        super::endpoints::Gate::Open
-                    };
-                    gates.insert(watcher.to_string(), gate);
-                    gate
-                }
-            };
+            if !gates.contains_key(watcher) {
+                let gate = if subscribed(watcher) {
+                    // An unreadable health record holds nothing back (the next outcome
+                    // commit writes it afresh): one damaged record must not stop delivery.
+                    let health = super::endpoints::load(&endpoints, watcher).unwrap_or_else(|why| {
+                        tracing::error!(endpoint = %watcher, "endpoint health record cannot be read ({why}); its rows are not held back");
+                        None
+                    });
+                    super::endpoints::gate(health.as_ref(), now_ms)
+                } else {
+                    super::endpoints::Gate::Open
+                };
+                gates.insert(watcher.to_string(), (gate, room(watcher)));
+            }
+            let Some((gate, left)) = gates.get_mut(watcher) else { return Ok(false) };
+            let gate = *gate;
             match gate {
                 super::endpoints::Gate::Disabled => return Ok(false),
                 super::endpoints::Gate::Cooling(until) => {
@@ -180,6 +183,9 @@ impl Store {
                 }
                 super::endpoints::Gate::Open => {}
             }
+            if *left == 0 {
+                return Ok(false);
+            }
             let entry: OutboxEntry = match super::outbox_rows::decode_entry(bytes) {
                 Ok(entry) => entry,
                 Err(why) => {
@@ -190,6 +196,7 @@ impl Store {
             if gate == super::endpoints::Gate::Probe {
                 probed.insert(entry.watcher_id.clone());
             }
+            *left -= 1;
             by_row.insert(id, until);
             out.push(entry);
             Ok(true)
