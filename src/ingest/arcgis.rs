@@ -408,7 +408,14 @@ fn point_in_ring(p: [f64; 2], r: &Ring) -> bool {
 /// layer with no clockwise ring at all has every ring as an outer).
 pub fn esri_geometry_to_geojson(g: &Value) -> Value {
     if let Some(rings) = g.get("rings").and_then(Value::as_array) {
-        let rings: Vec<Ring> = rings.iter().filter_map(ring_of).filter(|r| r.len() >= 4).collect();
+        let Some(parsed) = rings.iter().map(ring_of).collect::<Option<Vec<Ring>>>() else {
+            // A point that is not two numbers (null, text, a number past f64 the number
+            // reader kept as text): the rings go on as they are, so normalize quarantines the
+            // feature for it as it would the same GeoJSON. Dropping the ring instead changed
+            // the parcel silently: a lost hole grows it, a lost outer leaves its hole as it.
+            return json!({"type": "Polygon", "coordinates": rings});
+        };
+        let rings: Vec<Ring> = parsed.into_iter().filter(|r| r.len() >= 4).collect();
         if rings.is_empty() {
             return Value::Null;
         }
@@ -452,6 +459,24 @@ pub fn esri_geometry_to_geojson(g: &Value) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ring with a point that is not two numbers is not dropped (the parcel would change
+    /// shape silently): the feature's geometry fails normalize, and is quarantined.
+    #[test]
+    fn a_ring_with_a_bad_point_quarantines_the_feature_instead_of_vanishing() {
+        let outer = json!([[0.0,0.0],[0.0,10.0],[10.0,10.0],[10.0,0.0],[0.0,0.0]]);
+        for bad in [json!(null), json!("x"), json!("1e400")] {
+            let hole = json!([[2.0,2.0],[4.0,2.0],[bad,4.0],[2.0,4.0],[2.0,2.0]]);
+            let out = esri_geometry_to_geojson(&json!({"rings": [outer, hole]}));
+            let parsed = crate::ingest::normalize::parse_geometry(&out.to_string());
+            // Refused when read (text), or when cleaned (null reads as NaN: non_finite).
+            let refused = match parsed {
+                Err(_) => true,
+                Ok(mp) => crate::ingest::normalize::clean_geometry_within(mp, None, crate::ingest::valid::WORK_BUDGET).is_err(),
+            };
+            assert!(refused, "{bad}: {out}");
+        }
+    }
 
     #[test]
     fn rings_become_polygons_with_holes() {

@@ -55,6 +55,11 @@ where
     let mut sc = Scanner { reader, buf: vec![0; WINDOW], start: 0, end: 0, base: 0, eof: false, saw_non_finite: false };
     let mut kind: Option<String> = None;
     let mut crs: Option<String> = None;
+    // What says the document is one page of a larger layer (ArcGIS's exceededTransferLimit,
+    // OGC API's numberMatched and "next" link): reading it as the whole layer would make
+    // every parcel on the other pages a removal.
+    let mut page_of_more: Option<String> = None;
+    let mut number_matched: Option<u64> = None;
     let mut saw_features = false;
     let mut count = 0u64;
     sc.skip_byte_order_mark()?;
@@ -136,7 +141,34 @@ where
                 "crs" => {
                     let v: serde_json::Value =
                         serde_json::from_slice(&sanitize_non_finite(&sc.buf[a..b])).map_err(|e| sc.error(&format!("\"crs\": {e}")))?;
-                    crs = v.pointer("/properties/name").and_then(|n| n.as_str()).map(str::to_string);
+                    // A named crs, or the older {"type":"EPSG","properties":{"code":N}}; any
+                    // other crs object is not known to be WGS84, and is refused with it.
+                    crs = match &v {
+                        serde_json::Value::Null => None,
+                        _ => Some(match (v.pointer("/properties/name").and_then(|n| n.as_str()), v.pointer("/properties/code")) {
+                            (Some(name), _) => name.to_string(),
+                            (None, Some(code)) => format!("EPSG:{}", code.as_str().map_or_else(|| code.to_string(), str::to_string)),
+                            (None, None) => crate::util::truncate_text(&v.to_string(), 200),
+                        }),
+                    };
+                }
+                "exceededTransferLimit" | "properties" | "numberMatched" | "links" => {
+                    let v: serde_json::Value = serde_json::from_slice(&sanitize_non_finite(&sc.buf[a..b])).map_err(|e| sc.error(&format!("\"{key}\": {e}")))?;
+                    match key.as_str() {
+                        "exceededTransferLimit" | "properties" => {
+                            let flag = if key == "properties" { v.get("exceededTransferLimit") } else { Some(&v) };
+                            if flag.and_then(serde_json::Value::as_bool) == Some(true) {
+                                page_of_more = Some("\"exceededTransferLimit\": true, an ArcGIS query's first page".into());
+                            }
+                        }
+                        "numberMatched" => number_matched = v.as_u64(),
+                        _ => {
+                            let next = v.as_array().is_some_and(|links| links.iter().any(|l| l.get("rel").and_then(serde_json::Value::as_str) == Some("next")));
+                            if next {
+                                page_of_more = Some("a \"next\" link, an OGC API page".into());
+                            }
+                        }
+                    }
                 }
                 _ => {}
             }
@@ -170,6 +202,16 @@ where
         if !crs_is_wgs84(crs) {
             return Err(IngestError::Malformed(format!("unsupported crs {crs}")));
         }
+    }
+    if page_of_more.is_none() {
+        if let Some(n) = number_matched.filter(|&n| n > count) {
+            page_of_more = Some(format!("\"numberMatched\": {n} with {count} feature(s) here, an OGC API page"));
+        }
+    }
+    if let Some(why) = page_of_more {
+        return Err(IngestError::Malformed(format!(
+            "the document says it is one page of a larger layer ({why}): read as the whole layer, every parcel on the other pages would be a removal; point the source at the service (kind = \"arcgis\" or \"ogcapi\") so that every page is read"
+        )));
     }
     Ok(count)
 }
@@ -531,6 +573,37 @@ mod tests {
         assert!(for_each_feature(crs, |_| {}).unwrap_err().to_string().contains("2227"));
         let ok = br#"{"type":"FeatureCollection","crs":{"type":"name","properties":{"name":"urn:ogc:def:crs:OGC:1.3:CRS84"}},"features":[]}"#;
         assert_eq!(for_each_feature(ok, |_| {}).unwrap(), 0);
+        // The older crs object, by code: 4326 is WGS84, anything else is refused.
+        let by_code = br#"{"type":"FeatureCollection","crs":{"type":"EPSG","properties":{"code":2227}},"features":[]}"#;
+        assert!(for_each_feature(by_code, |_| {}).unwrap_err().to_string().contains("EPSG:2227"));
+        let wgs84 = br#"{"type":"FeatureCollection","crs":{"type":"EPSG","properties":{"code":4326}},"features":[]}"#;
+        assert_eq!(for_each_feature(wgs84, |_| {}).unwrap(), 0);
+        let odd = br#"{"type":"FeatureCollection","crs":{"type":"link","properties":{"href":"x"}},"features":[]}"#;
+        assert!(for_each_feature(odd, |_| {}).unwrap_err().to_string().contains("unsupported crs"));
+    }
+
+    /// A document that says it is one page of a larger layer (an ArcGIS query's or an OGC
+    /// API items page given as a plain GeoJSON URL) is refused: read as the whole layer, the
+    /// other pages' parcels would all be removals.
+    #[test]
+    fn one_page_of_a_larger_layer_is_refused() {
+        let f = r#"{"type":"Feature","properties":{},"geometry":null}"#;
+        for (doc, says) in [
+            (format!(r#"{{"type":"FeatureCollection","features":[{f}],"exceededTransferLimit":true}}"#), "exceededTransferLimit"),
+            (format!(r#"{{"type":"FeatureCollection","properties":{{"exceededTransferLimit":true}},"features":[{f}]}}"#), "exceededTransferLimit"),
+            (format!(r#"{{"type":"FeatureCollection","numberMatched":5,"features":[{f}]}}"#), "numberMatched"),
+            (format!(r#"{{"type":"FeatureCollection","features":[{f}],"links":[{{"rel":"self","href":"a"}},{{"rel":"next","href":"b"}}]}}"#), "next"),
+        ] {
+            let err = for_each_feature(doc.as_bytes(), |_| {}).unwrap_err().to_string();
+            assert!(err.contains("one page of a larger layer") && err.contains(says), "{doc}: {err}");
+        }
+        // The same members saying the page is all there is: read as usual.
+        for doc in [
+            format!(r#"{{"type":"FeatureCollection","features":[{f}],"exceededTransferLimit":false,"properties":{{"exceededTransferLimit":false}}}}"#),
+            format!(r#"{{"type":"FeatureCollection","numberMatched":1,"numberReturned":1,"features":[{f}],"links":[{{"rel":"self","href":"a"}}]}}"#),
+        ] {
+            assert_eq!(for_each_feature(doc.as_bytes(), |_| {}).unwrap(), 1, "{doc}");
+        }
     }
 
     #[test]
@@ -558,7 +631,7 @@ mod tests {
 
     #[test]
     fn values_split_across_reads_and_tricky_strings() {
-        let doc = br#" { "bbox" : [1, 2.5e3, -3], "exceededTransferLimit": true, "n": 12,
+        let doc = br#" { "bbox" : [1, 2.5e3, -3], "exceededTransferLimit": false, "n": 12,
             "features" : [ {"p":"a } ] { \" quote","q":[[1,2],[3]]} , {"x":null} ],
             "type":"FeatureCollection" } "#;
         let mut seen = vec![];

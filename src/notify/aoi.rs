@@ -22,14 +22,12 @@ pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
     parse_new_aoi(&text).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
 }
 
-/// Longitude / latitude bounds every new AOI must lie within.
-const WGS84: [f64; 4] = [-180.0, -90.0, 180.0, 90.0];
 
 /// Parses an AOI coming in (a config file, a control-port body) into a valid MultiPolygon,
 /// refusing coordinates outside WGS84 longitude/latitude: an AOI in a projected system (feet,
 /// metres) or typed wrong would match nothing, silently.
 pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    parse_within(text, Some(WGS84), crate::ingest::valid::WORK_BUDGET)
+    parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET)
 }
 
 /// Parses AOI GeoJSON text into a valid MultiPolygon as it was accepted when stored (an API
