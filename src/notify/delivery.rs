@@ -938,7 +938,7 @@ async fn read_head(resp: &mut reqwest::Response, max: usize) -> String {
 }
 
 /// The delay before the next try after `attempts_done` tries, or `None` when the attempts are
-/// used up. With a schedule: its `attempts_done`-th delay ± `retry_jitter`; without: capped
+/// used up. With a schedule: its `attempts_done`-th delay (its last past its end) ± `retry_jitter`; without: capped
 /// exponential backoff with full jitter. `Retry-After` is a floor either way.
 pub fn next_retry(cfg: &DeliveryConfig, attempts_done: u32, retry_after: Option<Duration>) -> Option<Duration> {
     if attempts_done >= cfg.max_attempts {
@@ -947,7 +947,9 @@ pub fn next_retry(cfg: &DeliveryConfig, attempts_done: u32, retry_after: Option<
     if cfg.retry_schedule.is_empty() {
         return Some(backoff(cfg, attempts_done, retry_after));
     }
-    let base = *cfg.retry_schedule.get(attempts_done.saturating_sub(1) as usize)?;
+    // Past the schedule's end (a `max_attempts` above its length + 1), its last delay again:
+    // the attempts configured are made, not cut short silently.
+    let base = *cfg.retry_schedule.get(attempts_done.saturating_sub(1) as usize).or(cfg.retry_schedule.last())?;
     let j = cfg.retry_jitter.clamp(0.0, 0.99);
     let factor = if j > 0.0 { 1.0 + rand::random_range(-j..=j) } else { 1.0 };
     let d = Duration::from_secs_f64(base.as_secs_f64() * factor);
@@ -1075,5 +1077,9 @@ mod tests {
         }
         assert_eq!(next_retry(&cfg, 8, None), None, "7 retries after the first try");
         assert!(next_retry(&cfg, 1, Some(Duration::from_secs(60))).unwrap() >= Duration::from_secs(60));
+        // More attempts than the schedule has delays: its last delay again, until they are used.
+        let short = DeliveryConfig { retry_schedule: vec![Duration::from_secs(1), Duration::from_secs(2)], max_attempts: 5, retry_jitter: 0.0, ..cfg };
+        let delays: Vec<Option<Duration>> = (1..=5).map(|n| next_retry(&short, n, None)).collect();
+        assert_eq!(delays, [1, 2, 2, 2].map(|s| Some(Duration::from_secs(s))).into_iter().chain([None]).collect::<Vec<_>>());
     }
 }

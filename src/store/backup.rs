@@ -94,6 +94,7 @@ impl Store {
         verify_file(tmp.path()).map_err(backup_err)?;
         crate::signals::committing();
         tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
+        sync_folder_of(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("the backup is in place but its folder could not be synced: {e}") })?;
         let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
         Ok(BackupInfo { path: dest.to_path_buf(), bytes, tables, rows })
     }
@@ -203,8 +204,21 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     };
     let VerifiedCopy { tmp, _unfinished: registered, .. } = copy;
     tmp.persist(dest).map_err(|e| open_err(dest, format!("cannot move the restored store into place: {e}")))?;
+    // The renames (and the old store's second name) are entries of the folder: synced, so
+    // that a power cut after "restored" cannot bring back the old name or lose the new one.
+    sync_folder_of(dest).map_err(|e| open_err(dest, format!("the restored store is in place but its folder could not be synced: {e}")))?;
     drop(registered);
     Ok(RestoreInfo { kept, owner_warning })
+}
+
+/// Syncs the folder holding `path`, making a rename or a new link in it durable (the file's
+/// own `sync_all` does not cover its name).
+fn sync_folder_of(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// What `restore` says when the store it would replace is open in some process.

@@ -103,12 +103,8 @@ pub(super) fn claim_in_txn(
     let mut meta = wtx.open_table(META)?;
     let mut next_id = meta
         .get(META_NEXT_OUTBOX_ID)?
-        .map(|v| {
-            let mut b = [0u8; 8];
-            let n = v.value().len().min(8);
-            b[..n].copy_from_slice(&v.value()[..n]);
-            u64::from_le_bytes(b)
-        })
+        .map(|v| read_next_outbox_id(v.value()))
+        .transpose()?
         .unwrap_or(1);
     let mut pending_audit = Vec::with_capacity(claims.len());
     for claim in claims {
@@ -175,7 +171,7 @@ pub(super) fn claim_in_txn(
         for (i, won) in wins.iter().enumerate() {
             if *won {
                 row_of[i] = Some(next_id);
-                next_id += 1;
+                next_id = next_id.checked_add(1).ok_or_else(|| codec_err("meta", "the next outbox id is at its largest value".into()))?;
             }
         }
     }
@@ -229,7 +225,9 @@ pub(super) fn claim_in_txn(
                         next_attempt_ms: now_ms,
                         last_error: None,
                     };
-                    outbox.insert(id, encode_entry(&entry).as_slice())?;
+                    if outbox.insert(id, encode_entry(&entry).as_slice())?.is_some() {
+                        return Err(StoreError::Conflict(format!("outbox id {id} already holds a queued row: the store's next-id counter is damaged (run `zonewatch check --store`)")));
+                    }
                     counts.queued += 1;
                     (Outcome::Queued, Cow::Owned(format!("{} {}", event.kind.as_str(), event.severity.as_str())))
                 }
@@ -253,6 +251,14 @@ pub(super) fn claim_in_txn(
     Ok(counts)
 }
 
+/// The stored next outbox id: exactly 8 little-endian bytes. Anything else is damage, and
+/// an error: read leniently (zero-padded), a damaged counter would hand out ids of rows
+/// still queued, and their inserts would replace those rows (their events lost).
+pub(super) fn read_next_outbox_id(bytes: &[u8]) -> Result<u64, StoreError> {
+    let b: [u8; 8] = bytes.try_into().map_err(|_| codec_err("meta", format!("the next outbox id is {} bytes, not 8", bytes.len())))?;
+    Ok(u64::from_le_bytes(b))
+}
+
 /// What [`dead_letter_rows`] did with one subscriber's outbox rows.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RowsDeadLettered {
@@ -271,8 +277,16 @@ pub(super) fn outbox_rows_of(wtx: &WriteTransaction, watcher: &str) -> Result<Ve
     let mut rows = Vec::new();
     for (table, queue, name) in [(OUTBOX, super::outbox::Queue::Fresh, "outbox"), (OUTBOX_RETRY, super::outbox::Queue::Retry, "outbox_retry")] {
         for item in wtx.open_table(table)?.iter()? {
-            let (_, v) = item?;
-            let entry = decode_entry(v.value()).map_err(|m| codec_err(name, m))?;
+            let (k, v) = item?;
+            // A row that cannot be decoded is left where it is (delivery passes over it too,
+            // and `check --store` names it): it must not stop every subscriber's delete.
+            let entry = match decode_entry(v.value()) {
+                Ok(entry) => entry,
+                Err(why) => {
+                    tracing::error!(row = k.value(), "{name} row {} cannot be read and is left in place: {why}", k.value());
+                    continue;
+                }
+            };
             if entry.watcher_id == watcher {
                 rows.push((queue, entry));
             }

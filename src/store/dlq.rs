@@ -37,16 +37,9 @@ pub enum ReleaseOutcome {
 
 fn next_outbox_id(wtx: &WriteTransaction) -> Result<u64, StoreError> {
     let mut meta = wtx.open_table(META)?;
-    let next = meta
-        .get(META_NEXT_OUTBOX_ID)?
-        .map(|v| {
-            let mut b = [0u8; 8];
-            let n = v.value().len().min(8);
-            b[..n].copy_from_slice(&v.value()[..n]);
-            u64::from_le_bytes(b)
-        })
-        .unwrap_or(1);
-    meta.insert(META_NEXT_OUTBOX_ID, (next + 1).to_le_bytes().as_slice())?;
+    let next = meta.get(META_NEXT_OUTBOX_ID)?.map(|v| super::delivery::read_next_outbox_id(v.value())).transpose()?.unwrap_or(1);
+    let after = next.checked_add(1).ok_or_else(|| super::runs::codec_err("meta", "the next outbox id is at its largest value".into()))?;
+    meta.insert(META_NEXT_OUTBOX_ID, after.to_le_bytes().as_slice())?;
     Ok(next)
 }
 
@@ -139,7 +132,9 @@ impl Store {
                 last_error: None,
                 ..e.clone()
             };
-            wtx.open_table(OUTBOX_RETRY)?.insert(new_id, super::outbox_rows::encode_entry(&entry).as_slice())?;
+            if wtx.open_table(OUTBOX_RETRY)?.insert(new_id, super::outbox_rows::encode_entry(&entry).as_slice())?.is_some() {
+                return Err(StoreError::Conflict(format!("outbox id {new_id} already holds a queued row: the store's next-id counter is damaged (run `zonewatch check --store`)")));
+            }
             // Replays queue behind live alerts.
             wtx.open_table(OUTBOX_RETRY_DUE)?.insert((now_ms, new_id), ())?;
             wtx.open_table(DLQ_REPLAYS)?.insert(e.key.0.as_str(), replays + 1)?;

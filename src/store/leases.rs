@@ -329,10 +329,14 @@ impl Store {
             let mut keep_rows = std::collections::HashSet::new();
             for table in [DEAD_LETTERS, DLQ_QUARANTINE] {
                 for item in wtx.open_table(table)?.iter()? {
-                    let (_, v) = item?;
-                    let d: crate::model::DeadLetter = super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?;
-                    keep_rows.insert(d.entry.id);
-                    keep.insert(d.entry.key.0);
+                    let (k, v) = item?;
+                    // One that cannot be read keeps its own row's attempts (its id is the
+                    // table's key) and does not stop the sweep for ever.
+                    keep_rows.insert(k.value());
+                    if let Ok(d) = super::outbox_rows::decode_dead(v.value()) {
+                        keep_rows.insert(d.entry.id);
+                        keep.insert(d.entry.key.0);
+                    }
                 }
             }
             // Every row a dead-lettered key was queued as (a replayed dead letter's earlier

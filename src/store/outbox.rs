@@ -121,6 +121,32 @@ mod tests {
     use crate::store::{Claim, DeliveryResult, Store, SCHEMA_VERSION};
     use redb::ReadableDatabase;
 
+    /// A damaged next-outbox-id counter is an error, never ids handed out again: read
+    /// leniently (zero-padded), a shortened counter gave the next claims the ids of rows still
+    /// queued, and their inserts replaced those rows (their events lost). A counter pointing
+    /// back at a queued row is refused too, and the claim's transaction writes nothing.
+    #[test]
+    fn a_damaged_outbox_id_counter_fails_the_claim_and_loses_no_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let claim = |i: usize| Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) };
+        store.enqueue(&[sample_event("A")], &[claim(0), claim(1)], "l", 0, 3_600_000).unwrap();
+        let before: Vec<u64> = store.outbox().unwrap().iter().map(|e| e.id).collect();
+        let set_counter = |bytes: &[u8]| {
+            let wtx = store.db.begin_write().unwrap();
+            wtx.open_table(META).unwrap().insert(META_NEXT_OUTBOX_ID, bytes).unwrap();
+            wtx.commit().unwrap();
+        };
+        set_counter(&[1, 0, 0]);
+        let err = store.enqueue(&[sample_event("B")], &[claim(2)], "l", 0, 3_600_000).unwrap_err().to_string();
+        assert!(err.contains("3 bytes, not 8"), "{err}");
+        set_counter(&before[0].to_le_bytes());
+        let err = store.enqueue(&[sample_event("B")], &[claim(2)], "l", 0, 3_600_000).unwrap_err().to_string();
+        assert!(err.contains("already holds a queued row"), "{err}");
+        assert_eq!(store.outbox().unwrap().iter().map(|e| e.id).collect::<Vec<_>>(), before, "no row replaced");
+        assert!(store.audit(&Default::default()).unwrap().len() == 2, "the failed claims wrote nothing");
+    }
+
     /// A schema 4 store (every row in `outbox`, fresh ones indexed in `outbox_due`) opens as
     /// schema 5: retries (and a tried row indexed as fresh) move to `outbox_retry` with their
     /// due entries, fresh rows stay and are leased first, `outbox_due` is gone, and the store

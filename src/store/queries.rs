@@ -336,13 +336,19 @@ impl Store {
         Ok(out)
     }
 
+    /// The dead letters. One that cannot be decoded is left out with an error log naming it
+    /// (`zonewatch check --store` lists it too): one damaged row must not stop an operator
+    /// from listing and replaying every other.
     pub fn dead_letters(&self) -> Result<Vec<DeadLetter>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(DEAD_LETTERS)?;
         let mut out = Vec::new();
         for item in t.iter()? {
-            let (_, v) = item?;
-            out.push(super::outbox_rows::decode_dead(v.value()).map_err(|m| codec_err("dead_letters", m))?);
+            let (k, v) = item?;
+            match super::outbox_rows::decode_dead(v.value()) {
+                Ok(d) => out.push(d),
+                Err(why) => tracing::error!(dead_letter = k.value(), "dead letter {} cannot be read and is left out: {why}", k.value()),
+            }
         }
         Ok(out)
     }
