@@ -194,6 +194,9 @@ async fn control_port_end_to_end() {
         let r: Value = c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).body("{\"since\": \"2020-01-01T00:00:00Z\"}").send().unwrap().json().unwrap();
         assert_eq!((r["requeued"].as_u64(), r["duplicates"].as_u64()), (Some(0), Some(0)), "{r}");
         assert_eq!(c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).body("{\"ids\": \"x\"}").send().unwrap().status(), 400);
+        // A named id that is no dead letter is said so, not left out of the answer.
+        let r: Value = c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).body("{\"ids\": [424242, 424242]}").send().unwrap().json().unwrap();
+        assert_eq!((r["not_found"].as_u64(), r["items"][0]["id"].as_u64(), r["items"][0]["outcome"].as_str(), r["items"].as_array().map(Vec::len)), (Some(1), Some(424242), Some("not_found"), Some(1)), "{r}");
         assert!(text.contains("# TYPE zonewatch_endpoint_breaker_state gauge"));
 
         // Unknown routes and methods.

@@ -262,6 +262,31 @@ fn get(cfg: &IngestConfig, url: &str) -> Result<zonewatch::ingest::http::Respons
 
 // ---------------------------------------------------------------------------------------------
 
+/// A changed field mapping (here a bbox added) re-reads the layer at the next run, though
+/// the probe says nothing moved: the stored parcels were read the old way.
+#[test]
+fn arcgis_source_with_a_changed_mapping_is_read_again_not_skipped() {
+    let parcels = grid(20);
+    let layer = Arc::new(Mutex::new(ArcLayer { features: esri_features(&parcels), edit_ms: 1_700_000_000_000, max_record_count: 10, omit_flag: false, fail_next: None }));
+    let srv = Server::start(arc_handler(layer));
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/arcgis/rest/services/Parcels/FeatureServer/0");
+    let clock = ManualClock::at(1_750_000_000_000);
+    let open = |extra: &str| Engine::open_with_clock(portal_config(dir.path(), &source("arc", "arcgis", &url, extra), ""), clock.clone()).expect("engine");
+    let engine = open("page_size = 25");
+    assert_eq!(engine.run_source_id("arc", RunOptions::default()).expect("baseline").record.verdict, Verdict::Baseline);
+    assert_eq!(engine.run_source_id("arc", RunOptions::default()).expect("skip").record.verdict, Verdict::Skip);
+    drop(engine);
+    let engine = open("page_size = 25\nbbox = [-180.0, -90.0, 180.0, 90.0]");
+    let before = srv.requests().iter().filter(|q| q.param("resultOffset").is_some()).count();
+    let r = engine.run_source_id("arc", RunOptions::default()).expect("re-read");
+    assert_ne!(r.record.verdict, Verdict::Skip, "{:?}", r.record);
+    assert_eq!(r.record.counts.features, 20);
+    assert!(srv.requests().iter().filter(|q| q.param("resultOffset").is_some()).count() > before, "the layer's pages were read again");
+    // Read the new way once: the next run is a skip again.
+    assert_eq!(engine.run_source_id("arc", RunOptions::default()).expect("skip").record.verdict, Verdict::Skip);
+}
+
 #[test]
 fn arcgis_pages_skips_and_holds_a_restatement() {
     let parcels = grid(57);
@@ -510,6 +535,42 @@ fn arcgis_rescans_when_the_count_moves() {
     .expect("scan");
     assert_eq!(scan.features, 30);
     assert_eq!(scan.scans, 2, "the count moved, so the layer was scanned again");
+}
+
+/// A publisher that deletes a parcel already read and adds another while the scan pages
+/// leaves the count where it was, but every later offset shifts by one: a feature would go
+/// unseen (and read as removed). The edit date moved, so the layer is scanned again.
+#[test]
+fn arcgis_rescans_when_the_layer_is_edited_under_a_count_that_holds() {
+    let parcels = grid(21);
+    let all = esri_features(&parcels);
+    let layer = Arc::new(Mutex::new(ArcLayer { features: all[..20].to_vec(), edit_ms: 1, max_record_count: 10, omit_flag: false, fail_next: None }));
+    let added = all[20].clone();
+    let queries = Arc::new(AtomicU64::new(0));
+    let inner = arc_handler(layer.clone());
+    let (l2, q2) = (layer.clone(), queries.clone());
+    // After the second page of the first scan: the first feature (read on page one) is
+    // deleted, a new one added, and the edit date moves.
+    let srv = Server::start(Arc::new(move |req: &Req| {
+        let r = inner(req);
+        if req.param("resultOffset").is_some() && q2.fetch_add(1, Ordering::SeqCst) == 1 {
+            let mut l = l2.lock().expect("layer");
+            l.features.remove(0);
+            l.features.push(added.clone());
+            l.edit_ms += 1;
+        }
+        r
+    }));
+    let url = srv.url("/x/FeatureServer/0");
+    let session = Session::new(&ingest_cfg(), T0).expect("session");
+    let scan = block_on(async {
+        let p = arcgis::probe(&session, &url, "APN").await?;
+        arcgis::scan(&session, &url, &p, 100, "APN").await
+    })
+    .expect("runtime")
+    .expect("scan");
+    assert_eq!(scan.features, 20);
+    assert_eq!(scan.scans, 2, "the edit date moved, so the layer was scanned again");
 }
 
 #[test]

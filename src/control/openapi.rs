@@ -114,7 +114,8 @@ pub fn document() -> Value {
                     "ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
                     "since": {"type": ["string", "null"], "format": "date-time"}, "until": {"type": ["string", "null"], "format": "date-time"}}}}}},
                 "responses": with_errors(json!({"200": ok("what each dead letter became", json!({"type": "object", "required": ["requeued", "duplicates", "quarantined", "items"], "properties": {
-                    "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "items": {"type": "array", "items": {"type": "object"}}}}))}), &["400"])}},
+                    "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "not_found": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
+                        "id": s("integer"), "outcome": {"type": "string", "enum": ["requeued", "duplicate", "quarantined", "not_found"]}}}}}}))}), &["400"])}},
             "/v1/deadletters/quarantined": {"get": {"operationId": "listQuarantinedDeadLetters", "responses": with_errors(json!({"200": ok("dead letters set aside for a person (replayed past max_replays, invalid geometry)", list_of("DeadLetter"))}), &[])}},
             "/v1/deadletters/release": {"post": {"operationId": "releaseQuarantinedDeadLetters",
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "required": ["ids"], "properties": {
@@ -149,7 +150,7 @@ pub fn document() -> Value {
                     "digest": s("string"), "changes": s("integer"), "features": s("integer"),
                     "reprocess": {"type": "boolean", "description": "the held run was a --reprocess: releasing it primes"}}},
                 "SubscriberInput": {"type": "object", "additionalProperties": false, "required": ["target", "aoi"], "properties": {
-                    "id": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._-]{1,64}$"}, "target": {"type": "string", "format": "uri"},
+                    "id": {"type": ["string", "null"], "pattern": "^(?!\\.+$)[A-Za-z0-9._-]{1,64}$"}, "target": {"type": "string", "format": "uri"},
                     "secret": {"type": ["string", "null"], "description": "whsec_ + base64 of at least 16 bytes"},
                     "min_severity": {"type": ["string", "null"], "enum": ["info", "notice", "material", "critical", null]},
                     "aoi": {"type": "object", "description": "GeoJSON Polygon, MultiPolygon, Feature or FeatureCollection"}}},

@@ -656,8 +656,20 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
     };
     letters.retain(|d| b.ids.as_ref().is_none_or(|ids| ids.contains(&d.entry.id)) && d.dead_at_ms >= since && d.dead_at_ms <= until);
     letters.sort_by_key(|d| (crate::notify::replay::observed_ms(d), d.entry.id));
-    let (mut requeued, mut duplicates, mut quarantined) = (0u64, 0u64, 0u64);
+    let (mut requeued, mut duplicates, mut quarantined, mut not_found) = (0u64, 0u64, 0u64, 0u64);
     let mut items = Vec::new();
+    // A named id that is no dead letter (in the window) is said so, as `release` and
+    // `zonewatch dlq replay` say it, not dropped from the answer.
+    if let Some(ids) = &b.ids {
+        let found: std::collections::HashSet<u64> = letters.iter().map(|d| d.entry.id).collect();
+        let mut seen = std::collections::HashSet::new();
+        for &id in ids {
+            if !found.contains(&id) && seen.insert(id) {
+                not_found += 1;
+                items.push(json!({"id": id, "outcome": "not_found"}));
+            }
+        }
+    }
     for d in letters {
         let geometry = crate::notify::replay::validate_entry_geometry(&d.entry);
         match st.engine.store.replay_dead_letter(d.entry.id, st.engine.now(), st.engine.config.delivery.max_replays, geometry) {
@@ -673,11 +685,14 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
                 quarantined += 1;
                 items.push(json!({"id": d.entry.id, "outcome": "quarantined", "reason": reason}));
             }
-            Ok(crate::store::ReplayOutcome::NotFound) => {}
+            Ok(crate::store::ReplayOutcome::NotFound) => {
+                not_found += 1;
+                items.push(json!({"id": d.entry.id, "outcome": "not_found"}));
+            }
             Err(e) => return internal(e),
         }
     }
-    json(StatusCode::OK, &json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "items": items}))
+    json(StatusCode::OK, &json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "not_found": not_found, "items": items}))
 }
 
 /// Body of `POST /v1/deadletters/release`: which quarantined dead letters (named; never all).

@@ -236,6 +236,8 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
     let mut shifted = false;
     let mut order = probe.object_id_field.clone().unwrap_or_else(|| id_field.to_string());
     let mut pages = 0;
+    // The layer's edit date as last read (the probe's, then each re-read's).
+    let mut edited_ms = probe.publisher_ts_ms;
     for scan_no in 1..=4u32 {
         let mut collected = FeatureSpool::new(&session.spool_dir)?;
         let mut content_seen = super::scan_guard::SeenRows::new();
@@ -349,10 +351,23 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
                 ),
             });
         }
+        // The count can hold while the layer changes under the scan (a parcel deleted from a
+        // page already read and another added): every later offset shifts by one, a feature
+        // is never seen, and it reads as removed. The edit date, when the server keeps one,
+        // says whether anything was edited since it was last read: then scan again.
+        if edited_ms.is_some() {
+            let now = crate::ingest::arcgis::probe(session, layer_url, id_field).await?;
+            if now.publisher_ts_ms != edited_ms {
+                tracing::info!(url = layer_url, before = ?edited_ms, after = ?now.publisher_ts_ms, "the layer was edited during the scan; scanning again");
+                edited_ms = now.publisher_ts_ms;
+                expected = count(session, layer_url).await?;
+                continue;
+            }
+        }
         let n = collected.len();
         return Ok(Scan { layer: collected, features: n, pages, scans: scan_no });
     }
-    Err(FetchError::Protocol { url: layer_url.to_string(), reason: "the feature count kept moving from one scan to the next; try again later".into() })
+    Err(FetchError::Protocol { url: layer_url.to_string(), reason: "the layer kept changing from one scan to the next (its feature count or its edit date moved); try again later".into() })
 }
 
 fn urlencode(s: &str) -> String {

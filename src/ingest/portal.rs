@@ -126,7 +126,11 @@ pub fn fetch(
     if matches!(src.kind, SourceKind::File { .. }) {
         return Ok(None);
     }
-    let due = force || floor_due(prev, now_ms, src.floor);
+    // A changed field mapping (or bbox) re-reads the layer at once, as it does a file: the
+    // stored parcels were read another way, and a probe saying "unchanged" (or a 304) would
+    // otherwise keep the old reading until the floor.
+    let remapped = prev.is_some_and(|w| w.read_fingerprint != src.read_fingerprint());
+    let due = force || remapped || floor_due(prev, now_ms, src.floor);
     let mut session = Session::new(cfg, now_ms)?;
     session.spool_dir = spool_dir.to_path_buf();
     let out = super::http::block_on(async {
