@@ -419,6 +419,8 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     let mut expected = socrata_count(session, url).await;
     let mut page_size = page_size;
     let mut shifted = false;
+    // rowsUpdatedAt as last read (the probe's, then each re-read's).
+    let mut edited_ms = publisher_ts_ms;
     for _ in 0..4 {
         let SodaScan { features, pages, repeated, stalled } = socrata_scan(session, url, page_size, id_field, expected).await?;
         let got = features.len() as u64;
@@ -439,6 +441,18 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
             });
         }
         if stalled.is_none() && expected.is_none_or(|c| got == c) {
+            // As for ArcGIS: rows edited under the scan can leave the count where it was and
+            // shift a row past every page (it would read as removed). rowsUpdatedAt, read
+            // again, says whether anything changed since: then scan again.
+            if edited_ms.is_some() {
+                let now = rows_updated_ms(&session.get(&views, &[]).await?.members(&["rowsUpdatedAt"])?);
+                if now != edited_ms {
+                    tracing::info!(url, before = ?edited_ms, after = ?now, "rows were updated during the scan; scanning again");
+                    edited_ms = now;
+                    expected = socrata_count(session, url).await;
+                    continue;
+                }
+            }
             return Ok(PortalFetch::Layer { body: LayerBody::Features(Box::new(features)), meta: PortalMeta { pages, ..meta } });
         }
         drop(features);
@@ -461,7 +475,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
             },
         });
     }
-    Err(FetchError::Protocol { url: url.to_string(), reason: "the row count kept moving from one scan to the next; try again later".into() })
+    Err(FetchError::Protocol { url: url.to_string(), reason: "the rows kept changing from one scan to the next (their count or rowsUpdatedAt moved); try again later".into() })
 }
 
 /// A page read into the scan's features ([`take_new_rows`]).
