@@ -469,8 +469,16 @@ impl Engine {
             let (layer, m) = staging::load(self.store.path(), &src.id)?;
             Fetched::Staged(layer, m.portal_meta())
         } else {
-            // HTTP kinds: probe, and fetch only when something moved (or the floor is due).
-            match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess, self.store.path(), self.scratch_dir()).map_err(IngestError::from)? {
+            // HTTP kinds: probe, and fetch only when something moved (or the floor is due). A
+            // changed field mapping (or bbox) fetches at once, as a file is read at once: the
+            // stored parcels were read another way, and a probe saying "unchanged" (or a 304)
+            // would keep that reading until the floor. Not while an open hold already holds a
+            // reading made this way: it waits for an operator, and a fetch would only find it.
+            let now_read = src.read_fingerprint();
+            let remapped = !matches!(src.kind, crate::config::SourceKind::File { .. })
+                && wm.as_ref().is_some_and(|w| w.read_fingerprint != now_read)
+                && !self.store.holds()?.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.read_fingerprint == now_read);
+            match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess || remapped, self.store.path(), self.scratch_dir()).map_err(IngestError::from)? {
                 Some(f) => Fetched::Portal(f),
                 None => Fetched::File,
             }

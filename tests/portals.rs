@@ -571,6 +571,10 @@ fn arcgis_rescans_when_the_layer_is_edited_under_a_count_that_holds() {
     .expect("scan");
     assert_eq!(scan.features, 20);
     assert_eq!(scan.scans, 2, "the edit date moved, so the layer was scanned again");
+    let mut text = Vec::new();
+    scan.layer.write_collection(&mut text).expect("collection");
+    let text = String::from_utf8(text).expect("utf-8");
+    assert!(text.contains("\"P0020\"") && !text.contains("\"P0000\""), "the layer as it is now, not the first scan's: {text}");
 }
 
 #[test]
@@ -1383,8 +1387,8 @@ fn socrata_rescans_when_a_stalled_page_comes_with_a_moved_count() {
     let asked: Vec<String> = srv.requests().iter().map(|q| q.param("$offset").unwrap_or_else(|| q.param("$select").unwrap_or_default())).collect();
     assert_eq!(
         asked,
-        ["", "count(*)", "0", "10", "count(*)", "0", "10", "20", "30", ""],
-        "the second page repeated the first, the count had moved: one rescan (then rowsUpdatedAt read again: unchanged)"
+        ["", "count(*)", "0", "10", "count(*)", "", "0", "10", "20", "30", ""],
+        "the second page repeated the first, the count had moved (rowsUpdatedAt read then): one rescan, then rowsUpdatedAt read again, unchanged"
     );
     assert!(inserted.load(Ordering::SeqCst));
 }

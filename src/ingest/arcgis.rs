@@ -221,11 +221,11 @@ fn page_feature(format: ArcgisFormat, mut f: Value, oid_field: Option<&str>) -> 
     }
 }
 
-/// A GeoJSON page's `crs`, when it names anything but WGS 84 lon/lat.
+/// A GeoJSON page's `crs`, when it names anything but WGS 84 lon/lat (read as a GeoJSON
+/// layer's is: [`super::geojson::crs_name`]).
 fn foreign_crs(v: &Value) -> Option<String> {
-    let name = v.get("crs")?.get("properties")?.get("name")?.as_str()?;
-    let n = name.to_ascii_uppercase();
-    (!(n.ends_with("CRS84") || n.ends_with(":4326") || n.ends_with("::4326") || n.ends_with("/4326"))).then(|| name.to_string())
+    let name = super::geojson::crs_name(v.get("crs")?)?;
+    (!super::geojson::crs_is_wgs84(&name)).then_some(name)
 }
 
 /// Scans the whole layer (see the module doc) in `format` into a FeatureCollection.
@@ -323,6 +323,10 @@ pub async fn scan_as(session: &Session, layer_url: &str, probe: &LayerProbe, pag
         if after != expected {
             tracing::info!(url = layer_url, before = expected, after, "feature count moved during the scan; scanning again");
             expected = after;
+            // The edit date the next scan is checked against is this moment's, not the probe's.
+            if edited_ms.is_some() {
+                edited_ms = crate::ingest::arcgis::probe(session, layer_url, id_field).await?.publisher_ts_ms;
+            }
             continue;
         }
         if collected.len() as u64 != expected && duplicates > 0 && order != id_field {

@@ -89,7 +89,8 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             out.rejected.push(reject(QuarantineReason::EmptyGeometry, "geometry is null".into()));
             return;
         };
-        let parsed = parse_geometry(graw.get()).and_then(|g| clean_geometry(g, bbox));
+        // As for parcels: without a bbox, the globe's bounds (a projected layer is refused).
+        let parsed = parse_geometry(graw.get()).and_then(|g| clean_geometry(g, Some(bbox.unwrap_or(super::normalize::WGS84_DEGREES))));
         match parsed {
             Ok((geometry, repaired)) => {
                 out.repaired += u64::from(repaired);

@@ -143,14 +143,7 @@ where
                         serde_json::from_slice(&sanitize_non_finite(&sc.buf[a..b])).map_err(|e| sc.error(&format!("\"crs\": {e}")))?;
                     // A named crs, or the older {"type":"EPSG","properties":{"code":N}}; any
                     // other crs object is not known to be WGS84, and is refused with it.
-                    crs = match &v {
-                        serde_json::Value::Null => None,
-                        _ => Some(match (v.pointer("/properties/name").and_then(|n| n.as_str()), v.pointer("/properties/code")) {
-                            (Some(name), _) => name.to_string(),
-                            (None, Some(code)) => format!("EPSG:{}", code.as_str().map_or_else(|| code.to_string(), str::to_string)),
-                            (None, None) => crate::util::truncate_text(&v.to_string(), 200),
-                        }),
-                    };
+                    crs = crs_name(&v);
                 }
                 "exceededTransferLimit" | "properties" | "numberMatched" | "links" => {
                     let v: serde_json::Value = serde_json::from_slice(&sanitize_non_finite(&sc.buf[a..b])).map_err(|e| sc.error(&format!("\"{key}\": {e}")))?;
@@ -490,10 +483,25 @@ fn is_ws(b: u8) -> bool {
     matches!(b, b' ' | b'\n' | b'\r' | b'\t')
 }
 
-/// True for the names GeoJSON producers use for lon/lat WGS84.
+/// The name of a `crs` member's value (`None` for null): its `properties.name`, or the older
+/// `{"type":"EPSG","properties":{"code":N}}` as `EPSG:N`; any other crs object as its text
+/// (not known to be WGS84, so refused with it).
+pub fn crs_name(v: &serde_json::Value) -> Option<String> {
+    if v.is_null() {
+        return None;
+    }
+    Some(match (v.pointer("/properties/name").and_then(|n| n.as_str()), v.pointer("/properties/code")) {
+        (Some(name), _) => name.to_string(),
+        (None, Some(code)) => format!("EPSG:{}", code.as_str().map_or_else(|| code.to_string(), str::to_string)),
+        (None, None) => crate::util::truncate_text(&v.to_string(), 200),
+    })
+}
+
+/// True for the names GeoJSON producers use for lon/lat WGS84 (`…CRS84`, `EPSG:4326`,
+/// `urn:…:EPSG::4326`, `…/EPSG/0/4326`).
 pub fn crs_is_wgs84(name: &str) -> bool {
     let n = name.to_ascii_uppercase();
-    n.ends_with("CRS84") || n.ends_with("EPSG::4326") || n == "EPSG:4326" || n.ends_with("EPSG:4326")
+    n.ends_with("CRS84") || n.ends_with(":4326") || n.ends_with("/4326")
 }
 
 /// Replaces bare `NaN`, `Infinity` and `-Infinity` tokens outside strings with `null`

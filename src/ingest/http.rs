@@ -343,6 +343,9 @@ pub struct Session {
     /// what `retry_budget` bounds. A paged scan of a large layer that answers every request
     /// spends none of it, however long it runs (`max_fetch_time` bounds that).
     retry_spent_ms: std::sync::atomic::AtomicU64,
+    /// Time spent waiting for a host's rate (ms): taken out of a failed attempt's time before
+    /// it is counted against the retry budget.
+    rate_waited_ms: std::sync::atomic::AtomicU64,
     started: Instant,
     /// The run's time at `started` (ms since the epoch).
     started_ms: u64,
@@ -387,7 +390,7 @@ impl Session {
             .build()
             .map_err(|e| FetchError::Client(e.to_string()))?;
         let now = Instant::now();
-        Ok(Session { client, guard, cfg: cfg.clone(), retry_spent_ms: Default::default(), started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir(), page_in_memory: PAGE_IN_MEMORY })
+        Ok(Session { client, guard, cfg: cfg.clone(), retry_spent_ms: Default::default(), rate_waited_ms: Default::default(), started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir(), page_in_memory: PAGE_IN_MEMORY })
     }
 
     /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts
@@ -453,6 +456,7 @@ impl Session {
             }
             attempt += 1;
             let tried = Instant::now();
+            let paced_before = self.rate_waited_ms.load(std::sync::atomic::Ordering::Relaxed);
             match self.get_once(url, headers, sink.as_deref_mut()).await? {
                 Ok(resp) => return Ok(resp),
                 Err(r) => {
@@ -461,7 +465,8 @@ impl Session {
                         // The attempt was cut at the fetch's limit: that, not the retries, ended it.
                         return Err(FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
                     }
-                    self.spend_on_retries(tried.elapsed());
+                    let paced = self.rate_waited_ms.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(paced_before);
+                    self.spend_on_retries(tried.elapsed().saturating_sub(Duration::from_millis(paced)));
                     self.pause_before_retry(url, attempt, &r.why, r.retry_after).await?
                 }
             }
@@ -489,6 +494,7 @@ impl Session {
                     return Err(FetchError::FetchTooLong { url: shown, limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
                 }
                 tokio::time::sleep(wait).await;
+                self.rate_waited_ms.fetch_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX), std::sync::atomic::Ordering::Relaxed);
             }
             let left = self.cfg.max_fetch_time.saturating_sub(self.started.elapsed()).max(Duration::from_millis(1));
             let mut req = self.client.get(current.clone()).timeout(left).header("accept-encoding", "gzip, deflate");

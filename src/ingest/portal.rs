@@ -126,11 +126,7 @@ pub fn fetch(
     if matches!(src.kind, SourceKind::File { .. }) {
         return Ok(None);
     }
-    // A changed field mapping (or bbox) re-reads the layer at once, as it does a file: the
-    // stored parcels were read another way, and a probe saying "unchanged" (or a 304) would
-    // otherwise keep the old reading until the floor.
-    let remapped = prev.is_some_and(|w| w.read_fingerprint != src.read_fingerprint());
-    let due = force || remapped || floor_due(prev, now_ms, src.floor);
+    let due = force || floor_due(prev, now_ms, src.floor);
     let mut session = Session::new(cfg, now_ms)?;
     session.spool_dir = spool_dir.to_path_buf();
     let out = super::http::block_on(async {
@@ -461,6 +457,10 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
             if after.is_some() && after != expected {
                 tracing::info!(url, before = c, after = ?after, "row count moved during the scan; scanning again");
                 expected = after;
+                // The date the next scan is checked against is this moment's.
+                if edited_ms.is_some() {
+                    edited_ms = rows_updated_ms(&session.get(&views, &[]).await?.members(&["rowsUpdatedAt"])?);
+                }
                 continue;
             }
         }

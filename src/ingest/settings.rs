@@ -34,11 +34,13 @@ pub struct RawIngest {
 pub struct IngestConfig {
     /// Attempts per request (the first try counts).
     pub max_attempts: u32,
-    /// Wall-clock budget for all retries of one source run.
+    /// One source run's failed attempts and waits to retry, in all (a paced request that
+    /// succeeds spends none of it; `max_fetch_time` bounds the fetch as a whole).
     pub retry_budget: Duration,
     pub base_delay: Duration,
     pub max_delay: Duration,
-    /// Per request (connect + whole body).
+    /// How long a response may go silent (no head, no body bytes) before the attempt fails;
+    /// each request's total is what is left of `max_fetch_time`.
     pub timeout: Duration,
     /// Cap on one response body as received on the wire (compressed bytes when the portal
     /// compresses).

@@ -225,8 +225,8 @@ pub(super) fn claim_in_txn(
                         next_attempt_ms: now_ms,
                         last_error: None,
                     };
-                    if outbox.insert(id, encode_entry(&entry).as_slice())?.is_some() {
-                        return Err(StoreError::Conflict(format!("outbox id {id} already holds a queued row: the store's next-id counter is damaged (run `zonewatch check --store`)")));
+                    if retry_rows.get(id)?.is_some() || outbox.insert(id, encode_entry(&entry).as_slice())?.is_some() {
+                        return Err(id_in_use(id));
                     }
                     counts.queued += 1;
                     (Outcome::Queued, Cow::Owned(format!("{} {}", event.kind.as_str(), event.severity.as_str())))
@@ -257,6 +257,12 @@ pub(super) fn claim_in_txn(
 pub(super) fn read_next_outbox_id(bytes: &[u8]) -> Result<u64, StoreError> {
     let b: [u8; 8] = bytes.try_into().map_err(|_| codec_err("meta", format!("the next outbox id is {} bytes, not 8", bytes.len())))?;
     Ok(u64::from_le_bytes(b))
+}
+
+/// The error of a new outbox row whose id a queued row holds: only a damaged counter gives
+/// one, and writing it would replace that row (its event lost).
+pub(super) fn id_in_use(id: u64) -> StoreError {
+    StoreError::Conflict(format!("outbox id {id} already holds a queued row: the store's next-outbox-id counter is damaged; nothing was written (restore the store from a backup)"))
 }
 
 /// What [`dead_letter_rows`] did with one subscriber's outbox rows.

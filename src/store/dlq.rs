@@ -132,8 +132,8 @@ impl Store {
                 last_error: None,
                 ..e.clone()
             };
-            if wtx.open_table(OUTBOX_RETRY)?.insert(new_id, super::outbox_rows::encode_entry(&entry).as_slice())?.is_some() {
-                return Err(StoreError::Conflict(format!("outbox id {new_id} already holds a queued row: the store's next-id counter is damaged (run `zonewatch check --store`)")));
+            if wtx.open_table(OUTBOX)?.get(new_id)?.is_some() || wtx.open_table(OUTBOX_RETRY)?.insert(new_id, super::outbox_rows::encode_entry(&entry).as_slice())?.is_some() {
+                return Err(super::delivery::id_in_use(new_id));
             }
             // Replays queue behind live alerts.
             wtx.open_table(OUTBOX_RETRY_DUE)?.insert((now_ms, new_id), ())?;

@@ -207,6 +207,12 @@ impl Store {
         let mut next_resume = 0;
         if fresh_limit > 0 {
             let mut taken = 0;
+            // Rows passed over (held back by their endpoint's gate or share) before the pass
+            // stops where it is and the next goes on from there: a backlog of 300,000 rows of
+            // one endpoint at its share is not read whole on every pass (under the lease
+            // lock), while the rows behind it are still reached within a few passes.
+            let mut passed_over = 0usize;
+            let pass_over_max = fresh_limit.saturating_mul(4).max(4_096);
             use std::ops::Bound::{Excluded, Included, Unbounded};
             let wrap = (resume > 0).then_some((Included(0), Excluded(resume)));
             'scan: for range in std::iter::once((Included(resume), Unbounded)).chain(wrap) {
@@ -216,6 +222,12 @@ impl Store {
                     if take(&mut leases.by_row, id, v.value(), "outbox", &mut batch.entries)? {
                         taken += 1;
                         if taken >= fresh_limit {
+                            next_resume = id.saturating_add(1);
+                            break 'scan;
+                        }
+                    } else {
+                        passed_over += 1;
+                        if passed_over >= pass_over_max {
                             next_resume = id.saturating_add(1);
                             break 'scan;
                         }
@@ -516,6 +528,37 @@ mod tests {
         assert_eq!(store.leased_len().unwrap(), 0);
         let r = store.check_consistency().unwrap();
         assert!(r.is_consistent(), "{:?}", r.problems);
+    }
+
+    /// An endpoint at its share (no room) has its rows passed over, and the rows of another
+    /// endpoint behind them are leased; a pass reads at most a bounded stretch of passed-over
+    /// rows (not a whole backlog under the lease lock) and the next goes on from there.
+    #[test]
+    fn rows_of_an_endpoint_without_room_are_passed_over_a_bounded_stretch_per_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let n = 10_000;
+        let events: Vec<_> = (0..=n).map(|i| sample_event(&format!("P{i:05}"))).collect();
+        let claims: Vec<Claim> = (0..=n)
+            .map(|i| {
+                let w = if i == n { "fast" } else { "slow" };
+                Claim { event: i, watcher_id: w.into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) }
+            })
+            .collect();
+        store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+        let no_room_for_slow = |w: &str| if w == "slow" { 0 } else { usize::MAX };
+        let mut passes = 0;
+        let found = loop {
+            passes += 1;
+            assert!(passes <= 4, "the other endpoint's row is reached within a few passes");
+            let batch = store.lease_due_probing(10, 60_000, 64, 0, &std::collections::HashSet::new(), &|_| true, &no_room_for_slow).unwrap();
+            assert!(batch.entries.iter().all(|e| e.watcher_id == "fast"), "no row of the endpoint without room");
+            if let Some(e) = batch.entries.first() {
+                break e.parcel_id.clone();
+            }
+        };
+        assert_eq!(found, format!("P{n:05}"));
+        assert!(passes >= 2, "10,000 rows passed over are more than one pass reads");
     }
 
     /// A pass starts reading the fresh queue where the last one stopped, and wraps to the
