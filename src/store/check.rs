@@ -71,6 +71,8 @@ impl Store {
     ///   its history row;
     /// * every snapshot block decodes, keeps its order and does not overlap the one before it,
     ///   and its parcels' states decode (`blocks::check_all`).
+    /// * the next-outbox-id counter is 8 bytes and above every id a queued row, a dead letter
+    ///   or a quarantined one holds.
     pub fn check_consistency(&self) -> Result<ConsistencyReport, StoreError> {
         check_txn(&self.db.begin_read()?)
     }
@@ -488,7 +490,32 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             report.api_subscribers.push(k.value().to_string());
         }
     }
+    if let Some(p) = next_outbox_id_problem(rtx)? {
+        problem(&mut report, p);
+    }
     Ok(report)
+}
+
+/// The next-outbox-id counter must be 8 bytes and above every id a queued row, a dead letter
+/// or a quarantined one holds: otherwise the next claims would be handed ids in use (they
+/// now fail instead, `delivery::id_in_use`), and this is where an operator learns why.
+fn next_outbox_id_problem(rtx: &redb::ReadTransaction) -> Result<Option<String>, StoreError> {
+    let mut highest: Option<u64> = None;
+    for def in [OUTBOX, OUTBOX_RETRY, DEAD_LETTERS, DLQ_QUARANTINE] {
+        if let Some(t) = open_optional(rtx, def)? {
+            if let Some((k, _)) = t.last()? {
+                highest = highest.max(Some(k.value()));
+            }
+        }
+    }
+    let Some(meta) = open_optional(rtx, META)? else { return Ok(None) };
+    let Some(v) = meta.get(META_NEXT_OUTBOX_ID)? else {
+        return Ok(highest.map(|h| format!("the next-outbox-id counter is missing though outbox id {h} is in use")));
+    };
+    Ok(match super::delivery::read_next_outbox_id(v.value()) {
+        Err(e) => Some(format!("the next-outbox-id counter is damaged: {e}")),
+        Ok(next) => highest.filter(|&h| next <= h).map(|h| format!("the next-outbox-id counter ({next}) is not above outbox id {h}, which is in use: new claims would fail")),
+    })
 }
 
 /// `RUNS.len()` without importing the metadata trait at every call site.
@@ -620,6 +647,8 @@ mod tests {
             // row, and a watermark of t naming a run that does not decode (its missing
             // history row is still found).
             wtx.open_table(OUTBOX_RETRY).expect("retry").insert(9u64, bad).expect("insert");
+            // The counter above the ids written by hand (a missing one is a problem of its own).
+            wtx.open_table(META).expect("meta").insert(META_NEXT_OUTBOX_ID, 10u64.to_le_bytes().as_slice()).expect("insert");
             wtx.open_table(OUTBOX_RETRY_DUE).expect("due").insert((5u64, 9u64), ()).expect("insert");
             wtx.open_table(IDEM_KEY_JOURNAL).expect("journal").insert(3u64, bad).expect("insert");
             wtx.open_table(RUNS).expect("runs").insert(77u64, bad).expect("insert");

@@ -262,7 +262,7 @@ pub(super) fn read_next_outbox_id(bytes: &[u8]) -> Result<u64, StoreError> {
 /// The error of a new outbox row whose id a queued row holds: only a damaged counter gives
 /// one, and writing it would replace that row (its event lost).
 pub(super) fn id_in_use(id: u64) -> StoreError {
-    StoreError::Conflict(format!("outbox id {id} already holds a queued row: the store's next-outbox-id counter is damaged; nothing was written (restore the store from a backup)"))
+    StoreError::Conflict(format!("outbox id {id} already holds a queued row: the store's next-outbox-id counter is damaged (`zonewatch check --store` says so); nothing was written (restore the store from a backup)"))
 }
 
 /// What [`dead_letter_rows`] did with one subscriber's outbox rows.

@@ -137,12 +137,17 @@ mod tests {
             wtx.open_table(META).unwrap().insert(META_NEXT_OUTBOX_ID, bytes).unwrap();
             wtx.commit().unwrap();
         };
+        assert!(store.check_consistency().unwrap().is_consistent());
         set_counter(&[1, 0, 0]);
         let err = store.enqueue(&[sample_event("B")], &[claim(2)], "l", 0, 3_600_000).unwrap_err().to_string();
         assert!(err.contains("3 bytes, not 8"), "{err}");
+        let report = store.check_consistency().unwrap();
+        assert!(report.problems.iter().any(|p| p.contains("counter is damaged")), "{:?}", report.problems);
         set_counter(&before[0].to_le_bytes());
         let err = store.enqueue(&[sample_event("B")], &[claim(2)], "l", 0, 3_600_000).unwrap_err().to_string();
         assert!(err.contains("already holds a queued row"), "{err}");
+        let report = store.check_consistency().unwrap();
+        assert!(report.problems.iter().any(|p| p.contains("is not above outbox id")), "{:?}", report.problems);
         assert_eq!(store.outbox().unwrap().iter().map(|e| e.id).collect::<Vec<_>>(), before, "no row replaced");
         assert!(store.audit(&Default::default()).unwrap().len() == 2, "the failed claims wrote nothing");
     }
