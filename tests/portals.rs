@@ -509,30 +509,35 @@ fn arcgis_without_flag_uses_the_count_and_retries_error_bodies_with_smaller_page
     assert_eq!(srv.requests().iter().filter(|q| q.param("resultOffset").is_some()).count(), 1, "not retried");
 }
 
-#[test]
-fn arcgis_rescans_when_the_count_moves() {
-    let parcels = grid(30);
-    let layer = Arc::new(Mutex::new(ArcLayer { features: esri_features(&parcels[..20]), edit_ms: 1, max_record_count: 10, omit_flag: false, fail_next: None }));
-    let extra = esri_features(&parcels)[20..].to_vec();
-    let queries = Arc::new(AtomicU64::new(0));
+/// Scans an ArcGIS layer that starts as `features` (pages of 10) and is changed by `edit`
+/// right after the first scan's second page is served, as a publisher editing under the scan.
+fn scan_edited_after_the_second_page(features: Vec<Value>, edit: impl Fn(&mut ArcLayer) + Send + Sync + 'static) -> arcgis::Scan {
+    let layer = Arc::new(Mutex::new(ArcLayer { features, edit_ms: 1, max_record_count: 10, omit_flag: false, fail_next: None }));
+    let queries = AtomicU64::new(0);
     let inner = arc_handler(layer.clone());
-    let (l2, q2) = (layer.clone(), queries.clone());
-    // After the second page of the first scan the publisher adds 10 features.
     let srv = Server::start(Arc::new(move |req: &Req| {
         let r = inner(req);
-        if req.param("resultOffset").is_some() && q2.fetch_add(1, Ordering::SeqCst) == 1 {
-            l2.lock().expect("layer").features.extend(extra.clone());
+        if req.param("resultOffset").is_some() && queries.fetch_add(1, Ordering::SeqCst) == 1 {
+            edit(&mut layer.lock().expect("layer"));
         }
         r
     }));
     let url = srv.url("/x/FeatureServer/0");
     let session = Session::new(&ingest_cfg(), T0).expect("session");
-    let scan = block_on(async {
+    block_on(async {
         let p = arcgis::probe(&session, &url, "APN").await?;
         arcgis::scan(&session, &url, &p, 100, "APN").await
     })
     .expect("runtime")
-    .expect("scan");
+    .expect("scan")
+}
+
+#[test]
+fn arcgis_rescans_when_the_count_moves() {
+    let all = esri_features(&grid(30));
+    let extra = all[20..].to_vec();
+    // The publisher adds 10 features.
+    let scan = scan_edited_after_the_second_page(all[..20].to_vec(), move |l| l.features.extend(extra.clone()));
     assert_eq!(scan.features, 30);
     assert_eq!(scan.scans, 2, "the count moved, so the layer was scanned again");
 }
@@ -542,33 +547,14 @@ fn arcgis_rescans_when_the_count_moves() {
 /// unseen (and read as removed). The edit date moved, so the layer is scanned again.
 #[test]
 fn arcgis_rescans_when_the_layer_is_edited_under_a_count_that_holds() {
-    let parcels = grid(21);
-    let all = esri_features(&parcels);
-    let layer = Arc::new(Mutex::new(ArcLayer { features: all[..20].to_vec(), edit_ms: 1, max_record_count: 10, omit_flag: false, fail_next: None }));
+    let all = esri_features(&grid(21));
     let added = all[20].clone();
-    let queries = Arc::new(AtomicU64::new(0));
-    let inner = arc_handler(layer.clone());
-    let (l2, q2) = (layer.clone(), queries.clone());
-    // After the second page of the first scan: the first feature (read on page one) is
-    // deleted, a new one added, and the edit date moves.
-    let srv = Server::start(Arc::new(move |req: &Req| {
-        let r = inner(req);
-        if req.param("resultOffset").is_some() && q2.fetch_add(1, Ordering::SeqCst) == 1 {
-            let mut l = l2.lock().expect("layer");
-            l.features.remove(0);
-            l.features.push(added.clone());
-            l.edit_ms += 1;
-        }
-        r
-    }));
-    let url = srv.url("/x/FeatureServer/0");
-    let session = Session::new(&ingest_cfg(), T0).expect("session");
-    let scan = block_on(async {
-        let p = arcgis::probe(&session, &url, "APN").await?;
-        arcgis::scan(&session, &url, &p, 100, "APN").await
-    })
-    .expect("runtime")
-    .expect("scan");
+    // The first feature (read on page one) is deleted, a new one added, the edit date moves.
+    let scan = scan_edited_after_the_second_page(all[..20].to_vec(), move |l| {
+        l.features.remove(0);
+        l.features.push(added.clone());
+        l.edit_ms += 1;
+    });
     assert_eq!(scan.features, 20);
     assert_eq!(scan.scans, 2, "the edit date moved, so the layer was scanned again");
     let mut text = Vec::new();
