@@ -465,6 +465,9 @@ impl Engine {
             return self.run_derived(src, opts, started);
         }
         let wm = self.store.watermark(&src.id)?;
+        // How this config reads a layer's bytes (field mapping, bbox): a reading made
+        // another way is not the same one.
+        let fingerprint = src.read_fingerprint();
         let fetch = if from_staging {
             let (layer, m) = staging::load(self.store.path(), &src.id)?;
             Fetched::Staged(layer, m.portal_meta())
@@ -474,10 +477,9 @@ impl Engine {
             // stored parcels were read another way, and a probe saying "unchanged" (or a 304)
             // would keep that reading until the floor. Not while an open hold already holds a
             // reading made this way: it waits for an operator, and a fetch would only find it.
-            let now_read = src.read_fingerprint();
             let remapped = !matches!(src.kind, crate::config::SourceKind::File { .. })
-                && wm.as_ref().is_some_and(|w| w.read_fingerprint != now_read)
-                && !self.store.holds()?.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.read_fingerprint == now_read);
+                && wm.as_ref().is_some_and(|w| w.read_fingerprint != fingerprint)
+                && !self.store.holds()?.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.read_fingerprint == fingerprint);
             match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess || remapped, self.store.path(), self.scratch_dir()).map_err(IngestError::from)? {
                 Some(f) => Fetched::Portal(f),
                 None => Fetched::File,
@@ -486,7 +488,6 @@ impl Engine {
         // Open holds, read when a file's size or a digest needs them (never for a reprocess,
         // which is not settled by its digest).
         let mut holds: Option<Vec<Hold>> = None;
-        let fingerprint = src.read_fingerprint();
         // What the bytes could be settled by before any scan: their digest, when known.
         let (mut input, known_digest, meta) = match fetch {
             Fetched::File => {

@@ -312,13 +312,12 @@ fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -
         Err(r) => return *r,
     };
     let source = q.get("source").filter(|s| !s.is_empty()).cloned();
-    let all = match st.engine.store.runs_before(source.as_deref(), cursor.unwrap_or(u64::MAX), limit) {
+    let page = match st.engine.store.runs_before(source.as_deref(), cursor.unwrap_or(u64::MAX), limit) {
         Ok(r) => r,
         Err(e) => return internal(e),
     };
-    let page: Vec<&RunRecord> = all.iter().collect();
     let next = if page.len() == limit { page.last().map(|r| r.run_id.to_string()) } else { None };
-    json(StatusCode::OK, &json!({"items": page.iter().map(|r| run_json(r)).collect::<Vec<_>>(), "next_cursor": next}))
+    json(StatusCode::OK, &json!({"items": page.iter().map(run_json).collect::<Vec<_>>(), "next_cursor": next}))
 }
 
 fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {

@@ -6,7 +6,7 @@
 //! geometries are rejected with a quarantine reason exactly as parcels are.
 
 use super::geojson;
-use super::normalize::{clean_geometry, feature_properties, parse_geometry, prop_text_folding};
+use super::normalize::{clean_layer_geometry, feature_properties, parse_geometry, prop_text_folding};
 use super::IngestError;
 use crate::model::QuarantineReason;
 use geo::MultiPolygon;
@@ -89,8 +89,7 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             out.rejected.push(reject(QuarantineReason::EmptyGeometry, "geometry is null".into()));
             return;
         };
-        // As for parcels: without a bbox, the globe's bounds (a projected layer is refused).
-        let parsed = parse_geometry(graw.get()).and_then(|g| clean_geometry(g, Some(bbox.unwrap_or(super::normalize::WGS84_DEGREES))));
+        let parsed = parse_geometry(graw.get()).and_then(|g| clean_layer_geometry(g, bbox));
         match parsed {
             Ok((geometry, repaired)) => {
                 out.repaired += u64::from(repaired);

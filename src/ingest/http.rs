@@ -417,6 +417,11 @@ impl Session {
         Ok(())
     }
 
+    /// The fetch has run `elapsed`, up to (or past) `max_fetch_time`: no request to `url`.
+    fn too_long(&self, url: &str, elapsed: Duration) -> FetchError {
+        FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() }
+    }
+
     /// Counts `d` against the run's retry budget (a failed attempt's time, a wait to retry).
     fn spend_on_retries(&self, d: Duration) {
         let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
@@ -452,7 +457,7 @@ impl Session {
             // answering (fresh junk under a huge count, slowly) is stopped, not paged for days.
             let elapsed = self.started.elapsed();
             if elapsed > self.cfg.max_fetch_time {
-                return Err(FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
+                return Err(self.too_long(url, elapsed));
             }
             attempt += 1;
             let tried = Instant::now();
@@ -463,7 +468,7 @@ impl Session {
                     let elapsed = self.started.elapsed();
                     if elapsed >= self.cfg.max_fetch_time {
                         // The attempt was cut at the fetch's limit: that, not the retries, ended it.
-                        return Err(FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
+                        return Err(self.too_long(url, elapsed));
                     }
                     let paced = self.rate_waited_ms.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(paced_before);
                     self.spend_on_retries(tried.elapsed().saturating_sub(Duration::from_millis(paced)));
@@ -491,7 +496,7 @@ impl Session {
                 // fetch's own limit.
                 let elapsed = self.started.elapsed();
                 if elapsed.saturating_add(wait) > self.cfg.max_fetch_time {
-                    return Err(FetchError::FetchTooLong { url: shown, limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() });
+                    return Err(self.too_long(&shown, elapsed));
                 }
                 tokio::time::sleep(wait).await;
                 self.rate_waited_ms.fetch_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX), std::sync::atomic::Ordering::Relaxed);

@@ -122,18 +122,7 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
         None => return Err(reject(Some(id), QuarantineReason::EmptyGeometry, "geometry is null".into())),
     };
     let geom = geom.map_err(|(reason, detail)| reject(Some(id.clone()), reason, detail))?;
-    // Without a source bbox, the sanity bounds are the globe's: a layer in a projected
-    // system (state-plane feet, UTM metres) read as degrees would otherwise be stored as
-    // garbage, matching no AOI, silently. Each feature is quarantined instead, and the
-    // quarantine-spike hold stops the run for an operator.
-    let (geometry, repaired) = clean_geometry(geom, Some(rules.bbox.unwrap_or(WGS84_DEGREES))).map_err(|(reason, detail)| {
-        let detail = if rules.bbox.is_none() && reason == QuarantineReason::OutOfBounds {
-            detail.replace("is outside the source bbox", "is outside longitude -180..180 / latitude -90..90: a layer's coordinates must be WGS84 degrees (GeoJSON's); this one may be in a projected system (feet, metres)")
-        } else {
-            detail
-        };
-        reject(Some(id.clone()), reason, detail)
-    })?;
+    let (geometry, repaired) = clean_layer_geometry(geom, rules.bbox).map_err(|(reason, detail)| reject(Some(id.clone()), reason, detail))?;
 
     let geom_hash = canonical::geometry_hash(&geometry);
     let content_hash = canonical::content_hash(&zoning, effective_date.as_deref(), &geom_hash);
@@ -554,6 +543,21 @@ fn polygon_from(c: Coords) -> Result<Option<Polygon<f64>>, String> {
 /// Longitude / latitude bounds [min x, min y, max x, max y]: every coordinate of a feature
 /// (without a source bbox) and of a new AOI lies within them.
 pub const WGS84_DEGREES: [f64; 4] = [-180.0, -90.0, 180.0, 90.0];
+
+/// [`clean_geometry`] for a feature of a layer (parcels or districts) with its source's
+/// `bbox`. Without one, the bounds are the globe's: a layer in a projected system
+/// (state-plane feet, UTM metres) read as degrees would otherwise be stored as garbage,
+/// matching no AOI, silently. Each feature is quarantined instead (saying why), and the
+/// quarantine-spike hold stops the run for an operator.
+pub fn clean_layer_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(MultiPolygon<f64>, bool), GeomError> {
+    clean_geometry(mp, Some(bbox.unwrap_or(WGS84_DEGREES))).map_err(|(reason, detail)| match (bbox, reason) {
+        (None, QuarantineReason::OutOfBounds) => (
+            reason,
+            detail.replace("is outside the source bbox", "is outside longitude -180..180 / latitude -90..90: a layer's coordinates must be WGS84 degrees (GeoJSON's); this one may be in a projected system (feet, metres)"),
+        ),
+        _ => (reason, detail),
+    })
+}
 
 /// Finite check, repeated points, bbox, repair, orientation. Returns the clean geometry and
 /// whether it needed repair. Validity is checked within [`super::valid::WORK_BUDGET`].

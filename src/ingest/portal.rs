@@ -393,11 +393,15 @@ fn rows_updated_ms(view: &Value) -> Option<u64> {
     view.get("rowsUpdatedAt").and_then(Value::as_u64).and_then(|s| s.checked_mul(1000))
 }
 
+/// The dataset's `rowsUpdatedAt` (ms), read from its view metadata at `views`.
+async fn rows_updated_at(session: &Session, views: &str) -> Result<Option<u64>, FetchError> {
+    Ok(rows_updated_ms(&session.get(views, &[]).await?.members(&["rowsUpdatedAt"])?))
+}
+
 async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, prev: Option<&Watermark>, due: bool) -> Result<PortalFetch, FetchError> {
     let views = socrata_views_url(url)
         .ok_or_else(|| FetchError::BadUrl { url: url.to_string(), reason: "expected a SODA resource URL like https://host/resource/abcd-1234.geojson".into() })?;
-    let v = session.get(&views, &[]).await?.members(&["rowsUpdatedAt"])?;
-    let publisher_ts_ms = rows_updated_ms(&v);
+    let publisher_ts_ms = rows_updated_at(session, &views).await?;
     let meta = PortalMeta { publisher_ts_ms, ..Default::default() };
     if !due {
         if let (Some(w), Some(ts)) = (prev, publisher_ts_ms) {
@@ -441,7 +445,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
             // shift a row past every page (it would read as removed). rowsUpdatedAt, read
             // again, says whether anything changed since: then scan again.
             if edited_ms.is_some() {
-                let now = rows_updated_ms(&session.get(&views, &[]).await?.members(&["rowsUpdatedAt"])?);
+                let now = rows_updated_at(session, &views).await?;
                 if now != edited_ms {
                     tracing::info!(url, before = ?edited_ms, after = ?now, "rows were updated during the scan; scanning again");
                     edited_ms = now;
@@ -459,7 +463,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
                 expected = after;
                 // The date the next scan is checked against is this moment's.
                 if edited_ms.is_some() {
-                    edited_ms = rows_updated_ms(&session.get(&views, &[]).await?.members(&["rowsUpdatedAt"])?);
+                    edited_ms = rows_updated_at(session, &views).await?;
                 }
                 continue;
             }

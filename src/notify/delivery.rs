@@ -480,7 +480,12 @@ impl Deliverer {
             outstanding.fetch_add(leased.entries.len(), std::sync::atomic::Ordering::SeqCst);
             if let Ok(mut g) = per_endpoint.lock() {
                 for e in &leased.entries {
-                    *g.entry(e.watcher_id.clone()).or_default() += 1;
+                    match g.get_mut(&e.watcher_id) {
+                        Some(n) => *n += 1,
+                        None => {
+                            g.insert(e.watcher_id.clone(), 1);
+                        }
+                    }
                 }
             }
             for entry in leased.entries {

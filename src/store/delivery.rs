@@ -168,11 +168,17 @@ pub(super) fn claim_in_txn(
     // Outbox ids go to the winning claims in claim order (the order rows are delivered in).
     let mut row_of: Vec<Option<u64>> = vec![None; claims.len()];
     if mode == ClaimMode::Deliver {
+        let first_id = next_id;
         for (i, won) in wins.iter().enumerate() {
             if *won {
                 row_of[i] = Some(next_id);
                 next_id = next_id.checked_add(1).ok_or_else(|| codec_err("meta", "the next outbox id is at its largest value".into()))?;
             }
+        }
+        // The batch's ids are one stretch: one look in each queue (not one per claim) says
+        // whether a damaged counter handed out ids a queued row holds.
+        if let Some(id) = id_held_in(&[&outbox, &retry_rows], first_id..next_id)? {
+            return Err(id_in_use(id));
         }
     }
     let mut claimed_keys: Vec<&str> = Vec::new();
@@ -225,9 +231,7 @@ pub(super) fn claim_in_txn(
                         next_attempt_ms: now_ms,
                         last_error: None,
                     };
-                    if retry_rows.get(id)?.is_some() || outbox.insert(id, encode_entry(&entry).as_slice())?.is_some() {
-                        return Err(id_in_use(id));
-                    }
+                    outbox.insert(id, encode_entry(&entry).as_slice())?;
                     counts.queued += 1;
                     (Outcome::Queued, Cow::Owned(format!("{} {}", event.kind.as_str(), event.severity.as_str())))
                 }
@@ -257,6 +261,18 @@ pub(super) fn claim_in_txn(
 pub(super) fn read_next_outbox_id(bytes: &[u8]) -> Result<u64, StoreError> {
     let b: [u8; 8] = bytes.try_into().map_err(|_| codec_err("meta", format!("the next outbox id is {} bytes, not 8", bytes.len())))?;
     Ok(u64::from_le_bytes(b))
+}
+
+/// The first id of `ids` a row of one of `queues` holds.
+pub(super) fn id_held_in<T: ReadableTable<u64, &'static [u8]>>(queues: &[&T], ids: std::ops::Range<u64>) -> Result<Option<u64>, StoreError> {
+    let mut first: Option<u64> = None;
+    for q in queues {
+        if let Some(item) = q.range(ids.clone())?.next() {
+            let id = item?.0.value();
+            first = Some(first.map_or(id, |f| f.min(id)));
+        }
+    }
+    Ok(first)
 }
 
 /// The error of a new outbox row whose id a queued row holds: only a damaged counter gives

@@ -267,19 +267,13 @@ impl Store {
 
     /// Audit rows matching `filter`, in ledger order.
     pub fn audit(&self, filter: &AuditFilter) -> Result<Vec<AuditRow>, StoreError> {
-        let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(AUDIT)?;
-        let mut out = Vec::new();
         let limit = filter.limit.unwrap_or(usize::MAX);
-        for item in t.range(filter.since_seq.unwrap_or(0)..)? {
-            let (_, v) = item?;
-            let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
-            if filter.matches(&row) {
+        let mut out = Vec::new();
+        if limit > 0 {
+            self.audit_walk(filter, false, None, |row| {
                 out.push(row);
-                if out.len() >= limit {
-                    break;
-                }
-            }
+                out.len() < limit
+            })?;
         }
         Ok(out)
     }
