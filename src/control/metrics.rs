@@ -2,7 +2,7 @@
 //! store (so they survive restarts and agree with the audit ledger); the latency histogram
 //! comes from [`crate::telemetry`].
 
-use crate::model::{HoldState, Verdict};
+use crate::model::HoldState;
 use crate::pipeline::Engine;
 use crate::store::StoreError;
 use std::collections::BTreeMap;
@@ -22,21 +22,21 @@ pub fn render(engine: &Engine) -> Result<String, StoreError> {
     let store = &engine.store;
     let mut out = String::with_capacity(4096);
 
-    let runs = store.runs(None, usize::MAX)?;
+    // Running totals kept beside the run records and the ledger: a scrape reads a few rows,
+    // not every run and audit row ever written.
     let mut by_verdict: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
     let mut changes: BTreeMap<String, u64> = BTreeMap::new();
     let mut features: BTreeMap<String, u64> = BTreeMap::new();
     for src in &engine.config.sources {
         changes.entry(src.id.clone()).or_default();
     }
-    // `runs` is newest first: the first run with features is the latest layer size.
-    for r in &runs {
-        *by_verdict.entry((r.source_id.clone(), r.verdict.as_str())).or_default() += 1;
-        if matches!(r.verdict, Verdict::Run | Verdict::Reprocessed) {
-            *changes.entry(r.source_id.clone()).or_default() += r.counts.changes;
+    for (source, totals) in store.run_totals()? {
+        for (verdict, n) in &totals.verdicts {
+            *by_verdict.entry((source.clone(), verdict.as_str())).or_default() += n;
         }
-        if r.counts.features > 0 {
-            features.entry(r.source_id.clone()).or_insert(r.counts.features);
+        *changes.entry(source.clone()).or_default() += totals.changes;
+        if totals.latest_features > 0 {
+            features.insert(source, totals.latest_features);
         }
     }
     header(&mut out, "zonewatch_runs_total", "counter", "Source runs by verdict.");

@@ -39,6 +39,7 @@ mod area_places;
 mod probe;
 mod repair;
 mod tables;
+mod totals;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::LeasedBatch;
@@ -57,6 +58,7 @@ pub use probe::{PortalSignals, UnchangedRun};
 pub use check::ConsistencyReport;
 pub use repair::OpenInfo;
 pub use floor::WriteFloor;
+pub use totals::SourceRunTotals;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
@@ -85,7 +87,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 9;
+pub const SCHEMA_VERSION: u32 = 10;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -525,6 +527,8 @@ impl Store {
             wtx.open_table(DLQ_REPLAYS)?;
             wtx.open_table(DLQ_QUARANTINE)?;
             wtx.open_table(ENDPOINTS)?;
+            wtx.open_table(AUDIT_TOTALS)?;
+            wtx.open_table(RUN_TOTALS)?;
         }
         // The journal's index lives in memory: rebuilt from its rows. Rows whose fingerprints
         // clash (never written so) are merged into `idem_keys`, where no index is needed.
@@ -555,6 +559,10 @@ impl Store {
         let indexed = tombstones::index_by_age(&wtx)?;
         if indexed > 0 {
             tracing::info!(indexed, "parcel tombstones indexed by removal time (schema 8 to 9)");
+        }
+        let (audit_rows, run_records) = totals::count_missing(&wtx)?;
+        if audit_rows > 0 || run_records > 0 {
+            tracing::info!(audit_rows, run_records, "audit ledger and run records counted into running totals for /metrics (schema 9 to 10)");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

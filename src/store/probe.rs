@@ -2,7 +2,6 @@
 //! `identical` with the portal's new signals (ETag, Last-Modified, publisher timestamp, schema
 //! hash). Kept apart from `runs.rs` because only the portal kinds need it.
 
-use super::codec::encode;
 use super::watermark_rows::{decode_watermark, encode_watermark};
 use super::runs::{codec_err, lineage_for, next_key, supersede_open_holds};
 use super::tables::*;
@@ -108,7 +107,7 @@ impl Store {
             warnings,
             error: None,
         };
-        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        super::totals::append_run(&wtx, &record)?;
         wtx.commit()?;
         Ok(record)
     }

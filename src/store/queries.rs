@@ -383,29 +383,24 @@ impl Store {
         super::outbox::len(&rtx.open_table(OUTBOX)?, &rtx.open_table(OUTBOX_RETRY)?)
     }
 
-    /// Totals over runs, the audit ledger, the outbox and holds.
+    /// Totals over runs, the audit ledger, the outbox and holds: the runs and the ledger from
+    /// their running totals (`totals.rs`), not by reading them.
     pub fn stats(&self) -> Result<StoreStats, StoreError> {
         let rtx = self.db.begin_read()?;
         let mut s = StoreStats::default();
-        for item in rtx.open_table(RUNS)?.iter()? {
-            let (_, v) = item?;
-            let r: RunRecord = decode(v.value()).map_err(|m| codec_err("runs", m))?;
-            s.runs += 1;
-            if matches!(r.verdict, Verdict::Run | Verdict::Reprocessed) {
-                s.changes += r.counts.changes;
-            }
+        for (_, t) in super::totals::read_run_totals(&rtx.open_table(RUN_TOTALS)?)? {
+            s.runs += t.runs();
+            s.changes += t.changes;
         }
-        for item in rtx.open_table(AUDIT)?.iter()? {
-            let (_, v) = item?;
-            let r: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
-            match r.outcome {
-                Outcome::Queued => s.queued += 1,
-                Outcome::Sent => s.sent += 1,
-                Outcome::Duplicate => s.duplicates += 1,
-                Outcome::Suppressed => s.suppressed += 1,
-                Outcome::DeadLetter => s.dead_letters += 1,
-                Outcome::Quarantined => s.quarantined += 1,
-                Outcome::Held => s.held += 1,
+        for (outcome, n) in super::totals::read_audit_totals(&rtx.open_table(AUDIT_TOTALS)?)? {
+            match outcome {
+                Outcome::Queued => s.queued = n,
+                Outcome::Sent => s.sent = n,
+                Outcome::Duplicate => s.duplicates = n,
+                Outcome::Suppressed => s.suppressed = n,
+                Outcome::DeadLetter => s.dead_letters = n,
+                Outcome::Quarantined => s.quarantined = n,
+                Outcome::Held => s.held = n,
                 _ => {}
             }
         }

@@ -101,28 +101,40 @@ pub(super) fn append_audit(
 pub(super) fn append_audits<R: LedgerRow>(wtx: &WriteTransaction, rows: &mut [R]) -> Result<u64, StoreError> {
     let mut audit = wtx.open_table(AUDIT)?;
     let mut seq = audit.last()?.map(|(k, _)| k.value()).unwrap_or(0);
+    let mut tally = super::totals::OutcomeTally::default();
     for row in rows {
         seq += 1;
         row.set_seq(seq);
+        tally.count(row.outcome());
         audit.insert(seq, encode(row).as_slice())?;
     }
+    drop(audit);
+    tally.commit_to(wtx)?;
     Ok(seq)
 }
 
 /// A row [`append_audits`] can write: stored as an [`AuditRow`], numbered as it is appended.
 pub(super) trait LedgerRow: Serialize {
     fn set_seq(&mut self, seq: u64);
+    /// What the row records (counted in `audit_totals`).
+    fn outcome(&self) -> Outcome;
 }
 
 impl LedgerRow for AuditRow {
     fn set_seq(&mut self, seq: u64) {
         self.seq = seq;
     }
+    fn outcome(&self) -> Outcome {
+        self.outcome
+    }
 }
 
 impl LedgerRow for AuditRowRef<'_> {
     fn set_seq(&mut self, seq: u64) {
         self.seq = seq;
+    }
+    fn outcome(&self) -> Outcome {
+        self.outcome
     }
 }
 
@@ -281,7 +293,7 @@ impl Store {
         // Content identical to what was committed: any open hold is stale (the publisher
         // went back to the committed version), so it is superseded.
         supersede_open_holds(&wtx, source_id, run_id, now_ms)?;
-        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        super::totals::append_run(&wtx, &record)?;
         // An identical run is a run commit too: the crash hook fires here as well.
         if self.take_injected_failure() {
             wtx.abort()?;
@@ -311,7 +323,7 @@ impl Store {
             warnings: vec![],
             error,
         };
-        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        super::totals::append_run(&wtx, &record)?;
         wtx.commit()?;
         Ok(record)
     }
@@ -714,7 +726,7 @@ impl RunWriter<'_> {
             warnings,
             error: None,
         };
-        wtx.open_table(RUNS)?.insert(run_id, encode(&record).as_slice())?;
+        super::totals::append_run(&wtx, &record)?;
         if store.take_injected_failure() {
             wtx.abort()?;
             return Err(StoreError::Injected(format!("run {run_id} of {source_id}")));

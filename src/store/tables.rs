@@ -94,6 +94,10 @@ pub const DELIVERY_ATTEMPTS: TableDefinition<(&str, u32), &[u8]> = TableDefiniti
 pub const DELIVERY_ATTEMPTS_BY_ROW: TableDefinition<(u64, u32), &[u8]> = TableDefinition::new("delivery_attempts_by_row");
 /// idempotency key → how many times its dead letter was replayed (u32 LE).
 pub const DLQ_REPLAYS: TableDefinition<&str, u32> = TableDefinition::new("dlq_replays");
+/// outcome label (`Outcome::as_str`) → audit rows of that outcome (`totals.rs`; schema 10).
+pub const AUDIT_TOTALS: TableDefinition<&str, u64> = TableDefinition::new("audit_totals");
+/// source id → `SourceRunTotals`: its runs per verdict, changes, latest layer size (`totals.rs`).
+pub const RUN_TOTALS: TableDefinition<&str, &[u8]> = TableDefinition::new("run_totals");
 /// outbox id → `DeadLetter` set aside for a person (replayed too often, invalid geometry).
 pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
 /// subscriber id → `EndpointState` (disabled flag, circuit breaker, recent outcomes).
