@@ -33,9 +33,11 @@ fn queue(ws: &Workspace, engine: &zonewatch::pipeline::Engine, ids: &[usize]) {
     assert_eq!(rezone(ws, engine, ids), ids.len() as u64);
 }
 
-/// Baseline, then rezone parcels `ids`; returns how many events the second run queued.
+/// Baseline, then rezone parcels `ids` of a grid of 30 (of twice the ids past it, so that
+/// the change stays under the spike hold's ratio); returns how many events the second run
+/// queued.
 fn rezone(ws: &Workspace, engine: &zonewatch::pipeline::Engine, ids: &[usize]) -> u64 {
-    let v1 = grid(30);
+    let v1 = grid(ids.iter().max().map_or(30, |&m| if m < 30 { 30 } else { 2 * (m + 1) }));
     ws.write_layer(&layer(&v1));
     run(engine, false);
     let mut v2 = v1.clone();
@@ -152,8 +154,11 @@ async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
     let engine = ws.engine();
     queue(&ws, &engine, &[0, 4]);
     let stats = deliver(&engine, Duration::from_secs(5)).await;
-    assert_eq!((stats.sent, stats.dead, stats.retried, stats.gone), (0, 0, 0, 2), "a 410 is counted as gone, not retried: {stats:?}");
-    assert_eq!(rx.received().len(), 2, "no further tries once the endpoint is gone");
+    // Both rows go out at once; a row whose send had not begun when the first 410 came back
+    // is not sent (`a_410_stops_the_sends_of_rows_already_leased`).
+    let asked = rx.received().len() as u64;
+    assert_eq!((stats.sent, stats.dead, stats.retried, stats.gone), (0, 0, 0, asked), "a 410 is counted as gone, not retried: {stats:?}");
+    assert!((1..=2).contains(&asked), "no further tries once the endpoint is gone: {asked}");
     assert_eq!(engine.store.outbox_len().unwrap(), 2, "events wait, they are not dropped");
     let eps = engine.store.endpoints().unwrap();
     assert_eq!(eps.len(), 1);
@@ -173,6 +178,57 @@ async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
     assert_eq!(engine.store.outbox_len().unwrap(), 0);
     let o = outcomes(&engine);
     assert_eq!((o.get("endpoint_disabled"), o.get("endpoint_enabled"), o.get("sent")), (Some(&1), Some(&1), Some(&2)));
+}
+
+/// A 410 stops the sends of its endpoint's rows already leased (a pump leases up to the
+/// endpoint's share of the window ahead of its slots): with one slot and 60 rows, the
+/// receiver that said it is gone is asked once. Every row stays queued (none dead, none
+/// lost, no lease kept), and all go out once the endpoint is enabled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_stops_the_sends_of_rows_already_leased() {
+    let back = Arc::new(AtomicBool::new(false));
+    let b = back.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(if b.load(Ordering::SeqCst) { 200 } else { 410 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_concurrency = 1");
+    let engine = ws.engine();
+    let ids: Vec<usize> = (0..60).collect();
+    queue(&ws, &engine, &ids);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(rx.received().len(), 1, "one request to the endpoint that said it is gone: {stats:?}");
+    assert_eq!((stats.sent, stats.dead, stats.gone), (0, 0, 1), "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 60, "every row waits");
+    assert_eq!(engine.store.leased_len().unwrap(), 0, "a row not sent keeps no lease");
+    let report = engine.store.check_consistency().unwrap();
+    assert!(report.is_consistent(), "{:?}", report.problems);
+    back.store(true, Ordering::SeqCst);
+    engine.store.enable_endpoint("w", engine.now()).unwrap();
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert_eq!(stats.sent, 60, "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 0);
+    assert_eq!(rx.received().len(), 61);
+}
+
+/// A circuit breaker that opens stops the sends of its endpoint's rows already leased: with
+/// one slot and 60 rows of an endpoint answering 500 (20 ms late), the breaker opens after 10
+/// failures and the rows still leased are not sent (no attempt of theirs used up): they wait,
+/// queued and unleased, for the breaker's probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_opening_breaker_stops_the_sends_of_rows_already_leased() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply { status: 500, delay: Duration::from_millis(20), ..Default::default() }), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_concurrency = 1\nbreaker_cooldown = \"1h\"");
+    let engine = ws.engine();
+    let ids: Vec<usize> = (0..60).collect();
+    queue(&ws, &engine, &ids);
+    let stats = deliver(&engine, Duration::from_secs(3)).await;
+    let asked = rx.received().len();
+    assert!((10..30).contains(&asked), "the breaker opens after 10 failures; {asked} requests: {stats:?}");
+    assert_eq!(stats.dead, 0, "{stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 60, "every row waits");
+    assert_eq!(engine.store.leased_len().unwrap(), 0, "a row not sent keeps no lease");
+    let eps = engine.store.endpoints().unwrap();
+    assert!(eps[0].1.breaker_open_until_ms.is_some_and(|t| t > engine.now()), "{eps:?}");
+    let report = engine.store.check_consistency().unwrap();
+    assert!(report.is_consistent(), "{:?}", report.problems);
 }
 
 /// A 410 on the last attempt the schedule allows still disables the endpoint, and the event

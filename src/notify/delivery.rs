@@ -95,6 +95,8 @@ struct Outcome {
     attempt: AttemptRecord,
     /// The endpoint whose half-open probe this was.
     probe_of: Option<String>,
+    /// The endpoint, when it answered 410 Gone (its disable lands with this outcome's commit).
+    gone: Option<String>,
 }
 
 /// One leased row's place in [`Deliverer::pump_until`]'s counts, given back when its send
@@ -360,6 +362,7 @@ impl Deliverer {
         let endpoint_share = (max_outstanding / 4).max(self.cfg.endpoint_concurrency.saturating_mul(4));
         let committed = Arc::new(tokio::sync::Notify::new());
         let probing: Arc<Mutex<HashSet<String>>> = Default::default();
+        let gates: Arc<super::closed_gates::ClosedGates> = Default::default();
         let sem = Arc::new(Semaphore::new(self.cfg.concurrency.max(1)));
         let (otx, mut orx) = tokio::sync::mpsc::unbounded_channel::<Outcome>();
 
@@ -369,6 +372,7 @@ impl Deliverer {
             let outstanding = outstanding.clone();
             let committed = committed.clone();
             let probing = probing.clone();
+            let gates = gates.clone();
             let policy = crate::store::HealthPolicy {
                 breaker_cooldown_ms: self.cfg.breaker_cooldown.as_millis() as u64,
                 disable_after_ms: self.cfg.disable_after.as_millis() as u64,
@@ -389,11 +393,13 @@ impl Deliverer {
                     let mut results = Vec::with_capacity(n);
                     let mut log = Vec::with_capacity(n);
                     let mut probes_done = Vec::new();
+                    let mut gone_now = Vec::new();
                     for o in batch {
                         stats.count(&o.result);
                         if let Some(p) = o.probe_of {
                             probes_done.push(p);
                         }
+                        gone_now.extend(o.gone);
                         results.push(o.result);
                         log.push(o.attempt);
                     }
@@ -403,7 +409,12 @@ impl Deliverer {
                     let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now, Some(&policy))).await;
                     tracing::debug!(n, ms = tc.elapsed().as_secs_f64() * 1000.0, "outcome group commit");
                     match r {
-                        Ok(Ok(())) => stats.commits += 1,
+                        Ok(Ok(closed)) => {
+                            stats.commits += 1;
+                            for endpoint in gone_now.iter().chain(&closed) {
+                                gates.closed_by_commit(endpoint);
+                            }
+                        }
                         Ok(Err(e)) => {
                             // The entries keep their leases: they go out again (same key) once
                             // the leases expire or the store is next opened.
@@ -449,7 +460,9 @@ impl Deliverer {
             let now = due_by.map_or(self.clock.now_ms(), |by| self.clock.now_ms().min(by));
             let subs = self.subscribers.clone();
             let held = per_endpoint.lock().map(|g| g.clone()).unwrap_or_default();
-            let room = move |id: &str| endpoint_share.saturating_sub(held.get(id).copied().unwrap_or(0));
+            let held_back = gates.held_back();
+            let room = move |id: &str| if held_back.contains(id) { 0 } else { endpoint_share.saturating_sub(held.get(id).copied().unwrap_or(0)) };
+            let pass = gates.begin_pass();
             let leased = tokio::task::spawn_blocking(move || store.lease_due_probing(now, lease_ms, want, retry_floor, &skip, &|id| subs.get(id).is_some(), &room)).await;
             tracing::debug!(out, ms = tl.elapsed().as_secs_f64() * 1000.0, n = leased.as_ref().map(|r| r.as_ref().map(|b| b.entries.len()).unwrap_or(0)).unwrap_or(0), "lease");
             let leased = match leased {
@@ -495,6 +508,7 @@ impl Deliverer {
                 let otx = otx.clone();
                 let probe_of = probes.contains(&entry.watcher_id).then(|| entry.watcher_id.clone());
                 let stop = stop.cloned();
+                let gates = gates.clone();
                 tokio::spawn(async move {
                     let mut pending = pending;
                     let begin = async {
@@ -514,9 +528,18 @@ impl Deliverer {
                             held = begin => held,
                         },
                     };
+                    // Its endpoint's gate closed while it waited: not sent (`notify::closed_gates`).
+                    if gates.skips(&entry.watcher_id, pass) {
+                        this.store.give_back_lease(entry.id);
+                        return;
+                    }
                     let (result, attempt) = this.attempt(&entry).await;
+                    let gone_now = matches!(&result, DeliveryResult::Retry { error, .. } if error == HTTP_410_GONE).then(|| entry.watcher_id.clone());
+                    if let Some(endpoint) = &gone_now {
+                        gates.answered_gone(endpoint);
+                    }
                     // The committer outlives every sender (it ends when the last sender is gone).
-                    pending.outcome_sent = otx.send(Outcome { result, attempt, probe_of }).is_ok();
+                    pending.outcome_sent = otx.send(Outcome { result, attempt, probe_of, gone: gone_now }).is_ok();
                 });
             }
         }

@@ -8,6 +8,7 @@
 
 pub mod aoi;
 pub mod delivery;
+mod closed_gates;
 pub mod idem;
 pub mod matcher;
 pub mod payload;

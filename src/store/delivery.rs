@@ -452,20 +452,22 @@ impl Store {
     /// Records a batch of delivery outcomes and their attempt log rows in one transaction
     /// (group commit). Each entry's lease is dropped once the transaction has committed.
     pub fn record_outcomes(&self, results: &[DeliveryResult], attempts: &[AttemptRecord], now_ms: u64) -> Result<(), StoreError> {
-        self.record_outcomes_with(results, attempts, now_ms, None)
+        self.record_outcomes_with(results, attempts, now_ms, None).map(|_| ())
     }
 
     /// [`Store::record_outcomes`], also folding each result into its endpoint's health
-    /// (circuit breaker, 410, `disable_after`) when `health` is given.
+    /// (circuit breaker, 410, `disable_after`) when `health` is given. Returns the endpoints
+    /// whose gate this commit closed (a breaker opened, an endpoint disabled): rows of theirs
+    /// leased before it are not to be sent (`notify::closed_gates`).
     pub fn record_outcomes_with(
         &self,
         results: &[DeliveryResult],
         attempts: &[AttemptRecord],
         now_ms: u64,
         health: Option<&super::endpoints::HealthPolicy>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Vec<String>, StoreError> {
         if results.is_empty() && attempts.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -478,7 +480,7 @@ impl Store {
             }
         }
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
-        {
+        let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
@@ -523,8 +525,8 @@ impl Store {
                     }
                 }
             }
-            health_batch.finish()?;
-        }
+            health_batch.finish()?
+        };
         append_audits(&wtx, &mut pending)?;
         wtx.commit()?;
         // After the commit, never before (see `leases::Leases`): a lease pass that no longer
@@ -532,7 +534,7 @@ impl Store {
         self.leases.release(results.iter().map(|r| match r {
             DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
         }));
-        Ok(())
+        Ok(closed)
     }
 
     /// Deletes idempotency keys that expired before `now_ms`, at most `max` expiry entries per

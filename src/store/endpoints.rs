@@ -87,11 +87,13 @@ fn endpoint_row(id: &str, outcome: Outcome, detail: String, now_ms: u64) -> Audi
 pub(super) struct HealthBatch<'t, 'txn> {
     table: &'t mut redb::Table<'txn, &'static str, &'static [u8]>,
     touched: HashMap<String, EndpointState>,
+    /// Endpoints whose gate this batch closed (breaker opened, endpoint disabled).
+    closed: Vec<String>,
 }
 
 impl<'t, 'txn> HealthBatch<'t, 'txn> {
     pub(super) fn new(table: &'t mut redb::Table<'txn, &'static str, &'static [u8]>) -> Self {
-        HealthBatch { table, touched: HashMap::new() }
+        HealthBatch { table, touched: HashMap::new(), closed: Vec::new() }
     }
 
     /// Folds one attempt's result into the endpoint's state. `gone` = the endpoint answered
@@ -111,19 +113,29 @@ impl<'t, 'txn> HealthBatch<'t, 'txn> {
             };
             self.touched.insert(id.to_string(), s);
         }
-        match self.touched.get_mut(id) {
-            Some(s) => Ok(observe(s, id, success, gone, now_ms, policy)),
-            None => Ok(None),
+        let Some(s) = self.touched.get_mut(id) else { return Ok(None) };
+        let was_open = !closes(s, now_ms);
+        let row = observe(s, id, success, gone, now_ms, policy);
+        if was_open && closes(s, now_ms) && !self.closed.iter().any(|c| c == id) {
+            self.closed.push(id.to_string());
         }
+        Ok(row)
     }
 
-    /// Writes every touched state back (once each).
-    pub(super) fn finish(self) -> Result<(), StoreError> {
+    /// Writes every touched state back (once each). Returns the endpoints whose gate the
+    /// batch closed: a breaker opened (or a half-open probe failed), an endpoint disabled.
+    pub(super) fn finish(self) -> Result<Vec<String>, StoreError> {
         for (id, s) in &self.touched {
             self.table.insert(id.as_str(), encode(s).as_slice())?;
         }
-        Ok(())
+        Ok(self.closed)
     }
+}
+
+/// Whether the endpoint's state holds its rows back at `now_ms` (disabled, or a breaker
+/// open past it; a half-open one lets its probe through).
+fn closes(s: &EndpointState, now_ms: u64) -> bool {
+    s.disabled || s.breaker_open_until_ms.is_some_and(|t| t > now_ms)
 }
 
 /// Folds one attempt's result into an endpoint's state; the `endpoint_disabled` audit row
@@ -269,7 +281,11 @@ mod tests {
                 .filter(|e| e.watcher_id == watcher)
                 .map(|e| DeliveryResult::Dead { id: e.id, reason: "some reason".into(), cause })
                 .collect();
-            store.record_outcomes_with(&dead, &[], 10, Some(&policy)).unwrap();
+            let closed = store.record_outcomes_with(&dead, &[], 10, Some(&policy)).unwrap();
+            // The commit names the endpoint whose breaker it opened (delivery stops sending
+            // that endpoint's leased rows: `notify::closed_gates`).
+            let expected: &[&str] = if cause == DeadCause::Endpoint { &["remote"] } else { &[] };
+            assert_eq!(closed, expected, "{watcher}");
         }
         let states: std::collections::HashMap<String, EndpointState> = store.endpoints().unwrap().into_iter().collect();
         let local = states.get("local").cloned().unwrap_or_default();

@@ -272,6 +272,13 @@ impl Store {
         Ok(n - state.by_row.len())
     }
 
+    /// Drops the lease of a row whose send did not begin and never will in this pass (its
+    /// endpoint's gate closed meanwhile: `notify::closed_gates`): nothing was sent and it has no
+    /// outcome, so the next pass that may send it (the endpoint enabled again) can lease it.
+    pub fn give_back_lease(&self, id: u64) {
+        self.leases.release([id]);
+    }
+
     /// How many outbox entries this process has leased right now (in flight, or expired and
     /// not taken over yet).
     pub fn leased_len(&self) -> Result<u64, StoreError> {
