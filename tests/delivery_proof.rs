@@ -853,7 +853,9 @@ async fn rows_of_a_subscriber_removed_from_the_config_are_dead_lettered_as_gone_
     queue(&ws, &engine, &[0, 4]);
     deliver(&engine, Duration::from_secs(5)).await;
     assert_eq!(engine.store.outbox_len().unwrap(), 2);
-    assert_eq!(rx.received().len(), 2);
+    // The second row is not sent if the first one's 410 came back before its send began.
+    let asked = rx.received().len();
+    assert!((1..=2).contains(&asked), "{asked}");
     drop(engine);
     let text = std::fs::read_to_string(ws.config_path()).unwrap();
     let at = text.find("[[subscriber]]").unwrap();
@@ -861,7 +863,7 @@ async fn rows_of_a_subscriber_removed_from_the_config_are_dead_lettered_as_gone_
     let engine = ws.engine();
     let stats = deliver(&engine, Duration::from_secs(2)).await;
     assert_eq!((stats.dead, engine.store.outbox_len().unwrap()), (2, 0), "{stats:?}");
-    assert_eq!(rx.received().len(), 2, "nothing sent for a subscriber that is gone");
+    assert_eq!(rx.received().len(), asked, "nothing sent for a subscriber that is gone");
     let dead = engine.store.dead_letters().unwrap();
     assert!(dead.len() == 2 && dead.iter().all(|d| d.reason == "subscriber_gone"), "{dead:?}");
     assert_eq!(outcomes(&engine).get("dead_letter"), Some(&2));

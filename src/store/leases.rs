@@ -38,6 +38,12 @@ pub(super) struct LeaseState {
     /// before its limit wraps to the front, so a row passed over (a held endpoint, a lease
     /// that expired) is read again at least once per sweep of the queue.
     fresh_resume: u64,
+    /// Where the next pass starts reading the due retries (a key of `outbox_retry_due`;
+    /// `None`: from the earliest): just past the last one the previous pass read, when it
+    /// stopped before the end. For the same reason as `fresh_resume`: after an outage, an
+    /// endpoint whose breaker is open can hold a backlog of due retries that every pass
+    /// would otherwise read whole (a point lookup each) before the retries behind it.
+    retry_resume: Option<(u64, u64)>,
     /// Outbox rows a lease pass could not decode (a damaged page, a bug): skipped by every
     /// pass, left in place for `zonewatch check`, and reported once each.
     unreadable: std::collections::HashSet<u64>,
@@ -237,22 +243,41 @@ impl Store {
         }
         leases.fresh_resume = next_resume;
         batch.fresh = batch.entries.len();
-        // Retries by due time.
+        // Retries by due time, from where the last pass stopped to the last one due, then
+        // from the earliest up to that point; at most `pass_over_max` passed over per pass,
+        // as for fresh rows.
         let retry_limit = fresh_limit.saturating_sub(batch.fresh).max(retry_floor);
-        let mut taken = 0;
+        let mut next_retry_resume = None;
         if retry_limit > 0 {
-            for item in rtx.open_table(OUTBOX_RETRY_DUE)?.range(..(now_ms.saturating_add(1), 0u64))? {
-                let (k, _) = item?;
-                let (_, id) = k.value();
-                let Some(v) = retry_rows.get(id)? else { continue };
-                if take(&mut leases.by_row, id, v.value(), "outbox_retry", &mut batch.entries)? {
-                    taken += 1;
-                    if taken >= retry_limit {
-                        break;
+            use std::ops::Bound::{Excluded, Included, Unbounded};
+            let mut taken = 0;
+            let mut passed_over = 0usize;
+            let pass_over_max = retry_limit.saturating_mul(4).max(4_096);
+            let due_end = (now_ms.saturating_add(1), 0u64);
+            let resume = leases.retry_resume.filter(|r| *r < due_end);
+            let due = rtx.open_table(OUTBOX_RETRY_DUE)?;
+            let first = (resume.map_or(Unbounded, Included), Excluded(due_end));
+            let wrap = resume.map(|r| (Unbounded, Excluded(r)));
+            'retries: for range in std::iter::once(first).chain(wrap) {
+                for item in due.range::<(u64, u64)>(range)? {
+                    let (k, _) = item?;
+                    let (at, id) = k.value();
+                    let Some(v) = retry_rows.get(id)? else { continue };
+                    let stop = if take(&mut leases.by_row, id, v.value(), "outbox_retry", &mut batch.entries)? {
+                        taken += 1;
+                        taken >= retry_limit
+                    } else {
+                        passed_over += 1;
+                        passed_over >= pass_over_max
+                    };
+                    if stop {
+                        next_retry_resume = Some((at, id.saturating_add(1)));
+                        break 'retries;
                     }
                 }
             }
         }
+        leases.retry_resume = next_retry_resume;
         for (table, id, why) in unreadable {
             if leases.unreadable.insert(id) {
                 tracing::error!(table, id, "outbox row cannot be read ({why}); delivery skips it and leaves it in place: `zonewatch check` reports the store's damage");
@@ -566,6 +591,52 @@ mod tests {
         };
         assert_eq!(found, format!("P{n:05}"));
         assert!(passes >= 2, "10,000 rows passed over are more than one pass reads");
+    }
+
+    /// The same for due retries: an endpoint without room (or held back) with 10,000 due
+    /// retries does not have them all read on every pass, and another endpoint's retry due
+    /// after them is leased within a few passes.
+    #[test]
+    fn due_retries_of_an_endpoint_without_room_are_passed_over_a_bounded_stretch_per_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let n = 10_000;
+        let events: Vec<_> = (0..=n).map(|i| sample_event(&format!("P{i:05}"))).collect();
+        let claims: Vec<Claim> = (0..=n)
+            .map(|i| {
+                let w = if i == n { "fast" } else { "slow" };
+                Claim { event: i, watcher_id: w.into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) }
+            })
+            .collect();
+        store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+        // Every row failed once: the slow endpoint's are due at 5, the fast one's at 6.
+        let failed: Vec<DeliveryResult> = store
+            .outbox()
+            .unwrap()
+            .iter()
+            .map(|e| DeliveryResult::Retry { id: e.id, next_attempt_ms: if e.watcher_id == "fast" { 6 } else { 5 }, error: "http_503".into() })
+            .collect();
+        store.record_outcomes(&failed, &[], 2).unwrap();
+        let no_room_for_slow = |w: &str| if w == "slow" { 0 } else { usize::MAX };
+        let mut passes = 0;
+        let found = loop {
+            passes += 1;
+            assert!(passes <= 4, "the other endpoint's retry is reached within a few passes");
+            let batch = store.lease_due_probing(10, 60_000, 64, 64, &std::collections::HashSet::new(), &|_| true, &no_room_for_slow).unwrap();
+            assert!(batch.entries.iter().all(|e| e.watcher_id == "fast"), "no row of the endpoint without room");
+            if let Some(e) = batch.entries.first() {
+                break e.parcel_id.clone();
+            }
+        };
+        assert_eq!(found, format!("P{n:05}"));
+        assert!(passes >= 2, "10,000 retries passed over are more than one pass reads");
+        // With room again, the slow endpoint's retries are all leased, from wherever the
+        // passes stopped, wrapping to the earliest.
+        let mut leased = 0;
+        for _ in 0..200 {
+            leased += store.lease_due(10, 60_000, 64, 64).unwrap().entries.len();
+        }
+        assert_eq!(leased, n, "every due retry of the slow endpoint once");
     }
 
     /// A pass starts reading the fresh queue where the last one stopped, and wraps to the
