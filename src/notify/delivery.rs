@@ -55,6 +55,10 @@ pub struct PassStats {
     /// time one of those breakers lets its probe through (ms). Summed stats keep the later
     /// pass's value: it is a fact about where a pass ended, not a count.
     pub held_until_ms: Option<u64>,
+    /// The pass ended on a lease pass that found nothing to send but stopped at its
+    /// pass-over bound (a held backlog): rows past that point were not read. Summed stats
+    /// keep the later pass's value.
+    pub lease_capped: bool,
 }
 
 impl PassStats {
@@ -79,6 +83,7 @@ impl std::ops::AddAssign for PassStats {
         self.gone += o.gone;
         self.commits += o.commits;
         self.held_until_ms = o.held_until_ms;
+        self.lease_capped = o.lease_capped;
     }
 }
 
@@ -408,23 +413,29 @@ impl Deliverer {
                     let now = clock.now_ms();
                     let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now, Some(&policy))).await;
                     tracing::debug!(n, ms = tc.elapsed().as_secs_f64() * 1000.0, "outcome group commit");
-                    match r {
+                    let closed = match r {
                         Ok(Ok(closed)) => {
                             stats.commits += 1;
-                            for endpoint in gone_now.iter().chain(&closed) {
-                                gates.closed_by_commit(endpoint);
-                            }
+                            closed
                         }
                         Ok(Err(e)) => {
                             // The entries keep their leases: they go out again (same key) once
                             // the leases expire or the store is next opened.
                             tracing::error!("recording {n} delivery outcomes failed: {e}");
                             failure.get_or_insert(DeliveryError::Store(e));
+                            Vec::new()
                         }
                         Err(e) => {
                             tracing::error!("recording deliveries failed: {e}");
                             failure.get_or_insert(DeliveryError::Client(format!("outcome task failed: {e}")));
+                            Vec::new()
                         }
+                    };
+                    // A 410 whose commit failed is let go as well: the store does not hold its
+                    // endpoint, so later passes lease its rows again and the 410 that comes back
+                    // is recorded then (rather than its rows held for the rest of the pump).
+                    for endpoint in gone_now.iter().chain(&closed) {
+                        gates.closed_by_commit(endpoint);
                     }
                     {
                         let mut g = probing.lock().unwrap_or_else(|p| p.into_inner());
@@ -443,6 +454,7 @@ impl Deliverer {
         let shared = Arc::new(self.clone());
         let mut lease_error = None;
         let mut held_until_ms = None;
+        let mut lease_capped = false;
         loop {
             if stop.is_some_and(|s| *s.borrow()) {
                 break;
@@ -479,6 +491,7 @@ impl Deliverer {
             if leased.entries.is_empty() {
                 if outstanding.load(std::sync::atomic::Ordering::SeqCst) == 0 {
                     held_until_ms = leased.held_until_ms;
+                    lease_capped = leased.capped;
                     break;
                 }
                 // Outcomes still to commit may free retries or close a breaker.
@@ -501,6 +514,7 @@ impl Deliverer {
                     }
                 }
             }
+            let lease_until = leased.lease_until_ms;
             for entry in leased.entries {
                 let pending = Pending { outstanding: outstanding.clone(), per_endpoint: per_endpoint.clone(), committed: committed.clone(), watcher: entry.watcher_id.clone(), outcome_sent: false };
                 let this = shared.clone();
@@ -509,18 +523,26 @@ impl Deliverer {
                 let probe_of = probes.contains(&entry.watcher_id).then(|| entry.watcher_id.clone());
                 let stop = stop.cloned();
                 let gates = gates.clone();
+                let probing = probing.clone();
                 tokio::spawn(async move {
                     let mut pending = pending;
+                    // `None`: its endpoint's gate closed while it waited (`notify::closed_gates`),
+                    // checked once it has its endpoint's slot (the 410 or the failures that closed
+                    // it came back on that slot) and before it takes a global permit or a rate
+                    // token it would not use.
                     let begin = async {
                         let slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
+                        if gates.skips(&entry.watcher_id, pass) {
+                            return None;
+                        }
                         let permit = sem.acquire_owned().await;
                         this.endpoint_rate_wait(&entry.watcher_id).await;
-                        (slot, permit)
+                        Some((slot, permit))
                     };
                     // Stopping: a row whose send has not begun is not sent, however long its
                     // wait for a slot or a rate token would be. It stays queued (its lease is
                     // this process's and ends with it) and has no outcome.
-                    let (_slot, _permit) = match stop {
+                    let held = match stop {
                         None => begin.await,
                         Some(mut stop) => tokio::select! {
                             biased;
@@ -528,11 +550,18 @@ impl Deliverer {
                             held = begin => held,
                         },
                     };
-                    // Its endpoint's gate closed while it waited: not sent (`notify::closed_gates`).
-                    if gates.skips(&entry.watcher_id, pass) {
-                        this.store.give_back_lease(entry.id);
-                        return;
-                    }
+                    let _held = match held {
+                        Some(held) if !gates.skips(&entry.watcher_id, pass) => held,
+                        // Not sent: its lease given back (this pass's, not one a later pass took
+                        // over), and a probe it was stops counting as in flight.
+                        _ => {
+                            this.store.give_back_lease(entry.id, lease_until);
+                            if let Some(endpoint) = &probe_of {
+                                probing.lock().unwrap_or_else(|p| p.into_inner()).remove(endpoint);
+                            }
+                            return;
+                        }
+                    };
                     let (result, attempt) = this.attempt(&entry).await;
                     let gone_now = matches!(&result, DeliveryResult::Retry { error, .. } if error == HTTP_410_GONE).then(|| entry.watcher_id.clone());
                     if let Some(endpoint) = &gone_now {
@@ -546,6 +575,7 @@ impl Deliverer {
         drop(otx);
         let (mut stats, failure) = committer.await.map_err(|e| DeliveryError::Client(format!("committer failed: {e}")))?;
         stats.held_until_ms = held_until_ms;
+        stats.lease_capped = lease_capped;
         match lease_error.or(failure) {
             Some(e) => Err(e),
             None => Ok(stats),
@@ -579,6 +609,11 @@ impl Deliverer {
         // The deadline on the deliverer's clock: rows due after it are not leased, even while
         // slow sends keep a pass going (a run must not keep retrying long past `run_wait`).
         let due_by = self.clock.now_ms().saturating_add(deadline.saturating_duration_since(Instant::now()).as_millis() as u64);
+        // Pumps in a row that sent nothing because their last lease pass stopped at its
+        // pass-over bound (a held backlog ahead of rows that may go out): the drain goes on
+        // at once until such pumps have read past every queued row once, or it would end with
+        // a sendable row behind the backlog (`zonewatch run` would never reach it).
+        let mut capped_in_a_row = 0u64;
         loop {
             if is_stopped() {
                 break;
@@ -587,6 +622,15 @@ impl Deliverer {
             total += pass;
             if is_stopped() {
                 break;
+            }
+            if pass.attempted > 0 || !pass.lease_capped {
+                capped_in_a_row = 0;
+            } else {
+                capped_in_a_row += 1;
+                let sweep = self.store.outbox_len()? / crate::store::MIN_PASS_OVER as u64 + 2;
+                if capped_in_a_row <= sweep && Instant::now() < deadline {
+                    continue;
+                }
             }
             let Some(next) = self.store.next_due_ms()? else { break };
             let now = self.clock.now_ms();
@@ -1036,6 +1080,51 @@ mod tests {
 
     /// A plan is made once per endpoint and made again when the subscriber's target or
     /// secrets change (the control port edits subscribers while `serve` delivers).
+    /// A held backlog ahead of a row that may go out: the drain's lease passes stop at their
+    /// pass-over bound having found nothing, and the drain goes on until it has read past every
+    /// queued row once, so the row behind is sent. (It used to end the drain there, and each
+    /// `zonewatch run` after it, which starts from the earliest retry again.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_reaches_a_retry_behind_a_held_backlog() {
+        use crate::model::{sample_event, IdemKey, Severity};
+        use crate::notify::matcher::Subscriber;
+        use crate::store::{Claim, HealthPolicy, MIN_PASS_OVER};
+        let rx = crate::receiver::Receiver::start(Arc::new(|_, _| 200), None).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+        let n = 2 * MIN_PASS_OVER + 10;
+        let watcher = |i: usize| if i == n { "b" } else { "a" };
+        let events: Vec<_> = (0..=n).map(|i| sample_event(&format!("P{i:05}"))).collect();
+        let claims: Vec<Claim> = (0..=n)
+            .map(|i| Claim { event: i, watcher_id: watcher(i).into(), target: rx.url("/h"), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
+            .collect();
+        // Queued now (a retry past `max_retry_window` after its event was queued is a dead
+        // letter, not a send).
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        store.enqueue(&events, &claims, "l", now - 10, 3_600_000).unwrap();
+        // Every row failed once: a's are due 5 ms ago (the first answered 410, which disables
+        // a: its rows wait for an operator), b's 4 ms ago, behind all of them.
+        let failed: Vec<DeliveryResult> = store
+            .outbox()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let error = if i == 0 { HTTP_410_GONE } else { "http_503" };
+                DeliveryResult::Retry { id: e.id, next_attempt_ms: now - if e.watcher_id == "b" { 4 } else { 5 }, error: error.into() }
+            })
+            .collect();
+        store.record_outcomes_with(&failed, &[], now - 8, Some(&HealthPolicy::default())).unwrap();
+        assert!(store.endpoints().unwrap().iter().any(|(id, e)| id == "a" && e.disabled));
+        let sub = |id: &str| Subscriber { id: id.into(), target: rx.url("/h"), secret: None, min_severity: Severity::Info, aoi: geo::MultiPolygon::new(vec![]), secret_old: None };
+        let subs = Arc::new(SubscriberIndex::build(vec![sub("a"), sub("b")]));
+        let cfg = DeliveryConfig { allow_private_targets: true, ..DeliveryConfig::default() };
+        let d = Deliverer::new(store.clone(), subs, cfg).unwrap();
+        let stats = d.drain(Instant::now() + Duration::from_secs(20)).await.unwrap();
+        assert_eq!((stats.sent, rx.received().len()), (1, 1), "{stats:?}");
+        assert_eq!(store.outbox_len().unwrap(), n as u64, "a's rows wait for an operator");
+    }
+
     #[test]
     fn send_plans_follow_subscriber_changes() {
         use crate::model::{IdemKey, OutboxPayload, Severity};

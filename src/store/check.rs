@@ -377,6 +377,9 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                     continue;
                 }
             };
+            if row.seq != seq && gaps.len() < MAX_PROBLEMS {
+                gaps.push(format!("audit row {seq} says it is row {}", row.seq));
+            }
             recount.audit_row(row.outcome);
             if matches!(row.outcome, Outcome::Queued | Outcome::Sent | Outcome::DeadLetter) {
                 if let Some(slot) = row.idempotency_key.as_deref().and_then(|key| last_lifecycle.get_mut(key)) {

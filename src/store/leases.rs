@@ -77,6 +77,11 @@ impl Leases {
     }
 }
 
+/// The fewest rows a lease pass passes over (held back by their endpoint's gate or share,
+/// or leased) in its fresh or its retry part before it stops where it is; the next pass
+/// goes on from there. More when the pass asks for more rows (4 × its limit).
+pub const MIN_PASS_OVER: usize = 4_096;
+
 /// What [`Store::lease_due`] handed out.
 #[derive(Debug, Clone, Default)]
 pub struct LeasedBatch {
@@ -86,6 +91,10 @@ pub struct LeasedBatch {
     pub lease_until_ms: u64,
     /// Endpoints (subscriber ids) whose half-open breaker probe is in this batch.
     pub probes: Vec<String>,
+    /// The pass stopped at its pass-over bound ([`MIN_PASS_OVER`] rows or more passed over
+    /// in its fresh or its retry part): rows past that point were not read, and the next pass
+    /// goes on from there.
+    pub capped: bool,
     /// The earliest time (ms) an open breaker that held back a due row of this pass lets
     /// its probe through; `None` when no row was held by a breaker (rows of a disabled
     /// endpoint wait for an operator, not for a time).
@@ -218,7 +227,7 @@ impl Store {
             // one endpoint at its share is not read whole on every pass (under the lease
             // lock), while the rows behind it are still reached within a few passes.
             let mut passed_over = 0usize;
-            let pass_over_max = fresh_limit.saturating_mul(4).max(4_096);
+            let pass_over_max = fresh_limit.saturating_mul(4).max(MIN_PASS_OVER);
             use std::ops::Bound::{Excluded, Included, Unbounded};
             let wrap = (resume > 0).then_some((Included(0), Excluded(resume)));
             'scan: for range in std::iter::once((Included(resume), Unbounded)).chain(wrap) {
@@ -235,6 +244,7 @@ impl Store {
                         passed_over += 1;
                         if passed_over >= pass_over_max {
                             next_resume = id.saturating_add(1);
+                            batch.capped = true;
                             break 'scan;
                         }
                     }
@@ -252,7 +262,7 @@ impl Store {
             use std::ops::Bound::{Excluded, Included, Unbounded};
             let mut taken = 0;
             let mut passed_over = 0usize;
-            let pass_over_max = retry_limit.saturating_mul(4).max(4_096);
+            let pass_over_max = retry_limit.saturating_mul(4).max(MIN_PASS_OVER);
             let due_end = (now_ms.saturating_add(1), 0u64);
             let resume = leases.retry_resume.filter(|r| *r < due_end);
             let due = rtx.open_table(OUTBOX_RETRY_DUE)?;
@@ -268,6 +278,7 @@ impl Store {
                         taken >= retry_limit
                     } else {
                         passed_over += 1;
+                        batch.capped |= passed_over >= pass_over_max;
                         passed_over >= pass_over_max
                     };
                     if stop {
@@ -300,8 +311,13 @@ impl Store {
     /// Drops the lease of a row whose send did not begin and never will in this pass (its
     /// endpoint's gate closed meanwhile: `notify::closed_gates`): nothing was sent and it has no
     /// outcome, so the next pass that may send it (the endpoint enabled again) can lease it.
-    pub fn give_back_lease(&self, id: u64) {
-        self.leases.release([id]);
+    /// Only the lease that pass took (`lease_until`, its batch's): one a later pass took over
+    /// (after the clock stepped past it) belongs to that pass's send.
+    pub fn give_back_lease(&self, id: u64, lease_until: u64) {
+        let mut state = self.leases.lock();
+        if state.by_row.get(&id) == Some(&lease_until) {
+            state.by_row.remove(&id);
+        }
     }
 
     /// How many outbox entries this process has leased right now (in flight, or expired and
@@ -637,6 +653,24 @@ mod tests {
             leased += store.lease_due(10, 60_000, 64, 64).unwrap().entries.len();
         }
         assert_eq!(leased, n, "every due retry of the slow endpoint once");
+    }
+
+    /// A row given back drops only the lease its own pass took: one a later pass took over
+    /// (the first expired, a clock that stepped ahead) belongs to that pass's send.
+    #[test]
+    fn a_lease_given_back_is_only_the_one_its_pass_took() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let claims = [Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey("k".into()) }];
+        store.enqueue(&[sample_event("P")], &claims, "l", 0, 3_600_000).unwrap();
+        let first = store.lease_due(10, 100, 10, 0).unwrap();
+        let id = first.entries[0].id;
+        let second = store.lease_due(500, 100, 10, 0).unwrap();
+        assert_eq!(second.entries[0].id, id, "the first lease expired: taken over");
+        store.give_back_lease(id, first.lease_until_ms);
+        assert_eq!(store.leased_len().unwrap(), 1, "the later pass's lease stays");
+        store.give_back_lease(id, second.lease_until_ms);
+        assert_eq!(store.leased_len().unwrap(), 0);
     }
 
     /// A pass starts reading the fresh queue where the last one stopped, and wraps to the

@@ -42,7 +42,7 @@ mod tables;
 mod totals;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
-pub use leases::LeasedBatch;
+pub use leases::{LeasedBatch, MIN_PASS_OVER};
 pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::HealthPolicy;
 pub use queries::{AuditFilter, SnapshotView, StoreStats};

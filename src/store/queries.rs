@@ -257,8 +257,13 @@ impl Store {
         loop {
             let item = if desc { rows.next_back() } else { rows.next() };
             let Some(item) = item else { return Ok(()) };
-            let (_, v) = item?;
+            let (k, v) = item?;
             let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
+            // A row is read by its `seq` (cursors, `zonewatch audit`'s pages go on from it):
+            // one stored under another key is damage, named as such rather than read.
+            if row.seq != k.value() {
+                return Err(codec_err("audit", format!("row {} says it is row {}", k.value(), row.seq)));
+            }
             if filter.matches(&row) && !visit(row) {
                 return Ok(());
             }

@@ -38,11 +38,11 @@ impl SourceRunTotals {
     /// Counts one more run record (records are added in run-id order).
     fn add(&mut self, record: &RunRecord) {
         match self.verdicts.iter_mut().find(|(v, _)| *v == record.verdict) {
-            Some((_, n)) => *n += 1,
+            Some((_, n)) => *n = n.saturating_add(1),
             None => self.verdicts.push((record.verdict, 1)),
         }
         if matches!(record.verdict, Verdict::Run | Verdict::Reprocessed) {
-            self.changes += record.counts.changes;
+            self.changes = self.changes.saturating_add(record.counts.changes);
         }
         if record.counts.features > 0 {
             self.latest_features = record.counts.features;
@@ -51,7 +51,7 @@ impl SourceRunTotals {
 
     /// Every run of the source, whatever its verdict.
     pub fn runs(&self) -> u64 {
-        self.verdicts.iter().map(|(_, n)| n).sum()
+        self.verdicts.iter().fold(0, |sum, (_, n)| sum.saturating_add(*n))
     }
 }
 
@@ -62,7 +62,7 @@ pub(super) struct OutcomeTally(Vec<(Outcome, u64)>);
 impl OutcomeTally {
     pub(super) fn count(&mut self, outcome: Outcome) {
         match self.0.iter_mut().find(|(o, _)| *o == outcome) {
-            Some((_, n)) => *n += 1,
+            Some((_, n)) => *n = n.saturating_add(1),
             None => self.0.push((outcome, 1)),
         }
     }
@@ -128,8 +128,9 @@ fn recount_source(wtx: &WriteTransaction, source: &str) -> Result<SourceRunTotal
 }
 
 /// Counts the ledger and the run records of a store that has them but no totals (written
-/// before schema 10). Rows that do not decode are left out with a warning (`check --store`
-/// names them). Returns the audit rows and run records counted (0, 0: nothing to do).
+/// before schema 10), and counts again a source whose totals row does not decode. Rows that
+/// do not decode are left out with a warning (`check --store` names them). Returns the audit
+/// rows and run records counted for the missing totals (0, 0: none were missing).
 pub(super) fn count_missing(wtx: &WriteTransaction) -> Result<(u64, u64), StoreError> {
     let mut audit_rows = 0u64;
     if wtx.open_table(AUDIT_TOTALS)?.is_empty()? && !wtx.open_table(AUDIT)?.is_empty()? {
@@ -172,6 +173,24 @@ pub(super) fn count_missing(wtx: &WriteTransaction) -> Result<(u64, u64), StoreE
             t.insert(source.as_str(), encode(totals).as_slice())?;
         }
     }
+    // A totals row that does not decode (damage) is counted again from its source's records
+    // here as well as by the source's next run: a source no longer configured has none.
+    let damaged: Vec<String> = {
+        let t = wtx.open_table(RUN_TOTALS)?;
+        let mut out = Vec::new();
+        for item in t.iter()? {
+            let (k, v) = item?;
+            if decode::<SourceRunTotals>(v.value()).is_err() {
+                out.push(k.value().to_string());
+            }
+        }
+        out
+    };
+    for source in damaged {
+        tracing::warn!(source = %source, "the run totals of this source did not decode; counted again from its run records");
+        let totals = recount_source(wtx, &source)?;
+        wtx.open_table(RUN_TOTALS)?.insert(source.as_str(), encode(&totals).as_slice())?;
+    }
     Ok((audit_rows, run_records))
 }
 
@@ -200,7 +219,8 @@ impl Store {
 }
 
 /// Each source's run totals, by source id. A row that does not decode is left out with an
-/// error log: a counter must not fail `/metrics` (the source's next run counts it again).
+/// error log: a counter must not fail `/metrics` (the source's next run, or the store's next
+/// open to write, counts it again).
 pub(super) fn read_run_totals<T: ReadableTable<&'static str, &'static [u8]>>(t: &T) -> Result<Vec<(String, SourceRunTotals)>, StoreError> {
     let mut out = Vec::new();
     for item in t.iter()? {
@@ -250,7 +270,7 @@ impl Recount {
         for source in self.runs.keys().chain(run_totals.keys()).collect::<std::collections::BTreeSet<_>>() {
             let counted = self.runs.get(source).unwrap_or(&empty);
             match run_totals.get(source) {
-                Some(Err(why)) => out.push(format!("run totals of source {source} do not decode: {why} (its next run counts them again)")),
+                Some(Err(why)) => out.push(format!("run totals of source {source} do not decode: {why} (counted again when the store is next opened to write)")),
                 Some(Ok(stored)) if !same_totals(stored, counted) => out.push(format!(
                     "run totals of source {source} differ from its run records: {} runs, {} changes counted, the records have {} runs, {} changes (/metrics shows the totals)",
                     stored.runs(),
@@ -356,11 +376,13 @@ mod tests {
     }
 
     /// A damaged totals row is named by `check --store`, does not stop `/metrics` (left out)
-    /// nor the source's next run, which counts the source again from its records.
+    /// nor the source's next run, which counts the source again from its records; nor does
+    /// it outlive the store's next open (a source no longer configured has no next run).
     #[test]
-    fn a_damaged_run_totals_row_is_named_and_counted_again_by_the_next_run() {
+    fn a_damaged_run_totals_row_is_named_and_counted_again_by_the_next_run_or_open() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        let path = dir.path().join("zw.redb");
+        let store = Store::open(&path).expect("open");
         for i in 0..3 {
             store.record_run_note("s", i, i + 1, note(Verdict::Failed)).expect("note");
         }
@@ -373,6 +395,14 @@ mod tests {
         assert_eq!(store.run_totals().expect("totals").len(), 1, "the damaged row is left out, t is read");
         assert_eq!(store.stats().expect("stats").runs, 1);
         store.record_run_note("s", 5, 6, note(Verdict::Skip)).expect("a run goes on");
+        assert_eq!(stored(&store), recounted(&store));
+        assert!(store.check_consistency().expect("check").is_consistent());
+        // Damaged again, then the store reopened: counted again on the way.
+        let wtx = store.db.begin_write().expect("write");
+        wtx.open_table(RUN_TOTALS).expect("totals").insert("s", [0xFFu8, 3].as_slice()).expect("insert");
+        wtx.commit().expect("commit");
+        drop(store);
+        let store = Store::open(&path).expect("reopen");
         assert_eq!(stored(&store), recounted(&store));
         assert!(store.check_consistency().expect("check").is_consistent());
     }
