@@ -237,19 +237,20 @@ fn quarantine_json(q: &QuarantineRecord) -> Value {
 fn list_sources(st: &ControlState) -> Resp {
     let now = st.engine.now();
     let mut items = Vec::new();
+    let holds = match st.engine.store.holds() {
+        Ok(h) => h,
+        Err(e) => return internal(e),
+    };
     for src in &st.engine.config.sources {
-        let last = match st.engine.store.runs(Some(&src.id), 1) {
-            Ok(r) => r.into_iter().next(),
+        let last = match st.engine.store.last_run(&src.id) {
+            Ok(r) => r,
             Err(e) => return internal(e),
         };
         let wm = match st.engine.store.watermark(&src.id) {
             Ok(w) => w,
             Err(e) => return internal(e),
         };
-        let open_holds = match st.engine.store.holds() {
-            Ok(h) => h.iter().filter(|h| h.source_id == src.id && h.state == HoldState::Open).count(),
-            Err(e) => return internal(e),
-        };
+        let open_holds = holds.iter().filter(|h| h.source_id == src.id && h.state == HoldState::Open).count();
         items.push(json!({
             "id": src.id, "jurisdiction": src.jurisdiction, "every_s": src.every.as_secs(),
             "last_verdict": last.as_ref().map(|r| r.verdict.as_str()),

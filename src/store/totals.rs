@@ -32,6 +32,9 @@ pub struct SourceRunTotals {
     pub changes: u64,
     /// Features read by the latest run that read any (0: none has).
     pub latest_features: u64,
+    /// The source's latest run (`GET /v1/sources` reads it with one lookup, however many runs
+    /// of other sources came after it).
+    pub last_run_id: u64,
 }
 
 impl SourceRunTotals {
@@ -47,6 +50,7 @@ impl SourceRunTotals {
         if record.counts.features > 0 {
             self.latest_features = record.counts.features;
         }
+        self.last_run_id = self.last_run_id.max(record.run_id);
     }
 
     /// Every run of the source, whatever its verdict.
@@ -211,6 +215,28 @@ impl Store {
         read_audit_totals(&rtx.open_table(AUDIT_TOTALS)?)
     }
 
+    /// The source's latest run record: one lookup through its totals. A totals row that does
+    /// not decode, or that names a run that is not there (damage), falls back to reading the
+    /// run records back from the newest.
+    pub fn last_run(&self, source: &str) -> Result<Option<RunRecord>, StoreError> {
+        let found = {
+            let rtx = self.db.begin_read()?;
+            let totals = rtx.open_table(RUN_TOTALS)?;
+            let Some(v) = totals.get(source)? else { return Ok(None) };
+            match decode::<SourceRunTotals>(v.value()) {
+                Ok(t) => match rtx.open_table(RUNS)?.get(t.last_run_id)? {
+                    Some(r) => decode::<RunRecord>(r.value()).ok().filter(|r| r.source_id == source),
+                    None => None,
+                },
+                Err(_) => None,
+            }
+        };
+        match found {
+            Some(run) => Ok(Some(run)),
+            None => Ok(self.runs(Some(source), 1)?.into_iter().next()),
+        }
+    }
+
     /// Each source's run totals, by source id.
     pub fn run_totals(&self) -> Result<Vec<(String, SourceRunTotals)>, StoreError> {
         let rtx = self.db.begin_read()?;
@@ -293,7 +319,7 @@ fn same_totals(a: &SourceRunTotals, b: &SourceRunTotals) -> bool {
         v.sort_unstable();
         v
     };
-    a.changes == b.changes && a.latest_features == b.latest_features && sorted(a) == sorted(b)
+    a.changes == b.changes && a.latest_features == b.latest_features && a.last_run_id == b.last_run_id && sorted(a) == sorted(b)
 }
 
 #[cfg(test)]
@@ -362,6 +388,10 @@ mod tests {
         assert!(report.is_consistent(), "{:?}", report.problems);
         let before = stored(&store);
         assert_eq!(before.1["a"].runs(), 14);
+        for source in ["a", "b", "c", "never"] {
+            let walked = store.runs(Some(source), 1).expect("runs").into_iter().next().map(|r| r.run_id);
+            assert_eq!(store.last_run(source).expect("last run").map(|r| r.run_id), walked, "{source}");
+        }
 
         // A store of schema 9: the same rows, no totals.
         let wtx = store.db.begin_write().expect("write");
