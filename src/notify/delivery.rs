@@ -649,6 +649,8 @@ impl Deliverer {
                 match wake {
                     Some(at) if at <= due_by && Instant::now() + Duration::from_millis(at.saturating_sub(now)) <= deadline => {
                         pause(Duration::from_millis(at.saturating_sub(now))).await;
+                        // Rows may have fallen due anywhere in the queue: a new sweep.
+                        capped_in_a_row = 0;
                         continue;
                     }
                     _ => break,
@@ -660,6 +662,7 @@ impl Deliverer {
                     break;
                 }
                 pause(wait).await;
+                capped_in_a_row = 0;
             }
         }
         Ok(total)
@@ -1086,6 +1089,19 @@ mod tests {
     /// `zonewatch run` after it, which starts from the earliest retry again.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_drain_reaches_a_retry_behind_a_held_backlog() {
+        drain_past_a_held_backlog(-4).await;
+    }
+
+    /// The same with the row falling due while the drain waits for it: the wait starts a
+    /// new sweep of the backlog.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_reaches_a_retry_that_falls_due_behind_a_held_backlog_while_it_waits() {
+        drain_past_a_held_backlog(1_500).await;
+    }
+
+    /// A disabled endpoint's 8,202 due retries ahead of one of another endpoint, due `b_due`
+    /// ms from now: a drain sends that one.
+    async fn drain_past_a_held_backlog(b_due: i64) {
         use crate::model::{sample_event, IdemKey, Severity};
         use crate::notify::matcher::Subscriber;
         use crate::store::{Claim, HealthPolicy, MIN_PASS_OVER};
@@ -1103,7 +1119,7 @@ mod tests {
         let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
         store.enqueue(&events, &claims, "l", now - 10, 3_600_000).unwrap();
         // Every row failed once: a's are due 5 ms ago (the first answered 410, which disables
-        // a: its rows wait for an operator), b's 4 ms ago, behind all of them.
+        // a: its rows wait for an operator), b's at `b_due`, behind all of them.
         let failed: Vec<DeliveryResult> = store
             .outbox()
             .unwrap()
@@ -1111,7 +1127,8 @@ mod tests {
             .enumerate()
             .map(|(i, e)| {
                 let error = if i == 0 { HTTP_410_GONE } else { "http_503" };
-                DeliveryResult::Retry { id: e.id, next_attempt_ms: now - if e.watcher_id == "b" { 4 } else { 5 }, error: error.into() }
+                let due = if e.watcher_id == "b" { now.saturating_add_signed(b_due) } else { now - 5 };
+                DeliveryResult::Retry { id: e.id, next_attempt_ms: due, error: error.into() }
             })
             .collect();
         store.record_outcomes_with(&failed, &[], now - 8, Some(&HealthPolicy::default())).unwrap();

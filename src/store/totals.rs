@@ -12,7 +12,8 @@
 //! Invariant: a total changes only in the write transaction that appends the rows it counts,
 //! so in every committed state the totals equal a recount of the rows (`check --store`
 //! recounts them). A store written before schema 10 has rows but no totals; they are counted
-//! once when it is opened ([`count_missing`]).
+//! once when it is opened ([`count_missing`]), which also counts again, on every open to write,
+//! a source whose totals row does not decode.
 
 use super::codec::{decode, encode};
 use super::runs::codec_err;
@@ -119,16 +120,21 @@ pub(super) fn append_run(wtx: &WriteTransaction, record: &RunRecord) -> Result<(
 
 /// One source's totals counted from its run records (every record is read; a rare path).
 fn recount_source(wtx: &WriteTransaction, source: &str) -> Result<SourceRunTotals, StoreError> {
-    let mut totals = SourceRunTotals::default();
+    Ok(recount_sources(wtx, &[source.to_string()])?.remove(source).unwrap_or_default())
+}
+
+/// Several sources' totals counted from their run records in one pass over them.
+fn recount_sources(wtx: &WriteTransaction, sources: &[String]) -> Result<BTreeMap<String, SourceRunTotals>, StoreError> {
+    let mut out: BTreeMap<String, SourceRunTotals> = sources.iter().map(|s| (s.clone(), SourceRunTotals::default())).collect();
     for item in wtx.open_table(RUNS)?.iter()? {
         let (_, v) = item?;
         if let Ok(r) = decode::<RunRecord>(v.value()) {
-            if r.source_id == source {
+            if let Some(totals) = out.get_mut(&r.source_id) {
                 totals.add(&r);
             }
         }
     }
-    Ok(totals)
+    Ok(out)
 }
 
 /// Counts the ledger and the run records of a store that has them but no totals (written
@@ -190,10 +196,12 @@ pub(super) fn count_missing(wtx: &WriteTransaction) -> Result<(u64, u64), StoreE
         }
         out
     };
-    for source in damaged {
-        tracing::warn!(source = %source, "the run totals of this source did not decode; counted again from its run records");
-        let totals = recount_source(wtx, &source)?;
-        wtx.open_table(RUN_TOTALS)?.insert(source.as_str(), encode(&totals).as_slice())?;
+    if !damaged.is_empty() {
+        tracing::warn!(sources = ?damaged, "run totals that did not decode; counted again from the run records");
+        let mut t = wtx.open_table(RUN_TOTALS)?;
+        for (source, totals) in recount_sources(wtx, &damaged)? {
+            t.insert(source.as_str(), encode(&totals).as_slice())?;
+        }
     }
     Ok((audit_rows, run_records))
 }
@@ -217,7 +225,8 @@ impl Store {
 
     /// The source's latest run record: one lookup through its totals. A totals row that does
     /// not decode, or that names a run that is not there (damage), falls back to reading the
-    /// run records back from the newest.
+    /// run records back from the newest. A source without a totals row has never run (every
+    /// run record writes one); it is answered without reading the records.
     pub fn last_run(&self, source: &str) -> Result<Option<RunRecord>, StoreError> {
         let found = {
             let rtx = self.db.begin_read()?;
