@@ -363,6 +363,22 @@ pub(crate) fn sample_attempt(key: &str, row: u64, result: &str, ts_ms: u64) -> A
     }
 }
 
+/// An audit row of source `s` with `outcome` and nothing else, for unit tests.
+#[cfg(test)]
+pub(crate) fn sample_audit_row(seq: u64, outcome: Outcome) -> AuditRow {
+    AuditRow {
+        seq,
+        ts_ms: 1,
+        outcome,
+        idempotency_key: None,
+        watcher_id: None,
+        source_id: Some("s".into()),
+        parcel_id: None,
+        lineage_id: None,
+        detail: String::new(),
+    }
+}
+
 /// A `rezoned` R-1 → C-2 event of parcel `parcel` without geometry, for unit tests.
 #[cfg(test)]
 pub(crate) fn sample_event(parcel: &str) -> ChangeEvent {

@@ -658,17 +658,7 @@ mod tests {
         let wtx = store.db.begin_write().expect("write");
         {
             wtx.open_table(OUTBOX_LEASES).expect("leases").insert(42u64, 1u64).expect("insert");
-            let row = AuditRow {
-                seq: 5,
-                ts_ms: 1,
-                outcome: Outcome::Held,
-                idempotency_key: None,
-                watcher_id: None,
-                source_id: Some("s".into()),
-                parcel_id: None,
-                lineage_id: None,
-                detail: String::new(),
-            };
+            let row = crate::model::sample_audit_row(5, Outcome::Held);
             wtx.open_table(AUDIT).expect("audit").insert(5u64, encode(&row).as_slice()).expect("insert");
             let wm = Watermark::for_read("abc", 3, 1, None, String::new());
             wtx.open_table(WATERMARKS).expect("wm").insert("s", super::super::watermark_rows::encode_watermark(&wm).as_slice()).expect("insert");

@@ -578,11 +578,10 @@ mod tests {
         assert!(r.is_consistent(), "{:?}", r.problems);
     }
 
-    /// An endpoint at its share (no room) has its rows passed over, and the rows of another
-    /// endpoint behind them are leased; a pass reads at most a bounded stretch of passed-over
-    /// rows (not a whole backlog under the lease lock) and the next goes on from there.
-    #[test]
-    fn rows_of_an_endpoint_without_room_are_passed_over_a_bounded_stretch_per_pass() {
+    /// A store with 10,000 rows of endpoint "slow" queued ahead of one of "fast" (as retries
+    /// due at 5 and 6 when `retries`), and the number of 64-row lease passes that leave "slow"
+    /// no room until one leases the "fast" row (at most 4).
+    fn passes_to_reach_the_row_behind_a_backlog(retries: bool) -> (Store, tempfile::TempDir, usize) {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
         let n = 10_000;
@@ -594,18 +593,37 @@ mod tests {
             })
             .collect();
         store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+        if retries {
+            let failed: Vec<DeliveryResult> = store
+                .outbox()
+                .unwrap()
+                .iter()
+                .map(|e| DeliveryResult::Retry { id: e.id, next_attempt_ms: if e.watcher_id == "fast" { 6 } else { 5 }, error: "http_503".into() })
+                .collect();
+            store.record_outcomes(&failed, &[], 2).unwrap();
+        }
         let no_room_for_slow = |w: &str| if w == "slow" { 0 } else { usize::MAX };
         let mut passes = 0;
         let found = loop {
             passes += 1;
             assert!(passes <= 4, "the other endpoint's row is reached within a few passes");
-            let batch = store.lease_due_probing(10, 60_000, 64, 0, &std::collections::HashSet::new(), &|_| true, &no_room_for_slow).unwrap();
+            let retry_floor = if retries { 64 } else { 0 };
+            let batch = store.lease_due_probing(10, 60_000, 64, retry_floor, &std::collections::HashSet::new(), &|_| true, &no_room_for_slow).unwrap();
             assert!(batch.entries.iter().all(|e| e.watcher_id == "fast"), "no row of the endpoint without room");
             if let Some(e) = batch.entries.first() {
                 break e.parcel_id.clone();
             }
         };
         assert_eq!(found, format!("P{n:05}"));
+        (store, dir, passes)
+    }
+
+    /// An endpoint at its share (no room) has its rows passed over, and the rows of another
+    /// endpoint behind them are leased; a pass reads at most a bounded stretch of passed-over
+    /// rows (not a whole backlog under the lease lock) and the next goes on from there.
+    #[test]
+    fn rows_of_an_endpoint_without_room_are_passed_over_a_bounded_stretch_per_pass() {
+        let (_, _dir, passes) = passes_to_reach_the_row_behind_a_backlog(false);
         assert!(passes >= 2, "10,000 rows passed over are more than one pass reads");
     }
 
@@ -614,37 +632,7 @@ mod tests {
     /// after them is leased within a few passes.
     #[test]
     fn due_retries_of_an_endpoint_without_room_are_passed_over_a_bounded_stretch_per_pass() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let n = 10_000;
-        let events: Vec<_> = (0..=n).map(|i| sample_event(&format!("P{i:05}"))).collect();
-        let claims: Vec<Claim> = (0..=n)
-            .map(|i| {
-                let w = if i == n { "fast" } else { "slow" };
-                Claim { event: i, watcher_id: w.into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) }
-            })
-            .collect();
-        store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
-        // Every row failed once: the slow endpoint's are due at 5, the fast one's at 6.
-        let failed: Vec<DeliveryResult> = store
-            .outbox()
-            .unwrap()
-            .iter()
-            .map(|e| DeliveryResult::Retry { id: e.id, next_attempt_ms: if e.watcher_id == "fast" { 6 } else { 5 }, error: "http_503".into() })
-            .collect();
-        store.record_outcomes(&failed, &[], 2).unwrap();
-        let no_room_for_slow = |w: &str| if w == "slow" { 0 } else { usize::MAX };
-        let mut passes = 0;
-        let found = loop {
-            passes += 1;
-            assert!(passes <= 4, "the other endpoint's retry is reached within a few passes");
-            let batch = store.lease_due_probing(10, 60_000, 64, 64, &std::collections::HashSet::new(), &|_| true, &no_room_for_slow).unwrap();
-            assert!(batch.entries.iter().all(|e| e.watcher_id == "fast"), "no row of the endpoint without room");
-            if let Some(e) = batch.entries.first() {
-                break e.parcel_id.clone();
-            }
-        };
-        assert_eq!(found, format!("P{n:05}"));
+        let (store, _dir, passes) = passes_to_reach_the_row_behind_a_backlog(true);
         assert!(passes >= 2, "10,000 retries passed over are more than one pass reads");
         // With room again, the slow endpoint's retries are all leased, from wherever the
         // passes stopped, wrapping to the earliest.
@@ -652,7 +640,7 @@ mod tests {
         for _ in 0..200 {
             leased += store.lease_due(10, 60_000, 64, 64).unwrap().entries.len();
         }
-        assert_eq!(leased, n, "every due retry of the slow endpoint once");
+        assert_eq!(leased, 10_000, "every due retry of the slow endpoint once");
     }
 
     /// A row given back drops only the lease its own pass took: one a later pass took over

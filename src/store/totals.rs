@@ -338,17 +338,7 @@ mod tests {
     use crate::store::RunNote;
 
     fn row(outcome: Outcome) -> AuditRow {
-        AuditRow {
-            seq: 0,
-            ts_ms: 1,
-            outcome,
-            idempotency_key: None,
-            watcher_id: None,
-            source_id: Some("s".into()),
-            parcel_id: None,
-            lineage_id: None,
-            detail: String::new(),
-        }
+        crate::model::sample_audit_row(0, outcome)
     }
 
     fn note(verdict: Verdict) -> RunNote<'static> {
