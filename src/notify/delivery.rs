@@ -67,7 +67,7 @@ impl PassStats {
         self.attempted += 1;
         match result {
             DeliveryResult::Sent { .. } => self.sent += 1,
-            DeliveryResult::Retry { error, .. } if error == HTTP_410_GONE => self.gone += 1,
+            r if r.is_gone() => self.gone += 1,
             DeliveryResult::Retry { .. } => self.retried += 1,
             DeliveryResult::Dead { .. } => self.dead += 1,
         }
@@ -563,7 +563,7 @@ impl Deliverer {
                         }
                     };
                     let (result, attempt) = this.attempt(&entry).await;
-                    let gone_now = matches!(&result, DeliveryResult::Retry { error, .. } if error == HTTP_410_GONE).then(|| entry.watcher_id.clone());
+                    let gone_now = result.is_gone().then(|| entry.watcher_id.clone());
                     if let Some(endpoint) = &gone_now {
                         gates.answered_gone(endpoint);
                     }

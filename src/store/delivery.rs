@@ -62,6 +62,13 @@ pub enum DeliveryResult {
     Dead { id: u64, reason: String, cause: DeadCause },
 }
 
+impl DeliveryResult {
+    /// The receiver answered 410 Gone (its endpoint is disabled by the commit recording it).
+    pub fn is_gone(&self) -> bool {
+        matches!(self, DeliveryResult::Retry { error, .. } if error == crate::notify::delivery::HTTP_410_GONE)
+    }
+}
+
 /// Whose doing a dead letter is. Only what the endpoint did counts against its health
 /// (circuit breaker, `disable_after`); a row that never reached it says nothing about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -494,7 +501,7 @@ impl Store {
                 if let Some(policy) = health {
                     let (success, gone, local) = match result {
                         DeliveryResult::Sent { .. } => (true, false, false),
-                        DeliveryResult::Retry { error, .. } => (false, error == crate::notify::delivery::HTTP_410_GONE, false),
+                        DeliveryResult::Retry { .. } => (false, result.is_gone(), false),
                         DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
                     };
                     if !local {

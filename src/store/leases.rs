@@ -278,8 +278,9 @@ impl Store {
                         taken >= retry_limit
                     } else {
                         passed_over += 1;
-                        batch.capped |= passed_over >= pass_over_max;
-                        passed_over >= pass_over_max
+                        let capped = passed_over >= pass_over_max;
+                        batch.capped |= capped;
+                        capped
                     };
                     if stop {
                         next_retry_resume = Some((at, id.saturating_add(1)));
