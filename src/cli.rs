@@ -93,6 +93,10 @@ pub enum Command {
         /// One source run: every outcome of this lineage id.
         #[arg(long)]
         lineage: Option<String>,
+        /// Only these outcomes, comma-separated (e.g. `sent,dead_letter`); found through the
+        /// ledger's outcome index, past however many rows of other outcomes.
+        #[arg(long, value_name = "OUTCOME,...")]
+        outcome: Option<String>,
         #[arg(long, value_enum, default_value_t = AuditFormat::Table)]
         format: AuditFormat,
     },
@@ -229,8 +233,15 @@ fn run_command(command: Command) -> i32 {
         Command::Run { config, source, reprocess, from_staging } => cmd_run(&config, source.as_deref(), reprocess, from_staging),
         Command::Serve { config } => cmd_serve(&config),
         Command::Check { config, store } => cmd_check(&config, store.as_ref().map(Option::as_deref)),
-        Command::Audit { config, parcel, watcher, source, key, lineage, format } => {
-            let filter = AuditFilter { parcel, watcher, source, key, lineage, ..Default::default() };
+        Command::Audit { config, parcel, watcher, source, key, lineage, outcome, format } => {
+            let outcomes = match outcome.as_deref().map(crate::model::Outcome::parse_list).transpose() {
+                Ok(o) => o,
+                Err(why) => {
+                    error_line!("--outcome: {why}");
+                    return 2;
+                }
+            };
+            let filter = AuditFilter { parcel, watcher, source, key, lineage, outcomes, ..Default::default() };
             cmd_audit(&config, filter, format)
         }
         Command::Holds { action } => cmd_holds(action),

@@ -443,6 +443,19 @@ impl Outcome {
         Outcome::Released,
     ];
 
+    /// A comma-separated list of outcome names (the control port's and `zonewatch audit`'s
+    /// `outcome` filter); an unknown name is refused with the list of known ones.
+    pub fn parse_list(list: &str) -> Result<Vec<Outcome>, String> {
+        list.split(',')
+            .map(str::trim)
+            .map(|name| {
+                Outcome::ALL.into_iter().find(|o| o.as_str() == name).ok_or_else(|| {
+                    format!("outcome {name:?} is not one of {}", Outcome::ALL.map(Outcome::as_str).join(", "))
+                })
+            })
+            .collect()
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Queued => "queued",

@@ -178,6 +178,15 @@ async fn run_audit_and_holds_from_the_command_line() {
     assert!(outcomes.contains(&"queued") && outcomes.contains(&"sent"), "{out}");
     let o = zonewatch(&["audit", "--config", &cfg, "--watcher", "w"]);
     assert!(text(&o).0.contains("rows)"));
+    // --outcome: only those outcomes (the baseline's primed rows are passed over), in order.
+    let o = zonewatch(&["audit", "--config", &cfg, "--format", "jsonl", "--outcome", "sent, queued"]);
+    let picked: Vec<serde_json::Value> = text(&o).0.lines().map(|l| serde_json::from_str(l).expect("jsonl line")).collect();
+    let expected: Vec<&serde_json::Value> = rows.iter().filter(|r| r["outcome"] == "sent" || r["outcome"] == "queued").collect();
+    assert_eq!(picked.iter().collect::<Vec<_>>(), expected);
+    assert_eq!(picked.len(), 4, "two queued, two sent");
+    let o = zonewatch(&["audit", "--config", &cfg, "--outcome", "sent,delivered"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("outcome \"delivered\" is not one of queued, sent"), "{}", text(&o).1);
 
     // A spike is held; holds list shows it; holds release delivers it.
     ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");

@@ -338,7 +338,14 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
         },
     };
     let get = |k: &str| q.get(k).filter(|s| !s.is_empty()).cloned();
+    let outcomes = match q.get("outcome").map(|list| crate::model::Outcome::parse_list(list)) {
+        None => None,
+        Some(Ok(list)) => Some(list),
+        Some(Err(bad)) => return error(StatusCode::BAD_REQUEST, "bad_query", bad),
+    };
     let filter = AuditFilter {
+        outcomes,
+        without_baseline_primes: false,
         parcel: get("parcel"),
         watcher: get("watcher"),
         source: get("source"),
@@ -356,16 +363,7 @@ fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Re
         Some("desc") => true,
         Some(other) => return error(StatusCode::BAD_REQUEST, "bad_query", format!("order must be asc or desc, got {other:?}")),
     };
-    let outcomes: Option<Vec<String>> = q.get("outcome").map(|o| o.split(',').map(|x| x.trim().to_string()).collect());
-    if let Some(list) = &outcomes {
-        let known = Outcome::ALL.map(Outcome::as_str);
-        if let Some(bad) = list.iter().find(|o| !known.contains(&o.as_str())) {
-            return error(StatusCode::BAD_REQUEST, "bad_query", format!("outcome {bad:?} is not one of {}", known.join(", ")));
-        }
-    }
-    let keep = |r: &AuditRow| {
-        since_ms.is_none_or(|s| r.ts_ms >= s) && outcomes.as_ref().is_none_or(|l| l.iter().any(|o| o == r.outcome.as_str()))
-    };
+    let keep = |r: &AuditRow| since_ms.is_none_or(|s| r.ts_ms >= s);
     // Oldest first after the cursor, or newest first below it: read until the page is full.
     let (walk, before) = if desc { (AuditFilter { since_seq: None, ..filter }, cursor) } else { (filter, None) };
     let mut page: Vec<AuditRow> = Vec::with_capacity(limit);
@@ -388,12 +386,13 @@ fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, Strin
         Ok(l) => l,
         Err(r) => return *r,
     };
-    // Newest first, until `limit` distinct parcels: the ledger is read back only that far.
+    // Newest first, until `limit` distinct parcels: the rows of changes are found through
+    // the outcome index, past however many rows a baseline primed.
     let mut seen = std::collections::HashSet::new();
     let mut picked: Vec<AuditRow> = Vec::new();
-    let walked = st.engine.store.audit_walk(&AuditFilter::default(), true, None, |r| {
-        let relevant = matches!(r.outcome, Outcome::Queued | Outcome::Sent) || (r.outcome == Outcome::Suppressed && r.detail != "baseline");
-        if let (true, Some(src), Some(pid)) = (relevant, &r.source_id, &r.parcel_id) {
+    let changes = AuditFilter { outcomes: Some(vec![Outcome::Queued, Outcome::Sent, Outcome::Suppressed]), without_baseline_primes: true, ..Default::default() };
+    let walked = st.engine.store.audit_walk(&changes, true, None, |r| {
+        if let (Some(src), Some(pid)) = (&r.source_id, &r.parcel_id) {
             if seen.insert((src.clone(), pid.clone())) {
                 picked.push(r);
             }

@@ -354,6 +354,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     // first, as they were when the ledger was read first, so the cap never hides them.
     let mut unreadable_audit_rows = 0u64;
     let mut recount = super::totals::Recount::default();
+    // Each decodable row's seq and outcome class, for the outcome index's check.
+    let mut audit_classes: Vec<(u64, Option<super::history_index::AuditClass>)> = Vec::new();
     let mut last_lifecycle: HashMap<&str, Option<Outcome>> = pending_rows.iter().map(|(_, _, key)| (key.as_str(), None)).collect();
     {
         let audit = rtx.open_table(AUDIT)?;
@@ -381,6 +383,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 gaps.push(format!("audit row {seq} says it is row {}", row.seq));
             }
             recount.audit_row(row.outcome);
+            audit_classes.push((seq, super::history_index::AuditClass::of(row.outcome, &row.detail)));
             if matches!(row.outcome, Outcome::Queued | Outcome::Sent | Outcome::DeadLetter) {
                 if let Some(slot) = row.idempotency_key.as_deref().and_then(|key| last_lifecycle.get_mut(key)) {
                     *slot = Some(row.outcome);
@@ -502,7 +505,11 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     if let Some(p) = next_outbox_id_problem(rtx)? {
         problem(&mut report, p);
     }
-    for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable)? {
+    let mut run_sources = Vec::new();
+    for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable, &mut run_sources)? {
+        problem(&mut report, p);
+    }
+    for p in super::history_index::problems(rtx, &audit_classes, &run_sources, MAX_PROBLEMS)? {
         problem(&mut report, p);
     }
     Ok(report)
@@ -512,22 +519,24 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
 /// rows (`recount`, taken while the ledger was checked). A file written before schema 10 has
 /// no totals yet (they are counted when it is opened); where rows do not decode (named above)
 /// the recount cannot be compared. A run record that does not decode is named here unless a
-/// watermark's check named it (`named`).
+/// watermark's check named it (`named`). Every decodable run record's id and source is put in
+/// `run_sources` (for the per-source index's check).
 fn totals_problems(
     rtx: &redb::ReadTransaction,
     mut recount: super::totals::Recount,
     unreadable_audit_rows: u64,
     named: &HashSet<u64>,
+    run_sources: &mut Vec<(u64, String)>,
 ) -> Result<Vec<String>, StoreError> {
-    let (Some(audit_totals), Some(run_totals)) = (open_optional(rtx, AUDIT_TOTALS)?, open_optional(rtx, RUN_TOTALS)?) else {
-        return Ok(Vec::new());
-    };
     let mut out = Vec::new();
     let mut unreadable_runs = 0u64;
     for item in rtx.open_table(RUNS)?.iter()? {
         let (k, v) = item?;
         match decode::<RunRecord>(v.value()) {
-            Ok(r) => recount.run(&r),
+            Ok(r) => {
+                recount.run(&r);
+                run_sources.push((k.value(), r.source_id));
+            }
             Err(m) => {
                 unreadable_runs += 1;
                 if !named.contains(&k.value()) {
@@ -536,6 +545,9 @@ fn totals_problems(
             }
         }
     }
+    let (Some(audit_totals), Some(run_totals)) = (open_optional(rtx, AUDIT_TOTALS)?, open_optional(rtx, RUN_TOTALS)?) else {
+        return Ok(out);
+    };
     let mut stored = std::collections::BTreeMap::new();
     for item in run_totals.iter()? {
         let (k, v) = item?;
@@ -671,7 +683,9 @@ mod tests {
         assert!(all.contains("watermark of s names run 0, which does not exist"), "{all}");
         // The row was written without its running total: /metrics would not count it.
         assert!(all.contains("audit totals: 0 held rows counted, the ledger has 1"), "{all}");
-        assert_eq!(r.problems.len(), 5, "{all}"); // + the missing history row
+        // ... nor in the outcome index: outcome-filtered pages would miss it.
+        assert!(all.contains("audit row 5 is not in the outcome index"), "{all}");
+        assert_eq!(r.problems.len(), 6, "{all}"); // + the missing history row
     }
 
     /// A row that does not decode is a problem named with its table and key, and the check
@@ -818,6 +832,7 @@ mod tests {
         assert!(all.contains("idempotency key k2 has more than one record"), "{all}");
         assert!(all.contains("idempotency key stray has no expiry index entry"), "{all}");
         assert!(all.contains("audit totals: 0 sent rows counted, the ledger has 1"), "{all}");
-        assert_eq!(r.problems.len(), 5, "{all}");
+        assert!(all.contains("is not in the outcome index"), "{all}");
+        assert_eq!(r.problems.len(), 6, "{all}");
     }
 }

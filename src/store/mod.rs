@@ -40,6 +40,7 @@ mod probe;
 mod repair;
 mod tables;
 mod totals;
+mod history_index;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::{LeasedBatch, MIN_PASS_OVER};
@@ -59,6 +60,7 @@ pub use check::ConsistencyReport;
 pub use repair::OpenInfo;
 pub use floor::WriteFloor;
 pub use totals::SourceRunTotals;
+pub use history_index::{is_baseline_prime, BASELINE_DETAIL};
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 use std::path::{Path, PathBuf};
@@ -87,7 +89,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 10;
+pub const SCHEMA_VERSION: u32 = 11;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -496,6 +498,11 @@ impl Store {
     fn create_tables_and_upgrade(&self) -> Result<(bool, Option<u64>), StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
+        // A file without the history indexes (schema 10 or older) has its rows indexed below.
+        let history_indexed = {
+            use redb::TableHandle;
+            wtx.list_tables()?.any(|t| t.name() == AUDIT_BY_OUTCOME.name())
+        };
         {
             wtx.open_table(META)?;
             wtx.open_table(WATERMARKS)?;
@@ -529,6 +536,8 @@ impl Store {
             wtx.open_table(ENDPOINTS)?;
             wtx.open_table(AUDIT_TOTALS)?;
             wtx.open_table(RUN_TOTALS)?;
+            wtx.open_table(AUDIT_BY_OUTCOME)?;
+            wtx.open_table(RUNS_BY_SOURCE)?;
         }
         // The journal's index lives in memory: rebuilt from its rows. Rows whose fingerprints
         // clash (never written so) are merged into `idem_keys`, where no index is needed.
@@ -563,6 +572,10 @@ impl Store {
         let (audit_rows, run_records) = totals::count_missing(&wtx)?;
         if audit_rows > 0 || run_records > 0 {
             tracing::info!(audit_rows, run_records, "audit ledger and run records counted into running totals for /metrics (schema 9 to 10)");
+        }
+        let (audit_rows, run_records) = if history_indexed { (0, 0) } else { history_index::index_missing(&wtx)? };
+        if audit_rows > 0 || run_records > 0 {
+            tracing::info!(audit_rows, run_records, "audit ledger indexed by outcome and run records by source, for the pages the dashboard polls (schema 10 to 11)");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

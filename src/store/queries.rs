@@ -8,6 +8,7 @@ use super::watermark_rows::{decode_hold, decode_watermark, readable_hold};
 use super::snapshot::{decode_hash_ref, decode_record, decode_state, decode_state_envelope, geometries_of};
 use super::tables::*;
 use super::tombstones::Tombstone;
+use super::history_index::{is_baseline_prime, walk_audit_classes, AuditClass};
 use super::{Store, StoreError};
 use crate::model::*;
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
@@ -21,6 +22,11 @@ pub struct AuditFilter {
     pub source: Option<String>,
     pub key: Option<String>,
     pub lineage: Option<String>,
+    /// Only rows of these outcomes. Read through the ledger's outcome index, so a page costs
+    /// what it returns however many rows of other outcomes lie between (`history_index.rs`).
+    pub outcomes: Option<Vec<Outcome>>,
+    /// Leave out the `suppressed` rows a baseline primed (one per parcel an AOI touches).
+    pub without_baseline_primes: bool,
     pub since_seq: Option<u64>,
     pub limit: Option<usize>,
 }
@@ -35,6 +41,8 @@ impl AuditFilter {
             && eq(&self.source, &row.source_id)
             && eq(&self.key, &row.idempotency_key)
             && eq(&self.lineage, &row.lineage_id)
+            && self.outcomes.as_ref().is_none_or(|list| list.contains(&row.outcome))
+            && !(self.without_baseline_primes && is_baseline_prime(row.outcome, &row.detail))
     }
 }
 
@@ -246,10 +254,37 @@ impl Store {
     /// first from `since_seq`, or newest first from below `before_seq` when `desc`, until
     /// `visit` answers false. Nothing is collected: a page of a ledger of millions of rows
     /// (the dashboard asks for one every few seconds) costs what it reads, not the ledger.
+    ///
+    /// With `filter.outcomes` (and not the baseline's primed rows), the rows are found through
+    /// the outcome index: a page of rare outcomes behind a county baseline's primed rows reads
+    /// the page, not the baseline.
     pub fn audit_walk(&self, filter: &AuditFilter, desc: bool, before_seq: Option<u64>, mut visit: impl FnMut(AuditRow) -> bool) -> Result<(), StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(AUDIT)?;
         let from = filter.since_seq.unwrap_or(0);
+        // Ok(true): go on.
+        let mut offer = |key: u64, bytes: &[u8]| -> Result<bool, StoreError> {
+            let row: AuditRow = decode(bytes).map_err(|m| codec_err("audit", m))?;
+            // A row is read by its `seq` (cursors, `zonewatch audit`'s pages go on from it):
+            // one stored under another key is damage, left out with an error log rather than
+            // read (`check --store` names it).
+            if row.seq != key {
+                tracing::error!(key, seq = row.seq, "audit row stored under another key than its seq; left out");
+                return Ok(true);
+            }
+            Ok(!filter.matches(&row) || visit(row))
+        };
+        if let Some(classes) = filter.outcomes.as_ref().and_then(|o| AuditClass::covering(o, filter.without_baseline_primes)) {
+            let index = rtx.open_table(AUDIT_BY_OUTCOME)?;
+            return walk_audit_classes(&index, &classes, from, before_seq, desc, |seq| match t.get(seq)? {
+                Some(v) => offer(seq, v.value()),
+                // Damage (`check --store` names it): the entry is passed over.
+                None => {
+                    tracing::error!(seq, "the outcome index names an audit row the ledger does not have; left out");
+                    Ok(true)
+                }
+            });
+        }
         let mut rows = match before_seq {
             Some(b) => t.range(from..b.max(from))?,
             None => t.range(from..)?,
@@ -258,15 +293,7 @@ impl Store {
             let item = if desc { rows.next_back() } else { rows.next() };
             let Some(item) = item else { return Ok(()) };
             let (k, v) = item?;
-            let row: AuditRow = decode(v.value()).map_err(|m| codec_err("audit", m))?;
-            // A row is read by its `seq` (cursors, `zonewatch audit`'s pages go on from it):
-            // one stored under another key is damage, left out with an error log rather than
-            // read (`check --store` names it).
-            if row.seq != k.value() {
-                tracing::error!(key = k.value(), seq = row.seq, "audit row stored under another key than its seq; left out");
-                continue;
-            }
-            if filter.matches(&row) && !visit(row) {
+            if !offer(k.value(), v.value())? {
                 return Ok(());
             }
         }
@@ -320,19 +347,36 @@ impl Store {
 
     /// [`Self::runs`] with run ids below `before` (a page after a cursor): reads back from
     /// there, never the runs above it.
+    /// One source's runs are found through the per-source index, not by reading back through
+    /// every other source's.
     pub fn runs_before(&self, source_id: Option<&str>, before: u64, limit: usize) -> Result<Vec<RunRecord>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(RUNS)?;
         let mut out = Vec::new();
+        if let Some(source) = source_id {
+            for run_id in super::history_index::source_run_ids(&rtx.open_table(RUNS_BY_SOURCE)?, source, before, limit)? {
+                let record = match t.get(run_id)? {
+                    Some(v) => decode::<RunRecord>(v.value()).map_err(|m| codec_err("runs", m))?,
+                    None => {
+                        // Damage (`check --store` names it): the entry is passed over.
+                        tracing::error!(run_id, source, "the per-source run index names a run record that is not there; left out");
+                        continue;
+                    }
+                };
+                if record.source_id == source {
+                    out.push(record);
+                } else {
+                    tracing::error!(run_id, source, "the per-source run index names a run record of another source; left out");
+                }
+            }
+            return Ok(out);
+        }
         for item in t.range(..before)?.rev() {
             if out.len() >= limit {
                 break;
             }
             let (_, v) = item?;
-            let r: RunRecord = decode(v.value()).map_err(|m| codec_err("runs", m))?;
-            if source_id.is_none_or(|s| s == r.source_id) {
-                out.push(r);
-            }
+            out.push(decode(v.value()).map_err(|m| codec_err("runs", m))?);
         }
         Ok(out)
     }

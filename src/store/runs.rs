@@ -6,6 +6,7 @@ use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
 use super::held_rows::{decode_held_event, decode_staged, encode_held_event, encode_staged};
 use super::tombstones::Tombstone;
+use super::history_index::BASELINE_DETAIL;
 use crate::detect::diff::{content_of, step, Prior};
 use super::snapshot::{decode_state, geometries_of, SnapshotRow};
 use super::tables::*;
@@ -100,6 +101,7 @@ pub(super) fn append_audit(
 /// key once (a run may append thousands). Returns the last `seq` written.
 pub(super) fn append_audits<R: LedgerRow>(wtx: &WriteTransaction, rows: &mut [R]) -> Result<u64, StoreError> {
     let mut audit = wtx.open_table(AUDIT)?;
+    let mut index = wtx.open_table(AUDIT_BY_OUTCOME)?;
     let mut seq = audit.last()?.map(|(k, _)| k.value()).unwrap_or(0);
     let mut tally = super::totals::OutcomeTally::default();
     for row in rows {
@@ -107,8 +109,9 @@ pub(super) fn append_audits<R: LedgerRow>(wtx: &WriteTransaction, rows: &mut [R]
         row.set_seq(seq);
         tally.count(row.outcome());
         audit.insert(seq, encode(row).as_slice())?;
+        let _indexed = super::history_index::index_audit_row(&mut index, seq, row.outcome(), row.detail())?;
     }
-    drop(audit);
+    drop((audit, index));
     tally.commit_to(wtx)?;
     Ok(seq)
 }
@@ -116,8 +119,10 @@ pub(super) fn append_audits<R: LedgerRow>(wtx: &WriteTransaction, rows: &mut [R]
 /// A row [`append_audits`] can write: stored as an [`AuditRow`], numbered as it is appended.
 pub(super) trait LedgerRow: Serialize {
     fn set_seq(&mut self, seq: u64);
-    /// What the row records (counted in `audit_totals`).
+    /// What the row records (counted in `audit_totals`, indexed in `audit_by_outcome`).
     fn outcome(&self) -> Outcome;
+    /// Its detail (the baseline's primed rows have their own class in `audit_by_outcome`).
+    fn detail(&self) -> &str;
 }
 
 impl LedgerRow for AuditRow {
@@ -127,6 +132,9 @@ impl LedgerRow for AuditRow {
     fn outcome(&self) -> Outcome {
         self.outcome
     }
+    fn detail(&self) -> &str {
+        &self.detail
+    }
 }
 
 impl LedgerRow for AuditRowRef<'_> {
@@ -135,6 +143,9 @@ impl LedgerRow for AuditRowRef<'_> {
     }
     fn outcome(&self) -> Outcome {
         self.outcome
+    }
+    fn detail(&self) -> &str {
+        &self.detail
     }
 }
 
@@ -618,9 +629,9 @@ impl RunWriter<'_> {
             }
         } else {
             let claim_mode = match self.mode {
-                CommitMode::Baseline => ClaimMode::Prime { detail: "baseline" },
+                CommitMode::Baseline => ClaimMode::Prime { detail: BASELINE_DETAIL },
                 CommitMode::Reprocess => ClaimMode::Prime { detail: "reprocess" },
-                CommitMode::ResolveHold { prime: true, .. } if self.first_ingest => ClaimMode::Prime { detail: "baseline" },
+                CommitMode::ResolveHold { prime: true, .. } if self.first_ingest => ClaimMode::Prime { detail: BASELINE_DETAIL },
                 CommitMode::ResolveHold { prime: true, .. } => ClaimMode::Prime { detail: "hold_primed" },
                 _ => ClaimMode::Deliver,
             };

@@ -98,6 +98,11 @@ pub const DLQ_REPLAYS: TableDefinition<&str, u32> = TableDefinition::new("dlq_re
 pub const AUDIT_TOTALS: TableDefinition<&str, u64> = TableDefinition::new("audit_totals");
 /// source id → `SourceRunTotals`: its runs per verdict, changes, latest layer size (`totals.rs`).
 pub const RUN_TOTALS: TableDefinition<&str, &[u8]> = TableDefinition::new("run_totals");
+/// (outcome, seq) → (): every audit row by its outcome, but a baseline's primed rows
+/// (`history_index.rs`; schema 11).
+pub const AUDIT_BY_OUTCOME: TableDefinition<(u8, u64), ()> = TableDefinition::new("audit_by_outcome");
+/// (source id, run id) → (): every run record by its source (`history_index.rs`; schema 11).
+pub const RUNS_BY_SOURCE: TableDefinition<(&str, u64), ()> = TableDefinition::new("runs_by_source");
 /// outbox id → `DeadLetter` set aside for a person (replayed too often, invalid geometry).
 pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
 /// subscriber id → `EndpointState` (disabled flag, circuit breaker, recent outcomes).

@@ -86,10 +86,11 @@ impl OutcomeTally {
     }
 }
 
-/// Writes a run record and counts it in its source's totals: the one way a run record is
-/// written.
+/// Writes a run record, counts it in its source's totals and indexes it by its source: the
+/// one way a run record is written.
 pub(super) fn append_run(wtx: &WriteTransaction, record: &RunRecord) -> Result<(), StoreError> {
     wtx.open_table(RUNS)?.insert(record.run_id, encode(record).as_slice())?;
+    super::history_index::index_run(wtx, &record.source_id, record.run_id)?;
     let source = record.source_id.as_str();
     let stored = {
         let t = wtx.open_table(RUN_TOTALS)?;
