@@ -113,7 +113,7 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                     ep.breaker_str(now),
                     ep.state.last_success_ms.map(rfc3339).unwrap_or_else(|| "-".into()),
                     ep.state.disabled_reason.as_deref().unwrap_or_default(),
-                    ep.target
+                    crate::util::url_for_display(&ep.target)
                 );
             }
             0
@@ -255,7 +255,7 @@ pub fn cmd_dlq(action: DlqAction) -> i32 {
             if let Some((state, d)) = found {
                 println!("dead letter {} ({state})", d.entry.id);
                 println!("  key:       {}", d.entry.key);
-                println!("  watcher:   {}  target: {}", d.entry.watcher_id, d.entry.target);
+                println!("  watcher:   {}  target: {}", d.entry.watcher_id, crate::util::url_for_display(&d.entry.target));
                 // Feed text (parcel ids, codes in the payload) and a receiver's answer are shown
                 // escaped: neither may drive the operator's terminal.
                 let safe = crate::util::terminal_safe;
@@ -368,6 +368,22 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
             missing += 1;
         }
     }
+    // Dead letters whose subscriber does not exist are left as they are (`waits_for_subscriber`).
+    let (waiting, mut letters): (Vec<DeadLetter>, Vec<DeadLetter>) = letters.into_iter().partition(|d| replay::waits_for_subscriber(d, &engine.subscribers));
+    for d in &waiting {
+        if ids.contains(&d.entry.id) {
+            error_line!(
+                "dead letter {}: no subscriber {:?} exists (deleted, or removed from the config): not replayed, which would only dead-letter it again and count toward max_replays; replay it once a subscriber of that id exists",
+                d.entry.id,
+                crate::util::terminal_safe(&d.entry.watcher_id)
+            );
+            missing += 1;
+        }
+    }
+    let unnamed = waiting.iter().filter(|d| !ids.contains(&d.entry.id)).count();
+    if unnamed > 0 {
+        note_line!("{unnamed} dead letter(s) not replayed: no subscriber of their id exists (deleted, or removed from the config); they wait for one");
+    }
     if let Some(cap) = cap {
         letters.sort_by_key(|d| (replay::observed_ms(d), d.entry.id));
         if letters.len() > cap {
@@ -394,8 +410,8 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         match replay::replay(&engine.store, &deliverer, letters, rate, cfg.max_replays, Instant::now() + cfg.run_wait).await {
             Ok(r) => {
                 println!(
-                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={}",
-                    r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead, r.delivery.gone
+                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={} no_subscriber={}",
+                    r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead, r.delivery.gone, waiting.len()
                 );
                 if missing > 0 {
                     1

@@ -165,6 +165,20 @@ pub fn full_jitter_backoff(base: Duration, max: Duration, attempt: u32, retry_af
     }
 }
 
+/// A target URL as it may be shown (API listings, `endpoints list`, `dlq show`, `check`): a
+/// password written in it (`https://user:pw@host/`, which the HTTP client sends as basic
+/// auth) is replaced by `***`. Text that is not a URL with a password is shown as it is.
+pub fn url_for_display(url: &str) -> std::borrow::Cow<'_, str> {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            // Cannot fail on a URL that has a password (it has a host).
+            let _ = u.set_password(Some("***"));
+            std::borrow::Cow::Owned(u.to_string())
+        }
+        _ => std::borrow::Cow::Borrowed(url),
+    }
+}
+
 /// An error and every error under it (`source()`), joined by ": ": a transport error's
 /// outer text alone ("error sending request") does not say what went wrong.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
@@ -282,6 +296,16 @@ pub fn truncate_text(s: &str, max: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_password_in_a_url_is_not_shown() {
+        use super::url_for_display as shown;
+        assert_eq!(shown("https://alice:s3cret@example.com/hook?x=1"), "https://alice:***@example.com/hook?x=1");
+        assert_eq!(shown("http://:pw@example.com/"), "http://:***@example.com/");
+        for same in ["https://alice@example.com/", "https://example.com/h", "not a url", ""] {
+            assert_eq!(shown(same), same);
+        }
+    }
+
     use super::*;
 
     #[test]

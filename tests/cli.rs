@@ -110,6 +110,40 @@ fn check_reports_good_and_bad_configs() {
     let o = zonewatch(&["check", "--config", portal_cfg.to_str().unwrap()]);
     assert!(o.status.success(), "{:?}", text(&o));
 
+    // A subscriber stored over the control port before private targets were refused there:
+    // `check --store` warns of it (its events are dead-lettered), without failing the check
+    // the service runs before every start. Its password is not shown.
+    {
+        let engine = ws.engine();
+        let aoi_text = r#"{"type":"Polygon","coordinates":[[[-71.2,42.3],[-71.0,42.3],[-71.0,42.5],[-71.2,42.3]]]}"#;
+        let rec = zonewatch::store::StoredSubscriber {
+            id: "api-local".into(),
+            target: "http://bob:hunter2@127.0.0.1:9/h".into(),
+            secret: None,
+            min_severity: zonewatch::model::Severity::Info,
+            aoi_geojson: aoi_text.into(),
+            created_ms: 0,
+            updated_ms: 0,
+        };
+        engine.edit_subscribers().put(&rec, zonewatch::notify::aoi::parse_new_aoi(aoi_text).unwrap()).unwrap();
+    }
+    ws.edit_config("allow_private_targets = true", "allow_private_targets = false");
+    let o = check_store(&[]);
+    let (out, err) = text(&o);
+    // The one problem is the config's own subscriber w (at 127.0.0.1:9), not the stored one.
+    assert!(err.contains("1 problem(s) found"), "{out}{err}");
+    assert!(out.contains("warning: subscriber \"api-local\" (created over the control port) has target http://bob:***@127.0.0.1:9/h, a private address"), "{out}");
+    assert!(!out.contains("hunter2"), "{out}");
+    ws.edit_config("allow_private_targets = false", "allow_private_targets = true");
+
+    // A store path in a folder that does not exist: `run` and `serve` refuse it (exit 2, which
+    // the packaged unit does not restart), so the check before every start fails too.
+    ws.edit_config("path = \"zw.redb\"", "path = \"nodir/zw.redb\"");
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(text(&o).0.contains("its folder") && text(&o).0.contains("nodir does not exist"), "{:?}", text(&o));
+    ws.edit_config("path = \"nodir/zw.redb\"", "path = \"zw.redb\"");
+
     std::fs::write(ws.path().join("aoi/w.geojson"), r#"{"type":"Point","coordinates":[0,0]}"#).unwrap();
     let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));

@@ -272,6 +272,50 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// What the control port refuses of a subscriber that `check` refuses in the config: a target
+/// at a private address written as such, while `delivery.allow_private_targets` is false
+/// (every delivery would be refused). A password in a target is never shown. A body announced
+/// larger than `max_body_bytes` is refused at once (413), not after `body_timeout` (408).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_targets_are_refused_passwords_hidden_and_announced_large_bodies_refused_at_once() {
+    let (ws, _) = gated_workspace("cfg-watcher", "https://example.com/hook".into(), "30s");
+    ws.edit_config("allow_private_targets = true", "allow_private_targets = false");
+    ws.edit_config("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:0\"\nmax_body_bytes = 10000");
+    let d = tokio::task::block_in_place(|| Daemon::start(&ws));
+    let c = client();
+    // The scheme's case does not matter.
+    let auth = format!("bearer {}", d.token);
+    tokio::task::block_in_place(|| {
+        let aoi = json!({"type": "Polygon", "coordinates": [[[-71.2, 42.3], [-71.0, 42.3], [-71.0, 42.5], [-71.2, 42.3]]]});
+        let post = |target: &str| c.post(d.url("/v1/subscribers")).header("authorization", &auth).json(&json!({"id": "api-1", "target": target, "aoi": aoi})).send().unwrap();
+        for target in ["http://127.0.0.1:9/h", "http://localhost/h", "http://10.1.2.3/h", "http://169.254.169.254/latest", "http://[::1]/h", "http://2130706433/h", "http://127.1/h", "http://[::ffff:127.0.0.1]/h"] {
+            let r = post(target);
+            assert_eq!(r.status(), 400, "{target}");
+            let e: Value = r.json().unwrap();
+            assert_eq!(e["error"]["code"], "private_target", "{target}: {e}");
+        }
+        let listed: Value = c.get(d.url("/v1/subscribers")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert_eq!(listed["items"].as_array().unwrap().len(), 1, "only the config's: {listed}");
+        // A public target with basic-auth credentials is taken; its password is never shown.
+        assert_eq!(post("https://alice:s3cret@example.com/hook").status(), 201);
+        for path in ["/v1/subscribers/api-1", "/v1/subscribers", "/v1/endpoints"] {
+            let text = c.get(d.url(path)).header("authorization", &auth).send().unwrap().text().unwrap();
+            assert!(!text.contains("s3cret") && text.contains("alice:***@example.com"), "{path}: {text}");
+        }
+        // Content-Length past max_body_bytes, no body sent: 413 at once (body_timeout is 30 s).
+        use std::io::{Read, Write};
+        let addr = d.url("/").trim_start_matches("http://").trim_end_matches('/').to_string();
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let asked = std::time::Instant::now();
+        write!(conn, "POST /v1/subscribers HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: 99999999\r\n\r\n").unwrap();
+        let mut head = [0u8; 12];
+        conn.read_exact(&mut head).expect("an answer without the body");
+        assert_eq!(&head, b"HTTP/1.1 413");
+        assert!(asked.elapsed() < Duration::from_secs(10), "not after body_timeout");
+    });
+}
+
 /// A hold whose release primes (here a source's first ingest, held for a quarantine spike)
 /// answers `"status": "primed"` over `POST /v1/holds/{run}/release`, as `zonewatch holds
 /// release` prints "primed": the operator's script learns that nothing was sent.
@@ -383,10 +427,21 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
         assert!(dead.len() == 2 && dead.iter().all(|x| x["watcher_id"] == "api-2" && x["reason"] == "subscriber_deleted"), "{dead:?}");
         assert!(state("api-2").is_null(), "a deleted subscriber's endpoint is not listed");
 
-        // Quarantine and its way out: a replay past max_replays (0 here) sets one aside; it
-        // is listed, and released it is a dead letter again (audited), to be replayed later.
+        // While no api-2 exists, a replay leaves its dead letters as they are: it would only
+        // dead-letter them again (`subscriber_gone`), a replay used up.
         let id0 = dead[0]["id"].as_u64().unwrap();
-        let r: Value = c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).json(&json!({"ids": [id0]})).send().unwrap().json().unwrap();
+        let replay = |ids: Value| -> Value { c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).json(&json!({"ids": ids})).send().unwrap().json().unwrap() };
+        let r = replay(json!([id0]));
+        assert_eq!((r["no_subscriber"].as_u64(), r["requeued"].as_u64(), r["quarantined"].as_u64()), (Some(1), Some(0), Some(0)), "{r}");
+        assert_eq!(r["items"], json!([{"id": id0, "outcome": "no_subscriber", "watcher_id": "api-2"}]));
+        assert_eq!(get("/v1/deadletters")["items"].as_array().unwrap().len(), 2);
+
+        // Quarantine and its way out (api-2 back): a replay past max_replays (0 here) sets one
+        // aside; it is listed, and released it is a dead letter again (audited), to be
+        // replayed later.
+        let r = c.post(d.url("/v1/subscribers")).header("authorization", &auth).json(&json!({"id": "api-2", "target": good.url("/again"), "aoi": aoi, "min_severity": "info"})).send().unwrap();
+        assert_eq!(r.status(), 201);
+        let r = replay(json!([id0]));
         assert_eq!(r["quarantined"].as_u64(), Some(1), "{r}");
         let q = get("/v1/deadletters/quarantined");
         let q = q["items"].as_array().unwrap();
@@ -840,15 +895,17 @@ fn hostile_body(rng: &mut Lcg, path: &str, t: &FuzzTarget) -> Vec<u8> {
 fn hostile_auth(rng: &mut Lcg, t: &FuzzTarget) -> Option<Vec<u8>> {
     let tok = &t.token;
     if t.authenticated && !rng.one_in(7) {
-        return Some(match rng.below(4) {
+        return Some(match rng.below(5) {
             0 => format!("Bearer   {tok}  "),
+            // The scheme's case does not matter (RFC 9110 11.1).
+            1 => format!("bearer {tok}"),
             _ => format!("Bearer {tok}"),
         }.into_bytes());
     }
     Some(match rng.below(14) {
         0 => return None,
         1 => b"Bearer wrong-token-wrong-token".to_vec(),
-        2 => format!("bearer {tok}").into_bytes(),
+        2 => format!("Bearerx {tok}").into_bytes(),
         3 => format!("Token {tok}").into_bytes(),
         4 => tok.clone().into_bytes(),
         5 => format!("Bearer {tok}x").into_bytes(),

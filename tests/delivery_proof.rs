@@ -869,11 +869,25 @@ async fn rows_of_a_subscriber_removed_from_the_config_are_dead_lettered_as_gone_
     assert_eq!(outcomes(&engine).get("dead_letter"), Some(&2));
     assert!(engine.store.check_consistency().unwrap().is_consistent());
     drop(engine);
+    // While no subscriber of that id exists, a replay leaves them as they are: it would only
+    // dead-letter them again and count a replay toward max_replays. Named, it exits 1.
+    let cfg = ws.config_path();
+    let (ok, out, err) = zonewatch(&["dlq", "replay", "--config", cfg.to_str().unwrap()]);
+    assert!(ok && out.contains("requeued=0") && out.contains("no_subscriber=2"), "{out}{err}");
+    assert!(err.contains("2 dead letter(s) not replayed: no subscriber of their id exists"), "{err}");
+    let named = dead[0].entry.id.to_string();
+    let (ok, out, err) = zonewatch(&["dlq", "replay", &named, "--config", cfg.to_str().unwrap()]);
+    assert!(!ok && out.contains("no_subscriber=1") && err.contains(&format!("dead letter {named}: no subscriber \"w\" exists")), "{out}{err}");
+    let engine = ws.engine();
+    assert_eq!(engine.store.dead_letters().unwrap().len(), 2);
+    for d in &dead {
+        assert_eq!(engine.store.replay_count(&d.entry.key.0).unwrap(), 0, "no replay used up");
+    }
+    drop(engine);
     // The subscriber comes back at a new URL (its endpoint is still disabled from the 410:
     // a config edit is not an enable): once enabled, a replay sends to the new URL.
     let good = receiver(200).await;
     std::fs::write(ws.config_path(), text.replace(&rx.url("/hook"), &good.url("/new"))).unwrap();
-    let cfg = ws.config_path();
     let (ok, out, err) = zonewatch(&["endpoints", "enable", "w", "--config", cfg.to_str().unwrap()]);
     assert!(ok, "{out}{err}");
     let (ok, out, err) = zonewatch(&["dlq", "replay", "--config", cfg.to_str().unwrap()]);

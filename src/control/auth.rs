@@ -64,9 +64,10 @@ pub fn token_matches(expected: &str, presented: &str) -> bool {
 
 /// Checks an `Authorization` header value against the token.
 pub fn authorized(expected: &str, header: Option<&str>) -> bool {
-    match header.and_then(|h| h.strip_prefix("Bearer ")) {
-        Some(t) => token_matches(expected, t.trim()),
-        None => false,
+    // The scheme is case-insensitive (RFC 9110 11.1): `bearer` is `Bearer`.
+    match header.map(str::trim_start).and_then(|h| h.split_once(' ')) {
+        Some((scheme, t)) if scheme.eq_ignore_ascii_case("bearer") => token_matches(expected, t.trim()),
+        _ => false,
     }
 }
 
@@ -77,6 +78,10 @@ mod tests {
     #[test]
     fn bearer_checks() {
         assert!(authorized("secret-token-123456", Some("Bearer secret-token-123456")));
+        assert!(authorized("secret-token-123456", Some("bearer secret-token-123456")));
+        assert!(authorized("secret-token-123456", Some("BEARER  secret-token-123456")));
+        assert!(!authorized("secret-token-123456", Some("Basic secret-token-123456")));
+        assert!(!authorized("secret-token-123456", Some("Bearersecret-token-123456")));
         assert!(!authorized("secret-token-123456", Some("Bearer secret-token-123457")));
         assert!(!authorized("secret-token-123456", Some("secret-token-123456")));
         assert!(!authorized("secret-token-123456", None));

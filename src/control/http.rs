@@ -52,6 +52,12 @@ pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30)
 /// slow → 408, broken → 400.
 pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: std::time::Duration) -> Result<Bytes, Resp> {
     const DRAIN_CAP: usize = 16 << 20;
+    // A body announced (Content-Length) larger than the limit is refused before it is read:
+    // waiting for it would answer 408 after `within`, or read it only to refuse it.
+    let announced = hyper::body::Body::size_hint(&body).lower();
+    if announced > limit as u64 {
+        return Err(error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body of {announced} bytes (Content-Length) exceeds {limit} bytes")));
+    }
     let mut buf: Vec<u8> = Vec::new();
     let mut total = 0usize;
     let deadline = tokio::time::Instant::now() + within;

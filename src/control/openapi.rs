@@ -114,8 +114,8 @@ pub fn document() -> Value {
                     "ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
                     "since": {"type": ["string", "null"], "format": "date-time"}, "until": {"type": ["string", "null"], "format": "date-time"}}}}}},
                 "responses": with_errors(json!({"200": ok("what each dead letter became", json!({"type": "object", "required": ["requeued", "duplicates", "quarantined", "items"], "properties": {
-                    "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "not_found": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
-                        "id": s("integer"), "outcome": {"type": "string", "enum": ["requeued", "duplicate", "quarantined", "not_found"]}}}}}}))}), &["400"])}},
+                    "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "not_found": s("integer"), "no_subscriber": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
+                        "id": s("integer"), "outcome": {"type": "string", "enum": ["requeued", "duplicate", "quarantined", "not_found", "no_subscriber"]}, "watcher_id": s("string")}}}}}))}), &["400"])}},
             "/v1/deadletters/quarantined": {"get": {"operationId": "listQuarantinedDeadLetters", "responses": with_errors(json!({"200": ok("dead letters set aside for a person (replayed past max_replays, invalid geometry)", list_of("DeadLetter"))}), &[])}},
             "/v1/deadletters/release": {"post": {"operationId": "releaseQuarantinedDeadLetters",
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "required": ["ids"], "properties": {

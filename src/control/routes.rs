@@ -220,7 +220,7 @@ fn dead_letter_list(letters: Result<Vec<DeadLetter>, crate::store::StoreError>) 
 
 fn dead_letter_json(d: &DeadLetter) -> Value {
     json!({
-        "id": d.entry.id, "idempotency_key": d.entry.key.0, "watcher_id": d.entry.watcher_id, "target": d.entry.target,
+        "id": d.entry.id, "idempotency_key": d.entry.key.0, "watcher_id": d.entry.watcher_id, "target": crate::util::url_for_display(&d.entry.target),
         "source_id": d.entry.source_id, "parcel_id": d.entry.parcel_id, "lineage_id": d.entry.lineage_id,
         "severity": d.entry.severity.as_str(), "attempts": d.entry.attempts, "reason": d.reason,
         "dead_at": rfc3339(d.dead_at_ms), "last_error": d.entry.last_error,
@@ -454,7 +454,7 @@ struct SubscriberBody {
 }
 
 fn subscriber_json(id: &str, target: &str, secret: bool, min_severity: Severity, aoi: Value, managed_by: &str) -> Value {
-    json!({"id": id, "target": target, "signed": secret, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
+    json!({"id": id, "target": crate::util::url_for_display(target), "signed": secret, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
 }
 
 fn list_subscribers(st: &ControlState) -> Resp {
@@ -513,6 +513,18 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     match reqwest::Url::parse(&b.target) {
         Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some() => {}
         _ => return error(StatusCode::BAD_REQUEST, "bad_target", format!("target {:?} is not an http(s) URL with a host", b.target)),
+    }
+    // Refused here as `check` refuses it in the config: every delivery to it would be
+    // refused, each event dead-lettered `private_target_refused`.
+    if !st.engine.config.delivery.allow_private_targets && crate::netguard::url_written_private(&b.target) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "private_target",
+            format!(
+                "target {} is a private address: every delivery would be refused (the config's delivery.allow_private_targets is false)",
+                crate::util::url_for_display(&b.target)
+            ),
+        );
     }
     if let Some(secret) = &b.secret {
         if let Err(e) = crate::notify::signing::decode_secret(secret) {
@@ -577,7 +589,7 @@ fn delete_subscriber(st: &ControlState, id: &str) -> Resp {
 
 fn endpoint_json(ep: &crate::pipeline::EndpointListing, now_ms: u64) -> Value {
     json!({
-        "id": ep.id, "managed_by": ep.managed_by.as_str(), "target": ep.target,
+        "id": ep.id, "managed_by": ep.managed_by.as_str(), "target": crate::util::url_for_display(&ep.target),
         "state": ep.state_str(), "breaker": ep.breaker_str(now_ms),
         "last_success": ep.state.last_success_ms.map(rfc3339),
         "disabled_reason": ep.state.disabled_reason, "disabled_at": ep.state.disabled_at_ms.map(rfc3339),
@@ -669,6 +681,11 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
             }
         }
     }
+    // Left as they are until a subscriber of their id exists (`waits_for_subscriber`).
+    let (waiting, letters): (Vec<_>, Vec<_>) = letters.into_iter().partition(|d| crate::notify::replay::waits_for_subscriber(d, &st.engine.subscribers));
+    for d in &waiting {
+        items.push(json!({"id": d.entry.id, "outcome": "no_subscriber", "watcher_id": d.entry.watcher_id}));
+    }
     for d in letters {
         let geometry = crate::notify::replay::validate_entry_geometry(&d.entry);
         match st.engine.store.replay_dead_letter(d.entry.id, st.engine.now(), st.engine.config.delivery.max_replays, geometry) {
@@ -691,7 +708,10 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
             Err(e) => return internal(e),
         }
     }
-    json(StatusCode::OK, &json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "not_found": not_found, "items": items}))
+    json(
+        StatusCode::OK,
+        &json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "not_found": not_found, "no_subscriber": waiting.len(), "items": items}),
+    )
 }
 
 /// Body of `POST /v1/deadletters/release`: which quarantined dead letters (named; never all).

@@ -861,7 +861,9 @@ impl Deliverer {
                 if let Some(refused) = crate::netguard::refusal(&e) {
                     return DeliveryResult::Dead { id, reason: format!("private_target_refused: {refused}"), cause: DeadCause::NotSent };
                 }
-                (None, format!("connection: {}", crate::util::error_chain(&e)))
+                // Without the URL: the target is known, and one written with a password
+                // (basic auth) would put it in the attempt log and the dead letters.
+                (None, format!("connection: {}", crate::util::error_chain(&e.without_url())))
             }
         };
         self.retry_or_dead(entry, rec, retry_after, error)

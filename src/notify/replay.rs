@@ -78,6 +78,14 @@ pub fn observed_ms(dl: &DeadLetter) -> u64 {
         .unwrap_or(dl.entry.created_ms)
 }
 
+/// Whether a dead letter waits for its subscriber: none of its id exists (deleted over the
+/// control port, or removed from the config). A replay would only dead-letter it again
+/// (`subscriber_gone`) and count one more replay toward `max_replays`, so `dlq replay` and
+/// `POST /v1/deadletters/replay` leave it as it is until a subscriber of that id exists.
+pub fn waits_for_subscriber(dl: &DeadLetter, subscribers: &crate::notify::matcher::SubscriberIndex) -> bool {
+    subscribers.get(&dl.entry.watcher_id).is_none()
+}
+
 /// What a replay came to.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct ReplayReport {

@@ -30,6 +30,9 @@ pub struct ConsistencyReport {
     /// Ids of the subscribers created over the control port (not a consistency matter:
     /// `zonewatch check` compares them with the config's, whose same ids hide them).
     pub api_subscribers: Vec<String>,
+    /// Their targets (those whose record decodes), for `zonewatch check` to compare with the
+    /// config's `delivery.allow_private_targets`.
+    pub api_subscriber_targets: Vec<(String, String)>,
     /// One sentence per violated invariant (empty: the store is consistent).
     pub problems: Vec<String>,
     /// The file was not closed cleanly: what was checked is a temporary copy that redb
@@ -498,8 +501,11 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     }
     if let Some(subs) = open_optional(rtx, SUBSCRIBERS)? {
         for item in subs.iter()? {
-            let (k, _) = item?;
+            let (k, v) = item?;
             report.api_subscribers.push(k.value().to_string());
+            if let Ok(s) = decode::<super::StoredSubscriber>(v.value()) {
+                report.api_subscriber_targets.push((s.id, s.target));
+            }
         }
     }
     if let Some(p) = next_outbox_id_problem(rtx)? {

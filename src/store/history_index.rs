@@ -319,7 +319,7 @@ mod tests {
     fn pages_read_through_the_outcome_index_equal_the_ledger_filtered() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(&dir.path().join("zw.redb")).expect("open");
-        let mut dice = Dice(0x5EED_0F_1DE5);
+        let mut dice = Dice(0x005E_ED0F_1DE5);
         ledger(&store, &mut dice, 3_000);
         let all = store.audit(&AuditFilter::default()).expect("whole ledger");
         assert_eq!(all.len(), 3_000);
