@@ -960,7 +960,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     // noted, as an unreadable store is.)
     let token = &cfg.control.token_file;
     match crate::control::auth::read_token(token) {
-        Ok(Some(_)) => println!("control: {} token {} ok", cfg.control.listen, token.display()),
+        Ok(Some(_)) => {
+            println!("control: {} token {} ok", cfg.control.listen, token.display());
+            if let Some(mode) = crate::control::auth::others_may_read(token) {
+                println!("warning: control token {}: others may read it (mode {mode:o}), and with it steer zonewatch: chmod 600 it", token.display());
+            }
+        }
         Ok(None) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
         Err(e) if std::fs::File::open(token).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) => {
             println!("control: {} token {}: not readable by this user, not checked ({e})", cfg.control.listen, token.display());
@@ -982,8 +987,9 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             println!("store: ERROR {}: {}", cfg.store_path.display(), crate::store::EMPTY_STORE_FILE);
         }
         // Not there yet: `run` and `serve` create it, but only in a folder that exists (a
-        // mistyped path must not become a new, empty store).
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        // mistyped path must not become a new, empty store). Not asked when `--store PATH`
+        // checks another file (a backup on another machine than the config's).
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) && !matches!(store, Some(Some(_))) => {
             let folder = cfg.store_path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
             match std::fs::metadata(folder) {
                 Ok(m) if m.is_dir() => {}
@@ -998,6 +1004,10 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                         cfg.store_path.display(),
                         folder.display()
                     );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+                    bad += 1;
+                    println!("store: ERROR {}: a part of its folder {} is a file, not a folder", cfg.store_path.display(), folder.display());
                 }
                 // Another user than the daemon's may not see the folder: not counted.
                 Err(_) => {}

@@ -281,7 +281,8 @@ impl Default for SeverityRules {
     fn default() -> Self {
         SeverityRules {
             residential: vec!["R*".into()],
-            intensive: vec!["C3*".into(), "M*".into(), "I*".into()],
+            // `C-3*`: codes written with a hyphen (Cambridge's C-3, C-3A, C-3B).
+            intensive: vec!["C3*".into(), "C-3*".into(), "M*".into(), "I*".into()],
             large_parcel_m2: 5_000.0,
         }
     }

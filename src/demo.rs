@@ -147,7 +147,10 @@ min_severity = "material"
         println!("  {:<14} {:>6}", "suppressed", s.suppressed);
         println!("  {:<14} {:>6}", "dead letters", s.dead_letters);
         println!("  {:<14} {:>6}", "outbox left", s.outbox);
-        println!("\ndone in {:.1}s. Every outcome is in the audit ledger (`zonewatch audit`).", started.elapsed().as_secs_f64());
+        println!(
+            "\ndone in {:.1}s. The demo's store was a temporary file and is removed now; with your own config every outcome is in the audit ledger (`zonewatch audit --config FILE`).",
+            started.elapsed().as_secs_f64()
+        );
         if s.outbox != 0 || s.dead_letters != 0 {
             bail!("the outbox should be empty and there should be no dead letters");
         }

@@ -17,8 +17,10 @@ use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use std::error::Error;
 use std::net::{IpAddr, SocketAddr};
 
-/// Loopback, private, link-local, unspecified, broadcast, CGNAT or unique-local addresses
-/// (also IPv4 ones written as IPv4-mapped IPv6).
+/// Loopback, private, link-local, unspecified ("this network", 0/8), broadcast and reserved
+/// (240/4), CGNAT, benchmarking (198.18/15), unique-local or site-local addresses; also IPv4
+/// ones written inside IPv6 (IPv4-mapped, IPv4-compatible, NAT64 `64:ff9b::/96`), which a
+/// host may route to the IPv4 address.
 pub fn is_private(ip: &IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
@@ -26,17 +28,23 @@ pub fn is_private(ip: &IpAddr) -> bool {
             v4.is_loopback()
                 || v4.is_private()
                 || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
+                || o[0] == 0
+                || o[0] >= 240
                 || (o[0] == 100 && (64..128).contains(&o[1]))
+                || (o[0] == 198 && (18..20).contains(&o[1]))
         }
         IpAddr::V6(v6) => {
             let s = v6.segments();
+            let embedded_v4 = || std::net::Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
             v6.is_loopback()
                 || v6.is_unspecified()
                 || (s[0] & 0xfe00) == 0xfc00
                 || (s[0] & 0xffc0) == 0xfe80
+                || (s[0] & 0xffc0) == 0xfec0
                 || v6.to_ipv4_mapped().map(|v4| is_private(&IpAddr::V4(v4))).unwrap_or(false)
+                // IPv4-compatible (`::a.b.c.d`, deprecated) and NAT64 (`64:ff9b::a.b.c.d`).
+                || (s[..6] == [0; 6] && is_private(&IpAddr::V4(embedded_v4())))
+                || (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] && is_private(&IpAddr::V4(embedded_v4())))
         }
     }
 }
@@ -177,10 +185,14 @@ mod tests {
 
     #[test]
     fn private_addresses() {
-        for ip in ["127.0.0.1", "10.1.2.3", "192.168.1.1", "169.254.1.1", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "100.64.0.1"] {
+        for ip in [
+            "127.0.0.1", "10.1.2.3", "192.168.1.1", "169.254.1.1", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "100.64.0.1",
+            "0.1.2.3", "240.0.0.1", "255.255.255.255", "198.18.0.1", "198.19.255.1", "fec0::1", "::7f00:1", "::a9fe:a9fe", "64:ff9b::a9fe:a9fe",
+            "64:ff9b::10.0.0.1",
+        ] {
             assert!(is_private(&ip.parse().unwrap()), "{ip}");
         }
-        for ip in ["8.8.8.8", "2001:4860::8888"] {
+        for ip in ["8.8.8.8", "2001:4860::8888", "198.20.0.1", "64:ff9b::8.8.8.8", "::808:808", "223.255.255.255"] {
             assert!(!is_private(&ip.parse().unwrap()), "{ip}");
         }
         assert_eq!(literal_private("[::1]"), Some("::1".parse().unwrap()));

@@ -41,11 +41,18 @@ fn deb_builds_is_lintian_clean_and_its_default_config_checks() {
     for needle in ["StateDirectory=zonewatch", "ProtectSystem=strict", "Restart=on-failure", "RestartPreventExitStatus=2", "User=zonewatch"] {
         assert!(unit.contains(needle), "unit lacks {needle}");
     }
-    let o = Command::new(dir.path().join("usr/bin/zonewatch"))
-        .args(["check", "--config"])
-        .arg(dir.path().join("etc/zonewatch/zonewatch.toml"))
-        .output()
-        .unwrap();
+    // The shipped config checks as installed: its store goes in /var/lib/zonewatch, which
+    // postinst makes (`check` refuses a store folder that does not exist, as `run` and `serve`
+    // do); here that folder is made under the unpacked tree, as postinst would.
+    let shipped = std::fs::read_to_string(dir.path().join("etc/zonewatch/zonewatch.toml")).unwrap();
+    assert!(shipped.contains("path = \"/var/lib/zonewatch/zonewatch.redb\""), "{shipped}");
+    let postinst = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/debian/postinst")).unwrap();
+    assert!(postinst.contains("install -d -o zonewatch -g zonewatch -m 0750 /var/lib/zonewatch"), "{postinst}");
+    let state = dir.path().join("var/lib/zonewatch");
+    std::fs::create_dir_all(&state).unwrap();
+    let installed = dir.path().join("etc/zonewatch/installed.toml");
+    std::fs::write(&installed, shipped.replace("/var/lib/zonewatch", state.to_str().unwrap())).unwrap();
+    let o = Command::new(dir.path().join("usr/bin/zonewatch")).args(["check", "--config"]).arg(&installed).output().unwrap();
     assert!(o.status.success(), "shipped config does not check: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("all good"));
 }

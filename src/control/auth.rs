@@ -21,10 +21,30 @@ pub fn read_token(path: &Path) -> Result<Option<String>, String> {
     }
 }
 
-/// Loads the token, creating the file when it is absent.
+/// The mode of a token file that users other than its owner may read (None: only its owner
+/// may, or it is not there). Whoever reads the token steers the daemon.
+#[cfg(unix)]
+pub fn others_may_read(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o077 != 0).then_some(mode)
+}
+
+#[cfg(not(unix))]
+pub fn others_may_read(_: &Path) -> Option<u32> {
+    None
+}
+
+/// Loads the token, creating the file when it is absent. A token others may read is used,
+/// with a warning (the operator may mean it; `check` says so too).
 pub fn load_or_create_token(path: &Path) -> Result<String, String> {
     match read_token(path)? {
-        Some(t) => Ok(t),
+        Some(t) => {
+            if let Some(mode) = others_may_read(path) {
+                tracing::warn!(path = %path.display(), mode = format!("{mode:o}"), "others may read the control token, and with it steer zonewatch: chmod 600 it");
+            }
+            Ok(t)
+        }
         None => {
             let bytes: [u8; 32] = rand::random();
             let token = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);

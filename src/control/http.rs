@@ -49,14 +49,19 @@ pub const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30)
 
 /// Reads a request body of at most `limit` bytes arriving within `within`: too large → 413
 /// (the rest drained, up to 16 MiB, so the client reads the 413 instead of a reset), too
-/// slow → 408, broken → 400.
-pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: std::time::Duration) -> Result<Bytes, Resp> {
+/// slow → 408 (413 when its Content-Length was already too large), broken → 400.
+/// `expects_continue`: the client waits for `100 Continue` before it sends the body.
+pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: std::time::Duration, expects_continue: bool) -> Result<Bytes, Resp> {
     const DRAIN_CAP: usize = 16 << 20;
-    // A body announced (Content-Length) larger than the limit is refused before it is read:
-    // waiting for it would answer 408 after `within`, or read it only to refuse it.
+    // A body announced (Content-Length) larger than the limit is refused before it is read
+    // when reading it would not help: past the drain cap (the connection is closed unread),
+    // or from a client waiting for `100 Continue` (which it does not get). Otherwise it is
+    // drained as one that turns out too large, so that a client still sending reads the 413
+    // rather than a reset.
     let announced = hyper::body::Body::size_hint(&body).lower();
-    if announced > limit as u64 {
-        return Err(error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body of {announced} bytes (Content-Length) exceeds {limit} bytes")));
+    let too_large = || error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes"));
+    if announced > limit as u64 && (announced > DRAIN_CAP as u64 || expects_continue) {
+        return Err(too_large());
     }
     let mut buf: Vec<u8> = Vec::new();
     let mut total = 0usize;
@@ -65,6 +70,7 @@ pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: st
         let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
             Ok(Some(frame)) => frame,
             Ok(None) => break,
+            Err(_) if announced > limit as u64 || total > limit => return Err(too_large()),
             Err(_) => {
                 let secs = within.as_secs_f64();
                 return Err(error(StatusCode::REQUEST_TIMEOUT, "body_timeout", format!("the request body did not arrive within {secs} s")));
@@ -81,7 +87,7 @@ pub async fn read_body(mut body: hyper::body::Incoming, limit: usize, within: st
         }
     }
     if total > limit {
-        return Err(error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", format!("request body exceeds {limit} bytes")));
+        return Err(too_large());
     }
     Ok(Bytes::from(buf))
 }

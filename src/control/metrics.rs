@@ -93,7 +93,9 @@ pub fn render(engine: &Engine) -> Result<String, StoreError> {
 
     header(&mut out, "zonewatch_endpoint_breaker_state", "gauge", "Per-endpoint circuit breaker: 0 closed, 1 open, 2 half-open (cool-down over), 3 disabled.");
     let now = engine.now();
-    for (id, e) in store.endpoints()? {
+    // A health record outliving its subscriber (a send in flight when it was deleted) is not
+    // an endpoint any more.
+    for (id, e) in store.endpoints()?.into_iter().filter(|(id, _)| engine.subscribers.get(id).is_some()) {
         let state = if e.disabled {
             3
         } else {

@@ -53,7 +53,8 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         return before_body(has_body, r);
     }
     let limit = state.engine.config.control.max_body_bytes;
-    let body = match read_body(req.into_body(), limit, state.engine.config.control.body_timeout).await {
+    let expects_continue = req.headers().get(hyper::header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let body = match read_body(req.into_body(), limit, state.engine.config.control.body_timeout, expects_continue).await {
         Ok(b) => b,
         // Too slow, too large past the drain cap, or broken: the rest is not read either.
         Err(r) => return before_body(true, r),

@@ -64,6 +64,7 @@ mod tests {
         let r = SeverityRules::default();
         assert_eq!(rank(ChangeKind::Rezoned, Some("R-1"), Some("M-2"), 6000.0, &r), Severity::Critical);
         assert_eq!(rank(ChangeKind::Rezoned, Some("r-1"), Some("C3"), 4000.0, &r), Severity::Material);
+        assert_eq!(rank(ChangeKind::Rezoned, Some("R-1"), Some("C-3A"), 4000.0, &r), Severity::Material);
         assert_eq!(rank(ChangeKind::Rezoned, Some("I-1"), Some("RS-3"), 10.0, &r), Severity::Material);
         assert_eq!(rank(ChangeKind::Rezoned, Some("R-1"), Some("R-2"), 1e6, &r), Severity::Notice);
         assert_eq!(rank(ChangeKind::Rezoned, Some("C-1"), Some("C-2"), 1e6, &r), Severity::Notice);

@@ -826,7 +826,7 @@ impl Deliverer {
             // would; only the backoff and the breaker's count are spared. A receiver that
             // takes the request and hangs up later (a server's own write timeout) is not sent
             // it again here: that is a failed attempt.
-            tracing::info!(id, key = %entry.key.0, url = %url, "connection closed under the request at once; sending it again on a fresh connection");
+            tracing::info!(id, key = %entry.key.0, url = %crate::util::url_for_display(url.as_str()), "connection closed under the request at once; sending it again on a fresh connection");
             sent = request().timeout(self.cfg.timeout.saturating_sub(failed_after)).send().await;
         }
         let (retry_after, error) = match sent {
@@ -861,8 +861,8 @@ impl Deliverer {
                 if let Some(refused) = crate::netguard::refusal(&e) {
                     return DeliveryResult::Dead { id, reason: format!("private_target_refused: {refused}"), cause: DeadCause::NotSent };
                 }
-                // Without the URL: the target is known, and one written with a password
-                // (basic auth) would put it in the attempt log and the dead letters.
+                // Without the URL: the row names its target, which is shown elsewhere with any
+                // password masked (`util::url_for_display`); the error text is stored as it is.
                 (None, format!("connection: {}", crate::util::error_chain(&e.without_url())))
             }
         };

@@ -43,8 +43,10 @@ pub fn body_for(entry: &OutboxEntry, change: &ChangeFields) -> Vec<u8> {
             jurisdiction: &change.jurisdiction,
             parcel_id: &entry.parcel_id,
             change: change.kind.as_str(),
-            from: change.from.as_deref(),
-            to: change.to.as_deref(),
+            // A layer without a zoning value (no zoning field, an empty one) has none: null,
+            // as `from` of an addition and `to` of a removal are.
+            from: change.from.as_deref().filter(|z| !z.is_empty()),
+            to: change.to.as_deref().filter(|z| !z.is_empty()),
             severity: entry.severity.as_str(),
             effective_date: change.effective_date.as_deref(),
             lineage_id: &entry.lineage_id,

@@ -359,6 +359,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     let mut recount = super::totals::Recount::default();
     // Each decodable row's seq and outcome class, for the outcome index's check.
     let mut audit_classes: Vec<(u64, Option<super::history_index::AuditClass>)> = Vec::new();
+    let mut undecodable_seqs: HashSet<u64> = HashSet::new();
     let mut last_lifecycle: HashMap<&str, Option<Outcome>> = pending_rows.iter().map(|(_, _, key)| (key.as_str(), None)).collect();
     {
         let audit = rtx.open_table(AUDIT)?;
@@ -376,6 +377,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 Ok(row) => row,
                 Err(m) => {
                     unreadable_audit_rows += 1;
+                    undecodable_seqs.insert(seq);
                     if gaps.len() < MAX_PROBLEMS {
                         gaps.push(format!("audit row {seq} does not decode: {m}"));
                     }
@@ -515,7 +517,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable, &mut run_sources)? {
         problem(&mut report, p);
     }
-    for p in super::history_index::problems(rtx, &audit_classes, &run_sources, MAX_PROBLEMS)? {
+    for p in super::history_index::problems(rtx, &audit_classes, &undecodable_seqs, &run_sources, MAX_PROBLEMS)? {
         problem(&mut report, p);
     }
     Ok(report)

@@ -65,9 +65,14 @@ fn audit_endpoint(wtx: &WriteTransaction, id: &str, outcome: Outcome, detail: St
     Ok(())
 }
 
-/// The audit row of an endpoint being disabled or enabled (logged as a warning too).
+/// The audit row of an endpoint being disabled or enabled (logged too: a disable as a
+/// warning, an operator's enable, which is what was asked for, as info).
 fn endpoint_row(id: &str, outcome: Outcome, detail: String, now_ms: u64) -> AuditRow {
-    tracing::warn!(endpoint = id, "{}: {detail}", outcome.as_str());
+    if outcome == Outcome::EndpointDisabled {
+        tracing::warn!(endpoint = id, "{}: {detail}", outcome.as_str());
+    } else {
+        tracing::info!(endpoint = id, "{}: {detail}", outcome.as_str());
+    }
     AuditRow {
         seq: 0,
         ts_ms: now_ms,

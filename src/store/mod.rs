@@ -306,6 +306,9 @@ impl Store {
         // secrets. redb would initialise any empty file as a new database: one that was
         // there already is a store cut to nothing (a crash, a failed copy), and taking it for
         // a new store would make the next run a silent baseline over lost history.
+        if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+            return Err(StoreError::Open { path: path.to_path_buf(), message: "it is a folder: `[store] path` names the store file (it is created there)".into() });
+        }
         let created = create_private(path)?;
         if !created && std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() == 0) {
             // Another zonewatch making this store this very moment holds redb's lock on it:

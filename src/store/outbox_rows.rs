@@ -140,6 +140,33 @@ mod tests {
         assert_eq!(again, e);
     }
 
+    /// A layer without a zoning value (no zoning field, or an empty one) gives `null`, as the
+    /// `from` of an addition does, never `""`.
+    #[test]
+    fn a_missing_zoning_value_is_null_in_the_body() {
+        let mut e: OutboxEntry = v1_entry().into();
+        for (from, to, shown) in [
+            (Some(""), Some(""), (serde_json::Value::Null, serde_json::Value::Null)),
+            (None, Some(""), (serde_json::Value::Null, serde_json::Value::Null)),
+            (Some("R-1"), Some(""), ("R-1".into(), serde_json::Value::Null)),
+            (None, Some("C-2"), (serde_json::Value::Null, "C-2".into())),
+        ] {
+            e.payload = OutboxPayload::Change(ChangeFields {
+                jurisdiction: "j".into(),
+                kind: ChangeKind::Added,
+                from: from.map(String::from),
+                to: to.map(String::from),
+                effective_date: None,
+                observed_at_ms: 0,
+                area_m2: 1.0,
+                geometry: None,
+                queued_ms: 0,
+            });
+            let body: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+            assert_eq!((body["data"]["from"].clone(), body["data"]["to"].clone()), shown, "{from:?} {to:?}");
+        }
+    }
+
     #[test]
     fn version_2_rows_round_trip_and_build_the_same_body_every_time() {
         let mut e: OutboxEntry = v1_entry().into();

@@ -354,20 +354,23 @@ impl Store {
         let t = rtx.open_table(RUNS)?;
         let mut out = Vec::new();
         if let Some(source) = source_id {
-            for run_id in super::history_index::source_run_ids(&rtx.open_table(RUNS_BY_SOURCE)?, source, before, limit)? {
-                let record = match t.get(run_id)? {
-                    Some(v) => decode::<RunRecord>(v.value()).map_err(|m| codec_err("runs", m))?,
-                    None => {
-                        // Damage (`check --store` names it): the entry is passed over.
-                        tracing::error!(run_id, source, "the per-source run index names a run record that is not there; left out");
-                        continue;
+            if limit > 0 {
+                // A damaged entry (`check --store` names it) is passed over; the page is still
+                // filled, so a short page means there is no more.
+                super::history_index::walk_source_runs(&rtx.open_table(RUNS_BY_SOURCE)?, source, before, |run_id| {
+                    match t.get(run_id)? {
+                        Some(v) => {
+                            let record: RunRecord = decode(v.value()).map_err(|m| codec_err("runs", m))?;
+                            if record.source_id == source {
+                                out.push(record);
+                            } else {
+                                tracing::error!(run_id, source, "the per-source run index names a run record of another source; left out");
+                            }
+                        }
+                        None => tracing::error!(run_id, source, "the per-source run index names a run record that is not there; left out"),
                     }
-                };
-                if record.source_id == source {
-                    out.push(record);
-                } else {
-                    tracing::error!(run_id, source, "the per-source run index names a run record of another source; left out");
-                }
+                    Ok(out.len() < limit)
+                })?;
             }
             return Ok(out);
         }

@@ -109,7 +109,7 @@ pub(super) fn append_audits<R: LedgerRow>(wtx: &WriteTransaction, rows: &mut [R]
         row.set_seq(seq);
         tally.count(row.outcome());
         audit.insert(seq, encode(row).as_slice())?;
-        let _indexed = super::history_index::index_audit_row(&mut index, seq, row.outcome(), row.detail())?;
+        super::history_index::index_audit_row(&mut index, seq, row.outcome(), row.detail())?;
     }
     drop((audit, index));
     tally.commit_to(wtx)?;
@@ -121,7 +121,7 @@ pub(super) trait LedgerRow: Serialize {
     fn set_seq(&mut self, seq: u64);
     /// What the row records (counted in `audit_totals`, indexed in `audit_by_outcome`).
     fn outcome(&self) -> Outcome;
-    /// Its detail (the baseline's primed rows have their own class in `audit_by_outcome`).
+    /// Its detail (a baseline's primed rows, detail `baseline`, are not in `audit_by_outcome`).
     fn detail(&self) -> &str;
 }
 

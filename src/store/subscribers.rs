@@ -83,7 +83,12 @@ impl Store {
         };
         let re_enabled = match &previous {
             Some(p) if p.target != sub.target => {
-                let detail = format!("target changed from {} to {}: the endpoint was disabled for the old URL", p.target, sub.target);
+                // Shown without a password (the ledger is kept for ever, and logged too).
+                let detail = format!(
+                    "target changed from {} to {}: the endpoint was disabled for the old URL",
+                    crate::util::url_for_display(&p.target),
+                    crate::util::url_for_display(&sub.target)
+                );
                 enable_in(&wtx, &sub.id, Reset::IfDisabled, &detail, now_ms)?
             }
             Some(_) => false,
