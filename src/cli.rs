@@ -963,7 +963,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         Ok(Some(_)) => {
             println!("control: {} token {} ok", cfg.control.listen, token.display());
             if let Some(mode) = crate::control::auth::others_may_read(token) {
-                println!("warning: control token {}: others may read it (mode {mode:o}), and with it steer zonewatch: chmod 600 it", token.display());
+                println!("warning: control token {}: every user may read it (mode {mode:o}), and with it steer zonewatch: chmod o-rwx it", token.display());
             }
         }
         Ok(None) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
@@ -1046,7 +1046,8 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
     // path) it may not read is noted, not counted as a problem.
     match std::fs::File::open(path) {
         Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+        // (A folder that is missing or not one is the config check's ERROR, said once.)
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) && !explicit => {
             println!("store {}: not created yet", path.display());
             return 0;
         }

@@ -45,6 +45,10 @@ pub fn is_private(ip: &IpAddr) -> bool {
                 // IPv4-compatible (`::a.b.c.d`, deprecated) and NAT64 (`64:ff9b::a.b.c.d`).
                 || (s[..6] == [0; 6] && is_private(&IpAddr::V4(embedded_v4())))
                 || (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] && is_private(&IpAddr::V4(embedded_v4())))
+                // Local-use NAT64 (`64:ff9b:1::/48`, RFC 8215): never routed globally.
+                || (s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1)
+                // 6to4 (`2002:aabb:ccdd::`) of a private IPv4 address.
+                || (s[0] == 0x2002 && is_private(&IpAddr::V4(std::net::Ipv4Addr::new((s[1] >> 8) as u8, s[1] as u8, (s[2] >> 8) as u8, s[2] as u8))))
         }
     }
 }
@@ -188,11 +192,11 @@ mod tests {
         for ip in [
             "127.0.0.1", "10.1.2.3", "192.168.1.1", "169.254.1.1", "::1", "fd00::1", "fe80::1", "::ffff:127.0.0.1", "100.64.0.1",
             "0.1.2.3", "240.0.0.1", "255.255.255.255", "198.18.0.1", "198.19.255.1", "fec0::1", "::7f00:1", "::a9fe:a9fe", "64:ff9b::a9fe:a9fe",
-            "64:ff9b::10.0.0.1",
+            "64:ff9b::10.0.0.1", "64:ff9b:1::a9fe:a9fe", "64:ff9b:1::808:808", "2002:a9fe:a9fe::1", "2002:7f00:1::",
         ] {
             assert!(is_private(&ip.parse().unwrap()), "{ip}");
         }
-        for ip in ["8.8.8.8", "2001:4860::8888", "198.20.0.1", "64:ff9b::8.8.8.8", "::808:808", "223.255.255.255"] {
+        for ip in ["8.8.8.8", "2001:4860::8888", "198.20.0.1", "64:ff9b::8.8.8.8", "::808:808", "223.255.255.255", "2002:808:808::1"] {
             assert!(!is_private(&ip.parse().unwrap()), "{ip}");
         }
         assert_eq!(literal_private("[::1]"), Some("::1".parse().unwrap()));

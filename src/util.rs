@@ -179,6 +179,20 @@ pub fn url_for_display(url: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
+/// A URL-like text with whatever stands between `://` and the last `@` before the path cut
+/// out, for one that does not parse (so [`url_for_display`] cannot mask its password):
+/// `https://u:pa/ss@host/` → `https://***@host/`.
+pub fn without_userinfo(text: &str) -> std::borrow::Cow<'_, str> {
+    let Some(start) = text.find("://").map(|i| i + 3) else { return std::borrow::Cow::Borrowed(text) };
+    let rest = &text[start..];
+    // The authority ends at the first `?` or `#`; a `/` may be part of a broken password.
+    let authority_end = rest.find(['?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => std::borrow::Cow::Owned(format!("{}***{}", &text[..start], &rest[at..])),
+        None => std::borrow::Cow::Borrowed(text),
+    }
+}
+
 /// An error and every error under it (`source()`), joined by ": ": a transport error's
 /// outer text alone ("error sending request") does not say what went wrong.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
@@ -304,6 +318,10 @@ mod tests {
         for same in ["https://alice@example.com/", "https://example.com/h", "not a url", ""] {
             assert_eq!(shown(same), same);
         }
+        assert_eq!(super::without_userinfo("https://u:pa/ss@host/h"), "https://***@host/h");
+        assert_eq!(super::without_userinfo("https://host/a@b"), "https://***@b", "a broken URL loses more, never the password");
+        assert_eq!(super::without_userinfo("https://host/h?x=a@b"), "https://host/h?x=a@b");
+        assert_eq!(super::without_userinfo("no scheme@host"), "no scheme@host");
     }
 
     use super::*;

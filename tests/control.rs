@@ -323,6 +323,17 @@ async fn private_targets_are_refused_passwords_hidden_and_announced_large_bodies
         assert_eq!(&head, b"HTTP/1.1 413");
         let r = c.post(d.url("/v1/subscribers")).header("authorization", &auth).body(vec![b' '; 20_000]).send().unwrap();
         assert_eq!(r.status(), 413);
+        // Within the limit, a client waiting for `100 Continue` gets it, then its answer.
+        let body = json!({"id": "api-2", "target": "https://example.com/h2", "aoi": aoi}).to_string();
+        let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(conn, "POST /v1/subscribers HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n", body.len()).unwrap();
+        let mut interim = [0u8; 25];
+        conn.read_exact(&mut interim).expect("100 Continue");
+        assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+        conn.write_all(body.as_bytes()).unwrap();
+        conn.read_exact(&mut head).expect("the answer");
+        assert_eq!(&head, b"HTTP/1.1 201");
     });
 }
 

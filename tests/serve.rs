@@ -89,9 +89,10 @@ fn serve_exits_1_when_the_store_must_be_opened_again_after_an_io_error() {
     }
     ws.write_layer(&layer(&grid(3000)));
     // bash's `ulimit -f` counts KiB; SIGXFSZ ignored, so a write past it is an EFBIG error.
-    // The limit is the store's size, so any growth of it fails. (The run's spill file, in the
-    // same folder, fails first; recording the failed run then grows the store past it. Were
-    // that record to fit, serve would rightly stay up and this test would time out.)
+    // The limit is the largest length two opens left, so the run's growth fails. (The run's
+    // spill file, in the same folder, fails first; recording the failed run then grows the
+    // store past it. Were that record to fit, serve would rightly stay up and this test would
+    // time out: it depends on redb's page use, and says so when it does.)
     let limited = format!("ulimit -f {}; trap '' XFSZ; exec \"$0\" serve --config \"$1\"", size.div_ceil(1024));
     let mut child = Command::new("bash")
         .args(["-c", &limited, env!("CARGO_BIN_EXE_zonewatch"), cfg])

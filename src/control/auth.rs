@@ -21,13 +21,14 @@ pub fn read_token(path: &Path) -> Result<Option<String>, String> {
     }
 }
 
-/// The mode of a token file that users other than its owner may read (None: only its owner
-/// may, or it is not there). Whoever reads the token steers the daemon.
+/// The mode of a token file that any user may read (None: only its owner and group may, or it
+/// is not there). Whoever reads the token steers the daemon. The group is left alone: the
+/// package makes the file `root:zonewatch 0640` so that the daemon's user reads it.
 #[cfg(unix)]
 pub fn others_may_read(path: &Path) -> Option<u32> {
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
-    (mode & 0o077 != 0).then_some(mode)
+    (mode & 0o007 != 0).then_some(mode)
 }
 
 #[cfg(not(unix))]
@@ -41,7 +42,7 @@ pub fn load_or_create_token(path: &Path) -> Result<String, String> {
     match read_token(path)? {
         Some(t) => {
             if let Some(mode) = others_may_read(path) {
-                tracing::warn!(path = %path.display(), mode = format!("{mode:o}"), "others may read the control token, and with it steer zonewatch: chmod 600 it");
+                tracing::warn!(path = %path.display(), mode = format!("{mode:o}"), "every user may read the control token, and with it steer zonewatch: chmod o-rwx it");
             }
             Ok(t)
         }
@@ -94,6 +95,22 @@ pub fn authorized(expected: &str, header: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The package's token is `root:zonewatch 0640` (the daemon reads it through its group):
+    /// no warning. One every user may read is warned of.
+    #[cfg(unix)]
+    #[test]
+    fn only_a_token_every_user_may_read_is_warned_of() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.token");
+        std::fs::write(&path, "a-token-of-sixteen-or-more\n").unwrap();
+        for (mode, warned) in [(0o600, None), (0o640, None), (0o644, Some(0o644)), (0o604, Some(0o604))] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            assert_eq!(others_may_read(&path), warned, "{mode:o}");
+        }
+        assert_eq!(others_may_read(&dir.path().join("none")), None);
+    }
 
     #[test]
     fn bearer_checks() {

@@ -56,7 +56,8 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     let expects_continue = req.headers().get(hyper::header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     let body = match read_body(req.into_body(), limit, state.engine.config.control.body_timeout, expects_continue).await {
         Ok(b) => b,
-        // Too slow, too large past the drain cap, or broken: the rest is not read either.
+        // Too slow, too large (drained, or past the drain cap / waiting for `100 Continue`
+        // unread), or broken: the connection is closed after the answer.
         Err(r) => return before_body(true, r),
     };
     let st = state.clone();

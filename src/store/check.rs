@@ -513,11 +513,12 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     if let Some(p) = next_outbox_id_problem(rtx)? {
         problem(&mut report, p);
     }
-    let mut run_sources = Vec::new();
-    for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable, &mut run_sources)? {
+    let (mut run_sources, mut undecodable_runs) = (Vec::new(), HashSet::new());
+    for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable, &mut run_sources, &mut undecodable_runs)? {
         problem(&mut report, p);
     }
-    for p in super::history_index::problems(rtx, &audit_classes, &undecodable_seqs, &run_sources, MAX_PROBLEMS)? {
+    let named = super::history_index::Undecodable { audit_rows: &undecodable_seqs, runs: &undecodable_runs };
+    for p in super::history_index::problems(rtx, &audit_classes, &run_sources, named, MAX_PROBLEMS)? {
         problem(&mut report, p);
     }
     Ok(report)
@@ -528,13 +529,14 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
 /// no totals yet (they are counted when it is opened); where rows do not decode (named above)
 /// the recount cannot be compared. A run record that does not decode is named here unless a
 /// watermark's check named it (`named`). Every decodable run record's id and source is put in
-/// `run_sources` (for the per-source index's check).
+/// `run_sources`, every other's id in `undecodable_runs` (for the per-source index's check).
 fn totals_problems(
     rtx: &redb::ReadTransaction,
     mut recount: super::totals::Recount,
     unreadable_audit_rows: u64,
     named: &HashSet<u64>,
     run_sources: &mut Vec<(u64, String)>,
+    undecodable_runs: &mut HashSet<u64>,
 ) -> Result<Vec<String>, StoreError> {
     let mut out = Vec::new();
     let mut unreadable_runs = 0u64;
@@ -547,6 +549,7 @@ fn totals_problems(
             }
             Err(m) => {
                 unreadable_runs += 1;
+                undecodable_runs.insert(k.value());
                 if !named.contains(&k.value()) {
                     out.push(format!("run record {} does not decode: {m}", k.value()));
                 }

@@ -201,15 +201,21 @@ pub(super) fn index_missing(wtx: &WriteTransaction) -> Result<(u64, u64), StoreE
     Ok((audit_rows, run_records))
 }
 
+/// The rows `check --store` found undecodable and named already: an index entry naming one is
+/// not named again.
+pub(super) struct Undecodable<'a> {
+    pub audit_rows: &'a std::collections::HashSet<u64>,
+    pub runs: &'a std::collections::HashSet<u64>,
+}
+
 /// What `check --store` says of the two indexes: every decodable row in its index under the
 /// right key, and no entry more. `audit_rows` and `runs` are the decodable rows as the check
-/// read them (seq and class; run id and source); `undecodable_audit_rows` are named already
-/// (an entry naming one is not named again).
+/// read them (seq and class; run id and source).
 pub(super) fn problems(
     rtx: &redb::ReadTransaction,
     audit_rows: &[(u64, Option<AuditClass>)],
-    undecodable_audit_rows: &std::collections::HashSet<u64>,
     runs: &[(u64, String)],
+    named: Undecodable<'_>,
     max: usize,
 ) -> Result<Vec<String>, StoreError> {
     let mut out = Vec::new();
@@ -235,7 +241,7 @@ pub(super) fn problems(
                     Some(Some(c)) if c.0 == class => {}
                     Some(Some(_)) => out.push(format!("the outcome index names audit row {seq} under another outcome than the row's")),
                     Some(None) => out.push(format!("the outcome index names audit row {seq}, a baseline's primed row (those are not indexed)")),
-                    None if undecodable_audit_rows.contains(&seq) => {}
+                    None if named.audit_rows.contains(&seq) => {}
                     None => out.push(format!("the outcome index names audit row {seq}, which is not in the ledger")),
                 }
             }
@@ -261,7 +267,8 @@ pub(super) fn problems(
                 match records.get(&run_id) {
                     Some(s) if *s == source => {}
                     Some(_) => out.push(format!("the per-source run index names run {run_id} under source {source:?}, not the record's")),
-                    None => out.push(format!("the per-source run index names run {run_id}, which is not a run record (or does not decode)")),
+                    None if named.runs.contains(&run_id) => {}
+                    None => out.push(format!("the per-source run index names run {run_id}, which is not a run record")),
                 }
             }
         }
