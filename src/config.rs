@@ -657,7 +657,7 @@ impl Config {
                 return Err(invalid(format!("{at}: duplicate subscriber id {id:?}")));
             }
             let url = reqwest::Url::parse(&s.target)
-                .map_err(|e| invalid(format!("{at}: target {:?} is not a URL: {e}", crate::util::without_userinfo(&s.target))))?;
+                .map_err(|e| invalid(format!("{at}: target {:?} is not a URL: {e}", crate::util::url_for_display(&s.target))))?;
             if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
                 return Err(invalid(format!("{at}: target must be an http(s) URL with a host")));
             }

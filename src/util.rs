@@ -165,9 +165,10 @@ pub fn full_jitter_backoff(base: Duration, max: Duration, attempt: u32, retry_af
     }
 }
 
-/// A target URL as it may be shown (API listings, `endpoints list`, `dlq show`, `check`): a
-/// password written in it (`https://user:pw@host/`, which the HTTP client sends as basic
-/// auth) is replaced by `***`. Text that is not a URL with a password is shown as it is.
+/// A target URL as it may be shown (API listings, `endpoints list`, `dlq show`, `check`, the
+/// ledger): a password written in it (`https://user:pw@host/`, which the HTTP client sends as
+/// basic auth) is replaced by `***`. A text that does not parse as a URL loses whatever may
+/// be its user and password ([`without_userinfo`]); any other is shown as it is.
 pub fn url_for_display(url: &str) -> std::borrow::Cow<'_, str> {
     match reqwest::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
@@ -175,14 +176,14 @@ pub fn url_for_display(url: &str) -> std::borrow::Cow<'_, str> {
             let _ = u.set_password(Some("***"));
             std::borrow::Cow::Owned(u.to_string())
         }
-        _ => std::borrow::Cow::Borrowed(url),
+        Ok(_) => std::borrow::Cow::Borrowed(url),
+        Err(_) => without_userinfo(url),
     }
 }
 
 /// A URL-like text with whatever stands between `://` and the last `@` before the path cut
-/// out, for one that does not parse (so [`url_for_display`] cannot mask its password):
-/// `https://u:pa/ss@host/` → `https://***@host/`.
-pub fn without_userinfo(text: &str) -> std::borrow::Cow<'_, str> {
+/// out, for one that does not parse: `https://u:pa/ss@host/` → `https://***@host/`.
+fn without_userinfo(text: &str) -> std::borrow::Cow<'_, str> {
     let Some(start) = text.find("://").map(|i| i + 3) else { return std::borrow::Cow::Borrowed(text) };
     let rest = &text[start..];
     // The authority ends at the first `?` or `#`; a `/` may be part of a broken password.
@@ -318,7 +319,7 @@ mod tests {
         for same in ["https://alice@example.com/", "https://example.com/h", "not a url", ""] {
             assert_eq!(shown(same), same);
         }
-        assert_eq!(super::without_userinfo("https://u:pa/ss@host/h"), "https://***@host/h");
+        assert_eq!(shown("https://u:pa/ss@host/h"), "https://***@host/h", "one that does not parse");
         assert_eq!(super::without_userinfo("https://host/a@b"), "https://***@b", "a broken URL loses more, never the password");
         assert_eq!(super::without_userinfo("https://host/h?x=a@b"), "https://host/h?x=a@b");
         assert_eq!(super::without_userinfo("no scheme@host"), "no scheme@host");

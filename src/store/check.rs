@@ -357,9 +357,8 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     // first, as they were when the ledger was read first, so the cap never hides them.
     let mut unreadable_audit_rows = 0u64;
     let mut recount = super::totals::Recount::default();
-    // Each decodable row's seq and outcome class, for the outcome index's check.
-    let mut audit_classes: Vec<(u64, Option<super::history_index::AuditClass>)> = Vec::new();
-    let mut undecodable_seqs: HashSet<u64> = HashSet::new();
+    // The history indexes are checked row by row as the ledger and the run records are read.
+    let mut index_check = super::history_index::IndexCheck::open(rtx, MAX_PROBLEMS)?;
     let mut last_lifecycle: HashMap<&str, Option<Outcome>> = pending_rows.iter().map(|(_, _, key)| (key.as_str(), None)).collect();
     {
         let audit = rtx.open_table(AUDIT)?;
@@ -377,7 +376,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 Ok(row) => row,
                 Err(m) => {
                     unreadable_audit_rows += 1;
-                    undecodable_seqs.insert(seq);
+                    index_check.audit_undecodable(seq);
                     if gaps.len() < MAX_PROBLEMS {
                         gaps.push(format!("audit row {seq} does not decode: {m}"));
                     }
@@ -388,7 +387,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
                 gaps.push(format!("audit row {seq} says it is row {}", row.seq));
             }
             recount.audit_row(row.outcome);
-            audit_classes.push((seq, super::history_index::AuditClass::of(row.outcome, &row.detail)));
+            index_check.audit_row(seq, &row)?;
             if matches!(row.outcome, Outcome::Queued | Outcome::Sent | Outcome::DeadLetter) {
                 if let Some(slot) = row.idempotency_key.as_deref().and_then(|key| last_lifecycle.get_mut(key)) {
                     *slot = Some(row.outcome);
@@ -513,12 +512,10 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     if let Some(p) = next_outbox_id_problem(rtx)? {
         problem(&mut report, p);
     }
-    let (mut run_sources, mut undecodable_runs) = (Vec::new(), HashSet::new());
-    for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable, &mut run_sources, &mut undecodable_runs)? {
+    for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable, &mut index_check)? {
         problem(&mut report, p);
     }
-    let named = super::history_index::Undecodable { audit_rows: &undecodable_seqs, runs: &undecodable_runs };
-    for p in super::history_index::problems(rtx, &audit_classes, &run_sources, named, MAX_PROBLEMS)? {
+    for p in index_check.finish(rtx)? {
         problem(&mut report, p);
     }
     Ok(report)
@@ -528,15 +525,14 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
 /// rows (`recount`, taken while the ledger was checked). A file written before schema 10 has
 /// no totals yet (they are counted when it is opened); where rows do not decode (named above)
 /// the recount cannot be compared. A run record that does not decode is named here unless a
-/// watermark's check named it (`named`). Every decodable run record's id and source is put in
-/// `run_sources`, every other's id in `undecodable_runs` (for the per-source index's check).
+/// watermark's check named it (`named`). Each run record read is given to `index_check` (the
+/// per-source index's check).
 fn totals_problems(
     rtx: &redb::ReadTransaction,
     mut recount: super::totals::Recount,
     unreadable_audit_rows: u64,
     named: &HashSet<u64>,
-    run_sources: &mut Vec<(u64, String)>,
-    undecodable_runs: &mut HashSet<u64>,
+    index_check: &mut super::history_index::IndexCheck,
 ) -> Result<Vec<String>, StoreError> {
     let mut out = Vec::new();
     let mut unreadable_runs = 0u64;
@@ -544,12 +540,12 @@ fn totals_problems(
         let (k, v) = item?;
         match decode::<RunRecord>(v.value()) {
             Ok(r) => {
+                index_check.run(k.value(), &r.source_id)?;
                 recount.run(&r);
-                run_sources.push((k.value(), r.source_id));
             }
             Err(m) => {
                 unreadable_runs += 1;
-                undecodable_runs.insert(k.value());
+                index_check.run_undecodable(k.value());
                 if !named.contains(&k.value()) {
                     out.push(format!("run record {} does not decode: {m}", k.value()));
                 }

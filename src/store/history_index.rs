@@ -201,79 +201,119 @@ pub(super) fn index_missing(wtx: &WriteTransaction) -> Result<(u64, u64), StoreE
     Ok((audit_rows, run_records))
 }
 
-/// The rows `check --store` found undecodable and named already: an index entry naming one is
-/// not named again.
-pub(super) struct Undecodable<'a> {
-    pub audit_rows: &'a std::collections::HashSet<u64>,
-    pub runs: &'a std::collections::HashSet<u64>,
+/// What `check --store` says of the two indexes: every decodable row in its index under the
+/// right key, and no entry more. Fed one row at a time by the check's own passes over the
+/// ledger and the run records (nothing is collected per row: those grow for ever), then
+/// [`IndexCheck::finish`]ed. Absent tables (a file before schema 11) are not checked.
+pub(super) struct IndexCheck {
+    audit: Option<redb::ReadOnlyTable<(u8, u64), ()>>,
+    runs: Option<redb::ReadOnlyTable<(&'static str, u64), ()>>,
+    audit_found: u64,
+    runs_found: u64,
+    /// Rows named already as not decoding: an entry naming one is not named again.
+    undecodable_audit: std::collections::HashSet<u64>,
+    undecodable_runs: std::collections::HashSet<u64>,
+    out: Vec<String>,
+    max: usize,
 }
 
-/// What `check --store` says of the two indexes: every decodable row in its index under the
-/// right key, and no entry more. `audit_rows` and `runs` are the decodable rows as the check
-/// read them (seq and class; run id and source).
-pub(super) fn problems(
-    rtx: &redb::ReadTransaction,
-    audit_rows: &[(u64, Option<AuditClass>)],
-    runs: &[(u64, String)],
-    named: Undecodable<'_>,
-    max: usize,
-) -> Result<Vec<String>, StoreError> {
-    let mut out = Vec::new();
-    if let Some(index) = super::check::open_optional(rtx, AUDIT_BY_OUTCOME)? {
-        // Entries that name a row: any more in the index are named one by one below.
-        let mut found = 0u64;
-        for (seq, class) in audit_rows {
-            let Some(class) = class else { continue };
-            if index.get((class.0, *seq))?.is_some() {
-                found += 1;
-            } else if out.len() < max {
-                out.push(format!("audit row {seq} is not in the outcome index (audit_by_outcome) under its outcome; outcome-filtered pages miss it"));
-            }
-        }
-        if index.len()? != found {
-            let rows: std::collections::HashMap<u64, Option<AuditClass>> = audit_rows.iter().copied().collect();
-            for item in index.iter()? {
-                if out.len() >= max {
-                    break;
-                }
-                let (class, seq) = item?.0.value();
-                match rows.get(&seq) {
-                    Some(Some(c)) if c.0 == class => {}
-                    Some(Some(_)) => out.push(format!("the outcome index names audit row {seq} under another outcome than the row's")),
-                    Some(None) => out.push(format!("the outcome index names audit row {seq}, a baseline's primed row (those are not indexed)")),
-                    None if named.audit_rows.contains(&seq) => {}
-                    None => out.push(format!("the outcome index names audit row {seq}, which is not in the ledger")),
-                }
-            }
+impl IndexCheck {
+    pub(super) fn open(rtx: &redb::ReadTransaction, max: usize) -> Result<Self, StoreError> {
+        Ok(IndexCheck {
+            audit: super::check::open_optional(rtx, AUDIT_BY_OUTCOME)?,
+            runs: super::check::open_optional(rtx, RUNS_BY_SOURCE)?,
+            audit_found: 0,
+            runs_found: 0,
+            undecodable_audit: Default::default(),
+            undecodable_runs: Default::default(),
+            out: Vec::new(),
+            max,
+        })
+    }
+
+    fn say(&mut self, text: String) {
+        if self.out.len() < self.max {
+            self.out.push(text);
         }
     }
-    if let Some(index) = super::check::open_optional(rtx, RUNS_BY_SOURCE)? {
-        let mut found = 0u64;
-        for (run_id, source) in runs {
-            if index.get((source.as_str(), *run_id))?.is_some() {
-                found += 1;
-            } else if out.len() < max {
-                out.push(format!("run record {run_id} is not in the per-source run index (runs_by_source); /v1/runs?source={source} misses it"));
-            }
+
+    /// One decodable audit row: its entry must be there (a baseline's primed row has none).
+    pub(super) fn audit_row(&mut self, seq: u64, row: &AuditRow) -> Result<(), StoreError> {
+        let (Some(index), Some(class)) = (&self.audit, AuditClass::of(row.outcome, &row.detail)) else { return Ok(()) };
+        if index.get((class.0, seq))?.is_some() {
+            self.audit_found += 1;
+        } else {
+            self.say(format!("audit row {seq} is not in the outcome index (audit_by_outcome) under its outcome; outcome-filtered pages miss it"));
         }
-        if index.len()? != found {
-            let records: std::collections::HashMap<u64, &str> = runs.iter().map(|(id, s)| (*id, s.as_str())).collect();
-            for item in index.iter()? {
-                if out.len() >= max {
-                    break;
-                }
-                let (k, _) = item?;
-                let (source, run_id) = k.value();
-                match records.get(&run_id) {
-                    Some(s) if *s == source => {}
-                    Some(_) => out.push(format!("the per-source run index names run {run_id} under source {source:?}, not the record's")),
-                    None if named.runs.contains(&run_id) => {}
-                    None => out.push(format!("the per-source run index names run {run_id}, which is not a run record")),
-                }
-            }
-        }
+        Ok(())
     }
-    Ok(out)
+
+    pub(super) fn audit_undecodable(&mut self, seq: u64) {
+        self.undecodable_audit.insert(seq);
+    }
+
+    /// One decodable run record: its entry must be there.
+    pub(super) fn run(&mut self, run_id: u64, source: &str) -> Result<(), StoreError> {
+        let Some(index) = &self.runs else { return Ok(()) };
+        if index.get((source, run_id))?.is_some() {
+            self.runs_found += 1;
+        } else {
+            self.say(format!("run record {run_id} is not in the per-source run index (runs_by_source); /v1/runs?source={source} misses it"));
+        }
+        Ok(())
+    }
+
+    pub(super) fn run_undecodable(&mut self, run_id: u64) {
+        self.undecodable_runs.insert(run_id);
+    }
+
+    /// The entries that name no row of theirs: looked for only when an index holds more
+    /// entries than rows were found in it (damage), each looked up in its table.
+    pub(super) fn finish(mut self, rtx: &redb::ReadTransaction) -> Result<Vec<String>, StoreError> {
+        if let Some(index) = self.audit.take() {
+            if index.len()? != self.audit_found {
+                let ledger = rtx.open_table(AUDIT)?;
+                for item in index.iter()? {
+                    if self.out.len() >= self.max {
+                        break;
+                    }
+                    let (class, seq) = item?.0.value();
+                    if self.undecodable_audit.contains(&seq) {
+                        continue;
+                    }
+                    let row = ledger.get(seq)?.map(|v| decode::<AuditRow>(v.value()));
+                    match row.map(|r| r.map(|r| AuditClass::of(r.outcome, &r.detail))) {
+                        Some(Ok(Some(c))) if c.0 == class => {}
+                        Some(Ok(Some(_))) => self.say(format!("the outcome index names audit row {seq} under another outcome than the row's")),
+                        Some(Ok(None)) => self.say(format!("the outcome index names audit row {seq}, a baseline's primed row (those are not indexed)")),
+                        Some(Err(_)) | None => self.say(format!("the outcome index names audit row {seq}, which is not in the ledger")),
+                    }
+                }
+            }
+        }
+        if let Some(index) = self.runs.take() {
+            if index.len()? != self.runs_found {
+                let records = rtx.open_table(RUNS)?;
+                for item in index.iter()? {
+                    if self.out.len() >= self.max {
+                        break;
+                    }
+                    let (k, _) = item?;
+                    let (source, run_id) = k.value();
+                    if self.undecodable_runs.contains(&run_id) {
+                        continue;
+                    }
+                    let record = records.get(run_id)?.map(|v| decode::<RunRecord>(v.value()));
+                    match record {
+                        Some(Ok(r)) if r.source_id == source => {}
+                        Some(Ok(_)) => self.say(format!("the per-source run index names run {run_id} under source {source:?}, not the record's")),
+                        Some(Err(_)) | None => self.say(format!("the per-source run index names run {run_id}, which is not a run record")),
+                    }
+                }
+            }
+        }
+        Ok(self.out)
+    }
 }
 
 #[cfg(test)]
