@@ -24,6 +24,7 @@ use crate::detect::diff::{diff, RawChange, Steps};
 use crate::detect::gate::{decide, GateInput};
 use crate::detect::overlay::{Coverage, DistrictIndex};
 use crate::ingest::districts::read_districts;
+use crate::ingest::normalize::folded_field_warnings;
 use crate::ingest::source;
 use crate::model::*;
 use crate::pipeline::{Engine, PipelineError, RunOptions, SourceReport};
@@ -239,23 +240,13 @@ impl Engine {
             base_wm.read_fingerprint
         );
         if !opts.reprocess {
-            if let Some(w) = &wm {
-                if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
-                    let record = self.store.commit_identical(&src.id, started, self.now(), 0)?;
-                    return Ok(SourceReport { record, hold_reason: None });
-                }
-            }
-            if let Some(report) = self.still_held(src, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
+            if let Some(report) = self.settled_by_digest(src, wm.as_ref(), None, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
                 return Ok(report);
             }
         }
 
         let layer = read_districts(&fetched.bytes, &src.fields.zoning, src.bbox)?;
-        let mut warnings: Vec<String> = layer
-            .folded_fields
-            .iter()
-            .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
-            .collect();
+        let mut warnings = folded_field_warnings(&layer.folded_fields);
         let index = DistrictIndex::build(layer.districts.iter().map(|d| (d.code.as_str(), &d.geometry)));
 
         // The base, a stretch at a time, merged with what this source has stored (see
@@ -531,22 +522,12 @@ impl Engine {
         let wm = self.store.watermark(&src.id)?;
         let fingerprint = src.read_fingerprint();
         if !opts.reprocess {
-            if let Some(w) = &wm {
-                if w.digest == fetched.digest && w.read_fingerprint == fingerprint {
-                    let record = self.store.commit_identical(&src.id, started, self.now(), 0)?;
-                    return Ok(SourceReport { record, hold_reason: None });
-                }
-            }
-            if let Some(report) = self.still_held(src, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
+            if let Some(report) = self.settled_by_digest(src, wm.as_ref(), None, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
                 return Ok(report);
             }
         }
         let layer = read_districts(&fetched.bytes, &src.fields.zoning, src.bbox)?;
-        let mut warnings: Vec<String> = layer
-            .folded_fields
-            .iter()
-            .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
-            .collect();
+        let mut warnings = folded_field_warnings(&layer.folded_fields);
         let old_states = self.store.snapshot_states(&src.id)?;
         let mut old_ids: Vec<&String> = old_states.keys().collect();
         old_ids.sort();

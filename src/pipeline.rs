@@ -626,7 +626,7 @@ impl Engine {
     /// watermark describes (identical: only the consumed time moves) or the version an open
     /// hold is holding (still held: noted, nothing else changes). `None`: go on with the run.
     #[allow(clippy::too_many_arguments)]
-    fn settled_by_digest(
+    pub(crate) fn settled_by_digest(
         &self,
         src: &SourceConfig,
         wm: Option<&Watermark>,
@@ -654,7 +654,7 @@ impl Engine {
     /// When an open hold of `src` holds exactly these bytes read this way (`digest`,
     /// `fingerprint`), records the run as still held (nothing else changes) and reports it.
     /// `None`: no such hold.
-    pub(crate) fn still_held(&self, src: &SourceConfig, holds: &[Hold], digest: &str, fingerprint: &str, started: u64) -> Result<Option<SourceReport>, PipelineError> {
+    fn still_held(&self, src: &SourceConfig, holds: &[Hold], digest: &str, fingerprint: &str, started: u64) -> Result<Option<SourceReport>, PipelineError> {
         let open_same = holds.iter().find(|h| {
             h.source_id == src.id && h.state == HoldState::Open && h.digest == digest && h.watermark.read_fingerprint == fingerprint
         });

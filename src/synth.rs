@@ -274,10 +274,16 @@ fn write_number(out: &mut String, v: f64, rng: &mut SplitMix64) {
 }
 
 fn write_ring(out: &mut String, ring: &[Value], rng: &mut SplitMix64) {
-    let mut pts: Vec<[f64; 2]> = ring
+    let pts: Vec<[f64; 2]> = ring
         .iter()
         .filter_map(|p| Some([p.get(0)?.as_f64()?, p.get(1)?.as_f64()?]))
         .collect();
+    write_ring_restated(out, pts, rng);
+}
+
+/// Writes a closed ring as a re-publication would: its start point rotated, its direction
+/// flipped half the time, its numbers reformatted (the same ring to the diff).
+fn write_ring_restated(out: &mut String, mut pts: Vec<[f64; 2]>, rng: &mut SplitMix64) {
     if pts.len() > 3 && pts.first() == pts.last() {
         pts.pop();
         let k = rng.below(pts.len());
@@ -360,28 +366,8 @@ pub fn write_feature(out: &mut String, p: &SynthParcel, eff_date: &str, republis
                 "{{\"properties\": {{\"ZONE_CODE\": \"{}\", \"EFF_DATE\": \"{}\", \"APN\": \"{}\"}}, \"type\": \"Feature\", \"geometry\": {{\"coordinates\": [",
                 p.zoning, eff_date, p.id
             );
-            let mut pts: Vec<[f64; 2]> = p.ring.clone();
-            if pts.len() > 3 && pts.first() == pts.last() {
-                pts.pop();
-                let k = rng.below(pts.len());
-                pts.rotate_left(k);
-                if rng.unit() < 0.5 {
-                    pts.reverse();
-                }
-                pts.push(pts[0]);
-            }
-            out.push('[');
-            for (i, c) in pts.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                out.push('[');
-                write_number(out, c[0], rng);
-                out.push_str(", ");
-                write_number(out, c[1], rng);
-                out.push(']');
-            }
-            out.push_str("]], \"type\": \"Polygon\"}}");
+            write_ring_restated(out, p.ring.clone(), rng);
+            out.push_str("], \"type\": \"Polygon\"}}");
         }
     }
 }

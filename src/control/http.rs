@@ -102,6 +102,15 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Ref
     serde_json::from_slice(bytes).map_err(|e| refuse(StatusCode::BAD_REQUEST, "bad_json", format!("invalid JSON body: {e}")))
 }
 
+/// Parses a body that may be left out: an empty (or all-whitespace) body is `T::default()`,
+/// anything else must be a JSON object as for [`parse_json`].
+pub fn parse_optional_json<T: serde::de::DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Refusal> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    parse_json(bytes)
+}
+
 /// Decodes `a=1&b=x%20y` into a map (later duplicates win).
 pub fn query(q: Option<&str>) -> HashMap<String, String> {
     let mut out = HashMap::new();

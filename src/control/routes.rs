@@ -1,7 +1,7 @@
 //! The control port's routes. Each handler validates its input, does its work (blocking store
 //! work on the blocking pool) and answers JSON. Unknown routes are 404, wrong methods 405.
 
-use super::http::{error, json, parse_json, query, query_u64, read_body, refuse, text, Refusal, Resp};
+use super::http::{error, json, parse_json, parse_optional_json, query, query_u64, read_body, refuse, text, Refusal, Resp};
 use super::{auth, ControlState};
 use crate::cli::audit_json;
 use crate::model::*;
@@ -643,13 +643,9 @@ struct ReplayBody {
 /// through the store's replay (duplicate if already delivered, quarantine past
 /// `max_replays` or with invalid geometry); the running delivery loop sends them.
 fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
-    let b: ReplayBody = if body.iter().all(u8::is_ascii_whitespace) {
-        ReplayBody::default()
-    } else {
-        match parse_json(body) {
-            Ok(b) => b,
-            Err(r) => return *r,
-        }
+    let b: ReplayBody = match parse_optional_json(body) {
+        Ok(b) => b,
+        Err(r) => return *r,
     };
     let time = |name: &str, v: &Option<String>| -> Result<Option<u64>, Refusal> {
         match v {
@@ -765,13 +761,9 @@ struct BackupBody {
 }
 
 fn backup(st: &ControlState, body: &[u8]) -> Resp {
-    let b: BackupBody = if body.iter().all(u8::is_ascii_whitespace) {
-        BackupBody::default()
-    } else {
-        match parse_json(body) {
-            Ok(b) => b,
-            Err(r) => return *r,
-        }
+    let b: BackupBody = match parse_optional_json(body) {
+        Ok(b) => b,
+        Err(r) => return *r,
     };
     let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(st.engine.now()).replace([':', '.'], "-")));
     if !crate::config::valid_id(&name) || name.starts_with('.') {

@@ -471,10 +471,7 @@ pub fn scan_layer<R: Read + Send>(
             }
         }
     }
-    let mut warnings: Vec<String> = folded
-        .iter()
-        .map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively"))
-        .collect();
+    let mut warnings = crate::ingest::normalize::folded_field_warnings(&folded);
     warnings.extend(unidentified.warnings(&withheld, removed.len()));
     Ok(ScanResult {
         spill: reader,

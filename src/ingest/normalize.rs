@@ -49,6 +49,12 @@ pub struct Normalized {
     pub folded_fields: Vec<(String, String)>,
 }
 
+/// The run warnings for configured field names that were absent and matched
+/// case-insensitively instead, as (configured, found) pairs.
+pub fn folded_field_warnings(folded: &[(String, String)]) -> Vec<String> {
+    folded.iter().map(|(want, got)| format!("field {want:?} is absent; matched {got:?} case-insensitively")).collect()
+}
+
 #[derive(Deserialize)]
 struct RawFeature<'a> {
     #[serde(borrow, default)]
