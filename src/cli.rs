@@ -318,9 +318,13 @@ fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::p
 /// A store error as the operator reads it: redb's own words (`database error: ...`) say not
 /// which file, and a full disk would read as a broken store, so they are given the store's.
 pub(crate) fn store_error_text(store: &std::path::Path, e: &crate::store::StoreError) -> String {
-    match e {
+    let text = match e {
         crate::store::StoreError::Db(_) => format!("store {}: {e}", store.display()),
         _ => e.to_string(),
+    };
+    match e.io_error() {
+        Some(io) if crate::store::is_file_size_limit(io) => format!("{text}: {}", crate::store::FILE_SIZE_LIMIT),
+        _ => text,
     }
 }
 
@@ -386,9 +390,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     };
     let interrupted = || *stop.borrow();
     let mut failed = 0;
+    let mut lines = ResultLines::default();
     for src in &sources {
         if interrupted() {
-            println!("{}: skipped (interrupted)", src.id);
+            lines.line(format_args!("{}: skipped (interrupted)", src.id));
             continue;
         }
         let progress = Arc::new(crate::progress::IngestProgress::start(&src.id, crate::progress::file_size(src)));
@@ -400,10 +405,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         };
         progress.finish();
         match result {
-            Ok(report) => println!("{}", report.line()),
+            Ok(report) => lines.line(format_args!("{}", report.line())),
             Err(e) => {
                 failed += 1;
-                println!("{}: failed error={:?}", src.id, e.to_string());
+                lines.line(format_args!("{}: failed error={:?}", src.id, e.to_string()));
             }
         }
     }
@@ -418,7 +423,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         match deliverer.drain_until(Instant::now() + engine.config.delivery.run_wait, Some(&stop)).await {
             Ok(s) => {
                 let left = engine.store.outbox_len().unwrap_or(0);
-                println!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}", s.sent, s.retried, s.dead, left, s.gone);
+                lines.line(format_args!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}", s.sent, s.retried, s.dead, left, s.gone));
                 0
             }
             Err(e) => {
@@ -442,11 +447,42 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         error_line!("{failed} of {} sources failed (see above); their watermarks did not move", sources.len());
         return 1;
     }
+    match lines.failed {
+        // The reader stopped early: as a Unix tool stopped by SIGPIPE.
+        Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe && code == 0 => return 141,
+        Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            error_line!("cannot write this command's report to stdout ({e}); the run went on, and what it did is in the store (`zonewatch audit`, `/v1/runs`)");
+            return 1;
+        }
+        _ => {}
+    }
     // A failure outranks the signal; the signal outranks success: the process then dies by
     // it once the store is closed (a shell reports 130 for SIGINT, 143 for SIGTERM).
     match signal.and_then(|s| s.code()) {
         Some(signal) if code == 0 => crate::signals::end_by(signal),
         _ => code,
+    }
+}
+
+/// `run`'s result lines on stdout, each written as its source finishes. A stdout that cannot
+/// be written (a closed pipe, a cron job's log on a full disk) does not stop the run: the
+/// other sources run and delivery drains (the work is in the store either way), and the
+/// command says so at its end, once. `println!` would panic there instead, and a panic
+/// leaves the store not closed cleanly (redb repairs it at the next open).
+#[derive(Default)]
+struct ResultLines {
+    failed: Option<std::io::Error>,
+}
+
+impl ResultLines {
+    fn line(&mut self, text: std::fmt::Arguments<'_>) {
+        use std::io::Write;
+        if self.failed.is_none() {
+            let mut out = std::io::stdout().lock();
+            if let Err(e) = writeln!(out, "{text}").and_then(|()| out.flush()) {
+                self.failed = Some(e);
+            }
+        }
     }
 }
 
@@ -515,8 +551,10 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         let token = match crate::control::auth::load_or_create_token(&engine.config.control.token_file) {
             Ok(t) => t,
             Err(e) => {
-                error_line!("{e}");
-                return Some(2);
+                error_line!("{}", e.message);
+                // A full disk passes (exit 1, retried); an unreadable or short token is the
+                // operator's to fix (exit 2).
+                return Some(if e.passes { 1 } else { 2 });
             }
         };
         let listener = match crate::control::bind(engine.config.control.listen).await {
@@ -875,7 +913,11 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         Err(code) => return code,
     };
     println!("config {}: ok", config.display());
+    // Warnings are said, not counted as problems: they may not stop a start, and `check` is
+    // also run as another user than the daemon's. The last line says there were some.
+    let mut warnings = 0usize;
     for advice in cfg.delivery.advisories() {
+        warnings += 1;
         println!("warning: {advice}");
     }
     println!("store: {}", cfg.store_path.display());
@@ -960,13 +1002,17 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     // noted, as an unreadable store is.)
     let token = &cfg.control.token_file;
     match crate::control::auth::read_token(token) {
-        Ok(Some(_)) => {
+        Ok(crate::control::auth::TokenFile::Token(_)) => {
             println!("control: {} token {} ok", cfg.control.listen, token.display());
             if let Some(mode) = crate::control::auth::others_may_read(token) {
+                warnings += 1;
                 println!("warning: control token {}: every user may read it (mode {mode:o}), and with it steer zonewatch: chmod o-rwx it", token.display());
             }
         }
-        Ok(None) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
+        Ok(crate::control::auth::TokenFile::Missing) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
+        Ok(crate::control::auth::TokenFile::Empty) => {
+            println!("control: {} token {} holds no token (a first start cut short?): `serve` writes a new one in its place", cfg.control.listen, token.display())
+        }
         Err(e) if std::fs::File::open(token).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) => {
             println!("control: {} token {}: not readable by this user, not checked ({e})", cfg.control.listen, token.display());
         }
@@ -1015,21 +1061,61 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         }
         _ => {}
     }
+    // What `run` and `serve` as this user need of the config's store besides its folder
+    // (above): reading and writing the file, and making temp files beside it.
+    if !matches!(store, Some(Some(_))) {
+        for w in store_access_warnings(&cfg.store_path) {
+            warnings += 1;
+            println!("warning: {w}");
+        }
+    }
     // The store part is asked for: `check --config` alone is the config check a service
     // runs before every start (packaging/zonewatch.service), which must stay quick: it
     // looks at where the store goes (above), never into it.
     match store {
         None => {}
-        Some(None) => bad += check_store(&cfg, &cfg.store_path, false),
-        Some(Some(p)) => bad += check_store(&cfg, p, true),
+        Some(None) => bad += check_store(&cfg, &cfg.store_path, false, &mut warnings),
+        Some(Some(p)) => bad += check_store(&cfg, p, true, &mut warnings),
     }
     if bad > 0 {
         error_line!("{bad} problem(s) found");
         2
     } else {
-        println!("all good: {} source(s), {} subscriber(s)", cfg.sources.len(), cfg.subscribers.len());
+        let seen = match warnings {
+            0 => String::new(),
+            n => format!(" ({n} warning(s) above)"),
+        };
+        println!("all good: {} source(s), {} subscriber(s){seen}", cfg.sources.len(), cfg.subscribers.len());
         0
     }
+}
+
+/// What `run` and `serve` as this user would refuse at start in the config's store, besides
+/// its folder's existence (the config check's ERROR): a file this user may not read or
+/// write, a folder it cannot make temp files in (runs spill there). Warnings, not problems:
+/// `check` is also run as another user than the daemon's (an operator's own account), where
+/// they say nothing about the service.
+fn store_access_warnings(path: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let refused = "`run` and `serve` as this user would refuse to start";
+    let denied = |e: &std::io::Error| e.kind() == std::io::ErrorKind::PermissionDenied;
+    match std::fs::File::open(path) {
+        Err(e) if denied(&e) => out.push(format!("store {}: this user may not read it ({e}): {refused}", path.display())),
+        Ok(_) => {
+            match std::fs::OpenOptions::new().read(true).write(true).open(path) {
+                Err(e) if denied(&e) => out.push(format!("store {}: this user may not write it ({e}): {refused}", path.display())),
+                _ => {}
+            }
+        }
+        Err(_) => {}
+    }
+    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    if folder.is_dir() {
+        if let Err(e) = tempfile::tempfile_in(folder) {
+            out.push(format!("store {}: this user cannot make files in {} ({e}): {refused} (runs write their spill files there)", path.display(), folder.display()));
+        }
+    }
+    out
 }
 
 /// `check --store`'s part: the cross-table consistency check (`store::check`) on the file,
@@ -1041,9 +1127,10 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
 /// the config's store before it is first created. A file named on the command line
 /// (`explicit`) must exist. Also warns (not a problem) of subscribers created over the
 /// control port that a config subscriber of the same id hides.
-fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bool) -> usize {
+fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bool, warnings: &mut usize) -> usize {
     // `check` is also run as another user than the daemon's: a store (or a folder on its
-    // path) it may not read is noted, not counted as a problem.
+    // path) it may not read is noted (the config's store was warned of already), not
+    // counted as a problem.
     match std::fs::File::open(path) {
         Ok(_) => {}
         // (A folder that is missing or not one is the config check's ERROR, said once.)
@@ -1052,25 +1139,17 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
             return 0;
         }
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-            println!("store {}: not readable by this user, consistency not checked ({e})", path.display());
+            if explicit {
+                *warnings += 1;
+                println!("warning: store {}: not readable by this user, consistency not checked ({e})", path.display());
+            } else {
+                println!("store {}: consistency not checked (not readable by this user)", path.display());
+            }
             return 0;
         }
         Err(e) => {
             println!("store {}: ERROR {e}", path.display());
             return 1;
-        }
-    }
-    // What `run` and `serve` need of the config's store besides reading it, said (not
-    // counted: this may be another user than the daemon's; not for a backup named on the
-    // command line, which nothing runs on): writing the file, and making temp files in its
-    // folder.
-    if !explicit {
-        if std::fs::OpenOptions::new().read(true).write(true).open(path).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
-            println!("warning: store {}: not writable by this user: `run` and `serve` as this user would fail", path.display());
-        }
-        let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        if let Err(e) = tempfile::tempfile_in(folder) {
-            println!("warning: store {}: this user cannot make files in {} ({e}): `run` and `serve` as this user would fail on the first change", path.display(), folder.display());
         }
     }
     // A file that needs repair is checked on a copy in TMPDIR: an interrupted check removes it.
@@ -1088,6 +1167,7 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
         // before it did only dead-letters its own events, and the daemon must still start.
         for (id, target) in &r.api_subscriber_targets {
             if !cfg.delivery.allow_private_targets && crate::netguard::url_written_private(target) && !cfg.has_subscriber(id) {
+                *warnings += 1;
                 println!(
                     "warning: subscriber {id:?} (created over the control port) has target {}, a private address: every delivery to it is refused (delivery.allow_private_targets is false); PUT a new target or DELETE it",
                     crate::util::url_for_display(target)
@@ -1095,6 +1175,7 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
             }
         }
         for id in crate::pipeline::shadowed_subscribers(cfg, r.api_subscribers.iter().cloned()) {
+            *warnings += 1;
             println!(
                 "warning: subscriber {id:?} of the config replaces the one of the same id created over the control port (stored in {}): the stored definition is not used",
                 path.display()
@@ -1391,6 +1472,19 @@ mod tests {
     use super::*;
     use crate::model::{sample_event, IdemKey, Severity};
     use crate::store::{Claim, Store};
+
+    /// A store that may not grow past a file-size limit is said so (waiting does not lift it:
+    /// exit 2); a full disk keeps its own words (it passes: exit 1).
+    #[test]
+    fn a_file_size_limit_is_named_as_such() {
+        let store = std::path::Path::new("zw.redb");
+        let efbig = crate::store::StoreError::Db(redb::Error::Io(std::io::Error::from_raw_os_error(27)));
+        let text = store_error_text(store, &efbig);
+        assert!(text.starts_with("store zw.redb: database error: I/O error") && text.contains("ulimit -f") && text.contains("LimitFSIZE"), "{text}");
+        assert!(!efbig.passes());
+        let enospc = crate::store::StoreError::Db(redb::Error::Io(std::io::Error::from_raw_os_error(28)));
+        assert!(!store_error_text(store, &enospc).contains("ulimit") && enospc.passes());
+    }
 
     /// `zonewatch audit`'s line formats, read a page at a time, equal the ledger read whole:
     /// for every page size, with a filter that matches some rows only, and from a `seq`.

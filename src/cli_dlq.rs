@@ -364,7 +364,11 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
             error_line!("dead letter {id} is quarantined (replayed past max_replays, or its geometry is invalid): replay does not take it; `dlq show {id}` shows why, `dlq release {id}` takes it out once that is fixed");
             missing += 1;
         } else if !letters.iter().any(|d| d.entry.id == *id) {
-            error_line!("no dead letter {id} (in the window)");
+            if since.is_some() || until.is_some() {
+                error_line!("no dead letter {id} in the window --since/--until give");
+            } else {
+                error_line!("no dead letter {id}");
+            }
             missing += 1;
         }
     }

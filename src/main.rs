@@ -23,6 +23,11 @@ fn main() {
     let code = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| dispatch(cli))) {
         Ok(code) => code,
         Err(_) if STDOUT_CLOSED.load(std::sync::atomic::Ordering::SeqCst) => 141,
+        Err(_) if STDOUT_FAILED.get().is_some() => {
+            let why = STDOUT_FAILED.get().map(String::as_str).unwrap_or_default();
+            zonewatch::say::line(zonewatch::say::Level::Error, format_args!("cannot write this command's report to stdout ({why}); what it did is in the store (`zonewatch audit`, `/v1/runs`)"));
+            1
+        }
         Err(payload) => std::panic::resume_unwind(payload),
     };
     // A command a signal stopped dies by that signal (see `signals.rs`).
@@ -32,17 +37,26 @@ fn main() {
 /// Set when a command stopped because its stdout was closed.
 static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Why a command stopped because its stdout could not be written otherwise (a full disk under
+/// a cron job's log file, `>/dev/full`).
+static STDOUT_FAILED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 /// `zonewatch audit | head` closes stdout early: the command stops there, quietly, and exits
 /// 141 as a Unix tool killed by SIGPIPE does (so `set -o pipefail` and cron still see that it
 /// did not finish), instead of printing "failed printing to stdout: Broken pipe" with a
-/// backtrace. The panic unwinds to `main`, so the store is closed cleanly on the way. Every
-/// other panic is reported as before.
+/// backtrace. The panic unwinds to `main`, so the store is closed cleanly on the way. Any
+/// other failure to write stdout (a full disk) stops the command the same way, and `main`
+/// says why in one `error:` line, exit 1. Every other panic is reported as before.
 fn quiet_on_closed_stdout() {
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let message = info.payload().downcast_ref::<String>().map(String::as_str).unwrap_or("");
-        if message.starts_with("failed printing to stdout") && message.contains("Broken pipe") {
-            STDOUT_CLOSED.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(why) = message.strip_prefix("failed printing to stdout: ") {
+            if why.contains("Broken pipe") {
+                STDOUT_CLOSED.store(true, std::sync::atomic::Ordering::SeqCst);
+            } else {
+                let _ = STDOUT_FAILED.set(why.to_string());
+            }
             return;
         }
         report(info);

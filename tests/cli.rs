@@ -283,6 +283,19 @@ async fn run_audit_and_holds_from_the_command_line() {
         let o = zonewatch(&["check", "--config", &cfg, "--store"]);
         assert!(o.status.success() && !text(&o).0.contains("not closed cleanly"), "{listing:?}: {:?}", text(&o));
     }
+    // A stdout that cannot be written for another reason (a cron job's log on a full disk):
+    // one clear line and exit 1, not a panic (exit 101), and the store closed cleanly.
+    if let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") {
+        for args in [&["run"][..], &["holds", "list"]] {
+            let args: Vec<&str> = args.iter().copied().chain(["--config", cfg.as_str()]).collect();
+            let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(&args).stdout(full.try_clone().unwrap()).output().unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+            assert!(err.contains("error: cannot write this command's report to stdout (No space left on device") && !err.contains("panicked"), "{args:?}: {err}");
+            let o = zonewatch(&["check", "--config", &cfg, "--store"]);
+            assert!(o.status.success() && !text(&o).0.contains("not closed cleanly"), "{args:?}: {:?}", text(&o));
+        }
+    }
 
     // The commands that read what runs wrote refuse a store that is not there, and create none.
     ws.edit_config("path = \"zw.redb\"", "path = \"typo/zw.redb\"");

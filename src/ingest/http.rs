@@ -66,8 +66,8 @@ pub enum FetchError {
     LayerTooLarge { url: String, limit: u64, read: u64 },
     #[error("the fetched layer on disk in {dir}: {source}")]
     Spool { dir: std::path::PathBuf, source: std::io::Error },
-    #[error("{url}: the fetch has gone on for {elapsed_s} s, past the configured limit of {limit_s} s ([ingest] max_fetch_time); stopped before this request")]
-    FetchTooLong { url: String, limit_s: u64, elapsed_s: u64 },
+    #[error("{url}: the fetch has gone on for {elapsed_s} s, past the configured limit of {limit_s} s ([ingest] max_fetch_time); {stopped}")]
+    FetchTooLong { url: String, limit_s: u64, elapsed_s: u64, stopped: &'static str },
 }
 
 impl FetchError {
@@ -417,9 +417,11 @@ impl Session {
         Ok(())
     }
 
-    /// The fetch has run `elapsed`, up to (or past) `max_fetch_time`: no request to `url`.
-    fn too_long(&self, url: &str, elapsed: Duration) -> FetchError {
-        FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs() }
+    /// The fetch has run `elapsed`, up to (or past) `max_fetch_time`: no request to `url`
+    /// (`during`: the request to `url` was cut at the limit, its answer not whole).
+    fn too_long(&self, url: &str, elapsed: Duration, during: bool) -> FetchError {
+        let stopped = if during { "stopped during this request (its answer was cut at the limit)" } else { "stopped before this request" };
+        FetchError::FetchTooLong { url: url.to_string(), limit_s: self.cfg.max_fetch_time.as_secs(), elapsed_s: elapsed.as_secs(), stopped }
     }
 
     /// Counts `d` against the run's retry budget (a failed attempt's time, a wait to retry).
@@ -457,7 +459,7 @@ impl Session {
             // answering (fresh junk under a huge count, slowly) is stopped, not paged for days.
             let elapsed = self.started.elapsed();
             if elapsed > self.cfg.max_fetch_time {
-                return Err(self.too_long(url, elapsed));
+                return Err(self.too_long(url, elapsed, false));
             }
             attempt += 1;
             let tried = Instant::now();
@@ -468,7 +470,7 @@ impl Session {
                     let elapsed = self.started.elapsed();
                     if elapsed >= self.cfg.max_fetch_time {
                         // The attempt was cut at the fetch's limit: that, not the retries, ended it.
-                        return Err(self.too_long(url, elapsed));
+                        return Err(self.too_long(url, elapsed, true));
                     }
                     let paced = self.rate_waited_ms.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(paced_before);
                     self.spend_on_retries(tried.elapsed().saturating_sub(Duration::from_millis(paced)));
@@ -496,7 +498,7 @@ impl Session {
                 // fetch's own limit.
                 let elapsed = self.started.elapsed();
                 if elapsed.saturating_add(wait) > self.cfg.max_fetch_time {
-                    return Err(self.too_long(&shown, elapsed));
+                    return Err(self.too_long(&shown, elapsed, false));
                 }
                 tokio::time::sleep(wait).await;
                 self.rate_waited_ms.fetch_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX), std::sync::atomic::Ordering::Relaxed);

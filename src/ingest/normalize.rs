@@ -565,6 +565,16 @@ pub fn clean_layer_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Re
     })
 }
 
+/// A coordinate as a quarantine detail shows it: six decimals, or in exponent form past a
+/// billion, so that a hostile `1e300` is a short detail, not a 300-digit one.
+fn extent_number(v: f64) -> String {
+    if v.abs() < 1e9 {
+        format!("{v:.6}")
+    } else {
+        format!("{v:.6e}")
+    }
+}
+
 /// Finite check, repeated points, bbox, repair, orientation. Returns the clean geometry and
 /// whether it needed repair. Validity is checked within [`super::valid::WORK_BUDGET`].
 pub fn clean_geometry(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>) -> Result<(MultiPolygon<f64>, bool), GeomError> {
@@ -585,11 +595,11 @@ pub fn clean_geometry_within(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>, budg
             return Err((
                 QuarantineReason::OutOfBounds,
                 format!(
-                    "extent [{:.6}, {:.6}, {:.6}, {:.6}] is outside the source bbox",
-                    rect.min().x,
-                    rect.min().y,
-                    rect.max().x,
-                    rect.max().y
+                    "extent [{}, {}, {}, {}] is outside the source bbox",
+                    extent_number(rect.min().x),
+                    extent_number(rect.min().y),
+                    extent_number(rect.max().x),
+                    extent_number(rect.max().y)
                 ),
             ));
         }
@@ -953,5 +963,12 @@ mod tests {
             let err = normalize_feature(raw(json), &rules(&f)).unwrap_err();
             assert_eq!(err.reason, want, "{json}: {}", err.detail);
         }
+        // A hostile coordinate makes a short detail (the extent in exponent form), not one of
+        // 300 digits kept in the ledger for ever.
+        let json = r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Polygon","coordinates":[[[0,0],[1e300,0],[1,1],[0,0]]]}}"#;
+        let err = normalize_feature(raw(json), &rules(&f)).unwrap_err();
+        assert_eq!(err.reason, QuarantineReason::OutOfBounds);
+        assert!(err.detail.starts_with("extent [0.000000, 0.000000, 1.000000e300, 1.000000] is outside"), "{}", err.detail);
+        assert!(err.detail.len() < 400, "{}", err.detail);
     }
 }

@@ -172,6 +172,28 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// The I/O error under this one, if it is one.
+    pub fn io_error(&self) -> Option<&std::io::Error> {
+        match self {
+            StoreError::Db(redb::Error::Io(e)) => Some(e),
+            StoreError::Io { source, .. } => Some(source),
+            StoreError::Backup { source, .. } => source.io_error(),
+            _ => None,
+        }
+    }
+}
+
+/// A file that may not grow past a limit (`EFBIG`): a process file-size limit (`ulimit -f`,
+/// systemd `LimitFSIZE=`) or the file system's largest file. Waiting does not lift it, so a
+/// command failing on it exits 2, as for a config error, with this said.
+pub fn is_file_size_limit(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::FileTooLarge || e.raw_os_error() == Some(27)
+}
+
+/// What to do about [`is_file_size_limit`].
+pub const FILE_SIZE_LIMIT: &str = "the store cannot grow: a file-size limit stops it (`ulimit -f`, systemd `LimitFSIZE=`, or the file system's largest file); raise or remove the limit, or move the store to a file system that allows larger files";
+
 /// A full disk or an exhausted quota (`ENOSPC`, `EDQUOT`).
 pub fn is_out_of_space(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::StorageFull || e.kind() == std::io::ErrorKind::QuotaExceeded || matches!(e.raw_os_error(), Some(28) | Some(122))
