@@ -242,6 +242,11 @@ impl Deliverer {
     /// `concurrency`), then record all outcomes and attempt log rows in one transaction.
     /// The lease outlives the worst case of the pass (every slot timing out in turn), so no
     /// other pass can take an entry that is still in flight.
+    ///
+    /// A step for tests that watch one pass at a time: every row it leased is sent, even to
+    /// an endpoint that answered 410 or tripped its breaker earlier in the pass. Delivery
+    /// (`serve`, `run`, `dlq replay`) goes through [`Deliverer::pump_until`], which holds
+    /// such rows back.
     pub async fn deliver_due(&self) -> Result<PassStats, DeliveryError> {
         let limit = self.cfg.concurrency * 4;
         let retry_floor = (limit / 4).max(1);
@@ -268,8 +273,8 @@ impl Deliverer {
             tasks.spawn(async move {
                 // The endpoint's slot first, so a slow endpoint never holds global slots idle.
                 let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
-                let _permit = sem.acquire_owned().await;
                 this.endpoint_rate_wait(&entry.watcher_id).await;
+                let _permit = sem.acquire_owned().await;
                 this.attempt(&entry).await
             });
         }
@@ -535,8 +540,11 @@ impl Deliverer {
                         if gates.skips(&entry.watcher_id, pass) {
                             return None;
                         }
-                        let permit = sem.acquire_owned().await;
+                        // The endpoint's rate token before a global permit: a rate-limited
+                        // endpoint's backlog waits for its tokens holding its own slots only,
+                        // never global permits another endpoint's alerts need.
                         this.endpoint_rate_wait(&entry.watcher_id).await;
+                        let permit = sem.acquire_owned().await;
                         Some((slot, permit))
                     };
                     // Stopping: a row whose send has not begun is not sent, however long its

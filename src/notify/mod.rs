@@ -14,3 +14,5 @@ pub mod matcher;
 pub mod payload;
 pub mod signing;
 pub mod replay;
+#[cfg(test)]
+mod delivery_races;

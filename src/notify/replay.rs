@@ -115,7 +115,10 @@ pub async fn replay(
         match store.replay_dead_letter(dl.entry.id, deliverer.now_ms(), max_replays, geometry)? {
             ReplayOutcome::Requeued { .. } => {
                 report.requeued += 1;
-                report.delivery += deliverer.deliver_due().await?;
+                // A pump of what is due now: it holds back the rows of an endpoint that
+                // answers 410 or trips its breaker meanwhile, as `serve` does (a one-pass
+                // `deliver_due` would send every leased row of a gone endpoint).
+                report.delivery += deliverer.pump_until(None, Some(deliverer.now_ms())).await?;
             }
             ReplayOutcome::Duplicate => report.duplicates += 1,
             ReplayOutcome::Quarantined { .. } => report.quarantined += 1,

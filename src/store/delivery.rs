@@ -487,10 +487,15 @@ impl Store {
             }
         }
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
+        // When each row's attempt began: a failure (a 410 above all) seen by an attempt that
+        // began before its subscriber was last edited over the control port may be the old
+        // target's, and is not held against the endpoint as it is now.
+        let began: std::collections::HashMap<u64, u64> = attempts.iter().map(|a| (a.outbox_id, a.ts_ms)).collect();
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
+            let mut edits = super::subscribers::EditTimes::open(&wtx)?;
             let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints);
             for result in results {
                 let id = match result {
@@ -504,7 +509,8 @@ impl Store {
                         DeliveryResult::Retry { .. } => (false, result.is_gone(), false),
                         DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
                     };
-                    if !local {
+                    let before_edit = !success && !local && edits.edited_after(&entry.watcher_id, began.get(&id).copied())?;
+                    if !local && !before_edit {
                         if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {
                             pending.push(row);
                         }

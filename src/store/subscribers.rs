@@ -24,6 +24,38 @@ pub struct StoredSubscriber {
     pub updated_ms: u64,
 }
 
+/// When each subscriber managed over the control port was last edited, read once per
+/// subscriber for one outcome commit (only for failed attempts, which are few). An endpoint's
+/// health is about its target as it is now: a failure seen by an attempt that began before
+/// the last edit (a 410 from the old URL arriving after `PUT` moved the subscriber to a new
+/// one) is not held against it, or a late 410 would disable the new, healthy URL.
+pub(super) struct EditTimes<'t> {
+    table: redb::Table<'t, &'static str, &'static [u8]>,
+    seen: std::collections::HashMap<String, Option<u64>>,
+}
+
+impl<'t> EditTimes<'t> {
+    pub(super) fn open(wtx: &'t redb::WriteTransaction) -> Result<Self, StoreError> {
+        Ok(EditTimes { table: wtx.open_table(SUBSCRIBERS)?, seen: Default::default() })
+    }
+
+    /// Whether subscriber `id` was edited (or created again) after an attempt that began at
+    /// `began_ms`. False when the attempt's start is unknown, or for a config subscriber
+    /// (never edited while the process runs). A record that does not decode reads as not
+    /// edited: the observation is applied, as before this check.
+    pub(super) fn edited_after(&mut self, id: &str, began_ms: Option<u64>) -> Result<bool, StoreError> {
+        let Some(began) = began_ms else { return Ok(false) };
+        if !self.seen.contains_key(id) {
+            let updated = match self.table.get(id)? {
+                Some(v) => decode::<StoredSubscriber>(v.value()).ok().map(|s| s.updated_ms),
+                None => None,
+            };
+            self.seen.insert(id.to_string(), updated);
+        }
+        Ok(self.seen.get(id).copied().flatten().is_some_and(|updated| updated > began))
+    }
+}
+
 /// Why the rows of a subscriber deleted over the control port are dead letters (replayable
 /// once a subscriber of that id exists again).
 pub const SUBSCRIBER_DELETED: &str = "subscriber_deleted";

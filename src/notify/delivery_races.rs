@@ -1,0 +1,119 @@
+//! Tests of delivery against what changes while a send is in flight: a subscriber moved to a
+//! new target, an endpoint that answers 410 to a replay. Each started as a reviewer's scratch
+//! test that showed the defect; they now check the fix.
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::DeliveryConfig;
+use crate::model::{sample_event, ChangeEvent, IdemKey, Outcome, Severity, StoredGeometry};
+use crate::notify::delivery::Deliverer;
+use crate::notify::matcher::{Subscriber, SubscriberIndex};
+use crate::receiver::{Receiver, Reply};
+use crate::store::{Claim, Store, StoredSubscriber};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn sub(target: String) -> Subscriber {
+    Subscriber { id: "w".into(), target, secret: None, min_severity: Severity::Info, aoi: geo::MultiPolygon::new(vec![]), secret_old: None }
+}
+
+fn stored(target: String, now: u64) -> StoredSubscriber {
+    StoredSubscriber { id: "w".into(), target, secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: now, updated_ms: now }
+}
+
+/// Queues `n` events for subscriber `w`, keys `{prefix}{i}`.
+fn enqueue(store: &Store, prefix: &str, n: usize, now: u64) {
+    // With a parcel's shape: a replay checks the geometry it sends.
+    let lot = vec![[0.0, 0.0], [0.001, 0.0], [0.001, 0.001], [0.0, 0.001], [0.0, 0.0]];
+    let events: Vec<_> = (0..n)
+        .map(|i| ChangeEvent { new_geometry: Some(StoredGeometry(vec![vec![lot.clone()]])), ..sample_event(&format!("{prefix}{i}")) })
+        .collect();
+    let claims: Vec<Claim> = (0..n)
+        .map(|i| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/queued".into(), min_severity: Severity::Info, key: IdemKey(format!("{prefix}{i}")) })
+        .collect();
+    store.enqueue(&events, &claims, "l", now, 7 * 86_400_000).expect("enqueue");
+}
+
+fn cfg() -> DeliveryConfig {
+    DeliveryConfig { allow_private_targets: true, ..DeliveryConfig::default() }
+}
+
+/// The operator moves a subscriber to a new URL (`PUT /v1/subscribers/w`) while a request to
+/// the old URL is in flight, and the old URL answers 410. That 410 is the old URL's: it must
+/// not disable the endpoint, which now points at the new, healthy URL (before the fix it did,
+/// and every event waited for `endpoints enable`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_410_from_the_old_target_leaves_the_new_target_enabled() {
+    let old = Receiver::start_replies(Arc::new(|_, _| Reply { status: 410, delay: Duration::from_millis(600), ..Default::default() }), None).await.unwrap();
+    let new = Receiver::start_replies(Arc::new(|_, _| Reply::status(200)), None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+    let now = SystemClock.now_ms();
+    store.put_subscriber(&stored(old.url("/h"), now), now).unwrap();
+    let subs = Arc::new(SubscriberIndex::build(vec![sub(old.url("/h"))]));
+    enqueue(&store, "k", 1, now);
+    let d = Deliverer::new(store.clone(), subs.clone(), cfg()).unwrap();
+    let pump = tokio::spawn({
+        let d = d.clone();
+        async move { d.pump().await }
+    });
+    while old.received().is_empty() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // What `SubscriberEdit::put` does: the store first, then the live index. A millisecond
+    // later than the attempt began, as any real edit is.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let edited = SystemClock.now_ms();
+    let put = store.put_subscriber(&stored(new.url("/h"), edited), edited).unwrap();
+    assert!(!put.re_enabled, "not disabled yet when the PUT commits");
+    subs.edit().upsert(sub(new.url("/h")));
+    pump.await.unwrap().unwrap();
+    let eps = store.endpoints().unwrap();
+    assert!(!eps.iter().any(|(_, e)| e.disabled), "the old URL's 410 did not disable the new one: {eps:?}");
+    // The event goes to the new URL, and no `endpoint_disabled` row was written.
+    d.drain(Instant::now() + Duration::from_secs(10)).await.unwrap();
+    assert_eq!(new.received().len(), 1, "the new URL got the event");
+    assert_eq!(store.outbox_len().unwrap(), 0);
+    let rows = store.audit(&Default::default()).unwrap();
+    assert!(!rows.iter().any(|r| r.outcome == Outcome::EndpointDisabled), "{rows:?}");
+    assert_eq!(rows.iter().filter(|r| r.outcome == Outcome::Sent).count(), 1);
+
+    // An attempt that began after the edit is the endpoint's own: its 410 disables it.
+    let gone_now = Receiver::start_status(410).await.unwrap();
+    let t = SystemClock.now_ms();
+    store.put_subscriber(&stored(gone_now.url("/h"), t), t).unwrap();
+    subs.edit().upsert(sub(gone_now.url("/h")));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    enqueue(&store, "m", 1, SystemClock.now_ms());
+    d.pump().await.unwrap();
+    assert!(store.endpoints().unwrap().iter().any(|(_, e)| e.disabled), "a 410 of the current target disables it");
+}
+
+/// `dlq replay` delivers each replayed row as `serve` does: an endpoint that answers 410
+/// gets one request (its endpoint concurrency), not one per due row of its backlog (the
+/// one-pass `deliver_due` it used sent every row it had leased: 21 here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_stops_sending_to_an_endpoint_that_answers_410() {
+    let status = Arc::new(AtomicU16::new(400));
+    let s = status.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(s.load(Ordering::SeqCst))), None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+    let subs = Arc::new(SubscriberIndex::build(vec![sub(rx.url("/h"))]));
+    let d = Deliverer::new(store.clone(), subs, DeliveryConfig { endpoint_concurrency: 1, ..cfg() }).unwrap();
+    // One dead letter (400 is not retried) ...
+    enqueue(&store, "dead", 1, SystemClock.now_ms());
+    d.drain(Instant::now() + Duration::from_secs(5)).await.unwrap();
+    let letters = store.dead_letters().unwrap();
+    assert_eq!(letters.len(), 1);
+    // ... then the receiver is gone, with 20 rows of a backlog due.
+    status.store(410, Ordering::SeqCst);
+    enqueue(&store, "due", 20, SystemClock.now_ms());
+    let before = rx.received().len();
+    let report = crate::notify::replay::replay(&store, &d, letters, 100.0, 3, Instant::now()).await.unwrap();
+    assert_eq!(report.requeued, 1, "{report:?}");
+    let sent_to_gone = rx.received().len() - before;
+    assert_eq!(sent_to_gone, 1, "one request, then the 410 closed the endpoint's gate: {report:?}");
+    assert!(store.endpoints().unwrap().iter().any(|(_, e)| e.disabled));
+    assert_eq!(store.outbox_len().unwrap(), 21, "the rest wait for `endpoints enable`");
+}
