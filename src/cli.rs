@@ -645,9 +645,14 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             let store = engine.store.clone();
             let clock = engine.clock.clone();
             let retention = engine.config.delivery.retention;
+            let backups = backup_dir(&engine.config);
             let mut rx = rx.clone();
             tasks.spawn(async move {
                 loop {
+                    // What killed backups left in `backups/` (at start too: a daemon killed
+                    // while writing one, a `zonewatch backup` killed before it took its copy).
+                    let dir = backups.clone();
+                    let _ = tokio::task::spawn_blocking(move || crate::store::backup::sweep_leftovers(&dir, std::time::SystemTime::now())).await;
                     tokio::select! {
                         _ = tokio::time::sleep(std::time::Duration::from_secs(600)) => {}
                         _ = rx.changed() => break,
@@ -792,7 +797,10 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     };
     // The name is ours, so the daemon's copy is known before it answers: a signal while it
     // writes, or while this command copies it, removes it (or says where it will be left).
-    let name = format!("zonewatch-{}-{}.redb", crate::util::rfc3339(crate::clock::Clock::now_ms(&crate::clock::SystemClock)).replace([':', '.'], "-"), std::process::id());
+    // A hand-off name: the daemon's sweep removes the copy if this command never comes back
+    // for it (killed), and it is renamed out of that when it is the only copy kept.
+    let stamp = format!("{}-{}.redb", crate::util::rfc3339(crate::clock::Clock::now_ms(&crate::clock::SystemClock)).replace([':', '.'], "-"), std::process::id());
+    let name = format!("{}{stamp}", crate::store::backup::HANDOFF_PREFIX);
     let daemon_copy = backup_dir(cfg).join(&name);
     let mut unfinished = crate::signals::scratch_of_another(
         &daemon_copy,
@@ -849,9 +857,18 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             0
         }
         Err((e, code)) => {
-            // The only copy of this backup now: no signal may remove it.
+            // The only copy of this backup now: no signal may remove it, and it is renamed
+            // out of the hand-off name, which the daemon's sweep would remove in an hour.
             drop(unfinished);
-            error_line!("{e}; the daemon's backup is kept at {} (the only copy of this backup)", src.display());
+            let kept = src.with_file_name(format!("zonewatch-{stamp}"));
+            let kept = match std::fs::rename(&src, &kept) {
+                Ok(()) => kept,
+                Err(rename) => {
+                    warning_line!("cannot rename {} to {} ({rename}): the daemon removes it an hour after it was written", src.display(), kept.display());
+                    src.clone()
+                }
+            };
+            error_line!("{e}; the daemon's backup is kept at {} (the only copy of this backup)", kept.display());
             code
         }
     }
@@ -866,7 +883,7 @@ fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u
         return Err(("the destination already exists".into(), 2));
     }
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let copy = crate::store::backup::verified_copy(src, parent, ".zonewatch-backup-").map_err(|e| (e.to_string(), store_exit_code(&e)))?;
+    let copy = crate::store::backup::verified_copy(src, parent, crate::store::backup::TEMP_PREFIX).map_err(|e| (e.to_string(), store_exit_code(&e)))?;
     let bytes = copy.bytes;
     crate::signals::committing();
     copy.tmp.persist_noclobber(dest).map_err(|e| {

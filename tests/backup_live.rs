@@ -268,6 +268,10 @@ fn a_backup_through_the_daemon_leaves_no_copy_behind_unless_copying_it_failed() 
     let kept = in_backups();
     assert_eq!(kept.len(), 1, "{kept:?}");
     assert!(err.contains(&format!("kept at {}", kept[0].display())), "{err}");
+    // Renamed out of the hand-off name, so the daemon's sweep of leftovers keeps it.
+    let name = kept[0].file_name().expect("a file").to_string_lossy().into_owned();
+    assert!(name.starts_with("zonewatch-") && !name.starts_with(zonewatch::store::backup::HANDOFF_PREFIX), "{name}");
+    assert_eq!(zonewatch::store::backup::sweep_leftovers(&backups, std::time::SystemTime::now() + zonewatch::store::backup::LEFTOVER_AGE * 2), 0);
     zonewatch::store::backup::verify_file(&kept[0]).expect("the kept copy verifies");
     d.stop();
 }

@@ -47,6 +47,52 @@ macro_rules! copy_tables {
     }};
 }
 
+/// How a backup's temp file is named while it is written (beside its destination); a
+/// process killed meanwhile (SIGKILL, a power cut) leaves it.
+pub const TEMP_PREFIX: &str = ".zonewatch-backup-";
+
+/// How the copy a running daemon writes for `zonewatch backup` is named in its `backups/`
+/// folder: the command copies it to the path it was given, then removes it. A command killed
+/// before that (SIGKILL, a dropped ssh session) leaves it, a whole store.
+pub const HANDOFF_PREFIX: &str = "zonewatch-handoff-";
+
+/// How long a leftover must have gone unmodified before [`sweep_leftovers`] removes it: far
+/// longer than writing or copying any store takes, so a backup or a copy under way in this
+/// process or another is never touched.
+pub const LEFTOVER_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Removes from the daemon's `backups/` folder (`dir`) what killed backups left there: temp
+/// files ([`TEMP_PREFIX`]) and hand-off copies no command came back for ([`HANDOFF_PREFIX`]),
+/// unmodified for [`LEFTOVER_AGE`] at `now`. Backups an operator asked for (`POST /v1/backup`,
+/// any other name) are never touched. Returns the files removed; each is logged, and one
+/// that cannot be removed is logged and left for the next sweep. Without it, a cron job's
+/// killed backups fill the disk one store at a time.
+pub fn sweep_leftovers(dir: &Path, now: std::time::SystemTime) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let text = name.to_string_lossy();
+        let leftover = text.starts_with(TEMP_PREFIX) || (text.starts_with(HANDOFF_PREFIX) && text.ends_with(".redb"));
+        let Ok(meta) = entry.metadata() else { continue };
+        if !leftover || !meta.is_file() {
+            continue;
+        }
+        let idle = meta.modified().ok().and_then(|m| now.duration_since(m).ok());
+        if idle.is_none_or(|idle| idle < LEFTOVER_AGE) {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => {
+                removed += 1;
+                tracing::warn!(path = %entry.path().display(), bytes = meta.len(), "removed what a killed backup left (a temp file, or a copy no `zonewatch backup` came back for)");
+            }
+            Err(e) => tracing::warn!(path = %entry.path().display(), "cannot remove what a killed backup left: {e}"),
+        }
+    }
+    removed
+}
+
 fn copy_all(rtx: &ReadTransaction, wtx: &WriteTransaction, rows: &mut u64) -> Result<usize, CopyError> {
     Ok(copy_tables!(
         rtx, wtx, *rows, META, WATERMARKS, WATERMARK_HISTORY, PARCEL_BLOCKS, IDEM_KEYS, IDEM_KEY_JOURNAL, IDEM_EXPIRY_BUCKETS, OUTBOX,
@@ -67,7 +113,7 @@ impl Store {
         let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let backup_err = |source: StoreError| StoreError::Backup { dest: dest.to_path_buf(), source: Box::new(source) };
         let tmp = tempfile::Builder::new()
-            .prefix(".zonewatch-backup-")
+            .prefix(TEMP_PREFIX)
             .tempfile_in(parent)
             .map_err(|source| backup_err(StoreError::Io { what: format!("cannot create a temp file in {}", absolute(parent).display()), source }))?;
         let _unfinished = crate::signals::scratch(tmp.path());
@@ -338,6 +384,42 @@ fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The sweep removes only what killed backups leave (temp files, hand-off copies), only
+    /// once untouched for an hour, and never an operator's backup.
+    #[test]
+    fn the_sweep_removes_old_leftovers_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = std::time::SystemTime::now();
+        let old = now - LEFTOVER_AGE - std::time::Duration::from_secs(5);
+        let file = |name: &str, modified: std::time::SystemTime| {
+            let f = std::fs::File::create(dir.path().join(name)).unwrap();
+            f.set_modified(modified).unwrap();
+        };
+        file(".zonewatch-backup-AbC123", old);
+        file("zonewatch-handoff-2026-12-04T10-00-00-000Z-4242.redb", old);
+        file("zonewatch-handoff-2026-12-04T11-00-00-000Z-4243.redb", now);
+        file(".zonewatch-backup-XyZ789", now);
+        file("zonewatch-2026-12-04T09-00-00-000Z.redb", old);
+        file("zonewatch-2026-12-04T09-00-00-000Z-4241.redb", old);
+        file("zonewatch-handoff-notes.txt", old);
+        std::fs::create_dir(dir.path().join(".zonewatch-backup-folder")).unwrap();
+        assert_eq!(sweep_leftovers(dir.path(), now), 2);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".zonewatch-backup-XyZ789",
+                ".zonewatch-backup-folder",
+                "zonewatch-2026-12-04T09-00-00-000Z-4241.redb",
+                "zonewatch-2026-12-04T09-00-00-000Z.redb",
+                "zonewatch-handoff-2026-12-04T11-00-00-000Z-4243.redb",
+                "zonewatch-handoff-notes.txt",
+            ]
+        );
+        assert_eq!(sweep_leftovers(&dir.path().join("none"), now), 0, "no folder: nothing to do");
+    }
 
     /// While `restore` holds the store against opens, a zonewatch that tries to open it (a
     /// `run` from a timer, a restarting `serve`) is told it is in use; once the hold ends it
