@@ -689,8 +689,11 @@ async fn leases_hide_in_flight_entries_and_fresh_events_go_ahead_of_retries() {
     drop(engine);
     let engine = ws.engine();
     assert_eq!(engine.store.leased_len().unwrap(), 0);
-    assert_eq!(engine.store.lease_due(now, 60_000, 100, 1).unwrap().entries.len(), 11);
-    // Expired leases are taken over without a restart.
+    assert_eq!(engine.store.lease_due(now, 200, 100, 1).unwrap().entries.len(), 11);
+    // Expired leases are taken over without a restart: once their clock time has passed and
+    // as much time has elapsed (a wall clock stepped ahead alone does not end them).
+    assert_eq!(engine.store.lease_due(now + 60_001, 60_000, 100, 1).unwrap().entries.len(), 0);
+    tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(engine.store.lease_due(now + 60_001, 60_000, 100, 1).unwrap().entries.len(), 11);
     assert_eq!(engine.store.reclaim_leases(now + 120_001).unwrap(), 11);
     // And a real pass delivers the live alert even with the dead backlog in front of it.

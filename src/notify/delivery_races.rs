@@ -117,3 +117,31 @@ async fn a_replay_stops_sending_to_an_endpoint_that_answers_410() {
     assert!(store.endpoints().unwrap().iter().any(|(_, e)| e.disabled));
     assert_eq!(store.outbox_len().unwrap(), 21, "the rest wait for `endpoints enable`");
 }
+
+/// A wall clock stepped forward past a lease while its request is in flight (a VM resumed,
+/// NTP correcting a wrong clock at boot) must not let the same pump take the row over and
+/// send it again: one request, one `sent` (before the fix: two requests, the second outcome
+/// dropped as already resolved, and `sent=2` in the pass counts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wall_clock_step_does_not_send_an_in_flight_row_again() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply { status: 200, delay: Duration::from_millis(1500), ..Default::default() }), None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+    let clock = crate::clock::ManualClock::at(1_800_000_000_000);
+    enqueue(&store, "k", 1, clock.now_ms());
+    let subs = Arc::new(SubscriberIndex::build(vec![sub(rx.url("/h"))]));
+    let d = Deliverer::new(store.clone(), subs, DeliveryConfig { timeout: Duration::from_secs(5), ..cfg() }).unwrap().with_clock(clock.clone());
+    let pump = tokio::spawn({
+        let d = d.clone();
+        async move { d.pump().await }
+    });
+    while rx.received().is_empty() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    clock.advance(Duration::from_secs(6 * 3600));
+    let stats = pump.await.unwrap().unwrap();
+    assert_eq!(rx.received().len(), 1, "one row, one request: {stats:?}");
+    assert_eq!(stats.sent, 1);
+    let sent = store.audit(&Default::default()).unwrap().into_iter().filter(|a| a.outcome == Outcome::Sent).count();
+    assert_eq!(sent, 1);
+}

@@ -17,7 +17,7 @@ use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-/// The leases of this process: outbox id → lease expiry (ms).
+/// The leases of this process: outbox id → [`Lease`].
 ///
 /// Ordering with outcome commits, which is what keeps a row from going out twice: a lease
 /// pass holds the lock from before it opens its read snapshot until its leases are in, and an
@@ -29,8 +29,8 @@ pub(super) struct Leases(Mutex<LeaseState>);
 /// What [`Leases`] guards.
 #[derive(Debug, Default)]
 pub(super) struct LeaseState {
-    /// Outbox id → lease expiry (ms).
-    by_row: HashMap<u64, u64>,
+    /// Outbox id → its lease.
+    by_row: HashMap<u64, Lease>,
     /// Where the next pass starts reading the fresh queue: just past the last fresh row the
     /// previous pass read. A draining backlog keeps hundreds to thousands of leased rows at
     /// the front of the queue (in flight, their outcomes not yet committed); reading from the
@@ -47,6 +47,28 @@ pub(super) struct LeaseState {
     /// Outbox rows a lease pass could not decode (a damaged page, a bug): skipped by every
     /// pass, left in place for `zonewatch check`, and reported once each.
     unreadable: std::collections::HashSet<u64>,
+}
+
+/// One row's lease. It expires once both its wall-clock time (`until_ms`, the deliverer's
+/// clock, which tests drive by hand) and as much elapsed time as it was taken for (`until`,
+/// monotonic) have passed: a wall clock stepped forward (a VM resumed, NTP correcting a wrong
+/// clock at boot) must not let a later pass of this process take over a row whose send is
+/// still in flight and send it again (invariant 9).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Lease {
+    until_ms: u64,
+    /// `None`: further off than an `Instant` reaches (a huge `timeout_ms`).
+    until: Option<std::time::Instant>,
+}
+
+impl Lease {
+    fn new(now_ms: u64, lease_ms: u64) -> Self {
+        Lease { until_ms: now_ms.saturating_add(lease_ms), until: std::time::Instant::now().checked_add(std::time::Duration::from_millis(lease_ms)) }
+    }
+
+    fn held_at(&self, now_ms: u64) -> bool {
+        self.until_ms > now_ms || self.until.is_none_or(|until| std::time::Instant::now() < until)
+    }
 }
 
 impl Leases {
@@ -135,7 +157,8 @@ impl Store {
         subscribed: &dyn Fn(&str) -> bool,
         room: &dyn Fn(&str) -> usize,
     ) -> Result<LeasedBatch, StoreError> {
-        let until = now_ms.saturating_add(lease_ms);
+        let lease = Lease::new(now_ms, lease_ms);
+        let until = lease.until_ms;
         // Held until the batch is leased (see `Leases`): taken before the snapshot is opened.
         let mut leases = self.leases.lock();
         let rtx = self.db.begin_read()?;
@@ -155,8 +178,8 @@ impl Store {
         // Whether row `id` (decoded from `bytes`) may go out now; leases it if so. A row that
         // cannot be decoded is skipped, not an error: one damaged row must not stop delivery
         // of every other (every pass would fail on it, for ever).
-        let mut take = |by_row: &mut HashMap<u64, u64>, id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
-            if by_row.get(&id).is_some_and(|&l| l > now_ms) {
+        let mut take = |by_row: &mut HashMap<u64, Lease>, id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
+            if by_row.get(&id).is_some_and(|l| l.held_at(now_ms)) {
                 return Ok(false);
             }
             // Gated by its endpoint before it is decoded whole (see `entry_watcher`).
@@ -212,7 +235,7 @@ impl Store {
                 probed.insert(entry.watcher_id.clone());
             }
             *left -= 1;
-            by_row.insert(id, until);
+            by_row.insert(id, lease);
             out.push(entry);
             Ok(true)
         };
@@ -300,12 +323,13 @@ impl Store {
         Ok(batch)
     }
 
-    /// Drops every lease that expires at or before `before_ms` (`u64::MAX`: all of them), so
-    /// those entries are due again. Returns how many were dropped.
+    /// Drops every lease whose wall-clock time ends at or before `before_ms` (`u64::MAX`: all
+    /// of them), so those entries are due again, whatever time has elapsed (an explicit
+    /// reclaim). Returns how many were dropped.
     pub fn reclaim_leases(&self, before_ms: u64) -> Result<usize, StoreError> {
         let mut state = self.leases.lock();
         let n = state.by_row.len();
-        state.by_row.retain(|_, until| *until > before_ms);
+        state.by_row.retain(|_, lease| lease.until_ms > before_ms);
         Ok(n - state.by_row.len())
     }
 
@@ -316,7 +340,7 @@ impl Store {
     /// (after the clock stepped past it) belongs to that pass's send.
     pub fn give_back_lease(&self, id: u64, lease_until: u64) {
         let mut state = self.leases.lock();
-        if state.by_row.get(&id) == Some(&lease_until) {
+        if state.by_row.get(&id).is_some_and(|l| l.until_ms == lease_until) {
             state.by_row.remove(&id);
         }
     }
@@ -654,6 +678,9 @@ mod tests {
         store.enqueue(&[sample_event("P")], &claims, "l", 0, 3_600_000).unwrap();
         let first = store.lease_due(10, 100, 10, 0).unwrap();
         let id = first.entries[0].id;
+        // A lease ends once its clock time and as much elapsed time have passed.
+        assert!(store.lease_due(500, 100, 10, 0).unwrap().entries.is_empty(), "the clock alone does not end it");
+        std::thread::sleep(std::time::Duration::from_millis(120));
         let second = store.lease_due(500, 100, 10, 0).unwrap();
         assert_eq!(second.entries[0].id, id, "the first lease expired: taken over");
         store.give_back_lease(id, first.lease_until_ms);
@@ -679,8 +706,9 @@ mod tests {
         // Short leases (100 ms) on the first four rows, then a long run of passes.
         assert_eq!(lease(10, 4), ids[..4]);
         assert_eq!(lease(20, 3), ids[4..7], "resumes after the last row read");
-        // At 150 the first four leases have expired: the pass reads 7..10, reaches the end,
-        // and wraps to the front for the rest of its batch.
+        // At 150 the first four leases have expired (their 100 ms elapsed too): the pass
+        // reads 7..10, reaches the end, and wraps to the front for the rest of its batch.
+        std::thread::sleep(std::time::Duration::from_millis(120));
         let wrapped = lease(150, 6);
         assert_eq!(wrapped[..3], ids[7..], "the tail first");
         assert_eq!(wrapped[3..], ids[..3], "then the front, up to where it stopped");
@@ -691,6 +719,7 @@ mod tests {
         // Completed rows leave the queue; the rest come back after their leases expire.
         let done: Vec<DeliveryResult> = ids[..5].iter().map(|&id| DeliveryResult::Sent { id, status: 200 }).collect();
         store.record_outcomes(&done, &[], 200).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(120));
         let mut rest = lease(1_000, 10);
         rest.sort_unstable();
         assert_eq!(rest, ids[5..]);
