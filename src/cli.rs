@@ -863,6 +863,10 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             let kept = src.with_file_name(format!("zonewatch-{stamp}"));
             let kept = match std::fs::rename(&src, &kept) {
                 Ok(()) => kept,
+                Err(rename) if rename.kind() == std::io::ErrorKind::NotFound => {
+                    error_line!("{e}; the daemon's backup {} is gone as well (removed meanwhile): take the backup again", src.display());
+                    return code;
+                }
                 Err(rename) => {
                     warning_line!("cannot rename {} to {} ({rename}): the daemon removes it an hour after it was written", src.display(), kept.display());
                     src.clone()
@@ -1028,7 +1032,11 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         }
         Ok(crate::control::auth::TokenFile::Missing) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
         Ok(crate::control::auth::TokenFile::Empty) => {
-            println!("control: {} token {} holds no token (a first start cut short?): `serve` writes a new one in its place", cfg.control.listen, token.display())
+            println!(
+                "control: {} token {} holds no token (a first start cut short?): `serve` writes a new one in its place where it may write in that folder; otherwise (the package's /etc/zonewatch) remove it and reinstall or reconfigure the package (dpkg-reconfigure zonewatch), which writes one",
+                cfg.control.listen,
+                token.display()
+            )
         }
         Err(e) if std::fs::File::open(token).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) => {
             println!("control: {} token {}: not readable by this user, not checked ({e})", cfg.control.listen, token.display());

@@ -273,8 +273,9 @@ impl Deliverer {
             tasks.spawn(async move {
                 // The endpoint's slot first, so a slow endpoint never holds global slots idle.
                 let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
-                this.endpoint_rate_wait(&entry.watcher_id).await;
+                this.endpoint_rate_ready(&entry.watcher_id).await;
                 let _permit = sem.acquire_owned().await;
+                this.endpoint_rate_wait(&entry.watcher_id).await;
                 this.attempt(&entry).await
             });
         }
@@ -540,11 +541,13 @@ impl Deliverer {
                         if gates.skips(&entry.watcher_id, pass) {
                             return None;
                         }
-                        // The endpoint's rate token before a global permit: a rate-limited
-                        // endpoint's backlog waits for its tokens holding its own slots only,
-                        // never global permits another endpoint's alerts need.
-                        this.endpoint_rate_wait(&entry.watcher_id).await;
+                        // A rate-limited endpoint's backlog waits for its next token holding
+                        // its own slot only, never a global permit another endpoint's alerts
+                        // need; the token is taken once the permit is held, just before the
+                        // send, so waiting for permits never stores up a burst of tokens.
+                        this.endpoint_rate_ready(&entry.watcher_id).await;
                         let permit = sem.acquire_owned().await;
+                        this.endpoint_rate_wait(&entry.watcher_id).await;
                         Some((slot, permit))
                     };
                     // Stopping: a row whose send has not begun is not sent, however long its
@@ -715,6 +718,25 @@ impl Deliverer {
             return slot.clone();
         }
         g.entry(id.to_string()).or_insert_with(|| Arc::new(Semaphore::new(self.cfg.endpoint_concurrency))).clone()
+    }
+
+    /// Waits until endpoint `id` has a rate token, without taking it (see the pump: a send
+    /// waits for its token before it takes a global permit, and takes it after).
+    async fn endpoint_rate_ready(&self, id: &str) {
+        if self.cfg.endpoint_rate <= 0.0 {
+            return;
+        }
+        loop {
+            let wait = {
+                let mut g = self.endpoint_buckets.lock().unwrap_or_else(|p| p.into_inner());
+                let b = g.entry(id.to_string()).or_insert_with(|| TokenBucket::new(self.cfg.endpoint_rate, 1.0, Instant::now()));
+                b.until_available(Instant::now())
+            };
+            if wait.is_zero() {
+                return;
+            }
+            tokio::time::sleep(wait).await;
+        }
     }
 
     async fn endpoint_rate_wait(&self, id: &str) {

@@ -27,15 +27,29 @@ impl TokenBucket {
 
     /// Takes one token at `now`, or says how long to wait for one.
     pub fn try_take(&mut self, now: Instant) -> Result<(), Duration> {
-        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
-        self.last = now.max(self.last);
-        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        self.refill(now);
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
             Ok(())
         } else {
             Err(Duration::from_secs_f64((1.0 - self.tokens) / self.rate))
         }
+    }
+
+    /// How long until a token is there at `now` (zero: one is), without taking it.
+    pub fn until_available(&mut self, now: Instant) -> Duration {
+        self.refill(now);
+        if self.tokens >= 1.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64((1.0 - self.tokens) / self.rate)
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now.max(self.last);
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
     }
 
     /// Waits for and takes one token.

@@ -82,6 +82,11 @@ pub fn sweep_leftovers(dir: &Path, now: std::time::SystemTime) -> usize {
         if idle.is_none_or(|idle| idle < LEFTOVER_AGE) {
             continue;
         }
+        // Reading a file does not touch its time: a hand-off copy whose command is still
+        // running (copying a large store to a slow disk, or past a wall-clock step) is kept.
+        if text.starts_with(HANDOFF_PREFIX) && !handoff_command_gone(&text) {
+            continue;
+        }
         match std::fs::remove_file(entry.path()) {
             Ok(()) => {
                 removed += 1;
@@ -91,6 +96,17 @@ pub fn sweep_leftovers(dir: &Path, now: std::time::SystemTime) -> usize {
         }
     }
     removed
+}
+
+/// Whether the `zonewatch backup` that asked for hand-off copy `name`
+/// (`zonewatch-handoff-<time>-<pid>.redb`) has ended: no process of its pid is left. Where
+/// that cannot be told (no `/proc`, a name without a pid), it has not.
+fn handoff_command_gone(name: &str) -> bool {
+    let Some(pid) = name.strip_suffix(".redb").and_then(|n| n.rsplit_once('-')).map(|(_, pid)| pid) else { return false };
+    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || !Path::new("/proc/self").exists() {
+        return false;
+    }
+    !Path::new("/proc").join(pid).exists()
 }
 
 fn copy_all(rtx: &ReadTransaction, wtx: &WriteTransaction, rows: &mut u64) -> Result<usize, CopyError> {
@@ -397,7 +413,10 @@ mod tests {
             f.set_modified(modified).unwrap();
         };
         file(".zonewatch-backup-AbC123", old);
-        file("zonewatch-handoff-2026-12-04T10-00-00-000Z-4242.redb", old);
+        // The command that asked for this one has ended (no such pid) ...
+        file("zonewatch-handoff-2026-12-04T10-00-00-000Z-4194305.redb", old);
+        // ... this one's is still running (this test's own pid): kept, however old.
+        file(&format!("zonewatch-handoff-2026-12-04T10-00-00-000Z-{}.redb", std::process::id()), old);
         file("zonewatch-handoff-2026-12-04T11-00-00-000Z-4243.redb", now);
         file(".zonewatch-backup-XyZ789", now);
         file("zonewatch-2026-12-04T09-00-00-000Z.redb", old);
@@ -407,6 +426,7 @@ mod tests {
         assert_eq!(sweep_leftovers(dir.path(), now), 2);
         let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         left.sort();
+        let running = format!("zonewatch-handoff-2026-12-04T10-00-00-000Z-{}.redb", std::process::id());
         assert_eq!(
             left,
             [
@@ -414,6 +434,7 @@ mod tests {
                 ".zonewatch-backup-folder",
                 "zonewatch-2026-12-04T09-00-00-000Z-4241.redb",
                 "zonewatch-2026-12-04T09-00-00-000Z.redb",
+                running.as_str(),
                 "zonewatch-handoff-2026-12-04T11-00-00-000Z-4243.redb",
                 "zonewatch-handoff-notes.txt",
             ]

@@ -487,9 +487,9 @@ impl Store {
             }
         }
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
-        // When each row's attempt began: a failure (a 410 above all) seen by an attempt that
-        // began before its subscriber was last edited over the control port may be the old
-        // target's, and is not held against the endpoint as it is now.
+        // When each row's attempt began: a 410 seen by an attempt that began before its
+        // subscriber was last edited over the control port may be the old target's, and does
+        // not disable the endpoint as it is now (it still counts as a failure).
         let began: std::collections::HashMap<u64, u64> = attempts.iter().map(|a| (a.outbox_id, a.ts_ms)).collect();
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
@@ -509,8 +509,9 @@ impl Store {
                         DeliveryResult::Retry { .. } => (false, result.is_gone(), false),
                         DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
                     };
-                    let before_edit = !success && !local && edits.edited_after(&entry.watcher_id, began.get(&id).copied())?;
-                    if !local && !before_edit {
+                    // A 410 that may be the old target's counts as a failure, not as "gone".
+                    let gone = gone && !edits.edited_after(&entry.watcher_id, began.get(&id).copied())?;
+                    if !local {
                         if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {
                             pending.push(row);
                         }

@@ -25,10 +25,13 @@ pub struct StoredSubscriber {
 }
 
 /// When each subscriber managed over the control port was last edited, read once per
-/// subscriber for one outcome commit (only for failed attempts, which are few). An endpoint's
-/// health is about its target as it is now: a failure seen by an attempt that began before
-/// the last edit (a 410 from the old URL arriving after `PUT` moved the subscriber to a new
-/// one) is not held against it, or a late 410 would disable the new, healthy URL.
+/// subscriber for one outcome commit (only for 410 answers, which are few). A 410 seen by an
+/// attempt that began before the last edit (the old URL's, arriving after `PUT` moved the
+/// subscriber to a new one) does not disable the endpoint, or it would disable the new,
+/// healthy URL; it still counts as a failure for the breaker and `disable_after`, so an
+/// endpoint edited often (or whose `updated_ms` a clock ahead wrote) is still held back when
+/// it keeps failing. An attempt that reads the old target after the edit's time was taken
+/// but before the live index has the new one is not covered (a window of one store commit).
 pub(super) struct EditTimes<'t> {
     table: redb::Table<'t, &'static str, &'static [u8]>,
     seen: std::collections::HashMap<String, Option<u64>>,
