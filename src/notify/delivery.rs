@@ -723,23 +723,21 @@ impl Deliverer {
     /// Waits until endpoint `id` has a rate token, without taking it (see the pump: a send
     /// waits for its token before it takes a global permit, and takes it after).
     async fn endpoint_rate_ready(&self, id: &str) {
-        if self.cfg.endpoint_rate <= 0.0 {
-            return;
-        }
-        loop {
-            let wait = {
-                let mut g = self.endpoint_buckets.lock().unwrap_or_else(|p| p.into_inner());
-                let b = g.entry(id.to_string()).or_insert_with(|| TokenBucket::new(self.cfg.endpoint_rate, 1.0, Instant::now()));
-                b.until_available(Instant::now())
-            };
-            if wait.is_zero() {
-                return;
-            }
-            tokio::time::sleep(wait).await;
-        }
+        self.endpoint_rate_until(id, |b, now| match b.until_available(now) {
+            wait if wait.is_zero() => Ok(()),
+            wait => Err(wait),
+        })
+        .await
     }
 
+    /// Waits for and takes one of endpoint `id`'s rate tokens (`endpoint_rate`).
     async fn endpoint_rate_wait(&self, id: &str) {
+        self.endpoint_rate_until(id, TokenBucket::try_take).await
+    }
+
+    /// Asks endpoint `id`'s token bucket `step` (made on first use) until it says `Ok`,
+    /// sleeping as long as each `Err` says in between; at once without an `endpoint_rate`.
+    async fn endpoint_rate_until(&self, id: &str, step: impl Fn(&mut TokenBucket, Instant) -> Result<(), Duration>) {
         if self.cfg.endpoint_rate <= 0.0 {
             return;
         }
@@ -747,7 +745,7 @@ impl Deliverer {
             let wait = {
                 let mut g = self.endpoint_buckets.lock().unwrap_or_else(|p| p.into_inner());
                 let b = g.entry(id.to_string()).or_insert_with(|| TokenBucket::new(self.cfg.endpoint_rate, 1.0, Instant::now()));
-                b.try_take(Instant::now())
+                step(b, Instant::now())
             };
             match wait {
                 Ok(()) => return,
