@@ -360,6 +360,7 @@ pub(crate) fn sample_attempt(key: &str, row: u64, result: &str, ts_ms: u64) -> A
         error: None,
         response_head: String::new(),
         next_attempt_ms: None,
+        target: None,
     }
 }
 
@@ -883,6 +884,11 @@ pub struct AttemptRecord {
     pub response_head: String,
     /// When the next try is due (retries only).
     pub next_attempt_ms: Option<u64>,
+    /// The target this try was sent to, for the outcome commit only (not stored: the stored
+    /// bytes are unchanged). A 410 from a target that is no longer the subscriber's (a `PUT`
+    /// moved it while the request was in flight) does not disable the endpoint.
+    #[serde(skip)]
+    pub target: Option<String>,
 }
 
 /// The health of one subscriber endpoint, kept by the store: a disabled endpoint's events wait

@@ -768,6 +768,7 @@ impl Deliverer {
             error: None,
             response_head: String::new(),
             next_attempt_ms: None,
+            target: None,
         };
         let result = self.try_send(entry, &mut rec).await;
         rec.duration_ms = started.elapsed().as_millis() as u64;
@@ -798,6 +799,8 @@ impl Deliverer {
             // A dead letter, replayable should the subscriber come back.
             return DeliveryResult::Dead { id, reason: SUBSCRIBER_GONE.into(), cause: DeadCause::NotSent };
         };
+        // What the outcome commit compares with the subscriber's target as it is then.
+        rec.target = Some(plan.target.clone());
         let url = match &plan.url {
             Ok(url) => url,
             Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone(), cause: DeadCause::NotSent },

@@ -60,10 +60,10 @@ async fn a_late_410_from_the_old_target_leaves_the_new_target_enabled() {
     while old.received().is_empty() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // What `SubscriberEdit::put` does: the store first, then the live index. A millisecond
-    // later than the attempt began, as any real edit is.
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let edited = SystemClock.now_ms();
+    // What `SubscriberEdit::put` does: the store first, then the live index. The edit's time
+    // does not matter (the route takes it before it waits for the store's write lock, so it
+    // can be earlier than the attempt's start): the target the attempt used is compared.
+    let edited = SystemClock.now_ms() - 60_000;
     let put = store.put_subscriber(&stored(new.url("/h"), edited), edited).unwrap();
     assert!(!put.re_enabled, "not disabled yet when the PUT commits");
     subs.edit().upsert(sub(new.url("/h")));

@@ -487,15 +487,15 @@ impl Store {
             }
         }
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
-        // When each row's attempt began: a 410 seen by an attempt that began before its
-        // subscriber was last edited over the control port may be the old target's, and does
-        // not disable the endpoint as it is now (it still counts as a failure).
-        let began: std::collections::HashMap<u64, u64> = attempts.iter().map(|a| (a.outbox_id, a.ts_ms)).collect();
+        // The target each row's attempt was sent to: a 410 from one that is no longer its
+        // subscriber's (a `PUT` moved it while the request was in flight) does not disable
+        // the endpoint as it is now (it still counts as a failure).
+        let sent_to: std::collections::HashMap<u64, &str> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.target.as_deref()?))).collect();
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
-            let mut edits = super::subscribers::EditTimes::open(&wtx)?;
+            let mut targets = super::subscribers::StoredTargets::open(&wtx)?;
             let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints);
             for result in results {
                 let id = match result {
@@ -509,8 +509,8 @@ impl Store {
                         DeliveryResult::Retry { .. } => (false, result.is_gone(), false),
                         DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
                     };
-                    // A 410 that may be the old target's counts as a failure, not as "gone".
-                    let gone = gone && !edits.edited_after(&entry.watcher_id, began.get(&id).copied())?;
+                    // A 410 from the subscriber's old target counts as a failure, not as "gone".
+                    let gone = gone && !targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())?;
                     if !local {
                         if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {
                             pending.push(row);

@@ -24,38 +24,40 @@ pub struct StoredSubscriber {
     pub updated_ms: u64,
 }
 
-/// When each subscriber managed over the control port was last edited, read once per
-/// subscriber for one outcome commit (only for 410 answers, which are few). A 410 seen by an
-/// attempt that began before the last edit (the old URL's, arriving after `PUT` moved the
-/// subscriber to a new one) does not disable the endpoint, or it would disable the new,
-/// healthy URL; it still counts as a failure for the breaker and `disable_after`, so an
-/// endpoint edited often (or whose `updated_ms` a clock ahead wrote) is still held back when
-/// it keeps failing. An attempt that reads the old target after the edit's time was taken
-/// but before the live index has the new one is not covered (a window of one store commit).
-pub(super) struct EditTimes<'t> {
+/// The targets of the subscribers managed over the control port as this transaction sees
+/// them, read once per subscriber for one outcome commit (only for 410 answers, which are
+/// few). A 410 from a target that is no longer its subscriber's (the old URL's, arriving
+/// after `PUT` moved the subscriber to a new one) does not disable the endpoint, or it would
+/// disable the new, healthy URL; it still counts as a failure for the breaker and
+/// `disable_after`. The edit and the outcome are ordered by redb's write lock, so there is
+/// no window: either the `PUT` committed first (this sees the new target) or the outcome did
+/// (the endpoint was disabled, and the `PUT` re-enables it).
+pub(super) struct StoredTargets<'t> {
     table: redb::Table<'t, &'static str, &'static [u8]>,
-    seen: std::collections::HashMap<String, Option<u64>>,
+    seen: std::collections::HashMap<String, Option<String>>,
 }
 
-impl<'t> EditTimes<'t> {
+impl<'t> StoredTargets<'t> {
     pub(super) fn open(wtx: &'t redb::WriteTransaction) -> Result<Self, StoreError> {
-        Ok(EditTimes { table: wtx.open_table(SUBSCRIBERS)?, seen: Default::default() })
+        Ok(StoredTargets { table: wtx.open_table(SUBSCRIBERS)?, seen: Default::default() })
     }
 
-    /// Whether subscriber `id` was edited (or created again) after an attempt that began at
-    /// `began_ms`. False when the attempt's start is unknown, or for a config subscriber
-    /// (never edited while the process runs). A record that does not decode reads as not
-    /// edited: the observation is applied, as before this check.
-    pub(super) fn edited_after(&mut self, id: &str, began_ms: Option<u64>) -> Result<bool, StoreError> {
-        let Some(began) = began_ms else { return Ok(false) };
+    /// Whether subscriber `id` has moved away from `sent_to`, the target an attempt used: a
+    /// stored subscriber whose target is another. False when the attempt's target is not
+    /// known, for a config subscriber (not stored; its target changes only with a restart),
+    /// and for a record that does not decode (the observation is applied, as before). A
+    /// config subscriber that hides a stored one of the same id (`check` warns of it) is
+    /// compared with the stored target: its 410s count as failures only.
+    pub(super) fn moved_from(&mut self, id: &str, sent_to: Option<&str>) -> Result<bool, StoreError> {
+        let Some(sent_to) = sent_to else { return Ok(false) };
         if !self.seen.contains_key(id) {
-            let updated = match self.table.get(id)? {
-                Some(v) => decode::<StoredSubscriber>(v.value()).ok().map(|s| s.updated_ms),
+            let target = match self.table.get(id)? {
+                Some(v) => decode::<StoredSubscriber>(v.value()).ok().map(|s| s.target),
                 None => None,
             };
-            self.seen.insert(id.to_string(), updated);
+            self.seen.insert(id.to_string(), target);
         }
-        Ok(self.seen.get(id).copied().flatten().is_some_and(|updated| updated > began))
+        Ok(self.seen.get(id).and_then(Option::as_deref).is_some_and(|now| now != sent_to))
     }
 }
 
