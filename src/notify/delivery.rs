@@ -799,8 +799,6 @@ impl Deliverer {
             // A dead letter, replayable should the subscriber come back.
             return DeliveryResult::Dead { id, reason: SUBSCRIBER_GONE.into(), cause: DeadCause::NotSent };
         };
-        // What the outcome commit compares with the subscriber's target as it is then.
-        rec.target = Some(plan.target.clone());
         let url = match &plan.url {
             Ok(url) => url,
             Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone(), cause: DeadCause::NotSent },
@@ -879,7 +877,9 @@ impl Deliverer {
                     // Gone: the store disables the endpoint in the transaction that records
                     // this, and the event waits for re-enable, whatever attempts or window it
                     // has left; due at once, so it goes out as soon as an operator enables it
-                    // (the disabled endpoint holds it until then).
+                    // (the disabled endpoint holds it until then). Unless the subscriber has
+                    // moved to another target meanwhile: the commit compares this one.
+                    rec.target = Some(plan.target.clone());
                     return DeliveryResult::Retry { id, next_attempt_ms: self.clock.now_ms(), error: HTTP_410_GONE.into() };
                 } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
                     return DeliveryResult::Dead { id, reason: format!("rejected_{status}"), cause: DeadCause::Endpoint };

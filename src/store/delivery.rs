@@ -487,15 +487,15 @@ impl Store {
             }
         }
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
-        // The target each row's attempt was sent to: a 410 from one that is no longer its
-        // subscriber's (a `PUT` moved it while the request was in flight) does not disable
-        // the endpoint as it is now (it still counts as a failure).
+        // The target each 410 was sent to (only those attempts carry one): a 410 from one
+        // that is no longer its subscriber's (a `PUT` moved it while the request was in
+        // flight) does not disable the endpoint as it is now (it still counts as a failure).
         let sent_to: std::collections::HashMap<u64, &str> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.target.as_deref()?))).collect();
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
-            let mut targets = super::subscribers::StoredTargets::open(&wtx)?;
+            let mut targets = super::subscribers::StoredTargets::new(&wtx);
             let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints);
             for result in results {
                 let id = match result {

@@ -33,13 +33,15 @@ pub struct StoredSubscriber {
 /// no window: either the `PUT` committed first (this sees the new target) or the outcome did
 /// (the endpoint was disabled, and the `PUT` re-enables it).
 pub(super) struct StoredTargets<'t> {
-    table: redb::Table<'t, &'static str, &'static [u8]>,
+    wtx: &'t redb::WriteTransaction,
+    /// Opened at the first 410 of the commit (most commits have none).
+    table: Option<redb::Table<'t, &'static str, &'static [u8]>>,
     seen: std::collections::HashMap<String, Option<String>>,
 }
 
 impl<'t> StoredTargets<'t> {
-    pub(super) fn open(wtx: &'t redb::WriteTransaction) -> Result<Self, StoreError> {
-        Ok(StoredTargets { table: wtx.open_table(SUBSCRIBERS)?, seen: Default::default() })
+    pub(super) fn new(wtx: &'t redb::WriteTransaction) -> Self {
+        StoredTargets { wtx, table: None, seen: Default::default() }
     }
 
     /// Whether subscriber `id` has moved away from `sent_to`, the target an attempt used: a
@@ -51,7 +53,11 @@ impl<'t> StoredTargets<'t> {
     pub(super) fn moved_from(&mut self, id: &str, sent_to: Option<&str>) -> Result<bool, StoreError> {
         let Some(sent_to) = sent_to else { return Ok(false) };
         if !self.seen.contains_key(id) {
-            let target = match self.table.get(id)? {
+            let table = match &mut self.table {
+                Some(t) => t,
+                None => self.table.insert(self.wtx.open_table(SUBSCRIBERS)?),
+            };
+            let target = match table.get(id)? {
                 Some(v) => decode::<StoredSubscriber>(v.value()).ok().map(|s| s.target),
                 None => None,
             };
