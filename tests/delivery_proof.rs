@@ -738,6 +738,43 @@ async fn per_endpoint_concurrency_and_rate_limits_hold() {
     assert!(t[5] - t[0] >= Duration::from_millis(950), "{:?}", t[5] - t[0]);
 }
 
+/// A rate-limited endpoint whose sends wait for a global permit held by a slow endpoint does
+/// not store up rate tokens while it waits, so once the permit comes free it still sends at
+/// its rate, not in a burst (the token is taken after the permit, just before the send).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_endpoint_waiting_for_permits_does_not_burst() {
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let a = arrivals.clone();
+    let rx = Receiver::start_replies(
+        Arc::new(|_, r| Reply { status: 200, delay: Duration::from_millis(if r.path == "/slow" { 1500 } else { 0 }), ..Default::default() }),
+        Some(Arc::new(move |r| a.lock().unwrap().push((r.path.clone(), std::time::Instant::now())))),
+    )
+    .await
+    .unwrap();
+    let ws = Workspace::new(
+        &[
+            // Inside parcel P0000 only: one row, sent while the fast endpoint's rows wait.
+            Sub { id: "slow", aoi: rect(-71.0998, 42.3602, -71.0992, 42.3608), target: rx.url("/slow"), min_severity: "info", secret: None },
+            Sub { id: "fast", aoi: area(), target: rx.url("/fast"), min_severity: "info", secret: None },
+        ],
+        "endpoint_rate = 5.0\nendpoint_concurrency = 4",
+        "",
+    );
+    // One global permit: the slow endpoint's send holds it for 1.5 s while the fast
+    // endpoint's four rows wait for it (without the order, they took a token each meanwhile
+    // and then went out within milliseconds of one another).
+    ws.edit_config("concurrency = 4", "concurrency = 1");
+    let engine = ws.engine();
+    assert_eq!(rezone(&ws, &engine, &[0, 2, 4, 6]), 5);
+    assert_eq!(deliver(&engine, Duration::from_secs(20)).await.sent, 5);
+    let fast: Vec<std::time::Instant> = arrivals.lock().unwrap().iter().filter(|(p, _)| p == "/fast").map(|(_, t)| *t).collect();
+    assert_eq!(fast.len(), 4);
+    // 5 per second with a burst of 1: every request of the endpoint at least ~200 ms after the one before.
+    for i in 1..fast.len() {
+        assert!(fast[i] - fast[i - 1] >= Duration::from_millis(180), "request {i} came {:?} after the one before", fast[i] - fast[i - 1]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_sweeps_attempts_but_keeps_those_of_dead_letters() {
     let rx = Receiver::start_replies(Arc::new(|n, _| Reply::status(if n == 0 { 400 } else { 200 })), None).await.unwrap();
