@@ -46,8 +46,9 @@ fn rebuilt_event(parcel: &str, from: &str, to: &str) -> ChangeEvent {
         area_m2: 100.0,
         observed_at_ms: T0,
         severity: Severity::Notice,
-        // The parcel's first change since its baseline carries revision 0.
-        revision: 0,
+        // The parcel's first change since its baseline carries revision 1 (the baseline
+        // primed its `added` under 0).
+        revision: 1,
     }
 }
 
@@ -458,8 +459,9 @@ async fn a_change_that_happens_again_is_told_again() {
             r#""P0005" "removed" "R-2"→null"#,
         ]
     );
-    // The parcel's first change carries revision 0, so its key is the one a zonewatch
-    // without revisions gave it (the algorithm is pinned in `notify::idem`'s tests).
+    // The parcel's first change carries revision 1, so its key is the one rebuilt from its
+    // fields. (A parcel stored by a zonewatch without revisions has revision 0, and its
+    // first change the key that zonewatch gave it: `notify::idem`'s tests pin the algorithm.)
     let first = zonewatch::notify::idem::key_for("w1", &rebuilt_event("P0000", "R-1", "R-3"));
     assert!(ids.contains(&first.0), "{ids:?}");
 

@@ -242,6 +242,45 @@ async fn a_primed_rollback_undone_tells_no_one_twice() {
     assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0000"].zoning, "R-3");
 }
 
+/// The same rollback, primed, and its undo primed as well (subscribers were told R-3 and see
+/// no need to hear it again): P0000 is R-3 again, and nothing was sent. When P0000 then goes
+/// back to R-1 for real, subscribers — last told R-3 — are told. (Before the fix, the real
+/// change carried the revision the primed rollback's R-3 → R-1 key had claimed, and was
+/// counted a `duplicate` of it: a real zoning change never sent.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_change_after_a_primed_rollback_and_a_primed_undo_is_told() {
+    let (rx, ws, engine) = watched_grid(0.05).await;
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    let v2 = with_zones(&v1, &[0], "R-3");
+    ws.write_layer(&layer(&v2));
+    assert_eq!(run(&engine, false).record.counts.queued, 1);
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
+    let rollback = with_zones(&v1, &(50..100).collect::<Vec<_>>(), "C-9");
+    ws.write_layer(&layer(&rollback));
+    let h = run(&engine, false).record.hold_id.expect("a spike is held");
+    engine.resolve_hold(h, true).unwrap();
+    ws.write_layer(&layer(&v2));
+    let h = run(&engine, false).record.hold_id.expect("a spike is held");
+    let undo = engine.resolve_hold(h, true).unwrap();
+    assert_eq!(undo.counts.queued, 0);
+    assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0000"].zoning, "R-3");
+    // Now P0000 really goes back to R-1 (a one-parcel change, delivered).
+    ws.write_layer(&layer(&v1));
+    let real = run(&engine, false);
+    assert_eq!((real.record.verdict, real.record.counts.changes), (Verdict::Run, 1));
+    deliver(&engine, Duration::from_secs(5)).await;
+    let told: Vec<String> = rx
+        .received()
+        .iter()
+        .filter_map(|r| r.json())
+        .filter(|j| j["data"]["parcel_id"] == "P0000")
+        .map(|j| j["data"]["to"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!((real.record.counts.queued, real.record.counts.duplicates, told), (1, 0, vec!["R-3".to_string(), "R-1".to_string()]));
+}
+
 /// A `--reprocess` the gate holds (here: most features lost their zoning field) sends
 /// nothing when an operator then releases it: the operator ran it to send nothing, and the
 /// gate held it only for what it read. Its release primes (the run record says why), so it

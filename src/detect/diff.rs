@@ -89,15 +89,19 @@ pub struct Step {
 /// The rule keeps one promise to a receiver, who deduplicates on the key: a change it has not
 /// been told of has a key it has never seen, and a change to what it was last told has the
 /// key that told it. So:
-/// * an announced change (its run delivers) to content other than the last announced
-///   carries the prior revision, and the revision goes up by one: a parcel going R-1 → C-2,
-///   back, and to C-2 again is told three times, under three keys;
+/// * every change carries the prior revision and moves the revision on by one, so no later
+///   change of the parcel can carry a key revision an earlier one used (a key it primed
+///   included) — but for one case:
 /// * an announced change back to the last announced content carries that announcement's key
 ///   revision: after an unannounced detour (a publisher's rollback primed, a reprocess back
 ///   to an old version), the return is a `duplicate` of what was sent, not a second alert;
-/// * an unannounced change (a baseline, a reprocess, a primed hold, an effective-date-only
-///   update that has no event) carries the prior revision and changes neither the revision
-///   nor the announcement: the receiver still knows what it knew.
+/// * an announced change (its run delivers) records what it announced; an unannounced one
+///   (a baseline, a reprocess, a primed hold, an effective-date-only update that has no
+///   event) leaves the last announcement as it was: the receiver still knows what it knew.
+///   A parcel going R-1 → C-2, back, and to C-2 again is told three times, under three keys;
+///   told C-2, primed back to R-1 and primed to C-2 again (a rollback and its undo, both
+///   held and primed), then really back to R-1, it is told that too: the primed rollback's
+///   key carried an older revision.
 ///
 /// Its key revision is the same whenever the same change is found from the same record, so
 /// a change found twice (a held run released, a reprocess) has one key. A return to the
@@ -105,14 +109,15 @@ pub struct Step {
 /// a silent detour through a third code) has another kind or another `from`, so another
 /// key: it is told, once more than needed, never lost.
 pub fn step(prior: Prior, content: [u8; 16], announce: bool) -> Step {
+    let revision = prior.revision.saturating_add(1);
     if !announce {
-        return Step { key_revision: prior.revision, revision: prior.revision, announced: prior.announced };
+        return Step { key_revision: prior.revision, revision, announced: prior.announced };
     }
     let key_revision = match prior.announced {
         Some(a) if a.content == content => a.key_revision,
         _ => prior.revision,
     };
-    Step { key_revision, revision: prior.revision.saturating_add(1), announced: Some(Announced { content, key_revision }) }
+    Step { key_revision, revision, announced: Some(Announced { content, key_revision }) }
 }
 
 /// What [`step`] compares a state by: the first half of its content hash (zoning, effective
@@ -274,32 +279,36 @@ mod tests {
     /// The receiver's promise of [`step`], case by case (content 0 is a removal).
     #[test]
     fn a_change_has_a_new_key_unless_it_returns_to_what_was_announced() {
-        // Baseline R (silent), then R → C, C → R, R → C, all announced: three keys.
-        assert_eq!(announced_keys(&[(1, false), (2, true), (1, true), (2, true)]), vec![0, 1, 2]);
+        // Baseline R (silent, primed under 0), then R → C, C → R, R → C, all announced: three keys.
+        assert_eq!(announced_keys(&[(1, false), (2, true), (1, true), (2, true)]), vec![1, 2, 3]);
         // R → C announced, back to R silently (a rollback primed), C again: the key that told
         // C, then a new one for the next real change back to R.
-        assert_eq!(announced_keys(&[(1, false), (2, true), (1, false), (2, true), (1, true)]), vec![0, 0, 2]);
-        // A reprocess to C and back, then C for real: the key the reprocess primed (0).
-        assert_eq!(announced_keys(&[(1, false), (2, false), (1, false), (2, true)]), vec![0]);
+        assert_eq!(announced_keys(&[(1, false), (2, true), (1, false), (2, true), (1, true)]), vec![1, 1, 4]);
+        // R → C announced, back to R primed (C → R under 2), the undo to C primed as well,
+        // then back to R for real: told, under a revision the primed rollback did not use.
+        assert_eq!(announced_keys(&[(1, false), (2, true), (1, false), (2, false), (1, true)]), vec![1, 4]);
+        // A reprocess to C and back (R → C primed under 1), then C for real: a new key.
+        assert_eq!(announced_keys(&[(1, false), (2, false), (1, false), (2, true)]), vec![3]);
         // Removed, added back, removed, added back (announced): four keys.
-        assert_eq!(announced_keys(&[(1, false), (0, true), (1, true), (0, true), (1, true)]), vec![0, 1, 2, 3]);
+        assert_eq!(announced_keys(&[(1, false), (0, true), (1, true), (0, true), (1, true)]), vec![1, 2, 3, 4]);
         // A silent detour to a third state and back, then a real change: still new.
-        assert_eq!(announced_keys(&[(1, false), (2, true), (3, false), (2, false), (1, true)]), vec![0, 1]);
+        assert_eq!(announced_keys(&[(1, false), (2, true), (3, false), (2, false), (1, true)]), vec![1, 4]);
         // A parcel first seen by a delivering run: 0, then on.
         assert_eq!(announced_keys(&[(5, true), (6, true), (5, true)]), vec![0, 1, 2]);
     }
 
-    /// Unannounced changes leave the record as it was; the revision never wraps.
+    /// An unannounced change moves the revision on (the key it primed is never a later
+    /// change's) and keeps the last announcement; the revision never wraps.
     #[test]
-    fn an_unannounced_change_changes_nothing_remembered() {
+    fn an_unannounced_change_keeps_the_announcement() {
         let prior = Prior { revision: 7, announced: Some(Announced { content: [3; 16], key_revision: 4 }) };
-        assert_eq!(step(prior, [9; 16], false), Step { key_revision: 7, revision: 7, announced: prior.announced });
+        assert_eq!(step(prior, [9; 16], false), Step { key_revision: 7, revision: 8, announced: prior.announced });
         let top = Prior { revision: u32::MAX, announced: None };
         assert_eq!(step(top, [9; 16], true).revision, u32::MAX);
     }
 
-    /// The in-memory diff takes the same steps: an announced run's changes carry and leave
-    /// revisions, an unannounced one's leave them alone.
+    /// The in-memory diff takes the same steps: every change carries the prior revision and
+    /// moves it on, and only an announced run's changes are remembered as announced.
     #[test]
     fn the_diff_takes_steps() {
         let mut stored = parcel("b", "R-1", 1).state;
@@ -309,7 +318,8 @@ mod tests {
         assert_eq!(d.changes.iter().map(|c| c.revision).collect::<Vec<_>>(), vec![3, 3]);
         assert_eq!((d.upserts[0].state.revision, d.upserts[0].state.announced.map(|a| a.key_revision)), (4, Some(3)));
         let quiet = diff(&old, vec![parcel("b", "C-2", 1)], &HashSet::new(), &Steps::all(false)).unwrap();
-        assert_eq!((quiet.upserts[0].state.revision, quiet.upserts[0].state.announced), (3, None));
+        assert_eq!(quiet.changes.iter().map(|c| c.revision).collect::<Vec<_>>(), vec![3, 3]);
+        assert_eq!((quiet.upserts[0].state.revision, quiet.upserts[0].state.announced), (4, None));
     }
 
     /// The diff steps a parcel it does not hold from its tombstone, and announces only the
@@ -323,8 +333,8 @@ mod tests {
         let d = diff(&old, vec![parcel("b", "C-2", 1), parcel("e", "R-1", 1), parcel("f", "R-1", 1)], &HashSet::new(), &steps).unwrap();
         let by_id: HashMap<&str, (u32, Option<Announced>)> = d.upserts.iter().map(|p| (p.id.as_str(), (p.state.revision, p.state.announced))).collect();
         assert_eq!(by_id["b"], (1, Some(Announced { content: content_of(&parcel("b", "C-2", 1).state), key_revision: 0 })), "announced");
-        assert_eq!(by_id["e"], (4, Some(Announced { content: ABSENT_CONTENT, key_revision: 3 })), "back from its tombstone, unannounced");
-        assert_eq!(by_id["f"], (0, None), "never stored, unannounced");
+        assert_eq!(by_id["e"], (5, Some(Announced { content: ABSENT_CONTENT, key_revision: 3 })), "back from its tombstone, unannounced");
+        assert_eq!(by_id["f"], (1, None), "never stored, unannounced");
         let keys: Vec<(&str, u32)> = d.changes.iter().map(|c| (c.parcel_id.as_str(), c.revision)).collect();
         assert_eq!(keys, vec![("b", 0), ("e", 4), ("f", 0)]);
         // A store error reading a tombstone fails the diff.
