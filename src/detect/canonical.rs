@@ -13,6 +13,39 @@ fn round(v: f64) -> i64 {
     (v * 1e7).round() as i64
 }
 
+/// The start of the lexicographically least rotation of a cyclic sequence of `n` elements,
+/// `cmp(a, b)` comparing the elements at indices `a` and `b`. Linear: at most ~3n
+/// comparisons, however often the elements repeat (the minimum-expression two-pointer scan).
+/// Comparing every candidate start with the best so far, as this used to, walks the whole
+/// ring per candidate when a ring repeats itself (A, B, A, B, …): quadratic in a feature's
+/// size, before any work budget, so one hostile feature held a scan worker for minutes.
+/// Every least rotation of a periodic ring is the same sequence, so which one is returned
+/// does not change the result.
+fn least_rotation(n: usize, cmp: impl Fn(usize, usize) -> std::cmp::Ordering) -> usize {
+    use std::cmp::Ordering;
+    let (mut i, mut j, mut k) = (0usize, 1usize, 0usize);
+    while i < n && j < n && k < n {
+        match cmp((i + k) % n, (j + k) % n) {
+            Ordering::Equal => k += 1,
+            Ordering::Greater => {
+                i += k + 1;
+                if i == j {
+                    i += 1;
+                }
+                k = 0;
+            }
+            Ordering::Less => {
+                j += k + 1;
+                if i == j {
+                    j += 1;
+                }
+                k = 0;
+            }
+        }
+    }
+    i.min(j).min(n.saturating_sub(1))
+}
+
 fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
     let mut pts: Ring = Vec::with_capacity(ring.0.len());
     for c in &ring.0 {
@@ -36,28 +69,8 @@ fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
     if (twice_area > 0) != want_ccw && twice_area != 0 {
         pts.reverse();
     }
-    // Rotate to the lexicographically smallest rotation among those starting at the minimum.
-    let min = *pts.iter().min().unwrap_or(&(0, 0));
-    let n = pts.len();
-    let mut best: Option<usize> = None;
-    for (i, p) in pts.iter().enumerate() {
-        if *p != min {
-            continue;
-        }
-        best = Some(match best {
-            None => i,
-            Some(b) => {
-                let a_seq = (0..n).map(|k| pts[(i + k) % n]);
-                let b_seq = (0..n).map(|k| pts[(b + k) % n]);
-                if a_seq.lt(b_seq) {
-                    i
-                } else {
-                    b
-                }
-            }
-        });
-    }
-    let start = best.unwrap_or(0);
+    // Rotate to the lexicographically smallest rotation (it starts at the smallest vertex).
+    let start = least_rotation(pts.len(), |a, b| pts[a].cmp(&pts[b]));
     pts.rotate_left(start);
     pts
 }
@@ -95,14 +108,7 @@ pub fn canonical_order(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
         if (twice > 0.0) != want_ccw && twice != 0.0 {
             pts.reverse();
         }
-        let mut best = 0;
-        for i in 1..n {
-            let a = (0..n).map(|k| key(&pts[(i + k) % n]));
-            let b = (0..n).map(|k| key(&pts[(best + k) % n]));
-            if a.lt(b) {
-                best = i;
-            }
-        }
+        let best = least_rotation(n, |a, b| key(&pts[a]).cmp(&key(&pts[b])));
         pts.rotate_left(best);
         pts.push(pts[0]);
         r
@@ -178,6 +184,63 @@ pub fn content_hash(zoning: &str, effective_date: Option<&str>, geom_hash: &[u8;
 mod tests {
     use super::*;
     use geo::{polygon, MultiPolygon};
+
+    /// The least rotation, against every rotation compared by brute force, on short sequences
+    /// over small alphabets (many repeats, periodic ones included); and its work stays linear
+    /// on the ring that made the old search quadratic.
+    #[test]
+    fn least_rotation_is_the_least_and_linear() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..20_000 {
+            let n = 1 + (next() % 12) as usize;
+            let alphabet = 1 + next() % 3;
+            let s: Vec<u64> = (0..n).map(|_| next() % alphabet).collect();
+            let rot = |i: usize| (0..n).map(|k| s[(i + k) % n]).collect::<Vec<_>>();
+            let best = (0..n).map(rot).min().unwrap();
+            let got = least_rotation(n, |a, b| s[a].cmp(&s[b]));
+            assert!(got < n, "{s:?}");
+            assert_eq!(rot(got), best, "{s:?}");
+        }
+        assert_eq!(least_rotation(0, |_, _| unreachable!()), 0);
+        for n in [80_000usize, 80_001] {
+            let calls = std::cell::Cell::new(0u64);
+            least_rotation(n, |a, b| {
+                calls.set(calls.get() + 1);
+                (a % 2).cmp(&(b % 2))
+            });
+            assert!(calls.get() <= 3 * n as u64, "{n}: {} comparisons", calls.get());
+        }
+    }
+
+    /// A ring that repeats itself (A, B, A, B, …) is put in order and hashed as any other:
+    /// the same shape from any start, in either direction.
+    #[test]
+    fn a_repeating_ring_orders_and_hashes_the_same_from_any_start() {
+        use geo::{Coord, LineString, Polygon};
+        let pts: Vec<(f64, f64)> = vec![(0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (1.0, 3.0)];
+        let ring_from = |start: usize, rev: bool| {
+            let mut v: Vec<(f64, f64)> = (0..pts.len()).map(|k| pts[(start + k) % pts.len()]).collect();
+            if rev {
+                v.reverse();
+            }
+            v.push(v[0]);
+            MultiPolygon::new(vec![Polygon::new(LineString::new(v.into_iter().map(|(x, y)| Coord { x, y }).collect()), vec![])])
+        };
+        let want_hash = geometry_hash(&ring_from(0, false));
+        let want_order = canonical_order(ring_from(0, false));
+        for start in 0..pts.len() {
+            for rev in [false, true] {
+                assert_eq!(geometry_hash(&ring_from(start, rev)), want_hash, "start {start}, reversed {rev}");
+                assert_eq!(canonical_order(ring_from(start, rev)), want_order, "start {start}, reversed {rev}");
+            }
+        }
+    }
 
     #[test]
     fn rotation_orientation_and_float_noise_do_not_change_the_hash() {
