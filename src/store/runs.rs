@@ -944,7 +944,7 @@ mod tests {
         w.removals(&["b".to_string()], false).unwrap();
         w.finish(2, 2, RunCounts::default(), vec![]).unwrap();
         assert_eq!(remembered(&store, "a"), (1, Some(Announced { content: ABSENT_CONTENT, key_revision: 0 })), "announced");
-        assert_eq!(remembered(&store, "b"), (0, None), "a derived removal tells no one");
+        assert_eq!(remembered(&store, "b"), (1, None), "a derived removal tells no one (and moves the revision on)");
 
         // A hold of c and d rezoned, released: c by a rule that announces, d by one that does not.
         let mut w = store.begin_run("s", CommitMode::Hold { reason: "test".into(), reprocess: false }, Watermark::default(), 3, 1_000_000).unwrap();
@@ -957,7 +957,7 @@ mod tests {
         w.finish(4, 4, RunCounts::default(), vec![]).unwrap();
         let told_c2 = Announced { content: crate::detect::diff::content_of(&staged[0].state), key_revision: 0 };
         assert_eq!(remembered(&store, "c"), (1, Some(told_c2)), "stepped from its record (revision 0), not the staged 9");
-        assert_eq!(remembered(&store, "d"), (0, None));
+        assert_eq!(remembered(&store, "d"), (1, None), "told nothing, the revision moved on");
         assert!(store.begin_run("s", CommitMode::Deliver, Watermark::default(), 5, 1).unwrap().upserts_held(staged.iter().map(Parcel::borrowed), &|_, _| true).is_err());
     }
 }
