@@ -139,14 +139,20 @@ async fn reprocess_primes_and_later_runs_deduplicate() {
     ws.write_layer(&layer(&v2));
     let r = run(&engine, true);
     assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.suppressed, r.record.counts.queued), (Verdict::Reprocessed, 3, 3, 0));
-    // Back to v1 silently, then v2 for real: the same events are already claimed.
+    // Back to v1 silently: still nothing sent.
     ws.write_layer(&layer(&v1));
     assert_eq!(run(&engine, true).record.counts.suppressed, 3);
-    ws.write_layer(&layer(&v2));
-    let real = run(&engine, false);
-    assert_eq!((real.record.verdict, real.record.counts.changes, real.record.counts.queued, real.record.counts.duplicates), (Verdict::Run, 3, 0, 3));
     deliver(&engine, Duration::from_secs(1)).await;
     assert!(rx.received().is_empty(), "reprocess must never send");
+    // Then v2 for real: subscribers were never told v2 (nor anything since v1), so it is
+    // news. Its keys carry revisions the primed changes did not (`detect::diff::step`);
+    // before the thirty-second session this was a `duplicate` of the first reprocess, the
+    // same rule that lost a real change after a primed rollback and its primed undo.
+    ws.write_layer(&layer(&v2));
+    let real = run(&engine, false);
+    assert_eq!((real.record.verdict, real.record.counts.changes, real.record.counts.queued, real.record.counts.duplicates), (Verdict::Run, 3, 3, 0));
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 3);
+    assert_eq!(rx.received().len(), 3, "the real run's three changes, once each");
     let suppressed: Vec<_> = engine.store.audit(&Default::default()).unwrap().into_iter().filter(|r| r.detail == "reprocess").collect();
     assert_eq!(suppressed.len(), 6);
 }
