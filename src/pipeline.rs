@@ -485,6 +485,8 @@ impl Engine {
                 None => Fetched::File,
             }
         };
+        // A layer read page by page: its removals are confirmed by a second read.
+        let paged = matches!(&fetch, Fetched::Portal(PortalFetch::Layer { body: LayerBody::Features(_), .. }));
         // Open holds, read when a file's size or a digest needs them (never for a reprocess,
         // which is not settled by its digest).
         let mut holds: Option<Vec<Hold>> = None;
@@ -587,6 +589,9 @@ impl Engine {
                 return Ok(report);
             }
         }
+        if paged && !scan.removed.is_empty() {
+            self.confirm_removals(src, &rules, &view, announce, &mut scan, started)?;
+        }
         drop(view);
         drop(input);
         let first_ingest = wm.is_none() && scan.previous_parcels == 0;
@@ -620,6 +625,59 @@ impl Engine {
         tracing::debug!(source = %src.id, scan_ms, commit_ms = commit_started.elapsed().as_millis() as u64, "run timing");
         tracing::info!(source = %src.id, run = record.run_id, verdict = %record.verdict, changes = record.counts.changes, queued = record.counts.queued, "run committed");
         Ok(SourceReport { record, hold_reason })
+    }
+
+    /// Reads a paged layer again and keeps only the removals that read confirms. A layer
+    /// paged by offset (OGC API `next` links, Socrata, ArcGIS without a usable id order) and
+    /// edited between two page requests skips a feature: after a deletion on an earlier
+    /// page every later page starts one feature further on. A count that still adds up (a
+    /// feature added meanwhile) or none at all (`numberMatched` is optional) cannot tell, and
+    /// the skipped parcel would be announced `removed` while it is still there. A parcel
+    /// missing from both reads is removed; one the second read finds is kept as stored, with
+    /// a warning, and the next run reads it (its bytes differ from this read's, so that run
+    /// is not settled as identical). A second read that fails fails the run: nothing is
+    /// committed, and the next run tries again.
+    fn confirm_removals(&self, src: &SourceConfig, rules: &NormalizeRules, view: &crate::store::SnapshotView, announce: bool, scan: &mut ScanResult, started: u64) -> Result<(), PipelineError> {
+        let missing = scan.removed.len();
+        let again = portal::fetch(src, &self.config.ingest, None, started, true, self.store.path(), self.scratch_dir()).map_err(|e| {
+            IngestError::Changed(format!("{missing} parcel(s) were missing from the layer, and reading it again to confirm their removal failed: {e}"))
+        })?;
+        let Some(PortalFetch::Layer { body: LayerBody::Features(spool), .. }) = again else {
+            return Err(IngestError::Changed(format!("{missing} parcel(s) were missing from the layer, and the portal did not answer with the layer when it was read again to confirm their removal")).into());
+        };
+        let dir = self.scratch_dir();
+        let write_err = |e: std::io::Error| IngestError::Write { path: dir.to_path_buf(), source: e };
+        let mut file = tempfile::tempfile_in(dir).map_err(write_err)?;
+        {
+            let mut out = std::io::BufWriter::new(&mut file);
+            spool.write_collection(&mut out).map_err(write_err)?;
+            std::io::Write::flush(&mut out).map_err(write_err)?;
+        }
+        std::io::Seek::rewind(&mut file).map_err(write_err)?;
+        let (second, _, _) = scan_digested(file, dir, rules, view, announce, dir, default_workers(), None)?;
+        let gone: std::collections::HashSet<&str> = second.removed.iter().map(|(id, _)| id.as_str()).collect();
+        let mut seen_again: Vec<String> = Vec::new();
+        scan.removed.retain(|(id, _)| {
+            let confirmed = gone.contains(id.as_str());
+            if !confirmed {
+                seen_again.push(id.clone());
+            }
+            confirmed
+        });
+        if !seen_again.is_empty() {
+            scan.changes = scan.changes.saturating_sub(seen_again.len() as u64);
+            seen_again.sort();
+            let shown: Vec<&str> = seen_again.iter().take(5).map(String::as_str).collect();
+            let more = if seen_again.len() > shown.len() { format!(" and {} more", seen_again.len() - shown.len()) } else { String::new() };
+            let warning = format!(
+                "the layer changed while it was paged: {} of {missing} parcel(s) missing from this read were there when it was read again ({}{more}); they are not taken for removed, and the next run reads them",
+                seen_again.len(),
+                shown.join(", ")
+            );
+            tracing::warn!(source = %src.id, "{warning}");
+            scan.warnings.push(warning);
+        }
+        Ok(())
     }
 
     /// Settles a run by the digest of its bytes alone, when they are the version the
