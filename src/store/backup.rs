@@ -110,13 +110,7 @@ fn handoff_command_gone(name: &str) -> bool {
 }
 
 fn copy_all(rtx: &ReadTransaction, wtx: &WriteTransaction, rows: &mut u64) -> Result<usize, CopyError> {
-    Ok(copy_tables!(
-        rtx, wtx, *rows, META, WATERMARKS, WATERMARK_HISTORY, PARCEL_BLOCKS, IDEM_KEYS, IDEM_KEY_JOURNAL, IDEM_EXPIRY_BUCKETS, OUTBOX,
-        OUTBOX_RETRY, AUDIT, DEAD_LETTERS, QUARANTINE, RUNS, HOLDS, HELD_PARCELS, HELD_EVENTS, SUBSCRIBERS,
-        DERIVED_SHARES, HELD_SHARES, OUTBOX_LEASES, OUTBOX_RETRY_DUE, DELIVERY_ATTEMPTS, DLQ_REPLAYS,
-        DLQ_QUARANTINE, ENDPOINTS, DELIVERY_ATTEMPTS_BY_ROW, PARCEL_TOMBSTONES, PARCEL_TOMBSTONE_AGES,
-        AREA_PLACES, HELD_AREA_PLACES, AUDIT_TOTALS, RUN_TOTALS, AUDIT_BY_OUTCOME, RUNS_BY_SOURCE,
-    ))
+    Ok(every_table!(copy_tables!(rtx, wtx, *rows,)))
 }
 
 impl Store {

@@ -107,3 +107,20 @@ pub const RUNS_BY_SOURCE: TableDefinition<(&str, u64), ()> = TableDefinition::ne
 pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
 /// subscriber id → `EndpointState` (disabled flag, circuit breaker, recent outcomes).
 pub const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
+
+/// Calls macro `$m` with `$args` followed by every table of the current schema, so that what
+/// must see each one — a backup copies it, `check` reads it whole — names them in one place:
+/// a table added to the store and here is backed up and checked (`tests/backup.rs` checks
+/// that a backup holds every table a store has).
+macro_rules! every_table {
+    ($m:ident!($($args:tt)*)) => {
+        $m!(
+            $($args)* META, WATERMARKS, WATERMARK_HISTORY, PARCEL_BLOCKS, IDEM_KEYS, IDEM_KEY_JOURNAL, IDEM_EXPIRY_BUCKETS, OUTBOX,
+            OUTBOX_RETRY, AUDIT, DEAD_LETTERS, QUARANTINE, RUNS, HOLDS, HELD_PARCELS, HELD_EVENTS, SUBSCRIBERS,
+            DERIVED_SHARES, HELD_SHARES, OUTBOX_LEASES, OUTBOX_RETRY_DUE, DELIVERY_ATTEMPTS, DLQ_REPLAYS,
+            DLQ_QUARANTINE, ENDPOINTS, DELIVERY_ATTEMPTS_BY_ROW, PARCEL_TOMBSTONES, PARCEL_TOMBSTONE_AGES,
+            AREA_PLACES, HELD_AREA_PLACES, AUDIT_TOTALS, RUN_TOTALS, AUDIT_BY_OUTCOME, RUNS_BY_SOURCE,
+        )
+    };
+}
+pub(super) use every_table;
