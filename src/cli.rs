@@ -513,6 +513,8 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
     // opened again: stop and exit 1, so the packaged unit restarts the daemon on a reopened
     // file, instead of failing every run and delivery while `/healthz` says ok.
     let reopen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Set when the store file is found removed or replaced (the task below): exit 2.
+    let store_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
         let (tx, reopen) = (tx.clone(), reopen.clone());
         crate::store::on_reopen_needed(move || {
@@ -642,6 +644,33 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             });
         }
         {
+            // The store file removed or replaced under the daemon (a temp cleaner, a wrong
+            // `rm`): redb goes on writing the open file, and all of it would be lost when the
+            // process ends, while `/healthz` said ok. Stop, exit 2: a restart would begin an
+            // empty store (or find no folder), so it is for an operator to put one back.
+            let store = engine.store.clone();
+            let (tx, gone) = (tx.clone(), store_gone.clone());
+            let mut rx = rx.clone();
+            tasks.spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = tokio::time::sleep(STORE_FILE_CHECK) => {}
+                        _ = rx.changed() => break,
+                    }
+                    let store = store.clone();
+                    if let Ok(Some(why)) = tokio::task::spawn_blocking(move || store.file_gone()).await {
+                        crate::say::line(
+                            crate::say::Level::Stopping,
+                            format_args!("{why}; what zonewatch writes now is lost with it: stopping (exit 2: put the store back, restore a backup if it is gone, and start zonewatch again)"),
+                        );
+                        gone.store(true, std::sync::atomic::Ordering::SeqCst);
+                        let _ = tx.send(true);
+                        break;
+                    }
+                }
+            });
+        }
+        {
             let store = engine.store.clone();
             let clock = engine.clock.clone();
             let retention = engine.config.delivery.retention;
@@ -680,6 +709,10 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
     if let Some(code) = failed_start {
         return code;
     }
+    if store_gone.load(std::sync::atomic::Ordering::SeqCst) {
+        tracing::error!("zonewatch stopped: its store file was removed or replaced while it ran");
+        return 2;
+    }
     if reopen.load(std::sync::atomic::Ordering::SeqCst) {
         tracing::error!("zonewatch stopped: the store must be opened again after an I/O error");
         return 1;
@@ -687,6 +720,9 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
     tracing::info!("zonewatch stopped cleanly");
     0
 }
+
+/// How often `serve` makes sure its store's path still names the file it has open.
+const STORE_FILE_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Rows one sweep call may delete: bounds how long a sweep holds the write lock.
 const SWEEP_BATCH: usize = 10_000;
@@ -1447,11 +1483,12 @@ fn cmd_holds(action: HoldAction) -> i32 {
                 // A release of a held first ingest or `--reprocess` primes.
                 let prime = rec.verdict.primed();
                 println!(
-                    "hold {run_id} {}: run {} committed, {} changes, {} queued, {} suppressed",
+                    "hold {run_id} {}: run {} committed, {} changes, {} queued, {} duplicates, {} suppressed",
                     if prime { "primed" } else { "released" },
                     rec.run_id,
                     rec.counts.changes,
                     rec.counts.queued,
+                    rec.counts.duplicates,
                     rec.counts.suppressed
                 );
                 // Why a release primed (a held first ingest, a held reprocess).

@@ -25,7 +25,7 @@ fn main() {
         Err(_) if STDOUT_CLOSED.load(std::sync::atomic::Ordering::SeqCst) => 141,
         Err(_) if STDOUT_FAILED.get().is_some() => {
             let why = STDOUT_FAILED.get().map(String::as_str).unwrap_or_default();
-            zonewatch::say::line(zonewatch::say::Level::Error, format_args!("cannot write this command's report to stdout ({why}); what it did is in the store (`zonewatch audit`, `/v1/runs`)"));
+            zonewatch::say::line(zonewatch::say::Level::Error, format_args!("cannot write this command's report to stdout ({why}); the command stopped there, and what it had committed by then stays in the store"));
             1
         }
         Err(payload) => std::panic::resume_unwind(payload),

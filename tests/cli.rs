@@ -256,7 +256,7 @@ async fn run_audit_and_holds_from_the_command_line() {
     let o = tokio::task::block_in_place(|| zonewatch(&["holds", "release", &hold_id, "--config", &cfg]));
     assert!(o.status.success(), "{:?}", text(&o));
     assert!(text(&o).0.contains("note: the held run was a --reprocess: it sends nothing, so releasing it primes"), "{:?}", text(&o));
-    assert!(text(&o).0.contains(&format!("hold {hold_id} primed: ")) && text(&o).0.contains(" 0 queued, 40 suppressed"), "{:?}", text(&o));
+    assert!(text(&o).0.contains(&format!("hold {hold_id} primed: ")) && text(&o).0.contains(" 0 queued, 0 duplicates, 40 suppressed"), "{:?}", text(&o));
     assert_eq!(rx.received().len(), 2 + 10, "nothing more was sent");
 
     // --from-staging is for HTTP sources; a file source says so.

@@ -126,3 +126,28 @@ fn serve_exits_1_when_the_store_must_be_opened_again_after_an_io_error() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success() && out.contains("baseline features=3000"), "{out}{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// The store file removed while `serve` has it open (a temp cleaner, a wrong `rm`): redb
+/// would go on writing the open file, all of it lost when the process ends, while `/healthz`
+/// said ok and SIGTERM exited 0 (found by a black-box tester). `serve` notices within
+/// seconds, says so, and exits 2: a restart would begin an empty store.
+#[test]
+fn serve_stops_with_exit_2_when_its_store_file_is_removed() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(10)));
+    let mut daemon = Daemon::start(&ws);
+    std::fs::remove_file(ws.path().join("zw.redb")).expect("remove the store");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = daemon.child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "serve kept running on a removed store");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut log = String::new();
+    use std::io::Read;
+    daemon.child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(log.contains("was removed (or its folder was) while zonewatch had it open"), "{log}");
+}

@@ -150,7 +150,7 @@ pub fn document() -> Value {
                     "digest": s("string"), "changes": s("integer"), "features": s("integer"),
                     "reprocess": {"type": "boolean", "description": "the held run was a --reprocess: releasing it primes"}}},
                 "SubscriberInput": {"type": "object", "additionalProperties": false, "required": ["target", "aoi"], "properties": {
-                    "id": {"type": ["string", "null"], "pattern": "^(?!\\.+$)[A-Za-z0-9._-]{1,64}$"}, "target": {"type": "string", "format": "uri"},
+                    "id": {"type": ["string", "null"], "pattern": "^(?!\\.+$)[A-Za-z0-9._-]{1,64}$", "description": "required by POST /v1/subscribers (400 missing_field without it); a PUT takes it from the path, and one given must match it"}, "target": {"type": "string", "format": "uri"},
                     "secret": {"type": ["string", "null"], "description": "whsec_ + base64 of at least 16 bytes"},
                     "min_severity": {"type": ["string", "null"], "enum": ["info", "notice", "material", "critical", null]},
                     "aoi": {"type": "object", "description": "GeoJSON Polygon, MultiPolygon, Feature or FeatureCollection"}}},

@@ -261,6 +261,9 @@ pub struct Store {
     key_index: key_journal::KeyIndex,
     /// Outbox rows in flight (see `leases.rs`).
     leases: leases::Leases,
+    /// The device and inode the store's path named when it was opened (see
+    /// [`Store::file_gone`]); `None` where they cannot be read.
+    identity: Option<(u64, u64)>,
 }
 
 impl std::fmt::Debug for Store {
@@ -355,6 +358,13 @@ impl Store {
             redb::DatabaseError::Storage(redb::StorageError::Io(source)) if is_out_of_space(&source) => {
                 StoreError::Io { what: format!("store {}: cannot open it", path.display()), source }
             }
+            // Not damage either: the same file opens once its file system is writable.
+            redb::DatabaseError::Storage(redb::StorageError::Io(e)) if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem => StoreError::Open {
+                path: path.to_path_buf(),
+                message: format!(
+                    "{e}: the store's file system is mounted read-only, and zonewatch writes its store even to read it (redb marks the file open); mount it writable, or check a copy of it with zonewatch check --store FILE"
+                ),
+            },
             other => StoreError::Open {
                 path: path.to_path_buf(),
                 message: format!(
@@ -386,6 +396,7 @@ impl Store {
             open_info,
             key_index: key_journal::KeyIndex::default(),
             leases: leases::Leases::default(),
+            identity: file_identity(path),
         };
         if store.init_schema()? {
             store.compact_after_upgrade()?;
@@ -457,6 +468,24 @@ impl Store {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Why the store's path no longer names the file this process has open, if it does not:
+    /// the file (or its folder) was removed, or another file took its name, while zonewatch
+    /// had it open (a temp cleaner, a wrong `rm`, a restore behind a running daemon's back).
+    /// redb goes on writing the open file, and all of it is lost when the process ends;
+    /// `serve` asks every few seconds and stops. `None` also where it cannot be told (the
+    /// path cannot be read for another reason): that is no evidence.
+    pub fn file_gone(&self) -> Option<String> {
+        let opened = self.identity?;
+        match std::fs::metadata(&self.path) {
+            Ok(m) if identity_of(&m) == Some(opened) => None,
+            Ok(_) => Some(format!("the store {} is another file now: it was replaced while zonewatch had it open", self.path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Some(format!("the store {} was removed (or its folder was) while zonewatch had it open", self.path.display()))
+            }
+            Err(_) => None,
+        }
     }
 
     /// Creates missing tables, checks the file's schema version and upgrades an older file.
@@ -661,4 +690,23 @@ fn decode_u32(bytes: &[u8]) -> u32 {
     let n = bytes.len().min(4);
     b[..n].copy_from_slice(&bytes[..n]);
     u32::from_le_bytes(b)
+}
+
+/// The device and inode `path` names now (`None` where they cannot be read).
+fn file_identity(path: &Path) -> Option<(u64, u64)> {
+    identity_of(&std::fs::metadata(path).ok()?)
+}
+
+/// A file's device and inode (`None` off Unix).
+fn identity_of(m: &std::fs::Metadata) -> Option<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        Some((m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = m;
+        None
+    }
 }
