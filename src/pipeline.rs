@@ -3,7 +3,7 @@
 //! thread. Also resolves holds (release / prime): the hold's staged delta is streamed from
 //! the store into one `RunWriter` transaction, as a run's delta is from its spill.
 
-use crate::config::{Config, LayerKind, SourceConfig};
+use crate::config::{Config, LayerKind, SourceConfig, SourceKind};
 use crate::detect::diff::{classify, step, ParcelDelta, Prior, RawChange};
 use crate::detect::row_sort::RowSorter;
 use crate::detect::spill::{SpillEntry, SpillError, SpilledParcel};
@@ -485,8 +485,14 @@ impl Engine {
                 None => Fetched::File,
             }
         };
-        // A layer read page by page: its removals are confirmed by a second read.
-        let paged = matches!(&fetch, Fetched::Portal(PortalFetch::Layer { body: LayerBody::Features(_), .. }));
+        // A layer read page by page: its removals are confirmed by a second read. A payload
+        // staged by such a read (`--from-staging`) too: it may be the very read whose
+        // confirmation failed.
+        let paged = match &fetch {
+            Fetched::Portal(PortalFetch::Layer { body, .. }) => matches!(body, LayerBody::Features(_)),
+            Fetched::Staged(..) => matches!(src.kind, SourceKind::Arcgis { .. } | SourceKind::Ogcapi { .. } | SourceKind::Socrata { .. }),
+            _ => false,
+        };
         // Open holds, read when a file's size or a digest needs them (never for a reprocess,
         // which is not settled by its digest).
         let mut holds: Option<Vec<Hold>> = None;
@@ -636,7 +642,8 @@ impl Engine {
     /// missing from both reads is removed; one the second read finds is kept as stored, with
     /// a warning, and the next run reads it (its bytes differ from this read's, so that run
     /// is not settled as identical). A second read that fails fails the run: nothing is
-    /// committed, and the next run tries again.
+    /// committed, and the next run tries again (`--from-staging` too: its removals are
+    /// confirmed against the portal, and wait for it when it does not answer).
     fn confirm_removals(&self, src: &SourceConfig, rules: &NormalizeRules, view: &crate::store::SnapshotView, announce: bool, scan: &mut ScanResult, started: u64) -> Result<(), PipelineError> {
         let missing = scan.removed.len();
         let again = portal::fetch(src, &self.config.ingest, None, started, true, self.store.path(), self.scratch_dir()).map_err(|e| {

@@ -2083,6 +2083,50 @@ fn ogcapi_a_feature_skipped_by_an_edit_while_paged_is_not_removed() {
     }
 }
 
+/// The read whose removals could not be confirmed (the portal stopped answering after it)
+/// stays staged; `--from-staging` then confirms its removals against the portal too, and
+/// fails while it does not answer, rather than announce the skipped parcel as removed.
+#[test]
+fn ogcapi_from_staging_does_not_remove_what_it_cannot_confirm() {
+    let rows = geojson_features(&grid(40));
+    // The collection, whether to edit it once a first page is served, and whether the portal is down.
+    let state = Arc::new(Mutex::new((rows, false, false)));
+    let srv = {
+        let state = state.clone();
+        Server::start(Arc::new(move |req: &Req| {
+            let mut s = state.lock().expect("state");
+            if s.2 {
+                return reply(503, "text/plain", "down");
+            }
+            let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
+            let page: Vec<Value> = s.0.iter().skip(offset).take(size).cloned().collect();
+            let last = offset + size >= s.0.len();
+            let mut body = ogc_items_page(&page, s.0.len(), Vec::new(), (!last).then(|| ogc_items_href("", size, offset + size)));
+            body.as_object_mut().expect("object").remove("numberMatched");
+            if offset == 0 && s.1 {
+                s.0.remove(0);
+                s.1 = false;
+            } else if last && s.0.len() == 39 {
+                // The edited read is over: the portal goes down before the confirming read.
+                s.2 = true;
+            }
+            json_reply(&body)
+        }))
+    };
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
+    assert_eq!(engine.run_source_id("ogc", RunOptions::default()).expect("baseline").record.verdict, Verdict::Baseline);
+    state.lock().expect("state").1 = true;
+    let err = engine.run_source_id("ogc", RunOptions::default()).expect_err("the removal cannot be confirmed").to_string();
+    assert!(err.contains("reading it again to confirm their removal failed"), "{err}");
+    let cfg = engine.config.sources.iter().find(|s| s.id == "ogc").expect("source").clone();
+    let err = engine.run_source_from_staging(&cfg, RunOptions::default()).expect_err("nor from staging").to_string();
+    assert!(err.contains("confirm their removal"), "{err}");
+    let stored = engine.store.snapshot_states("ogc").expect("snapshot");
+    assert_eq!(stored.len(), 40, "nothing removed");
+}
+
 /// An OGC API page whose next link leads to another host (here another port on loopback) is
 /// refused before that host is asked: its answer would be taken as this collection's
 /// parcels. (Found by `hostile_portal_answers_never_panic_and_commit_all_or_nothing`.)
