@@ -33,8 +33,8 @@ pub enum CommitMode {
 }
 
 impl CommitMode {
-    /// Whether the run's changes are announced to subscribers, which moves the revisions
-    /// their keys carry on (`detect::diff::step`): a delivering run, a released hold, and a
+    /// Whether the run's changes are announced to subscribers, which records them as the
+    /// last announcement (`detect::diff::step`; every change moves the revision on): a delivering run, a released hold, and a
     /// held run's removal events and area places (its parcels are stepped again when it is
     /// resolved: [`RunWriter::upserts`]) — unless the held run is a `--reprocess`, whose
     /// release primes.
@@ -606,8 +606,10 @@ impl RunWriter<'_> {
 
     /// An area-mode run's places, as `detect::diff::step` left them (`store::area_places`):
     /// written when the run announces, staged with the hold when it is held (the release
-    /// writes them); a run that announces nothing leaves them as they were, since an
-    /// unannounced step moves nothing.
+    /// writes them); a run that announces nothing leaves them as they were. (Not done yet:
+    /// a parcel's unannounced step moves its revision on, a place's is not kept, so a real
+    /// change of a place after a primed rollback and its primed undo can still be taken for
+    /// a `duplicate` of the rollback: ARCHITECTURE invariant 26.)
     pub fn places(&mut self, places: &[(String, super::PlaceState)]) -> Result<(), StoreError> {
         match self.mode {
             CommitMode::Hold { .. } => super::area_places::stage(&self.wtx, self.run_id, places),
