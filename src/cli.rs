@@ -658,7 +658,12 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = rx.changed() => break,
                     }
                     let store = store.clone();
-                    if let Ok(Some(why)) = tokio::task::spawn_blocking(move || store.file_gone()).await {
+                    // A stat hung on a network file system does not hold up a shutdown.
+                    let found = tokio::select! {
+                        r = tokio::task::spawn_blocking(move || store.file_gone()) => r,
+                        _ = rx.changed() => break,
+                    };
+                    if let Ok(Some(why)) = found {
                         crate::say::line(
                             crate::say::Level::Stopping,
                             format_args!("{why}; what zonewatch writes now is lost with it: stopping (exit 2: put the store back, restore a backup if it is gone, and start zonewatch again)"),

@@ -595,10 +595,12 @@ impl Engine {
                 return Ok(report);
             }
         }
-        if paged && !scan.removed.is_empty() {
-            self.confirm_removals(src, &rules, &view, announce, &mut scan, started)?;
-        }
         drop(view);
+        // A layer that came in one page cannot have shifted between pages (a staged one may
+        // have: its meta is the one staged with it).
+        if paged && !scan.removed.is_empty() && meta.as_ref().is_none_or(|m| m.pages != 1) {
+            self.confirm_removals(src, &rules, announce, &mut scan, started)?;
+        }
         drop(input);
         let first_ingest = wm.is_none() && scan.previous_parcels == 0;
 
@@ -644,7 +646,10 @@ impl Engine {
     /// is not settled as identical). A second read that fails fails the run: nothing is
     /// committed, and the next run tries again (`--from-staging` too: its removals are
     /// confirmed against the portal, and wait for it when it does not answer).
-    fn confirm_removals(&self, src: &SourceConfig, rules: &NormalizeRules, view: &crate::store::SnapshotView, announce: bool, scan: &mut ScanResult, started: u64) -> Result<(), PipelineError> {
+    /// The snapshot is read afresh once the layer is fetched (no read transaction is held
+    /// through the fetch, which would keep redb from reusing pages meanwhile); it is the one
+    /// the first scan read, since only this run commits this source.
+    fn confirm_removals(&self, src: &SourceConfig, rules: &NormalizeRules, announce: bool, scan: &mut ScanResult, started: u64) -> Result<(), PipelineError> {
         let missing = scan.removed.len();
         let again = portal::fetch(src, &self.config.ingest, None, started, true, self.store.path(), self.scratch_dir()).map_err(|e| {
             IngestError::Changed(format!("{missing} parcel(s) were missing from the layer, and reading it again to confirm their removal failed: {e}"))
@@ -661,7 +666,8 @@ impl Engine {
             std::io::Write::flush(&mut out).map_err(write_err)?;
         }
         std::io::Seek::rewind(&mut file).map_err(write_err)?;
-        let (second, _, _) = scan_digested(file, dir, rules, view, announce, dir, default_workers(), None)?;
+        let view = self.store.snapshot_view(&src.id)?;
+        let (second, _, _) = scan_digested(file, dir, rules, &view, announce, dir, default_workers(), None)?;
         let gone: std::collections::HashSet<&str> = second.removed.iter().map(|(id, _)| id.as_str()).collect();
         let mut seen_again: Vec<String> = Vec::new();
         scan.removed.retain(|(id, _)| {

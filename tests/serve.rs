@@ -149,5 +149,5 @@ fn serve_stops_with_exit_2_when_its_store_file_is_removed() {
     use std::io::Read;
     daemon.child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
     assert_eq!(status.code(), Some(2), "{log}");
-    assert!(log.contains("was removed (or its folder was) while zonewatch had it open"), "{log}");
+    assert!(log.contains("was removed or replaced (or its folder removed) while zonewatch had it open"), "{log}");
 }

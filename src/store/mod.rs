@@ -261,9 +261,9 @@ pub struct Store {
     key_index: key_journal::KeyIndex,
     /// Outbox rows in flight (see `leases.rs`).
     leases: leases::Leases,
-    /// The device and inode the store's path named when it was opened (see
-    /// [`Store::file_gone`]); `None` where they cannot be read.
-    identity: Option<(u64, u64)>,
+    /// The store file as it was opened, held to ask whether it still has a name (see
+    /// [`Store::file_gone`]); `None` where it could not be opened for that.
+    handle: Option<std::fs::File>,
 }
 
 impl std::fmt::Debug for Store {
@@ -396,7 +396,7 @@ impl Store {
             open_info,
             key_index: key_journal::KeyIndex::default(),
             leases: leases::Leases::default(),
-            identity: file_identity(path),
+            handle: std::fs::File::open(path).ok(),
         };
         if store.init_schema()? {
             store.compact_after_upgrade()?;
@@ -477,14 +477,18 @@ impl Store {
     /// `serve` asks every few seconds and stops. `None` also where it cannot be told (the
     /// path cannot be read for another reason): that is no evidence.
     pub fn file_gone(&self) -> Option<String> {
-        let opened = self.identity?;
+        // The open file's own link count, not the path's device and inode (which some
+        // network and FUSE file systems do not keep stable): 0 once its last name is gone,
+        // removed or renamed over.
+        let links = self.handle.as_ref()?.metadata().ok().and_then(|m| link_count(&m))?;
+        if links == 0 {
+            return Some(format!("the store {} was removed or replaced (or its folder removed) while zonewatch had it open", self.path.display()));
+        }
         match std::fs::metadata(&self.path) {
-            Ok(m) if identity_of(&m) == Some(opened) => None,
-            Ok(_) => Some(format!("the store {} is another file now: it was replaced while zonewatch had it open", self.path.display())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Some(format!("the store {} was removed (or its folder was) while zonewatch had it open", self.path.display()))
+                Some(format!("the store {} was moved away (or its folder was) while zonewatch had it open", self.path.display()))
             }
-            Err(_) => None,
+            _ => None,
         }
     }
 
@@ -692,17 +696,12 @@ fn decode_u32(bytes: &[u8]) -> u32 {
     u32::from_le_bytes(b)
 }
 
-/// The device and inode `path` names now (`None` where they cannot be read).
-fn file_identity(path: &Path) -> Option<(u64, u64)> {
-    identity_of(&std::fs::metadata(path).ok()?)
-}
-
-/// A file's device and inode (`None` off Unix).
-fn identity_of(m: &std::fs::Metadata) -> Option<(u64, u64)> {
+/// How many names a file has (`None` off Unix).
+fn link_count(m: &std::fs::Metadata) -> Option<u64> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::MetadataExt;
-        Some((m.dev(), m.ino()))
+        Some(m.nlink())
     }
     #[cfg(not(unix))]
     {
