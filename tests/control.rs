@@ -1814,22 +1814,41 @@ async fn hostile_requests_never_crash_the_daemon_or_get_a_5xx() {
     assert!(report.is_consistent(), "seed {seed}: {:?}", report.problems);
 }
 
-/// A flood of idle connections to the control port is capped at `MAX_CONNECTIONS`: past it
-/// a new one is closed at once (the process's descriptors stay for its runs and webhooks),
-/// and once the flood ends the port answers again.
+/// A flood of idle connections to the control port is capped at `MAX_CONNECTIONS` (the
+/// process's descriptors stay for its runs and webhooks), but does not shut the operator
+/// out: past the cap the connection idle longest is closed to make room, so a request gets
+/// through even while the flood reconnects what it lost. (64 silent connections, which any
+/// local user may open, used to refuse every client for as long as they were held: found by
+/// a black-box tester.)
 #[test]
-fn idle_connections_past_the_cap_are_closed_and_the_port_recovers() {
+fn idle_connections_past_the_cap_make_room_for_a_request() {
     use std::io::Read;
     let (ws, _) = gated_workspace("w", "http://127.0.0.1:9/hook".into(), "5s");
     let d = Daemon::start(&ws);
-    let flood: Vec<std::net::TcpStream> = (0..zonewatch::control::MAX_CONNECTIONS).map(|_| std::net::TcpStream::connect(&d.addr).unwrap()).collect();
-    // Past the cap: closed without a byte (read gives EOF or a reset, never an answer).
-    std::thread::sleep(Duration::from_millis(200));
-    let mut extra = std::net::TcpStream::connect(&d.addr).unwrap();
-    extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut buf = [0u8; 16];
-    let read = extra.read(&mut buf);
-    assert!(matches!(&read, Ok(0)) || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset), "closed at once, not left open: {read:?}");
-    drop(flood);
-    wait_for("the port to answer again", || client().get(d.url("/healthz")).send().is_ok_and(|r| r.status() == 200));
+    let open = || {
+        let c = std::net::TcpStream::connect(&d.addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        c
+    };
+    let mut flood: Vec<std::net::TcpStream> = (0..zonewatch::control::MAX_CONNECTIONS).map(|_| open()).collect();
+    let mut closed = 0;
+    for round in 0..5 {
+        // Idle past the eviction threshold, then a request: answered.
+        std::thread::sleep(Duration::from_millis(400));
+        let r = client().get(d.url("/healthz")).send();
+        assert!(r.as_ref().is_ok_and(|r| r.status() == 200), "round {round}: {r:?}");
+        // The flood reconnects what the port closed (a read gives EOF or a reset; a silent
+        // open one times out).
+        for c in flood.iter_mut() {
+            let mut buf = [0u8; 16];
+            match c.read(&mut buf) {
+                Ok(0) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+                _ => continue,
+            }
+            closed += 1;
+            *c = open();
+        }
+    }
+    assert!(closed >= 5, "{closed} flood connections closed to make room");
 }

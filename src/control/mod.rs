@@ -43,13 +43,72 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 /// The most connections served at once. Each costs a file descriptor the process shares
 /// with its runs and deliveries: a flood of idle connections (each held up to the 10 s
 /// header timeout) would otherwise make every portal fetch and webhook fail with EMFILE.
-/// Past it a new connection is closed at once; an operator's next request gets through.
+/// Past it the connection idle longest is closed to make room (see [`Connections`]); only
+/// when every connection is answering a request is a new one closed at once.
 pub const MAX_CONNECTIONS: usize = 64;
+
+/// How long a connection must have been idle (no request being answered, none since) before
+/// a full port may close it for a newcomer: long enough that a response just handed to hyper
+/// has been written, short enough that a flood of silent connections is cleared at once.
+const IDLE_BEFORE_EVICTION: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// The open connections, so that a full port closes the one idle longest instead of refusing
+/// everyone: 64 silent connections (any local user may open them, no token needed) shut the
+/// dashboard, scrapes, backups and hold releases out for as long as they were reopened.
+#[derive(Default)]
+struct Connections {
+    next_id: u64,
+    open: std::collections::HashMap<u64, Arc<Connection>>,
+}
+
+/// One connection as the port sees it.
+struct Connection {
+    /// Requests being answered now.
+    busy: std::sync::atomic::AtomicUsize,
+    /// When it was accepted or its last request was answered.
+    idle_since: std::sync::Mutex<std::time::Instant>,
+    /// Notified when the port needs its slot: the connection is dropped (its socket closed).
+    close: tokio::sync::Notify,
+}
+
+impl Connections {
+    fn add(&mut self) -> (u64, Arc<Connection>) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let c = Arc::new(Connection {
+            busy: std::sync::atomic::AtomicUsize::new(0),
+            idle_since: std::sync::Mutex::new(std::time::Instant::now()),
+            close: tokio::sync::Notify::new(),
+        });
+        self.open.insert(id, c.clone());
+        (id, c)
+    }
+
+    /// Tells the connection idle longest (at least [`IDLE_BEFORE_EVICTION`]) to close, and
+    /// takes it off the list; `false` when every connection is busy or was just used.
+    fn close_idlest(&mut self) -> bool {
+        let idle = |c: &Connection| *c.idle_since.lock().unwrap_or_else(|p| p.into_inner());
+        let idlest = self
+            .open
+            .iter()
+            .filter(|(_, c)| c.busy.load(std::sync::atomic::Ordering::SeqCst) == 0 && idle(c).elapsed() >= IDLE_BEFORE_EVICTION)
+            .min_by_key(|(_, c)| idle(c))
+            .map(|(id, _)| *id);
+        match idlest.and_then(|id| self.open.remove(&id)) {
+            Some(c) => {
+                c.close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
 
 /// Serves the control port until `shutdown` flips; then each open connection finishes the
 /// request it is serving and closes (no new request is read from a kept-alive one).
 pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let connections: Arc<std::sync::Mutex<Connections>> = Arc::default();
     let mut warned: Option<std::time::Instant> = None;
     loop {
         let accepted = tokio::select! {
@@ -64,21 +123,40 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => Some(slot),
+            // Full: the connection idle longest makes room (its task ends at once and gives
+            // its slot back); bounded, so the port goes on accepting meanwhile.
+            Err(_) if connections.lock().unwrap_or_else(|p| p.into_inner()).close_idlest() => {
+                tokio::time::timeout(std::time::Duration::from_secs(1), slots.clone().acquire_owned()).await.ok().and_then(Result::ok)
+            }
+            Err(_) => None,
+        };
+        let Some(slot) = slot else {
             if warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(60)) {
-                tracing::warn!(%peer, "control port: {MAX_CONNECTIONS} connections open already; closing new ones until some end (said once a minute)");
+                tracing::warn!(%peer, "control port: {MAX_CONNECTIONS} connections open and answering requests; closing new ones until some end (said once a minute)");
                 warned = Some(std::time::Instant::now());
             }
             drop(stream);
             continue;
         };
+        let (conn_id, this) = connections.lock().unwrap_or_else(|p| p.into_inner()).add();
+        let registry = connections.clone();
         let state = state.clone();
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
             let _slot = slot;
+            let seen = this.clone();
             let svc = service_fn(move |req| {
                 let state = state.clone();
-                async move { Ok::<_, std::convert::Infallible>(routes::handle(state, req).await) }
+                let seen = seen.clone();
+                async move {
+                    seen.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let resp = routes::handle(state, req).await;
+                    *seen.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
+                    seen.busy.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
             });
             let conn = http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -91,7 +169,10 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                     conn.as_mut().graceful_shutdown();
                     conn.await
                 }
+                // The port needs the slot of this idle connection: dropped, its socket closes.
+                _ = this.close.notified() => Ok(()),
             };
+            registry.lock().unwrap_or_else(|p| p.into_inner()).open.remove(&conn_id);
             if let Err(e) = ended {
                 tracing::debug!("control connection ended: {e}");
             }
