@@ -158,7 +158,18 @@ pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>, format: 
         }
         "arcgis" => SourceKind::Arcgis { url: url.trim_end_matches('/').to_string(), page_size: page_size.unwrap_or(1000), format: arcgis_format },
         "ogcapi" => SourceKind::Ogcapi { url: url.trim_end_matches('/').to_string(), limit: page_size.unwrap_or(10_000) },
-        _ => SourceKind::Socrata { url, page_size: page_size.unwrap_or(1000) },
+        _ => {
+            // What `run` reads: the resource's GeoJSON form. Refused here, so that `check`
+            // says so too (the `.json` form answers rows without geometry, which read as
+            // "invalid JSON", and a views URL as a bad URL, only once a run fetched them).
+            let resource = parsed.path().rsplit_once("/resource/").map_or("", |(_, r)| r);
+            if !resource.strip_suffix(".geojson").is_some_and(|id| !id.is_empty() && !id.contains('/')) {
+                return Err(format!(
+                    "url {url:?}: kind = \"socrata\" reads a SODA resource's GeoJSON form, a URL like https://host/resource/abcd-1234.geojson (not the .json form, whose rows carry no geometry, nor an /api/views/ URL)"
+                ));
+            }
+            SourceKind::Socrata { url, page_size: page_size.unwrap_or(1000) }
+        }
     }))
 }
 
@@ -207,6 +218,12 @@ mod tests {
         assert_eq!(c.ingest.max_layer_bytes, 4 << 30, "4 GiB by default");
         let l = cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.geojson\"", "[ingest]\nmax_layer_bytes = 65536").unwrap();
         assert_eq!(l.ingest.max_layer_bytes, 65536);
+        // Only the GeoJSON form of a resource is read: the forms an operator may try first
+        // are refused when the config is read (`check` too), not by the first run.
+        for url in ["https://x/resource/a.json", "https://x/resource/a", "https://x/api/views/a", "https://x/resource/.geojson", "https://x/data/a.geojson"] {
+            let err = cfg(&format!("kind = \"socrata\"\nurl = \"{url}\""), "").unwrap_err();
+            assert!(err.contains("reads a SODA resource's GeoJSON form"), "{url}: {err}");
+        }
         assert_eq!(c.sources[0].floor, Duration::from_secs(86_400));
         assert_eq!(c.sources[0].stale_after, Duration::from_secs(45 * 86_400));
         assert_eq!(c.ingest, IngestConfig::default());
