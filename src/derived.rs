@@ -654,7 +654,8 @@ impl Engine {
 
 /// Gives each area-mode event (one per region, in the order of `regions`) the key revision of
 /// its place's step (`detect::diff::step`, from what the place last announced: `stored`), and
-/// returns the places the run moves: those it announces, at `now_ms`. A place is the region's
+/// returns the places the run moves, at `now_ms`: every place it steps (an unannounced step
+/// moves the revision on and keeps the announcement). A place is the region's
 /// snapped shape whatever its codes, so A → B, back to A and to B again are three keys, while a
 /// return to what was announced after a silent detour (a primed hold, a reprocess) has the
 /// announced change's key: a duplicate, not a second alert. Every other stored place that an
@@ -675,15 +676,16 @@ fn step_places(
         let prior = stored.get(&region.place).map(|p| Prior { revision: p.revision, announced: p.announced }).unwrap_or_default();
         let taken = step(prior, crate::detect::area::place_content(&region.to), announce);
         event.revision = taken.key_revision;
+        // (A region always has an extent; one without would overlap nothing.)
+        let extent = region.geometry.bounding_rect().map(|r| [r.min().x, r.min().y, r.max().x, r.max().y]);
+        // Two regions of one run on the same place step one after the other. An unannounced
+        // step is kept too: it moves the revision on (its key is primed), not the announcement.
+        stored.insert(
+            region.place.clone(),
+            crate::store::PlaceState { revision: taken.revision, announced: taken.announced, changed_ms: now_ms, extent: extent.unwrap_or([f64::NAN; 4]) },
+        );
+        moved.insert(region.place.clone());
         if announce {
-            // (A region always has an extent; one without would overlap nothing.)
-            let extent = region.geometry.bounding_rect().map(|r| [r.min().x, r.min().y, r.max().x, r.max().y]);
-            // Two regions of one run on the same place step one after the other.
-            stored.insert(
-                region.place.clone(),
-                crate::store::PlaceState { revision: taken.revision, announced: taken.announced, changed_ms: now_ms, extent: extent.unwrap_or([f64::NAN; 4]) },
-            );
-            moved.insert(region.place.clone());
             extents.extend(extent);
         }
     }
@@ -716,8 +718,8 @@ mod tests {
     const SPEC: CountySpec = CountySpec { seed: 11, parcels: 600, origin: [-93.30, 44.95], blocks_per_row: 6 };
     const CUTS: [f64; 4] = [-0.5, 0.37, 0.71, 1.5];
 
-    /// The places of `step_places` carried from run to run as the store would keep them
-    /// (announced runs only), and each run's key revisions. Reviewer's case: D0 and D1 side
+    /// The places of `step_places` carried from run to run as the store would keep them,
+    /// and each run's key revisions. Reviewer's case: D0 and D1 side
     /// by side go R-1 → C-2 one at a time, then back to R-1 together as one region (another
     /// place, overlapping both), then D0 → C-2 again: news, not the first change's key.
     #[test]

@@ -574,5 +574,14 @@ async fn held_area_changes_step_their_places_as_they_are_resolved() {
     assert_eq!(resolve("C-2", false), (0, 1, 0), "undone: the receiver was told C-2 already");
     assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 3);
     assert_eq!(ids_received(&rx).iter().collect::<std::collections::HashSet<_>>().len(), 3);
+    // A primed rollback and its undo primed as well, then the place really goes back to
+    // the receiver, last told C-2, is told (it reused the primed rollback's key before:
+    // a primed hold's places did not move their revisions).
+    assert_eq!(resolve("R-1", true), (0, 0, 1), "a primed rollback");
+    let (_, duplicates, suppressed) = resolve("C-2", true);
+    assert_eq!(duplicates + suppressed, 1, "its undo, primed");
+    assert_eq!(resolve("R-1", false), (1, 0, 0), "then R-1 for real: news");
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
+    assert_eq!(ids_received(&rx).iter().collect::<std::collections::HashSet<_>>().len(), 4);
     assert!(engine.store.check_consistency().expect("check").is_consistent());
 }

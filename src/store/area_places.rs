@@ -77,7 +77,7 @@ impl Store {
     }
 }
 
-/// Writes the places a run announced.
+/// Writes the places a run stepped.
 pub(super) fn write(wtx: &WriteTransaction, source_id: &str, places: &[(String, PlaceState)]) -> Result<(), StoreError> {
     if places.is_empty() {
         return Ok(());
@@ -121,6 +121,40 @@ pub(super) fn release(wtx: &WriteTransaction, hold_id: u64, source_id: &str, now
         }
     }
     write(wtx, source_id, &staged)
+}
+
+/// A primed hold's staged places, into `source_id`'s places: each moves its revision on as
+/// the held run stepped it, but keeps what its subscribers were last told (the held run
+/// stepped them as announced; priming announces nothing, and a place an announced region
+/// made forget its announcement forgets nothing). Without it a place told A → B, primed back
+/// to A and primed to B again, then really back to A, reused the primed rollback's key.
+pub(super) fn prime(wtx: &WriteTransaction, hold_id: u64, source_id: &str, now_ms: u64) -> Result<(), StoreError> {
+    let mut primed = Vec::new();
+    {
+        let held = wtx.open_table(HELD_AREA_PLACES)?;
+        if held.is_empty()? {
+            return Ok(());
+        }
+        let live = wtx.open_table(AREA_PLACES)?;
+        for item in held.range((hold_id, "")..(hold_id + 1, ""))? {
+            let (k, v) = item?;
+            let place = k.value().1;
+            let staged = match decode::<PlaceState>(v.value()) {
+                Ok(state) => state,
+                Err(e) => {
+                    tracing::warn!(hold = hold_id, place, error = %e, "held_area_places: a row that does not decode is not primed");
+                    continue;
+                }
+            };
+            let stored = live.get((source_id, place))?.and_then(|v| decode::<PlaceState>(v.value()).ok());
+            let (revision, announced) = match stored {
+                Some(s) => (staged.revision.max(s.revision), s.announced),
+                None => (staged.revision, None),
+            };
+            primed.push((place.to_string(), PlaceState { revision, announced, changed_ms: now_ms, extent: staged.extent }));
+        }
+    }
+    write(wtx, source_id, &primed)
 }
 
 /// Drops a resolved or superseded hold's staged places.
@@ -175,9 +209,10 @@ mod tests {
         v.iter().map(|(p, s)| (p.to_string(), *s)).collect()
     }
 
-    /// Each mode of a run does with its places what its events are: a delivering run writes
-    /// them, a held run stages them, a reprocess leaves them; releasing the hold writes the
-    /// staged ones (at the release's time), priming it drops them; a sweep takes the source's
+    /// Each mode of a run does with its places what its events are: a delivering run or a
+    /// reprocess writes them (as `step` left them: a reprocess's keep their announcement), a
+    /// held run stages them; releasing the hold writes the staged ones (at the release's
+    /// time), priming it moves their revisions on and keeps their announcements; a sweep takes the source's
     /// places older than its cut-off and damaged ones, and `check` names a damaged row.
     #[test]
     fn places_follow_their_runs_and_holds() {
@@ -189,8 +224,10 @@ mod tests {
             w.finish(at, at, Default::default(), vec![]).unwrap()
         };
         commit(CommitMode::Deliver, 10, &[("p1", told(1, 10)), ("p2", told(1, 10))]);
-        commit(CommitMode::Reprocess, 20, &[("p1", told(5, 20))]);
-        assert_eq!(store.area_places("a").unwrap(), places(&[("p1", told(1, 10)), ("p2", told(1, 10))]).into_iter().collect());
+        // A reprocess's step: the revision moved on, the announcement as it was.
+        let reprocessed = PlaceState { revision: 2, ..told(1, 20) };
+        commit(CommitMode::Reprocess, 20, &[("p1", reprocessed)]);
+        assert_eq!(store.area_places("a").unwrap(), places(&[("p1", reprocessed), ("p2", told(1, 10))]).into_iter().collect());
         assert!(store.area_places("b").unwrap().is_empty());
 
         let held = commit(CommitMode::Hold { reason: "change_spike".into(), reprocess: false }, 30, &[("p1", told(2, 30)), ("p3", told(1, 30))]);
@@ -199,9 +236,11 @@ mod tests {
         let now = store.area_places("a").unwrap();
         assert_eq!((now["p1"], now["p2"], now["p3"]), (told(2, 40), told(1, 10), told(1, 40)), "released: the staged steps, at the release's time");
 
-        let held = commit(CommitMode::Hold { reason: "change_spike".into(), reprocess: false }, 50, &[("p1", told(3, 50))]);
+        let held = commit(CommitMode::Hold { reason: "change_spike".into(), reprocess: false }, 50, &[("p1", told(3, 50)), ("p4", told(1, 50))]);
         commit(CommitMode::ResolveHold { hold_id: held.run_id, prime: true }, 60, &[]);
-        assert_eq!(store.area_places("a").unwrap()["p1"], told(2, 40), "primed: nothing moves");
+        let now = store.area_places("a").unwrap();
+        assert_eq!(now["p1"], PlaceState { revision: 3, ..told(2, 60) }, "primed: the revision moves on, the announcement stays");
+        assert_eq!(now["p4"], PlaceState { announced: None, ..told(1, 60) }, "primed, never told: nothing announced");
         let rtx = store.db.begin_read().unwrap();
         assert!(rtx.open_table(HELD_AREA_PLACES).unwrap().is_empty().unwrap(), "nothing staged is left behind");
         drop(rtx);
@@ -211,14 +250,14 @@ mod tests {
         write(&wtx, "b", &places(&[("p1", told(1, 0))])).unwrap();
         wtx.open_table(AREA_PLACES).unwrap().insert(("a", "p9"), [7u8, 1].as_slice()).unwrap();
         wtx.commit().unwrap();
-        assert_eq!(store.area_places("a").unwrap().len(), 3, "a damaged row is left out");
+        assert_eq!(store.area_places("a").unwrap().len(), 4, "a damaged row is left out");
         let all = store.check_consistency().unwrap().problems.join("\n");
         assert!(all.contains("area place a/p9 does not decode: "), "{all}");
 
         // A run at 1,035 with a TTL of 1,000 sweeps what was announced before 35.
         commit(CommitMode::Deliver, 1_035, &[]);
         let left = store.area_places("a").unwrap();
-        assert_eq!(left.keys().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), ["p1", "p3"].into());
+        assert_eq!(left.keys().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), ["p1", "p3", "p4"].into());
         assert_eq!(store.area_places("b").unwrap().len(), 1, "another source's are left");
         assert!(store.check_consistency().unwrap().is_consistent());
     }

@@ -240,9 +240,12 @@ impl Store {
                 };
                 holds.insert(id, encode_hold(&hold).as_slice())?;
                 // A released area-mode hold's places become the source's (its events are
-                // claimed as announced); a primed or superseded one's are dropped.
-                if matches!(hold.state, HoldState::Released { .. }) {
-                    super::area_places::release(&wtx, id, source_id, now_ms)?;
+                // claimed as announced); a primed one's move their revisions on (its events'
+                // keys are claimed as primed); a superseded one's are dropped.
+                match hold.state {
+                    HoldState::Released { .. } => super::area_places::release(&wtx, id, source_id, now_ms)?,
+                    HoldState::Primed { .. } => super::area_places::prime(&wtx, id, source_id, now_ms)?,
+                    _ => {}
                 }
                 clear_staged(&wtx, id)?;
             }
@@ -605,16 +608,14 @@ impl RunWriter<'_> {
     }
 
     /// An area-mode run's places, as `detect::diff::step` left them (`store::area_places`):
-    /// written when the run announces, staged with the hold when it is held (the release
-    /// writes them); a run that announces nothing leaves them as they were. (Not done yet:
-    /// a parcel's unannounced step moves its revision on, a place's is not kept, so a real
-    /// change of a place after a primed rollback and its primed undo can still be taken for
-    /// a `duplicate` of the rollback: ARCHITECTURE invariant 26.)
+    /// staged with the hold when it is held (its release writes them, its prime moves their
+    /// revisions on), written otherwise — an unannounced run's too (a reprocess), whose
+    /// steps move revisions on and keep announcements, so that no later change of a place
+    /// reuses a key it primed (ARCHITECTURE invariant 26).
     pub fn places(&mut self, places: &[(String, super::PlaceState)]) -> Result<(), StoreError> {
         match self.mode {
             CommitMode::Hold { .. } => super::area_places::stage(&self.wtx, self.run_id, places),
-            ref mode if mode.announces() => super::area_places::write(&self.wtx, &self.source_id, places),
-            _ => Ok(()),
+            _ => super::area_places::write(&self.wtx, &self.source_id, places),
         }
     }
 
