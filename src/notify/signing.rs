@@ -10,9 +10,9 @@ pub fn decode_secret(secret: &str) -> Result<Vec<u8>, String> {
     let b64 = secret.trim().strip_prefix("whsec_").unwrap_or(secret.trim());
     let key = base64::engine::general_purpose::STANDARD
         .decode(b64)
-        .map_err(|e| format!("not a whsec_ base64 secret: {e}"))?;
+        .map_err(|e| format!("not a whsec_ base64 secret: {e} (a secret is whsec_ followed by the base64 of at least 16 random bytes; make one with: echo \"whsec_$(openssl rand -base64 32)\")"))?;
     if key.len() < 16 {
-        return Err("secret must decode to at least 16 bytes".into());
+        return Err("secret must decode to at least 16 bytes (make one with: echo \"whsec_$(openssl rand -base64 32)\")".into());
     }
     Ok(key)
 }
