@@ -209,6 +209,23 @@ fn a_hold_superseded_after_it_was_read_is_not_resolved() {
     assert_eq!(engine.store.watermark("s1").unwrap().unwrap().digest, committed.digest, "watermark not set back");
 }
 
+/// On a 100-parcel grid: the baseline, P0000 rezoned R-3 for real (told), then a publisher's
+/// rollback of P0000 to R-1 with 50 other parcels, held as a spike. Returns the first two
+/// versions and the hold.
+async fn told_r3_then_rolled_back(ws: &Workspace, engine: &zonewatch::pipeline::Engine) -> (Vec<P>, Vec<P>, u64) {
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    assert_eq!(run(engine, false).record.verdict, Verdict::Baseline);
+    let v2 = with_zones(&v1, &[0], "R-3");
+    ws.write_layer(&layer(&v2));
+    assert_eq!(run(engine, false).record.counts.queued, 1);
+    assert_eq!(deliver(engine, Duration::from_secs(5)).await.sent, 1);
+    let rollback = with_zones(&v1, &(50..100).collect::<Vec<_>>(), "C-9");
+    ws.write_layer(&layer(&rollback));
+    let h = run(engine, false).record.hold_id.expect("a spike is held");
+    (v1, v2, h)
+}
+
 /// A primed hold announces nothing, so its parcels keep what subscribers were last told: a
 /// publisher's rollback held (a spike) and primed, then undone by the next version (held,
 /// and released), sends the parcel the receiver was told of no second alert. (The parcels
@@ -217,18 +234,7 @@ fn a_hold_superseded_after_it_was_read_is_not_resolved() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primed_rollback_undone_tells_no_one_twice() {
     let (rx, ws, engine) = watched_grid(0.05).await;
-    let v1 = grid(100);
-    ws.write_layer(&layer(&v1));
-    run(&engine, false);
-    // P0000 rezoned for real, and told.
-    let v2 = with_zones(&v1, &[0], "R-3");
-    ws.write_layer(&layer(&v2));
-    assert_eq!(run(&engine, false).record.counts.queued, 1);
-    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
-    // The publisher rolls back (P0000 to R-1) with 50 other parcels: held, primed.
-    let rollback = with_zones(&v1, &(50..100).collect::<Vec<_>>(), "C-9");
-    ws.write_layer(&layer(&rollback));
-    let h = run(&engine, false).record.hold_id.expect("a spike is held");
+    let (_, v2, h) = told_r3_then_rolled_back(&ws, &engine).await;
     let primed = engine.resolve_hold(h, true).unwrap();
     assert_eq!((primed.counts.queued, primed.counts.suppressed), (0, 51));
     // And undoes it: held again, released.
@@ -250,16 +256,7 @@ async fn a_primed_rollback_undone_tells_no_one_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_change_after_a_primed_rollback_and_a_primed_undo_is_told() {
     let (rx, ws, engine) = watched_grid(0.05).await;
-    let v1 = grid(100);
-    ws.write_layer(&layer(&v1));
-    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
-    let v2 = with_zones(&v1, &[0], "R-3");
-    ws.write_layer(&layer(&v2));
-    assert_eq!(run(&engine, false).record.counts.queued, 1);
-    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
-    let rollback = with_zones(&v1, &(50..100).collect::<Vec<_>>(), "C-9");
-    ws.write_layer(&layer(&rollback));
-    let h = run(&engine, false).record.hold_id.expect("a spike is held");
+    let (v1, v2, h) = told_r3_then_rolled_back(&ws, &engine).await;
     engine.resolve_hold(h, true).unwrap();
     ws.write_layer(&layer(&v2));
     let h = run(&engine, false).record.hold_id.expect("a spike is held");

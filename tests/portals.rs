@@ -1988,36 +1988,60 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
     }
 }
 
+/// A fake OGC API collection paged by offset, 10 features a page, whose tests edit it while
+/// it is paged.
+struct PagedCollection {
+    rows: Vec<Value>,
+    /// The next read is edited: `on_page` decides how, once a page is served.
+    armed: bool,
+    /// Every request is answered 503.
+    down: bool,
+}
+
+/// Serves `state` as an OGC API collection (with `numberMatched` when `counted`), calling
+/// `on_page(state, offset, last)` after each page is built.
+fn paged_collection_server(state: Arc<Mutex<PagedCollection>>, counted: bool, on_page: impl Fn(&mut PagedCollection, usize, bool) + Send + Sync + 'static) -> Server {
+    Server::start(Arc::new(move |req: &Req| {
+        let mut s = state.lock().expect("state");
+        if s.down {
+            return reply(503, "text/plain", "down");
+        }
+        let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
+        let page: Vec<Value> = s.rows.iter().skip(offset).take(size).cloned().collect();
+        let last = offset + size >= s.rows.len();
+        let mut body = ogc_items_page(&page, s.rows.len(), Vec::new(), (!last).then(|| ogc_items_href("", size, offset + size)));
+        if !counted {
+            body.as_object_mut().expect("object").remove("numberMatched");
+        }
+        on_page(&mut s, offset, last);
+        json_reply(&body)
+    }))
+}
+
+/// An engine reading `srv`'s collection as source `ogc`, after its baseline of 40 parcels.
+fn paged_collection_engine(srv: &Server, dir: &Path) -> Engine {
+    let engine = Engine::open(portal_config(dir, &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 40), "{}", r.line());
+    engine
+}
+
 /// An OGC API collection edited while it is paged (a feature deleted after the first page
 /// was served, so the later pages shift and one feature is skipped) is scanned again: the run
 /// commits the collection as it now is, and only the deleted parcel is removed.
 #[test]
 fn ogcapi_rescans_when_number_matched_moves_during_the_scan() {
-    let parcels = grid(40);
-    let rows = geojson_features(&parcels);
-    // The collection, and whether to delete its sixth feature once a first page is served.
-    let state = Arc::new(Mutex::new((rows, false)));
-    let srv = {
-        let state = state.clone();
-        Server::start(Arc::new(move |req: &Req| {
-            let mut s = state.lock().expect("state");
-            let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
-            let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
-            let page: Vec<Value> = s.0.iter().skip(offset).take(size).cloned().collect();
-            let body = ogc_items_page(&page, s.0.len(), Vec::new(), (offset + size < s.0.len()).then(|| ogc_items_href("", size, offset + size)));
-            if offset == 0 && s.1 {
-                s.0.remove(5);
-                s.1 = false;
-            }
-            json_reply(&body)
-        }))
-    };
+    let state = Arc::new(Mutex::new(PagedCollection { rows: geojson_features(&grid(40)), armed: false, down: false }));
+    let srv = paged_collection_server(state.clone(), true, |s, offset, _| {
+        if offset == 0 && s.armed {
+            s.rows.remove(5);
+            s.armed = false;
+        }
+    });
     let dir = tempfile::tempdir().expect("tmp");
-    let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
-    let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
-    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 40), "{}", r.line());
-
-    state.lock().expect("state").1 = true;
+    let engine = paged_collection_engine(&srv, dir.path());
+    state.lock().expect("state").armed = true;
     let before = srv.requests().len();
     let r = engine.run_source_id("ogc", RunOptions::default()).expect("the rescan reads the edited collection whole");
     assert_eq!((r.record.verdict, r.record.counts.parcels, r.record.counts.changes), (Verdict::Run, 39, 1), "{}", r.line());
@@ -2037,36 +2061,21 @@ fn ogcapi_rescans_when_number_matched_moves_during_the_scan() {
 fn ogcapi_a_feature_skipped_by_an_edit_while_paged_is_not_removed() {
     for counted in [true, false] {
         let rows = geojson_features(&grid(41));
-        // The collection (the first 40 features), and whether to edit it once a first page is served.
-        let state = Arc::new(Mutex::new((rows[..40].to_vec(), false)));
         let added = rows[40].clone();
-        let srv = {
-            let state = state.clone();
-            Server::start(Arc::new(move |req: &Req| {
-                let mut s = state.lock().expect("state");
-                let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
-                let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
-                let page: Vec<Value> = s.0.iter().skip(offset).take(size).cloned().collect();
-                let mut body = ogc_items_page(&page, s.0.len(), Vec::new(), (offset + size < s.0.len()).then(|| ogc_items_href("", size, offset + size)));
-                if !counted {
-                    body.as_object_mut().expect("object").remove("numberMatched");
+        let state = Arc::new(Mutex::new(PagedCollection { rows: rows[..40].to_vec(), armed: false, down: false }));
+        let srv = paged_collection_server(state.clone(), counted, move |s, offset, _| {
+            if offset == 0 && s.armed {
+                s.rows.remove(0);
+                if counted {
+                    s.rows.push(added.clone());
                 }
-                if offset == 0 && s.1 {
-                    s.0.remove(0);
-                    if counted {
-                        s.0.push(added.clone());
-                    }
-                    s.1 = false;
-                }
-                json_reply(&body)
-            }))
-        };
+                s.armed = false;
+            }
+        });
         let dir = tempfile::tempdir().expect("tmp");
-        let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
-        let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
-        assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 40), "{}", r.line());
+        let engine = paged_collection_engine(&srv, dir.path());
 
-        state.lock().expect("state").1 = true;
+        state.lock().expect("state").armed = true;
         let r = engine.run_source_id("ogc", RunOptions::default()).expect("edited while paged");
         assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, u64::from(counted)), "counted {counted}: {}", r.line());
         assert!(r.record.warnings.iter().any(|w| w.contains("changed while it was paged: 1 of 1 parcel(s)") && w.contains("P0010")), "counted {counted}: {:?}", r.record.warnings);
@@ -2088,36 +2097,19 @@ fn ogcapi_a_feature_skipped_by_an_edit_while_paged_is_not_removed() {
 /// fails while it does not answer, rather than announce the skipped parcel as removed.
 #[test]
 fn ogcapi_from_staging_does_not_remove_what_it_cannot_confirm() {
-    let rows = geojson_features(&grid(40));
-    // The collection, whether to edit it once a first page is served, and whether the portal is down.
-    let state = Arc::new(Mutex::new((rows, false, false)));
-    let srv = {
-        let state = state.clone();
-        Server::start(Arc::new(move |req: &Req| {
-            let mut s = state.lock().expect("state");
-            if s.2 {
-                return reply(503, "text/plain", "down");
-            }
-            let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
-            let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
-            let page: Vec<Value> = s.0.iter().skip(offset).take(size).cloned().collect();
-            let last = offset + size >= s.0.len();
-            let mut body = ogc_items_page(&page, s.0.len(), Vec::new(), (!last).then(|| ogc_items_href("", size, offset + size)));
-            body.as_object_mut().expect("object").remove("numberMatched");
-            if offset == 0 && s.1 {
-                s.0.remove(0);
-                s.1 = false;
-            } else if last && s.0.len() == 39 {
-                // The edited read is over: the portal goes down before the confirming read.
-                s.2 = true;
-            }
-            json_reply(&body)
-        }))
-    };
+    let state = Arc::new(Mutex::new(PagedCollection { rows: geojson_features(&grid(40)), armed: false, down: false }));
+    let srv = paged_collection_server(state.clone(), false, |s, offset, last| {
+        if offset == 0 && s.armed {
+            s.rows.remove(0);
+            s.armed = false;
+        } else if last && s.rows.len() == 39 {
+            // The edited read is over: the portal goes down before the confirming read.
+            s.down = true;
+        }
+    });
     let dir = tempfile::tempdir().expect("tmp");
-    let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
-    assert_eq!(engine.run_source_id("ogc", RunOptions::default()).expect("baseline").record.verdict, Verdict::Baseline);
-    state.lock().expect("state").1 = true;
+    let engine = paged_collection_engine(&srv, dir.path());
+    state.lock().expect("state").armed = true;
     let err = engine.run_source_id("ogc", RunOptions::default()).expect_err("the removal cannot be confirmed").to_string();
     assert!(err.contains("reading it again to confirm their removal failed"), "{err}");
     let cfg = engine.config.sources.iter().find(|s| s.id == "ogc").expect("source").clone();
