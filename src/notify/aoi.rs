@@ -27,7 +27,41 @@ pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
 /// refusing coordinates outside WGS84 longitude/latitude: an AOI in a projected system (feet,
 /// metres) or typed wrong would match nothing, silently.
 pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET)
+    // A `crs` naming another system: its coordinates are not lon/lat, whatever their range.
+    if let Some(name) = serde_json::from_slice::<serde_json::Value>(&crate::ingest::geojson::sanitize_non_finite(text.as_bytes()))
+        .ok()
+        .and_then(|v| v.get("crs").and_then(crate::ingest::geojson::crs_name))
+    {
+        if !crate::ingest::geojson::crs_is_wgs84(&name) {
+            return Err(format!("its crs is {name:?}: an AOI is in WGS84 longitude/latitude (RFC 7946), without a crs member or with CRS84 / EPSG:4326"));
+        }
+    }
+    let aoi = parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET)?;
+    new_aoi_sanity(&aoi)?;
+    Ok(aoi)
+}
+
+/// What a new AOI must also be to mean what its author meant: some area (three points on a
+/// line match nothing, silently), and no ring read the long way round the globe. A ring
+/// written across the antimeridian (170°E → 170°W) is read as spanning 340° of longitude:
+/// every place but the strip meant, so it matched counties on the other side of the world.
+/// One that reaches both -180 and 180 (a world-wide band) is taken as meant.
+fn new_aoi_sanity(aoi: &MultiPolygon<f64>) -> Result<(), String> {
+    use geo::{Area, BoundingRect};
+    if aoi.unsigned_area() == 0.0 {
+        return Err("it has no area (its points lie on a line, or repeat): it would match nothing".into());
+    }
+    for p in &aoi.0 {
+        let Some(r) = p.bounding_rect() else { continue };
+        let (west, east) = (r.min().x, r.max().x);
+        if east - west > 180.0 && !(west <= -180.0 && east >= 180.0) {
+            return Err(format!(
+                "a polygon spans {:.0}° of longitude ({west} to {east}): a ring crossing the antimeridian must be split there into two (RFC 7946 §3.1.9); as written it covers the other side of the globe",
+                east - west
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Parses AOI GeoJSON text into a valid MultiPolygon as it was accepted when stored (an API
@@ -110,6 +144,30 @@ mod tests {
             assert!(parse_aoi(&text).is_ok(), "{bad}");
         }
         assert!(parse_new_aoi(r#"{"type":"Polygon","coordinates":[[[-180,-90],[180,-90],[180,90],[-180,-90]]]}"#).is_ok());
+    }
+
+    /// A new AOI with no area, written across the antimeridian, or in another crs is refused
+    /// with a line that says why; a stored one still parses (it keeps matching).
+    #[test]
+    fn a_new_aoi_must_mean_an_area_in_lon_lat() {
+        for (text, why) in [
+            (r#"{"type":"Polygon","coordinates":[[[0,0],[1,1],[2,2],[0,0]]]}"#, "no area"),
+            (r#"{"type":"Polygon","coordinates":[[[170,40],[-170,40],[-170,45],[170,45],[170,40]]]}"#, "antimeridian"),
+            (r#"{"type":"Polygon","crs":{"type":"name","properties":{"name":"EPSG:3857"}},"coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}"#, "EPSG:3857"),
+            (r#"{"type":"FeatureCollection","crs":{"type":"name","properties":{"name":"urn:ogc:def:crs:EPSG::2249"}},"features":[{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}}]}"#, "2249"),
+        ] {
+            let e = parse_new_aoi(text).unwrap_err();
+            assert!(e.contains(why), "{text}: {e}");
+        }
+        assert!(parse_aoi(r#"{"type":"Polygon","coordinates":[[[170,40],[-170,40],[-170,45],[170,45],[170,40]]]}"#).is_ok());
+        // CRS84 named, a world-wide band, and an ordinary county box are fine.
+        for ok in [
+            r#"{"type":"Polygon","crs":{"type":"name","properties":{"name":"urn:ogc:def:crs:OGC:1.3:CRS84"}},"coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}"#,
+            r#"{"type":"Polygon","coordinates":[[[-180,-60],[180,-60],[180,60],[-180,60],[-180,-60]]]}"#,
+            r#"{"type":"Polygon","coordinates":[[[-71.2,42.3],[-71.0,42.3],[-71.0,42.5],[-71.2,42.5],[-71.2,42.3]]]}"#,
+        ] {
+            assert!(parse_new_aoi(ok).is_ok(), "{ok}: {:?}", parse_new_aoi(ok));
+        }
     }
 
     #[test]
