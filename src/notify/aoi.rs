@@ -27,15 +27,6 @@ pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
 /// refusing coordinates outside WGS84 longitude/latitude: an AOI in a projected system (feet,
 /// metres) or typed wrong would match nothing, silently.
 pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    // A `crs` naming another system: its coordinates are not lon/lat, whatever their range.
-    if let Some(name) = serde_json::from_slice::<serde_json::Value>(&crate::ingest::geojson::sanitize_non_finite(text.as_bytes()))
-        .ok()
-        .and_then(|v| v.get("crs").and_then(crate::ingest::geojson::crs_name))
-    {
-        if !crate::ingest::geojson::crs_is_wgs84(&name) {
-            return Err(format!("its crs is {name:?}: an AOI is in WGS84 longitude/latitude (RFC 7946), without a crs member or with CRS84 / EPSG:4326"));
-        }
-    }
     let aoi = parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET)?;
     new_aoi_sanity(&aoi)?;
     Ok(aoi)
@@ -77,6 +68,13 @@ pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
 fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64) -> Result<MultiPolygon<f64>, String> {
     let clean = crate::ingest::geojson::sanitize_non_finite(text.as_bytes());
     let value: serde_json::Value = serde_json::from_slice(&clean).map_err(|e| format!("not JSON: {e}"))?;
+    // A new AOI whose `crs` names another system: its coordinates are not lon/lat, whatever
+    // their range. (One stored before this check keeps matching.)
+    if let Some(name) = bounds.and(value.get("crs")).and_then(crate::ingest::geojson::crs_name) {
+        if !crate::ingest::geojson::crs_is_wgs84(&name) {
+            return Err(format!("its crs is {name:?}: an AOI is in WGS84 longitude/latitude (RFC 7946), without a crs member or with CRS84 / EPSG:4326"));
+        }
+    }
     let mut polys = Vec::new();
     collect(&value, &mut polys, 0)?;
     if polys.is_empty() {

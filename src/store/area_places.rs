@@ -101,26 +101,30 @@ pub(super) fn stage(wtx: &WriteTransaction, hold_id: u64, places: &[(String, Pla
     Ok(())
 }
 
+/// A hold's staged places that decode (a row that does not is left out, logged, as a live
+/// one is read as absent: its place starts again, which at worst tells its next return once
+/// more); what `resolution` names in the log line.
+fn staged(wtx: &WriteTransaction, hold_id: u64, resolution: &str) -> Result<Vec<(String, PlaceState)>, StoreError> {
+    let table = wtx.open_table(HELD_AREA_PLACES)?;
+    let mut out = Vec::new();
+    if table.is_empty()? {
+        return Ok(out);
+    }
+    for item in table.range((hold_id, "")..(hold_id + 1, ""))? {
+        let (k, v) = item?;
+        match decode::<PlaceState>(v.value()) {
+            Ok(state) => out.push((k.value().1.to_string(), state)),
+            Err(e) => tracing::warn!(hold = hold_id, place = k.value().1, error = %e, "held_area_places: a row that does not decode is not {resolution}"),
+        }
+    }
+    Ok(out)
+}
+
 /// A released hold's staged places, into `source_id`'s places (before its staged rows are
 /// cleared). Their announcement time becomes the release's, when the keys are claimed.
 pub(super) fn release(wtx: &WriteTransaction, hold_id: u64, source_id: &str, now_ms: u64) -> Result<(), StoreError> {
-    let mut staged = Vec::new();
-    {
-        let table = wtx.open_table(HELD_AREA_PLACES)?;
-        if table.is_empty()? {
-            return Ok(());
-        }
-        for item in table.range((hold_id, "")..(hold_id + 1, ""))? {
-            let (k, v) = item?;
-            // A staged row that does not decode is left out, logged, as a live one is read as
-            // absent: its place starts again, which at worst tells its next return once more.
-            match decode::<PlaceState>(v.value()) {
-                Ok(state) => staged.push((k.value().1.to_string(), PlaceState { changed_ms: now_ms, ..state })),
-                Err(e) => tracing::warn!(hold = hold_id, place = k.value().1, error = %e, "held_area_places: a row that does not decode is not released"),
-            }
-        }
-    }
-    write(wtx, source_id, &staged)
+    let released: Vec<_> = staged(wtx, hold_id, "released")?.into_iter().map(|(place, state)| (place, PlaceState { changed_ms: now_ms, ..state })).collect();
+    write(wtx, source_id, &released)
 }
 
 /// A primed hold's staged places, into `source_id`'s places: each moves its revision on as
@@ -129,29 +133,20 @@ pub(super) fn release(wtx: &WriteTransaction, hold_id: u64, source_id: &str, now
 /// made forget its announcement forgets nothing). Without it a place told A → B, primed back
 /// to A and primed to B again, then really back to A, reused the primed rollback's key.
 pub(super) fn prime(wtx: &WriteTransaction, hold_id: u64, source_id: &str, now_ms: u64) -> Result<(), StoreError> {
-    let mut primed = Vec::new();
+    let held = staged(wtx, hold_id, "primed")?;
+    if held.is_empty() {
+        return Ok(());
+    }
+    let mut primed = Vec::with_capacity(held.len());
     {
-        let held = wtx.open_table(HELD_AREA_PLACES)?;
-        if held.is_empty()? {
-            return Ok(());
-        }
         let live = wtx.open_table(AREA_PLACES)?;
-        for item in held.range((hold_id, "")..(hold_id + 1, ""))? {
-            let (k, v) = item?;
-            let place = k.value().1;
-            let staged = match decode::<PlaceState>(v.value()) {
-                Ok(state) => state,
-                Err(e) => {
-                    tracing::warn!(hold = hold_id, place, error = %e, "held_area_places: a row that does not decode is not primed");
-                    continue;
-                }
-            };
-            let stored = live.get((source_id, place))?.and_then(|v| decode::<PlaceState>(v.value()).ok());
+        for (place, staged) in held {
+            let stored = live.get((source_id, place.as_str()))?.and_then(|v| decode::<PlaceState>(v.value()).ok());
             let (revision, announced) = match stored {
                 Some(s) => (staged.revision.max(s.revision), s.announced),
                 None => (staged.revision, None),
             };
-            primed.push((place.to_string(), PlaceState { revision, announced, changed_ms: now_ms, extent: staged.extent }));
+            primed.push((place, PlaceState { revision, announced, changed_ms: now_ms, extent: staged.extent }));
         }
     }
     write(wtx, source_id, &primed)
