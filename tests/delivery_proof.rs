@@ -280,6 +280,32 @@ async fn a_retry_taken_past_max_retry_window_is_dead_lettered_not_sent() {
     assert_eq!(dead[0].reason, "retry_window_exceeded");
 }
 
+/// A retry scheduled while the wall clock ran an hour ahead goes out after what was left of
+/// its wait once the clock is put right (NTP stepping it back), not an hour later: the
+/// deliverer moves the stored due times back by the step before its pass (`store::clock_step`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_scheduled_before_the_clock_stepped_back_keeps_its_wait() {
+    let rx = Receiver::start_replies(Arc::new(|n, _| Reply::status(if n == 0 { 503 } else { 200 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    let right: u64 = 1_800_000_000_000;
+    let clock = zonewatch::clock::ManualClock::at(right + 3_600_000);
+    let engine = ws.engine_at(clock.clone());
+    queue(&ws, &engine, &[0]);
+    let stats = deliver(&engine, Duration::from_millis(300)).await;
+    assert_eq!((stats.sent, stats.retried), (0, 1), "{stats:?}");
+    // The clock is stepped back an hour. The pass moves the retry to "now + what was left";
+    // the clock (a manual one) stands still, so it is not due yet.
+    clock.set(right);
+    let stats = deliver(&engine, Duration::from_millis(300)).await;
+    assert_eq!(stats.attempted, 0, "{stats:?}");
+    let due = engine.store.outbox().unwrap()[0].next_attempt_ms;
+    assert!(due > right && due <= right + 1_000, "due {} ms after the corrected clock", due as i64 - right as i64);
+    clock.advance(Duration::from_secs(1));
+    let stats = deliver(&engine, Duration::from_secs(2)).await;
+    assert_eq!(stats.sent, 1, "the retry went out a second after the step, not an hour: {stats:?}");
+    assert_eq!(rx.received().len(), 2);
+}
+
 /// `run`'s deadline bounds retries even while slow sends keep a pass going: the first tries
 /// all go out, a retry falling due after the deadline is left queued for the next run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -61,10 +61,14 @@ pub enum LayerBody {
     Features(Box<FeatureSpool>),
 }
 
-/// True when the floor interval has passed since the last fetch (or there is none).
+/// True when the floor interval has passed since the last fetch (or there is none). A fetch
+/// recorded ahead of the clock means the clock stepped back since: how long ago the fetch was
+/// is not known, and waiting until the clock passes it again would leave the layer unread
+/// for the size of the step, so the floor is due.
 pub fn floor_due(prev: Option<&Watermark>, now_ms: u64, floor: Duration) -> bool {
     match prev {
         None => true,
+        Some(w) if w.consumed_at_ms > now_ms.saturating_add(crate::store::CLOCK_STEP_TOLERANCE_MS) => true,
         Some(w) => now_ms.saturating_sub(w.consumed_at_ms) >= floor.as_millis() as u64,
     }
 }
@@ -628,6 +632,9 @@ mod tests {
         assert!(floor_due(None, 5, day));
         assert!(!floor_due(Some(&wm(None, 1_000, 0)), 1_000 + 3_600_000, day));
         assert!(floor_due(Some(&wm(None, 1_000, 0)), 1_000 + 86_400_000, day));
+        // Fetched "an hour from now": the clock went back since, so the floor is due.
+        assert!(floor_due(Some(&wm(None, 1_000 + 3_600_000, 0)), 1_000, day));
+        assert!(!floor_due(Some(&wm(None, 1_000 + 1_000, 0)), 1_000, day), "within the tolerance: no step");
         let m = |ts| PortalMeta { publisher_ts_ms: ts, ..Default::default() };
         let now = 10_000;
         assert!(restated(Some(&wm(Some(2_000), 0, 0)), &m(Some(1_000)), now).is_some());

@@ -226,6 +226,37 @@ impl Deliverer {
         })
     }
 
+    /// Puts the stored retry and breaker times right after the wall clock stepped back
+    /// (`store::clock_step`). Looked at before every pass, so `serve`, `run` and `deliver` all
+    /// see a step, one taken while zonewatch was stopped too. A failure here is logged and the
+    /// pass goes on: the rows are still there, only late.
+    async fn settle_clock_step(&self) {
+        let now = self.clock.now_ms();
+        match self.store.clock_stepped_back(now) {
+            Ok(Some(_)) => {}
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("cannot read the clock of the last delivery outcome: {e}");
+                return;
+            }
+        }
+        let store = self.store.clone();
+        match tokio::task::spawn_blocking(move || store.move_due_times_back(now)).await {
+            Ok(Ok(Some(m))) => tracing::warn!(
+                step_s = m.step_ms / 1000,
+                retries = m.retries,
+                endpoints = m.endpoints,
+                "the system clock went back at least {} s since the last delivery outcome: the due times of {} retries and the health times of {} endpoints moved back as much, so they keep their wait",
+                m.step_ms / 1000,
+                m.retries,
+                m.endpoints
+            ),
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => tracing::error!("the system clock went back, and moving the stored retry times failed: {e}"),
+            Err(e) => tracing::error!("the system clock went back, and moving the stored retry times failed: {e}"),
+        }
+    }
+
     /// Now by the deliverer's clock.
     pub fn now_ms(&self) -> u64 {
         self.clock.now_ms()
@@ -358,6 +389,7 @@ impl Deliverer {
     /// With `due_by` (clock ms), only rows due by then are leased: a retry falling due later
     /// is left for the next pass, however long the sends in flight take (`run`'s `run_wait`).
     pub async fn pump_until(&self, stop: Option<&tokio::sync::watch::Receiver<bool>>, due_by: Option<u64>) -> Result<PassStats, DeliveryError> {
+        self.settle_clock_step().await;
         let lease_batch = PIPE_LEASE_BATCH.max(self.cfg.concurrency * 4);
         let max_outstanding = PIPE_MAX_OUTSTANDING.max(lease_batch * 2);
         let retry_floor = (lease_batch / 4).max(1);

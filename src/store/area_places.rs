@@ -8,12 +8,13 @@
 //! each parcel's record (`detect::diff::step`); an area-mode source has no per-place record
 //! (its snapshot is the district polygons, keyed by position), so this table is that record:
 //! the place id is the hash of the snapped shape alone, and its [`PlaceState`] carries the
-//! revision and the last announcement the same rule steps. Only places whose change was
-//! announced have a row (an unannounced step moves nothing), so the table holds as many rows
-//! as the source announced regions within the TTL.
+//! revision and the last announcement the same rule steps. Every run that is not held writes
+//! its places' steps, announced or not (an unannounced step moves the revision on and keeps
+//! the announcement), so the table holds a row per place the source changed within the TTL.
 //!
 //! A held area run stages its places' steps (`held_area_places`, by hold id); releasing the
-//! hold moves them into place, priming or superseding it drops them. Nothing else writes the
+//! hold moves them into place, priming it moves their revisions on with their announcements
+//! kept ([`prime`]), superseding it drops them. Nothing else writes the
 //! source's places between the held run and its resolution (any run of the source supersedes
 //! the hold), so the staged steps are the ones the release would compute.
 //!

@@ -542,6 +542,8 @@ impl Store {
             health_batch.finish()?
         };
         append_audits(&wtx, &mut pending)?;
+        // The clock these retry and breaker times were computed on (`clock_step.rs`).
+        super::clock_step::note_due_clock_in(&wtx, now_ms)?;
         wtx.commit()?;
         // After the commit, never before (see `leases::Leases`): a lease pass that no longer
         // finds the lease opens its snapshot after this commit.

@@ -10,6 +10,9 @@ pub const META_SCHEMA: &str = "schema_version";
 pub const META_NEXT_OUTBOX_ID: &str = "next_outbox_id";
 /// Present from an upgrade that freed much of the file until the file is compacted.
 pub const META_COMPACT_PENDING: &str = "compact_pending";
+/// The clock of the last delivery-outcome commit, which wrote the stored retry and breaker
+/// times (`clock_step.rs`): a clock reading behind it has stepped back.
+pub const META_DUE_CLOCK: &str = "due_clock_ms";
 
 /// source id → current `Watermark`.
 pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("watermarks");
