@@ -948,6 +948,7 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
     match crate::store::backup::restore(src, &cfg.store_path) {
         Ok(info) => {
             println!("restored {} to {}", src.display(), cfg.store_path.display());
+            println!("changes found again since the backup are told again, under new webhook-ids (what was sent after the backup is not in it)");
             if let Some(kept) = &info.kept {
                 println!("the replaced store is kept at {}", kept.display());
             }

@@ -1073,6 +1073,7 @@ impl Engine {
     /// [`Engine::claims_for`], against a subscriber set already held.
     fn claims_with(&self, index: &PinnedIndex, events: &[ChangeEvent]) -> Vec<Claim> {
         let mut claims = Vec::new();
+        let scope = self.store.key_scope();
         let matched = index.match_batch(events);
         for ((i, e), subs) in events.iter().enumerate().zip(matched) {
             for sub in subs {
@@ -1081,7 +1082,7 @@ impl Engine {
                     watcher_id: sub.id.clone(),
                     target: sub.target.clone(),
                     min_severity: sub.min_severity,
-                    key: idem::key_for(&sub.id, e),
+                    key: idem::key_in(&sub.id, e, scope.for_source(&e.source_id)),
                 });
             }
         }

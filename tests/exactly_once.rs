@@ -466,9 +466,11 @@ async fn a_change_that_happens_again_is_told_again() {
         ]
     );
     // The parcel's first change carries revision 1, so its key is the one rebuilt from its
-    // fields. (A parcel stored by a zonewatch without revisions has revision 0, and its
-    // first change the key that zonewatch gave it: `notify::idem`'s tests pin the algorithm.)
-    let first = zonewatch::notify::idem::key_for("w1", &rebuilt_event("P0000", "R-1", "R-3"));
+    // fields and its source (a source first ingested by this build names itself in its keys).
+    // (A parcel stored by a zonewatch without revisions has revision 0, and its first change
+    // the key that zonewatch gave it: `notify::idem`'s tests pin the algorithm.)
+    let scope = zonewatch::notify::idem::KeyScope { source: Some("s1"), epoch: 0 };
+    let first = zonewatch::notify::idem::key_in("w1", &rebuilt_event("P0000", "R-1", "R-3"), scope);
     assert!(ids.contains(&first.0), "{ids:?}");
 
     // A silent rollback, then the real version again: a duplicate of the third change.
@@ -489,6 +491,64 @@ async fn a_change_that_happens_again_is_told_again() {
     assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 8, "{ids:?}");
     let o = outcomes(&engine);
     assert_eq!((o.get("sent"), o.get("duplicate")), (Some(&8), Some(&1)));
+}
+
+/// A source given a new id (the same layer moved to a portal, say) counts its parcels'
+/// revisions afresh: its real change R-1 → R-3, after the old source told R-1 → R-3 and back,
+/// took the key the old source had used for it, and was audited `duplicate` and never sent
+/// (found by a black-box tester). Keys of a source ingested by this build name the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renamed_source_tells_a_change_its_old_name_told_before() {
+    let (rx, ws) = whole_area_workspace().await;
+    let v1 = grid(40);
+    let v2 = rezone(&v1, &[0], "R-3");
+    {
+        let engine = ws.engine();
+        for v in [&v1, &v2, &v1] {
+            ws.write_layer(&layer(v));
+            run(&engine, false);
+        }
+        assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 2);
+    }
+    ws.edit_config("id = \"s1\"", "id = \"s2\"");
+    let engine = ws.engine();
+    let rerun = |engine: &zonewatch::pipeline::Engine| engine.run_source_id("s2", Default::default()).expect("run");
+    let baseline = rerun(&engine);
+    assert_eq!((baseline.record.verdict, baseline.record.counts.duplicates), (Verdict::Baseline, 0), "the new source's baseline primes keys of its own");
+    ws.write_layer(&layer(&v2));
+    let r = rerun(&engine);
+    assert_eq!((r.record.counts.queued, r.record.counts.duplicates), (1, 0), "R-1 → R-3 again, under the new name: told");
+    assert_eq!(deliver(&engine, Duration::from_secs(5)).await.sent, 1);
+    let ids = ids_received(&rx);
+    assert_eq!(ids.iter().collect::<std::collections::HashSet<_>>().len(), 3, "{ids:?}");
+}
+
+/// After `zonewatch restore`, a store counts revisions from the backup's: a change sent after
+/// the backup was taken is not in it, and the same change made again after the restore took
+/// its key, so a receiver deduplicating on `webhook-id` dropped it (found by a black-box
+/// tester). A restore moves the store's key epoch on: every key claimed after it is new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_after_a_restore_never_takes_the_key_of_one_sent_since_the_backup() {
+    let (_rx, ws) = whole_area_workspace().await;
+    let v1 = grid(40);
+    let v2 = rezone(&v1, &[0], "R-3");
+    let backup = ws.path().join("backup.redb");
+    let lost_key = {
+        let engine = ws.engine();
+        ws.write_layer(&layer(&v1));
+        run(&engine, false);
+        engine.store.backup_to(&backup).expect("backup");
+        ws.write_layer(&layer(&v2));
+        assert_eq!(run(&engine, false).record.counts.queued, 1);
+        engine.store.outbox().expect("outbox")[0].key.clone()
+    };
+    let store = ws.path().join("zw.redb");
+    zonewatch::store::backup::restore(&backup, &store).expect("restore");
+    let engine = ws.engine();
+    assert_ne!(engine.store.key_scope().epoch, 0);
+    assert_eq!(run(&engine, false).record.counts.queued, 1, "the restored store has not seen R-1 → R-3");
+    let key = engine.store.outbox().expect("outbox")[0].key.clone();
+    assert_ne!(key, lost_key, "the change after the restore has a key of its own");
 }
 
 /// A district layer of three 0.01° districts side by side (area mode: no parcel base), the

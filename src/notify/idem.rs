@@ -9,6 +9,11 @@
 //! found twice from the same snapshot (a held run released, a reprocess) has the same
 //! revision, so the same key. Revision 0 (a parcel as its first ingest found it, and every
 //! event of a store older than revisions) adds no field: those keys are what they were.
+//!
+//! Then, for a source this build ingested first, `|s` and the source id (escaped), and after
+//! a restore `|e` and the store's epoch in hex ([`KeyScope`], `store::key_scope`): a source
+//! counts its revisions alone, so a renamed source, or a restored store counting from a
+//! backup's revisions, would otherwise give a new change the key of an older one.
 
 use crate::detect::canonical::normalize_code;
 use crate::model::{ChangeEvent, IdemKey};
@@ -22,6 +27,21 @@ use sha2::{Digest, Sha256};
 /// hashed as it is escaped, not copied first (a baseline computes one key per parcel an AOI
 /// touches); only the from / to codes are normalised into new strings.
 pub fn key_for(watcher_id: &str, event: &ChangeEvent) -> IdemKey {
+    key_in(watcher_id, event, KeyScope::default())
+}
+
+/// What a key names besides the change (see the module doc): its source's id, unless the
+/// source is legacy (ingested before keys named sources), and the store's restore epoch
+/// (0 before any restore).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeyScope<'a> {
+    pub source: Option<&'a str>,
+    pub epoch: u64,
+}
+
+/// [`key_for`] in `scope`: the same fields, then `|s<source id>` and `|e<epoch, hex>` when
+/// given (the letters keep them apart from a revision's digits).
+pub fn key_in(watcher_id: &str, event: &ChangeEvent, scope: KeyScope<'_>) -> IdemKey {
     let from = event.from.as_deref().map(normalize_code);
     let to = event.to.as_deref().map(normalize_code);
     let fields = [
@@ -43,6 +63,13 @@ pub fn key_for(watcher_id: &str, event: &ChangeEvent) -> IdemKey {
     if event.revision > 0 {
         h.update(b"|");
         h.update(event.revision.to_string().as_bytes());
+    }
+    if let Some(source) = scope.source {
+        h.update(b"|s");
+        update_escaped(&mut h, source);
+    }
+    if scope.epoch != 0 {
+        h.update(format!("|e{:x}", scope.epoch).as_bytes());
     }
     IdemKey(crate::util::hex(&h.finalize()))
 }
@@ -118,5 +145,19 @@ mod tests {
         e.revision = 0;
         e.effective_date = Some("|2".into());
         assert_ne!(key_for("w1", &e), again);
+    }
+
+    /// A scoped key names its source and the restore epoch after everything else; the legacy
+    /// scope (no source, epoch 0) is the old key byte for byte.
+    #[test]
+    fn a_scoped_key_names_its_source_and_epoch() {
+        let mut e = sample_event("P-1");
+        e.revision = 2;
+        let by_hand = |text: &str| crate::util::hex(&Sha256::digest(text.as_bytes()));
+        assert_eq!(key_in("w1", &e, KeyScope::default()), key_for("w1", &e));
+        assert_eq!(key_in("w1", &e, KeyScope { source: Some("county|a"), epoch: 0 }).0, by_hand("w1|j|P-1|rezoned|R-1|C-2||2|scounty\\|a"));
+        assert_eq!(key_in("w1", &e, KeyScope { source: Some("c"), epoch: 0x1f }).0, by_hand("w1|j|P-1|rezoned|R-1|C-2||2|sc|e1f"));
+        assert_eq!(key_in("w1", &e, KeyScope { source: None, epoch: 0x1f }).0, by_hand("w1|j|P-1|rezoned|R-1|C-2||2|e1f"));
+        assert_ne!(key_in("w1", &e, KeyScope { source: Some("a"), epoch: 0 }), key_in("w1", &e, KeyScope { source: Some("b"), epoch: 0 }));
     }
 }

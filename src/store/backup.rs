@@ -252,6 +252,11 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     let copy = verified_copy(src, parent, ".zonewatch-restore-")?;
     let tmp = &copy.tmp;
     let owner_warning = take_identity(tmp.as_file(), previous.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?;
+    // Changes made after the backup was taken were counted in a store now lost: keys claimed
+    // from here on name a new epoch, so none takes the key of a change sent since the backup
+    // (`key_scope.rs`).
+    super::key_scope::new_epoch(tmp.path())?;
+    tmp.as_file().sync_all().map_err(|e| open_err(dest, format!("cannot sync the restored file: {e}")))?;
     // From here the old store is kept aside and the new one renamed in: a signal waits.
     crate::signals::committing();
     let kept = match previous {

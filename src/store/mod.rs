@@ -23,6 +23,7 @@ mod dlq;
 mod endpoints;
 mod idem;
 mod key_journal;
+mod key_scope;
 mod expiry;
 mod blocks;
 mod floor;
@@ -47,6 +48,7 @@ pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::{LeasedBatch, MIN_PASS_OVER};
 pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::HealthPolicy;
+pub use key_scope::KeyScopeRecord;
 pub use clock_step::{DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};
 pub use queries::{AuditFilter, SnapshotView, StoreStats};
 pub use derived::BaseStretch;
@@ -266,6 +268,9 @@ pub struct Store {
     /// The store file as it was opened, held to ask whether it still has a name (see
     /// [`Store::file_gone`]); `None` where it could not be opened for that.
     handle: Option<std::fs::File>,
+    /// What this store's idempotency keys name besides the change (`key_scope.rs`), read
+    /// (and first written) at open: only a restore, with the store closed, changes it.
+    key_scope: KeyScopeRecord,
 }
 
 impl std::fmt::Debug for Store {
@@ -399,10 +404,12 @@ impl Store {
             key_index: key_journal::KeyIndex::default(),
             leases: leases::Leases::default(),
             handle: std::fs::File::open(path).ok(),
+            key_scope: KeyScopeRecord::default(),
         };
         if store.init_schema()? {
             store.compact_after_upgrade()?;
         }
+        store.key_scope = key_scope::ensure(&store.db)?;
         Ok(store)
     }
 
@@ -472,6 +479,11 @@ impl Store {
         &self.path
     }
 
+    /// What this store's idempotency keys name besides the change (`key_scope.rs`).
+    pub fn key_scope(&self) -> &KeyScopeRecord {
+        &self.key_scope
+    }
+
     /// Why the store's path no longer names the file this process has open, if it does not:
     /// the file (or its folder) was removed, or another file took its name, while zonewatch
     /// had it open (a temp cleaner, a wrong `rm`, a restore behind a running daemon's back).
@@ -482,14 +494,22 @@ impl Store {
         // The open file's own link count, not the path's device and inode (which some
         // network and FUSE file systems do not keep stable): 0 once its last name is gone,
         // removed or renamed over.
-        let links = self.handle.as_ref()?.metadata().ok().and_then(|m| link_count(&m))?;
-        if links == 0 {
+        let open = self.handle.as_ref()?.metadata().ok()?;
+        if link_count(&open)? == 0 {
             return Some(format!("the store {} was removed or replaced (or its folder removed) while zonewatch had it open", self.path.display()));
         }
         match std::fs::metadata(&self.path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 Some(format!("the store {} was moved away (or its folder was) while zonewatch had it open", self.path.display()))
             }
+            // The open file still has a name (moved aside, or another hard link) and another
+            // file has its path (`mv zw.redb zw.old && cp backup.redb zw.redb`): the two are
+            // compared as they are now, not with what they were at open, so a file system
+            // that renumbers files over time cannot make this fire.
+            Ok(now) if file_identity(&now) != file_identity(&open) => Some(format!(
+                "the store {} is another file now (the one zonewatch has open was moved aside or renamed over) while zonewatch had it open",
+                self.path.display()
+            )),
             _ => None,
         }
     }
@@ -698,6 +718,20 @@ fn decode_u32(bytes: &[u8]) -> u32 {
     u32::from_le_bytes(b)
 }
 
+/// A file's device and inode (`None` off Unix, where nothing is compared).
+fn file_identity(m: &std::fs::Metadata) -> Option<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        Some((m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = m;
+        None
+    }
+}
+
 /// How many names a file has (`None` off Unix).
 fn link_count(m: &std::fs::Metadata) -> Option<u64> {
     #[cfg(unix)]
@@ -709,5 +743,33 @@ fn link_count(m: &std::fs::Metadata) -> Option<u64> {
     {
         let _ = m;
         None
+    }
+}
+
+#[cfg(test)]
+mod file_gone_tests {
+    use super::Store;
+
+    /// The store's path taken by another file while the old one keeps a name: moved aside and
+    /// a backup copied in, or another file renamed over a name the store has a second link
+    /// to (found by a reviewer: only a link count of 0 or a missing path was noticed).
+    #[test]
+    fn another_file_at_the_store_path_is_noticed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.file_gone(), None, "untouched");
+        std::fs::rename(&path, dir.path().join("z.old")).unwrap();
+        std::fs::copy(dir.path().join("z.old"), &path).unwrap();
+        let why = store.file_gone().expect("moved aside and replaced");
+        assert!(why.contains("is another file now"), "{why}");
+        drop(store);
+
+        let path = dir.path().join("y.redb");
+        let store = Store::open(&path).unwrap();
+        std::fs::hard_link(&path, dir.path().join("y.link")).unwrap();
+        std::fs::write(dir.path().join("y.new"), b"other").unwrap();
+        std::fs::rename(dir.path().join("y.new"), &path).unwrap();
+        assert!(store.file_gone().is_some_and(|why| why.contains("is another file now")));
     }
 }

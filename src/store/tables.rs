@@ -13,6 +13,8 @@ pub const META_COMPACT_PENDING: &str = "compact_pending";
 /// The clock of the last delivery-outcome commit, which wrote the stored retry and breaker
 /// times (`clock_step.rs`): a clock reading behind it has stepped back.
 pub const META_DUE_CLOCK: &str = "due_clock_ms";
+/// What idempotency keys are scoped to besides the change (`key_scope.rs`).
+pub const META_KEY_SCOPE: &str = "key_scope";
 
 /// source id → current `Watermark`.
 pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("watermarks");
