@@ -285,6 +285,18 @@ fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
         error_line!("{e}");
         return Err(store_exit_code(&e));
     }
+    // What `check` calls an error, said at start too: every alert of such a subscriber is
+    // dead-lettered `private_target_refused`, and a service started without `check` would
+    // say nothing of it until someone reads the dead letters (found by a black-box tester).
+    if !engine.config.delivery.allow_private_targets {
+        for s in engine.config.subscribers.iter().filter(|s| crate::netguard::url_written_private(&s.target)) {
+            warning_line!(
+                "subscriber {}: target {} is a private address and delivery.allow_private_targets is false: every alert to it will be dead-lettered private_target_refused",
+                s.id,
+                crate::util::url_for_display(&s.target)
+            );
+        }
+    }
     Ok(engine)
 }
 

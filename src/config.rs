@@ -499,6 +499,10 @@ impl Config {
         if delivery.idem_ttl.is_zero() {
             return Err(invalid("delivery.idem_ttl must be positive".into()));
         }
+        // Zero turned retries off: one 503 dead-lettered the alert `retry_window_exceeded`.
+        if delivery.max_retry_window.is_zero() {
+            return Err(invalid("delivery.max_retry_window must be positive (it bounds how long an alert is retried; 0 would dead-letter it at its first failure)".into()));
+        }
 
         let mut seen = HashSet::new();
         let mut sources = Vec::new();
@@ -890,6 +894,7 @@ min_severity = "material"
             ("endpoint_concurrency", "3000000000000000000", "between 1 and 4096"),
             ("endpoint_concurrency", "0", "between 1 and 4096"),
             ("endpoint_rate", "1e-20", "at least 0.001"),
+            ("max_retry_window", "\"0s\"", "must be positive"),
         ] {
             let bad = GOOD.replace("idem_ttl = \"7d\"", &format!("idem_ttl = \"7d\"\n{key} = {value}"));
             let err = Config::parse_str(&bad, Path::new(".")).unwrap_err().to_string();

@@ -68,10 +68,15 @@ pub fn render(engine: &Engine) -> Result<String, StoreError> {
     header(&mut out, "zonewatch_outbox_depth", "gauge", "Deliveries waiting in the outbox.");
     let _ = writeln!(out, "zonewatch_outbox_depth {}", stats.outbox);
     header(&mut out, "zonewatch_dead_letters", "gauge", "Dead letters kept for an operator.");
-    let (dead_letters, quarantined) = store.kept_counts()?;
-    let _ = writeln!(out, "zonewatch_dead_letters {dead_letters}");
+    let kept = store.kept_counts()?;
+    let _ = writeln!(out, "zonewatch_dead_letters {}", kept.dead_letters);
+    // Dead letters replayed past `max_replays`: parked, never sent again without `dlq
+    // release`. Not in `zonewatch_dead_letters`, so an alert on that gauge went quiet exactly
+    // when one was parked (found by a black-box tester).
+    header(&mut out, "zonewatch_dead_letters_parked", "gauge", "Dead letters parked past max_replays (sent only after dlq release).");
+    let _ = writeln!(out, "zonewatch_dead_letters_parked {}", kept.parked_dead_letters);
     header(&mut out, "zonewatch_quarantine", "gauge", "Quarantined features kept for an operator.");
-    let _ = writeln!(out, "zonewatch_quarantine {quarantined}");
+    let _ = writeln!(out, "zonewatch_quarantine {}", kept.quarantined_features);
 
     let holds = store.holds()?;
     header(&mut out, "zonewatch_holds", "gauge", "Holds by state.");

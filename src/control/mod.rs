@@ -47,10 +47,9 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 /// when every connection is answering a request is a new one closed at once.
 pub const MAX_CONNECTIONS: usize = 64;
 
-/// How long a connection must have been idle (no request being answered, none since) before
-/// a full port may close it for a newcomer: long enough that a response just handed to hyper
-/// has been written, short enough that a flood of silent connections is cleared at once.
-const IDLE_BEFORE_EVICTION: std::time::Duration = std::time::Duration::from_millis(250);
+/// How long a connection picked to make room may take to finish what it was doing: a
+/// response still being written, a request that began as it was picked (the rest is cut).
+const EVICTION_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The open connections, so that a full port closes the one idle longest instead of refusing
 /// everyone: 64 silent connections (any local user may open them, no token needed) shut the
@@ -71,6 +70,18 @@ struct Connection {
     close: tokio::sync::Notify,
 }
 
+/// A connection's place on the list, given up when its task ends.
+struct Listed {
+    registry: Arc<std::sync::Mutex<Connections>>,
+    id: u64,
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        self.registry.lock().unwrap_or_else(|p| p.into_inner()).open.remove(&self.id);
+    }
+}
+
 impl Connections {
     fn add(&mut self) -> (u64, Arc<Connection>) {
         let id = self.next_id;
@@ -84,14 +95,18 @@ impl Connections {
         (id, c)
     }
 
-    /// Tells the connection idle longest (at least [`IDLE_BEFORE_EVICTION`]) to close, and
-    /// takes it off the list; `false` when every connection is busy or was just used.
+    /// Tells the connection idle longest (no request being answered; the least recently
+    /// accepted or answered) to close, and takes it off the list; `false` when every
+    /// connection is answering a request. No minimum idle time: 64 connections each asking
+    /// something every 100 ms are never idle for long, and they shut every other client out
+    /// while a minimum protected them (found by a reviewer). A newcomer is the most recently
+    /// accepted, so it is the last one picked, and its request arrives at once.
     fn close_idlest(&mut self) -> bool {
         let idle = |c: &Connection| *c.idle_since.lock().unwrap_or_else(|p| p.into_inner());
         let idlest = self
             .open
             .iter()
-            .filter(|(_, c)| c.busy.load(std::sync::atomic::Ordering::SeqCst) == 0 && idle(c).elapsed() >= IDLE_BEFORE_EVICTION)
+            .filter(|(_, c)| c.busy.load(std::sync::atomic::Ordering::SeqCst) == 0)
             .min_by_key(|(_, c)| idle(c))
             .map(|(id, _)| *id);
         match idlest.and_then(|id| self.open.remove(&id)) {
@@ -134,14 +149,15 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
         };
         let Some(slot) = slot else {
             if warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(60)) {
-                tracing::warn!(%peer, "control port: {MAX_CONNECTIONS} connections open and answering requests; closing new ones until some end (said once a minute)");
+                tracing::warn!(%peer, "control port: {MAX_CONNECTIONS} connections open, each answering a request; closing new ones until one is free (said once a minute)");
                 warned = Some(std::time::Instant::now());
             }
             drop(stream);
             continue;
         };
         let (conn_id, this) = connections.lock().unwrap_or_else(|p| p.into_inner()).add();
-        let registry = connections.clone();
+        // Off the list however the task ends, a panic in a handler included.
+        let listed = Listed { registry: connections.clone(), id: conn_id };
         let state = state.clone();
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
@@ -169,10 +185,19 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                     conn.as_mut().graceful_shutdown();
                     conn.await
                 }
-                // The port needs the slot of this idle connection: dropped, its socket closes.
-                _ = this.close.notified() => Ok(()),
+                // The port needs this connection's slot. A request that began after it was
+                // picked is answered whole; otherwise what is being written gets a moment,
+                // then the connection is dropped and its socket closes.
+                _ = this.close.notified() => {
+                    conn.as_mut().graceful_shutdown();
+                    if this.busy.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                        conn.await
+                    } else {
+                        tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await.unwrap_or(Ok(()))
+                    }
+                }
             };
-            registry.lock().unwrap_or_else(|p| p.into_inner()).open.remove(&conn_id);
+            drop(listed);
             if let Err(e) = ended {
                 tracing::debug!("control connection ended: {e}");
             }

@@ -161,6 +161,14 @@ where
     Ok(n)
 }
 
+/// What [`Store::kept_counts`] counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeptCounts {
+    pub dead_letters: u64,
+    pub parked_dead_letters: u64,
+    pub quarantined_features: u64,
+}
+
 impl Store {
     pub fn watermark(&self, source_id: &str) -> Result<Option<Watermark>, StoreError> {
         let rtx = self.db.begin_read()?;
@@ -402,9 +410,15 @@ impl Store {
     }
 
     /// How many dead letters and quarantined features are kept (counted, not decoded).
-    pub fn kept_counts(&self) -> Result<(u64, u64), StoreError> {
+    /// What waits for an operator: dead letters, dead letters parked past `max_replays`
+    /// (`dlq_quarantine`: never sent again without `dlq release`), quarantined features.
+    pub fn kept_counts(&self) -> Result<KeptCounts, StoreError> {
         let rtx = self.db.begin_read()?;
-        Ok((rtx.open_table(DEAD_LETTERS)?.len()?, rtx.open_table(QUARANTINE)?.len()?))
+        Ok(KeptCounts {
+            dead_letters: rtx.open_table(DEAD_LETTERS)?.len()?,
+            parked_dead_letters: rtx.open_table(DLQ_QUARANTINE)?.len()?,
+            quarantined_features: rtx.open_table(QUARANTINE)?.len()?,
+        })
     }
 
     pub fn quarantine(&self) -> Result<Vec<QuarantineRecord>, StoreError> {
