@@ -1084,7 +1084,20 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                 println!("warning: control token {}: every user may read it (mode {mode:o}), and with it steer zonewatch: chmod o-rwx it", token.display());
             }
         }
-        Ok(crate::control::auth::TokenFile::Missing) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
+        Ok(crate::control::auth::TokenFile::Missing) => {
+            let folder = token.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+            match tempfile::tempfile_in(folder) {
+                Ok(_) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
+                Err(e) => {
+                    warnings += 1;
+                    println!(
+                        "warning: control token {}: not there yet, and this user cannot create it in {} ({e}): `serve` as this user would refuse to start (create the token, or give the service user that folder)",
+                        token.display(),
+                        folder.display()
+                    );
+                }
+            }
+        }
         Ok(crate::control::auth::TokenFile::Empty) => {
             println!(
                 "control: {} token {} holds no token (a first start cut short?): `serve` writes a new one in its place where it may write in that folder; otherwise (the package's /etc/zonewatch) remove it and reinstall or reconfigure the package (dpkg-reconfigure zonewatch), which writes one",
@@ -1093,7 +1106,11 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             )
         }
         Err(e) if std::fs::File::open(token).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) => {
-            println!("control: {} token {}: not readable by this user, not checked ({e})", cfg.control.listen, token.display());
+            warnings += 1;
+            println!(
+                "warning: control token {}: this user may not read it ({e}): `serve` as this user would refuse to start (check may be run as another user than the service's)",
+                token.display()
+            );
         }
         Err(e) => {
             bad += 1;

@@ -692,6 +692,14 @@ impl Config {
             });
         }
 
+        // An empty path named the config's own folder, or nothing at all when the config was
+        // given by a relative path: `check` passed it and `serve` failed with "cannot write :".
+        if raw.store.path.as_os_str().is_empty() {
+            return Err(invalid("store.path must not be empty: it names the store file".into()));
+        }
+        if raw.control.token_file.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err(invalid("control.token_file must not be empty: it names the control token's file (leave it out for control.token beside the config)".into()));
+        }
         let listen_text = raw.control.listen.clone().unwrap_or_else(|| "127.0.0.1:8645".into());
         let listen: std::net::SocketAddr = listen_text
             .parse()
@@ -887,6 +895,11 @@ min_severity = "material"
         assert!(Config::parse_str(&stray_url, Path::new(".")).unwrap_err().to_string().contains("url does not apply to kind = \"file\""));
         let stray_path = GOOD.replace("kind = \"file\"", "kind = \"geojson_url\"\nurl = \"http://127.0.0.1:1/x\"");
         assert!(Config::parse_str(&stray_path, Path::new(".")).unwrap_err().to_string().contains("`path` does not apply"));
+        // Empty paths: refused when read, not at `serve`'s first write.
+        let no_store = GOOD.replacen("path = \"zw.redb\"", "path = \"\"", 1);
+        assert!(Config::parse_str(&no_store, Path::new("")).unwrap_err().to_string().contains("store.path must not be empty"));
+        let no_token = format!("{GOOD}\n[control]\ntoken_file = \"\"\n");
+        assert!(Config::parse_str(&no_token, Path::new("")).unwrap_err().to_string().contains("control.token_file must not be empty"));
         let bad_kind = GOOD.replace("kind = \"file\"", "kind = \"ftp\"");
         assert!(Config::parse_str(&bad_kind, Path::new(".")).unwrap_err().to_string().contains("ftp"));
         // Past what a semaphore holds or a wait fits: a clear error, not a panic in a sender.

@@ -379,6 +379,7 @@ impl Engine {
         let store = Arc::new(Store::open_with_cache(&config.store_path, config.store_cache_mib << 20)?);
         // The store's lock is held: no run of any process is staging now.
         crate::ingest::staging::sweep_leftovers(&config.store_path);
+        crate::store::backup::sweep_restore_leftovers(&config.store_path, std::time::SystemTime::now());
         let stored = store.stored_subscribers()?;
         for id in shadowed_subscribers(&config, stored.iter().map(|s| s.id.clone())) {
             tracing::warn!(

@@ -9,8 +9,9 @@
 //! signal waits until the command has finished and said what it did: [`on_signal_remove_scratch`].
 //!
 //! Rules shared by both:
-//! - Only SIGINT and SIGTERM are watched. SIGHUP is never caught, so `nohup` keeps working; a
-//!   signal the process inherited as ignored (a non-interactive shell starts a background
+//! - `run` and `serve` watch SIGINT and SIGTERM only: SIGHUP is not caught, so `nohup` keeps
+//!   working. The copying commands watch SIGHUP too (a lost ssh session left a whole store's
+//!   copy behind) and die by it (129). A signal the process inherited as ignored (a non-interactive shell starts a background
 //!   job, `zonewatch serve &`, with SIGINT ignored) gets no handler.
 //! - A command ended by a signal dies *by that signal* (its handler reset, the signal raised
 //!   again), not by `exit(130)`: a shell script running it then stops too (bash stops a
@@ -52,7 +53,7 @@ impl StopSignal {
 pub fn watch(stopping: &'static str, stop: impl Fn() + Send + 'static) -> std::io::Result<StopSignal> {
     let signal = StopSignal::default();
     let seen = signal.clone();
-    spawn_watcher(move |code| {
+    spawn_watcher(false, move |code| {
         if seen.first(code) {
             stop();
             crate::say::line(crate::say::Level::Status, format_args!("{stopping}"));
@@ -204,13 +205,15 @@ pub fn exit(code: i32) -> ! {
     }
 }
 
-/// For a command without a graceful stop that copies a store: on SIGINT / SIGTERM, remove the
+/// For a command without a graceful stop that copies a store: on SIGINT / SIGTERM / SIGHUP, remove the
 /// registered unfinished copies, say so, and die by the signal — or, past [`committing`], let
 /// the command finish first. If the watcher cannot start, a signal kills as before (a warning
 /// says now that an interrupted copy would be left).
 pub fn on_signal_remove_scratch() -> Finish {
     state().watching = true;
-    let started = spawn_watcher(|code| {
+    // SIGHUP too (a lost ssh session): these commands have no `nohup` use, and a copy left
+    // by one is a whole store, signing secrets included (found by a black-box tester).
+    let started = spawn_watcher(true, |code| {
         {
             let mut state = state();
             if state.committed {
@@ -231,7 +234,7 @@ pub fn on_signal_remove_scratch() -> Finish {
 
 /// Starts the watcher thread and waits until its handlers are installed (so the work does not
 /// start unwatched). `on_signal` gets each arrival's exit code (130 / 143).
-fn spawn_watcher(mut on_signal: impl FnMut(i32) + Send + 'static) -> std::io::Result<()> {
+fn spawn_watcher(with_hangup: bool, mut on_signal: impl FnMut(i32) + Send + 'static) -> std::io::Result<()> {
     let (ready_tx, ready) = std::sync::mpsc::channel::<std::io::Result<()>>();
     std::thread::Builder::new().name("zonewatch-signals".into()).spawn(move || {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_io().build() {
@@ -242,7 +245,7 @@ fn spawn_watcher(mut on_signal: impl FnMut(i32) + Send + 'static) -> std::io::Re
             }
         };
         rt.block_on(async move {
-            let mut arrivals = match Arrivals::install() {
+            let mut arrivals = match Arrivals::install(with_hangup) {
                 Ok(a) => a,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -298,7 +301,7 @@ fn reset_to_default(code: i32) {
         /// `SIG_DFL`: the null handler on every unix.
         const SIG_DFL: usize = 0;
         let inherited = inherited_ignored_at_start();
-        for number in signal_number(code).into_iter().chain([2, 15]) {
+        for number in signal_number(code).into_iter().chain([2, 15, 1]) {
             // A signal inherited as ignored has no handler of ours: leave it ignored.
             if inherited & (1 << (number - 1)) != 0 {
                 continue;
@@ -314,10 +317,11 @@ fn reset_to_default(code: i32) {
     let _ = code;
 }
 
-/// The signal number behind an exit code we use for one (130 → 2, 143 → 15).
+/// The signal number behind an exit code we use for one (129 → 1, 130 → 2, 143 → 15).
 #[cfg(unix)]
 fn signal_number(code: i32) -> Option<std::os::raw::c_int> {
     match code {
+        129 => Some(1),
         130 => Some(2),
         143 => Some(15),
         _ => None,
@@ -331,11 +335,13 @@ fn signal_number(code: i32) -> Option<std::os::raw::c_int> {
 struct Arrivals {
     interrupt: Option<tokio::signal::unix::Signal>,
     terminate: Option<tokio::signal::unix::Signal>,
+    /// Watched only for the copying commands (`on_signal_remove_scratch`).
+    hangup: Option<tokio::signal::unix::Signal>,
 }
 
 #[cfg(unix)]
 impl Arrivals {
-    fn install() -> std::io::Result<Arrivals> {
+    fn install(with_hangup: bool) -> std::io::Result<Arrivals> {
         use tokio::signal::unix::{signal, SignalKind};
         let ignored = inherited_ignored_at_start();
         let watched = |number: u32, kind: SignalKind| -> std::io::Result<Option<tokio::signal::unix::Signal>> {
@@ -344,13 +350,15 @@ impl Arrivals {
                 _ => Ok(None),
             }
         };
-        Ok(Arrivals { interrupt: watched(2, SignalKind::interrupt())?, terminate: watched(15, SignalKind::terminate())? })
+        let hangup = if with_hangup { watched(1, SignalKind::hangup())? } else { None };
+        Ok(Arrivals { interrupt: watched(2, SignalKind::interrupt())?, terminate: watched(15, SignalKind::terminate())?, hangup })
     }
 
     async fn next(&mut self) -> i32 {
         tokio::select! {
             Some(_) = recv(&mut self.interrupt) => 130,
             Some(_) = recv(&mut self.terminate) => 143,
+            Some(_) = recv(&mut self.hangup) => 129,
             else => std::future::pending().await,
         }
     }
@@ -388,7 +396,7 @@ struct Arrivals;
 
 #[cfg(not(unix))]
 impl Arrivals {
-    fn install() -> std::io::Result<Arrivals> {
+    fn install(_with_hangup: bool) -> std::io::Result<Arrivals> {
         Ok(Arrivals)
     }
 

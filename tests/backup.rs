@@ -102,6 +102,17 @@ fn restore_never_overwrites_a_kept_store_leaves_the_backup_alone_and_keeps_the_s
 /// writing beside the store, and leaves the store exactly as it was.
 #[test]
 fn an_interrupted_restore_removes_its_unfinished_copy_and_leaves_the_store() {
+    interrupted_restore("-TERM", 15);
+}
+
+/// The same on SIGHUP (a lost ssh session): the copy, a whole store with its signing secrets,
+/// was left behind (found by a black-box tester).
+#[test]
+fn a_restore_whose_session_hangs_up_removes_its_unfinished_copy() {
+    interrupted_restore("-HUP", 1);
+}
+
+fn interrupted_restore(sig: &str, signum: i32) {
     use std::io::{Read, Write};
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
@@ -132,14 +143,14 @@ fn an_interrupted_restore_removes_its_unfinished_copy_and_leaves_the_store() {
         assert!(started.elapsed() < Duration::from_secs(20), "restore never started its copy");
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap().success());
     let status = child.wait().expect("restore exits");
     let mut err = String::new();
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     drop(writer);
     // Killed by the signal, as the restore itself would have been (a script running it stops).
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!((status.code(), status.signal()), (None, Some(15)), "{err}");
+    assert_eq!((status.code(), status.signal()), (None, Some(signum)), "{err}");
     assert!(err.contains("removed the unfinished copy"), "{err}");
     assert_eq!(unfinished(), Vec::<String>::new(), "the unfinished copy is left behind: {err}");
     assert!(!ws.path().join("zw.redb.before-restore").exists(), "nothing was replaced");

@@ -68,31 +68,46 @@ pub const LEFTOVER_AGE: std::time::Duration = std::time::Duration::from_secs(360
 /// that cannot be removed is logged and left for the next sweep. Without it, a cron job's
 /// killed backups fill the disk one store at a time.
 pub fn sweep_leftovers(dir: &Path, now: std::time::SystemTime) -> usize {
+    sweep_idle(dir, now, "a killed backup", |name| {
+        // Reading a file does not touch its time: a hand-off copy whose command is still
+        // running (copying a large store to a slow disk, or past a wall-clock step) is kept.
+        name.starts_with(TEMP_PREFIX) || (name.starts_with(HANDOFF_PREFIX) && name.ends_with(".redb") && handoff_command_gone(name))
+    })
+}
+
+/// The prefix of a restore's temp copy, made beside the store.
+pub const RESTORE_PREFIX: &str = ".zonewatch-restore-";
+
+/// Removes from the store's folder the temp copies of restores killed before they finished
+/// (SIGKILL, a lost ssh session), unmodified for [`LEFTOVER_AGE`]: each is a full copy of a
+/// store, signing secrets included, and nothing else would ever remove it (found by a
+/// black-box tester). Run when a store is opened for work (`Engine::open`).
+pub fn sweep_restore_leftovers(store_path: &Path, now: std::time::SystemTime) -> usize {
+    let dir = store_path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    sweep_idle(dir, now, "a killed restore", |name| name.starts_with(RESTORE_PREFIX))
+}
+
+/// Removes the files of `dir` that `leftover` names and that were not modified for
+/// [`LEFTOVER_AGE`] at `now`, logging each (`what` left it). Returns how many.
+fn sweep_idle(dir: &Path, now: std::time::SystemTime, what: &str, leftover: impl Fn(&str) -> bool) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let text = name.to_string_lossy();
-        let leftover = text.starts_with(TEMP_PREFIX) || (text.starts_with(HANDOFF_PREFIX) && text.ends_with(".redb"));
         let Ok(meta) = entry.metadata() else { continue };
-        if !leftover || !meta.is_file() {
+        if !meta.is_file() {
             continue;
         }
         let idle = meta.modified().ok().and_then(|m| now.duration_since(m).ok());
-        if idle.is_none_or(|idle| idle < LEFTOVER_AGE) {
-            continue;
-        }
-        // Reading a file does not touch its time: a hand-off copy whose command is still
-        // running (copying a large store to a slow disk, or past a wall-clock step) is kept.
-        if text.starts_with(HANDOFF_PREFIX) && !handoff_command_gone(&text) {
+        if idle.is_none_or(|idle| idle < LEFTOVER_AGE) || !leftover(&name.to_string_lossy()) {
             continue;
         }
         match std::fs::remove_file(entry.path()) {
             Ok(()) => {
                 removed += 1;
-                tracing::warn!(path = %entry.path().display(), bytes = meta.len(), "removed what a killed backup left (a temp file, or a copy no `zonewatch backup` came back for)");
+                tracing::warn!(path = %entry.path().display(), bytes = meta.len(), "removed what {what} left (a temp file, or a copy no command came back for)");
             }
-            Err(e) => tracing::warn!(path = %entry.path().display(), "cannot remove what a killed backup left: {e}"),
+            Err(e) => tracing::warn!(path = %entry.path().display(), "cannot remove what {what} left: {e}"),
         }
     }
     removed
@@ -249,7 +264,7 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     };
     let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| open_err(dest, e.to_string()))?;
-    let copy = verified_copy(src, parent, ".zonewatch-restore-")?;
+    let copy = verified_copy(src, parent, RESTORE_PREFIX)?;
     let tmp = &copy.tmp;
     let owner_warning = take_identity(tmp.as_file(), previous.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?;
     // Changes made after the backup was taken were counted in a store now lost: keys claimed
@@ -439,6 +454,22 @@ mod tests {
             ]
         );
         assert_eq!(sweep_leftovers(&dir.path().join("none"), now), 0, "no folder: nothing to do");
+    }
+
+    /// A killed restore's temp copy beside the store (a full copy of a store, secrets and
+    /// all) is removed once untouched for an hour; a young one, the store and anything else
+    /// stay.
+    #[test]
+    fn a_killed_restores_copy_beside_the_store_is_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let now = std::time::SystemTime::now();
+        let old = now - LEFTOVER_AGE - std::time::Duration::from_secs(5);
+        for (name, modified) in [(".zonewatch-restore-Old123", old), (".zonewatch-restore-New456", now), ("zw.redb", old), ("zw.redb.before-restore", old)] {
+            std::fs::File::create(dir.path().join(name)).unwrap().set_modified(modified).unwrap();
+        }
+        assert_eq!(sweep_restore_leftovers(&dir.path().join("zw.redb"), now), 1);
+        assert!(!dir.path().join(".zonewatch-restore-Old123").exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
     }
 
     /// While `restore` holds the store against opens, a zonewatch that tries to open it (a
