@@ -360,6 +360,10 @@ fn portal_signals(m: &PortalMeta) -> PortalSignals {
     }
 }
 
+/// What a watermark's digest ends with when its read's removals were withheld
+/// (`Engine::confirm_removals`): no digest of bytes ends so, so no read is settled by it.
+const WITHHELD_MARK: &str = "~removals-withheld";
+
 impl Engine {
     /// Opens the store and loads the subscribers of `config`.
     pub fn open(config: Config) -> Result<Engine, PipelineError> {
@@ -599,9 +603,7 @@ impl Engine {
         drop(view);
         // A layer that came in one page cannot have shifted between pages (a staged one may
         // have: its meta is the one staged with it).
-        if paged && !scan.removed.is_empty() && meta.as_ref().is_none_or(|m| m.pages != 1) {
-            self.confirm_removals(src, &rules, announce, &mut scan, started)?;
-        }
+        let withheld = paged && !scan.removed.is_empty() && meta.as_ref().is_none_or(|m| m.pages != 1) && self.confirm_removals(src, &rules, announce, &mut scan, started)?;
         drop(input);
         let first_ingest = wm.is_none() && scan.previous_parcels == 0;
 
@@ -627,6 +629,17 @@ impl Engine {
             watermark.last_modified = m.last_modified.clone();
             watermark.schema_hash = m.schema_hash.clone();
         }
+        if withheld {
+            // This read is not all committed (removals were withheld): nothing may settle
+            // the next run by it. Neither its digest (a byte-identical read would be
+            // `identical`, and a real removal whose confirming read was the stale one would
+            // wait for the layer's next change) nor a probe saying nothing moved. The digest
+            // is kept with a mark no read's digest has (the run's lineage id still shows it).
+            watermark.digest.push_str(WITHHELD_MARK);
+            watermark.publisher_ts_ms = None;
+            watermark.etag = None;
+            watermark.last_modified = None;
+        }
         let (mode, hold_reason) = commit_mode(decision, opts.reprocess);
         let scan_ms = scan_started.elapsed().as_millis() as u64;
         let commit_started = std::time::Instant::now();
@@ -643,14 +656,16 @@ impl Engine {
     /// feature added meanwhile) or none at all (`numberMatched` is optional) cannot tell, and
     /// the skipped parcel would be announced `removed` while it is still there. A parcel
     /// missing from both reads is removed; one the second read finds is kept as stored, with
-    /// a warning, and the next run reads it (its bytes differ from this read's, so that run
-    /// is not settled as identical). A second read that fails fails the run: nothing is
+    /// a warning, and the next run reads it: the watermark of a read whose removals were
+    /// withheld keeps neither its digest nor its probe signals, so that run is neither settled
+    /// as identical nor skipped by a probe, whichever of the two reads was the stale one.
+    /// Returns whether any removal was withheld. A second read that fails fails the run: nothing is
     /// committed, and the next run tries again (`--from-staging` too: its removals are
     /// confirmed against the portal, and wait for it when it does not answer).
     /// The snapshot is read afresh once the layer is fetched (no read transaction is held
     /// through the fetch, which would keep redb from reusing pages meanwhile); it is the one
     /// the first scan read, since only this run commits this source.
-    fn confirm_removals(&self, src: &SourceConfig, rules: &NormalizeRules, announce: bool, scan: &mut ScanResult, started: u64) -> Result<(), PipelineError> {
+    fn confirm_removals(&self, src: &SourceConfig, rules: &NormalizeRules, announce: bool, scan: &mut ScanResult, started: u64) -> Result<bool, PipelineError> {
         let missing = scan.removed.len();
         let again = portal::fetch(src, &self.config.ingest, None, started, true, self.store.path(), self.scratch_dir()).map_err(|e| {
             IngestError::Changed(format!("{missing} parcel(s) were missing from the layer, and reading it again to confirm their removal failed: {e}"))
@@ -691,7 +706,7 @@ impl Engine {
             tracing::warn!(source = %src.id, "{warning}");
             scan.warnings.push(warning);
         }
-        Ok(())
+        Ok(!seen_again.is_empty())
     }
 
     /// Settles a run by the digest of its bytes alone, when they are the version the

@@ -2092,6 +2092,46 @@ fn ogcapi_a_feature_skipped_by_an_edit_while_paged_is_not_removed() {
     }
 }
 
+/// The other way round: the removal is real, and the read that confirms it is the stale
+/// one (a replica or cache behind the portal still serves the parcel). The removal is
+/// withheld, and the next run, whose read is byte for byte the first one, must not be
+/// settled as `identical` by that read's digest: the withheld removal would then wait until
+/// the layer changes again (found by a reviewer). It is read and confirmed.
+#[test]
+fn ogcapi_a_removal_withheld_by_a_stale_confirming_read_is_made_by_the_next_run() {
+    let all = geojson_features(&grid(40));
+    let state = Arc::new(Mutex::new(PagedCollection { rows: all.clone(), armed: false, down: false }));
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = reads.clone();
+    let srv = paged_collection_server(state.clone(), false, move |s, _, last| {
+        if !(last && s.armed) {
+            return;
+        }
+        // After the run's first read, the confirming read is served by a stale copy that
+        // still has P0000; after that one, the portal is as it really is again.
+        match counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => s.rows = all.clone(),
+            _ => {
+                s.rows = all[1..].to_vec();
+                s.armed = false;
+            }
+        }
+    });
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = paged_collection_engine(&srv, dir.path());
+    {
+        let mut s = state.lock().expect("state");
+        s.rows = geojson_features(&grid(40))[1..].to_vec();
+        s.armed = true;
+    }
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("withheld");
+    assert!(r.record.warnings.iter().any(|w| w.contains("changed while it was paged") && w.contains("P0000")), "{:?}", r.record.warnings);
+    assert!(engine.store.snapshot_states("ogc").expect("snapshot").contains_key("P0000"), "withheld");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("the next run");
+    assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 1), "{}", r.line());
+    assert!(!engine.store.snapshot_states("ogc").expect("snapshot").contains_key("P0000"), "removed once two reads agree");
+}
+
 /// The read whose removals could not be confirmed (the portal stopped answering after it)
 /// stays staged; `--from-staging` then confirms its removals against the portal too, and
 /// fails while it does not answer, rather than announce the skipped parcel as removed.
