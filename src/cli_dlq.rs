@@ -413,10 +413,30 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         };
         match replay::replay(&engine.store, &deliverer, letters, rate, cfg.max_replays, Instant::now() + cfg.run_wait).await {
             Ok(r) => {
+                let remaining = engine.store.outbox_len().unwrap_or(0);
                 println!(
-                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={} no_subscriber={}",
+                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={} no_subscriber={} outbox_remaining={remaining}",
                     r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead, r.delivery.gone, waiting.len()
                 );
+                // Requeued rows that did not go out wait in the outbox, not in the dead
+                // letters: say where, and what holds them (a breaker still open after the
+                // receiver was fixed, a disabled endpoint), or `dlq list` empty reads as done.
+                if r.requeued > 0 && remaining > 0 {
+                    let now = engine.now();
+                    let held: Vec<String> = engine
+                        .store
+                        .endpoints()
+                        .unwrap_or_default()
+                        .into_iter()
+                        .filter_map(|(id, e)| match (e.disabled, e.breaker_open_until_ms) {
+                            (true, _) => Some(format!("subscriber {0} disabled: zonewatch endpoints enable {0}", crate::util::terminal_safe(&id))),
+                            (false, Some(t)) if t > now => Some(format!("subscriber {}: breaker open until {}", crate::util::terminal_safe(&id), crate::util::rfc3339(t))),
+                            _ => None,
+                        })
+                        .collect();
+                    let why = if held.is_empty() { String::from("retries not yet due") } else { held.join(", ") };
+                    note_line!("{remaining} alert(s) wait in the outbox, not in the dead letters ({why}): `zonewatch serve` or the next `zonewatch run` sends them");
+                }
                 if missing > 0 {
                     1
                 } else {

@@ -306,6 +306,22 @@ async fn a_retry_scheduled_before_the_clock_stepped_back_keeps_its_wait() {
     assert_eq!(rx.received().len(), 2);
 }
 
+/// A replay with no dead letter to requeue sends nothing: it drained the whole outbox (the
+/// alerts a stopped `run` had left queued), past its `--rate`, and counted them as its own
+/// (found by a black-box tester).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_with_nothing_to_requeue_sends_nothing() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(200)), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4]);
+    let deliverer = zonewatch::notify::delivery::Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).unwrap();
+    let r = zonewatch::notify::replay::replay(&engine.store, &deliverer, Vec::new(), 5.0, 3, std::time::Instant::now() + Duration::from_secs(2)).await.unwrap();
+    assert_eq!((r.requeued, r.delivery.attempted), (0, 0), "{r:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 2, "left for `serve` or the next `run`");
+    assert!(rx.received().is_empty());
+}
+
 /// `run`'s deadline bounds retries even while slow sends keep a pass going: the first tries
 /// all go out, a retry falling due after the deadline is left queued for the next run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
