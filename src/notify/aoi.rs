@@ -36,7 +36,10 @@ pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
 /// line match nothing, silently), and no ring read the long way round the globe. A ring
 /// written across the antimeridian (170°E → 170°W) is read as spanning 340° of longitude:
 /// every place but the strip meant, so it matched counties on the other side of the world.
-/// One that reaches both -180 and 180 (a world-wide band) is taken as meant.
+/// Only a ring that sits at the antimeridian (every vertex 90° or more from Greenwich) is
+/// taken for one: a wide AOI with a vertex nearer Greenwich (-170 to 40) is read as written
+/// (a reviewer found such configs refused), and one that reaches both -180 and 180 (a
+/// world-wide band) is taken as meant.
 fn new_aoi_sanity(aoi: &MultiPolygon<f64>) -> Result<(), String> {
     use geo::{Area, BoundingRect};
     if aoi.unsigned_area() == 0.0 {
@@ -45,9 +48,10 @@ fn new_aoi_sanity(aoi: &MultiPolygon<f64>) -> Result<(), String> {
     for p in &aoi.0 {
         let Some(r) = p.bounding_rect() else { continue };
         let (west, east) = (r.min().x, r.max().x);
-        if east - west > 180.0 && !(west <= -180.0 && east >= 180.0) {
+        let at_the_antimeridian = p.exterior().0.iter().all(|c| c.x.abs() >= 90.0);
+        if east - west > 180.0 && at_the_antimeridian && !(west <= -180.0 && east >= 180.0) {
             return Err(format!(
-                "a polygon spans {:.0}° of longitude ({west} to {east}): a ring crossing the antimeridian must be split there into two (RFC 7946 §3.1.9); as written it covers the other side of the globe",
+                "a polygon spans {:.0}° of longitude ({west} to {east}) with every vertex near the antimeridian: a ring crossing the antimeridian must be split there into two (RFC 7946 §3.1.9), as written it covers the other side of the globe; an AOI meant to cover (nearly) every longitude is written from -180 to 180",
                 east - west
             ));
         }
@@ -151,6 +155,8 @@ mod tests {
         for (text, why) in [
             (r#"{"type":"Polygon","coordinates":[[[0,0],[1,1],[2,2],[0,0]]]}"#, "no area"),
             (r#"{"type":"Polygon","coordinates":[[[170,40],[-170,40],[-170,45],[170,45],[170,40]]]}"#, "antimeridian"),
+            // Nearly the whole world, but not to ±180: ambiguous, and the line says both ways out.
+            (r#"{"type":"Polygon","coordinates":[[[-179.9,-80],[179.9,-80],[179.9,80],[-179.9,80],[-179.9,-80]]]}"#, "written from -180 to 180"),
             (r#"{"type":"Polygon","crs":{"type":"name","properties":{"name":"EPSG:3857"}},"coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}"#, "EPSG:3857"),
             (r#"{"type":"FeatureCollection","crs":{"type":"name","properties":{"name":"urn:ogc:def:crs:EPSG::2249"}},"features":[{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}}]}"#, "2249"),
         ] {
@@ -163,6 +169,8 @@ mod tests {
             r#"{"type":"Polygon","crs":{"type":"name","properties":{"name":"urn:ogc:def:crs:OGC:1.3:CRS84"}},"coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}"#,
             r#"{"type":"Polygon","coordinates":[[[-180,-60],[180,-60],[180,60],[-180,60],[-180,-60]]]}"#,
             r#"{"type":"Polygon","coordinates":[[[-71.2,42.3],[-71.0,42.3],[-71.0,42.5],[-71.2,42.5],[-71.2,42.3]]]}"#,
+            // Wide, with vertices near Greenwich: read as written (a reviewer found it refused).
+            r#"{"type":"Polygon","coordinates":[[[-170,-50],[40,-50],[40,50],[-170,50],[-170,-50]]]}"#,
         ] {
             assert!(parse_new_aoi(ok).is_ok(), "{ok}: {:?}", parse_new_aoi(ok));
         }
