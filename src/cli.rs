@@ -1086,8 +1086,9 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         }
         Ok(crate::control::auth::TokenFile::Missing) => {
             let folder = token.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-            match tempfile::tempfile_in(folder) {
-                Ok(_) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
+            // A folder not there yet is made by `serve` (as far as it may): not judged here.
+            match if folder.is_dir() { tempfile::tempfile_in(folder).map(drop) } else { Ok(()) } {
+                Ok(()) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
                 Err(e) => {
                     warnings += 1;
                     println!(

@@ -786,9 +786,22 @@ impl Watermark {
     }
 
     /// The publisher timestamp the portal reported at the last fetch: what a probe that
-    /// finds nothing moved reports again.
+    /// finds nothing moved reports again. None for a read whose removals were withheld
+    /// ([`Watermark::withheld`]): the next run must read the layer, not skip it.
     pub fn probe_ts(&self) -> Option<u64> {
+        if self.withheld() {
+            return None;
+        }
         self.probe_ts_ms.or(self.publisher_ts_ms)
+    }
+
+    /// What the digest of a read whose removals were withheld ends with
+    /// (`Engine::confirm_removals`): no digest of bytes ends so, so no read is settled by it.
+    pub const WITHHELD_MARK: &'static str = "~removals-withheld";
+
+    /// Whether this read's removals were withheld (its digest carries [`Self::WITHHELD_MARK`]).
+    pub fn withheld(&self) -> bool {
+        self.digest.ends_with(Self::WITHHELD_MARK)
     }
 }
 

@@ -360,10 +360,6 @@ fn portal_signals(m: &PortalMeta) -> PortalSignals {
     }
 }
 
-/// What a watermark's digest ends with when its read's removals were withheld
-/// (`Engine::confirm_removals`): no digest of bytes ends so, so no read is settled by it.
-const WITHHELD_MARK: &str = "~removals-withheld";
-
 impl Engine {
     /// Opens the store and loads the subscribers of `config`.
     pub fn open(config: Config) -> Result<Engine, PipelineError> {
@@ -633,12 +629,11 @@ impl Engine {
             // This read is not all committed (removals were withheld): nothing may settle
             // the next run by it. Neither its digest (a byte-identical read would be
             // `identical`, and a real removal whose confirming read was the stale one would
-            // wait for the layer's next change) nor a probe saying nothing moved. The digest
-            // is kept with a mark no read's digest has (the run's lineage id still shows it).
-            watermark.digest.push_str(WITHHELD_MARK);
-            watermark.publisher_ts_ms = None;
-            watermark.etag = None;
-            watermark.last_modified = None;
+            // wait for the layer's next change) nor a probe saying nothing moved
+            // (`Watermark::probe_ts` is None for it). The digest is kept with a mark no
+            // read's digest has (the run's lineage id still shows it); the publisher
+            // timestamp is kept, so a restatement after it is still held.
+            watermark.digest.push_str(Watermark::WITHHELD_MARK);
         }
         let (mode, hold_reason) = commit_mode(decision, opts.reprocess);
         let scan_ms = scan_started.elapsed().as_millis() as u64;
@@ -743,7 +738,10 @@ impl Engine {
     /// `None`: no such hold.
     fn still_held(&self, src: &SourceConfig, holds: &[Hold], digest: &str, fingerprint: &str, started: u64) -> Result<Option<SourceReport>, PipelineError> {
         let open_same = holds.iter().find(|h| {
-            h.source_id == src.id && h.state == HoldState::Open && h.digest == digest && h.watermark.read_fingerprint == fingerprint
+            // A held read whose removals were withheld is the same read (a reviewer found each
+            // poll superseding it with a new hold).
+            let held = h.digest.strip_suffix(Watermark::WITHHELD_MARK).unwrap_or(&h.digest);
+            h.source_id == src.id && h.state == HoldState::Open && held == digest && h.watermark.read_fingerprint == fingerprint
         });
         let Some(h) = open_same else { return Ok(None) };
         let record = self.store.record_run_note(&src.id, started, self.now(), RunNote { verdict: Verdict::Held, digest, hold_id: Some(h.run_id), error: None })?;

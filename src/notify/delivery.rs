@@ -242,15 +242,7 @@ impl Deliverer {
         }
         let store = self.store.clone();
         match tokio::task::spawn_blocking(move || store.move_due_times_back(now)).await {
-            Ok(Ok(Some(m))) => tracing::warn!(
-                step_s = m.step_ms / 1000,
-                retries = m.retries,
-                endpoints = m.endpoints,
-                "the system clock went back at least {} s since the last delivery outcome: the due times of {} retries and the health times of {} endpoints moved back as much, so they keep their wait",
-                m.step_ms / 1000,
-                m.retries,
-                m.endpoints
-            ),
+            Ok(Ok(Some(m))) => crate::store::say_moved(&m),
             Ok(Ok(None)) => {}
             Ok(Err(e)) => tracing::error!("the system clock went back, and moving the stored retry times failed: {e}"),
             Err(e) => tracing::error!("the system clock went back, and moving the stored retry times failed: {e}"),

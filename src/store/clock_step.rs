@@ -97,68 +97,90 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         // Looked at again under the write lock: a concurrent caller may have moved them.
-        let Some(step_ms) = step_back(due_clock(&wtx.open_table(META)?)?, now_ms) else { return Ok(None) };
-        let mut done = DueTimesMoved { step_ms, ..Default::default() };
-        {
-            let mut due = wtx.open_table(OUTBOX_RETRY_DUE)?;
-            let mut retry = wtx.open_table(OUTBOX_RETRY)?;
-            let ahead: Vec<(u64, u64)> = due
-                .range((now_ms.saturating_add(1), 0u64)..)?
-                .map(|item| item.map(|(k, _)| k.value()))
-                .collect::<Result<_, _>>()?;
-            for (at, id) in ahead {
-                let mut entry = match retry.get(id)? {
-                    Some(v) => match decode_entry(v.value()) {
-                        Ok(e) => e,
-                        // Left for `zonewatch check` to name; its index entry stays with it.
-                        Err(m) => {
-                            tracing::warn!(id, "outbox_retry row unreadable, its due time not moved: {}", codec_err("outbox_retry", m));
-                            continue;
-                        }
-                    },
-                    None => continue,
-                };
-                if entry.next_attempt_ms != at {
-                    continue;
-                }
-                entry.next_attempt_ms = moved(at, step_ms, now_ms);
-                due.remove((at, id))?;
-                due.insert((entry.next_attempt_ms, id), ())?;
-                retry.insert(id, encode_entry(&entry).as_slice())?;
-                done.retries += 1;
-            }
-        }
-        {
-            let mut endpoints = wtx.open_table(ENDPOINTS)?;
-            let mut changed: Vec<(String, EndpointState)> = Vec::new();
-            for item in endpoints.iter()? {
-                let (k, v) = item?;
-                // An unreadable record starts afresh at its next outcome (`endpoints.rs`).
-                let Ok(mut s) = super::codec::decode::<EndpointState>(v.value()) else { continue };
-                let mut touched = false;
-                if let Some(t) = s.breaker_open_until_ms.filter(|&t| t > now_ms) {
-                    s.breaker_open_until_ms = Some(moved(t, step_ms, now_ms));
-                    touched = true;
-                }
-                // The start of a failure streak recorded ahead of now: `disable_after` counts
-                // from it, and would count that much longer.
-                if let Some(t) = s.failing_since_ms.filter(|&t| t > now_ms) {
-                    s.failing_since_ms = Some(t.saturating_sub(step_ms).min(now_ms));
-                    touched = true;
-                }
-                if touched {
-                    changed.push((k.value().to_string(), s));
-                }
-            }
-            for (id, s) in &changed {
-                endpoints.insert(id.as_str(), super::codec::encode(s).as_slice())?;
-            }
-            done.endpoints = changed.len() as u64;
-        }
+        let Some(done) = move_if_stepped_in(&wtx, now_ms)? else { return Ok(None) };
         note_due_clock_in(&wtx, now_ms)?;
         wtx.commit()?;
         Ok(Some(done))
     }
+}
+
+/// In `wtx`: when the stored clock shows a step back at `now_ms`, moves the due times (see
+/// [`Store::move_due_times_back`]) and returns what moved. Every outcome commit calls it
+/// before it writes its own clock, which would otherwise erase the evidence of a step taken
+/// while a delivery pass was running (found by a reviewer).
+pub(super) fn move_if_stepped_in(wtx: &WriteTransaction, now_ms: u64) -> Result<Option<DueTimesMoved>, StoreError> {
+    let Some(step_ms) = step_back(due_clock(&wtx.open_table(META)?)?, now_ms) else { return Ok(None) };
+    let mut done = DueTimesMoved { step_ms, ..Default::default() };
+    {
+        let mut due = wtx.open_table(OUTBOX_RETRY_DUE)?;
+        let mut retry = wtx.open_table(OUTBOX_RETRY)?;
+        let ahead: Vec<(u64, u64)> = due
+            .range((now_ms.saturating_add(1), 0u64)..)?
+            .map(|item| item.map(|(k, _)| k.value()))
+            .collect::<Result<_, _>>()?;
+        for (at, id) in ahead {
+            let mut entry = match retry.get(id)? {
+                Some(v) => match decode_entry(v.value()) {
+                    Ok(e) => e,
+                    // Left for `zonewatch check` to name; its index entry stays with it.
+                    Err(m) => {
+                        tracing::warn!(id, "outbox_retry row unreadable, its due time not moved: {}", codec_err("outbox_retry", m));
+                        continue;
+                    }
+                },
+                None => continue,
+            };
+            if entry.next_attempt_ms != at {
+                continue;
+            }
+            entry.next_attempt_ms = moved(at, step_ms, now_ms);
+            due.remove((at, id))?;
+            due.insert((entry.next_attempt_ms, id), ())?;
+            retry.insert(id, encode_entry(&entry).as_slice())?;
+            done.retries += 1;
+        }
+    }
+    {
+        let mut endpoints = wtx.open_table(ENDPOINTS)?;
+        let mut changed: Vec<(String, EndpointState)> = Vec::new();
+        for item in endpoints.iter()? {
+            let (k, v) = item?;
+            // An unreadable record starts afresh at its next outcome (`endpoints.rs`).
+            let Ok(mut s) = super::codec::decode::<EndpointState>(v.value()) else { continue };
+            let mut touched = false;
+            if let Some(t) = s.breaker_open_until_ms.filter(|&t| t > now_ms) {
+                s.breaker_open_until_ms = Some(moved(t, step_ms, now_ms));
+                touched = true;
+            }
+            // The start of a failure streak recorded ahead of now: `disable_after` counts
+            // from it, and would count that much longer.
+            if let Some(t) = s.failing_since_ms.filter(|&t| t > now_ms) {
+                s.failing_since_ms = Some(t.saturating_sub(step_ms).min(now_ms));
+                touched = true;
+            }
+            if touched {
+                changed.push((k.value().to_string(), s));
+            }
+        }
+        for (id, s) in &changed {
+            endpoints.insert(id.as_str(), super::codec::encode(s).as_slice())?;
+        }
+        done.endpoints = changed.len() as u64;
+    }
+    Ok(Some(done))
+}
+
+/// The log line for a move (from a delivery pass, or from the outcome commit that found it).
+pub fn say_moved(m: &DueTimesMoved) {
+    tracing::warn!(
+        step_s = m.step_ms / 1000,
+        retries = m.retries,
+        endpoints = m.endpoints,
+        "the system clock went back at least {} s since the last delivery outcome: the due times of {} retries and the health times of {} endpoints moved back as much, so they keep their wait",
+        m.step_ms / 1000,
+        m.retries,
+        m.endpoints
+    );
 }
 
 #[cfg(test)]
@@ -216,6 +238,24 @@ mod tests {
         assert_eq!(store.clock_stepped_back(T).unwrap(), None);
         assert_eq!(store.move_due_times_back(T + 1_000).unwrap(), None);
         assert_eq!(due_of(&store, ids[1]), T + 600_000);
+    }
+
+    /// A step taken while a delivery pass runs: the pass's next outcome commit (on the
+    /// corrected clock) moves the earlier retries before it writes its own clock, which would
+    /// otherwise erase the evidence (a reviewer found the pass-start check alone missed it).
+    #[test]
+    fn an_outcome_commit_after_a_step_moves_the_due_times_it_would_hide() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let ids = queued(&store, 2);
+        let ahead = T + HOUR;
+        store.record_outcomes(&[DeliveryResult::Retry { id: ids[0], next_attempt_ms: ahead + 5_000, error: "http_503".into() }], &[], ahead).unwrap();
+        // The clock is put right; the pass's next outcome (another row's) commits at T.
+        store.record_outcomes(&[DeliveryResult::Retry { id: ids[1], next_attempt_ms: T + 7_000, error: "http_503".into() }], &[], T).unwrap();
+        assert_eq!(due_of(&store, ids[0]), T + 5_000, "moved by the commit that found the step");
+        assert_eq!(due_of(&store, ids[1]), T + 7_000, "this commit's own retry is on the corrected clock");
+        assert_eq!(store.clock_stepped_back(T).unwrap(), None);
+        assert!(store.check_consistency().unwrap().is_consistent());
     }
 
     /// A step bigger than a wait: the retry is due at once, not before "now"; an unreadable

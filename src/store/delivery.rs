@@ -478,6 +478,9 @@ impl Store {
         }
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
+        // A clock that stepped back since the last outcome commit: the due times that commit
+        // left are moved first, as this one writes its own clock (`clock_step.rs`).
+        let moved = super::clock_step::move_if_stepped_in(&wtx, now_ms)?;
         // Each table is opened once for the whole batch: a group commit carries thousands of
         // outcomes and per-row table opens would dominate it.
         {
@@ -545,6 +548,9 @@ impl Store {
         // The clock these retry and breaker times were computed on (`clock_step.rs`).
         super::clock_step::note_due_clock_in(&wtx, now_ms)?;
         wtx.commit()?;
+        if let Some(m) = moved {
+            super::clock_step::say_moved(&m);
+        }
         // After the commit, never before (see `leases::Leases`): a lease pass that no longer
         // finds the lease opens its snapshot after this commit.
         self.leases.release(results.iter().map(|r| match r {

@@ -49,7 +49,7 @@ pub use leases::{LeasedBatch, MIN_PASS_OVER};
 pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::HealthPolicy;
 pub use key_scope::KeyScopeRecord;
-pub use clock_step::{DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};
+pub use clock_step::{say_moved, DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};
 pub use queries::{AuditFilter, KeptCounts, SnapshotView, StoreStats};
 pub use derived::BaseStretch;
 pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunNote, RunWriter};
