@@ -45,11 +45,14 @@ impl KeyScopeRecord {
 
 /// The record in `db`, written first if it is not there (the sources with a watermark become
 /// legacy). An unreadable record is an error: guessing would change keys.
-pub(super) fn ensure(db: &Database) -> Result<KeyScopeRecord, StoreError> {
+/// `quick_repair`: the store's setting, so that a crash right after this first write does not
+/// cost a full repair at the next open.
+pub(super) fn ensure(db: &Database, quick_repair: bool) -> Result<KeyScopeRecord, StoreError> {
     if let Some(found) = read(db)? {
         return Ok(found);
     }
-    let wtx = db.begin_write()?;
+    let mut wtx = db.begin_write()?;
+    wtx.set_quick_repair(quick_repair);
     let record = {
         let mut meta = wtx.open_table(META)?;
         let found: Option<KeyScopeRecord> = match meta.get(META_KEY_SCOPE)? {
@@ -92,13 +95,14 @@ fn read(db: &Database) -> Result<Option<KeyScopeRecord>, StoreError> {
 /// place): keys claimed from now on differ from every key the lost timeline claimed.
 pub(super) fn new_epoch(path: &std::path::Path) -> Result<u64, StoreError> {
     let db = Database::builder().create(path).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: e.to_string() })?;
-    let mut record = ensure(&db)?;
+    let mut record = ensure(&db, true)?;
     let mut epoch = record.epoch;
     while epoch == record.epoch || epoch == 0 {
         epoch = rand::random::<u64>();
     }
     record.epoch = epoch;
-    let wtx = db.begin_write()?;
+    let mut wtx = db.begin_write()?;
+    wtx.set_quick_repair(true);
     wtx.open_table(META)?.insert(META_KEY_SCOPE, encode(&record).as_slice())?;
     wtx.commit()?;
     Ok(epoch)
@@ -120,7 +124,7 @@ mod tests {
             let wtx = db.begin_write().unwrap();
             wtx.open_table(WATERMARKS).unwrap().insert("county", [1u8].as_slice()).unwrap();
             wtx.commit().unwrap();
-            let record = ensure(&db).unwrap();
+            let record = ensure(&db, true).unwrap();
             assert_eq!(record.legacy_sources.iter().collect::<Vec<_>>(), vec!["county"]);
             assert_eq!(record.for_source("county").source, None);
             assert_eq!(record.for_source("city").source, Some("city"));
@@ -128,12 +132,12 @@ mod tests {
             let wtx = db.begin_write().unwrap();
             wtx.open_table(WATERMARKS).unwrap().insert("city", [1u8].as_slice()).unwrap();
             wtx.commit().unwrap();
-            assert_eq!(ensure(&db).unwrap(), record);
+            assert_eq!(ensure(&db, true).unwrap(), record);
         }
         let first = new_epoch(&path).unwrap();
         let second = new_epoch(&path).unwrap();
         assert!(first != 0 && second != 0 && first != second);
-        let record = ensure(&Database::create(&path).unwrap()).unwrap();
+        let record = ensure(&Database::create(&path).unwrap(), true).unwrap();
         assert_eq!((record.epoch, record.legacy_sources.len()), (second, 1));
     }
 }

@@ -409,7 +409,7 @@ impl Store {
         if store.init_schema()? {
             store.compact_after_upgrade()?;
         }
-        store.key_scope = key_scope::ensure(&store.db)?;
+        store.key_scope = key_scope::ensure(&store.db, store.quick_repair())?;
         Ok(store)
     }
 
