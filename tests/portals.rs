@@ -2132,6 +2132,51 @@ fn ogcapi_a_removal_withheld_by_a_stale_confirming_read_is_made_by_the_next_run(
     assert!(!engine.store.snapshot_states("ogc").expect("snapshot").contains_key("P0000"), "removed once two reads agree");
 }
 
+/// A run that withholds a removal (its confirming read was stale) and is held (a mass
+/// rezoning): the next poll reads the same bytes and is still that hold, not a new hold that
+/// supersedes it (the watermark's digest carries the withheld mark; found by a reviewer).
+#[test]
+fn ogcapi_a_held_read_with_a_withheld_removal_is_still_held_by_the_same_bytes() {
+    let mut parcels = grid(40);
+    for p in parcels.iter_mut().skip(1).take(29) {
+        p.zone = "C-9".into();
+    }
+    let all = geojson_features(&parcels);
+    let state = Arc::new(Mutex::new(PagedCollection { rows: geojson_features(&grid(40)), armed: false, down: false }));
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = reads.clone();
+    let stale = all.clone();
+    let srv = paged_collection_server(state.clone(), false, move |s, _, last| {
+        if !(last && s.armed) {
+            return;
+        }
+        match counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => s.rows = stale.clone(),
+            _ => {
+                s.rows = stale[1..].to_vec();
+                s.armed = false;
+            }
+        }
+    });
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = paged_collection_engine(&srv, dir.path());
+    {
+        let mut s = state.lock().expect("state");
+        s.rows = all[1..].to_vec();
+        s.armed = true;
+    }
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("held");
+    assert_eq!(r.record.verdict, Verdict::Held, "{}", r.line());
+    assert!(r.record.warnings.iter().any(|w| w.contains("changed while it was paged")), "{:?}", r.record.warnings);
+    let held = engine.store.holds().expect("holds");
+    assert_eq!(held.len(), 1);
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("polled again");
+    assert_eq!(r.record.verdict, Verdict::Held, "{}", r.line());
+    let holds = engine.store.holds().expect("holds");
+    let open: Vec<_> = holds.iter().filter(|h| h.state == HoldState::Open).collect();
+    assert_eq!((open.len(), open[0].run_id), (1, held[0].run_id), "the same hold, not superseded: {holds:?}");
+}
+
 /// The read whose removals could not be confirmed (the portal stopped answering after it)
 /// stays staged; `--from-staging` then confirms its removals against the portal too, and
 /// fails while it does not answer, rather than announce the skipped parcel as removed.
