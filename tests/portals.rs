@@ -2092,6 +2092,37 @@ fn ogcapi_a_feature_skipped_by_an_edit_while_paged_is_not_removed() {
     }
 }
 
+/// A paged collection of `grid(40)` (the baseline) whose real layer, once armed, is `stale`
+/// without its first feature (P0000 removed for real): the run's first read gets that, the
+/// read confirming its removal is served by a stale copy (`stale`, P0000 still in it), and
+/// every read after that is the real layer again.
+/// Armed with [`arm_stale_confirming`].
+fn stale_confirming_collection(stale: Vec<Value>) -> (Arc<Mutex<PagedCollection>>, Server) {
+    let state = Arc::new(Mutex::new(PagedCollection { rows: geojson_features(&grid(40)), armed: false, down: false }));
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let real = stale[1..].to_vec();
+    let srv = paged_collection_server(state.clone(), false, move |s, _, last| {
+        if !(last && s.armed) {
+            return;
+        }
+        match reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => s.rows = stale.clone(),
+            _ => {
+                s.rows = real.clone();
+                s.armed = false;
+            }
+        }
+    });
+    (state, srv)
+}
+
+/// From the next read on, the collection is the real layer: `stale` without P0000.
+fn arm_stale_confirming(state: &Mutex<PagedCollection>, stale: &[Value]) {
+    let mut s = state.lock().expect("state");
+    s.rows = stale[1..].to_vec();
+    s.armed = true;
+}
+
 /// The other way round: the removal is real, and the read that confirms it is the stale
 /// one (a replica or cache behind the portal still serves the parcel). The removal is
 /// withheld, and the next run, whose read is byte for byte the first one, must not be
@@ -2099,31 +2130,11 @@ fn ogcapi_a_feature_skipped_by_an_edit_while_paged_is_not_removed() {
 /// the layer changes again (found by a reviewer). It is read and confirmed.
 #[test]
 fn ogcapi_a_removal_withheld_by_a_stale_confirming_read_is_made_by_the_next_run() {
-    let all = geojson_features(&grid(40));
-    let state = Arc::new(Mutex::new(PagedCollection { rows: all.clone(), armed: false, down: false }));
-    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counter = reads.clone();
-    let srv = paged_collection_server(state.clone(), false, move |s, _, last| {
-        if !(last && s.armed) {
-            return;
-        }
-        // After the run's first read, the confirming read is served by a stale copy that
-        // still has P0000; after that one, the portal is as it really is again.
-        match counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
-            0 => s.rows = all.clone(),
-            _ => {
-                s.rows = all[1..].to_vec();
-                s.armed = false;
-            }
-        }
-    });
+    let stale = geojson_features(&grid(40));
+    let (state, srv) = stale_confirming_collection(stale.clone());
     let dir = tempfile::tempdir().expect("tmp");
     let engine = paged_collection_engine(&srv, dir.path());
-    {
-        let mut s = state.lock().expect("state");
-        s.rows = geojson_features(&grid(40))[1..].to_vec();
-        s.armed = true;
-    }
+    arm_stale_confirming(&state, &stale);
     let r = engine.run_source_id("ogc", RunOptions::default()).expect("withheld");
     assert!(r.record.warnings.iter().any(|w| w.contains("changed while it was paged") && w.contains("P0000")), "{:?}", r.record.warnings);
     assert!(engine.store.snapshot_states("ogc").expect("snapshot").contains_key("P0000"), "withheld");
@@ -2141,30 +2152,11 @@ fn ogcapi_a_held_read_with_a_withheld_removal_is_still_held_by_the_same_bytes() 
     for p in parcels.iter_mut().skip(1).take(29) {
         p.zone = "C-9".into();
     }
-    let all = geojson_features(&parcels);
-    let state = Arc::new(Mutex::new(PagedCollection { rows: geojson_features(&grid(40)), armed: false, down: false }));
-    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counter = reads.clone();
-    let stale = all.clone();
-    let srv = paged_collection_server(state.clone(), false, move |s, _, last| {
-        if !(last && s.armed) {
-            return;
-        }
-        match counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
-            0 => s.rows = stale.clone(),
-            _ => {
-                s.rows = stale[1..].to_vec();
-                s.armed = false;
-            }
-        }
-    });
+    let stale = geojson_features(&parcels);
+    let (state, srv) = stale_confirming_collection(stale.clone());
     let dir = tempfile::tempdir().expect("tmp");
     let engine = paged_collection_engine(&srv, dir.path());
-    {
-        let mut s = state.lock().expect("state");
-        s.rows = all[1..].to_vec();
-        s.armed = true;
-    }
+    arm_stale_confirming(&state, &stale);
     let r = engine.run_source_id("ogc", RunOptions::default()).expect("held");
     assert_eq!(r.record.verdict, Verdict::Held, "{}", r.line());
     assert!(r.record.warnings.iter().any(|w| w.contains("changed while it was paged")), "{:?}", r.record.warnings);
