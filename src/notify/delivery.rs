@@ -241,10 +241,10 @@ impl Deliverer {
             }
         }
         let store = self.store.clone();
-        match tokio::task::spawn_blocking(move || store.move_due_times_back(now)).await {
-            Ok(Ok(Some(m))) => crate::store::say_moved(&m),
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => tracing::error!("the system clock went back, and moving the stored retry times failed: {e}"),
+        let moved = tokio::task::spawn_blocking(move || store.move_due_times_back(now)).await.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
+        match moved {
+            Ok(Some(m)) => crate::store::say_moved(&m),
+            Ok(None) => {}
             Err(e) => tracing::error!("the system clock went back, and moving the stored retry times failed: {e}"),
         }
     }

@@ -192,12 +192,21 @@ mod tests {
     const T: u64 = 1_800_000_000_000;
     const HOUR: u64 = 3_600_000;
 
-    fn queued(store: &Store, n: usize) -> Vec<u64> {
+    /// A new store with `n` rows queued (one event, `n` keys); the folder lives as long as it.
+    fn queued(n: usize) -> (tempfile::TempDir, Store, Vec<u64>) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
         let claims: Vec<Claim> = (0..n)
             .map(|i| Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
             .collect();
         store.enqueue(&[sample_event("A")], &claims, "l", T, 86_400_000).unwrap();
-        store.outbox().unwrap().iter().map(|e| e.id).collect()
+        let ids = store.outbox().unwrap().iter().map(|e| e.id).collect();
+        (dir, store, ids)
+    }
+
+    /// A failed try of row `id`, due again at `at`.
+    fn retry(id: u64, at: u64) -> DeliveryResult {
+        DeliveryResult::Retry { id, next_attempt_ms: at, error: "http_503".into() }
     }
 
     fn due_of(store: &Store, id: u64) -> u64 {
@@ -209,12 +218,9 @@ mod tests {
     /// stays due; the index agrees with the rows; a second look moves nothing.
     #[test]
     fn due_times_scheduled_ahead_of_a_clock_stepped_back_keep_their_wait() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let ids = queued(&store, 3);
+        let (_dir, store, ids) = queued(3);
         let ahead = T + HOUR;
         let policy = HealthPolicy { breaker_min: 2, breaker_ratio: 0.5, breaker_cooldown_ms: 60_000, ..Default::default() };
-        let retry = |id, at| DeliveryResult::Retry { id, next_attempt_ms: at, error: "http_503".into() };
         store.record_outcomes_with(&[retry(ids[0], ahead + 5_000), retry(ids[1], ahead + 600_000), retry(ids[2], T - 1_000)], &[], ahead, Some(&policy)).unwrap();
         let breaker = store.endpoints().unwrap()[0].1.breaker_open_until_ms.unwrap();
         assert_eq!(breaker, ahead + 60_000);
@@ -245,13 +251,11 @@ mod tests {
     /// otherwise erase the evidence (a reviewer found the pass-start check alone missed it).
     #[test]
     fn an_outcome_commit_after_a_step_moves_the_due_times_it_would_hide() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let ids = queued(&store, 2);
+        let (_dir, store, ids) = queued(2);
         let ahead = T + HOUR;
-        store.record_outcomes(&[DeliveryResult::Retry { id: ids[0], next_attempt_ms: ahead + 5_000, error: "http_503".into() }], &[], ahead).unwrap();
+        store.record_outcomes(&[retry(ids[0], ahead + 5_000)], &[], ahead).unwrap();
         // The clock is put right; the pass's next outcome (another row's) commits at T.
-        store.record_outcomes(&[DeliveryResult::Retry { id: ids[1], next_attempt_ms: T + 7_000, error: "http_503".into() }], &[], T).unwrap();
+        store.record_outcomes(&[retry(ids[1], T + 7_000)], &[], T).unwrap();
         assert_eq!(due_of(&store, ids[0]), T + 5_000, "moved by the commit that found the step");
         assert_eq!(due_of(&store, ids[1]), T + 7_000, "this commit's own retry is on the corrected clock");
         assert_eq!(store.clock_stepped_back(T).unwrap(), None);
@@ -262,11 +266,9 @@ mod tests {
     /// stored clock is no step (and the next outcome commit writes it afresh).
     #[test]
     fn a_step_longer_than_the_wait_makes_it_due_now_and_an_unreadable_clock_is_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let ids = queued(&store, 1);
+        let (_dir, store, ids) = queued(1);
         let years_ahead = T + 5 * 365 * 86_400_000;
-        store.record_outcomes(&[DeliveryResult::Retry { id: ids[0], next_attempt_ms: years_ahead + 30_000, error: "http_503".into() }], &[], years_ahead).unwrap();
+        store.record_outcomes(&[retry(ids[0], years_ahead + 30_000)], &[], years_ahead).unwrap();
         let done = store.move_due_times_back(T).unwrap().unwrap();
         assert_eq!(done.retries, 1);
         assert_eq!(due_of(&store, ids[0]), T + 30_000);
