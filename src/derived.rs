@@ -232,11 +232,15 @@ impl Engine {
             .ok_or_else(|| PipelineError::BaseNotIngested { source_id: src.id.clone(), base: base_id.clone() })?;
         let fetched = source::fetch(src)?;
         let wm = self.store.watermark(&src.id)?;
+        // A base read whose removals were withheld is another base than the same bytes read
+        // whole: the next run makes those removals, and the derived zoning follows them
+        // (found by a reviewer: a parcel removed then stayed in the derived snapshot).
         let fingerprint = format!(
-            "{}:base={}:{}:{}",
+            "{}:base={}:{}{}:{}",
             src.read_fingerprint(),
             base_id,
             base_wm.digest.chars().take(16).collect::<String>(),
+            if base_wm.withheld() { Watermark::WITHHELD_MARK } else { "" },
             base_wm.read_fingerprint
         );
         if !opts.reprocess {

@@ -606,7 +606,11 @@ impl Engine {
         let now = self.now();
         // A publisher timestamp that went backwards is a restatement: the gate holds it.
         // One from the future (a publisher's clock or data error) is not evidence either way.
-        let restated = if opts.reprocess { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m, now)) };
+        // Not the bytes of a read whose removals were withheld, though: the same content,
+        // which is identical by any timestamp (invariant 11), read again to make them (found
+        // by a reviewer: a replica's older timestamp held an unchanged layer for an operator).
+        let same_as_withheld = wm.as_ref().is_some_and(|w| w.withheld() && w.digest.strip_suffix(Watermark::WITHHELD_MARK) == Some(digest.as_str()));
+        let restated = if opts.reprocess || same_as_withheld { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m, now)) };
         scan.warnings.extend(meta.as_ref().and_then(|m| portal::future_timestamp_warning(wm.as_ref(), m, now)));
         let decision = decide(GateInput {
             first_ingest,

@@ -1857,6 +1857,64 @@ fn idle_connections_past_the_cap_make_room_for_a_request() {
     assert!(closed >= 5, "{closed} flood connections closed to make room");
 }
 
+/// Connections that begin a request and never finish it, opened as fast as three threads can:
+/// past the cap each newcomer closes the oldest of them at once, so the port keeps accepting,
+/// and each operator request on a fresh connection is answered. (While a connection picked to
+/// make room was given 200 ms to finish and the port waited for its slot meanwhile, the port
+/// took five connections a second and the operator's waited behind the flood in the listen
+/// queue: found by a reviewer.)
+#[test]
+fn a_flood_of_unfinished_requests_does_not_queue_the_operator_behind_it() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let (ws, _) = gated_workspace("w", "http://127.0.0.1:9/hook".into(), "5s");
+    let d = Daemon::start(&ws);
+    let addr: std::net::SocketAddr = d.addr.parse().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood: Vec<_> = (0..3)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut held = std::collections::VecDeque::new();
+                let mut opened = 0u32;
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok(mut c) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                        // The first byte of a request that never comes (a connection that sent
+                        // nothing at all, hyper closes at once itself).
+                        let _ = c.write_all(b"G");
+                        opened += 1;
+                        held.push_back(c);
+                        // Held open (a connection closed by its client would end at once, wherever
+                        // it waited), up to more than the listen queue takes.
+                        if held.len() > 1_500 {
+                            held.pop_front();
+                        }
+                    }
+                }
+                opened
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut failed = Vec::new();
+    for i in 0..10 {
+        let answered = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).is_ok_and(|mut c| {
+            let mut buf = [0u8; 512];
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").is_ok() && c.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"HTTP/1.1 200"))
+        });
+        if !answered {
+            failed.push(i);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let opened: u32 = flood.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(failed.is_empty(), "operator requests not answered: {failed:?} (the flood opened {opened} connections)");
+    assert!(opened > 4 * zonewatch::control::MAX_CONNECTIONS as u32, "the flood opened {opened} connections: it did not fill the port");
+}
+
 /// The same cap against a flood that is never idle for long: 64 connections each asking
 /// `/healthz` every 100 ms (no token needed) and reconnecting what the port closes. Each
 /// operator request, on a connection of its own, is answered. (While a connection had to be

@@ -47,9 +47,20 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 /// when every connection is answering a request is a new one closed at once.
 pub const MAX_CONNECTIONS: usize = 64;
 
-/// How long a connection picked to make room may take to finish what it was doing: a
-/// response still being written, a request that began as it was picked (the rest is cut).
+/// How long a connection picked to make room may take to close once told to: what it has
+/// left to send of its last answer is flushed meanwhile. One that has begun another request
+/// by then answers it whole (up to [`EVICTED_ANSWER_LIMIT`]).
 const EVICTION_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// How long a connection picked to make room may take to answer a request it had begun: a
+/// client that never reads a large answer does not hold its slot for ever.
+const EVICTED_ANSWER_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Slots beyond [`MAX_CONNECTIONS`] for connections told to close and still finishing: the
+/// port accepts the newcomer at once instead of waiting for them (a reviewer found every
+/// eviction held the accepting loop for its whole grace, so silent connections opened five
+/// times a second kept the operator's connection in the listen queue for minutes).
+const CLOSING_ROOM: usize = 16;
 
 /// The open connections, so that a full port closes the one idle longest instead of refusing
 /// everyone: 64 silent connections (any local user may open them, no token needed) shut the
@@ -62,8 +73,12 @@ struct Connections {
 
 /// One connection as the port sees it.
 struct Connection {
-    /// Requests being answered now.
+    /// Requests being answered now: from the moment a request's head was read until its
+    /// answer's body was handed over whole ([`Answering`]).
     busy: std::sync::atomic::AtomicUsize,
+    /// Requests it has begun in all: one that has never sent a request is closed at once
+    /// when its slot is needed.
+    requests: std::sync::atomic::AtomicU64,
     /// When it was accepted or its last request was answered.
     idle_since: std::sync::Mutex<std::time::Instant>,
     /// Notified when the port needs its slot: the connection is dropped (its socket closed).
@@ -88,6 +103,7 @@ impl Connections {
         self.next_id += 1;
         let c = Arc::new(Connection {
             busy: std::sync::atomic::AtomicUsize::new(0),
+            requests: std::sync::atomic::AtomicU64::new(0),
             idle_since: std::sync::Mutex::new(std::time::Instant::now()),
             close: tokio::sync::Notify::new(),
         });
@@ -122,7 +138,7 @@ impl Connections {
 /// Serves the control port until `shutdown` flips; then each open connection finishes the
 /// request it is serving and closes (no new request is read from a kept-alive one).
 pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS + CLOSING_ROOM));
     let connections: Arc<std::sync::Mutex<Connections>> = Arc::default();
     let mut warned: Option<std::time::Instant> = None;
     loop {
@@ -138,15 +154,24 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 continue;
             }
         };
-        let slot = match slots.clone().try_acquire_owned() {
-            Ok(slot) => Some(slot),
-            // Full: the connection idle longest makes room (its task ends at once and gives
-            // its slot back); bounded, so the port goes on accepting meanwhile.
-            Err(_) if connections.lock().unwrap_or_else(|p| p.into_inner()).close_idlest() => {
-                tokio::time::timeout(std::time::Duration::from_secs(1), slots.clone().acquire_owned()).await.ok().and_then(Result::ok)
-            }
-            Err(_) => None,
+        // Full: the connection idle longest makes room. It gives its slot back when it has
+        // closed; meanwhile the newcomer takes one of the closing room's, and waits (bounded,
+        // so the port goes on accepting) only when that room is taken too.
+        let (under_cap, room) = {
+            let mut open = connections.lock().unwrap_or_else(|p| p.into_inner());
+            let under_cap = open.open.len() < MAX_CONNECTIONS;
+            (under_cap, under_cap || open.close_idlest())
         };
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) if room => Some(slot),
+            Err(_) if room => tokio::time::timeout(std::time::Duration::from_secs(1), slots.clone().acquire_owned()).await.ok().and_then(Result::ok),
+            _ => None,
+        };
+        if !under_cap {
+            // Let the tasks just started read their first request before the next newcomer
+            // may pick one of them to make room.
+            tokio::task::yield_now().await;
+        }
         let Some(slot) = slot else {
             if warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(60)) {
                 tracing::warn!(%peer, "control port: {MAX_CONNECTIONS} connections open, each answering a request; closing new ones until one is free (said once a minute)");
@@ -167,11 +192,10 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 let state = state.clone();
                 let seen = seen.clone();
                 async move {
-                    seen.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    // Busy until the answer's body is handed over, however this ends.
+                    let answering = Answering::begin(seen);
                     let resp = routes::handle(state, req).await;
-                    *seen.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
-                    seen.busy.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-                    Ok::<_, std::convert::Infallible>(resp)
+                    Ok::<_, std::convert::Infallible>(resp.map(|body| TrackedBody { body, _answering: answering }))
                 }
             });
             let conn = http1::Builder::new()
@@ -185,15 +209,21 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                     conn.as_mut().graceful_shutdown();
                     conn.await
                 }
-                // The port needs this connection's slot. A request that began after it was
-                // picked is answered whole; otherwise what is being written gets a moment,
-                // then the connection is dropped and its socket closes.
+                // The port needs this connection's slot. One that never sent a request is
+                // dropped now (hyper would go on waiting for its first). Otherwise it reads no
+                // new request: what it is answering is answered whole (a request may have
+                // begun as it was picked), what it has left to send is flushed, then it closes.
                 _ = this.close.notified() => {
-                    conn.as_mut().graceful_shutdown();
-                    if this.busy.load(std::sync::atomic::Ordering::SeqCst) > 0 {
-                        conn.await
+                    let ordering = std::sync::atomic::Ordering::SeqCst;
+                    if this.requests.load(ordering) == 0 && this.busy.load(ordering) == 0 {
+                        Ok(())
                     } else {
-                        tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await.unwrap_or(Ok(()))
+                        conn.as_mut().graceful_shutdown();
+                        match tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await {
+                            Ok(ended) => ended,
+                            Err(_) if this.busy.load(ordering) > 0 => tokio::time::timeout(EVICTED_ANSWER_LIMIT, conn.as_mut()).await.unwrap_or(Ok(())),
+                            Err(_) => Ok(()),
+                        }
                     }
                 }
             };
@@ -202,5 +232,52 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 tracing::debug!("control connection ended: {e}");
             }
         });
+    }
+}
+
+/// A request being answered on a [`Connection`]: counted busy from the moment its head was
+/// read until the answer's body has been handed to hyper whole (or the request was dropped),
+/// so the port never picks a connection that is still writing to make room.
+struct Answering(Arc<Connection>);
+
+impl Answering {
+    fn begin(conn: Arc<Connection>) -> Answering {
+        conn.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        conn.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Answering(conn)
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        *self.0.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
+        self.0.busy.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// An answer's body that keeps its connection busy ([`Answering`]) until hyper has taken it
+/// whole and dropped it.
+struct TrackedBody {
+    body: http_body_util::Full<bytes::Bytes>,
+    _answering: Answering,
+}
+
+impl hyper::body::Body for TrackedBody {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }

@@ -77,6 +77,20 @@ fn moved(t: u64, step: u64, now_ms: u64) -> u64 {
     t.saturating_sub(step).max(now_ms)
 }
 
+/// The due time an outcome commit at `now_ms` stores for a retry its attempt scheduled at
+/// `next_ms` on the clock it read when it decided (`decided_ms`, when known). A clock that
+/// stepped back between that decision and this commit shows as a decision time ahead of the
+/// commit's: the due time moves back as much (never before now), as the stored ones do. The
+/// commit's own look at the stored clock cannot see it: its batch is not stored yet, and the
+/// clock it writes erases the evidence (found by a reviewer: a commit held up behind a long
+/// run commit is a wide window).
+pub(super) fn retry_due(next_ms: u64, decided_ms: Option<u64>, now_ms: u64) -> u64 {
+    match step_back(decided_ms, now_ms) {
+        Some(step) if next_ms > now_ms => moved(next_ms, step, now_ms),
+        _ => next_ms,
+    }
+}
+
 impl Store {
     /// Whether the clock reads behind the last outcome commit by more than the tolerance (one
     /// read, cheap enough for every delivery pass). Returns the step.
@@ -186,7 +200,7 @@ pub fn say_moved(m: &DueTimesMoved) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{sample_event, IdemKey, Severity};
+    use crate::model::{sample_event, AttemptRecord, IdemKey, Severity};
     use crate::store::{Claim, DeliveryResult, HealthPolicy};
 
     const T: u64 = 1_800_000_000_000;
@@ -260,6 +274,37 @@ mod tests {
         assert_eq!(due_of(&store, ids[1]), T + 7_000, "this commit's own retry is on the corrected clock");
         assert_eq!(store.clock_stepped_back(T).unwrap(), None);
         assert!(store.check_consistency().unwrap().is_consistent());
+    }
+
+    /// A step taken between an attempt and the commit that records it: the attempt's due
+    /// time, computed on the clock before the step, keeps its wait; one decided on the
+    /// corrected clock, or with no attempt record, is stored as given.
+    #[test]
+    fn a_retry_decided_before_a_step_in_the_same_commit_keeps_its_wait() {
+        let (_dir, store, ids) = queued(3);
+        let ahead = T + HOUR;
+        let attempt = |id: u64, ts_ms: u64| AttemptRecord {
+            key: format!("k{id}"),
+            outbox_id: id,
+            attempt: 1,
+            ts_ms,
+            duration_ms: 250,
+            status: Some(503),
+            result: "retry".into(),
+            error: None,
+            response_head: String::new(),
+            next_attempt_ms: None,
+            target: None,
+        };
+        store
+            .record_outcomes(&[retry(ids[0], ahead + 5_000), retry(ids[1], T + 7_000), retry(ids[2], ahead + 9_000)], &[attempt(ids[0], ahead), attempt(ids[1], T - 300)], T)
+            .unwrap();
+        assert_eq!(due_of(&store, ids[0]), T + 4_750, "decided an hour (less 250 ms) ahead of the commit");
+        assert_eq!(due_of(&store, ids[1]), T + 7_000, "decided on the corrected clock");
+        assert_eq!(due_of(&store, ids[2]), ahead + 9_000, "no attempt record: nothing tells when it was decided");
+        assert!(store.check_consistency().unwrap().is_consistent());
+        assert_eq!(retry_due(T + 5_000, Some(T + 1_900), T), T + 5_000, "within the tolerance");
+        assert_eq!(retry_due(T - 5, Some(T + HOUR), T), T - 5, "already due");
     }
 
     /// A step bigger than a wait: the retry is due at once, not before "now"; an unreadable
