@@ -379,18 +379,21 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             return 2;
         }
     }
-    // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): the source being read finishes
-    // (its run commits whole or not at all), no other starts, sends already begun finish and
-    // nothing more is sent or waited for; then, the store closed, it dies by that signal (a
-    // shell's 130 / 143). See `signals.rs`.
+    // SIGINT / SIGTERM (Ctrl-C, a timer's unit being stopped): the source being fetched or
+    // read is abandoned (nothing of it is committed; a commit already begun finishes, see
+    // `run_stop.rs`), no other starts, sends already begun finish and nothing more is sent or
+    // waited for; then, the store closed, it dies by that signal (a shell's 130 / 143). See
+    // `signals.rs`.
     let rt = match runtime() {
         Ok(rt) => rt,
         Err(c) => return c,
     };
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let runs_stop = engine.stop.clone();
     let signal = match crate::signals::watch(
-        "stopping: the source being read finishes and commits, no other starts, sends already begun finish; queued alerts wait for the next run (signal again to exit at once)",
+        "stopping: the source being fetched or read is left for the next run (one already committing finishes), no other starts, sends already begun finish; queued alerts wait for the next run (signal again to exit at once)",
         move || {
+            runs_stop.request();
             let _ = stop_tx.send(true);
         },
     ) {
@@ -418,6 +421,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         progress.finish();
         match result {
             Ok(report) => lines.line(format_args!("{}", report.line())),
+            Err(e) if e.is_stopped() => lines.line(format_args!("{}: stopped (interrupted before its commit; nothing of this run was committed, the next run reads it again)", src.id)),
             Err(e) => {
                 failed += 1;
                 lines.line(format_args!("{}: failed error={:?}", src.id, e.to_string()));
@@ -539,11 +543,12 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             }
         });
     }
-    // SIGINT / SIGTERM (Ctrl-C, the service manager's stop): in-flight work finishes, then
+    // SIGINT / SIGTERM (Ctrl-C, the service manager's stop): in-flight work finishes (a source
+    // being fetched or read is left for the next start: `run_stop.rs`), then
     // exit 0; a second signal exits at once. SIGHUP is left alone (`nohup`). See `signals.rs`.
     {
         let tx = tx.clone();
-        if let Err(e) = crate::signals::watch("stopping (in-flight work finishes; signal again to exit at once)", move || {
+        if let Err(e) = crate::signals::watch("stopping (sends and commits under way finish, a source being fetched or read is left for the next start; signal again to exit at once)", move || {
             let _ = tx.send(true);
         }) {
             error_line!("cannot install the signal handlers: {e}");
@@ -642,6 +647,9 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                             tracing::info!("{}", report.line());
                             wake.notify_one();
                         }
+                        Ok(Err(err)) if err.is_stopped() => {
+                            tracing::info!(source = %src.id, "run stopped by the shutdown before its commit: nothing of it was committed, and the next start runs it again")
+                        }
                         Ok(Err(err)) => tracing::error!(source = %src.id, "run failed: {err}"),
                         Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
                     }
@@ -714,6 +722,20 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         tracing::info!(swept = n, "delivery attempts past retention removed");
                     }
                 }
+            });
+        }
+        {
+            // However the daemon is stopping (a signal, its store gone), a source run under way
+            // is abandoned before its commit rather than fetched to the end (`run_stop.rs`).
+            let stop = engine.stop.clone();
+            let mut rx = rx.clone();
+            tasks.spawn(async move {
+                while !*rx.borrow() {
+                    if rx.changed().await.is_err() {
+                        break;
+                    }
+                }
+                stop.request();
             });
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");

@@ -32,6 +32,7 @@ pub mod notify;
 pub mod pipeline;
 pub mod progress;
 pub mod receiver;
+pub mod run_stop;
 pub mod say;
 pub mod signals;
 pub mod schedule;

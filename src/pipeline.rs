@@ -47,6 +47,14 @@ pub enum PipelineError {
     Delta(#[from] crate::detect::derived_delta::DeltaError),
 }
 
+impl PipelineError {
+    /// The run was abandoned before its commit because a stop was requested (`run_stop.rs`):
+    /// not a failure of the source.
+    pub fn is_stopped(&self) -> bool {
+        matches!(self, PipelineError::Ingest(IngestError::Stopped | IngestError::Fetch(crate::ingest::http::FetchError::Stopped)))
+    }
+}
+
 /// Where a layer's bytes are: a local file is streamed from disk by its path; a fetched
 /// layer (written to its staged payload) or a staged payload replayed is streamed through
 /// the handle it was written or checked with. Never read whole into memory.
@@ -74,11 +82,13 @@ fn scan_digested<R: std::io::Read + Send>(
     spill_dir: &std::path::Path,
     workers: usize,
     progress: Option<&(dyn Fn(u64, u64) + Sync)>,
+    stop: &crate::run_stop::RunStop,
 ) -> Result<(ScanResult, String, u64), PipelineError> {
     let read_err = |e| IngestError::Read { path: path.to_path_buf(), source: e };
-    let mut reader = source::DigestingReader::new(file);
+    let mut reader = source::DigestingReader::new(crate::run_stop::StopReader::new(file, stop));
     let scan = match scan_layer(&mut reader, rules, view, announce, spill_dir, workers, progress) {
         Ok(scan) => scan,
+        Err(_) if stop.requested() => return Err(IngestError::Stopped.into()),
         Err(e) => return Err(reader.take_error().map(read_err).map(PipelineError::from).unwrap_or(e.into())),
     };
     let (digest, size) = reader.finish().map_err(read_err)?;
@@ -244,6 +254,9 @@ pub struct Engine {
     /// Where every timestamp of a run comes from (see `clock.rs`): the system clock in
     /// production, a manual one in tests.
     pub clock: SharedClock,
+    /// Asked by a graceful stop: a fetch or a scan under way is abandoned before its commit
+    /// (`run_stop.rs`).
+    pub stop: crate::run_stop::RunStop,
 }
 
 /// Loads every subscriber's AOI and builds the index.
@@ -389,7 +402,7 @@ impl Engine {
         }
         subs.extend(stored_subscribers(stored, &config));
         let subscribers = Arc::new(SubscriberIndex::build(subs));
-        Ok(Engine { config, store, subscribers, clock })
+        Ok(Engine { config, store, subscribers, clock, stop: Default::default() })
     }
 
     /// Who defines subscriber `id`, if anyone (the config first: it wins over the store).
@@ -481,7 +494,7 @@ impl Engine {
             let remapped = !matches!(src.kind, crate::config::SourceKind::File { .. })
                 && wm.as_ref().is_some_and(|w| w.read_fingerprint != fingerprint)
                 && !self.store.holds()?.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.read_fingerprint == fingerprint);
-            match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess || remapped, self.store.path(), self.scratch_dir()).map_err(IngestError::from)? {
+            match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess || remapped, self.store.path(), self.scratch_dir(), &self.stop).map_err(IngestError::from)? {
                 Some(f) => Fetched::Portal(f),
                 None => Fetched::File,
             }
@@ -570,10 +583,10 @@ impl Engine {
         let (mut scan, digest, size) = match &mut input {
             LayerInput::File(path) => {
                 let file = std::fs::File::open(&*path).map_err(|e| IngestError::Read { path: path.clone(), source: e })?;
-                scan_digested(file, path, &rules, &view, announce, spill_dir, workers, progress)?
+                scan_digested(file, path, &rules, &view, announce, spill_dir, workers, progress, &self.stop)?
             }
             LayerInput::Staged(layer) => {
-                let read = scan_digested(&mut layer.file, &layer.path, &rules, &view, announce, spill_dir, workers, progress)?;
+                let read = scan_digested(&mut layer.file, &layer.path, &rules, &view, announce, spill_dir, workers, progress, &self.stop)?;
                 // The digest the run records is that of the bytes it scanned.
                 if read.1 != layer.digest || read.2 != layer.size {
                     return Err(IngestError::Changed(format!(
@@ -666,7 +679,10 @@ impl Engine {
     /// the first scan read, since only this run commits this source.
     fn confirm_removals(&self, src: &SourceConfig, rules: &NormalizeRules, announce: bool, scan: &mut ScanResult, started: u64) -> Result<bool, PipelineError> {
         let missing = scan.removed.len();
-        let again = portal::fetch(src, &self.config.ingest, None, started, true, self.store.path(), self.scratch_dir()).map_err(|e| {
+        let again = portal::fetch(src, &self.config.ingest, None, started, true, self.store.path(), self.scratch_dir(), &self.stop).map_err(|e| {
+            if matches!(e, crate::ingest::http::FetchError::Stopped) {
+                return IngestError::Stopped;
+            }
             IngestError::Changed(format!("{missing} parcel(s) were missing from the layer, and reading it again to confirm their removal failed: {e}"))
         })?;
         let Some(PortalFetch::Layer { body: LayerBody::Features(spool), .. }) = again else {
@@ -682,7 +698,7 @@ impl Engine {
         }
         std::io::Seek::rewind(&mut file).map_err(write_err)?;
         let view = self.store.snapshot_view(&src.id)?;
-        let (second, _, _) = scan_digested(file, dir, rules, &view, announce, dir, default_workers(), None)?;
+        let (second, _, _) = scan_digested(file, dir, rules, &view, announce, dir, default_workers(), None, &self.stop)?;
         let gone: std::collections::HashSet<&str> = second.removed.iter().map(|(id, _)| id.as_str()).collect();
         let mut seen_again: Vec<String> = Vec::new();
         scan.removed.retain(|(id, _)| {

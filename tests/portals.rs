@@ -3064,3 +3064,112 @@ fn hostile_portal_answers_never_panic_and_commit_all_or_nothing() {
     println!("{runs} hostile portal runs (seed {seed}): {committed_runs} committed, {failed} failed with a message, in {:.1} s", t.elapsed().as_secs_f64());
     assert!(committed_runs > 0 && failed > 0, "the damage should make some runs fail and let others commit");
 }
+
+/// An OGC API collection of `grid(n)` whose every page takes `delay` to answer: a county
+/// portal's fetch of minutes, in seconds.
+fn slow_collection(n: usize, delay: Duration) -> Server {
+    let rows = geojson_features(&grid(n));
+    Server::start(Arc::new(move |req: &Req| {
+        let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
+        let page: Vec<Value> = rows.iter().skip(offset).take(size).cloned().collect();
+        let last = offset + size >= rows.len();
+        let mut r = json_reply(&ogc_items_page(&page, rows.len(), Vec::new(), (!last).then(|| ogc_items_href("", size, offset + size))));
+        r.delay = delay;
+        r
+    }))
+}
+
+/// Files a fetch or a scan leaves beside the store while it runs (spooled pages, spills).
+fn temp_files(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir).expect("dir").filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with(".tmp")).collect()
+}
+
+/// A graceful stop abandons a portal fetch under way (40 pages of 200 ms each) within a
+/// moment instead of fetching the layer to its end: nothing is committed (no watermark), the
+/// run is recorded as failed with the reason, no temp file is left, and the next engine on
+/// the store takes the baseline whole. A file source's scan on the stopping engine stops at
+/// its first read. (A stop waited for every page of a county's fetch: minutes, past a service
+/// manager's stop timeout.)
+#[test]
+fn a_stop_abandons_a_portal_fetch_and_a_scan_before_their_commit() {
+    let srv = slow_collection(400, Duration::from_millis(200));
+    let dir = tempfile::tempdir().expect("tmp");
+    std::fs::write(dir.path().join("f.geojson"), layer(&grid(50))).expect("layer");
+    let file_source = format!(
+        "[[source]]\nid = \"f\"\njurisdiction = \"testville\"\nkind = \"file\"\npath = \"{}\"\n[source.fields]\nparcel_id = \"APN\"\nzoning = \"ZONE_CODE\"\n",
+        dir.path().join("f.geojson").display()
+    );
+    let sources = format!("{}{file_source}", source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"));
+    let engine = Arc::new(Engine::open(portal_config(dir.path(), &sources, "")).expect("engine"));
+    let running = engine.clone();
+    let run = std::thread::spawn(move || running.run_source_id("ogc", RunOptions::default()));
+    let began = Instant::now();
+    while srv.requests().len() < 3 {
+        assert!(began.elapsed() < Duration::from_secs(20), "the fetch did not begin");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let asked = Instant::now();
+    engine.stop.request();
+    let result = run.join().expect("run thread");
+    let took = asked.elapsed();
+    let Err(err) = result else { panic!("the run was not stopped") };
+    assert!(err.is_stopped(), "{err}");
+    assert!(took < Duration::from_secs(2), "stopped after {took:?}");
+    assert!(srv.requests().len() < 20, "{} pages asked: the fetch went on", srv.requests().len());
+    assert!(engine.store.watermark("ogc").expect("watermark").is_none(), "nothing committed");
+    let runs = engine.store.runs(Some("ogc"), 5).expect("runs");
+    assert_eq!(runs[0].verdict, Verdict::Failed);
+    assert!(runs[0].error.as_deref().is_some_and(|e| e.contains("shutting down")), "{:?}", runs[0].error);
+    assert!(temp_files(dir.path()).is_empty(), "{:?}", temp_files(dir.path()));
+
+    let Err(err) = engine.run_source_id("f", RunOptions::default()) else { panic!("a scan on a stopping engine did not stop") };
+    assert!(err.is_stopped(), "{err}");
+    assert!(engine.store.watermark("f").expect("watermark").is_none());
+
+    drop(engine);
+    let engine = Engine::open(portal_config(dir.path(), &sources, "")).expect("engine again");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("the next run");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 400), "{}", r.line());
+    assert_eq!(engine.run_source_id("f", RunOptions::default()).expect("file").record.verdict, Verdict::Baseline);
+}
+
+/// `zonewatch run` stopped by SIGTERM while a portal source is being fetched: it ends within a
+/// moment, by that signal, with the source's line saying it stopped; `serve` stopped the same
+/// way exits 0 within a moment.
+#[test]
+fn a_signal_stops_run_and_serve_during_a_portal_fetch() {
+    let srv = slow_collection(400, Duration::from_millis(200));
+    let dir = tempfile::tempdir().expect("tmp");
+    let config = dir.path().join("zonewatch.toml");
+    portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10\nevery = \"1h\""), "[control]\nlisten = \"127.0.0.1:0\"");
+    for command in ["run", "serve"] {
+        let before = srv.requests().len();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+            .args([command, "--config", config.to_str().expect("utf-8")])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("zonewatch starts");
+        let began = Instant::now();
+        while srv.requests().len() < before + 3 {
+            assert!(began.elapsed() < Duration::from_secs(20), "{command}: the fetch did not begin");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let asked = Instant::now();
+        assert!(std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill").success());
+        let out = child.wait_with_output().expect("wait");
+        let took = asked.elapsed();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(took < Duration::from_secs(3), "{command}: ended {took:?} after the signal\n{stderr}");
+        assert!(srv.requests().len() < before + 20, "{command}: the fetch went on\n{stderr}");
+        if command == "run" {
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(out.status.signal(), Some(15), "{:?}\n{stdout}\n{stderr}", out.status);
+            assert!(stdout.contains("ogc: stopped"), "{stdout}\n{stderr}");
+        } else {
+            assert_eq!(out.status.code(), Some(0), "{stderr}");
+            assert!(stderr.contains("run stopped by the shutdown"), "{stderr}");
+        }
+    }
+}

@@ -53,6 +53,9 @@ pub enum FetchError {
     Protocol { url: String, reason: String },
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
+    /// A stop was requested while the fetch ran (`crate::run_stop`): it was dropped.
+    #[error("stopped: zonewatch is shutting down; nothing of this run was committed, and the next run fetches the layer again")]
+    Stopped,
     /// The fetch could not run to an answer for a reason inside zonewatch (its runtime would
     /// not start, or its thread panicked): a bug or an exhausted machine, never the portal's
     /// doing, and said so rather than blamed on the HTTP client. Nothing was committed.

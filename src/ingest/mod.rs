@@ -46,4 +46,7 @@ pub enum IngestError {
     Changed(String),
     #[error("fetch failed: {0}")]
     Fetch(#[from] http::FetchError),
+    /// A stop was requested (`crate::run_stop`) before the run could commit.
+    #[error("stopped before its commit: zonewatch is shutting down; nothing of this run was committed, and the next run reads the layer again")]
+    Stopped,
 }

@@ -117,7 +117,9 @@ pub fn jittered(every: Duration) -> Duration {
 /// Probes and (when needed) fetches an HTTP source. `force` skips the probe shortcut
 /// (`--reprocess`). A paged layer is collected in a temp file in `spool_dir`; a
 /// `geojson_url` body is written in the staging directory of the store at `store_path`
-/// ([`staging::body_file`]). `Ok(None)` for kinds that are not HTTP.
+/// ([`staging::body_file`]). `Ok(None)` for kinds that are not HTTP. A `stop` requested
+/// meanwhile drops the fetch where it waits: [`FetchError::Stopped`].
+#[allow(clippy::too_many_arguments)]
 pub fn fetch(
     src: &SourceConfig,
     cfg: &IngestConfig,
@@ -126,6 +128,7 @@ pub fn fetch(
     force: bool,
     store_path: &std::path::Path,
     spool_dir: &std::path::Path,
+    stop: &crate::run_stop::RunStop,
 ) -> Result<Option<PortalFetch>, FetchError> {
     if matches!(src.kind, SourceKind::File { .. }) {
         return Ok(None);
@@ -133,19 +136,29 @@ pub fn fetch(
     let due = force || floor_due(prev, now_ms, src.floor);
     let mut session = Session::new(cfg, now_ms)?;
     session.spool_dir = spool_dir.to_path_buf();
+    if stop.requested() {
+        return Err(FetchError::Stopped);
+    }
     let out = super::http::block_on(async {
-        let mut r = match &src.kind {
-            SourceKind::File { .. } => unreachable_file(),
-            SourceKind::GeojsonUrl { url } => geojson_url(&session, url, prev, due, staging::body_file(store_path, &src.id, spool_dir)?).await,
-            SourceKind::Arcgis { url, page_size, format } => arcgis_source(&session, url, *page_size, *format, &src.fields.parcel_id, prev, due).await,
-            SourceKind::Ogcapi { url, limit } => ogcapi(&session, url, *limit, &src.fields.parcel_id).await,
-            SourceKind::Socrata { url, page_size } => socrata(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
-        }?;
-        let n = session.requests.load(std::sync::atomic::Ordering::Relaxed);
-        match &mut r {
-            PortalFetch::Skip { meta, .. } | PortalFetch::Layer { meta, .. } => meta.requests = n,
+        let work = async {
+            let mut r = match &src.kind {
+                SourceKind::File { .. } => unreachable_file(),
+                SourceKind::GeojsonUrl { url } => geojson_url(&session, url, prev, due, staging::body_file(store_path, &src.id, spool_dir)?).await,
+                SourceKind::Arcgis { url, page_size, format } => arcgis_source(&session, url, *page_size, *format, &src.fields.parcel_id, prev, due).await,
+                SourceKind::Ogcapi { url, limit } => ogcapi(&session, url, *limit, &src.fields.parcel_id).await,
+                SourceKind::Socrata { url, page_size } => socrata(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
+            }?;
+            let n = session.requests.load(std::sync::atomic::Ordering::Relaxed);
+            match &mut r {
+                PortalFetch::Skip { meta, .. } | PortalFetch::Layer { meta, .. } => meta.requests = n,
+            }
+            Ok(r)
+        };
+        // A stop drops the fetch where it waits (its temp files are removed with it).
+        tokio::select! {
+            r = work => r,
+            () = stop.requested_wait() => Err(FetchError::Stopped),
         }
-        Ok(r)
     })??;
     Ok(Some(out))
 }
