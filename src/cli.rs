@@ -887,13 +887,22 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     };
     let result: Result<String, String> = rt.block_on(async {
         let client = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
-        let resp = client
-            .post(format!("http://{addr}/v1/backup"))
-            .bearer_auth(&token)
-            .header("content-type", "application/json")
-            .body(serde_json::json!({ "name": name }).to_string())
-            .send()
-            .await
+        let ask = || client.post(format!("http://{addr}/v1/backup")).bearer_auth(&token).header("content-type", "application/json").body(serde_json::json!({ "name": name }).to_string()).send();
+        let mut sent = ask().await;
+        // A connection the daemon closed before it answered, with no copy begun: a full control
+        // port made room with it before reading the request (it closes none that is being
+        // answered), so asking again starts nothing twice (a black-box tester saw one backup
+        // in six fail so under a flood of connections).
+        for _ in 0..3 {
+            match &sent {
+                Err(e) if !e.is_connect() && !e.is_timeout() && !daemon_copy.exists() => {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    sent = ask().await;
+                }
+                _ => break,
+            }
+        }
+        let resp = sent
             .map_err(|e| match e.is_connect() {
                 true => format!("the store is in use by another zonewatch, and no daemon answered on its control port {addr} ({e}): a `run` or another command is still going; try again when it has finished"),
                 // The request went out: the daemon may be writing the backup (and stopping).
@@ -1035,6 +1044,16 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                     s.fields.zoning
                 );
                 // A private address written in the URL is refused at every fetch unless allowed.
+                // The layer's object-id field is known only from the portal (a run refuses it
+                // then); the names ArcGIS gives it are warned of here, before a first start
+                // fails on them (found by a black-box tester).
+                if matches!(other, crate::config::SourceKind::Arcgis { .. }) && ["OBJECTID", "OBJECTID_1", "FID", "OID"].iter().any(|n| s.fields.parcel_id.eq_ignore_ascii_case(n)) {
+                    warnings += 1;
+                    println!(
+                        "warning: source {}: fields.parcel_id = {:?} is the name ArcGIS gives a layer's object-id field; if it is this layer's, every run is refused (object ids are reassigned on republish): configure a stable id field",
+                        s.id, s.fields.parcel_id
+                    );
+                }
                 if let Some(url) = crate::ingest::settings::kind_url(other).filter(|u| !cfg.ingest.allow_private_targets && crate::netguard::url_written_private(u)) {
                     bad += 1;
                     println!(

@@ -233,14 +233,15 @@ impl Engine {
         let fetched = source::fetch(src)?;
         let wm = self.store.watermark(&src.id)?;
         // A base read whose removals were withheld is another base than the same bytes read
-        // whole: the next run makes those removals, and the derived zoning follows them
-        // (found by a reviewer: a parcel removed then stayed in the derived snapshot).
+        // whole, and than the same bytes read again with fewer withheld: the next run makes
+        // those removals, and the derived zoning follows them (found by reviewers: a removed
+        // parcel stayed in the derived snapshot). Such a base is known by its run.
+        let withheld = if base_wm.withheld() { format!("{}@{}", Watermark::WITHHELD_MARK, base_wm.run_id) } else { String::new() };
         let fingerprint = format!(
-            "{}:base={}:{}{}:{}",
+            "{}:base={}:{}{withheld}:{}",
             src.read_fingerprint(),
             base_id,
             base_wm.digest.chars().take(16).collect::<String>(),
-            if base_wm.withheld() { Watermark::WITHHELD_MARK } else { "" },
             base_wm.read_fingerprint
         );
         if !opts.reprocess {

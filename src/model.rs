@@ -361,6 +361,7 @@ pub(crate) fn sample_attempt(key: &str, row: u64, result: &str, ts_ms: u64) -> A
         response_head: String::new(),
         next_attempt_ms: None,
         target: None,
+        decided_ms: None,
     }
 }
 
@@ -903,6 +904,11 @@ pub struct AttemptRecord {
     /// disable the endpoint.
     #[serde(skip)]
     pub target: Option<String>,
+    /// The clock a retry's `next_attempt_ms` was computed on, for the outcome commit only (not
+    /// stored): a clock that stepped back before that commit shows as this time ahead of the
+    /// commit's (`store::clock_step::retry_due`).
+    #[serde(skip)]
+    pub decided_ms: Option<u64>,
 }
 
 /// The health of one subscriber endpoint, kept by the store: a disabled endpoint's events wait

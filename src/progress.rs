@@ -46,6 +46,10 @@ pub struct IngestProgress {
     total_bytes: Option<u64>,
     features: AtomicU64,
     bytes: AtomicU64,
+    /// A portal fetch is under way ([`IngestProgress::fetching`]): `bytes` counts what was
+    /// received, `requests` the requests sent; the scan's first report ends it.
+    fetching: AtomicBool,
+    requests: AtomicU64,
     finished: AtomicBool,
     sink: Sink,
 }
@@ -150,14 +154,34 @@ impl IngestProgress {
             total_bytes,
             features: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            fetching: AtomicBool::new(false),
+            requests: AtomicU64::new(0),
             finished: AtomicBool::new(false),
             sink,
+        }
+    }
+
+    /// Reports a portal fetch's position: `requests` sent so far and `bytes` received in all
+    /// (before any scan: a county's pages take minutes to arrive). Cheap; call it per chunk.
+    pub fn fetching(&self, requests: u64, bytes: u64) {
+        self.fetching.store(true, Ordering::Relaxed);
+        self.bytes.store(bytes, Ordering::Relaxed);
+        let before = self.requests.swap(requests, Ordering::Relaxed);
+        match &self.sink {
+            Sink::Bar(bar) => {
+                bar.set_position(bytes);
+                if before != requests {
+                    bar.set_message(format!("fetching: {requests} requests"));
+                }
+            }
+            Sink::Lines(lines) => self.line_if_due(lines),
         }
     }
 
     /// Reports the position: `features` read so far and about `bytes` of the layer consumed.
     /// Cheap; call it per feature.
     pub fn at(&self, features: u64, bytes: u64) {
+        self.fetching.store(false, Ordering::Relaxed);
         self.features.store(features, Ordering::Relaxed);
         self.bytes.store(bytes, Ordering::Relaxed);
         match &self.sink {
@@ -167,22 +191,25 @@ impl IngestProgress {
                     bar.set_message(format!("{features} features"));
                 }
             }
-            Sink::Lines(lines) => {
-                let now = (lines.clock)();
-                let now_ms = now.as_millis() as u64;
-                if now_ms < lines.next_due_ms.load(Ordering::Relaxed) {
-                    return;
-                }
-                let Ok(_guard) = lines.print_lock.try_lock() else { return };
-                // Re-check under the lock: another thread may just have printed.
-                if now_ms < lines.next_due_ms.load(Ordering::Relaxed) {
-                    return;
-                }
-                lines.next_due_ms.store(now_ms + lines.every.as_millis() as u64, Ordering::Relaxed);
-                lines.printed.fetch_add(1, Ordering::Relaxed);
-                self.emit(lines, false, now);
-            }
+            Sink::Lines(lines) => self.line_if_due(lines),
         }
+    }
+
+    /// A plain report, when one is due (throttled; never blocks on another thread printing).
+    fn line_if_due(&self, lines: &Lines) {
+        let now = (lines.clock)();
+        let now_ms = now.as_millis() as u64;
+        if now_ms < lines.next_due_ms.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(_guard) = lines.print_lock.try_lock() else { return };
+        // Re-check under the lock: another thread may just have printed.
+        if now_ms < lines.next_due_ms.load(Ordering::Relaxed) {
+            return;
+        }
+        lines.next_due_ms.store(now_ms + lines.every.as_millis() as u64, Ordering::Relaxed);
+        lines.printed.fetch_add(1, Ordering::Relaxed);
+        self.emit(lines, false, now);
     }
 
     /// How many plain progress lines were emitted so far (0 for a bar).
@@ -214,6 +241,15 @@ impl IngestProgress {
         let features = self.features.load(Ordering::Relaxed);
         let bytes = self.bytes.load(Ordering::Relaxed);
         let secs = elapsed.as_secs_f64();
+        if !done && self.fetching.load(Ordering::Relaxed) {
+            let requests = self.requests.load(Ordering::Relaxed);
+            match &lines.out {
+                LineSink::Tracing => tracing::info!(source = %self.source_id, requests, bytes, elapsed_s = secs, "ingest progress: fetching"),
+                LineSink::Stderr => eprintln!("{}", self.fetch_line(requests, bytes, secs)),
+                LineSink::Capture(v) => v.lock().unwrap_or_else(|p| p.into_inner()).push(self.fetch_line(requests, bytes, secs)),
+            }
+            return;
+        }
         match &lines.out {
             LineSink::Tracing => {
                 if done {
@@ -228,6 +264,11 @@ impl IngestProgress {
                 v.lock().unwrap_or_else(|p| p.into_inner()).push(line);
             }
         }
+    }
+
+    /// `progress: s1 fetching: 12 requests, 3.1 MiB received, 6s`
+    fn fetch_line(&self, requests: u64, bytes: u64, secs: f64) -> String {
+        format!("progress: {} fetching: {requests} requests, {} received, {secs:.0}s", self.source_id, mib(bytes))
     }
 
     /// `progress: s1 12000 features, 3.1 MiB of 10.0 MiB (31%), 6s`
@@ -312,6 +353,26 @@ mod tests {
         assert!(lines[3].ends_with(", 20s"), "{lines:?}");
         assert_eq!(lines[4], "progress: s1 done: 10000 features, 0.1 MiB of 0.1 MiB (100%) in 23.0s");
         assert_eq!(p.lines_printed(), 4);
+    }
+
+    /// A portal fetch reports requests and bytes received until the scan's first report.
+    #[test]
+    fn a_fetch_reports_requests_and_bytes_then_the_scan_features() {
+        let (ms, clock) = manual_clock();
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let p = IngestProgress::with_lines("ogc", None, Duration::from_secs(5), clock, LineSink::Capture(out.clone()));
+        for i in 1..=12u64 {
+            ms.store(i * 1_000, Ordering::SeqCst);
+            p.fetching(i, i * 1_048_576);
+        }
+        ms.store(16_000, Ordering::SeqCst);
+        p.at(300, 2_097_152);
+        p.finish();
+        let lines = out.lock().unwrap().clone();
+        assert_eq!(lines[0], "progress: ogc fetching: 5 requests, 5.0 MiB received, 5s", "{lines:?}");
+        assert_eq!(lines[1], "progress: ogc fetching: 10 requests, 10.0 MiB received, 10s", "{lines:?}");
+        assert_eq!(lines[2], "progress: ogc 300 features, 2.0 MiB, 16s", "{lines:?}");
+        assert_eq!(lines[3], "progress: ogc done: 300 features, 2.0 MiB in 16.0s", "{lines:?}");
     }
 
     #[test]

@@ -61,10 +61,28 @@ impl<R> StopReader<R> {
 impl<R: std::io::Read> std::io::Read for StopReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         if self.stop.requested() {
-            return Err(std::io::Error::other("stopped: zonewatch is shutting down"));
+            return Err(std::io::Error::other(Stopped));
         }
         self.inner.read(buf)
     }
+}
+
+/// The error a [`StopReader`] fails with: a run is told stopped by this, never by the flag
+/// alone (a scan that failed on its own while a stop was asked is still that failure).
+#[derive(Debug)]
+struct Stopped;
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stopped: zonewatch is shutting down")
+    }
+}
+
+impl std::error::Error for Stopped {}
+
+/// Whether `e` is a [`StopReader`]'s refusal to read on.
+pub fn is_stop(e: &std::io::Error) -> bool {
+    e.get_ref().is_some_and(|inner| inner.is::<Stopped>())
 }
 
 #[cfg(test)]
@@ -79,7 +97,9 @@ mod tests {
         let mut buf = [0u8; 3];
         assert_eq!(r.read(&mut buf).unwrap(), 3);
         stop.clone().request();
-        assert!(r.read(&mut buf).is_err());
+        let err = r.read(&mut buf).unwrap_err();
+        assert!(is_stop(&err));
+        assert!(!is_stop(&std::io::Error::other("disk full")));
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let woke = rt.block_on(async { tokio::time::timeout(POLL * 4, stop.requested_wait()).await.is_ok() });
         assert!(woke);

@@ -109,6 +109,11 @@ fn check_reports_good_and_bad_configs() {
     std::fs::write(&portal_cfg, format!("[store]\npath = \"p.redb\"\n[ingest]\nallow_private_targets = true\n{source}")).unwrap();
     let o = zonewatch(&["check", "--config", portal_cfg.to_str().unwrap()]);
     assert!(o.status.success(), "{:?}", text(&o));
+    // An ArcGIS source keyed by the name ArcGIS gives the object-id field, which a run refuses
+    // once the layer says it is that: warned of before the first start.
+    std::fs::write(&portal_cfg, format!("[store]\npath = \"p.redb\"\n[ingest]\nallow_private_targets = true\n{}", source.replace("\"APN\"", "\"ObjectId\""))).unwrap();
+    let o = zonewatch(&["check", "--config", portal_cfg.to_str().unwrap()]);
+    assert!(text(&o).0.contains("warning: source p: fields.parcel_id = \"ObjectId\" is the name ArcGIS gives a layer's object-id field"), "{:?}", text(&o));
 
     // A subscriber stored over the control port before private targets were refused there:
     // `check --store` warns of it (its events are dead-lettered), without failing the check

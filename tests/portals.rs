@@ -3135,8 +3135,8 @@ fn a_stop_abandons_a_portal_fetch_and_a_scan_before_their_commit() {
 }
 
 /// `zonewatch run` stopped by SIGTERM while a portal source is being fetched: it ends within a
-/// moment, by that signal, with the source's line saying it stopped; `serve` stopped the same
-/// way exits 0 within a moment.
+/// moment, by that signal, with the source's line saying it stopped, and meanwhile it reported
+/// the fetch's progress; `serve` stopped the same way exits 0 within a moment.
 #[test]
 fn a_signal_stops_run_and_serve_during_a_portal_fetch() {
     let srv = slow_collection(400, Duration::from_millis(200));
@@ -3147,6 +3147,7 @@ fn a_signal_stops_run_and_serve_during_a_portal_fetch() {
         let before = srv.requests().len();
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
             .args([command, "--config", config.to_str().expect("utf-8")])
+            .env("ZONEWATCH_PROGRESS_EVERY", "100ms")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -3167,6 +3168,7 @@ fn a_signal_stops_run_and_serve_during_a_portal_fetch() {
             use std::os::unix::process::ExitStatusExt;
             assert_eq!(out.status.signal(), Some(15), "{:?}\n{stdout}\n{stderr}", out.status);
             assert!(stdout.contains("ogc: stopped"), "{stdout}\n{stderr}");
+            assert!(stderr.contains("progress: ogc fetching: "), "{stderr}");
         } else {
             assert_eq!(out.status.code(), Some(0), "{stderr}");
             assert!(stderr.contains("run stopped by the shutdown"), "{stderr}");

@@ -76,6 +76,15 @@ struct Connection {
     /// Requests being answered now: from the moment a request's head was read until its
     /// answer's body was handed over whole ([`Answering`]).
     busy: std::sync::atomic::AtomicUsize,
+    /// Since when bytes of an answer wait for the client to take them (a write the socket
+    /// could not take whole; [`WatchedIo`]), if they do: such a connection is still sending.
+    unsent_since: std::sync::Mutex<Option<std::time::Instant>>,
+    /// Whether its socket has been read and found with nothing more to give: until then a
+    /// connection that has begun no request may simply not have been read yet (its task not
+    /// yet run), with a whole request waiting, and is never picked to make room (found by a
+    /// black-box tester: under a flood of reconnecting connections the operator's own new
+    /// connection was closed with its request unread).
+    waited: std::sync::atomic::AtomicBool,
     /// Requests it has begun in all: one that has never sent a request is closed at once
     /// when its slot is needed.
     requests: std::sync::atomic::AtomicU64,
@@ -104,6 +113,8 @@ impl Connections {
         let c = Arc::new(Connection {
             busy: std::sync::atomic::AtomicUsize::new(0),
             requests: std::sync::atomic::AtomicU64::new(0),
+            unsent_since: std::sync::Mutex::new(None),
+            waited: std::sync::atomic::AtomicBool::new(false),
             idle_since: std::sync::Mutex::new(std::time::Instant::now()),
             close: tokio::sync::Notify::new(),
         });
@@ -122,7 +133,7 @@ impl Connections {
         let idlest = self
             .open
             .iter()
-            .filter(|(_, c)| c.busy.load(std::sync::atomic::Ordering::SeqCst) == 0)
+            .filter(|(_, c)| c.busy.load(std::sync::atomic::Ordering::SeqCst) == 0 && !c.sending() && c.read_once())
             .min_by_key(|(_, c)| idle(c))
             .map(|(id, _)| *id);
         match idlest.and_then(|id| self.open.remove(&id)) {
@@ -201,7 +212,7 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
             let conn = http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(std::time::Duration::from_secs(10))
-                .serve_connection(TokioIo::new(stream), svc);
+                .serve_connection(WatchedIo { io: TokioIo::new(stream), conn: this.clone() }, svc);
             let mut conn = std::pin::pin!(conn);
             let ended = tokio::select! {
                 r = conn.as_mut() => r,
@@ -221,7 +232,7 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                         conn.as_mut().graceful_shutdown();
                         match tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await {
                             Ok(ended) => ended,
-                            Err(_) if this.busy.load(ordering) > 0 => tokio::time::timeout(EVICTED_ANSWER_LIMIT, conn.as_mut()).await.unwrap_or(Ok(())),
+                            Err(_) if this.busy.load(ordering) > 0 || this.sending() => tokio::time::timeout(EVICTED_ANSWER_LIMIT, conn.as_mut()).await.unwrap_or(Ok(())),
                             Err(_) => Ok(()),
                         }
                     }
@@ -236,8 +247,9 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
 }
 
 /// A request being answered on a [`Connection`]: counted busy from the moment its head was
-/// read until the answer's body has been handed to hyper whole (or the request was dropped),
-/// so the port never picks a connection that is still writing to make room.
+/// read until the answer's body has been handed to hyper whole (or the request was dropped).
+/// What hyper then has left to write, the socket not taking it yet, [`WatchedIo`] sees: the
+/// port picks neither to make room.
 struct Answering(Arc<Connection>);
 
 impl Answering {
@@ -279,5 +291,121 @@ impl hyper::body::Body for TrackedBody {
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+impl Connection {
+    /// It has answered a request, or its socket was read with nothing more to give: what it
+    /// sent, if anything, has been seen (see `waited`).
+    fn read_once(&self) -> bool {
+        self.requests.load(std::sync::atomic::Ordering::SeqCst) > 0 || self.waited.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Bytes of an answer wait for the client, and have for less than
+    /// [`EVICTED_ANSWER_LIMIT`] (a client that never reads does not keep its slot for ever).
+    fn sending(&self) -> bool {
+        self.unsent_since.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|t| t.elapsed() < EVICTED_ANSWER_LIMIT)
+    }
+
+    /// What a write to the socket did: `asked` bytes, `r` the socket's answer.
+    fn wrote(&self, r: &std::task::Poll<std::io::Result<usize>>, asked: usize) {
+        let mut unsent = self.unsent_since.lock().unwrap_or_else(|p| p.into_inner());
+        match r {
+            std::task::Poll::Ready(Ok(n)) if *n >= asked => *unsent = None,
+            std::task::Poll::Ready(Err(_)) => *unsent = None,
+            _ => {
+                unsent.get_or_insert_with(std::time::Instant::now);
+            }
+        }
+    }
+}
+
+/// A connection's socket as hyper reads and writes it, noting on its [`Connection`] when an
+/// answer's bytes wait for the client (hyper keeps what the socket would not take and writes
+/// it when it can): the body of an answer is handed over at once, so being done with the
+/// body says nothing of the client having it (found by a reviewer: a large answer to a slow
+/// reader was cut when its connection was picked to make room).
+struct WatchedIo {
+    io: TokioIo<tokio::net::TcpStream>,
+    conn: Arc<Connection>,
+}
+
+impl hyper::rt::Read for WatchedIo {
+    fn poll_read(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: hyper::rt::ReadBufCursor<'_>) -> std::task::Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let r = std::pin::Pin::new(&mut this.io).poll_read(cx, buf);
+        if r.is_pending() {
+            this.conn.waited.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        r
+    }
+}
+
+impl hyper::rt::Write for WatchedIo {
+    fn poll_write(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, buf: &[u8]) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let r = std::pin::Pin::new(&mut this.io).poll_write(cx, buf);
+        this.conn.wrote(&r, buf.len());
+        r
+    }
+
+    fn poll_write_vectored(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> std::task::Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let r = std::pin::Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.conn.wrote(&r, bufs.iter().map(|b| b.len()).sum());
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::Poll;
+
+    /// The connection picked to make room is the one idle longest among those neither
+    /// answering a request nor sending an answer the client has not taken yet, nor not yet
+    /// read; one whose unsent bytes have waited past the limit is idle again; none picked
+    /// when all are busy.
+    #[test]
+    fn the_idlest_connection_neither_answering_nor_sending_makes_room() {
+        let mut open = Connections::default();
+        let (old, oldest) = open.add();
+        let (sending_id, sending) = open.add();
+        let (young, young_conn) = open.add();
+        let (unread_id, unread) = open.add();
+        for c in [&oldest, &sending, &young_conn] {
+            c.waited.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        // Accepted first, never read yet: its request may be waiting whole.
+        *unread.idle_since.lock().unwrap() -= std::time::Duration::from_secs(90);
+        *oldest.idle_since.lock().unwrap() -= std::time::Duration::from_secs(30);
+        *sending.idle_since.lock().unwrap() -= std::time::Duration::from_secs(60);
+        sending.wrote(&Poll::Ready(Ok(100)), 4096);
+        assert!(sending.sending());
+        let answering = Answering::begin(oldest.clone());
+        assert!(open.close_idlest());
+        assert!(open.open.contains_key(&old) && open.open.contains_key(&sending_id) && open.open.contains_key(&unread_id) && !open.open.contains_key(&young), "the young idle one went");
+        assert!(!open.close_idlest(), "one answering, one sending: nothing to close");
+        drop(answering);
+        assert!(open.close_idlest() && !open.open.contains_key(&old), "answered: idle again");
+        sending.wrote(&Poll::Pending, 10);
+        assert!(sending.sending(), "still waiting for the client");
+        *sending.unsent_since.lock().unwrap() = Some(std::time::Instant::now() - EVICTED_ANSWER_LIMIT);
+        assert!(!sending.sending(), "a client that never reads does not keep its slot");
+        sending.wrote(&Poll::Ready(Ok(10)), 10);
+        assert!(sending.unsent_since.lock().unwrap().is_none(), "taken whole");
+        assert_eq!(oldest.requests.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 }

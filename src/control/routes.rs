@@ -279,6 +279,8 @@ async fn run_source(st: Arc<ControlState>, id: String) -> Resp {
                 json(StatusCode::CONFLICT, &json!({"status": "skipped_overlap", "source_id": id, "message": "a run of this source is in progress"}))
             }
             Ok(report) => json(StatusCode::OK, &json!({"status": "done", "run": run_json(&report.record), "hold_reason": report.hold_reason})),
+            // The daemon is stopping: the run was left for the next start, not failed.
+            Err(e) if e.is_stopped() => error(StatusCode::SERVICE_UNAVAILABLE, "stopping", e.to_string()),
             Err(e) => error(StatusCode::UNPROCESSABLE_ENTITY, "run_failed", e.to_string()),
         }
     })

@@ -354,6 +354,11 @@ pub struct Session {
     started_ms: u64,
     /// Requests sent (every attempt), for reports and tests.
     pub requests: std::sync::atomic::AtomicU32,
+    /// Bytes received on the wire by every request of the fetch, for its progress.
+    received: std::sync::atomic::AtomicU64,
+    /// Where the fetch's progress goes (`zonewatch run`): requests and bytes received, as
+    /// they arrive; a county's portal fetch takes minutes.
+    pub progress: Option<std::sync::Arc<crate::progress::IngestProgress>>,
     /// Where a paged scan collects its features ([`super::collect`]): the system's temp
     /// directory unless set; a run sets its store's directory (on disk, where `/tmp` may be
     /// memory). A response larger than `page_in_memory` is received into a temp file here.
@@ -393,7 +398,7 @@ impl Session {
             .build()
             .map_err(|e| FetchError::Client(e.to_string()))?;
         let now = Instant::now();
-        Ok(Session { client, guard, cfg: cfg.clone(), retry_spent_ms: Default::default(), rate_waited_ms: Default::default(), started: now, started_ms: now_ms, requests: Default::default(), spool_dir: std::env::temp_dir(), page_in_memory: PAGE_IN_MEMORY })
+        Ok(Session { client, guard, cfg: cfg.clone(), retry_spent_ms: Default::default(), rate_waited_ms: Default::default(), started: now, started_ms: now_ms, requests: Default::default(), received: Default::default(), progress: None, spool_dir: std::env::temp_dir(), page_in_memory: PAGE_IN_MEMORY })
     }
 
     /// Waits before retry `attempt` (1-based count of failures so far) or fails when attempts
@@ -570,7 +575,13 @@ impl Session {
                 }
                 None => Sink::Memory { limit: self.page_in_memory, dir: &self.spool_dir, spilled: None },
             };
-            let read = read_decoded(&mut resp, cap, &mut decoder, &mut to).await;
+            let received = |n: u64| {
+                let all = self.received.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
+                if let Some(p) = &self.progress {
+                    p.fetching(u64::from(self.requests.load(std::sync::atomic::Ordering::Relaxed)), all);
+                }
+            };
+            let read = read_decoded(&mut resp, cap, &mut decoder, &mut to, &received).await;
             let wire_bytes = decoder.wire_bytes();
             let mut spilled = None;
             let body = match read.and_then(|()| decoder.finish().map_err(ReadError::Decode)) {
@@ -664,10 +675,11 @@ impl Sink<'_> {
 /// decoder's own cap (checked chunk by chunk, so a bomb never expands past it). Once `sink`
 /// has a file, what is decoded goes on to it chunk by chunk instead of collecting in the
 /// decoder.
-async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut BodyDecoder, sink: &mut Sink<'_>) -> Result<(), ReadError> {
+async fn read_decoded(resp: &mut reqwest::Response, wire_cap: u64, decoder: &mut BodyDecoder, sink: &mut Sink<'_>, received: &(dyn Fn(u64) + Sync)) -> Result<(), ReadError> {
     loop {
         match resp.chunk().await {
             Ok(Some(c)) => {
+                received(c.len() as u64);
                 if decoder.wire_bytes() + c.len() as u64 > wire_cap {
                     return Err(ReadError::TooLarge);
                 }
@@ -722,7 +734,11 @@ pub fn block_on<T: Send>(fut: impl std::future::Future<Output = T> + Send) -> Re
                 .enable_all()
                 .build()
                 .map_err(|e| FetchError::Internal(format!("cannot start its runtime: {e}")))?;
-            Ok(rt.block_on(fut))
+            let out = rt.block_on(fut);
+            // Not waiting for blocking tasks: a name lookup (getaddrinfo) left running by a
+            // fetch a stop dropped would hold the stop for the resolver's timeouts.
+            rt.shutdown_background();
+            Ok(out)
         })
         .join()
         .unwrap_or_else(|payload| Err(FetchError::Internal(format!("its thread panicked: {}", panic_text(payload.as_ref())))))

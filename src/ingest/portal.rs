@@ -129,6 +129,7 @@ pub fn fetch(
     store_path: &std::path::Path,
     spool_dir: &std::path::Path,
     stop: &crate::run_stop::RunStop,
+    progress: Option<std::sync::Arc<crate::progress::IngestProgress>>,
 ) -> Result<Option<PortalFetch>, FetchError> {
     if matches!(src.kind, SourceKind::File { .. }) {
         return Ok(None);
@@ -136,6 +137,7 @@ pub fn fetch(
     let due = force || floor_due(prev, now_ms, src.floor);
     let mut session = Session::new(cfg, now_ms)?;
     session.spool_dir = spool_dir.to_path_buf();
+    session.progress = progress;
     if stop.requested() {
         return Err(FetchError::Stopped);
     }

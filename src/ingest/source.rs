@@ -50,7 +50,10 @@ impl<R: std::io::Read> DigestingReader<R> {
     /// Reads whatever the consumer left unread (trailing bytes after the document) and
     /// returns the hex sha256 and size of everything.
     pub fn finish(mut self) -> std::io::Result<(String, u64)> {
-        std::io::copy(&mut self, &mut std::io::sink())?;
+        if let Err(e) = std::io::copy(&mut self, &mut std::io::sink()) {
+            // The error itself when it was kept (see `read`), not its text.
+            return Err(self.error.take().unwrap_or(e));
+        }
         Ok((crate::util::hex(&self.hasher.finalize()), self.size))
     }
 }
@@ -62,7 +65,11 @@ impl<R: std::io::Read> std::io::Read for DigestingReader<R> {
             Ok(n) => n.min(buf.len()),
             Err(e) => {
                 if e.kind() != std::io::ErrorKind::Interrupted && self.error.is_none() {
-                    self.error = Some(std::io::Error::new(e.kind(), e.to_string()));
+                    // The error itself is kept (a stop's refusal is known by its type,
+                    // `run_stop::is_stop`); the scan gets its text.
+                    let copy = std::io::Error::new(e.kind(), e.to_string());
+                    self.error = Some(e);
+                    return Err(copy);
                 }
                 return Err(e);
             }

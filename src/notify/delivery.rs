@@ -793,6 +793,7 @@ impl Deliverer {
             response_head: String::new(),
             next_attempt_ms: None,
             target: None,
+            decided_ms: None,
         };
         let result = self.try_send(entry, &mut rec).await;
         rec.duration_ms = started.elapsed().as_millis() as u64;
@@ -904,7 +905,9 @@ impl Deliverer {
                     // (the disabled endpoint holds it until then). Unless the subscriber has
                     // moved to another target meanwhile: the commit compares this one.
                     rec.target = Some(plan.target.clone());
-                    return DeliveryResult::Retry { id, next_attempt_ms: self.clock.now_ms(), error: HTTP_410_GONE.into() };
+                    let now = self.clock.now_ms();
+                    rec.decided_ms = Some(now);
+                    return DeliveryResult::Retry { id, next_attempt_ms: now, error: HTTP_410_GONE.into() };
                 } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
                     return DeliveryResult::Dead { id, reason: format!("rejected_{status}"), cause: DeadCause::Endpoint };
                 } else {
@@ -935,6 +938,7 @@ impl Deliverer {
             None => DeliveryResult::Dead { id, reason: "retries_exhausted".into(), cause: DeadCause::Endpoint },
             Some(delay) => {
                 let next = now.saturating_add(delay.as_millis() as u64);
+                rec.decided_ms = Some(now);
                 if next > entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64) {
                     return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::Endpoint };
                 }

@@ -283,11 +283,11 @@ mod tests {
     fn a_retry_decided_before_a_step_in_the_same_commit_keeps_its_wait() {
         let (_dir, store, ids) = queued(3);
         let ahead = T + HOUR;
-        let attempt = |id: u64, ts_ms: u64| AttemptRecord {
+        let attempt = |id: u64, decided_ms: u64| AttemptRecord {
             key: format!("k{id}"),
             outbox_id: id,
             attempt: 1,
-            ts_ms,
+            ts_ms: decided_ms - 250,
             duration_ms: 250,
             status: Some(503),
             result: "retry".into(),
@@ -295,11 +295,12 @@ mod tests {
             response_head: String::new(),
             next_attempt_ms: None,
             target: None,
+            decided_ms: Some(decided_ms),
         };
         store
             .record_outcomes(&[retry(ids[0], ahead + 5_000), retry(ids[1], T + 7_000), retry(ids[2], ahead + 9_000)], &[attempt(ids[0], ahead), attempt(ids[1], T - 300)], T)
             .unwrap();
-        assert_eq!(due_of(&store, ids[0]), T + 4_750, "decided an hour (less 250 ms) ahead of the commit");
+        assert_eq!(due_of(&store, ids[0]), T + 5_000, "decided an hour ahead of the commit");
         assert_eq!(due_of(&store, ids[1]), T + 7_000, "decided on the corrected clock");
         assert_eq!(due_of(&store, ids[2]), ahead + 9_000, "no attempt record: nothing tells when it was decided");
         assert!(store.check_consistency().unwrap().is_consistent());

@@ -494,8 +494,8 @@ impl Store {
         // that is no longer its subscriber's (a `PUT` moved it while the request was in
         // flight) does not disable the endpoint as it is now (it still counts as a failure).
         let sent_to: std::collections::HashMap<u64, &str> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.target.as_deref()?))).collect();
-        // When each try ended, on the clock it read: its retry's due time was computed on it.
-        let decided: std::collections::HashMap<u64, u64> = attempts.iter().map(|a| (a.outbox_id, a.ts_ms.saturating_add(a.duration_ms))).collect();
+        // The clock each retry's due time was computed on.
+        let decided: std::collections::HashMap<u64, u64> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.decided_ms?))).collect();
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
