@@ -91,7 +91,11 @@ fn scan_digested<R: std::io::Read + Send>(
     let failed = |e: std::io::Error| if crate::run_stop::is_stop(&e) { PipelineError::from(IngestError::Stopped) } else { read_err(e).into() };
     let scan = match scan_layer(&mut reader, rules, view, announce, spill_dir, workers, progress) {
         Ok(scan) => scan,
-        Err(e) => return Err(reader.take_error().map(failed).unwrap_or(e.into())),
+        // The reader's own error when the scan met it (it surfaces as a document that could
+        // not be read); a worker's, a spill's or the store's failure stays that failure, even
+        // if the reader, still draining the layer, was refused by a stop meanwhile.
+        Err(e @ ScanError::Ingest(IngestError::Malformed(_))) => return Err(reader.take_error().map(failed).unwrap_or(e.into())),
+        Err(e) => return Err(e.into()),
     };
     // Reads past the last feature (to the end of the bytes): a stop asked since is a stop.
     let (digest, size) = reader.finish().map_err(failed)?;

@@ -1915,6 +1915,40 @@ fn a_flood_of_unfinished_requests_does_not_queue_the_operator_behind_it() {
     assert!(opened > 4 * zonewatch::control::MAX_CONNECTIONS as u32, "the flood opened {opened} connections: it did not fill the port");
 }
 
+/// Connections without the token that ask for the dashboard over and over (pipelined) and
+/// never read the answers: their answers wait in the socket, and the port still closes them
+/// to make room, so each operator request on a fresh connection is answered. (While any
+/// answer waiting for its client kept its connection, 64 of them shut the port: found by a
+/// reviewer.)
+#[test]
+fn connections_that_never_read_their_answers_do_not_shut_the_operator_out() {
+    use std::io::{Read, Write};
+    let (ws, _) = gated_workspace("w", "http://127.0.0.1:9/hook".into(), "5s");
+    let d = Daemon::start(&ws);
+    let asks: Vec<u8> = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".repeat(3000);
+    let _hogs: Vec<std::net::TcpStream> = (0..zonewatch::control::MAX_CONNECTIONS)
+        .filter_map(|_| {
+            let mut c = std::net::TcpStream::connect(&d.addr).ok()?;
+            c.set_write_timeout(Some(Duration::from_millis(500))).ok()?;
+            let _ = c.write_all(&asks);
+            Some(c)
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut failed = Vec::new();
+    for i in 0..5 {
+        let answered = std::net::TcpStream::connect(&d.addr).is_ok_and(|mut c| {
+            let mut buf = [0u8; 512];
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").is_ok() && c.read(&mut buf).is_ok_and(|n| buf[..n].starts_with(b"HTTP/1.1 200"))
+        });
+        if !answered {
+            failed.push(i);
+        }
+    }
+    assert!(failed.is_empty(), "operator requests not answered: {failed:?}");
+}
+
 /// The same cap against a flood that is never idle for long: 64 connections each asking
 /// `/healthz` every 100 ms (no token needed) and reconnecting what the port closes. Each
 /// operator request, on a connection of its own, is answered. (While a connection had to be

@@ -79,6 +79,11 @@ struct Connection {
     /// Since when bytes of an answer wait for the client to take them (a write the socket
     /// could not take whole; [`WatchedIo`]), if they do: such a connection is still sending.
     unsent_since: std::sync::Mutex<Option<std::time::Instant>>,
+    /// Whether the last request it began carried the control token: only the operator's
+    /// answers are waited for while the client takes them. A client without it that stops
+    /// reading pipelined answers would otherwise keep its connection for ever (found by a
+    /// reviewer: 64 such connections shut the operator out).
+    operator: std::sync::atomic::AtomicBool,
     /// Whether its socket has been read and found with nothing more to give: until then a
     /// connection that has begun no request may simply not have been read yet (its task not
     /// yet run), with a whole request waiting, and is never picked to make room (found by a
@@ -115,6 +120,7 @@ impl Connections {
             requests: std::sync::atomic::AtomicU64::new(0),
             unsent_since: std::sync::Mutex::new(None),
             waited: std::sync::atomic::AtomicBool::new(false),
+            operator: std::sync::atomic::AtomicBool::new(false),
             idle_since: std::sync::Mutex::new(std::time::Instant::now()),
             close: tokio::sync::Notify::new(),
         });
@@ -204,7 +210,8 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 let seen = seen.clone();
                 async move {
                     // Busy until the answer's body is handed over, however this ends.
-                    let answering = Answering::begin(seen);
+                    let operator = auth::authorized(&state.token, req.headers().get(hyper::header::AUTHORIZATION).and_then(|v| v.to_str().ok()));
+                    let answering = Answering::begin(seen, operator);
                     let resp = routes::handle(state, req).await;
                     Ok::<_, std::convert::Infallible>(resp.map(|body| TrackedBody { body, _answering: answering }))
                 }
@@ -230,10 +237,20 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                         Ok(())
                     } else {
                         conn.as_mut().graceful_shutdown();
-                        match tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await {
-                            Ok(ended) => ended,
-                            Err(_) if this.busy.load(ordering) > 0 || this.sending() => tokio::time::timeout(EVICTED_ANSWER_LIMIT, conn.as_mut()).await.unwrap_or(Ok(())),
-                            Err(_) => Ok(()),
+                        'closing: {
+                            let mut waited = std::time::Duration::ZERO;
+                            loop {
+                                match tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await {
+                                    Ok(ended) => break 'closing ended,
+                                    // A handler still at work (a backup, a run): its answer is
+                                    // waited for whole; its work goes on either way, and a cut
+                                    // would only lose the answer (and have a client ask again).
+                                    Err(_) if this.busy.load(ordering) > 0 => {}
+                                    // The operator's answer still being taken by a slow client.
+                                    Err(_) if this.sending() && waited < EVICTED_ANSWER_LIMIT => waited += EVICTION_GRACE,
+                                    Err(_) => break 'closing Ok(()),
+                                }
+                            }
                         }
                     }
                 }
@@ -253,7 +270,8 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
 struct Answering(Arc<Connection>);
 
 impl Answering {
-    fn begin(conn: Arc<Connection>) -> Answering {
+    fn begin(conn: Arc<Connection>, operator: bool) -> Answering {
+        conn.operator.store(operator, std::sync::atomic::Ordering::SeqCst);
         conn.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         conn.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Answering(conn)
@@ -301,10 +319,10 @@ impl Connection {
         self.requests.load(std::sync::atomic::Ordering::SeqCst) > 0 || self.waited.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Bytes of an answer wait for the client, and have for less than
+    /// Bytes of an answer to the operator wait for the client, and have for less than
     /// [`EVICTED_ANSWER_LIMIT`] (a client that never reads does not keep its slot for ever).
     fn sending(&self) -> bool {
-        self.unsent_since.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|t| t.elapsed() < EVICTED_ANSWER_LIMIT)
+        self.operator.load(std::sync::atomic::Ordering::SeqCst) && self.unsent_since.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|t| t.elapsed() < EVICTED_ANSWER_LIMIT)
     }
 
     /// What a write to the socket did: `asked` bytes, `r` the socket's answer.
@@ -375,8 +393,8 @@ mod tests {
     use std::task::Poll;
 
     /// The connection picked to make room is the one idle longest among those neither
-    /// answering a request nor sending an answer the client has not taken yet, nor not yet
-    /// read; one whose unsent bytes have waited past the limit is idle again; none picked
+    /// answering a request nor sending the operator an answer the client has not taken yet,
+    /// nor not yet read; one whose unsent bytes have waited past the limit is idle again; none picked
     /// when all are busy.
     #[test]
     fn the_idlest_connection_neither_answering_nor_sending_makes_room() {
@@ -393,8 +411,10 @@ mod tests {
         *oldest.idle_since.lock().unwrap() -= std::time::Duration::from_secs(30);
         *sending.idle_since.lock().unwrap() -= std::time::Duration::from_secs(60);
         sending.wrote(&Poll::Ready(Ok(100)), 4096);
+        assert!(!sending.sending(), "an answer without the token is not waited for");
+        sending.operator.store(true, std::sync::atomic::Ordering::SeqCst);
         assert!(sending.sending());
-        let answering = Answering::begin(oldest.clone());
+        let answering = Answering::begin(oldest.clone(), false);
         assert!(open.close_idlest());
         assert!(open.open.contains_key(&old) && open.open.contains_key(&sending_id) && open.open.contains_key(&unread_id) && !open.open.contains_key(&young), "the young idle one went");
         assert!(!open.close_idlest(), "one answering, one sending: nothing to close");
