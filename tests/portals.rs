@@ -3175,3 +3175,58 @@ fn a_signal_stops_run_and_serve_during_a_portal_fetch() {
         }
     }
 }
+
+/// A Socrata layer without `count(*)`: a removal made for real (P0000, published at `later`)
+/// whose confirming read is served by a stale replica (P0000 still there) is withheld. The
+/// next poll gets the same bytes with an older `rowsUpdatedAt` (another replica): that is the
+/// same content, not a restatement to hold for an operator; the run makes the removal, and
+/// the watermark keeps the later timestamp, so a real restatement after it is still held.
+/// (Found by reviewers: such a poll was held, and then the timestamp moved back.)
+#[test]
+fn socrata_same_bytes_as_a_withheld_read_with_an_older_timestamp_are_not_a_restatement() {
+    struct Layer {
+        rows: Vec<Value>,
+        next: Vec<Vec<Value>>,
+    }
+    let (earlier, later, replica) = (1_700_000_000u64, 1_700_086_400u64, 1_700_040_000u64);
+    let all = geojson_features(&grid(40));
+    let state = Arc::new(Mutex::new(Layer { rows: all.clone(), next: Vec::new() }));
+    let updated = Arc::new(AtomicU64::new(earlier));
+    let (st, up) = (state.clone(), updated.clone());
+    let srv = Server::start(Arc::new(move |req: &Req| {
+        let mut l = st.lock().expect("layer");
+        let mut last = false;
+        let reply = soda_answer(req, up.load(Ordering::SeqCst), None, |offset, limit| {
+            let page: Vec<Value> = l.rows.iter().skip(offset).take(limit).cloned().collect();
+            last = page.len() < limit;
+            page
+        });
+        // A read ends at its short page: the next read is served what comes next.
+        if last && !l.next.is_empty() {
+            l.rows = l.next.remove(0);
+        }
+        reply
+    }));
+    let dir = tempfile::tempdir().expect("tmp");
+    let url = srv.url("/resource/abcd-1234.geojson");
+    let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &url, "page_size = 10"), "")).expect("engine");
+    assert_eq!(engine.run_source_id("soda", RunOptions::default()).expect("baseline").record.verdict, Verdict::Baseline);
+
+    // P0000 removed for real; the confirming read is the stale replica's.
+    {
+        let mut l = state.lock().expect("layer");
+        l.rows = all[1..].to_vec();
+        l.next = vec![all.clone(), all[1..].to_vec()];
+    }
+    updated.store(later, Ordering::SeqCst);
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("withheld");
+    assert!(r.record.warnings.iter().any(|w| w.contains("changed while it was paged") && w.contains("P0000")), "{:?}", r.record.warnings);
+    assert!(engine.store.snapshot_states("soda").expect("snapshot").contains_key("P0000"));
+
+    updated.store(replica, Ordering::SeqCst);
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("the next poll");
+    assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 1), "{} {:?}", r.line(), r.hold_reason);
+    assert!(!engine.store.snapshot_states("soda").expect("snapshot").contains_key("P0000"));
+    let wm = engine.store.watermark("soda").expect("wm").expect("some");
+    assert_eq!(wm.publisher_ts_ms, Some(later * 1000), "the later timestamp is kept");
+}
