@@ -1266,6 +1266,39 @@ zoning = "ZONE_CODE"
         assert!(err.is_stopped(), "{err}");
     }
 
+    /// A scan that failed (a broken feature that swallows the next ones fails the layer in a
+    /// worker) stops reading the layer: one that never ends is not read to its end first.
+    #[test]
+    fn a_failed_scan_stops_reading_the_layer() {
+        struct Endless {
+            head: std::io::Cursor<Vec<u8>>,
+            feature: Vec<u8>,
+            at: usize,
+        }
+        impl std::io::Read for Endless {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                let n = self.head.read(buf)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                let n = buf.len().min(self.feature.len() - self.at);
+                buf[..n].copy_from_slice(&self.feature[self.at..self.at + n]);
+                self.at = (self.at + n) % self.feature.len();
+                Ok(n)
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let engine = test_engine(dir.path());
+        let view = engine.store.snapshot_view("s1").unwrap();
+        let src = engine.config.source("s1").unwrap().clone();
+        let rules = NormalizeRules { fields: &src.fields, bbox: None };
+        let feature = r#"{"type":"Feature","properties":{"APN":"A","ZONE_CODE":"R-1"},"geometry":{"type":"Polygon","coordinates":[[[-71.1,42.36],[-71.099,42.36],[-71.099,42.361],[-71.1,42.36]]]}}"#;
+        let head = format!(r#"{{"type":"FeatureCollection","features":[{{"type":"Feature","properties":{{"NOTE":{{"b":1]}}}},{feature}}},{feature}"#);
+        let reader = Endless { head: std::io::Cursor::new(head.into_bytes()), feature: format!(",{feature}").into_bytes(), at: 0 };
+        let err = scan_digested(reader, dir.path(), &rules, &view, false, dir.path(), 2, None, &Default::default()).err().unwrap();
+        assert!(err.to_string().contains("holds more than one \"Feature\""), "{err}");
+    }
+
     /// What `scan_layer` would hand the commit for a first ingest whose delta is `spill`.
     fn baseline_scan(spill: Spill, duplicate_ids: std::collections::HashSet<String>) -> ScanResult {
         let parcels = spill.parcels;

@@ -225,6 +225,22 @@ pub fn default_workers() -> usize {
     crate::util::cores().clamp(1, 8)
 }
 
+/// The layer as the scanning thread reads it: no more once `cancel` is set (the scan failed;
+/// its own failure is what it reports).
+struct UntilCancelled<'a, R> {
+    inner: R,
+    cancel: &'a AtomicBool,
+}
+
+impl<R: Read> Read for UntilCancelled<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.cancel.load(Ordering::Relaxed) {
+            return Err(std::io::Error::other("the scan stopped"));
+        }
+        self.inner.read(buf)
+    }
+}
+
 /// Streams the layer read from `reader` through normalise + diff against `view`, spilling
 /// the delta into a temporary file in `spill_dir`. `announce`: whether the run is to tell
 /// subscribers of its changes (not a baseline, not a reprocess): each changed parcel's
@@ -266,6 +282,9 @@ pub fn scan_layer<R: Read + Send>(
             let mut batch = FeatureBatch::new(seq);
             let mut hung_up = false;
             let mut last_offset = 0u64;
+            // Once the scan has failed (or a worker did), the rest of the layer is not read:
+            // on a county's layer that was minutes before the run could report its failure.
+            let reader = UntilCancelled { inner: reader, cancel };
             let n = geojson::for_each_feature_in(reader, |f: FeatureText<'_>| {
                 last_offset = f.offset;
                 if hung_up || cancel.load(Ordering::Relaxed) {
