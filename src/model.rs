@@ -804,6 +804,11 @@ impl Watermark {
     pub fn withheld(&self) -> bool {
         self.digest.ends_with(Self::WITHHELD_MARK)
     }
+
+    /// The digest of the bytes read, without the withheld mark (a watermark's or a hold's).
+    pub fn bytes_digest(digest: &str) -> &str {
+        digest.strip_suffix(Self::WITHHELD_MARK).unwrap_or(digest)
+    }
 }
 
 /// Counts a run produced; also what `run` prints per source.

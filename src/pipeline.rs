@@ -630,7 +630,7 @@ impl Engine {
         // Not the bytes of a read whose removals were withheld, though: the same content,
         // which is identical by any timestamp (invariant 11), read again to make them (found
         // by a reviewer: a replica's older timestamp held an unchanged layer for an operator).
-        let same_as_withheld = wm.as_ref().is_some_and(|w| w.withheld() && w.digest.strip_suffix(Watermark::WITHHELD_MARK) == Some(digest.as_str()));
+        let same_as_withheld = wm.as_ref().is_some_and(|w| w.withheld() && Watermark::bytes_digest(&w.digest) == digest);
         let restated = if opts.reprocess || same_as_withheld { None } else { meta.as_ref().and_then(|m| portal::restated(wm.as_ref(), m, now)) };
         scan.warnings.extend(meta.as_ref().and_then(|m| portal::future_timestamp_warning(wm.as_ref(), m, now)));
         let decision = decide(GateInput {
@@ -773,7 +773,7 @@ impl Engine {
         let open_same = holds.iter().find(|h| {
             // A held read whose removals were withheld is the same read (a reviewer found each
             // poll superseding it with a new hold).
-            let held = h.digest.strip_suffix(Watermark::WITHHELD_MARK).unwrap_or(&h.digest);
+            let held = Watermark::bytes_digest(&h.digest);
             h.source_id == src.id && h.state == HoldState::Open && held == digest && h.watermark.read_fingerprint == fingerprint
         });
         let Some(h) = open_same else { return Ok(None) };

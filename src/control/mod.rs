@@ -237,19 +237,16 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                         Ok(())
                     } else {
                         conn.as_mut().graceful_shutdown();
-                        'closing: {
-                            let mut waited = std::time::Duration::ZERO;
-                            loop {
-                                match tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await {
-                                    Ok(ended) => break 'closing ended,
-                                    // A handler still at work (a backup, a run): its answer is
-                                    // waited for whole; its work goes on either way, and a cut
-                                    // would only lose the answer (and have a client ask again).
-                                    Err(_) if this.busy.load(ordering) > 0 => {}
-                                    // The operator's answer still being taken by a slow client.
-                                    Err(_) if this.sending() && waited < EVICTED_ANSWER_LIMIT => waited += EVICTION_GRACE,
-                                    Err(_) => break 'closing Ok(()),
-                                }
+                        // Looked at again every grace: a handler still at work (a backup, a
+                        // run) is waited for whole (its work goes on either way, and a cut
+                        // would only lose the answer and have the client ask again); an
+                        // answer to the operator while the client takes it, up to the limit
+                        // `sending` keeps.
+                        loop {
+                            match tokio::time::timeout(EVICTION_GRACE, conn.as_mut()).await {
+                                Ok(ended) => break ended,
+                                Err(_) if this.busy.load(ordering) > 0 || this.sending() => {}
+                                Err(_) => break Ok(()),
                             }
                         }
                     }
