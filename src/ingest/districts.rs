@@ -81,6 +81,10 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             out.rejected.push(reject(QuarantineReason::MissingField, format!("missing {code_field}")));
             return;
         };
+        if let Some(detail) = crate::ingest::normalize::overlong(code_field, "a district code", &code) {
+            out.rejected.push(reject(QuarantineReason::MalformedFeature, detail));
+            return;
+        }
         if let Some(detail) = f.not_utf8.then(|| crate::ingest::normalize::damaged_text(&[Some(&code)])).flatten() {
             out.rejected.push(reject(QuarantineReason::MalformedFeature, detail));
             return;
@@ -124,5 +128,18 @@ mod tests {
             reasons,
             vec![QuarantineReason::EmptyGeometry, QuarantineReason::EmptyGeometry, QuarantineReason::MissingField]
         );
+    }
+
+    #[test]
+    fn a_code_past_the_cap_is_rejected() {
+        let code = "B".repeat(crate::ingest::normalize::MAX_FIELD_BYTES + 1);
+        let layer = format!(
+            r#"{{"type":"FeatureCollection","features":[{{"type":"Feature","properties":{{"zone_class":"{code}"}},"geometry":{{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}}}}]}}"#
+        );
+        let l = read_districts(layer.as_bytes(), "zone_class", None).unwrap();
+        assert!(l.districts.is_empty());
+        assert_eq!(l.rejected.len(), 1);
+        assert_eq!(l.rejected[0].reason, QuarantineReason::MalformedFeature);
+        assert!(l.rejected[0].detail.starts_with("zone_class is 1025 bytes"), "{}", l.rejected[0].detail);
     }
 }

@@ -108,6 +108,11 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
     let Some(id) = id else {
         return Err(unidentified(QuarantineReason::MissingField, format!("missing {}", rules.fields.parcel_id), geometry));
     };
+    // An id past the cap names no parcel any publisher means (it would be stored in the
+    // snapshot, every key, audit row and webhook): taken without an id, where it lies.
+    if let Some(detail) = overlong(&rules.fields.parcel_id, "a parcel id", &id) {
+        return Err(unidentified(QuarantineReason::MalformedFeature, detail, geometry));
+    }
     // An empty zoning field name means a pure parcel base (zoning derived from districts).
     let zoning = if rules.fields.zoning.trim().is_empty() {
         String::new()
@@ -121,6 +126,14 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
     };
     let effective_date =
         rules.fields.effective_date.as_ref().and_then(|f| prop_text_folding(&props, f, &mut folded_fields));
+    // Kept under its id, so that its parcel keeps its stored state.
+    let too_long = overlong(&rules.fields.zoning, "a zoning code", &zoning).or_else(|| {
+        let (field, date) = (rules.fields.effective_date.as_deref()?, effective_date.as_deref()?);
+        overlong(field, "an effective date", date)
+    });
+    if let Some(detail) = too_long {
+        return Err(reject(Some(id), QuarantineReason::MalformedFeature, detail));
+    }
 
     let geom = match geometry {
         Some(GeometryInput::Parsed(g)) => polygons_of(g),
@@ -321,6 +334,20 @@ fn prop_text(raw: &RawValue) -> Option<String> {
     } else {
         Some(text)
     }
+}
+
+/// The most bytes an id, a zoning or district code or an effective date may have. Real ones
+/// are tens of bytes (a 14-digit PIN, `R-1-6`, a GUID, a date); a value past this is a
+/// broken or hostile feed, and each parcel's value is copied into the snapshot, its keys,
+/// audit rows and webhooks (an 8 MiB id made a 64 MiB store of a four-parcel layer).
+pub const MAX_FIELD_BYTES: usize = 1024;
+
+/// The quarantine detail of a `what` read from `field` past [`MAX_FIELD_BYTES`], or `None`.
+pub fn overlong(field: &str, what: &str, value: &str) -> Option<String> {
+    (value.len() > MAX_FIELD_BYTES).then(|| {
+        let start = crate::util::truncate_text(value, 40);
+        format!("{field} is {} bytes (it begins {start:?}): {what} is at most {MAX_FIELD_BYTES} bytes", value.len())
+    })
 }
 
 /// The quarantine detail of a feature whose id, zoning code or date held bytes that are not
@@ -962,6 +989,24 @@ mod tests {
         for (json, want) in cases {
             let err = normalize_feature(raw(json), &rules(&f)).unwrap_err();
             assert_eq!(err.reason, want, "{json}: {}", err.detail);
+        }
+        // A value past the cap: an id is refused with the feature's place (taken without an
+        // id), a zoning code or date under its id (its parcel keeps its stored state); a value
+        // at the cap is read as it is.
+        let geometry = r#""geometry":{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,0]]]}"#;
+        let at_cap = "9".repeat(MAX_FIELD_BYTES);
+        let over = "9".repeat(MAX_FIELD_BYTES + 1);
+        let feature = |apn: &str, zone: &str, eff: &str| format!(r#"{{"properties":{{"APN":"{apn}","ZONE":"{zone}","EFF":"{eff}"}},{geometry}}}"#);
+        let dated = FieldMap { effective_date: Some("EFF".into()), ..fields() };
+        let n = normalize_feature(raw(&feature(&at_cap, &at_cap, &at_cap)), &rules(&dated)).unwrap();
+        assert_eq!((n.parcel.id.len(), n.parcel.state.zoning.len()), (MAX_FIELD_BYTES, MAX_FIELD_BYTES));
+        let err = normalize_feature(raw(&feature(&over, "R", "")), &rules(&dated)).unwrap_err();
+        assert_eq!((err.reason, err.parcel_id, err.footprint), (QuarantineReason::MalformedFeature, None, Some(([0.0, 0.0], [1.0, 1.0]))));
+        assert!(err.detail.starts_with("APN is 1025 bytes (it begins \"9999") && err.detail.len() < 200, "{}", err.detail);
+        for (zone, eff, field) in [(over.as_str(), "2020", "ZONE"), ("R", over.as_str(), "EFF")] {
+            let err = normalize_feature(raw(&feature("7", zone, eff)), &rules(&dated)).unwrap_err();
+            assert_eq!((err.reason, err.parcel_id.as_deref()), (QuarantineReason::MalformedFeature, Some("7")), "{field}");
+            assert!(err.detail.starts_with(&format!("{field} is 1025 bytes")), "{}", err.detail);
         }
         // A hostile coordinate makes a short detail (the extent in exponent form), not one of
         // 300 digits kept in the ledger for ever.
