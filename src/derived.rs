@@ -217,6 +217,15 @@ fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> (Vec<RawChange
 
 impl Engine {
     /// One run of a `districts` / `overlays` source (see the module doc).
+    /// `Err(Stopped)` once a stop is requested: a derived run asks between its steps (each
+    /// stretch of the base, before its commit), as a parcel scan does at each read.
+    fn stopped(&self) -> Result<(), PipelineError> {
+        if self.stop.requested() {
+            return Err(crate::ingest::IngestError::Stopped.into());
+        }
+        Ok(())
+    }
+
     pub(crate) fn run_derived(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
         self.run_derived_in(src, opts, started, DERIVE_STRETCH)
     }
@@ -307,6 +316,7 @@ impl Engine {
             ..Default::default()
         };
         // The commit: one write transaction, fed from the delta file in chunks.
+        self.stopped()?;
         let commit_started = Instant::now();
         let mut w = self.store.begin_run(&src.id, mode, watermark, now, self.config.delivery.idem_ttl.as_millis() as u64)?;
         w.quarantine(&quarantine)?;
@@ -337,6 +347,8 @@ impl Engine {
         // Where a derived parcel removed and derived again goes on from (its tombstone).
         let view = self.store.snapshot_view(&src.id)?;
         pass.previous = self.store.for_each_base_stretch(base_id, &src.id, stretch, |s: BaseStretch| -> Result<(), PipelineError> {
+            // A stop is heard between stretches (a county's stretch takes about 0.1 s).
+            self.stopped()?;
             let BaseStretch { parcels, parcel_shares, derived, orphan_shares, unreadable_shares } = s;
             pass.unreadable_shares += unreadable_shares;
             let d = derive_all(src.layer, index, parcels, src.overlay_min_share);
@@ -629,6 +641,7 @@ impl Engine {
         let (mode, hold_reason) = crate::pipeline::commit_mode(decision, opts.reprocess);
         let (events, places) = step_places(events, &diff.regions, self.store.area_places(&src.id)?, mode.announces(), now);
         let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
+        self.stopped()?;
         let counts = RunCounts {
             features: layer.features,
             parcels: upserts.len() as u64,
@@ -1016,6 +1029,34 @@ min_severity = "info"
         assert_eq!(again.record.verdict, Verdict::Baseline);
         assert_eq!(stored(&engine), expected(&engine, dir.path()));
         assert_eq!(again.record.counts.parcels, 12_000);
+    }
+
+    /// A stop asked while a derived run reads its base ends the run before its commit, in
+    /// both modes: nothing of it is stored, and the next run (of an engine not stopping)
+    /// makes it whole.
+    #[test]
+    fn a_stop_ends_a_derived_run_before_its_commit() {
+        let spec = CountySpec { seed: 5, parcels: 3_000, origin: [-93.30, 44.95], blocks_per_row: 28 };
+        let dir = tempfile::tempdir().unwrap();
+        let mut engine = engine(dir.path());
+        write_parcels(&dir.path().join("parcels.geojson"), &CountyIter::new(&spec).collect::<Vec<_>>());
+        engine.run_source_id("base", RunOptions::default()).unwrap();
+        write_districts_over(&spec, &dir.path().join("districts.geojson"), CUTS, |c| format!("Z-{}", c % 4));
+        let src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
+        let mut area = src.clone();
+        area.parcels = None;
+        engine.stop.request();
+        for (src, stretch) in [(&src, 1_000), (&src, DERIVE_STRETCH), (&area, DERIVE_STRETCH)] {
+            let stopped = engine.run_derived_in(src, RunOptions::default(), engine.now(), stretch);
+            assert!(matches!(&stopped, Err(e) if e.is_stopped()), "{:?}", stopped.map(|r| r.line()));
+            assert!(engine.store.watermark("zoning").unwrap().is_none());
+            assert!(engine.store.snapshot_states("zoning").unwrap().is_empty());
+            assert!(engine.store.derived_shares("zoning").unwrap().is_empty());
+        }
+        engine.stop = crate::run_stop::RunStop::default();
+        let again = engine.run_derived_in(&src, RunOptions::default(), engine.now(), 1_000).unwrap();
+        assert_eq!(again.record.verdict, Verdict::Baseline);
+        assert_eq!(stored(&engine), expected(&engine, dir.path()));
     }
 
     /// Shares a store can hold that no run of this build writes — one without any parcel

@@ -92,8 +92,9 @@ fn scan_digested<R: std::io::Read + Send>(
     let scan = match scan_layer(&mut reader, rules, view, announce, spill_dir, workers, progress) {
         Ok(scan) => scan,
         // The reader's own error when the scan met it (it surfaces as a document that could
-        // not be read); a worker's, a spill's or the store's failure stays that failure, even
-        // if the reader, still draining the layer, was refused by a stop meanwhile.
+        // not be read); a worker's (joined features: its own variant), a spill's or the
+        // store's failure stays that failure, even if the reader, still draining the layer,
+        // was refused by a stop meanwhile.
         Err(e @ ScanError::Ingest(IngestError::Malformed(_))) => return Err(reader.take_error().map(failed).unwrap_or(e.into())),
         Err(e) => return Err(e.into()),
     };

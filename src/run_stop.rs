@@ -11,6 +11,8 @@
 //! * a fetch is dropped at its next wake-up (a received chunk, a retry's wait, a rate-limit
 //!   wait) and at the latest within [`POLL`]; its temp files go with it;
 //! * a scan stops at its next read of the layer (a 1 MiB window);
+//! * a derived (`districts` / `overlays`) run stops before its next stretch of the base and
+//!   before its commit (`Engine::stopped` in `derived.rs`);
 //! * a commit that has begun finishes: it is one transaction, and the stop waits for it.
 //!
 //! The run ends with [`crate::ingest::IngestError::Stopped`] and is recorded as failed with

@@ -3229,4 +3229,11 @@ fn socrata_same_bytes_as_a_withheld_read_with_an_older_timestamp_are_not_a_resta
     assert!(!engine.store.snapshot_states("soda").expect("snapshot").contains_key("P0000"));
     let wm = engine.store.watermark("soda").expect("wm").expect("some");
     assert_eq!(wm.publisher_ts_ms, Some(later * 1000), "the later timestamp is kept");
+    assert!(!wm.withheld(), "the removal is made: nothing withheld");
+
+    // Other content under a timestamp older than the kept one is a restatement: held.
+    state.lock().expect("layer").rows = all.clone();
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("a restatement");
+    assert_eq!(r.record.verdict, Verdict::Held, "{}", r.line());
+    assert!(r.hold_reason.as_deref().is_some_and(|h| h.contains("restated")), "{:?}", r.hold_reason);
 }

@@ -49,11 +49,14 @@ pub const MAX_CONNECTIONS: usize = 64;
 
 /// How long a connection picked to make room may take to close once told to: what it has
 /// left to send of its last answer is flushed meanwhile. One that has begun another request
-/// by then answers it whole (up to [`EVICTED_ANSWER_LIMIT`]).
+/// by then answers it: its handler is waited for whole, and an answer to the operator for as
+/// long as its client keeps taking it (see [`EVICTED_ANSWER_LIMIT`]).
 const EVICTION_GRACE: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// How long a connection picked to make room may take to answer a request it had begun: a
-/// client that never reads a large answer does not hold its slot for ever.
+/// How long an answer to the operator may wait for its client to take any more of it: a
+/// client that stops reading does not hold its slot for ever, one that reads slowly (a large
+/// page through a tunnel) keeps it (found by a reviewer: the wait was counted from the first
+/// stall, so a steady slow reader was cut after 30 s).
 const EVICTED_ANSWER_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Slots beyond [`MAX_CONNECTIONS`] for connections told to close and still finishing: the
@@ -316,8 +319,9 @@ impl Connection {
         self.requests.load(std::sync::atomic::Ordering::SeqCst) > 0 || self.waited.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Bytes of an answer to the operator wait for the client, and have for less than
-    /// [`EVICTED_ANSWER_LIMIT`] (a client that never reads does not keep its slot for ever).
+    /// Bytes of an answer to the operator wait for the client, which took some within the
+    /// last [`EVICTED_ANSWER_LIMIT`] (a client that stops reading does not keep its slot for
+    /// ever).
     fn sending(&self) -> bool {
         self.operator.load(std::sync::atomic::Ordering::SeqCst) && self.unsent_since.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|t| t.elapsed() < EVICTED_ANSWER_LIMIT)
     }
@@ -328,6 +332,8 @@ impl Connection {
         match r {
             std::task::Poll::Ready(Ok(n)) if *n >= asked => *unsent = None,
             std::task::Poll::Ready(Err(_)) => *unsent = None,
+            // Some taken, the rest waits: the wait counts from now.
+            std::task::Poll::Ready(Ok(n)) if *n > 0 => *unsent = Some(std::time::Instant::now()),
             _ => {
                 unsent.get_or_insert_with(std::time::Instant::now);
             }
@@ -421,6 +427,11 @@ mod tests {
         assert!(sending.sending(), "still waiting for the client");
         *sending.unsent_since.lock().unwrap() = Some(std::time::Instant::now() - EVICTED_ANSWER_LIMIT);
         assert!(!sending.sending(), "a client that never reads does not keep its slot");
+        // A slow reader that took some of it just now keeps its slot.
+        sending.wrote(&Poll::Ready(Ok(4)), 10);
+        assert!(sending.sending(), "a client still reading keeps its slot");
+        sending.wrote(&Poll::Pending, 6);
+        assert!(sending.sending(), "a stall after progress waits from the progress");
         sending.wrote(&Poll::Ready(Ok(10)), 10);
         assert!(sending.unsent_since.lock().unwrap().is_none(), "taken whole");
         assert_eq!(oldest.requests.load(std::sync::atomic::Ordering::SeqCst), 1);

@@ -636,7 +636,7 @@ fn worker(
                     let message = format!(
                         "feature {index} is not valid JSON and its text holds more than one \"Feature\" (an unescaped quote or an unpaired bracket joined the features after it to it): the layer is refused rather than have the parcels inside it read as removed"
                     );
-                    let _ = res_tx.send(Err(IngestError::Malformed(message).into()));
+                    let _ = res_tx.send(Err(IngestError::JoinedFeatures(message).into()));
                     cancel.store(true, Ordering::Relaxed);
                     break;
                 }

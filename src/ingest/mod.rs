@@ -38,6 +38,10 @@ pub enum IngestError {
     Write { path: std::path::PathBuf, source: std::io::Error },
     #[error("layer is not a GeoJSON FeatureCollection: {0}")]
     Malformed(String),
+    /// A feature whose broken text swallowed the features after it (found by a worker, not
+    /// by the reader: so never taken for the reader's own failure).
+    #[error("layer is not a GeoJSON FeatureCollection: {0}")]
+    JoinedFeatures(String),
     #[error("layer uses CRS {0:?}; zonewatch reads RFC 7946 GeoJSON in EPSG:4326 / CRS84 only")]
     UnsupportedCrs(String),
     /// A layer's file on disk is not what was written for it: a received body or a paged
