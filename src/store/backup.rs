@@ -68,7 +68,7 @@ pub const LEFTOVER_AGE: std::time::Duration = std::time::Duration::from_secs(360
 /// that cannot be removed is logged and left for the next sweep. Without it, a cron job's
 /// killed backups fill the disk one store at a time.
 pub fn sweep_leftovers(dir: &Path, now: std::time::SystemTime) -> usize {
-    sweep_idle(dir, now, "a killed backup", |name| {
+    sweep_idle(dir, now, "a killed backup", |name, _| {
         // Reading a file does not touch its time: a hand-off copy whose command is still
         // running (copying a large store to a slow disk, or past a wall-clock step) is kept.
         name.starts_with(TEMP_PREFIX) || (name.starts_with(HANDOFF_PREFIX) && name.ends_with(".redb") && handoff_command_gone(name))
@@ -84,12 +84,26 @@ pub const RESTORE_PREFIX: &str = ".zonewatch-restore-";
 /// black-box tester). Run when a store is opened for work (`Engine::open`).
 pub fn sweep_restore_leftovers(store_path: &Path, now: std::time::SystemTime) -> usize {
     let dir = store_path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    sweep_idle(dir, now, "a killed restore", |name| name.starts_with(RESTORE_PREFIX))
+    sweep_idle(dir, now, "a killed restore", |name, _| name.starts_with(RESTORE_PREFIX))
 }
 
-/// Removes the files of `dir` that `leftover` names and that were not modified for
-/// [`LEFTOVER_AGE`] at `now`, logging each (`what` left it). Returns how many.
-fn sweep_idle(dir: &Path, now: std::time::SystemTime, what: &str, leftover: impl Fn(&str) -> bool) -> usize {
+/// The prefix of the repaired copy `check --store` makes of a store not closed cleanly, in
+/// the system's temp folder (`store::check`).
+pub const CHECK_PREFIX: &str = "zonewatch-check-";
+
+/// Removes from the temp folder `dir` the repaired copies of `check --store` runs killed
+/// outright (SIGKILL; a signal removes its own), unmodified for [`LEFTOVER_AGE`] and owned by
+/// `owner`: each is a full copy of a store, signing secrets included, and nothing else would
+/// remove it. Another user's are left (the temp folder is shared, and its sticky bit would
+/// refuse it anyway). Run by the next check that makes such a copy.
+pub fn sweep_check_leftovers(dir: &Path, owner: u32, now: std::time::SystemTime) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    sweep_idle(dir, now, "a killed check", |name, meta| meta.uid() == owner && name.starts_with(CHECK_PREFIX) && name.ends_with(".redb"))
+}
+
+/// Removes the files of `dir` that `leftover` names (given their metadata) and that were not
+/// modified for [`LEFTOVER_AGE`] at `now`, logging each (`what` left it). Returns how many.
+fn sweep_idle(dir: &Path, now: std::time::SystemTime, what: &str, leftover: impl Fn(&str, &std::fs::Metadata) -> bool) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
     let mut removed = 0;
     for entry in entries.flatten() {
@@ -99,7 +113,7 @@ fn sweep_idle(dir: &Path, now: std::time::SystemTime, what: &str, leftover: impl
             continue;
         }
         let idle = meta.modified().ok().and_then(|m| now.duration_since(m).ok());
-        if idle.is_none_or(|idle| idle < LEFTOVER_AGE) || !leftover(&name.to_string_lossy()) {
+        if idle.is_none_or(|idle| idle < LEFTOVER_AGE) || !leftover(&name.to_string_lossy(), &meta) {
             continue;
         }
         match std::fs::remove_file(entry.path()) {
@@ -469,6 +483,25 @@ mod tests {
         }
         assert_eq!(sweep_restore_leftovers(&dir.path().join("zw.redb"), now), 1);
         assert!(!dir.path().join(".zonewatch-restore-Old123").exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+    }
+
+    /// A killed `check --store`'s repaired copy in the temp folder (a full store, secrets and
+    /// all) is removed once untouched for an hour, if it is this user's; a young one (a check
+    /// under way) and anything else stay.
+    #[test]
+    fn a_killed_checks_copy_in_the_temp_folder_is_swept() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let now = std::time::SystemTime::now();
+        let old = now - LEFTOVER_AGE - std::time::Duration::from_secs(5);
+        for (name, modified) in [("zonewatch-check-Old123.redb", old), ("zonewatch-check-New456.redb", now), ("zonewatch-check-notes.txt", old), ("other.redb", old)] {
+            std::fs::File::create(dir.path().join(name)).unwrap().set_modified(modified).unwrap();
+        }
+        let me = std::fs::metadata(dir.path().join("other.redb")).unwrap().uid();
+        assert_eq!(sweep_check_leftovers(dir.path(), me.wrapping_add(1), now), 0, "another user's copy is theirs");
+        assert_eq!(sweep_check_leftovers(dir.path(), me, now), 1);
+        assert!(!dir.path().join("zonewatch-check-Old123.redb").exists());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
     }
 

@@ -118,8 +118,13 @@ fn check_repaired_copy(path: &std::path::Path) -> Result<ConsistencyReport, Stor
             std::env::temp_dir().display()
         ),
     };
-    let mut copy = tempfile::Builder::new().prefix("zonewatch-check-").suffix(".redb").tempfile().map_err(no_copy)?;
+    let mut copy = tempfile::Builder::new().prefix(super::backup::CHECK_PREFIX).suffix(".redb").tempfile().map_err(no_copy)?;
     let _unfinished = crate::signals::scratch(copy.path());
+    // What checks killed outright left there (this one's copy is young: kept).
+    if let (Some(dir), Ok(meta)) = (copy.path().parent(), copy.as_file().metadata()) {
+        use std::os::unix::fs::MetadataExt;
+        super::backup::sweep_check_leftovers(dir, meta.uid(), std::time::SystemTime::now());
+    }
     {
         let mut from = std::fs::File::open(path).map_err(no_copy)?;
         std::io::copy(&mut from, copy.as_file_mut()).map_err(no_copy)?;
