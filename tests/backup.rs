@@ -37,10 +37,63 @@ fn backup_copies_every_table_and_restore_checks_its_input() {
     let err = zonewatch::store::backup::restore(&dest, &ws.path().join("zw.redb")).unwrap_err();
     assert!(err.to_string().contains("in use"), "{err}");
     drop(engine);
+    // The store as its own backup, or a folder: refused, nothing kept aside.
+    let live = ws.path().join("zw.redb");
+    let err = zonewatch::store::backup::restore(&ws.path().join(".").join("zw.redb"), &live).unwrap_err();
+    assert!(err.to_string().contains("it is the store itself"), "{err}");
+    let err = zonewatch::store::backup::restore(ws.path(), &live).unwrap_err();
+    assert!(err.to_string().contains("it is a folder"), "{err}");
+    assert!(!ws.path().join("zw.redb.before-restore").exists());
     zonewatch::store::backup::restore(&dest, &ws.path().join("zw.redb")).unwrap();
     assert!(ws.path().join("zw.redb.before-restore").exists(), "the replaced store is kept");
     let engine = ws.engine();
     assert_eq!(engine.store.snapshot_states("s1").unwrap()["P0000"].zoning, "C3");
+}
+
+/// A store file this user may only read (kept read-only, a read-only mount) is backed up
+/// through a read-only open: every table with the same rows, the file itself untouched; a
+/// file held by a running zonewatch is "in use", and one not closed cleanly is refused with
+/// what to do (redb repairs a file only where it may write it).
+#[test]
+fn a_read_only_store_file_is_backed_up_as_it_is() {
+    use std::os::unix::fs::PermissionsExt;
+    let ws = Workspace::new(&[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: "http://127.0.0.1:9/h".into(), min_severity: "info", secret: None }], "", "");
+    let live = ws.path().join("zw.redb");
+    {
+        let engine = ws.engine();
+        ws.write_layer(&layer(&grid(30)));
+        run(&engine, false);
+        let mut v2 = grid(30);
+        v2[0].zone = "C3".into();
+        ws.write_layer(&layer(&v2));
+        run(&engine, false);
+        let err = zonewatch::store::backup::backup_read_only(&live, &ws.path().join("in-use.redb")).unwrap_err();
+        assert!(matches!(err, zonewatch::store::StoreError::InUse { .. }), "{err}");
+    }
+    std::fs::set_permissions(&live, std::fs::Permissions::from_mode(0o400)).unwrap();
+    let (bytes, mtime) = (std::fs::read(&live).unwrap(), std::fs::metadata(&live).unwrap().modified().unwrap());
+    let dest = ws.path().join("ro.redb");
+    let info = zonewatch::store::backup::backup_read_only(&live, &dest).unwrap();
+    assert!(info.rows > 60, "{info:?}");
+    assert!(std::fs::read(&live).unwrap() == bytes, "the read-only backup wrote to the store");
+    assert_eq!(std::fs::metadata(&live).unwrap().modified().unwrap(), mtime);
+    std::fs::set_permissions(&live, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (copy, original) = (zonewatch::store::Store::open(&dest).unwrap(), zonewatch::store::Store::open(&live).unwrap());
+    assert_eq!(copy.table_names().unwrap(), original.table_names().unwrap());
+    assert_eq!(copy.audit(&Default::default()).unwrap(), original.audit(&Default::default()).unwrap());
+    assert_eq!(copy.outbox().unwrap(), original.outbox().unwrap());
+    assert_eq!(copy.snapshot_states("s1").unwrap(), original.snapshot_states("s1").unwrap());
+    drop((copy, original));
+
+    // A file not closed cleanly: a copy of the store taken while it was open.
+    let unclean = ws.path().join("unclean.redb");
+    {
+        let _engine = ws.engine();
+        std::fs::copy(&live, &unclean).unwrap();
+    }
+    let err = zonewatch::store::backup::backup_read_only(&unclean, &ws.path().join("u.redb")).unwrap_err();
+    assert!(err.to_string().contains("was not closed cleanly"), "{err}");
+    assert!(!ws.path().join("u.redb").exists());
 }
 
 #[test]

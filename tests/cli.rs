@@ -533,6 +533,40 @@ fn a_store_path_in_a_missing_folder_is_refused_not_made() {
     assert!(!ws.path().join("stroe").exists(), "the folder was not made");
 }
 
+/// Restoring a backup taken while a hold was open warns that releasing it sends its alerts
+/// under new webhook-ids (found by a black-box tester: 45 alerts were sent twice so); the
+/// store itself as the backup, or a folder, is refused.
+#[test]
+fn restoring_a_backup_with_an_open_hold_warns_of_its_release() {
+    let (ws, cfg) = grid_workspace(20);
+    let cfg = cfg.as_str();
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.05");
+    assert!(zonewatch(&["run", "--config", cfg]).status.success());
+    let clean = ws.path().join("clean.redb");
+    assert!(zonewatch(&["backup", clean.to_str().unwrap(), "--config", cfg]).status.success());
+    let mut v2 = grid(20);
+    for p in v2.iter_mut().take(10) {
+        p.zone = "M-1".into();
+    }
+    ws.write_layer(&layer(&v2));
+    let o = zonewatch(&["run", "--config", cfg]);
+    assert!(text(&o).0.contains("s1: held"), "{:?}", text(&o));
+    let held = ws.path().join("held.redb");
+    assert!(zonewatch(&["backup", held.to_str().unwrap(), "--config", cfg]).status.success());
+    let o = zonewatch(&["restore", held.to_str().unwrap(), "--config", cfg]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(err.contains("the backup has 1 open hold(s) (run ") && err.contains("holds prime"), "{err}");
+    let o = zonewatch(&["restore", clean.to_str().unwrap(), "--config", cfg]);
+    let (out, err) = text(&o);
+    assert!(o.status.success() && !err.contains("hold"), "{out}{err}");
+    let live = ws.path().join("zw.redb");
+    let o = zonewatch(&["restore", live.to_str().unwrap(), "--config", cfg]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
+    assert!(err.contains("it is the store itself"), "{err}");
+}
+
 /// `backup` and `restore` say which file is wrong, and exit 2 where trying again cannot help
 /// (a backup that is not a store or is not there, a destination folder that does not exist);
 /// they used to exit 1, which reads as "busy, retry".

@@ -184,7 +184,11 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
         };
         let slot = match slots.clone().try_acquire_owned() {
             Ok(slot) if room => Some(slot),
-            Err(_) if room => tokio::time::timeout(std::time::Duration::from_secs(1), slots.clone().acquire_owned()).await.ok().and_then(Result::ok),
+            // Bounded, and a stop is not held by it.
+            Err(_) if room => tokio::select! {
+                slot = tokio::time::timeout(std::time::Duration::from_secs(1), slots.clone().acquire_owned()) => slot.ok().and_then(Result::ok),
+                _ = shutdown.changed() => break,
+            },
             _ => None,
         };
         if !under_cap {

@@ -36,6 +36,10 @@ pub enum DeliveryError {
     Store(#[from] StoreError),
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
+    /// A task of the delivery pass ended without its answer (it panicked: a store file that
+    /// made redb panic, say; the command then reports the damage).
+    #[error("a delivery task failed: {0}")]
+    Task(String),
 }
 
 /// What one delivery pass did.
@@ -282,7 +286,7 @@ impl Deliverer {
             store.lease_due_probing(now, lease_ms, limit, retry_floor, &HashSet::new(), &|id| subs.get(id).is_some(), &|_| usize::MAX)
         })
             .await
-            .map_err(|e| DeliveryError::Client(format!("lease task failed: {e}")))??;
+            .map_err(|e| DeliveryError::Task(format!("lease task: {e}")))??;
         let batch = leased.entries;
         if batch.is_empty() {
             return Ok(PassStats::default());
@@ -457,7 +461,7 @@ impl Deliverer {
                         }
                         Err(e) => {
                             tracing::error!("recording deliveries failed: {e}");
-                            failure.get_or_insert(DeliveryError::Client(format!("outcome task failed: {e}")));
+                            failure.get_or_insert(DeliveryError::Task(format!("outcome task: {e}")));
                             Vec::new()
                         }
                     };
@@ -514,7 +518,7 @@ impl Deliverer {
                     break;
                 }
                 Err(e) => {
-                    lease_error = Some(DeliveryError::Client(format!("lease task failed: {e}")));
+                    lease_error = Some(DeliveryError::Task(format!("lease task: {e}")));
                     break;
                 }
             };
@@ -608,7 +612,7 @@ impl Deliverer {
             }
         }
         drop(otx);
-        let (mut stats, failure) = committer.await.map_err(|e| DeliveryError::Client(format!("committer failed: {e}")))?;
+        let (mut stats, failure) = committer.await.map_err(|e| DeliveryError::Task(format!("committer: {e}")))?;
         stats.held_until_ms = held_until_ms;
         stats.lease_capped = lease_capped;
         match lease_error.or(failure) {

@@ -32,15 +32,20 @@ macro_rules! copy_tables {
         let backup = |e: redb::Error| CopyError::Backup(e);
         let mut n = 0usize;
         $(
-            {
-                let src = $rtx.open_table($def).map_err(|e| store(e.into()))?;
-                let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
-                for item in src.iter().map_err(|e| store(e.into()))? {
-                    let (k, v) = item.map_err(|e| store(e.into()))?;
-                    dst.insert(k.value(), v.value()).map_err(|e| backup(e.into()))?;
-                    $rows += 1;
+            // A table an older schema did not have yet (a read-only backup copies such a
+            // store as it is; the next open of the copy upgrades it) is left out.
+            match $rtx.open_table($def) {
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                opened => {
+                    let src = opened.map_err(|e| store(e.into()))?;
+                    let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
+                    for item in src.iter().map_err(|e| store(e.into()))? {
+                        let (k, v) = item.map_err(|e| store(e.into()))?;
+                        dst.insert(k.value(), v.value()).map_err(|e| backup(e.into()))?;
+                        $rows += 1;
+                    }
+                    n += 1;
                 }
-                n += 1;
             }
         )*
         n
@@ -146,42 +151,7 @@ impl Store {
     /// Writes a consistent copy of the store to `dest` (which must not exist). The copy is
     /// written to a temp file beside `dest`, checked, then renamed into place.
     pub fn backup_to(&self, dest: &Path) -> Result<BackupInfo, StoreError> {
-        if dest.exists() {
-            return Err(StoreError::Conflict(format!("backup destination {} already exists", dest.display())));
-        }
-        let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let backup_err = |source: StoreError| StoreError::Backup { dest: dest.to_path_buf(), source: Box::new(source) };
-        let tmp = tempfile::Builder::new()
-            .prefix(TEMP_PREFIX)
-            .tempfile_in(parent)
-            .map_err(|source| backup_err(StoreError::Io { what: format!("cannot create a temp file in {}", absolute(parent).display()), source }))?;
-        let _unfinished = crate::signals::scratch(tmp.path());
-        let mut rows = 0u64;
-        let rtx = self.db.begin_read()?;
-        // The copy's errors (a full backup disk) are the backup's, named as such, and say
-        // nothing about the store; a failure reading the store is the store's, converted
-        // outside the scope.
-        let copied = super::on_other_file(|| -> Result<Result<usize, redb::Error>, StoreError> {
-            let db = Database::create(tmp.path())?;
-            let wtx = db.begin_write()?;
-            match copy_all(&rtx, &wtx, &mut rows) {
-                Ok(tables) => {
-                    wtx.commit()?;
-                    Ok(Ok(tables))
-                }
-                Err(CopyError::Store(e)) => Ok(Err(e)),
-                Err(CopyError::Backup(e)) => Err(e.into()),
-            }
-        })
-        .map_err(backup_err)?;
-        let tables = copied?;
-        // Check what we wrote before it takes the destination's name.
-        verify_file(tmp.path()).map_err(backup_err)?;
-        crate::signals::committing();
-        tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
-        sync_folder_of(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("the backup is in place but its folder could not be synced: {e}") })?;
-        let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
-        Ok(BackupInfo { path: dest.to_path_buf(), bytes, tables, rows })
+        backup_from(|| Ok(self.db.begin_read()?), dest)
     }
 
     /// Names of the tables in the store (for the backup completeness check).
@@ -191,6 +161,66 @@ impl Store {
         names.sort();
         Ok(names)
     }
+}
+
+/// [`Store::backup_to`] for a store file this user may read but not write (a file kept
+/// read-only, a read-only mount, a forensic copy): redb opens it read-only, where a
+/// [`Store`] writes even to read. What the file holds is copied as it is, table by table (an
+/// older schema stays older: the next open of the backup upgrades it); the copy is checked
+/// as any backup is. A file not closed cleanly cannot be read so: redb repairs a file only
+/// where it may write it.
+pub fn backup_read_only(path: &Path, dest: &Path) -> Result<BackupInfo, StoreError> {
+    let open_err = |message: String| StoreError::Open { path: path.to_path_buf(), message };
+    let opened = super::guard::guarded(|| redb::Builder::new().set_cache_size(16 << 20).open_read_only(path)).map_err(|p| p.at(path))?;
+    let db = opened.map_err(|e| match e {
+        redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
+        redb::DatabaseError::RepairAborted => open_err(
+            "was not closed cleanly, and redb repairs a file only where it may write it: copy the file to where this user may write and back up the copy (`zonewatch backup` with a config naming it)".into(),
+        ),
+        other => open_err(format!("not a readable zonewatch store: {other}. If the file is damaged, restore a backup: zonewatch restore BACKUP --config FILE")),
+    })?;
+    backup_from(|| Ok(redb::ReadableDatabase::begin_read(&db)?), dest)
+}
+
+/// Writes the tables `begin_read` gives to `dest` (which must not exist): see
+/// [`Store::backup_to`].
+fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>, dest: &Path) -> Result<BackupInfo, StoreError> {
+    if dest.exists() {
+        return Err(StoreError::Conflict(format!("backup destination {} already exists", dest.display())));
+    }
+    let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let backup_err = |source: StoreError| StoreError::Backup { dest: dest.to_path_buf(), source: Box::new(source) };
+    let tmp = tempfile::Builder::new()
+        .prefix(TEMP_PREFIX)
+        .tempfile_in(parent)
+        .map_err(|source| backup_err(StoreError::Io { what: format!("cannot create a temp file in {}", absolute(parent).display()), source }))?;
+    let _unfinished = crate::signals::scratch(tmp.path());
+    let mut rows = 0u64;
+    let rtx = begin_read()?;
+    // The copy's errors (a full backup disk) are the backup's, named as such, and say
+    // nothing about the store; a failure reading the store is the store's, converted
+    // outside the scope.
+    let copied = super::on_other_file(|| -> Result<Result<usize, redb::Error>, StoreError> {
+        let db = Database::create(tmp.path())?;
+        let wtx = db.begin_write()?;
+        match copy_all(&rtx, &wtx, &mut rows) {
+            Ok(tables) => {
+                wtx.commit()?;
+                Ok(Ok(tables))
+            }
+            Err(CopyError::Store(e)) => Ok(Err(e)),
+            Err(CopyError::Backup(e)) => Err(e.into()),
+        }
+    })
+    .map_err(backup_err)?;
+    let tables = copied?;
+    // Check what we wrote before it takes the destination's name.
+    verify_file(tmp.path()).map_err(backup_err)?;
+    crate::signals::committing();
+    tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
+    sync_folder_of(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("the backup is in place but its folder could not be synced: {e}") })?;
+    let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
+    Ok(BackupInfo { path: dest.to_path_buf(), bytes, tables, rows })
 }
 
 /// Opens a store file read-write, runs redb's integrity check and the schema check. The open
@@ -232,6 +262,35 @@ fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// The run ids of the holds still open in the store file at `path`, read through a read-only
+/// open: `restore` warns of them (releasing one sends its alerts under new `webhook-id`s,
+/// also those subscribers got after the backup was taken).
+pub fn open_holds_in(path: &Path) -> Result<Vec<u64>, StoreError> {
+    let db = redb::Builder::new().open_read_only(path).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: e.to_string() })?;
+    let rtx = db.begin_read()?;
+    let t = match rtx.open_table(HOLDS) {
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+        t => t?,
+    };
+    let mut open = Vec::new();
+    for item in t.iter()? {
+        let (k, v) = item?;
+        if let Some(hold) = super::watermark_rows::readable_hold(k.value(), v.value()) {
+            if hold.state == crate::model::HoldState::Open {
+                open.push(hold.run_id);
+            }
+        }
+    }
+    Ok(open)
+}
+
+/// Whether two files' metadata are of one file (same device and inode: a hard link, or the
+/// same path written two ways).
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    (a.dev(), a.ino()) == (b.dev(), b.ino())
+}
+
 /// What a restore did besides putting the backup in place, for the operator to read.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct RestoreInfo {
@@ -259,6 +318,15 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(open_err(dest, e.to_string())),
     };
+    match std::fs::metadata(src) {
+        Ok(m) if m.is_dir() => return Err(open_err(src, "it is a folder: name the backup file".into())),
+        // The store given as its own backup: restoring it would only start a new key epoch
+        // and keep yet another copy of it (found by a black-box tester).
+        Ok(m) if previous.as_ref().is_some_and(|p| same_file(p, &m)) => {
+            return Err(open_err(src, format!("it is the store itself ({}): name a backup of it", dest.display())))
+        }
+        _ => {}
+    }
     if previous.is_some() {
         // If another process has it open, redb refuses to open it: that is our "in use" check.
         // Read-only, so the store being replaced is kept exactly as it was (a writable open

@@ -360,7 +360,7 @@ impl Store {
             // Not damage: restoring a backup would not help.
             redb::DatabaseError::Storage(redb::StorageError::Io(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => StoreError::Open {
                 path: path.to_path_buf(),
-                message: format!("{e}: this user may not write the store file (zonewatch reads and writes it, and makes temp files in its folder); run zonewatch as the file's owner, or give that user the file"),
+                message: format!("{e}: this user may not write the store file (zonewatch reads and writes it, and makes temp files in its folder); run zonewatch as the file's owner, or give that user the file; a file that must stay read-only can be copied with `zonewatch backup DEST` and the copy read"),
             },
             redb::DatabaseError::Storage(redb::StorageError::Io(source)) if is_out_of_space(&source) => {
                 StoreError::Io { what: format!("store {}: cannot open it", path.display()), source }
