@@ -85,6 +85,14 @@ fn a_read_only_store_file_is_backed_up_as_it_is() {
     assert_eq!(copy.snapshot_states("s1").unwrap(), original.snapshot_states("s1").unwrap());
     drop((copy, original));
 
+    // A store of another format version: a read-only copy could not be upgraded, and the
+    // tables it names differently would be left out. Refused, nothing written.
+    zonewatch::store::Store::open(&live).unwrap().force_schema_version(10).unwrap();
+    let err = zonewatch::store::backup::backup_read_only(&live, &ws.path().join("v10.redb")).unwrap_err();
+    assert!(err.to_string().contains("its format version is 10"), "{err}");
+    assert!(!ws.path().join("v10.redb").exists());
+    zonewatch::store::Store::open(&live).unwrap().force_schema_version(zonewatch::store::SCHEMA_VERSION).unwrap();
+
     // A file not closed cleanly: a copy of the store taken while it was open.
     let unclean = ws.path().join("unclean.redb");
     {

@@ -32,20 +32,15 @@ macro_rules! copy_tables {
         let backup = |e: redb::Error| CopyError::Backup(e);
         let mut n = 0usize;
         $(
-            // A table an older schema did not have yet (a read-only backup copies such a
-            // store as it is; the next open of the copy upgrades it) is left out.
-            match $rtx.open_table($def) {
-                Err(redb::TableError::TableDoesNotExist(_)) => {}
-                opened => {
-                    let src = opened.map_err(|e| store(e.into()))?;
-                    let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
-                    for item in src.iter().map_err(|e| store(e.into()))? {
-                        let (k, v) = item.map_err(|e| store(e.into()))?;
-                        dst.insert(k.value(), v.value()).map_err(|e| backup(e.into()))?;
-                        $rows += 1;
-                    }
-                    n += 1;
+            {
+                let src = $rtx.open_table($def).map_err(|e| store(e.into()))?;
+                let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
+                for item in src.iter().map_err(|e| store(e.into()))? {
+                    let (k, v) = item.map_err(|e| store(e.into()))?;
+                    dst.insert(k.value(), v.value()).map_err(|e| backup(e.into()))?;
+                    $rows += 1;
                 }
+                n += 1;
             }
         )*
         n
@@ -165,20 +160,35 @@ impl Store {
 
 /// [`Store::backup_to`] for a store file this user may read but not write (a file kept
 /// read-only, a read-only mount, a forensic copy): redb opens it read-only, where a
-/// [`Store`] writes even to read. What the file holds is copied as it is, table by table (an
-/// older schema stays older: the next open of the backup upgrades it); the copy is checked
-/// as any backup is. A file not closed cleanly cannot be read so: redb repairs a file only
-/// where it may write it.
+/// [`Store`] writes even to read; the copy is checked as any backup is. Only a store of this
+/// build's schema: an older one keeps tables this build's list does not copy (its snapshot
+/// before the upgrade moved it, found by a reviewer: the copy would have verified without
+/// its parcels), a newer one tables this build does not know. A file not closed cleanly
+/// cannot be read so either: redb repairs a file only where it may write it.
 pub fn backup_read_only(path: &Path, dest: &Path) -> Result<BackupInfo, StoreError> {
     let open_err = |message: String| StoreError::Open { path: path.to_path_buf(), message };
+    let copy_it = "copy the file to where this user may write and back up the copy (`zonewatch backup` with a config naming it)";
     let opened = super::guard::guarded(|| redb::Builder::new().set_cache_size(16 << 20).open_read_only(path)).map_err(|p| p.at(path))?;
     let db = opened.map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => StoreError::InUse { path: path.to_path_buf() },
-        redb::DatabaseError::RepairAborted => open_err(
-            "was not closed cleanly, and redb repairs a file only where it may write it: copy the file to where this user may write and back up the copy (`zonewatch backup` with a config naming it)".into(),
-        ),
+        redb::DatabaseError::RepairAborted => open_err(format!("was not closed cleanly, and redb repairs a file only where it may write it: {copy_it}")),
+        redb::DatabaseError::Storage(redb::StorageError::Io(e)) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            open_err(format!("{e}: this user may not read the store file; run zonewatch as the file's owner"))
+        }
         other => open_err(format!("not a readable zonewatch store: {other}. If the file is damaged, restore a backup: zonewatch restore BACKUP --config FILE")),
     })?;
+    let schema = {
+        let rtx = redb::ReadableDatabase::begin_read(&db)?;
+        let meta = rtx.open_table(META).map_err(|e| open_err(format!("not a zonewatch store: {e}")))?;
+        let found = meta.get(META_SCHEMA)?.map(|v| super::decode_u32(v.value()));
+        found
+    };
+    if schema != Some(SCHEMA_VERSION) {
+        let found = schema.map_or("none".to_string(), |v| v.to_string());
+        return Err(open_err(format!(
+            "its format version is {found}, this build's {SCHEMA_VERSION}: read-only, it cannot be upgraded, and a backup of it would miss tables this build does not copy; {copy_it}"
+        )));
+    }
     backup_from(|| Ok(redb::ReadableDatabase::begin_read(&db)?), dest)
 }
 
@@ -265,7 +275,7 @@ fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
 /// The run ids of the holds still open in the store file at `path`, read through a read-only
 /// open: `restore` warns of them (releasing one sends its alerts under new `webhook-id`s,
 /// also those subscribers got after the backup was taken).
-pub fn open_holds_in(path: &Path) -> Result<Vec<u64>, StoreError> {
+fn open_holds_in(path: &Path) -> Result<Vec<u64>, StoreError> {
     let db = redb::Builder::new().open_read_only(path).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: e.to_string() })?;
     let rtx = db.begin_read()?;
     let t = match rtx.open_table(HOLDS) {
@@ -300,6 +310,8 @@ pub struct RestoreInfo {
     /// Set when the restored file could not be given the replaced store's owner (not running
     /// as root, say): the service user may then be unable to open it until it is chowned.
     pub owner_warning: Option<String>,
+    /// The run ids of the holds open in the backup: open again now (see `open_holds_in`).
+    pub open_holds: Vec<u64>,
 }
 
 /// Restores `src` (a backup) over the store at `dest`. Refuses when `dest` is in use by a
@@ -353,6 +365,9 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     // from here on name a new epoch, so none takes the key of a change sent since the backup
     // (`key_scope.rs`).
     super::key_scope::new_epoch(tmp.path())?;
+    // Read from the copy before it takes the store's name: once it has, a `run` from a timer
+    // may hold it (found by a reviewer).
+    let open_holds = open_holds_in(tmp.path()).unwrap_or_default();
     tmp.as_file().sync_all().map_err(|e| open_err(dest, format!("cannot sync the restored file: {e}")))?;
     // From here the old store is kept aside and the new one renamed in: a signal waits.
     crate::signals::committing();
@@ -366,7 +381,7 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     // that a power cut after "restored" cannot bring back the old name or lose the new one.
     sync_folder_of(dest).map_err(|e| open_err(dest, format!("the restored store is in place but its folder could not be synced: {e}")))?;
     drop(registered);
-    Ok(RestoreInfo { kept, owner_warning })
+    Ok(RestoreInfo { kept, owner_warning, open_holds })
 }
 
 /// Syncs the folder holding `path`, making a rename or a new link in it durable (the file's

@@ -711,7 +711,7 @@ impl Store {
     }
 }
 
-fn decode_u32(bytes: &[u8]) -> u32 {
+pub(super) fn decode_u32(bytes: &[u8]) -> u32 {
     let mut b = [0u8; 4];
     let n = bytes.len().min(4);
     b[..n].copy_from_slice(&bytes[..n]);
