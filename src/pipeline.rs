@@ -297,7 +297,7 @@ fn stored_subscribers(stored: Vec<crate::store::StoredSubscriber>, config: &Conf
                 geo::MultiPolygon(vec![])
             }
         };
-        out.push(Subscriber { id: s.id, target: s.target, secret: s.secret, secret_old: None, min_severity: s.min_severity, aoi });
+        out.push(Subscriber { id: s.id, target: s.target, secret: s.secret, secret_old: s.secret_old, min_severity: s.min_severity, aoi });
     }
     out
 }

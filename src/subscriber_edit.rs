@@ -48,7 +48,7 @@ impl SubscriberEdit<'_> {
                 secret: rec.secret.clone(),
                 min_severity: rec.min_severity,
                 aoi,
-                secret_old: None,
+                secret_old: rec.secret_old.clone(),
             });
         }
         Ok(put)

@@ -129,6 +129,7 @@ fn check_reports_good_and_bad_configs() {
             aoi_geojson: aoi_text.into(),
             created_ms: 0,
             updated_ms: 0,
+            secret_old: None,
         };
         engine.edit_subscribers().put(&rec, zonewatch::notify::aoi::parse_new_aoi(aoi_text).unwrap()).unwrap();
     }
@@ -494,6 +495,7 @@ fn a_config_subscriber_hiding_an_api_subscriber_is_warned_about() {
             aoi_geojson: rect(-71.2, 42.3, -71.0, 42.5).to_string(),
             created_ms: 0,
             updated_ms: 0,
+            secret_old: None,
         };
         engine.store.put_subscriber(&sub, engine.now()).unwrap();
     }

@@ -503,6 +503,76 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
 /// different ids at once all reach the live index (`zonewatch_subscribers`); and a config
 /// AOI file damaged on disk since the start does not fail an edit of another subscriber
 /// (the edit does not read every AOI again).
+/// A control-port subscriber's secret as an operator steers it (found by a black-box tester:
+/// `secret_old` was refused, and a `PUT` that left the secret out, as `GET` shows a
+/// subscriber, turned signing off): left out, a `PUT` keeps it; `secret_old` rotates it
+/// (both signatures on every delivery); `null` ends the rotation, or the signing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_port_subscriber_keeps_its_secret_and_rotates_it() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[], "", "every = \"1h\"");
+    let v1 = grid(30);
+    ws.write_layer(&layer(&v1));
+    let d = tokio::task::block_in_place(|| Daemon::start(&ws));
+    let c = client();
+    let auth = format!("Bearer {}", d.token);
+    let (s1, s2) = ("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "whsec_c2Vjb25kLXNlY3JldC1zZWNvbmQtc2VjcmV0");
+    tokio::task::block_in_place(|| {
+        let get = |path: &str| -> Value { c.get(d.url(path)).header("authorization", &auth).send().unwrap().json().unwrap() };
+        wait_for("the baseline", || get("/v1/sources")["items"][0]["last_verdict"] == "baseline");
+        let aoi = json!({"type": "Polygon", "coordinates": [[[-71.2, 42.3], [-71.0, 42.3], [-71.0, 42.5], [-71.2, 42.5], [-71.2, 42.3]]]});
+        let put = |body: Value| -> (u16, Value) {
+            let r = c.put(d.url("/v1/subscribers/api-1")).header("authorization", &auth).json(&body).send().unwrap();
+            (r.status().as_u16(), r.json().unwrap())
+        };
+        let target = rx.url("/api");
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "min_severity": "info", "secret": s1}));
+        assert_eq!((status, body["signed"].as_bool(), body["rotating"].as_bool()), (201, Some(true), Some(false)), "{body}");
+        // A new min_severity, the secret left out (as GET shows the subscriber): kept.
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "min_severity": "info"}));
+        assert_eq!((status, body["signed"].as_bool()), (200, Some(true)), "{body}");
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "secret_old": s1}));
+        assert_eq!((status, body["rotating"].as_bool()), (200, Some(false)), "a secret_old the same as the secret rotates nothing: {body}");
+        // A rotation: the new secret, the old one beside it.
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "min_severity": "info", "secret": s2, "secret_old": s1}));
+        assert_eq!((status, body["signed"].as_bool(), body["rotating"].as_bool()), (200, Some(true), Some(true)), "{body}");
+        let listed = get("/v1/subscribers/api-1");
+        assert_eq!(listed["rotating"], true, "{listed}");
+        let mut zone = 0;
+        let mut rezone_and_receive = |what: &str| -> zonewatch::receiver::Received {
+            zone += 1;
+            let mut v = v1.clone();
+            v[0].zone = format!("C{zone}");
+            ws.write_layer(&layer(&v));
+            let before = rx.received().len();
+            let run: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", &auth).send().unwrap().json().unwrap();
+            assert_eq!(run["run"]["queued"], 1, "{what}: {run}");
+            wait_for(what, || rx.received().len() == before + 1);
+            rx.received().pop().unwrap()
+        };
+        let verifies = |r: &zonewatch::receiver::Received, secret: &str| -> bool {
+            let (Some(id), Some(ts), Some(sig)) = (r.header("webhook-id"), r.header("webhook-timestamp"), r.header("webhook-signature")) else { return false };
+            let key = zonewatch::notify::signing::decode_secret(secret).unwrap();
+            let want = zonewatch::notify::signing::sign(&key, id, ts.parse().unwrap(), &r.body);
+            sig.split(' ').any(|s| s == want)
+        };
+        let got = rezone_and_receive("a delivery during the rotation");
+        assert!(verifies(&got, s1) && verifies(&got, s2), "both signatures: {:?}", got.header("webhook-signature"));
+        // The rotation ended: the new secret only.
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "min_severity": "info", "secret_old": null}));
+        assert_eq!((status, body["signed"].as_bool(), body["rotating"].as_bool()), (200, Some(true), Some(false)), "{body}");
+        let got = rezone_and_receive("a delivery after the rotation");
+        assert!(verifies(&got, s2) && !verifies(&got, s1), "{:?}", got.header("webhook-signature"));
+        // A secret_old with the secret turned off: refused; the secret turned off: unsigned.
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "secret": null, "secret_old": s2}));
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("bad_secret")), "{body}");
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "min_severity": "info", "secret": null}));
+        assert_eq!((status, body["signed"].as_bool()), (200, Some(false)), "{body}");
+        let got = rezone_and_receive("a delivery unsigned");
+        assert!(got.header("webhook-signature").is_none());
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subscriber_edits_are_serialised_and_do_not_reread_other_aois() {
     let (ws, _) = gated_workspace("cfg-a", "http://127.0.0.1:9/hook".into(), "5s");

@@ -875,6 +875,7 @@ fn api_subscriber(id: &str, target: String) -> zonewatch::store::StoredSubscribe
         aoi_geojson: area().to_string(),
         created_ms: 0,
         updated_ms: 0,
+        secret_old: None,
     }
 }
 

@@ -151,11 +151,12 @@ pub fn document() -> Value {
                     "reprocess": {"type": "boolean", "description": "the held run was a --reprocess: releasing it primes"}}},
                 "SubscriberInput": {"type": "object", "additionalProperties": false, "required": ["target", "aoi"], "properties": {
                     "id": {"type": ["string", "null"], "pattern": "^(?!\\.+$)[A-Za-z0-9._-]{1,64}$", "description": "required by POST /v1/subscribers (400 missing_field without it); a PUT takes it from the path, and one given must match it"}, "target": {"type": "string", "format": "uri"},
-                    "secret": {"type": ["string", "null"], "description": "whsec_ + base64 of at least 16 bytes"},
+                    "secret": {"type": ["string", "null"], "description": "whsec_ + base64 of at least 16 bytes; left out, a PUT keeps the stored one; null: deliveries are no longer signed"},
+                    "secret_old": {"type": ["string", "null"], "description": "the secret being rotated out: deliveries carry both signatures while it is set (needs a secret); left out, a PUT keeps the stored one; null ends the rotation"},
                     "min_severity": {"type": ["string", "null"], "enum": ["info", "notice", "material", "critical", null]},
                     "aoi": {"type": "object", "description": "GeoJSON Polygon, MultiPolygon, Feature or FeatureCollection"}}},
                 "Subscriber": {"type": "object", "required": ["id", "target", "signed", "min_severity", "managed_by"], "properties": {
-                    "id": s("string"), "target": s("string"), "signed": s("boolean"), "min_severity": s("string"), "aoi": {},
+                    "id": s("string"), "target": s("string"), "signed": s("boolean"), "rotating": {"type": "boolean", "description": "a secret_old is set beside the secret: deliveries carry both signatures"}, "min_severity": s("string"), "aoi": {},
                     "managed_by": {"type": "string", "enum": ["config", "api"]}}},
                 "Endpoint": {"type": "object", "required": ["id", "managed_by", "target", "state", "breaker", "last_success", "disabled_reason", "disabled_at"], "properties": {
                     "id": s("string"), "managed_by": {"type": "string", "enum": ["config", "api"]}, "target": s("string"),

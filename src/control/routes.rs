@@ -452,26 +452,41 @@ async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
 struct SubscriberBody {
     id: Option<String>,
     target: String,
-    secret: Option<String>,
+    /// Left out: a `PUT` keeps the stored secret (no `GET` shows it, so a subscriber read
+    /// and sent back would otherwise lose its signing: found by a black-box tester); `null`:
+    /// no longer signed.
+    #[serde(default, deserialize_with = "present")]
+    secret: Option<Option<String>>,
+    /// The secret being rotated out (both signatures sent), as `secret_old` in the config;
+    /// left out and `null` as for `secret`.
+    #[serde(default, deserialize_with = "present")]
+    secret_old: Option<Option<String>>,
     min_severity: Option<String>,
     aoi: Value,
 }
 
-fn subscriber_json(id: &str, target: &str, secret: bool, min_severity: Severity, aoi: Value, managed_by: &str) -> Value {
-    json!({"id": id, "target": crate::util::url_for_display(target), "signed": secret, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
+/// A member that is there, `null` or not: `Some(None)` for `null` (with `#[serde(default)]`,
+/// a member left out is `None`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(d).map(Some)
+}
+
+/// `signing`: (a secret is set, a `secret_old` is set beside it).
+fn subscriber_json(id: &str, target: &str, signing: (bool, bool), min_severity: Severity, aoi: Value, managed_by: &str) -> Value {
+    json!({"id": id, "target": crate::util::url_for_display(target), "signed": signing.0, "rotating": signing.0 && signing.1, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
 }
 
 fn list_subscribers(st: &ControlState) -> Resp {
     let mut items = Vec::new();
     for c in &st.engine.config.subscribers {
         let aoi = st.engine.subscribers.get(&c.id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
-        items.push(subscriber_json(&c.id, &c.target, c.secret.is_some(), c.min_severity, aoi, "config"));
+        items.push(subscriber_json(&c.id, &c.target, (c.secret.is_some(), c.secret_old.is_some()), c.min_severity, aoi, "config"));
     }
     match st.engine.store.stored_subscribers() {
         Ok(list) => {
             for s in list.iter().filter(|s| !st.engine.config.has_subscriber(&s.id)) {
                 let aoi = serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null);
-                items.push(subscriber_json(&s.id, &s.target, s.secret.is_some(), s.min_severity, aoi, "api"));
+                items.push(subscriber_json(&s.id, &s.target, (s.secret.is_some(), s.secret_old.is_some()), s.min_severity, aoi, "api"));
             }
         }
         Err(e) => return internal(e),
@@ -482,13 +497,13 @@ fn list_subscribers(st: &ControlState) -> Resp {
 fn get_subscriber(st: &ControlState, id: &str) -> Resp {
     if let Some(c) = st.engine.config.subscribers.iter().find(|c| c.id == id) {
         let aoi = st.engine.subscribers.get(id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
-        return json(StatusCode::OK, &subscriber_json(&c.id, &c.target, c.secret.is_some(), c.min_severity, aoi, "config"));
+        return json(StatusCode::OK, &subscriber_json(&c.id, &c.target, (c.secret.is_some(), c.secret_old.is_some()), c.min_severity, aoi, "config"));
     }
     match st.engine.store.stored_subscriber(id) {
         Ok(found) => match found {
             Some(s) => json(
                 StatusCode::OK,
-                &subscriber_json(&s.id, &s.target, s.secret.is_some(), s.min_severity, serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null), "api"),
+                &subscriber_json(&s.id, &s.target, (s.secret.is_some(), s.secret_old.is_some()), s.min_severity, serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null), "api"),
             ),
             None => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
         },
@@ -530,9 +545,11 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
             ),
         );
     }
-    if let Some(secret) = &b.secret {
-        if let Err(e) = crate::notify::signing::decode_secret(secret) {
-            return error(StatusCode::BAD_REQUEST, "bad_secret", e);
+    for (name, given) in [("secret", &b.secret), ("secret_old", &b.secret_old)] {
+        if let Some(Some(secret)) = given {
+            if let Err(e) = crate::notify::signing::decode_secret(secret) {
+                return error(StatusCode::BAD_REQUEST, "bad_secret", format!("{name}: {e}"));
+            }
         }
     }
     let min_severity = match &b.min_severity {
@@ -556,15 +573,31 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     if creating && existing.is_some() {
         return error(StatusCode::CONFLICT, "exists", format!("subscriber {id:?} exists; use PUT /v1/subscribers/{id}"));
     }
+    // Left out: as stored.
+    let kept = |given: &Option<Option<String>>, stored: Option<&String>| match given {
+        Some(value) => value.clone(),
+        None => stored.cloned(),
+    };
+    let secret = kept(&b.secret, existing.as_ref().and_then(|e| e.secret.as_ref()));
+    // The same as the secret: one signature is all there is to send.
+    let secret_old = kept(&b.secret_old, existing.as_ref().and_then(|e| e.secret_old.as_ref())).filter(|old| Some(old) != secret.as_ref());
+    if secret.is_none() && secret_old.is_some() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_secret",
+            "secret_old without a secret: nothing is signed without one (send \"secret_old\": null to end a rotation, or a secret)",
+        );
+    }
     let now = st.engine.now();
     let rec = StoredSubscriber {
         id: id.clone(),
         target: b.target.clone(),
-        secret: b.secret.clone(),
+        secret,
         min_severity,
         aoi_geojson: aoi_text,
         created_ms: existing.as_ref().map(|e| e.created_ms).unwrap_or(now),
         updated_ms: now,
+        secret_old,
     };
     // A new target re-enables a disabled endpoint (same transaction, audited).
     let put = match edit.put(&rec, aoi) {
@@ -576,7 +609,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         st.wake.notify_one();
     }
     let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
-    json(status, &subscriber_json(&rec.id, &rec.target, rec.secret.is_some(), rec.min_severity, b.aoi, "api"))
+    json(status, &subscriber_json(&rec.id, &rec.target, (rec.secret.is_some(), rec.secret_old.is_some()), rec.min_severity, b.aoi, "api"))
 }
 
 fn delete_subscriber(st: &ControlState, id: &str) -> Resp {

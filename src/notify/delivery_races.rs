@@ -18,7 +18,7 @@ fn sub(target: String) -> Subscriber {
 }
 
 fn stored(target: String, now: u64) -> StoredSubscriber {
-    StoredSubscriber { id: "w".into(), target, secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: now, updated_ms: now }
+    StoredSubscriber { id: "w".into(), target, secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: now, updated_ms: now, secret_old: None }
 }
 
 /// Queues `n` events for subscriber `w`, keys `{prefix}{i}`.

@@ -509,7 +509,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         for item in subs.iter()? {
             let (k, v) = item?;
             report.api_subscribers.push(k.value().to_string());
-            if let Ok(s) = decode::<super::StoredSubscriber>(v.value()) {
+            if let Ok(s) = super::subscribers::decode_subscriber(v.value()) {
                 report.api_subscriber_targets.push((s.id, s.target));
             }
         }

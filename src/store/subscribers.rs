@@ -1,7 +1,6 @@
 //! Subscribers managed through the control port, kept in the store so they survive restarts
 //! and travel with a backup. Subscribers from the config file are not stored here.
 
-use super::codec::{decode, encode};
 use super::runs::codec_err;
 use super::tables::SUBSCRIBERS;
 use super::delivery::{dead_letter_rows, outbox_rows_of, RowsDeadLettered};
@@ -22,6 +21,40 @@ pub struct StoredSubscriber {
     pub aoi_geojson: String,
     pub created_ms: u64,
     pub updated_ms: u64,
+    /// The secret being rotated out: each delivery is signed with both while it is set, as
+    /// a config subscriber's `secret_old` (record version 2; a version 1 record has none).
+    pub secret_old: Option<String>,
+}
+
+/// The record version of [`StoredSubscriber`] this build writes (2: `secret_old`).
+const SUBSCRIBER_RECORD_VERSION: u8 = 2;
+
+/// A [`StoredSubscriber`] as version 1 stored it (before `secret_old`).
+#[derive(Deserialize)]
+struct StoredSubscriberV1 {
+    id: String,
+    target: String,
+    secret: Option<String>,
+    min_severity: Severity,
+    aoi_geojson: String,
+    created_ms: u64,
+    updated_ms: u64,
+}
+
+impl From<StoredSubscriberV1> for StoredSubscriber {
+    fn from(v: StoredSubscriberV1) -> StoredSubscriber {
+        let StoredSubscriberV1 { id, target, secret, min_severity, aoi_geojson, created_ms, updated_ms } = v;
+        StoredSubscriber { id, target, secret, min_severity, aoi_geojson, created_ms, updated_ms, secret_old: None }
+    }
+}
+
+/// A stored subscriber record of either version.
+pub(super) fn decode_subscriber(bytes: &[u8]) -> Result<StoredSubscriber, String> {
+    super::codec::decode_migrating::<StoredSubscriberV1, _>(bytes, SUBSCRIBER_RECORD_VERSION, "subscribers")
+}
+
+fn encode_subscriber(sub: &StoredSubscriber) -> Vec<u8> {
+    super::codec::encode_versioned(SUBSCRIBER_RECORD_VERSION, sub)
 }
 
 /// The targets of the subscribers managed over the control port as this transaction sees
@@ -58,7 +91,7 @@ impl<'t> StoredTargets<'t> {
                 None => self.table.insert(self.wtx.open_table(SUBSCRIBERS)?),
             };
             let target = match table.get(id)? {
-                Some(v) => decode::<StoredSubscriber>(v.value()).ok().map(|s| s.target),
+                Some(v) => decode_subscriber(v.value()).ok().map(|s| s.target),
                 None => None,
             };
             self.seen.insert(id.to_string(), target);
@@ -96,7 +129,7 @@ impl Store {
         let mut out = Vec::new();
         for item in t.iter()? {
             let (_, v) = item?;
-            out.push(decode(v.value()).map_err(|m| codec_err("subscribers", m))?);
+            out.push(decode_subscriber(v.value()).map_err(|m| codec_err("subscribers", m))?);
         }
         Ok(out)
     }
@@ -106,7 +139,7 @@ impl Store {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(SUBSCRIBERS)?;
         let found = t.get(id)?;
-        found.map(|v| decode(v.value()).map_err(|m| codec_err("subscribers", m))).transpose()
+        found.map(|v| decode_subscriber(v.value()).map_err(|m| codec_err("subscribers", m))).transpose()
     }
 
     /// Inserts or replaces a subscriber. A replacement with another target re-enables its
@@ -118,10 +151,10 @@ impl Store {
         let previous: Option<StoredSubscriber> = {
             let mut t = wtx.open_table(SUBSCRIBERS)?;
             let prev = match t.get(sub.id.as_str())? {
-                Some(v) => Some(decode(v.value()).map_err(|m| codec_err("subscribers", m))?),
+                Some(v) => Some(decode_subscriber(v.value()).map_err(|m| codec_err("subscribers", m))?),
                 None => None,
             };
-            t.insert(sub.id.as_str(), encode(sub).as_slice())?;
+            t.insert(sub.id.as_str(), encode_subscriber(sub).as_slice())?;
             prev
         };
         let re_enabled = match &previous {
@@ -167,5 +200,45 @@ impl Store {
             Ok(rows)
         })?;
         Ok(Some(SubscriberDeleted { rows }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record written before `secret_old` (version 1) reads as one without it; this
+    /// build's records carry it.
+    #[test]
+    fn a_version_1_subscriber_record_reads_without_a_secret_old() {
+        #[derive(Serialize)]
+        struct V1<'a> {
+            id: &'a str,
+            target: &'a str,
+            secret: Option<&'a str>,
+            min_severity: Severity,
+            aoi_geojson: &'a str,
+            created_ms: u64,
+            updated_ms: u64,
+        }
+        let old = V1 { id: "w", target: "https://h/", secret: Some("whsec_x"), min_severity: Severity::Material, aoi_geojson: "{}", created_ms: 1, updated_ms: 2 };
+        let bytes = super::super::codec::encode(&old);
+        assert_eq!(bytes[0], 1);
+        let read = decode_subscriber(&bytes).unwrap();
+        let want = StoredSubscriber {
+            id: "w".into(),
+            target: "https://h/".into(),
+            secret: Some("whsec_x".into()),
+            min_severity: Severity::Material,
+            aoi_geojson: "{}".into(),
+            created_ms: 1,
+            updated_ms: 2,
+            secret_old: None,
+        };
+        assert_eq!(read, want);
+        let now = StoredSubscriber { secret_old: Some("whsec_y".into()), ..want };
+        let bytes = encode_subscriber(&now);
+        assert_eq!(bytes[0], SUBSCRIBER_RECORD_VERSION);
+        assert_eq!(decode_subscriber(&bytes).unwrap(), now);
     }
 }
