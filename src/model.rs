@@ -607,6 +607,11 @@ pub enum QuarantineReason {
     InvalidGeometry,
     Unrepairable,
     MalformedFeature,
+    /// An id, a zoning or district code or an effective date past
+    /// `ingest::normalize::MAX_FIELD_BYTES`: a field pointed at a long text column most often
+    /// (so systemic, as a missing one), else a broken or hostile feed. Last, so the stored
+    /// index of every older reason stays.
+    FieldTooLong,
 }
 
 impl QuarantineReason {
@@ -621,13 +626,14 @@ impl QuarantineReason {
             QuarantineReason::InvalidGeometry => "invalid_geometry",
             QuarantineReason::Unrepairable => "unrepairable",
             QuarantineReason::MalformedFeature => "malformed_feature",
+            QuarantineReason::FieldTooLong => "field_too_long",
         }
     }
 
     /// Reasons that point at a systematic feed problem (a renamed field, a datum drift)
     /// rather than one bad feature: these count towards the quarantine-spike gate.
     pub fn is_systemic(self) -> bool {
-        matches!(self, QuarantineReason::MissingField | QuarantineReason::OutOfBounds)
+        matches!(self, QuarantineReason::MissingField | QuarantineReason::OutOfBounds | QuarantineReason::FieldTooLong)
     }
 }
 

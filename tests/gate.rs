@@ -31,6 +31,28 @@ async fn watched_grid(ratio: f64) -> (zonewatch::receiver::Receiver, Workspace, 
     (rx, ws, engine)
 }
 
+/// A zoning field that came to hold long text (a publisher moved the description into it, or
+/// the config maps a description column): every value past the 1,024-byte cap is quarantined
+/// `field_too_long`, and, more than half the layer so, the run is held as for a missing
+/// field; nothing is sent, every parcel keeps its stored state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zoning_field_of_long_text_is_held_not_alerted() {
+    let (rx, ws, engine) = watched_grid(0.5).await;
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let text = "Residential district permitting one-family detached dwellings; ".repeat(20);
+    let all: Vec<usize> = (0..100).collect();
+    ws.write_layer(&layer(&with_zones(&v1, &all, &text)));
+    let held = run(&engine, false);
+    assert_eq!(held.record.verdict, Verdict::Held);
+    let reason = held.hold_reason.clone().unwrap_or_default();
+    assert!(reason.starts_with("quarantine_spike: 100 of 100") && reason.contains("field_too_long"), "{reason}");
+    assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 100);
+    deliver(&engine, Duration::from_secs(1)).await;
+    assert!(rx.received().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renamed_zoning_field_is_held_until_mapped() {
     let (rx, ws, engine) = watched_grid(0.5).await;

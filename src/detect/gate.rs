@@ -28,7 +28,8 @@ pub struct GateInput {
     pub changed: u64,
     /// Features read this run.
     pub features: u64,
-    /// Features quarantined for a systemic reason (`missing_field`, `out_of_bounds`).
+    /// Features quarantined for a systemic reason (`missing_field`, `out_of_bounds`,
+    /// `field_too_long`).
     pub systemic_quarantined: u64,
     pub max_change_ratio: f64,
     /// Why the layer is a restatement (its publisher timestamp went backwards), if it is.
@@ -39,7 +40,7 @@ pub struct GateInput {
 pub fn decide(i: GateInput) -> GateDecision {
     if i.features > 0 && i.systemic_quarantined * 2 > i.features {
         return GateDecision::Hold(format!(
-            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds (renamed field or datum drift?)",
+            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long (renamed field, a field mapped to a long text column, or datum drift?)",
             i.systemic_quarantined, i.features
         ));
     }

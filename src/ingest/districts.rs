@@ -82,7 +82,7 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             return;
         };
         if let Some(detail) = crate::ingest::normalize::overlong(code_field, "a district code", &code) {
-            out.rejected.push(reject(QuarantineReason::MalformedFeature, detail));
+            out.rejected.push(reject(QuarantineReason::FieldTooLong, detail));
             return;
         }
         if let Some(detail) = f.not_utf8.then(|| crate::ingest::normalize::damaged_text(&[Some(&code)])).flatten() {
@@ -139,7 +139,7 @@ mod tests {
         let l = read_districts(layer.as_bytes(), "zone_class", None).unwrap();
         assert!(l.districts.is_empty());
         assert_eq!(l.rejected.len(), 1);
-        assert_eq!(l.rejected[0].reason, QuarantineReason::MalformedFeature);
+        assert_eq!(l.rejected[0].reason, QuarantineReason::FieldTooLong);
         assert!(l.rejected[0].detail.starts_with("zone_class is 1025 bytes"), "{}", l.rejected[0].detail);
     }
 }

@@ -111,7 +111,7 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
     // An id past the cap names no parcel any publisher means (it would be stored in the
     // snapshot, every key, audit row and webhook): taken without an id, where it lies.
     if let Some(detail) = overlong(&rules.fields.parcel_id, "a parcel id", &id) {
-        return Err(unidentified(QuarantineReason::MalformedFeature, detail, geometry));
+        return Err(unidentified(QuarantineReason::FieldTooLong, detail, geometry));
     }
     // An empty zoning field name means a pure parcel base (zoning derived from districts).
     let zoning = if rules.fields.zoning.trim().is_empty() {
@@ -132,7 +132,7 @@ pub fn normalize_feature(raw: &str, rules: &NormalizeRules) -> Result<Normalized
         overlong(field, "an effective date", date)
     });
     if let Some(detail) = too_long {
-        return Err(reject(Some(id), QuarantineReason::MalformedFeature, detail));
+        return Err(reject(Some(id), QuarantineReason::FieldTooLong, detail));
     }
 
     let geom = match geometry {
@@ -1001,11 +1001,11 @@ mod tests {
         let n = normalize_feature(raw(&feature(&at_cap, &at_cap, &at_cap)), &rules(&dated)).unwrap();
         assert_eq!((n.parcel.id.len(), n.parcel.state.zoning.len()), (MAX_FIELD_BYTES, MAX_FIELD_BYTES));
         let err = normalize_feature(raw(&feature(&over, "R", "")), &rules(&dated)).unwrap_err();
-        assert_eq!((err.reason, err.parcel_id, err.footprint), (QuarantineReason::MalformedFeature, None, Some(([0.0, 0.0], [1.0, 1.0]))));
+        assert_eq!((err.reason, err.parcel_id, err.footprint), (QuarantineReason::FieldTooLong, None, Some(([0.0, 0.0], [1.0, 1.0]))));
         assert!(err.detail.starts_with("APN is 1025 bytes (it begins \"9999") && err.detail.len() < 200, "{}", err.detail);
         for (zone, eff, field) in [(over.as_str(), "2020", "ZONE"), ("R", over.as_str(), "EFF")] {
             let err = normalize_feature(raw(&feature("7", zone, eff)), &rules(&dated)).unwrap_err();
-            assert_eq!((err.reason, err.parcel_id.as_deref()), (QuarantineReason::MalformedFeature, Some("7")), "{field}");
+            assert_eq!((err.reason, err.parcel_id.as_deref()), (QuarantineReason::FieldTooLong, Some("7")), "{field}");
             assert!(err.detail.starts_with(&format!("{field} is 1025 bytes")), "{}", err.detail);
         }
         // A hostile coordinate makes a short detail (the extent in exponent form), not one of
