@@ -498,11 +498,6 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
     assert_eq!(engine.store.outbox_len().unwrap(), 0);
 }
 
-/// Subscriber edits over the control port are one at a time and touch one subscriber:
-/// eight creates of one id at once give one `201` and seven `409`s; eight creates of
-/// different ids at once all reach the live index (`zonewatch_subscribers`); and a config
-/// AOI file damaged on disk since the start does not fail an edit of another subscriber
-/// (the edit does not read every AOI again).
 /// A control-port subscriber's secret as an operator steers it (found by a black-box tester:
 /// `secret_old` was refused, and a `PUT` that left the secret out, as `GET` shows a
 /// subscriber, turned signing off): left out, a `PUT` keeps it; `secret_old` rotates it
@@ -563,6 +558,13 @@ async fn a_control_port_subscriber_keeps_its_secret_and_rotates_it() {
         assert_eq!((status, body["signed"].as_bool(), body["rotating"].as_bool()), (200, Some(true), Some(false)), "{body}");
         let got = rezone_and_receive("a delivery after the rotation");
         assert!(verifies(&got, s2) && !verifies(&got, s1), "{:?}", got.header("webhook-signature"));
+        // A second rotation that leaves secret_old out ends the first: the old secret is not
+        // kept beside a secret it was not rotated for.
+        let s3 = "whsec_dGhpcmQtc2VjcmV0LXRoaXJkLXNlY3JldA==";
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "secret": s3, "secret_old": s2}));
+        assert_eq!((status, body["rotating"].as_bool()), (200, Some(true)), "{body}");
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "secret": s1}));
+        assert_eq!((status, body["rotating"].as_bool()), (200, Some(false)), "{body}");
         // A secret_old with the secret turned off: refused; the secret turned off: unsigned.
         let (status, body) = put(json!({"target": target, "aoi": aoi, "secret": null, "secret_old": s2}));
         assert_eq!((status, body["error"]["code"].as_str()), (400, Some("bad_secret")), "{body}");
@@ -573,6 +575,11 @@ async fn a_control_port_subscriber_keeps_its_secret_and_rotates_it() {
     });
 }
 
+/// Subscriber edits over the control port are one at a time and touch one subscriber:
+/// eight creates of one id at once give one `201` and seven `409`s; eight creates of
+/// different ids at once all reach the live index (`zonewatch_subscribers`); and a config
+/// AOI file damaged on disk since the start does not fail an edit of another subscriber
+/// (the edit does not read every AOI again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subscriber_edits_are_serialised_and_do_not_reread_other_aois() {
     let (ws, _) = gated_workspace("cfg-a", "http://127.0.0.1:9/hook".into(), "5s");

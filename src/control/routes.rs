@@ -578,9 +578,13 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         Some(value) => value.clone(),
         None => stored.cloned(),
     };
-    let secret = kept(&b.secret, existing.as_ref().and_then(|e| e.secret.as_ref()));
-    // The same as the secret: one signature is all there is to send.
-    let secret_old = kept(&b.secret_old, existing.as_ref().and_then(|e| e.secret_old.as_ref())).filter(|old| Some(old) != secret.as_ref());
+    let stored_secret = existing.as_ref().and_then(|e| e.secret.as_ref());
+    let secret = kept(&b.secret, stored_secret);
+    // A stored `secret_old` stays beside the secret it was rotated for only: a new secret
+    // without one ends the rotation (a reviewer: S1 kept beside S3 after S2, and receivers
+    // on S2 rejected every delivery). One equal to the secret adds no signature.
+    let stored_old = existing.as_ref().and_then(|e| e.secret_old.as_ref()).filter(|_| secret.as_ref() == stored_secret);
+    let secret_old = kept(&b.secret_old, stored_old).filter(|old| Some(old) != secret.as_ref());
     if secret.is_none() && secret_old.is_some() {
         return error(
             StatusCode::BAD_REQUEST,

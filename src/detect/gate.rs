@@ -3,8 +3,9 @@
 //! * first ingest of a source → baseline (nothing sent), also when run as a `--reprocess`;
 //! * `--reprocess` → keys primed, nothing sent;
 //! * change spike (changed parcels above `max_change_ratio` of the layer) or quarantine spike
-//!   (more than half the features quarantined as `missing_field` / `out_of_bounds`, the sign
-//!   of a renamed field or a datum drift) → held until an operator releases or primes it;
+//!   (more than half the features quarantined as `missing_field` / `out_of_bounds` /
+//!   `field_too_long`, the sign of a renamed field, a field mapped to a long text column or a
+//!   datum drift) → held until an operator releases or primes it;
 //! * a restated layer (publisher timestamp went backwards, from one not in the future:
 //!   [`crate::model::Watermark::from_the_future`]) → held with that reason.
 

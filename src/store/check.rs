@@ -509,8 +509,10 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         for item in subs.iter()? {
             let (k, v) = item?;
             report.api_subscribers.push(k.value().to_string());
-            if let Ok(s) = super::subscribers::decode_subscriber(v.value()) {
-                report.api_subscriber_targets.push((s.id, s.target));
+            // `run` and `serve` refuse to start on a row they cannot read: a problem here too.
+            match super::subscribers::decode_subscriber(v.value()) {
+                Ok(s) => report.api_subscriber_targets.push((s.id, s.target)),
+                Err(e) => problem(&mut report, format!("subscriber {:?} (created over the control port) cannot be read: {e}", k.value())),
             }
         }
     }
@@ -749,6 +751,15 @@ mod tests {
         assert_eq!(store.snapshot_view("t").expect("the view opens").tombstone("p9").expect("a damaged row reads as none"), None);
         let all = store.check_consistency().expect("check").problems.join("\n");
         assert!(all.contains("tombstone t/p9: "), "{all}");
+
+        // A control-port subscriber that does not decode stops `run` and `serve` at start:
+        // `check` names it.
+        let wtx = store.db.begin_write().expect("write");
+        wtx.open_table(SUBSCRIBERS).expect("subscribers").insert("api-9", [0x09u8, 0x01].as_slice()).expect("insert");
+        wtx.commit().expect("commit");
+        assert!(store.stored_subscribers().is_err());
+        let all = store.check_consistency().expect("check").problems.join("\n");
+        assert!(all.contains("subscriber \"api-9\" (created over the control port) cannot be read"), "{all}");
     }
 
     #[test]
