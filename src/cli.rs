@@ -1114,12 +1114,17 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     for s in &cfg.subscribers {
         match crate::notify::aoi::load_aoi(&s.aoi_path) {
             Ok(mp) => {
-                use geo::GeodesicArea;
+                use geo::{BoundingRect, GeodesicArea};
+                // An AOI half the globe wide or more has no meaningful ring area (one from
+                // -180 to 180 read as 0 m²: found by a black-box tester): its extent is said.
+                let size = match mp.bounding_rect() {
+                    Some(r) if r.width() >= 180.0 => format!("{:.0}° of longitude by {:.0}° of latitude", r.width(), r.height()),
+                    _ => format!("{:.0} m²", mp.geodesic_area_unsigned()),
+                };
                 println!(
-                    "subscriber {}: aoi ok ({} polygon(s), {:.0} m²) target={} min_severity={} signed={}",
+                    "subscriber {}: aoi ok ({} polygon(s), {size}) target={} min_severity={} signed={}",
                     s.id,
                     mp.0.len(),
-                    mp.geodesic_area_unsigned(),
                     crate::util::url_for_display(&s.target),
                     s.min_severity,
                     s.secret.is_some()

@@ -39,7 +39,14 @@ fn check_reports_good_and_bad_configs() {
     let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}{err}");
-    assert!(out.contains("subscriber w: aoi ok"), "{out}");
+    assert!(out.contains("subscriber w: aoi ok (1 polygon(s), ") && out.contains(" m²) target="), "{out}");
+    // A world-wide AOI has its extent said, not a ring area of 0 m².
+    let aoi_file = ws.path().join("aoi/w.geojson");
+    let kept = std::fs::read(&aoi_file).unwrap();
+    std::fs::write(&aoi_file, rect(-180.0, -90.0, 180.0, 90.0).to_string()).unwrap();
+    let out = text(&zonewatch(&["check", "--config", cfg.to_str().unwrap()])).0;
+    assert!(out.contains("subscriber w: aoi ok (1 polygon(s), 360° of longitude by 180° of latitude)"), "{out}");
+    std::fs::write(&aoi_file, kept).unwrap();
 
     let check_store = |extra: &[&str]| {
         let mut args = vec!["check", "--config", cfg.to_str().unwrap(), "--store"];
