@@ -72,6 +72,12 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 12: control-port subscribers at record version 2 (`secret_old`, `subscribers.rs`) and
+/// quarantine records may name the reason `field_too_long`; a version 11 build would fail on
+/// both (its start on the first, its quarantine listing on the second) instead of refusing
+/// the file. Nothing is rewritten.
+/// 11: the audit rows indexed by outcome and the run records by source (`history_index.rs`).
+/// 10: running totals of the audit ledger and the run records (`totals.rs`).
 /// 9: tombstones are indexed by removal time (`parcel_tombstone_ages`, `tombstones.rs`), and
 /// area-mode sources remember each announced place (`area_places`, `held_area_places`,
 /// `area_places.rs`); a version 8 build would write tombstones without index rows, which would
@@ -93,7 +99,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 11;
+pub const SCHEMA_VERSION: u32 = 12;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
