@@ -553,17 +553,24 @@ mod tests {
         assert_eq!(sweep_leftovers(&dir.path().join("none"), now), 0, "no folder: nothing to do");
     }
 
+    /// A folder of empty files, each last modified just past [`LEFTOVER_AGE`] ago when
+    /// marked old, else now; with that now.
+    fn aged_files(files: &[(&str, bool)]) -> (tempfile::TempDir, std::time::SystemTime) {
+        let dir = tempfile::tempdir().unwrap();
+        let now = std::time::SystemTime::now();
+        let old = now - LEFTOVER_AGE - std::time::Duration::from_secs(5);
+        for &(name, is_old) in files {
+            std::fs::File::create(dir.path().join(name)).unwrap().set_modified(if is_old { old } else { now }).unwrap();
+        }
+        (dir, now)
+    }
+
     /// A killed restore's temp copy beside the store (a full copy of a store, secrets and
     /// all) is removed once untouched for an hour; a young one, the store and anything else
     /// stay.
     #[test]
     fn a_killed_restores_copy_beside_the_store_is_swept() {
-        let dir = tempfile::tempdir().unwrap();
-        let now = std::time::SystemTime::now();
-        let old = now - LEFTOVER_AGE - std::time::Duration::from_secs(5);
-        for (name, modified) in [(".zonewatch-restore-Old123", old), (".zonewatch-restore-New456", now), ("zw.redb", old), ("zw.redb.before-restore", old)] {
-            std::fs::File::create(dir.path().join(name)).unwrap().set_modified(modified).unwrap();
-        }
+        let (dir, now) = aged_files(&[(".zonewatch-restore-Old123", true), (".zonewatch-restore-New456", false), ("zw.redb", true), ("zw.redb.before-restore", true)]);
         assert_eq!(sweep_restore_leftovers(&dir.path().join("zw.redb"), now), 1);
         assert!(!dir.path().join(".zonewatch-restore-Old123").exists());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
@@ -575,12 +582,7 @@ mod tests {
     #[test]
     fn a_killed_checks_copy_in_the_temp_folder_is_swept() {
         use std::os::unix::fs::MetadataExt;
-        let dir = tempfile::tempdir().unwrap();
-        let now = std::time::SystemTime::now();
-        let old = now - LEFTOVER_AGE - std::time::Duration::from_secs(5);
-        for (name, modified) in [("zonewatch-check-Old123.redb", old), ("zonewatch-check-New456.redb", now), ("zonewatch-check-notes.txt", old), ("other.redb", old)] {
-            std::fs::File::create(dir.path().join(name)).unwrap().set_modified(modified).unwrap();
-        }
+        let (dir, now) = aged_files(&[("zonewatch-check-Old123.redb", true), ("zonewatch-check-New456.redb", false), ("zonewatch-check-notes.txt", true), ("other.redb", true)]);
         let me = std::fs::metadata(dir.path().join("other.redb")).unwrap().uid();
         assert_eq!(sweep_check_leftovers(dir.path(), me.wrapping_add(1), now), 0, "another user's copy is theirs");
         assert_eq!(sweep_check_leftovers(dir.path(), me, now), 1);
