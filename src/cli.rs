@@ -1115,11 +1115,21 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         match crate::notify::aoi::load_aoi(&s.aoi_path) {
             Ok(mp) => {
                 use geo::{BoundingRect, GeodesicArea};
-                // An AOI half the globe wide or more has no meaningful ring area (one from
+                // A polygon half the globe wide or more has no meaningful ring area (one from
                 // -180 to 180 read as 0 m²: found by a black-box tester): its extent is said.
-                let size = match mp.bounding_rect() {
-                    Some(r) if r.width() >= 180.0 => format!("{:.0}° of longitude by {:.0}° of latitude", r.width(), r.height()),
-                    _ => format!("{:.0} m²", mp.geodesic_area_unsigned()),
+                // Polygon by polygon: an AOI split at the antimeridian, as it must be, or two
+                // far-apart parts are as wide as the globe together, not each.
+                let (mut m2, mut wide) = (0.0, Vec::new());
+                for polygon in &mp.0 {
+                    match polygon.bounding_rect() {
+                        Some(r) if r.width() >= 180.0 => wide.push(format!("{:.0}° of longitude by {:.0}° of latitude", r.width(), r.height())),
+                        _ => m2 += polygon.geodesic_area_unsigned(),
+                    }
+                }
+                let size = match (wide.is_empty(), m2 > 0.0) {
+                    (true, _) => format!("{m2:.0} m²"),
+                    (false, false) => wide.join(", "),
+                    (false, true) => format!("{m2:.0} m² and {}", wide.join(", ")),
                 };
                 println!(
                     "subscriber {}: aoi ok ({} polygon(s), {size}) target={} min_severity={} signed={}",

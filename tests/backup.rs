@@ -91,6 +91,11 @@ fn a_read_only_store_file_is_backed_up_as_it_is() {
     let err = zonewatch::store::backup::backup_read_only(&live, &ws.path().join("v10.redb")).unwrap_err();
     assert!(err.to_string().contains("its format version is 10"), "{err}");
     assert!(!ws.path().join("v10.redb").exists());
+    // The release before's (11, the same tables): copied as it is, upgraded when next opened.
+    zonewatch::store::Store::open(&live).unwrap().force_schema_version(11).unwrap();
+    let info = zonewatch::store::backup::backup_read_only(&live, &ws.path().join("v11.redb")).unwrap();
+    assert!(info.rows > 60, "{info:?}");
+    drop(zonewatch::store::Store::open(&ws.path().join("v11.redb")).unwrap());
     zonewatch::store::Store::open(&live).unwrap().force_schema_version(zonewatch::store::SCHEMA_VERSION).unwrap();
 
     // A file not closed cleanly: a copy of the store taken while it was open.

@@ -46,6 +46,13 @@ fn check_reports_good_and_bad_configs() {
     std::fs::write(&aoi_file, rect(-180.0, -90.0, 180.0, 90.0).to_string()).unwrap();
     let out = text(&zonewatch(&["check", "--config", cfg.to_str().unwrap()])).0;
     assert!(out.contains("subscriber w: aoi ok (1 polygon(s), 360° of longitude by 180° of latitude)"), "{out}");
+    // One split at the antimeridian (as an AOI there must be) is its two parts' area.
+    let fiji = serde_json::json!({"type": "MultiPolygon", "coordinates": [
+        [[[177.0, -18.5], [180.0, -18.5], [180.0, -16.0], [177.0, -16.0], [177.0, -18.5]]],
+        [[[-180.0, -18.5], [-179.0, -18.5], [-179.0, -16.0], [-180.0, -16.0], [-180.0, -18.5]]]]});
+    std::fs::write(&aoi_file, fiji.to_string()).unwrap();
+    let out = text(&zonewatch(&["check", "--config", cfg.to_str().unwrap()])).0;
+    assert!(out.contains("subscriber w: aoi ok (2 polygon(s), ") && out.contains(" m²) target=") && !out.contains("° of longitude"), "{out}");
     std::fs::write(&aoi_file, kept).unwrap();
 
     let check_store = |extra: &[&str]| {

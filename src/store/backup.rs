@@ -158,10 +158,15 @@ impl Store {
     }
 }
 
+/// The oldest schema whose tables are the ones this build copies (12 changed records, not
+/// tables): a read-only backup copies such a file as it is, and the copy is upgraded when it
+/// is next opened.
+const SAME_TABLES_SINCE: u32 = 11;
+
 /// [`Store::backup_to`] for a store file this user may read but not write (a file kept
 /// read-only, a read-only mount, a forensic copy): redb opens it read-only, where a
-/// [`Store`] writes even to read; the copy is checked as any backup is. Only a store of this
-/// build's schema: an older one keeps tables this build's list does not copy (its snapshot
+/// [`Store`] writes even to read; the copy is checked as any backup is. Only a store whose
+/// tables are this build's ([`SAME_TABLES_SINCE`]): an older one keeps tables this build's list does not copy (its snapshot
 /// before the upgrade moved it, found by a reviewer: the copy would have verified without
 /// its parcels), a newer one tables this build does not know. A file not closed cleanly
 /// cannot be read so either: redb repairs a file only where it may write it.
@@ -183,10 +188,10 @@ pub fn backup_read_only(path: &Path, dest: &Path) -> Result<BackupInfo, StoreErr
         let found = meta.get(META_SCHEMA)?.map(|v| super::decode_u32(v.value()));
         found
     };
-    if schema != Some(SCHEMA_VERSION) {
+    if !schema.is_some_and(|v| (SAME_TABLES_SINCE..=SCHEMA_VERSION).contains(&v)) {
         let found = schema.map_or("none".to_string(), |v| v.to_string());
         return Err(open_err(format!(
-            "its format version is {found}, this build's {SCHEMA_VERSION}: read-only, it cannot be upgraded, and a backup of it would miss tables this build does not copy; {copy_it}"
+            "its format version is {found}: read-only, it cannot be upgraded, and this build ({SCHEMA_VERSION}) copies the tables of versions {SAME_TABLES_SINCE} to {SCHEMA_VERSION} only; back it up with the release that wrote it, or {copy_it}"
         )));
     }
     backup_from(|| Ok(redb::ReadableDatabase::begin_read(&db)?), dest)
