@@ -1017,13 +1017,19 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
             }
             // Found by a black-box tester: a hold open in the backup, released after the
             // restore, sent its 45 alerts a second time under new webhook-ids.
-            if !info.open_holds.is_empty() {
-                let ids: Vec<String> = info.open_holds.iter().map(u64::to_string).collect();
-                warning_line!(
-                    "the backup has {} open hold(s) (run {}): releasing one sends its alerts under new webhook-ids, also any that subscribers got after the backup was taken; if they did, prime it instead (`zonewatch holds prime RUN_ID --config FILE`)",
-                    info.open_holds.len(),
-                    ids.join(", ")
-                );
+            match &info.open_holds {
+                Ok(held) if held.is_empty() => {}
+                Ok(held) => {
+                    let ids: Vec<String> = held.iter().map(u64::to_string).collect();
+                    warning_line!(
+                        "the backup has {} open hold(s) (run {}): releasing one sends its alerts under new webhook-ids, also any that subscribers got after the backup was taken; if they did, prime it instead (`zonewatch holds prime RUN_ID --config FILE`)",
+                        held.len(),
+                        ids.join(", ")
+                    );
+                }
+                Err(e) => warning_line!(
+                    "the backup's holds could not be read ({e}): see `zonewatch holds list` before releasing one (releasing a hold of the backup sends its alerts under new webhook-ids)"
+                ),
             }
             0
         }

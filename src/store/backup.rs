@@ -307,7 +307,7 @@ fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
 }
 
 /// What a restore did besides putting the backup in place, for the operator to read.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RestoreInfo {
     /// Where the replaced store was kept (`None`: there was no store to replace). Never a
     /// name that already existed, so an earlier restore's copy is never overwritten.
@@ -315,8 +315,9 @@ pub struct RestoreInfo {
     /// Set when the restored file could not be given the replaced store's owner (not running
     /// as root, say): the service user may then be unable to open it until it is chowned.
     pub owner_warning: Option<String>,
-    /// The run ids of the holds open in the backup: open again now (see `open_holds_in`).
-    pub open_holds: Vec<u64>,
+    /// The run ids of the holds open in the backup: open again now (see `open_holds_in`);
+    /// an error when they could not be read (the restore is done all the same).
+    pub open_holds: Result<Vec<u64>, String>,
 }
 
 /// Restores `src` (a backup) over the store at `dest`. Refuses when `dest` is in use by a
@@ -372,7 +373,7 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     super::key_scope::new_epoch(tmp.path())?;
     // Read from the copy before it takes the store's name: once it has, a `run` from a timer
     // may hold it (found by a reviewer).
-    let open_holds = open_holds_in(tmp.path()).unwrap_or_default();
+    let open_holds = open_holds_in(tmp.path()).map_err(|e| e.to_string());
     tmp.as_file().sync_all().map_err(|e| open_err(dest, format!("cannot sync the restored file: {e}")))?;
     // From here the old store is kept aside and the new one renamed in: a signal waits.
     crate::signals::committing();
