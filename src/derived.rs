@@ -268,7 +268,12 @@ impl Engine {
         let now = self.now();
         let pass_started = Instant::now();
         let announce = crate::pipeline::announces_changes(opts.reprocess, wm.as_ref(), &self.store.snapshot_view(&src.id)?)?;
-        let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &index, stretch, announce, now)?;
+        // Where a district could not be read, the parcels keep what they were derived before:
+        // derived without it, they would take a neighbour's code and be alerted as rezoned
+        // (found by a black-box tester, with one district's code past the length cap).
+        let kept_near: Vec<Envelope> = layer.rejected.iter().filter_map(|r| r.footprint).collect();
+        let read = DistrictsRead { index: &index, kept: KeptPlaces::new(&kept_near) };
+        let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &read, stretch, announce, now)?;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
         warnings.push(format!(
@@ -284,6 +289,14 @@ impl Engine {
         }
         if pass.unreadable_shares > 0 {
             warnings.push(format!("{} stored shares could not be read (written again, or removed with their parcel)", pass.unreadable_shares));
+        }
+        if pass.kept > 0 {
+            warnings.push(format!(
+                "{} parcels keep their derived {} zoning: they lie where {} district feature(s) could not be read (quarantined)",
+                pass.kept,
+                src.layer.as_str(),
+                kept_near.len()
+            ));
         }
         if pass.coverage_only > 0 {
             warnings.push(format!("{} parcels gained or lost district coverage (not a rezoning; not alerted)", pass.coverage_only));
@@ -310,7 +323,7 @@ impl Engine {
         let hold = matches!(mode, CommitMode::Hold { .. });
         let counts = RunCounts {
             features: layer.features,
-            parcels: pass.parcels,
+            parcels: pass.parcels + pass.kept,
             quarantined: quarantine.len() as u64,
             repaired: layer.repaired,
             ..Default::default()
@@ -337,7 +350,7 @@ impl Engine {
         &self,
         src: &SourceConfig,
         base_id: &str,
-        index: &DistrictIndex,
+        districts: &DistrictsRead<'_>,
         stretch: usize,
         announce: bool,
         now: u64,
@@ -349,9 +362,11 @@ impl Engine {
         pass.previous = self.store.for_each_base_stretch(base_id, &src.id, stretch, |s: BaseStretch| -> Result<(), PipelineError> {
             // A stop is heard between stretches (a county's stretch takes about 0.1 s).
             self.stopped()?;
-            let BaseStretch { parcels, parcel_shares, derived, orphan_shares, unreadable_shares } = s;
+            let BaseStretch { mut parcels, mut parcel_shares, derived, orphan_shares, unreadable_shares } = s;
             pass.unreadable_shares += unreadable_shares;
-            let d = derive_all(src.layer, index, parcels, src.overlay_min_share);
+            let kept = districts.kept.take_from(&mut parcels, &mut parcel_shares);
+            pass.kept += kept.len() as u64;
+            let d = derive_all(src.layer, districts.index, parcels, src.overlay_min_share);
             pass.parcels += d.parcels.len() as u64;
             pass.uncovered += d.uncovered;
             pass.failed += d.failed;
@@ -375,7 +390,7 @@ impl Engine {
             }
             let announces = |c: &RawChange| announce && alerts(src.layer, c);
             let buried = |id: &str| view.prior_of_absent(id);
-            let diffed = diff(&derived, d.parcels, &HashSet::new(), &Steps { announces: &announces, buried: &buried })?;
+            let diffed = diff(&derived, d.parcels, &kept, &Steps { announces: &announces, buried: &buried })?;
             let (changes, coverage_only) = alerting_changes(src.layer, diffed.changes);
             pass.coverage_only += coverage_only;
             let events = self.build_events(src, &changes, &diffed.upserts, &derived, now)?;
@@ -498,8 +513,49 @@ pub(crate) struct DeriveCounts {
     pub coverage_only: u64,
     /// Stored shares that could not be decoded (written again).
     pub unreadable_shares: u64,
+    /// Base parcels left as stored: they lie where a district feature could not be read.
+    pub kept: u64,
     /// Time spent deriving (coverages and states), over every stretch.
     pub derive_ms: u128,
+}
+
+/// What a derived run read of its district layer, for its derive pass.
+pub(crate) struct DistrictsRead<'a> {
+    pub(crate) index: &'a DistrictIndex,
+    /// Where features could not be read.
+    kept: KeptPlaces,
+}
+
+/// The footprints of the district features a derived run could not read: the base parcels
+/// that meet one keep their stored derived state and share (the diff leaves them, as a
+/// parcel layer's diff leaves a quarantined parcel). A feature whose geometry cannot be read
+/// either says nowhere, and keeps nothing.
+struct KeptPlaces(Option<rstar::RTree<rstar::primitives::Rectangle<[f64; 2]>>>);
+
+impl KeptPlaces {
+    fn new(footprints: &[Envelope]) -> KeptPlaces {
+        let rects = footprints.iter().map(|(lo, hi)| rstar::primitives::Rectangle::from_corners(*lo, *hi)).collect::<Vec<_>>();
+        KeptPlaces((!rects.is_empty()).then(|| rstar::RTree::bulk_load(rects)))
+    }
+
+    /// Takes out of a stretch the parcels (and their stored shares, in step) whose exterior
+    /// envelope meets a footprint; returns their ids.
+    fn take_from(&self, parcels: &mut Vec<(String, ParcelState, StoredGeometry)>, shares: &mut Vec<Option<f64>>) -> HashSet<String> {
+        let mut kept = HashSet::new();
+        let Some(tree) = &self.0 else { return kept };
+        let (mut left, mut left_shares) = (Vec::with_capacity(parcels.len()), Vec::with_capacity(shares.len()));
+        for (parcel, share) in parcels.drain(..).zip(shares.drain(..)) {
+            let meets = parcel.2.exterior_envelope().is_some_and(|(lo, hi)| tree.locate_in_envelope_intersecting(rstar::AABB::from_corners(lo, hi)).next().is_some());
+            if meets {
+                kept.insert(parcel.0);
+            } else {
+                left.push(parcel);
+                left_shares.push(share);
+            }
+        }
+        (*parcels, *shares) = (left, left_shares);
+        kept
+    }
 }
 
 /// One chunk of a derived delta on its way to the run's writer.
@@ -1029,6 +1085,38 @@ min_severity = "info"
         assert_eq!(again.record.verdict, Verdict::Baseline);
         assert_eq!(stored(&engine), expected(&engine, dir.path()));
         assert_eq!(again.record.counts.parcels, 12_000);
+    }
+
+    /// A district feature that cannot be read (here its code is past the length cap) does
+    /// not take its parcels' zoning away: derived without it, they would take a neighbour's
+    /// code and be alerted as rezoned (found by a black-box tester). They keep what they were
+    /// derived before, whatever the stretch; once the district reads again, a recode of it
+    /// is alerted as usual.
+    #[test]
+    fn parcels_under_a_district_that_cannot_be_read_keep_their_zoning() {
+        let codes = ["R-1", "R-2", "C-1", "R-1", "M-1", "R-3", "C-2", "OS", "R-1"];
+        for stretch in [7, DERIVE_STRETCH] {
+            let dir = tempfile::tempdir().unwrap();
+            let engine = engine(dir.path());
+            let src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
+            write_parcels(&dir.path().join("parcels.geojson"), &CountyIter::new(&SPEC).collect::<Vec<_>>());
+            engine.run_source_id("base", RunOptions::default()).unwrap();
+            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| codes[c].to_string());
+            engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
+            let before = stored(&engine);
+
+            let long = "M".repeat(crate::ingest::normalize::MAX_FIELD_BYTES + 1);
+            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| if c == 4 { long.clone() } else { codes[c].to_string() });
+            let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
+            assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.queued, r.record.counts.quarantined), (Verdict::Run, 0, 0, 1), "stretch {stretch}: {}", r.line());
+            assert!(r.record.warnings.iter().any(|w| w.contains("keep their derived districts zoning")), "{:?}", r.record.warnings);
+            assert_eq!(stored(&engine), before, "stretch {stretch}: nothing moved");
+
+            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| if c == 4 { "C-3".to_string() } else { codes[c].to_string() });
+            let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
+            assert!(r.record.counts.changes > 5 && r.record.counts.queued == r.record.counts.changes, "stretch {stretch}: {}", r.line());
+            assert_eq!(stored(&engine), expected(&engine, dir.path()));
+        }
     }
 
     /// A stop asked while a derived run reads its base ends the run before its commit, in

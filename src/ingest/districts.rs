@@ -30,6 +30,10 @@ pub struct RejectedDistrict {
     pub reason: QuarantineReason,
     pub detail: String,
     pub raw: String,
+    /// Where the feature lies (its exterior rings' bounding rectangle), when its geometry
+    /// can be read: the parcels there keep their derived zoning rather than be derived as if
+    /// the district had gone (`Engine::derive_pass`).
+    pub footprint: Option<crate::model::Envelope>,
 }
 
 /// A whole district layer.
@@ -62,6 +66,7 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             reason,
             detail,
             raw: crate::util::truncate_text(raw, 16 * 1024),
+            footprint: crate::ingest::normalize::footprint_of_feature(raw),
         };
         let feature: RawFeature = match serde_json::from_str(raw) {
             Ok(f) => f,
