@@ -878,6 +878,13 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     };
     let token = match std::fs::read_to_string(&cfg.control.token_file) {
         Ok(t) => t.trim().to_string(),
+        // No token at all: no `serve` ever ran with this config, so what holds the store is a
+        // `run` or another command (a black-box tester read the token's "No such file" as the
+        // fault).
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            error_line!("the store is in use by another zonewatch: a `run` or another command still going; try again when it has finished");
+            return 1;
+        }
         Err(e) => {
             error_line!(
                 "the store is in use by another zonewatch: a `run` or another command still going (try again when it has finished), or a `serve` whose control token {} cannot be read by this user ({e})",

@@ -528,6 +528,9 @@ async fn a_control_port_subscriber_keeps_its_secret_and_rotates_it() {
         assert_eq!((status, body["signed"].as_bool()), (200, Some(true)), "{body}");
         let (status, body) = put(json!({"target": target, "aoi": aoi, "secret_old": s1}));
         assert_eq!((status, body["rotating"].as_bool()), (200, Some(false)), "a secret_old the same as the secret rotates nothing: {body}");
+        // Written with a space after it (as it signs: trimmed), the same secret still.
+        let (status, body) = put(json!({"target": target, "aoi": aoi, "secret": format!("{s1} "), "secret_old": s1}));
+        assert_eq!((status, body["rotating"].as_bool()), (200, Some(false)), "{body}");
         // A rotation: the new secret, the old one beside it.
         let (status, body) = put(json!({"target": target, "aoi": aoi, "min_severity": "info", "secret": s2, "secret_old": s1}));
         assert_eq!((status, body["signed"].as_bool(), body["rotating"].as_bool()), (200, Some(true), Some(true)), "{body}");

@@ -314,6 +314,11 @@ fn prop_text(raw: &RawValue) -> Option<String> {
         return (!t.is_empty()).then(|| t.to_string());
     }
     let literal = raw.get().trim();
+    // Past the cap as written: kept so, for the cap to refuse it (a number of 1,100 digits
+    // read as a float kept 17 of them, under the cap: found by a black-box tester).
+    if literal.len() > MAX_FIELD_BYTES {
+        return Some(literal.to_string());
+    }
     // An integer is its digits as written: one past 2^64 would otherwise be read as a float
     // and lose digits (two long codes or ids could then read the same).
     let digits = literal.strip_prefix('-').unwrap_or(literal);
@@ -1008,6 +1013,10 @@ mod tests {
             assert_eq!((err.reason, err.parcel_id.as_deref()), (QuarantineReason::FieldTooLong, Some("7")), "{field}");
             assert!(err.detail.starts_with(&format!("{field} is 1025 bytes")), "{}", err.detail);
         }
+        // A number past the cap is refused as written, not read as a float of 17 digits.
+        let long_float = format!(r#"{{"properties":{{"APN":"7","ZONE":1.{}e5}},{geometry}}}"#, "2".repeat(MAX_FIELD_BYTES));
+        let err = normalize_feature(raw(&long_float), &rules(&f)).unwrap_err();
+        assert_eq!((err.reason, err.parcel_id.as_deref()), (QuarantineReason::FieldTooLong, Some("7")), "{}", err.detail);
         // A hostile coordinate makes a short detail (the extent in exponent form), not one of
         // 300 digits kept in the ledger for ever.
         let json = r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Polygon","coordinates":[[[0,0],[1e300,0],[1,1],[0,0]]]}}"#;
