@@ -216,7 +216,6 @@ fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> (Vec<RawChange
 }
 
 impl Engine {
-    /// One run of a `districts` / `overlays` source (see the module doc).
     /// `Err(Stopped)` once a stop is requested: a derived run asks between its steps (each
     /// stretch of the base, before its commit), as a parcel scan does at each read.
     fn stopped(&self) -> Result<(), PipelineError> {
@@ -226,6 +225,7 @@ impl Engine {
         Ok(())
     }
 
+    /// One run of a `districts` / `overlays` source (see the module doc).
     pub(crate) fn run_derived(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
         self.run_derived_in(src, opts, started, DERIVE_STRETCH)
     }
@@ -695,9 +695,9 @@ impl Engine {
         });
         let watermark = Watermark::for_read(&fetched.digest, fetched.bytes.len() as u64, now, wm.as_ref(), fingerprint);
         let (mode, hold_reason) = crate::pipeline::commit_mode(decision, opts.reprocess);
+        self.stopped()?;
         let (events, places) = step_places(events, &diff.regions, self.store.area_places(&src.id)?, mode.announces(), now);
         let claims = if matches!(mode, CommitMode::Hold { .. }) { vec![] } else { self.claims_for(&events) };
-        self.stopped()?;
         let counts = RunCounts {
             features: layer.features,
             parcels: upserts.len() as u64,

@@ -182,12 +182,7 @@ pub fn backup_read_only(path: &Path, dest: &Path) -> Result<BackupInfo, StoreErr
         }
         other => open_err(format!("not a readable zonewatch store: {other}. If the file is damaged, restore a backup: zonewatch restore BACKUP --config FILE")),
     })?;
-    let schema = {
-        let rtx = redb::ReadableDatabase::begin_read(&db)?;
-        let meta = rtx.open_table(META).map_err(|e| open_err(format!("not a zonewatch store: {e}")))?;
-        let found = meta.get(META_SCHEMA)?.map(|v| super::decode_u32(v.value()));
-        found
-    };
+    let schema = super::schema_in(&redb::ReadableDatabase::begin_read(&db)?)?;
     if !schema.is_some_and(|v| (SAME_TABLES_SINCE..=SCHEMA_VERSION).contains(&v)) {
         let found = schema.map_or("none".to_string(), |v| v.to_string());
         return Err(open_err(format!(
@@ -258,17 +253,8 @@ fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
     if !ok {
         return Err(open_err("integrity check found damage (it was repaired in memory only)".into()));
     }
-    let rtx = db.begin_read()?;
-    let meta = rtx.open_table(META).map_err(|e| open_err(format!("not a zonewatch store: {e}")))?;
-    let found = match meta.get(META_SCHEMA)? {
-        Some(v) => {
-            let b = v.value();
-            let mut arr = [0u8; 4];
-            let n = b.len().min(4);
-            arr[..n].copy_from_slice(&b[..n]);
-            u32::from_le_bytes(arr)
-        }
-        None => return Err(open_err("no schema version record: not a zonewatch store".into())),
+    let Some(found) = super::schema_in(&db.begin_read()?)? else {
+        return Err(open_err("no schema version record: not a zonewatch store".into()));
     };
     // A backup of an older format is fine to restore: the next open upgrades it.
     if !(super::OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
@@ -282,21 +268,8 @@ fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
 /// also those subscribers got after the backup was taken).
 fn open_holds_in(path: &Path) -> Result<Vec<u64>, StoreError> {
     let db = redb::Builder::new().open_read_only(path).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: e.to_string() })?;
-    let rtx = db.begin_read()?;
-    let t = match rtx.open_table(HOLDS) {
-        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-        t => t?,
-    };
-    let mut open = Vec::new();
-    for item in t.iter()? {
-        let (k, v) = item?;
-        if let Some(hold) = super::watermark_rows::readable_hold(k.value(), v.value()) {
-            if hold.state == crate::model::HoldState::Open {
-                open.push(hold.run_id);
-            }
-        }
-    }
-    Ok(open)
+    let holds = super::queries::holds_in(&db.begin_read()?)?;
+    Ok(holds.into_iter().filter(|h| h.state == crate::model::HoldState::Open).map(|h| h.run_id).collect())
 }
 
 /// Whether two files' metadata are of one file (same device and inode: a hard link, or the

@@ -568,14 +568,7 @@ impl Store {
 
     /// The schema version the file holds now (None: no record yet).
     fn schema_on_file(&self) -> Result<Option<u32>, StoreError> {
-        let rtx = self.db.begin_read()?;
-        let meta = match rtx.open_table(META) {
-            Ok(meta) => meta,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        let version = meta.get(META_SCHEMA)?.map(|v| decode_u32(v.value()));
-        Ok(version)
+        schema_in(&self.db.begin_read()?)
     }
 
     /// The write half of [`Store::init_schema`]: every table created, every migration of an
@@ -717,7 +710,20 @@ impl Store {
     }
 }
 
-pub(super) fn decode_u32(bytes: &[u8]) -> u32 {
+/// The schema version a file's read transaction shows (None: no `meta` table, or no version
+/// record in it): for the store's own open, and for files read beside it (a backup being
+/// verified, a read-only store being copied).
+pub(super) fn schema_in(rtx: &redb::ReadTransaction) -> Result<Option<u32>, StoreError> {
+    let meta = match rtx.open_table(META) {
+        Ok(meta) => meta,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let version = meta.get(META_SCHEMA)?.map(|v| decode_u32(v.value()));
+    Ok(version)
+}
+
+fn decode_u32(bytes: &[u8]) -> u32 {
     let mut b = [0u8; 4];
     let n = bytes.len().min(4);
     b[..n].copy_from_slice(&bytes[..n]);

@@ -11,6 +11,22 @@ use super::tombstones::Tombstone;
 use super::history_index::{is_baseline_prime, walk_audit_classes, AuditClass};
 use super::{Store, StoreError};
 use crate::model::*;
+
+/// Every readable hold of a file's read transaction (a row that cannot be read is logged and
+/// skipped): the store's, or a backup's being restored (`backup::restore` warns of those open;
+/// a backup old enough to have no holds table has none).
+pub(super) fn holds_in(rtx: &redb::ReadTransaction) -> Result<Vec<Hold>, StoreError> {
+    let t = match rtx.open_table(HOLDS) {
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+        t => t?,
+    };
+    let mut out = Vec::new();
+    for item in t.iter()? {
+        let (k, v) = item?;
+        out.extend(readable_hold(k.value(), v.value()));
+    }
+    Ok(out)
+}
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
 use std::collections::HashMap;
 
@@ -321,14 +337,7 @@ impl Store {
     }
 
     pub fn holds(&self) -> Result<Vec<Hold>, StoreError> {
-        let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(HOLDS)?;
-        let mut out = Vec::new();
-        for item in t.iter()? {
-            let (k, v) = item?;
-            out.extend(readable_hold(k.value(), v.value()));
-        }
-        Ok(out)
+        holds_in(&self.db.begin_read()?)
     }
 
     pub fn hold(&self, run_id: u64) -> Result<Option<Hold>, StoreError> {
