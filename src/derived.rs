@@ -271,7 +271,8 @@ impl Engine {
         // Where a district could not be read, the parcels keep what they were derived before:
         // derived without it, they would take a neighbour's code and be alerted as rezoned
         // (found by a black-box tester, with one district's code past the length cap).
-        let kept_near: Vec<Envelope> = layer.rejected.iter().filter_map(|r| r.footprint).collect();
+        let kept_near: Vec<Envelope> = layer.rejected.iter().flat_map(|r| r.places.iter().copied()).collect();
+        let placeless = layer.rejected.iter().filter(|r| r.places.is_empty()).count();
         let read = DistrictsRead { index: &index, kept: KeptPlaces::new(&kept_near) };
         let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &read, stretch, announce, now)?;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
@@ -295,8 +296,11 @@ impl Engine {
                 "{} parcels keep their derived {} zoning: they lie where {} district feature(s) could not be read (quarantined)",
                 pass.kept,
                 src.layer.as_str(),
-                kept_near.len()
+                layer.rejected.len() - placeless
             ));
+        }
+        if placeless > 0 {
+            warnings.push(placeless_warning(placeless, "the parcels they covered were derived without them: a change there may be one of these features"));
         }
         if pass.coverage_only > 0 {
             warnings.push(format!("{} parcels gained or lost district coverage (not a rezoning; not alerted)", pass.coverage_only));
@@ -526,10 +530,17 @@ pub(crate) struct DistrictsRead<'a> {
     kept: KeptPlaces,
 }
 
-/// The footprints of the district features a derived run could not read: the base parcels
-/// that meet one keep their stored derived state and share (the diff leaves them, as a
-/// parcel layer's diff leaves a quarantined parcel). A feature whose geometry cannot be read
-/// either says nowhere, and keeps nothing.
+/// The run warning for district features quarantined with no position that can be read (a
+/// null geometry, text that is not JSON): nothing can be kept for them.
+fn placeless_warning(n: usize, what: &str) -> String {
+    format!("{n} district feature(s) could not be read and have no readable position (see the quarantine): {what}")
+}
+
+/// The places of the district features a derived run could not read (a rectangle per
+/// polygon, `ingest::districts::places_of`): the base parcels that meet one keep their stored
+/// derived state and share (the diff leaves them, as a parcel layer's diff leaves a
+/// quarantined parcel). A feature with no readable position says nowhere, keeps nothing, and
+/// is named in a run warning.
 struct KeptPlaces(Option<rstar::RTree<rstar::primitives::Rectangle<[f64; 2]>>>);
 
 impl KeptPlaces {
@@ -588,7 +599,7 @@ impl Engine {
     /// anything across versions); the change is computed geometrically by
     /// [`crate::detect::area::area_diff`].
     fn run_area(&self, src: &SourceConfig, opts: RunOptions, started: u64) -> Result<SourceReport, PipelineError> {
-        use crate::detect::area::area_diff;
+        use crate::detect::area::{area_diff, kept_coverage};
         use crate::detect::canonical::geometry_hash;
         use geo::GeodesicArea;
         let fetched = source::fetch(src)?;
@@ -609,9 +620,31 @@ impl Engine {
             .iter()
             .filter_map(|id| Some((old_states.get(id.as_str())?.zoning.clone(), old_geoms.get(id.as_str())?.to_geo())))
             .collect();
-        let new: Vec<(String, geo::MultiPolygon<f64>)> = layer.districts.iter().map(|d| (d.code.clone(), d.geometry.clone())).collect();
+        let mut new: Vec<(String, geo::MultiPolygon<f64>)> = layer.districts.iter().map(|d| (d.code.clone(), d.geometry.clone())).collect();
         let first_ingest = wm.is_none() && old_states.is_empty();
         let t0 = Instant::now();
+        // The ground under a district feature that could not be read keeps its stored zoning
+        // (compared and stored as the old version had it), rather than read as having lost
+        // its zone: `detect::area::KeptCoverage`.
+        let footprints: Vec<crate::model::Envelope> = layer.rejected.iter().flat_map(|r| r.places.iter().copied()).collect();
+        let placeless = layer.rejected.iter().filter(|r| r.places.is_empty()).count();
+        let kept = if first_ingest { Default::default() } else { kept_coverage(&old, &new, &footprints) };
+        if placeless > 0 && !first_ingest {
+            warnings.push(placeless_warning(placeless, "where they lay reads as having lost its zone: an area_rezoned to no zone there may be one of these features"));
+        }
+        if !kept.pieces.is_empty() || kept.failed + kept.too_tangled > 0 {
+            warnings.push(format!(
+                "{} district features could not be read: {} pieces of the stored districts within their bounding boxes keep their zoning{}",
+                layer.rejected.len() - placeless,
+                kept.pieces.len(),
+                if kept.failed + kept.too_tangled > 0 {
+                    format!(" ({} of them kept whole: their overlays failed or would cost too much)", kept.failed + kept.too_tangled)
+                } else {
+                    String::new()
+                }
+            ));
+        }
+        new.extend(kept.pieces.iter().cloned());
         let diff = if first_ingest { Default::default() } else { area_diff(&old, &new, src.min_change_area_m2, src.tolerance_m) };
         warnings.push(format!(
             "area mode: {} regions alert, {} dropped as noise (< {} m² or thinner than {} m), {} ms",
@@ -654,26 +687,29 @@ impl Engine {
                 }
             })
             .collect();
-        // The new snapshot: the district polygons, keyed by position.
+        // The new snapshot: the district polygons, keyed by position, and the kept pieces
+        // (`k` and their position among them: never an `f` id).
+        let row = |id: String, code: &str, geometry: &geo::MultiPolygon<f64>| {
+            let gh = geometry_hash(geometry);
+            Parcel {
+                id,
+                state: ParcelState {
+                    zoning: code.to_string(),
+                    effective_date: None,
+                    content_hash: content_hash(code, None, &gh),
+                    geom_hash: gh,
+                    area_m2: geometry.geodesic_area_unsigned(),
+                    revision: 0,
+                    announced: None,
+                },
+                geometry: StoredGeometry::from_geo(geometry),
+            }
+        };
         let upserts: Vec<Parcel> = layer
             .districts
             .iter()
-            .map(|d| {
-                let gh = geometry_hash(&d.geometry);
-                Parcel {
-                    id: format!("f{:07}", d.feature_index),
-                    state: ParcelState {
-                        zoning: d.code.clone(),
-                        effective_date: None,
-                        content_hash: content_hash(&d.code, None, &gh),
-                        geom_hash: gh,
-                        area_m2: d.geometry.geodesic_area_unsigned(),
-                        revision: 0,
-                        announced: None,
-                    },
-                    geometry: StoredGeometry::from_geo(&d.geometry),
-                }
-            })
+            .map(|d| row(format!("f{:07}", d.feature_index), &d.code, &d.geometry))
+            .chain(kept.pieces.iter().enumerate().map(|(i, (code, geometry))| row(format!("k{i:07}"), code, geometry)))
             .collect();
         let keep: HashSet<&str> = upserts.iter().map(|p| p.id.as_str()).collect();
         let removals: Vec<String> = old_ids.iter().filter(|id| !keep.contains(id.as_str())).map(|s| (*s).clone()).collect();
@@ -1087,36 +1123,105 @@ min_severity = "info"
         assert_eq!(again.record.counts.parcels, 12_000);
     }
 
-    /// A district feature that cannot be read (here its code is past the length cap) does
-    /// not take its parcels' zoning away: derived without it, they would take a neighbour's
-    /// code and be alerted as rezoned (found by a black-box tester). They keep what they were
-    /// derived before, whatever the stretch; once the district reads again, a recode of it
-    /// is alerted as usual.
+    /// A district feature that cannot be read (its code past the length cap, or a position
+    /// with one number) does not take its parcels'
+    /// zoning away: derived without it, they would take a neighbour's code and be alerted as
+    /// rezoned (found by a black-box tester). They keep what they were derived before,
+    /// whatever the stretch, while a recode of a district elsewhere in the same version is
+    /// alerted (what is kept is where the feature lies, not the layer); once the district
+    /// reads again, a recode of it is alerted as usual.
     #[test]
     fn parcels_under_a_district_that_cannot_be_read_keep_their_zoning() {
         let codes = ["R-1", "R-2", "C-1", "R-1", "M-1", "R-3", "C-2", "OS", "R-1"];
-        for stretch in [7, DERIVE_STRETCH] {
+        let long = "M".repeat(crate::ingest::normalize::MAX_FIELD_BYTES + 1);
+        for (damage, stretch) in [("long code", 7), ("long code", DERIVE_STRETCH), ("short position", DERIVE_STRETCH)] {
             let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("districts.geojson");
             let engine = engine(dir.path());
             let src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
             write_parcels(&dir.path().join("parcels.geojson"), &CountyIter::new(&SPEC).collect::<Vec<_>>());
             engine.run_source_id("base", RunOptions::default()).unwrap();
-            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| codes[c].to_string());
+            write_districts(&path, CUTS, |c| codes[c].to_string());
             engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
             let before = stored(&engine);
 
-            let long = "M".repeat(crate::ingest::normalize::MAX_FIELD_BYTES + 1);
-            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| if c == 4 { long.clone() } else { codes[c].to_string() });
+            // The centre district damaged, the corner one across from it recoded.
+            let code = |c: usize| match c {
+                0 => "B-9".to_string(),
+                4 if damage == "long code" => long.clone(),
+                _ => codes[c].to_string(),
+            };
+            write_districts(&path, CUTS, code);
+            if damage == "short position" {
+                let mut layer: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+                let position = &mut layer["features"][4]["geometry"]["coordinates"][0][0][1];
+                *position = serde_json::json!([position[0].clone()]);
+                std::fs::write(&path, layer.to_string()).unwrap();
+            }
             let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
-            assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.queued, r.record.counts.quarantined), (Verdict::Run, 0, 0, 1), "stretch {stretch}: {}", r.line());
+            assert_eq!((r.record.verdict, r.record.counts.quarantined), (Verdict::Run, 1), "{damage}, stretch {stretch}: {}", r.line());
+            assert!(r.record.counts.changes > 0 && r.record.counts.queued == r.record.counts.changes, "{damage}, stretch {stretch}: {}", r.line());
             assert!(r.record.warnings.iter().any(|w| w.contains("keep their derived districts zoning")), "{:?}", r.record.warnings);
-            assert_eq!(stored(&engine), before, "stretch {stretch}: nothing moved");
+            let (after, recoded) = (stored(&engine), engine.store.outbox().unwrap());
+            assert!(recoded.iter().all(|e| matches!(&e.payload, crate::model::OutboxPayload::Change(c) if c.to.as_deref() == Some("B-9"))), "{damage}: only the corner's recode is alerted");
+            let moved: Vec<&String> = after.0.keys().filter(|id| after.0.get(*id) != before.0.get(*id)).collect();
+            assert_eq!(moved.len() as u64, r.record.counts.changes, "{damage}: the parcels under the damaged district are as they were");
 
-            write_districts(&dir.path().join("districts.geojson"), CUTS, |c| if c == 4 { "C-3".to_string() } else { codes[c].to_string() });
+            write_districts(&path, CUTS, |c| if c == 4 { "C-3".to_string() } else { code(c) });
             let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
-            assert!(r.record.counts.changes > 5 && r.record.counts.queued == r.record.counts.changes, "stretch {stretch}: {}", r.line());
+            assert!(r.record.counts.changes > 5 && r.record.counts.queued == r.record.counts.changes, "{damage}, stretch {stretch}: {}", r.line());
             assert_eq!(stored(&engine), expected(&engine, dir.path()));
         }
+    }
+
+    /// Area mode: the ground under a district feature that cannot be read keeps its stored
+    /// zoning (`detect::area::KeptCoverage`): nothing is alerted while it cannot be read (it
+    /// read as having lost its zone, an `area_rezoned` to no zone), nothing when it reads
+    /// again unchanged, and a real recode of it afterwards is alerted from its old code.
+    #[test]
+    fn area_mode_keeps_the_ground_of_a_district_that_cannot_be_read() {
+        let codes = ["R-1", "R-2", "C-1", "R-1", "M-1", "R-3", "C-2", "OS", "R-1"];
+        let dir = tempfile::tempdir().unwrap();
+        let engine = engine(dir.path());
+        let mut src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
+        src.parcels = None;
+        let path = dir.path().join("districts.geojson");
+        let queued = |engine: &Engine| -> Vec<(Option<String>, Option<String>)> {
+            let mut v: Vec<_> = engine
+                .store
+                .outbox()
+                .unwrap()
+                .into_iter()
+                .map(|e| match e.payload {
+                    crate::model::OutboxPayload::Change(c) => (c.from, c.to),
+                    crate::model::OutboxPayload::Built(_) => panic!("a built body"),
+                })
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        write_districts(&path, CUTS, |c| codes[c].to_string());
+        let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+        assert_eq!(r.record.verdict, Verdict::Baseline);
+
+        let long = "M".repeat(crate::ingest::normalize::MAX_FIELD_BYTES + 1);
+        write_districts(&path, CUTS, |c| if c == 4 { long.clone() } else { codes[c].to_string() });
+        let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+        assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.quarantined), (Verdict::Run, 0, 1), "{}", r.line());
+        assert!(r.record.warnings.iter().any(|w| w.contains("keep their zoning")), "{:?}", r.record.warnings);
+        assert!(queued(&engine).is_empty());
+
+        write_districts(&path, CUTS, |c| codes[c].to_string());
+        let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+        assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 0), "read again unchanged: {}", r.line());
+
+        write_districts(&path, CUTS, |c| if c == 4 { long.clone() } else { codes[c].to_string() });
+        engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+        write_districts(&path, CUTS, |c| if c == 4 { "C-3".to_string() } else { codes[c].to_string() });
+        let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+        assert!(r.record.counts.changes >= 1, "{}", r.line());
+        assert_eq!(queued(&engine), vec![(Some("M-1".to_string()), Some("C-3".to_string()))]);
     }
 
     /// A stop asked while a derived run reads its base ends the run before its commit, in

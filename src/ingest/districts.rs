@@ -30,10 +30,12 @@ pub struct RejectedDistrict {
     pub reason: QuarantineReason,
     pub detail: String,
     pub raw: String,
-    /// Where the feature lies (its exterior rings' bounding rectangle), when its geometry
-    /// can be read: the parcels there keep their derived zoning rather than be derived as if
-    /// the district had gone (`Engine::derive_pass`).
-    pub footprint: Option<crate::model::Envelope>,
+    /// Where the feature lies: one bounding rectangle per polygon, of the exterior ring's
+    /// positions that can be read ([`places_of`]); empty when none can. The parcels there keep
+    /// their derived zoning (`derived::KeptPlaces`), and in area mode the ground there its
+    /// stored zoning (`detect::area::KeptCoverage`), rather than be read as if the district
+    /// had gone.
+    pub places: Vec<crate::model::Envelope>,
 }
 
 /// A whole district layer.
@@ -56,6 +58,47 @@ struct RawFeature<'a> {
 }
 
 
+/// Where a district feature that could not be read lies ([`RejectedDistrict::places`]), read
+/// leniently from its JSON text: one rectangle per polygon over its exterior ring's positions
+/// that are two finite numbers (within `bbox` when the source sets one), skipping the rest.
+/// A position that cannot be read (a `NaN` written by a Python exporter, a stray `[0, 0]`)
+/// is what quarantines a feature; it must not also take away where the feature lies, nor
+/// stretch the rectangle over the whole county.
+pub fn places_of(raw: &str, bbox: Option<[f64; 4]>) -> Vec<crate::model::Envelope> {
+    use serde_json::Value;
+    fn position(v: &Value, bbox: Option<[f64; 4]>) -> Option<[f64; 2]> {
+        let p = v.as_array()?;
+        let (x, y) = (p.first()?.as_f64()?, p.get(1)?.as_f64()?);
+        let inside = bbox.is_none_or(|b| x >= b[0] && y >= b[1] && x <= b[2] && y <= b[3]);
+        (x.is_finite() && y.is_finite() && inside).then_some([x, y])
+    }
+    fn ring_box(ring: &Value, bbox: Option<[f64; 4]>) -> Option<crate::model::Envelope> {
+        let mut points = ring.as_array()?.iter().filter_map(|p| position(p, bbox));
+        let first = points.next()?;
+        Some(points.fold((first, first), |(lo, hi), p| ([lo[0].min(p[0]), lo[1].min(p[1])], [hi[0].max(p[0]), hi[1].max(p[1])])))
+    }
+    fn walk(g: &Value, bbox: Option<[f64; 4]>, out: &mut Vec<crate::model::Envelope>, depth: u32) {
+        let coords = g.get("coordinates").and_then(Value::as_array);
+        match (g.get("type").and_then(Value::as_str), coords) {
+            (Some("Polygon"), Some(rings)) => out.extend(rings.first().and_then(|r| ring_box(r, bbox))),
+            (Some("MultiPolygon"), Some(polys)) => {
+                out.extend(polys.iter().filter_map(|p| p.as_array().and_then(|rings| rings.first()).and_then(|r| ring_box(r, bbox))))
+            }
+            (Some("GeometryCollection"), _) if depth < 4 => {
+                for part in g.get("geometries").and_then(Value::as_array).into_iter().flatten() {
+                    walk(part, bbox, out, depth + 1);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if let Some(geometry) = serde_json::from_str::<Value>(raw).ok().as_ref().and_then(|f| f.get("geometry")) {
+        walk(geometry, bbox, &mut out, 0);
+    }
+    out
+}
+
 /// Reads every feature of a district layer; `code_field` names the zoning-code property.
 pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) -> Result<DistrictLayer, IngestError> {
     let mut out = DistrictLayer::default();
@@ -66,7 +109,7 @@ pub fn read_districts(bytes: &[u8], code_field: &str, bbox: Option<[f64; 4]>) ->
             reason,
             detail,
             raw: crate::util::truncate_text(raw, 16 * 1024),
-            footprint: crate::ingest::normalize::footprint_of_feature(raw),
+            places: places_of(raw, bbox),
         };
         let feature: RawFeature = match serde_json::from_str(raw) {
             Ok(f) => f,
@@ -133,6 +176,29 @@ mod tests {
             reasons,
             vec![QuarantineReason::EmptyGeometry, QuarantineReason::EmptyGeometry, QuarantineReason::MissingField]
         );
+    }
+
+    /// Where a rejected district lies is read past what rejected it: a position of nulls (a
+    /// `NaN` as the scanner hands it on) or outside the source's box is skipped, each polygon
+    /// of a multipolygon has its own rectangle, and a feature with no readable position has
+    /// none.
+    #[test]
+    fn a_rejected_district_keeps_the_places_that_can_be_read() {
+        let square = "[[[0,0],[1,0],[null,0.5],[1,1],[0,1],[0,0]]]";
+        let far = "[[[5,5],[6,5],[6,6],[0,0],[5,5]]]";
+        let feature = |geometry: &str| format!(r#"{{"type":"Feature","properties":{{"Z":"R-1"}},"geometry":{geometry}}}"#);
+        let poly = feature(&format!(r#"{{"type":"Polygon","coordinates":{square}}}"#));
+        assert_eq!(places_of(&poly, None), vec![([0.0, 0.0], [1.0, 1.0])]);
+        let multi = feature(&format!(r#"{{"type":"MultiPolygon","coordinates":[{square},{far}]}}"#));
+        assert_eq!(places_of(&multi, None), vec![([0.0, 0.0], [1.0, 1.0]), ([0.0, 0.0], [6.0, 6.0])]);
+        assert_eq!(places_of(&multi, Some([0.5, 0.5, 10.0, 10.0])), vec![([1.0, 1.0], [1.0, 1.0]), ([5.0, 5.0], [6.0, 6.0])]);
+        assert_eq!(places_of(&feature("null"), None), vec![]);
+        assert_eq!(places_of(r#"{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[0,0],[1,"#, None), vec![]);
+        // Read as a layer: the damaged polygon is rejected with its place.
+        let layer = format!(r#"{{"type":"FeatureCollection","features":[{poly}]}}"#);
+        let l = read_districts(layer.as_bytes(), "Z", None).unwrap();
+        assert_eq!((l.districts.len(), l.rejected.len()), (0, 1));
+        assert_eq!(l.rejected[0].places, vec![([0.0, 0.0], [1.0, 1.0])]);
     }
 
     #[test]
