@@ -314,9 +314,11 @@ fn prop_text(raw: &RawValue) -> Option<String> {
         return (!t.is_empty()).then(|| t.to_string());
     }
     let literal = raw.get().trim();
-    // Past the cap as written: kept so, for the cap to refuse it (a number of 1,100 digits
-    // read as a float kept 17 of them, under the cap: found by a black-box tester).
-    if literal.len() > MAX_FIELD_BYTES {
+    let numeric = literal.starts_with(|c: char| c == '-' || c.is_ascii_digit());
+    // A number past the cap as written: kept so, for the cap to refuse it (a number of 1,100
+    // digits read as a float kept 17 of them, under the cap: found by a black-box tester). A
+    // string is measured as it decodes (`\/` and `\u00e9` are longer written than read).
+    if numeric && literal.len() > MAX_FIELD_BYTES {
         return Some(literal.to_string());
     }
     // An integer is its digits as written: one past 2^64 would otherwise be read as a float
@@ -331,7 +333,7 @@ fn prop_text(raw: &RawValue) -> Option<String> {
         Ok(serde_json::Value::Bool(b)) => b.to_string(),
         // A number too large for a float (`1e400`) is there all the same: as written, not
         // taken for a missing field.
-        Err(_) if literal.starts_with(|c: char| c == '-' || c.is_ascii_digit()) => literal.to_string(),
+        Err(_) if numeric => literal.to_string(),
         _ => return None,
     };
     if text.is_empty() {
@@ -1017,6 +1019,11 @@ mod tests {
         let long_float = format!(r#"{{"properties":{{"APN":"7","ZONE":1.{}e5}},{geometry}}}"#, "2".repeat(MAX_FIELD_BYTES));
         let err = normalize_feature(raw(&long_float), &rules(&f)).unwrap_err();
         assert_eq!((err.reason, err.parcel_id.as_deref()), (QuarantineReason::FieldTooLong, Some("7")), "{}", err.detail);
+        // A string is measured as it reads: 600 escaped slashes are 1,200 bytes written and
+        // 600 read. A date that is an array, however long, is no date (as it always was).
+        let escaped = format!(r#"{{"properties":{{"APN":"7","ZONE":"{}","EFF":[{}0]}},{geometry}}}"#, "\\/".repeat(600), "0,".repeat(MAX_FIELD_BYTES));
+        let n = normalize_feature(raw(&escaped), &rules(&dated)).unwrap();
+        assert_eq!((n.parcel.state.zoning, n.parcel.state.effective_date), ("/".repeat(600), None));
         // A hostile coordinate makes a short detail (the extent in exponent form), not one of
         // 300 digits kept in the ledger for ever.
         let json = r#"{"properties":{"APN":"1","ZONE":"R"},"geometry":{"type":"Polygon","coordinates":[[[0,0],[1e300,0],[1,1],[0,0]]]}}"#;

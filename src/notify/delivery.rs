@@ -176,9 +176,12 @@ struct SendPlan {
 impl SendPlan {
     fn new(target: &str, secret: Option<&str>, secret_old: Option<&str>) -> SendPlan {
         let url = reqwest::Url::parse(target).map_err(|e| format!("bad_target: {e}"));
+        // An old secret that is the new one written another way (`whsec_` left off, a space
+        // after it) signs nothing more: one key, one signature.
+        let same_key = |old: &str| secret.is_some_and(|new| signing::decode_secret(new).is_ok_and(|k| signing::decode_secret(old).is_ok_and(|o| o == k)));
         let signers = secret
             .into_iter()
-            .chain(secret.and(secret_old))
+            .chain(secret.and(secret_old).filter(|old| !same_key(old)))
             .map(signing::Signer::from_secret)
             .collect::<Result<Vec<_>, String>>()
             .map_err(|e| format!("bad_secret: {e}"));
@@ -1249,6 +1252,11 @@ mod tests {
         let rotated = d.plan_for(&entry).unwrap();
         assert!(!Arc::ptr_eq(&first, &rotated));
         assert_eq!(rotated.signers.as_ref().unwrap().len(), 2);
+        // The "old" secret is the new one written another way: one key, one signature.
+        for old in ["MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", " whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw "] {
+            subs.edit().upsert(sub("http://example.com/a", Some(A), Some(old)));
+            assert_eq!(d.plan_for(&entry).unwrap().signers.as_ref().unwrap().len(), 1, "{old:?}");
+        }
         // A new target; then a bad secret and a bad target are reasons, not panics.
         subs.edit().upsert(sub("http://example.com/b", Some(B), None));
         assert_eq!(d.plan_for(&entry).unwrap().url.as_ref().unwrap().as_str(), "http://example.com/b");

@@ -182,9 +182,13 @@ pub fn backup_read_only(path: &Path, dest: &Path) -> Result<BackupInfo, StoreErr
         }
         other => open_err(format!("not a readable zonewatch store: {other}. If the file is damaged, restore a backup: zonewatch restore BACKUP --config FILE")),
     })?;
-    let schema = super::schema_in(&redb::ReadableDatabase::begin_read(&db)?)?;
-    if !schema.is_some_and(|v| (SAME_TABLES_SINCE..=SCHEMA_VERSION).contains(&v)) {
-        let found = schema.map_or("none".to_string(), |v| v.to_string());
+    let not_ours = |e: StoreError| open_err(format!("not a zonewatch store: {e}"));
+    let schema = super::schema_in(&redb::ReadableDatabase::begin_read(&db)?).map_err(not_ours)?;
+    let Some(schema) = schema else {
+        return Err(open_err("no schema version record: not a zonewatch store".into()));
+    };
+    if !(SAME_TABLES_SINCE..=SCHEMA_VERSION).contains(&schema) {
+        let found = schema;
         return Err(open_err(format!(
             "its format version is {found}: read-only, it cannot be upgraded, and this build ({SCHEMA_VERSION}) copies the tables of versions {SAME_TABLES_SINCE} to {SCHEMA_VERSION} only; back it up with the release that wrote it, or {copy_it}"
         )));
@@ -253,7 +257,8 @@ fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
     if !ok {
         return Err(open_err("integrity check found damage (it was repaired in memory only)".into()));
     }
-    let Some(found) = super::schema_in(&db.begin_read()?)? else {
+    let found = super::schema_in(&db.begin_read()?).map_err(|e| open_err(format!("not a zonewatch store: {e}")))?;
+    let Some(found) = found else {
         return Err(open_err("no schema version record: not a zonewatch store".into()));
     };
     // A backup of an older format is fine to restore: the next open upgrades it.

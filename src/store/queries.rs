@@ -11,6 +11,8 @@ use super::tombstones::Tombstone;
 use super::history_index::{is_baseline_prime, walk_audit_classes, AuditClass};
 use super::{Store, StoreError};
 use crate::model::*;
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
+use std::collections::HashMap;
 
 /// Every readable hold of a file's read transaction (a row that cannot be read is logged and
 /// skipped): the store's, or a backup's being restored (`backup::restore` warns of those open;
@@ -27,8 +29,6 @@ pub(super) fn holds_in(rtx: &redb::ReadTransaction) -> Result<Vec<Hold>, StoreEr
     }
     Ok(out)
 }
-use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata};
-use std::collections::HashMap;
 
 /// Filters for the audit ledger; `None` matches everything.
 #[derive(Debug, Clone, Default)]
