@@ -439,8 +439,8 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
         match deliverer.drain_until(Instant::now() + engine.config.delivery.run_wait, Some(&stop)).await {
             Ok(s) => {
                 let left = engine.store.outbox_len().unwrap_or(0);
-                lines.line(format_args!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}", s.sent, s.retried, s.dead, left, s.gone));
-                0
+                lines.line(format_args!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}{}", s.sent, s.retried, s.dead, left, s.gone, deferred_field(&s)));
+                deferred_exit(&s, left)
             }
             Err(e) => {
                 error_line!("delivery: {e}");
@@ -461,6 +461,11 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     }
     if failed > 0 {
         error_line!("{failed} of {} sources failed (see above); their watermarks did not move", sources.len());
+        if crate::store::file_size_limit_met() {
+            // Waiting does not lift a limit: exit 2, which the packaged unit does not retry.
+            error_line!("store {}: {}", engine.config.store_path.display(), crate::store::FILE_SIZE_LIMIT);
+            return 2;
+        }
         return 1;
     }
     match lines.failed {
@@ -502,6 +507,28 @@ impl ResultLines {
     }
 }
 
+/// The delivery line's `deferred=N` (sends this process could not make for want of its own
+/// resources: `DeliveryResult::Deferred`), only when there were any.
+fn deferred_field(s: &crate::notify::delivery::PassStats) -> String {
+    if s.deferred > 0 {
+        format!(" deferred={}", s.deferred)
+    } else {
+        String::new()
+    }
+}
+
+/// The exit code of a command's delivery that went through: 1 when sends were deferred for
+/// want of this process's own resources and alerts are still queued (the error log said
+/// which limit; the alerts wait for the next run), else 0.
+fn deferred_exit(s: &crate::notify::delivery::PassStats, left: u64) -> i32 {
+    if s.deferred > 0 && left > 0 {
+        error_line!("{} send(s) could not be made: this process ran out of open files or sockets (raise its limit: ulimit -n, or LimitNOFILE= in the service unit); {left} alert(s) stay queued for the next run or serve, nothing was charged to their subscribers", s.deferred);
+        1
+    } else {
+        0
+    }
+}
+
 fn cmd_serve(config: &std::path::Path) -> i32 {
     crate::util::limit_allocator_arenas();
     let engine = match open_engine(config) {
@@ -535,10 +562,14 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         let (tx, reopen) = (tx.clone(), reopen.clone());
         crate::store::on_reopen_needed(move || {
             if !reopen.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                crate::say::line(
-                    crate::say::Level::Stopping,
-                    format_args!("the store refuses work after an I/O error (a full disk?) until it is opened again; stopping (exit 1: the service manager restarts zonewatch)"),
-                );
+                if crate::store::file_size_limit_met() {
+                    crate::say::line(crate::say::Level::Stopping, format_args!("the store cannot grow past a file-size limit; stopping (exit 2)"));
+                } else {
+                    crate::say::line(
+                        crate::say::Level::Stopping,
+                        format_args!("the store refuses work after an I/O error (a full disk?) until it is opened again; stopping (exit 1: the service manager restarts zonewatch)"),
+                    );
+                }
                 let _ = tx.send(true);
             }
         });
@@ -753,6 +784,12 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         return 2;
     }
     if reopen.load(std::sync::atomic::Ordering::SeqCst) {
+        if crate::store::file_size_limit_met() {
+            // Restarting would meet the same limit: exit 2, which the packaged unit does not
+            // restart (a tester saw it restart in a loop when SIGXFSZ killed the process).
+            error_line!("store {}: {}", engine.config.store_path.display(), crate::store::FILE_SIZE_LIMIT);
+            return 2;
+        }
         tracing::error!("zonewatch stopped: the store must be opened again after an I/O error");
         return 1;
     }
@@ -1641,8 +1678,8 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
                         Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
                             Ok(s) => {
-                                println!("delivery: sent={} retried={} dead_letters={} gone={}", s.sent, s.retried, s.dead, s.gone);
-                                0
+                                println!("delivery: sent={} retried={} dead_letters={} gone={}{}", s.sent, s.retried, s.dead, s.gone, deferred_field(&s));
+                                deferred_exit(&s, engine.store.outbox_len().unwrap_or(0))
                             }
                             Err(e) => {
                                 error_line!("delivery: {e}");

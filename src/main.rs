@@ -5,6 +5,7 @@ use std::io::IsTerminal;
 use zonewatch::cli::{dispatch, Cli, LogFormat};
 
 fn main() {
+    zonewatch::signals::report_file_size_limit();
     let cli = Cli::parse();
     // `serve` is a service: it logs what it does. One-shot commands print their own report.
     let default_level = if matches!(cli.command, zonewatch::cli::Command::Serve { .. }) { "info" } else { "warn" };

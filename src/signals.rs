@@ -290,6 +290,29 @@ fn die_by(code: i32, last_line: Option<&str>) -> ! {
     std::process::exit(code)
 }
 
+/// Ignores `SIGXFSZ`, whose default action ends the process without a word when a write
+/// passes the process's file-size limit (`ulimit -f`, systemd `LimitFSIZE=`): ignored, the
+/// write fails with `EFBIG` instead, and the store says what stops it and exits 2
+/// (`store::FILE_SIZE_LIMIT`), which a service manager told not to restart on 2 respects.
+/// Found by a black-box tester: `run` and `serve` died silently (exit 153) and the unit
+/// restarted in a loop. Called first thing by the binary.
+pub fn report_file_size_limit() {
+    #[cfg(target_os = "linux")]
+    {
+        extern "C" {
+            fn signal(signum: std::os::raw::c_int, handler: usize) -> usize;
+        }
+        /// `SIGXFSZ` on Linux, and `SIG_IGN`.
+        const SIGXFSZ: std::os::raw::c_int = 25;
+        const SIG_IGN: usize = 1;
+        // SAFETY: `signal` with SIG_IGN installs no Rust code as a handler; it takes two
+        // integers and is callable from any thread.
+        unsafe {
+            signal(SIGXFSZ, SIG_IGN);
+        }
+    }
+}
+
 /// Puts back the default action (ending the process) of both signals we watch, `code`'s
 /// first. Called only on the way out ([`die_by`]).
 fn reset_to_default(code: i32) {

@@ -53,6 +53,10 @@ pub struct PassStats {
     /// Sends the receiver answered 410 Gone: the endpoint is disabled and its rows wait for
     /// an operator (`endpoints enable`, a new target), not for a retry.
     pub gone: u64,
+    /// Sends that never left this machine (it ran out of file descriptors, socket buffers or
+    /// local ports): queued again, nothing charged to the row or its endpoint
+    /// (`DeliveryResult::Deferred`).
+    pub deferred: u64,
     /// Outcome transactions committed (group commits).
     pub commits: u64,
     /// When the pass ended with due rows held back by an open circuit breaker: the earliest
@@ -74,6 +78,7 @@ impl PassStats {
             r if r.is_gone() => self.gone += 1,
             DeliveryResult::Retry { .. } => self.retried += 1,
             DeliveryResult::Dead { .. } => self.dead += 1,
+            DeliveryResult::Deferred { .. } => self.deferred += 1,
         }
     }
 }
@@ -85,6 +90,7 @@ impl std::ops::AddAssign for PassStats {
         self.retried += o.retried;
         self.dead += o.dead;
         self.gone += o.gone;
+        self.deferred += o.deferred;
         self.commits += o.commits;
         self.held_until_ms = o.held_until_ms;
         self.lease_capped = o.lease_capped;
@@ -811,6 +817,12 @@ impl Deliverer {
                 rec.next_attempt_ms = Some(*next_attempt_ms);
                 rec.error = Some(error.clone());
             }
+            DeliveryResult::Deferred { next_attempt_ms, error, .. } => {
+                // Not logged as an attempt (`DeliveryResult::Deferred`); filled in all the same.
+                rec.result = "deferred".into();
+                rec.next_attempt_ms = Some(*next_attempt_ms);
+                rec.error = Some(error.clone());
+            }
             DeliveryResult::Dead { reason, .. } => {
                 rec.result = "dead_letter".into();
                 // Keep what this try got (timeout, http_503) beside why it is final.
@@ -926,12 +938,34 @@ impl Deliverer {
                 if let Some(refused) = crate::netguard::refusal(&e) {
                     return DeliveryResult::Dead { id, reason: format!("private_target_refused: {refused}"), cause: DeadCause::NotSent };
                 }
+                if let Some(local) = local_failure(&e) {
+                    return self.deferred(entry, local);
+                }
                 // Without the URL: the row names its target, which is shown elsewhere with any
                 // password masked (`util::url_for_display`); the error text is stored as it is.
                 (None, format!("connection: {}", crate::util::error_chain(&e.without_url())))
             }
         };
         self.retry_or_dead(entry, rec, retry_after, error)
+    }
+
+    /// A send this process could not make for want of a resource of its own: queued again
+    /// after [`LOCAL_FAILURE_PAUSE`] (plus up to as much jitter, so that a backlog does not
+    /// come back all at once), its attempts and its endpoint's health untouched. Said once a
+    /// minute at most, as an error: an operator must raise the limit (`LimitNOFILE=`).
+    fn deferred(&self, entry: &OutboxEntry, local: std::io::Error) -> DeliveryResult {
+        static LAST_SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let now = self.clock.now_ms();
+        let said = LAST_SAID_MS.load(std::sync::atomic::Ordering::Relaxed);
+        if now.saturating_sub(said) >= 60_000 && LAST_SAID_MS.compare_exchange(said, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed).is_ok() {
+            tracing::error!(
+                error = %local,
+                "a webhook could not be sent: this process is out of a resource of its own (raise its open-file limit: ulimit -n, or LimitNOFILE= in the service unit); the alerts stay queued and are sent once it has room, nothing is charged to their subscribers"
+            );
+        }
+        let pause = LOCAL_FAILURE_PAUSE.as_millis() as u64;
+        let next_attempt_ms = now.saturating_add(pause).saturating_add(rand::random_range(0..=pause));
+        DeliveryResult::Deferred { id: entry.id, next_attempt_ms, error: format!("local: {local}") }
     }
 
     /// A failed try: retried after the schedule's delay (at least `retry_after`), or a dead
@@ -1015,6 +1049,30 @@ fn closed_under_request(e: &reqwest::Error) -> bool {
         src = inner.source();
     }
     false
+}
+
+/// How long a send that failed for want of this process's own resources waits before it is
+/// tried again ([`Deliverer::deferred`]; jitter of up to as much again comes on top).
+const LOCAL_FAILURE_PAUSE: Duration = Duration::from_secs(2);
+
+/// The error of a send that never left this machine because this process ran out of a
+/// resource of its own: file descriptors (its own limit or the system's), socket buffers,
+/// memory, or local ports to connect from. Anything else (refused, reset, unreachable, a DNS
+/// failure) is the endpoint's or the network's, and a retry.
+pub(crate) fn local_failure(e: &(dyn std::error::Error + 'static)) -> Option<std::io::Error> {
+    // Linux's numbers (the target this is built and packaged for): EMFILE, ENFILE, ENOBUFS,
+    // ENOMEM, EADDRNOTAVAIL.
+    const LOCAL: [i32; 5] = [24, 23, 105, 12, 99];
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(inner) = src {
+        if let Some(io) = inner.downcast_ref::<std::io::Error>() {
+            if let Some(code) = io.raw_os_error().filter(|c| cfg!(target_os = "linux") && LOCAL.contains(c)) {
+                return Some(std::io::Error::from_raw_os_error(code));
+            }
+        }
+        src = inner.source();
+    }
+    None
 }
 
 /// Why a target was not sent to.

@@ -60,9 +60,23 @@ pub enum DeliveryResult {
     Sent { id: u64, status: u16 },
     Retry { id: u64, next_attempt_ms: u64, error: String },
     Dead { id: u64, reason: String, cause: DeadCause },
+    /// The request never left this machine: this process ran out of a resource of its own
+    /// (file descriptors, socket buffers, local ports; `notify::delivery::local_failure`). The
+    /// row goes out again at `next_attempt_ms` with its attempts as they were; neither its
+    /// retries nor its endpoint's health are charged, and no attempt row is logged (it would
+    /// be one every few seconds for as long as the limit lasts). A tester's `ulimit -n 20`
+    /// dead-lettered 250 alerts to a receiver that answered 200, and opened its breaker.
+    Deferred { id: u64, next_attempt_ms: u64, error: String },
 }
 
 impl DeliveryResult {
+    /// The outbox row this is the outcome of.
+    pub fn id(&self) -> u64 {
+        match self {
+            DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } | DeliveryResult::Deferred { id, .. } => *id,
+        }
+    }
+
     /// The receiver answered 410 Gone (its endpoint is disabled by the commit recording it).
     pub fn is_gone(&self) -> bool {
         matches!(self, DeliveryResult::Retry { error, .. } if error == crate::notify::delivery::HTTP_410_GONE)
@@ -484,8 +498,9 @@ impl Store {
         // Each table is opened once for the whole batch: a group commit carries thousands of
         // outcomes and per-row table opens would dominate it.
         {
+            let deferred: std::collections::HashSet<u64> = results.iter().filter(|r| matches!(r, DeliveryResult::Deferred { .. })).map(DeliveryResult::id).collect();
             let mut log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
-            for rec in attempts {
+            for rec in attempts.iter().filter(|rec| !deferred.contains(&rec.outbox_id)) {
                 super::leases::log_attempt_in(&mut log, rec)?;
             }
         }
@@ -503,9 +518,7 @@ impl Store {
             let mut targets = super::subscribers::StoredTargets::new(&wtx);
             let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints);
             for result in results {
-                let id = match result {
-                    DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
-                };
+                let id = result.id();
                 // Already resolved (e.g. by a concurrent recovery): nothing to record.
                 let Some((queue, entry)) = outbox.get(id)? else { continue };
                 if let Some(policy) = health {
@@ -513,6 +526,7 @@ impl Store {
                         DeliveryResult::Sent { .. } => (true, false, false),
                         DeliveryResult::Retry { .. } => (false, result.is_gone(), false),
                         DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
+                        DeliveryResult::Deferred { .. } => (false, false, true),
                     };
                     // A 410 from the subscriber's old target counts as a failure, not as "gone".
                     let gone = gone && !targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())?;
@@ -542,6 +556,10 @@ impl Store {
                         updated.last_error = Some(error.clone());
                         outbox.move_to_retry(queue, &entry, &updated)?;
                     }
+                    DeliveryResult::Deferred { next_attempt_ms, error, .. } => {
+                        let updated = OutboxEntry { next_attempt_ms: *next_attempt_ms, last_error: Some(error.clone()), ..entry.clone() };
+                        outbox.move_to_retry(queue, &entry, &updated)?;
+                    }
                 }
             }
             health_batch.finish()?
@@ -555,9 +573,7 @@ impl Store {
         }
         // After the commit, never before (see `leases::Leases`): a lease pass that no longer
         // finds the lease opens its snapshot after this commit.
-        self.leases.release(results.iter().map(|r| match r {
-            DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } => *id,
-        }));
+        self.leases.release(results.iter().map(DeliveryResult::id));
         Ok(closed)
     }
 

@@ -143,6 +143,9 @@ impl From<redb::Error> for StoreError {
         // Any I/O error latches redb's failure flag: from then on the open file answers
         // `PreviousIo` to everything.
         if matches!(e, redb::Error::PreviousIo | redb::Error::Io(_)) && OTHER_FILE.with(|n| n.get()) == 0 {
+            if matches!(&e, redb::Error::Io(io) if is_file_size_limit(io)) {
+                FILE_SIZE_LIMIT_MET.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
             reopen_needed();
         }
         StoreError::Db(e)
@@ -199,6 +202,16 @@ impl StoreError {
 /// command failing on it exits 2, as for a config error, with this said.
 pub fn is_file_size_limit(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::FileTooLarge || e.raw_os_error() == Some(27)
+}
+
+/// Set when a write to the store's own file failed on [`is_file_size_limit`]: the errors
+/// after it are redb's "previous I/O error", which no longer say why, so `run` and `serve`
+/// read this to exit 2 with [`FILE_SIZE_LIMIT`] rather than 1 as for a full disk.
+static FILE_SIZE_LIMIT_MET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process's store file met a file-size limit ([`FILE_SIZE_LIMIT_MET`]).
+pub fn file_size_limit_met() -> bool {
+    FILE_SIZE_LIMIT_MET.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// What to do about [`is_file_size_limit`].
