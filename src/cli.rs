@@ -351,8 +351,9 @@ pub(crate) fn store_exit_code(e: &crate::store::StoreError) -> i32 {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, i32> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| {
-        error_line!("cannot start the async runtime: {e}");
+    crate::util::async_runtime(true).map_err(|e| {
+        let hint = if matches!(e.raw_os_error(), Some(23 | 24)) { ": this process is out of file descriptors; raise its limit (ulimit -n, or LimitNOFILE= in the service unit)" } else { "" };
+        error_line!("cannot start the async runtime: {e}{hint}");
         1
     })
 }
@@ -621,9 +622,8 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             }
         };
         let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
-        if let Err(e) = std::fs::write(control_addr_file(&engine.config), &addr) {
-            tracing::warn!("cannot write {}: {e}", control_addr_file(&engine.config).display());
-        }
+        // Written again by the store-file check below until it is written (a full disk).
+        let addr_written = Arc::new(std::sync::atomic::AtomicBool::new(write_control_addr(&engine.config, &addr)));
         tracing::info!(%addr, "control port listening");
         {
             let state = Arc::new(crate::control::ControlState {
@@ -702,11 +702,16 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             let store = engine.store.clone();
             let (tx, gone) = (tx.clone(), store_gone.clone());
             let mut rx = rx.clone();
+            let (config, addr, addr_written) = (engine.config.clone(), addr.clone(), addr_written.clone());
             tasks.spawn(async move {
                 loop {
                     tokio::select! {
                         _ = tokio::time::sleep(STORE_FILE_CHECK) => {}
                         _ = rx.changed() => break,
+                    }
+                    if !addr_written.load(std::sync::atomic::Ordering::Relaxed) && write_control_addr(&config, &addr) {
+                        addr_written.store(true, std::sync::atomic::Ordering::Relaxed);
+                        tracing::info!(path = %control_addr_file(&config).display(), "control port address written");
                     }
                     let store = store.clone();
                     // A stat hung on a network file system does not hold up a shutdown.
@@ -853,6 +858,30 @@ pub fn control_addr_file(cfg: &Config) -> PathBuf {
     cfg.store_path.with_extension("control-addr")
 }
 
+/// Writes `serve`'s control port address for the commands that ask the daemon (`backup`):
+/// whole or not at all (a temp file renamed over it), so a full disk leaves no empty file
+/// (a tester's `backup` then asked `http:///v1/backup` for as long as that `serve` ran).
+/// Says why it could not; `serve` tries again every few seconds.
+fn write_control_addr(cfg: &Config, addr: &str) -> bool {
+    let path = control_addr_file(cfg);
+    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let written = tempfile::Builder::new().prefix(".zonewatch-control-addr-").tempfile_in(folder).and_then(|mut f| {
+        use std::io::Write;
+        f.write_all(addr.as_bytes())?;
+        f.persist(&path).map_err(|e| e.error)?;
+        Ok(())
+    });
+    match written {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!("cannot write {} (tried again every {} s): {e}", path.display(), STORE_FILE_CHECK.as_secs());
+            // An older daemon's address would send `backup` to the wrong port.
+            let _ = std::fs::remove_file(&path);
+            false
+        }
+    }
+}
+
 /// Where `POST /v1/backup` writes backups (beside the store).
 pub fn backup_dir(cfg: &Config) -> PathBuf {
     cfg.store_path.parent().map(|p| p.join("backups")).unwrap_or_else(|| PathBuf::from("backups"))
@@ -867,8 +896,18 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
         error_line!("{} exists; choose a new file name", dest.display());
         return 2;
     }
-    // An interrupted backup leaves no half-written temp file beside DEST.
+    // An interrupted backup leaves no half-written temp file beside DEST; one killed outright
+    // left one there, removed once an hour old.
     let _finish = crate::signals::on_signal_remove_scratch();
+    {
+        use std::os::unix::fs::MetadataExt;
+        let folder = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        // This process's uid (`/proc/self` is owned by it): a temp file it made is owned so.
+        // Without `/proc`, nothing is swept.
+        if let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) {
+            crate::store::backup::sweep_backup_leftovers(folder, me, std::time::SystemTime::now());
+        }
+    }
     // A file this user may read but not write: copied through a read-only open (a `Store`
     // writes even to read).
     if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open(&cfg.store_path) {
@@ -909,9 +948,11 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
 /// The store is open in a running `serve`: ask it for a backup over the control port, then
 /// copy the file it wrote to `dest` and check it.
 fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
-    let addr = match std::fs::read_to_string(control_addr_file(cfg)) {
-        Ok(a) => a.trim().to_string(),
-        Err(_) => cfg.control.listen.to_string(),
+    // The address `serve` wrote, or else the configured one (a `serve` that could not write
+    // it, on a full disk, listens there all the same unless its port is 0).
+    let addr = match std::fs::read_to_string(control_addr_file(cfg)).ok().and_then(|a| a.trim().parse::<std::net::SocketAddr>().ok()) {
+        Some(a) => a.to_string(),
+        None => cfg.control.listen.to_string(),
     };
     let token = match std::fs::read_to_string(&cfg.control.token_file) {
         Ok(t) => t.trim().to_string(),

@@ -395,7 +395,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
             letters.truncate(cap);
         }
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match crate::util::async_runtime(true) {
         Ok(rt) => rt,
         Err(e) => {
             error_line!("cannot start the runtime: {e}");

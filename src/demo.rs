@@ -60,7 +60,7 @@ pub fn run_demo() -> anyhow::Result<()> {
     std::fs::write(root.join("aoi/county-planning.geojson"), AOI_COUNTY)?;
     let layer = root.join("county.geojson");
 
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = crate::util::async_runtime(true)?;
     rt.block_on(async move {
         let receiver = Receiver::start(Arc::new(|_, _| 200), Some(Arc::new(print_alert))).await?;
         let url = receiver.url("/hooks/zoning");

@@ -237,7 +237,7 @@ pub fn on_signal_remove_scratch() -> Finish {
 fn spawn_watcher(with_hangup: bool, mut on_signal: impl FnMut(i32) + Send + 'static) -> std::io::Result<()> {
     let (ready_tx, ready) = std::sync::mpsc::channel::<std::io::Result<()>>();
     std::thread::Builder::new().name("zonewatch-signals".into()).spawn(move || {
-        let rt = match tokio::runtime::Builder::new_current_thread().enable_io().build() {
+        let rt = match crate::util::async_runtime(false) {
             Ok(rt) => rt,
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
@@ -367,9 +367,15 @@ impl Arrivals {
     fn install(with_hangup: bool) -> std::io::Result<Arrivals> {
         use tokio::signal::unix::{signal, SignalKind};
         let ignored = inherited_ignored_at_start();
+        // tokio's signal driver makes a socket pair the first time and panics if it cannot
+        // (a tester's `ulimit -n 8`: exit 101 and a backtrace): tried here first, so that
+        // the caller gets the error and says it; a panic all the same is caught as one.
+        drop(std::os::unix::net::UnixStream::pair()?);
         let watched = |number: u32, kind: SignalKind| -> std::io::Result<Option<tokio::signal::unix::Signal>> {
             match ignored & (1 << (number - 1)) {
-                0 => signal(kind).map(Some),
+                0 => std::panic::catch_unwind(|| signal(kind))
+                    .unwrap_or_else(|_| Err(std::io::Error::other("the signal driver could not start (out of file descriptors?)")))
+                    .map(Some),
                 _ => Ok(None),
             }
         };

@@ -200,8 +200,8 @@ async fn a_run_out_of_file_descriptors_keeps_its_alerts_queued() {
         p.zone = "M-9".into();
     }
     ws.write_layer(&layer(&v2));
-    let limited = format!("ulimit -n 20 && exec \"$0\" run --config \"$1\"");
-    let o = tokio::task::block_in_place(|| Command::new("sh").args(["-c", &limited, env!("CARGO_BIN_EXE_zonewatch"), &cfg]).output().expect("sh runs"));
+    let limited = "ulimit -n 20 && exec \"$0\" run --config \"$1\"";
+    let o = tokio::task::block_in_place(|| Command::new("sh").args(["-c", limited, env!("CARGO_BIN_EXE_zonewatch"), &cfg]).output().expect("sh runs"));
     let (out, err) = text(&o);
     assert!(out.contains("s1: run features=400 changes=150 queued=150"), "{out}\n{err}");
     assert!(out.contains("dead_letters=0") && out.contains("deferred="), "{out}\n{err}");
@@ -226,6 +226,21 @@ async fn a_run_out_of_file_descriptors_keeps_its_alerts_queued() {
     assert_eq!(rows.iter().filter(|r| r["outcome"] == "sent").count(), 150);
     // No attempt was spent on a send that never left: every alert went out on its first.
     assert!(rows.iter().filter(|r| r["outcome"] == "sent").all(|r| r["detail"] == "http_200 attempt 1"), "{rows:?}");
+}
+
+/// Too few file descriptors to start at all (`ulimit -n 8`): `run` and `serve` say so and
+/// exit 1, not a panic in tokio's signal driver (exit 101 and a backtrace, found by a
+/// black-box tester).
+#[test]
+fn too_few_file_descriptors_to_start_is_said() {
+    let (_ws, cfg) = grid_workspace(4);
+    for command in ["run", "serve"] {
+        let limited = "ulimit -n 8 && exec \"$0\" \"$1\" --config \"$2\"";
+        let o = Command::new("sh").args(["-c", limited, env!("CARGO_BIN_EXE_zonewatch"), command, &cfg]).output().expect("sh runs");
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{command}: {out}\n{err}");
+        assert!(err.contains("out of file descriptors") && !err.contains("panicked"), "{command}: {err}");
+    }
 }
 
 /// A store a file-size limit stops from growing (`ulimit -f`): the command says so and exits

@@ -1106,7 +1106,9 @@ fn http_client_with(cfg: &DeliveryConfig, guard: crate::netguard::Guard) -> Resu
         .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
         .user_agent(concat!("zonewatch/", env!("CARGO_PKG_VERSION")))
         .build()
-        .map_err(|e| DeliveryError::Client(e.to_string()))
+        // reqwest's own words are "builder error"; its sources say why (no file descriptor
+        // left to read the system's certificates, a tester's `ulimit -n 12`).
+        .map_err(|e| DeliveryError::Client(crate::util::error_chain(&e)))
 }
 
 pub use crate::netguard::is_private;

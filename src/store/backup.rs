@@ -101,6 +101,17 @@ pub fn sweep_check_leftovers(dir: &Path, owner: u32, now: std::time::SystemTime)
     sweep_idle(dir, now, "a killed check", |name, meta| meta.uid() == owner && name.starts_with(CHECK_PREFIX) && name.ends_with(".redb"))
 }
 
+/// Removes from `dir`, the folder a `zonewatch backup` writes its file to, the temp files
+/// ([`TEMP_PREFIX`]) of backups to that folder killed outright (SIGKILL: a cron job's
+/// `timeout -s KILL`, the OOM killer; a signal removes its own), unmodified for
+/// [`LEFTOVER_AGE`] and owned by `owner`: each is a whole store, and nothing else would
+/// remove it (found by a black-box tester). Run by the next backup to that folder; any other
+/// file there is the operator's.
+pub fn sweep_backup_leftovers(dir: &Path, owner: u32, now: std::time::SystemTime) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    sweep_idle(dir, now, "a killed backup", |name, meta| meta.uid() == owner && name.starts_with(TEMP_PREFIX))
+}
+
 /// Removes the files of `dir` that `leftover` names (given their metadata) and that were not
 /// modified for [`LEFTOVER_AGE`] at `now`, logging each (`what` left it). Returns how many.
 fn sweep_idle(dir: &Path, now: std::time::SystemTime, what: &str, leftover: impl Fn(&str, &std::fs::Metadata) -> bool) -> usize {
@@ -558,6 +569,20 @@ mod tests {
         assert_eq!(sweep_restore_leftovers(&dir.path().join("zw.redb"), now), 1);
         assert!(!dir.path().join(".zonewatch-restore-Old123").exists());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+    }
+
+    /// A killed `backup`'s temp file beside its destination is removed by the next backup to
+    /// that folder once untouched for an hour, if it is this user's; a young one (a backup
+    /// under way) and the operator's own files stay.
+    #[test]
+    fn a_killed_backups_temp_file_beside_its_destination_is_swept() {
+        use std::os::unix::fs::MetadataExt;
+        let (dir, now) = aged_files(&[(".zonewatch-backup-Old123", true), (".zonewatch-backup-New456", false), ("nightly.redb", true)]);
+        let me = std::fs::metadata(dir.path().join("nightly.redb")).unwrap().uid();
+        assert_eq!(sweep_backup_leftovers(dir.path(), me.wrapping_add(1), now), 0, "another user's file is theirs");
+        assert_eq!(sweep_backup_leftovers(dir.path(), me, now), 1);
+        assert!(!dir.path().join(".zonewatch-backup-Old123").exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 
     /// A killed `check --store`'s repaired copy in the temp folder (a full store, secrets and
