@@ -309,6 +309,22 @@ pub fn truncate_text(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
+/// A tokio runtime (all drivers; `multi_thread` or one thread), or why not as an error. Its
+/// signal driver makes a socket pair the first time and panics when it cannot (out of file
+/// descriptors: a tester's `ulimit -n 8` ended `run` and `serve` with exit 101 and a
+/// backtrace): room for it is made first, so that the caller can say what is wrong, and a
+/// panic all the same is returned as an error.
+pub fn async_runtime(multi_thread: bool) -> std::io::Result<tokio::runtime::Runtime> {
+    // Room for the drivers (a poller, a waker, the signal pair and a margin), made and let go.
+    #[cfg(unix)]
+    drop((0..4).map(|_| std::os::unix::net::UnixStream::pair()).collect::<std::io::Result<Vec<_>>>()?);
+    let build = move || {
+        let mut builder = if multi_thread { tokio::runtime::Builder::new_multi_thread() } else { tokio::runtime::Builder::new_current_thread() };
+        builder.enable_all().build()
+    };
+    std::panic::catch_unwind(build).unwrap_or_else(|_| Err(std::io::Error::other("the runtime's drivers could not start (out of file descriptors?)")))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -377,18 +393,3 @@ mod tests {
     }
 }
 
-/// A tokio runtime (all drivers; `multi_thread` or one thread), or why not as an error. Its
-/// signal driver makes a socket pair the first time and panics when it cannot (out of file
-/// descriptors: a tester's `ulimit -n 8` ended `run` and `serve` with exit 101 and a
-/// backtrace): room for it is made first, so that the caller can say what is wrong, and a
-/// panic all the same is returned as an error.
-pub fn async_runtime(multi_thread: bool) -> std::io::Result<tokio::runtime::Runtime> {
-    // Room for the drivers (a poller, a waker, the signal pair and a margin), made and let go.
-    #[cfg(unix)]
-    drop((0..4).map(|_| std::os::unix::net::UnixStream::pair()).collect::<std::io::Result<Vec<_>>>()?);
-    let build = move || {
-        let mut builder = if multi_thread { tokio::runtime::Builder::new_multi_thread() } else { tokio::runtime::Builder::new_current_thread() };
-        builder.enable_all().build()
-    };
-    std::panic::catch_unwind(build).unwrap_or_else(|_| Err(std::io::Error::other("the runtime's drivers could not start (out of file descriptors?)")))
-}
