@@ -441,7 +441,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             Ok(s) => {
                 let left = engine.store.outbox_len().unwrap_or(0);
                 lines.line(format_args!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}{}", s.sent, s.retried, s.dead, left, s.gone, deferred_field(&s)));
-                deferred_exit(&s, left)
+                deferred_exit(&engine.store, &s)
             }
             Err(e) => {
                 error_line!("delivery: {e}");
@@ -518,12 +518,17 @@ fn deferred_field(s: &crate::notify::delivery::PassStats) -> String {
     }
 }
 
-/// The exit code of a command's delivery that went through: 1 when sends were deferred for
-/// want of this process's own resources and alerts are still queued (the error log said
-/// which limit; the alerts wait for the next run), else 0.
-fn deferred_exit(s: &crate::notify::delivery::PassStats, left: u64) -> i32 {
-    if s.deferred > 0 && left > 0 {
-        error_line!("{} send(s) could not be made: this process ran out of open files or sockets (raise its limit: ulimit -n, or LimitNOFILE= in the service unit); {left} alert(s) stay queued for the next run or serve, nothing was charged to their subscribers", s.deferred);
+/// The exit code of a command's delivery that went through: 1 when alerts are still queued
+/// because their last send was deferred for want of this process's own resources (the error
+/// log said which limit; they wait for the next run), else 0. Rows queued for another reason
+/// (a retry of an endpoint's 503 falling due later) are not these (reviewer).
+fn deferred_exit(store: &crate::store::Store, s: &crate::notify::delivery::PassStats) -> i32 {
+    if s.deferred == 0 {
+        return 0;
+    }
+    let waiting = store.outbox().map(|rows| rows.iter().filter(|e| e.last_error.as_deref().is_some_and(|l| l.starts_with(crate::notify::delivery::DEFERRED_PREFIX))).count()).unwrap_or(0);
+    if waiting > 0 {
+        error_line!("{waiting} alert(s) could not be sent: this process ran out of open files or sockets (raise its limit: ulimit -n, or LimitNOFILE= in the service unit); they stay queued for the next run or serve, nothing was charged to their subscribers");
         1
     } else {
         0
@@ -623,7 +628,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         };
         let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
         // Written again by the store-file check below until it is written (a full disk).
-        let addr_written = Arc::new(std::sync::atomic::AtomicBool::new(write_control_addr(&engine.config, &addr)));
+        let addr_written = Arc::new(std::sync::atomic::AtomicBool::new(write_control_addr(&engine.config, &addr, true)));
         tracing::info!(%addr, "control port listening");
         {
             let state = Arc::new(crate::control::ControlState {
@@ -709,7 +714,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = tokio::time::sleep(STORE_FILE_CHECK) => {}
                         _ = rx.changed() => break,
                     }
-                    if !addr_written.load(std::sync::atomic::Ordering::Relaxed) && write_control_addr(&config, &addr) {
+                    if !addr_written.load(std::sync::atomic::Ordering::Relaxed) && write_control_addr(&config, &addr, false) {
                         addr_written.store(true, std::sync::atomic::Ordering::Relaxed);
                         tracing::info!(path = %control_addr_file(&config).display(), "control port address written");
                     }
@@ -862,7 +867,7 @@ pub fn control_addr_file(cfg: &Config) -> PathBuf {
 /// whole or not at all (a temp file renamed over it), so a full disk leaves no empty file
 /// (a tester's `backup` then asked `http:///v1/backup` for as long as that `serve` ran).
 /// Says why it could not; `serve` tries again every few seconds.
-fn write_control_addr(cfg: &Config, addr: &str) -> bool {
+fn write_control_addr(cfg: &Config, addr: &str, say: bool) -> bool {
     let path = control_addr_file(cfg);
     let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
     let written = tempfile::Builder::new().prefix(".zonewatch-control-addr-").tempfile_in(folder).and_then(|mut f| {
@@ -874,7 +879,9 @@ fn write_control_addr(cfg: &Config, addr: &str) -> bool {
     match written {
         Ok(()) => true,
         Err(e) => {
-            tracing::warn!("cannot write {} (tried again every {} s): {e}", path.display(), STORE_FILE_CHECK.as_secs());
+            if say {
+                tracing::warn!("cannot write {} (tried again every {} s): {e}", path.display(), STORE_FILE_CHECK.as_secs());
+            }
             // An older daemon's address would send `backup` to the wrong port.
             let _ = std::fs::remove_file(&path);
             false
@@ -1006,7 +1013,7 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
         }
         let resp = sent
             .map_err(|e| match e.is_connect() {
-                true => format!("the store is in use by another zonewatch, and no daemon answered on its control port {addr} ({e}): a `run` or another command is still going; try again when it has finished"),
+                true => format!("the store is in use by another zonewatch, and no daemon answered on its control port {addr} ({e}): a `run` or another command is still going, or a `serve` that has not written its address beside the store yet (it tries every few seconds, as on a full disk); try again in a moment"),
                 // The request went out: the daemon may be writing the backup (and stopping).
                 false => format!("the daemon on {addr} did not answer the backup request ({e}); if it started the backup, it will be at {}", daemon_copy.display()),
             })?;
@@ -1720,7 +1727,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
                         Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
                             Ok(s) => {
                                 println!("delivery: sent={} retried={} dead_letters={} gone={}{}", s.sent, s.retried, s.dead, s.gone, deferred_field(&s));
-                                deferred_exit(&s, engine.store.outbox_len().unwrap_or(0))
+                                deferred_exit(&engine.store, &s)
                             }
                             Err(e) => {
                                 error_line!("delivery: {e}");

@@ -415,8 +415,16 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
             Ok(r) => {
                 let remaining = engine.store.outbox_len().unwrap_or(0);
                 println!(
-                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={} no_subscriber={} outbox_remaining={remaining}",
-                    r.requeued, r.duplicates, r.quarantined, r.delivery.sent, r.delivery.retried, r.delivery.dead, r.delivery.gone, waiting.len()
+                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={} no_subscriber={} outbox_remaining={remaining}{}",
+                    r.requeued,
+                    r.duplicates,
+                    r.quarantined,
+                    r.delivery.sent,
+                    r.delivery.retried,
+                    r.delivery.dead,
+                    r.delivery.gone,
+                    waiting.len(),
+                    if r.delivery.deferred > 0 { format!(" deferred={}", r.delivery.deferred) } else { String::new() }
                 );
                 // Requeued rows that did not go out wait in the outbox, not in the dead
                 // letters: say where, and what holds them (a breaker still open after the

@@ -305,12 +305,16 @@ impl Engine {
         if pass.coverage_only > 0 {
             warnings.push(format!("{} parcels gained or lost district coverage (not a rezoning; not alerted)", pass.coverage_only));
         }
+        // A district feature with no readable position counts toward the quarantine-spike
+        // hold as a missing field does: more than half the layer so (geometry dropped by an
+        // export) is held, where it alerted the ground as rezoned or gone (a tester's 17 of 32
+        // districts with a null geometry sent 58 false alerts).
+        let systemic = layer.rejected.iter().filter(|r| r.reason.is_systemic() || r.places.is_empty()).count() as u64;
         let quarantine: Vec<QuarantineDraft> = layer
             .rejected
             .into_iter()
             .map(|r| QuarantineDraft { feature_index: r.feature_index, parcel_id: None, reason: r.reason, detail: r.detail, raw: r.raw })
             .collect();
-        let systemic = quarantine.iter().filter(|q| q.reason.is_systemic()).count() as u64;
 
         let decision = decide(GateInput {
             first_ingest: wm.is_none() && pass.previous == 0,
@@ -632,13 +636,13 @@ impl Engine {
         if placeless > 0 && !first_ingest {
             warnings.push(placeless_warning(placeless, "where they lay reads as having lost its zone: an area_rezoned to no zone there may be one of these features"));
         }
-        if !kept.pieces.is_empty() || kept.failed + kept.too_tangled > 0 {
+        if !kept.pieces.is_empty() || kept.skipped > 0 {
             warnings.push(format!(
                 "{} district features could not be read: {} pieces of the stored districts within their bounding boxes keep their zoning{}",
                 layer.rejected.len() - placeless,
                 kept.pieces.len(),
-                if kept.failed + kept.too_tangled > 0 {
-                    format!(" ({} of them kept whole: their overlays failed or would cost too much)", kept.failed + kept.too_tangled)
+                if kept.skipped > 0 {
+                    format!(" ({} stored districts there could not be cut to them: their overlays failed or would cost too much, and nothing of them is kept)", kept.skipped)
                 } else {
                     String::new()
                 }
@@ -713,12 +717,16 @@ impl Engine {
             .collect();
         let keep: HashSet<&str> = upserts.iter().map(|p| p.id.as_str()).collect();
         let removals: Vec<String> = old_ids.iter().filter(|id| !keep.contains(id.as_str())).map(|s| (*s).clone()).collect();
+        // A district feature with no readable position counts toward the quarantine-spike
+        // hold as a missing field does: more than half the layer so (geometry dropped by an
+        // export) is held, where it alerted the ground as rezoned or gone (a tester's 17 of 32
+        // districts with a null geometry sent 58 false alerts).
+        let systemic = layer.rejected.iter().filter(|r| r.reason.is_systemic() || r.places.is_empty()).count() as u64;
         let quarantine: Vec<QuarantineDraft> = layer
             .rejected
             .into_iter()
             .map(|r| QuarantineDraft { feature_index: r.feature_index, parcel_id: None, reason: r.reason, detail: r.detail, raw: r.raw })
             .collect();
-        let systemic = quarantine.iter().filter(|q| q.reason.is_systemic()).count() as u64;
         let decision = decide(GateInput {
             first_ingest,
             reprocess: opts.reprocess,
@@ -1174,10 +1182,41 @@ min_severity = "info"
         }
     }
 
+    /// More than half of a district layer with no readable position (a null geometry, as an
+    /// export that dropped them writes) is held as a quarantine spike, in both modes, instead
+    /// of alerting the ground those districts covered as rezoned or gone.
+    #[test]
+    fn a_district_layer_mostly_without_geometry_is_held() {
+        let codes = ["R-1", "R-2", "C-1", "R-1", "M-1", "R-3", "C-2", "OS", "R-1"];
+        for area_mode in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let engine = engine(dir.path());
+            let mut src = engine.config.sources.iter().find(|s| s.id == "zoning").unwrap().clone();
+            if area_mode {
+                src.parcels = None;
+            } else {
+                write_parcels(&dir.path().join("parcels.geojson"), &CountyIter::new(&SPEC).collect::<Vec<_>>());
+                engine.run_source_id("base", RunOptions::default()).unwrap();
+            }
+            let path = dir.path().join("districts.geojson");
+            write_districts(&path, CUTS, |c| codes[c].to_string());
+            engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+            let mut layer: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            for cell in 0..5 {
+                layer["features"][cell]["geometry"] = serde_json::Value::Null;
+            }
+            std::fs::write(&path, layer.to_string()).unwrap();
+            let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+            assert_eq!((r.record.verdict, r.record.counts.quarantined), (Verdict::Held, 5), "area mode {area_mode}: {}", r.line());
+            assert!(engine.store.outbox().unwrap().is_empty(), "area mode {area_mode}");
+        }
+    }
+
     /// Area mode: the ground under a district feature that cannot be read keeps its stored
     /// zoning (`detect::area::KeptCoverage`): nothing is alerted while it cannot be read (it
-    /// read as having lost its zone, an `area_rezoned` to no zone), nothing when it reads
-    /// again unchanged, and a real recode of it afterwards is alerted from its old code.
+    /// read as having lost its zone, an `area_rezoned` to no zone), in two versions in a row
+    /// without the kept pieces piling up, nothing when it reads again unchanged (and nothing
+    /// is kept then), and a real recode of it afterwards is alerted from its old code.
     #[test]
     fn area_mode_keeps_the_ground_of_a_district_that_cannot_be_read() {
         let codes = ["R-1", "R-2", "C-1", "R-1", "M-1", "R-3", "C-2", "OS", "R-1"];
@@ -1211,10 +1250,21 @@ min_severity = "info"
         assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.quarantined), (Verdict::Run, 0, 1), "{}", r.line());
         assert!(r.record.warnings.iter().any(|w| w.contains("keep their zoning")), "{:?}", r.record.warnings);
         assert!(queued(&engine).is_empty());
+        let kept_rows = |engine: &Engine| engine.store.snapshot_states("zoning").unwrap().keys().filter(|id| id.starts_with('k')).count();
+        let kept = kept_rows(&engine);
+        assert!(kept >= 1);
+        // Still unreadable in the next version (another code past the cap): kept as it was,
+        // once, not once more per run.
+        let longer = "N".repeat(crate::ingest::normalize::MAX_FIELD_BYTES + 2);
+        write_districts(&path, CUTS, |c| if c == 4 { longer.clone() } else { codes[c].to_string() });
+        let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
+        assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 0), "{}", r.line());
+        assert_eq!(kept_rows(&engine), kept, "the kept pieces do not pile up");
 
         write_districts(&path, CUTS, |c| codes[c].to_string());
         let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();
         assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 0), "read again unchanged: {}", r.line());
+        assert_eq!(kept_rows(&engine), 0, "read again, nothing is kept in its place");
 
         write_districts(&path, CUTS, |c| if c == 4 { long.clone() } else { codes[c].to_string() });
         engine.run_derived_in(&src, RunOptions::default(), engine.now(), DERIVE_STRETCH).unwrap();

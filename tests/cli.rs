@@ -224,8 +224,12 @@ async fn a_run_out_of_file_descriptors_keeps_its_alerts_queued() {
     let rows: Vec<serde_json::Value> = text(&o).0.lines().map(|l| serde_json::from_str(l).expect("jsonl line")).collect();
     assert_eq!(rows.iter().filter(|r| r["outcome"] == "dead_letter").count(), 0);
     assert_eq!(rows.iter().filter(|r| r["outcome"] == "sent").count(), 150);
-    // No attempt was spent on a send that never left: every alert went out on its first.
+    // No attempt was spent on a send that never left: every alert went out on its first; and
+    // the endpoint's breaker never opened.
     assert!(rows.iter().filter(|r| r["outcome"] == "sent").all(|r| r["detail"] == "http_200 attempt 1"), "{rows:?}");
+    assert!(!rows.iter().any(|r| r["detail"].as_str().is_some_and(|d| d.contains("breaker"))), "{rows:?}");
+    let o = zonewatch(&["endpoints", "list", "--config", &cfg]);
+    assert!(text(&o).0.lines().any(|l| l.starts_with("w\t") && l.contains("\tclosed\t")), "{:?}", text(&o));
 }
 
 /// Too few file descriptors to start at all (`ulimit -n 8`): `run` and `serve` say so and

@@ -339,32 +339,32 @@ fn is_noise(region: &MultiPolygon<f64>, min_area_m2: f64, tolerance_m: f64, fail
     !opened.0.iter().any(|p| p.unsigned_area() >= min_area_m2)
 }
 
-/// The region's content id, sha256 over the normalised codes and the region snapped to the
-/// tolerance grid (degrees per metre at the integer latitude below the region, so the grid is
-/// fixed per place), and its place id, the snapped region's canonical hash alone.
 /// The stored coverage an area-mode run keeps where district features of the new version
-/// could not be read (quarantined, with a readable place: [`crate::ingest::districts::RejectedDistrict::footprint`]).
-/// Without it, the ground such a feature covered reads as having lost its zone and is alerted
-/// `area_rezoned` to no zone, and as gaining one when the feature reads again. As the derive
-/// pass does for parcels (`derived::KeptPlaces`), what lies within a footprint keeps the zoning
-/// it had: the parts of the old polygons inside the footprints that no readable new polygon
-/// covers are carried into the new version, for the comparison and for the snapshot. Where a
-/// readable new polygon covers the ground, it is compared as usual.
+/// could not be read (quarantined, with a readable place:
+/// [`crate::ingest::districts::RejectedDistrict::places`]). Without it, the ground such a
+/// feature covered reads as having lost its zone and is alerted `area_rezoned` to no zone,
+/// and as gaining one when the feature reads again. As the derive pass does for parcels
+/// (`derived::KeptPlaces`), what lies within a footprint keeps the zoning it had: the parts of
+/// the old polygons inside the footprints that no readable new polygon covers are carried
+/// into the new version, for the comparison and for the snapshot. Where a readable new
+/// polygon covers the ground, it is compared as usual.
 #[derive(Debug, Default)]
 pub struct KeptCoverage {
-    /// (old code, piece of its polygon) carried into the new version.
+    /// (old code, piece of its polygon) carried into the new version, each once.
     pub pieces: Vec<(String, MultiPolygon<f64>)>,
-    /// Overlay operations that failed on their input: that old polygon was carried whole
-    /// within the footprints (more kept, nothing alerted falsely).
-    pub failed: u64,
-    /// Old polygons whose overlays with the new version would cost more than
-    /// [`OVERLAY_BUDGET`]: carried whole within the footprints, likewise.
-    pub too_tangled: u64,
+    /// Old polygons whose overlays failed on their input, or would cost more than
+    /// [`OVERLAY_BUDGET`]: nothing of them is kept (a piece that could not be cut to the
+    /// footprints and away from the readable polygons would sit over their changes and hide
+    /// them, and pile up run after run). Their ground may read as having lost its zone.
+    pub skipped: u64,
 }
 
 /// Computes the [`KeptCoverage`] of `old` under `footprints` (bounding rectangles, lon/lat),
-/// leaving out what the readable `new` polygons cover.
+/// leaving out what the readable `new` polygons cover. An old polygon with a twin in `new`
+/// (code and canonical shape alike, as `mark_unchanged` matches them) is covered by it and
+/// skipped at once.
 pub fn kept_coverage(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiPolygon<f64>)], footprints: &[crate::model::Envelope]) -> KeptCoverage {
+    use std::collections::HashSet;
     let mut out = KeptCoverage::default();
     if footprints.is_empty() {
         return out;
@@ -375,59 +375,65 @@ pub fn kept_coverage(old: &[(String, MultiPolygon<f64>)], new: &[(String, MultiP
     );
     let np = pieces(new);
     let ntree = tree(&np);
+    let twin = |code: &str, p: &Polygon<f64>| (normalize_code(code), geometry_hash(&MultiPolygon::new(vec![p.clone()])));
+    let readable: HashSet<(String, [u8; 32])> = np.iter().map(|p| twin(p.code, p.polygon)).collect();
+    let mut kept: HashSet<(String, [u8; 32])> = HashSet::new();
     for (code, mp) in old {
         for polygon in &mp.0 {
             let Some(rect) = polygon.bounding_rect() else { continue };
             let under: Vec<&Polygon<f64>> = box_tree.locate_in_envelope_intersecting(env(&rect)).filter_map(|b| boxes.get(b.data as usize)).collect();
-            if under.is_empty() {
+            if under.is_empty() || readable.contains(&twin(code, polygon)) {
                 continue;
             }
-            let whole = MultiPolygon::new(vec![polygon.clone()]);
-            let within: MultiPolygon<f64> = MultiPolygon::new(under.iter().map(|b| (*b).clone()).collect());
-            // Footprints may overlap one another: their union first (rectangles, cheap).
-            let mut failed = 0;
-            let within = if within.0.len() == 1 { within } else { guarded(move || geo::unary_union(within.0.iter()), &mut failed) };
-            let clipped = if failed > 0 || !overlay_fits(&std::iter::once(polygon).chain(within.0.iter()).collect::<Vec<_>>(), OVERLAY_BUDGET) {
-                None
-            } else {
-                let w = whole.clone();
-                Some(guarded(move || w.intersection(&within), &mut failed))
-            };
-            let Some(clipped) = clipped.filter(|_| failed == 0) else {
-                out.failed += u64::from(failed > 0);
-                out.too_tangled += u64::from(failed == 0);
-                out.pieces.push((code.clone(), whole));
-                continue;
-            };
-            let Some(crect) = clipped.bounding_rect() else { continue };
-            let covers: Vec<&Piece> = ntree.locate_in_envelope_intersecting(env(&crect)).filter_map(|c| np.get(c.data as usize)).collect();
-            let mut rest = clipped;
-            if !covers.is_empty() {
-                if !overlay_fits(&rest.0.iter().chain(covers.iter().map(|c| c.polygon)).collect::<Vec<_>>(), OVERLAY_BUDGET) {
-                    out.too_tangled += 1;
-                } else {
-                    for c in covers {
-                        let (r, cover) = (rest.clone(), MultiPolygon::new(vec![c.polygon.clone()]));
-                        let next = guarded(move || r.difference(&cover), &mut failed);
-                        if failed > 0 {
-                            // Keep what is left so far: more kept, never less.
-                            out.failed += 1;
-                            break;
-                        }
-                        rest = next;
+            match kept_piece(polygon, under, &np, &ntree) {
+                Some(rest) if !rest.0.is_empty() => {
+                    // Once each: the same stored piece twice (two old polygons alike) would
+                    // be kept twice, and again in every run after.
+                    if kept.insert((normalize_code(code), geometry_hash(&rest))) {
+                        out.pieces.push((code.clone(), rest));
                     }
                 }
-            }
-            let mut rest = rest.orient(Direction::Default);
-            rest.0.retain(|p| p.unsigned_area() > 1e-12);
-            if !rest.0.is_empty() {
-                out.pieces.push((code.clone(), rest));
+                Some(_) => {}
+                None => out.skipped += 1,
             }
         }
     }
     out
 }
 
+/// The part of `polygon` within the footprint boxes `under` that no readable new polygon
+/// covers (exterior rings counter-clockwise, no degenerate leftovers), or `None` when an
+/// overlay failed or would cost more than [`OVERLAY_BUDGET`].
+fn kept_piece(polygon: &Polygon<f64>, under: Vec<&Polygon<f64>>, np: &[Piece], ntree: &RTree<Entry>) -> Option<MultiPolygon<f64>> {
+    let mut failed = 0;
+    let within = MultiPolygon::new(under.into_iter().cloned().collect());
+    // Footprints may overlap one another: their union first (rectangles, cheap).
+    let within = if within.0.len() == 1 { within } else { guarded(move || geo::unary_union(within.0.iter()), &mut failed) };
+    if failed > 0 || !overlay_fits(&std::iter::once(polygon).chain(within.0.iter()).collect::<Vec<_>>(), OVERLAY_BUDGET) {
+        return None;
+    }
+    let whole = MultiPolygon::new(vec![polygon.clone()]);
+    let mut rest = guarded(move || whole.intersection(&within), &mut failed);
+    let crect = rest.bounding_rect();
+    let covers: Vec<&Piece> = crect.map(|r| ntree.locate_in_envelope_intersecting(env(&r)).filter_map(|c| np.get(c.data as usize)).collect()).unwrap_or_default();
+    if failed > 0 || !overlay_fits(&rest.0.iter().chain(covers.iter().map(|c| c.polygon)).collect::<Vec<_>>(), OVERLAY_BUDGET) {
+        return None;
+    }
+    for c in covers {
+        let (r, cover) = (rest.clone(), MultiPolygon::new(vec![c.polygon.clone()]));
+        rest = guarded(move || r.difference(&cover), &mut failed);
+        if failed > 0 {
+            return None;
+        }
+    }
+    let mut rest = rest.orient(Direction::Default);
+    rest.0.retain(|p| p.unsigned_area() > 1e-12);
+    Some(rest)
+}
+
+/// The region's content id, sha256 over the normalised codes and the region snapped to the
+/// tolerance grid (degrees per metre at the integer latitude below the region, so the grid is
+/// fixed per place), and its place id, the snapped region's canonical hash alone.
 fn region_id(from: &str, to: &str, region: &MultiPolygon<f64>, tolerance_m: f64) -> (String, String) {
     use sha2::{Digest, Sha256};
     let lat_ref = region.bounding_rect().map(|r| r.min().y.floor()).unwrap_or(0.0);

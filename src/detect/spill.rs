@@ -20,9 +20,19 @@ const SPILL_VERSION: u8 = 1;
 #[derive(Debug, thiserror::Error)]
 pub enum SpillError {
     #[error("spill file (a temp file in the store's folder): {0}")]
-    Io(#[from] std::io::Error),
+    Io(#[source] std::io::Error),
     #[error("spill file record: {0}")]
     Codec(String),
+}
+
+impl From<std::io::Error> for SpillError {
+    /// Notes a file-size limit, which the command then names and exits 2 on, as for the
+    /// store itself (`store::note_io_error`; a tester's `ulimit -f` met by the spill file
+    /// read as a retryable failure).
+    fn from(e: std::io::Error) -> SpillError {
+        crate::store::note_io_error(&e);
+        SpillError::Io(e)
+    }
 }
 
 /// A new or changed parcel and what kind of change it is (`None`: snapshot update only).
@@ -175,7 +185,7 @@ pub(crate) fn read_frame<R: Read>(input: &mut R, buf: &mut Vec<u8>, read: u64, e
 impl From<FrameError> for SpillError {
     fn from(e: FrameError) -> SpillError {
         match e {
-            FrameError::Io(e) => SpillError::Io(e),
+            FrameError::Io(e) => SpillError::from(e),
             FrameError::Cut(m) => SpillError::Codec(m),
         }
     }

@@ -93,7 +93,11 @@ pub fn places_of(raw: &str, bbox: Option<[f64; 4]>) -> Vec<crate::model::Envelop
         }
     }
     let mut out = Vec::new();
-    if let Some(geometry) = serde_json::from_str::<Value>(raw).ok().as_ref().and_then(|f| f.get("geometry")) {
+    // A number past a float's range (`1e400`) fails a parse of the whole text: quoted, it
+    // is a string here, a position that cannot be read and is skipped.
+    let quoted = crate::ingest::numbers::quote_unreadable_numbers(raw.as_bytes());
+    let text = quoted.as_deref().unwrap_or(raw.as_bytes());
+    if let Some(geometry) = serde_json::from_slice::<Value>(text).ok().as_ref().and_then(|f| f.get("geometry")) {
         walk(geometry, bbox, &mut out, 0);
     }
     out
@@ -193,6 +197,8 @@ mod tests {
         assert_eq!(places_of(&multi, None), vec![([0.0, 0.0], [1.0, 1.0]), ([0.0, 0.0], [6.0, 6.0])]);
         assert_eq!(places_of(&multi, Some([0.5, 0.5, 10.0, 10.0])), vec![([1.0, 1.0], [1.0, 1.0]), ([5.0, 5.0], [6.0, 6.0])]);
         assert_eq!(places_of(&feature("null"), None), vec![]);
+        let huge = feature(r#"{"type":"Polygon","coordinates":[[[0,0],[1e400,0],[1,1],[0,0]]]}"#);
+        assert_eq!(places_of(&huge, None), vec![([0.0, 0.0], [1.0, 1.0])], "a number past a float's range is skipped");
         assert_eq!(places_of(r#"{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[0,0],[1,"#, None), vec![]);
         // Read as a layer: the damaged polygon is rejected with its place.
         let layer = format!(r#"{{"type":"FeatureCollection","features":[{poly}]}}"#);

@@ -965,7 +965,7 @@ impl Deliverer {
         }
         let pause = LOCAL_FAILURE_PAUSE.as_millis() as u64;
         let next_attempt_ms = now.saturating_add(pause).saturating_add(rand::random_range(0..=pause));
-        DeliveryResult::Deferred { id: entry.id, next_attempt_ms, error: format!("local: {local}") }
+        DeliveryResult::Deferred { id: entry.id, next_attempt_ms, error: format!("{DEFERRED_PREFIX}{local}") }
     }
 
     /// A failed try: retried after the schedule's delay (at least `retry_after`), or a dead
@@ -1051,18 +1051,24 @@ fn closed_under_request(e: &reqwest::Error) -> bool {
     false
 }
 
+/// How the `last_error` of a row whose last send was deferred begins ([`Deliverer::deferred`]).
+pub const DEFERRED_PREFIX: &str = "local: ";
+
 /// How long a send that failed for want of this process's own resources waits before it is
 /// tried again ([`Deliverer::deferred`]; jitter of up to as much again comes on top).
 const LOCAL_FAILURE_PAUSE: Duration = Duration::from_secs(2);
 
 /// The error of a send that never left this machine because this process ran out of a
-/// resource of its own: file descriptors (its own limit or the system's), socket buffers,
-/// memory, or local ports to connect from. Anything else (refused, reset, unreachable, a DNS
-/// failure) is the endpoint's or the network's, and a retry.
+/// resource of its own: file descriptors (its own limit or the system's), socket buffers or
+/// memory; or whose name lookup failed so (the resolver answers `EBUSY` when it cannot make
+/// its socket: a tester's `localhost` target under `ulimit -n 20` was charged and
+/// dead-lettered). Anything else (refused, reset, unreachable, a name that does not resolve,
+/// no route from here to an IPv6 address: `EADDRNOTAVAIL`, which is the target's as much as
+/// ours, reviewer) is the endpoint's or the network's, and a retry.
 pub(crate) fn local_failure(e: &(dyn std::error::Error + 'static)) -> Option<std::io::Error> {
     // Linux's numbers (the target this is built and packaged for): EMFILE, ENFILE, ENOBUFS,
-    // ENOMEM, EADDRNOTAVAIL.
-    const LOCAL: [i32; 5] = [24, 23, 105, 12, 99];
+    // ENOMEM, EBUSY.
+    const LOCAL: [i32; 5] = [24, 23, 105, 12, 16];
     let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(inner) = src {
         if let Some(io) = inner.downcast_ref::<std::io::Error>() {

@@ -71,7 +71,7 @@ pub fn sweep_leftovers(dir: &Path, now: std::time::SystemTime) -> usize {
     sweep_idle(dir, now, "a killed backup", |name, _| {
         // Reading a file does not touch its time: a hand-off copy whose command is still
         // running (copying a large store to a slow disk, or past a wall-clock step) is kept.
-        name.starts_with(TEMP_PREFIX) || (name.starts_with(HANDOFF_PREFIX) && name.ends_with(".redb") && handoff_command_gone(name))
+        is_backup_temp(name) || (name.starts_with(HANDOFF_PREFIX) && name.ends_with(".redb") && handoff_command_gone(name))
     })
 }
 
@@ -109,7 +109,14 @@ pub fn sweep_check_leftovers(dir: &Path, owner: u32, now: std::time::SystemTime)
 /// file there is the operator's.
 pub fn sweep_backup_leftovers(dir: &Path, owner: u32, now: std::time::SystemTime) -> usize {
     use std::os::unix::fs::MetadataExt;
-    sweep_idle(dir, now, "a killed backup", |name, meta| meta.uid() == owner && name.starts_with(TEMP_PREFIX))
+    sweep_idle(dir, now, "a killed backup", |name, meta| meta.uid() == owner && is_backup_temp(name))
+}
+
+/// Whether `name` is a backup temp file as [`backup_from`] names them: [`TEMP_PREFIX`] and
+/// `tempfile`'s six random letters or digits, nothing else. An operator's own
+/// `.zonewatch-backup-notes.txt` is not one (a black-box tester's was removed).
+fn is_backup_temp(name: &str) -> bool {
+    name.strip_prefix(TEMP_PREFIX).is_some_and(|rest| rest.len() == 6 && rest.bytes().all(|b| b.is_ascii_alphanumeric()))
 }
 
 /// Removes the files of `dir` that `leftover` names (given their metadata) and that were not
@@ -577,12 +584,18 @@ mod tests {
     #[test]
     fn a_killed_backups_temp_file_beside_its_destination_is_swept() {
         use std::os::unix::fs::MetadataExt;
-        let (dir, now) = aged_files(&[(".zonewatch-backup-Old123", true), (".zonewatch-backup-New456", false), ("nightly.redb", true)]);
+        let (dir, now) = aged_files(&[
+            (".zonewatch-backup-Old123", true),
+            (".zonewatch-backup-New456", false),
+            ("nightly.redb", true),
+            (".zonewatch-backup-notes.txt", true),
+            (".zonewatch-backup-keep-this.redb", true),
+        ]);
         let me = std::fs::metadata(dir.path().join("nightly.redb")).unwrap().uid();
         assert_eq!(sweep_backup_leftovers(dir.path(), me.wrapping_add(1), now), 0, "another user's file is theirs");
         assert_eq!(sweep_backup_leftovers(dir.path(), me, now), 1);
         assert!(!dir.path().join(".zonewatch-backup-Old123").exists());
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 4, "the operator's own files named alike stay");
     }
 
     /// A killed `check --store`'s repaired copy in the temp folder (a full store, secrets and

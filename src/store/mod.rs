@@ -204,10 +204,19 @@ pub fn is_file_size_limit(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::FileTooLarge || e.raw_os_error() == Some(27)
 }
 
-/// Set when a write to the store's own file failed on [`is_file_size_limit`]: the errors
+/// Set when a write to the store's own file (or its spill file beside it: [`note_io_error`])
+/// failed on [`is_file_size_limit`]: the errors
 /// after it are redb's "previous I/O error", which no longer say why, so `run` and `serve`
 /// read this to exit 2 with [`FILE_SIZE_LIMIT`] rather than 1 as for a full disk.
 static FILE_SIZE_LIMIT_MET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Notes an I/O error on a file zonewatch writes beside its store (the run's spill file):
+/// a file-size limit there is the store's limit too ([`FILE_SIZE_LIMIT_MET`]).
+pub fn note_io_error(e: &std::io::Error) {
+    if is_file_size_limit(e) {
+        FILE_SIZE_LIMIT_MET.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
 
 /// Whether this process's store file met a file-size limit ([`FILE_SIZE_LIMIT_MET`]).
 pub fn file_size_limit_met() -> bool {

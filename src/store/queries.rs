@@ -294,7 +294,14 @@ impl Store {
             let row: AuditRow = match decode(bytes) {
                 Ok(row) => row,
                 Err(error) => {
-                    tracing::error!(key, %error, "audit row does not decode; left out (zonewatch check --store names it)");
+                    // Once a process at error level (the dashboard reads the ledger every
+                    // few seconds), then at debug.
+                    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                    if SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        tracing::debug!(key, %error, "audit row does not decode; left out");
+                    } else {
+                        tracing::error!(key, %error, "audit row does not decode; left out (zonewatch check --store names every such row)");
+                    }
                     return Ok(true);
                 }
             };
