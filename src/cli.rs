@@ -657,6 +657,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             let mut rx = rx.clone();
             let wake = wake.clone();
             let runs = runs.clone();
+            let stop_all = tx.clone();
             tasks.spawn(async move {
                 loop {
                     if *rx.borrow() {
@@ -686,7 +687,15 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         Ok(Err(err)) if err.is_stopped() => {
                             tracing::info!(source = %src.id, "run stopped by the shutdown before its commit: nothing of it was committed, and the next start runs it again")
                         }
-                        Ok(Err(err)) => tracing::error!(source = %src.id, "run failed: {err}"),
+                        Ok(Err(err)) => {
+                            tracing::error!(source = %src.id, "run failed: {err}");
+                            // A file-size limit met by a run's spill file beside the store
+                            // fails every run until it is raised: stop, exit 2 (below).
+                            if crate::store::file_size_limit_met() && !*rx.borrow() {
+                                crate::say::line(crate::say::Level::Stopping, format_args!("the store's files cannot grow past a file-size limit; stopping (exit 2)"));
+                                let _ = stop_all.send(true);
+                            }
+                        }
                         Err(err) => tracing::error!(source = %src.id, "run task failed: {err}"),
                     }
                     // The wait drawn once: the time shown (`next_run`) is the one slept to.
@@ -793,7 +802,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         tracing::error!("zonewatch stopped: its store file was removed or replaced while it ran");
         return 2;
     }
-    if reopen.load(std::sync::atomic::Ordering::SeqCst) {
+    if reopen.load(std::sync::atomic::Ordering::SeqCst) || crate::store::file_size_limit_met() {
         if crate::store::file_size_limit_met() {
             // Restarting would meet the same limit: exit 2, which the packaged unit does not
             // restart (a tester saw it restart in a loop when SIGXFSZ killed the process).
