@@ -54,7 +54,7 @@ pub struct PassStats {
     /// an operator (`endpoints enable`, a new target), not for a retry.
     pub gone: u64,
     /// Sends that never left this machine (it ran out of file descriptors, socket buffers or
-    /// local ports): queued again, nothing charged to the row or its endpoint
+    /// memory): queued again, nothing charged to the row or its endpoint
     /// (`DeliveryResult::Deferred`).
     pub deferred: u64,
     /// Outcome transactions committed (group commits).
