@@ -153,3 +153,30 @@ fn serve_stops_with_exit_2_when_its_store_file_is_removed() {
     assert_eq!(status.code(), Some(2), "{log}");
     assert!(log.contains("was removed or replaced (or its folder removed) while zonewatch had it open"), "{log}");
 }
+
+/// `serve` whose stderr cannot be written (a log file on a full disk; here `/dev/full`)
+/// goes on and stops cleanly: its log lines are dropped. tracing-subscriber reported the
+/// failed write with `eprintln!`, which panicked (exit 101 at its first log line, found by a
+/// black-box tester).
+#[test]
+fn serve_goes_on_when_its_stderr_cannot_be_written() {
+    let ws = Workspace::new(&[], "", "every = \"1s\"");
+    ws.write_layer(&layer(&grid(40)));
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("SKIPPED: no /dev/full on this machine");
+        return;
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["serve", "--config", ws.config_path().to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(full)
+        .spawn()
+        .expect("serve starts");
+    // Its start, its first runs and their log lines (`serve` logs every run) go by.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(child.try_wait().expect("wait").is_none(), "serve ended on a stderr it cannot write");
+    let pid = child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().expect("kill runs");
+    let status = child.wait().expect("wait");
+    assert_eq!(status.code(), Some(0));
+}
