@@ -471,22 +471,24 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<Strin
     Option::<String>::deserialize(d).map(Some)
 }
 
-/// `signing`: (a secret is set, a `secret_old` is set beside it).
-fn subscriber_json(id: &str, target: &str, signing: (bool, bool), min_severity: Severity, aoi: Value, managed_by: &str) -> Value {
-    json!({"id": id, "target": crate::util::url_for_display(target), "signed": signing.0, "rotating": signing.0 && signing.1, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
+/// `secrets`: (the secret, the `secret_old` beside it). `rotating` says whether both sign: a
+/// `secret_old` that is the secret written another way does not (a tester saw `true` for one).
+fn subscriber_json(id: &str, target: &str, secrets: (Option<&str>, Option<&str>), min_severity: Severity, aoi: Value, managed_by: &str) -> Value {
+    let (signed, rotating) = (secrets.0.is_some(), crate::notify::signing::rotating(secrets.0, secrets.1));
+    json!({"id": id, "target": crate::util::url_for_display(target), "signed": signed, "rotating": rotating, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
 }
 
 fn list_subscribers(st: &ControlState) -> Resp {
     let mut items = Vec::new();
     for c in &st.engine.config.subscribers {
         let aoi = st.engine.subscribers.get(&c.id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
-        items.push(subscriber_json(&c.id, &c.target, (c.secret.is_some(), c.secret_old.is_some()), c.min_severity, aoi, "config"));
+        items.push(subscriber_json(&c.id, &c.target, (c.secret.as_deref(), c.secret_old.as_deref()), c.min_severity, aoi, "config"));
     }
     match st.engine.store.stored_subscribers() {
         Ok(list) => {
             for s in list.iter().filter(|s| !st.engine.config.has_subscriber(&s.id)) {
                 let aoi = serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null);
-                items.push(subscriber_json(&s.id, &s.target, (s.secret.is_some(), s.secret_old.is_some()), s.min_severity, aoi, "api"));
+                items.push(subscriber_json(&s.id, &s.target, (s.secret.as_deref(), s.secret_old.as_deref()), s.min_severity, aoi, "api"));
             }
         }
         Err(e) => return internal(e),
@@ -497,13 +499,13 @@ fn list_subscribers(st: &ControlState) -> Resp {
 fn get_subscriber(st: &ControlState, id: &str) -> Resp {
     if let Some(c) = st.engine.config.subscribers.iter().find(|c| c.id == id) {
         let aoi = st.engine.subscribers.get(id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
-        return json(StatusCode::OK, &subscriber_json(&c.id, &c.target, (c.secret.is_some(), c.secret_old.is_some()), c.min_severity, aoi, "config"));
+        return json(StatusCode::OK, &subscriber_json(&c.id, &c.target, (c.secret.as_deref(), c.secret_old.as_deref()), c.min_severity, aoi, "config"));
     }
     match st.engine.store.stored_subscriber(id) {
         Ok(found) => match found {
             Some(s) => json(
                 StatusCode::OK,
-                &subscriber_json(&s.id, &s.target, (s.secret.is_some(), s.secret_old.is_some()), s.min_severity, serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null), "api"),
+                &subscriber_json(&s.id, &s.target, (s.secret.as_deref(), s.secret_old.as_deref()), s.min_severity, serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null), "api"),
             ),
             None => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
         },
@@ -614,7 +616,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         st.wake.notify_one();
     }
     let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
-    json(status, &subscriber_json(&rec.id, &rec.target, (rec.secret.is_some(), rec.secret_old.is_some()), rec.min_severity, b.aoi, "api"))
+    json(status, &subscriber_json(&rec.id, &rec.target, (rec.secret.as_deref(), rec.secret_old.as_deref()), rec.min_severity, b.aoi, "api"))
 }
 
 fn delete_subscriber(st: &ControlState, id: &str) -> Resp {

@@ -184,10 +184,9 @@ impl SendPlan {
         let url = reqwest::Url::parse(target).map_err(|e| format!("bad_target: {e}"));
         // An old secret that is the new one written another way (`whsec_` left off, a space
         // after it) signs nothing more: one key, one signature.
-        let same_key = |old: &str| secret.is_some_and(|new| signing::decode_secret(new).is_ok_and(|k| signing::decode_secret(old).is_ok_and(|o| o == k)));
         let signers = secret
             .into_iter()
-            .chain(secret.and(secret_old).filter(|old| !same_key(old)))
+            .chain(secret_old.filter(|_| signing::rotating(secret, secret_old)))
             .map(signing::Signer::from_secret)
             .collect::<Result<Vec<_>, String>>()
             .map_err(|e| format!("bad_secret: {e}"));
@@ -904,6 +903,8 @@ impl Deliverer {
         }
         let (retry_after, error) = match sent {
             Ok(mut resp) => {
+                // An answer: this process had what it takes to send.
+                local_shortage_over();
                 let status = resp.status().as_u16();
                 rec.status = Some(status);
                 let ra = resp
@@ -950,12 +951,16 @@ impl Deliverer {
     }
 
     /// A send this process could not make for want of a resource of its own: queued again
-    /// after [`LOCAL_FAILURE_PAUSE`] (plus up to as much jitter, so that a backlog does not
-    /// come back all at once), its attempts and its endpoint's health untouched. Said once a
-    /// minute at most, as an error: an operator must raise the limit (`LimitNOFILE=`).
+    /// after a pause (plus up to as much jitter, so that a backlog does not come back all at
+    /// once), its attempts and its endpoint's health untouched. The pause is
+    /// [`LOCAL_FAILURE_PAUSE`], and half of how long the shortage has lasted once that is
+    /// more, up to [`LOCAL_FAILURE_PAUSE_MAX`]: a limit that stays is not met by the whole
+    /// backlog every few seconds (reviewer). Said once a minute at most, as an error: an
+    /// operator must raise the limit (`LimitNOFILE=`).
     fn deferred(&self, entry: &OutboxEntry, local: std::io::Error) -> DeliveryResult {
         static LAST_SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let now = self.clock.now_ms();
+        let lasted = local_shortage_lasted(now);
         let said = LAST_SAID_MS.load(std::sync::atomic::Ordering::Relaxed);
         if now.saturating_sub(said) >= 60_000 && LAST_SAID_MS.compare_exchange(said, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed).is_ok() {
             tracing::error!(
@@ -963,7 +968,7 @@ impl Deliverer {
                 "a webhook could not be sent: this process is out of a resource of its own (raise its open-file limit: ulimit -n, or LimitNOFILE= in the service unit); the alerts stay queued and are sent once it has room, nothing is charged to their subscribers"
             );
         }
-        let pause = LOCAL_FAILURE_PAUSE.as_millis() as u64;
+        let pause = (LOCAL_FAILURE_PAUSE.as_millis() as u64).max(lasted / 2).min(LOCAL_FAILURE_PAUSE_MAX.as_millis() as u64);
         let next_attempt_ms = now.saturating_add(pause).saturating_add(rand::random_range(0..=pause));
         DeliveryResult::Deferred { id: entry.id, next_attempt_ms, error: format!("{DEFERRED_PREFIX}{local}") }
     }
@@ -1055,8 +1060,32 @@ fn closed_under_request(e: &reqwest::Error) -> bool {
 pub const DEFERRED_PREFIX: &str = "local: ";
 
 /// How long a send that failed for want of this process's own resources waits before it is
-/// tried again ([`Deliverer::deferred`]; jitter of up to as much again comes on top).
+/// tried again at least, and at most ([`Deliverer::deferred`]; jitter of up to as much again
+/// comes on top).
 const LOCAL_FAILURE_PAUSE: Duration = Duration::from_secs(2);
+const LOCAL_FAILURE_PAUSE_MAX: Duration = Duration::from_secs(60);
+
+/// When this process's current shortage of its own resources began (its first deferred send
+/// since a send went out, or since a minute without one), and its last deferred send; 0: none.
+static SHORTAGE_SINCE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static SHORTAGE_LAST_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Notes a deferred send at `now` and returns how long the shortage has lasted (ms).
+fn local_shortage_lasted(now: u64) -> u64 {
+    use std::sync::atomic::Ordering::Relaxed;
+    let last = SHORTAGE_LAST_MS.swap(now, Relaxed);
+    let since = SHORTAGE_SINCE_MS.load(Relaxed);
+    if since == 0 || now.saturating_sub(last) > LOCAL_FAILURE_PAUSE_MAX.as_millis() as u64 {
+        SHORTAGE_SINCE_MS.store(now, Relaxed);
+        return 0;
+    }
+    now.saturating_sub(since)
+}
+
+/// A send was answered: this process has room again.
+fn local_shortage_over() {
+    SHORTAGE_SINCE_MS.store(0, std::sync::atomic::Ordering::Relaxed);
+}
 
 /// The error of a send that never left this machine because this process ran out of a
 /// resource of its own: file descriptors (its own limit or the system's), socket buffers or
@@ -1274,6 +1303,20 @@ mod tests {
         let stats = d.drain(Instant::now() + Duration::from_secs(20)).await.unwrap();
         assert_eq!((stats.sent, rx.received().len()), (1, 1), "{stats:?}");
         assert_eq!(store.outbox_len().unwrap(), n as u64, "a's rows wait for an operator");
+    }
+
+    /// A shortage of this process's own resources is timed from its first deferred send: an
+    /// answered send ends it, and so does a minute without a deferred send.
+    #[test]
+    fn a_local_shortage_is_timed_from_its_first_deferral() {
+        local_shortage_over();
+        assert_eq!(local_shortage_lasted(1_000), 0);
+        assert_eq!(local_shortage_lasted(11_000), 10_000);
+        assert_eq!(local_shortage_lasted(40_000), 39_000);
+        assert_eq!(local_shortage_lasted(200_000), 0, "a minute without a deferral starts anew");
+        local_shortage_over();
+        assert_eq!(local_shortage_lasted(200_500), 0);
+        local_shortage_over();
     }
 
     #[test]

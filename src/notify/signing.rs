@@ -31,6 +31,16 @@ pub fn sign(key: &[u8], msg_id: &str, timestamp_secs: u64, body: &[u8]) -> Strin
 #[derive(Clone)]
 pub struct Signer(Hmac<Sha256>);
 
+/// Whether a subscriber with `secret` and `secret_old` signs with both: a `secret_old` beside
+/// a secret, unless it is the same key written another way (`whsec_` left off, spaces), which
+/// signs once. One that does not decode counts as another key (its send is a `bad_secret`).
+pub fn rotating(secret: Option<&str>, secret_old: Option<&str>) -> bool {
+    match (secret, secret_old) {
+        (Some(new), Some(old)) => !decode_secret(new).is_ok_and(|k| decode_secret(old).is_ok_and(|o| o == k)),
+        _ => false,
+    }
+}
+
 /// Shows no key material.
 impl std::fmt::Debug for Signer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -69,6 +79,18 @@ pub fn sign_with(signer: &Signer, msg_id: &str, timestamp_secs: &str, body: &[u8
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rotation is two keys: the same key written another way is not one.
+    #[test]
+    fn rotating_means_two_keys() {
+        const A: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        const B: &str = "whsec_dGhpcyBpcyBhIHNlY29uZCBzZWNyZXQga2V5";
+        assert!(rotating(Some(B), Some(A)));
+        assert!(!rotating(Some(A), Some("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")));
+        assert!(!rotating(Some(A), Some(" whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw ")));
+        assert!(!rotating(Some(A), None) && !rotating(None, Some(A)));
+        assert!(rotating(Some(A), Some("whsec_%%%")), "an old secret that does not decode is another key");
+    }
 
     /// The test vector published with the Standard Webhooks specification.
     #[test]
