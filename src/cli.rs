@@ -878,14 +878,7 @@ pub fn control_addr_file(cfg: &Config) -> PathBuf {
 /// Says why it could not; `serve` tries again every few seconds.
 fn write_control_addr(cfg: &Config, addr: &str, say: bool) -> bool {
     let path = control_addr_file(cfg);
-    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let written = tempfile::Builder::new().prefix(".zonewatch-control-addr-").tempfile_in(folder).and_then(|mut f| {
-        use std::io::Write;
-        f.write_all(addr.as_bytes())?;
-        f.persist(&path).map_err(|e| e.error)?;
-        Ok(())
-    });
-    match written {
+    match crate::util::write_atomic(&path, addr.as_bytes()) {
         Ok(()) => true,
         Err(e) => {
             if say {
@@ -917,7 +910,7 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
     let _finish = crate::signals::on_signal_remove_scratch();
     {
         use std::os::unix::fs::MetadataExt;
-        let folder = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        let folder = crate::util::folder_of(dest);
         // This process's uid (`/proc/self` is owned by it): a temp file it made is owned so.
         // Without `/proc`, nothing is swept.
         if let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) {
@@ -1088,7 +1081,7 @@ fn copy_daemon_backup(src: &std::path::Path, dest: &std::path::Path) -> Result<u
     if dest.exists() {
         return Err(("the destination already exists".into(), 2));
     }
-    let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let parent = crate::util::folder_of(dest);
     let copy = crate::store::backup::verified_copy(src, parent, crate::store::backup::TEMP_PREFIX).map_err(|e| (e.to_string(), store_exit_code(&e)))?;
     let bytes = copy.bytes;
     crate::signals::committing();
@@ -1275,7 +1268,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             }
         }
         Ok(crate::control::auth::TokenFile::Missing) => {
-            let folder = token.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+            let folder = crate::util::folder_of(token);
             // A folder not there yet is made by `serve` (as far as it may): not judged here.
             match if folder.is_dir() { tempfile::tempfile_in(folder).map(drop) } else { Ok(()) } {
                 Ok(()) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
@@ -1323,7 +1316,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         // mistyped path must not become a new, empty store). Not asked when `--store PATH`
         // checks another file (a backup on another machine than the config's).
         Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) && !matches!(store, Some(Some(_))) => {
-            let folder = cfg.store_path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+            let folder = crate::util::folder_of(&cfg.store_path);
             match std::fs::metadata(folder) {
                 Ok(m) if m.is_dir() => {}
                 Ok(_) => {
@@ -1396,7 +1389,7 @@ fn store_access_warnings(path: &std::path::Path) -> Vec<String> {
         }
         Err(_) => {}
     }
-    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let folder = crate::util::folder_of(path);
     if folder.is_dir() {
         if let Err(e) = tempfile::tempfile_in(folder) {
             out.push(format!("store {}: this user cannot make files in {} ({e}): {refused} (runs write their spill files there)", path.display(), folder.display()));

@@ -271,9 +271,8 @@ impl Engine {
         // Where a district could not be read, the parcels keep what they were derived before:
         // derived without it, they would take a neighbour's code and be alerted as rezoned
         // (found by a black-box tester, with one district's code past the length cap).
-        let kept_near: Vec<Envelope> = layer.rejected.iter().flat_map(|r| r.places.iter().copied()).collect();
-        let placeless = layer.rejected.iter().filter(|r| r.places.is_empty()).count();
-        let read = DistrictsRead { index: &index, kept: KeptPlaces::new(&kept_near) };
+        let placeless = layer.placeless();
+        let read = DistrictsRead { index: &index, kept: KeptPlaces::new(&layer.rejected_places()) };
         let DerivePass { delta, counts: pass } = self.derive_pass(src, &base_id, &read, stretch, announce, now)?;
         let pass_ms = pass_started.elapsed().as_millis() as u64;
         tracing::info!(source = %src.id, parcels = pass.parcels, polygons = index.len(), ms = pass.derive_ms as u64, "derived zoning");
@@ -305,16 +304,8 @@ impl Engine {
         if pass.coverage_only > 0 {
             warnings.push(format!("{} parcels gained or lost district coverage (not a rezoning; not alerted)", pass.coverage_only));
         }
-        // A district feature with no readable position counts toward the quarantine-spike
-        // hold as a missing field does: more than half the layer so (geometry dropped by an
-        // export) is held, where it alerted the ground as rezoned or gone (a tester's 17 of 32
-        // districts with a null geometry sent 58 false alerts).
-        let systemic = layer.rejected.iter().filter(|r| r.reason.is_systemic() || r.places.is_empty()).count() as u64;
-        let quarantine: Vec<QuarantineDraft> = layer
-            .rejected
-            .into_iter()
-            .map(|r| QuarantineDraft { feature_index: r.feature_index, parcel_id: None, reason: r.reason, detail: r.detail, raw: r.raw })
-            .collect();
+        let systemic = layer.systemic_rejected();
+        let quarantine = quarantine_drafts(layer.rejected);
 
         let decision = decide(GateInput {
             first_ingest: wm.is_none() && pass.previous == 0,
@@ -534,6 +525,12 @@ pub(crate) struct DistrictsRead<'a> {
     kept: KeptPlaces,
 }
 
+/// The quarantine rows of a district layer's features that could not be read (no parcel id:
+/// districts have none).
+fn quarantine_drafts(rejected: Vec<crate::ingest::districts::RejectedDistrict>) -> Vec<QuarantineDraft> {
+    rejected.into_iter().map(|r| QuarantineDraft { feature_index: r.feature_index, parcel_id: None, reason: r.reason, detail: r.detail, raw: r.raw }).collect()
+}
+
 /// The run warning for district features quarantined with no position that can be read (a
 /// null geometry, text that is not JSON): nothing can be kept for them.
 fn placeless_warning(n: usize, what: &str) -> String {
@@ -630,9 +627,8 @@ impl Engine {
         // The ground under a district feature that could not be read keeps its stored zoning
         // (compared and stored as the old version had it), rather than read as having lost
         // its zone: `detect::area::KeptCoverage`.
-        let footprints: Vec<crate::model::Envelope> = layer.rejected.iter().flat_map(|r| r.places.iter().copied()).collect();
-        let placeless = layer.rejected.iter().filter(|r| r.places.is_empty()).count();
-        let kept = if first_ingest { Default::default() } else { kept_coverage(&old, &new, &footprints) };
+        let placeless = layer.placeless();
+        let kept = if first_ingest { Default::default() } else { kept_coverage(&old, &new, &layer.rejected_places()) };
         if placeless > 0 && !first_ingest {
             warnings.push(placeless_warning(placeless, "where they lay reads as having lost its zone: an area_rezoned to no zone there may be one of these features"));
         }
@@ -717,16 +713,8 @@ impl Engine {
             .collect();
         let keep: HashSet<&str> = upserts.iter().map(|p| p.id.as_str()).collect();
         let removals: Vec<String> = old_ids.iter().filter(|id| !keep.contains(id.as_str())).map(|s| (*s).clone()).collect();
-        // A district feature with no readable position counts toward the quarantine-spike
-        // hold as a missing field does: more than half the layer so (geometry dropped by an
-        // export) is held, where it alerted the ground as rezoned or gone (a tester's 17 of 32
-        // districts with a null geometry sent 58 false alerts).
-        let systemic = layer.rejected.iter().filter(|r| r.reason.is_systemic() || r.places.is_empty()).count() as u64;
-        let quarantine: Vec<QuarantineDraft> = layer
-            .rejected
-            .into_iter()
-            .map(|r| QuarantineDraft { feature_index: r.feature_index, parcel_id: None, reason: r.reason, detail: r.detail, raw: r.raw })
-            .collect();
+        let systemic = layer.systemic_rejected();
+        let quarantine = quarantine_drafts(layer.rejected);
         let decision = decide(GateInput {
             first_ingest,
             reprocess: opts.reprocess,

@@ -872,7 +872,7 @@ impl Engine {
     /// Where a run's scratch files go (the spill, the row sort's runs): next to the store,
     /// on its disk and with its permissions.
     pub(crate) fn scratch_dir(&self) -> &std::path::Path {
-        self.store.path().parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."))
+        crate::util::folder_of(self.store.path())
     }
 
     /// The preparing side of [`Engine::commit_scan`]: reads the spill in order and sends

@@ -325,6 +325,23 @@ pub fn async_runtime(multi_thread: bool) -> std::io::Result<tokio::runtime::Runt
     std::panic::catch_unwind(build).unwrap_or_else(|_| Err(std::io::Error::other("the runtime's drivers could not start (out of file descriptors?)")))
 }
 
+/// The folder `path` is in: its parent, or `.` for a bare file name (whose parent is "").
+pub fn folder_of(path: &std::path::Path) -> &std::path::Path {
+    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."))
+}
+
+/// Writes `bytes` to `path` through a temp file beside it (`<name>.XXXXXX.tmp`, removed on
+/// failure), renamed into place: a reader sees the old file or the whole new one, and a full
+/// disk leaves no empty or partial file behind.
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut tmp = tempfile::Builder::new().prefix(&format!("{name}.")).suffix(".tmp").tempfile_in(folder_of(path))?;
+    tmp.write_all(bytes)?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -87,7 +87,7 @@ pub fn load_or_create_token(path: &Path) -> Result<String, TokenError> {
     };
     let bytes: [u8; 32] = rand::random();
     let token = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
-    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = crate::util::folder_of(path);
     std::fs::create_dir_all(parent).map_err(|e| TokenError::io(format!("cannot create {}", parent.display()), &e))?;
     let cannot_write = |e: &std::io::Error| TokenError::io(format!("cannot write {}", path.display()), e);
     // Whole or not at all: the token goes to a temp file (mode 0600) beside the token file,

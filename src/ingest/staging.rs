@@ -16,7 +16,7 @@ use super::http::{BodyFile, FetchError, ReceivedBody};
 use super::portal::PortalMeta;
 use super::source::{DigestingReader, DigestingWriter};
 use super::IngestError;
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Seek, SeekFrom};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -52,19 +52,8 @@ fn paths(store_path: &Path, source_id: &str) -> (PathBuf, PathBuf) {
     (dir.join(format!("{source_id}.geojson")), dir.join(format!("{source_id}.json")))
 }
 
-/// Writes `bytes` to `path` through a temp file beside it (removed on failure), renamed into
-/// place: a reader sees the old file or the whole new one.
-fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let mut tmp = temp_beside(dir, &name)?;
-    tmp.write_all(bytes)?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
-}
-
-/// A temp file `<name>.XXXXXX.tmp` in `dir` (the names [`is_staging_temp`] sweeps), removed
-/// unless persisted.
+/// A temp file `<name>.XXXXXX.tmp` in `dir` (the names [`is_staging_temp`] sweeps, and
+/// those of `util::write_atomic`, which writes the sidecars), removed unless persisted.
 fn temp_beside(dir: &Path, name: &str) -> std::io::Result<tempfile::NamedTempFile> {
     tempfile::Builder::new().prefix(&format!("{name}.")).suffix(".tmp").tempfile_in(dir)
 }
@@ -105,7 +94,7 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
         schema_hash: meta.schema_hash.clone(),
     };
     let text = serde_json::to_vec_pretty(&m).map_err(|e| IngestError::Malformed(e.to_string()))?;
-    write_atomic(&sidecar, &text).map_err(|e| IngestError::Write { path: sidecar, source: e })
+    crate::util::write_atomic(&sidecar, &text).map_err(|e| IngestError::Write { path: sidecar, source: e })
 }
 
 /// The file a `geojson_url` body of `source_id` is received into: a temp file in the staging
@@ -518,7 +507,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("taken");
         std::fs::create_dir_all(target.join("x")).unwrap();
-        assert!(write_atomic(&target, b"bytes").is_err());
+        assert!(crate::util::write_atomic(&target, b"bytes").is_err());
         let mut left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         left.sort();
         assert_eq!(left, ["taken"]);

@@ -83,7 +83,7 @@ pub const RESTORE_PREFIX: &str = ".zonewatch-restore-";
 /// store, signing secrets included, and nothing else would ever remove it (found by a
 /// black-box tester). Run when a store is opened for work (`Engine::open`).
 pub fn sweep_restore_leftovers(store_path: &Path, now: std::time::SystemTime) -> usize {
-    let dir = store_path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = crate::util::folder_of(store_path);
     sweep_idle(dir, now, "a killed restore", |name, _| name.starts_with(RESTORE_PREFIX))
 }
 
@@ -220,7 +220,7 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     if dest.exists() {
         return Err(StoreError::Conflict(format!("backup destination {} already exists", dest.display())));
     }
-    let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = crate::util::folder_of(dest);
     let backup_err = |source: StoreError| StoreError::Backup { dest: dest.to_path_buf(), source: Box::new(source) };
     let tmp = tempfile::Builder::new()
         .prefix(TEMP_PREFIX)
@@ -358,7 +358,7 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
         Some(_) => hold_against_opens(dest)?,
         None => None,
     };
-    let parent = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = crate::util::folder_of(dest);
     std::fs::create_dir_all(parent).map_err(|e| open_err(dest, e.to_string()))?;
     let copy = verified_copy(src, parent, RESTORE_PREFIX)?;
     let tmp = &copy.tmp;
