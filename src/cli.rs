@@ -274,7 +274,14 @@ fn load_config(path: &std::path::Path) -> Result<Config, i32> {
 }
 
 fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
-    let engine = engine_by(path, Engine::open)?;
+    open_engine_after(path, &mut |_| Ok(()))
+}
+
+/// [`open_engine`], with `before_store` run on the loaded config before the store is opened
+/// or created (`serve` binds its control port there: a port held by another program must not
+/// leave a new store file behind).
+fn open_engine_after(path: &std::path::Path, before_store: &mut dyn FnMut(&Config) -> Result<(), i32>) -> Result<Engine, i32> {
+    let engine = engine_by(path, before_store, Engine::open)?;
     // A run writes its spill and sort files beside the store: a folder it may not write in
     // fails here, at start, not at the first real change hours later.
     if let Err(source) = tempfile::tempfile_in(engine.scratch_dir()) {
@@ -302,14 +309,19 @@ fn open_engine(path: &std::path::Path) -> Result<Engine, i32> {
 
 /// [`open_engine`] for a command that steers what runs wrote: the store must exist.
 pub(crate) fn open_existing_engine(path: &std::path::Path) -> Result<Engine, i32> {
-    engine_by(path, Engine::open_existing)
+    engine_by(path, &mut |_| Ok(()), Engine::open_existing)
 }
 
-fn engine_by(path: &std::path::Path, open: fn(Config) -> Result<Engine, crate::pipeline::PipelineError>) -> Result<Engine, i32> {
+fn engine_by(
+    path: &std::path::Path,
+    before_store: &mut dyn FnMut(&Config) -> Result<(), i32>,
+    open: fn(Config) -> Result<Engine, crate::pipeline::PipelineError>,
+) -> Result<Engine, i32> {
     let config = load_config(path)?;
     for advice in config.delivery.advisories() {
         tracing::warn!("{advice}");
     }
+    before_store(&config)?;
     let store_path = config.store_path.clone();
     open(config).map_err(|e| {
         match &e {
@@ -535,11 +547,35 @@ fn deferred_exit(store: &crate::store::Store, s: &crate::notify::delivery::PassS
     }
 }
 
+/// Binds `serve`'s control port, or says why not and gives the exit code.
+fn bind_control(addr: std::net::SocketAddr) -> Result<std::net::TcpListener, i32> {
+    crate::control::bind(addr).map_err(|e| {
+        error_line!("cannot listen on control.listen {addr}: {e}");
+        // A port held by another program for now passes: exit 1, which the packaged unit
+        // restarts. Anything else (an address this machine does not have, no permission for
+        // the port) is the config's: exit 2, not restarted.
+        match e.kind() {
+            std::io::ErrorKind::AddrInUse => 1,
+            _ => 2,
+        }
+    })
+}
+
 fn cmd_serve(config: &std::path::Path) -> i32 {
     crate::util::limit_allocator_arenas();
-    let engine = match open_engine(config) {
+    // The control port is bound before the store is opened: on a port another program holds,
+    // `serve` fails without creating a store file (it created one, and its token, before).
+    let mut bound = None;
+    let engine = match open_engine_after(config, &mut |cfg| {
+        bound = Some(bind_control(cfg.control.listen)?);
+        Ok(())
+    }) {
         Ok(e) => Arc::new(e),
         Err(code) => return code,
+    };
+    let Some(bound) = bound else {
+        error_line!("the control port was not bound");
+        return 2;
     };
     let rt = match runtime() {
         Ok(rt) => rt,
@@ -613,17 +649,11 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                 return Some(if e.passes { 1 } else { 2 });
             }
         };
-        let listener = match crate::control::bind(engine.config.control.listen).await {
+        let listener = match crate::control::listener(bound) {
             Ok(l) => l,
             Err(e) => {
                 error_line!("cannot listen on control.listen {}: {e}", engine.config.control.listen);
-                // A port held by another program for now passes: exit 1, which the packaged
-                // unit restarts. Anything else (an address this machine does not have, no
-                // permission for the port) is the config's: exit 2, not restarted.
-                return Some(match e.kind() {
-                    std::io::ErrorKind::AddrInUse => 1,
-                    _ => 2,
-                });
+                return Some(1);
             }
         };
         let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();

@@ -528,8 +528,8 @@ fn damaged_store_files_are_one_clear_line_and_exit_2_never_all_good_or_a_panic()
     }
 }
 
-/// `serve` whose control port is held by another program for now, or whose store another
-/// zonewatch holds (an operator's `backup` while the service restarts), exits 1, which the
+/// `serve` whose control port is held by another program for now (it makes no store file),
+/// or whose store another zonewatch holds (an operator's `backup` while the service restarts), exits 1, which the
 /// packaged unit restarts; exit 2, a config or store error, is not restarted. Every other
 /// command that opens the store exits 1 on a store in use as well, as README says.
 #[test]
@@ -543,6 +543,8 @@ fn serve_on_a_port_or_store_in_use_exits_1_so_systemd_tries_again() {
     let (out, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{out}{err}");
     assert!(err.contains(&format!("cannot listen on control.listen 127.0.0.1:{port}")), "{err}");
+    // Nothing made: the port is bound before the store is opened (it created the store file).
+    assert!(!ws.path().join("zw.redb").exists(), "a store file was created by a serve that could not start");
     drop(held);
 
     let store = ws.engine();

@@ -35,9 +35,17 @@ pub struct ControlState {
     pub started_ms: u64,
 }
 
-/// Binds the control port. Port 0 picks a free port; the bound address is returned.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
+/// Binds the control port (port 0 picks a free port), outside the async runtime: `serve`
+/// binds it before it opens the store.
+pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// The bound control port handed to the async runtime (called inside it).
+pub fn listener(bound: std::net::TcpListener) -> std::io::Result<TcpListener> {
+    TcpListener::from_std(bound)
 }
 
 /// The most connections served at once. Each costs a file descriptor the process shares
