@@ -605,7 +605,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
         crate::store::on_reopen_needed(move || {
             if !reopen.swap(true, std::sync::atomic::Ordering::SeqCst) {
                 if crate::store::file_size_limit_met() {
-                    crate::say::line(crate::say::Level::Stopping, format_args!("the store cannot grow past a file-size limit; stopping (exit 2)"));
+                    crate::say::line(crate::say::Level::Stopping, format_args!("the store's files cannot grow past a file-size limit; stopping (exit 2)"));
                 } else {
                     crate::say::line(
                         crate::say::Level::Stopping,

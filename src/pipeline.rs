@@ -703,7 +703,7 @@ impl Engine {
             return Err(IngestError::Changed(format!("{missing} parcel(s) were missing from the layer, and the portal did not answer with the layer when it was read again to confirm their removal")).into());
         };
         let dir = self.scratch_dir();
-        let write_err = |e: std::io::Error| IngestError::Write { path: dir.to_path_buf(), source: e };
+        let write_err = |e: std::io::Error| IngestError::write(dir, e);
         let mut file = tempfile::tempfile_in(dir).map_err(write_err)?;
         {
             let mut out = std::io::BufWriter::new(&mut file);

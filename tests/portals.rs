@@ -3237,3 +3237,25 @@ fn socrata_same_bytes_as_a_withheld_read_with_an_older_timestamp_are_not_a_resta
     assert_eq!(r.record.verdict, Verdict::Held, "{}", r.line());
     assert!(r.hold_reason.as_deref().is_some_and(|h| h.contains("restated")), "{:?}", r.hold_reason);
 }
+
+/// A portal layer whose download meets a file-size limit while the store is still below it
+/// stops `run` with exit 2, naming the limit, as a write of the store itself does (reviewer:
+/// the source failed, exit 1, and the packaged unit restarted it into the same limit).
+#[test]
+fn a_portal_download_past_a_file_size_limit_exits_2() {
+    // ~3 MiB of body (the layer, then blank space) against a 2 MiB limit; a new store stays
+    // well below it.
+    let text = format!("{}{}", layer(&grid(12)), " ".repeat(3 << 20));
+    let srv = Server::start(Arc::new(move |_req: &Req| reply(200, "application/geo+json", text.clone())));
+    let dir = tempfile::tempdir().expect("tmp");
+    portal_config(dir.path(), &source("g", "geojson_url", &srv.url("/layer.geojson"), ""), "");
+    let config = dir.path().join("zonewatch.toml");
+    let limited = "ulimit -f 2048 && exec \"$0\" run --config \"$1\"";
+    let o = std::process::Command::new("bash").args(["-c", limited, env!("CARGO_BIN_EXE_zonewatch"), config.to_str().expect("utf-8")]).output().expect("bash runs");
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{out}\n{err}");
+    assert!(err.contains("a file-size limit stops it"), "{out}\n{err}");
+    // Without the limit the same layer is read.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["run", "--config", config.to_str().expect("utf-8")]).output().expect("runs");
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("g: baseline features=12"), "{:?}", o);
+}

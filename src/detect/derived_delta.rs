@@ -21,9 +21,17 @@ const DELTA_VERSION: u8 = 1;
 #[derive(Debug, thiserror::Error)]
 pub enum DeltaError {
     #[error("derived delta file: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     #[error("derived delta record: {0}")]
     Codec(String),
+}
+
+impl From<std::io::Error> for DeltaError {
+    /// Notes a file-size limit met by the delta file beside the store (`store::note_io_error`).
+    fn from(e: std::io::Error) -> DeltaError {
+        crate::store::note_io_error(&e);
+        DeltaError::Io(e)
+    }
 }
 
 impl From<FrameError> for DeltaError {

@@ -27,9 +27,17 @@ pub const RUN_BYTES: usize = 32 << 20;
 #[derive(Debug, thiserror::Error)]
 pub enum RowSortError {
     #[error("sorting snapshot rows: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     #[error("sorting snapshot rows: a run file is damaged")]
     Damaged,
+}
+
+impl From<std::io::Error> for RowSortError {
+    /// Notes a file-size limit met by a run file beside the store (`store::note_io_error`).
+    fn from(e: std::io::Error) -> RowSortError {
+        crate::store::note_io_error(&e);
+        RowSortError::Io(e)
+    }
 }
 
 /// Gathers rows (in any order) and gives them back in key order.

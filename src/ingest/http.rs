@@ -75,7 +75,9 @@ pub enum FetchError {
 
 impl FetchError {
     /// An error of the fetched layer's file in `dir` (a body or a paged layer's collection).
+    /// A file-size limit met there is the store's limit too (`store::note_io_error`).
     pub(super) fn spool(dir: &std::path::Path, source: std::io::Error) -> FetchError {
+        crate::store::note_io_error(&source);
         FetchError::Spool { dir: dir.to_path_buf(), source }
     }
 }

@@ -54,3 +54,13 @@ pub enum IngestError {
     #[error("stopped before its commit: zonewatch is shutting down; nothing of this run was committed, and the next run reads the layer again")]
     Stopped,
 }
+
+impl IngestError {
+    /// A write to a file beside the store (a staged layer, its sidecar, a run's scratch file)
+    /// failed. A file-size limit met there is the store's limit too (`store::note_io_error`):
+    /// `run` and `serve` then name it and exit 2 rather than retry.
+    pub fn write(path: impl Into<std::path::PathBuf>, source: std::io::Error) -> IngestError {
+        crate::store::note_io_error(&source);
+        IngestError::Write { path: path.into(), source }
+    }
+}

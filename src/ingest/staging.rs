@@ -94,7 +94,7 @@ fn write_sidecar(store_path: &Path, source_id: &str, digest: &str, size: u64, me
         schema_hash: meta.schema_hash.clone(),
     };
     let text = serde_json::to_vec_pretty(&m).map_err(|e| IngestError::Malformed(e.to_string()))?;
-    crate::util::write_atomic(&sidecar, &text).map_err(|e| IngestError::Write { path: sidecar, source: e })
+    crate::util::write_atomic(&sidecar, &text).map_err(|e| IngestError::write(sidecar, e))
 }
 
 /// The file a `geojson_url` body of `source_id` is received into: a temp file in the staging
@@ -178,7 +178,7 @@ pub fn stage_features(store_path: &Path, source_id: &str, features: FeatureSpool
 fn forget_staged(store_path: &Path, source_id: &str, keep: Option<&Path>) -> Result<(), IngestError> {
     let (payload, sidecar) = paths(store_path, source_id);
     let remove = |path: &Path| match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(IngestError::Write { path: path.to_path_buf(), source: e }),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(IngestError::write(path, e)),
         _ => Ok(()),
     };
     let (a, b) = (remove(&sidecar), remove(&payload));
@@ -267,7 +267,7 @@ where
         }
         Err(e) => {
             tracing::warn!(source = source_id, "cannot stage the payload in {}: {e}; the run reads it from a temp file", dir.display());
-            let file = tempfile::tempfile_in(scratch).map_err(|e| IngestError::Write { path: scratch.to_path_buf(), source: e })?;
+            let file = tempfile::tempfile_in(scratch).map_err(|e| IngestError::write(scratch, e))?;
             (file, None, scratch.to_path_buf())
         }
     };
@@ -279,7 +279,7 @@ where
     });
     let (digest, size) = written
         .and_then(|d| file.seek(SeekFrom::Start(0)).map(|_| d))
-        .map_err(|e| IngestError::Write { path: written_to.clone(), source: e })?;
+        .map_err(|e| IngestError::write(written_to.clone(), e))?;
     let path = match named {
         Some(tmp) => put_in_place(store_path, source_id, tmp, &digest, size, meta, now_ms),
         None => written_to,

@@ -204,14 +204,15 @@ pub fn is_file_size_limit(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::FileTooLarge || e.raw_os_error() == Some(27)
 }
 
-/// Set when a write to the store's own file (or its spill file beside it: [`note_io_error`])
+/// Set when a write to the store's own file (or a file beside it: [`note_io_error`])
 /// failed on [`is_file_size_limit`]: the errors
 /// after it are redb's "previous I/O error", which no longer say why, so `run` and `serve`
 /// read this to exit 2 with [`FILE_SIZE_LIMIT`] rather than 1 as for a full disk.
 static FILE_SIZE_LIMIT_MET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Notes an I/O error on a file zonewatch writes beside its store (the run's spill file):
-/// a file-size limit there is the store's limit too ([`FILE_SIZE_LIMIT_MET`]).
+/// Notes an I/O error on a file zonewatch writes beside its store (a run's spill, sort and
+/// delta files, a portal layer's body and staged copy): a file-size limit there is the
+/// store's limit too ([`FILE_SIZE_LIMIT_MET`]).
 pub fn note_io_error(e: &std::io::Error) {
     if is_file_size_limit(e) {
         FILE_SIZE_LIMIT_MET.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -224,7 +225,7 @@ pub fn file_size_limit_met() -> bool {
 }
 
 /// What to do about [`is_file_size_limit`].
-pub const FILE_SIZE_LIMIT: &str = "the store cannot grow: a file-size limit stops it (`ulimit -f`, systemd `LimitFSIZE=`, or the file system's largest file); raise or remove the limit, or move the store to a file system that allows larger files";
+pub const FILE_SIZE_LIMIT: &str = "the store (or a file zonewatch writes beside it: a run's temp files, a portal layer's download) cannot grow: a file-size limit stops it (`ulimit -f`, systemd `LimitFSIZE=`, or the file system's largest file); raise or remove the limit, or move the store to a file system that allows larger files";
 
 /// A full disk or an exhausted quota (`ENOSPC`, `EDQUOT`).
 pub fn is_out_of_space(e: &std::io::Error) -> bool {
