@@ -161,6 +161,8 @@ pub struct Deliverer {
     plans: Arc<Mutex<HashMap<String, Arc<SendPlan>>>>,
     /// Where lease, due and outcome times come from (see `clock.rs`).
     clock: SharedClock,
+    /// How long this deliverer has been short of its own resources ([`Deliverer::deferred`]).
+    shortage: Arc<LocalShortage>,
 }
 
 /// What every attempt to one endpoint needs and that changes only when the subscriber does:
@@ -235,6 +237,7 @@ impl Deliverer {
             endpoint_buckets: Default::default(),
             plans: Default::default(),
             clock: crate::clock::system(),
+            shortage: Arc::default(),
         })
     }
 
@@ -849,9 +852,12 @@ impl Deliverer {
         // No retry later than `max_retry_window` after the event was queued, however long it
         // waited (an open breaker, a daemon that was down, a `run` cadence): checked when the
         // retry is taken, not only when it is scheduled. The row that got a 410 goes out once
-        // an operator enables its endpoint, as the README says.
+        // an operator enables its endpoint, as the README says; a row whose last send was
+        // deferred (it never left: `deferred`) is sent too, as it stood before (reviewer: a
+        // 410 row deferred once after its endpoint was enabled was dead-lettered here).
         let window_end = entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64);
-        if entry.attempts > 0 && entry.last_error.as_deref() != Some(HTTP_410_GONE) && self.clock.now_ms() > window_end {
+        let waits_without_charge = entry.last_error.as_deref().is_some_and(|e| e == HTTP_410_GONE || e.starts_with(DEFERRED_PREFIX));
+        if entry.attempts > 0 && !waits_without_charge && self.clock.now_ms() > window_end {
             return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::NotSent };
         }
         match self.check_target(url).await {
@@ -903,8 +909,6 @@ impl Deliverer {
         }
         let (retry_after, error) = match sent {
             Ok(mut resp) => {
-                // An answer: this process had what it takes to send.
-                local_shortage_over();
                 let status = resp.status().as_u16();
                 rec.status = Some(status);
                 let ra = resp
@@ -960,7 +964,7 @@ impl Deliverer {
     fn deferred(&self, entry: &OutboxEntry, local: std::io::Error) -> DeliveryResult {
         static LAST_SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let now = self.clock.now_ms();
-        let lasted = local_shortage_lasted(now);
+        let lasted = self.shortage.lasted(now);
         let said = LAST_SAID_MS.load(std::sync::atomic::Ordering::Relaxed);
         if now.saturating_sub(said) >= 60_000 && LAST_SAID_MS.compare_exchange(said, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed).is_ok() {
             tracing::error!(
@@ -1065,26 +1069,29 @@ pub const DEFERRED_PREFIX: &str = "local: ";
 const LOCAL_FAILURE_PAUSE: Duration = Duration::from_secs(2);
 const LOCAL_FAILURE_PAUSE_MAX: Duration = Duration::from_secs(60);
 
-/// When this process's current shortage of its own resources began (its first deferred send
-/// since a send went out, or since a minute without one), and its last deferred send; 0: none.
-static SHORTAGE_SINCE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static SHORTAGE_LAST_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Notes a deferred send at `now` and returns how long the shortage has lasted (ms).
-fn local_shortage_lasted(now: u64) -> u64 {
-    use std::sync::atomic::Ordering::Relaxed;
-    let last = SHORTAGE_LAST_MS.swap(now, Relaxed);
-    let since = SHORTAGE_SINCE_MS.load(Relaxed);
-    if since == 0 || now.saturating_sub(last) > LOCAL_FAILURE_PAUSE_MAX.as_millis() as u64 {
-        SHORTAGE_SINCE_MS.store(now, Relaxed);
-        return 0;
-    }
-    now.saturating_sub(since)
+/// A shortage of this process's own resources, timed from its first deferred send: it ends
+/// after [`LOCAL_FAILURE_PAUSE_MAX`] without a deferred send. Not by an answered send (reviewer:
+/// under a limit that lets some sends through, each answer started the timing anew and the
+/// pause never grew).
+#[derive(Debug, Default)]
+struct LocalShortage {
+    /// When it began (0: none yet) and its last deferred send.
+    since_ms: std::sync::atomic::AtomicU64,
+    last_ms: std::sync::atomic::AtomicU64,
 }
 
-/// A send was answered: this process has room again.
-fn local_shortage_over() {
-    SHORTAGE_SINCE_MS.store(0, std::sync::atomic::Ordering::Relaxed);
+impl LocalShortage {
+    /// Notes a deferred send at `now` and returns how long the shortage has lasted (ms).
+    fn lasted(&self, now: u64) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let last = self.last_ms.swap(now, Relaxed);
+        let since = self.since_ms.load(Relaxed);
+        if since == 0 || now.saturating_sub(last) > LOCAL_FAILURE_PAUSE_MAX.as_millis() as u64 {
+            self.since_ms.store(now, Relaxed);
+            return 0;
+        }
+        now.saturating_sub(since)
+    }
 }
 
 /// The error of a send that never left this machine because this process ran out of a
@@ -1305,18 +1312,45 @@ mod tests {
         assert_eq!(store.outbox_len().unwrap(), n as u64, "a's rows wait for an operator");
     }
 
-    /// A shortage of this process's own resources is timed from its first deferred send: an
-    /// answered send ends it, and so does a minute without a deferred send.
+    /// A row answered 410 waits for an operator past its retry window; once its endpoint is
+    /// enabled, a send deferred for want of this process's own resources leaves it as it
+    /// stood, and the next take sends it (reviewer: it was dead-lettered `retry_window_exceeded`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_410_row_whose_send_was_deferred_is_sent_not_dead_lettered() {
+        use crate::model::{sample_event, IdemKey, Severity};
+        use crate::notify::matcher::Subscriber;
+        use crate::store::{Claim, HealthPolicy};
+        let rx = crate::receiver::Receiver::start(Arc::new(|_, _| 200), None).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+        let cfg = DeliveryConfig { allow_private_targets: true, ..DeliveryConfig::default() };
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        let created = now - cfg.max_retry_window.as_millis() as u64 - 60_000;
+        let claim = Claim { event: 0, watcher_id: "a".into(), target: rx.url("/h"), min_severity: Severity::Info, key: IdemKey("k".into()) };
+        store.enqueue(&[sample_event("P1")], &[claim], "l", created, 30 * 86_400_000).unwrap();
+        let id = store.outbox().unwrap()[0].id;
+        let gone = DeliveryResult::Retry { id, next_attempt_ms: created + 10, error: HTTP_410_GONE.into() };
+        store.record_outcomes_with(&[gone], &[], created + 5, Some(&HealthPolicy::default())).unwrap();
+        assert!(store.enable_endpoint("a", now - 20).unwrap());
+        let deferred = DeliveryResult::Deferred { id, next_attempt_ms: now - 5, error: format!("{DEFERRED_PREFIX}Too many open files (os error 24)") };
+        store.record_outcomes_with(&[deferred], &[], now - 10, Some(&HealthPolicy::default())).unwrap();
+        let sub = Subscriber { id: "a".into(), target: rx.url("/h"), secret: None, min_severity: Severity::Info, aoi: geo::MultiPolygon::new(vec![]), secret_old: None };
+        let d = Deliverer::new(store.clone(), Arc::new(SubscriberIndex::build(vec![sub])), cfg).unwrap();
+        let stats = d.drain(Instant::now() + Duration::from_secs(20)).await.unwrap();
+        assert_eq!((stats.sent, stats.dead, rx.received().len()), (1, 0, 1), "{stats:?}");
+    }
+
+    /// A shortage of this process's own resources is timed from its first deferred send; a
+    /// minute without a deferred send ends it.
     #[test]
     fn a_local_shortage_is_timed_from_its_first_deferral() {
-        local_shortage_over();
-        assert_eq!(local_shortage_lasted(1_000), 0);
-        assert_eq!(local_shortage_lasted(11_000), 10_000);
-        assert_eq!(local_shortage_lasted(40_000), 39_000);
-        assert_eq!(local_shortage_lasted(200_000), 0, "a minute without a deferral starts anew");
-        local_shortage_over();
-        assert_eq!(local_shortage_lasted(200_500), 0);
-        local_shortage_over();
+        let shortage = LocalShortage::default();
+        assert_eq!(shortage.lasted(1_000), 0);
+        assert_eq!(shortage.lasted(11_000), 10_000);
+        assert_eq!(shortage.lasted(40_000), 39_000);
+        assert_eq!(shortage.lasted(100_000), 99_000, "within a minute of the last deferral");
+        assert_eq!(shortage.lasted(200_000), 0, "a minute without a deferral starts anew");
+        assert_eq!(shortage.lasted(200_500), 500);
     }
 
     #[test]
