@@ -109,8 +109,10 @@ const PROXY_VARS: [&str; 6] = ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https
 pub enum Refused {
     #[error(transparent)]
     Private(#[from] PrivateAddress),
-    #[error("cannot resolve {host}: {reason}")]
-    Dns { host: String, reason: String },
+    /// The lookup's own error is kept: one this process failed for want of its own
+    /// resources (`EMFILE`) is not the target's (`notify::delivery::local_failure`).
+    #[error("cannot resolve {host}: {source}")]
+    Dns { host: String, source: std::io::Error },
 }
 
 /// One HTTP client's guard, decided when the client is built.
@@ -161,7 +163,7 @@ impl Guard {
         }
         let addrs = tokio::net::lookup_host((host, port))
             .await
-            .map_err(|e| Refused::Dns { host: host.to_string(), reason: e.to_string() })?;
+            .map_err(|source| Refused::Dns { host: host.to_string(), source })?;
         for a in addrs {
             if is_private(&a.ip()) {
                 return Err(PrivateAddress { host: host.to_string(), ip: a.ip() }.into());

@@ -866,6 +866,7 @@ impl Deliverer {
             // A name that does not resolve now (through a proxy, checked here) is retried like
             // one the client's resolver cannot resolve: DNS has bad minutes.
             Err(TargetCheck::Unresolved(error)) => return self.retry_or_dead(entry, rec, None, error),
+            Err(TargetCheck::Local(e)) => return self.deferred(entry, local_failure(&e).unwrap_or(e)),
         }
         let signers = match &plan.signers {
             Ok(signers) => signers,
@@ -1007,6 +1008,9 @@ impl Deliverer {
         match self.guard.check(host, port).await {
             Ok(()) => Ok(()),
             Err(crate::netguard::Refused::Private(p)) => Err(TargetCheck::Refused(format!("private_target_refused: {p}"))),
+            // A lookup this process could not make (out of descriptors) is deferred, as a
+            // send that could not connect so is (reviewer: through a proxy it was charged).
+            Err(crate::netguard::Refused::Dns { source, .. }) if local_failure(&source).is_some() => Err(TargetCheck::Local(source)),
             Err(e @ crate::netguard::Refused::Dns { .. }) => Err(TargetCheck::Unresolved(format!("connection: dns: {e}"))),
         }
     }
@@ -1123,6 +1127,8 @@ enum TargetCheck {
     Refused(String),
     /// Not resolvable right now: a retry.
     Unresolved(String),
+    /// Not looked up for want of this process's own resources: deferred.
+    Local(std::io::Error),
 }
 
 /// The HTTP client webhooks go out with: no redirects followed (a redirect is an answer, not
