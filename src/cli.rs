@@ -538,7 +538,13 @@ fn deferred_exit(store: &crate::store::Store, s: &crate::notify::delivery::PassS
     if s.deferred == 0 {
         return 0;
     }
-    let waiting = store.outbox().map(|rows| rows.iter().filter(|e| e.last_error.as_deref().is_some_and(|l| l.starts_with(crate::notify::delivery::DEFERRED_PREFIX))).count()).unwrap_or(0);
+    let waiting = match store.deferred_rows(crate::notify::delivery::DEFERRED_PREFIX) {
+        Ok(n) => n,
+        Err(e) => {
+            error_line!("alerts were deferred for want of this process's own resources, and the queue cannot be read to count those left: {e}");
+            return 1;
+        }
+    };
     if waiting > 0 {
         error_line!("{waiting} alert(s) could not be sent: this process ran out of open files or sockets (raise its limit: ulimit -n, or LimitNOFILE= in the service unit); they stay queued for the next run or serve, nothing was charged to their subscribers");
         1

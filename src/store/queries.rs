@@ -470,6 +470,20 @@ impl Store {
         Ok(out)
     }
 
+    /// Rows queued whose last send was deferred (`last_error` beginning with `prefix`): read
+    /// one at a time from the retry queue, where a deferral puts them (`run`'s exit code;
+    /// the whole outbox decoded at once held every payload in memory).
+    pub fn deferred_rows(&self, prefix: &str) -> Result<u64, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let mut n = 0;
+        for item in rtx.open_table(OUTBOX_RETRY)?.iter()? {
+            let (_, v) = item?;
+            let entry = super::outbox_rows::decode_entry(v.value()).map_err(|m| codec_err("outbox_retry", m))?;
+            n += u64::from(entry.last_error.is_some_and(|e| e.starts_with(prefix)));
+        }
+        Ok(n)
+    }
+
     /// Rows queued for delivery: fresh and waiting for a retry.
     pub fn outbox_len(&self) -> Result<u64, StoreError> {
         let rtx = self.db.begin_read()?;
