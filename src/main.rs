@@ -14,7 +14,7 @@ fn main() {
     // Colours only for a person at a terminal (not in journald or a log file), and never
     // with NO_COLOR set (https://no-color.org).
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| LogStderr).with_ansi(ansi);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| LogStderr).with_ansi(ansi).log_internal_errors(false);
     match cli.log_format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Human => builder.init(),

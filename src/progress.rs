@@ -245,7 +245,7 @@ impl IngestProgress {
             let requests = self.requests.load(Ordering::Relaxed);
             match &lines.out {
                 LineSink::Tracing => tracing::info!(source = %self.source_id, requests, bytes, elapsed_s = secs, "ingest progress: fetching"),
-                LineSink::Stderr => eprintln!("{}", self.fetch_line(requests, bytes, secs)),
+                LineSink::Stderr => stderr_line(&self.fetch_line(requests, bytes, secs)),
                 LineSink::Capture(v) => v.lock().unwrap_or_else(|p| p.into_inner()).push(self.fetch_line(requests, bytes, secs)),
             }
             return;
@@ -258,7 +258,7 @@ impl IngestProgress {
                     tracing::info!(source = %self.source_id, features, bytes, total_bytes = self.total_bytes, elapsed_s = secs, "ingest progress");
                 }
             }
-            LineSink::Stderr => eprintln!("{}", self.line(done, features, bytes, secs)),
+            LineSink::Stderr => stderr_line(&self.line(done, features, bytes, secs)),
             LineSink::Capture(v) => {
                 let line = self.line(done, features, bytes, secs);
                 v.lock().unwrap_or_else(|p| p.into_inner()).push(line);
@@ -307,6 +307,13 @@ pub fn file_size(src: &crate::config::SourceConfig) -> Option<u64> {
 
 fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// A progress line on stderr; one that cannot be written is dropped (`eprintln!` panicked: a
+/// `run` whose stderr went to a full disk ended with exit 101; reviewer).
+fn stderr_line(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 #[cfg(test)]

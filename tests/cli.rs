@@ -702,3 +702,23 @@ fn backup_and_restore_name_the_file_and_exit_2_on_what_a_retry_cannot_mend() {
     let o = zonewatch(&["check", "--config", cfg, "--store"]);
     assert!(o.status.success() && text(&o).0.contains("consistent"), "{:?}", text(&o));
 }
+
+/// `run` whose stderr cannot be written (a log file on a full disk) still runs and says its
+/// result on stdout: its progress lines are dropped, not a panic (exit 101 before, reviewer).
+#[test]
+fn run_goes_on_when_its_stderr_cannot_be_written() {
+    let (_ws, cfg) = grid_workspace(3000);
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("SKIPPED: no /dev/full on this machine");
+        return;
+    };
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["run", "--config", &cfg])
+        .env("ZONEWATCH_PROGRESS_EVERY", "1ms")
+        .stderr(full)
+        .output()
+        .expect("zonewatch runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(out.contains("baseline features=3000"), "{out}");
+}
