@@ -164,12 +164,15 @@ impl Connections {
 }
 
 /// Serves the control port until `shutdown` flips; then each open connection finishes the
-/// request it is serving and closes (no new request is read from a kept-alive one).
+/// request it is serving and closes (no new request is read from a kept-alive one), and this
+/// returns once they have ([`finish_connections`]).
 pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown: tokio::sync::watch::Receiver<bool>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS + CLOSING_ROOM));
     let connections: Arc<std::sync::Mutex<Connections>> = Arc::default();
+    let mut tasks = tokio::task::JoinSet::new();
     let mut warned: Option<std::time::Instant> = None;
     loop {
+        while tasks.try_join_next().is_some() {}
         let accepted = tokio::select! {
             a = listener.accept() => a,
             _ = shutdown.changed() => break,
@@ -217,7 +220,7 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
         let listed = Listed { registry: connections.clone(), id: conn_id };
         let state = state.clone();
         let mut stop = shutdown.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             let _slot = slot;
             let seen = this.clone();
             let svc = service_fn(move |req| {
@@ -272,6 +275,30 @@ pub async fn serve(listener: TcpListener, state: Arc<ControlState>, mut shutdown
                 tracing::debug!("control connection ended: {e}");
             }
         });
+    }
+    finish_connections(tasks, &connections).await;
+}
+
+/// How long a stopping port waits for connections that answer nothing (idle ones, or a
+/// client slow to take its answer) once none is answering a request.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The stop of the port: waits for its connections to end, each finishing the request it is
+/// answering, however long that takes (a backup being written: its answer is what tells the
+/// client where the copy is; a tester's `backup` during a restart lost it, the runtime
+/// dropped the connection before it answered), and a connection answering nothing for
+/// [`STOP_GRACE`] at most.
+async fn finish_connections(mut tasks: tokio::task::JoinSet<()>, connections: &std::sync::Mutex<Connections>) {
+    loop {
+        tokio::select! {
+            next = tasks.join_next() => if next.is_none() { return },
+            _ = tokio::time::sleep(STOP_GRACE) => {
+                let busy = connections.lock().unwrap_or_else(|p| p.into_inner()).open.values().any(|c| c.busy.load(std::sync::atomic::Ordering::SeqCst) > 0);
+                if !busy {
+                    return;
+                }
+            }
+        }
     }
 }
 
