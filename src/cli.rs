@@ -1034,7 +1034,10 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
     };
     let result: Result<String, String> = rt.block_on(async {
         let client = reqwest::Client::builder().no_proxy().build().map_err(|e| e.to_string())?;
-        let ask = || client.post(format!("http://{addr}/v1/backup")).bearer_auth(&token).header("content-type", "application/json").body(serde_json::json!({ "name": name }).to_string()).send();
+        // The store meant, by identity: a daemon of another install on this address (sharing
+        // the token, its address file left by a stop) refuses rather than copy its own.
+        let store = crate::control::routes::FileIdentity::of(&cfg.store_path).ok();
+        let ask = || client.post(format!("http://{addr}/v1/backup")).bearer_auth(&token).header("content-type", "application/json").body(serde_json::json!({ "name": name, "store": store }).to_string()).send();
         let mut sent = ask().await;
         // A connection the daemon closed before it answered, with no copy begun: a full control
         // port made room with it before reading the request (it closes none that is being
@@ -1057,6 +1060,13 @@ fn backup_via_daemon(cfg: &Config, dest: &std::path::Path) -> i32 {
             })?;
         let status = resp.status();
         let body: serde_json::Value = resp.json().await.map_err(|e| e.to_string())?;
+        if body["error"]["code"] == "other_store" {
+            return Err(format!(
+                "the daemon answering on {addr} is not this store's ({}): {} is in use by another zonewatch (a `run` or another command still going, or a `serve` that has not written its address beside the store yet); try again in a moment",
+                body["error"]["message"].as_str().unwrap_or_default(),
+                std::path::absolute(&cfg.store_path).unwrap_or_else(|_| cfg.store_path.clone()).display()
+            ));
+        }
         if !status.is_success() {
             return Err(format!("daemon refused the backup ({status}): {body}"));
         }

@@ -221,6 +221,37 @@ async fn control_port_end_to_end() {
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        // The store meant is said by identity: another file is refused (409 other_store), this
+        // one is copied, and the answer names the daemon's store.
+        use std::os::unix::fs::MetadataExt;
+        let own = std::fs::metadata(ws.path().join("zw.redb")).unwrap();
+        let other = std::fs::metadata(ws.config_path()).unwrap();
+        let ask = |dev: u64, ino: u64, name: &str| c.post(d.url("/v1/backup")).header("authorization", &auth).body(serde_json::json!({ "name": name, "store": {"dev": dev, "ino": ino} }).to_string()).send().unwrap();
+        let b = ask(other.dev(), other.ino(), "meant-other.redb");
+        assert_eq!(b.status(), 409);
+        assert!(b.text().unwrap().contains("other_store"));
+        assert!(!ws.path().join("backups/meant-other.redb").exists());
+        let b = ask(own.dev(), own.ino(), "meant-own.redb");
+        assert_eq!(b.status(), 201);
+        let info: Value = b.json().unwrap();
+        assert!(info["store"].as_str().unwrap().ends_with("zw.redb"), "{info}");
+        // Another install sharing this token, whose stopped daemon left its address file naming
+        // this daemon's port, and whose store a `run` holds: its `backup` is refused, not given
+        // this daemon's store (a black-box tester got exit 0 and the wrong store).
+        let x = Workspace::new(&[], "", "");
+        x.write_layer(&layer(&grid(4)));
+        std::fs::write(x.path().join("control.token"), &d.token).unwrap();
+        std::fs::write(x.path().join("zw.control-addr"), &d.addr).unwrap();
+        let held = x.engine();
+        let x_dest = x.path().join("x-copy.redb");
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+            .args(["backup", x_dest.to_str().unwrap(), "--config", x.config_path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("is not this store's") && !x_dest.exists(), "{err}");
+        drop(held);
         // Restore refuses while the daemon holds the store.
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_zonewatch"))
             .args(["restore", dest.to_str().unwrap(), "--config", ws.config_path().to_str().unwrap()])

@@ -125,8 +125,9 @@ pub fn document() -> Value {
                         "id": s("integer"), "outcome": {"type": "string", "enum": ["released", "not_found"]}, "quarantine_reason": s("string")}}}}}))}), &["400", "409"])}},
             "/v1/quarantine": {"get": {"operationId": "listQuarantine", "responses": with_errors(json!({"200": ok("quarantined features", list_of("Quarantined"))}), &[])}},
             "/v1/backup": {"post": {"operationId": "backup",
-                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"}}}}}},
-                "responses": with_errors(json!({"201": ok("backup written", json!({"type": "object", "required": ["path", "bytes", "tables", "rows"], "properties": {"path": s("string"), "bytes": s("integer"), "tables": s("integer"), "rows": s("integer")}}))}), &["400", "409"])}}
+                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"},
+                    "store": {"type": ["object", "null"], "additionalProperties": false, "required": ["dev", "ino"], "description": "the store file meant (device and inode numbers); a daemon serving another file answers 409 other_store", "properties": {"dev": s("integer"), "ino": s("integer")}}}}}}},
+                "responses": with_errors(json!({"201": ok("backup written", json!({"type": "object", "required": ["path", "bytes", "tables", "rows", "store"], "properties": {"path": s("string"), "bytes": s("integer"), "tables": s("integer"), "rows": s("integer"), "store": s("string")}}))}), &["400", "409"])}}
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -249,7 +249,12 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     // Check what we wrote before it takes the destination's name.
     verify_file(tmp.path()).map_err(backup_err)?;
     crate::signals::committing();
-    tmp.persist(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") })?;
+    // Never over a file: two backups asked for under one name at once both found it free
+    // above (a tester's two `POST /v1/backup` both answered 201, one copy replaced).
+    tmp.persist_noclobber(dest).map_err(|e| match e.error.kind() {
+        std::io::ErrorKind::AlreadyExists => StoreError::Conflict(format!("backup destination {} already exists", dest.display())),
+        _ => StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") },
+    })?;
     sync_folder_of(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("the backup is in place but its folder could not be synced: {e}") })?;
     let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
     Ok(BackupInfo { path: dest.to_path_buf(), bytes, tables, rows })
