@@ -453,6 +453,11 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             Ok(s) => {
                 let left = engine.store.outbox_len().unwrap_or(0);
                 lines.line(format_args!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}{}", s.sent, s.retried, s.dead, left, s.gone, deferred_field(&s)));
+                if left > 0 {
+                    if let Some(text) = engine.store.disabled_backlog().ok().as_deref().and_then(disabled_backlog_text) {
+                        note_line!("{text}");
+                    }
+                }
                 deferred_exit(&engine.store, &s)
             }
             Err(e) => {
@@ -528,6 +533,27 @@ fn deferred_field(s: &crate::notify::delivery::PassStats) -> String {
     } else {
         String::new()
     }
+}
+
+/// What waits for disabled endpoints, as an operator reads it (`run`'s note, `serve`'s start,
+/// `check --store`'s warning); None when nothing does.
+fn disabled_backlog_text(backlog: &[crate::store::DisabledBacklog]) -> Option<String> {
+    if backlog.is_empty() {
+        return None;
+    }
+    let total: u64 = backlog.iter().map(|b| b.waiting).sum();
+    let each: Vec<String> = backlog
+        .iter()
+        .map(|b| {
+            let since = b.since_ms.map(|t| format!(" since {}", crate::util::rfc3339(t))).unwrap_or_default();
+            let why = b.reason.as_deref().map(|r| format!(": {}", crate::util::terminal_safe(r))).unwrap_or_default();
+            format!("{} ({} alert(s); disabled{since}{why})", crate::util::terminal_safe(&b.endpoint), b.waiting)
+        })
+        .collect();
+    Some(format!(
+        "{total} alert(s) wait for disabled endpoint(s): {}. They go out once it is enabled: `zonewatch endpoints enable ID` when its receiver takes them again (a target changed in the config file does not enable it)",
+        each.join(", ")
+    ))
 }
 
 /// The exit code of a command's delivery that went through: 1 when alerts are still queued
@@ -825,6 +851,9 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             });
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
+        if let Some(text) = engine.store.disabled_backlog().ok().as_deref().and_then(disabled_backlog_text) {
+            tracing::warn!("{text}");
+        }
         while tasks.join_next().await.is_some() {}
         None
     });
@@ -1499,6 +1528,10 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
                     crate::util::url_for_display(target)
                 );
             }
+        }
+        if let Some(text) = disabled_backlog_text(&r.disabled_backlog) {
+            *warnings += 1;
+            println!("warning: store {}: {text}", path.display());
         }
         for id in crate::pipeline::shadowed_subscribers(cfg, r.api_subscribers.iter().cloned()) {
             *warnings += 1;

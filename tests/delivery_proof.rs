@@ -168,6 +168,13 @@ async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
     let cfg = cfg.to_str().unwrap();
     let (ok, out, _) = zonewatch(&["endpoints", "list", "--config", cfg]);
     assert!(ok && out.contains("w\tdisabled\t") && out.contains("http_410_gone"), "{out}");
+    // `run` and `check --store` say what waits and how it goes out (a tester fixed the
+    // config's target and waited without a word).
+    let (ok, out, err) = zonewatch(&["run", "--config", cfg]);
+    assert!(ok && out.contains("outbox_remaining=2"), "{out}{err}");
+    assert!(err.contains("note: 2 alert(s) wait for disabled endpoint(s): w (2 alert(s); disabled since ") && err.contains(": http_410_gone)") && err.contains("zonewatch endpoints enable ID"), "{err}");
+    let (_, out, _) = zonewatch(&["check", "--config", cfg, "--store"]);
+    assert!(out.contains("warning: store ") && out.contains("2 alert(s) wait for disabled endpoint(s): w (2 alert(s)"), "{out}");
     back.store(true, Ordering::SeqCst);
     let (ok, out, err) = zonewatch(&["endpoints", "enable", "w", "--config", cfg]);
     assert!(ok && out.contains("enabled"), "{out}{err}");

@@ -33,6 +33,9 @@ pub struct ConsistencyReport {
     /// Their targets (those whose record decodes), for `zonewatch check` to compare with the
     /// config's `delivery.allow_private_targets`.
     pub api_subscriber_targets: Vec<(String, String)>,
+    /// Disabled endpoints with alerts waiting for them (not a consistency matter: `zonewatch
+    /// check` warns of them).
+    pub disabled_backlog: Vec<super::endpoints::DisabledBacklog>,
     /// One sentence per violated invariant (empty: the store is consistent).
     pub problems: Vec<String>,
     /// The file was not closed cleanly: what was checked is a temporary copy that redb
@@ -519,6 +522,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
     if let Some(p) = next_outbox_id_problem(rtx)? {
         problem(&mut report, p);
     }
+    report.disabled_backlog = super::endpoints::disabled_backlog_in(rtx)?;
     for p in totals_problems(rtx, recount, unreadable_audit_rows, &runs_named_undecodable, &mut index_check)? {
         problem(&mut report, p);
     }

@@ -47,7 +47,7 @@ mod history_index;
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::{LeasedBatch, MIN_PASS_OVER};
 pub use dlq::{ReleaseOutcome, ReplayOutcome};
-pub use endpoints::HealthPolicy;
+pub use endpoints::{DisabledBacklog, HealthPolicy};
 pub use key_scope::KeyScopeRecord;
 pub use clock_step::{say_moved, DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};
 pub use queries::{AuditFilter, KeptCounts, SnapshotView, StoreStats};
