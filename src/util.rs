@@ -332,12 +332,14 @@ pub fn folder_of(path: &std::path::Path) -> &std::path::Path {
 
 /// Writes `bytes` to `path` through a temp file beside it (`<name>.XXXXXX.tmp`, removed on
 /// failure), renamed into place: a reader sees the old file or the whole new one, and a full
-/// disk leaves no empty or partial file behind.
+/// disk leaves no empty or partial file behind. Its bytes are synced before the rename, so a
+/// power cut after it does not leave the name on an empty file either (reviewer).
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let mut tmp = tempfile::Builder::new().prefix(&format!("{name}.")).suffix(".tmp").tempfile_in(folder_of(path))?;
     tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
     tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
 }

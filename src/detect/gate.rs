@@ -41,7 +41,7 @@ pub struct GateInput {
 pub fn decide(i: GateInput) -> GateDecision {
     if i.features > 0 && i.systemic_quarantined * 2 > i.features {
         return GateDecision::Hold(format!(
-            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long (renamed field, a field mapped to a long text column, or datum drift?)",
+            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long, or in a district layer as having no readable position (renamed field, a field mapped to a long text column, datum drift, or geometry left out of the export?)",
             i.systemic_quarantined, i.features
         ));
     }
