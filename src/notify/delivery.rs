@@ -298,6 +298,7 @@ impl Deliverer {
         })
             .await
             .map_err(|e| DeliveryError::Task(format!("lease task: {e}")))??;
+        let lease_until = leased.lease_until_ms;
         let batch = leased.entries;
         if batch.is_empty() {
             return Ok(PassStats::default());
@@ -314,17 +315,22 @@ impl Deliverer {
                 this.endpoint_rate_ready(&entry.watcher_id).await;
                 let _permit = sem.acquire_owned().await;
                 this.endpoint_rate_wait(&entry.watcher_id).await;
-                this.attempt(&entry).await
+                // Not sent if an operator resolved it meanwhile (see the pump).
+                if !this.store.begin_send(entry.id, lease_until) {
+                    return None;
+                }
+                Some(this.attempt(&entry).await)
             });
         }
         let mut results = Vec::with_capacity(batch.len());
         let mut log = Vec::with_capacity(batch.len());
         while let Some(r) = tasks.join_next().await {
             match r {
-                Ok((res, rec)) => {
+                Ok(Some((res, rec))) => {
                     results.push(res);
                     log.push(rec);
                 }
+                Ok(None) => {}
                 Err(e) => tracing::error!("delivery task failed: {e}"),
             }
         }
@@ -601,7 +607,9 @@ impl Deliverer {
                         },
                     };
                     let _held = match held {
-                        Some(held) if !gates.skips(&entry.watcher_id, pass) => held,
+                        // (`begin_send`: the row was not resolved meanwhile by an operator,
+                        // a subscriber's delete, while it waited here for a slot.)
+                        Some(held) if !gates.skips(&entry.watcher_id, pass) && this.store.begin_send(entry.id, lease_until) => held,
                         // Not sent: its lease given back (this pass's, not one a later pass took
                         // over), and a probe it was stops counting as in flight.
                         _ => {

@@ -307,7 +307,7 @@ pub(super) fn id_in_use(id: u64) -> StoreError {
 pub struct RowsDeadLettered {
     /// Rows moved to the dead letters (each with its `dead_letter` audit row).
     pub dead_lettered: u64,
-    /// Rows left alone because a send of theirs is in flight in this process: that send's
+    /// Rows left alone because a send of theirs has begun in this process: that send's
     /// outcome is recorded as usual, and a row it leaves queued is dead-lettered by delivery
     /// (`subscriber_gone`) once it finds no subscriber.
     pub in_flight: u64,
@@ -340,16 +340,18 @@ pub(super) fn outbox_rows_of(wtx: &WriteTransaction, watcher: &str) -> Result<Ve
 
 /// Dead-letters `rows` (read by [`outbox_rows_of`] in the same `wtx`) with `reason`, each
 /// with its terminal `dead_letter` audit row (invariant 3). Rows for which `in_flight` is
-/// true are skipped: asked under the lease lock, whose holder commits before releasing it.
+/// true (their send has begun) are skipped: asked under the lease lock, whose holder commits
+/// before releasing it. Returns the counts and the ids dead-lettered.
 pub(super) fn dead_letter_rows(
     wtx: &WriteTransaction,
     rows: Vec<(super::outbox::Queue, OutboxEntry)>,
     reason: &str,
     now_ms: u64,
     in_flight: &dyn Fn(u64) -> bool,
-) -> Result<RowsDeadLettered, StoreError> {
+) -> Result<(RowsDeadLettered, Vec<u64>), StoreError> {
     let mut done = RowsDeadLettered::default();
     let mut pending = Vec::with_capacity(rows.len());
+    let mut ids = Vec::with_capacity(rows.len());
     {
         let mut outbox = super::outbox::OutboxTables::open(wtx)?;
         let mut dead = wtx.open_table(DEAD_LETTERS)?;
@@ -358,12 +360,13 @@ pub(super) fn dead_letter_rows(
                 done.in_flight += 1;
                 continue;
             }
+            ids.push(entry.id);
             pending.push(dead_letter_in(&mut outbox, &mut dead, queue, entry, reason, now_ms)?);
             done.dead_lettered += 1;
         }
     }
     append_audits(wtx, &mut pending)?;
-    Ok(done)
+    Ok((done, ids))
 }
 
 /// Moves one outbox row from `queue` to the dead letters with `reason`; returns its terminal

@@ -59,11 +59,15 @@ pub(super) struct Lease {
     until_ms: u64,
     /// `None`: further off than an `Instant` reaches (a huge `timeout_ms`).
     until: Option<std::time::Instant>,
+    /// Its send has begun ([`Store::begin_send`]): until then the row only waits in the
+    /// deliverer for a slot, and an operator's action may still resolve it
+    /// ([`Leases::while_held`]).
+    sending: bool,
 }
 
 impl Lease {
     fn new(now_ms: u64, lease_ms: u64) -> Self {
-        Lease { until_ms: now_ms.saturating_add(lease_ms), until: std::time::Instant::now().checked_add(std::time::Duration::from_millis(lease_ms)) }
+        Lease { until_ms: now_ms.saturating_add(lease_ms), until: std::time::Instant::now().checked_add(std::time::Duration::from_millis(lease_ms)), sending: false }
     }
 
     fn held_at(&self, now_ms: u64) -> bool {
@@ -78,16 +82,24 @@ impl Leases {
     }
 
     /// Runs `f` (a write transaction that resolves outbox rows outside delivery) with the
-    /// lease map locked, telling it which rows are in flight: every row with a lease, also
-    /// one past its expiry (a lease is dropped only once its outcome is committed, and an
-    /// outcome may wait in the group committer past the lease's time). Held until `f`
-    /// returns, so `f` should commit inside: a lease pass then either leased a row before
-    /// `f` looked (and `f` leaves it to its send's outcome) or opens its snapshot after the
-    /// commit (and no longer finds the row). Lock order: the write transaction first, then
-    /// this lock (no lease pass waits for a write lock while holding it).
-    pub(super) fn while_held<R>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> R) -> R {
-        let state = self.lock();
-        f(&|id| state.by_row.contains_key(&id))
+    /// lease map locked, telling it which rows are sending: a lease whose send has begun
+    /// ([`Store::begin_send`]), also one past its expiry (a lease is dropped only once its
+    /// outcome is committed, and an outcome may wait in the group committer past the lease's
+    /// time). `f` returns the rows it resolved: their leases (rows leased but not yet sending,
+    /// waiting in the deliverer for a slot) are dropped under the same lock once it has
+    /// committed, so their sends never begin (a tester's `DELETE` of a subscriber counted 40
+    /// rows in flight where 8 were sending; the other 32 then went out, or to a subscriber of
+    /// that id created again). Held until `f` returns, so `f` should commit inside: a lease
+    /// pass then either leased a row before `f` looked or opens its snapshot after the commit
+    /// (and no longer finds the row). Lock order: the write transaction first, then this lock
+    /// (no lease pass waits for a write lock while holding it).
+    pub(super) fn while_held<R, E>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> Result<(R, Vec<u64>), E>) -> Result<R, E> {
+        let mut state = self.lock();
+        let (out, resolved) = f(&|id| state.by_row.get(&id).is_some_and(|l| l.sending))?;
+        for id in resolved {
+            state.by_row.remove(&id);
+        }
+        Ok(out)
     }
 
     /// Drops the leases of rows whose outcome has been committed.
@@ -342,6 +354,21 @@ impl Store {
         let mut state = self.leases.lock();
         if state.by_row.get(&id).is_some_and(|l| l.until_ms == lease_until) {
             state.by_row.remove(&id);
+        }
+    }
+
+    /// Marks the send of leased row `id` begun, if the lease this pass took (`lease_until`) is
+    /// still there: false when an operator's action resolved the row meanwhile
+    /// ([`Leases::while_held`]) or a later pass took the lease over; the row must then
+    /// not be sent.
+    pub fn begin_send(&self, id: u64, lease_until: u64) -> bool {
+        let mut state = self.leases.lock();
+        match state.by_row.get_mut(&id) {
+            Some(lease) if lease.until_ms == lease_until => {
+                lease.sending = true;
+                true
+            }
+            _ => false,
         }
     }
 

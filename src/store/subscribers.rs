@@ -180,8 +180,9 @@ impl Store {
     /// Deletes a subscriber (None: there was none). In the same transaction its endpoint
     /// health is forgotten and every outbox row queued for it is dead-lettered
     /// `subscriber_deleted` (each with its terminal audit row), so none waits forever for a
-    /// subscriber that no longer exists; rows with a send in flight are left to that send's
-    /// outcome (see [`RowsDeadLettered`]).
+    /// subscriber that no longer exists; rows whose send has begun are left to that send's
+    /// outcome (see [`RowsDeadLettered`]), and a row leased but not yet sending is
+    /// dead-lettered and never sent.
     pub fn delete_subscriber(&self, id: &str, now_ms: u64) -> Result<Option<SubscriberDeleted>, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -194,8 +195,9 @@ impl Store {
         // a scan of the whole outbox); which of them are in flight is asked under it, and
         // the lock is held through the commit (see `Leases::while_held`).
         let queued = outbox_rows_of(&wtx, id)?;
-        let rows = self.leases.while_held(move |in_flight| -> Result<RowsDeadLettered, StoreError> {
-            let rows = dead_letter_rows(&wtx, queued, SUBSCRIBER_DELETED, now_ms, in_flight)?;
+        // A row leased but not yet sending is dead-lettered too, and its send never begins.
+        let rows = self.leases.while_held(move |sending| -> Result<(RowsDeadLettered, Vec<u64>), StoreError> {
+            let rows = dead_letter_rows(&wtx, queued, SUBSCRIBER_DELETED, now_ms, sending)?;
             wtx.commit()?;
             Ok(rows)
         })?;
@@ -206,6 +208,32 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A subscriber deleted while its rows are leased: the row whose send has begun is left
+    /// to its outcome; those leased but not yet sending are dead-lettered `subscriber_deleted`
+    /// and their sends never begin (a tester's `DELETE` counted 40 rows in flight where 8
+    /// were sending, and the other 32 then went out).
+    #[test]
+    fn a_delete_dead_letters_rows_leased_but_not_yet_sending() {
+        use crate::model::{sample_event, IdemKey};
+        use crate::store::Claim;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let sub = StoredSubscriber { id: "a".into(), target: "https://h/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 1, updated_ms: 1, secret_old: None };
+        store.put_subscriber(&sub, 1).unwrap();
+        let events: Vec<_> = (0..3).map(|i| sample_event(&format!("P{i}"))).collect();
+        let claims: Vec<Claim> = (0..3).map(|i| Claim { event: i, watcher_id: "a".into(), target: "https://h/".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) }).collect();
+        store.enqueue(&events, &claims, "l", 1_000, 3_600_000).unwrap();
+        let batch = store.lease_due(2_000, 60_000, 10, 0).unwrap();
+        let ids: Vec<u64> = batch.entries.iter().map(|e| e.id).collect();
+        assert_eq!(ids.len(), 3);
+        assert!(store.begin_send(ids[0], batch.lease_until_ms));
+        let deleted = store.delete_subscriber("a", 3_000).unwrap().unwrap();
+        assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (2, 1));
+        assert!(!store.begin_send(ids[1], batch.lease_until_ms) && !store.begin_send(ids[2], batch.lease_until_ms), "their sends never begin");
+        assert_eq!(store.outbox_len().unwrap(), 1, "the row being sent waits for its outcome");
+        assert_eq!(store.dead_letters().unwrap().len(), 2);
+    }
 
     /// A record written before `secret_old` (version 1) reads as one without it; this
     /// build's records carry it.
