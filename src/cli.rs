@@ -454,7 +454,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
                 let left = engine.store.outbox_len().unwrap_or(0);
                 lines.line(format_args!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}{}", s.sent, s.retried, s.dead, left, s.gone, deferred_field(&s)));
                 if left > 0 {
-                    if let Some(text) = engine.store.disabled_backlog().ok().as_deref().and_then(disabled_backlog_text) {
+                    if let Some(text) = engine.store.disabled_backlog().ok().and_then(|b| disabled_backlog_text(&b, &|id| engine.subscribers.get(id).is_some())) {
                         note_line!("{text}");
                     }
                 }
@@ -536,8 +536,11 @@ fn deferred_field(s: &crate::notify::delivery::PassStats) -> String {
 }
 
 /// What waits for disabled endpoints, as an operator reads it (`run`'s note, `serve`'s start,
-/// `check --store`'s warning); None when nothing does.
-fn disabled_backlog_text(backlog: &[crate::store::DisabledBacklog]) -> Option<String> {
+/// `check --store`'s warning); None when nothing does. Only endpoints whose subscriber
+/// `exists`: the rows of one removed are dead-lettered `subscriber_gone`, not held for an
+/// enable (second reader).
+fn disabled_backlog_text(backlog: &[crate::store::DisabledBacklog], exists: &dyn Fn(&str) -> bool) -> Option<String> {
+    let backlog: Vec<&crate::store::DisabledBacklog> = backlog.iter().filter(|b| exists(&b.endpoint)).collect();
     if backlog.is_empty() {
         return None;
     }
@@ -851,7 +854,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             });
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
-        if let Some(text) = engine.store.disabled_backlog().ok().as_deref().and_then(disabled_backlog_text) {
+        if let Some(text) = engine.store.disabled_backlog().ok().and_then(|b| disabled_backlog_text(&b, &|id| engine.subscribers.get(id).is_some())) {
             tracing::warn!("{text}");
         }
         while tasks.join_next().await.is_some() {}
@@ -1529,7 +1532,7 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
                 );
             }
         }
-        if let Some(text) = disabled_backlog_text(&r.disabled_backlog) {
+        if let Some(text) = disabled_backlog_text(&r.disabled_backlog, &|id| cfg.has_subscriber(id) || r.api_subscribers.iter().any(|a| a == id)) {
             *warnings += 1;
             println!("warning: store {}: {text}", path.display());
         }

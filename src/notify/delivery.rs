@@ -316,7 +316,7 @@ impl Deliverer {
                 let _permit = sem.acquire_owned().await;
                 this.endpoint_rate_wait(&entry.watcher_id).await;
                 // Not sent if an operator resolved it meanwhile (see the pump).
-                if !this.store.begin_send(entry.id, lease_until) {
+                if !this.begin_send(entry.id, lease_until).await {
                     return None;
                 }
                 Some(this.attempt(&entry).await)
@@ -606,10 +606,12 @@ impl Deliverer {
                             held = begin => held,
                         },
                     };
+                    let held = held.filter(|_| !gates.skips(&entry.watcher_id, pass));
+                    // (`begin_send`: the row was not resolved meanwhile by an operator, a
+                    // subscriber's delete, while it waited here for a slot.)
+                    let begun = held.is_some() && this.begin_send(entry.id, lease_until).await;
                     let _held = match held {
-                        // (`begin_send`: the row was not resolved meanwhile by an operator,
-                        // a subscriber's delete, while it waited here for a slot.)
-                        Some(held) if !gates.skips(&entry.watcher_id, pass) && this.store.begin_send(entry.id, lease_until) => held,
+                        Some(held) if begun => held,
                         // Not sent: its lease given back (this pass's, not one a later pass took
                         // over), and a probe it was stops counting as in flight.
                         _ => {
@@ -756,6 +758,16 @@ impl Deliverer {
                 _ = shutdown.changed() => {}
             }
         }
+    }
+
+    /// [`Store::begin_send`] from an async task: at once when the lease map is free, else
+    /// off the runtime's threads (a subscriber's delete holds it through its commit).
+    async fn begin_send(&self, id: u64, lease_until: u64) -> bool {
+        if let Some(begun) = self.store.try_begin_send(id, lease_until) {
+            return begun;
+        }
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || store.begin_send(id, lease_until)).await.unwrap_or(false)
     }
 
     fn endpoint_slot(&self, id: &str) -> Arc<Semaphore> {

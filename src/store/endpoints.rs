@@ -220,8 +220,10 @@ pub(super) fn disabled_backlog_in(rtx: &redb::ReadTransaction) -> Result<Vec<Dis
     if disabled.is_empty() {
         return Ok(Vec::new());
     }
+    // (A file older than schema 5 has no retry queue: `check --store` reads backups of any age.)
     for table in [OUTBOX, OUTBOX_RETRY] {
-        for item in rtx.open_table(table)?.iter()? {
+        let Some(rows) = super::check::open_optional(rtx, table)? else { continue };
+        for item in rows.iter()? {
             let (_, v) = item?;
             if let Some(b) = super::outbox_rows::entry_watcher(v.value()).ok().and_then(|w| disabled.get_mut(w)) {
                 b.waiting += 1;

@@ -247,7 +247,11 @@ impl Store {
                 probed.insert(entry.watcher_id.clone());
             }
             *left -= 1;
-            by_row.insert(id, lease);
+            // A lease taken over keeps saying that a send of the row began (second reader: the
+            // earlier send may have gone out, its outcome not yet committed; a subscriber's
+            // delete must leave the row to it, not dead-letter a delivered alert).
+            let sending = by_row.get(&id).is_some_and(|l| l.sending);
+            by_row.insert(id, Lease { sending, ..lease });
             out.push(entry);
             Ok(true)
         };
@@ -362,7 +366,22 @@ impl Store {
     /// ([`Leases::while_held`]) or a later pass took the lease over; the row must then
     /// not be sent.
     pub fn begin_send(&self, id: u64, lease_until: u64) -> bool {
-        let mut state = self.leases.lock();
+        Self::begin_send_in(&mut self.leases.lock(), id, lease_until)
+    }
+
+    /// [`Store::begin_send`] without waiting: `None` when the lease map is locked (a lease
+    /// pass, or an operator's transaction committing under it: the deliverer then asks
+    /// [`Store::begin_send`] off the async runtime's threads, which must not block on it).
+    pub fn try_begin_send(&self, id: u64, lease_until: u64) -> Option<bool> {
+        let mut state = match self.leases.0.try_lock() {
+            Ok(state) => state,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(Self::begin_send_in(&mut state, id, lease_until))
+    }
+
+    fn begin_send_in(state: &mut LeaseState, id: u64, lease_until: u64) -> bool {
         match state.by_row.get_mut(&id) {
             Some(lease) if lease.until_ms == lease_until => {
                 lease.sending = true;

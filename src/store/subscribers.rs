@@ -235,6 +235,27 @@ mod tests {
         assert_eq!(store.dead_letters().unwrap().len(), 2);
     }
 
+    /// A lease taken over after it expired keeps saying its row's send began (its outcome
+    /// may not be committed yet): a delete then leaves the row to it (second reader).
+    #[test]
+    fn a_lease_taken_over_keeps_its_send_begun() {
+        use crate::model::{sample_event, IdemKey};
+        use crate::store::Claim;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let sub = StoredSubscriber { id: "a".into(), target: "https://h/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 1, updated_ms: 1, secret_old: None };
+        store.put_subscriber(&sub, 1).unwrap();
+        let claim = Claim { event: 0, watcher_id: "a".into(), target: "https://h/".into(), min_severity: Severity::Info, key: IdemKey("k".into()) };
+        store.enqueue(&[sample_event("P0")], &[claim], "l", 1_000, 3_600_000).unwrap();
+        let first = store.lease_due(2_000, 1, 10, 0).unwrap();
+        assert!(store.begin_send(first.entries[0].id, first.lease_until_ms));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let again = store.lease_due(3_000, 60_000, 10, 0).unwrap();
+        assert_eq!(again.entries.len(), 1, "the expired lease is taken over");
+        let deleted = store.delete_subscriber("a", 4_000).unwrap().unwrap();
+        assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (0, 1));
+    }
+
     /// A record written before `secret_old` (version 1) reads as one without it; this
     /// build's records carry it.
     #[test]
