@@ -454,7 +454,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
                 let left = engine.store.outbox_len().unwrap_or(0);
                 lines.line(format_args!("delivery: sent={} retried={} dead_letters={} outbox_remaining={} gone={}{}", s.sent, s.retried, s.dead, left, s.gone, deferred_field(&s)));
                 if left > 0 {
-                    if let Some(text) = engine.store.disabled_backlog().ok().and_then(|b| disabled_backlog_text(&b, &|id| engine.subscribers.get(id).is_some())) {
+                    if let Some(text) = engine_disabled_backlog(&engine) {
                         note_line!("{text}");
                     }
                 }
@@ -533,6 +533,12 @@ fn deferred_field(s: &crate::notify::delivery::PassStats) -> String {
     } else {
         String::new()
     }
+}
+
+/// [`disabled_backlog_text`] of an open engine's store (`run`, `serve`); a store that cannot
+/// be read here says nothing (the commands themselves report that).
+fn engine_disabled_backlog(engine: &Engine) -> Option<String> {
+    engine.store.disabled_backlog().ok().and_then(|b| disabled_backlog_text(&b, &|id| engine.subscribers.get(id).is_some()))
 }
 
 /// What waits for disabled endpoints, as an operator reads it (`run`'s note, `serve`'s start,
@@ -854,7 +860,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             });
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
-        if let Some(text) = engine.store.disabled_backlog().ok().and_then(|b| disabled_backlog_text(&b, &|id| engine.subscribers.get(id).is_some())) {
+        if let Some(text) = engine_disabled_backlog(&engine) {
             tracing::warn!("{text}");
         }
         while tasks.join_next().await.is_some() {}
