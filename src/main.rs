@@ -14,7 +14,11 @@ fn main() {
     // Colours only for a person at a terminal (not in journald or a log file), and never
     // with NO_COLOR set (https://no-color.org).
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| LogStderr).with_ansi(ansi).log_internal_errors(false);
+    // A log line that cannot be written (stderr a file on a full disk, `2>/dev/full`) is
+    // dropped: tracing-subscriber would report it with `eprintln!`, which panics on such a
+    // stderr (`serve` ended with exit 101 on its first log line: a black-box tester). The
+    // status lines of `say.rs` likewise ignore a stderr that cannot be written.
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).log_internal_errors(false);
     match cli.log_format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Human => builder.init(),
@@ -35,24 +39,6 @@ fn main() {
     zonewatch::signals::exit(code);
 }
 
-/// stderr as the log writes it: a line that cannot be written (stderr a file on a full disk,
-/// `2>/dev/full`) is dropped. Given the error, tracing-subscriber reports it with
-/// `eprintln!`, which panics when stderr cannot be written: `serve` ended with exit 101 on
-/// its first log line (found by a black-box tester). The status lines of `say.rs` likewise
-/// ignore a stderr that cannot be written.
-struct LogStderr;
-
-impl std::io::Write for LogStderr {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let _ = std::io::stderr().write_all(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        let _ = std::io::stderr().flush();
-        Ok(())
-    }
-}
 
 /// Set when a command stopped because its stdout was closed.
 static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

@@ -115,6 +115,16 @@ pub enum Refused {
     Dns { host: String, source: std::io::Error },
 }
 
+impl Refused {
+    /// The failed lookup's own error, for a [`Refused::Dns`].
+    pub fn lookup_error(&self) -> Option<&std::io::Error> {
+        match self {
+            Refused::Dns { source, .. } => Some(source),
+            Refused::Private(_) => None,
+        }
+    }
+}
+
 /// One HTTP client's guard, decided when the client is built.
 ///
 /// Without a proxy the guard is the client's resolver ([`GuardedResolver`]). Through a proxy

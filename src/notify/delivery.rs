@@ -886,7 +886,7 @@ impl Deliverer {
             // A name that does not resolve now (through a proxy, checked here) is retried like
             // one the client's resolver cannot resolve: DNS has bad minutes.
             Err(TargetCheck::Unresolved(error)) => return self.retry_or_dead(entry, rec, None, error),
-            Err(TargetCheck::Local(e)) => return self.deferred(entry, local_failure(&e).unwrap_or(e)),
+            Err(TargetCheck::Local(local)) => return self.deferred(entry, local),
         }
         let signers = match &plan.signers {
             Ok(signers) => signers,
@@ -1030,8 +1030,10 @@ impl Deliverer {
             Err(crate::netguard::Refused::Private(p)) => Err(TargetCheck::Refused(format!("private_target_refused: {p}"))),
             // A lookup this process could not make (out of descriptors) is deferred, as a
             // send that could not connect so is (reviewer: through a proxy it was charged).
-            Err(crate::netguard::Refused::Dns { source, .. }) if local_failure(&source).is_some() => Err(TargetCheck::Local(source)),
-            Err(e @ crate::netguard::Refused::Dns { .. }) => Err(TargetCheck::Unresolved(format!("connection: dns: {e}"))),
+            Err(e @ crate::netguard::Refused::Dns { .. }) => Err(match e.lookup_error().and_then(|source| local_failure(source)) {
+                Some(local) => TargetCheck::Local(local),
+                None => TargetCheck::Unresolved(format!("connection: dns: {e}")),
+            }),
         }
     }
 
@@ -1147,7 +1149,8 @@ enum TargetCheck {
     Refused(String),
     /// Not resolvable right now: a retry.
     Unresolved(String),
-    /// Not looked up for want of this process's own resources: deferred.
+    /// Not looked up for want of this process's own resources (the [`local_failure`] found in
+    /// the lookup's error): deferred.
     Local(std::io::Error),
 }
 

@@ -217,8 +217,9 @@ pub fn backup_read_only(path: &Path, dest: &Path) -> Result<BackupInfo, StoreErr
 /// Writes the tables `begin_read` gives to `dest` (which must not exist): see
 /// [`Store::backup_to`].
 fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>, dest: &Path) -> Result<BackupInfo, StoreError> {
+    let exists = || StoreError::Conflict(format!("backup destination {} already exists", dest.display()));
     if dest.exists() {
-        return Err(StoreError::Conflict(format!("backup destination {} already exists", dest.display())));
+        return Err(exists());
     }
     let parent = crate::util::folder_of(dest);
     let backup_err = |source: StoreError| StoreError::Backup { dest: dest.to_path_buf(), source: Box::new(source) };
@@ -252,7 +253,7 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     // Never over a file: two backups asked for under one name at once both found it free
     // above (a tester's two `POST /v1/backup` both answered 201, one copy replaced).
     tmp.persist_noclobber(dest).map_err(|e| match e.error.kind() {
-        std::io::ErrorKind::AlreadyExists => StoreError::Conflict(format!("backup destination {} already exists", dest.display())),
+        std::io::ErrorKind::AlreadyExists => exists(),
         _ => StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") },
     })?;
     sync_folder_of(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("the backup is in place but its folder could not be synced: {e}") })?;

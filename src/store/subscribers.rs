@@ -209,21 +209,27 @@ impl Store {
 mod tests {
     use super::*;
 
-    /// A subscriber deleted while its rows are leased: the row whose send has begun is left
-    /// to its outcome; those leased but not yet sending are dead-lettered `subscriber_deleted`
-    /// and their sends never begin (a tester's `DELETE` counted 40 rows in flight where 8
-    /// were sending, and the other 32 then went out).
-    #[test]
-    fn a_delete_dead_letters_rows_leased_but_not_yet_sending() {
+    /// A store with control-port subscriber `a` and `n` alerts queued for it.
+    fn store_with_queued(n: usize) -> (tempfile::TempDir, Store) {
         use crate::model::{sample_event, IdemKey};
         use crate::store::Claim;
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("z.redb")).unwrap();
         let sub = StoredSubscriber { id: "a".into(), target: "https://h/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 1, updated_ms: 1, secret_old: None };
         store.put_subscriber(&sub, 1).unwrap();
-        let events: Vec<_> = (0..3).map(|i| sample_event(&format!("P{i}"))).collect();
-        let claims: Vec<Claim> = (0..3).map(|i| Claim { event: i, watcher_id: "a".into(), target: "https://h/".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) }).collect();
+        let events: Vec<_> = (0..n).map(|i| sample_event(&format!("P{i}"))).collect();
+        let claims: Vec<Claim> = (0..n).map(|i| Claim { event: i, watcher_id: "a".into(), target: "https://h/".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) }).collect();
         store.enqueue(&events, &claims, "l", 1_000, 3_600_000).unwrap();
+        (dir, store)
+    }
+
+    /// A subscriber deleted while its rows are leased: the row whose send has begun is left
+    /// to its outcome; those leased but not yet sending are dead-lettered `subscriber_deleted`
+    /// and their sends never begin (a tester's `DELETE` counted 40 rows in flight where 8
+    /// were sending, and the other 32 then went out).
+    #[test]
+    fn a_delete_dead_letters_rows_leased_but_not_yet_sending() {
+        let (_dir, store) = store_with_queued(3);
         let batch = store.lease_due(2_000, 60_000, 10, 0).unwrap();
         let ids: Vec<u64> = batch.entries.iter().map(|e| e.id).collect();
         assert_eq!(ids.len(), 3);
@@ -239,14 +245,7 @@ mod tests {
     /// may not be committed yet): a delete then leaves the row to it (second reader).
     #[test]
     fn a_lease_taken_over_keeps_its_send_begun() {
-        use crate::model::{sample_event, IdemKey};
-        use crate::store::Claim;
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("z.redb")).unwrap();
-        let sub = StoredSubscriber { id: "a".into(), target: "https://h/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 1, updated_ms: 1, secret_old: None };
-        store.put_subscriber(&sub, 1).unwrap();
-        let claim = Claim { event: 0, watcher_id: "a".into(), target: "https://h/".into(), min_severity: Severity::Info, key: IdemKey("k".into()) };
-        store.enqueue(&[sample_event("P0")], &[claim], "l", 1_000, 3_600_000).unwrap();
+        let (_dir, store) = store_with_queued(1);
         let first = store.lease_due(2_000, 1, 10, 0).unwrap();
         assert!(store.begin_send(first.entries[0].id, first.lease_until_ms));
         std::thread::sleep(std::time::Duration::from_millis(5));
