@@ -473,6 +473,10 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
     if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
         warning_line!("retention sweep of delivery attempts failed: {e}");
     }
+    let horizon = engine.now().saturating_sub(engine.config.run_retention.as_millis() as u64);
+    if let Err(e) = engine.store.sweep_quiet_runs(horizon, 10_000) {
+        warning_line!("retention sweep of run records failed: {e}");
+    }
     if interrupted() {
         let queued = engine.store.outbox_len().unwrap_or(0);
         crate::say::line(crate::say::Level::Status, format_args!("stopped on a signal; what was committed stays, {queued} queued alert(s) wait for the next run"));
@@ -820,6 +824,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             let store = engine.store.clone();
             let clock = engine.clock.clone();
             let retention = engine.config.delivery.retention;
+            let run_retention = engine.config.run_retention;
             let backups = backup_dir(&engine.config);
             let mut rx = rx.clone();
             tasks.spawn(async move {
@@ -841,6 +846,11 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     let n = sweep_in_batches(&store, "attempt retention sweep", Store::sweep_attempts, horizon, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "delivery attempts past retention removed");
+                    }
+                    let horizon = clock.now_ms().saturating_sub(run_retention.as_millis() as u64);
+                    let n = sweep_in_batches(&store, "run retention sweep", Store::sweep_quiet_runs, horizon, &rx).await;
+                    if n > 0 {
+                        tracing::info!(swept = n, "run records that committed nothing removed past run_retention");
                     }
                 }
             });

@@ -50,6 +50,7 @@ struct RawControl {
 struct RawStore {
     path: PathBuf,
     cache_mib: Option<usize>,
+    run_retention: Option<String>,
 }
 
 #[derive(Deserialize, Debug, Clone, Default)]
@@ -130,6 +131,11 @@ struct RawSubscriber {
     secret_old: Option<String>,
 }
 
+/// How long run records that committed nothing are kept when `[store] run_retention` is not set.
+pub const DEFAULT_RUN_RETENTION: Duration = Duration::from_secs(30 * 86_400);
+/// The shortest `[store] run_retention` accepted.
+const MIN_RUN_RETENTION: Duration = Duration::from_secs(3_600);
+
 /// A validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -140,6 +146,10 @@ pub struct Config {
     /// the life of the process, so it is the main term of an idle daemon's RSS; raise it for
     /// stores of millions of parcels if commits are slow.
     pub store_cache_mib: usize,
+    /// `[store] run_retention`: how long the run records that committed nothing (`identical`,
+    /// `skip`, `failed`, `skipped_overlap`) are kept (default 30 days; each source's newest
+    /// stays, and the run totals keep counting them: `store/run_retention.rs`).
+    pub run_retention: Duration,
     pub delivery: DeliveryConfig,
     pub sources: Vec<SourceConfig>,
     pub subscribers: Vec<SubscriberConfig>,
@@ -740,6 +750,15 @@ impl Config {
                 Some(m) if (1..=65_536).contains(&m) => m,
                 Some(m) => return Err(invalid(format!("[store] cache_mib = {m}: expected 1 to 65536 (MiB)"))),
             },
+            run_retention: match dur("[store] run_retention", &raw.store.run_retention, DEFAULT_RUN_RETENTION)? {
+                r if r < MIN_RUN_RETENTION => {
+                    return Err(invalid(format!(
+                        "[store] run_retention = {:?}: expected at least 1h (the run records of the last hour are what an operator looks at)",
+                        raw.store.run_retention.as_deref().unwrap_or_default()
+                    )))
+                }
+                r => r,
+            },
             delivery,
             sources,
             subscribers,
@@ -878,6 +897,14 @@ min_severity = "material"
         assert_eq!(Config::parse_str(&big, Path::new(".")).unwrap().store_cache_mib, 256);
         let zero = GOOD.replacen("path = \"zw.redb\"", "path = \"zw.redb\"\ncache_mib = 0", 1);
         assert!(Config::parse_str(&zero, Path::new(".")).unwrap_err().to_string().contains("cache_mib"));
+        assert_eq!(cfg.run_retention, DEFAULT_RUN_RETENTION, "default run retention");
+        let week = GOOD.replacen("path = \"zw.redb\"", "path = \"zw.redb\"\nrun_retention = \"7d\"", 1);
+        assert_eq!(Config::parse_str(&week, Path::new(".")).unwrap().run_retention, Duration::from_secs(7 * 86_400));
+        for bad in ["\"10m\"", "\"soon\"", "7"] {
+            let text = GOOD.replacen("path = \"zw.redb\"", &format!("path = \"zw.redb\"\nrun_retention = {bad}"), 1);
+            let err = Config::parse_str(&text, Path::new(".")).expect_err(bad).to_string();
+            assert!(err.contains("run_retention"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -831,7 +831,8 @@ pub struct RunCounts {
     pub below_min_severity: u64,
 }
 
-/// The record of one run of one source, kept forever (small).
+/// The record of one run of one source (small). Kept for good when the run committed data or
+/// was held; one that committed nothing for `[store] run_retention` (`store/run_retention.rs`).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct RunRecord {
     pub run_id: u64,

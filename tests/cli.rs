@@ -3,6 +3,8 @@
 mod common;
 use common::*;
 use std::process::{Command, Output};
+use zonewatch::model::Verdict;
+use zonewatch::store::RunNote;
 
 fn zonewatch(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(args).output().expect("binary runs")
@@ -721,4 +723,41 @@ fn run_goes_on_when_its_stderr_cannot_be_written() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(o.status.code(), Some(0), "{out}");
     assert!(out.contains("baseline features=3000"), "{out}");
+}
+
+/// `[store] run_retention`: the run records that committed nothing and finished before it are
+/// removed at the end of a `run` (each source's newest stays), the run totals `status` shows
+/// still count them, and `check --store` finds the store consistent.
+#[test]
+fn run_removes_quiet_run_records_past_run_retention() {
+    let (ws, cfg) = grid_workspace(4);
+    {
+        let store = zonewatch::store::Store::open(&ws.path().join("zw.redb")).expect("open");
+        for (i, verdict) in [Verdict::Failed, Verdict::Skip, Verdict::Failed, Verdict::SkippedOverlap].into_iter().enumerate() {
+            let at = 1_000_000 + i as u64 * 60_000;
+            store.record_run_note("s1", at, at + 10, RunNote { verdict, digest: "", hold_id: None, error: None }).expect("note");
+        }
+    }
+    let o = zonewatch(&["run", "--config", &cfg]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let store = zonewatch::store::Store::open(&ws.path().join("zw.redb")).expect("reopen");
+    let runs = store.runs(Some("s1"), 100).expect("runs");
+    assert_eq!(runs.iter().map(|r| r.verdict).collect::<Vec<_>>(), vec![Verdict::Baseline], "the old failed and skipped records are gone");
+    let totals = store.run_totals().expect("totals");
+    assert_eq!(totals.iter().find(|(s, _)| s == "s1").map(|(_, t)| t.runs()), Some(5), "the totals still count them");
+    drop(store);
+    let o = zonewatch(&["check", "--config", &cfg, "--store"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+
+    // A retention longer than the records' age keeps them.
+    let (ws, cfg) = grid_workspace(4);
+    ws.edit_config("path = \"zw.redb\"", "path = \"zw.redb\"\nrun_retention = \"100000d\"");
+    {
+        let store = zonewatch::store::Store::open(&ws.path().join("zw.redb")).expect("open");
+        store.record_run_note("s1", 1_000_000, 1_000_010, RunNote { verdict: Verdict::Failed, digest: "", hold_id: None, error: None }).expect("note");
+    }
+    let o = zonewatch(&["run", "--config", &cfg]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let store = zonewatch::store::Store::open(&ws.path().join("zw.redb")).expect("reopen");
+    assert_eq!(store.runs(Some("s1"), 100).expect("runs").len(), 2, "kept inside a long retention");
 }

@@ -32,15 +32,20 @@ macro_rules! copy_tables {
         let backup = |e: redb::Error| CopyError::Backup(e);
         let mut n = 0usize;
         $(
-            {
-                let src = $rtx.open_table($def).map_err(|e| store(e.into()))?;
-                let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
-                for item in src.iter().map_err(|e| store(e.into()))? {
-                    let (k, v) = item.map_err(|e| store(e.into()))?;
-                    dst.insert(k.value(), v.value()).map_err(|e| backup(e.into()))?;
-                    $rows += 1;
+            // A table a read-only file of an older schema lacks (see `SAME_TABLES_SINCE`) is
+            // left out: the copy's next open creates it, as it would the file's own.
+            match $rtx.open_table($def) {
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(store(e.into())),
+                Ok(src) => {
+                    let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
+                    for item in src.iter().map_err(|e| store(e.into()))? {
+                        let (k, v) = item.map_err(|e| store(e.into()))?;
+                        dst.insert(k.value(), v.value()).map_err(|e| backup(e.into()))?;
+                        $rows += 1;
+                    }
+                    n += 1;
                 }
-                n += 1;
             }
         )*
         n
@@ -177,8 +182,9 @@ impl Store {
 }
 
 /// The oldest schema whose tables are the ones this build copies (12 changed records, not
-/// tables): a read-only backup copies such a file as it is, and the copy is upgraded when it
-/// is next opened.
+/// tables; 13 added `runs_swept`, which an older file lacks and its copy leaves out): a
+/// read-only backup copies such a file as it is, and the copy is upgraded when it is next
+/// opened.
 const SAME_TABLES_SINCE: u32 = 11;
 
 /// [`Store::backup_to`] for a store file this user may read but not write (a file kept

@@ -595,12 +595,23 @@ fn totals_problems(
     let (Some(audit_totals), Some(run_totals)) = (open_optional(rtx, AUDIT_TOTALS)?, open_optional(rtx, RUN_TOTALS)?) else {
         return Ok(out);
     };
+    // What the run retention sweep removed counts in the totals as the records did.
+    let mut swept_unreadable = false;
+    if let Some(swept) = open_optional(rtx, RUNS_SWEPT)? {
+        match super::run_retention::read_swept(&swept) {
+            Ok(swept) => recount.add_swept(&swept),
+            Err(why) => {
+                out.push(format!("{why} (the run totals cannot be checked against the run records without it)"));
+                swept_unreadable = true;
+            }
+        }
+    }
     let mut stored = std::collections::BTreeMap::new();
     for item in run_totals.iter()? {
         let (k, v) = item?;
         stored.insert(k.value().to_string(), decode::<super::SourceRunTotals>(v.value()));
     }
-    if unreadable_runs > 0 {
+    if unreadable_runs > 0 || swept_unreadable {
         stored.clear();
         recount.runs.clear();
     }

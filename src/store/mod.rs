@@ -43,6 +43,7 @@ mod repair;
 mod tables;
 mod totals;
 mod history_index;
+mod run_retention;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::{LeasedBatch, MIN_PASS_OVER};
@@ -72,6 +73,9 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 13: run records that committed nothing may be removed past `[store] run_retention`, their
+/// counts kept in `runs_swept` (`run_retention.rs`); a version 12 build's `check --store` would
+/// find the run totals above the records. Nothing is rewritten.
 /// 12: control-port subscribers at record version 2 (`secret_old`, `subscribers.rs`) and
 /// quarantine records may name the reason `field_too_long`; a version 11 build would fail on
 /// both (its start on the first, its quarantine listing on the second) instead of refusing
@@ -99,7 +103,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 12;
+pub const SCHEMA_VERSION: u32 = 13;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -640,6 +644,7 @@ impl Store {
             wtx.open_table(RUN_TOTALS)?;
             wtx.open_table(AUDIT_BY_OUTCOME)?;
             wtx.open_table(RUNS_BY_SOURCE)?;
+            wtx.open_table(RUNS_SWEPT)?;
         }
         // The journal's index lives in memory: rebuilt from its rows. Rows whose fingerprints
         // clash (never written so) are merged into `idem_keys`, where no index is needed.

@@ -15,6 +15,9 @@ pub const META_COMPACT_PENDING: &str = "compact_pending";
 pub const META_DUE_CLOCK: &str = "due_clock_ms";
 /// What idempotency keys are scoped to besides the change (`key_scope.rs`).
 pub const META_KEY_SCOPE: &str = "key_scope";
+/// Run id below which the run retention sweep has looked at every record (u64 LE;
+/// `run_retention.rs`).
+pub const META_RUNS_SWEPT_BELOW: &str = "runs_swept_below";
 
 /// source id → current `Watermark`.
 pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("watermarks");
@@ -112,6 +115,9 @@ pub const RUNS_BY_SOURCE: TableDefinition<(&str, u64), ()> = TableDefinition::ne
 pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
 /// subscriber id → `EndpointState` (disabled flag, circuit breaker, recent outcomes).
 pub const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
+/// source id → `SweptRuns`: what the run retention sweep removed of the source's run records
+/// (`run_retention.rs`; schema 13), so its totals still add up.
+pub const RUNS_SWEPT: TableDefinition<&str, &[u8]> = TableDefinition::new("runs_swept");
 
 /// Calls macro `$m` with `$args` followed by every table of the current schema, so that what
 /// must see each one — a backup copies it, `check` reads it whole — names them in one place:
@@ -124,7 +130,7 @@ macro_rules! every_table {
             OUTBOX_RETRY, AUDIT, DEAD_LETTERS, QUARANTINE, RUNS, HOLDS, HELD_PARCELS, HELD_EVENTS, SUBSCRIBERS,
             DERIVED_SHARES, HELD_SHARES, OUTBOX_LEASES, OUTBOX_RETRY_DUE, DELIVERY_ATTEMPTS, DLQ_REPLAYS,
             DLQ_QUARANTINE, ENDPOINTS, DELIVERY_ATTEMPTS_BY_ROW, PARCEL_TOMBSTONES, PARCEL_TOMBSTONE_AGES,
-            AREA_PLACES, HELD_AREA_PLACES, AUDIT_TOTALS, RUN_TOTALS, AUDIT_BY_OUTCOME, RUNS_BY_SOURCE,
+            AREA_PLACES, HELD_AREA_PLACES, AUDIT_TOTALS, RUN_TOTALS, AUDIT_BY_OUTCOME, RUNS_BY_SOURCE, RUNS_SWEPT,
         )
     };
 }

@@ -17,7 +17,7 @@
 
 use super::codec::{decode, encode};
 use super::runs::codec_err;
-use super::tables::{AUDIT, AUDIT_TOTALS, RUNS, RUN_TOTALS};
+use super::tables::{AUDIT, AUDIT_TOTALS, RUNS, RUNS_SWEPT, RUN_TOTALS};
 use super::{Store, StoreError};
 use crate::model::{AuditRow, Outcome, RunRecord, Verdict};
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
@@ -124,18 +124,29 @@ fn recount_source(wtx: &WriteTransaction, source: &str) -> Result<SourceRunTotal
     Ok(recount_sources(wtx, &[source.to_string()])?.remove(source).unwrap_or_default())
 }
 
-/// Several sources' totals counted from their run records in one pass over them.
+/// Several sources' totals counted from their run records in one pass over them, with what
+/// the retention sweep removed of them added back.
 fn recount_sources(wtx: &WriteTransaction, sources: &[String]) -> Result<BTreeMap<String, SourceRunTotals>, StoreError> {
-    let mut out: BTreeMap<String, SourceRunTotals> = sources.iter().map(|s| (s.clone(), SourceRunTotals::default())).collect();
+    let mut recount = Recount::default();
+    for source in sources {
+        recount.runs.insert(source.clone(), SourceRunTotals::default());
+    }
     for item in wtx.open_table(RUNS)?.iter()? {
         let (_, v) = item?;
         if let Ok(r) = decode::<RunRecord>(v.value()) {
-            if let Some(totals) = out.get_mut(&r.source_id) {
-                totals.add(&r);
+            if recount.runs.contains_key(&r.source_id) {
+                recount.run(&r);
             }
         }
     }
-    Ok(out)
+    match super::run_retention::read_swept(&wtx.open_table(RUNS_SWEPT)?) {
+        Ok(mut swept) => {
+            swept.retain(|source, _| recount.runs.contains_key(source));
+            recount.add_swept(&swept);
+        }
+        Err(why) => tracing::error!(%why, "run totals counted again without the records the retention sweep removed"),
+    }
+    Ok(recount.runs)
 }
 
 /// Counts the ledger and the run records of a store that has them but no totals (written
@@ -274,6 +285,8 @@ pub(super) fn read_run_totals<T: ReadableTable<&'static str, &'static [u8]>>(t: 
 pub(super) struct Recount {
     pub audit: OutcomeTally,
     pub runs: BTreeMap<String, SourceRunTotals>,
+    /// Per source, the run id the recount's `latest_features` came from.
+    features_run: BTreeMap<String, u64>,
 }
 
 impl Recount {
@@ -283,6 +296,26 @@ impl Recount {
 
     pub(super) fn run(&mut self, record: &RunRecord) {
         self.runs.entry(record.source_id.clone()).or_default().add(record);
+        if record.counts.features > 0 {
+            self.features_run.insert(record.source_id.clone(), record.run_id);
+        }
+    }
+
+    /// Adds back what the run retention sweep removed (`run_retention.rs`), once every record
+    /// there is has been counted.
+    pub(super) fn add_swept(&mut self, swept: &BTreeMap<String, super::run_retention::SweptRuns>) {
+        for (source, removed) in swept {
+            let totals = self.runs.entry(source.clone()).or_default();
+            for (verdict, n) in &removed.verdicts {
+                match totals.verdicts.iter_mut().find(|(v, _)| v == verdict) {
+                    Some((_, m)) => *m = m.saturating_add(*n),
+                    None => totals.verdicts.push((*verdict, *n)),
+                }
+            }
+            if removed.latest_features_run > self.features_run.get(source).copied().unwrap_or(0) {
+                totals.latest_features = removed.latest_features;
+            }
+        }
     }
 
     /// One sentence per total that differs from the recount (`/metrics` shows the totals;

@@ -1,0 +1,371 @@
+//! Retention of the run records that committed nothing.
+//!
+//! Why it exists: every poll of every source writes a run record, and most polls find the
+//! layer as it was (`identical`, `skip`), or could not run (`failed`, `skipped_overlap`).
+//! Those records are ~130 bytes each (and a portal's `identical` run adds a watermark
+//! history row), so 100 sources polled every 5 minutes grew the one file an operator backs up
+//! by ~1.3 GB a year, for records nothing refers to. Past `[store] run_retention` (30 days by
+//! default) the sweep removes them, a batch per transaction, from the daemon's periodic
+//! sweep and at the end of `zonewatch run`.
+//!
+//! What is never removed: a run that committed data or was held (`baseline`, `run`,
+//! `reprocessed`, `held`: their lineage ids name audit rows, holds and watermarks), a
+//! source's newest run record (what `GET /v1/sources` shows as its last run), and a record that
+//! does not decode (`check --store` names it). Run ids are never reused: the store's newest
+//! record is its source's newest, so it stays, and the next id is counted from it.
+//!
+//! Invariant: a record is removed in the transaction that removes its `runs_by_source` entry
+//! and its watermark history row and adds it to its source's `runs_swept` tally, so the run
+//! totals `/metrics` reads still equal the records plus the tally (`check --store` compares
+//! them). A hold superseded by a removed `identical` run keeps that run's id and time in its
+//! own row.
+
+use super::codec::{decode, encode};
+use super::tables::{META, META_RUNS_SWEPT_BELOW, RUNS, RUNS_BY_SOURCE, RUNS_SWEPT, WATERMARK_HISTORY};
+use super::{Store, StoreError};
+use crate::model::{RunRecord, Verdict};
+use redb::{ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// How many records the sweep may read per record it may remove: a long stretch of kept
+/// records (a busy source's `run`s) is crossed over several batches, not in one transaction.
+const READS_PER_REMOVAL: usize = 4;
+
+/// What the sweep removed of one source's run records (`runs_swept`, one row per source).
+#[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct SweptRuns {
+    /// Removed records per verdict.
+    pub verdicts: Vec<(Verdict, u64)>,
+    /// The features of the newest removed record that read any, and its run id (0: none):
+    /// the totals' `latest_features` may have come from it.
+    pub latest_features: u64,
+    pub latest_features_run: u64,
+}
+
+impl SweptRuns {
+    fn add(&mut self, record: &RunRecord) {
+        match self.verdicts.iter_mut().find(|(v, _)| *v == record.verdict) {
+            Some((_, n)) => *n = n.saturating_add(1),
+            None => self.verdicts.push((record.verdict, 1)),
+        }
+        if record.counts.features > 0 && record.run_id >= self.latest_features_run {
+            self.latest_features = record.counts.features;
+            self.latest_features_run = record.run_id;
+        }
+    }
+}
+
+/// Whether a run of this verdict committed nothing anything else refers to.
+pub fn removable(verdict: Verdict) -> bool {
+    matches!(verdict, Verdict::Identical | Verdict::Skip | Verdict::Failed | Verdict::SkippedOverlap)
+}
+
+/// Every source's tally of removed records (a row that does not decode is an error: the totals
+/// cannot be checked against the records without it).
+pub(super) fn read_swept<T: ReadableTable<&'static str, &'static [u8]>>(t: &T) -> Result<BTreeMap<String, SweptRuns>, String> {
+    let mut out = BTreeMap::new();
+    for item in t.iter().map_err(|e| e.to_string())? {
+        let (k, v) = item.map_err(|e| e.to_string())?;
+        let swept = decode::<SweptRuns>(v.value()).map_err(|m| format!("runs_swept row of source {}: {m}", k.value()))?;
+        out.insert(k.value().to_string(), swept);
+    }
+    Ok(out)
+}
+
+fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
+    let meta = wtx.open_table(META)?;
+    let v = meta.get(META_RUNS_SWEPT_BELOW)?;
+    // A damaged cursor starts the sweep over from the first record: it only costs reads.
+    Ok(v.and_then(|v| <[u8; 8]>::try_from(v.value()).ok()).map(u64::from_le_bytes).unwrap_or(0))
+}
+
+impl Store {
+    /// Removes up to `max` run records that committed nothing and finished before
+    /// `before_ms`, oldest first, in one transaction (see the module doc for what stays).
+    /// Returns how many it removed; 0 when there is nothing (more) to remove now.
+    pub fn sweep_quiet_runs(&self, before_ms: u64, max: usize) -> Result<usize, StoreError> {
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
+        let from = swept_below(&wtx)?;
+        let mut doomed: Vec<RunRecord> = Vec::new();
+        let mut next_from = from;
+        {
+            let runs = wtx.open_table(RUNS)?;
+            let index = wtx.open_table(RUNS_BY_SOURCE)?;
+            let mut read = 0usize;
+            for item in runs.range(from..)? {
+                let (k, v) = item?;
+                let run_id = k.value();
+                match decode::<RunRecord>(v.value()) {
+                    // Records are in run order, which is time order but for a clock stepped
+                    // back: the first one inside retention ends the pass (a later one from
+                    // before a step back waits for its turn, kept a little longer).
+                    Ok(record) if record.finished_ms >= before_ms => break,
+                    Ok(record) => {
+                        let newer_of_source = index.range((record.source_id.as_str(), run_id + 1)..=(record.source_id.as_str(), u64::MAX))?.next().is_some();
+                        if removable(record.verdict) && newer_of_source {
+                            doomed.push(record);
+                        }
+                    }
+                    Err(_) => {}
+                }
+                next_from = run_id + 1;
+                read += 1;
+                if doomed.len() >= max || read >= max.saturating_mul(READS_PER_REMOVAL) {
+                    break;
+                }
+            }
+        }
+        if doomed.is_empty() && next_from == from {
+            wtx.abort()?;
+            return Ok(0);
+        }
+        let mut tallies: BTreeMap<&str, SweptRuns> = BTreeMap::new();
+        {
+            let mut runs = wtx.open_table(RUNS)?;
+            let mut index = wtx.open_table(RUNS_BY_SOURCE)?;
+            let mut history = wtx.open_table(WATERMARK_HISTORY)?;
+            let swept = wtx.open_table(RUNS_SWEPT)?;
+            for record in &doomed {
+                let source = record.source_id.as_str();
+                runs.remove(record.run_id)?;
+                index.remove((source, record.run_id))?;
+                history.remove((source, record.run_id))?;
+                if !tallies.contains_key(source) {
+                    let stored = match swept.get(source)? {
+                        Some(v) => decode::<SweptRuns>(v.value()).map_err(|m| super::runs::codec_err("runs_swept", m))?,
+                        None => SweptRuns::default(),
+                    };
+                    tallies.insert(source, stored);
+                }
+                if let Some(t) = tallies.get_mut(source) {
+                    t.add(record);
+                }
+            }
+        }
+        {
+            let mut swept = wtx.open_table(RUNS_SWEPT)?;
+            for (source, tally) in &tallies {
+                swept.insert(*source, encode(tally).as_slice())?;
+            }
+        }
+        wtx.open_table(META)?.insert(META_RUNS_SWEPT_BELOW, next_from.to_le_bytes().as_slice())?;
+        wtx.commit()?;
+        Ok(doomed.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{RunCounts, Watermark};
+    use crate::store::tables::RUN_TOTALS;
+    use redb::ReadableDatabase;
+    use std::collections::HashSet;
+
+    const VERDICTS: [Verdict; 8] = [
+        Verdict::Identical,
+        Verdict::Skip,
+        Verdict::Failed,
+        Verdict::SkippedOverlap,
+        Verdict::Run,
+        Verdict::Baseline,
+        Verdict::Held,
+        Verdict::Reprocessed,
+    ];
+
+    /// A small deterministic generator (the sequences must not change between runs).
+    struct Lcg(u64);
+    impl Lcg {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 33) % n
+        }
+    }
+
+    /// Appends a record as the run commits do (record, per-source index, totals), with a
+    /// watermark history row under its id as a portal's `identical` run writes one.
+    fn append(store: &Store, source: &str, verdict: Verdict, finished_ms: u64, features: u64) -> u64 {
+        let wtx = store.db.begin_write().expect("write");
+        let run_id = super::super::runs::next_key(wtx.open_table(RUNS).expect("runs").last().expect("last").map(|(k, _)| k.value()));
+        let record = RunRecord {
+            run_id,
+            source_id: source.to_string(),
+            lineage_id: format!("{source}-{run_id}"),
+            started_ms: finished_ms.saturating_sub(5),
+            finished_ms,
+            verdict,
+            digest: "d".into(),
+            counts: RunCounts { features, changes: u64::from(verdict == Verdict::Run), ..Default::default() },
+            hold_id: None,
+            warnings: vec![],
+            error: None,
+        };
+        super::super::totals::append_run(&wtx, &record).expect("append");
+        let wm = Watermark { run_id, ..Watermark::for_read("d", 1, finished_ms, None, String::new()) };
+        wtx.open_table(WATERMARK_HISTORY).expect("history").insert((source, run_id), super::super::watermark_rows::encode_watermark(&wm).as_slice()).expect("history row");
+        wtx.commit().expect("commit");
+        run_id
+    }
+
+    fn all_records(store: &Store) -> Vec<RunRecord> {
+        let mut all = store.runs(None, usize::MAX).expect("runs");
+        all.reverse();
+        all
+    }
+
+    fn history_ids(store: &Store, source: &str) -> HashSet<u64> {
+        let rtx = store.db.begin_read().expect("read");
+        let t = rtx.open_table(WATERMARK_HISTORY).expect("history");
+        let mut out = HashSet::new();
+        for item in t.range((source, 0u64)..=(source, u64::MAX)).expect("range") {
+            out.insert(item.expect("row").0.value().1);
+        }
+        out
+    }
+
+    /// Sweeps until a pass removes nothing and moves its cursor no further.
+    fn sweep_all(store: &Store, before_ms: u64, batch: usize) -> usize {
+        let mut n = 0;
+        for _ in 0..10_000 {
+            let cursor = {
+                let wtx = store.db.begin_write().expect("write");
+                let c = swept_below(&wtx).expect("cursor");
+                wtx.abort().expect("abort");
+                c
+            };
+            let removed = store.sweep_quiet_runs(before_ms, batch).expect("sweep");
+            n += removed;
+            let moved = {
+                let wtx = store.db.begin_write().expect("write");
+                let c = swept_below(&wtx).expect("cursor");
+                wtx.abort().expect("abort");
+                c != cursor
+            };
+            if removed == 0 && !moved {
+                return n;
+            }
+        }
+        panic!("the sweep never settled");
+    }
+
+    /// Runs of three sources, every verdict, appended and swept in turns with varied
+    /// horizons and batch sizes, the clock now and then stepped back: after every sweep the
+    /// totals `/metrics` reads are what they were, `check --store` agrees with them, every run
+    /// that committed data or was held is still there and so is each source's newest, a
+    /// removed run's watermark history row is gone with it, and run ids are never reused.
+    #[test]
+    fn the_sweep_removes_only_old_quiet_runs_and_the_totals_still_add_up() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        let mut rng = Lcg(7);
+        let mut now = 1_000_000u64;
+        let mut highest_id = 0u64;
+        let mut removed_total = 0;
+        for round in 0..12 {
+            for _ in 0..(20 + rng.below(60)) {
+                now += 1 + rng.below(1_000);
+                // A clock stepped back now and then.
+                let finished = if rng.below(15) == 0 { now.saturating_sub(rng.below(50_000)) } else { now };
+                let source = ["a", "b", "c"][rng.below(3) as usize];
+                let verdict = VERDICTS[rng.below(VERDICTS.len() as u64) as usize];
+                let features = if rng.below(3) == 0 { 0 } else { 100 + rng.below(10) };
+                let id = append(&store, source, verdict, finished, features);
+                assert!(id > highest_id, "run id {id} reused (highest so far {highest_id})");
+                highest_id = id;
+            }
+            let before: Vec<RunRecord> = all_records(&store);
+            let totals_before = store.run_totals().expect("totals");
+            let horizon = now.saturating_sub(rng.below(40_000));
+            let batch = 1 + rng.below(25) as usize;
+            let removed = sweep_all(&store, horizon, batch);
+            removed_total += removed;
+            let after: Vec<RunRecord> = all_records(&store);
+            assert_eq!(before.len() - after.len(), removed, "round {round}");
+            assert_eq!(store.run_totals().expect("totals"), totals_before, "round {round}: the totals do not move");
+            let report = store.check_consistency().expect("check");
+            assert!(report.is_consistent(), "round {round}: {:?}", report.problems);
+            let kept: HashSet<u64> = after.iter().map(|r| r.run_id).collect();
+            for source in ["a", "b", "c"] {
+                let newest = before.iter().filter(|r| r.source_id == source).map(|r| r.run_id).max();
+                if let Some(newest) = newest {
+                    assert!(kept.contains(&newest), "round {round}: the newest run of {source} was removed");
+                    assert_eq!(store.last_run(source).expect("last").map(|r| r.run_id), Some(newest));
+                }
+                let history = history_ids(&store, source);
+                for r in before.iter().filter(|r| r.source_id == source) {
+                    assert_eq!(history.contains(&r.run_id), kept.contains(&r.run_id), "round {round}: run {} and its history row", r.run_id);
+                }
+            }
+            for r in &before {
+                if !removable(r.verdict) {
+                    assert!(kept.contains(&r.run_id), "round {round}: a {} run was removed", r.verdict.as_str());
+                }
+                if !kept.contains(&r.run_id) {
+                    assert!(r.finished_ms < horizon, "round {round}: run {} finished inside retention", r.run_id);
+                }
+            }
+            // Everything old and quiet before the first record inside retention is gone but
+            // each source's newest.
+            let newest: HashSet<u64> = ["a", "b", "c"].iter().filter_map(|s| before.iter().filter(|r| r.source_id == *s).map(|r| r.run_id).max()).collect();
+            for r in before.iter().take_while(|r| r.finished_ms < horizon) {
+                if removable(r.verdict) && !newest.contains(&r.run_id) {
+                    assert!(!kept.contains(&r.run_id), "round {round}: old quiet run {} was kept", r.run_id);
+                }
+            }
+        }
+        assert!(removed_total > 100, "the sweep removed {removed_total} runs in all");
+        // The store's next run after all that still gets an id above every one given.
+        assert!(append(&store, "a", Verdict::Skip, now + 1, 0) > highest_id);
+    }
+
+    /// A `runs_swept` row that does not decode stops the sweep (its counts cannot be added
+    /// to) and is named by `check --store`; nothing is removed meanwhile.
+    #[test]
+    fn a_damaged_tally_stops_the_sweep_and_is_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        for i in 0..4 {
+            append(&store, "s", Verdict::Skip, 10 + i, 0);
+        }
+        assert_eq!(store.sweep_quiet_runs(12, 10).expect("sweep"), 2, "those that finished before 12");
+        let wtx = store.db.begin_write().expect("write");
+        wtx.open_table(RUNS_SWEPT).expect("swept").insert("s", [0xFFu8, 1].as_slice()).expect("insert");
+        wtx.commit().expect("commit");
+        assert!(store.sweep_quiet_runs(100, 10).is_err(), "a tally it cannot add to");
+        assert_eq!(all_records(&store).len(), 2);
+        let problems = store.check_consistency().expect("check").problems.join("\n");
+        assert!(problems.contains("runs_swept row of source s"), "{problems}");
+        assert!(!problems.contains("differ from its run records"), "{problems}");
+    }
+
+    /// A store whose totals row was damaged is counted again from its records and what the
+    /// sweep removed: the totals are what they were.
+    #[test]
+    fn totals_counted_again_include_what_was_swept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("zw.redb");
+        let store = Store::open(&path).expect("open");
+        append(&store, "s", Verdict::Baseline, 5, 40);
+        for i in 0..6 {
+            append(&store, "s", [Verdict::Identical, Verdict::Skip][i % 2], 10 + i as u64, if i % 2 == 0 { 41 } else { 0 });
+        }
+        append(&store, "s", Verdict::Skip, 500, 0);
+        let totals = store.run_totals().expect("totals");
+        assert_eq!(sweep_all(&store, 100, 4), 6);
+        let wtx = store.db.begin_write().expect("write");
+        wtx.open_table(RUN_TOTALS).expect("totals").insert("s", [0xFFu8, 3].as_slice()).expect("insert");
+        wtx.commit().expect("commit");
+        drop(store);
+        let store = Store::open(&path).expect("reopen");
+        let sorted = |mut t: Vec<(String, super::super::SourceRunTotals)>| {
+            for (_, t) in &mut t {
+                t.verdicts.sort_by_key(|(v, _)| v.as_str());
+            }
+            t
+        };
+        assert_eq!(sorted(store.run_totals().expect("totals")), sorted(totals), "41 features, from a removed identical run");
+        assert!(store.check_consistency().expect("check").is_consistent());
+    }
+}
