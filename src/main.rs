@@ -39,7 +39,6 @@ fn main() {
     zonewatch::signals::exit(code);
 }
 
-
 /// Set when a command stopped because its stdout was closed.
 static STDOUT_CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 

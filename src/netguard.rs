@@ -117,7 +117,7 @@ pub enum Refused {
 
 impl Refused {
     /// The failed lookup's own error, for a [`Refused::Dns`].
-    pub fn lookup_error(&self) -> Option<&std::io::Error> {
+    pub(crate) fn lookup_error(&self) -> Option<&std::io::Error> {
         match self {
             Refused::Dns { source, .. } => Some(source),
             Refused::Private(_) => None,

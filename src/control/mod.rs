@@ -80,6 +80,10 @@ const CLOSING_ROOM: usize = 16;
 struct Connections {
     next_id: u64,
     open: std::collections::HashMap<u64, Arc<Connection>>,
+    /// Requests being answered on the whole port, on a connection in `open` or on one it
+    /// picked to make room, which still finishes the request it had begun (the stop waits for
+    /// both: found by a reviewer).
+    answering: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// One connection as the port sees it.
@@ -108,6 +112,8 @@ struct Connection {
     idle_since: std::sync::Mutex<std::time::Instant>,
     /// Notified when the port needs its slot: the connection is dropped (its socket closed).
     close: tokio::sync::Notify,
+    /// The port's count of requests being answered ([`Connections::answering`]).
+    port_answering: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A connection's place on the list, given up when its task ends.
@@ -134,6 +140,7 @@ impl Connections {
             operator: std::sync::atomic::AtomicBool::new(false),
             idle_since: std::sync::Mutex::new(std::time::Instant::now()),
             close: tokio::sync::Notify::new(),
+            port_answering: self.answering.clone(),
         });
         self.open.insert(id, c.clone());
         (id, c)
@@ -289,12 +296,12 @@ const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// dropped the connection before it answered), and a connection answering nothing for
 /// [`STOP_GRACE`] at most.
 async fn finish_connections(mut tasks: tokio::task::JoinSet<()>, connections: &std::sync::Mutex<Connections>) {
+    let answering = connections.lock().unwrap_or_else(|p| p.into_inner()).answering.clone();
     loop {
         tokio::select! {
             next = tasks.join_next() => if next.is_none() { return },
             _ = tokio::time::sleep(STOP_GRACE) => {
-                let busy = connections.lock().unwrap_or_else(|p| p.into_inner()).open.values().any(|c| c.busy.load(std::sync::atomic::Ordering::SeqCst) > 0);
-                if !busy {
+                if answering.load(std::sync::atomic::Ordering::SeqCst) == 0 {
                     return;
                 }
             }
@@ -313,6 +320,7 @@ impl Answering {
         conn.operator.store(operator, std::sync::atomic::Ordering::SeqCst);
         conn.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         conn.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        conn.port_answering.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Answering(conn)
     }
 }
@@ -321,6 +329,7 @@ impl Drop for Answering {
     fn drop(&mut self) {
         *self.0.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
         self.0.busy.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.port_answering.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

@@ -16,7 +16,7 @@
 //!   through when its cool-down ends); opened again (an operator's enable), they are leased
 //!   and sent as usual.
 //!
-//! A row not sent gives its lease back (`Store::give_back_lease`) and stays queued as it was:
+//! A row not sent gives its lease back (`Store::lease_step`) and stays queued as it was:
 //! no outcome, no attempt, nothing lost.
 
 use std::collections::{HashMap, HashSet};

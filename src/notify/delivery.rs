@@ -21,7 +21,7 @@ use crate::config::DeliveryConfig;
 use crate::model::{AttemptRecord, OutboxEntry};
 use crate::notify::matcher::SubscriberIndex;
 use crate::notify::signing;
-use crate::store::{DeadCause, DeliveryResult, Store, StoreError};
+use crate::store::{DeadCause, DeliveryResult, LeaseStep, Store, StoreError};
 use crate::clock::SharedClock;
 use crate::notify::replay::TokenBucket;
 use std::collections::{HashMap, HashSet};
@@ -281,7 +281,8 @@ impl Deliverer {
     /// The lease outlives the worst case of the pass (every slot timing out in turn), so no
     /// other pass can take an entry that is still in flight.
     ///
-    /// A step for tests that watch one pass at a time: every row it leased is sent, even to
+    /// A step for tests that watch one pass at a time: every row it leased is sent (but one
+    /// an operator's action resolved meanwhile, [`LeaseStep::BeginSend`]), even to
     /// an endpoint that answered 410 or tripped its breaker earlier in the pass. Delivery
     /// (`serve`, `run`, `dlq replay`) goes through [`Deliverer::pump_until`], which holds
     /// such rows back.
@@ -316,7 +317,7 @@ impl Deliverer {
                 let _permit = sem.acquire_owned().await;
                 this.endpoint_rate_wait(&entry.watcher_id).await;
                 // Not sent if an operator resolved it meanwhile (see the pump).
-                if !this.begin_send(entry.id, lease_until).await {
+                if !this.lease_step(entry.id, lease_until, LeaseStep::BeginSend).await {
                     return None;
                 }
                 Some(this.attempt(&entry).await)
@@ -586,6 +587,12 @@ impl Deliverer {
                         if gates.skips(&entry.watcher_id, pass) {
                             return None;
                         }
+                        // Resolved while it waited for the slot (a subscriber's delete): it
+                        // waits for no permit nor rate token (the same endpoint's new rows
+                        // would wait behind it for them).
+                        if !this.lease_step(entry.id, lease_until, LeaseStep::Check).await {
+                            return None;
+                        }
                         // A rate-limited endpoint's backlog waits for its next token holding
                         // its own slot only, never a global permit another endpoint's alerts
                         // need; the token is taken once the permit is held, just before the
@@ -607,15 +614,15 @@ impl Deliverer {
                         },
                     };
                     let held = held.filter(|_| !gates.skips(&entry.watcher_id, pass));
-                    // (`begin_send`: the row was not resolved meanwhile by an operator, a
+                    // (`BeginSend`: the row was not resolved meanwhile by an operator, a
                     // subscriber's delete, while it waited here for a slot.)
-                    let begun = held.is_some() && this.begin_send(entry.id, lease_until).await;
+                    let begun = held.is_some() && this.lease_step(entry.id, lease_until, LeaseStep::BeginSend).await;
                     let _held = match held {
                         Some(held) if begun => held,
                         // Not sent: its lease given back (this pass's, not one a later pass took
                         // over), and a probe it was stops counting as in flight.
                         _ => {
-                            this.store.give_back_lease(entry.id, lease_until);
+                            this.lease_step(entry.id, lease_until, LeaseStep::GiveBack).await;
                             if let Some(endpoint) = &probe_of {
                                 probing.lock().unwrap_or_else(|p| p.into_inner()).remove(endpoint);
                             }
@@ -760,14 +767,15 @@ impl Deliverer {
         }
     }
 
-    /// [`Store::begin_send`] from an async task: at once when the lease map is free, else
-    /// off the runtime's threads (a subscriber's delete holds it through its commit).
-    async fn begin_send(&self, id: u64, lease_until: u64) -> bool {
-        if let Some(begun) = self.store.try_begin_send(id, lease_until) {
-            return begun;
+    /// [`Store::lease_step`] from an async task: at once when the lease map is free, else
+    /// off the runtime's threads (a subscriber's delete holds it through its commit). A step
+    /// that could not be taken (its blocking task failed) is a send that does not begin.
+    async fn lease_step(&self, id: u64, lease_until: u64, step: LeaseStep) -> bool {
+        if let Some(done) = self.store.try_lease_step(id, lease_until, step) {
+            return done;
         }
         let store = self.store.clone();
-        tokio::task::spawn_blocking(move || store.begin_send(id, lease_until)).await.unwrap_or(false)
+        tokio::task::spawn_blocking(move || store.lease_step(id, lease_until, step)).await.unwrap_or(false)
     }
 
     fn endpoint_slot(&self, id: &str) -> Arc<Semaphore> {

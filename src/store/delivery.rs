@@ -308,8 +308,8 @@ pub struct RowsDeadLettered {
     /// Rows moved to the dead letters (each with its `dead_letter` audit row).
     pub dead_lettered: u64,
     /// Rows left alone because a send of theirs has begun in this process: that send's
-    /// outcome is recorded as usual, and a row it leaves queued is dead-lettered by delivery
-    /// (`subscriber_gone`) once it finds no subscriber.
+    /// outcome is recorded as usual, but one that would leave the row queued (a retry, a
+    /// deferral) dead-letters it `subscriber_deleted` (`Lease::revoked`).
     pub in_flight: u64,
 }
 
@@ -348,16 +348,18 @@ pub(super) fn dead_letter_rows(
     reason: &str,
     now_ms: u64,
     in_flight: &dyn Fn(u64) -> bool,
-) -> Result<(RowsDeadLettered, Vec<u64>), StoreError> {
+) -> Result<(RowsDeadLettered, Vec<u64>, Vec<u64>), StoreError> {
     let mut done = RowsDeadLettered::default();
     let mut pending = Vec::with_capacity(rows.len());
     let mut ids = Vec::with_capacity(rows.len());
+    let mut left_sending = Vec::new();
     {
         let mut outbox = super::outbox::OutboxTables::open(wtx)?;
         let mut dead = wtx.open_table(DEAD_LETTERS)?;
         for (queue, entry) in rows {
             if in_flight(entry.id) {
                 done.in_flight += 1;
+                left_sending.push(entry.id);
                 continue;
             }
             ids.push(entry.id);
@@ -366,7 +368,7 @@ pub(super) fn dead_letter_rows(
         }
     }
     append_audits(wtx, &mut pending)?;
-    Ok((done, ids))
+    Ok((done, ids, left_sending))
 }
 
 /// Moves one outbox row from `queue` to the dead letters with `reason`; returns its terminal
@@ -514,6 +516,8 @@ impl Store {
         let sent_to: std::collections::HashMap<u64, &str> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.target.as_deref()?))).collect();
         // The clock each retry's due time was computed on.
         let decided: std::collections::HashMap<u64, u64> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.decided_ms?))).collect();
+        // Rows whose subscriber was deleted while they were sent: not left queued.
+        let revoked = self.leases.revoked(results.iter().filter(|r| matches!(r, DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. })).map(DeliveryResult::id));
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
@@ -524,7 +528,8 @@ impl Store {
                 let id = result.id();
                 // Already resolved (e.g. by a concurrent recovery): nothing to record.
                 let Some((queue, entry)) = outbox.get(id)? else { continue };
-                if let Some(policy) = health {
+                // A deleted subscriber's health was forgotten with it, not started again.
+                if let Some(policy) = health.filter(|_| !revoked.contains(&id)) {
                     let (success, gone, local) = match result {
                         DeliveryResult::Sent { .. } => (true, false, false),
                         DeliveryResult::Retry { .. } => (false, result.is_gone(), false),
@@ -551,6 +556,14 @@ impl Store {
                         let mut dead_entry = entry.clone();
                         dead_entry.attempts = attempts;
                         pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, reason, now_ms)?);
+                    }
+                    DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } if revoked.contains(&id) => {
+                        let mut dead_entry = entry.clone();
+                        // A deferral was no attempt (nothing reached the endpoint).
+                        if matches!(result, DeliveryResult::Retry { .. }) {
+                            dead_entry.attempts = attempts;
+                        }
+                        pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, super::subscribers::SUBSCRIBER_DELETED, now_ms)?);
                     }
                     DeliveryResult::Retry { next_attempt_ms, error, .. } => {
                         let mut updated = entry.clone();

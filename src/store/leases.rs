@@ -59,15 +59,20 @@ pub(super) struct Lease {
     until_ms: u64,
     /// `None`: further off than an `Instant` reaches (a huge `timeout_ms`).
     until: Option<std::time::Instant>,
-    /// Its send has begun ([`Store::begin_send`]): until then the row only waits in the
+    /// Its send has begun ([`Store::lease_step`]), or that of the lease it took over: until then the row only waits in the
     /// deliverer for a slot, and an operator's action may still resolve it
     /// ([`Leases::while_held`]).
     sending: bool,
+    /// Its subscriber was deleted while its send was under way ([`Leases::while_held`]): an
+    /// answer that would leave the row queued (a retry, a deferral) dead-letters it
+    /// `subscriber_deleted` instead, and no later pass leases it meanwhile, so it never goes
+    /// to a subscriber of that id created again.
+    revoked: bool,
 }
 
 impl Lease {
     fn new(now_ms: u64, lease_ms: u64) -> Self {
-        Lease { until_ms: now_ms.saturating_add(lease_ms), until: std::time::Instant::now().checked_add(std::time::Duration::from_millis(lease_ms)), sending: false }
+        Lease { until_ms: now_ms.saturating_add(lease_ms), until: std::time::Instant::now().checked_add(std::time::Duration::from_millis(lease_ms)), sending: false, revoked: false }
     }
 
     fn held_at(&self, now_ms: u64) -> bool {
@@ -83,23 +88,36 @@ impl Leases {
 
     /// Runs `f` (a write transaction that resolves outbox rows outside delivery) with the
     /// lease map locked, telling it which rows are sending: a lease whose send has begun
-    /// ([`Store::begin_send`]), also one past its expiry (a lease is dropped only once its
+    /// ([`Store::lease_step`]), also one past its expiry (a lease is dropped only once its
     /// outcome is committed, and an outcome may wait in the group committer past the lease's
     /// time). `f` returns the rows it resolved: their leases (rows leased but not yet sending,
     /// waiting in the deliverer for a slot) are dropped under the same lock once it has
     /// committed, so their sends never begin (a tester's `DELETE` of a subscriber counted 40
     /// rows in flight where 8 were sending; the other 32 then went out, or to a subscriber of
-    /// that id created again). Held until `f` returns, so `f` should commit inside: a lease
+    /// that id created again); and the rows it left to their sends, whose leases are marked
+    /// revoked (see [`Lease::revoked`]). Held until `f` returns, so `f` should commit inside: a lease
     /// pass then either leased a row before `f` looked or opens its snapshot after the commit
     /// (and no longer finds the row). Lock order: the write transaction first, then this lock
     /// (no lease pass waits for a write lock while holding it).
-    pub(super) fn while_held<R, E>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> Result<(R, Vec<u64>), E>) -> Result<R, E> {
+    pub(super) fn while_held<R, E>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> Result<(R, Vec<u64>, Vec<u64>), E>) -> Result<R, E> {
         let mut state = self.lock();
-        let (out, resolved) = f(&|id| state.by_row.get(&id).is_some_and(|l| l.sending))?;
+        let (out, resolved, left_sending) = f(&|id| state.by_row.get(&id).is_some_and(|l| l.sending))?;
         for id in resolved {
             state.by_row.remove(&id);
         }
+        for id in left_sending {
+            if let Some(lease) = state.by_row.get_mut(&id) {
+                lease.revoked = true;
+            }
+        }
         Ok(out)
+    }
+
+    /// Of rows `ids`, those whose subscriber was deleted while their send was under way
+    /// ([`Lease::revoked`]).
+    pub(super) fn revoked(&self, ids: impl IntoIterator<Item = u64>) -> std::collections::HashSet<u64> {
+        let state = self.lock();
+        ids.into_iter().filter(|id| state.by_row.get(id).is_some_and(|l| l.revoked)).collect()
     }
 
     /// Drops the leases of rows whose outcome has been committed.
@@ -191,7 +209,7 @@ impl Store {
         // cannot be decoded is skipped, not an error: one damaged row must not stop delivery
         // of every other (every pass would fail on it, for ever).
         let mut take = |by_row: &mut HashMap<u64, Lease>, id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
-            if by_row.get(&id).is_some_and(|l| l.held_at(now_ms)) {
+            if by_row.get(&id).is_some_and(|l| l.held_at(now_ms) || l.revoked) {
                 return Ok(false);
             }
             // Gated by its endpoint before it is decoded whole (see `entry_watcher`).
@@ -251,7 +269,7 @@ impl Store {
             // earlier send may have gone out, its outcome not yet committed; a subscriber's
             // delete must leave the row to it, not dead-letter a delivered alert).
             let sending = by_row.get(&id).is_some_and(|l| l.sending);
-            by_row.insert(id, Lease { sending, ..lease });
+            by_row.insert(id, Lease { sending, revoked: false, ..lease });
             out.push(entry);
             Ok(true)
         };
@@ -349,45 +367,49 @@ impl Store {
         Ok(n - state.by_row.len())
     }
 
-    /// Drops the lease of a row whose send did not begin and never will in this pass (its
-    /// endpoint's gate closed meanwhile: `notify::closed_gates`): nothing was sent and it has no
-    /// outcome, so the next pass that may send it (the endpoint enabled again) can lease it.
-    /// Only the lease that pass took (`lease_until`, its batch's): one a later pass took over
-    /// (after the clock stepped past it) belongs to that pass's send.
-    pub fn give_back_lease(&self, id: u64, lease_until: u64) {
-        let mut state = self.leases.lock();
-        if state.by_row.get(&id).is_some_and(|l| l.until_ms == lease_until) {
-            state.by_row.remove(&id);
-        }
+    /// Takes `step` on leased row `id`, whose lease this pass took (`lease_until`, its batch's):
+    ///
+    /// * [`LeaseStep::BeginSend`]: marks its send begun, if that lease is still there; false
+    ///   when an operator's action resolved the row meanwhile ([`Leases::while_held`]) or a
+    ///   later pass took the lease over. The row must then not be sent.
+    /// * [`LeaseStep::GiveBack`]: drops the lease of a row whose send did not begin and never
+    ///   will in this pass (its endpoint's gate closed meanwhile: `notify::closed_gates`, or
+    ///   `BeginSend` said no): nothing was sent and it has no outcome, so the next pass that
+    ///   may send it can lease it. Only that lease: one a later pass took over (after the clock
+    ///   stepped past it) belongs to that pass's send. Always true.
+    /// * [`LeaseStep::Check`]: whether that lease is still there, changing nothing.
+    pub fn lease_step(&self, id: u64, lease_until: u64, step: LeaseStep) -> bool {
+        Self::lease_step_in(&mut self.leases.lock(), id, lease_until, step)
     }
 
-    /// Marks the send of leased row `id` begun, if the lease this pass took (`lease_until`) is
-    /// still there: false when an operator's action resolved the row meanwhile
-    /// ([`Leases::while_held`]) or a later pass took the lease over; the row must then
-    /// not be sent.
-    pub fn begin_send(&self, id: u64, lease_until: u64) -> bool {
-        Self::begin_send_in(&mut self.leases.lock(), id, lease_until)
-    }
-
-    /// [`Store::begin_send`] without waiting: `None` when the lease map is locked (a lease
-    /// pass, or an operator's transaction committing under it: the deliverer then asks
-    /// [`Store::begin_send`] off the async runtime's threads, which must not block on it).
-    pub fn try_begin_send(&self, id: u64, lease_until: u64) -> Option<bool> {
+    /// [`Store::lease_step`] without waiting: `None` when the lease map is locked (a lease
+    /// pass, or an operator's transaction committing under it: the deliverer then takes the
+    /// step off the async runtime's threads, which must not block on it).
+    pub fn try_lease_step(&self, id: u64, lease_until: u64, step: LeaseStep) -> Option<bool> {
         let mut state = match self.leases.0.try_lock() {
             Ok(state) => state,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return None,
         };
-        Some(Self::begin_send_in(&mut state, id, lease_until))
+        Some(Self::lease_step_in(&mut state, id, lease_until, step))
     }
 
-    fn begin_send_in(state: &mut LeaseState, id: u64, lease_until: u64) -> bool {
-        match state.by_row.get_mut(&id) {
-            Some(lease) if lease.until_ms == lease_until => {
-                lease.sending = true;
+    fn lease_step_in(state: &mut LeaseState, id: u64, lease_until: u64, step: LeaseStep) -> bool {
+        let ours = state.by_row.get(&id).is_some_and(|l| l.until_ms == lease_until);
+        match step {
+            LeaseStep::BeginSend => {
+                if let Some(lease) = state.by_row.get_mut(&id).filter(|_| ours) {
+                    lease.sending = true;
+                }
+                ours
+            }
+            LeaseStep::GiveBack => {
+                if ours {
+                    state.by_row.remove(&id);
+                }
                 true
             }
-            _ => false,
+            LeaseStep::Check => ours,
         }
     }
 
@@ -440,6 +462,19 @@ impl Store {
         }
         Ok(out)
     }
+}
+
+/// What the deliverer does to a leased row's lease just before its send, or instead of it
+/// ([`Store::lease_step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseStep {
+    /// The send is about to begin: a subscriber's delete leaves the row to it from now on.
+    BeginSend,
+    /// The send will not begin in this pass: the row is free for the next one.
+    GiveBack,
+    /// Nothing changes: whether the lease is still this pass's (a row an operator resolved
+    /// while it waited for its endpoint's slot need not wait for a permit and a rate token).
+    Check,
 }
 
 /// How many attempt-log rows the retention sweep may read per row it may delete.
@@ -571,7 +606,7 @@ pub(super) fn log_attempt_in(t: &mut redb::Table<(u64, u32), &[u8]>, rec: &Attem
 #[cfg(test)]
 mod tests {
     use crate::model::{sample_attempt, sample_event, IdemKey, Severity};
-    use crate::store::{Claim, DeliveryResult, Store};
+    use crate::store::{Claim, DeliveryResult, LeaseStep, Store};
 
     /// An outbox row that cannot be decoded (a damaged page, a bug) is skipped by every lease
     /// pass and left in place; the other rows go out as before. (It used to fail every pass:
@@ -729,9 +764,9 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(120));
         let second = store.lease_due(500, 100, 10, 0).unwrap();
         assert_eq!(second.entries[0].id, id, "the first lease expired: taken over");
-        store.give_back_lease(id, first.lease_until_ms);
+        store.lease_step(id, first.lease_until_ms, LeaseStep::GiveBack);
         assert_eq!(store.leased_len().unwrap(), 1, "the later pass's lease stays");
-        store.give_back_lease(id, second.lease_until_ms);
+        store.lease_step(id, second.lease_until_ms, LeaseStep::GiveBack);
         assert_eq!(store.leased_len().unwrap(), 0);
     }
 

@@ -46,7 +46,7 @@ mod history_index;
 mod run_retention;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
-pub use leases::{LeasedBatch, MIN_PASS_OVER};
+pub use leases::{LeaseStep, LeasedBatch, MIN_PASS_OVER};
 pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::{DisabledBacklog, HealthPolicy};
 pub use key_scope::KeyScopeRecord;

@@ -196,7 +196,7 @@ impl Store {
         // the lock is held through the commit (see `Leases::while_held`).
         let queued = outbox_rows_of(&wtx, id)?;
         // A row leased but not yet sending is dead-lettered too, and its send never begins.
-        let rows = self.leases.while_held(move |sending| -> Result<(RowsDeadLettered, Vec<u64>), StoreError> {
+        let rows = self.leases.while_held(move |sending| -> Result<(RowsDeadLettered, Vec<u64>, Vec<u64>), StoreError> {
             let rows = dead_letter_rows(&wtx, queued, SUBSCRIBER_DELETED, now_ms, sending)?;
             wtx.commit()?;
             Ok(rows)
@@ -208,6 +208,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::LeaseStep;
 
     /// A store with control-port subscriber `a` and `n` alerts queued for it.
     fn store_with_queued(n: usize) -> (tempfile::TempDir, Store) {
@@ -233,12 +234,45 @@ mod tests {
         let batch = store.lease_due(2_000, 60_000, 10, 0).unwrap();
         let ids: Vec<u64> = batch.entries.iter().map(|e| e.id).collect();
         assert_eq!(ids.len(), 3);
-        assert!(store.begin_send(ids[0], batch.lease_until_ms));
+        assert!(store.lease_step(ids[0], batch.lease_until_ms, LeaseStep::BeginSend));
         let deleted = store.delete_subscriber("a", 3_000).unwrap().unwrap();
         assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (2, 1));
-        assert!(!store.begin_send(ids[1], batch.lease_until_ms) && !store.begin_send(ids[2], batch.lease_until_ms), "their sends never begin");
+        assert!(!store.lease_step(ids[1], batch.lease_until_ms, LeaseStep::BeginSend) && !store.lease_step(ids[2], batch.lease_until_ms, LeaseStep::BeginSend), "their sends never begin");
         assert_eq!(store.outbox_len().unwrap(), 1, "the row being sent waits for its outcome");
         assert_eq!(store.dead_letters().unwrap().len(), 2);
+    }
+
+    /// Rows a delete left to their sends: an answer that would leave one queued (a retry, a
+    /// deferral) dead-letters it `subscriber_deleted`, and no pass leases them meanwhile,
+    /// their leases expired and a subscriber of that id created again (reviewer: such a row
+    /// went to the new subscriber's target).
+    #[test]
+    fn rows_a_delete_left_to_their_sends_are_never_queued_again() {
+        use crate::store::DeliveryResult;
+        let (_dir, store) = store_with_queued(3);
+        let batch = store.lease_due(2_000, 1, 10, 0).unwrap();
+        let ids: Vec<u64> = batch.entries.iter().map(|e| e.id).collect();
+        for id in &ids {
+            assert!(store.lease_step(*id, batch.lease_until_ms, LeaseStep::BeginSend));
+        }
+        let deleted = store.delete_subscriber("a", 3_000).unwrap().unwrap();
+        assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (0, 3));
+        let again = StoredSubscriber { id: "a".into(), target: "https://new/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 4_000, updated_ms: 4_000, secret_old: None };
+        store.put_subscriber(&again, 4_000).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert!(store.lease_due(5_000, 60_000, 10, 0).unwrap().entries.is_empty(), "not leased while their sends' outcomes are awaited");
+        let results = [
+            DeliveryResult::Retry { id: ids[0], next_attempt_ms: 9_000, error: "http_503".into() },
+            DeliveryResult::Deferred { id: ids[1], next_attempt_ms: 9_000, error: "EMFILE".into() },
+            DeliveryResult::Sent { id: ids[2], status: 200 },
+        ];
+        store.record_outcomes(&results, &[], 6_000).unwrap();
+        assert_eq!(store.outbox_len().unwrap(), 0, "none left queued for the new subscriber");
+        let dead = store.dead_letters().unwrap();
+        assert_eq!(dead.iter().map(|d| (d.entry.id, d.reason.as_str())).collect::<Vec<_>>(), vec![(ids[0], SUBSCRIBER_DELETED), (ids[1], SUBSCRIBER_DELETED)]);
+        assert_eq!(dead.iter().map(|d| d.entry.attempts).collect::<Vec<_>>(), vec![1, 0], "a deferral was no attempt");
+        let report = store.check_consistency().unwrap();
+        assert!(report.is_consistent(), "{:?}", report.problems);
     }
 
     /// A lease taken over after it expired keeps saying its row's send began (its outcome
@@ -247,7 +281,7 @@ mod tests {
     fn a_lease_taken_over_keeps_its_send_begun() {
         let (_dir, store) = store_with_queued(1);
         let first = store.lease_due(2_000, 1, 10, 0).unwrap();
-        assert!(store.begin_send(first.entries[0].id, first.lease_until_ms));
+        assert!(store.lease_step(first.entries[0].id, first.lease_until_ms, LeaseStep::BeginSend));
         std::thread::sleep(std::time::Duration::from_millis(5));
         let again = store.lease_due(3_000, 60_000, 10, 0).unwrap();
         assert_eq!(again.entries.len(), 1, "the expired lease is taken over");
