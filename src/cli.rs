@@ -564,7 +564,7 @@ fn disabled_backlog_text(backlog: &[crate::store::DisabledBacklog], exists: &dyn
         })
         .collect();
     Some(format!(
-        "{total} alert(s) wait for disabled endpoint(s): {}. They go out once it is enabled: `zonewatch endpoints enable ID` when its receiver takes them again (a target changed in the config file does not enable it)",
+        "{total} alert(s) wait for disabled endpoint(s): {}. They go out once it is enabled: `zonewatch endpoints enable ID` when its receiver takes them again (or a new target in the config file, which enables it when zonewatch next starts)",
         each.join(", ")
     ))
 }

@@ -910,10 +910,10 @@ pub struct AttemptRecord {
     pub response_head: String,
     /// When the next try is due (retries only).
     pub next_attempt_ms: Option<u64>,
-    /// The target a try answered 410 was sent to, for the outcome commit only (set for 410s
-    /// alone; not stored: the stored bytes are unchanged). A 410 from a target that is no
-    /// longer the subscriber's (a `PUT` moved it while the request was in flight) does not
-    /// disable the endpoint.
+    /// The target a try was sent to, for the outcome commit only (not stored: the stored bytes
+    /// are unchanged). A 410 from a target that is no longer the subscriber's (a `PUT` moved
+    /// it while the request was in flight) does not disable the endpoint, and an endpoint
+    /// disabled remembers the target it was disabled for.
     #[serde(skip)]
     pub target: Option<String>,
     /// The clock a retry's `next_attempt_ms` was computed on, for the outcome commit only (not

@@ -409,6 +409,12 @@ impl Engine {
             );
         }
         subs.extend(stored_subscribers(stored, &config));
+        // A config subscriber whose target was changed after its endpoint was disabled (a
+        // 410 from the old URL) is enabled, as a control port `PUT` of a new target is.
+        let targets: Vec<(&str, &str)> = config.subscribers.iter().map(|s| (s.id.as_str(), s.target.as_str())).collect();
+        if let Err(e) = store.enable_moved_endpoints(&targets, clock.now_ms()) {
+            tracing::warn!("could not enable the endpoints whose target changed in the config: {e} (zonewatch endpoints enable ID does it)");
+        }
         let subscribers = Arc::new(SubscriberIndex::build(subs));
         Ok(Engine { config, store, subscribers, clock, stop: Default::default() })
     }

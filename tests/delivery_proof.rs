@@ -187,6 +187,38 @@ async fn answer_410_disables_the_endpoint_and_its_events_wait_for_enable() {
     assert_eq!((o.get("endpoint_disabled"), o.get("endpoint_enabled"), o.get("sent")), (Some(&1), Some(&1), Some(&2)));
 }
 
+/// A config subscriber's endpoint disabled by a 410, its `target` then changed in the config
+/// file: the next `run` enables it (audited, saying the target changed) and its alerts go to
+/// the new target (a tester fixed the URL and its alerts waited; only `endpoints enable` or
+/// a control-port `PUT` enabled one). The old target kept in the config keeps it disabled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_target_in_the_config_enables_an_endpoint_disabled_for_the_old_one() {
+    let old = Receiver::start_replies(Arc::new(|_, _| Reply::status(410)), None).await.unwrap();
+    let new = Receiver::start_replies(Arc::new(|_, _| Reply::status(200)), None).await.unwrap();
+    let ws = ws_for(old.url("/hook"), "");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4]);
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    assert!(stats.gone >= 1 && engine.store.endpoints().unwrap()[0].1.disabled, "{stats:?}");
+    drop(engine);
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    // The same target: still disabled, nothing sent.
+    let (ok, out, err) = zonewatch(&["run", "--config", cfg]);
+    assert!(ok && out.contains("outbox_remaining=2"), "{out}{err}");
+    ws.edit_config(&old.url("/hook"), &new.url("/hook"));
+    let (ok, out, err) = zonewatch(&["run", "--config", cfg]);
+    assert!(ok && out.contains("sent=2") && out.contains("outbox_remaining=0"), "{out}{err}");
+    assert_eq!(new.received().len(), 2);
+    let engine = ws.engine();
+    assert!(!engine.store.endpoints().unwrap()[0].1.disabled);
+    let enabled: Vec<_> = engine.store.audit(&Default::default()).unwrap().into_iter().filter(|r| r.outcome == zonewatch::model::Outcome::EndpointEnabled).collect();
+    assert_eq!(enabled.len(), 1, "{enabled:?}");
+    assert!(enabled[0].detail.contains("target changed in the config"), "{}", enabled[0].detail);
+    let report = engine.store.check_consistency().unwrap();
+    assert!(report.is_consistent(), "{:?}", report.problems);
+}
+
 /// A 410 stops the sends of its endpoint's rows already leased (a pump leases up to the
 /// endpoint's share of the window ahead of its slots): with one slot and 60 rows, the
 /// receiver that said it is gone is asked once. Every row stays queued (none dead, none

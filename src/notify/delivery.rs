@@ -921,6 +921,9 @@ impl Deliverer {
                 .body(body.clone());
             if signature.is_empty() { req } else { req.header(WEBHOOK_SIGNATURE.clone(), signature.as_str()) }
         };
+        // The target this try went to: a 410 from one the subscriber has left disables
+        // nothing, and a disabled endpoint remembers the target it was disabled for.
+        rec.target = Some(plan.target.clone());
         let started = Instant::now();
         let mut sent = request().send().await;
         let failed_after = started.elapsed();
@@ -957,7 +960,6 @@ impl Deliverer {
                     // has left; due at once, so it goes out as soon as an operator enables it
                     // (the disabled endpoint holds it until then). Unless the subscriber has
                     // moved to another target meanwhile: the commit compares this one.
-                    rec.target = Some(plan.target.clone());
                     let now = self.clock.now_ms();
                     rec.decided_ms = Some(now);
                     return DeliveryResult::Retry { id, next_attempt_ms: now, error: HTTP_410_GONE.into() };

@@ -513,7 +513,9 @@ impl Store {
         // The target each 410 was sent to (only those attempts carry one): a 410 from one
         // that is no longer its subscriber's (a `PUT` moved it while the request was in
         // flight) does not disable the endpoint as it is now (it still counts as a failure).
-        let sent_to: std::collections::HashMap<u64, &str> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.target.as_deref()?))).collect();
+        let sent_to: std::collections::HashMap<u64, &str> = attempts.iter().filter(|a| a.result != "sent").filter_map(|a| Some((a.outbox_id, a.target.as_deref()?))).collect();
+        // Endpoints this commit disables, with the target each was disabled for.
+        let mut disabled_for: Vec<(String, String)> = Vec::new();
         // The clock each retry's due time was computed on.
         let decided: std::collections::HashMap<u64, u64> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.decided_ms?))).collect();
         // Rows whose subscriber was deleted while they were sent: not left queued.
@@ -541,6 +543,9 @@ impl Store {
                     if !local {
                         if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {
                             pending.push(row);
+                            if let Some(target) = sent_to.get(&id) {
+                                disabled_for.push((entry.watcher_id.clone(), target.to_string()));
+                            }
                         }
                     }
                 }
@@ -580,6 +585,12 @@ impl Store {
             }
             health_batch.finish()?
         };
+        if !disabled_for.is_empty() {
+            let mut t = wtx.open_table(ENDPOINT_DISABLED_TARGETS)?;
+            for (id, target) in &disabled_for {
+                t.insert(id.as_str(), target.as_str())?;
+            }
+        }
         append_audits(&wtx, &mut pending)?;
         // The clock these retry and breaker times were computed on (`clock_step.rs`).
         super::clock_step::note_due_clock_in(&wtx, now_ms)?;

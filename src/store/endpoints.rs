@@ -234,6 +234,48 @@ pub(super) fn disabled_backlog_in(rtx: &redb::ReadTransaction) -> Result<Vec<Dis
 }
 
 impl Store {
+    /// Enables each of `subscribers` (config subscribers: id, target) whose endpoint was
+    /// disabled for another target than the one it has now (audited `endpoint_enabled`,
+    /// saying the target changed), as a control port `PUT` of a new target does: an operator
+    /// who fixed the URL in the config after a 410 restarts zonewatch and its alerts go out
+    /// (a tester's waited, said by no one). An endpoint disabled before this was recorded
+    /// (schema 12 or older), or for the same target, stays disabled until `endpoints enable`.
+    /// Writes nothing when there is nothing to enable. Returns the ids enabled.
+    pub fn enable_moved_endpoints(&self, subscribers: &[(&str, &str)], now_ms: u64) -> Result<Vec<String>, StoreError> {
+        let moved: Vec<(&str, &str, String)> = {
+            let rtx = self.db.begin_read()?;
+            let Some(targets) = super::check::open_optional(&rtx, ENDPOINT_DISABLED_TARGETS)? else { return Ok(Vec::new()) };
+            if redb::ReadableTableMetadata::is_empty(&targets)? {
+                return Ok(Vec::new());
+            }
+            let mut out = Vec::new();
+            for (id, target) in subscribers {
+                if let Some(was) = targets.get(*id)? {
+                    if was.value() != *target {
+                        out.push((*id, *target, was.value().to_string()));
+                    }
+                }
+            }
+            out
+        };
+        if moved.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
+        let mut enabled = Vec::new();
+        for (id, target, was) in moved {
+            // Looked at again under the write lock: an outcome or an operator may have moved
+            // it meanwhile.
+            let still = wtx.open_table(ENDPOINT_DISABLED_TARGETS)?.get(id)?.is_some_and(|t| t.value() == was);
+            if still && enable_in(&wtx, id, Reset::IfDisabled, &moved_detail(&was, target), now_ms)? {
+                enabled.push(id.to_string());
+            }
+        }
+        wtx.commit()?;
+        Ok(enabled)
+    }
+
     /// Disabled endpoints with alerts waiting for them ([`DisabledBacklog`]).
     pub fn disabled_backlog(&self) -> Result<Vec<DisabledBacklog>, StoreError> {
         disabled_backlog_in(&self.db.begin_read()?)
@@ -281,6 +323,9 @@ pub(super) enum Reset {
 /// with an `endpoint_enabled` audit row saying `detail` when it was disabled. Returns whether
 /// it was disabled.
 pub(super) fn enable_in(wtx: &WriteTransaction, id: &str, reset: Reset, detail: &str, now_ms: u64) -> Result<bool, StoreError> {
+    // The target it was disabled for is forgotten either way (one left by a release that
+    // did not keep them would otherwise enable it again for a target change later on).
+    wtx.open_table(ENDPOINT_DISABLED_TARGETS)?.remove(id)?;
     let was;
     {
         let mut t = wtx.open_table(ENDPOINTS)?;
@@ -305,7 +350,18 @@ pub(super) fn enable_in(wtx: &WriteTransaction, id: &str, reset: Reset, detail: 
 /// again under the same id starts enabled, with a closed breaker).
 pub(super) fn forget_in(wtx: &WriteTransaction, id: &str) -> Result<(), StoreError> {
     wtx.open_table(ENDPOINTS)?.remove(id)?;
+    wtx.open_table(ENDPOINT_DISABLED_TARGETS)?.remove(id)?;
     Ok(())
+}
+
+/// The `endpoint_enabled` detail of an endpoint enabled because its config subscriber's target
+/// changed (shown without a password: the ledger is kept for ever, and logged too).
+fn moved_detail(from: &str, to: &str) -> String {
+    format!(
+        "target changed in the config from {} to {}: the endpoint was disabled for the old URL",
+        crate::util::url_for_display(from),
+        crate::util::url_for_display(to)
+    )
 }
 
 #[cfg(test)]

@@ -75,7 +75,9 @@ use tables::*;
 ///
 /// 13: run records that committed nothing may be removed past `[store] run_retention`, their
 /// counts kept in `runs_swept` (`run_retention.rs`); a version 12 build's `check --store` would
-/// find the run totals above the records. Nothing is rewritten.
+/// find the run totals above the records. A disabled endpoint remembers the target it was
+/// disabled for (`endpoint_disabled_targets`, `endpoints.rs`), which a version 12 build would
+/// leave behind when it enables one. Nothing is rewritten.
 /// 12: control-port subscribers at record version 2 (`secret_old`, `subscribers.rs`) and
 /// quarantine records may name the reason `field_too_long`; a version 11 build would fail on
 /// both (its start on the first, its quarantine listing on the second) instead of refusing
@@ -645,6 +647,7 @@ impl Store {
             wtx.open_table(AUDIT_BY_OUTCOME)?;
             wtx.open_table(RUNS_BY_SOURCE)?;
             wtx.open_table(RUNS_SWEPT)?;
+            wtx.open_table(ENDPOINT_DISABLED_TARGETS)?;
         }
         // The journal's index lives in memory: rebuilt from its rows. Rows whose fingerprints
         // clash (never written so) are merged into `idem_keys`, where no index is needed.

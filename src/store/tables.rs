@@ -115,6 +115,10 @@ pub const RUNS_BY_SOURCE: TableDefinition<(&str, u64), ()> = TableDefinition::ne
 pub const DLQ_QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq_quarantine");
 /// subscriber id → `EndpointState` (disabled flag, circuit breaker, recent outcomes).
 pub const ENDPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("endpoints");
+/// subscriber id → the target its endpoint was disabled for (a 410, `disable_after`; schema 13):
+/// a config subscriber whose target has changed since is enabled when the config is next
+/// loaded (`endpoints.rs`). Removed when the endpoint is enabled.
+pub const ENDPOINT_DISABLED_TARGETS: TableDefinition<&str, &str> = TableDefinition::new("endpoint_disabled_targets");
 /// source id → `SweptRuns`: what the run retention sweep removed of the source's run records
 /// (`run_retention.rs`; schema 13), so its totals still add up.
 pub const RUNS_SWEPT: TableDefinition<&str, &[u8]> = TableDefinition::new("runs_swept");
@@ -131,6 +135,7 @@ macro_rules! every_table {
             DERIVED_SHARES, HELD_SHARES, OUTBOX_LEASES, OUTBOX_RETRY_DUE, DELIVERY_ATTEMPTS, DLQ_REPLAYS,
             DLQ_QUARANTINE, ENDPOINTS, DELIVERY_ATTEMPTS_BY_ROW, PARCEL_TOMBSTONES, PARCEL_TOMBSTONE_AGES,
             AREA_PLACES, HELD_AREA_PLACES, AUDIT_TOTALS, RUN_TOTALS, AUDIT_BY_OUTCOME, RUNS_BY_SOURCE, RUNS_SWEPT,
+            ENDPOINT_DISABLED_TARGETS,
         )
     };
 }
