@@ -859,6 +859,9 @@ pub enum HoldState {
 }
 
 impl HoldState {
+    /// Every [`HoldState::label`].
+    pub const LABELS: [&'static str; 4] = ["open", "released", "primed", "superseded"];
+
     pub fn label(&self) -> &'static str {
         match self {
             HoldState::Open => "open",

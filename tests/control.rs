@@ -139,6 +139,18 @@ async fn control_port_end_to_end() {
         let rel = c.post(d.url(&format!("/v1/holds/{hold_id}/release"))).header("authorization", &auth).send().unwrap();
         assert_eq!(rel.status(), 200);
         assert_eq!(c.post(d.url(&format!("/v1/holds/{hold_id}/prime"))).header("authorization", &auth).send().unwrap().status(), 409);
+        // Holds by state, the newest N (what the dashboard polls).
+        let holds_of = |query: &str| -> (u16, Value) {
+            let r = c.get(d.url(&format!("/v1/holds{query}"))).header("authorization", &auth).send().unwrap();
+            (r.status().as_u16(), r.json().unwrap())
+        };
+        assert_eq!(holds_of("?state=open").1["items"].as_array().unwrap().len(), 0, "released");
+        let (status, released) = holds_of("?state=released,superseded&limit=1");
+        assert_eq!((status, released["items"][0]["run_id"].as_u64()), (200, Some(hold_id)), "{released}");
+        for bad in ["?state=nope", "?state=open,gone", "?limit=0", "?limit=1001", "?limit=x"] {
+            let (status, body) = holds_of(bad);
+            assert_eq!((status, body["error"]["code"].as_str()), (400, Some("bad_query")), "{bad}: {body}");
+        }
         let start = std::time::Instant::now();
         while rx.received().len() < 40 {
             assert!(start.elapsed() < Duration::from_secs(20), "only {} deliveries", rx.received().len());
@@ -800,6 +812,7 @@ const FUZZ_QUERIES: &[(&str, &[&str])] = &[
     ("/v1/runs", &["source", "limit", "cursor"]),
     ("/v1/audit", &["parcel", "watcher", "source", "key", "lineage", "since", "order", "outcome", "limit", "cursor"]),
     ("/v1/changes/recent", &["limit"]),
+    ("/v1/holds", &["state", "limit"]),
 ];
 
 const QUERY_NAMES: &[&str] = &["limit", "cursor", "since", "outcome", "order", "source", "x", "", "limit%00", "LIMIT", "cursor[]"];
@@ -822,6 +835,7 @@ fn hostile_query_value(rng: &mut Lcg, name: &str) -> String {
             "outcome" => return rng.pick(outcomes).to_string(),
             "order" => return rng.pick(HOSTILE_ORDERS).to_string(),
             "source" => return rng.pick(&["s1", "s2", ""]).to_string(),
+            "state" => return rng.pick(&["open", "superseded,open", "open,", ",", "OPEN", "held", ""]).to_string(),
             _ => {}
         }
     }

@@ -74,7 +74,9 @@ pub fn document() -> Value {
                 "200": ok("watermark history, oldest first", json!({"type": "object", "required": ["source_id", "items"], "properties": {"source_id": s("string"), "items": {"type": "array", "items": {"$ref": "#/components/schemas/Watermark"}}}}))}), &["404"])}},
             "/v1/runs": {"get": {"operationId": "listRuns", "parameters": [query_param("source", s("string")), limit.clone(), cursor.clone()],
                 "responses": with_errors(json!({"200": ok("runs, newest first", page_of("Run"))}), &["400"])}},
-            "/v1/holds": {"get": {"operationId": "listHolds", "responses": with_errors(json!({"200": ok("holds", list_of("Hold"))}), &[])}},
+            "/v1/holds": {"get": {"operationId": "listHolds",
+                "parameters": [query_param("state", json!({"type": "string", "description": "comma-separated: open, released, primed, superseded"})), limit.clone()],
+                "responses": with_errors(json!({"200": ok("holds, oldest first (with limit: the newest of them)", list_of("Hold"))}), &["400"])}},
             "/v1/holds/{run}/release": {"post": {"operationId": "releaseHold", "parameters": [run_id.clone()], "responses": with_errors(json!({
                 "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
             "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
