@@ -445,6 +445,9 @@ fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, Strin
     json(StatusCode::OK, &json!({"items": items}))
 }
 
+/// How long a hold's release or prime waits for a run of its source to end.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
 async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
     let st2 = st.clone();
     let r = blocking(move || {
@@ -453,8 +456,14 @@ async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
             Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_hold", format!("hold {id} does not exist")),
             Err(e) => return internal(e),
         };
-        let Some(_lease) = crate::ingest::staging::try_lease(st2.engine.store.path(), &source) else {
-            return error(StatusCode::CONFLICT, "source_busy", format!("a run of {source} is in progress; try again"));
+        // A run of the source under way (one polled every few seconds often is) is waited
+        // for, up to RELEASE_WAIT; the release then finds the hold as that run left it.
+        let Some(_lease) = crate::ingest::staging::lease_within(st2.engine.store.path(), &source, RELEASE_WAIT, &st2.engine.stop) else {
+            return error(
+                StatusCode::CONFLICT,
+                "source_busy",
+                format!("a run of {source} has been in progress for {} s; try again", RELEASE_WAIT.as_secs()),
+            );
         };
         match st2.engine.resolve_hold(id, prime) {
             // What the resolution did: a release of a held first ingest or `--reprocess`

@@ -344,6 +344,23 @@ pub fn try_lease(store_path: &Path, source_id: &str) -> Option<Lease> {
     }
 }
 
+/// [`try_lease`], waiting up to `wait` for a run that holds the lease to end (looked at every
+/// [`crate::run_stop::POLL`]); `None` when it has not ended by then, or once `stop` is
+/// requested. An operator's hold release waits so (a soak tester's release of a source polled
+/// every 5 s was refused `source_busy` twice in a row).
+pub fn lease_within(store_path: &Path, source_id: &str, wait: std::time::Duration, stop: &crate::run_stop::RunStop) -> Option<Lease> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        if let Some(lease) = try_lease(store_path, source_id) {
+            return Some(lease);
+        }
+        if stop.requested() || std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(crate::run_stop::POLL);
+    }
+}
+
 /// Whether a run of `source_id` holds its lease right now.
 pub fn is_leased(store_path: &Path, source_id: &str) -> bool {
     leases().lock().map(|s| s.contains(&(store_path.to_path_buf(), source_id.to_string()))).unwrap_or(false)
@@ -369,6 +386,31 @@ mod tests {
         assert!(try_lease(p, "s2").is_some());
         drop(a);
         assert!(try_lease(p, "s1").is_some());
+    }
+
+    /// A lease taken while a run holds it waits for the run's end, not past `wait`, and not
+    /// once a stop is requested.
+    #[test]
+    fn a_lease_waited_for_is_taken_when_the_run_ends() {
+        use std::time::{Duration, Instant};
+        let p = Path::new("/tmp/lease-wait-test.redb");
+        let stop = crate::run_stop::RunStop::default();
+        let run = try_lease(p, "s").expect("free");
+        let started = Instant::now();
+        assert!(lease_within(p, "s", Duration::from_millis(120), &stop).is_none(), "the run still holds it");
+        assert!(started.elapsed() >= Duration::from_millis(120));
+        let ends = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(run);
+        });
+        let waited = lease_within(p, "s", Duration::from_secs(10), &stop).expect("taken once the run ended");
+        ends.join().expect("thread");
+        drop(waited);
+        let _run = try_lease(p, "s").expect("free");
+        stop.request();
+        let started = Instant::now();
+        assert!(lease_within(p, "s", Duration::from_secs(10), &stop).is_none());
+        assert!(started.elapsed() < Duration::from_secs(1), "a stop ends the wait at once");
     }
 
     /// A body received into the staging directory and staged there, as `geojson_url` does.
