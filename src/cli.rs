@@ -466,16 +466,9 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             }
         }
     });
-    if let Err(e) = engine.store.sweep_expired_keys(engine.now(), 10_000) {
-        warning_line!("sweeping expired idempotency keys failed: {e}");
-    }
-    let horizon = engine.now().saturating_sub(engine.config.delivery.retention.as_millis() as u64);
-    if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
-        warning_line!("retention sweep of delivery attempts failed: {e}");
-    }
-    let horizon = engine.now().saturating_sub(engine.config.run_retention.as_millis() as u64);
-    if let Err(e) = engine.store.sweep_quiet_runs(horizon, 10_000) {
-        warning_line!("retention sweep of run records failed: {e}");
+    // Not when stopped by a signal: what remains is to exit.
+    if !interrupted() {
+        end_of_run_sweeps(&engine);
     }
     if interrupted() {
         let queued = engine.store.outbox_len().unwrap_or(0);
@@ -838,17 +831,17 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = rx.changed() => break,
                     }
                     let now = clock.now_ms();
-                    let n = sweep_in_batches(&store, "key sweep", Store::sweep_expired_keys, now, &rx).await;
+                    let n = sweep_in_batches(&store, "key sweep", move |s, max| s.sweep_expired_keys(now, max), SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "expired idempotency keys removed");
                     }
                     let horizon = clock.now_ms().saturating_sub(retention.as_millis() as u64);
-                    let n = sweep_in_batches(&store, "attempt retention sweep", Store::sweep_attempts, horizon, &rx).await;
+                    let n = sweep_in_batches(&store, "attempt retention sweep", move |s, max| s.sweep_attempts(horizon, max), SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "delivery attempts past retention removed");
                     }
-                    let horizon = clock.now_ms().saturating_sub(run_retention.as_millis() as u64);
-                    let n = sweep_in_batches(&store, "run retention sweep", Store::sweep_quiet_runs, horizon, &rx).await;
+                    let (now, keep) = (clock.now_ms(), run_retention.as_millis() as u64);
+                    let n = sweep_in_batches(&store, "run retention sweep", move |s, max| s.sweep_quiet_runs(now, keep, max), RUN_SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "run records that committed nothing removed past run_retention");
                     }
@@ -900,11 +893,31 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
     0
 }
 
+/// What `run` sweeps once its sources and delivery are done (`serve` sweeps every 10
+/// minutes): expired idempotency keys, delivery attempts past `retention`, run records that
+/// committed nothing past `run_retention`; one batch each.
+fn end_of_run_sweeps(engine: &Engine) {
+    if let Err(e) = engine.store.sweep_expired_keys(engine.now(), 10_000) {
+        warning_line!("sweeping expired idempotency keys failed: {e}");
+    }
+    let horizon = engine.now().saturating_sub(engine.config.delivery.retention.as_millis() as u64);
+    if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
+        warning_line!("retention sweep of delivery attempts failed: {e}");
+    }
+    if let Err(e) = engine.store.sweep_quiet_runs(engine.now(), engine.config.run_retention.as_millis() as u64, RUN_SWEEP_BATCH) {
+        warning_line!("retention sweep of run records failed: {e}");
+    }
+}
+
 /// How often `serve` makes sure its store's path still names the file it has open.
 const STORE_FILE_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Rows one sweep call may delete: bounds how long a sweep holds the write lock.
 const SWEEP_BATCH: usize = 10_000;
+/// Run records one retention sweep call may remove (each with its index entry and history
+/// row): smaller than [`SWEEP_BATCH`], the catch-up of a store upgraded with years of records
+/// leaves the write lock to outcome and run commits more often.
+const RUN_SWEEP_BATCH: usize = 2_000;
 /// Batches one sweep period may run back to back.
 const SWEEP_BATCHES_PER_PERIOD: usize = 100;
 
@@ -917,8 +930,8 @@ const SWEEP_BATCHES_PER_PERIOD: usize = 100;
 async fn sweep_in_batches(
     store: &Arc<Store>,
     what: &'static str,
-    sweep: fn(&Store, u64, usize) -> Result<usize, StoreError>,
-    arg: u64,
+    sweep: impl Fn(&Store, usize) -> Result<usize, StoreError> + Send + Copy + 'static,
+    batch: usize,
     shutdown: &tokio::sync::watch::Receiver<bool>,
 ) -> usize {
     let mut total = 0;
@@ -927,7 +940,7 @@ async fn sweep_in_batches(
             break;
         }
         let s = store.clone();
-        match tokio::task::spawn_blocking(move || sweep(&s, arg, SWEEP_BATCH)).await {
+        match tokio::task::spawn_blocking(move || sweep(&s, batch)).await {
             Ok(Ok(n)) => {
                 total += n;
                 // Until a batch deletes nothing: a batch can delete fewer than it took (keys

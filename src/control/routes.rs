@@ -459,6 +459,9 @@ async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
         // A run of the source under way (one polled every few seconds often is) is waited
         // for, up to RELEASE_WAIT; the release then finds the hold as that run left it.
         let Some(_lease) = crate::ingest::staging::lease_within(st2.engine.store.path(), &source, RELEASE_WAIT, &st2.engine.stop) else {
+            if st2.engine.stop.requested() {
+                return error(StatusCode::SERVICE_UNAVAILABLE, "stopping", format!("zonewatch is stopping; the hold of {source} is left open"));
+            }
             return error(
                 StatusCode::CONFLICT,
                 "source_busy",

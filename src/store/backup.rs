@@ -27,15 +27,16 @@ enum CopyError {
 }
 
 macro_rules! copy_tables {
-    ($rtx:expr, $wtx:expr, $rows:expr, $($def:expr),* $(,)?) => {{
+    ($rtx:expr, $wtx:expr, $rows:expr, $older:expr, $($def:expr),* $(,)?) => {{
         let store = |e: redb::Error| CopyError::Store(e);
         let backup = |e: redb::Error| CopyError::Backup(e);
         let mut n = 0usize;
         $(
             // A table a read-only file of an older schema lacks (see `SAME_TABLES_SINCE`) is
-            // left out: the copy's next open creates it, as it would the file's own.
+            // left out: the copy's next open creates it, as it would the file's own. In a
+            // file of this schema a missing table is damage, and the backup fails on it.
             match $rtx.open_table($def) {
-                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(redb::TableError::TableDoesNotExist(_)) if $older => {}
                 Err(e) => return Err(store(e.into())),
                 Ok(src) => {
                     let mut dst = $wtx.open_table($def).map_err(|e| backup(e.into()))?;
@@ -161,15 +162,15 @@ fn handoff_command_gone(name: &str) -> bool {
     !Path::new("/proc").join(pid).exists()
 }
 
-fn copy_all(rtx: &ReadTransaction, wtx: &WriteTransaction, rows: &mut u64) -> Result<usize, CopyError> {
-    Ok(every_table!(copy_tables!(rtx, wtx, *rows,)))
+fn copy_all(rtx: &ReadTransaction, wtx: &WriteTransaction, rows: &mut u64, older: bool) -> Result<usize, CopyError> {
+    Ok(every_table!(copy_tables!(rtx, wtx, *rows, older,)))
 }
 
 impl Store {
     /// Writes a consistent copy of the store to `dest` (which must not exist). The copy is
     /// written to a temp file beside `dest`, checked, then renamed into place.
     pub fn backup_to(&self, dest: &Path) -> Result<BackupInfo, StoreError> {
-        backup_from(|| Ok(self.db.begin_read()?), dest)
+        backup_from(|| Ok(self.db.begin_read()?), dest, false)
     }
 
     /// Names of the tables in the store (for the backup completeness check).
@@ -182,7 +183,8 @@ impl Store {
 }
 
 /// The oldest schema whose tables are the ones this build copies (12 changed records, not
-/// tables; 13 added `runs_swept`, which an older file lacks and its copy leaves out): a
+/// tables; 13 added `runs_swept` and `endpoint_disabled_targets`, which an older file lacks
+/// and its copy leaves out): a
 /// read-only backup copies such a file as it is, and the copy is upgraded when it is next
 /// opened.
 const SAME_TABLES_SINCE: u32 = 11;
@@ -217,12 +219,13 @@ pub fn backup_read_only(path: &Path, dest: &Path) -> Result<BackupInfo, StoreErr
             "its format version is {found}: read-only, it cannot be upgraded, and this build ({SCHEMA_VERSION}) copies the tables of versions {SAME_TABLES_SINCE} to {SCHEMA_VERSION} only; back it up with the release that wrote it, or {copy_it}"
         )));
     }
-    backup_from(|| Ok(redb::ReadableDatabase::begin_read(&db)?), dest)
+    backup_from(|| Ok(redb::ReadableDatabase::begin_read(&db)?), dest, schema < SCHEMA_VERSION)
 }
 
 /// Writes the tables `begin_read` gives to `dest` (which must not exist): see
 /// [`Store::backup_to`].
-fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>, dest: &Path) -> Result<BackupInfo, StoreError> {
+/// `older`: the file is of an older schema than this build's, whose newer tables it may lack.
+fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>, dest: &Path, older: bool) -> Result<BackupInfo, StoreError> {
     let exists = || StoreError::Conflict(format!("backup destination {} already exists", dest.display()));
     if dest.exists() {
         return Err(exists());
@@ -242,7 +245,7 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     let copied = super::on_other_file(|| -> Result<Result<usize, redb::Error>, StoreError> {
         let db = Database::create(tmp.path())?;
         let wtx = db.begin_write()?;
-        match copy_all(&rtx, &wtx, &mut rows) {
+        match copy_all(&rtx, &wtx, &mut rows, older) {
             Ok(tables) => {
                 wtx.commit()?;
                 Ok(Ok(tables))

@@ -594,13 +594,13 @@ impl Store {
         append_audits(&wtx, &mut pending)?;
         // The clock these retry and breaker times were computed on (`clock_step.rs`).
         super::clock_step::note_due_clock_in(&wtx, now_ms)?;
-        wtx.commit()?;
+        // The leases are dropped after the commit, never before (see `leases::Leases`: a lease
+        // pass that no longer finds the lease opens its snapshot after this commit), and under
+        // the lease lock taken before it (see `Leases::commit_and_release`).
+        self.leases.commit_and_release(wtx, results.iter().map(DeliveryResult::id))?;
         if let Some(m) = moved {
             super::clock_step::say_moved(&m);
         }
-        // After the commit, never before (see `leases::Leases`): a lease pass that no longer
-        // finds the lease opens its snapshot after this commit.
-        self.leases.release(results.iter().map(DeliveryResult::id));
         Ok(closed)
     }
 

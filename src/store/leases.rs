@@ -120,12 +120,20 @@ impl Leases {
         ids.into_iter().filter(|id| state.by_row.get(id).is_some_and(|l| l.revoked)).collect()
     }
 
-    /// Drops the leases of rows whose outcome has been committed.
-    pub(super) fn release(&self, ids: impl IntoIterator<Item = u64>) {
+    /// Commits `wtx`, which records the outcomes of rows `ids`, and drops their leases, with
+    /// the lease lock taken before the commit (the lock order holds: the write transaction
+    /// first). An operator's action that takes the write lock as soon as this commit lands
+    /// ([`Leases::while_held`]) then never finds the lease of a row whose send has ended (a
+    /// second reader: a subscriber's delete marked such a lease revoked, the release then
+    /// dropped the mark, and the row the answer left queued could go to a subscriber of that
+    /// id created again). A commit that fails keeps the leases.
+    pub(super) fn commit_and_release(&self, wtx: redb::WriteTransaction, ids: impl IntoIterator<Item = u64>) -> Result<(), StoreError> {
         let mut state = self.lock();
+        wtx.commit()?;
         for id in ids {
             state.by_row.remove(&id);
         }
+        Ok(())
     }
 }
 

@@ -10,8 +10,9 @@
 //!
 //! What is never removed: a run that committed data or was held (`baseline`, `run`,
 //! `reprocessed`, `held`: their lineage ids name audit rows, holds and watermarks), a
-//! source's newest run record (what `GET /v1/sources` shows as its last run), and a record that
-//! does not decode (`check --store` names it). Run ids are never reused: the store's newest
+//! source's newest run record (what `GET /v1/sources` shows as its last run; once a newer one
+//! exists it goes too, `SweptRuns::held_back`), a record written under a clock more than a day
+//! ahead (stepped over), and a record that does not decode (`check --store` names it). Run ids are never reused: the store's newest
 //! record is its source's newest, so it stays, and the next id is counted from it.
 //!
 //! Invariant: a record is removed in the transaction that removes its `runs_by_source` entry
@@ -41,6 +42,10 @@ pub struct SweptRuns {
     /// the totals' `latest_features` may have come from it.
     pub latest_features: u64,
     pub latest_features_run: u64,
+    /// The source's newest record when the sweep's cursor went past it (it committed
+    /// nothing and finished before the horizon, but had no newer record to let it go): looked
+    /// at again by every pass until it may be removed.
+    pub held_back: Option<u64>,
 }
 
 impl SweptRuns {
@@ -80,74 +85,127 @@ fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
     Ok(v.and_then(|v| <[u8; 8]>::try_from(v.value()).ok()).map(u64::from_le_bytes).unwrap_or(0))
 }
 
+/// How far ahead of the sweep's clock a record's time may be before it is taken as written
+/// under a clock that ran ahead (a second reader: one such record ended every pass, so a clock
+/// a year ahead for five minutes stopped the retention for a year).
+const FUTURE_MS: u64 = 86_400_000;
+
+/// Whether `record` may be removed now: it committed nothing, finished before `before_ms`, and
+/// its source has a newer record.
+fn due(index: &redb::Table<'_, (&str, u64), ()>, record: &RunRecord, before_ms: u64) -> Result<bool, StoreError> {
+    if !removable(record.verdict) || record.finished_ms >= before_ms {
+        return Ok(false);
+    }
+    let newer = (record.source_id.as_str(), record.run_id.saturating_add(1))..=(record.source_id.as_str(), u64::MAX);
+    Ok(index.range(newer)?.next().is_some())
+}
+
 impl Store {
-    /// Removes up to `max` run records that committed nothing and finished before
-    /// `before_ms`, oldest first, in one transaction (see the module doc for what stays).
-    /// Returns how many it removed; 0 when there is nothing (more) to remove now.
-    pub fn sweep_quiet_runs(&self, before_ms: u64, max: usize) -> Result<usize, StoreError> {
+    /// Removes up to `max` run records that committed nothing and finished more than
+    /// `retention_ms` before `now_ms`, oldest first, in one transaction (see the module doc
+    /// for what stays). Returns how many it removed; 0 when there is nothing (more) to remove
+    /// now.
+    pub fn sweep_quiet_runs(&self, now_ms: u64, retention_ms: u64, max: usize) -> Result<usize, StoreError> {
+        let before_ms = now_ms.saturating_sub(retention_ms);
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let from = swept_below(&wtx)?;
-        let mut doomed: Vec<RunRecord> = Vec::new();
+        // Every source's tally (a row per source that ever had a record removed or held back).
+        // One that does not decode starts afresh, with an error: the totals can then no longer
+        // be checked against the records (`check --store` says so), but the sweep goes on for
+        // every source (a second reader: one damaged row stopped it for all of them).
+        let mut tallies: BTreeMap<String, SweptRuns> = BTreeMap::new();
+        for item in wtx.open_table(RUNS_SWEPT)?.iter()? {
+            let (k, v) = item?;
+            let tally = decode::<SweptRuns>(v.value()).unwrap_or_else(|why| {
+                tracing::error!(source = k.value(), %why, "the tally of run records removed by the retention sweep does not decode; counted afresh (check --store names the difference)");
+                SweptRuns::default()
+            });
+            tallies.insert(k.value().to_string(), tally);
+        }
+        let mut changed: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+        let mut doomed: BTreeMap<u64, RunRecord> = BTreeMap::new();
         let mut next_from = from;
         {
             let runs = wtx.open_table(RUNS)?;
             let index = wtx.open_table(RUNS_BY_SOURCE)?;
-            let mut read = 0usize;
-            for item in runs.range(from..)? {
+            let record_of = |run_id: u64| -> Result<Option<RunRecord>, StoreError> { Ok(runs.get(run_id)?.and_then(|v| decode::<RunRecord>(v.value()).ok())) };
+            // Records the cursor went past while each was its source's newest: removed once a
+            // newer one of the source exists (a source run less often than the retention kept
+            // every record otherwise).
+            for (source, tally) in tallies.iter_mut() {
+                let Some(id) = tally.held_back else { continue };
+                match record_of(id)? {
+                    Some(record) if record.source_id == *source => {
+                        if due(&index, &record, before_ms)? {
+                            tally.held_back = None;
+                            changed.insert(source.clone());
+                            doomed.insert(id, record);
+                        }
+                    }
+                    _ => {
+                        tally.held_back = None;
+                        changed.insert(source.clone());
+                    }
+                }
+            }
+            for (read, item) in runs.range(from..)?.enumerate() {
+                if doomed.len() >= max || read >= max.saturating_mul(READS_PER_REMOVAL) {
+                    break;
+                }
                 let (k, v) = item?;
                 let run_id = k.value();
                 match decode::<RunRecord>(v.value()) {
+                    // Written under a clock that ran ahead: kept, and stepped over.
+                    Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => {}
                     // Records are in run order, which is time order but for a clock stepped
                     // back: the first one inside retention ends the pass (a later one from
                     // before a step back waits for its turn, kept a little longer).
                     Ok(record) if record.finished_ms >= before_ms => break,
                     Ok(record) => {
-                        let newer_of_source = index.range((record.source_id.as_str(), run_id + 1)..=(record.source_id.as_str(), u64::MAX))?.next().is_some();
-                        if removable(record.verdict) && newer_of_source {
-                            doomed.push(record);
+                        if due(&index, &record, before_ms)? {
+                            doomed.insert(run_id, record);
+                        } else if removable(record.verdict) {
+                            // Its source's newest: looked at again by later passes.
+                            let tally = tallies.entry(record.source_id.clone()).or_default();
+                            if let Some(older) = tally.held_back.replace(run_id) {
+                                if let Some(old) = record_of(older)?.filter(|r| r.source_id == record.source_id) {
+                                    if due(&index, &old, before_ms)? {
+                                        doomed.insert(older, old);
+                                    }
+                                }
+                            }
+                            changed.insert(record.source_id.clone());
                         }
                     }
                     Err(_) => {}
                 }
                 next_from = run_id + 1;
-                read += 1;
-                if doomed.len() >= max || read >= max.saturating_mul(READS_PER_REMOVAL) {
-                    break;
-                }
             }
         }
-        if doomed.is_empty() && next_from == from {
+        if doomed.is_empty() && changed.is_empty() && next_from == from {
             wtx.abort()?;
             return Ok(0);
         }
-        let mut tallies: BTreeMap<&str, SweptRuns> = BTreeMap::new();
         {
             let mut runs = wtx.open_table(RUNS)?;
             let mut index = wtx.open_table(RUNS_BY_SOURCE)?;
             let mut history = wtx.open_table(WATERMARK_HISTORY)?;
-            let swept = wtx.open_table(RUNS_SWEPT)?;
-            for record in &doomed {
+            for record in doomed.values() {
                 let source = record.source_id.as_str();
                 runs.remove(record.run_id)?;
                 index.remove((source, record.run_id))?;
                 history.remove((source, record.run_id))?;
-                if !tallies.contains_key(source) {
-                    let stored = match swept.get(source)? {
-                        Some(v) => decode::<SweptRuns>(v.value()).map_err(|m| super::runs::codec_err("runs_swept", m))?,
-                        None => SweptRuns::default(),
-                    };
-                    tallies.insert(source, stored);
-                }
-                if let Some(t) = tallies.get_mut(source) {
-                    t.add(record);
-                }
+                tallies.entry(record.source_id.clone()).or_default().add(record);
+                changed.insert(record.source_id.clone());
             }
         }
         {
             let mut swept = wtx.open_table(RUNS_SWEPT)?;
-            for (source, tally) in &tallies {
-                swept.insert(*source, encode(tally).as_slice())?;
+            for source in &changed {
+                if let Some(tally) = tallies.get(source) {
+                    swept.insert(source.as_str(), encode(tally).as_slice())?;
+                }
             }
         }
         wtx.open_table(META)?.insert(META_RUNS_SWEPT_BELOW, next_from.to_le_bytes().as_slice())?;
@@ -225,6 +283,17 @@ mod tests {
         out
     }
 
+    /// [`sweep_all`] at `now_ms` with a retention of `retention_ms`, a batch of 2.
+    fn sweep_all_at(store: &Store, now_ms: u64, retention_ms: u64) -> usize {
+        let mut n = 0;
+        loop {
+            match store.sweep_quiet_runs(now_ms, retention_ms, 2).expect("sweep") {
+                0 => return n,
+                removed => n += removed,
+            }
+        }
+    }
+
     /// Sweeps until a pass removes nothing and moves its cursor no further.
     fn sweep_all(store: &Store, before_ms: u64, batch: usize) -> usize {
         let mut n = 0;
@@ -235,7 +304,7 @@ mod tests {
                 wtx.abort().expect("abort");
                 c
             };
-            let removed = store.sweep_quiet_runs(before_ms, batch).expect("sweep");
+            let removed = store.sweep_quiet_runs(before_ms, 0, batch).expect("sweep");
             n += removed;
             let moved = {
                 let wtx = store.db.begin_write().expect("write");
@@ -320,24 +389,56 @@ mod tests {
         assert!(append(&store, "a", Verdict::Skip, now + 1, 0) > highest_id);
     }
 
-    /// A `runs_swept` row that does not decode stops the sweep (its counts cannot be added
-    /// to) and is named by `check --store`; nothing is removed meanwhile.
+    /// A `runs_swept` row that does not decode is named by `check --store`, and does not stop
+    /// the sweep (a second reader: it stopped it for every source): counted afresh, after
+    /// which the check names the counts it lost.
     #[test]
-    fn a_damaged_tally_stops_the_sweep_and_is_named() {
+    fn a_damaged_tally_is_named_and_counted_afresh() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(&dir.path().join("zw.redb")).expect("open");
         for i in 0..4 {
             append(&store, "s", Verdict::Skip, 10 + i, 0);
+            append(&store, "t", Verdict::Skip, 10 + i, 0);
         }
-        assert_eq!(store.sweep_quiet_runs(12, 10).expect("sweep"), 2, "those that finished before 12");
+        assert_eq!(store.sweep_quiet_runs(12, 0, 10).expect("sweep"), 4, "those that finished before 12");
         let wtx = store.db.begin_write().expect("write");
         wtx.open_table(RUNS_SWEPT).expect("swept").insert("s", [0xFFu8, 1].as_slice()).expect("insert");
         wtx.commit().expect("commit");
-        assert!(store.sweep_quiet_runs(100, 10).is_err(), "a tally it cannot add to");
-        assert_eq!(all_records(&store).len(), 2);
         let problems = store.check_consistency().expect("check").problems.join("\n");
         assert!(problems.contains("runs_swept row of source s"), "{problems}");
-        assert!(!problems.contains("differ from its run records"), "{problems}");
+        assert_eq!(sweep_all(&store, 100, 10), 2, "both sources go on");
+        assert_eq!(all_records(&store).len(), 2, "each source's newest");
+        let problems = store.check_consistency().expect("check").problems.join("\n");
+        assert!(problems.contains("run totals of source s differ from its run records"), "{problems}");
+        assert!(!problems.contains("source t"), "{problems}");
+    }
+
+    /// A record that was its source's newest when the sweep went past it is removed once a
+    /// newer one exists (a second reader: a source run less often than the retention kept
+    /// every record), and a record from a clock that ran ahead does not end every pass.
+    #[test]
+    fn a_record_held_back_as_the_newest_goes_later_and_one_from_the_future_is_stepped_over() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        const HOUR: u64 = 3_600_000;
+        let daily = append(&store, "daily", Verdict::Skip, 10 * HOUR, 0);
+        assert_eq!(store.sweep_quiet_runs(12 * HOUR, HOUR, 10).expect("sweep"), 0, "its source's newest");
+        let next = append(&store, "daily", Verdict::Skip, 34 * HOUR, 0);
+        // Before the newer one is past the horizon itself: the held-back one is looked at again.
+        assert_eq!(store.sweep_quiet_runs(34 * HOUR + HOUR / 2, HOUR, 10).expect("sweep"), 1);
+        let ids: Vec<u64> = all_records(&store).iter().map(|r| r.run_id).collect();
+        assert_eq!(ids, vec![next], "{daily} removed");
+        // A year ahead for a moment, then the right time again.
+        let year = 365 * 24 * HOUR;
+        append(&store, "s", Verdict::Skip, 40 * HOUR + year, 0);
+        for h in 41..45 {
+            append(&store, "s", Verdict::Skip, h * HOUR, 0);
+        }
+        let future = all_records(&store)[1].run_id;
+        assert_eq!(sweep_all_at(&store, 50 * HOUR, HOUR), 3, "the three before the newest, after the future one");
+        let kept: Vec<u64> = all_records(&store).iter().map(|r| r.run_id).collect();
+        assert!(kept.contains(&future) && kept.len() == 3, "{kept:?}");
+        assert!(store.check_consistency().expect("check").is_consistent());
     }
 
     /// A store whose totals row was damaged is counted again from its records and what the
