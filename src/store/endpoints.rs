@@ -268,7 +268,7 @@ impl Store {
             // Looked at again under the write lock: an outcome or an operator may have moved
             // it meanwhile.
             let still = wtx.open_table(ENDPOINT_DISABLED_TARGETS)?.get(id)?.is_some_and(|t| t.value() == was);
-            if still && enable_in(&wtx, id, Reset::IfDisabled, &moved_detail(&was, target), now_ms)? {
+            if still && enable_in(&wtx, id, Reset::IfDisabled, &moved_detail(" in the config", &was, target), now_ms)? {
                 enabled.push(id.to_string());
             }
         }
@@ -354,11 +354,12 @@ pub(super) fn forget_in(wtx: &WriteTransaction, id: &str) -> Result<(), StoreErr
     Ok(())
 }
 
-/// The `endpoint_enabled` detail of an endpoint enabled because its config subscriber's target
-/// changed (shown without a password: the ledger is kept for ever, and logged too).
-fn moved_detail(from: &str, to: &str) -> String {
+/// The `endpoint_enabled` detail of an endpoint enabled because its subscriber's target
+/// changed (`how`: "" for a control-port edit, " in the config"), shown without a password
+/// (the ledger is kept for ever, and logged too).
+pub(super) fn moved_detail(how: &str, from: &str, to: &str) -> String {
     format!(
-        "target changed in the config from {} to {}: the endpoint was disabled for the old URL",
+        "target changed{how} from {} to {}: the endpoint was disabled for the old URL",
         crate::util::url_for_display(from),
         crate::util::url_for_display(to)
     )

@@ -50,10 +50,7 @@ pub struct SweptRuns {
 
 impl SweptRuns {
     fn add(&mut self, record: &RunRecord) {
-        match self.verdicts.iter_mut().find(|(v, _)| *v == record.verdict) {
-            Some((_, n)) => *n = n.saturating_add(1),
-            None => self.verdicts.push((record.verdict, 1)),
-        }
+        super::totals::count_verdict(&mut self.verdicts, record.verdict, 1);
         if record.counts.features > 0 && record.run_id >= self.latest_features_run {
             self.latest_features = record.counts.features;
             self.latest_features_run = record.run_id;

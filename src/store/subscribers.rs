@@ -159,13 +159,7 @@ impl Store {
         };
         let re_enabled = match &previous {
             Some(p) if p.target != sub.target => {
-                // Shown without a password (the ledger is kept for ever, and logged too).
-                let detail = format!(
-                    "target changed from {} to {}: the endpoint was disabled for the old URL",
-                    crate::util::url_for_display(&p.target),
-                    crate::util::url_for_display(&sub.target)
-                );
-                enable_in(&wtx, &sub.id, Reset::IfDisabled, &detail, now_ms)?
+                enable_in(&wtx, &sub.id, Reset::IfDisabled, &super::endpoints::moved_detail("", &p.target, &sub.target), now_ms)?
             }
             Some(_) => false,
             // A new subscriber starts enabled: health left under its id (a send to a deleted

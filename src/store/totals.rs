@@ -41,10 +41,7 @@ pub struct SourceRunTotals {
 impl SourceRunTotals {
     /// Counts one more run record (records are added in run-id order).
     fn add(&mut self, record: &RunRecord) {
-        match self.verdicts.iter_mut().find(|(v, _)| *v == record.verdict) {
-            Some((_, n)) => *n = n.saturating_add(1),
-            None => self.verdicts.push((record.verdict, 1)),
-        }
+        count_verdict(&mut self.verdicts, record.verdict, 1);
         if matches!(record.verdict, Verdict::Run | Verdict::Reprocessed) {
             self.changes = self.changes.saturating_add(record.counts.changes);
         }
@@ -57,6 +54,15 @@ impl SourceRunTotals {
     /// Every run of the source, whatever its verdict.
     pub fn runs(&self) -> u64 {
         self.verdicts.iter().fold(0, |sum, (_, n)| sum.saturating_add(*n))
+    }
+}
+
+/// Adds `n` runs of `verdict` to a list of runs per verdict (in the order each verdict first
+/// occurred).
+pub(super) fn count_verdict(verdicts: &mut Vec<(Verdict, u64)>, verdict: Verdict, n: u64) {
+    match verdicts.iter_mut().find(|(v, _)| *v == verdict) {
+        Some((_, m)) => *m = m.saturating_add(n),
+        None => verdicts.push((verdict, n)),
     }
 }
 
@@ -307,10 +313,7 @@ impl Recount {
         for (source, removed) in swept {
             let totals = self.runs.entry(source.clone()).or_default();
             for (verdict, n) in &removed.verdicts {
-                match totals.verdicts.iter_mut().find(|(v, _)| v == verdict) {
-                    Some((_, m)) => *m = m.saturating_add(*n),
-                    None => totals.verdicts.push((*verdict, *n)),
-                }
+                count_verdict(&mut totals.verdicts, *verdict, *n);
             }
             if removed.latest_features_run > self.features_run.get(source).copied().unwrap_or(0) {
                 totals.latest_features = removed.latest_features;
