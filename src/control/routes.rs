@@ -254,13 +254,10 @@ fn list_holds(st: &ControlState, q: &std::collections::HashMap<String, String>) 
         Ok(Some(n)) => return error(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}")),
         Err(r) => return *r,
     };
-    let holds = match st.engine.store.holds() {
-        Ok(h) => h,
-        Err(e) => return internal(e),
-    };
-    let matching: Vec<&Hold> = holds.iter().filter(|h| states.as_ref().is_none_or(|s| s.contains(&h.state.label()))).collect();
-    let items: Vec<Value> = matching[matching.len().saturating_sub(limit)..].iter().map(|h| hold_json(h)).collect();
-    json(StatusCode::OK, &json!({"items": items}))
+    match st.engine.store.newest_holds(|h| states.as_ref().is_none_or(|s| s.contains(&h.state.label())), limit) {
+        Ok(holds) => json(StatusCode::OK, &json!({"items": holds.iter().map(hold_json).collect::<Vec<_>>()})),
+        Err(e) => internal(e),
+    }
 }
 
 fn list_sources(st: &ControlState) -> Resp {

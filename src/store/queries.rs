@@ -356,6 +356,24 @@ impl Store {
         holds_in(&self.db.begin_read()?)
     }
 
+    /// The newest `limit` holds that `keep` accepts, oldest first: read back from the newest
+    /// and no further than needed (the dashboard's latest resolved holds, however many a
+    /// source held for days superseded).
+    pub fn newest_holds(&self, keep: impl Fn(&Hold) -> bool, limit: usize) -> Result<Vec<Hold>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(HOLDS)?;
+        let mut out = Vec::new();
+        for item in t.iter()?.rev() {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, v) = item?;
+            out.extend(readable_hold(k.value(), v.value()).filter(|h| keep(h)));
+        }
+        out.reverse();
+        Ok(out)
+    }
+
     pub fn hold(&self, run_id: u64) -> Result<Option<Hold>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(HOLDS)?;
@@ -525,6 +543,50 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The newest holds of the states asked for, oldest first, as a filter of every hold
+    /// would give them (the dashboard's latest resolved holds).
+    #[test]
+    fn the_newest_holds_are_those_of_every_hold_filtered() {
+        use crate::model::{Hold, HoldState, Watermark};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        let wtx = store.db.begin_write().expect("write");
+        {
+            let mut t = wtx.open_table(HOLDS).expect("holds");
+            for run_id in 1..=40u64 {
+                let state = match run_id % 4 {
+                    0 => HoldState::Open,
+                    1 => HoldState::Superseded { at_ms: run_id, by_run: run_id + 1 },
+                    2 => HoldState::Released { at_ms: run_id, run_id: run_id + 1 },
+                    _ => HoldState::Primed { at_ms: run_id, run_id: run_id + 1 },
+                };
+                let hold = Hold {
+                    run_id,
+                    source_id: "s".into(),
+                    lineage_id: String::new(),
+                    created_ms: run_id,
+                    reason: "change_spike".into(),
+                    state,
+                    digest: String::new(),
+                    watermark: Watermark::default(),
+                    changes: 1,
+                    features: 1,
+                    reprocess: false,
+                };
+                t.insert(run_id, super::super::watermark_rows::encode_hold(&hold).as_slice()).expect("insert");
+            }
+        }
+        wtx.commit().expect("commit");
+        let all = store.holds().expect("holds");
+        for (states, limit) in [(vec!["open"], 3), (vec!["released", "superseded"], 7), (vec!["primed"], 100), (vec!["open", "primed", "released", "superseded"], 40)] {
+            let keep = |h: &Hold| states.contains(&h.state.label());
+            let filtered: Vec<&Hold> = all.iter().filter(|h| keep(h)).collect();
+            let expected: Vec<u64> = filtered[filtered.len().saturating_sub(limit)..].iter().map(|h| h.run_id).collect();
+            let got: Vec<u64> = store.newest_holds(keep, limit).expect("newest").iter().map(|h| h.run_id).collect();
+            assert_eq!(got, expected, "{states:?} {limit}");
+        }
+    }
 
     /// A damaged audit row is left out of a read of the ledger, in both directions, and the
     /// rows around it are read (the read failed whole).
