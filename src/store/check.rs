@@ -595,15 +595,15 @@ fn totals_problems(
     let (Some(audit_totals), Some(run_totals)) = (open_optional(rtx, AUDIT_TOTALS)?, open_optional(rtx, RUN_TOTALS)?) else {
         return Ok(out);
     };
-    // What the run retention sweep removed counts in the totals as the records did.
-    let mut swept_unreadable = false;
+    // What the run retention sweep removed counts in the totals as the records did. A
+    // source whose tally does not decode is named, and its totals are not compared.
+    let mut swept_unreadable = Vec::new();
     if let Some(swept) = open_optional(rtx, RUNS_SWEPT)? {
-        match super::run_retention::read_swept(&swept) {
-            Ok(swept) => recount.add_swept(&swept),
-            Err(why) => {
-                out.push(format!("{why} (the run totals cannot be checked against the run records without it)"));
-                swept_unreadable = true;
-            }
+        let (swept, damaged) = super::run_retention::read_swept(&swept)?;
+        recount.add_swept(&swept);
+        for (source, why) in damaged {
+            out.push(format!("{why} (the run totals of source {source} cannot be checked against its run records without it)"));
+            swept_unreadable.push(source);
         }
     }
     let mut stored = std::collections::BTreeMap::new();
@@ -611,9 +611,13 @@ fn totals_problems(
         let (k, v) = item?;
         stored.insert(k.value().to_string(), decode::<super::SourceRunTotals>(v.value()));
     }
-    if unreadable_runs > 0 || swept_unreadable {
+    if unreadable_runs > 0 {
         stored.clear();
         recount.runs.clear();
+    }
+    for source in &swept_unreadable {
+        stored.remove(source);
+        recount.runs.remove(source);
     }
     let audit = if unreadable_audit_rows > 0 { Vec::new() } else { super::totals::read_audit_totals(&audit_totals)? };
     out.extend(recount.differences(&audit, &stored));

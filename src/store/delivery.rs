@@ -595,9 +595,10 @@ impl Store {
         // The clock these retry and breaker times were computed on (`clock_step.rs`).
         super::clock_step::note_due_clock_in(&wtx, now_ms)?;
         // The leases are dropped after the commit, never before (see `leases::Leases`: a lease
-        // pass that no longer finds the lease opens its snapshot after this commit), and under
-        // the lease lock taken before it (see `Leases::commit_and_release`).
-        self.leases.commit_and_release(wtx, results.iter().map(DeliveryResult::id))?;
+        // pass that no longer finds the lease opens its snapshot after this commit), marked
+        // settling while it lands (see `Leases::commit_and_release`).
+        let ids: Vec<u64> = results.iter().map(DeliveryResult::id).collect();
+        self.leases.commit_and_release(wtx, &ids)?;
         if let Some(m) = moved {
             super::clock_step::say_moved(&m);
         }

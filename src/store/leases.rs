@@ -68,11 +68,15 @@ pub(super) struct Lease {
     /// `subscriber_deleted` instead, and no later pass leases it meanwhile, so it never goes
     /// to a subscriber of that id created again.
     revoked: bool,
+    /// The outcome of its send is being committed ([`Leases::commit_and_release`]): once the
+    /// commit lands the row is as the outcome left it, so an operator's action takes it as not
+    /// sending.
+    settling: bool,
 }
 
 impl Lease {
     fn new(now_ms: u64, lease_ms: u64) -> Self {
-        Lease { until_ms: now_ms.saturating_add(lease_ms), until: std::time::Instant::now().checked_add(std::time::Duration::from_millis(lease_ms)), sending: false, revoked: false }
+        Lease { until_ms: now_ms.saturating_add(lease_ms), until: std::time::Instant::now().checked_add(std::time::Duration::from_millis(lease_ms)), sending: false, revoked: false, settling: false }
     }
 
     fn held_at(&self, now_ms: u64) -> bool {
@@ -101,7 +105,7 @@ impl Leases {
     /// (no lease pass waits for a write lock while holding it).
     pub(super) fn while_held<R, E>(&self, f: impl FnOnce(&dyn Fn(u64) -> bool) -> Result<(R, Vec<u64>, Vec<u64>), E>) -> Result<R, E> {
         let mut state = self.lock();
-        let (out, resolved, left_sending) = f(&|id| state.by_row.get(&id).is_some_and(|l| l.sending))?;
+        let (out, resolved, left_sending) = f(&|id| state.by_row.get(&id).is_some_and(|l| l.sending && !l.settling))?;
         for id in resolved {
             state.by_row.remove(&id);
         }
@@ -120,20 +124,36 @@ impl Leases {
         ids.into_iter().filter(|id| state.by_row.get(id).is_some_and(|l| l.revoked)).collect()
     }
 
-    /// Commits `wtx`, which records the outcomes of rows `ids`, and drops their leases, with
-    /// the lease lock taken before the commit (the lock order holds: the write transaction
-    /// first). An operator's action that takes the write lock as soon as this commit lands
-    /// ([`Leases::while_held`]) then never finds the lease of a row whose send has ended (a
-    /// second reader: a subscriber's delete marked such a lease revoked, the release then
-    /// dropped the mark, and the row the answer left queued could go to a subscriber of that
-    /// id created again). A commit that fails keeps the leases.
-    pub(super) fn commit_and_release(&self, wtx: redb::WriteTransaction, ids: impl IntoIterator<Item = u64>) -> Result<(), StoreError> {
+    /// Commits `wtx`, which records the outcomes of rows `ids`, and then drops their leases.
+    /// Just before the commit (the write lock held, so no operator's action runs meanwhile)
+    /// their leases are marked settling: an operator's action that takes the write lock as
+    /// soon as the commit lands, before the leases are dropped ([`Leases::while_held`]), takes
+    /// such a row as not sending, and resolves it as the commit left it (a second reader: a
+    /// subscriber's delete marked the lease of a row whose send had ended revoked, the release
+    /// then dropped the mark, and the row its retry left queued could go to a subscriber of
+    /// that id created again). The lock is not held through the commit: a lease pass or a send
+    /// about to begin never waits for an outcome commit's fsync (invariant 17; holding it
+    /// halved the delivery bench's rate). A commit that fails keeps the leases, unmarked.
+    pub(super) fn commit_and_release(&self, wtx: redb::WriteTransaction, ids: &[u64]) -> Result<(), StoreError> {
+        self.mark_settling(ids, true);
+        if let Err(e) = wtx.commit() {
+            self.mark_settling(ids, false);
+            return Err(e.into());
+        }
         let mut state = self.lock();
-        wtx.commit()?;
         for id in ids {
-            state.by_row.remove(&id);
+            state.by_row.remove(id);
         }
         Ok(())
+    }
+
+    pub(super) fn mark_settling(&self, ids: &[u64], settling: bool) {
+        let mut state = self.lock();
+        for id in ids {
+            if let Some(lease) = state.by_row.get_mut(id) {
+                lease.settling = settling;
+            }
+        }
     }
 }
 
@@ -277,7 +297,7 @@ impl Store {
             // earlier send may have gone out, its outcome not yet committed; a subscriber's
             // delete must leave the row to it, not dead-letter a delivered alert).
             let sending = by_row.get(&id).is_some_and(|l| l.sending);
-            by_row.insert(id, Lease { sending, revoked: false, ..lease });
+            by_row.insert(id, Lease { sending, revoked: false, settling: false, ..lease });
             out.push(entry);
             Ok(true)
         };

@@ -63,16 +63,25 @@ pub fn removable(verdict: Verdict) -> bool {
     matches!(verdict, Verdict::Identical | Verdict::Skip | Verdict::Failed | Verdict::SkippedOverlap)
 }
 
-/// Every source's tally of removed records (a row that does not decode is an error: the totals
-/// cannot be checked against the records without it).
-pub(super) fn read_swept<T: ReadableTable<&'static str, &'static [u8]>>(t: &T) -> Result<BTreeMap<String, SweptRuns>, String> {
+/// What [`read_swept`] read: the tallies by source, and (source, why) of the rows that do not
+/// decode.
+pub(super) type SweptRead = (BTreeMap<String, SweptRuns>, Vec<(String, String)>);
+
+/// Every source's tally of removed records, and the sources whose row does not decode, each
+/// with why (their totals cannot be checked against their records; the other sources' can).
+pub(super) fn read_swept<T: ReadableTable<&'static str, &'static [u8]>>(t: &T) -> Result<SweptRead, StoreError> {
     let mut out = BTreeMap::new();
-    for item in t.iter().map_err(|e| e.to_string())? {
-        let (k, v) = item.map_err(|e| e.to_string())?;
-        let swept = decode::<SweptRuns>(v.value()).map_err(|m| format!("runs_swept row of source {}: {m}", k.value()))?;
-        out.insert(k.value().to_string(), swept);
+    let mut damaged = Vec::new();
+    for item in t.iter()? {
+        let (k, v) = item?;
+        match decode::<SweptRuns>(v.value()) {
+            Ok(swept) => {
+                out.insert(k.value().to_string(), swept);
+            }
+            Err(m) => damaged.push((k.value().to_string(), format!("runs_swept row of source {}: {m}", k.value()))),
+        }
     }
-    Ok(out)
+    Ok((out, damaged))
 }
 
 fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
@@ -106,6 +115,17 @@ impl Store {
         let before_ms = now_ms.saturating_sub(retention_ms);
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
+        // The store's newest record more than a day ahead of this clock: the clock is the one
+        // that is wrong (a host booted at its firmware's date, before NTP), and every record
+        // would look as if from the future and be stepped over for good. Nothing is done.
+        let newest_ms = match wtx.open_table(RUNS)?.last()? {
+            Some((_, v)) => decode::<RunRecord>(v.value()).map(|r| r.finished_ms).unwrap_or(0),
+            None => 0,
+        };
+        if newest_ms > now_ms.saturating_add(FUTURE_MS) {
+            wtx.abort()?;
+            return Ok(0);
+        }
         let from = swept_below(&wtx)?;
         // Every source's tally (a row per source that ever had a record removed or held back).
         // One that does not decode starts afresh, with an error: the totals can then no longer
@@ -432,6 +452,9 @@ mod tests {
             append(&store, "s", Verdict::Skip, h * HOUR, 0);
         }
         let future = all_records(&store)[1].run_id;
+        // A sweep on a clock far behind the store's records does nothing (it would step over
+        // every one of them for good).
+        assert_eq!(sweep_all_at(&store, HOUR, 0), 0);
         assert_eq!(sweep_all_at(&store, 50 * HOUR, HOUR), 3, "the three before the newest, after the future one");
         let kept: Vec<u64> = all_records(&store).iter().map(|r| r.run_id).collect();
         assert!(kept.contains(&future) && kept.len() == 3, "{kept:?}");

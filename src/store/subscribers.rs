@@ -269,6 +269,23 @@ mod tests {
         assert!(report.is_consistent(), "{:?}", report.problems);
     }
 
+    /// A delete that runs between a send's outcome commit and the release of its lease (the
+    /// lease marked settling) takes the row as the commit left it: a retry's row is
+    /// dead-lettered, not counted in flight and marked revoked, whose mark the release would
+    /// then drop (a second reader's race).
+    #[test]
+    fn a_delete_between_an_outcome_commit_and_its_release_resolves_the_row_as_left() {
+        let (_dir, store) = store_with_queued(1);
+        let batch = store.lease_due(2_000, 60_000, 10, 0).unwrap();
+        let id = batch.entries[0].id;
+        assert!(store.lease_step(id, batch.lease_until_ms, LeaseStep::BeginSend));
+        store.leases.mark_settling(&[id], true);
+        let deleted = store.delete_subscriber("a", 3_000).unwrap().unwrap();
+        assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (1, 0));
+        assert_eq!(store.outbox_len().unwrap(), 0);
+        assert_eq!(store.dead_letters().unwrap()[0].reason, SUBSCRIBER_DELETED);
+    }
+
     /// A lease taken over after it expired keeps saying its row's send began (its outcome
     /// may not be committed yet): a delete then leaves the row to it (second reader).
     #[test]

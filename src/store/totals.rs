@@ -145,12 +145,11 @@ fn recount_sources(wtx: &WriteTransaction, sources: &[String]) -> Result<BTreeMa
             }
         }
     }
-    match super::run_retention::read_swept(&wtx.open_table(RUNS_SWEPT)?) {
-        Ok(mut swept) => {
-            swept.retain(|source, _| recount.runs.contains_key(source));
-            recount.add_swept(&swept);
-        }
-        Err(why) => tracing::error!(%why, "run totals counted again without the records the retention sweep removed"),
+    let (mut swept, damaged) = super::run_retention::read_swept(&wtx.open_table(RUNS_SWEPT)?)?;
+    swept.retain(|source, _| recount.runs.contains_key(source));
+    recount.add_swept(&swept);
+    for (source, why) in damaged.iter().filter(|(source, _)| recount.runs.contains_key(source)) {
+        tracing::error!(source, %why, "run totals counted again without the records the retention sweep removed");
     }
     Ok(recount.runs)
 }
