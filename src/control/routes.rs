@@ -248,10 +248,9 @@ fn list_holds(st: &ControlState, q: &std::collections::HashMap<String, String>) 
             Some(names)
         }
     };
-    let limit = match query_u64(q, "limit") {
-        Ok(None) => usize::MAX,
-        Ok(Some(n)) if (1..=1000).contains(&n) => n as usize,
-        Ok(Some(n)) => return error(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}")),
+    // Without a limit, every hold of those states (the answer it always gave).
+    let limit = match limit_or(q, usize::MAX) {
+        Ok(l) => l,
         Err(r) => return *r,
     };
     match st.engine.store.newest_holds(|h| states.as_ref().is_none_or(|s| s.contains(&h.state.label())), limit) {
@@ -324,8 +323,13 @@ fn watermarks(st: &ControlState, id: &str) -> Resp {
 }
 
 fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Refusal> {
+    limit_or(q, 100)
+}
+
+/// `limit=N` (1 to 1000), or `default` when there is none.
+fn limit_or(q: &std::collections::HashMap<String, String>, default: usize) -> Result<usize, Refusal> {
     match query_u64(q, "limit")? {
-        None => Ok(100),
+        None => Ok(default),
         Some(n) if (1..=1000).contains(&n) => Ok(n as usize),
         Some(n) => Err(refuse(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}"))),
     }

@@ -131,14 +131,10 @@ impl Store {
         // One that does not decode starts afresh, with an error: the totals can then no longer
         // be checked against the records (`check --store` says so), but the sweep goes on for
         // every source (a second reader: one damaged row stopped it for all of them).
-        let mut tallies: BTreeMap<String, SweptRuns> = BTreeMap::new();
-        for item in wtx.open_table(RUNS_SWEPT)?.iter()? {
-            let (k, v) = item?;
-            let tally = decode::<SweptRuns>(v.value()).unwrap_or_else(|why| {
-                tracing::error!(source = k.value(), %why, "the tally of run records removed by the retention sweep does not decode; counted afresh (check --store names the difference)");
-                SweptRuns::default()
-            });
-            tallies.insert(k.value().to_string(), tally);
+        let (mut tallies, damaged) = read_swept(&wtx.open_table(RUNS_SWEPT)?)?;
+        for (source, why) in damaged {
+            tracing::error!(source, %why, "the tally of run records removed by the retention sweep does not decode; counted afresh (check --store names the difference)");
+            tallies.insert(source, SweptRuns::default());
         }
         let mut changed: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         let mut doomed: BTreeMap<u64, RunRecord> = BTreeMap::new();
