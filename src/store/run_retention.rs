@@ -12,8 +12,11 @@
 //! `reprocessed`, `held`: their lineage ids name audit rows, holds and watermarks), a
 //! source's newest run record (what `GET /v1/sources` shows as its last run; once a newer one
 //! exists it goes too, `SweptRuns::held_back`), a record written under a clock more than a day
-//! ahead (stepped over), and a record that does not decode (`check --store` names it). Run ids are never reused: the store's newest
-//! record is its source's newest, so it stays, and the next id is counted from it.
+//! ahead (stepped over), and a record that does not decode (`check --store` names it). A pass
+//! that finds every record it reads from its cursor a day or more ahead of its clock, and none
+//! past the horizon, takes its own clock as the one that is wrong and leaves the cursor
+//! where it was. Run ids are never reused: the store's newest record is its source's newest,
+//! so it stays, and the next id is counted from it.
 //!
 //! Invariant: a record is removed in the transaction that removes its `runs_by_source` entry
 //! and its watermark history row and adds it to its source's `runs_swept` tally, so the run
@@ -115,17 +118,6 @@ impl Store {
         let before_ms = now_ms.saturating_sub(retention_ms);
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        // The store's newest record more than a day ahead of this clock: the clock is the one
-        // that is wrong (a host booted at its firmware's date, before NTP), and every record
-        // would look as if from the future and be stepped over for good. Nothing is done.
-        let newest_ms = match wtx.open_table(RUNS)?.last()? {
-            Some((_, v)) => decode::<RunRecord>(v.value()).map(|r| r.finished_ms).unwrap_or(0),
-            None => 0,
-        };
-        if newest_ms > now_ms.saturating_add(FUTURE_MS) {
-            wtx.abort()?;
-            return Ok(0);
-        }
         let from = swept_below(&wtx)?;
         // Every source's tally (a row per source that ever had a record removed or held back).
         // One that does not decode starts afresh, with an error: the totals can then no longer
@@ -139,6 +131,9 @@ impl Store {
         let mut changed: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         let mut doomed: BTreeMap<u64, RunRecord> = BTreeMap::new();
         let mut next_from = from;
+        // Whether the pass stepped over records from the future, and whether it met any record
+        // past the horizon: a pass that met only the former leaves its cursor where it was.
+        let (mut stepped_over_future, mut met_past_horizon) = (false, false);
         {
             let runs = wtx.open_table(RUNS)?;
             let index = wtx.open_table(RUNS_BY_SOURCE)?;
@@ -170,12 +165,13 @@ impl Store {
                 let run_id = k.value();
                 match decode::<RunRecord>(v.value()) {
                     // Written under a clock that ran ahead: kept, and stepped over.
-                    Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => {}
+                    Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => stepped_over_future = true,
                     // Records are in run order, which is time order but for a clock stepped
                     // back: the first one inside retention ends the pass (a later one from
                     // before a step back waits for its turn, kept a little longer).
                     Ok(record) if record.finished_ms >= before_ms => break,
                     Ok(record) => {
+                        met_past_horizon = true;
                         if due(&index, &record, before_ms)? {
                             doomed.insert(run_id, record);
                         } else if removable(record.verdict) {
@@ -193,8 +189,16 @@ impl Store {
                     }
                     Err(_) => {}
                 }
-                next_from = run_id + 1;
+                next_from = run_id.saturating_add(1);
             }
+        }
+        // Every record read from the cursor looked as if from the future, and none was past
+        // the horizon: it is this clock that is behind (a host booted at its firmware's date,
+        // cron's `run` before NTP), not the records that are ahead, and going past them would
+        // keep them for good (a reader: the store's newest record, which the check looked at
+        // before, is the one this very run wrote under that clock).
+        if stepped_over_future && !met_past_horizon {
+            next_from = from;
         }
         if doomed.is_empty() && changed.is_empty() && next_from == from {
             wtx.abort()?;
@@ -448,12 +452,13 @@ mod tests {
             append(&store, "s", Verdict::Skip, h * HOUR, 0);
         }
         let future = all_records(&store)[1].run_id;
-        // A sweep on a clock far behind the store's records does nothing (it would step over
-        // every one of them for good).
+        // A host booted at its firmware's date: a run writes its record under that clock, then
+        // sweeps. The sweep steps over nothing for good (it would keep every record).
+        let behind = append(&store, "s", Verdict::Skip, HOUR, 0);
         assert_eq!(sweep_all_at(&store, HOUR, 0), 0);
-        assert_eq!(sweep_all_at(&store, 50 * HOUR, HOUR), 3, "the three before the newest, after the future one");
+        assert_eq!(sweep_all_at(&store, 50 * HOUR, HOUR), 4, "the four after the future one");
         let kept: Vec<u64> = all_records(&store).iter().map(|r| r.run_id).collect();
-        assert!(kept.contains(&future) && kept.len() == 3, "{kept:?}");
+        assert_eq!(kept, vec![next, future, behind], "the future one stepped over, the newest held back");
         assert!(store.check_consistency().expect("check").is_consistent());
     }
 
