@@ -70,7 +70,8 @@ pub(super) struct Lease {
     revoked: bool,
     /// The outcome of its send is being committed ([`Leases::commit_and_release`]): once the
     /// commit lands the row is as the outcome left it, so an operator's action takes it as not
-    /// sending.
+    /// sending, and no lease pass takes it over, however long the commit takes (a pass's
+    /// snapshot may be from before the commit, where the row is still queued).
     settling: bool,
 }
 
@@ -94,7 +95,8 @@ impl Leases {
     /// lease map locked, telling it which rows are sending: a lease whose send has begun
     /// ([`Store::lease_step`]), also one past its expiry (a lease is dropped only once its
     /// outcome is committed, and an outcome may wait in the group committer past the lease's
-    /// time). `f` returns the rows it resolved: their leases (rows leased but not yet sending,
+    /// time), but not one whose outcome is being committed ([`Lease::settling`]: the row is
+    /// as that commit left it). `f` returns the rows it resolved: their leases (rows leased but not yet sending,
     /// waiting in the deliverer for a slot) are dropped under the same lock once it has
     /// committed, so their sends never begin (a tester's `DELETE` of a subscriber counted 40
     /// rows in flight where 8 were sending; the other 32 then went out, or to a subscriber of
@@ -133,13 +135,26 @@ impl Leases {
     /// then dropped the mark, and the row its retry left queued could go to a subscriber of
     /// that id created again). The lock is not held through the commit: a lease pass or a send
     /// about to begin never waits for an outcome commit's fsync (invariant 17; holding it
-    /// halved the delivery bench's rate). A commit that fails keeps the leases, unmarked.
+    /// halved the delivery bench's rate). A settling lease is not taken over by a lease pass
+    /// (a fourth reader: a pass whose snapshot predates the commit took over an expired one,
+    /// cleared its mark and sent the row again). A commit that fails (or unwinds) keeps the
+    /// leases, unmarked; the marks are cleared after the failed commit has let the write lock
+    /// go, which no operator's write can use meanwhile: redb refuses every write transaction
+    /// after a commit's I/O error, until the store is opened again (`serve` exits for that).
     pub(super) fn commit_and_release(&self, wtx: redb::WriteTransaction, ids: &[u64]) -> Result<(), StoreError> {
-        self.mark_settling(ids, true);
-        if let Err(e) = wtx.commit() {
-            self.mark_settling(ids, false);
-            return Err(e.into());
+        /// Clears the marks unless the commit landed.
+        struct Unmark<'a>(&'a Leases, &'a [u64], bool);
+        impl Drop for Unmark<'_> {
+            fn drop(&mut self) {
+                if self.2 {
+                    self.0.mark_settling(self.1, false);
+                }
+            }
         }
+        self.mark_settling(ids, true);
+        let mut unmark = Unmark(self, ids, true);
+        wtx.commit()?;
+        unmark.2 = false;
         let mut state = self.lock();
         for id in ids {
             state.by_row.remove(id);
@@ -237,7 +252,7 @@ impl Store {
         // cannot be decoded is skipped, not an error: one damaged row must not stop delivery
         // of every other (every pass would fail on it, for ever).
         let mut take = |by_row: &mut HashMap<u64, Lease>, id: u64, bytes: &[u8], table: &'static str, out: &mut Vec<OutboxEntry>| -> Result<bool, StoreError> {
-            if by_row.get(&id).is_some_and(|l| l.held_at(now_ms) || l.revoked) {
+            if by_row.get(&id).is_some_and(|l| l.held_at(now_ms) || l.revoked || l.settling) {
                 return Ok(false);
             }
             // Gated by its endpoint before it is decoded whole (see `entry_watcher`).

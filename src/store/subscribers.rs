@@ -272,9 +272,11 @@ mod tests {
     /// A delete that runs between a send's outcome commit and the release of its lease (the
     /// lease marked settling) takes the row as the commit left it: a retry's row is
     /// dead-lettered, not counted in flight and marked revoked, whose mark the release would
-    /// then drop (a second reader's race).
+    /// then drop (a second reader's race). What this shows is the rule (a settling row is not
+    /// sending), on a row whose outcome is not committed; the commit-then-delete interleaving
+    /// itself has no hook to be stopped at between the two.
     #[test]
-    fn a_delete_between_an_outcome_commit_and_its_release_resolves_the_row_as_left() {
+    fn a_delete_takes_a_settling_row_as_not_sending() {
         let (_dir, store) = store_with_queued(1);
         let batch = store.lease_due(2_000, 60_000, 10, 0).unwrap();
         let id = batch.entries[0].id;
@@ -298,6 +300,22 @@ mod tests {
         assert_eq!(again.entries.len(), 1, "the expired lease is taken over");
         let deleted = store.delete_subscriber("a", 4_000).unwrap().unwrap();
         assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (0, 1));
+    }
+
+    /// An expired lease whose outcome is being committed is not taken over (a fourth reader:
+    /// a pass whose snapshot predates the commit took it over, and the row went out again);
+    /// once the marks are cleared (a commit that failed) it is.
+    #[test]
+    fn a_settling_lease_is_not_taken_over() {
+        let (_dir, store) = store_with_queued(1);
+        let first = store.lease_due(2_000, 1, 10, 0).unwrap();
+        let id = first.entries[0].id;
+        assert!(store.lease_step(id, first.lease_until_ms, LeaseStep::BeginSend));
+        store.leases.mark_settling(&[id], true);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert!(store.lease_due(3_000, 60_000, 10, 0).unwrap().entries.is_empty(), "settling: not taken over");
+        store.leases.mark_settling(&[id], false);
+        assert_eq!(store.lease_due(3_000, 60_000, 10, 0).unwrap().entries.len(), 1, "unmarked: taken over");
     }
 
     /// A record written before `secret_old` (version 1) reads as one without it; this
