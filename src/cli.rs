@@ -845,6 +845,10 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     if n > 0 {
                         tracing::info!(swept = n, "run records that committed nothing removed past run_retention");
                     }
+                    let n = sweep_in_batches(&store, "hold retention sweep", move |s, max| s.sweep_superseded_holds(now, keep, max), RUN_SWEEP_BATCH, &rx).await;
+                    if n > 0 {
+                        tracing::info!(swept = n, "superseded holds removed past run_retention");
+                    }
                 }
             });
         }
@@ -906,6 +910,9 @@ fn end_of_run_sweeps(engine: &Engine) {
     }
     if let Err(e) = engine.store.sweep_quiet_runs(engine.now(), engine.config.run_retention.as_millis() as u64, RUN_SWEEP_BATCH) {
         warning_line!("retention sweep of run records failed: {e}");
+    }
+    if let Err(e) = engine.store.sweep_superseded_holds(engine.now(), engine.config.run_retention.as_millis() as u64, RUN_SWEEP_BATCH) {
+        warning_line!("retention sweep of superseded holds failed: {e}");
     }
 }
 

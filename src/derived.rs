@@ -254,7 +254,7 @@ impl Engine {
             base_wm.read_fingerprint
         );
         if !opts.reprocess {
-            if let Some(report) = self.settled_by_digest(src, wm.as_ref(), None, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
+            if let Some(report) = self.settled_by_digest(src, wm.as_ref(), None, &self.store.open_holds(Some(&src.id))?, &fetched.digest, &fingerprint, started)? {
                 return Ok(report);
             }
         }
@@ -607,7 +607,7 @@ impl Engine {
         let wm = self.store.watermark(&src.id)?;
         let fingerprint = src.read_fingerprint();
         if !opts.reprocess {
-            if let Some(report) = self.settled_by_digest(src, wm.as_ref(), None, &self.store.holds()?, &fetched.digest, &fingerprint, started)? {
+            if let Some(report) = self.settled_by_digest(src, wm.as_ref(), None, &self.store.open_holds(Some(&src.id))?, &fetched.digest, &fingerprint, started)? {
                 return Ok(report);
             }
         }

@@ -508,7 +508,7 @@ impl Engine {
             // reading made this way: it waits for an operator, and a fetch would only find it.
             let remapped = !matches!(src.kind, crate::config::SourceKind::File { .. })
                 && wm.as_ref().is_some_and(|w| w.read_fingerprint != fingerprint)
-                && !self.store.holds()?.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.read_fingerprint == fingerprint);
+                && !self.store.open_holds(Some(&src.id))?.iter().any(|h| h.watermark.read_fingerprint == fingerprint);
             match portal::fetch(src, &self.config.ingest, wm.as_ref(), started, opts.reprocess || remapped, self.store.path(), self.scratch_dir(), &self.stop, opts.progress.clone()).map_err(IngestError::from)? {
                 Some(f) => Fetched::Portal(f),
                 None => Fetched::File,
@@ -540,8 +540,8 @@ impl Engine {
                 let could_be_seen = !opts.reprocess && match std::fs::metadata(&path) {
                     Ok(m) if wm.as_ref().is_some_and(|w| w.size == m.len()) => true,
                     Ok(m) => {
-                        let open = self.store.holds()?;
-                        let same_size = open.iter().any(|h| h.source_id == src.id && h.state == HoldState::Open && h.watermark.size == m.len());
+                        let open = self.store.open_holds(Some(&src.id))?;
+                        let same_size = open.iter().any(|h| h.watermark.size == m.len());
                         holds = Some(open);
                         same_size
                     }
@@ -576,7 +576,7 @@ impl Engine {
         let holds = match holds {
             Some(h) => h,
             None if opts.reprocess => Vec::new(),
-            None => self.store.holds()?,
+            None => self.store.open_holds(Some(&src.id))?,
         };
         if !opts.reprocess {
             if let Some(digest) = &known_digest {

@@ -96,18 +96,21 @@ fn a_read_only_store_file_is_backed_up_as_it_is() {
     let info = zonewatch::store::backup::backup_read_only(&live, &ws.path().join("v11.redb")).unwrap();
     assert!(info.rows > 60, "{info:?}");
     drop(zonewatch::store::Store::open(&ws.path().join("v11.redb")).unwrap());
-    // Schema 12 had no `runs_swept` (13 added it): the copy leaves it out, its open makes it.
+    // Schema 12 had no `runs_swept` (13 added it) nor `open_holds` (14): the copy leaves them
+    // out, its open makes them.
     zonewatch::store::Store::open(&live).unwrap().force_schema_version(12).unwrap();
     {
         let db = redb::Database::open(&live).unwrap();
         let wtx = db.begin_write().unwrap();
         assert!(wtx.delete_table(redb::TableDefinition::<&str, &[u8]>::new("runs_swept")).unwrap());
+        assert!(wtx.delete_table(redb::TableDefinition::<(&str, u64), ()>::new("open_holds")).unwrap());
         wtx.commit().unwrap();
     }
     let info = zonewatch::store::backup::backup_read_only(&live, &ws.path().join("v12.redb")).unwrap();
     assert!(info.rows > 60, "{info:?}");
     let v12 = zonewatch::store::Store::open(&ws.path().join("v12.redb")).unwrap();
     assert!(v12.table_names().unwrap().contains(&"runs_swept".to_string()));
+    assert!(v12.table_names().unwrap().contains(&"open_holds".to_string()));
     assert!(v12.check_consistency().unwrap().is_consistent());
     drop(v12);
     zonewatch::store::Store::open(&live).unwrap().force_schema_version(zonewatch::store::SCHEMA_VERSION).unwrap();

@@ -114,6 +114,8 @@ async fn change_spike_is_held_then_released_and_superseded_holds_stay_closed() {
     let rb = run(&engine, false);
     let hold_b = rb.record.hold_id.unwrap();
     assert!(matches!(engine.store.hold(hold_a).unwrap().unwrap().state, HoldState::Superseded { by_run, .. } if by_run == rb.record.run_id));
+    let open: Vec<u64> = engine.store.open_holds(None).unwrap().iter().map(|h| h.run_id).collect();
+    assert_eq!(open, vec![hold_b], "the index of open holds names B alone");
     match engine.resolve_hold(hold_a, false) {
         Err(PipelineError::HoldNotOpen { id, state }) => assert_eq!((id, state.as_str()), (hold_a, "superseded")),
         other => panic!("releasing a superseded hold must fail, got {other:?}"),
@@ -130,6 +132,17 @@ async fn change_spike_is_held_then_released_and_superseded_holds_stay_closed() {
     assert_eq!(engine.store.watermark("s1").unwrap().unwrap().digest, engine.store.hold(hold_b).unwrap().unwrap().digest);
     assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);
     assert!(engine.resolve_hold(hold_b, false).is_err(), "a hold is resolved once");
+    assert!(engine.store.open_holds(Some("s1")).unwrap().is_empty());
+    assert!(engine.store.check_consistency().unwrap().is_consistent());
+
+    // Past the retention, the superseded hold goes; the released one (an operator's decision)
+    // stays.
+    let day = 86_400_000;
+    assert_eq!(engine.store.sweep_superseded_holds(engine.now() + day, 30 * day, 100).unwrap(), 0, "inside the retention");
+    assert_eq!(engine.store.sweep_superseded_holds(engine.now() + 31 * day, 30 * day, 100).unwrap(), 1);
+    assert!(engine.store.hold(hold_a).unwrap().is_none());
+    assert!(matches!(engine.store.hold(hold_b).unwrap().unwrap().state, HoldState::Released { .. }));
+    assert!(engine.store.check_consistency().unwrap().is_consistent());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -183,8 +183,8 @@ impl Store {
 }
 
 /// The oldest schema whose tables are the ones this build copies (12 changed records, not
-/// tables; 13 added `runs_swept` and `endpoint_disabled_targets`, which an older file lacks
-/// and its copy leaves out): a
+/// tables; 13 added `runs_swept` and `endpoint_disabled_targets`, 14 `open_holds`, which an
+/// older file lacks and its copy leaves out): a
 /// read-only backup copies such a file as it is, and the copy is upgraded when it is next
 /// opened.
 const SAME_TABLES_SINCE: u32 = 11;

@@ -427,12 +427,16 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
         }
     }
 
-    // Every hold row reads (the passes over every hold skip one that does not).
+    // Every hold row reads (the passes over every hold skip one that does not), and the
+    // index of open holds names exactly the open ones.
     for item in rtx.open_table(HOLDS)?.iter()? {
         let (k, v) = item?;
         if let Err(why) = super::watermark_rows::decode_hold(v.value()) {
             problem(&mut report, format!("hold {} does not decode: {why}", k.value()));
         }
+    }
+    for text in super::holds::index_problems(rtx)? {
+        problem(&mut report, text);
     }
 
     // Watermarks describe committed runs.

@@ -44,6 +44,7 @@ mod tables;
 mod totals;
 mod history_index;
 mod run_retention;
+mod holds;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
 pub use leases::{LeaseStep, LeasedBatch, MIN_PASS_OVER};
@@ -73,6 +74,10 @@ use tables::*;
 
 /// The file format version this build writes.
 ///
+/// 14: the open holds are indexed by source (`open_holds`, `holds.rs`), and superseded holds
+/// are removed past `[store] run_retention`; a version 13 build would open and resolve holds
+/// without the index, whose runs would then not see a hold it opened. The open holds are
+/// indexed by the upgrade.
 /// 13: run records that committed nothing may be removed past `[store] run_retention`, their
 /// counts kept in `runs_swept` (`run_retention.rs`); a version 12 build's `check --store` would
 /// find the run totals above the records. A disabled endpoint remembers the target it was
@@ -105,7 +110,7 @@ use tables::*;
 /// 2: outbox rows, dead letters and idempotency keys at record version 2 (`outbox_rows`,
 /// `idem`), the attempt log keyed by outbox row. A version 1 file is upgraded in place when
 /// it is opened; an older zonewatch then refuses the file instead of failing on its records.
-pub const SCHEMA_VERSION: u32 = 13;
+pub const SCHEMA_VERSION: u32 = 14;
 /// The oldest file format this build opens (and upgrades).
 pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 
@@ -611,6 +616,11 @@ impl Store {
             use redb::TableHandle;
             wtx.list_tables()?.any(|t| t.name() == AUDIT_BY_OUTCOME.name())
         };
+        // A file without the index of open holds (schema 13 or older) has them indexed below.
+        let holds_indexed = {
+            use redb::TableHandle;
+            wtx.list_tables()?.any(|t| t.name() == OPEN_HOLDS.name())
+        };
         {
             wtx.open_table(META)?;
             wtx.open_table(WATERMARKS)?;
@@ -648,6 +658,7 @@ impl Store {
             wtx.open_table(RUNS_BY_SOURCE)?;
             wtx.open_table(RUNS_SWEPT)?;
             wtx.open_table(ENDPOINT_DISABLED_TARGETS)?;
+            wtx.open_table(OPEN_HOLDS)?;
         }
         // The journal's index lives in memory: rebuilt from its rows. Rows whose fingerprints
         // clash (never written so) are merged into `idem_keys`, where no index is needed.
@@ -686,6 +697,10 @@ impl Store {
         let (audit_rows, run_records) = if history_indexed { (0, 0) } else { history_index::index_missing(&wtx)? };
         if audit_rows > 0 || run_records > 0 {
             tracing::info!(audit_rows, run_records, "audit ledger indexed by outcome and run records by source, for the pages the dashboard polls (schema 10 to 11)");
+        }
+        let indexed = if holds_indexed { 0 } else { holds::index_missing(&wtx)? };
+        if indexed > 0 {
+            tracing::info!(indexed, "open holds indexed by source (schema 13 to 14)");
         }
         let migrated = idem::migrate_pending(&wtx)?;
         if migrated > 0 {

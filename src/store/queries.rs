@@ -530,12 +530,7 @@ impl Store {
             }
         }
         s.outbox = super::outbox::len(&rtx.open_table(OUTBOX)?, &rtx.open_table(OUTBOX_RETRY)?)?;
-        for item in rtx.open_table(HOLDS)?.iter()? {
-            let (k, v) = item?;
-            if readable_hold(k.value(), v.value()).is_some_and(|h| h.state == HoldState::Open) {
-                s.open_holds += 1;
-            }
-        }
+        s.open_holds = rtx.open_table(OPEN_HOLDS)?.len()?;
         Ok(s)
     }
 }

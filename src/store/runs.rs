@@ -1,7 +1,7 @@
 //! Run commits: the one write transaction per source run, holds and their resolution.
 
 use super::blocks::{self, Change};
-use super::watermark_rows::{decode_watermark, encode_hold, encode_watermark, readable_hold};
+use super::watermark_rows::{decode_watermark, encode_watermark};
 use super::codec::{decode, encode};
 use super::delivery::{claim_in_txn, Claim, ClaimCounts, ClaimMode};
 use super::held_rows::{decode_held_event, decode_staged, encode_held_event, encode_staged};
@@ -212,24 +212,17 @@ impl Store {
             _ => None,
         };
         {
-            let mut holds = wtx.open_table(HOLDS)?;
-            let mut to_update = Vec::new();
-            for item in holds.iter()? {
-                let (k, v) = item?;
-                let Some(hold) = readable_hold(k.value(), v.value()) else { continue };
-                if hold.source_id == source_id && hold.state == HoldState::Open {
-                    to_update.push((k.value(), hold));
-                }
-            }
+            let to_update = super::holds::open_of_source(&wtx, source_id)?;
             // Checked inside this transaction: a run of the source that committed after the
             // caller read the hold as open has superseded it (and cleared what it staged), and
             // resolving it now would set the watermark back to the held version's.
             if let Some(id) = resolving {
-                if !to_update.iter().any(|(k, _)| *k == id) {
+                if !to_update.iter().any(|h| h.run_id == id) {
                     return Err(StoreError::Conflict(format!("hold {id} of source {source_id} is no longer open (a later run of the source has resolved or superseded it)")));
                 }
             }
-            for (id, mut hold) in to_update {
+            for mut hold in to_update {
+                let id = hold.run_id;
                 hold.state = if Some(id) == resolving {
                     match mode {
                         CommitMode::ResolveHold { prime: true, .. } => HoldState::Primed { at_ms: now_ms, run_id },
@@ -238,7 +231,7 @@ impl Store {
                 } else {
                     HoldState::Superseded { at_ms: now_ms, by_run: run_id }
                 };
-                holds.insert(id, encode_hold(&hold).as_slice())?;
+                super::holds::write_resolved(&wtx, &hold)?;
                 // A released area-mode hold's places become the source's (its events are
                 // claimed as announced); a primed one's move their revisions on (its events'
                 // keys are claimed as primed); a superseded one's are dropped.
@@ -685,7 +678,7 @@ impl RunWriter<'_> {
                     features: counts.features,
                     reprocess: *reprocess,
                 };
-                wtx.open_table(HOLDS)?.insert(run_id, encode_hold(&hold).as_slice())?;
+                super::holds::insert_open(&wtx, &hold)?;
                 append_audit(
                     &wtx,
                     &mut AuditRow {
@@ -764,19 +757,10 @@ pub(super) fn supersede_open_holds(
     by_run: u64,
     now_ms: u64,
 ) -> Result<(), StoreError> {
-    let mut holds = wtx.open_table(HOLDS)?;
-    let mut open = Vec::new();
-    for item in holds.iter()? {
-        let (k, v) = item?;
-        let Some(hold) = readable_hold(k.value(), v.value()) else { continue };
-        if hold.source_id == source_id && hold.state == HoldState::Open {
-            open.push((k.value(), hold));
-        }
-    }
-    for (id, mut hold) in open {
+    for mut hold in super::holds::open_of_source(wtx, source_id)? {
         hold.state = HoldState::Superseded { at_ms: now_ms, by_run };
-        holds.insert(id, encode_hold(&hold).as_slice())?;
-        clear_staged(wtx, id)?;
+        super::holds::write_resolved(wtx, &hold)?;
+        clear_staged(wtx, hold.run_id)?;
     }
     Ok(())
 }

@@ -74,6 +74,9 @@ pub const QUARANTINE: TableDefinition<u64, &[u8]> = TableDefinition::new("quaran
 pub const RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("runs");
 /// run id → `Hold`.
 pub const HOLDS: TableDefinition<u64, &[u8]> = TableDefinition::new("holds");
+/// (source id, hold run id) → (): the holds whose state is open (`holds.rs`; schema 14), so
+/// that a run reads its source's open holds and not every hold ever made.
+pub const OPEN_HOLDS: TableDefinition<(&str, u64), ()> = TableDefinition::new("open_holds");
 /// (hold run id, parcel id) → `StagedParcel` (the held snapshot delta).
 pub const HELD_PARCELS: TableDefinition<(u64, &str), &[u8]> = TableDefinition::new("held_parcels");
 /// (hold run id, n) → `ChangeEvent` (the held events).
@@ -135,7 +138,7 @@ macro_rules! every_table {
             DERIVED_SHARES, HELD_SHARES, OUTBOX_LEASES, OUTBOX_RETRY_DUE, DELIVERY_ATTEMPTS, DLQ_REPLAYS,
             DLQ_QUARANTINE, ENDPOINTS, DELIVERY_ATTEMPTS_BY_ROW, PARCEL_TOMBSTONES, PARCEL_TOMBSTONE_AGES,
             AREA_PLACES, HELD_AREA_PLACES, AUDIT_TOTALS, RUN_TOTALS, AUDIT_BY_OUTCOME, RUNS_BY_SOURCE, RUNS_SWEPT,
-            ENDPOINT_DISABLED_TARGETS,
+            ENDPOINT_DISABLED_TARGETS, OPEN_HOLDS,
         )
     };
 }
