@@ -567,7 +567,9 @@ pub struct ChangeFields {
     pub area_m2: f64,
     /// The shape shown: the new one, or the old one for a removal.
     pub geometry: Option<StoredGeometry>,
-    /// The body's `timestamp`: when the key was claimed (kept across dead-letter replays).
+    /// When the key was claimed (kept across dead-letter replays): a held change's release.
+    /// Shown as the body's `timestamp` before December 2026; the body shows `observed_at` now,
+    /// as the README always said (a black-box tester: a released hold's alerts differed).
     pub queued_ms: u64,
 }
 

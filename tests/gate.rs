@@ -124,10 +124,18 @@ async fn change_spike_is_held_then_released_and_superseded_holds_stay_closed() {
     assert!(rx.received().is_empty(), "held runs send nothing");
 
     // Releasing B delivers its 30 changes and advances the watermark to B.
+    std::thread::sleep(Duration::from_millis(20));
     let released = engine.resolve_hold(hold_b, false).unwrap();
     assert_eq!((released.counts.changes, released.counts.queued), (30, 30));
     deliver(&engine, Duration::from_secs(5)).await;
     assert_eq!(rx.received().len(), 30);
+    // The body's `timestamp` is the change's `observed_at`, the held run's time, not the
+    // release's (a black-box tester: it was the release's).
+    for r in rx.received() {
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(body["timestamp"], body["data"]["observed_at"], "{body}");
+        assert!(body["timestamp"].as_str().unwrap() < zonewatch::util::rfc3339(released.finished_ms).as_str(), "{body}");
+    }
     assert!(matches!(engine.store.hold(hold_b).unwrap().unwrap().state, HoldState::Released { .. }));
     assert_eq!(engine.store.watermark("s1").unwrap().unwrap().digest, engine.store.hold(hold_b).unwrap().unwrap().digest);
     assert_eq!(run(&engine, false).record.verdict, Verdict::Identical);

@@ -35,7 +35,9 @@ struct Data<'a> {
 pub fn body_for(entry: &OutboxEntry, change: &ChangeFields) -> Vec<u8> {
     let body = Body {
         kind: "zoning.change",
-        timestamp: crate::util::rfc3339(change.queued_ms),
+        // When the change was observed (Standard Webhooks: when the event occurred), the same
+        // at every attempt; a held change's release is later, and its queueing with it.
+        timestamp: crate::util::rfc3339(change.observed_at_ms),
         data: Data {
             idempotency_key: &entry.key.0,
             watcher_id: &entry.watcher_id,
