@@ -782,7 +782,7 @@ fn snap_to_layer(repaired: MultiPolygon<f64>, layer: &MultiPolygon<f64>) -> Mult
     let mut out = repaired;
     for p in &mut out.0 {
         p.exterior_mut(|e| snap(e));
-        p.interiors_mut(|holes| holes.iter_mut().for_each(|h| snap(h)));
+        p.interiors_mut(|holes| holes.iter_mut().for_each(&snap));
     }
     out
 }
