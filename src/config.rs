@@ -607,6 +607,13 @@ impl Config {
                 LayerKind::Overlays if s.parcels.is_none() => {
                     return Err(invalid(format!("{at}: layer = \"overlays\" needs `parcels = \"<source id>\"`")));
                 }
+                // Every run of it would fail (a black-box tester: `check` said all good).
+                LayerKind::Districts | LayerKind::Overlays if !matches!(kind, SourceKind::File { .. }) => {
+                    return Err(invalid(format!(
+                        "{at}: a {} layer is read from a file (kind = \"file\", path = ...); the HTTP kinds feed parcels layers only. Download the layer to a file (a cron job, say) and point `path` at it",
+                        layer.as_str()
+                    )));
+                }
                 _ => {}
             }
             let min_change_area_m2 = s.min_change_area_m2.unwrap_or(200.0);
@@ -860,6 +867,11 @@ zoning = "zone_class"
         assert!(Config::parse_str(&no_code, Path::new(".")).unwrap_err().to_string().contains("fields.zoning"));
         let overlays = text.replace("layer = \"districts\"\ntolerance_m", "layer = \"overlays\"\ntolerance_m");
         assert!(Config::parse_str(&overlays, Path::new(".")).unwrap_err().to_string().contains("overlays"));
+        // A district layer over HTTP, which every run would fail on, is refused here.
+        let over_http = text.replace("kind = \"file\"\npath = \"a.geojson\"", "kind = \"geojson_url\"\nurl = \"http://127.0.0.1:9/a\"");
+        assert_ne!(over_http, text);
+        let err = Config::parse_str(&over_http, Path::new(".")).unwrap_err().to_string();
+        assert!(err.contains("a districts layer is read from a file"), "{err}");
     }
 
     const GOOD: &str = r#"
