@@ -1326,8 +1326,8 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         }
     }
     for s in &cfg.subscribers {
-        match crate::notify::aoi::load_aoi(&s.aoi_path) {
-            Ok(mp) => {
+        match crate::notify::aoi::load_aoi_noted(&s.aoi_path) {
+            Ok((mp, repaired)) => {
                 use geo::{BoundingRect, GeodesicArea};
                 // A polygon half the globe wide or more has no meaningful ring area (one from
                 // -180 to 180 read as 0 m²: found by a black-box tester): its extent is said.
@@ -1353,6 +1353,10 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                     s.min_severity,
                     s.secret.is_some()
                 );
+                if let Some(note) = repaired {
+                    warnings += 1;
+                    println!("warning: subscriber {}: AOI {}: {note}", s.id, s.aoi_path.display());
+                }
             }
             Err(e) => {
                 bad += 1;

@@ -55,6 +55,24 @@ fn check_reports_good_and_bad_configs() {
     std::fs::write(&aoi_file, fiji.to_string()).unwrap();
     let out = text(&zonewatch(&["check", "--config", cfg.to_str().unwrap()])).0;
     assert!(out.contains("subscriber w: aoi ok (2 polygon(s), ") && out.contains(" m²) target=") && !out.contains("° of longitude"), "{out}");
+    assert!(!out.contains("warning: subscriber w"), "{out}");
+    // An AOI whose hole holds its whole ring (a black-box tester's: repaired silently into the
+    // hole less the ring, the very ground drawn as left out) is a warning saying both areas.
+    let inside_out = serde_json::json!({"type": "Polygon", "coordinates": [
+        [[-87.60, 41.66], [-87.59, 41.66], [-87.59, 41.67], [-87.60, 41.67], [-87.60, 41.66]],
+        [[-87.62, 41.65], [-87.62, 41.69], [-87.57, 41.69], [-87.57, 41.65], [-87.62, 41.65]]]});
+    std::fs::write(&aoi_file, inside_out.to_string()).unwrap();
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    let out = text(&o).0;
+    assert!(o.status.success(), "a warning, not an error: {out}");
+    let warning = out.lines().find(|l| l.starts_with("warning: subscriber w: AOI ")).unwrap_or_else(|| panic!("{out}"));
+    assert!(warning.contains("are not a valid polygon") && warning.contains("repaired, the AOI covers"), "{warning}");
+    // The ring and the hole as written (0.01° and 0.05° by 0.04° squares at 41.7°N: about
+    // 0.92 and 18.5 km²), whichever way each runs.
+    let m2 = |after: &str| -> f64 { warning.split(after).nth(1).and_then(|t| t.trim_start().split(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(-1.0) };
+    let (ring, holes) = (m2("they enclose"), m2("m² less"));
+    assert!((0.9e6..0.95e6).contains(&ring) && (18.0e6..19.0e6).contains(&holes), "{ring} {holes}: {warning}");
+    assert!(out.contains("warning(s) above"), "{out}");
     std::fs::write(&aoi_file, kept).unwrap();
 
     let check_store = |extra: &[&str]| {

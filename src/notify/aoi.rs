@@ -27,9 +27,47 @@ pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
 /// refusing coordinates outside WGS84 longitude/latitude: an AOI in a projected system (feet,
 /// metres) or typed wrong would match nothing, silently.
 pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    let aoi = parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET)?;
+    parse_new_aoi_noted(text).map(|(aoi, _)| aoi)
+}
+
+/// [`parse_new_aoi`], with what its repair did when the rings as written were not a valid
+/// polygon (see [`repair_note`]): `check` warns of it.
+pub fn parse_new_aoi_noted(text: &str) -> Result<(MultiPolygon<f64>, Option<String>), String> {
+    let (aoi, note) = parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET)?;
     new_aoi_sanity(&aoi)?;
-    Ok(aoi)
+    Ok((aoi, note))
+}
+
+/// [`load_aoi`], with the note of its repair (see [`parse_new_aoi_noted`]).
+pub fn load_aoi_noted(path: &Path) -> Result<(MultiPolygon<f64>, Option<String>), AoiError> {
+    let text = std::fs::read_to_string(path).map_err(|e| AoiError::Read {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?;
+    parse_new_aoi_noted(&text).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
+}
+
+/// What the repair of an invalid AOI did, in the terms its author drew it in: the area its
+/// rings enclose as written (less their holes) and the area it covers once repaired. A hole
+/// that is not inside its own ring, or rings that cross, have no one meaning, and the repair's
+/// may not be the author's (a black-box tester's AOI whose hole held its whole ring became the
+/// hole less the ring: the very ground drawn as left out), so `check` says it.
+fn repair_note(written: &MultiPolygon<f64>, repaired: &MultiPolygon<f64>) -> String {
+    use geo::{GeodesicArea, Polygon, Winding};
+    // Each ring's own area, whichever way it was written (a clockwise ring's geodesic area is
+    // the rest of the globe's).
+    let area = |ring: &geo::LineString<f64>| {
+        let mut ring = ring.clone();
+        ring.make_ccw_winding();
+        Polygon::new(ring, vec![]).geodesic_area_unsigned()
+    };
+    let rings: f64 = written.0.iter().map(|p| area(p.exterior())).sum();
+    let holes: f64 = written.0.iter().flat_map(|p| p.interiors()).map(area).sum();
+    format!(
+        "its rings are not a valid polygon (a hole not inside its own ring, rings that cross or overlap, a ring that touches itself) and were repaired: as written they enclose {rings:.0} m² less {holes:.0} m² of holes; repaired, the AOI covers {:.0} m² in {} polygon(s). If that is not the area meant, draw it again: a hole lies inside its ring",
+        repaired.geodesic_area_unsigned(),
+        repaired.0.len()
+    )
 }
 
 /// What a new AOI must also be to mean what its author meant: some area (three points on a
@@ -64,12 +102,12 @@ fn new_aoi_sanity(aoi: &MultiPolygon<f64>) -> Result<(), String> {
 /// replay): without the range check nor the validity check's work budget, so nothing that
 /// matched before stops matching (a subscriber whose AOI no longer parses matches nothing).
 pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    parse_within(text, None, u64::MAX)
+    parse_within(text, None, u64::MAX).map(|(aoi, _)| aoi)
 }
 
 /// An AOI's polygons, cleaned (and repaired) by [`crate::ingest::normalize::clean_geometry_within`],
-/// which returns only a valid geometry.
-fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64) -> Result<MultiPolygon<f64>, String> {
+/// which returns only a valid geometry; with [`repair_note`] when it had to be repaired.
+fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64) -> Result<(MultiPolygon<f64>, Option<String>), String> {
     let clean = crate::ingest::geojson::sanitize_non_finite(text.as_bytes());
     let value: serde_json::Value = serde_json::from_slice(&clean).map_err(|e| format!("not JSON: {e}"))?;
     // A new AOI whose `crs` names another system: its coordinates are not lon/lat, whatever
@@ -85,13 +123,15 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64) -> Result<Mul
         return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
     }
     let mp = MultiPolygon::new(polys);
-    let (clean, _) = crate::ingest::normalize::clean_geometry_within(mp, bounds, budget).map_err(|(reason, detail)| match reason {
+    let written = mp.clone();
+    let (clean, repaired) = crate::ingest::normalize::clean_geometry_within(mp, bounds, budget).map_err(|(reason, detail)| match reason {
         crate::model::QuarantineReason::OutOfBounds => {
             "coordinates outside longitude -180..180 / latitude -90..90: an AOI is in WGS84 degrees".to_string()
         }
         _ => format!("{}: {detail}", reason.as_str()),
     })?;
-    Ok(clean)
+    let note = repaired.then(|| repair_note(&written, &clean));
+    Ok((clean, note))
 }
 
 fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, depth: usize) -> Result<(), String> {
