@@ -779,3 +779,21 @@ fn run_removes_quiet_run_records_past_run_retention() {
     let store = zonewatch::store::Store::open(&ws.path().join("zw.redb")).expect("reopen");
     assert_eq!(store.runs(Some("s1"), 100).expect("runs").len(), 2, "kept inside a long retention");
 }
+
+/// A layer with a degenerate ring (a hole whose points lie on a line, as Chicago's layer has
+/// zero-area parts): geo's own "Results are undefined" warnings are not an operator's to read
+/// (a black-box tester found ~27 a run), and stay out of the default log; the run stores it.
+#[test]
+fn a_layers_degenerate_ring_does_not_flood_the_log() {
+    let (ws, cfg) = grid_workspace(2);
+    let ring = [[-71.13, 42.37], [-71.12, 42.37], [-71.12, 42.38], [-71.13, 42.38], [-71.13, 42.37]];
+    let flat_hole = [[-71.125, 42.375], [-71.124, 42.375], [-71.123, 42.375], [-71.125, 42.375]];
+    let text_layer = serde_json::json!({"type": "FeatureCollection", "features": [
+        {"type": "Feature", "properties": {"APN": "h", "ZONE_CODE": "R-1"}, "geometry": {"type": "Polygon", "coordinates": [ring, flat_hole]}}]});
+    ws.write_layer(&text_layer.to_string());
+    let o = zonewatch(&["run", "--config", &cfg]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains("baseline features=1"), "{out}");
+    assert!(!err.contains("winding order") && !err.contains("undefined"), "{err}");
+}
