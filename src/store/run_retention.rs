@@ -12,11 +12,12 @@
 //! `reprocessed`, `held`: their lineage ids name audit rows, holds and watermarks), a
 //! source's newest run record (what `GET /v1/sources` shows as its last run; once a newer one
 //! exists it goes too, `SweptRuns::held_back`), a record written under a clock more than a day
-//! ahead (stepped over), and a record that does not decode (`check --store` names it). A pass
-//! that finds every record it reads from its cursor a day or more ahead of its clock, and none
-//! past the horizon, takes its own clock as the one that is wrong and leaves the cursor
-//! where it was. Run ids are never reused: the store's newest record is its source's newest,
-//! so it stays, and the next id is counted from it.
+//! ahead (stepped over, its id kept in `meta` as `runs_future_from`: once it is no longer
+//! ahead, the sweep reads again from there, so neither a clock that ran ahead nor one that is
+//! behind, the store's records then all looking ahead of it, keeps records for good), and a
+//! record that does not decode (`check --store` names it). Run ids are never reused: the
+//! store's newest record is its source's newest, so it stays, and the next id is counted from
+//! it.
 //!
 //! Invariant: a record is removed in the transaction that removes its `runs_by_source` entry
 //! and its watermark history row and adds it to its source's `runs_swept` tally, so the run
@@ -25,7 +26,7 @@
 //! own row.
 
 use super::codec::{decode, encode};
-use super::tables::{META, META_RUNS_SWEPT_BELOW, RUNS, RUNS_BY_SOURCE, RUNS_SWEPT, WATERMARK_HISTORY};
+use super::tables::{META, META_RUNS_FUTURE_FROM, META_RUNS_SWEPT_BELOW, RUNS, RUNS_BY_SOURCE, RUNS_SWEPT, WATERMARK_HISTORY};
 use super::{Store, StoreError};
 use crate::model::{RunRecord, Verdict};
 use redb::{ReadableTable, WriteTransaction};
@@ -87,11 +88,15 @@ pub(super) fn read_swept<T: ReadableTable<&'static str, &'static [u8]>>(t: &T) -
     Ok((out, damaged))
 }
 
-fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
+fn meta_u64(wtx: &WriteTransaction, key: &str) -> Result<Option<u64>, StoreError> {
     let meta = wtx.open_table(META)?;
-    let v = meta.get(META_RUNS_SWEPT_BELOW)?;
+    let v = meta.get(key)?;
+    Ok(v.and_then(|v| <[u8; 8]>::try_from(v.value()).ok()).map(u64::from_le_bytes))
+}
+
+fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
     // A damaged cursor starts the sweep over from the first record: it only costs reads.
-    Ok(v.and_then(|v| <[u8; 8]>::try_from(v.value()).ok()).map(u64::from_le_bytes).unwrap_or(0))
+    Ok(meta_u64(wtx, META_RUNS_SWEPT_BELOW)?.unwrap_or(0))
 }
 
 /// How far ahead of the sweep's clock a record's time may be before it is taken as written
@@ -118,7 +123,25 @@ impl Store {
         let before_ms = now_ms.saturating_sub(retention_ms);
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let from = swept_below(&wtx)?;
+        let cursor = swept_below(&wtx)?;
+        // Records stepped over as written ahead of this clock: once the first of them no
+        // longer is (the clock has caught up with a clock that ran ahead, or this clock, which
+        // was behind, is right again), the pass reads again from there. A record there that
+        // is gone or does not decode is no longer waited for either.
+        let waiting_from = meta_u64(&wtx, META_RUNS_FUTURE_FROM)?;
+        let mut future_from = waiting_from;
+        let mut from = cursor;
+        if let Some(id) = waiting_from {
+            let runs = wtx.open_table(RUNS)?;
+            let still_ahead = match runs.get(id)? {
+                Some(v) => decode::<RunRecord>(v.value()).is_ok_and(|r| r.finished_ms > now_ms.saturating_add(FUTURE_MS)),
+                None => false,
+            };
+            if !still_ahead {
+                from = from.min(id);
+                future_from = None;
+            }
+        }
         // Every source's tally (a row per source that ever had a record removed or held back).
         // One that does not decode starts afresh, with an error: the totals can then no longer
         // be checked against the records (`check --store` says so), but the sweep goes on for
@@ -131,9 +154,6 @@ impl Store {
         let mut changed: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         let mut doomed: BTreeMap<u64, RunRecord> = BTreeMap::new();
         let mut next_from = from;
-        // Whether the pass stepped over records from the future, and whether it met any record
-        // past the horizon: a pass that met only the former leaves its cursor where it was.
-        let (mut stepped_over_future, mut met_past_horizon) = (false, false);
         {
             let runs = wtx.open_table(RUNS)?;
             let index = wtx.open_table(RUNS_BY_SOURCE)?;
@@ -165,13 +185,14 @@ impl Store {
                 let run_id = k.value();
                 match decode::<RunRecord>(v.value()) {
                     // Written under a clock that ran ahead: kept, and stepped over.
-                    Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => stepped_over_future = true,
+                    Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => {
+                        future_from = Some(future_from.map_or(run_id, |f| f.min(run_id)));
+                    }
                     // Records are in run order, which is time order but for a clock stepped
                     // back: the first one inside retention ends the pass (a later one from
                     // before a step back waits for its turn, kept a little longer).
                     Ok(record) if record.finished_ms >= before_ms => break,
                     Ok(record) => {
-                        met_past_horizon = true;
                         if due(&index, &record, before_ms)? {
                             doomed.insert(run_id, record);
                         } else if removable(record.verdict) {
@@ -192,15 +213,7 @@ impl Store {
                 next_from = run_id.saturating_add(1);
             }
         }
-        // Every record read from the cursor looked as if from the future, and none was past
-        // the horizon: it is this clock that is behind (a host booted at its firmware's date,
-        // cron's `run` before NTP), not the records that are ahead, and going past them would
-        // keep them for good (a reader: the store's newest record, which the check looked at
-        // before, is the one this very run wrote under that clock).
-        if stepped_over_future && !met_past_horizon {
-            next_from = from;
-        }
-        if doomed.is_empty() && changed.is_empty() && next_from == from {
+        if doomed.is_empty() && changed.is_empty() && next_from == cursor && future_from == waiting_from {
             wtx.abort()?;
             return Ok(0);
         }
@@ -225,7 +238,14 @@ impl Store {
                 }
             }
         }
-        wtx.open_table(META)?.insert(META_RUNS_SWEPT_BELOW, next_from.to_le_bytes().as_slice())?;
+        {
+            let mut meta = wtx.open_table(META)?;
+            meta.insert(META_RUNS_SWEPT_BELOW, next_from.to_le_bytes().as_slice())?;
+            match future_from {
+                Some(id) => meta.insert(META_RUNS_FUTURE_FROM, id.to_le_bytes().as_slice())?,
+                None => meta.remove(META_RUNS_FUTURE_FROM)?,
+            };
+        }
         wtx.commit()?;
         Ok(doomed.len())
     }
@@ -459,6 +479,31 @@ mod tests {
         assert_eq!(sweep_all_at(&store, 50 * HOUR, HOUR), 4, "the four after the future one");
         let kept: Vec<u64> = all_records(&store).iter().map(|r| r.run_id).collect();
         assert_eq!(kept, vec![next, future, behind], "the future one stepped over, the newest held back");
+        assert!(store.check_consistency().expect("check").is_consistent());
+    }
+
+    /// More records from a clock that ran ahead than a pass may read (a fifth reader: a few
+    /// hours a year ahead at 100 sources fill a pass's 8,000 reads) do not stop the sweep: it
+    /// goes past them, removes what follows, and comes back for them once they are no longer
+    /// ahead.
+    #[test]
+    fn a_long_stretch_from_a_clock_ahead_is_gone_past_and_come_back_to() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        const HOUR: u64 = 3_600_000;
+        let year = 365 * 24 * HOUR;
+        for i in 0..30 {
+            append(&store, "s", Verdict::Skip, year + i * HOUR, 0);
+        }
+        for i in 0..10 {
+            append(&store, "s", Verdict::Identical, 10 * HOUR + i, 0);
+        }
+        append(&store, "s", Verdict::Skip, 100 * HOUR, 0);
+        // Two removals, eight reads a pass: the thirty ahead take four passes to cross.
+        assert_eq!(sweep_all(&store, 200 * HOUR, 2), 10, "the ten after them");
+        assert_eq!(all_records(&store).len(), 31);
+        assert_eq!(sweep_all(&store, year + 200 * HOUR, 2), 30, "once the clock is past them");
+        assert_eq!(all_records(&store).len(), 1, "the newest");
         assert!(store.check_consistency().expect("check").is_consistent());
     }
 

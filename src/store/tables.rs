@@ -18,6 +18,10 @@ pub const META_KEY_SCOPE: &str = "key_scope";
 /// Run id below which the run retention sweep has looked at every record (u64 LE;
 /// `run_retention.rs`).
 pub const META_RUNS_SWEPT_BELOW: &str = "runs_swept_below";
+/// The lowest run id the run retention sweep stepped over as written a day or more ahead of its
+/// clock (`run_retention.rs`): once that record is no longer ahead, the sweep reads again from
+/// there. Absent: none.
+pub const META_RUNS_FUTURE_FROM: &str = "runs_future_from";
 
 /// source id → current `Watermark`.
 pub const WATERMARKS: TableDefinition<&str, &[u8]> = TableDefinition::new("watermarks");
