@@ -12,9 +12,10 @@ fn main() {
     // geo's own warnings ("polygon had no winding order. Results are undefined.", once per
     // zero-area part it relates) are about a publisher's degenerate rings, which the validity
     // check and the quarantine already decide on: ~27 lines a run of Chicago's layer, nothing
-    // an operator can act on (a black-box tester). Shown with ZONEWATCH_LOG=geo=warn.
+    // an operator can act on (a black-box tester). `geo::algorithm`, not `geo`: a target
+    // directive is a prefix, and `geo` would take in `geojson` and `geo_types` too.
     let filter = tracing_subscriber::EnvFilter::try_from_env("ZONEWATCH_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default_level},geo=error")));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default_level},geo::algorithm=error")));
     // Colours only for a person at a terminal (not in journald or a log file), and never
     // with NO_COLOR set (https://no-color.org).
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());

@@ -733,13 +733,19 @@ fn repair(mp: &MultiPolygon<f64>) -> Result<MultiPolygon<f64>, GeomError> {
         .map(|p| Area::unsigned_area(&Polygon::new(p.exterior().clone(), vec![])) - p.interiors().iter().map(|h| Area::unsigned_area(&Polygon::new(h.clone(), vec![]))).sum::<f64>())
         .sum();
     // A candidate that is valid, with the layer's own coordinates put back where that keeps
-    // it valid (see `snap_to_layer`).
+    // it valid (see `LayerVertices`; the vertices indexed once for both candidates, and a
+    // candidate the snap did not move is not checked again).
+    let layer = LayerVertices::of(mp);
     let usable = |c: MultiPolygon<f64>| -> Option<MultiPolygon<f64>> {
         let c = tidy_rings(c);
         if c.0.is_empty() || !super::valid::is_valid(&c) {
             return None;
         }
-        let snapped = tidy_rings(snap_to_layer(c.clone(), mp));
+        let mut snapped = c.clone();
+        if !layer.snap(&mut snapped) {
+            return Some(c);
+        }
+        let snapped = tidy_rings(snapped);
         Some(if !snapped.0.is_empty() && super::valid::is_valid(&snapped) { snapped } else { c })
     };
     let mut candidates = Vec::new();
@@ -757,34 +763,47 @@ fn repair(mp: &MultiPolygon<f64>) -> Result<MultiPolygon<f64>, GeomError> {
     }
 }
 
-/// Puts the layer's own coordinates back into a repair's output. The boolean overlay computes
-/// on a fixed-point grid, so every vertex it keeps comes back off by a fraction of a grid step
-/// (measured on a San José district: all 4,537 vertices moved, by up to 8.2e-11°), and an AOI
-/// that touched the parcel at a vertex or along an edge, which the README says gets its
-/// changes, no longer met it (a black-box tester). Each output vertex within a hundred-millionth
-/// of the shape's extent of one of the layer's vertices is put back on it; the points the
-/// repair made (where rings crossed) stay as computed.
-fn snap_to_layer(repaired: MultiPolygon<f64>, layer: &MultiPolygon<f64>) -> MultiPolygon<f64> {
-    use geo::BoundingRect;
-    let Some(rect) = layer.bounding_rect() else { return repaired };
-    let tolerance = rect.width().max(rect.height()) * 1e-8;
-    let points: Vec<[f64; 2]> = layer.0.iter().flat_map(|p| std::iter::once(p.exterior()).chain(p.interiors())).flat_map(|r| r.0.iter().map(|c| [c.x, c.y])).collect();
-    let tree = rstar::RTree::bulk_load(points);
-    let snap = |ring: &mut LineString<f64>| {
-        for c in &mut ring.0 {
-            if let Some(&[x, y]) = tree.nearest_neighbor([c.x, c.y]) {
-                if (x - c.x).hypot(y - c.y) <= tolerance {
-                    *c = Coord { x, y };
+/// The vertices of a layer's (multi)polygon, to put its own coordinates back into a repair's
+/// output. The boolean overlay computes on a fixed-point grid, so every vertex it keeps comes
+/// back off by a fraction of a grid step (measured on a San José district: all 4,537 vertices
+/// moved, by up to 8.2e-11°), and an AOI that touched the parcel at a vertex or along an edge,
+/// which the README says gets its changes, no longer met it (a black-box tester).
+struct LayerVertices {
+    tree: rstar::RTree<[f64; 2]>,
+    /// A hundred-millionth of the shape's extent: well above the overlay's grid step, far
+    /// below any real distance between two vertices.
+    tolerance: f64,
+}
+
+impl LayerVertices {
+    fn of(layer: &MultiPolygon<f64>) -> Self {
+        use geo::BoundingRect;
+        let tolerance = layer.bounding_rect().map_or(0.0, |r| r.width().max(r.height()) * 1e-8);
+        let points: Vec<[f64; 2]> = layer.0.iter().flat_map(|p| std::iter::once(p.exterior()).chain(p.interiors())).flat_map(|r| r.0.iter().map(|c| [c.x, c.y])).collect();
+        LayerVertices { tree: rstar::RTree::bulk_load(points), tolerance }
+    }
+
+    /// Puts each vertex of `repaired` within the tolerance of a layer vertex back on it (the
+    /// points the repair made, where rings crossed, stay as computed). Returns whether any
+    /// moved.
+    fn snap(&self, repaired: &mut MultiPolygon<f64>) -> bool {
+        let mut moved = false;
+        let mut snap = |ring: &mut LineString<f64>| {
+            for c in &mut ring.0 {
+                if let Some(&[x, y]) = self.tree.nearest_neighbor([c.x, c.y]) {
+                    if (x, y) != (c.x, c.y) && (x - c.x).hypot(y - c.y) <= self.tolerance {
+                        *c = Coord { x, y };
+                        moved = true;
+                    }
                 }
             }
+        };
+        for p in &mut repaired.0 {
+            p.exterior_mut(&mut snap);
+            p.interiors_mut(|holes| holes.iter_mut().for_each(&mut snap));
         }
-    };
-    let mut out = repaired;
-    for p in &mut out.0 {
-        p.exterior_mut(|e| snap(e));
-        p.interiors_mut(|holes| holes.iter_mut().for_each(&snap));
+        moved
     }
-    out
 }
 
 /// geo's `orient(Direction::Default)` (exteriors counter-clockwise, holes clockwise), in

@@ -15,36 +15,34 @@ pub enum AoiError {
 
 /// Loads and validates an AOI file of the config (checked as a new AOI: see [`parse_new_aoi`]).
 pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
+    load(path, false).map(|(aoi, _)| aoi)
+}
+
+/// [`load_aoi`], with what its repair did when the rings as written were not a valid polygon
+/// (see [`repair_note`]): `check` warns of it.
+pub fn load_aoi_noted(path: &Path) -> Result<(MultiPolygon<f64>, Option<String>), AoiError> {
+    load(path, true)
+}
+
+fn load(path: &Path, noted: bool) -> Result<(MultiPolygon<f64>, Option<String>), AoiError> {
     let text = std::fs::read_to_string(path).map_err(|e| AoiError::Read {
         path: path.display().to_string(),
         message: e.to_string(),
     })?;
-    parse_new_aoi(&text).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
+    parse_new(&text, noted).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
 }
-
 
 /// Parses an AOI coming in (a config file, a control-port body) into a valid MultiPolygon,
 /// refusing coordinates outside WGS84 longitude/latitude: an AOI in a projected system (feet,
 /// metres) or typed wrong would match nothing, silently.
 pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    parse_new_aoi_noted(text).map(|(aoi, _)| aoi)
+    parse_new(text, false).map(|(aoi, _)| aoi)
 }
 
-/// [`parse_new_aoi`], with what its repair did when the rings as written were not a valid
-/// polygon (see [`repair_note`]): `check` warns of it.
-pub fn parse_new_aoi_noted(text: &str) -> Result<(MultiPolygon<f64>, Option<String>), String> {
-    let (aoi, note) = parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET)?;
+fn parse_new(text: &str, noted: bool) -> Result<(MultiPolygon<f64>, Option<String>), String> {
+    let (aoi, note) = parse_within(text, Some(crate::ingest::normalize::WGS84_DEGREES), crate::ingest::valid::WORK_BUDGET, noted)?;
     new_aoi_sanity(&aoi)?;
     Ok((aoi, note))
-}
-
-/// [`load_aoi`], with the note of its repair (see [`parse_new_aoi_noted`]).
-pub fn load_aoi_noted(path: &Path) -> Result<(MultiPolygon<f64>, Option<String>), AoiError> {
-    let text = std::fs::read_to_string(path).map_err(|e| AoiError::Read {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    })?;
-    parse_new_aoi_noted(&text).map_err(|message| AoiError::Invalid { path: path.display().to_string(), message })
 }
 
 /// What the repair of an invalid AOI did, in the terms its author drew it in: the area its
@@ -102,12 +100,13 @@ fn new_aoi_sanity(aoi: &MultiPolygon<f64>) -> Result<(), String> {
 /// replay): without the range check nor the validity check's work budget, so nothing that
 /// matched before stops matching (a subscriber whose AOI no longer parses matches nothing).
 pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
-    parse_within(text, None, u64::MAX).map(|(aoi, _)| aoi)
+    parse_within(text, None, u64::MAX, false).map(|(aoi, _)| aoi)
 }
 
 /// An AOI's polygons, cleaned (and repaired) by [`crate::ingest::normalize::clean_geometry_within`],
-/// which returns only a valid geometry; with [`repair_note`] when it had to be repaired.
-fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64) -> Result<(MultiPolygon<f64>, Option<String>), String> {
+/// which returns only a valid geometry; with [`repair_note`] when it had to be repaired and
+/// `noted` asks for it (`check`: the other callers would throw it away).
+fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64, noted: bool) -> Result<(MultiPolygon<f64>, Option<String>), String> {
     let clean = crate::ingest::geojson::sanitize_non_finite(text.as_bytes());
     let value: serde_json::Value = serde_json::from_slice(&clean).map_err(|e| format!("not JSON: {e}"))?;
     // A new AOI whose `crs` names another system: its coordinates are not lon/lat, whatever
@@ -123,14 +122,14 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64) -> Result<(Mu
         return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
     }
     let mp = MultiPolygon::new(polys);
-    let written = mp.clone();
+    let written = noted.then(|| mp.clone());
     let (clean, repaired) = crate::ingest::normalize::clean_geometry_within(mp, bounds, budget).map_err(|(reason, detail)| match reason {
         crate::model::QuarantineReason::OutOfBounds => {
             "coordinates outside longitude -180..180 / latitude -90..90: an AOI is in WGS84 degrees".to_string()
         }
         _ => format!("{}: {detail}", reason.as_str()),
     })?;
-    let note = repaired.then(|| repair_note(&written, &clean));
+    let note = written.filter(|_| repaired).map(|written| repair_note(&written, &clean));
     Ok((clean, note))
 }
 
@@ -170,9 +169,9 @@ mod tests {
     #[test]
     fn only_new_aois_are_held_to_the_validity_budget() {
         let square = r#"{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1],[0,0]]]}"#;
-        let starved = parse_within(square, None, 1).unwrap_err();
+        let starved = parse_within(square, None, 1, false).unwrap_err();
         assert!(starved.contains("too complex to check"), "{starved}");
-        assert!(parse_within(square, None, u64::MAX).is_ok());
+        assert!(parse_within(square, None, u64::MAX, false).is_ok());
         assert!(parse_new_aoi(square).is_ok() && parse_aoi(square).is_ok());
     }
 

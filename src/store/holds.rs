@@ -2,8 +2,9 @@
 //!
 //! Why it exists: every run of a source asks for the source's open holds (bytes an open hold
 //! already holds are "still held"; a run that commits supersedes them, and a release checks in
-//! its own transaction that its hold is still open), and `GET /v1/sources`, `/metrics` and the
-//! dashboard count them. Those passes read every hold ever made, and a source whose layer
+//! its own transaction that its hold is still open), and `GET /v1/sources`, `stats` and the
+//! dashboard count them (`/metrics` counts every state, so it still reads every hold: as many
+//! as the retention below keeps). Those passes read every hold ever made, and a source whose layer
 //! changes at every poll while it is held supersedes a hold per poll (a soak tester's: 62 in
 //! 2.5 minutes), so each poll of every source cost more as the weeks went by. `open_holds`
 //! (schema 14) names the open ones by source, and a superseded hold, of which nothing staged is
