@@ -448,10 +448,14 @@ fn unknown_store_version_is_refused_clearly() {
         let store = zonewatch::store::Store::open(&ws.path().join("zw.redb")).unwrap();
         store.force_schema_version(99).unwrap();
     }
+    // Refused without a byte of the file changed (a black-box tester: each refusal by an
+    // older build rewrote its header).
+    let before = std::fs::read(ws.path().join("zw.redb")).unwrap();
     let o = zonewatch(&["run", "--config", ws.config_path().to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     let err = text(&o).1;
     assert!(err.contains("schema version 99"), "{err}");
+    assert!(std::fs::read(ws.path().join("zw.redb")).unwrap() == before, "the refused file was modified");
 }
 
 #[test]

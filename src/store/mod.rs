@@ -390,6 +390,16 @@ impl Store {
             }
             return Err(StoreError::Open { path: path.to_path_buf(), message: EMPTY_STORE_FILE.into() });
         }
+        // A file of a schema this build does not open is refused before the writable open:
+        // that marks the file open (rewrites its header), and a refused file is left as it
+        // was, byte for byte (invariant 8; a black-box tester found an older build's refusals
+        // changing the file's bytes). A file redb cannot open read-only (not closed cleanly)
+        // is checked after the writable open, as before.
+        if !created {
+            if let Some(found) = refused_schema_read_only(path) {
+                return Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: SCHEMA_VERSION });
+            }
+        }
         // The repair callback is called only when redb has to rebuild the file's allocator
         // state (an unclean shutdown without a quick-repair record).
         let full_repair = std::rc::Rc::new(std::cell::Cell::new(false));
@@ -754,6 +764,14 @@ impl Store {
         wtx.commit()?;
         Ok(())
     }
+}
+
+/// The schema version of the file at `path` when it is one this build refuses, read through a
+/// read-only open (which writes nothing); `None` when it is not, or cannot be read so.
+fn refused_schema_read_only(path: &Path) -> Option<u32> {
+    let db = redb::Builder::new().open_read_only(path).ok()?;
+    let found = schema_in(&db.begin_read().ok()?).ok()??;
+    (!(OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found)).then_some(found)
 }
 
 /// The schema version a file's read transaction shows (None: no `meta` table, or no version
