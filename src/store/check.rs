@@ -109,7 +109,19 @@ pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreErro
             return Err(StoreError::Open { path: path.to_path_buf(), message: format!("not a readable zonewatch store: {other}") })
         }
     };
-    check_txn(&db.begin_read()?)
+    let rtx = db.begin_read()?;
+    refuse_newer(&rtx, path)?;
+    check_txn(&rtx)
+}
+
+/// A file of a newer schema than this build's is not checked by this build's rules, which
+/// would call it consistent, or not, by tables and records it does not know (a black-box
+/// tester: an older build called a newer file "consistent ... all good").
+fn refuse_newer(rtx: &redb::ReadTransaction, path: &std::path::Path) -> Result<(), StoreError> {
+    match super::schema_in(rtx)? {
+        Some(found) if found > super::SCHEMA_VERSION => Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: super::SCHEMA_VERSION }),
+        _ => Ok(()),
+    }
 }
 
 /// `check_file` for a file that needs redb's repair: a temporary copy is repaired and checked.
@@ -136,7 +148,9 @@ fn check_repaired_copy(path: &std::path::Path) -> Result<ConsistencyReport, Stor
         path: path.to_path_buf(),
         message: format!("{e}; the file was not closed cleanly and a copy of it cannot be repaired"),
     })?;
-    let mut report = check_txn(&db.begin_read()?)?;
+    let rtx = db.begin_read()?;
+    refuse_newer(&rtx, path)?;
+    let mut report = check_txn(&rtx)?;
     report.checked_repaired_copy = true;
     drop(db);
     Ok(report)
