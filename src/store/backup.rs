@@ -503,13 +503,26 @@ fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> 
     };
     let mine = file.metadata()?;
     let mut warning = None;
-    if (mine.uid(), mine.gid()) != (old.uid(), old.gid()) {
+    if mine.uid() != old.uid() {
         if let Err(e) = std::os::unix::fs::fchown(file, Some(old.uid()), Some(old.gid())) {
             warning = Some(format!(
                 "the restored store could not be given the replaced store's owner {}:{} ({e}); chown it before starting zonewatch as that user",
                 old.uid(),
                 old.gid()
             ));
+        }
+    } else if mine.gid() != old.gid() {
+        // The owner is already the replaced store's (a restore run as that user): zonewatch
+        // running as it opens the file. Only the group's access is at stake, and only when the
+        // old mode gave the group any (a black-box tester was told to chown a file whose owner
+        // was right).
+        if let Err(e) = std::os::unix::fs::fchown(file, None, Some(old.gid())) {
+            if old.mode() & 0o070 != 0 {
+                warning = Some(format!(
+                    "the restored store could not be given the replaced store's group {} ({e}); its owner is right, but members of that group lose the access they had: chgrp it",
+                    old.gid()
+                ));
+            }
         }
     }
     file.set_permissions(std::fs::Permissions::from_mode(old.mode() & 0o777))?;
