@@ -16,15 +16,12 @@
 //! rows whose state is open (`check --store` compares them).
 
 use super::tables::{HOLDS, OPEN_HOLDS};
+use super::run_retention::FUTURE_MS;
 use super::watermark_rows::{encode_hold, readable_hold};
 use super::{Store, StoreError};
 use crate::model::{Hold, HoldState};
 use redb::{ReadableDatabase, ReadableTable, WriteTransaction};
 use std::collections::BTreeSet;
-
-/// How far ahead of the sweep's clock a hold's time may be before it is taken as written
-/// under a clock that ran ahead (as for run records, `run_retention.rs`).
-const FUTURE_MS: u64 = 86_400_000;
 
 /// Writes a new open hold and its index entry.
 pub(super) fn insert_open(wtx: &WriteTransaction, hold: &Hold) -> Result<(), StoreError> {

@@ -101,8 +101,9 @@ fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
 
 /// How far ahead of the sweep's clock a record's time may be before it is taken as written
 /// under a clock that ran ahead (a second reader: one such record ended every pass, so a clock
-/// a year ahead for five minutes stopped the retention for a year).
-const FUTURE_MS: u64 = 86_400_000;
+/// a year ahead for five minutes stopped the retention for a year). The hold sweep
+/// (`holds.rs`) uses it too.
+pub(super) const FUTURE_MS: u64 = 86_400_000;
 
 /// Whether `record` may be removed now: it committed nothing, finished before `before_ms`, and
 /// its source has a newer record.
