@@ -731,6 +731,21 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     if *rx.borrow() {
                         break;
                     }
+                    // A derived source waits for its parcel base's first ingest: at a first start
+                    // both are due at once, and a run before the base's baseline has committed
+                    // only fails ("run the base first", a failed run in the totals for good: a
+                    // black-box tester). Not once the base has run without a baseline (failed,
+                    // held): then the derived run fails and says why, as before.
+                    if let Some(base) = src.parcels.as_deref() {
+                        let no_base = engine.store.watermark(base).ok().flatten().is_none();
+                        if no_base && (crate::ingest::staging::is_leased(engine.store.path(), base) || engine.store.last_run(base).ok().flatten().is_none()) {
+                            tokio::select! {
+                                _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                                _ = rx.changed() => {}
+                            }
+                            continue;
+                        }
+                    }
                     let e = engine.clone();
                     let s = src.clone();
                     let permit = run_slots.clone().acquire_owned().await.ok();

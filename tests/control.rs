@@ -2123,3 +2123,39 @@ fn a_chatty_flood_past_the_cap_does_not_shut_the_operator_out() {
     assert!(failed.is_empty(), "operator requests not answered: {failed:?} (flood reconnects: {reconnects})");
     assert!(reconnects >= 10, "the flood lost {reconnects} connections to make room");
 }
+
+/// At a first start a district source and its parcel base are due at once; the district's run
+/// waits for the base's baseline instead of failing ("run the base first": a failed run in the
+/// totals for good, found by a black-box tester). A base of 12,000 parcels takes long enough
+/// to ingest that the district's run would otherwise begin first.
+#[test]
+fn a_district_source_waits_for_its_bases_first_ingest() {
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(12_000)));
+    let districts = ws.path().join("districts.geojson");
+    let district = serde_json::json!({"type": "FeatureCollection", "features": [
+        {"type": "Feature", "properties": {"DISTRICT": "R-1"}, "geometry": rect(-72.0, 41.0, -70.0, 44.0)}]});
+    std::fs::write(&districts, district.to_string()).unwrap();
+    let mut config = std::fs::read_to_string(ws.config_path()).unwrap();
+    config.push_str(&format!(
+        "\n[[source]]\nid = \"zoning\"\njurisdiction = \"town\"\nkind = \"file\"\npath = \"{}\"\nlayer = \"districts\"\nparcels = \"s1\"\n[source.fields]\nzoning = \"DISTRICT\"\n",
+        districts.display()
+    ));
+    std::fs::write(ws.config_path(), config).unwrap();
+    let d = Daemon::start(&ws);
+    let c = client();
+    let auth = format!("Bearer {}", d.token);
+    let start = std::time::Instant::now();
+    let runs = loop {
+        let runs: Value = c.get(d.url("/v1/runs?source=zoning")).header("authorization", &auth).send().unwrap().json().unwrap();
+        if runs["items"].as_array().is_some_and(|r| !r.is_empty()) {
+            break runs;
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(120), "the district source never ran");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let verdicts: Vec<&str> = runs["items"].as_array().unwrap().iter().filter_map(|r| r["verdict"].as_str()).collect();
+    let all: Value = c.get(d.url("/v1/runs")).header("authorization", &auth).send().unwrap().json().unwrap();
+    assert_eq!(verdicts, vec!["baseline"], "{runs} ALL {all}");
+    d.stop();
+}
