@@ -1,12 +1,16 @@
 //! The `zonewatch` binary: parse the command line, set up logging, dispatch.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use std::io::IsTerminal;
 use zonewatch::cli::{dispatch, Cli, LogFormat};
 
 fn main() {
     zonewatch::signals::report_file_size_limit();
-    let cli = Cli::parse();
+    // `--version` names the store schema this build writes (a black-box tester: two builds
+    // said the same `zonewatch 0.1.0`, and an operator could not tell, before the first start
+    // upgraded the store for good, which one would). Built once, for the process's life.
+    let version: &'static str = Box::leak(format!("{} (store schema {})", env!("CARGO_PKG_VERSION"), zonewatch::store::SCHEMA_VERSION).into_boxed_str());
+    let cli = Cli::from_arg_matches(&Cli::command().version(version).get_matches()).unwrap_or_else(|e| e.exit());
     // `serve` is a service: it logs what it does. One-shot commands print their own report.
     let default_level = if matches!(cli.command, zonewatch::cli::Command::Serve { .. }) { "info" } else { "warn" };
     // geo's own warnings ("polygon had no winding order. Results are undefined.", once per

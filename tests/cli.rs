@@ -805,3 +805,15 @@ fn a_layers_degenerate_ring_does_not_flood_the_log() {
     assert!(out.contains("baseline features=1"), "{out}");
     assert!(!err.contains("winding order") && !err.contains("undefined"), "{err}");
 }
+
+/// `--version` names the store schema the build writes, so an operator can tell two builds
+/// apart before the first start upgrades a store for good (a black-box tester could not).
+#[test]
+fn version_names_the_store_schema() {
+    for flag in ["--version", "-V"] {
+        let o = zonewatch(&[flag]);
+        assert!(o.status.success(), "{:?}", text(&o));
+        let want = format!("zonewatch {} (store schema {})", env!("CARGO_PKG_VERSION"), zonewatch::store::SCHEMA_VERSION);
+        assert_eq!(text(&o).0.trim(), want);
+    }
+}
