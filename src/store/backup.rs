@@ -503,8 +503,13 @@ fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> 
     };
     let mine = file.metadata()?;
     let mut warning = None;
+    // The old mode's group bits, unless the file's group could not be made the old one: then
+    // they would give the restorer's group (or a setgid folder's) what the old group had, on
+    // a file that holds signing secrets (a sixth reader).
+    let mut mode = old.mode() & 0o777;
     if mine.uid() != old.uid() {
         if let Err(e) = std::os::unix::fs::fchown(file, Some(old.uid()), Some(old.gid())) {
+            mode &= 0o707;
             warning = Some(format!(
                 "the restored store could not be given the replaced store's owner {}:{} ({e}); chown it before starting zonewatch as that user",
                 old.uid(),
@@ -518,14 +523,15 @@ fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> 
         // was right).
         if let Err(e) = std::os::unix::fs::fchown(file, None, Some(old.gid())) {
             if old.mode() & 0o070 != 0 {
+                mode &= 0o707;
                 warning = Some(format!(
-                    "the restored store could not be given the replaced store's group {} ({e}); its owner is right, but members of that group lose the access they had: chgrp it",
+                    "the restored store could not be given the replaced store's group {} ({e}); its owner is right, but members of that group lose the access they had (the file's own group gets none): chgrp it and give the group its access again",
                     old.gid()
                 ));
             }
         }
     }
-    file.set_permissions(std::fs::Permissions::from_mode(old.mode() & 0o777))?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
     Ok(warning)
 }
 

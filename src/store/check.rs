@@ -114,12 +114,13 @@ pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreErro
     check_txn(&rtx)
 }
 
-/// A file of a newer schema than this build's is not checked by this build's rules, which
+/// A file of a newer schema than this build's (or a schema record no build wrote) is not
+/// checked by this build's rules, which
 /// would call it consistent, or not, by tables and records it does not know (a black-box
 /// tester: an older build called a newer file "consistent ... all good").
 fn refuse_newer(rtx: &redb::ReadTransaction, path: &std::path::Path) -> Result<(), StoreError> {
     match super::schema_in(rtx)? {
-        Some(found) if found > super::SCHEMA_VERSION => Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: super::SCHEMA_VERSION }),
+        Some(found) if !(super::OLDEST_SCHEMA_VERSION..=super::SCHEMA_VERSION).contains(&found) => Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: super::SCHEMA_VERSION }),
         _ => Ok(()),
     }
 }

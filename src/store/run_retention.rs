@@ -12,8 +12,8 @@
 //! `reprocessed`, `held`: their lineage ids name audit rows, holds and watermarks), a
 //! source's newest run record (what `GET /v1/sources` shows as its last run; once a newer one
 //! exists it goes too, `SweptRuns::held_back`), a record written under a clock more than a day
-//! ahead (stepped over, its id kept in `meta` as `runs_future_from`: once it is no longer
-//! ahead, the sweep reads again from there, so neither a clock that ran ahead nor one that is
+//! ahead (stepped over, its id kept in `meta` as `runs_future_from`: once it is past the
+//! horizon, the sweep reads again from there, so neither a clock that ran ahead nor one that is
 //! behind, the store's records then all looking ahead of it, keeps records for good), and a
 //! record that does not decode (`check --store` names it). Run ids are never reused: the
 //! store's newest record is its source's newest, so it stays, and the next id is counted from
@@ -125,20 +125,22 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let cursor = swept_below(&wtx)?;
-        // Records stepped over as written ahead of this clock: once the first of them no
-        // longer is (the clock has caught up with a clock that ran ahead, or this clock, which
-        // was behind, is right again), the pass reads again from there. A record there that
-        // is gone or does not decode is no longer waited for either.
+        // Records stepped over as written ahead of this clock: once the first of them is past
+        // the horizon (the clock has caught up with a clock that ran ahead, or this clock,
+        // which was behind, is right again, and the retention has gone by), the pass reads
+        // again from there; not as soon as it is no longer ahead, when the pass would only
+        // stop on it again and hold the cursor back (a sixth reader). A record there that is
+        // gone or does not decode is no longer waited for either.
         let waiting_from = meta_u64(&wtx, META_RUNS_FUTURE_FROM)?;
         let mut future_from = waiting_from;
         let mut from = cursor;
         if let Some(id) = waiting_from {
             let runs = wtx.open_table(RUNS)?;
-            let still_ahead = match runs.get(id)? {
-                Some(v) => decode::<RunRecord>(v.value()).is_ok_and(|r| r.finished_ms > now_ms.saturating_add(FUTURE_MS)),
+            let waiting = match runs.get(id)? {
+                Some(v) => decode::<RunRecord>(v.value()).is_ok_and(|r| r.finished_ms >= before_ms),
                 None => false,
             };
-            if !still_ahead {
+            if !waiting {
                 from = from.min(id);
                 future_from = None;
             }
@@ -503,6 +505,17 @@ mod tests {
         // Two removals, eight reads a pass: the thirty ahead take four passes to cross.
         assert_eq!(sweep_all(&store, 200 * HOUR, 2), 10, "the ten after them");
         assert_eq!(all_records(&store).len(), 31);
+        // No longer ahead but inside a 10-day retention: the cursor is not taken back to them
+        // (a pass would only stop on them again, a sixth reader).
+        let cursor = |s: &Store| {
+            let wtx = s.db.begin_write().expect("write");
+            let c = swept_below(&wtx).expect("cursor");
+            wtx.abort().expect("abort");
+            c
+        };
+        let before = cursor(&store);
+        assert_eq!(store.sweep_quiet_runs(year + 31 * HOUR, 240 * HOUR, 2).expect("sweep"), 0);
+        assert_eq!(cursor(&store), before);
         assert_eq!(sweep_all(&store, year + 200 * HOUR, 2), 30, "once the clock is past them");
         assert_eq!(all_records(&store).len(), 1, "the newest");
         assert!(store.check_consistency().expect("check").is_consistent());
