@@ -923,10 +923,11 @@ fn end_of_run_sweeps(engine: &Engine) {
     if let Err(e) = engine.store.sweep_attempts(horizon, 10_000) {
         warning_line!("retention sweep of delivery attempts failed: {e}");
     }
-    if let Err(e) = engine.store.sweep_quiet_runs(engine.now(), engine.config.run_retention.as_millis() as u64, RUN_SWEEP_BATCH) {
+    let keep = engine.config.run_retention.as_millis() as u64;
+    if let Err(e) = engine.store.sweep_quiet_runs(engine.now(), keep, RUN_SWEEP_BATCH) {
         warning_line!("retention sweep of run records failed: {e}");
     }
-    if let Err(e) = engine.store.sweep_superseded_holds(engine.now(), engine.config.run_retention.as_millis() as u64, RUN_SWEEP_BATCH) {
+    if let Err(e) = engine.store.sweep_superseded_holds(engine.now(), keep, RUN_SWEEP_BATCH) {
         warning_line!("retention sweep of superseded holds failed: {e}");
     }
 }

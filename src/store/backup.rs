@@ -295,10 +295,7 @@ fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
         return Err(open_err("no schema version record: not a zonewatch store".into()));
     };
     // A backup of an older format is fine to restore: the next open upgrades it.
-    if !(super::OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
-        return Err(StoreError::SchemaVersion { path: shown.to_path_buf(), found, expected: SCHEMA_VERSION });
-    }
-    Ok(())
+    super::opens_schema(found, shown)
 }
 
 /// The run ids of the holds still open in the store file at `path`, read through a read-only

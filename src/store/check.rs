@@ -120,8 +120,8 @@ pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreErro
 /// tester: an older build called a newer file "consistent ... all good").
 fn refuse_newer(rtx: &redb::ReadTransaction, path: &std::path::Path) -> Result<(), StoreError> {
     match super::schema_in(rtx)? {
-        Some(found) if !(super::OLDEST_SCHEMA_VERSION..=super::SCHEMA_VERSION).contains(&found) => Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: super::SCHEMA_VERSION }),
-        _ => Ok(()),
+        Some(found) => super::opens_schema(found, path),
+        None => Ok(()),
     }
 }
 

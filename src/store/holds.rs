@@ -44,27 +44,41 @@ pub(super) fn write_resolved(wtx: &WriteTransaction, hold: &Hold) -> Result<(), 
 /// (never written so; `check --store` names it) is dropped here; one whose row does not decode
 /// is left to `check` (logged once by [`readable_hold`]).
 pub(super) fn open_of_source(wtx: &WriteTransaction, source_id: &str) -> Result<Vec<Hold>, StoreError> {
-    let rows = wtx.open_table(HOLDS)?;
     let mut index = wtx.open_table(OPEN_HOLDS)?;
-    let mut open = Vec::new();
-    let mut stale = Vec::new();
-    for item in index.range((source_id, 0u64)..=(source_id, u64::MAX))? {
-        let (k, _) = item?;
-        let id = k.value().1;
-        match rows.get(id)? {
-            None => stale.push(id),
-            Some(v) => match readable_hold(id, v.value()) {
-                Some(h) if h.state == HoldState::Open && h.source_id == source_id => open.push(h),
-                Some(_) => stale.push(id),
-                None => {}
-            },
-        }
-    }
+    let (open, stale) = read_open(&index, &wtx.open_table(HOLDS)?, Some(source_id))?;
     for id in stale {
         tracing::error!(hold = id, source = source_id, "the index of open holds named a hold that is not open; entry dropped");
         index.remove((source_id, id))?;
     }
     Ok(open)
+}
+
+/// The open holds the index names, of one source or of all (`None`), in index order; and the
+/// ids of entries whose row is gone, not open or of another source (a row that does not
+/// decode is neither: left to `check`, logged once by [`readable_hold`]).
+fn read_open<I, R>(index: &I, rows: &R, source_id: Option<&str>) -> Result<(Vec<Hold>, Vec<u64>), StoreError>
+where
+    I: ReadableTable<(&'static str, u64), ()>,
+    R: ReadableTable<u64, &'static [u8]>,
+{
+    let entries = match source_id {
+        Some(s) => index.range((s, 0u64)..=(s, u64::MAX))?,
+        None => index.range::<(&str, u64)>(..)?,
+    };
+    let (mut open, mut stale) = (Vec::new(), Vec::new());
+    for item in entries {
+        let (k, _) = item?;
+        let (source, id) = k.value();
+        match rows.get(id)? {
+            None => stale.push(id),
+            Some(v) => match readable_hold(id, v.value()) {
+                Some(h) if h.state == HoldState::Open && h.source_id == source => open.push(h),
+                Some(_) => stale.push(id),
+                None => {}
+            },
+        }
+    }
+    Ok((open, stale))
 }
 
 /// Indexes the open holds of a file written before the index existed (schema 13 or older).
@@ -126,20 +140,7 @@ impl Store {
     /// the index, so the cost is the open holds', however many were resolved before.
     pub fn open_holds(&self, source_id: Option<&str>) -> Result<Vec<Hold>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let index = rtx.open_table(OPEN_HOLDS)?;
-        let rows = rtx.open_table(HOLDS)?;
-        let entries = match source_id {
-            Some(s) => index.range((s, 0u64)..=(s, u64::MAX))?,
-            None => index.range::<(&str, u64)>(..)?,
-        };
-        let mut out = Vec::new();
-        for item in entries {
-            let (k, _) = item?;
-            let (source, id) = k.value();
-            if let Some(v) = rows.get(id)? {
-                out.extend(readable_hold(id, v.value()).filter(|h| h.state == HoldState::Open && h.source_id == source));
-            }
-        }
+        let (mut out, _) = read_open(&rtx.open_table(OPEN_HOLDS)?, &rtx.open_table(HOLDS)?, source_id)?;
         out.sort_by_key(|h| h.run_id);
         Ok(out)
     }

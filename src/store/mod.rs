@@ -396,9 +396,7 @@ impl Store {
         // changing the file's bytes). A file redb cannot open read-only (not closed cleanly)
         // is checked after the writable open, as before.
         if !created {
-            if let Some(found) = refused_schema_read_only(path) {
-                return Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: SCHEMA_VERSION });
-            }
+            refuse_schema_read_only(path)?;
         }
         // The repair callback is called only when redb has to rebuild the file's allocator
         // state (an unclean shutdown without a quick-repair record).
@@ -576,13 +574,7 @@ impl Store {
                     if let Some(v) = meta.get(META_SCHEMA)? {
                         let found = decode_u32(v.value());
                         upgrading_from = Some(found).filter(|&v| v < SCHEMA_VERSION);
-                        if !(OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
-                            return Err(StoreError::SchemaVersion {
-                                path: self.path.clone(),
-                                found,
-                                expected: SCHEMA_VERSION,
-                            });
-                        }
+                        opens_schema(found, &self.path)?;
                     }
                 }
                 Err(redb::TableError::TableDoesNotExist(_)) => {}
@@ -622,15 +614,9 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         // A file without the history indexes (schema 10 or older) has its rows indexed below.
-        let history_indexed = {
-            use redb::TableHandle;
-            wtx.list_tables()?.any(|t| t.name() == AUDIT_BY_OUTCOME.name())
-        };
+        let history_indexed = has_table(&wtx, redb::TableHandle::name(&AUDIT_BY_OUTCOME))?;
         // A file without the index of open holds (schema 13 or older) has them indexed below.
-        let holds_indexed = {
-            use redb::TableHandle;
-            wtx.list_tables()?.any(|t| t.name() == OPEN_HOLDS.name())
-        };
+        let holds_indexed = has_table(&wtx, redb::TableHandle::name(&OPEN_HOLDS))?;
         {
             wtx.open_table(META)?;
             wtx.open_table(WATERMARKS)?;
@@ -766,12 +752,30 @@ impl Store {
     }
 }
 
-/// The schema version of the file at `path` when it is one this build refuses, read through a
-/// read-only open (which writes nothing); `None` when it is not, or cannot be read so.
-fn refused_schema_read_only(path: &Path) -> Option<u32> {
-    let db = redb::Builder::new().open_read_only(path).ok()?;
-    let found = schema_in(&db.begin_read().ok()?).ok()??;
-    (!(OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found)).then_some(found)
+/// Whether this build opens a file of schema `found` (at `path`): the one rule every command
+/// that opens, checks, backs up or restores a file refuses it by.
+pub(super) fn opens_schema(found: u32, path: &Path) -> Result<(), StoreError> {
+    if (OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
+        return Ok(());
+    }
+    Err(StoreError::SchemaVersion { path: path.to_path_buf(), found, expected: SCHEMA_VERSION })
+}
+
+/// The refusal of the file at `path` when its schema is one this build does not open, read
+/// through a read-only open (which writes nothing); `Ok` when it is not, or cannot be read so.
+fn refuse_schema_read_only(path: &Path) -> Result<(), StoreError> {
+    let Ok(db) = redb::Builder::new().open_read_only(path) else { return Ok(()) };
+    match db.begin_read().ok().and_then(|rtx| schema_in(&rtx).ok().flatten()) {
+        Some(found) => opens_schema(found, path),
+        None => Ok(()),
+    }
+}
+
+/// Whether the file of write transaction `wtx` has a table of that name (an older schema's
+/// file lacks the tables later ones added; the upgrade fills those it creates).
+fn has_table(wtx: &redb::WriteTransaction, name: &str) -> Result<bool, StoreError> {
+    use redb::TableHandle;
+    Ok(wtx.list_tables()?.any(|t| t.name() == name))
 }
 
 /// The schema version a file's read transaction shows (None: no `meta` table, or no version
