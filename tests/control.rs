@@ -147,7 +147,9 @@ async fn control_port_end_to_end() {
         assert_eq!(holds_of("?state=open").1["items"].as_array().unwrap().len(), 0, "released");
         let (status, released) = holds_of("?state=released,superseded&limit=1");
         assert_eq!((status, released["items"][0]["run_id"].as_u64()), (200, Some(hold_id)), "{released}");
-        for bad in ["?state=nope", "?state=open,gone", "?limit=0", "?limit=1001", "?limit=x"] {
+        // A misspelt or repeated parameter is refused, not ignored (`?sate=open` listed every
+        // hold, the answer to no filter at all).
+        for bad in ["?state=nope", "?state=open,gone", "?limit=0", "?limit=1001", "?limit=x", "?sate=open", "?state=open&state=released", "?state=open&cursor=3"] {
             let (status, body) = holds_of(bad);
             assert_eq!((status, body["error"]["code"].as_str()), (400, Some("bad_query")), "{bad}: {body}");
         }
@@ -158,6 +160,11 @@ async fn control_port_end_to_end() {
         }
         assert_eq!(rx.received().iter().filter(|r| r.path == "/api").count(), 20);
         assert_eq!(c.post(d.url("/v1/sources/nope/run")).header("authorization", &auth).send().unwrap().status(), 404);
+        // A route that reads no query refuses one (an operator's `?force=1` asks for nothing).
+        let forced = c.post(d.url("/v1/sources/s1/run?force=1")).header("authorization", &auth).send().unwrap();
+        assert_eq!(forced.status(), 400);
+        let forced: Value = forced.json().unwrap();
+        assert_eq!(forced["error"]["message"], "/v1/sources/s1/run takes no query parameters; got \"force\"", "{forced}");
 
         // Runs, audit with filters and cursors, watermarks, changes.
         let runs: Value = c.get(d.url("/v1/runs?source=s1&limit=1")).header("authorization", &auth).send().unwrap().json().unwrap();
@@ -856,7 +863,7 @@ fn hostile_query_value(rng: &mut Lcg, name: &str) -> String {
 }
 
 /// A query string (without `?`) for `path` and the parameters as the server will see them
-/// (the last of a repeated name wins), kept only when every part is plain ASCII with no
+/// (a repeated name, or one the route does not read, is a 400 and no oracle applies), kept only when every part is plain ASCII with no
 /// escapes.
 fn hostile_query(rng: &mut Lcg, path: &str) -> (String, Option<std::collections::HashMap<String, String>>) {
     let own: &[&str] = FUZZ_QUERIES.iter().find(|(p, _)| *p == path).map(|(_, names)| *names).unwrap_or(&[]);

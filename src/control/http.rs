@@ -111,14 +111,34 @@ pub fn parse_optional_json<T: serde::de::DeserializeOwned + Default>(bytes: &[u8
     parse_json(bytes)
 }
 
-/// Decodes `a=1&b=x%20y` into a map (later duplicates win).
-pub fn query(q: Option<&str>) -> HashMap<String, String> {
+/// Decodes `a=1&b=x%20y` into a map. A name is taken once: a repeated one
+/// (`?state=open&state=released`) is a 400, where taking the last value answered a question
+/// the operator had not asked (`state` and `outcome` take a comma-separated list).
+pub fn query(q: Option<&str>) -> Result<HashMap<String, String>, Refusal> {
     let mut out = HashMap::new();
     for pair in q.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        out.insert(percent_decode(k, true), percent_decode(v, true));
+        let name = percent_decode(k, true);
+        if out.contains_key(&name) {
+            return Err(refuse(StatusCode::BAD_REQUEST, "bad_query", format!("query parameter {name:?} is given more than once; give it once (state and outcome take a comma-separated list)")));
+        }
+        out.insert(name, percent_decode(v, true));
     }
-    out
+    Ok(out)
+}
+
+/// [`query`], refusing any name not in `accepted` (the parameters the route reads, as its
+/// OpenAPI entry lists them). An unknown one was ignored: `GET /v1/holds?sate=open` listed
+/// every hold as if no filter had been asked for, a wrong answer that looks right.
+pub fn query_of_route(q: Option<&str>, path: &str, accepted: &[&str]) -> Result<HashMap<String, String>, Refusal> {
+    let params = query(q)?;
+    let mut unknown: Vec<&String> = params.keys().filter(|k| !accepted.contains(&k.as_str())).collect();
+    unknown.sort();
+    match unknown.first() {
+        None => Ok(params),
+        Some(name) if accepted.is_empty() => Err(refuse(StatusCode::BAD_REQUEST, "bad_query", format!("{path} takes no query parameters; got {name:?}"))),
+        Some(name) => Err(refuse(StatusCode::BAD_REQUEST, "bad_query", format!("unknown query parameter {name:?} for {path}; it takes {}", accepted.join(", ")))),
+    }
 }
 
 /// Decodes one segment of a path (`/v1/sources/{id}/run`): `%XX` escapes only. A `+` is a
@@ -169,14 +189,40 @@ mod tests {
 
     #[test]
     fn query_decoding() {
-        let q = query(Some("parcel=12%2D3&watcher=a+b&x&bad=%zz&tail=%4"));
+        let q = query(Some("parcel=12%2D3&watcher=a+b&x&bad=%zz&tail=%4")).unwrap();
         assert_eq!(q["parcel"], "12-3");
         assert_eq!(q["watcher"], "a b");
         assert_eq!(q["x"], "");
         assert_eq!(q["bad"], "%zz");
         assert_eq!(q["tail"], "%4");
-        assert!(query_u64(&query(Some("limit=abc")), "limit").is_err());
-        assert_eq!(query_u64(&query(Some("limit=5")), "limit").unwrap(), Some(5));
+        assert!(query_u64(&query(Some("limit=abc")).unwrap(), "limit").is_err());
+        assert_eq!(query_u64(&query(Some("limit=5")).unwrap(), "limit").unwrap(), Some(5));
+    }
+
+    fn refusal_message(r: Refusal) -> String {
+        let r = *r;
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let bytes = rt.block_on(r.into_body().collect()).unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["error"]["code"], "bad_query");
+        v["error"]["message"].as_str().unwrap().to_string()
+    }
+
+    /// A name given twice, or one the route does not read, is refused naming it; the
+    /// names the route reads pass, escaped or not.
+    #[test]
+    fn repeated_and_unknown_query_parameters_are_refused() {
+        let holds = ["state", "limit"];
+        let twice = query(Some("state=open&limit=5&state=released")).unwrap_err();
+        assert!(refusal_message(twice).contains("\"state\" is given more than once"));
+        let typo = query_of_route(Some("sate=open"), "/v1/holds", &holds).unwrap_err();
+        assert!(refusal_message(typo).contains("unknown query parameter \"sate\" for /v1/holds; it takes state, limit"));
+        let none = query_of_route(Some("force=1"), "/v1/sources/s/run", &[]).unwrap_err();
+        assert!(refusal_message(none).contains("/v1/sources/s/run takes no query parameters; got \"force\""));
+        let ok = query_of_route(Some("st%61te=open&limit=5"), "/v1/holds", &holds).unwrap();
+        assert_eq!((ok["state"].as_str(), ok["limit"].as_str()), ("open", "5"));
+        assert!(query_of_route(None, "/v1/sources", &[]).unwrap().is_empty());
     }
 
     /// A path segment is the id it spells: no query-string separators, no `+` for a space.

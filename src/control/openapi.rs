@@ -181,3 +181,25 @@ pub fn document() -> Value {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    /// The document lists, for every route, exactly the query parameters the server accepts:
+    /// a receiver's generated client must not send one the server refuses, nor miss one.
+    #[test]
+    fn documented_query_parameters_are_the_accepted_ones() {
+        let doc = super::document();
+        let paths = doc["paths"].as_object().unwrap();
+        for (path, ops) in paths {
+            let seg: Vec<&str> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).collect();
+            let mut accepted: Vec<&str> = super::super::routes::accepted_query(&seg).to_vec();
+            accepted.sort_unstable();
+            for (method, op) in ops.as_object().unwrap() {
+                let mut documented: Vec<&str> = op["parameters"].as_array().into_iter().flatten().filter(|p| p["in"] == "query").filter_map(|p| p["name"].as_str()).collect();
+                documented.sort_unstable();
+                assert_eq!(documented, accepted, "{method} {path}");
+            }
+        }
+        assert!(paths.contains_key("/v1/holds"));
+    }
+}

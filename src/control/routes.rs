@@ -1,7 +1,7 @@
 //! The control port's routes. Each handler validates its input, does its work (blocking store
 //! work on the blocking pool) and answers JSON. Unknown routes are 404, wrong methods 405.
 
-use super::http::{error, json, parse_json, parse_optional_json, query, query_u64, read_body, refuse, text, Refusal, Resp};
+use super::http::{error, json, parse_json, parse_optional_json, query_of_route, query_u64, read_body, refuse, text, Refusal, Resp};
 use super::{auth, ControlState};
 use crate::cli::audit_json;
 use crate::model::*;
@@ -21,7 +21,6 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     let has_body = !hyper::body::Body::is_end_stream(req.body());
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    let q = query(req.uri().query());
     let segments: Vec<String> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).map(crate::control::http::path_segment).collect();
     let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
 
@@ -52,6 +51,10 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
         return before_body(has_body, r);
     }
+    let q = match query_of_route(req.uri().query(), &path, accepted_query(&seg)) {
+        Ok(q) => q,
+        Err(r) => return before_body(has_body, *r),
+    };
     let limit = state.engine.config.control.max_body_bytes;
     let expects_continue = req.headers().get(hyper::header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     let body = match read_body(req.into_body(), limit, state.engine.config.control.body_timeout, expects_continue).await {
@@ -153,6 +156,18 @@ fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
         ["v1", "subscribers", _] => "GET, PUT, DELETE",
         _ => return None,
     })
+}
+
+/// The query parameters each route reads; any other is refused (`http::query_of_route`).
+/// The OpenAPI document lists the same (a test holds the two equal).
+pub(super) fn accepted_query(seg: &[&str]) -> &'static [&'static str] {
+    match seg {
+        ["v1", "runs"] => &["source", "limit", "cursor"],
+        ["v1", "holds"] => &["state", "limit"],
+        ["v1", "audit"] => &["parcel", "watcher", "source", "key", "lineage", "since", "order", "outcome", "limit", "cursor"],
+        ["v1", "changes", "recent"] => &["limit"],
+        _ => &[],
+    }
 }
 
 async fn blocking<F: FnOnce() -> Resp + Send + 'static>(f: F) -> Resp {
