@@ -199,8 +199,7 @@ mod tests {
         assert_eq!(query_u64(&query(Some("limit=5")).unwrap(), "limit").unwrap(), Some(5));
     }
 
-    fn refusal_message(r: Refusal) -> String {
-        let r = *r;
+    fn refusal_message(r: Resp) -> String {
         assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         let bytes = rt.block_on(r.into_body().collect()).unwrap().to_bytes();
@@ -215,11 +214,11 @@ mod tests {
     fn repeated_and_unknown_query_parameters_are_refused() {
         let holds = ["state", "limit"];
         let twice = query(Some("state=open&limit=5&state=released")).unwrap_err();
-        assert!(refusal_message(twice).contains("\"state\" is given more than once"));
+        assert!(refusal_message(*twice).contains("\"state\" is given more than once"));
         let typo = query_of_route(Some("sate=open"), "/v1/holds", &holds).unwrap_err();
-        assert!(refusal_message(typo).contains("unknown query parameter \"sate\" for /v1/holds; it takes state, limit"));
+        assert!(refusal_message(*typo).contains("unknown query parameter \"sate\" for /v1/holds; it takes state, limit"));
         let none = query_of_route(Some("force=1"), "/v1/sources/s/run", &[]).unwrap_err();
-        assert!(refusal_message(none).contains("/v1/sources/s/run takes no query parameters; got \"force\""));
+        assert!(refusal_message(*none).contains("/v1/sources/s/run takes no query parameters; got \"force\""));
         let ok = query_of_route(Some("st%61te=open&limit=5"), "/v1/holds", &holds).unwrap();
         assert_eq!((ok["state"].as_str(), ok["limit"].as_str()), ("open", "5"));
         assert!(query_of_route(None, "/v1/sources", &[]).unwrap().is_empty());

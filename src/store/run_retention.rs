@@ -12,9 +12,10 @@
 //! `reprocessed`, `held`: their lineage ids name audit rows, holds and watermarks), a
 //! source's newest run record (what `GET /v1/sources` shows as its last run; once a newer one
 //! exists it goes too, `SweptRuns::held_back`), a record written under a clock more than a day
-//! ahead (stepped over, its id kept in `meta` as `runs_future_from`: once it is past the
-//! horizon, the sweep reads again from there, so neither a clock that ran ahead nor one that is
-//! behind, the store's records then all looking ahead of it, keeps records for good), and a
+//! ahead (stepped over; `meta` `runs_future_from` keeps the lowest such id and the earliest
+//! time among them: once that time is past the horizon, the sweep reads them again, stepping
+//! over those still inside retention, so neither a clock that ran ahead nor one that is behind,
+//! the store's records then all looking ahead of it, keeps records for good), and a
 //! record that does not decode (`check --store` names it). Run ids are never reused: the
 //! store's newest record is its source's newest, so it stays, and the next id is counted from
 //! it.
@@ -94,6 +95,55 @@ fn meta_u64(wtx: &WriteTransaction, key: &str) -> Result<Option<u64>, StoreError
     Ok(v.and_then(|v| <[u8; 8]>::try_from(v.value()).ok()).map(u64::from_le_bytes))
 }
 
+/// The records below the sweep's cursor it must read again (`meta` `runs_future_from`): those
+/// it stepped over as written ahead of its clock, and those a reading of them found still
+/// inside retention.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Waiting {
+    /// The lowest id of those records and the earliest time one of them finished: they are
+    /// read again, from that id, once that time is past the horizon.
+    still: Option<(u64, u64)>,
+    /// Where a reading of them that ran out of reads stopped: the next pass goes on from there
+    /// (then `still` holds what the reading has found so far).
+    resume: Option<u64>,
+}
+
+impl Waiting {
+    /// 24 bytes: lowest id, earliest time, resume id (`u64::MAX`: none; so are an id and a
+    /// time of `u64::MAX`, which no record has).
+    fn to_bytes(self) -> [u8; 24] {
+        let (lowest, due) = self.still.unwrap_or((u64::MAX, u64::MAX));
+        let mut out = [0u8; 24];
+        out[..8].copy_from_slice(&lowest.to_le_bytes());
+        out[8..16].copy_from_slice(&due.to_le_bytes());
+        out[16..].copy_from_slice(&self.resume.unwrap_or(u64::MAX).to_le_bytes());
+        out
+    }
+
+    /// Reads [`Waiting::to_bytes`], or the 8-byte lowest id an earlier build of this schema
+    /// wrote (read again at once, as that build would have). Anything else: none (a damaged
+    /// value costs records kept until `check --store` is run, never one removed early).
+    fn from_bytes(bytes: &[u8]) -> Option<Waiting> {
+        let word = |i: usize| bytes.get(i * 8..i * 8 + 8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map(u64::from_le_bytes);
+        let some = |v: u64| (v != u64::MAX).then_some(v);
+        match bytes.len() {
+            8 => Some(Waiting { still: None, resume: word(0) }),
+            24 => {
+                let (lowest, due, resume) = (word(0)?, word(1)?, word(2)?);
+                let w = Waiting { still: some(lowest).zip(some(due)), resume: some(resume) };
+                (w.still.is_some() || w.resume.is_some()).then_some(w)
+            }
+            _ => None,
+        }
+    }
+}
+
+fn read_waiting(wtx: &WriteTransaction) -> Result<Option<Waiting>, StoreError> {
+    let meta = wtx.open_table(META)?;
+    let v = meta.get(META_RUNS_FUTURE_FROM)?;
+    Ok(v.and_then(|v| Waiting::from_bytes(v.value())))
+}
+
 fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
     // A damaged cursor starts the sweep over from the first record: it only costs reads.
     Ok(meta_u64(wtx, META_RUNS_SWEPT_BELOW)?.unwrap_or(0))
@@ -125,26 +175,26 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let cursor = swept_below(&wtx)?;
-        // Records stepped over as written ahead of this clock: once the first of them is past
-        // the horizon (the clock has caught up with a clock that ran ahead, or this clock,
-        // which was behind, is right again, and the retention has gone by), the pass reads
-        // again from there; not as soon as it is no longer ahead, when the pass would only
-        // stop on it again and hold the cursor back (a sixth reader). A record there that is
-        // gone or does not decode is no longer waited for either.
-        let waiting_from = meta_u64(&wtx, META_RUNS_FUTURE_FROM)?;
-        let mut future_from = waiting_from;
-        let mut from = cursor;
-        if let Some(id) = waiting_from {
-            let runs = wtx.open_table(RUNS)?;
-            let waiting = match runs.get(id)? {
-                Some(v) => decode::<RunRecord>(v.value()).is_ok_and(|r| r.finished_ms >= before_ms),
-                None => false,
-            };
-            if !waiting {
-                from = from.min(id);
-                future_from = None;
-            }
-        }
+        // Records below the cursor stepped over as written ahead of the clock: read again,
+        // from the lowest of them to the cursor, once the earliest is past the horizon (the
+        // clock has caught up with a clock that ran ahead, or this clock, which was behind, is
+        // right again, and the retention has gone by), or where the last such reading stopped.
+        // That reading steps over what is still inside retention instead of stopping on it,
+        // so it never takes the cursor back (a seventh reader: it did, to the next record of
+        // the stretch), and waits for the earliest record, not the lowest id (one a century
+        // ahead kept a stretch a day ahead behind it).
+        let stored = read_waiting(&wtx)?;
+        let (mut again, mut waiting) = match stored {
+            Some(w) => match w.resume {
+                Some(at) => (Some(at), w.still),
+                None if w.still.is_some_and(|(_, due)| due < before_ms) => (w.still.map(|(lowest, _)| lowest), None),
+                None => (None, w.still),
+            },
+            None => (None, None),
+        };
+        let wait = |waiting: &mut Option<(u64, u64)>, id: u64, finished_ms: u64| {
+            *waiting = Some(waiting.map_or((id, finished_ms), |(lowest, due)| (lowest.min(id), due.min(finished_ms))));
+        };
         // Every source's tally (a row per source that ever had a record removed or held back).
         // One that does not decode starts afresh, with an error: the totals can then no longer
         // be checked against the records (`check --store` says so), but the sweep goes on for
@@ -156,7 +206,7 @@ impl Store {
         }
         let mut changed: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         let mut doomed: BTreeMap<u64, RunRecord> = BTreeMap::new();
-        let mut next_from = from;
+        let mut next_from = cursor;
         {
             let runs = wtx.open_table(RUNS)?;
             let index = wtx.open_table(RUNS_BY_SOURCE)?;
@@ -180,43 +230,70 @@ impl Store {
                     }
                 }
             }
-            for (read, item) in runs.range(from..)?.enumerate() {
-                if doomed.len() >= max || read >= max.saturating_mul(READS_PER_REMOVAL) {
-                    break;
-                }
-                let (k, v) = item?;
-                let run_id = k.value();
-                match decode::<RunRecord>(v.value()) {
-                    // Written under a clock that ran ahead: kept, and stepped over.
-                    Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => {
-                        future_from = Some(future_from.map_or(run_id, |f| f.min(run_id)));
-                    }
-                    // Records are in run order, which is time order but for a clock stepped
-                    // back: the first one inside retention ends the pass (a later one from
-                    // before a step back waits for its turn, kept a little longer).
-                    Ok(record) if record.finished_ms >= before_ms => break,
-                    Ok(record) => {
-                        if due(&index, &record, before_ms)? {
-                            doomed.insert(run_id, record);
-                        } else if removable(record.verdict) {
-                            // Its source's newest: looked at again by later passes.
-                            let tally = tallies.entry(record.source_id.clone()).or_default();
-                            if let Some(older) = tally.held_back.replace(run_id) {
-                                if let Some(old) = record_of(older)?.filter(|r| r.source_id == record.source_id) {
-                                    if due(&index, &old, before_ms)? {
-                                        doomed.insert(older, old);
-                                    }
-                                }
+            // A record past the horizon: removed if its source has a newer one, else held back
+            // as its source's newest (looked at again by later passes).
+            let mut take = |run_id: u64, record: RunRecord, doomed: &mut BTreeMap<u64, RunRecord>| -> Result<(), StoreError> {
+                if due(&index, &record, before_ms)? {
+                    doomed.insert(run_id, record);
+                } else if removable(record.verdict) {
+                    let tally = tallies.entry(record.source_id.clone()).or_default();
+                    if let Some(older) = tally.held_back.replace(run_id).filter(|older| *older != run_id) {
+                        if let Some(old) = record_of(older)?.filter(|r| r.source_id == record.source_id) {
+                            if due(&index, &old, before_ms)? {
+                                doomed.insert(older, old);
                             }
-                            changed.insert(record.source_id.clone());
                         }
                     }
-                    Err(_) => {}
+                    changed.insert(record.source_id.clone());
                 }
-                next_from = run_id.saturating_add(1);
+                Ok(())
+            };
+            let budget = max.saturating_mul(READS_PER_REMOVAL);
+            let mut reads = 0;
+            // Below the cursor, the records it went past as ahead of the clock.
+            let mut resume = None;
+            if let Some(from) = again {
+                for item in runs.range(from..cursor)? {
+                    let (k, v) = item?;
+                    let run_id = k.value();
+                    if doomed.len() >= max || reads >= budget {
+                        resume = Some(run_id);
+                        break;
+                    }
+                    reads += 1;
+                    match decode::<RunRecord>(v.value()) {
+                        Ok(record) if record.finished_ms >= before_ms => wait(&mut waiting, run_id, record.finished_ms),
+                        Ok(record) => take(run_id, record, &mut doomed)?,
+                        Err(_) => {}
+                    }
+                }
+            }
+            again = resume;
+            // From the cursor on, once that is done.
+            if again.is_none() {
+                for item in runs.range(cursor..)? {
+                    if doomed.len() >= max || reads >= budget {
+                        break;
+                    }
+                    reads += 1;
+                    let (k, v) = item?;
+                    let run_id = k.value();
+                    match decode::<RunRecord>(v.value()) {
+                        // Written under a clock that ran ahead: kept, and stepped over.
+                        Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => wait(&mut waiting, run_id, record.finished_ms),
+                        // Records are in run order, which is time order but for a clock stepped
+                        // back: the first one inside retention ends the pass (a later one from
+                        // before a step back waits for its turn, kept a little longer).
+                        Ok(record) if record.finished_ms >= before_ms => break,
+                        Ok(record) => take(run_id, record, &mut doomed)?,
+                        Err(_) => {}
+                    }
+                    next_from = run_id.saturating_add(1);
+                }
             }
         }
-        if doomed.is_empty() && changed.is_empty() && next_from == cursor && future_from == waiting_from {
+        let now_waiting = (again.is_some() || waiting.is_some()).then_some(Waiting { still: waiting, resume: again });
+        if doomed.is_empty() && changed.is_empty() && next_from == cursor && now_waiting == stored {
             wtx.abort()?;
             return Ok(0);
         }
@@ -244,8 +321,8 @@ impl Store {
         {
             let mut meta = wtx.open_table(META)?;
             meta.insert(META_RUNS_SWEPT_BELOW, next_from.to_le_bytes().as_slice())?;
-            match future_from {
-                Some(id) => meta.insert(META_RUNS_FUTURE_FROM, id.to_le_bytes().as_slice())?,
+            match now_waiting {
+                Some(w) => meta.insert(META_RUNS_FUTURE_FROM, w.to_bytes().as_slice())?,
                 None => meta.remove(META_RUNS_FUTURE_FROM)?,
             };
         }
@@ -334,25 +411,27 @@ mod tests {
         }
     }
 
-    /// Sweeps until a pass removes nothing and moves its cursor no further.
+    /// The sweep's cursor and what it waits for below it.
+    fn sweep_state(store: &Store) -> (u64, Option<Waiting>) {
+        let wtx = store.db.begin_write().expect("write");
+        let state = (swept_below(&wtx).expect("cursor"), read_waiting(&wtx).expect("waiting"));
+        wtx.abort().expect("abort");
+        state
+    }
+
+    /// [`sweep_all_at`] with a retention of 0 and any batch.
     fn sweep_all(store: &Store, before_ms: u64, batch: usize) -> usize {
+        sweep_all_within(store, before_ms, 0, batch)
+    }
+
+    /// Sweeps until a pass removes nothing and moves neither its cursor nor what it waits for.
+    fn sweep_all_within(store: &Store, now_ms: u64, retention_ms: u64, batch: usize) -> usize {
         let mut n = 0;
         for _ in 0..10_000 {
-            let cursor = {
-                let wtx = store.db.begin_write().expect("write");
-                let c = swept_below(&wtx).expect("cursor");
-                wtx.abort().expect("abort");
-                c
-            };
-            let removed = store.sweep_quiet_runs(before_ms, 0, batch).expect("sweep");
+            let state = sweep_state(store);
+            let removed = store.sweep_quiet_runs(now_ms, retention_ms, batch).expect("sweep");
             n += removed;
-            let moved = {
-                let wtx = store.db.begin_write().expect("write");
-                let c = swept_below(&wtx).expect("cursor");
-                wtx.abort().expect("abort");
-                c != cursor
-            };
-            if removed == 0 && !moved {
+            if removed == 0 && sweep_state(store) == state {
                 return n;
             }
         }
@@ -507,18 +586,57 @@ mod tests {
         assert_eq!(all_records(&store).len(), 31);
         // No longer ahead but inside a 10-day retention: the cursor is not taken back to them
         // (a pass would only stop on them again, a sixth reader).
-        let cursor = |s: &Store| {
-            let wtx = s.db.begin_write().expect("write");
-            let c = swept_below(&wtx).expect("cursor");
-            wtx.abort().expect("abort");
-            c
-        };
-        let before = cursor(&store);
+        let before = sweep_state(&store).0;
         assert_eq!(store.sweep_quiet_runs(year + 31 * HOUR, 240 * HOUR, 2).expect("sweep"), 0);
-        assert_eq!(cursor(&store), before);
-        assert_eq!(sweep_all(&store, year + 200 * HOUR, 2), 30, "once the clock is past them");
+        assert_eq!(sweep_state(&store).0, before);
+        // Once the first of them is past the horizon, it goes, and those still inside wait
+        // without taking the cursor back (a seventh reader: it went back to the second), so
+        // what comes after them goes when it is due.
+        let late = append(&store, "s", Verdict::Skip, year + 100 * HOUR, 0);
+        append(&store, "s", Verdict::Skip, year + 300 * HOUR, 0);
+        assert_eq!(sweep_all_within(&store, year + 240 * HOUR + HOUR / 2, 240 * HOUR, 2), 2, "the first of the thirty, and the one held back as the newest");
+        assert_eq!(sweep_state(&store).0, before, "the cursor stays");
+        assert_eq!(sweep_all_within(&store, year + 341 * HOUR, 240 * HOUR, 2), 1 + 29, "the one after them, then the 29");
+        assert!(!all_records(&store).iter().any(|r| r.run_id == late));
         assert_eq!(all_records(&store).len(), 1, "the newest");
+        assert_eq!(sweep_state(&store).1, None, "nothing waited for");
         assert!(store.check_consistency().expect("check").is_consistent());
+    }
+
+    /// A record a century ahead does not keep one a day ahead waiting behind it (a seventh
+    /// reader: only the lowest id was waited for), and a reading below the cursor that runs
+    /// out of reads goes on where it stopped.
+    #[test]
+    fn records_ahead_wait_for_the_earliest_not_the_lowest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(&dir.path().join("zw.redb")).expect("open");
+        const HOUR: u64 = 3_600_000;
+        let century = 100 * 365 * 24 * HOUR;
+        let far = append(&store, "s", Verdict::Skip, century, 0);
+        let near: Vec<u64> = (0..20).map(|i| append(&store, "s", Verdict::Skip, 50 * HOUR + i, 0)).collect();
+        append(&store, "s", Verdict::Skip, HOUR, 0);
+        // At hour 2 all twenty-one are ahead: stepped over, and the one after them is the newest.
+        assert_eq!(sweep_all_within(&store, 2 * HOUR, HOUR, 2), 0);
+        assert_eq!(sweep_state(&store).1.and_then(|w| w.still), Some((far, 50 * HOUR)));
+        // Past the twenty's horizon: they go, the century one waits, eight reads a pass.
+        assert_eq!(sweep_all_within(&store, 60 * HOUR, HOUR, 2), 20, "{near:?}");
+        let kept: Vec<u64> = all_records(&store).iter().map(|r| r.run_id).collect();
+        assert_eq!(kept.len(), 2, "the century one and the newest: {kept:?}");
+        assert_eq!(kept[0], far);
+        assert_eq!(sweep_state(&store).1, Some(Waiting { still: Some((far, century)), resume: None }));
+        assert!(store.check_consistency().expect("check").is_consistent());
+    }
+
+    /// What an earlier build of this schema wrote (the lowest id, 8 bytes) is read again at
+    /// once; a damaged value waits for nothing; the 24 bytes read back as written.
+    #[test]
+    fn the_waiting_mark_reads_what_was_written() {
+        assert_eq!(Waiting::from_bytes(&7u64.to_le_bytes()), Some(Waiting { still: None, resume: Some(7) }));
+        assert_eq!(Waiting::from_bytes(&[1, 2, 3]), None);
+        for w in [Waiting { still: Some((3, 99)), resume: None }, Waiting { still: None, resume: Some(5) }, Waiting { still: Some((3, 99)), resume: Some(8) }] {
+            assert_eq!(Waiting::from_bytes(&w.to_bytes()), Some(w));
+        }
+        assert_eq!(Waiting::from_bytes(&[0xFF; 24]), None);
     }
 
     /// A store whose totals row was damaged is counted again from its records and what the

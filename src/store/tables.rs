@@ -18,9 +18,10 @@ pub const META_KEY_SCOPE: &str = "key_scope";
 /// Run id below which the run retention sweep has looked at every record (u64 LE;
 /// `run_retention.rs`).
 pub const META_RUNS_SWEPT_BELOW: &str = "runs_swept_below";
-/// The lowest run id the run retention sweep stepped over as written a day or more ahead of its
-/// clock (`run_retention.rs`): once that record is no longer ahead, the sweep reads again from
-/// there. Absent: none.
+/// What the run retention sweep must read again below its cursor (`run_retention::Waiting`):
+/// the lowest id and earliest time of the records it stepped over as written a day or more
+/// ahead of its clock, read again once that time is past the horizon, and where such a reading
+/// that ran out of reads stopped. Absent: none.
 pub const META_RUNS_FUTURE_FROM: &str = "runs_future_from";
 
 /// source id → current `Watermark`.
