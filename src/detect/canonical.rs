@@ -46,6 +46,25 @@ fn least_rotation(n: usize, cmp: impl Fn(usize, usize) -> std::cmp::Ordering) ->
     i.min(j).min(n.saturating_sub(1))
 }
 
+/// Rotates `pts` (a ring without its closing point) to its lexicographically least rotation
+/// (it starts at its smallest vertex). A ring that encloses no area (its points on one line)
+/// has no orientation to go by: it is also turned the way round whose least rotation is the
+/// smaller, so it reads the same whichever way it was written (Koop's Esri rings reversed such
+/// rings of Chicago's layer, and each was announced as `geometry_changed`).
+fn least_form<T: Copy, K: Ord>(pts: &mut Vec<T>, no_area: bool, key: impl Fn(&T) -> K) {
+    let n = pts.len();
+    let start = least_rotation(n, |a, b| key(&pts[a]).cmp(&key(&pts[b])));
+    pts.rotate_left(start);
+    if no_area {
+        let mut reversed: Vec<T> = pts.iter().rev().copied().collect();
+        let start = least_rotation(n, |a, b| key(&reversed[a]).cmp(&key(&reversed[b])));
+        reversed.rotate_left(start);
+        if reversed.iter().map(&key).lt(pts.iter().map(&key)) {
+            *pts = reversed;
+        }
+    }
+}
+
 fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
     let mut pts: Ring = Vec::with_capacity(ring.0.len());
     for c in &ring.0 {
@@ -69,9 +88,7 @@ fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
     if (twice_area > 0) != want_ccw && twice_area != 0 {
         pts.reverse();
     }
-    // Rotate to the lexicographically smallest rotation (it starts at the smallest vertex).
-    let start = least_rotation(pts.len(), |a, b| pts[a].cmp(&pts[b]));
-    pts.rotate_left(start);
+    least_form(&mut pts, twice_area == 0, |p| *p);
     pts
 }
 
@@ -108,8 +125,7 @@ pub fn canonical_order(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
         if (twice > 0.0) != want_ccw && twice != 0.0 {
             pts.reverse();
         }
-        let best = least_rotation(n, |a, b| key(&pts[a]).cmp(&key(&pts[b])));
-        pts.rotate_left(best);
+        least_form(pts, twice == 0.0, key);
         pts.push(pts[0]);
         r
     }
@@ -218,26 +234,30 @@ mod tests {
         }
     }
 
-    /// A ring that repeats itself (A, B, A, B, …) is put in order and hashed as any other:
-    /// the same shape from any start, in either direction.
+    /// A ring that repeats itself (A, B, A, B, …), or encloses no area, is put in order and
+    /// hashed as any other: the same shape from any start, in either direction.
     #[test]
-    fn a_repeating_ring_orders_and_hashes_the_same_from_any_start() {
+    fn a_repeating_or_flat_ring_orders_and_hashes_the_same_from_any_start() {
         use geo::{Coord, LineString, Polygon};
-        let pts: Vec<(f64, f64)> = vec![(0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (1.0, 3.0)];
-        let ring_from = |start: usize, rev: bool| {
-            let mut v: Vec<(f64, f64)> = (0..pts.len()).map(|k| pts[(start + k) % pts.len()]).collect();
-            if rev {
-                v.reverse();
-            }
-            v.push(v[0]);
-            MultiPolygon::new(vec![Polygon::new(LineString::new(v.into_iter().map(|(x, y)| Coord { x, y }).collect()), vec![])])
-        };
-        let want_hash = geometry_hash(&ring_from(0, false));
-        let want_order = canonical_order(ring_from(0, false));
-        for start in 0..pts.len() {
-            for rev in [false, true] {
-                assert_eq!(geometry_hash(&ring_from(start, rev)), want_hash, "start {start}, reversed {rev}");
-                assert_eq!(canonical_order(ring_from(start, rev)), want_order, "start {start}, reversed {rev}");
+        let repeating: Vec<(f64, f64)> = vec![(0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (1.0, 3.0)];
+        let flat: Vec<(f64, f64)> = vec![(0.0, 0.0), (3.0, 0.0), (1.0, 0.0), (5.0, 0.0), (2.0, 0.0)];
+        let flat_repeating: Vec<(f64, f64)> = vec![(0.0, 0.0), (3.0, 0.0), (0.0, 0.0), (3.0, 0.0), (1.0, 0.0)];
+        for pts in [repeating, flat, flat_repeating] {
+            let ring_from = |start: usize, rev: bool| {
+                let mut v: Vec<(f64, f64)> = (0..pts.len()).map(|k| pts[(start + k) % pts.len()]).collect();
+                if rev {
+                    v.reverse();
+                }
+                v.push(v[0]);
+                MultiPolygon::new(vec![Polygon::new(LineString::new(v.into_iter().map(|(x, y)| Coord { x, y }).collect()), vec![])])
+            };
+            let want_hash = geometry_hash(&ring_from(0, false));
+            let want_order = canonical_order(ring_from(0, false));
+            for start in 0..pts.len() {
+                for rev in [false, true] {
+                    assert_eq!(geometry_hash(&ring_from(start, rev)), want_hash, "start {start}, reversed {rev}");
+                    assert_eq!(canonical_order(ring_from(start, rev)), want_order, "start {start}, reversed {rev}");
+                }
             }
         }
     }

@@ -422,9 +422,58 @@ fn point_in_ring(p: [f64; 2], r: &Ring) -> bool {
     inside
 }
 
+/// Where a point lies against a ring.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Place {
+    Inside,
+    Outside,
+    /// On a vertex or an edge (within ~1e-12 of the edge's length).
+    Boundary,
+}
+
+fn locate(p: [f64; 2], r: &Ring) -> Place {
+    let on_edge = |a: [f64; 2], b: [f64; 2]| {
+        if p == a || p == b {
+            return true;
+        }
+        let (dx, dy) = (b[0] - a[0], b[1] - a[1]);
+        let tolerance = dx.abs().max(dy.abs()) * 1e-12;
+        let cross = dx * (p[1] - a[1]) - dy * (p[0] - a[0]);
+        let within = |v: f64, a: f64, b: f64| v >= a.min(b) - tolerance && v <= a.max(b) + tolerance;
+        cross.abs() <= tolerance * dx.abs().max(dy.abs()) && within(p[0], a[0], b[0]) && within(p[1], a[1], b[1])
+    };
+    if r.windows(2).any(|w| on_edge(w[0], w[1])) {
+        Place::Boundary
+    } else if point_in_ring(p, r) {
+        Place::Inside
+    } else {
+        Place::Outside
+    }
+}
+
+/// Whether the ring `hole` lies inside the ring `outer`, by its first vertex that is not on
+/// `outer`'s boundary. A hole may touch its outer ring at a vertex, and the crossing test puts
+/// a point on the boundary inside or outside by which side it is on: holes touching the top or
+/// right of their outer ring were taken as outside and became polygons of their own (a
+/// black-box tester: four San José parcels came through ArcGIS as overlapping parts, repaired
+/// into other shapes, 1.75% larger). A hole whose every vertex is on the boundary is decided by
+/// the midpoints of its edges; one entirely on it is inside.
+fn ring_within(hole: &Ring, outer: &Ring) -> bool {
+    let midpoints = hole.windows(2).map(|w| [(w[0][0] + w[1][0]) / 2.0, (w[0][1] + w[1][1]) / 2.0]);
+    for p in hole.iter().copied().chain(midpoints) {
+        match locate(p, outer) {
+            Place::Inside => return true,
+            Place::Outside => return false,
+            Place::Boundary => {}
+        }
+    }
+    true
+}
+
 /// Esri geometry → GeoJSON geometry. Polygons: clockwise rings are outers, counter-clockwise
-/// rings are holes of the outer that contains them (a hole inside none becomes an outer; a
-/// layer with no clockwise ring at all has every ring as an outer).
+/// rings are holes of the smallest outer that contains them (an island in a lake of a parcel
+/// holds its own holes; a hole inside none becomes an outer; a layer with no clockwise ring at
+/// all has every ring as an outer).
 pub fn esri_geometry_to_geojson(g: &Value) -> Value {
     if let Some(rings) = g.get("rings").and_then(Value::as_array) {
         let Some(parsed) = rings.iter().map(ring_of).collect::<Option<Vec<Ring>>>() else {
@@ -448,10 +497,11 @@ pub fn esri_geometry_to_geojson(g: &Value) -> Value {
                 holes.push(r);
             }
         }
+        let outer_areas: Vec<f64> = polys.iter().map(|p| signed_area2(&p[0]).abs()).collect();
         for h in holes {
-            let probe = h[0];
-            match polys.iter_mut().find(|p| point_in_ring(probe, &p[0])) {
-                Some(p) => p.push(h),
+            let smallest = (0..outer_areas.len()).filter(|&i| ring_within(&h, &polys[i][0])).min_by(|&a, &b| outer_areas[a].total_cmp(&outer_areas[b]));
+            match smallest {
+                Some(i) => polys[i].push(h),
                 None => polys.push(vec![h]),
             }
         }
@@ -514,6 +564,36 @@ mod tests {
         let single = esri_geometry_to_geojson(&json!({"rings": [[[0.0,0.0],[0.0,1.0],[1.0,1.0],[0.0,0.0]]]}));
         assert_eq!(single["type"], "Polygon");
         assert_eq!(esri_geometry_to_geojson(&json!({"rings": []})), Value::Null);
+    }
+
+    /// A hole touching its outer ring at a vertex stays a hole, whichever side it touches (a
+    /// black-box tester: those touching the top or right side became polygons of their own),
+    /// and a hole of an island in a lake goes to the island, the smallest outer around it.
+    #[test]
+    fn a_hole_touching_its_outer_ring_and_an_islands_hole_stay_holes() {
+        let outer = json!([[0.0,0.0],[0.0,10.0],[10.0,10.0],[10.0,0.0],[0.0,0.0]]);
+        // Counter-clockwise triangles with one vertex on the outer ring: bottom, left, top,
+        // right, a corner, and one whose first vertex is the touching one.
+        let holes = [
+            json!([[5.0,0.0],[6.0,2.0],[4.0,2.0],[5.0,0.0]]),
+            json!([[0.0,5.0],[2.0,4.0],[2.0,6.0],[0.0,5.0]]),
+            json!([[4.0,8.0],[6.0,8.0],[5.0,10.0],[4.0,8.0]]),
+            json!([[8.0,4.0],[10.0,5.0],[8.0,6.0],[8.0,4.0]]),
+            json!([[8.0,7.0],[10.0,10.0],[7.0,8.0],[8.0,7.0]]),
+            json!([[10.0,5.0],[8.0,6.0],[8.0,4.0],[10.0,5.0]]),
+        ];
+        for hole in &holes {
+            let out = esri_geometry_to_geojson(&json!({"rings": [outer, hole]}));
+            assert_eq!(out["type"], "Polygon", "{hole}: {out}");
+            assert_eq!(out["coordinates"].as_array().unwrap().len(), 2, "{hole}: {out}");
+        }
+        // A parcel (0..10) with a lake (1..9) holding an island (3..7) with a pond (4..6):
+        // listed pond first.
+        let lake = json!([[1.0,1.0],[9.0,1.0],[9.0,9.0],[1.0,9.0],[1.0,1.0]]);
+        let island = json!([[3.0,3.0],[3.0,7.0],[7.0,7.0],[7.0,3.0],[3.0,3.0]]);
+        let pond = json!([[4.0,4.0],[6.0,4.0],[6.0,6.0],[4.0,6.0],[4.0,4.0]]);
+        let out = esri_geometry_to_geojson(&json!({"rings": [pond, outer, lake, island]}));
+        assert_eq!(out, json!({"type": "MultiPolygon", "coordinates": [[outer, lake], [island, pond]]}));
     }
 
     #[test]
