@@ -1236,7 +1236,7 @@ fn cmd_restore(config: &std::path::Path, src: &std::path::Path) -> i32 {
             if let Some(kept) = &info.kept {
                 println!("the replaced store is kept at {}", kept.display());
             }
-            if let Some(warning) = &info.owner_warning {
+            for warning in &info.warnings {
                 warning_line!("{warning}");
             }
             // Found by a black-box tester: a hold open in the backup, released after the

@@ -460,6 +460,20 @@ fn unknown_store_version_is_refused_clearly() {
     let o = zonewatch(&["check", "--config", ws.config_path().to_str().unwrap(), "--store"]);
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
     assert!(text(&o).1.contains("schema version 99") || text(&o).0.contains("schema version 99"), "{:?}", text(&o));
+    // A schema record no build wrote (0: what a damaged one reads as) is refused as well, by
+    // both, naming the range this build opens.
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    zonewatch::store::Store::open(&ws.path().join("zw.redb")).unwrap().force_schema_version(0).unwrap();
+    let cfg = ws.config_path();
+    for args in [&["run"][..], &["check", "--store"]] {
+        let mut args = args.to_vec();
+        args.extend(["--config", cfg.to_str().unwrap()]);
+        let o = zonewatch(&args);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {out} {err}");
+        assert!(format!("{out}{err}").contains("has schema version 0; this zonewatch opens versions 1 to"), "{args:?}: {out} {err}");
+    }
 }
 
 #[test]

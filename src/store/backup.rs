@@ -320,9 +320,10 @@ pub struct RestoreInfo {
     /// Where the replaced store was kept (`None`: there was no store to replace). Never a
     /// name that already existed, so an earlier restore's copy is never overwritten.
     pub kept: Option<PathBuf>,
-    /// Set when the restored file could not be given the replaced store's owner (not running
-    /// as root, say): the service user may then be unable to open it until it is chowned.
-    pub owner_warning: Option<String>,
+    /// What the operator must see to: the restored file could not be given the replaced
+    /// store's owner (not running as root, say), so the service user may be unable to open it
+    /// until it is chowned; its folder could not be synced after the rename.
+    pub warnings: Vec<String>,
     /// The run ids of the holds open in the backup: open again now (see `open_holds_in`);
     /// an error when they could not be read (the restore is done all the same).
     pub open_holds: Result<Vec<u64>, String>,
@@ -334,7 +335,9 @@ pub struct RestoreInfo {
 /// `src` is only read: it is copied to a temp file beside `dest` (same filesystem), and that
 /// copy is verified (redb's open writes to the file it opens) and renamed into place. The
 /// restored file takes the replaced store's mode and, where permitted, its owner and group
-/// (the service user must still be able to open it); without a previous store it is 0600.
+/// (the service user must still be able to open it); without a previous store it is 0600, and
+/// restored by root into a folder of another user's (a package's `/var/lib/zonewatch`), that
+/// user's.
 /// The previous store, if any, is kept as `<dest>.before-restore`, or `.before-restore.1`,
 /// `.2`, … when that name is taken.
 pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
@@ -374,7 +377,8 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     std::fs::create_dir_all(parent).map_err(|e| open_err(dest, e.to_string()))?;
     let copy = verified_copy(src, parent, RESTORE_PREFIX)?;
     let tmp = &copy.tmp;
-    let owner_warning = take_identity(tmp.as_file(), previous.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?;
+    let folder = std::fs::metadata(parent).ok();
+    let mut warnings: Vec<String> = take_identity(tmp.as_file(), previous.as_ref(), folder.as_ref()).map_err(|e| open_err(dest, format!("cannot set the restored file's mode: {e}")))?.into_iter().collect();
     // Changes made after the backup was taken were counted in a store now lost: keys claimed
     // from here on name a new epoch, so none takes the key of a change sent since the backup
     // (`key_scope.rs`).
@@ -390,12 +394,20 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
         None => None,
     };
     let VerifiedCopy { tmp, _unfinished: registered, .. } = copy;
-    tmp.persist(dest).map_err(|e| open_err(dest, format!("cannot move the restored store into place: {e}")))?;
+    tmp.persist(dest).map_err(|e| {
+        // Where the old store went, when the restore stops between the two names.
+        let kept_at = kept.as_ref().map(|k| format!(" (the replaced store is kept at {})", k.display())).unwrap_or_default();
+        open_err(dest, format!("cannot move the restored store into place: {e}{kept_at}"))
+    })?;
     // The renames (and the old store's second name) are entries of the folder: synced, so
     // that a power cut after "restored" cannot bring back the old name or lose the new one.
-    sync_folder_of(dest).map_err(|e| open_err(dest, format!("the restored store is in place but its folder could not be synced: {e}")))?;
+    // The restore is done either way: said, with what it did (a seventh reader: an error
+    // here lost the replaced store's name and the owner warning).
+    if let Err(e) = sync_folder_of(dest) {
+        warnings.push(format!("the restored store is in place, but its folder could not be synced ({e}): a power cut now could bring back the replaced store under its name; run sync before relying on it"));
+    }
     drop(registered);
-    Ok(RestoreInfo { kept, owner_warning, open_holds })
+    Ok(RestoreInfo { kept, warnings, open_holds })
 }
 
 /// Syncs the folder holding `path`, making a rename or a new link in it durable (the file's
@@ -488,53 +500,66 @@ fn keep_aside(dest: &Path) -> Result<PathBuf, StoreError> {
     Err(err("cannot keep the old store: 10,000 earlier copies of it (*.before-restore.N) are in the way".into()))
 }
 
-/// Gives the restored file the replaced store's mode, owner and group (0600 without one), so
-/// whoever could open the old store can open the new one. Changing the owner needs root: when
-/// it fails the mode is still set, and the returned warning says what to do.
-#[cfg(unix)]
-fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> std::io::Result<Option<String>> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let Some(old) = previous else {
-        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-        return Ok(None);
-    };
-    let mine = file.metadata()?;
-    let mut warning = None;
-    // The old mode's group bits, unless the file's group could not be made the old one: then
-    // they would give the restorer's group (or a setgid folder's) what the old group had, on
-    // a file that holds signing secrets (a sixth reader).
-    let mut mode = old.mode() & 0o777;
-    if mine.uid() != old.uid() {
-        if let Err(e) = std::os::unix::fs::fchown(file, Some(old.uid()), Some(old.gid())) {
-            mode &= 0o707;
-            warning = Some(format!(
-                "the restored store could not be given the replaced store's owner {}:{} ({e}); chown it before starting zonewatch as that user",
-                old.uid(),
-                old.gid()
-            ));
-        }
-    } else if mine.gid() != old.gid() {
-        // The owner is already the replaced store's (a restore run as that user): zonewatch
-        // running as it opens the file. Only the group's access is at stake, and only when the
-        // old mode gave the group any (a black-box tester was told to chown a file whose owner
-        // was right).
-        if let Err(e) = std::os::unix::fs::fchown(file, None, Some(old.gid())) {
-            if old.mode() & 0o070 != 0 {
-                mode &= 0o707;
-                warning = Some(format!(
-                    "the restored store could not be given the replaced store's group {} ({e}); its owner is right, but members of that group lose the access they had (the file's own group gets none): chgrp it and give the group its access again",
-                    old.gid()
-                ));
-            }
-        }
+/// The restored file's mode: the replaced store's (0600 without one), less every group and
+/// other bit when the file could not be given that store's owner and group. Those classes
+/// would then hold other people than they did (the restorer's group, the old group's members
+/// as "others") on a file that holds signing secrets (a sixth and a seventh reader).
+fn restored_mode(old_mode: Option<u32>, identity_taken: bool) -> u32 {
+    match old_mode {
+        None => 0o600,
+        Some(m) if identity_taken => m & 0o777,
+        Some(m) => m & 0o700,
     }
-    file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+}
+
+/// Gives the restored file the replaced store's mode, owner and group, so whoever could open
+/// the old store can open the new one. Changing the owner needs root: when it fails the
+/// owner's bits are still set, and the returned warning says what to do. Without a replaced
+/// store the file is 0600, and when root restores it into a folder of another user's, that
+/// user's (a black-box tester: a root `zonewatch restore` on a fresh package install left a
+/// root-owned store the service could not open).
+#[cfg(unix)]
+fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>, folder: Option<&std::fs::Metadata>) -> std::io::Result<Option<String>> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mine = file.metadata()?;
+    let Some(old) = previous else {
+        file.set_permissions(std::fs::Permissions::from_mode(restored_mode(None, true)))?;
+        let Some(folder) = folder.filter(|f| mine.uid() == 0 && f.uid() != 0) else { return Ok(None) };
+        return Ok(std::os::unix::fs::fchown(file, Some(folder.uid()), Some(folder.gid())).err().map(|e| {
+            format!("the restored store could not be given its folder's owner {}:{} ({e}); it belongs to root: chown it before starting zonewatch as that user", folder.uid(), folder.gid())
+        }));
+    };
+    let taken = if mine.uid() != old.uid() {
+        std::os::unix::fs::fchown(file, Some(old.uid()), Some(old.gid()))
+    } else if mine.gid() != old.gid() {
+        std::os::unix::fs::fchown(file, None, Some(old.gid()))
+    } else {
+        Ok(())
+    };
+    let warning = match &taken {
+        Ok(()) => None,
+        Err(e) if mine.uid() != old.uid() => Some(format!(
+            "the restored store could not be given the replaced store's owner {}:{} ({e}); only its owner may use it now: chown it (and give its group back the access it had) before starting zonewatch as that user",
+            old.uid(),
+            old.gid()
+        )),
+        // The owner is already the replaced store's (a restore run as that user): zonewatch
+        // running as it opens the file; only the group's and others' access is at stake (a
+        // black-box tester was told to chown a file whose owner was right).
+        Err(e) => (old.mode() & 0o077 != 0).then(|| {
+            format!(
+                "the restored store could not be given the replaced store's group {} ({e}); its owner is right, but only the owner may use it now: chgrp it and give the group back the access it had",
+                old.gid()
+            )
+        }),
+    };
+    file.set_permissions(std::fs::Permissions::from_mode(restored_mode(Some(old.mode()), taken.is_ok())))?;
     Ok(warning)
 }
 
 /// Elsewhere only the read-only bit carries over.
 #[cfg(not(unix))]
-fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> std::io::Result<Option<String>> {
+fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>, _folder: Option<&std::fs::Metadata>) -> std::io::Result<Option<String>> {
     if let Some(old) = previous {
         file.set_permissions(old.permissions())?;
     }
@@ -543,6 +568,18 @@ fn take_identity(file: &std::fs::File, previous: Option<&std::fs::Metadata>) -> 
 
 #[cfg(test)]
 mod tests {
+    /// The restored file keeps the replaced store's mode only with its owner and group;
+    /// without them no group or other bit is left (0604 gave the old group's members, now
+    /// "others", a read they did not have); without a replaced store, 0600.
+    #[test]
+    fn a_restored_file_keeps_group_and_other_access_only_with_the_identity() {
+        assert_eq!(super::restored_mode(None, true), 0o600);
+        assert_eq!(super::restored_mode(Some(0o100640), true), 0o640);
+        for old in [0o640, 0o604, 0o666, 0o600] {
+            assert_eq!(super::restored_mode(Some(old), false), old & 0o700, "{old:o}");
+        }
+    }
+
     use super::*;
 
     /// The sweep removes only what killed backups leave (temp files, hand-off copies), only

@@ -110,15 +110,15 @@ pub fn check_file(path: &std::path::Path) -> Result<ConsistencyReport, StoreErro
         }
     };
     let rtx = db.begin_read()?;
-    refuse_newer(&rtx, path)?;
+    refuse_unopened_schema(&rtx, path)?;
     check_txn(&rtx)
 }
 
-/// A file of a newer schema than this build's (or a schema record no build wrote) is not
-/// checked by this build's rules, which
-/// would call it consistent, or not, by tables and records it does not know (a black-box
-/// tester: an older build called a newer file "consistent ... all good").
-fn refuse_newer(rtx: &redb::ReadTransaction, path: &std::path::Path) -> Result<(), StoreError> {
+/// A file of a schema this build does not open (a newer one, or a schema record no build
+/// wrote, such as 0) is not checked by this build's rules, which would call it consistent, or
+/// not, by tables and records it does not know (a black-box tester: an older build called a
+/// newer file "consistent ... all good").
+fn refuse_unopened_schema(rtx: &redb::ReadTransaction, path: &std::path::Path) -> Result<(), StoreError> {
     match super::schema_in(rtx)? {
         Some(found) => super::opens_schema(found, path),
         None => Ok(()),
@@ -150,7 +150,7 @@ fn check_repaired_copy(path: &std::path::Path) -> Result<ConsistencyReport, Stor
         message: format!("{e}; the file was not closed cleanly and a copy of it cannot be repaired"),
     })?;
     let rtx = db.begin_read()?;
-    refuse_newer(&rtx, path)?;
+    refuse_unopened_schema(&rtx, path)?;
     let mut report = check_txn(&rtx)?;
     report.checked_repaired_copy = true;
     drop(db);

@@ -127,7 +127,7 @@ pub enum StoreError {
     /// but a backup brings the data back, so the message says so.
     #[error("store {path} is damaged (redb: {message}); check it with `zonewatch check --config FILE --store {path}`, and if it is, restore a backup: zonewatch restore BACKUP --config FILE")]
     Damaged { path: PathBuf, message: String },
-    #[error("store file {path} has schema version {found}; this zonewatch opens versions up to {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE")]
+    #[error("store file {path} has schema version {found}; this zonewatch opens versions {oldest} to {expected}. Use the zonewatch release that wrote it, or restore a backup: zonewatch restore BACKUP --config FILE", oldest = OLDEST_SCHEMA_VERSION)]
     SchemaVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("database error: {0}")]
     Db(redb::Error),
@@ -752,8 +752,9 @@ impl Store {
     }
 }
 
-/// Whether this build opens a file of schema `found` (at `path`): the one rule every command
-/// that opens, checks, backs up or restores a file refuses it by.
+/// Whether this build opens a file of schema `found` (at `path`): the rule `Store::open`, its
+/// read-only pre-check, `check --store` and restore's check of the backup refuse a file by.
+/// (`backup_read_only` copies only files whose tables are this build's, a narrower range.)
 pub(super) fn opens_schema(found: u32, path: &Path) -> Result<(), StoreError> {
     if (OLDEST_SCHEMA_VERSION..=SCHEMA_VERSION).contains(&found) {
         return Ok(());

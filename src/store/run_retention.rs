@@ -566,8 +566,8 @@ mod tests {
 
     /// More records from a clock that ran ahead than a pass may read (a fifth reader: a few
     /// hours a year ahead at 100 sources fill a pass's 8,000 reads) do not stop the sweep: it
-    /// goes past them, removes what follows, and comes back for them once they are no longer
-    /// ahead.
+    /// goes past them, removes what follows, and comes back for them once the earliest of them
+    /// is past the horizon.
     #[test]
     fn a_long_stretch_from_a_clock_ahead_is_gone_past_and_come_back_to() {
         let dir = tempfile::tempdir().expect("tempdir");
