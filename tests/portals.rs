@@ -484,6 +484,17 @@ fn arcgis_without_flag_uses_the_count_and_retries_error_bodies_with_smaller_page
     // Configuring OBJECTID as the key is refused.
     let err = block_on(arcgis::probe(&session, &url, "OBJECTID")).expect("runtime").unwrap_err();
     assert!(err.to_string().contains("object-id"), "{err}");
+    // A zoning or date field the layer does not have fails the run naming the layer's fields
+    // (it read every feature as missing it: a quarantine spike of the whole layer); any case
+    // is the field, as features' attributes are read.
+    let probed = block_on(arcgis::probe(&session, &url, "APN")).expect("runtime").expect("probe");
+    let map = |zoning: &str, date: Option<&str>| zonewatch::config::FieldMap { parcel_id: "APN".into(), zoning: zoning.into(), effective_date: date.map(str::to_string) };
+    let err = arcgis::check_attribute_fields(&probed, &url, &map("ZONE", None)).unwrap_err().to_string();
+    assert!(err.contains("no field \"ZONE\" (fields.zoning)") && err.contains("ZONE_CODE"), "{err}");
+    let err = arcgis::check_attribute_fields(&probed, &url, &map("ZONE_CODE", Some("EFF"))).unwrap_err().to_string();
+    assert!(err.contains("(fields.effective_date)"), "{err}");
+    assert!(arcgis::check_attribute_fields(&probed, &url, &map("zone_code", None)).is_ok());
+    assert!(arcgis::check_attribute_fields(&probed, &url, &map("", None)).is_ok(), "a parcel base for district zoning has none");
 
     // A page that holds features *and* a retryable error is refused, not retried: its
     // features were taken as they were read, and a retry would take them again.

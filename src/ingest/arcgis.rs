@@ -167,6 +167,24 @@ pub async fn probe(session: &Session, layer_url: &str, id_field: &str) -> Result
     })
 }
 
+/// The zoning and effective-date fields, checked against the layer's `fields[]` as the id
+/// field is by [`probe`] (any case, as features' attributes are read): a wrong name read every
+/// feature as missing it, and the run was held as a quarantine spike of the whole layer (a
+/// black-box tester), where a wrong id field failed at once naming the layer's fields.
+pub fn check_attribute_fields(probe: &LayerProbe, layer_url: &str, fields: &crate::config::FieldMap) -> Result<(), FetchError> {
+    let named = [("fields.zoning", Some(fields.zoning.as_str())), ("fields.effective_date", fields.effective_date.as_deref())];
+    for (key, name) in named {
+        let Some(name) = name.filter(|n| !n.trim().is_empty()) else { continue };
+        if !probe.field_names.iter().any(|n| n.eq_ignore_ascii_case(name)) {
+            return Err(FetchError::Protocol {
+                url: format!("{layer_url}?f=json"),
+                reason: format!("the layer has no field {name:?} ({key}); it has {:?}", probe.field_names),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// `returnCountOnly` of the whole layer.
 pub async fn count(session: &Session, layer_url: &str) -> Result<u64, FetchError> {
     let url = format!("{layer_url}/query?where=1%3D1&returnCountOnly=true&f=json");

@@ -146,7 +146,7 @@ pub fn fetch(
             let mut r = match &src.kind {
                 SourceKind::File { .. } => unreachable_file(),
                 SourceKind::GeojsonUrl { url } => geojson_url(&session, url, prev, due, staging::body_file(store_path, &src.id, spool_dir)?).await,
-                SourceKind::Arcgis { url, page_size, format } => arcgis_source(&session, url, *page_size, *format, &src.fields.parcel_id, prev, due).await,
+                SourceKind::Arcgis { url, page_size, format } => arcgis_source(&session, url, *page_size, *format, &src.fields, prev, due).await,
                 SourceKind::Ogcapi { url, limit } => ogcapi(&session, url, *limit, &src.fields.parcel_id).await,
                 SourceKind::Socrata { url, page_size } => socrata(&session, url, *page_size, &src.fields.parcel_id, prev, due).await,
             }?;
@@ -209,11 +209,13 @@ async fn arcgis_source(
     url: &str,
     page_size: u32,
     format: arcgis::ArcgisFormat,
-    id_field: &str,
+    fields: &crate::config::FieldMap,
     prev: Option<&Watermark>,
     due: bool,
 ) -> Result<PortalFetch, FetchError> {
+    let id_field = fields.parcel_id.as_str();
     let probe = arcgis::probe(session, url, id_field).await?;
+    arcgis::check_attribute_fields(&probe, url, fields)?;
     let meta = PortalMeta { publisher_ts_ms: probe.publisher_ts_ms, schema_hash: Some(probe.schema_hash.clone()), ..Default::default() };
     if !due {
         if let Some(w) = prev {
