@@ -878,10 +878,12 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         break;
                     }
                 }
+                crate::sd_notify::notify("STOPPING=1");
                 stop.request();
             });
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
+        crate::sd_notify::notify("READY=1");
         if let Some(text) = engine_disabled_backlog(&engine) {
             tracing::warn!("{text}");
         }

@@ -36,6 +36,7 @@ pub mod run_stop;
 pub mod say;
 pub mod signals;
 pub mod schedule;
+pub mod sd_notify;
 pub mod store;
 pub mod subscriber_edit;
 pub mod synth;

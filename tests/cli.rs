@@ -831,3 +831,44 @@ fn version_names_the_store_schema() {
         assert_eq!(text(&o).0.trim(), want);
     }
 }
+
+/// Under systemd (`NOTIFY_SOCKET` set, the packaged unit's `Type=notify`) `serve` says
+/// `READY=1` once it serves and `STOPPING=1` when it stops; one that cannot start says nothing,
+/// so `systemctl start` fails with its exit status (a reviewer: with `Type=simple` it said
+/// started, and a config error showed only in the journal).
+#[test]
+fn serve_tells_systemd_when_it_is_ready_and_when_it_stops() {
+    use std::os::unix::net::UnixDatagram;
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    let socket_path = ws.path().join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let receive = |socket: &UnixDatagram| {
+        let mut buf = [0u8; 256];
+        socket.recv(&mut buf).map(|n| String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch"))
+        .args(["serve", "--config", ws.config_path().to_str().unwrap()])
+        .env("NOTIFY_SOCKET", &socket_path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let ready = receive(&socket);
+    let control_addr = std::fs::read_to_string(ws.path().join("zw.control-addr"));
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let stopping = receive(&socket);
+    let status = child.wait().unwrap();
+    assert_eq!(ready.as_deref().ok(), Some("READY=1"), "{ready:?}");
+    assert!(control_addr.is_ok_and(|a| !a.trim().is_empty()), "ready before the control port was written");
+    assert_eq!(stopping.as_deref().ok(), Some("STOPPING=1"), "{stopping:?}");
+    assert!(status.success(), "{status:?}");
+
+    // A config error: exit 2, and not a word to systemd.
+    ws.edit_config("[[source]]", "bogus_key = 1\n[[source]]");
+    socket.set_read_timeout(Some(std::time::Duration::from_millis(500))).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["serve", "--config", ws.config_path().to_str().unwrap()]).env("NOTIFY_SOCKET", &socket_path).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+    assert!(receive(&socket).is_err(), "a daemon that did not start said something");
+}
