@@ -65,6 +65,23 @@ fn least_form<T: Copy, K: Ord>(pts: &mut Vec<T>, no_area: bool, key: impl Fn(&T)
     }
 }
 
+/// Twice a ring's signed area (positive: counter-clockwise) on its vertices rounded as the
+/// hash rounds them, in exact integers: the same, negated, whichever way round and from
+/// whichever start the ring is written. A float sum's rounding depends on the order of its
+/// terms, so a ring almost without area could read as flat one way round and not the other
+/// (a reader).
+fn twice_area_rounded<T>(pts: &[T], xy: impl Fn(&T) -> (i64, i64)) -> i128 {
+    let n = pts.len();
+    (0..n)
+        .map(|i| {
+            let ((x1, y1), (x2, y2)) = (xy(&pts[i]), xy(&pts[(i + 1) % n]));
+            x1 as i128 * y2 as i128 - x2 as i128 * y1 as i128
+        })
+        // Saturating: coordinates far past any on Earth (rounding saturates at i64) must not
+        // overflow the sum.
+        .fold(0i128, i128::saturating_add)
+}
+
 fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
     let mut pts: Ring = Vec::with_capacity(ring.0.len());
     for c in &ring.0 {
@@ -79,12 +96,7 @@ fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {
     if pts.len() < 3 {
         return pts;
     }
-    let mut twice_area: i128 = 0;
-    for i in 0..pts.len() {
-        let (x1, y1) = pts[i];
-        let (x2, y2) = pts[(i + 1) % pts.len()];
-        twice_area += x1 as i128 * y2 as i128 - x2 as i128 * y1 as i128;
-    }
+    let twice_area = twice_area_rounded(&pts, |p| *p);
     if (twice_area > 0) != want_ccw && twice_area != 0 {
         pts.reverse();
     }
@@ -118,14 +130,11 @@ pub fn canonical_order(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
         }
         let pts = &mut r.0;
         pts.truncate(n);
-        let twice: f64 = (0..n).map(|i| {
-            let (a, b) = (pts[i], pts[(i + 1) % n]);
-            a.x * b.y - b.x * a.y
-        }).sum();
-        if (twice > 0.0) != want_ccw && twice != 0.0 {
+        let twice = twice_area_rounded(pts, |c| (round(c.x), round(c.y)));
+        if (twice > 0) != want_ccw && twice != 0 {
             pts.reverse();
         }
-        least_form(pts, twice == 0.0, key);
+        least_form(pts, twice == 0, key);
         pts.push(pts[0]);
         r
     }
@@ -242,7 +251,9 @@ mod tests {
         let repeating: Vec<(f64, f64)> = vec![(0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (0.0, 0.0), (2.0, 0.0), (2.0, 1.0), (1.0, 3.0)];
         let flat: Vec<(f64, f64)> = vec![(0.0, 0.0), (3.0, 0.0), (1.0, 0.0), (5.0, 0.0), (2.0, 0.0)];
         let flat_repeating: Vec<(f64, f64)> = vec![(0.0, 0.0), (3.0, 0.0), (0.0, 0.0), (3.0, 0.0), (1.0, 0.0)];
-        for pts in [repeating, flat, flat_repeating] {
+        // Flat once rounded as the hash rounds, not quite in floats, on a diagonal.
+        let near_flat: Vec<(f64, f64)> = vec![(0.1, 0.1), (0.3, 0.30000000000000004), (0.7, 0.7000000000000001), (0.2, 0.2), (0.9, 0.9)];
+        for pts in [repeating, flat, flat_repeating, near_flat] {
             let ring_from = |start: usize, rev: bool| {
                 let mut v: Vec<(f64, f64)> = (0..pts.len()).map(|k| pts[(start + k) % pts.len()]).collect();
                 if rev {

@@ -274,18 +274,26 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
 /// writes to the file (redb marks it open, and may repair it): check a copy of a file that
 /// must stay as it is (`restore` does).
 pub fn verify_file(path: &Path) -> Result<(), StoreError> {
-    verify_as(path, path)
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: format!("not a readable zonewatch store: {e}") })?;
+    verify_as(&file, path)
 }
 
-/// [`verify_file`] on `path`, with errors naming `shown` (the file the operator named, when
-/// `path` is a temporary copy of it).
-fn verify_as(path: &Path, shown: &Path) -> Result<(), StoreError> {
-    super::on_other_file(|| verify_other(path, shown))
+/// [`verify_file`] on the open `file`, with errors naming `shown` (the file the operator
+/// named, when `file` is a temporary copy of it). Through the handle: a restore run as root
+/// works in the service user's folder, where that user could put a link in a name's place.
+fn verify_as(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
+    super::on_other_file(|| verify_other(file, shown))
 }
 
-fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
+/// A redb backend on another handle of `file` (redb takes the file it is given).
+fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBackend> {
+    redb::backends::FileBackend::new(file.try_clone()?).map_err(std::io::Error::other)
+}
+
+fn verify_other(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
     let open_err = |message: String| StoreError::Open { path: shown.to_path_buf(), message };
-    let mut db = Database::open(path).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
+    let backend = backend_of(file).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
+    let mut db = redb::Builder::new().create_with_backend(backend).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
     let ok = db.check_integrity().map_err(|e| open_err(format!("integrity check failed: {e}")))?;
     if !ok {
         return Err(open_err("integrity check found damage (it was repaired in memory only)".into()));
@@ -301,8 +309,9 @@ fn verify_other(path: &Path, shown: &Path) -> Result<(), StoreError> {
 /// The run ids of the holds still open in the store file at `path`, read through a read-only
 /// open: `restore` warns of them (releasing one sends its alerts under new `webhook-id`s,
 /// also those subscribers got after the backup was taken).
-fn open_holds_in(path: &Path) -> Result<Vec<u64>, StoreError> {
-    let db = redb::Builder::new().open_read_only(path).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: e.to_string() })?;
+fn open_holds_in(file: &std::fs::File, path: &Path) -> Result<Vec<u64>, StoreError> {
+    let open_err = |e: String| StoreError::Open { path: path.to_path_buf(), message: e };
+    let db = redb::Builder::new().open_read_only_with_backend(backend_of(file).map_err(|e| open_err(e.to_string()))?).map_err(|e| open_err(e.to_string()))?;
     let holds = super::queries::holds_in(&db.begin_read()?)?;
     Ok(holds.into_iter().filter(|h| h.state == crate::model::HoldState::Open).map(|h| h.run_id).collect())
 }
@@ -382,10 +391,10 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     // Changes made after the backup was taken were counted in a store now lost: keys claimed
     // from here on name a new epoch, so none takes the key of a change sent since the backup
     // (`key_scope.rs`).
-    super::key_scope::new_epoch(tmp.path())?;
+    super::key_scope::new_epoch(tmp.as_file(), tmp.path())?;
     // Read from the copy before it takes the store's name: once it has, a `run` from a timer
     // may hold it (found by a reviewer).
-    let open_holds = open_holds_in(tmp.path()).map_err(|e| e.to_string());
+    let open_holds = open_holds_in(tmp.as_file(), tmp.path()).map_err(|e| e.to_string());
     tmp.as_file().sync_all().map_err(|e| open_err(dest, format!("cannot sync the restored file: {e}")))?;
     // From here the old store is kept aside and the new one renamed in: a signal waits.
     crate::signals::committing();
@@ -394,7 +403,7 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
         None => None,
     };
     let VerifiedCopy { tmp, _unfinished: registered, .. } = copy;
-    tmp.persist(dest).map_err(|e| {
+    let restored = tmp.persist(dest).map_err(|e| {
         // Where the old store went, when the restore stops between the two names.
         let kept_at = kept.as_ref().map(|k| format!(" (the replaced store is kept at {})", k.display())).unwrap_or_default();
         open_err(dest, format!("cannot move the restored store into place: {e}{kept_at}"))
@@ -405,6 +414,13 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     // here lost the replaced store's name and the owner warning).
     if let Err(e) = sync_folder_of(dest) {
         warnings.push(format!("the restored store is in place, but its folder could not be synced ({e}): a power cut now could bring back the replaced store under its name; run sync before relying on it"));
+    }
+    // The rename moved whatever had the temp file's name: in a folder another user can write,
+    // that could be something else than the file restored through its handle.
+    if let (Ok(at_dest), Ok(mine)) = (std::fs::symlink_metadata(dest), restored.metadata()) {
+        if !same_file(&at_dest, &mine) {
+            warnings.push(format!("{} is not the file this restore wrote: something changed its folder during the restore; check what is there before starting zonewatch", dest.display()));
+        }
     }
     drop(registered);
     Ok(RestoreInfo { kept, warnings, open_holds })
@@ -451,7 +467,7 @@ pub fn verified_copy(src: &Path, dir: &Path, prefix: &str) -> Result<VerifiedCop
     let unfinished = crate::signals::scratch(tmp.path());
     let bytes = std::io::copy(&mut from, tmp.as_file_mut()).map_err(cannot)?;
     tmp.as_file().sync_all().map_err(cannot)?;
-    super::guard::guarded(|| verify_as(tmp.path(), src)).map_err(|p| p.at(src))??;
+    super::guard::guarded(|| verify_as(tmp.as_file(), src)).map_err(|p| p.at(src))??;
     Ok(VerifiedCopy { tmp, bytes, _unfinished: unfinished })
 }
 

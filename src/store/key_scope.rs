@@ -91,10 +91,14 @@ fn read(db: &Database) -> Result<Option<KeyScopeRecord>, StoreError> {
     }
 }
 
-/// Moves the epoch of the store file at `path` on (a restore, before the file is put in
-/// place): keys claimed from now on differ from every key the lost timeline claimed.
-pub(super) fn new_epoch(path: &std::path::Path) -> Result<u64, StoreError> {
-    let db = Database::builder().create(path).map_err(|e| StoreError::Open { path: path.to_path_buf(), message: e.to_string() })?;
+/// Moves the epoch of the store file open as `file` (named `path` in errors) on (a restore,
+/// before the file is put in place): keys claimed from now on differ from every key the lost
+/// timeline claimed. Through the handle, not the name: a restore run as root works in the
+/// service user's folder, where that user could put a link in the name's place.
+pub(super) fn new_epoch(file: &std::fs::File, path: &std::path::Path) -> Result<u64, StoreError> {
+    let open_err = |message: String| StoreError::Open { path: path.to_path_buf(), message };
+    let backend = file.try_clone().map_err(|e| open_err(e.to_string())).and_then(|f| redb::backends::FileBackend::new(f).map_err(|e| open_err(e.to_string())))?;
+    let db = Database::builder().create_with_backend(backend).map_err(|e| open_err(e.to_string()))?;
     let mut record = ensure(&db, true)?;
     let mut epoch = record.epoch;
     while epoch == record.epoch || epoch == 0 {
@@ -134,8 +138,9 @@ mod tests {
             wtx.commit().unwrap();
             assert_eq!(ensure(&db, true).unwrap(), record);
         }
-        let first = new_epoch(&path).unwrap();
-        let second = new_epoch(&path).unwrap();
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let first = new_epoch(&file, &path).unwrap();
+        let second = new_epoch(&file, &path).unwrap();
         assert!(first != 0 && second != 0 && first != second);
         let record = ensure(&Database::create(&path).unwrap(), true).unwrap();
         assert_eq!((record.epoch, record.legacy_sources.len()), (second, 1));

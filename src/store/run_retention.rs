@@ -262,7 +262,11 @@ impl Store {
                     }
                     reads += 1;
                     match decode::<RunRecord>(v.value()) {
-                        Ok(record) if record.finished_ms >= before_ms => wait(&mut waiting, run_id, record.finished_ms),
+                        Ok(record) if record.finished_ms >= before_ms => {
+                            if removable(record.verdict) {
+                                wait(&mut waiting, run_id, record.finished_ms);
+                            }
+                        }
                         Ok(record) => take(run_id, record, &mut doomed)?,
                         Err(_) => {}
                     }
@@ -279,8 +283,14 @@ impl Store {
                     let (k, v) = item?;
                     let run_id = k.value();
                     match decode::<RunRecord>(v.value()) {
-                        // Written under a clock that ran ahead: kept, and stepped over.
-                        Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => wait(&mut waiting, run_id, record.finished_ms),
+                        // Written under a clock that ran ahead: kept, and stepped over; waited for
+                        // only if it may ever be removed (a `run` a century ahead would hold
+                        // the lowest id waited from for good, a reader).
+                        Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => {
+                            if removable(record.verdict) {
+                                wait(&mut waiting, run_id, record.finished_ms);
+                            }
+                        }
                         // Records are in run order, which is time order but for a clock stepped
                         // back: the first one inside retention ends the pass (a later one from
                         // before a step back waits for its turn, kept a little longer).
@@ -612,6 +622,9 @@ mod tests {
         let store = Store::open(&dir.path().join("zw.redb")).expect("open");
         const HOUR: u64 = 3_600_000;
         let century = 100 * 365 * 24 * HOUR;
+        // A run that committed data, a century ahead: never removed, so never waited for (it
+        // would hold the lowest id read again from for good).
+        let committed = append(&store, "s", Verdict::Run, century, 5);
         let far = append(&store, "s", Verdict::Skip, century, 0);
         let near: Vec<u64> = (0..20).map(|i| append(&store, "s", Verdict::Skip, 50 * HOUR + i, 0)).collect();
         append(&store, "s", Verdict::Skip, HOUR, 0);
@@ -621,8 +634,8 @@ mod tests {
         // Past the twenty's horizon: they go, the century one waits, eight reads a pass.
         assert_eq!(sweep_all_within(&store, 60 * HOUR, HOUR, 2), 20, "{near:?}");
         let kept: Vec<u64> = all_records(&store).iter().map(|r| r.run_id).collect();
-        assert_eq!(kept.len(), 2, "the century one and the newest: {kept:?}");
-        assert_eq!(kept[0], far);
+        assert_eq!(kept.len(), 3, "the committed run, the century one and the newest: {kept:?}");
+        assert_eq!(kept[..2], [committed, far]);
         assert_eq!(sweep_state(&store).1, Some(Waiting { still: Some((far, century)), resume: None }));
         assert!(store.check_consistency().expect("check").is_consistent());
     }
