@@ -14,7 +14,7 @@ use crate::ingest::normalize::NormalizeRules;
 use crate::ingest::portal::{self, LayerBody, PortalFetch, PortalMeta};
 use crate::ingest::{source, staging, IngestError};
 use crate::model::*;
-use crate::notify::aoi::{load_aoi, AoiError};
+use crate::notify::aoi::{load_aoi_noted, AoiError};
 use crate::notify::idem;
 use crate::notify::matcher::{PinnedIndex, Subscriber, SubscriberIndex};
 use crate::store::{Claim, CommitMode, HeldChunk, PortalSignals, QuarantineDraft, RunNote, RunWriter, SnapshotRow, Store, StoreError, UnchangedRun};
@@ -275,7 +275,13 @@ pub fn load_subscribers(config: &Config) -> Result<SubscriberIndex, AoiError> {
 fn config_subscribers(config: &Config) -> Result<Vec<Subscriber>, AoiError> {
     let mut subs = Vec::with_capacity(config.subscribers.len());
     for s in &config.subscribers {
-        subs.push(Subscriber::from_config(s, load_aoi(&s.aoi_path)?));
+        let (aoi, repair_note) = load_aoi_noted(&s.aoi_path)?;
+        // Matched as repaired: said at every start, not only by `check` (a black-box tester's
+        // AOI whose hole held its whole ring became the hole less the ring, in silence).
+        if let Some(note) = repair_note {
+            tracing::warn!(subscriber = %s.id, aoi = %s.aoi_path.display(), "AOI {}: {note}", s.aoi_path.display());
+        }
+        subs.push(Subscriber::from_config(s, aoi));
     }
     Ok(subs)
 }

@@ -73,6 +73,15 @@ fn check_reports_good_and_bad_configs() {
     let (ring, holes) = (m2("they enclose"), m2("m² less"));
     assert!((0.9e6..0.95e6).contains(&ring) && (18.0e6..19.0e6).contains(&holes), "{ring} {holes}: {warning}");
     assert!(out.contains("warning(s) above"), "{out}");
+    // `run` (and `serve`, through the same engine) says it too, at every start: it matched as
+    // repaired in silence.
+    // (Into a store of its own: this test's store is not made yet.)
+    let other = ws.path().join("aoi-run.toml");
+    std::fs::write(&other, std::fs::read_to_string(&cfg).unwrap().replace("path = \"zw.redb\"", "path = \"zw-aoi-run.redb\"")).unwrap();
+    let o = zonewatch(&["run", "--config", other.to_str().unwrap()]);
+    let err = text(&o).1;
+    assert!(err.contains("AOI ") && err.contains("are not a valid polygon") && err.contains("repaired, the AOI covers"), "{err}");
+    assert!(ws.path().join("zw-aoi-run.redb").exists() && !ws.path().join("zw.redb").exists());
     std::fs::write(&aoi_file, kept).unwrap();
 
     let check_store = |extra: &[&str]| {

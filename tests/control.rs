@@ -121,6 +121,15 @@ async fn control_port_end_to_end() {
         // Subscriber CRUD; the index is rebuilt live.
         let r = post(&json!({"id": "api-watcher", "target": rx.url("/api"), "aoi": aoi, "min_severity": "info"}).to_string());
         assert_eq!(r.status(), 201);
+        assert!(r.json::<Value>().unwrap().get("warnings").is_none(), "a valid AOI is not warned of");
+        // An AOI whose rings are not a valid polygon is stored, and the answer says what the
+        // repair made of it (it said nothing). Removed again: it is not part of what follows.
+        let bowtie = json!({"type": "Polygon", "coordinates": [[[0.0, 0.0], [0.01, 0.01], [0.01, 0.0], [0.0, 0.01], [0.0, 0.0]]]});
+        let r = post(&json!({"id": "bowtie-watcher", "target": rx.url("/bowtie"), "aoi": bowtie}).to_string());
+        assert_eq!(r.status(), 201);
+        let body: Value = r.json().unwrap();
+        assert!(body["warnings"][0].as_str().is_some_and(|w| w.starts_with("aoi: its rings are not a valid polygon") && w.contains("were repaired")), "{body}");
+        assert_eq!(c.delete(d.url("/v1/subscribers/bowtie-watcher")).header("authorization", &auth).send().unwrap().status(), 200);
         assert_eq!(post(&json!({"id": "api-watcher", "target": rx.url("/api"), "aoi": aoi}).to_string()).status(), 409);
         let got: Value = c.get(d.url("/v1/subscribers/api-watcher")).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!((got["managed_by"].as_str(), got["min_severity"].as_str()), (Some("api"), Some("info")));

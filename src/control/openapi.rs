@@ -160,7 +160,8 @@ pub fn document() -> Value {
                     "aoi": {"type": "object", "description": "GeoJSON Polygon, MultiPolygon, Feature or FeatureCollection"}}},
                 "Subscriber": {"type": "object", "required": ["id", "target", "signed", "min_severity", "managed_by"], "properties": {
                     "id": s("string"), "target": s("string"), "signed": s("boolean"), "rotating": {"type": "boolean", "description": "a secret_old is set beside the secret: deliveries carry both signatures"}, "min_severity": s("string"), "aoi": {},
-                    "managed_by": {"type": "string", "enum": ["config", "api"]}}},
+                    "managed_by": {"type": "string", "enum": ["config", "api"]},
+                    "warnings": {"type": "array", "items": s("string"), "description": "in the answer to a POST or PUT: what the repair made of an aoi whose rings are not a valid polygon (it is stored as written and matched as repaired)"}}},
                 "Endpoint": {"type": "object", "required": ["id", "managed_by", "target", "state", "breaker", "last_success", "disabled_reason", "disabled_at"], "properties": {
                     "id": s("string"), "managed_by": {"type": "string", "enum": ["config", "api"]}, "target": s("string"),
                     "state": {"type": "string", "enum": ["enabled", "disabled"]}, "breaker": {"type": "string", "enum": ["closed", "open", "half_open"]},

@@ -623,8 +623,11 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         },
     };
     let aoi_text = b.aoi.to_string();
-    let aoi = match crate::notify::aoi::parse_new_aoi(&aoi_text) {
-        Ok(aoi) => aoi,
+    // An AOI whose rings are not a valid polygon is stored as written and matched as
+    // repaired; the answer says what the repair made of it (a black-box tester's AOI whose
+    // hole held its whole ring became the hole less the ring, without a word).
+    let (aoi, repair_note) = match crate::notify::aoi::parse_new_aoi_noted(&aoi_text) {
+        Ok(parsed) => parsed,
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_aoi", format!("aoi: {e}")),
     };
     // From here to the index's swap, no other edit of the subscribers runs.
@@ -677,7 +680,11 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         st.wake.notify_one();
     }
     let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
-    json(status, &subscriber_json(&rec.id, &rec.target, (rec.secret.as_deref(), rec.secret_old.as_deref()), rec.min_severity, b.aoi, "api"))
+    let mut body = subscriber_json(&rec.id, &rec.target, (rec.secret.as_deref(), rec.secret_old.as_deref()), rec.min_severity, b.aoi, "api");
+    if let Some(note) = repair_note {
+        body["warnings"] = json!([format!("aoi: {note}")]);
+    }
+    json(status, &body)
 }
 
 fn delete_subscriber(st: &ControlState, id: &str) -> Resp {

@@ -19,7 +19,7 @@ pub fn load_aoi(path: &Path) -> Result<MultiPolygon<f64>, AoiError> {
 }
 
 /// [`load_aoi`], with what its repair did when the rings as written were not a valid polygon
-/// (see [`repair_note`]): `check` warns of it.
+/// (see [`repair_note`]): `check`, `run` and `serve` warn of it.
 pub fn load_aoi_noted(path: &Path) -> Result<(MultiPolygon<f64>, Option<String>), AoiError> {
     load(path, true)
 }
@@ -37,6 +37,12 @@ fn load(path: &Path, noted: bool) -> Result<(MultiPolygon<f64>, Option<String>),
 /// metres) or typed wrong would match nothing, silently.
 pub fn parse_new_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
     parse_new(text, false).map(|(aoi, _)| aoi)
+}
+
+/// [`parse_new_aoi`], with what its repair did when the rings as written were not a valid
+/// polygon ([`repair_note`]): the control port answers it with the subscriber it stored.
+pub fn parse_new_aoi_noted(text: &str) -> Result<(MultiPolygon<f64>, Option<String>), String> {
+    parse_new(text, true)
 }
 
 fn parse_new(text: &str, noted: bool) -> Result<(MultiPolygon<f64>, Option<String>), String> {
@@ -105,7 +111,8 @@ pub fn parse_aoi(text: &str) -> Result<MultiPolygon<f64>, String> {
 
 /// An AOI's polygons, cleaned (and repaired) by [`crate::ingest::normalize::clean_geometry_within`],
 /// which returns only a valid geometry; with [`repair_note`] when it had to be repaired and
-/// `noted` asks for it (`check`: the other callers would throw it away).
+/// `noted` asks for it (`check`, `run`, `serve` and the control port say it; replay and matching
+/// would throw it away).
 fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64, noted: bool) -> Result<(MultiPolygon<f64>, Option<String>), String> {
     let clean = crate::ingest::geojson::sanitize_non_finite(text.as_bytes());
     let value: serde_json::Value = serde_json::from_slice(&clean).map_err(|e| format!("not JSON: {e}"))?;
