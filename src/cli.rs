@@ -292,6 +292,9 @@ fn open_engine_after(path: &std::path::Path, before_store: &mut dyn FnMut(&Confi
         error_line!("{e}");
         return Err(store_exit_code(&e));
     }
+    for (id, note) in &engine.aoi_repairs {
+        warning_line!("subscriber {id}: {note}");
+    }
     // What `check` calls an error, said at start too: every alert of such a subscriber is
     // dead-lettered `private_target_refused`, and a service started without `check` would
     // say nothing of it until someone reads the dead letters (found by a black-box tester).
@@ -883,7 +886,11 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             });
         }
         tracing::info!(sources = engine.config.sources.len(), subscribers = engine.subscribers.subscribers().len(), "zonewatch serving");
-        crate::sd_notify::notify("READY=1");
+        // Not after a stop began (a signal in the start's last moments): systemd would read
+        // READY=1 after STOPPING=1.
+        if !*rx.borrow() {
+            crate::sd_notify::notify("READY=1");
+        }
         if let Some(text) = engine_disabled_backlog(&engine) {
             tracing::warn!("{text}");
         }

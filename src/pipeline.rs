@@ -265,25 +265,33 @@ pub struct Engine {
     /// Asked by a graceful stop: a fetch or a scan under way is abandoned before its commit
     /// (`run_stop.rs`).
     pub stop: crate::run_stop::RunStop,
+    /// (subscriber id, what its repair did) for each config AOI whose rings were not a valid
+    /// polygon, matched as repaired: `run` and `serve` warn of them at every start, not only
+    /// `check` (a black-box tester's AOI whose hole held its whole ring became the hole less
+    /// the ring, in silence).
+    pub aoi_repairs: AoiRepairs,
 }
 
 /// Loads every subscriber's AOI and builds the index.
 pub fn load_subscribers(config: &Config) -> Result<SubscriberIndex, AoiError> {
-    Ok(SubscriberIndex::build(config_subscribers(config)?))
+    Ok(SubscriberIndex::build(config_subscribers(config)?.0))
 }
 
-fn config_subscribers(config: &Config) -> Result<Vec<Subscriber>, AoiError> {
+/// (subscriber id, what the repair of its AOI did): [`Engine::aoi_repairs`].
+type AoiRepairs = Vec<(String, String)>;
+
+/// The config's subscribers, with what was repaired of their AOIs.
+fn config_subscribers(config: &Config) -> Result<(Vec<Subscriber>, AoiRepairs), AoiError> {
     let mut subs = Vec::with_capacity(config.subscribers.len());
+    let mut repairs = Vec::new();
     for s in &config.subscribers {
         let (aoi, repair_note) = load_aoi_noted(&s.aoi_path)?;
-        // Matched as repaired: said at every start, not only by `check` (a black-box tester's
-        // AOI whose hole held its whole ring became the hole less the ring, in silence).
         if let Some(note) = repair_note {
-            tracing::warn!(subscriber = %s.id, aoi = %s.aoi_path.display(), "AOI {}: {note}", s.aoi_path.display());
+            repairs.push((s.id.clone(), format!("AOI {}: {note}", s.aoi_path.display())));
         }
         subs.push(Subscriber::from_config(s, aoi));
     }
-    Ok(subs)
+    Ok((subs, repairs))
 }
 
 /// Subscribers from the store (managed over the control port), except those a config
@@ -402,7 +410,7 @@ impl Engine {
 
     /// Like [`Engine::open`], with time taken from `clock` (tests pass a manual clock).
     pub fn open_with_clock(config: Config, clock: SharedClock) -> Result<Engine, PipelineError> {
-        let mut subs = config_subscribers(&config)?;
+        let (mut subs, aoi_repairs) = config_subscribers(&config)?;
         let store = Arc::new(Store::open_with_cache(&config.store_path, config.store_cache_mib << 20)?);
         // The store's lock is held: no run of any process is staging now.
         crate::ingest::staging::sweep_leftovers(&config.store_path);
@@ -422,7 +430,7 @@ impl Engine {
             tracing::warn!("could not enable the endpoints whose target changed in the config: {e} (zonewatch endpoints enable ID does it)");
         }
         let subscribers = Arc::new(SubscriberIndex::build(subs));
-        Ok(Engine { config, store, subscribers, clock, stop: Default::default() })
+        Ok(Engine { config, store, subscribers, clock, stop: Default::default(), aoi_repairs })
     }
 
     /// Who defines subscriber `id`, if anyone (the config first: it wins over the store).

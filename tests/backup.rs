@@ -33,6 +33,12 @@ fn backup_copies_every_table_and_restore_checks_its_input() {
     std::fs::write(&junk, b"not a database").unwrap();
     assert!(zonewatch::store::backup::restore(&junk, &ws.path().join("target.redb")).is_err());
     assert!(!ws.path().join("target.redb").exists(), "nothing written for a bad backup");
+    // An empty file is refused as such (redb would make a new database in it).
+    let empty = ws.path().join("empty.redb");
+    std::fs::write(&empty, b"").unwrap();
+    let err = zonewatch::store::backup::restore(&empty, &ws.path().join("target.redb")).unwrap_err().to_string();
+    assert!(err.contains("it is empty: not a zonewatch store"), "{err}");
+    assert!(!ws.path().join("target.redb").exists(), "nothing written for an empty backup");
     // In use: the engine holds the live store open.
     let err = zonewatch::store::backup::restore(&dest, &ws.path().join("zw.redb")).unwrap_err();
     assert!(err.to_string().contains("in use"), "{err}");

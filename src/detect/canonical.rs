@@ -67,7 +67,8 @@ fn least_form<T: Copy, K: Ord>(pts: &mut Vec<T>, no_area: bool, key: impl Fn(&T)
 
 /// Twice a ring's signed area (positive: counter-clockwise) on its vertices rounded as the
 /// hash rounds them, in exact integers: the same, negated, whichever way round and from
-/// whichever start the ring is written. A float sum's rounding depends on the order of its
+/// whichever start the ring is written (for any coordinates a place on Earth has; far past
+/// them the sum saturates, and then depends on the order). A float sum's rounding depends on the order of its
 /// terms, so a ring almost without area could read as flat one way round and not the other
 /// (a reader).
 fn twice_area_rounded<T>(pts: &[T], xy: impl Fn(&T) -> (i64, i64)) -> i128 {

@@ -496,10 +496,14 @@ fn locate(p: [f64; 2], r: &Ring, work: &mut u64) -> Place {
 /// right of their outer ring were taken as outside and became polygons of their own (a
 /// black-box tester: four San José parcels came through ArcGIS as overlapping parts, repaired
 /// into other shapes, 1.75% larger). A hole whose vertices are on the boundary is decided by
-/// the midpoints of its edges; one found on it [`BOUNDARY_PROBES`] times is inside.
+/// the midpoints of its edges; one found on it at [`BOUNDARY_PROBES`] points spread over it
+/// is inside.
 fn ring_within(hole: &Ring, outer: &Ring, work: &mut u64) -> bool {
-    let midpoints = hole.windows(2).map(|w| [(w[0][0] + w[1][0]) / 2.0, (w[0][1] + w[1][1]) / 2.0]);
-    for p in hole.iter().copied().chain(midpoints).take(BOUNDARY_PROBES) {
+    // Vertices and edge midpoints, spread over the whole ring (a reader: the first 64 alone
+    // took a ring that follows its outer ring for 64 vertices, then leaves it, as inside).
+    let stride = hole.len().saturating_sub(1).div_ceil(BOUNDARY_PROBES / 2).max(1);
+    let probes = hole.windows(2).step_by(stride).flat_map(|w| [w[0], [(w[0][0] + w[1][0]) / 2.0, (w[0][1] + w[1][1]) / 2.0]]);
+    for p in probes.take(BOUNDARY_PROBES) {
         match locate(p, outer, work) {
             Place::Inside => return true,
             Place::Outside => return false,
@@ -672,6 +676,12 @@ mod tests {
         let mut work = 0;
         assert!(ring_within(&reversed, &big, &mut work));
         assert!(work <= (BOUNDARY_PROBES * big.len()) as u64, "{work} edge tests");
+        // A ring that follows the outer ring for 100 vertices, then leaves it: not inside (the
+        // first 64 probes alone, all on the boundary, took it as inside).
+        let mut leaving: Ring = big[..100].to_vec();
+        leaving.extend([[-121.95, 37.05], [-121.94, 37.0], big[0]]);
+        let mut work = 0;
+        assert!(!ring_within(&leaving, &big, &mut work));
     }
 
     #[test]

@@ -257,7 +257,7 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     .map_err(backup_err)?;
     let tables = copied?;
     // Check what we wrote before it takes the destination's name.
-    verify_file(tmp.path()).map_err(backup_err)?;
+    verify_as(tmp.as_file(), tmp.path()).map_err(backup_err)?;
     crate::signals::committing();
     // Never over a file: two backups asked for under one name at once both found it free
     // above (a tester's two `POST /v1/backup` both answered 201, one copy replaced).
@@ -292,6 +292,11 @@ fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBacke
 
 fn verify_other(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
     let open_err = |message: String| StoreError::Open { path: shown.to_path_buf(), message };
+    // Refused before redb is given it: redb would write a new database into an empty file (a
+    // reader), where the open by name this replaces refused it.
+    if file.metadata().map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?.len() == 0 {
+        return Err(open_err("it is empty: not a zonewatch store".into()));
+    }
     let backend = backend_of(file).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
     let mut db = redb::Builder::new().create_with_backend(backend).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
     let ok = db.check_integrity().map_err(|e| open_err(format!("integrity check failed: {e}")))?;

@@ -592,6 +592,12 @@ impl Store {
         if let Some(max_seq) = merged_on_open {
             self.key_index.forget_through(max_seq);
         }
+        // Said whatever the migrations had to move (a tester saw no line for a 13 to 14
+        // upgrade of a file without open holds, where the README says an upgrade logs what
+        // it did).
+        if let Some(from) = upgrading_from {
+            tracing::info!(from, to = SCHEMA_VERSION, path = %self.path.display(), "store upgraded from schema {from} to {SCHEMA_VERSION}");
+        }
         // Only one process can hold the file, so a lease found in it (written by a build of
         // schema 4 or older) belongs to a process that died mid-delivery: its entries go back
         // to the queue (at-least-once, same key). Leases of this build are never written.
