@@ -510,7 +510,11 @@ fn ring_within(hole: &Ring, outer: &Ring, work: &mut u64) -> bool {
             Place::Boundary => {}
         }
     }
-    true
+    // Every probe on the boundary: inside if it does not reach past the outer ring's extent
+    // (the probes are a sample: a short departure between two of them is caught here).
+    let (h, o) = (extent(hole), extent(outer));
+    let tolerance = ON_RING * o.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    h[0] >= o[0] - tolerance && h[1] >= o[1] - tolerance && h[2] <= o[2] + tolerance && h[3] <= o[3] + tolerance
 }
 
 /// A ring's extent: min x, min y, max x, max y.
@@ -682,6 +686,11 @@ mod tests {
         leaving.extend([[-121.95, 37.05], [-121.94, 37.0], big[0]]);
         let mut work = 0;
         assert!(!ring_within(&leaving, &big, &mut work));
+        // ... also when it leaves between two probes (a reader: 1,000 vertices, then 3 off it).
+        let mut brief: Ring = big[..1000].to_vec();
+        brief.extend([[-121.95, 37.05], [-121.96, 37.05], big[0]]);
+        let mut work = 0;
+        assert!(!ring_within(&brief, &big, &mut work));
     }
 
     #[test]

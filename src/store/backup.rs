@@ -7,7 +7,7 @@
 
 use super::tables::*;
 use super::{Store, StoreError, SCHEMA_VERSION};
-use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, TableHandle, WriteTransaction};
+use redb::{ReadTransaction, ReadableDatabase, ReadableTable, TableHandle, WriteTransaction};
 use std::path::{Path, PathBuf};
 
 /// What a backup wrote.
@@ -243,7 +243,11 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     // nothing about the store; a failure reading the store is the store's, converted
     // outside the scope.
     let copied = super::on_other_file(|| -> Result<Result<usize, redb::Error>, StoreError> {
-        let db = Database::create(tmp.path())?;
+        // Through the temp file's handle, as its check is: by name, a link put in its place
+        // (the folder may be the service user's, the command run as root) would have redb
+        // write into the file the link names.
+        let backend = backend_of(tmp.as_file()).map_err(|source| StoreError::Io { what: format!("cannot open the temp file {}", tmp.path().display()), source })?;
+        let db = redb::Builder::new().create_with_backend(backend)?;
         let wtx = db.begin_write()?;
         match copy_all(&rtx, &wtx, &mut rows, older) {
             Ok(tables) => {
