@@ -72,15 +72,19 @@ fn least_form<T: Copy, K: Ord>(pts: &mut Vec<T>, no_area: bool, key: impl Fn(&T)
 /// terms, so a ring almost without area could read as flat one way round and not the other
 /// (a reader).
 fn twice_area_rounded<T>(pts: &[T], xy: impl Fn(&T) -> (i64, i64)) -> i128 {
-    let n = pts.len();
-    (0..n)
-        .map(|i| {
-            let ((x1, y1), (x2, y2)) = (xy(&pts[i]), xy(&pts[(i + 1) % n]));
-            x1 as i128 * y2 as i128 - x2 as i128 * y1 as i128
-        })
+    // Each vertex rounded once (this runs on every ring of every feature), the last one
+    // paired with the first.
+    let Some(first) = pts.first().map(&xy) else { return 0 };
+    let mut previous = first;
+    let mut sum = 0i128;
+    for (x2, y2) in pts[1..].iter().map(&xy).chain(std::iter::once(first)) {
+        let (x1, y1) = previous;
         // Saturating: coordinates far past any on Earth (rounding saturates at i64) must not
         // overflow the sum.
-        .fold(0i128, i128::saturating_add)
+        sum = sum.saturating_add(x1 as i128 * y2 as i128 - x2 as i128 * y1 as i128);
+        previous = (x2, y2);
+    }
+    sum
 }
 
 fn canon_ring(ring: &LineString<f64>, want_ccw: bool) -> Ring {

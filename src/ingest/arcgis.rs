@@ -468,9 +468,14 @@ const NESTING_BUDGET: u64 = 1_000_000_000;
 /// there, and testing each against every edge was quadratic in the ring's size.
 const BOUNDARY_PROBES: usize = 64;
 
+/// [`ON_RING`] at coordinates of these sizes.
+fn on_ring_tolerance(coordinates: &[f64]) -> f64 {
+    ON_RING * coordinates.iter().fold(1.0f64, |m, v| m.max(v.abs()))
+}
+
 fn locate(p: [f64; 2], r: &Ring, work: &mut u64) -> Place {
     *work = work.saturating_add(r.len() as u64);
-    let tolerance = ON_RING * p[0].abs().max(p[1].abs()).max(1.0);
+    let tolerance = on_ring_tolerance(&p);
     let on_edge = |a: [f64; 2], b: [f64; 2]| {
         let (dx, dy) = (b[0] - a[0], b[1] - a[1]);
         let within = |v: f64, a: f64, b: f64| v >= a.min(b) - tolerance && v <= a.max(b) + tolerance;
@@ -513,7 +518,7 @@ fn ring_within(hole: &Ring, outer: &Ring, work: &mut u64) -> bool {
     // Every probe on the boundary: inside if it does not reach past the outer ring's extent
     // (the probes are a sample: a short departure between two of them is caught here).
     let (h, o) = (extent(hole), extent(outer));
-    let tolerance = ON_RING * o.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    let tolerance = on_ring_tolerance(&o);
     h[0] >= o[0] - tolerance && h[1] >= o[1] - tolerance && h[2] <= o[2] + tolerance && h[3] <= o[3] + tolerance
 }
 

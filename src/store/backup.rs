@@ -290,7 +290,7 @@ fn verify_as(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
 }
 
 /// A redb backend on another handle of `file` (redb takes the file it is given).
-fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBackend> {
+pub(super) fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBackend> {
     redb::backends::FileBackend::new(file.try_clone()?).map_err(std::io::Error::other)
 }
 

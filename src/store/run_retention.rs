@@ -192,8 +192,13 @@ impl Store {
             },
             None => (None, None),
         };
-        let wait = |waiting: &mut Option<(u64, u64)>, id: u64, finished_ms: u64| {
-            *waiting = Some(waiting.map_or((id, finished_ms), |(lowest, due)| (lowest.min(id), due.min(finished_ms))));
+        // Only a record that may ever be removed is waited for (a `run` a century ahead would
+        // hold the lowest id read again from for good, a reader).
+        let wait = |waiting: &mut Option<(u64, u64)>, id: u64, record: &RunRecord| {
+            if removable(record.verdict) {
+                let finished_ms = record.finished_ms;
+                *waiting = Some(waiting.map_or((id, finished_ms), |(lowest, due)| (lowest.min(id), due.min(finished_ms))));
+            }
         };
         // Every source's tally (a row per source that ever had a record removed or held back).
         // One that does not decode starts afresh, with an error: the totals can then no longer
@@ -262,11 +267,7 @@ impl Store {
                     }
                     reads += 1;
                     match decode::<RunRecord>(v.value()) {
-                        Ok(record) if record.finished_ms >= before_ms => {
-                            if removable(record.verdict) {
-                                wait(&mut waiting, run_id, record.finished_ms);
-                            }
-                        }
+                        Ok(record) if record.finished_ms >= before_ms => wait(&mut waiting, run_id, &record),
                         Ok(record) => take(run_id, record, &mut doomed)?,
                         Err(_) => {}
                     }
@@ -283,14 +284,8 @@ impl Store {
                     let (k, v) = item?;
                     let run_id = k.value();
                     match decode::<RunRecord>(v.value()) {
-                        // Written under a clock that ran ahead: kept, and stepped over; waited for
-                        // only if it may ever be removed (a `run` a century ahead would hold
-                        // the lowest id waited from for good, a reader).
-                        Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => {
-                            if removable(record.verdict) {
-                                wait(&mut waiting, run_id, record.finished_ms);
-                            }
-                        }
+                        // Written under a clock that ran ahead: kept, and stepped over.
+                        Ok(record) if record.finished_ms > now_ms.saturating_add(FUTURE_MS) => wait(&mut waiting, run_id, &record),
                         // Records are in run order, which is time order but for a clock stepped
                         // back: the first one inside retention ends the pass (a later one from
                         // before a step back waits for its turn, kept a little longer).
