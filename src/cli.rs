@@ -142,6 +142,7 @@ pub enum Command {
 /// What `zonewatch holds` does with the publication gate's held runs.
 #[derive(Subcommand, Debug)]
 pub enum HoldAction {
+    /// Runs the publication gate holds, with why each was held and what it would send.
     List {
         #[arg(long)]
         config: PathBuf,
@@ -738,10 +739,12 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     // both are due at once, and a run before the base's baseline has committed
                     // only fails ("run the base first", a failed run in the totals for good: a
                     // black-box tester). Not once the base has run without a baseline (failed,
-                    // held): then the derived run fails and says why, as before.
+                    // held): then the derived run fails and says why, as before. Nor when the
+                    // store cannot say (a read error): the run goes ahead and fails saying it,
+                    // where a wait would be silent, and for good.
                     if let Some(base) = src.parcels.as_deref() {
-                        let no_base = engine.store.watermark(base).ok().flatten().is_none();
-                        if no_base && (crate::ingest::staging::is_leased(engine.store.path(), base) || engine.store.last_run(base).ok().flatten().is_none()) {
+                        let no_base = matches!(engine.store.watermark(base), Ok(None));
+                        if no_base && (crate::ingest::staging::is_leased(engine.store.path(), base) || matches!(engine.store.last_run(base), Ok(None))) {
                             tokio::select! {
                                 _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
                                 _ = rx.changed() => {}

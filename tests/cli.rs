@@ -82,6 +82,19 @@ fn check_reports_good_and_bad_configs() {
     let err = text(&o).1;
     assert!(err.contains("AOI ") && err.contains("are not a valid polygon") && err.contains("repaired, the AOI covers"), "{err}");
     assert!(ws.path().join("zw-aoi-run.redb").exists() && !ws.path().join("zw.redb").exists());
+    // The commands that only read what is stored do not say it (they did, at every call).
+    for cmd in [&["audit"][..], &["holds", "list"], &["dlq", "list"]] {
+        let o = zonewatch(&[cmd, &["--config", other.to_str().unwrap()]].concat());
+        let (out, err) = text(&o);
+        assert!(o.status.success() && !err.contains("AOI ") && !out.contains("AOI "), "{cmd:?}: {out}{err}");
+    }
+    // An upgrade says so, whatever its migrations had to move (a 13 to 14 upgrade of a store
+    // without open holds said nothing).
+    zonewatch::store::Store::open(&ws.path().join("zw-aoi-run.redb")).unwrap().force_schema_version(13).unwrap();
+    let err = text(&zonewatch(&["audit", "--config", other.to_str().unwrap()])).1;
+    assert!(err.contains(&format!("upgraded from schema 13 to {}", zonewatch::store::SCHEMA_VERSION)), "{err}");
+    let err = text(&zonewatch(&["audit", "--config", other.to_str().unwrap()])).1;
+    assert!(!err.contains("upgraded"), "{err}");
     std::fs::write(&aoi_file, kept).unwrap();
 
     let check_store = |extra: &[&str]| {

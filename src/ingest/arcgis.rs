@@ -473,20 +473,22 @@ fn on_ring_tolerance(coordinates: &[f64]) -> f64 {
     ON_RING * coordinates.iter().fold(1.0f64, |m, v| m.max(v.abs()))
 }
 
+/// Whether `p` lies on the edge `a`–`b`, within `tolerance`.
+fn on_edge(p: [f64; 2], a: [f64; 2], b: [f64; 2], tolerance: f64) -> bool {
+    let (dx, dy) = (b[0] - a[0], b[1] - a[1]);
+    let within = |v: f64, a: f64, b: f64| v >= a.min(b) - tolerance && v <= a.max(b) + tolerance;
+    if !(within(p[0], a[0], b[0]) && within(p[1], a[1], b[1])) {
+        return false;
+    }
+    let length = dx.hypot(dy);
+    // Distance from the edge's line: |cross| / length.
+    length == 0.0 || (dx * (p[1] - a[1]) - dy * (p[0] - a[0])).abs() <= tolerance * length
+}
+
 fn locate(p: [f64; 2], r: &Ring, work: &mut u64) -> Place {
     *work = work.saturating_add(r.len() as u64);
     let tolerance = on_ring_tolerance(&p);
-    let on_edge = |a: [f64; 2], b: [f64; 2]| {
-        let (dx, dy) = (b[0] - a[0], b[1] - a[1]);
-        let within = |v: f64, a: f64, b: f64| v >= a.min(b) - tolerance && v <= a.max(b) + tolerance;
-        if !(within(p[0], a[0], b[0]) && within(p[1], a[1], b[1])) {
-            return false;
-        }
-        let length = dx.hypot(dy);
-        // Distance from the edge's line: |cross| / length.
-        length == 0.0 || (dx * (p[1] - a[1]) - dy * (p[0] - a[0])).abs() <= tolerance * length
-    };
-    if r.windows(2).any(|w| on_edge(w[0], w[1])) {
+    if r.windows(2).any(|w| on_edge(p, w[0], w[1], tolerance)) {
         Place::Boundary
     } else if point_in_ring(p, r) {
         Place::Inside
@@ -495,31 +497,93 @@ fn locate(p: [f64; 2], r: &Ring, work: &mut u64) -> Place {
     }
 }
 
-/// Whether the ring `hole` lies inside the ring `outer`, by its first vertex that is not on
-/// `outer`'s boundary. A hole may touch its outer ring at a vertex, and the crossing test puts
-/// a point on the boundary inside or outside by which side it is on: holes touching the top or
-/// right of their outer ring were taken as outside and became polygons of their own (a
-/// black-box tester: four San José parcels came through ArcGIS as overlapping parts, repaired
-/// into other shapes, 1.75% larger). A hole whose vertices are on the boundary is decided by
-/// the midpoints of its edges; one found on it at [`BOUNDARY_PROBES`] points spread over it
-/// is inside.
-fn ring_within(hole: &Ring, outer: &Ring, work: &mut u64) -> bool {
-    // Vertices and edge midpoints, spread over the whole ring (a reader: the first 64 alone
-    // took a ring that follows its outer ring for 64 vertices, then leaves it, as inside).
+/// Where a hole lies against an outer ring ([`ring_within`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Nesting {
+    Inside,
+    Outside,
+    /// Every vertex and edge midpoint of the hole is on the outer ring: it traces that ring
+    /// (a hole that is its outer ring reversed, or one filled by a part of the same shape).
+    Traces,
+}
+
+/// Where the ring `hole` lies against the ring `outer` (of extents `hole_extent` and
+/// `outer_extent`), by its first vertex or edge midpoint that is not on `outer`'s boundary. A
+/// hole may touch its outer ring at a vertex, and the crossing test puts a point on the
+/// boundary inside or outside by which side it is on: holes touching the top or right of their
+/// outer ring were taken as outside and became polygons of their own (a black-box tester: four
+/// San José parcels came through ArcGIS as overlapping parts, repaired into other shapes,
+/// 1.75% larger). [`BOUNDARY_PROBES`] points spread over the hole are tried first; when all are
+/// on the boundary, every other point is, through an index of the outer ring's edges (a
+/// sample let a ring leave its outer ring between two probes and be taken as inside: two
+/// readers). Past the [`NESTING_BUDGET`] a hole whose probes were all on the boundary is taken
+/// as inside, as the probes say.
+fn ring_within(hole: &Ring, hole_extent: &[f64; 4], outer: &Ring, outer_extent: &[f64; 4], edges: &mut Option<EdgeIndex>, work: &mut u64) -> Nesting {
     let stride = hole.len().saturating_sub(1).div_ceil(BOUNDARY_PROBES / 2).max(1);
-    let probes = hole.windows(2).step_by(stride).flat_map(|w| [w[0], [(w[0][0] + w[1][0]) / 2.0, (w[0][1] + w[1][1]) / 2.0]]);
+    let probes = hole.windows(2).step_by(stride).flat_map(|w| [w[0], midpoint(w[0], w[1])]);
     for p in probes.take(BOUNDARY_PROBES) {
         match locate(p, outer, work) {
-            Place::Inside => return true,
-            Place::Outside => return false,
+            Place::Inside => return Nesting::Inside,
+            Place::Outside => return Nesting::Outside,
             Place::Boundary => {}
         }
     }
-    // Every probe on the boundary: inside if it does not reach past the outer ring's extent
-    // (the probes are a sample: a short departure between two of them is caught here).
-    let (h, o) = (extent(hole), extent(outer));
-    let tolerance = on_ring_tolerance(&o);
-    h[0] >= o[0] - tolerance && h[1] >= o[1] - tolerance && h[2] <= o[2] + tolerance && h[3] <= o[3] + tolerance
+    // A ring reaching past the outer ring's extent leaves it (no index needed to say so).
+    let (h, o) = (hole_extent, outer_extent);
+    let tolerance = on_ring_tolerance(o);
+    if !(h[0] >= o[0] - tolerance && h[1] >= o[1] - tolerance && h[2] <= o[2] + tolerance && h[3] <= o[3] + tolerance) {
+        return Nesting::Outside;
+    }
+    match off_boundary(hole, outer, edges, work) {
+        Some(Place::Inside) | None => Nesting::Inside,
+        Some(Place::Outside) => Nesting::Outside,
+        Some(Place::Boundary) => Nesting::Traces,
+    }
+}
+
+/// An outer ring's edges by their extent (an edge's index is its first vertex's).
+type EdgeIndex = rstar::RTree<rstar::primitives::GeomWithData<rstar::primitives::Rectangle<[f64; 2]>, usize>>;
+
+/// The place of `hole`'s first vertex or edge midpoint off `outer`'s boundary; `Boundary` if
+/// every one is on it; `None` if the [`NESTING_BUDGET`] ran out first. An R-tree of the outer
+/// ring's edges (`edges`, built on first use and kept for the feature's other holes) makes
+/// each point's test a look-up, not a pass over every edge (a hole that is its 20,000-vertex
+/// outer ring reversed: 40,000 points). Charged to `work` at [`INDEX_COST`] edge tests for
+/// each edge indexed and each point looked up, plus the edges each look-up tests.
+fn off_boundary(hole: &Ring, outer: &Ring, edges: &mut Option<EdgeIndex>, work: &mut u64) -> Option<Place> {
+    let index = edges.get_or_insert_with(|| {
+        *work = work.saturating_add((outer.len() as u64).saturating_mul(INDEX_COST));
+        let edges = outer.windows(2).enumerate().map(|(i, w)| rstar::primitives::GeomWithData::new(rstar::primitives::Rectangle::from_corners(w[0], w[1]), i));
+        rstar::RTree::bulk_load(edges.collect())
+    });
+    let points = hole.windows(2).flat_map(|w| [w[0], midpoint(w[0], w[1])]);
+    for p in points {
+        if *work > NESTING_BUDGET {
+            return None;
+        }
+        *work = work.saturating_add(INDEX_COST);
+        let tolerance = on_ring_tolerance(&p);
+        let near = rstar::AABB::from_corners([p[0] - tolerance, p[1] - tolerance], [p[0] + tolerance, p[1] + tolerance]);
+        let mut on = false;
+        for edge in index.locate_in_envelope_intersecting(near) {
+            *work = work.saturating_add(1);
+            if on_edge(p, outer[edge.data], outer[edge.data + 1], tolerance) {
+                on = true;
+                break;
+            }
+        }
+        if !on {
+            return Some(locate(p, outer, work));
+        }
+    }
+    Some(Place::Boundary)
+}
+
+/// What indexing one edge, or looking one point up, is charged in edge tests ([`off_boundary`]).
+const INDEX_COST: u64 = 32;
+
+fn midpoint(a: [f64; 2], b: [f64; 2]) -> [f64; 2] {
+    [(a[0] + b[0]) / 2.0, (a[1] + b[1]) / 2.0]
 }
 
 /// A ring's extent: min x, min y, max x, max y.
@@ -555,19 +619,35 @@ pub fn esri_geometry_to_geojson(g: &Value) -> Value {
             }
         }
         // Outers smallest first: the first around a hole is the smallest. Only those whose
-        // extent meets the hole's are tested.
+        // extent meets the hole's are tested. One the hole only traces is taken when no
+        // other is around it (a reader: a hole filled by a part of its shape became that
+        // part's hole, not its outer ring's).
         let extents: Vec<[f64; 4]> = polys.iter().map(|p| extent(&p[0])).collect();
         let mut by_area: Vec<(f64, usize)> = polys.iter().enumerate().map(|(i, p)| (signed_area2(&p[0]).abs(), i)).collect();
         by_area.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut edges: Vec<Option<EdgeIndex>> = polys.iter().map(|_| None).collect();
         let mut work = 0u64;
         for h in holes {
             let e = extent(&h);
             let meets = |o: &[f64; 4]| o[0] <= e[2] && e[0] <= o[2] && o[1] <= e[3] && e[1] <= o[3];
-            let around = if work > NESTING_BUDGET {
-                None
-            } else {
-                by_area.iter().map(|&(_, i)| i).find(|&i| meets(&extents[i]) && ring_within(&h, &polys[i][0], &mut work))
-            };
+            let mut around = None;
+            let mut traced = None;
+            for i in by_area.iter().map(|&(_, i)| i).filter(|&i| meets(&extents[i])) {
+                if work > NESTING_BUDGET {
+                    break;
+                }
+                match ring_within(&h, &e, &polys[i][0], &extents[i], &mut edges[i], &mut work) {
+                    Nesting::Inside => {
+                        around = Some(i);
+                        break;
+                    }
+                    Nesting::Traces => {
+                        traced = traced.or(Some(i));
+                    }
+                    Nesting::Outside => {}
+                }
+            }
+            let around = around.or(traced);
             match around {
                 Some(i) => polys[i].push(h),
                 None => polys.push(vec![h]),
@@ -673,8 +753,9 @@ mod tests {
         let outer: Ring = vec![[-122.0, 37.0], [-122.0, 37.001], [-121.999, 37.001], [-121.999, 37.0], [-122.0, 37.0]];
         // Counter-clockwise triangle whose first vertex is 1e-11° above the top edge.
         let hole: Ring = vec![[-121.9995, 37.001 + 1e-11], [-121.9996, 37.0005], [-121.9994, 37.0005], [-121.9995, 37.001 + 1e-11]];
+        let within = |hole: &Ring, outer: &Ring, work: &mut u64| ring_within(hole, &extent(hole), outer, &extent(outer), &mut None, work);
         let mut work = 0;
-        assert!(ring_within(&hole, &outer, &mut work));
+        assert_eq!(within(&hole, &outer, &mut work), Nesting::Inside);
         let out = esri_geometry_to_geojson(&json!({"rings": [outer, hole]}));
         assert_eq!(out["type"], "Polygon", "{out}");
         // A 20,000-vertex ring and itself reversed.
@@ -683,19 +764,71 @@ mod tests {
         big.push(big[0]);
         let reversed: Ring = big.iter().rev().copied().collect();
         let mut work = 0;
-        assert!(ring_within(&reversed, &big, &mut work));
-        assert!(work <= (BOUNDARY_PROBES * big.len()) as u64, "{work} edge tests");
+        assert_eq!(within(&reversed, &big, &mut work), Nesting::Traces);
+        // Linear in the ring's size (every point against every edge: 40,000 × 20,000).
+        assert!(work <= ((BOUNDARY_PROBES + 4 * INDEX_COST as usize) * big.len()) as u64, "{work} edge tests");
         // A ring that follows the outer ring for 100 vertices, then leaves it: not inside (the
         // first 64 probes alone, all on the boundary, took it as inside).
         let mut leaving: Ring = big[..100].to_vec();
         leaving.extend([[-121.95, 37.05], [-121.94, 37.0], big[0]]);
         let mut work = 0;
-        assert!(!ring_within(&leaving, &big, &mut work));
+        assert_eq!(within(&leaving, &big, &mut work), Nesting::Outside);
         // ... also when it leaves between two probes (a reader: 1,000 vertices, then 3 off it).
         let mut brief: Ring = big[..1000].to_vec();
         brief.extend([[-121.95, 37.05], [-121.96, 37.05], big[0]]);
         let mut work = 0;
-        assert!(!ring_within(&brief, &big, &mut work));
+        assert_eq!(within(&brief, &big, &mut work), Nesting::Outside);
+        // ... and when it leaves between two probes without reaching past the outer ring's
+        // extent (a reader: the extent rule alone took these as inside).
+        let last = big[999];
+        let mut inside_box: Ring = big[..1000].to_vec();
+        inside_box.extend([[-122.0 + (last[0] + 122.0) * 1.05, 37.0 + (last[1] - 37.0) * 1.05], big[0]]);
+        let mut work = 0;
+        assert_eq!(within(&inside_box, &big, &mut work), Nesting::Outside);
+        let u: Ring = vec![[0.0, 0.0], [0.0, 3.0], [1.0, 3.0], [1.0, 1.0], [2.0, 1.0], [2.0, 3.0], [3.0, 3.0], [3.0, 0.0], [0.0, 0.0]];
+        let mut along: Ring = u.iter().rev().copied().collect::<Ring>().windows(2).flat_map(|w| (0..125).map(move |k| [w[0][0] + (w[1][0] - w[0][0]) * k as f64 / 125.0, w[0][1] + (w[1][1] - w[0][1]) * k as f64 / 125.0])).collect();
+        // Into the notch (outside the U) and back, between two probes.
+        along.splice(500..500, [[1.5, 2.5], [1.5, 2.6]]);
+        along.push(along[0]);
+        let mut work = 0;
+        assert_eq!(within(&along, &u, &mut work), Nesting::Outside);
+    }
+
+    /// A hole filled by a part of its own shape is its outer ring's hole, not that part's (the
+    /// part minus itself would be nothing; a reader).
+    #[test]
+    fn a_hole_filled_by_a_part_belongs_to_the_ring_around_both() {
+        let outer = json!([[0.0,0.0],[0.0,10.0],[10.0,10.0],[10.0,0.0],[0.0,0.0]]);
+        let part = json!([[4.0,4.0],[4.0,6.0],[6.0,6.0],[6.0,4.0],[4.0,4.0]]);
+        let hole = json!([[4.0,4.0],[6.0,4.0],[6.0,6.0],[4.0,6.0],[4.0,4.0]]);
+        let out = esri_geometry_to_geojson(&json!({"rings": [outer, part, hole]}));
+        assert_eq!(out, json!({"type": "MultiPolygon", "coordinates": [[outer, hole], [part]]}));
+        // Alone with its hole, a part keeps it (what it traces is all there is).
+        let out = esri_geometry_to_geojson(&json!({"rings": [part, hole]}));
+        assert_eq!(out, json!({"type": "Polygon", "coordinates": [part, hole]}));
+    }
+
+    /// A long hole against many outer rings it does not fit in costs at most the budget: the
+    /// extents are the caller's (a reader: 20,000 squares and holes of 250,000 vertices took
+    /// 31 s, their extents computed again for every pair and not charged).
+    #[test]
+    fn many_outers_and_a_long_hole_stay_within_the_budget() {
+        let square = json!([[0.0,0.0],[0.0,1.0],[1.0,1.0],[1.0,0.0],[0.0,0.0]]);
+        let mut hole: Vec<[f64; 2]> = Vec::new();
+        let n = 20_000;
+        for side in [[[0.0, 0.0], [1.0, 0.0]], [[1.0, 0.0], [1.0, 1.0]], [[1.0, 1.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 0.0]]] {
+            let [a, b]: [[f64; 2]; 2] = side;
+            hole.extend((0..n).map(|k| [a[0] + (b[0] - a[0]) * k as f64 / n as f64, a[1] + (b[1] - a[1]) * k as f64 / n as f64]));
+        }
+        hole.insert(n / 2 + 7, [0.6, -0.5]);
+        hole.push(hole[0]);
+        let mut rings = vec![square.clone(); 2_000];
+        rings.push(json!(hole));
+        let started = std::time::Instant::now();
+        let out = esri_geometry_to_geojson(&json!({"rings": rings}));
+        assert_eq!(out["type"], "MultiPolygon");
+        assert_eq!(out["coordinates"].as_array().map(Vec::len), Some(2_001), "the hole is a ring of its own");
+        assert!(started.elapsed() < std::time::Duration::from_secs(20), "{:?}", started.elapsed());
     }
 
     #[test]

@@ -246,7 +246,7 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
         // Through the temp file's handle, as its check is: by name, a link put in its place
         // (the folder may be the service user's, the command run as root) would have redb
         // write into the file the link names.
-        let backend = backend_of(tmp.as_file()).map_err(|source| StoreError::Io { what: format!("cannot open the temp file {}", tmp.path().display()), source })?;
+        let backend = super::backend_of(tmp.as_file()).map_err(|source| StoreError::Io { what: format!("cannot open the temp file {}", tmp.path().display()), source })?;
         let db = redb::Builder::new().create_with_backend(backend)?;
         let wtx = db.begin_write()?;
         match copy_all(&rtx, &wtx, &mut rows, older) {
@@ -265,12 +265,22 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     crate::signals::committing();
     // Never over a file: two backups asked for under one name at once both found it free
     // above (a tester's two `POST /v1/backup` both answered 201, one copy replaced).
-    tmp.persist_noclobber(dest).map_err(|e| match e.error.kind() {
+    let copy = tmp.persist_noclobber(dest).map_err(|e| match e.error.kind() {
         std::io::ErrorKind::AlreadyExists => exists(),
         _ => StoreError::Open { path: dest.to_path_buf(), message: format!("cannot move the backup into place: {e}") },
     })?;
+    // The move goes by the temp file's name: a file or link put in that name's place after
+    // the check (the folder may be another user's) would be what took `dest`, reported as the
+    // backup that was checked (a reader). Said, not reported as a backup.
+    let written = copy.metadata().map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot read the backup's size: {e}") })?;
+    if !std::fs::symlink_metadata(dest).is_ok_and(|m| same_file(&m, &written)) {
+        return Err(StoreError::Open {
+            path: dest.to_path_buf(),
+            message: "the file now at this name is not the backup that was written and checked: its temp file was replaced while the backup ran (another user writing in this folder?); do not use it".into(),
+        });
+    }
     sync_folder_of(dest).map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("the backup is in place but its folder could not be synced: {e}") })?;
-    let bytes = std::fs::metadata(dest).map(|m| m.len()).unwrap_or(0);
+    let bytes = written.len();
     Ok(BackupInfo { path: dest.to_path_buf(), bytes, tables, rows })
 }
 
@@ -289,11 +299,6 @@ fn verify_as(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
     super::on_other_file(|| verify_other(file, shown))
 }
 
-/// A redb backend on another handle of `file` (redb takes the file it is given).
-pub(super) fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBackend> {
-    redb::backends::FileBackend::new(file.try_clone()?).map_err(std::io::Error::other)
-}
-
 fn verify_other(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
     let open_err = |message: String| StoreError::Open { path: shown.to_path_buf(), message };
     // Refused before redb is given it: redb would write a new database into an empty file (a
@@ -301,7 +306,7 @@ fn verify_other(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
     if file.metadata().map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?.len() == 0 {
         return Err(open_err("it is empty: not a zonewatch store".into()));
     }
-    let backend = backend_of(file).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
+    let backend = super::backend_of(file).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
     let mut db = redb::Builder::new().create_with_backend(backend).map_err(|e| open_err(format!("not a readable zonewatch store: {e}")))?;
     let ok = db.check_integrity().map_err(|e| open_err(format!("integrity check failed: {e}")))?;
     if !ok {
@@ -320,7 +325,7 @@ fn verify_other(file: &std::fs::File, shown: &Path) -> Result<(), StoreError> {
 /// also those subscribers got after the backup was taken).
 fn open_holds_in(file: &std::fs::File, path: &Path) -> Result<Vec<u64>, StoreError> {
     let open_err = |e: String| StoreError::Open { path: path.to_path_buf(), message: e };
-    let db = redb::Builder::new().open_read_only_with_backend(backend_of(file).map_err(|e| open_err(e.to_string()))?).map_err(|e| open_err(e.to_string()))?;
+    let db = redb::Builder::new().open_read_only_with_backend(super::backend_of(file).map_err(|e| open_err(e.to_string()))?).map_err(|e| open_err(e.to_string()))?;
     let holds = super::queries::holds_in(&db.begin_read()?)?;
     Ok(holds.into_iter().filter(|h| h.state == crate::model::HoldState::Open).map(|h| h.run_id).collect())
 }

@@ -97,7 +97,7 @@ fn read(db: &Database) -> Result<Option<KeyScopeRecord>, StoreError> {
 /// service user's folder, where that user could put a link in the name's place.
 pub(super) fn new_epoch(file: &std::fs::File, path: &std::path::Path) -> Result<u64, StoreError> {
     let open_err = |message: String| StoreError::Open { path: path.to_path_buf(), message };
-    let backend = super::backup::backend_of(file).map_err(|e| open_err(e.to_string()))?;
+    let backend = super::backend_of(file).map_err(|e| open_err(e.to_string()))?;
     let db = Database::builder().create_with_backend(backend).map_err(|e| open_err(e.to_string()))?;
     let mut record = ensure(&db, true)?;
     let mut epoch = record.epoch;

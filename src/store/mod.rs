@@ -268,6 +268,13 @@ thread_local! {
     static OTHER_FILE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
+/// A redb backend on another handle of `file` (redb takes the file it is given): files
+/// opened once and then used through their handle (a backup's copy, a restore's check, a key
+/// scope's epoch), never by name again.
+pub(crate) fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBackend> {
+    redb::backends::FileBackend::new(file.try_clone()?).map_err(std::io::Error::other)
+}
+
 /// Runs `work` on another redb file than the store's own (a backup being written, a copy
 /// being verified): an I/O error there (a full backup disk) says nothing about the store's
 /// open file, and must not stop `serve` ([`on_reopen_needed`]).
@@ -594,9 +601,10 @@ impl Store {
         }
         // Said whatever the migrations had to move (a tester saw no line for a 13 to 14
         // upgrade of a file without open holds, where the README says an upgrade logs what
-        // it did).
+        // it did), and by every command: one-shot commands log warnings only, and an upgrade
+        // is what makes an older release refuse the file from now on.
         if let Some(from) = upgrading_from {
-            tracing::info!(from, to = SCHEMA_VERSION, path = %self.path.display(), "store upgraded from schema {from} to {SCHEMA_VERSION}");
+            note_line!("store {} upgraded from schema {from} to {SCHEMA_VERSION} (an older release refuses it from now on)", self.path.display());
         }
         // Only one process can hold the file, so a lease found in it (written by a build of
         // schema 4 or older) belongs to a process that died mid-delivery: its entries go back
