@@ -1999,6 +1999,77 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
     }
 }
 
+/// How an OGC API page of `ogc_counts_and_crs_are_read_or_refused` is written.
+#[derive(Clone)]
+struct PageForm {
+    /// The page's `numberMatched`, as written.
+    matched: Value,
+    /// The last page's next link is dropped one page early.
+    short: bool,
+    content_crs: Option<&'static str>,
+    crs_member: Option<Value>,
+}
+
+/// A `numberMatched` written as a float (`40.0`) or as digits in a string is a count: a scan
+/// one page short is refused (a black-box tester: `300.0` was read as no count, and a scan
+/// one page short alerted its last 10 parcels `removed`); one that is no count fails the
+/// run; and a page whose coordinates are in another CRS than CRS84 (`Content-Crs`, a `crs`
+/// member) is refused, where EPSG:4326's latitude-first pairs were read as longitude first.
+#[test]
+fn ogc_counts_and_crs_are_read_or_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let rows = geojson_features(&grid(40));
+    let honest = PageForm { matched: json!(40), short: false, content_crs: None, crs_member: None };
+    let form = Arc::new(Mutex::new(honest.clone()));
+    let srv = {
+        let form = form.clone();
+        Server::start(Arc::new(move |req: &Req| {
+            let f = form.lock().expect("form").clone();
+            let offset: usize = req.param("offset").and_then(|v| v.parse().ok()).unwrap_or(0);
+            let size: usize = req.param("limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
+            let page: Vec<Value> = rows.iter().skip(offset).take(size).cloned().collect();
+            let last = offset + size >= rows.len() || (f.short && offset + 2 * size >= rows.len());
+            let mut body = ogc_items_page(&page, rows.len(), Vec::new(), (!last).then(|| ogc_items_href("", size, offset + size)));
+            body["numberMatched"] = f.matched.clone();
+            if let Some(crs) = &f.crs_member {
+                body["crs"] = crs.clone();
+            }
+            let mut r = json_reply(&body);
+            if let Some(crs) = f.content_crs {
+                r.headers.push(("content-crs".into(), crs.into()));
+            }
+            r
+        }))
+    };
+    let engine = Engine::open(portal_config(dir.path(), &source("ogc", "ogcapi", &srv.url("/collections/parcels"), "page_size = 10"), "")).expect("engine");
+    let r = engine.run_source_id("ogc", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 40), "{}", r.line());
+    let cases = [
+        (PageForm { matched: json!(40.0), short: true, ..honest.clone() }, "incomplete scan: 30 distinct features collected (0 served twice) but numberMatched says 40"),
+        (PageForm { matched: json!("40"), short: true, ..honest.clone() }, "incomplete scan: 30 distinct features"),
+        (PageForm { matched: json!(40.5), ..honest.clone() }, "numberMatched is 40.5, not a count of features"),
+        (PageForm { matched: json!("forty"), ..honest.clone() }, "numberMatched is \"forty\", not a count of features"),
+        (PageForm { matched: json!(-40), ..honest.clone() }, "numberMatched is -40"),
+        (PageForm { content_crs: Some("<http://www.opengis.net/def/crs/EPSG/0/4326>"), ..honest.clone() }, "in http://www.opengis.net/def/crs/EPSG/0/4326 (its Content-Crs header) (EPSG:4326 puts latitude first)"),
+        (PageForm { content_crs: Some("<http://www.opengis.net/def/crs/EPSG/0/3857>"), ..honest.clone() }, "zonewatch reads CRS84"),
+        (PageForm { crs_member: Some(json!({"type": "name", "properties": {"name": "urn:ogc:def:crs:EPSG::3857"}})), ..honest.clone() }, "the page's \"crs\" is urn:ogc:def:crs:EPSG::3857"),
+    ];
+    for (f, expect) in cases {
+        *form.lock().expect("form") = f;
+        assert_refused(&engine, "ogc", expect);
+    }
+    // CRS84 said either way, and a whole count written as a float, read as they are.
+    for f in [
+        PageForm { matched: json!(40.0), content_crs: Some("<http://www.opengis.net/def/crs/OGC/1.3/CRS84>"), ..honest.clone() },
+        PageForm { crs_member: Some(json!({"type": "name", "properties": {"name": "urn:ogc:def:crs:OGC:1.3:CRS84"}})), ..honest.clone() },
+    ] {
+        *form.lock().expect("form") = f;
+        let r = engine.run_source_id("ogc", RunOptions::default()).expect("run");
+        assert!(matches!(r.record.verdict, Verdict::Identical | Verdict::Run) && r.record.counts.changes == 0, "{}", r.line());
+    }
+    assert_eq!(engine.store.snapshot_states("ogc").expect("snapshot").len(), 40);
+}
+
 /// A fake OGC API collection paged by offset, 10 features a page, whose tests edit it while
 /// it is paged.
 struct PagedCollection {

@@ -190,9 +190,11 @@ pub fn check_attribute_fields(probe: &LayerProbe, layer_url: &str, fields: &crat
 pub async fn count(session: &Session, layer_url: &str) -> Result<u64, FetchError> {
     let url = format!("{layer_url}/query?where=1%3D1&returnCountOnly=true&f=json");
     let v = get_json(session, &url, &["count"]).await?;
-    v.get("count")
-        .and_then(Value::as_u64)
-        .ok_or_else(|| FetchError::Protocol { url, reason: "returnCountOnly answer has no count".into() })
+    match super::page::whole_count(v.get("count")) {
+        Ok(Some(n)) => Ok(n),
+        Ok(None) => Err(FetchError::Protocol { url, reason: "returnCountOnly answer has no count".into() }),
+        Err(found) => Err(FetchError::Protocol { url, reason: format!("returnCountOnly answer's count is {found}, not a count of features") }),
+    }
 }
 
 fn exceeded(v: &Value) -> Option<bool> {

@@ -90,6 +90,8 @@ pub struct Response {
     pub content_type: String,
     pub etag: Option<String>,
     pub last_modified: Option<String>,
+    /// The `Content-Crs` header (OGC API – Features Part 2: the CRS of the coordinates).
+    pub content_crs: Option<String>,
     /// The body; for one streamed to a [`BodyFile`] ([`Session::get_to_file`]) or spilled
     /// to disk, only up to a KiB of it from its first byte that is not whitespace (what
     /// [`Response::expect_json`] looks at).
@@ -565,6 +567,7 @@ impl Session {
             };
             let etag = header("etag");
             let last_modified = header("last-modified");
+            let content_crs = header("content-crs");
             let cap = self.cfg.max_response_bytes;
             if resp.content_length().is_some_and(|n| n > cap) {
                 return Err(FetchError::TooLarge { url: shown, limit: cap });
@@ -617,7 +620,7 @@ impl Session {
                     return Err(FetchError::Corrupt { url: shown, reason: format!("{e} (content-encoding {})", encoding.as_str()) })
                 }
             };
-            return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, body, streamed: sink.is_some(), spilled }));
+            return Ok(Ok(Response { url: shown, status, content_type, etag, last_modified, content_crs, body, streamed: sink.is_some(), spilled }));
         }
         Err(FetchError::Protocol { url: url.to_string(), reason: "more than 5 redirects".into() })
     }
@@ -781,7 +784,7 @@ mod tests {
         f.write(&vec![b'\n'; 3000]).unwrap();
         f.write(b"  <html>blocked</html>").unwrap();
         assert!(f.head.starts_with(b"<html>"), "{:?}", String::from_utf8_lossy(&f.head));
-        let resp = Response { url: "u".into(), status: 200, content_type: "application/json".into(), etag: None, last_modified: None, body: f.head.clone(), streamed: true, spilled: None };
+        let resp = Response { url: "u".into(), status: 200, content_type: "application/json".into(), etag: None, last_modified: None, content_crs: None, body: f.head.clone(), streamed: true, spilled: None };
         assert!(matches!(resp.expect_json(), Err(FetchError::NotJson { .. })));
         assert!(resp.members(&[]).is_err(), "a streamed response is not parsed from its head");
         let mut body = f.finish().unwrap();
@@ -841,6 +844,7 @@ mod tests {
             content_type: "text/html".into(),
             etag: None,
             last_modified: None,
+            content_crs: None,
             body: b"  <html><title>Access Denied</title>".to_vec(),
             streamed: false,
             spilled: None,

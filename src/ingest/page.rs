@@ -25,6 +25,26 @@ pub struct PageHead {
     pub features: Option<u64>,
 }
 
+/// A count a portal writes (`numberMatched`): a JSON integer, a whole number written as a
+/// float (`300.0`: JSON Schema's `integer` allows it) or as digits in a string. `Ok(None)`
+/// when it is absent or `null`; `Err` with what was found when it is anything else: a count
+/// that cannot be read must not leave a scan unchecked (a black-box tester: `300.0` was read
+/// as no count, and a scan one page short alerted its last 10 parcels `removed`).
+pub fn whole_count(v: Option<&Value>) -> Result<Option<u64>, String> {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53: every whole f64 below is exact
+    let refused = |v: &Value| Err(crate::util::truncate_text(&v.to_string(), 60));
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(number @ Value::Number(n)) => match (n.as_u64(), n.as_f64()) {
+            (Some(n), _) => Ok(Some(n)),
+            (None, Some(f)) if f >= 0.0 && f.fract() == 0.0 && f <= EXACT => Ok(Some(f as u64)),
+            _ => refused(number),
+        },
+        Some(s @ Value::String(text)) => text.trim().parse::<u64>().map(Some).or_else(|_| refused(s)),
+        Some(other) => refused(other),
+    }
+}
+
 /// Parses the JSON object `de` reads (from `url`: a page held in memory, or read back from
 /// disk), calling `each` with every element of its `features` array in order, and keeping the
 /// top-level members named in `keep` (the others are checked to be JSON and skipped). An
@@ -167,6 +187,18 @@ mod tests {
             Ok(())
         });
         (r, got)
+    }
+
+    /// Counts as portals write them (a black-box tester's server wrote `300.0`).
+    #[test]
+    fn whole_counts() {
+        for (v, want) in [(json!(300), Ok(Some(300))), (json!(300.0), Ok(Some(300))), (json!(" 300 "), Ok(Some(300))), (json!(null), Ok(None)), (json!(0.0), Ok(Some(0)))] {
+            assert_eq!(whole_count(Some(&v)), want, "{v}");
+        }
+        assert_eq!(whole_count(None), Ok(None));
+        for v in [json!(-1), json!(2.5), json!(1e300), json!("3e2"), json!(true), json!([1]), json!({"n": 1})] {
+            assert!(whole_count(Some(&v)).is_err(), "{v}");
+        }
     }
 
     #[test]

@@ -304,11 +304,13 @@ async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_fie
         pages += 1;
         // Features the scan already holds (a page served again under another URL, pages
         // that overlap) are not taken twice; a page of nothing new ends the paging.
-        let NewRows { head: v, served, fresh } = take_new_rows(&resp, &["numberMatched", "links"], &mut features, &mut rows, id_field)?;
+        let NewRows { head: v, served, fresh } = take_new_rows(&resp, &["numberMatched", "links", "crs"], &mut features, &mut rows, id_field)?;
+        ogc_page_crs(&url, resp.content_crs.as_deref(), v.get("crs"))?;
         // Where the page came from, after redirects: its links are relative to it, and stay on its host.
         let page_url = resp.url.clone();
         drop(resp);
-        let number_matched = v.get("numberMatched").and_then(Value::as_u64);
+        let number_matched = super::page::whole_count(v.get("numberMatched"))
+            .map_err(|found| FetchError::Protocol { url: url.clone(), reason: format!("numberMatched is {found}, not a count of features: the scan cannot be checked against it; refusing the layer") })?;
         if pages == 1 {
             matched = number_matched;
         } else if matched.is_some() && number_matched.is_some() && number_matched != matched {
@@ -533,6 +535,32 @@ fn take_new_rows(resp: &super::http::Response, keep: &[&str], features: &mut Fea
     Ok(NewRows { head: head.members, served, fresh })
 }
 
+/// Refuses an OGC API page whose coordinates are not longitude/latitude WGS84 (CRS84, what
+/// zonewatch asks for by asking for no other): its `Content-Crs` header (Part 2), or a
+/// GeoJSON `crs` member naming another CRS. A page in Web Mercator was read as degrees and
+/// quarantined whole as `out_of_bounds`; one in EPSG:4326, latitude first, was read with its
+/// axes swapped, inside the default bounds near the equator's mirror (a black-box tester:
+/// only the change-spike hold stopped 30 false alerts).
+fn ogc_page_crs(url: &str, content_crs: Option<&str>, member: Option<&Value>) -> Result<(), FetchError> {
+    if let Some(header) = content_crs {
+        let crs = header.trim().trim_start_matches('<').trim_end_matches('>').trim();
+        let upper = crs.to_ascii_uppercase();
+        if !(upper.ends_with("CRS84") || upper.ends_with("CRS84H")) {
+            let axes = if super::geojson::crs_is_wgs84(crs) { " (EPSG:4326 puts latitude first)" } else { "" };
+            return Err(FetchError::Protocol {
+                url: url.to_string(),
+                reason: format!("the page's coordinates are in {crs} (its Content-Crs header){axes}; zonewatch reads CRS84, longitude then latitude in degrees, the default of OGC API – Features: serve the collection in CRS84"),
+            });
+        }
+    }
+    if let Some(name) = member.and_then(super::geojson::crs_name) {
+        if !super::geojson::crs_is_wgs84(&name) {
+            return Err(FetchError::Protocol { url: url.to_string(), reason: format!("the page's \"crs\" is {name}; zonewatch reads CRS84, longitude then latitude in degrees: serve the collection in CRS84") });
+        }
+    }
+    Ok(())
+}
+
 /// One pass over a SODA resource.
 struct SodaScan {
     features: FeatureSpool,
@@ -615,7 +643,7 @@ async fn socrata_count(session: &Session, url: &str) -> Option<u64> {
     let parsed = answer.as_ref().ok().and_then(|v| {
         let first = v.as_ref()?.as_object()?;
         let value = first.get("count").or_else(|| first.values().next())?;
-        value.as_u64().or_else(|| value.as_str().and_then(|t| t.trim().parse().ok()))
+        super::page::whole_count(Some(value)).ok().flatten()
     });
     if parsed.is_none() {
         tracing::warn!(url, "no usable count(*) from the server: the scan ends at the first short page");
