@@ -1290,7 +1290,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     println!("config {}: ok", config.display());
     // Warnings are said, not counted as problems: they may not stop a start, and `check` is
     // also run as another user than the daemon's. The last line says there were some.
+    // What `serve` as this user would refuse (`refusals`) is a warning too, unless this user
+    // is the daemon's: the one its store's folder belongs to (the package's `zonewatch`, or
+    // whoever runs zonewatch from a folder of their own). There it is a problem: `check`
+    // run as the service user said "all good", exit 0, over a start that would fail.
     let mut warnings = 0usize;
+    let mut refusals = 0usize;
     for advice in cfg.delivery.advisories() {
         warnings += 1;
         println!("warning: {advice}");
@@ -1419,7 +1424,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             match if folder.is_dir() { tempfile::tempfile_in(folder).map(drop) } else { Ok(()) } {
                 Ok(()) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
                 Err(e) => {
-                    warnings += 1;
+                    refusals += 1;
                     println!(
                         "warning: control token {}: not there yet, and this user cannot create it in {} ({e}): `serve` as this user would refuse to start (create the token, or give the service user that folder)",
                         token.display(),
@@ -1436,7 +1441,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             )
         }
         Err(e) if std::fs::File::open(token).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) => {
-            warnings += 1;
+            refusals += 1;
             println!(
                 "warning: control token {}: this user may not read it ({e}): `serve` as this user would refuse to start (check may be run as another user than the service's)",
                 token.display()
@@ -1491,7 +1496,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     // (above): reading and writing the file, and making temp files beside it.
     if !matches!(store, Some(Some(_))) {
         for w in store_access_warnings(&cfg.store_path) {
-            warnings += 1;
+            refusals += 1;
             println!("warning: {w}");
         }
     }
@@ -1503,6 +1508,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         Some(None) => bad += check_store(&cfg, &cfg.store_path, false, &mut warnings),
         Some(Some(p)) => bad += check_store(&cfg, p, true, &mut warnings),
     }
+    if refusals > 0 && runs_as_folder_owner(&cfg.store_path) {
+        println!("store: ERROR {refusals} warning(s) above would stop `run` and `serve`: this user owns the store's folder, so it is the user they run as");
+        bad += refusals;
+    } else {
+        warnings += refusals;
+    }
     if bad > 0 {
         error_line!("{bad} problem(s) found");
         2
@@ -1513,6 +1524,17 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         };
         println!("all good: {} source(s), {} subscriber(s){seen}", cfg.sources.len(), cfg.subscribers.len());
         0
+    }
+}
+
+/// Whether this process runs as the user that owns the folder of the store at `path` (on
+/// Linux, `/proc/self` belongs to the process's effective user): the user `run` and `serve`
+/// are run as. False when either cannot be read.
+fn runs_as_folder_owner(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata("/proc/self"), std::fs::metadata(crate::util::folder_of(path))) {
+        (Ok(me), Ok(folder)) => me.uid() == folder.uid(),
+        _ => false,
     }
 }
 

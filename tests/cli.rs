@@ -33,6 +33,43 @@ fn demo_runs_end_to_end() {
     assert!(!out.contains("SIGNATURE BAD"));
 }
 
+/// `check` run as the user the store's folder belongs to (the daemon's) counts what would
+/// stop `serve` as that user — here a control token it may not read — as a problem, exit 2;
+/// run as another user, the same is a warning (it says nothing about the service). It said
+/// "all good", exit 0, as the service user over a start that would fail (a black-box tester).
+/// Needs root (to run it as `nobody` through `runuser`).
+#[test]
+fn check_as_the_store_folders_owner_counts_what_serve_would_refuse() {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = env!("CARGO_BIN_EXE_zonewatch");
+    let as_nobody = |args: &[&str]| Command::new("runuser").args(["-u", "nobody", "--", bin]).args(args).output();
+    let root = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false);
+    if !root || !as_nobody(&["--version"]).is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED (needs root, runuser and a user nobody who can run {bin}): check as the store folder's owner");
+        return;
+    }
+    let ws = Workspace::new(&[], "", "");
+    ws.write_layer(&layer(&grid(4)));
+    std::fs::set_permissions(ws.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let token = ws.path().join("control.token");
+    std::fs::write(&token, "a-control-token-of-root-that-nobody-may-not-read-0123456789\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let cfg = ws.config_path();
+    let check = || {
+        let o = as_nobody(&["check", "--config", cfg.to_str().unwrap()]).expect("runuser");
+        (o.status.code(), text(&o).0)
+    };
+    std::os::unix::fs::chown(ws.path(), Some(65534), None).unwrap();
+    let (code, out) = check();
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("may not read it") && out.contains("this user owns the store's folder, so it is the user they run as"), "{out}");
+    // Another user's folder: the same is a warning.
+    std::os::unix::fs::chown(ws.path(), Some(0), None).unwrap();
+    let (code, out) = check();
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("may not read it") && out.contains("warning(s) above"), "{out}");
+}
+
 #[test]
 fn check_reports_good_and_bad_configs() {
     let ws = Workspace::new(&[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: "http://127.0.0.1:9/h".into(), min_severity: "info", secret: None }], "", "");

@@ -1851,6 +1851,8 @@ enum Paging {
     /// Honest, but the layer holds a second, identical copy of this feature right after it
     /// (a page boundary falls between the two when it is the tenth).
     CopyOf(usize),
+    /// The count is no count: ArcGIS `40.5`, Socrata `"-1"`.
+    CountNotACount,
 }
 
 /// The layer `list` as the server in `mode` publishes it.
@@ -1909,8 +1911,9 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
             let esri = published(&esri, m);
             if req.param("returnCountOnly").as_deref() == Some("true") {
                 let n = match m {
-                    Paging::CountSays(n) => n,
-                    _ => esri.len(),
+                    Paging::CountSays(n) => json!(n),
+                    Paging::CountNotACount => json!(40.5),
+                    _ => json!(esri.len()),
                 };
                 return json_reply(&json!({"count": n}));
             }
@@ -1937,7 +1940,8 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
             }
             let rows = published(&rows, m);
             if req.target.starts_with("/resource/abcd-1234.json") {
-                return json_reply(&json!([{"count": rows.len().to_string()}]));
+                let n = if m == Paging::CountNotACount { "-1".to_string() } else { rows.len().to_string() };
+                return json_reply(&json!([{"count": n}]));
             }
             let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
             let size: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(10).min(10);
@@ -1980,6 +1984,9 @@ fn overlapping_or_short_pages_are_an_incomplete_scan_not_removed_parcels() {
         (Paging::OverlapAt(20), "ogc", "incomplete scan: 38 distinct features collected (2 served twice) but numberMatched says 40"),
         (Paging::NextDroppedAfterTwo, "ogc", "incomplete scan: 20 distinct features collected (0 served twice) but numberMatched says 40"),
         (Paging::SamePageNewUrl, "ogc", "no progress"),
+        // A count that is no count, taken as none, let a short scan through (a reader).
+        (Paging::CountNotACount, "arc", "count is 40.5, not a count of features"),
+        (Paging::CountNotACount, "soda", "count(*) is \"-1\", not a count of rows"),
     ];
     for (m, id, expect) in hostile {
         *mode.lock().expect("mode") = m;
@@ -2051,18 +2058,23 @@ fn ogc_counts_and_crs_are_read_or_refused() {
         (PageForm { matched: json!("forty"), ..honest.clone() }, "numberMatched is \"forty\", not a count of features"),
         (PageForm { matched: json!(-40), ..honest.clone() }, "numberMatched is -40"),
         (PageForm { content_crs: Some("<http://www.opengis.net/def/crs/EPSG/0/4326>"), ..honest.clone() }, "in http://www.opengis.net/def/crs/EPSG/0/4326 (its Content-Crs header) (EPSG:4326 puts latitude first)"),
-        (PageForm { content_crs: Some("<http://www.opengis.net/def/crs/EPSG/0/3857>"), ..honest.clone() }, "zonewatch reads CRS84"),
+        (PageForm { content_crs: Some("<http://www.opengis.net/def/crs/EPSG/0/3857>"), ..honest.clone() }, "reads CRS84"),
         (PageForm { crs_member: Some(json!({"type": "name", "properties": {"name": "urn:ogc:def:crs:EPSG::3857"}})), ..honest.clone() }, "the page's \"crs\" is urn:ogc:def:crs:EPSG::3857"),
+        // GeoServer writes latitude first under this name.
+        (PageForm { crs_member: Some(json!({"type": "name", "properties": {"name": "urn:ogc:def:crs:EPSG::4326"}})), ..honest.clone() }, "the page's \"crs\" is urn:ogc:def:crs:EPSG::4326"),
     ];
     for (f, expect) in cases {
         *form.lock().expect("form") = f;
         assert_refused(&engine, "ogc", expect);
     }
-    // CRS84 said either way, and a whole count written as a float, read as they are.
-    for f in [
-        PageForm { matched: json!(40.0), content_crs: Some("<http://www.opengis.net/def/crs/OGC/1.3/CRS84>"), ..honest.clone() },
-        PageForm { crs_member: Some(json!({"type": "name", "properties": {"name": "urn:ogc:def:crs:OGC:1.3:CRS84"}})), ..honest.clone() },
-    ] {
+    // CRS84 said in any of the ways servers say it (pygeoapi, GeoServer: the URI in angle
+    // brackets; ldproxy: bare; CRS84h; WMS's CRS:84; a safe CURIE), a 2008 `crs` member naming
+    // it, and a whole count written as a float.
+    let crs84 = ["<http://www.opengis.net/def/crs/OGC/1.3/CRS84>", "http://www.opengis.net/def/crs/OGC/0/CRS84h", "CRS:84", "[OGC:CRS84]"];
+    let wgs84_members = ["urn:ogc:def:crs:OGC:1.3:CRS84", "http://www.opengis.net/def/crs/OGC/0/CRS84h"];
+    let accepted = crs84.iter().map(|&c| PageForm { matched: json!(40.0), content_crs: Some(c), ..honest.clone() })
+        .chain(wgs84_members.iter().map(|&n| PageForm { crs_member: Some(json!({"type": "name", "properties": {"name": n}})), ..honest.clone() }));
+    for f in accepted {
         *form.lock().expect("form") = f;
         let r = engine.run_source_id("ogc", RunOptions::default()).expect("run");
         assert!(matches!(r.record.verdict, Verdict::Identical | Verdict::Run) && r.record.counts.changes == 0, "{}", r.line());

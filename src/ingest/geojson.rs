@@ -154,10 +154,9 @@ where
                                 page_of_more = Some("\"exceededTransferLimit\": true, an ArcGIS query's first page".into());
                             }
                         }
-                        "numberMatched" => {
-                            number_matched = super::page::whole_count(Some(&v))
-                                .map_err(|found| IngestError::Malformed(format!("\"numberMatched\" is {found}, not a count of features")))?
-                        }
+                        // Only a count above the features here says anything (a page of more);
+                        // one that is no count says nothing, as in a file it never did.
+                        "numberMatched" => number_matched = super::page::whole_count(Some(&v)).ok().flatten(),
                         _ => {
                             let next = v.as_array().is_some_and(|links| links.iter().any(|l| l.get("rel").and_then(serde_json::Value::as_str) == Some("next")));
                             if next {

@@ -373,7 +373,7 @@ pub fn damaged_text(fields: &[Option<&str>]) -> Option<String> {
 /// as `12345` in one version and `12345.0` in the next (a float column: pandas makes one of
 /// an integer column with a gap), which must not read as a parcel removed and another added.
 /// Whole numbers up to 2^53 (exact in a double) are written as integers; others as JSON has them.
-fn number_text(n: &serde_json::Number) -> String {
+pub(crate) fn number_text(n: &serde_json::Number) -> String {
     const EXACT: f64 = 9_007_199_254_740_992.0;
     match n.as_f64() {
         Some(x) if n.is_f64() && x.fract() == 0.0 && x.abs() <= EXACT => format!("{}", x as i64),

@@ -279,7 +279,7 @@ struct UnsettledPass {
 /// collection's size moved during the pass.
 async fn ogcapi_pass(session: &Session, collection_url: &str, limit: u32, id_field: &str) -> Result<Result<PortalFetch, UnsettledPass>, FetchError> {
     let accept = [("accept", "application/geo+json, application/json;q=0.9".to_string())];
-    let mut next = Some(format!("{collection_url}/items?f=json&limit={limit}"));
+    let mut next = Some(ogc_items_url(collection_url, limit));
     let mut seen = HashSet::new();
     let mut features = FeatureSpool::new(&session.spool_dir)?;
     let mut pages = 0;
@@ -439,7 +439,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
     // A page that brings nothing new stops the scan early; as for ArcGIS, the count then
     // decides: if it moved, rows moved under the scan and it runs again; if not, the server
     // is not paging (it ignores `$offset` or `$order`) and the run fails saying where.
-    let mut expected = socrata_count(session, url).await;
+    let mut expected = socrata_count(session, url).await?;
     let mut page_size = page_size;
     let mut shifted = false;
     // rowsUpdatedAt as last read (the probe's, then each re-read's).
@@ -472,7 +472,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
                 if now != edited_ms {
                     tracing::info!(url, before = ?edited_ms, after = ?now, "rows were updated during the scan; scanning again");
                     edited_ms = now;
-                    expected = socrata_count(session, url).await;
+                    expected = socrata_count(session, url).await?;
                     continue;
                 }
             }
@@ -480,7 +480,7 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
         }
         drop(features);
         if let Some(c) = expected {
-            let after = socrata_count(session, url).await;
+            let after = socrata_count(session, url).await?;
             if after.is_some() && after != expected {
                 tracing::info!(url, before = c, after = ?after, "row count moved during the scan; scanning again");
                 expected = after;
@@ -535,6 +535,23 @@ fn take_new_rows(resp: &super::http::Response, keep: &[&str], features: &mut Fea
     Ok(NewRows { head: head.members, served, fresh })
 }
 
+/// The first items page of the collection at `collection_url`: `/items` added to its path
+/// (unless it ends so already), its own query kept (an access token) but for `f` and
+/// `limit`, which are zonewatch's. A url with a query had `/items?…` appended to the query
+/// (a black-box tester: `…/collections/c?token=abc` asked `?token=abc/items?f=json…`, 404).
+fn ogc_items_url(collection_url: &str, limit: u32) -> String {
+    let Ok(mut url) = reqwest::Url::parse(collection_url) else {
+        return format!("{collection_url}/items?f=json&limit={limit}");
+    };
+    let path = url.path().trim_end_matches('/').to_string();
+    if !path.ends_with("/items") {
+        url.set_path(&format!("{path}/items"));
+    }
+    let kept: Vec<(String, String)> = url.query_pairs().filter(|(k, _)| k != "f" && k != "limit").map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+    url.query_pairs_mut().clear().extend_pairs(kept).append_pair("f", "json").append_pair("limit", &limit.to_string());
+    url.to_string()
+}
+
 /// Refuses an OGC API page whose coordinates are not longitude/latitude WGS84 (CRS84, what
 /// zonewatch asks for by asking for no other): its `Content-Crs` header (Part 2), or a
 /// GeoJSON `crs` member naming another CRS. A page in Web Mercator was read as degrees and
@@ -542,23 +559,32 @@ fn take_new_rows(resp: &super::http::Response, keep: &[&str], features: &mut Fea
 /// axes swapped, inside the default bounds near the equator's mirror (a black-box tester:
 /// only the change-spike hold stopped 30 false alerts).
 fn ogc_page_crs(url: &str, content_crs: Option<&str>, member: Option<&Value>) -> Result<(), FetchError> {
+    // zonewatch asks for no `crs`, so a server following the standard answers in CRS84; one
+    // that does not cannot be read by it.
+    let fix = "zonewatch asks for no other CRS, and reads CRS84 (longitude then latitude, in degrees), the default OGC API – Features servers answer in: this server does not follow it for this collection";
     if let Some(header) = content_crs {
-        let crs = header.trim().trim_start_matches('<').trim_end_matches('>').trim();
-        let upper = crs.to_ascii_uppercase();
-        if !(upper.ends_with("CRS84") || upper.ends_with("CRS84H")) {
+        let crs = header.trim().trim_start_matches(['<', '[']).trim_end_matches(['>', ']']).trim();
+        if !is_crs84(crs) {
             let axes = if super::geojson::crs_is_wgs84(crs) { " (EPSG:4326 puts latitude first)" } else { "" };
-            return Err(FetchError::Protocol {
-                url: url.to_string(),
-                reason: format!("the page's coordinates are in {crs} (its Content-Crs header){axes}; zonewatch reads CRS84, longitude then latitude in degrees, the default of OGC API – Features: serve the collection in CRS84"),
-            });
+            return Err(FetchError::Protocol { url: url.to_string(), reason: format!("the page's coordinates are in {crs} (its Content-Crs header){axes}; {fix}") });
         }
     }
+    // A GeoJSON `crs` member (of the 2008 format; OGC API has none) that names anything but
+    // CRS84: its axis order is the server's guess (GeoServer writes latitude first under
+    // `urn:ogc:def:crs:EPSG::4326`, longitude first under `EPSG:4326`: a black-box tester).
     if let Some(name) = member.and_then(super::geojson::crs_name) {
-        if !super::geojson::crs_is_wgs84(&name) {
-            return Err(FetchError::Protocol { url: url.to_string(), reason: format!("the page's \"crs\" is {name}; zonewatch reads CRS84, longitude then latitude in degrees: serve the collection in CRS84") });
+        if !is_crs84(&name) {
+            return Err(FetchError::Protocol { url: url.to_string(), reason: format!("the page's \"crs\" is {name}; {fix}") });
         }
     }
     Ok(())
+}
+
+/// Whether a `Content-Crs` value names CRS84 (OGC's URI or URN in any version, `OGC:CRS84`,
+/// WMS's `CRS:84`, and CRS84h, their 3D form), in any case.
+fn is_crs84(crs: &str) -> bool {
+    let upper = crs.to_ascii_uppercase();
+    upper.ends_with("CRS84") || upper.ends_with("CRS84H") || upper == "CRS:84"
 }
 
 /// One pass over a SODA resource.
@@ -636,19 +662,24 @@ pub fn socrata_count_url(resource_url: &str) -> Option<String> {
 }
 
 /// The row count the server reports, or `None` when it will not say (then a short page is
-/// all the scan has to go on, and a warning says so).
-async fn socrata_count(session: &Session, url: &str) -> Option<u64> {
-    let count_url = socrata_count_url(url)?;
+/// all the scan has to go on, and a warning says so). A count it gives that is not one (`-1`,
+/// `300.5`) fails the run: taken as no count, a scan a page short would end at that page and
+/// alert the rows past it `removed` (a reader).
+async fn socrata_count(session: &Session, url: &str) -> Result<Option<u64>, FetchError> {
+    let Some(count_url) = socrata_count_url(url) else { return Ok(None) };
     let answer = session.get(&count_url, &[]).await.and_then(|r| r.first_element());
-    let parsed = answer.as_ref().ok().and_then(|v| {
+    let value = answer.as_ref().ok().and_then(|v| {
         let first = v.as_ref()?.as_object()?;
-        let value = first.get("count").or_else(|| first.values().next())?;
-        super::page::whole_count(Some(value)).ok().flatten()
+        first.get("count").or_else(|| first.values().next()).cloned()
     });
-    if parsed.is_none() {
-        tracing::warn!(url, "no usable count(*) from the server: the scan ends at the first short page");
+    match super::page::whole_count(value.as_ref()) {
+        Ok(Some(n)) => Ok(Some(n)),
+        Ok(None) => {
+            tracing::warn!(url, "no usable count(*) from the server: the scan ends at the first short page");
+            Ok(None)
+        }
+        Err(found) => Err(FetchError::Protocol { url: count_url, reason: format!("count(*) is {found}, not a count of rows: the scan cannot be checked against it; refusing the layer") }),
     }
-    parsed
 }
 
 #[cfg(test)]
@@ -657,6 +688,14 @@ mod tests {
 
     fn wm(ts: Option<u64>, consumed: u64, changed: u64) -> Watermark {
         Watermark { publisher_ts_ms: ts, consumed_at_ms: consumed, content_changed_at_ms: changed, ..Default::default() }
+    }
+
+    #[test]
+    fn ogc_items_url_keeps_the_query() {
+        assert_eq!(ogc_items_url("http://h:1/collections/c", 10), "http://h:1/collections/c/items?f=json&limit=10");
+        assert_eq!(ogc_items_url("http://h/collections/c/", 10), "http://h/collections/c/items?f=json&limit=10");
+        assert_eq!(ogc_items_url("http://h/collections/c?token=abc", 10), "http://h/collections/c/items?token=abc&f=json&limit=10");
+        assert_eq!(ogc_items_url("http://h/collections/c/items?token=a%26b&limit=5&f=html", 7), "http://h/collections/c/items?token=a%26b&f=json&limit=7");
     }
 
     #[test]

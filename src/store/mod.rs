@@ -271,7 +271,7 @@ thread_local! {
 /// A redb backend on another handle of `file` (redb takes the file it is given): files
 /// opened once and then used through their handle (a backup's copy, a restore's check, a key
 /// scope's epoch), never by name again.
-pub(crate) fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBackend> {
+fn backend_of(file: &std::fs::File) -> std::io::Result<redb::backends::FileBackend> {
     redb::backends::FileBackend::new(file.try_clone()?).map_err(std::io::Error::other)
 }
 
