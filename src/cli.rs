@@ -1290,10 +1290,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     println!("config {}: ok", config.display());
     // Warnings are said, not counted as problems: they may not stop a start, and `check` is
     // also run as another user than the daemon's. The last line says there were some.
-    // What `serve` as this user would refuse (`refusals`) is a warning too, unless this user
-    // is the daemon's: the one its store's folder belongs to (the package's `zonewatch`, or
-    // whoever runs zonewatch from a folder of their own). There it is a problem: `check`
-    // run as the service user said "all good", exit 0, over a start that would fail.
+    // What `run` and `serve` as this user would refuse in the store (`refusals`) is a warning
+    // too, unless this user is the daemon's: the one its store's folder belongs to (the
+    // package's `zonewatch`, or whoever runs zonewatch from a folder of their own). There it
+    // is a problem: `check` run as the service user said "all good", exit 0, over a start
+    // that would fail. (A control token this user may not read stays a warning: only `serve`
+    // reads it, and `run` from cron needs none: a reader.)
     let mut warnings = 0usize;
     let mut refusals = 0usize;
     for advice in cfg.delivery.advisories() {
@@ -1424,7 +1426,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             match if folder.is_dir() { tempfile::tempfile_in(folder).map(drop) } else { Ok(()) } {
                 Ok(()) => println!("control: {} token {} (created on first start)", cfg.control.listen, token.display()),
                 Err(e) => {
-                    refusals += 1;
+                    warnings += 1;
                     println!(
                         "warning: control token {}: not there yet, and this user cannot create it in {} ({e}): `serve` as this user would refuse to start (create the token, or give the service user that folder)",
                         token.display(),
@@ -1441,7 +1443,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             )
         }
         Err(e) if std::fs::File::open(token).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) => {
-            refusals += 1;
+            warnings += 1;
             println!(
                 "warning: control token {}: this user may not read it ({e}): `serve` as this user would refuse to start (check may be run as another user than the service's)",
                 token.display()
@@ -1509,7 +1511,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         Some(Some(p)) => bad += check_store(&cfg, p, true, &mut warnings),
     }
     if refusals > 0 && runs_as_folder_owner(&cfg.store_path) {
-        println!("store: ERROR {refusals} warning(s) above would stop `run` and `serve`: this user owns the store's folder, so it is the user they run as");
+        println!("store: ERROR {refusals} of the store warnings above would stop `run` and `serve`: this user owns the store's folder, and is taken as the user they run as");
         bad += refusals;
     } else {
         warnings += refusals;
@@ -1527,13 +1529,15 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     }
 }
 
-/// Whether this process runs as the user that owns the folder of the store at `path` (on
-/// Linux, `/proc/self` belongs to the process's effective user): the user `run` and `serve`
-/// are run as. False when either cannot be read.
+/// Whether this process runs as the user that owns the folder of the store at `path`: taken
+/// as the user `run` and `serve` are run as. This process's user is the owner of a file it
+/// creates (in the temp folder; else `/proc/self`'s, which is root's for a process that is
+/// not dumpable). False when either cannot be read.
 fn runs_as_folder_owner(path: &std::path::Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata("/proc/self"), std::fs::metadata(crate::util::folder_of(path))) {
-        (Ok(me), Ok(folder)) => me.uid() == folder.uid(),
+    let me = tempfile::tempfile().and_then(|f| f.metadata()).or_else(|_| std::fs::metadata("/proc/self")).map(|m| m.uid());
+    match (me, std::fs::metadata(crate::util::folder_of(path))) {
+        (Ok(me), Ok(folder)) => me == folder.uid(),
         _ => false,
     }
 }

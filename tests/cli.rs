@@ -34,10 +34,11 @@ fn demo_runs_end_to_end() {
 }
 
 /// `check` run as the user the store's folder belongs to (the daemon's) counts what would
-/// stop `serve` as that user — here a control token it may not read — as a problem, exit 2;
+/// stop `run` and `serve` as that user — here a store it may not write — as a problem, exit 2;
 /// run as another user, the same is a warning (it says nothing about the service). It said
 /// "all good", exit 0, as the service user over a start that would fail (a black-box tester).
-/// Needs root (to run it as `nobody` through `runuser`).
+/// A control token it may not read stays a warning (only `serve` reads it). Needs root (to
+/// run it as `nobody` through `runuser`).
 #[test]
 fn check_as_the_store_folders_owner_counts_what_serve_would_refuse() {
     use std::os::unix::fs::PermissionsExt;
@@ -61,13 +62,20 @@ fn check_as_the_store_folders_owner_counts_what_serve_would_refuse() {
     };
     std::os::unix::fs::chown(ws.path(), Some(65534), None).unwrap();
     let (code, out) = check();
+    assert_eq!(code, Some(0), "the token alone is a warning: {out}");
+    assert!(out.contains("control token") && out.contains("may not read it") && out.contains("warning(s) above"), "{out}");
+    // A store of root's, 0644, in nobody's folder: `run` and `serve` as nobody could not write it.
+    let store = ws.path().join("zw.redb");
+    drop(zonewatch::store::Store::open(&store).unwrap());
+    std::fs::set_permissions(&store, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, out) = check();
     assert_eq!(code, Some(2), "{out}");
-    assert!(out.contains("may not read it") && out.contains("this user owns the store's folder, so it is the user they run as"), "{out}");
+    assert!(out.contains("may not write it") && out.contains("this user owns the store's folder, and is taken as the user they run as"), "{out}");
     // Another user's folder: the same is a warning.
     std::os::unix::fs::chown(ws.path(), Some(0), None).unwrap();
     let (code, out) = check();
     assert_eq!(code, Some(0), "{out}");
-    assert!(out.contains("may not read it") && out.contains("warning(s) above"), "{out}");
+    assert!(out.contains("may not write it") && out.contains("warning(s) above"), "{out}");
 }
 
 #[test]

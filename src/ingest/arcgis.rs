@@ -460,7 +460,7 @@ enum Place {
 const ON_RING: f64 = 1e-9;
 
 /// Edges of outer rings a feature's holes may be tested against (with index work counted in
-/// edge tests, [`INDEX_COST`], and every extent compared as one) before the rest of its holes
+/// edge tests, [`INDEX_COST`], and each outer whose extent meets the hole's as one) before the rest of its holes
 /// are left rings of their own (normalize's own work budget then bounds what is made of
 /// them): a real parcel layer's worst, a right of way of 100k vertices with 5,000 holes, takes
 /// about half of it; a hostile feature of 50k rings in 50k others would take minutes.
@@ -647,10 +647,10 @@ pub fn esri_geometry_to_geojson(g: &Value) -> Value {
             let mut traced: Option<(usize, f64)> = None;
             if work <= NESTING_BUDGET {
                 for &(area, i) in &by_area {
-                    work = work.saturating_add(1);
                     if !meets(&extents[i]) || traced.is_some_and(|(_, a)| area <= a) {
                         continue;
                     }
+                    work = work.saturating_add(1);
                     match ring_within(&h, &e, &polys[i][0], &extents[i], &mut edges[i], &mut work) {
                         Nesting::Inside => {
                             around = Some(i);

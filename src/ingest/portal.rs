@@ -472,7 +472,16 @@ async fn socrata(session: &Session, url: &str, page_size: u32, id_field: &str, p
                 if now != edited_ms {
                     tracing::info!(url, before = ?edited_ms, after = ?now, "rows were updated during the scan; scanning again");
                     edited_ms = now;
+                    let known = expected.is_some();
                     expected = socrata_count(session, url).await?;
+                    // A count known before and not read now (a 5xx, the retry budget spent):
+                    // the next scan would end at its first short page (a reader).
+                    if known && expected.is_none() {
+                        return Err(FetchError::Protocol {
+                            url: url.to_string(),
+                            reason: "rows were updated during the scan, and count(*) could not be read again to check the next scan against; refusing a layer that cannot be checked (the next run tries again)".into(),
+                        });
+                    }
                     continue;
                 }
             }
@@ -544,7 +553,8 @@ fn ogc_items_url(collection_url: &str, limit: u32) -> String {
         return format!("{collection_url}/items?f=json&limit={limit}");
     };
     let path = url.path().trim_end_matches('/').to_string();
-    if !path.ends_with("/items") {
+    // (A collection whose id is `items` is a collection.)
+    if !path.ends_with("/items") || path.ends_with("/collections/items") {
         url.set_path(&format!("{path}/items"));
     }
     let kept: Vec<(String, String)> = url.query_pairs().filter(|(k, _)| k != "f" && k != "limit").map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
@@ -694,6 +704,7 @@ mod tests {
     fn ogc_items_url_keeps_the_query() {
         assert_eq!(ogc_items_url("http://h:1/collections/c", 10), "http://h:1/collections/c/items?f=json&limit=10");
         assert_eq!(ogc_items_url("http://h/collections/c/", 10), "http://h/collections/c/items?f=json&limit=10");
+        assert_eq!(ogc_items_url("http://h/collections/items", 10), "http://h/collections/items/items?f=json&limit=10");
         assert_eq!(ogc_items_url("http://h/collections/c?token=abc", 10), "http://h/collections/c/items?token=abc&f=json&limit=10");
         assert_eq!(ogc_items_url("http://h/collections/c/items?token=a%26b&limit=5&f=html", 7), "http://h/collections/c/items?token=a%26b&f=json&limit=7");
     }
