@@ -142,7 +142,7 @@ pub enum Command {
 /// What `zonewatch holds` does with the publication gate's held runs.
 #[derive(Subcommand, Debug)]
 pub enum HoldAction {
-    /// Runs the publication gate holds, with why each was held and what it would send.
+    /// Runs held by the publication gate: source, state, when, how many changes, and why.
     List {
         #[arg(long)]
         config: PathBuf,
