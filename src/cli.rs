@@ -1408,9 +1408,9 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             );
         }
     }
-    // The control token `serve` will use: one it would refuse fails the pre-start check.
-    // (`check` is also run as another user than the daemon's: a token it may not read is
-    // noted, as an unreadable store is.)
+    // The control token `serve` will use: one that is not a token (too short) is a problem;
+    // one this user may not read, or cannot create, a warning (`check` is also run as another
+    // user than the daemon's, and only `serve` reads it).
     let token = &cfg.control.token_file;
     match crate::control::auth::read_token(token) {
         Ok(crate::control::auth::TokenFile::Token(_)) => {
@@ -1502,9 +1502,9 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             println!("warning: {w}");
         }
     }
-    // The store part is asked for: `check --config` alone is the config check a service
-    // runs before every start (packaging/zonewatch.service), which must stay quick: it
-    // looks at where the store goes (above), never into it.
+    // The store part is asked for: `check --config` alone is the config check an operator
+    // runs after every edit, which must stay quick: it looks at where the store goes
+    // (above), never into it.
     match store {
         None => {}
         Some(None) => bad += check_store(&cfg, &cfg.store_path, false, &mut warnings),
@@ -1530,16 +1530,17 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
 }
 
 /// Whether this process runs as the user that owns the folder of the store at `path`: taken
-/// as the user `run` and `serve` are run as. This process's user is the owner of a file it
-/// creates (in the temp folder; else `/proc/self`'s, which is root's for a process that is
-/// not dumpable). False when either cannot be read.
+/// as the user `run` and `serve` are run as. False when the folder cannot be read.
 fn runs_as_folder_owner(path: &std::path::Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let me = tempfile::tempfile().and_then(|f| f.metadata()).or_else(|_| std::fs::metadata("/proc/self")).map(|m| m.uid());
-    match (me, std::fs::metadata(crate::util::folder_of(path))) {
-        (Ok(me), Ok(folder)) => me == folder.uid(),
-        _ => false,
+    extern "C" {
+        fn geteuid() -> u32;
     }
+    // SAFETY: `geteuid` takes nothing, cannot fail and is callable from any thread. (A file's
+    // owner, or `/proc/self`'s, is not always this process's user: NFS squashing, a process
+    // that is not dumpable; a reader.)
+    let me = unsafe { geteuid() };
+    std::fs::metadata(crate::util::folder_of(path)).is_ok_and(|folder| folder.uid() == me)
 }
 
 /// What `run` and `serve` as this user would refuse at start in the config's store, besides

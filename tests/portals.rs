@@ -1126,9 +1126,9 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
     let r = engine.run_source_id("soda", RunOptions::default()).expect("baseline");
     assert_eq!(r.record.verdict, Verdict::Baseline, "{}", r.line());
     assert_eq!(r.record.counts.parcels, 25);
-    // This server gives no count(*): the short third page ends the scan.
+    // This server gives no count(*): paged on to an empty page (a short page is not the end).
     let offsets: Vec<String> = srv.requests().iter().filter_map(|q| q.param("$offset")).collect();
-    assert_eq!(offsets, ["0", "10", "20"]);
+    assert_eq!(offsets, ["0", "10", "20", "25"]);
     assert_eq!(engine.store.watermark("soda").expect("wm").expect("some").publisher_ts_ms, Some(1_700_000_000_000));
     let before = srv.requests().len();
     let r = engine.run_source_id("soda", RunOptions::default()).expect("skip");
@@ -1186,16 +1186,29 @@ fn socrata_pages_by_offset_and_skips_on_unchanged_rows_updated_at() {
 fn socrata_trusts_count_not_a_short_page() {
     let features = geojson_features(&grid(25));
     let claimed = Arc::new(AtomicU64::new(25));
-    let c2 = claimed.clone();
+    // How the count is answered: 0 as SODA does, 1 a 500 every time, 2 an HTML page, 3 an
+    // answer without a count, 4 a 404 (a server without count(*)).
+    let count_answer = Arc::new(AtomicU64::new(0));
+    let (c2, a2) = (claimed.clone(), count_answer.clone());
     let srv = Server::start(Arc::new(move |req: &Req| {
         if req.target.starts_with("/api/views/abcd-1234.json") {
             return json_reply(&json!({"id": "abcd-1234", "rowsUpdatedAt": 1_700_000_000}));
         }
         if req.target.starts_with("/resource/abcd-1234.json") {
+            // One $select, the count's (the resource URL's own is left out of it).
+            assert_eq!(req.target.matches("select").count(), 1, "{}", req.target);
             assert_eq!(req.param("$select").as_deref(), Some("count(*)"));
-            // SODA answers counts as strings.
-            return json_reply(&json!([{"count": c2.load(Ordering::SeqCst).to_string()}]));
+            return match a2.load(Ordering::SeqCst) {
+                // SODA answers counts as strings.
+                0 => json_reply(&json!([{"count": c2.load(Ordering::SeqCst).to_string()}])),
+                1 => reply(500, "application/json", r#"{"error": true}"#),
+                2 => reply(200, "text/html", "<html><body>Please wait while we check your browser</body></html>"),
+                3 => json_reply(&json!([{}])),
+                _ => reply(404, "application/json", r#"{"error": true}"#),
+            };
         }
+        // The resource URL's own paging gives way to the scan's.
+        assert_eq!(req.target.matches("$limit").count(), 1, "{}", req.target);
         let limit: usize = req.param("$limit").and_then(|v| v.parse().ok()).unwrap_or(1000);
         let offset: usize = req.param("$offset").and_then(|v| v.parse().ok()).unwrap_or(0);
         let page: Vec<Value> = features.iter().skip(offset).take(limit.min(7)).cloned().collect();
@@ -1216,6 +1229,30 @@ fn socrata_trusts_count_not_a_short_page() {
     let err = engine.run_source_id("soda", RunOptions::default()).unwrap_err().to_string();
     assert!(err.contains("count(*) says 30"), "{err}");
     assert!(engine.store.watermark("soda").expect("wm").is_none(), "nothing committed");
+
+    // A count that cannot be had fails the run: taken as no count, the first short page
+    // ended the scan, and the rows past it were alerted removed (a black-box tester: 117 false
+    // removals of a real layer with the count endpoint down). The resource URL carries a
+    // $select and a $limit of its own.
+    claimed.store(25, Ordering::SeqCst);
+    let own = srv.url("/resource/abcd-1234.geojson?$select=:*,*&$limit=5");
+    for (answer, expect) in [(1, "500"), (2, "text/html"), (3, "count(*) was answered without a count")] {
+        count_answer.store(answer, Ordering::SeqCst);
+        let dir = tempfile::tempdir().expect("tmp");
+        let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &own, "page_size = 10"), "")).expect("engine");
+        let err = engine.run_source_id("soda", RunOptions::default()).unwrap_err().to_string();
+        assert!(err.contains(expect), "{answer}: {err}");
+        assert!(engine.store.watermark("soda").expect("wm").is_none(), "nothing committed");
+    }
+    // A server that refuses count(*) (a 4xx) is paged to an empty page, past its short pages.
+    count_answer.store(4, Ordering::SeqCst);
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &own, "page_size = 10"), "")).expect("engine");
+    let before = srv.requests().len();
+    let r = engine.run_source_id("soda", RunOptions::default()).expect("baseline");
+    assert_eq!((r.record.verdict, r.record.counts.parcels), (Verdict::Baseline, 25), "{}", r.line());
+    let offsets: Vec<String> = srv.requests()[before..].iter().filter_map(|q| q.param("$offset")).collect();
+    assert_eq!(offsets, ["0", "7", "14", "21", "25"], "paged on to an empty page");
 }
 
 /// Rows deleted and added while a SODA scan pages, the count unchanged: a row would be
@@ -3292,10 +3329,10 @@ fn socrata_same_bytes_as_a_withheld_read_with_an_older_timestamp_are_not_a_resta
         let mut last = false;
         let reply = soda_answer(req, up.load(Ordering::SeqCst), None, |offset, limit| {
             let page: Vec<Value> = l.rows.iter().skip(offset).take(limit).cloned().collect();
-            last = page.len() < limit;
+            last = page.is_empty();
             page
         });
-        // A read ends at its short page: the next read is served what comes next.
+        // A read without a count ends at its empty page: the next read is served what comes next.
         if last && !l.next.is_empty() {
             l.rows = l.next.remove(0);
         }

@@ -610,10 +610,15 @@ struct SodaScan {
 
 /// Pages a SODA resource with `$limit`/`$offset` ordered by `:id`. With `expected` (the
 /// server's `count(*)`), paging goes on until that many rows are held, never past an empty
-/// page and never more than `expected + 10` pages; without it, a short page ends the scan.
+/// page and never more than `expected + 10` pages; without it, until an empty page (a short
+/// page is not the end: a server's row cap below the page size answers short pages all
+/// along, and ending there committed a partial layer: a black-box tester).
 /// Either way a non-empty page of rows all already held stops it (`stalled`), and the pages'
 /// bytes together fail the scan past `[ingest] max_layer_bytes`.
 async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &str, expected: Option<u64>) -> Result<SodaScan, FetchError> {
+    // The resource URL's own paging and order give way to the scan's (a parameter given
+    // twice is an error to SODA, or one of the two is taken).
+    let url = without_soda_params(url, &["$limit", "$offset", "$order"]);
     let sep = if url.contains('?') { '&' } else { '?' };
     let mut features = FeatureSpool::new(&session.spool_dir)?;
     let mut offset: u64 = 0;
@@ -643,7 +648,7 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
         offset += n;
         let done = match expected {
             Some(c) => n == 0 || offset >= c,
-            None => n < page_size as u64,
+            None => n == 0,
         };
         if done {
             break;
@@ -663,32 +668,55 @@ pub fn socrata_count_url(resource_url: &str) -> Option<String> {
         return None;
     }
     u.set_path(&format!("{}/resource/{id}.json", &path[..idx]));
-    let query = match u.query() {
-        Some(q) if !q.is_empty() => format!("{q}&$select=count(*)"),
-        _ => "$select=count(*)".to_string(),
-    };
-    u.set_query(Some(&query));
-    Some(u.to_string())
+    // Its own `$select` (`:*,*` to get `:id`), order and paging are the rows', not the count's.
+    let kept = without_soda_params(u.as_ref(), &["$select", "$order", "$limit", "$offset"]);
+    let sep = if kept.contains('?') { '&' } else { '?' };
+    Some(format!("{kept}{sep}$select=count(*)"))
 }
 
-/// The row count the server reports, or `None` when it will not say (then a short page is
-/// all the scan has to go on, and a warning says so). A count it gives that is not one (`-1`,
-/// `300.5`) fails the run: taken as no count, a scan a page short would end at that page and
-/// alert the rows past it `removed` (a reader).
+/// `url` without the query parameters named `keys` (SoQL's, in any case, also
+/// percent-encoded); the other parameters are kept as they were written.
+fn without_soda_params(url: &str, keys: &[&str]) -> String {
+    let Some((base, query)) = url.split_once('?') else { return url.to_string() };
+    let named = |part: &str| {
+        let key = part.split('=').next().unwrap_or_default().replace("%24", "$");
+        keys.iter().any(|k| k.eq_ignore_ascii_case(&key))
+    };
+    let kept: Vec<&str> = query.split('&').filter(|part| !part.is_empty() && !named(part)).collect();
+    if kept.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
+}
+
+/// The row count the server reports, or `None` when it will not say: it refuses the count
+/// query (a 4xx; then the scan pages on to an empty page, and a warning says that a row the
+/// server leaves out cannot be told from a removed one). Any other failure fails the run: an
+/// answer that is not a count (`-1`, `300.5`, `[{}]`), or a count that could not be asked for
+/// (a 5xx after the retries, an HTML page, the retry budget spent, no connection). Taken as
+/// no count, a scan a page short ended at that page and alerted the rows past it `removed`
+/// (two readers; a black-box tester: 117 false removals of Cambridge's parcels with the count
+/// endpoint down). The next run asks again.
 async fn socrata_count(session: &Session, url: &str) -> Result<Option<u64>, FetchError> {
     let Some(count_url) = socrata_count_url(url) else { return Ok(None) };
-    let answer = session.get(&count_url, &[]).await.and_then(|r| r.first_element());
-    let value = answer.as_ref().ok().and_then(|v| {
-        let first = v.as_ref()?.as_object()?;
+    let answer = match session.get(&count_url, &[]).await.and_then(|r| r.first_element()) {
+        Ok(answer) => answer,
+        Err(FetchError::Status { status: status @ 400..=499, .. }) => {
+            tracing::warn!(url, status, "the server refuses count(*): the scan pages on to an empty page, and a row it leaves out of every page would read as removed");
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
+    };
+    let value = answer.as_ref().and_then(|v| {
+        let first = v.as_object()?;
         first.get("count").or_else(|| first.values().next()).cloned()
     });
+    let refused = |reason: String| Err(FetchError::Protocol { url: count_url.clone(), reason: format!("{reason}: the scan cannot be checked against it; refusing the layer") });
     match super::page::whole_count(value.as_ref()) {
         Ok(Some(n)) => Ok(Some(n)),
-        Ok(None) => {
-            tracing::warn!(url, "no usable count(*) from the server: the scan ends at the first short page");
-            Ok(None)
-        }
-        Err(found) => Err(FetchError::Protocol { url: count_url, reason: format!("count(*) is {found}, not a count of rows: the scan cannot be checked against it; refusing the layer") }),
+        Ok(None) => refused(format!("count(*) was answered without a count ({})", crate::util::truncate_text(&answer.map(|v| v.to_string()).unwrap_or_default(), 80))),
+        Err(found) => refused(format!("count(*) is {found}, not a count of rows")),
     }
 }
 
@@ -719,6 +747,13 @@ mod tests {
         assert!(with_where.starts_with("https://h/x/resource/abcd-1234.json?$where="), "{with_where}");
         assert!(with_where.ends_with("&$select=count(*)"), "{with_where}");
         assert_eq!(socrata_count_url("https://h/resource/"), None);
+        // The resource's own $select (to get :id), order and paging are not the count's.
+        assert_eq!(
+            socrata_count_url("https://h/resource/abcd-1234.geojson?%24select=:*,*&$where=a=1&$ORDER=x&$limit=5").as_deref(),
+            Some("https://h/resource/abcd-1234.json?$where=a=1&$select=count(*)")
+        );
+        assert_eq!(without_soda_params("https://h/r.geojson?$select=:*,*&$limit=5&$offset=9&$order=a", &["$limit", "$offset", "$order"]), "https://h/r.geojson?$select=:*,*");
+        assert_eq!(without_soda_params("https://h/r.geojson?$limit=5", &["$limit"]), "https://h/r.geojson");
     }
 
     #[test]
