@@ -1187,7 +1187,7 @@ fn socrata_trusts_count_not_a_short_page() {
     let features = geojson_features(&grid(25));
     let claimed = Arc::new(AtomicU64::new(25));
     // How the count is answered: 0 as SODA does, 1 a 500 every time, 2 an HTML page, 3 an
-    // answer without a count, 4 a 404 (a server without count(*)).
+    // answer without a count, 4 a 404 (a server without count(*)), 5 a 403.
     let count_answer = Arc::new(AtomicU64::new(0));
     let (c2, a2) = (claimed.clone(), count_answer.clone());
     let srv = Server::start(Arc::new(move |req: &Req| {
@@ -1204,6 +1204,8 @@ fn socrata_trusts_count_not_a_short_page() {
                 1 => reply(500, "application/json", r#"{"error": true}"#),
                 2 => reply(200, "text/html", "<html><body>Please wait while we check your browser</body></html>"),
                 3 => json_reply(&json!([{}])),
+                // A WAF's challenge in front of the count, not a server without counts.
+                5 => reply(403, "application/json", r#"{"error": true}"#),
                 _ => reply(404, "application/json", r#"{"error": true}"#),
             };
         }
@@ -1236,7 +1238,7 @@ fn socrata_trusts_count_not_a_short_page() {
     // $select and a $limit of its own.
     claimed.store(25, Ordering::SeqCst);
     let own = srv.url("/resource/abcd-1234.geojson?$select=:*,*&$limit=5");
-    for (answer, expect) in [(1, "500"), (2, "text/html"), (3, "count(*) was answered without a count")] {
+    for (answer, expect) in [(1, "HTTP 500"), (2, "text/html"), (3, "count(*) was answered without a count"), (5, "403")] {
         count_answer.store(answer, Ordering::SeqCst);
         let dir = tempfile::tempdir().expect("tmp");
         let engine = Engine::open(portal_config(dir.path(), &source("soda", "socrata", &own, "page_size = 10"), "")).expect("engine");

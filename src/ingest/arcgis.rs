@@ -639,8 +639,10 @@ pub fn esri_geometry_to_geojson(g: &Value) -> Value {
         by_area.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         let mut edges: Vec<Option<EdgeIndex>> = polys.iter().map(|_| None).collect();
         // The outers by extent: a hole's candidates are found without comparing it with every
-        // outer (a reader: 100k small holes away from 100k small outers took 15 s of
-        // compares, none charged to the budget). Tried smallest first, by their rank here.
+        // outer (a reader: 100k small holes away from 100k small outers took 6.6 s of
+        // compares, none charged to the budget). Tried smallest first, by their rank here,
+        // taken from a heap (sorting every candidate of a hole inside 100k nested outers
+        // before trying the first cost k log k, uncharged; a reader).
         let mut rank = vec![0usize; by_area.len()];
         for (r, &(_, i)) in by_area.iter().enumerate() {
             rank[i] = r;
@@ -657,11 +659,11 @@ pub fn esri_geometry_to_geojson(g: &Value) -> Value {
             // The outer the hole traces, and its area: only a larger outer can contain it.
             let mut traced: Option<(usize, f64)> = None;
             if work <= NESTING_BUDGET {
-                let mut candidates: Vec<usize> = by_extent.locate_in_envelope_intersecting(rstar::AABB::from_corners([e[0], e[1]], [e[2], e[3]])).map(|o| o.data).collect();
-                candidates.sort_unstable_by_key(|&i| rank[i]);
+                let mut candidates: std::collections::BinaryHeap<std::cmp::Reverse<usize>> =
+                    by_extent.locate_in_envelope_intersecting(rstar::AABB::from_corners([e[0], e[1]], [e[2], e[3]])).map(|o| std::cmp::Reverse(rank[o.data])).collect();
                 work = work.saturating_add(candidates.len() as u64);
-                for i in candidates {
-                    let area = by_area[rank[i]].0;
+                while let Some(std::cmp::Reverse(r)) = candidates.pop() {
+                    let (area, i) = by_area[r];
                     if traced.is_some_and(|(_, a)| area <= a) {
                         continue;
                     }

@@ -676,7 +676,10 @@ pub fn socrata_count_url(resource_url: &str) -> Option<String> {
 
 /// `url` without the query parameters named `keys` (SoQL's, in any case, also
 /// percent-encoded); the other parameters are kept as they were written.
+/// A fragment (`#…`, never sent) is dropped: parameters appended after it would not be sent
+/// either (a reader: the count's `$select` went after one, and the count URL asked for rows).
 fn without_soda_params(url: &str, keys: &[&str]) -> String {
+    let url = url.split('#').next().unwrap_or_default();
     let Some((base, query)) = url.split_once('?') else { return url.to_string() };
     let named = |part: &str| {
         let key = part.split('=').next().unwrap_or_default().replace("%24", "$");
@@ -691,8 +694,10 @@ fn without_soda_params(url: &str, keys: &[&str]) -> String {
 }
 
 /// The row count the server reports, or `None` when it will not say: it refuses the count
-/// query (a 4xx; then the scan pages on to an empty page, and a warning says that a row the
-/// server leaves out cannot be told from a removed one). Any other failure fails the run: an
+/// query as one it does not take (400, 404, 405, 410, 422; then the scan pages on to an empty
+/// page, and a warning says that a row the server leaves out cannot be told from a removed
+/// one). A 401, 403 or 407 there, after the view's metadata was read, is a gate in the way
+/// (a WAF's challenge, a proxy), not a server without counts: it fails the run (a reader). Any other failure fails the run: an
 /// answer that is not a count (`-1`, `300.5`, `[{}]`), or a count that could not be asked for
 /// (a 5xx after the retries, an HTML page, the retry budget spent, no connection). Taken as
 /// no count, a scan a page short ended at that page and alerted the rows past it `removed`
@@ -702,7 +707,7 @@ async fn socrata_count(session: &Session, url: &str) -> Result<Option<u64>, Fetc
     let Some(count_url) = socrata_count_url(url) else { return Ok(None) };
     let answer = match session.get(&count_url, &[]).await.and_then(|r| r.first_element()) {
         Ok(answer) => answer,
-        Err(FetchError::Status { status: status @ 400..=499, .. }) => {
+        Err(FetchError::Status { status: status @ (400 | 404 | 405 | 410 | 422), .. }) => {
             tracing::warn!(url, status, "the server refuses count(*): the scan pages on to an empty page, and a row it leaves out of every page would read as removed");
             return Ok(None);
         }
@@ -754,6 +759,7 @@ mod tests {
         );
         assert_eq!(without_soda_params("https://h/r.geojson?$select=:*,*&$limit=5&$offset=9&$order=a", &["$limit", "$offset", "$order"]), "https://h/r.geojson?$select=:*,*");
         assert_eq!(without_soda_params("https://h/r.geojson?$limit=5", &["$limit"]), "https://h/r.geojson");
+        assert_eq!(socrata_count_url("https://h/resource/x.geojson?$where=a=1#f").as_deref(), Some("https://h/resource/x.json?$where=a=1&$select=count(*)"));
     }
 
     #[test]
