@@ -10,7 +10,8 @@
 //!   never to another host than the one that served the page); the features must add up to
 //!   `numberMatched`, and a pass during which it moved is run again.
 //! * `socrata`: probe `rowsUpdatedAt` from `/api/views/{id}.json`, then page `$limit`/`$offset`
-//!   ordered by `:id` until `count(*)` rows are held (without a count: a short or empty page).
+//!   ordered by `:id` until `count(*)` rows are held (a server that refuses the count: until an
+//!   empty page; a count that cannot be had otherwise fails the run).
 //!   A page that brings no row not already held stops the scan (the count decides between a
 //!   rescan and a "no progress" error), and every paged kind's pages together are capped by
 //!   `[ingest] max_layer_bytes` ([`super::scan_guard`]).
@@ -696,8 +697,9 @@ fn without_soda_params(url: &str, keys: &[&str]) -> String {
 /// The row count the server reports, or `None` when it will not say: it refuses the count
 /// query as one it does not take (400, 404, 405, 410, 422; then the scan pages on to an empty
 /// page, and a warning says that a row the server leaves out cannot be told from a removed
-/// one). A 401, 403 or 407 there, after the view's metadata was read, is a gate in the way
-/// (a WAF's challenge, a proxy), not a server without counts: it fails the run (a reader). Any other failure fails the run: an
+/// one). Any other status fails the run: a 401, 403 or 407 there, after the view's metadata
+/// was read, is a gate in the way (a WAF's challenge, a proxy), not a server without counts
+/// (a reader). Any other failure fails the run: an
 /// answer that is not a count (`-1`, `300.5`, `[{}]`), or a count that could not be asked for
 /// (a 5xx after the retries, an HTML page, the retry budget spent, no connection). Taken as
 /// no count, a scan a page short ended at that page and alerted the rows past it `removed`
