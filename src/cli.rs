@@ -1040,15 +1040,8 @@ fn cmd_backup(config: &std::path::Path, dest: &std::path::Path) -> i32 {
     // An interrupted backup leaves no half-written temp file beside DEST; one killed outright
     // left one there, removed once an hour old.
     let _finish = crate::signals::on_signal_remove_scratch();
-    {
-        use std::os::unix::fs::MetadataExt;
-        let folder = crate::util::folder_of(dest);
-        // This process's uid (`/proc/self` is owned by it): a temp file it made is owned so.
-        // Without `/proc`, nothing is swept.
-        if let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) {
-            crate::store::backup::sweep_backup_leftovers(folder, me, std::time::SystemTime::now());
-        }
-    }
+    // Only this user's: a temp file this process made is owned so.
+    crate::store::backup::sweep_backup_leftovers(crate::util::folder_of(dest), crate::util::effective_uid(), std::time::SystemTime::now());
     // A file this user may read but not write: copied through a read-only open (a `Store`
     // writes even to read).
     if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open(&cfg.store_path) {
@@ -1533,14 +1526,7 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
 /// as the user `run` and `serve` are run as. False when the folder cannot be read.
 fn runs_as_folder_owner(path: &std::path::Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    extern "C" {
-        fn geteuid() -> u32;
-    }
-    // SAFETY: `geteuid` takes nothing, cannot fail and is callable from any thread. (A file's
-    // owner, or `/proc/self`'s, is not always this process's user: NFS squashing, a process
-    // that is not dumpable; a reader.)
-    let me = unsafe { geteuid() };
-    std::fs::metadata(crate::util::folder_of(path)).is_ok_and(|folder| folder.uid() == me)
+    std::fs::metadata(crate::util::folder_of(path)).is_ok_and(|folder| folder.uid() == crate::util::effective_uid())
 }
 
 /// What `run` and `serve` as this user would refuse at start in the config's store, besides

@@ -227,6 +227,17 @@ pub fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// This process's effective user id: the owner of the files it creates, and whom permission
+/// checks are made for. (A file's owner, or `/proc/self`'s, is not always it: NFS squashing,
+/// a process that is not dumpable.)
+pub fn effective_uid() -> u32 {
+    extern "C" {
+        fn geteuid() -> u32;
+    }
+    // SAFETY: `geteuid` takes nothing, cannot fail and is callable from any thread.
+    unsafe { geteuid() }
+}
+
 /// Caps glibc's malloc arenas at one per core, for the long-lived `serve`.
 ///
 /// Why: glibc gives each thread that allocates its own arena, up to 8 per core, and memory

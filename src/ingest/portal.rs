@@ -558,9 +558,10 @@ fn ogc_items_url(collection_url: &str, limit: u32) -> String {
     if !path.ends_with("/items") || path.ends_with("/collections/items") {
         url.set_path(&format!("{path}/items"));
     }
-    let kept: Vec<(String, String)> = url.query_pairs().filter(|(k, _)| k != "f" && k != "limit").map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
-    url.query_pairs_mut().clear().extend_pairs(kept).append_pair("f", "json").append_pair("limit", &limit.to_string());
-    url.to_string()
+    // The operator's own parameters as written (not decoded and encoded again).
+    let kept = without_query_params(url.as_str(), &["f", "limit"]);
+    let sep = if kept.contains('?') { '&' } else { '?' };
+    format!("{kept}{sep}f=json&limit={limit}")
 }
 
 /// Refuses an OGC API page whose coordinates are not longitude/latitude WGS84 (CRS84, what
@@ -619,7 +620,7 @@ struct SodaScan {
 async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &str, expected: Option<u64>) -> Result<SodaScan, FetchError> {
     // The resource URL's own paging and order give way to the scan's (a parameter given
     // twice is an error to SODA, or one of the two is taken).
-    let url = without_soda_params(url, &["$limit", "$offset", "$order"]);
+    let url = without_query_params(url, &["$limit", "$offset", "$order"]);
     let sep = if url.contains('?') { '&' } else { '?' };
     let mut features = FeatureSpool::new(&session.spool_dir)?;
     let mut offset: u64 = 0;
@@ -670,16 +671,16 @@ pub fn socrata_count_url(resource_url: &str) -> Option<String> {
     }
     u.set_path(&format!("{}/resource/{id}.json", &path[..idx]));
     // Its own `$select` (`:*,*` to get `:id`), order and paging are the rows', not the count's.
-    let kept = without_soda_params(u.as_ref(), &["$select", "$order", "$limit", "$offset"]);
+    let kept = without_query_params(u.as_ref(), &["$select", "$order", "$limit", "$offset"]);
     let sep = if kept.contains('?') { '&' } else { '?' };
     Some(format!("{kept}{sep}$select=count(*)"))
 }
 
-/// `url` without the query parameters named `keys` (SoQL's, in any case, also
+/// `url` without the query parameters named `keys` (in any case; SoQL's `$` also
 /// percent-encoded); the other parameters are kept as they were written.
 /// A fragment (`#…`, never sent) is dropped: parameters appended after it would not be sent
 /// either (a reader: the count's `$select` went after one, and the count URL asked for rows).
-fn without_soda_params(url: &str, keys: &[&str]) -> String {
+fn without_query_params(url: &str, keys: &[&str]) -> String {
     let url = url.split('#').next().unwrap_or_default();
     let Some((base, query)) = url.split_once('?') else { return url.to_string() };
     let named = |part: &str| {
@@ -759,8 +760,8 @@ mod tests {
             socrata_count_url("https://h/resource/abcd-1234.geojson?%24select=:*,*&$where=a=1&$ORDER=x&$limit=5").as_deref(),
             Some("https://h/resource/abcd-1234.json?$where=a=1&$select=count(*)")
         );
-        assert_eq!(without_soda_params("https://h/r.geojson?$select=:*,*&$limit=5&$offset=9&$order=a", &["$limit", "$offset", "$order"]), "https://h/r.geojson?$select=:*,*");
-        assert_eq!(without_soda_params("https://h/r.geojson?$limit=5", &["$limit"]), "https://h/r.geojson");
+        assert_eq!(without_query_params("https://h/r.geojson?$select=:*,*&$limit=5&$offset=9&$order=a", &["$limit", "$offset", "$order"]), "https://h/r.geojson?$select=:*,*");
+        assert_eq!(without_query_params("https://h/r.geojson?$limit=5", &["$limit"]), "https://h/r.geojson");
         assert_eq!(socrata_count_url("https://h/resource/x.geojson?$where=a=1#f").as_deref(), Some("https://h/resource/x.json?$where=a=1&$select=count(*)"));
     }
 
