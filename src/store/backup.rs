@@ -273,7 +273,7 @@ fn backup_from(begin_read: impl FnOnce() -> Result<ReadTransaction, StoreError>,
     // the check (the folder may be another user's) would be what took `dest`, reported as the
     // backup that was checked (a reader). Said, not reported as a backup.
     let written = copy.metadata().map_err(|e| StoreError::Open { path: dest.to_path_buf(), message: format!("cannot read the backup's size: {e}") })?;
-    if !std::fs::symlink_metadata(dest).is_ok_and(|m| same_file(&m, &written)) {
+    if !is_at(dest, &written) {
         return Err(StoreError::Open {
             path: dest.to_path_buf(),
             message: "the file now at this name is not the backup that was written and checked: its temp file was replaced while the backup ran (another user writing in this folder?); do not use it".into(),
@@ -328,6 +328,13 @@ fn open_holds_in(file: &std::fs::File, path: &Path) -> Result<Vec<u64>, StoreErr
     let db = redb::Builder::new().open_read_only_with_backend(super::backend_of(file).map_err(|e| open_err(e.to_string()))?).map_err(|e| open_err(e.to_string()))?;
     let holds = super::queries::holds_in(&db.begin_read()?)?;
     Ok(holds.into_iter().filter(|h| h.state == crate::model::HoldState::Open).map(|h| h.run_id).collect())
+}
+
+/// Whether the file at `path` itself (a link there not followed) is the one of `written`: a
+/// backup or restore moved into place by its temp file's name, in a folder another user may
+/// write, checks it moved the file it wrote.
+fn is_at(path: &Path, written: &std::fs::Metadata) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| same_file(&m, written))
 }
 
 /// Whether two files' metadata are of one file (same device and inode: a hard link, or the
@@ -431,8 +438,8 @@ pub fn restore(src: &Path, dest: &Path) -> Result<RestoreInfo, StoreError> {
     }
     // The rename moved whatever had the temp file's name: in a folder another user can write,
     // that could be something else than the file restored through its handle.
-    if let (Ok(at_dest), Ok(mine)) = (std::fs::symlink_metadata(dest), restored.metadata()) {
-        if !same_file(&at_dest, &mine) {
+    if let Ok(mine) = restored.metadata() {
+        if !is_at(dest, &mine) {
             warnings.push(format!("{} is not the file this restore wrote: something changed its folder during the restore; check what is there before starting zonewatch", dest.display()));
         }
     }
