@@ -709,6 +709,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                 runs: runs.clone(),
                 wake: wake.clone(),
                 started_ms: engine.now(),
+                resolutions_waiting: Default::default(),
             });
             tasks.spawn(crate::control::serve(listener, state, rx.clone()));
         }

@@ -177,42 +177,61 @@ pub(crate) fn announces(layer: LayerKind, c: &RawChange) -> bool {
 
 /// Turns the diff of derived states into the changes that alert (see [`alerts`]): a
 /// district change as it is, an overlay change as one event per overlay gained or lost.
-/// Also counts the code changes to or from no coverage.
-fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> (Vec<RawChange>, u64) {
+/// Also counts the code changes to or from no coverage, and the parcels that alert (what the
+/// change-spike gate counts: a parcel gaining two overlays is one parcel changed, not two; a
+/// black-box tester's overlay run read "8 of 4 parcels changed").
+fn alerting_changes(layer: LayerKind, changes: Vec<RawChange>) -> AlertingChanges {
     let mut out = Vec::new();
     let mut coverage_only = 0;
+    let mut parcels = 0;
     for c in changes {
-        if c.kind != ChangeKind::Rezoned {
-            continue;
-        }
-        if !alerts(layer, &c) {
-            if layer != LayerKind::Overlays {
-                coverage_only += 1;
-            }
-            continue;
-        }
-        let from = c.from.as_deref().unwrap_or("");
-        let to = c.to.as_deref().unwrap_or("");
-        match layer {
-            LayerKind::Overlays => {
-                let old = overlay_set(from);
-                let new = overlay_set(to);
-                let (norm_old, norm_new) = (normalized_overlays(from), normalized_overlays(to));
-                for n in &new {
-                    if !norm_old.contains(&normalize_code(n)) {
-                        out.push(RawChange { kind: ChangeKind::OverlayAdded, from: None, to: Some(n.to_string()), ..c.clone() });
-                    }
-                }
-                for n in &old {
-                    if !norm_new.contains(&normalize_code(n)) {
-                        out.push(RawChange { kind: ChangeKind::OverlayRemoved, from: Some(n.to_string()), to: None, ..c.clone() });
-                    }
-                }
-            }
-            _ => out.push(c),
-        }
+        let before = out.len();
+        push_alerting(layer, c, &mut out, &mut coverage_only);
+        parcels += u64::from(out.len() > before);
     }
-    (out, coverage_only)
+    AlertingChanges { changes: out, coverage_only, parcels }
+}
+
+/// What [`alerting_changes`] made of one run's diff.
+struct AlertingChanges {
+    changes: Vec<RawChange>,
+    /// Code changes to or from no coverage (not alerted).
+    coverage_only: u64,
+    /// Parcels with at least one change that alerts.
+    parcels: u64,
+}
+
+/// The alerting changes of one parcel's change `c`, pushed to `out`.
+fn push_alerting(layer: LayerKind, c: RawChange, out: &mut Vec<RawChange>, coverage_only: &mut u64) {
+    if c.kind != ChangeKind::Rezoned {
+        return;
+    }
+    if !alerts(layer, &c) {
+        if layer != LayerKind::Overlays {
+            *coverage_only += 1;
+        }
+        return;
+    }
+    let from = c.from.as_deref().unwrap_or("");
+    let to = c.to.as_deref().unwrap_or("");
+    match layer {
+        LayerKind::Overlays => {
+            let old = overlay_set(from);
+            let new = overlay_set(to);
+            let (norm_old, norm_new) = (normalized_overlays(from), normalized_overlays(to));
+            for n in &new {
+                if !norm_old.contains(&normalize_code(n)) {
+                    out.push(RawChange { kind: ChangeKind::OverlayAdded, from: None, to: Some(n.to_string()), ..c.clone() });
+                }
+            }
+            for n in &old {
+                if !norm_new.contains(&normalize_code(n)) {
+                    out.push(RawChange { kind: ChangeKind::OverlayRemoved, from: Some(n.to_string()), to: None, ..c.clone() });
+                }
+            }
+        }
+        _ => out.push(c),
+    }
 }
 
 impl Engine {
@@ -311,7 +330,7 @@ impl Engine {
             first_ingest: wm.is_none() && pass.previous == 0,
             reprocess: opts.reprocess,
             previous_parcels: pass.previous,
-            changed: pass.events,
+            changed: pass.changed_parcels,
             features: layer.features,
             systemic_quarantined: systemic,
             max_change_ratio: src.max_change_ratio,
@@ -390,8 +409,9 @@ impl Engine {
             let announces = |c: &RawChange| announce && alerts(src.layer, c);
             let buried = |id: &str| view.prior_of_absent(id);
             let diffed = diff(&derived, d.parcels, &kept, &Steps { announces: &announces, buried: &buried })?;
-            let (changes, coverage_only) = alerting_changes(src.layer, diffed.changes);
+            let AlertingChanges { changes, coverage_only, parcels } = alerting_changes(src.layer, diffed.changes);
             pass.coverage_only += coverage_only;
+            pass.changed_parcels += parcels;
             let events = self.build_events(src, &changes, &diffed.upserts, &derived, now)?;
             for p in &diffed.upserts {
                 file.upsert(p.borrowed())?;
@@ -510,6 +530,8 @@ pub(crate) struct DeriveCounts {
     pub failed: u64,
     /// Parcels that gained or lost coverage only (not alerted).
     pub coverage_only: u64,
+    /// Parcels with a change that alerts (what the change-spike gate counts).
+    pub changed_parcels: u64,
     /// Stored shares that could not be decoded (written again).
     pub unreadable_shares: u64,
     /// Base parcels left as stored: they lie where a district feature could not be read.
@@ -1329,16 +1351,17 @@ min_severity = "info"
     /// and the run alerts once per overlay gained or lost by a parcel.
     #[test]
     fn overlay_sets_in_stretches_leave_what_deriving_the_whole_base_gives() {
-        let write_overlays = |path: &Path, hist_south: f64| {
+        let write_overlays_named = |path: &Path, hist_south: f64, hist: &str| {
             let (sw, ne) = CountyIter::extent(&SPEC);
             let at = |fx: f64, fy: f64| (sw[0] + fx * (ne[0] - sw[0]), sw[1] + fy * (ne[1] - sw[1]));
             let feature = |name: &str, a: (f64, f64), b: (f64, f64)| {
                 let mp = MultiPolygon(vec![Polygon::from(Rect::new(a, b))]);
                 serde_json::json!({"type": "Feature", "properties": {"name": name}, "geometry": geojson::Geometry::from(&mp)})
             };
-            let features = vec![feature("FLOOD", at(-0.5, -0.5), at(0.61, 1.5)), feature("HIST", at(-0.5, hist_south), at(1.5, 1.5))];
+            let features = vec![feature("FLOOD", at(-0.5, -0.5), at(0.61, 1.5)), feature(hist, at(-0.5, hist_south), at(1.5, 1.5))];
             std::fs::write(path, serde_json::json!({"type": "FeatureCollection", "features": features}).to_string()).unwrap();
         };
+        let write_overlays = |path: &Path, hist_south: f64| write_overlays_named(path, hist_south, "HIST");
         let sets = |states: &HashMap<String, ParcelState>| -> HashMap<String, HashSet<String>> {
             states.iter().map(|(id, s)| (id.clone(), overlay_set(&s.zoning).into_iter().map(normalize_code).collect())).collect()
         };
@@ -1366,6 +1389,19 @@ min_severity = "info"
             let flips: usize = new.iter().map(|(id, n)| n.symmetric_difference(&old[id]).count()).sum();
             assert!(flips > 10, "{flips}");
             assert_eq!((r.record.counts.changes, r.record.counts.queued), (flips as u64, flips as u64), "{}", r.line());
+
+            // HIST shrinks to its northern part, then is renamed there: each of its parcels
+            // loses HIST and gains HIST-2, two events of one parcel. The change-spike gate
+            // counts parcels (under half changed: sent), not events (over half: it held).
+            write_overlays(&file, 0.5);
+            assert_eq!(engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap().record.verdict, Verdict::Run);
+            let before = stored_of(&engine, "overlay");
+            write_overlays_named(&file, 0.5, "HIST-2");
+            let r = engine.run_derived_in(&src, RunOptions::default(), engine.now(), stretch).unwrap();
+            let renamed = sets(&before.0).values().filter(|s| s.contains("HIST")).count() as u64;
+            let parcels = before.0.len() as u64;
+            assert!(renamed * 2 < parcels && renamed * 4 > parcels, "{renamed} of {parcels} parcels under HIST");
+            assert_eq!((r.record.verdict, r.record.counts.changes), (Verdict::Run, 2 * renamed), "stretch {stretch}: {}", r.line());
         }
     }
 }

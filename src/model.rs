@@ -17,6 +17,9 @@ pub enum Severity {
 }
 
 impl Severity {
+    /// Every severity, lowest first (the OpenAPI document's webhook schema lists them).
+    pub const ALL: [Severity; 4] = [Severity::Info, Severity::Notice, Severity::Material, Severity::Critical];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Severity::Info => "info",
@@ -62,6 +65,17 @@ pub enum ChangeKind {
 }
 
 impl ChangeKind {
+    /// Every kind of change a webhook can carry (the OpenAPI document's webhook schema).
+    pub const ALL: [ChangeKind; 7] = [
+        ChangeKind::Rezoned,
+        ChangeKind::Added,
+        ChangeKind::Removed,
+        ChangeKind::GeometryChanged,
+        ChangeKind::AreaRezoned,
+        ChangeKind::OverlayAdded,
+        ChangeKind::OverlayRemoved,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ChangeKind::Rezoned => "rezoned",

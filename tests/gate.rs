@@ -53,6 +53,31 @@ async fn a_zoning_field_of_long_text_is_held_not_alerted() {
     assert!(rx.received().is_empty());
 }
 
+/// `parcel_id` mapped to a field that is not unique (a town's name, a zoning code) makes
+/// nearly every feature a copy of another's id: the run is held as a quarantine spike, not
+/// committed with every stored parcel missing (removed), and each copy's quarantine row
+/// names a few copies and counts the rest (every row listed every copy: quadratic, a county's
+/// layer so mapped ran out of memory; a reviewer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parcel_id_mapped_to_a_shared_field_is_held_not_alerted() {
+    let (rx, ws, engine) = watched_grid(0.5).await;
+    let v1 = grid(300);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let shared: Vec<P> = v1.iter().map(|p| P { id: p.zone.clone(), ..p.clone() }).collect();
+    ws.write_layer(&layer(&shared));
+    let held = run(&engine, false);
+    assert_eq!(held.record.verdict, Verdict::Held);
+    let reason = held.hold_reason.clone().unwrap_or_default();
+    assert!(reason.starts_with("quarantine_spike: 300 of 300") && reason.contains("duplicate_id"), "{reason}");
+    assert_eq!(engine.store.snapshot_states("s1").unwrap().len(), 300, "no parcel removed");
+    let q = engine.store.quarantine().unwrap();
+    assert_eq!(q.len(), 300);
+    assert!(q.iter().all(|q| q.detail.ends_with("and 90 more)") && q.detail.contains("appears 100 times") && q.raw.len() < 200), "{:?}", q[0]);
+    deliver(&engine, Duration::from_secs(1)).await;
+    assert!(rx.received().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renamed_zoning_field_is_held_until_mapped() {
     let (rx, ws, engine) = watched_grid(0.5).await;

@@ -698,6 +698,7 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
                 Reply { status: 503, headers: vec![("retry-after".into(), when)], ..Default::default() }
             }
             "/503" => reply(503, "text/plain", "busy"),
+            "/429-always" => Reply { status: 429, headers: vec![("retry-after".into(), "0".into())], ..Default::default() },
             "/404" => reply(404, "text/plain", "no such layer"),
             "/html" => reply(200, "text/html", "<html><body>Request blocked by WAF</body></html>"),
             "/truncated" => Reply { truncate_to: Some(10), ..json_reply(&json!({"features": [1, 2, 3, 4, 5, 6, 7, 8]})) },
@@ -736,6 +737,13 @@ fn transport_retries_only_what_it_should_and_stops_within_budget() {
     let before = srv.requests().len();
     let err = get(&cfg, &srv.url("/503")).unwrap_err();
     assert!(matches!(err, FetchError::RetriesExhausted { attempts: 4, .. }), "{err}");
+    assert_eq!(srv.requests().len() - before, 4);
+
+    // So is a 429 that never lets up: retried, then given up with its status (a Socrata
+    // count(*) answered so fails the run; only 400/404/405/410/422 there mean no count).
+    let before = srv.requests().len();
+    let err = get(&cfg, &srv.url("/429-always")).unwrap_err();
+    assert!(matches!(err, FetchError::RetriesExhausted { attempts: 4, .. }) && err.to_string().contains("429"), "{err}");
     assert_eq!(srv.requests().len() - before, 4);
 
     // Other 4xx fail fast.

@@ -180,3 +180,118 @@ fn serve_goes_on_when_its_stderr_cannot_be_written() {
     let status = child.wait().expect("wait");
     assert_eq!(status.code(), Some(0));
 }
+
+/// A tmpfs of `size` mounted on `dir` for one test, unmounted when dropped; `None` where this
+/// process may not mount (not root, no CAP_SYS_ADMIN in a container).
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &std::path::Path, size: &str) -> Option<SmallDisk> {
+        std::fs::create_dir_all(dir).expect("mount point");
+        let ok = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"]).arg(dir).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+        ok.then(|| SmallDisk(dir.to_path_buf()))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Fills the file system of `dir` to the last byte (a file of `dir` written until ENOSPC).
+fn fill(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::io::Write;
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).expect("filler");
+    let block = vec![0u8; 64 * 1024];
+    let mut size = block.len();
+    while size > 0 {
+        match f.write(&block[..size]) {
+            Ok(0) => size /= 2,
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(28) => size /= 2,
+            Err(e) => panic!("filling {}: {e}", path.display()),
+        }
+    }
+    path
+}
+
+/// A full disk under a running `serve` (a tmpfs of its own holding the store; root only):
+/// the rezoning published meanwhile is not lost. Its run fails, nothing of it committed, and
+/// either `serve` goes on (the failure recorded) or, once redb refuses the file after the I/O
+/// error, stops by itself with exit 1 (the packaged unit restarts it). Once there is room again
+/// the rezoning is delivered exactly once, and the store is consistent throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_on_a_full_disk_loses_nothing_and_goes_on_once_there_is_room() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "every = \"1s\"",
+    );
+    let Some(_disk) = SmallDisk::mount(&ws.path().join("disk"), "16m") else {
+        eprintln!("SKIPPED serve_on_a_full_disk_loses_nothing_and_goes_on_once_there_is_room: cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)");
+        return;
+    };
+    ws.edit_config("path = \"zw.redb\"", "path = \"disk/zw.redb\"");
+    let cfg = ws.config_path();
+    let cfg = cfg.to_str().unwrap();
+    let v1 = grid(400);
+    ws.write_layer(&layer(&v1));
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["run", "--config", cfg]).output().expect("run");
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("baseline features=400"), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let spawn = || Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["serve", "--config", cfg]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("serve starts");
+    let mut child = spawn();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(child.try_wait().expect("wait").is_none(), "serve started");
+    let filler = fill(&ws.path().join("disk"));
+    let mut v2 = v1.clone();
+    v2[7].zone = "C3".into();
+    ws.write_layer(&layer(&v2));
+    // Several scheduled runs on the full disk: each fails, or serve stops.
+    let start = Instant::now();
+    let stopped = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break Some(s);
+        }
+        if start.elapsed() > Duration::from_secs(6) {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(rx.received().is_empty(), "nothing is sent of a run that could not commit");
+    eprintln!("on the full disk serve {}", if stopped.is_some() { "stopped by itself" } else { "went on" });
+    std::fs::remove_file(&filler).expect("room again");
+    let mut log = String::new();
+    use std::io::Read;
+    if let Some(status) = stopped {
+        child.stderr.take().expect("stderr").read_to_string(&mut log).expect("log");
+        assert_eq!(status.code(), Some(1), "{log}");
+        assert!(log.contains("the store refuses work after an I/O error (a full disk?) until it is opened again"), "{log}");
+        // What the service manager does: start it again.
+        child = spawn();
+    }
+    let start = Instant::now();
+    while rx.received().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the rezoning was never delivered once there was room");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let status = child.wait().expect("wait");
+    let mut tail = String::new();
+    child.stderr.take().expect("stderr").read_to_string(&mut tail).expect("log");
+    assert!(status.success(), "{log}{tail}");
+    if stopped.is_none() {
+        // It stayed up: its runs on the full disk failed, saying why.
+        assert!(tail.contains("No space left on device") || tail.contains("full"), "{tail}");
+    }
+    let received = rx.received();
+    assert_eq!(received.len(), 1, "exactly once: {received:?}");
+    let body = String::from_utf8_lossy(&received[0].body);
+    assert!(body.contains("\"C3\""), "{body}");
+    let o = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["check", "--config", cfg, "--store"]).output().expect("check");
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("consistent"), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+}

@@ -2,7 +2,7 @@
 //! against the live port by schemathesis in the test suite (`tests/control_api.py`), so it
 //! must describe every route, parameter, status code and response shape the handlers produce.
 
-use crate::model::Outcome;
+use crate::model::{ChangeKind, Outcome, Severity};
 use serde_json::{json, Value};
 
 fn err_ref() -> Value {
@@ -23,10 +23,11 @@ fn page_of(item: &str) -> Value {
         "next_cursor": {"type": ["string", "null"]}}})
 }
 
-/// Standard error responses for an authenticated operation, plus extra codes.
+/// Standard error responses for an authenticated operation, plus extra codes. Every one
+/// may answer 400: a query parameter it does not take is refused (`bad_query`).
 fn with_errors(mut responses: Value, extra: &[&str]) -> Value {
     if let Some(m) = responses.as_object_mut() {
-        for code in ["401", "408", "413"].iter().chain(extra) {
+        for code in ["400", "401", "408", "413"].iter().chain(extra) {
             m.insert(code.to_string(), err_ref());
         }
     }
@@ -59,6 +60,19 @@ pub fn document() -> Value {
                  "description": "Operate a zonewatch appliance. Every route except /healthz and the dashboard shell (/) needs `Authorization: Bearer <token>`."},
         "servers": [{"url": "/"}],
         "security": [{"bearer": []}],
+        // What zonewatch sends to a subscriber's target (the README's "What a subscriber
+        // receives"): a receiver's contract, generated clients included.
+        "webhooks": {"zoningChange": {"post": {"operationId": "zoningChange", "security": [],
+            "summary": "one change of one parcel (or district region) for one subscriber; retried with the same webhook-id and body until a 2xx, a 410 (the endpoint is disabled) or a dead letter",
+            "parameters": [
+                {"name": "webhook-id", "in": "header", "required": true, "schema": s("string"), "description": "the idempotency key (data.idempotency_key): deduplicate on it"},
+                {"name": "webhook-timestamp", "in": "header", "required": true, "schema": s("string"), "description": "this attempt's time, epoch seconds"},
+                {"name": "webhook-signature", "in": "header", "required": false, "schema": s("string"), "description": "v1,<base64 HMAC-SHA256 of id.timestamp.body> when the subscriber has a secret; during a rotation two, space-separated"}],
+            "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WebhookBody"}}}},
+            "responses": {
+                "2XX": {"description": "delivered: an answer within delivery.timeout_ms (a later 2xx is a timeout, and retried)"},
+                "410": {"description": "gone: the endpoint is disabled and its events wait for an operator"},
+                "default": {"description": "408, 429 and 5xx are retried (Retry-After is a floor); any other status dead-letters the event"}}}}},
         "paths": {
             "/healthz": {"get": {"operationId": "healthz", "security": [], "responses": {
                 "200": ok("alive", json!({"type": "object", "required": ["status"], "properties": {"status": s("string"), "version": s("string"), "uptime_s": s("integer")}}))}}},
@@ -78,9 +92,9 @@ pub fn document() -> Value {
                 "parameters": [query_param("state", json!({"type": "string", "description": "comma-separated: open, released, primed, superseded"})), limit.clone()],
                 "responses": with_errors(json!({"200": ok("holds, oldest first (with limit: the newest of them)", list_of("Hold"))}), &["400"])}},
             "/v1/holds/{run}/release": {"post": {"operationId": "releaseHold", "parameters": [run_id.clone()], "responses": with_errors(json!({
-                "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
+                "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429"])}},
             "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
-                "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409"])}},
+                "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429"])}},
             "/v1/subscribers": {
                 "get": {"operationId": "listSubscribers", "responses": with_errors(json!({"200": ok("subscribers", list_of("Subscriber"))}), &[])},
                 "post": {"operationId": "createSubscriber", "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubscriberInput"}}}},
@@ -127,7 +141,7 @@ pub fn document() -> Value {
                         "id": s("integer"), "outcome": {"type": "string", "enum": ["released", "not_found"]}, "quarantine_reason": s("string")}}}}}))}), &["400", "409"])}},
             "/v1/quarantine": {"get": {"operationId": "listQuarantine", "responses": with_errors(json!({"200": ok("quarantined features", list_of("Quarantined"))}), &[])}},
             "/v1/backup": {"post": {"operationId": "backup",
-                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"},
+                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$", "description": "file name under the store's backups/ folder; a zonewatch-handoff-…-PID.redb name of a process that has gone is refused, 400 bad_name (serve's sweep removes those)"},
                     "store": {"type": ["object", "null"], "additionalProperties": false, "required": ["dev", "ino"], "description": "the store file meant (device and inode numbers); a daemon serving another file answers 409 other_store", "properties": {"dev": s("integer"), "ino": s("integer")}}}}}}},
                 "responses": with_errors(json!({"201": ok("backup written", json!({"type": "object", "required": ["path", "bytes", "tables", "rows", "store"], "properties": {"path": s("string"), "bytes": s("integer"), "tables": s("integer"), "rows": s("integer"), "store": s("string")}}))}), &["400", "409"])}}
         },
@@ -175,6 +189,22 @@ pub fn document() -> Value {
                     "id": s("integer"), "idempotency_key": s("string"), "watcher_id": s("string"), "target": s("string"), "source_id": s("string"),
                     "parcel_id": s("string"), "lineage_id": s("string"), "severity": s("string"), "attempts": s("integer"), "reason": s("string"),
                     "dead_at": s("string"), "last_error": ns("string")}},
+                "WebhookBody": {"type": "object", "additionalProperties": false, "required": ["type", "timestamp", "data"], "properties": {
+                    "type": {"type": "string", "const": "zoning.change"},
+                    "timestamp": {"type": "string", "format": "date-time", "description": "the change's observed_at, the same at every attempt"},
+                    "data": {"type": "object", "additionalProperties": false,
+                        "required": ["idempotency_key", "watcher_id", "source_id", "jurisdiction", "parcel_id", "change", "from", "to", "severity", "effective_date", "lineage_id", "observed_at", "area_m2", "geometry"],
+                        "properties": {
+                            "idempotency_key": s("string"), "watcher_id": s("string"), "source_id": s("string"), "jurisdiction": s("string"),
+                            "parcel_id": {"type": "string", "description": "area:<content hash> for an area_rezoned region"},
+                            "change": {"type": "string", "enum": ChangeKind::ALL.map(ChangeKind::as_str)},
+                            "from": {"type": ["string", "null"], "description": "null for an addition, an overlay_added, and a layer without zoning values"},
+                            "to": {"type": ["string", "null"], "description": "null for a removal, an overlay_removed, and a layer without zoning values"},
+                            "severity": {"type": "string", "enum": Severity::ALL.map(Severity::as_str)},
+                            "effective_date": ns("string"), "lineage_id": s("string"),
+                            "observed_at": {"type": "string", "format": "date-time", "description": "the run that found the change (also for a held change released later); order a parcel's events by it, and an overlay's by it and the overlay"},
+                            "area_m2": s("number"),
+                            "geometry": {"type": ["object", "null"], "description": "GeoJSON Polygon or MultiPolygon: the new shape, the old one for a removal"}}}}},
                 "Quarantined": {"type": "object", "required": ["source_id", "reason"], "properties": {
                     "source_id": s("string"), "run_id": s("integer"), "lineage_id": s("string"), "feature_index": s("integer"), "parcel_id": ns("string"),
                     "reason": s("string"), "detail": s("string"), "raw": s("string"), "ts": s("string")}}
@@ -202,5 +232,45 @@ mod tests {
             }
         }
         assert!(paths.contains_key("/v1/holds"));
+    }
+
+    /// The webhook body's schema names exactly the fields a built body has, for every kind
+    /// of change (a receiver's generated model must neither miss one nor expect one more).
+    #[test]
+    fn the_webhook_schema_is_the_body_sent() {
+        use crate::model::{sample_event, ChangeFields, ChangeKind, OutboxEntry, OutboxPayload};
+        let doc = super::document();
+        let schema = &doc["components"]["schemas"]["WebhookBody"];
+        let keys = |v: &serde_json::Value| -> Vec<String> {
+            let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+            k.sort();
+            k
+        };
+        let mut required: Vec<String> = schema["properties"]["data"]["required"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
+        required.sort();
+        assert_eq!(required, keys(&schema["properties"]["data"]["properties"]));
+        for kind in ChangeKind::ALL {
+            let mut event = sample_event("P1");
+            event.kind = kind;
+            let entry = OutboxEntry {
+                id: 1,
+                key: crate::model::IdemKey("k".into()),
+                watcher_id: "w".into(),
+                target: "https://h/".into(),
+                source_id: "s".into(),
+                parcel_id: "P1".into(),
+                lineage_id: "l".into(),
+                severity: event.severity,
+                payload: OutboxPayload::Change(ChangeFields::of(&event, 5)),
+                attempts: 0,
+                created_ms: 5,
+                next_attempt_ms: 5,
+                last_error: None,
+            };
+            let body: serde_json::Value = serde_json::from_slice(&entry.body()).unwrap();
+            assert_eq!(keys(&body), keys(&schema["properties"]), "{kind:?}");
+            assert_eq!(keys(&body["data"]), required, "{kind:?}");
+            assert_eq!(body["data"]["change"], kind.as_str());
+        }
     }
 }

@@ -30,7 +30,7 @@ pub struct GateInput {
     /// Features read this run.
     pub features: u64,
     /// Features quarantined for a systemic reason (`missing_field`, `out_of_bounds`,
-    /// `field_too_long`).
+    /// `field_too_long`), and the copies of ids a parcel layer repeats (`duplicate_id`).
     pub systemic_quarantined: u64,
     pub max_change_ratio: f64,
     /// Why the layer is a restatement (its publisher timestamp went backwards), if it is.
@@ -41,7 +41,7 @@ pub struct GateInput {
 pub fn decide(i: GateInput) -> GateDecision {
     if i.features > 0 && i.systemic_quarantined * 2 > i.features {
         return GateDecision::Hold(format!(
-            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long, or in a district layer as having no readable position (renamed field, a field mapped to a long text column, datum drift, or geometry left out of the export?)",
+            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long/duplicate_id, or in a district layer as having no readable position (renamed field, a field mapped to a long text column, parcel_id mapped to a field that is not unique, datum drift, or geometry left out of the export?)",
             i.systemic_quarantined, i.features
         ));
     }

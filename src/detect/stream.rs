@@ -165,6 +165,9 @@ pub struct ScanResult {
 /// Features per batch handed to a worker.
 const BATCH: usize = 512;
 
+/// How many copies of a duplicated id each copy's quarantine row names (the rest are counted).
+const DUPLICATES_NAMED: usize = 10;
+
 struct FeatureBatch {
     seq: u64,
     text: String,
@@ -399,18 +402,13 @@ pub fn scan_layer<R: Read + Send>(
     });
     let features = scanned?;
 
-    // Duplicate ids: equal fingerprints sit next to each other once sorted.
+    // Duplicate ids: equal fingerprints sit next to each other once sorted, their feature
+    // indexes in order (one pass: a layer whose id field is mis-mapped to a town's name has
+    // runs of millions of copies).
     seen.sort_unstable();
     let mut dup_prints: BTreeMap<[u64; 2], Vec<u64>> = BTreeMap::new();
-    for w in seen.windows(2) {
-        if w[0].0 == w[1].0 {
-            let idx = dup_prints.entry(w[0].0).or_default();
-            for i in [w[0].1, w[1].1] {
-                if !idx.contains(&i) {
-                    idx.push(i);
-                }
-            }
-        }
+    for run in seen.chunk_by(|a, b| a.0 == b.0).filter(|run| run.len() > 1) {
+        dup_prints.insert(run[0].0, run.iter().map(|&(_, i)| i).collect());
     }
     let is_seen = |id: &str| seen.binary_search_by(|probe| probe.0.cmp(&fingerprint(id))).is_ok();
 
@@ -476,17 +474,19 @@ pub fn scan_layer<R: Read + Send>(
         ids.sort();
         for id in ids {
             let Some(indexes) = dup_prints.get(&fingerprint(id)) else { continue };
-            let mut indexes = indexes.clone();
-            indexes.sort_unstable();
             dup_copies += indexes.len() as u64;
-            for &i in &indexes {
-                duplicate_drafts.push(QuarantineDraft {
-                    feature_index: i,
-                    parcel_id: Some(id.clone()),
-                    reason: QuarantineReason::DuplicateId,
-                    detail: format!("parcel id {id:?} appears more than once in this layer (features {indexes:?})"),
-                    raw: crate::util::truncate_text(&serde_json::json!({"parcel_id": id, "feature_indexes": indexes}).to_string(), 16 * 1024),
-                });
+            // Each copy's row names the first few copies and how many there are: listing every
+            // copy in every row was quadratic (100k copies of one id: 80 GB of details).
+            let named = &indexes[..indexes.len().min(DUPLICATES_NAMED)];
+            let more = indexes.len() - named.len();
+            let detail = format!(
+                "parcel id {id:?} appears {} times in this layer (features {named:?}{})",
+                indexes.len(),
+                if more > 0 { format!(" and {more} more") } else { String::new() }
+            );
+            let raw = serde_json::json!({"parcel_id": crate::util::truncate_text(id, 1024), "copies": indexes.len(), "feature_indexes": named}).to_string();
+            for &i in indexes {
+                duplicate_drafts.push(QuarantineDraft { feature_index: i, parcel_id: Some(id.clone()), reason: QuarantineReason::DuplicateId, detail: detail.clone(), raw: raw.clone() });
             }
         }
     }
@@ -498,7 +498,10 @@ pub fn scan_layer<R: Read + Send>(
         parcels: seen.len() as u64 - dup_copies,
         repaired,
         quarantined: quarantined + dup_copies,
-        systemic,
+        // Copies of ids count towards the quarantine-spike hold: a layer more than half of
+        // whose features share ids is a `parcel_id` mapped to the wrong field, or a feed
+        // that lost its ids, not a few data-entry errors.
+        systemic: systemic + dup_copies,
         changes,
         warnings,
         duplicate_ids,

@@ -396,17 +396,22 @@ fn keep_https(page_url: &str, link: String) -> String {
 
 /// `https://host/resource/abcd-1234.geojson` → `https://host/api/views/abcd-1234.json`.
 pub fn socrata_views_url(resource_url: &str) -> Option<String> {
-    let u = reqwest::Url::parse(resource_url).ok()?;
-    let path = u.path();
-    let idx = path.find("/resource/")?;
-    let id = path[idx + "/resource/".len()..].split('.').next()?.trim_matches('/');
-    if id.is_empty() {
-        return None;
-    }
-    let mut v = u.clone();
-    v.set_path(&format!("{}/api/views/{id}.json", &path[..idx]));
-    v.set_query(None);
-    Some(v.to_string())
+    let mut u = reqwest::Url::parse(resource_url).ok()?;
+    let (prefix, id) = soda_resource(u.path())?;
+    let path = format!("{prefix}/api/views/{id}.json");
+    u.set_path(&path);
+    u.set_query(None);
+    u.set_fragment(None);
+    Some(u.to_string())
+}
+
+/// A SODA resource path's prefix (a portal under a path) and dataset id:
+/// `/x/resource/abcd-1234.geojson` → (`/x`, `abcd-1234`). The last `/resource/` names it, as
+/// `check` reads it (`settings::http_kind`); `None` without an id.
+pub fn soda_resource(path: &str) -> Option<(&str, &str)> {
+    let (prefix, resource) = path.rsplit_once("/resource/")?;
+    let id = resource.split('.').next()?.trim_matches('/');
+    (!id.is_empty()).then_some((prefix, id))
 }
 
 /// The view metadata's `rowsUpdatedAt` (epoch seconds) in epoch ms; `None` when it is not a
@@ -663,13 +668,9 @@ async fn socrata_scan(session: &Session, url: &str, page_size: u32, id_field: &s
 /// query (a `$where` filter counts the same rows) and `$select=count(*)`.
 pub fn socrata_count_url(resource_url: &str) -> Option<String> {
     let mut u = reqwest::Url::parse(resource_url).ok()?;
-    let path = u.path().to_string();
-    let idx = path.find("/resource/")?;
-    let id = path[idx + "/resource/".len()..].split('.').next()?.trim_matches('/').to_string();
-    if id.is_empty() {
-        return None;
-    }
-    u.set_path(&format!("{}/resource/{id}.json", &path[..idx]));
+    let (prefix, id) = soda_resource(u.path())?;
+    let path = format!("{prefix}/resource/{id}.json");
+    u.set_path(&path);
     // Its own `$select` (`:*,*` to get `:id`), order and paging are the rows', not the count's.
     let kept = without_query_params(u.as_ref(), &["$select", "$order", "$limit", "$offset"]);
     let sep = if kept.contains('?') { '&' } else { '?' };
@@ -763,6 +764,9 @@ mod tests {
         assert_eq!(without_query_params("https://h/r.geojson?$select=:*,*&$limit=5&$offset=9&$order=a", &["$limit", "$offset", "$order"]), "https://h/r.geojson?$select=:*,*");
         assert_eq!(without_query_params("https://h/r.geojson?$limit=5", &["$limit"]), "https://h/r.geojson");
         assert_eq!(socrata_count_url("https://h/resource/x.geojson?$where=a=1#f").as_deref(), Some("https://h/resource/x.json?$where=a=1&$select=count(*)"));
+        // The last `/resource/` names the dataset, for the count and the views as for `check`.
+        assert_eq!(socrata_count_url("https://h/resource/x/resource/abcd-1234.geojson").as_deref(), Some("https://h/resource/x/resource/abcd-1234.json?$select=count(*)"));
+        assert_eq!(socrata_views_url("https://h/resource/x/resource/abcd-1234.geojson#f").as_deref(), Some("https://h/resource/x/api/views/abcd-1234.json"));
     }
 
     #[test]

@@ -168,6 +168,16 @@ pub fn http_kind(kind: &str, url: Option<&str>, page_size: Option<u32>, format: 
                     "url {url:?}: kind = \"socrata\" reads a SODA resource's GeoJSON form, a URL like https://host/resource/abcd-1234.geojson (not the .json form, whose rows carry no geometry, nor an /api/views/ URL)"
                 ));
             }
+            // The scan reads one row per parcel, paged by its own $limit/$offset/$order and
+            // checked against count(*) of the same $where: a grouped query's rows are groups
+            // (its count(*) counts each group's rows), and $query replaces the whole scan.
+            for (key, _) in parsed.query_pairs() {
+                if ["$group", "$having", "$query"].iter().any(|k| k.eq_ignore_ascii_case(&key)) {
+                    return Err(format!(
+                        "url {url:?}: {key} is not taken for kind = \"socrata\": zonewatch reads the resource's rows one per parcel and pages them itself ($where, $select and $q are taken)"
+                    ));
+                }
+            }
             SourceKind::Socrata { url, page_size: page_size.unwrap_or(1000) }
         }
     }))
@@ -224,6 +234,12 @@ mod tests {
             let err = cfg(&format!("kind = \"socrata\"\nurl = \"{url}\""), "").unwrap_err();
             assert!(err.contains("reads a SODA resource's GeoJSON form"), "{url}: {err}");
         }
+        // Nor a query that makes its rows groups, or replaces the scan's paging.
+        for (url, key) in [("https://x/resource/a.geojson?$group=zone", "$group"), ("https://x/resource/a.geojson?%24HAVING=1", "$HAVING"), ("https://x/resource/a.geojson?$query=select%20*", "$query")] {
+            let err = cfg(&format!("kind = \"socrata\"\nurl = \"{url}\""), "").unwrap_err();
+            assert!(err.contains(&format!("{key} is not taken")), "{url}: {err}");
+        }
+        assert!(cfg("kind = \"socrata\"\nurl = \"https://x/resource/a.geojson?$where=zone='R1'&$select=:*,*&$q=main\"", "").is_ok());
         assert_eq!(c.sources[0].floor, Duration::from_secs(86_400));
         assert_eq!(c.sources[0].stale_after, Duration::from_secs(45 * 86_400));
         assert_eq!(c.ingest, IngestConfig::default());

@@ -214,6 +214,13 @@ pub const SUBSCRIBER_GONE: &str = "subscriber_gone";
 /// an operator to enable it (never a dead letter on its own account).
 pub const HTTP_410_GONE: &str = "http_410_gone";
 
+/// What the store records as a row's last error for a 410 it did not take as its endpoint's
+/// (the target answered is not its stored subscriber's: a `PUT` moved it meanwhile, or a
+/// config subscriber hides a stored one of that id): the row goes out again at once, and a
+/// 410 after that is an ordinary failure, retried on the schedule and dead-lettered past
+/// `max_attempts` (a reviewer: it was retried at once, without end, until the breaker opened).
+pub const HTTP_410_NOT_ITS_TARGET: &str = "http_410_not_its_target";
+
 /// Plans kept at most; past this (subscribers come and go) the cache starts again.
 const MAX_PLANS: usize = 100_000;
 
@@ -954,6 +961,9 @@ impl Deliverer {
                         .observe(Duration::from_millis(self.clock.now_ms().saturating_sub(entry.created_ms)));
                     return DeliveryResult::Sent { id, status };
                 }
+                if status == 410 && entry.last_error.as_deref() == Some(HTTP_410_NOT_ITS_TARGET) {
+                    return self.retry_or_dead(entry, rec, ra, HTTP_410_NOT_ITS_TARGET.into());
+                }
                 if status == 410 {
                     // Gone: the store disables the endpoint in the transaction that records
                     // this, and the event waits for re-enable, whatever attempts or window it
@@ -1377,6 +1387,40 @@ mod tests {
         let d = Deliverer::new(store.clone(), Arc::new(SubscriberIndex::build(vec![sub])), cfg).unwrap();
         let stats = d.drain(Instant::now() + Duration::from_secs(20)).await.unwrap();
         assert_eq!((stats.sent, stats.dead, rx.received().len()), (1, 0, 1), "{stats:?}");
+    }
+
+    /// A config subscriber hiding a stored one of the same id, whose target answers 410: the
+    /// store takes that 410 as not its endpoint's (the stored target differs), so the endpoint
+    /// is not disabled; the row goes out again at once, and its next 410s are ordinary
+    /// failures, dead-lettered past `max_attempts` (a reviewer: they were retried at once,
+    /// without end, until the breaker opened, and then for days).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_410_not_from_its_stored_target_is_an_ordinary_failure_after_the_first() {
+        use crate::model::{sample_event, IdemKey, Severity};
+        use crate::notify::matcher::Subscriber;
+        use crate::store::{Claim, StoredSubscriber};
+        let rx = crate::receiver::Receiver::start(Arc::new(|_, _| 410), None).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        let stored = StoredSubscriber { id: "a".into(), target: "https://stored.example/h".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: now - 20, updated_ms: now - 20, secret_old: None };
+        store.put_subscriber(&stored, now - 20).unwrap();
+        let claim = Claim { event: 0, watcher_id: "a".into(), target: rx.url("/h"), min_severity: Severity::Info, key: IdemKey("k".into()) };
+        store.enqueue(&[sample_event("P1")], &[claim], "l", now - 10, 3_600_000).unwrap();
+        let sub = Subscriber { id: "a".into(), target: rx.url("/h"), secret: None, min_severity: Severity::Info, aoi: geo::MultiPolygon::new(vec![]), secret_old: None };
+        let cfg = DeliveryConfig {
+            allow_private_targets: true,
+            max_attempts: 3,
+            retry_schedule: vec![Duration::from_millis(10), Duration::from_millis(20)],
+            retry_jitter: 0.0,
+            ..DeliveryConfig::default()
+        };
+        let d = Deliverer::new(store.clone(), Arc::new(SubscriberIndex::build(vec![sub])), cfg).unwrap();
+        d.drain(Instant::now() + Duration::from_secs(10)).await.unwrap();
+        assert_eq!(rx.received().len(), 3, "max_attempts sends, not one after another without end");
+        let dead = store.dead_letters().unwrap();
+        assert_eq!(dead.iter().map(|d| d.reason.as_str()).collect::<Vec<_>>(), vec!["retries_exhausted"]);
+        assert!(!store.endpoints().unwrap().iter().any(|(id, e)| id == "a" && e.disabled), "not disabled for the stored target");
     }
 
     /// A shortage of this process's own resources is timed from its first deferred send; a

@@ -77,7 +77,7 @@ pub fn sweep_leftovers(dir: &Path, now: std::time::SystemTime) -> usize {
     sweep_idle(dir, now, "a killed backup", |name, _| {
         // Reading a file does not touch its time: a hand-off copy whose command is still
         // running (copying a large store to a slow disk, or past a wall-clock step) is kept.
-        is_backup_temp(name) || (name.starts_with(HANDOFF_PREFIX) && name.ends_with(".redb") && handoff_command_gone(name))
+        is_backup_temp(name) || handoff_command_gone(name)
     })
 }
 
@@ -151,11 +151,11 @@ fn sweep_idle(dir: &Path, now: std::time::SystemTime, what: &str, leftover: impl
     removed
 }
 
-/// Whether the `zonewatch backup` that asked for hand-off copy `name`
-/// (`zonewatch-handoff-<time>-<pid>.redb`) has ended: no process of its pid is left. Where
-/// that cannot be told (no `/proc`, a name without a pid), it has not.
-fn handoff_command_gone(name: &str) -> bool {
-    let Some(pid) = name.strip_suffix(".redb").and_then(|n| n.rsplit_once('-')).map(|(_, pid)| pid) else { return false };
+/// Whether `name` is a hand-off copy's (`zonewatch-handoff-<time>-<pid>.redb`) whose
+/// `zonewatch backup` has ended: no process of its pid is left. Where that cannot be told (no
+/// `/proc`, a name without a pid), it has not. `POST /v1/backup` refuses such a name.
+pub fn handoff_command_gone(name: &str) -> bool {
+    let Some(pid) = name.strip_prefix(HANDOFF_PREFIX).and_then(|n| n.strip_suffix(".redb")).and_then(|n| n.rsplit_once('-')).map(|(_, pid)| pid) else { return false };
     if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || !Path::new("/proc/self").exists() {
         return false;
     }

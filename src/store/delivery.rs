@@ -530,6 +530,8 @@ impl Store {
                 let id = result.id();
                 // Already resolved (e.g. by a concurrent recovery): nothing to record.
                 let Some((queue, entry)) = outbox.get(id)? else { continue };
+                // A 410 not taken as its endpoint's (see `moved_from`).
+                let mut not_its_target = false;
                 // A deleted subscriber's health was forgotten with it, not started again.
                 if let Some(policy) = health.filter(|_| !revoked.contains(&id)) {
                     let (success, gone, local) = match result {
@@ -539,7 +541,8 @@ impl Store {
                         DeliveryResult::Deferred { .. } => (false, false, true),
                     };
                     // A 410 from the subscriber's old target counts as a failure, not as "gone".
-                    let gone = gone && !targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())?;
+                    not_its_target = gone && targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())?;
+                    let gone = gone && !not_its_target;
                     if !local {
                         if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {
                             pending.push(row);
@@ -574,7 +577,7 @@ impl Store {
                         let mut updated = entry.clone();
                         updated.attempts = attempts;
                         updated.next_attempt_ms = super::clock_step::retry_due(*next_attempt_ms, decided.get(&id).copied(), now_ms);
-                        updated.last_error = Some(error.clone());
+                        updated.last_error = Some(if not_its_target { crate::notify::delivery::HTTP_410_NOT_ITS_TARGET.into() } else { error.clone() });
                         outbox.move_to_retry(queue, &entry, &updated)?;
                     }
                     DeliveryResult::Deferred { next_attempt_ms, error, .. } => {

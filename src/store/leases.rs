@@ -439,15 +439,21 @@ impl Store {
 
     fn lease_step_in(state: &mut LeaseState, id: u64, lease_until: u64, step: LeaseStep) -> bool {
         let ours = state.by_row.get(&id).is_some_and(|l| l.until_ms == lease_until);
+        // A revoked lease (a take-over of a row whose earlier send was under way when its
+        // subscriber was deleted) is that earlier send's: this holder does not send (a
+        // reviewer: it went on to send, to a subscriber of that id created meanwhile), and
+        // does not give it back either; that send's outcome commit drops it.
+        let revoked = state.by_row.get(&id).is_some_and(|l| l.revoked);
         match step {
             LeaseStep::BeginSend => {
-                if let Some(lease) = state.by_row.get_mut(&id).filter(|_| ours) {
+                let begins = ours && !revoked;
+                if let Some(lease) = state.by_row.get_mut(&id).filter(|_| begins) {
                     lease.sending = true;
                 }
-                ours
+                begins
             }
             LeaseStep::GiveBack => {
-                if ours {
+                if ours && !revoked {
                     state.by_row.remove(&id);
                 }
                 true

@@ -82,7 +82,8 @@ impl<'t> StoredTargets<'t> {
     /// known, for a config subscriber (not stored; its target changes only with a restart),
     /// and for a record that does not decode (the observation is applied, as before). A
     /// config subscriber that hides a stored one of the same id (`check` warns of it) is
-    /// compared with the stored target: its 410s count as failures only.
+    /// compared with the stored target: its 410s count as failures only, and the row's next
+    /// 410 is an ordinary failure (`notify::delivery::HTTP_410_NOT_ITS_TARGET`).
     pub(super) fn moved_from(&mut self, id: &str, sent_to: Option<&str>) -> Result<bool, StoreError> {
         let Some(sent_to) = sent_to else { return Ok(false) };
         if !self.seen.contains_key(id) {
@@ -289,17 +290,30 @@ mod tests {
     }
 
     /// A lease taken over after it expired keeps saying its row's send began (its outcome
-    /// may not be committed yet): a delete then leaves the row to it (second reader).
+    /// may not be committed yet): a delete then leaves the row to it (second reader), and the
+    /// take-over's own send never begins, nor does giving it back drop the mark: the row would
+    /// have gone to a subscriber of that id created meanwhile (a reviewer). The earlier send's
+    /// outcome settles it.
     #[test]
     fn a_lease_taken_over_keeps_its_send_begun() {
+        use crate::store::DeliveryResult;
         let (_dir, store) = store_with_queued(1);
         let first = store.lease_due(2_000, 1, 10, 0).unwrap();
-        assert!(store.lease_step(first.entries[0].id, first.lease_until_ms, LeaseStep::BeginSend));
+        let id = first.entries[0].id;
+        assert!(store.lease_step(id, first.lease_until_ms, LeaseStep::BeginSend));
         std::thread::sleep(std::time::Duration::from_millis(5));
         let again = store.lease_due(3_000, 60_000, 10, 0).unwrap();
         assert_eq!(again.entries.len(), 1, "the expired lease is taken over");
         let deleted = store.delete_subscriber("a", 4_000).unwrap().unwrap();
         assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (0, 1));
+        let created = StoredSubscriber { id: "a".into(), target: "https://new/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 4_500, updated_ms: 4_500, secret_old: None };
+        store.put_subscriber(&created, 4_500).unwrap();
+        assert!(!store.lease_step(id, again.lease_until_ms, LeaseStep::BeginSend), "the take-over does not send");
+        assert!(store.lease_step(id, again.lease_until_ms, LeaseStep::GiveBack));
+        assert!(store.lease_due(5_000, 60_000, 10, 0).unwrap().entries.is_empty(), "still the earlier send's");
+        store.record_outcomes(&[DeliveryResult::Retry { id, next_attempt_ms: 9_000, error: "http_503".into() }], &[], 6_000).unwrap();
+        assert_eq!(store.outbox_len().unwrap(), 0, "not queued again for the new subscriber");
+        assert_eq!(store.dead_letters().unwrap()[0].reason, SUBSCRIBER_DELETED);
     }
 
     /// An expired lease whose outcome is being committed is not taken over (a fourth reader:
