@@ -422,7 +422,6 @@ impl Engine {
             for e in &events {
                 file.event(e)?;
             }
-            pass.events += events.len() as u64;
             Ok(())
         })?;
         Ok(DerivePass { delta: file.finish()?, counts: pass })
@@ -524,8 +523,6 @@ pub(crate) struct DeriveCounts {
     pub parcels: u64,
     /// Derived parcels stored before this run.
     pub previous: u64,
-    /// Events of changes that alert.
-    pub events: u64,
     pub uncovered: u64,
     pub failed: u64,
     /// Parcels that gained or lost coverage only (not alerted).

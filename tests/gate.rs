@@ -76,6 +76,15 @@ async fn a_parcel_id_mapped_to_a_shared_field_is_held_not_alerted() {
     assert!(q.iter().all(|q| q.detail.ends_with("and 90 more)") && q.detail.contains("appears 100 times") && q.raw.len() < 200), "{:?}", q[0]);
     deliver(&engine, Duration::from_secs(1)).await;
     assert!(rx.received().is_empty());
+
+    // A first ingest so mapped is held too (it was a baseline of three parcels, the copies
+    // quarantined).
+    let (_rx, first, engine) = watched_grid(0.5).await;
+    first.write_layer(&layer(&shared));
+    let held = run(&engine, false);
+    assert_eq!(held.record.verdict, Verdict::Held);
+    assert!(held.hold_reason.clone().unwrap_or_default().starts_with("quarantine_spike: 300 of 300"), "{:?}", held.hold_reason);
+    assert!(engine.store.snapshot_states("s1").unwrap().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -90,3 +90,68 @@ async fn a_feature_that_lost_its_id_is_not_alerted_as_a_removed_parcel() {
     assert!(r.record.warnings.iter().any(|w| w.contains("without a parcel id or a readable geometry") && w.contains("1 parcel(s) were removed")), "{:?}", r.record.warnings);
     assert!(!engine.store.snapshot_states("s1").unwrap().contains_key("P0007"));
 }
+
+/// Every coordinate of a layer written out again at 8 decimals (a tool's default): the 1e-7°
+/// rounding of the hash lands on the other side of a step for about one coordinate in twenty,
+/// and many parcels' hashes move (a reviewer: a whole layer so was a change spike, a part of
+/// one false `geometry_changed` alerts). Their shapes are the stored ones but for that
+/// rounding: no change. A parcel moved by a metre and one rezoned in the same layer are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_written_again_with_fewer_decimals_changes_nothing_but_what_changed() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(
+        &[Sub { id: "all", aoi: rect(-94.0, 44.0, -93.0, 46.0), target: rx.url("/hook"), min_severity: "info", secret: None }],
+        "",
+        "",
+    );
+    ws.edit_config("bbox = [-72.0, 42.0, -70.0, 43.0]", "bbox = [-94.0, 44.0, -93.0, 46.0]");
+    let county = zonewatch::synth::generate_county(&zonewatch::synth::CountySpec { parcels: 1500, ..Default::default() });
+    let v1 = zonewatch::synth::to_geojson(&county, "2026-01-01");
+    fn round_all(v: &mut serde_json::Value, f: &dyn Fn(f64) -> f64) {
+        match v {
+            serde_json::Value::Number(n) => {
+                if let Some(x) = n.as_f64().filter(|x| x.fract() != 0.0) {
+                    *v = serde_json::json!(f(x));
+                }
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(|x| round_all(x, f)),
+            serde_json::Value::Object(o) => o.iter_mut().for_each(|(_, x)| round_all(x, f)),
+            _ => {}
+        }
+    }
+    // The synthetic county's coordinates have few decimals: given full ones (each value
+    // moved within one grid step, the same value the same way, so parcels still share their
+    // corners), as a county's GIS writes them.
+    let mut doc: serde_json::Value = serde_json::from_str(&v1).unwrap();
+    round_all(&mut doc["features"], &|x| x + (x.to_bits() % 9973) as f64 * 1e-11);
+    let engine = ws.engine();
+    ws.write_layer(&doc.to_string());
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    let features = doc["features"].as_array_mut().unwrap();
+    let hash = |f: &serde_json::Value| {
+        let g: geojson::Geometry = serde_json::from_value(f["geometry"].clone()).unwrap();
+        let mp: geo::MultiPolygon<f64> = match geo::Geometry::<f64>::try_from(g.value).unwrap() {
+            geo::Geometry::Polygon(p) => geo::MultiPolygon::new(vec![p]),
+            geo::Geometry::MultiPolygon(mp) => mp,
+            other => panic!("{other:?}"),
+        };
+        zonewatch::detect::canonical::geometry_hash(&mp)
+    };
+    let before: Vec<[u8; 32]> = features.iter().map(hash).collect();
+    for f in features.iter_mut() {
+        round_all(&mut f["geometry"], &|x| (x * 1e8).round() / 1e8);
+    }
+    let moved = features.iter().zip(&before).filter(|(f, h)| hash(f) != **h).count();
+    assert!(moved * 10 > features.len(), "many parcels' hashes move: {moved} of {}", features.len());
+    // One parcel shifted by ~1 m east, one rezoned.
+    round_all(&mut features[10]["geometry"], &|x| if x < -90.0 { x + 1e-5 } else { x });
+    let zone = features[20]["properties"]["ZONE_CODE"].as_str().unwrap_or_default().to_string();
+    features[20]["properties"]["ZONE_CODE"] = serde_json::json!(format!("{zone}-X"));
+    ws.write_layer(&doc.to_string());
+    let r = run(&engine, false);
+    assert_eq!((r.record.verdict, r.record.counts.features, r.record.counts.changes), (Verdict::Run, 1500, 2), "{}", r.line());
+    deliver(&engine, Duration::from_secs(5)).await;
+    let mut kinds: Vec<String> = rx.received().iter().map(|m| serde_json::from_slice::<serde_json::Value>(&m.body).unwrap()["data"]["change"].as_str().unwrap_or_default().to_string()).collect();
+    kinds.sort();
+    assert_eq!(kinds, vec!["geometry_changed", "rezoned"]);
+}

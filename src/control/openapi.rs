@@ -70,7 +70,7 @@ pub fn document() -> Value {
                 {"name": "webhook-signature", "in": "header", "required": false, "schema": s("string"), "description": "v1,<base64 HMAC-SHA256 of id.timestamp.body> when the subscriber has a secret; during a rotation two, space-separated"}],
             "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WebhookBody"}}}},
             "responses": {
-                "2XX": {"description": "delivered: an answer within delivery.timeout_ms (a later 2xx is a timeout, and retried)"},
+                "2XX": {"description": "delivered: a status and headers within delivery.timeout_ms (a later 2xx is a timeout, and retried)"},
                 "410": {"description": "gone: the endpoint is disabled and its events wait for an operator"},
                 "default": {"description": "408, 429 and 5xx are retried (Retry-After is a floor); any other status dead-letters the event"}}}}},
         "paths": {
@@ -141,7 +141,7 @@ pub fn document() -> Value {
                         "id": s("integer"), "outcome": {"type": "string", "enum": ["released", "not_found"]}, "quarantine_reason": s("string")}}}}}))}), &["400", "409"])}},
             "/v1/quarantine": {"get": {"operationId": "listQuarantine", "responses": with_errors(json!({"200": ok("quarantined features", list_of("Quarantined"))}), &[])}},
             "/v1/backup": {"post": {"operationId": "backup",
-                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$", "description": "file name under the store's backups/ folder; a zonewatch-handoff-…-PID.redb name of a process that has gone is refused, 400 bad_name (serve's sweep removes those)"},
+                "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"},
                     "store": {"type": ["object", "null"], "additionalProperties": false, "required": ["dev", "ino"], "description": "the store file meant (device and inode numbers); a daemon serving another file answers 409 other_store", "properties": {"dev": s("integer"), "ino": s("integer")}}}}}}},
                 "responses": with_errors(json!({"201": ok("backup written", json!({"type": "object", "required": ["path", "bytes", "tables", "rows", "store"], "properties": {"path": s("string"), "bytes": s("integer"), "tables": s("integer"), "rows": s("integer"), "store": s("string")}}))}), &["400", "409"])}}
         },

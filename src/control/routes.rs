@@ -470,10 +470,11 @@ fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, Strin
 /// How long a hold's release or prime waits for a run of its source to end.
 const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
-/// How many releases and primes may wait for their sources' runs at once. Each waits up to
-/// [`RELEASE_WAIT`] on a connection of its own: without a cap, a script releasing holds in a
-/// loop while a county's long run is under way would fill the control port's
-/// [`super::MAX_CONNECTIONS`] and shut out `/healthz` and the operator. Past it: `429 busy`.
+/// How many releases and primes may be under way at once (waiting for a run of their source,
+/// up to [`RELEASE_WAIT`], then committing), each on a connection of its own: without a cap, a
+/// script releasing holds in a loop while a county's long run is under way would fill the
+/// control port's [`super::MAX_CONNECTIONS`] and shut out `/healthz` and the operator. Past
+/// it: `429 busy`.
 pub const MAX_WAITING_RESOLUTIONS: usize = 8;
 
 /// A place among the [`MAX_WAITING_RESOLUTIONS`], given back when dropped.
@@ -498,7 +499,7 @@ async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
         let mut r = error(
             StatusCode::TOO_MANY_REQUESTS,
             "busy",
-            format!("{MAX_WAITING_RESOLUTIONS} hold releases or primes are already waiting for runs of their sources to end; try again in a few seconds"),
+            format!("{MAX_WAITING_RESOLUTIONS} hold releases or primes are already under way (waiting for runs of their sources to end, or committing); try again in a few seconds"),
         );
         r.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("5"));
         return r;
@@ -941,16 +942,6 @@ fn backup(st: &ControlState, body: &[u8]) -> Resp {
     let name = b.name.unwrap_or_else(|| format!("zonewatch-{}.redb", rfc3339(st.engine.now()).replace([':', '.'], "-")));
     if !crate::config::valid_id(&name) || name.starts_with('.') {
         return error(StatusCode::BAD_REQUEST, "bad_name", "name must be a plain file name of at most 64 characters (letters, digits, '-', '_', '.'), not starting with '.'");
-    }
-    // A hand-off name whose command has gone is what `serve`'s sweep removes an hour on: a
-    // backup asked for under it would be removed too (`zonewatch backup` names its copy after
-    // itself, a process that is running while it asks).
-    if crate::store::backup::handoff_command_gone(&name) {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "bad_name",
-            format!("{name:?} is a hand-off name of a `zonewatch backup` no longer running ({}*-PID.redb), which serve removes once an hour old: choose another name", crate::store::backup::HANDOFF_PREFIX),
-        );
     }
     let dir = crate::cli::backup_dir(&st.engine.config);
     if let Err(e) = std::fs::create_dir_all(&dir) {

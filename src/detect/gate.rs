@@ -4,8 +4,10 @@
 //! * `--reprocess` → keys primed, nothing sent;
 //! * change spike (changed parcels above `max_change_ratio` of the layer) or quarantine spike
 //!   (more than half the features quarantined as `missing_field` / `out_of_bounds` /
-//!   `field_too_long`, the sign of a renamed field, a field mapped to a long text column or a
-//!   datum drift) → held until an operator releases or primes it;
+//!   `field_too_long`, or copies of ids the layer repeats, `duplicate_id`: the sign of a
+//!   renamed field, a field mapped to a long text column or to one that is not unique, or a
+//!   datum drift; checked before the first-ingest rule, so a first ingest so is held too) →
+//!   held until an operator releases or primes it;
 //! * a restated layer (publisher timestamp went backwards, from one not in the future:
 //!   [`crate::model::Watermark::from_the_future`]) → held with that reason.
 

@@ -165,6 +165,19 @@ pub struct ScanResult {
 /// Features per batch handed to a worker.
 const BATCH: usize = 512;
 
+/// What a parcel whose shape's hash moved (its zoning did not) is, when its shape is the
+/// stored one but for the grid's rounding (`canonical::same_but_for_rounding`: a layer written
+/// out again with fewer decimals): unchanged, or, when its effective date moved, a change that
+/// is stored and not alerted. `None` when the shape did change (or none is stored to compare).
+fn rounded_again(view: &SnapshotView, p: &crate::model::Parcel, prev: &ParcelState) -> Result<Option<ParcelDelta>, crate::store::StoreError> {
+    let Some((_, Some(stored))) = view.get_with_geometry(&p.id)? else { return Ok(None) };
+    if !crate::detect::canonical::same_but_for_rounding(&stored.to_geo(), &p.geometry.to_geo()) {
+        return Ok(None);
+    }
+    let date = |s: &ParcelState| s.effective_date.as_deref().map(str::trim).unwrap_or("").to_string();
+    Ok(Some(if date(prev) == date(&p.state) { ParcelDelta::Unchanged } else { ParcelDelta::Changed(None) }))
+}
+
 /// How many copies of a duplicated id each copy's quarantine row names (the rest are counted).
 const DUPLICATES_NAMED: usize = 10;
 
@@ -594,7 +607,19 @@ fn worker(
                             }
                         },
                     };
-                    let (kind, keep) = match classify(prev.as_ref(), &p.state) {
+                    let mut delta = classify(prev.as_ref(), &p.state);
+                    if let (ParcelDelta::Changed(Some(ChangeKind::GeometryChanged)), Some(prev)) = (&delta, &prev) {
+                        match rounded_again(view, &p, prev) {
+                            Ok(Some(rounded)) => delta = rounded,
+                            Ok(None) => {}
+                            Err(e) => {
+                                let _ = res_tx.send(Err(e.into()));
+                                cancel.store(true, Ordering::Relaxed);
+                                break;
+                            }
+                        }
+                    }
+                    let (kind, keep) = match delta {
                         ParcelDelta::Unchanged => (None, false),
                         ParcelDelta::Added => (Some(ChangeKind::Added), true),
                         ParcelDelta::Changed(kind) => (kind, true),

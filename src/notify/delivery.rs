@@ -75,7 +75,7 @@ impl PassStats {
         self.attempted += 1;
         match result {
             DeliveryResult::Sent { .. } => self.sent += 1,
-            r if r.is_gone() => self.gone += 1,
+            DeliveryResult::Gone { .. } => self.gone += 1,
             DeliveryResult::Retry { .. } => self.retried += 1,
             DeliveryResult::Dead { .. } => self.dead += 1,
             DeliveryResult::Deferred { .. } => self.deferred += 1,
@@ -214,12 +214,9 @@ pub const SUBSCRIBER_GONE: &str = "subscriber_gone";
 /// an operator to enable it (never a dead letter on its own account).
 pub const HTTP_410_GONE: &str = "http_410_gone";
 
-/// What the store records as a row's last error for a 410 it did not take as its endpoint's
-/// (the target answered is not its stored subscriber's: a `PUT` moved it meanwhile, or a
-/// config subscriber hides a stored one of that id): the row goes out again at once, and a
-/// 410 after that is an ordinary failure, retried on the schedule and dead-lettered past
-/// `max_attempts` (a reviewer: it was retried at once, without end, until the breaker opened).
-pub const HTTP_410_NOT_ITS_TARGET: &str = "http_410_not_its_target";
+/// The attempt error of a 410 the store did not take as its endpoint's
+/// ([`DeliveryResult::Gone`]'s `otherwise`): an ordinary failure.
+pub const HTTP_410: &str = "http_410";
 
 /// Plans kept at most; past this (subscribers come and go) the cache starts again.
 const MAX_PLANS: usize = 100_000;
@@ -854,6 +851,11 @@ impl Deliverer {
                 rec.next_attempt_ms = Some(*next_attempt_ms);
                 rec.error = Some(error.clone());
             }
+            DeliveryResult::Gone { .. } => {
+                rec.result = "retry".into();
+                rec.next_attempt_ms = Some(rec.ts_ms);
+                rec.error = Some(HTTP_410_GONE.into());
+            }
             DeliveryResult::Deferred { next_attempt_ms, error, .. } => {
                 // Not logged as an attempt (`DeliveryResult::Deferred`); filled in all the same.
                 rec.result = "deferred".into();
@@ -961,18 +963,17 @@ impl Deliverer {
                         .observe(Duration::from_millis(self.clock.now_ms().saturating_sub(entry.created_ms)));
                     return DeliveryResult::Sent { id, status };
                 }
-                if status == 410 && entry.last_error.as_deref() == Some(HTTP_410_NOT_ITS_TARGET) {
-                    return self.retry_or_dead(entry, rec, ra, HTTP_410_NOT_ITS_TARGET.into());
-                }
                 if status == 410 {
                     // Gone: the store disables the endpoint in the transaction that records
                     // this, and the event waits for re-enable, whatever attempts or window it
                     // has left; due at once, so it goes out as soon as an operator enables it
-                    // (the disabled endpoint holds it until then). Unless the subscriber has
-                    // moved to another target meanwhile: the commit compares this one.
-                    let now = self.clock.now_ms();
-                    rec.decided_ms = Some(now);
-                    return DeliveryResult::Retry { id, next_attempt_ms: now, error: HTTP_410_GONE.into() };
+                    // (the disabled endpoint holds it until then). Unless the target that
+                    // answered is not its stored subscriber's (a `PUT` moved it meanwhile, a
+                    // config subscriber hides a stored one of its id): the commit compares,
+                    // and then records this attempt as the failure it otherwise is.
+                    let otherwise = Box::new(self.retry_or_dead(entry, rec, ra, HTTP_410.into()));
+                    rec.decided_ms = Some(self.clock.now_ms());
+                    return DeliveryResult::Gone { id, otherwise };
                 } else if !(status == 408 || status == 429 || (500..600).contains(&status)) {
                     return DeliveryResult::Dead { id, reason: format!("rejected_{status}"), cause: DeadCause::Endpoint };
                 } else {
@@ -1345,9 +1346,13 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, e)| {
-                let error = if i == 0 { HTTP_410_GONE } else { "http_503" };
                 let due = if e.watcher_id == "b" { now.saturating_add_signed(b_due) } else { now - 5 };
-                DeliveryResult::Retry { id: e.id, next_attempt_ms: due, error: error.into() }
+                let failed = DeliveryResult::Retry { id: e.id, next_attempt_ms: due, error: "http_503".into() };
+                if i == 0 {
+                    DeliveryResult::Gone { id: e.id, otherwise: Box::new(failed) }
+                } else {
+                    failed
+                }
             })
             .collect();
         store.record_outcomes_with(&failed, &[], now - 8, Some(&HealthPolicy::default())).unwrap();
@@ -1378,7 +1383,7 @@ mod tests {
         let claim = Claim { event: 0, watcher_id: "a".into(), target: rx.url("/h"), min_severity: Severity::Info, key: IdemKey("k".into()) };
         store.enqueue(&[sample_event("P1")], &[claim], "l", created, 30 * 86_400_000).unwrap();
         let id = store.outbox().unwrap()[0].id;
-        let gone = DeliveryResult::Retry { id, next_attempt_ms: created + 10, error: HTTP_410_GONE.into() };
+        let gone = DeliveryResult::Gone { id, otherwise: Box::new(DeliveryResult::Retry { id, next_attempt_ms: created + 10, error: HTTP_410.into() }) };
         store.record_outcomes_with(&[gone], &[], created + 5, Some(&HealthPolicy::default())).unwrap();
         assert!(store.enable_endpoint("a", now - 20).unwrap());
         let deferred = DeliveryResult::Deferred { id, next_attempt_ms: now - 5, error: format!("{DEFERRED_PREFIX}Too many open files (os error 24)") };
@@ -1391,11 +1396,11 @@ mod tests {
 
     /// A config subscriber hiding a stored one of the same id, whose target answers 410: the
     /// store takes that 410 as not its endpoint's (the stored target differs), so the endpoint
-    /// is not disabled; the row goes out again at once, and its next 410s are ordinary
-    /// failures, dead-lettered past `max_attempts` (a reviewer: they were retried at once,
+    /// is not disabled, and each such 410 is the failure it otherwise is, on the retry
+    /// schedule and dead-lettered past `max_attempts` (a reviewer: they were resent at once,
     /// without end, until the breaker opened, and then for days).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_410_not_from_its_stored_target_is_an_ordinary_failure_after_the_first() {
+    async fn a_410_not_from_its_stored_target_is_an_ordinary_failure() {
         use crate::model::{sample_event, IdemKey, Severity};
         use crate::notify::matcher::Subscriber;
         use crate::store::{Claim, StoredSubscriber};
@@ -1421,6 +1426,40 @@ mod tests {
         let dead = store.dead_letters().unwrap();
         assert_eq!(dead.iter().map(|d| d.reason.as_str()).collect::<Vec<_>>(), vec!["retries_exhausted"]);
         assert!(!store.endpoints().unwrap().iter().any(|(id, e)| id == "a" && e.disabled), "not disabled for the stored target");
+    }
+
+    /// A 410 from the old target answered to a send in flight during a `PUT` (here: a
+    /// deliverer whose index still has it) is a failure, and the row goes on to the new
+    /// target; when the new target, the stored subscriber's own, answers 410 too, that one
+    /// disables the endpoint and the row waits for an operator (a reviewer: with a marker on
+    /// the row, that second 410 was taken as an ordinary failure and dead-lettered).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_410_from_the_new_target_after_one_from_the_old_disables_the_endpoint() {
+        use crate::model::{sample_event, IdemKey, Severity};
+        use crate::notify::matcher::Subscriber;
+        use crate::store::{Claim, StoredSubscriber};
+        let old = crate::receiver::Receiver::start(Arc::new(|_, _| 410), None).await.unwrap();
+        let new = crate::receiver::Receiver::start(Arc::new(|_, _| 410), None).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+        let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+        let stored = StoredSubscriber { id: "a".into(), target: new.url("/h"), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: now - 20, updated_ms: now - 20, secret_old: None };
+        store.put_subscriber(&stored, now - 20).unwrap();
+        let claim = Claim { event: 0, watcher_id: "a".into(), target: old.url("/h"), min_severity: Severity::Info, key: IdemKey("k".into()) };
+        store.enqueue(&[sample_event("P1")], &[claim], "l", now - 10, 3_600_000).unwrap();
+        let cfg = DeliveryConfig { allow_private_targets: true, max_attempts: 3, retry_schedule: vec![Duration::from_millis(1)], retry_jitter: 0.0, ..DeliveryConfig::default() };
+        let deliverer = |target: String| {
+            let sub = Subscriber { id: "a".into(), target, secret: None, min_severity: Severity::Info, aoi: geo::MultiPolygon::new(vec![]), secret_old: None };
+            Deliverer::new(store.clone(), Arc::new(SubscriberIndex::build(vec![sub])), cfg.clone()).unwrap()
+        };
+        deliverer(old.url("/h")).deliver_due().await.unwrap();
+        assert_eq!(old.received().len(), 1);
+        assert!(!store.endpoints().unwrap().iter().any(|(id, e)| id == "a" && e.disabled), "not disabled for the old target's 410");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        deliverer(new.url("/h")).deliver_due().await.unwrap();
+        assert_eq!(new.received().len(), 1);
+        assert!(store.endpoints().unwrap().iter().any(|(id, e)| id == "a" && e.disabled), "the new target's 410 disables it");
+        assert_eq!((store.outbox_len().unwrap(), store.dead_letters().unwrap().len()), (1, 0), "the row waits for an operator");
     }
 
     /// A shortage of this process's own resources is timed from its first deferred send; a

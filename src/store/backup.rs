@@ -153,8 +153,8 @@ fn sweep_idle(dir: &Path, now: std::time::SystemTime, what: &str, leftover: impl
 
 /// Whether `name` is a hand-off copy's (`zonewatch-handoff-<time>-<pid>.redb`) whose
 /// `zonewatch backup` has ended: no process of its pid is left. Where that cannot be told (no
-/// `/proc`, a name without a pid), it has not. `POST /v1/backup` refuses such a name.
-pub fn handoff_command_gone(name: &str) -> bool {
+/// `/proc`, a name without a pid), it has not.
+fn handoff_command_gone(name: &str) -> bool {
     let Some(pid) = name.strip_prefix(HANDOFF_PREFIX).and_then(|n| n.strip_suffix(".redb")).and_then(|n| n.rsplit_once('-')).map(|(_, pid)| pid) else { return false };
     if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || !Path::new("/proc/self").exists() {
         return false;

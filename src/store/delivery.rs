@@ -67,19 +67,31 @@ pub enum DeliveryResult {
     /// be one every few seconds for as long as the limit lasts). A tester's `ulimit -n 20`
     /// dead-lettered 250 alerts to a receiver that answered 200, and opened its breaker.
     Deferred { id: u64, next_attempt_ms: u64, error: String },
+    /// The receiver answered 410 Gone. The commit recording it disables the endpoint and
+    /// keeps the row, due at once, for an operator to enable it, whatever its attempts or
+    /// window; unless the target that answered is not its stored subscriber's (a `PUT` moved
+    /// it while the request was in flight, or a config subscriber hides a stored one of the
+    /// id: `StoredTargets::moved_from`), and then the commit records `otherwise`, the
+    /// ordinary failure the deliverer worked out for the attempt (a retry on the schedule, a
+    /// dead letter past `max_attempts`; a reviewer: such a row was resent at once without end).
+    Gone { id: u64, otherwise: Box<DeliveryResult> },
 }
 
 impl DeliveryResult {
     /// The outbox row this is the outcome of.
     pub fn id(&self) -> u64 {
         match self {
-            DeliveryResult::Sent { id, .. } | DeliveryResult::Retry { id, .. } | DeliveryResult::Dead { id, .. } | DeliveryResult::Deferred { id, .. } => *id,
+            DeliveryResult::Sent { id, .. }
+            | DeliveryResult::Retry { id, .. }
+            | DeliveryResult::Dead { id, .. }
+            | DeliveryResult::Deferred { id, .. }
+            | DeliveryResult::Gone { id, .. } => *id,
         }
     }
 
     /// The receiver answered 410 Gone (its endpoint is disabled by the commit recording it).
     pub fn is_gone(&self) -> bool {
-        matches!(self, DeliveryResult::Retry { error, .. } if error == crate::notify::delivery::HTTP_410_GONE)
+        matches!(self, DeliveryResult::Gone { .. })
     }
 }
 
@@ -519,7 +531,7 @@ impl Store {
         // The clock each retry's due time was computed on.
         let decided: std::collections::HashMap<u64, u64> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.decided_ms?))).collect();
         // Rows whose subscriber was deleted while they were sent: not left queued.
-        let revoked = self.leases.revoked(results.iter().filter(|r| matches!(r, DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. })).map(DeliveryResult::id));
+        let revoked = self.leases.revoked(results.iter().filter(|r| matches!(r, DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } | DeliveryResult::Gone { .. })).map(DeliveryResult::id));
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
@@ -530,19 +542,21 @@ impl Store {
                 let id = result.id();
                 // Already resolved (e.g. by a concurrent recovery): nothing to record.
                 let Some((queue, entry)) = outbox.get(id)? else { continue };
-                // A 410 not taken as its endpoint's (see `moved_from`).
-                let mut not_its_target = false;
+                // A 410 from a target that is not its stored subscriber's (the old one, after a
+                // `PUT`) is the failure it otherwise is, not a "gone".
+                let result = match result {
+                    DeliveryResult::Gone { otherwise, .. } if targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())? => otherwise.as_ref(),
+                    result => result,
+                };
                 // A deleted subscriber's health was forgotten with it, not started again.
                 if let Some(policy) = health.filter(|_| !revoked.contains(&id)) {
                     let (success, gone, local) = match result {
                         DeliveryResult::Sent { .. } => (true, false, false),
-                        DeliveryResult::Retry { .. } => (false, result.is_gone(), false),
+                        DeliveryResult::Retry { .. } => (false, false, false),
+                        DeliveryResult::Gone { .. } => (false, true, false),
                         DeliveryResult::Dead { cause, .. } => (false, false, *cause == DeadCause::NotSent),
                         DeliveryResult::Deferred { .. } => (false, false, true),
                     };
-                    // A 410 from the subscriber's old target counts as a failure, not as "gone".
-                    not_its_target = gone && targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())?;
-                    let gone = gone && !not_its_target;
                     if !local {
                         if let Some(row) = health_batch.observe(&entry.watcher_id, success, gone, now_ms, policy)? {
                             pending.push(row);
@@ -565,10 +579,10 @@ impl Store {
                         dead_entry.attempts = attempts;
                         pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, reason, now_ms)?);
                     }
-                    DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } if revoked.contains(&id) => {
+                    DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } | DeliveryResult::Gone { .. } if revoked.contains(&id) => {
                         let mut dead_entry = entry.clone();
                         // A deferral was no attempt (nothing reached the endpoint).
-                        if matches!(result, DeliveryResult::Retry { .. }) {
+                        if !matches!(result, DeliveryResult::Deferred { .. }) {
                             dead_entry.attempts = attempts;
                         }
                         pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, super::subscribers::SUBSCRIBER_DELETED, now_ms)?);
@@ -577,7 +591,15 @@ impl Store {
                         let mut updated = entry.clone();
                         updated.attempts = attempts;
                         updated.next_attempt_ms = super::clock_step::retry_due(*next_attempt_ms, decided.get(&id).copied(), now_ms);
-                        updated.last_error = Some(if not_its_target { crate::notify::delivery::HTTP_410_NOT_ITS_TARGET.into() } else { error.clone() });
+                        updated.last_error = Some(error.clone());
+                        outbox.move_to_retry(queue, &entry, &updated)?;
+                    }
+                    DeliveryResult::Gone { .. } => {
+                        // Due at once: it goes out as soon as an operator enables the endpoint.
+                        let mut updated = entry.clone();
+                        updated.attempts = attempts;
+                        updated.next_attempt_ms = super::clock_step::retry_due(now_ms, decided.get(&id).copied(), now_ms);
+                        updated.last_error = Some(crate::notify::delivery::HTTP_410_GONE.into());
                         outbox.move_to_retry(queue, &entry, &updated)?;
                     }
                     DeliveryResult::Deferred { next_attempt_ms, error, .. } => {

@@ -458,7 +458,7 @@ impl Store {
                 }
                 true
             }
-            LeaseStep::Check => ours,
+            LeaseStep::Check => ours && !revoked,
         }
     }
 

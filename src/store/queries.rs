@@ -133,6 +133,15 @@ impl SnapshotView {
         }
     }
 
+    /// The stored state of one parcel and its geometry (`None` for a parcel stored without
+    /// one): what a change of shape is measured against (`canonical::same_but_for_rounding`).
+    pub fn get_with_geometry(&self, parcel_id: &str) -> Result<Option<(ParcelState, Option<StoredGeometry>)>, StoreError> {
+        match with_record(&self.table, &self.source_id, parcel_id, super::snapshot::decode_record)? {
+            Some(found) => Ok(Some(found.map_err(|m| codec_err("parcel_blocks", m))?)),
+            None => Ok(None),
+        }
+    }
+
     /// Every stored parcel's id and content hash, in id order, borrowed (one list of entries
     /// per block is all it allocates): the streaming diff builds its in-memory index from
     /// this. Returns how many there are.

@@ -82,8 +82,8 @@ impl<'t> StoredTargets<'t> {
     /// known, for a config subscriber (not stored; its target changes only with a restart),
     /// and for a record that does not decode (the observation is applied, as before). A
     /// config subscriber that hides a stored one of the same id (`check` warns of it) is
-    /// compared with the stored target: its 410s count as failures only, and the row's next
-    /// 410 is an ordinary failure (`notify::delivery::HTTP_410_NOT_ITS_TARGET`).
+    /// compared with the stored target: its 410s are the failures they otherwise are
+    /// (`DeliveryResult::Gone`'s `otherwise`: on the retry schedule).
     pub(super) fn moved_from(&mut self, id: &str, sent_to: Option<&str>) -> Result<bool, StoreError> {
         let Some(sent_to) = sent_to else { return Ok(false) };
         if !self.seen.contains_key(id) {
