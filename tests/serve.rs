@@ -222,6 +222,8 @@ fn fill(dir: &std::path::Path) -> std::path::PathBuf {
 struct Serving {
     child: std::process::Child,
     log: std::sync::Arc<std::sync::Mutex<String>>,
+    /// The thread reading its stderr, joined once it has exited (its last lines read).
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Serving {
@@ -229,7 +231,7 @@ impl Serving {
         let mut child = Command::new(env!("CARGO_BIN_EXE_zonewatch")).args(["serve", "--config", config]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("serve starts");
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let (mut stderr, sink) = (child.stderr.take().expect("stderr"), log.clone());
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             use std::io::Read;
             let mut buf = [0u8; 4096];
             while let Ok(n) = stderr.read(&mut buf) {
@@ -239,7 +241,7 @@ impl Serving {
                 sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
             }
         });
-        Serving { child, log }
+        Serving { child, log, reader: Some(reader) }
     }
 
     fn log(&self) -> String {
@@ -251,6 +253,9 @@ impl Serving {
         let start = Instant::now();
         loop {
             if let Some(s) = self.child.try_wait().expect("wait") {
+                if let Some(reader) = self.reader.take() {
+                    let _ = reader.join();
+                }
                 return Some(s);
             }
             if start.elapsed() > within {

@@ -2,7 +2,9 @@
 //!
 //! Equal content hashes mean "no change", whatever the feature order or number formatting.
 //! A parcel whose zoning code differs (case-insensitively) is `rezoned`; same code but a
-//! different canonical shape is `geometry_changed`; new and vanished ids are `added` and
+//! different canonical shape is `geometry_changed` (the streaming diff of a parcel layer first
+//! reads the stored shape of such a parcel: one the same but for the 1e-7° rounding is not a
+//! change, and the stored shape stands, `stream.rs` `rounded_again`); new and vanished ids are `added` and
 //! `removed`. An effective-date-only difference updates the snapshot without an event: no
 //! event is ever emitted whose old and new code are equal and whose shape is unchanged.
 //! Parcels that were quarantined this run (their id known) are neither updated nor removed:

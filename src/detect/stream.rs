@@ -7,7 +7,9 @@
 //! by fingerprint prefix ([`SnapshotIndex`]). Worker threads normalise each feature and look
 //! its id up in that index: an equal hash is
 //! "unchanged", a missing id is "added", and only a changed parcel costs a point lookup in the
-//! [`SnapshotView`] (one read transaction, so the whole run compares against one snapshot).
+//! [`SnapshotView`] (one read transaction, so the whole run compares against one snapshot);
+//! one whose shape's hash moved while its zoning did not, a read of its stored geometry too
+//! (a shape rounded across a grid step is the stored one: [`rounded_again`]).
 //! The calling thread puts
 //! the results back in document order and writes what must be committed — new and changed
 //! parcels, quarantined features — to a [`Spill`] file. Unchanged parcels (the vast majority
@@ -23,6 +25,7 @@
 //! seen-id fingerprints (24 bytes a feature) — ~155 MB at 2.5M parcels — the removals, the quarantined ids, and a few batches
 //! in flight. Everything else is on disk.
 
+use super::canonical::content_hash;
 use super::diff::{classify, content_of, step, ParcelDelta, Prior};
 use super::unidentified::Unidentified;
 use super::spill::{frame_parcel, Spill, SpillEntry, SpillError, SpillReader, SpilledParcel};
@@ -165,17 +168,15 @@ pub struct ScanResult {
 /// Features per batch handed to a worker.
 const BATCH: usize = 512;
 
-/// What a parcel whose shape's hash moved (its zoning did not) is, when its shape is the
-/// stored one but for the grid's rounding (`canonical::same_but_for_rounding`: a layer written
-/// out again with fewer decimals): unchanged, or, when its effective date moved, a change that
-/// is stored and not alerted. `None` when the shape did change (or none is stored to compare).
-fn rounded_again(view: &SnapshotView, p: &crate::model::Parcel, prev: &ParcelState) -> Result<Option<ParcelDelta>, crate::store::StoreError> {
+/// The stored geometry of a parcel whose shape's hash moved (its zoning did not), when its new
+/// shape is that one but for the grid's rounding (`canonical::same_but_for_rounding`: a layer
+/// written out again with fewer decimals); `None` when the shape did change (or none is
+/// stored to compare). The stored shape then stands: such a parcel is unchanged, or only its
+/// effective date moved. A layer that keeps the rounded form pays this read for each such
+/// parcel at every run that reads it (its hash never matches the stored one).
+fn rounded_again(view: &SnapshotView, p: &crate::model::Parcel) -> Result<Option<crate::model::StoredGeometry>, crate::store::StoreError> {
     let Some((_, Some(stored))) = view.get_with_geometry(&p.id)? else { return Ok(None) };
-    if !crate::detect::canonical::same_but_for_rounding(&stored.to_geo(), &p.geometry.to_geo()) {
-        return Ok(None);
-    }
-    let date = |s: &ParcelState| s.effective_date.as_deref().map(str::trim).unwrap_or("").to_string();
-    Ok(Some(if date(prev) == date(&p.state) { ParcelDelta::Unchanged } else { ParcelDelta::Changed(None) }))
+    Ok(crate::detect::canonical::same_but_for_rounding(&stored.to_geo(), &p.geometry.to_geo()).then_some(stored))
 }
 
 /// How many copies of a duplicated id each copy's quarantine row names (the rest are counted).
@@ -607,10 +608,21 @@ fn worker(
                             }
                         },
                     };
+                    let mut p = p;
                     let mut delta = classify(prev.as_ref(), &p.state);
                     if let (ParcelDelta::Changed(Some(ChangeKind::GeometryChanged)), Some(prev)) = (&delta, &prev) {
-                        match rounded_again(view, &p, prev) {
-                            Ok(Some(rounded)) => delta = rounded,
+                        match rounded_again(view, &p) {
+                            Ok(Some(stored)) => {
+                                // The stored shape stands (its hash, area and coordinates), so
+                                // only a moved effective date is left to store (not announced,
+                                // also when a held run is released: `classify` sees the same
+                                // shape then too).
+                                p.state.geom_hash = prev.geom_hash;
+                                p.state.area_m2 = prev.area_m2;
+                                p.state.content_hash = content_hash(&p.state.zoning, p.state.effective_date.as_deref(), &prev.geom_hash);
+                                p.geometry = stored;
+                                delta = classify(Some(prev), &p.state);
+                            }
                             Ok(None) => {}
                             Err(e) => {
                                 let _ = res_tx.send(Err(e.into()));

@@ -83,6 +83,22 @@ impl PassStats {
     }
 }
 
+impl PassStats {
+    /// Moves the 410s the commit recorded as the failures they otherwise are (`not_gone`:
+    /// each row with whether it was dead-lettered) from `gone` to `retried` or `dead`: their
+    /// endpoints were not disabled.
+    fn not_gone(&mut self, not_gone: &[(u64, bool)]) {
+        for &(_, dead) in not_gone {
+            self.gone = self.gone.saturating_sub(1);
+            if dead {
+                self.dead += 1;
+            } else {
+                self.retried += 1;
+            }
+        }
+    }
+}
+
 impl std::ops::AddAssign for PassStats {
     fn add_assign(&mut self, o: PassStats) {
         self.attempted += o.attempted;
@@ -352,7 +368,7 @@ impl Deliverer {
         let now = self.clock.now_ms();
         match tokio::task::spawn_blocking(move || store.record_outcomes_with(&results, &log, now, Some(&policy))).await {
             Ok(r) => {
-                r?;
+                stats.not_gone(&r?.not_gone);
                 stats.commits += 1;
             }
             Err(e) => tracing::error!("recording deliveries failed: {e}"),
@@ -470,9 +486,10 @@ impl Deliverer {
                     let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now, Some(&policy))).await;
                     tracing::debug!(n, ms = tc.elapsed().as_secs_f64() * 1000.0, "outcome group commit");
                     let closed = match r {
-                        Ok(Ok(closed)) => {
+                        Ok(Ok(recorded)) => {
                             stats.commits += 1;
-                            closed
+                            stats.not_gone(&recorded.not_gone);
+                            recorded.closed
                         }
                         Ok(Err(e)) => {
                             // The entries keep their leases: they go out again (same key) once
@@ -1421,10 +1438,15 @@ mod tests {
             ..DeliveryConfig::default()
         };
         let d = Deliverer::new(store.clone(), Arc::new(SubscriberIndex::build(vec![sub])), cfg).unwrap();
-        d.drain(Instant::now() + Duration::from_secs(10)).await.unwrap();
+        let stats = d.drain(Instant::now() + Duration::from_secs(10)).await.unwrap();
         assert_eq!(rx.received().len(), 3, "max_attempts sends, not one after another without end");
         let dead = store.dead_letters().unwrap();
         assert_eq!(dead.iter().map(|d| d.reason.as_str()).collect::<Vec<_>>(), vec!["retries_exhausted"]);
+        // Counted and logged as the failures they were, not as gones (no endpoint disabled).
+        assert_eq!((stats.gone, stats.retried, stats.dead), (0, 2, 1), "{stats:?}");
+        let log: Vec<(String, Option<String>)> = store.attempts("k").unwrap().into_iter().map(|a| (a.result, a.error)).collect();
+        let retry = ("retry".to_string(), Some(HTTP_410.to_string()));
+        assert_eq!(log, vec![retry.clone(), retry, ("dead_letter".to_string(), Some(format!("{HTTP_410}; retries_exhausted")))]);
         assert!(!store.endpoints().unwrap().iter().any(|(id, e)| id == "a" && e.disabled), "not disabled for the stored target");
     }
 

@@ -95,6 +95,28 @@ impl DeliveryResult {
     }
 }
 
+/// The attempt record of a 410 recorded as the failure `otherwise` is (its retry, or its dead
+/// letter with the reason beside the 410).
+fn logged_as(rec: &AttemptRecord, otherwise: &DeliveryResult) -> AttemptRecord {
+    let http_410 = crate::notify::delivery::HTTP_410;
+    let (result, error, next_attempt_ms) = match otherwise {
+        DeliveryResult::Dead { reason, .. } => ("dead_letter", format!("{http_410}; {reason}"), None),
+        DeliveryResult::Retry { next_attempt_ms, .. } => ("retry", http_410.to_string(), Some(*next_attempt_ms)),
+        _ => ("retry", http_410.to_string(), rec.next_attempt_ms),
+    };
+    AttemptRecord { result: result.into(), error: Some(error), next_attempt_ms, ..rec.clone() }
+}
+
+/// What [`Store::record_outcomes_with`] committed beyond the results as given.
+#[derive(Debug, Default)]
+pub struct RecordedOutcomes {
+    /// Endpoints whose gate the commit closed (a breaker opened, an endpoint disabled).
+    pub closed: Vec<String>,
+    /// Rows whose 410 was recorded as the failure it otherwise is (the target that answered is
+    /// not its stored subscriber's), each with whether that failure dead-lettered it.
+    pub not_gone: Vec<(u64, bool)>,
+}
+
 /// Whose doing a dead letter is. Only what the endpoint did counts against its health
 /// (circuit breaker, `disable_after`); a row that never reached it says nothing about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -496,16 +518,17 @@ impl Store {
     /// [`Store::record_outcomes`], also folding each result into its endpoint's health
     /// (circuit breaker, 410, `disable_after`) when `health` is given. Returns the endpoints
     /// whose gate this commit closed (a breaker opened, an endpoint disabled): rows of theirs
-    /// leased before it are not to be sent (`notify::closed_gates`).
+    /// leased before it are not to be sent (`notify::closed_gates`); and the 410s recorded as
+    /// the failures they otherwise are ([`DeliveryResult::Gone`]).
     pub fn record_outcomes_with(
         &self,
         results: &[DeliveryResult],
         attempts: &[AttemptRecord],
         now_ms: u64,
         health: Option<&super::endpoints::HealthPolicy>,
-    ) -> Result<Vec<String>, StoreError> {
+    ) -> Result<RecordedOutcomes, StoreError> {
         if results.is_empty() && attempts.is_empty() {
-            return Ok(Vec::new());
+            return Ok(RecordedOutcomes::default());
         }
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -514,13 +537,6 @@ impl Store {
         let moved = super::clock_step::move_if_stepped_in(&wtx, now_ms)?;
         // Each table is opened once for the whole batch: a group commit carries thousands of
         // outcomes and per-row table opens would dominate it.
-        {
-            let deferred: std::collections::HashSet<u64> = results.iter().filter(|r| matches!(r, DeliveryResult::Deferred { .. })).map(DeliveryResult::id).collect();
-            let mut log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
-            for rec in attempts.iter().filter(|rec| !deferred.contains(&rec.outbox_id)) {
-                super::leases::log_attempt_in(&mut log, rec)?;
-            }
-        }
         let mut pending: Vec<AuditRow> = Vec::with_capacity(results.len());
         // The target each 410 was sent to (only those attempts carry one): a 410 from one
         // that is no longer its subscriber's (a `PUT` moved it while the request was in
@@ -532,6 +548,8 @@ impl Store {
         let decided: std::collections::HashMap<u64, u64> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.decided_ms?))).collect();
         // Rows whose subscriber was deleted while they were sent: not left queued.
         let revoked = self.leases.revoked(results.iter().filter(|r| matches!(r, DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } | DeliveryResult::Gone { .. })).map(DeliveryResult::id));
+        // 410s recorded as the failures they otherwise are, by row.
+        let mut not_gone: std::collections::HashMap<u64, &DeliveryResult> = std::collections::HashMap::new();
         let closed = {
             let mut outbox = super::outbox::OutboxTables::open(&wtx)?;
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
@@ -543,9 +561,14 @@ impl Store {
                 // Already resolved (e.g. by a concurrent recovery): nothing to record.
                 let Some((queue, entry)) = outbox.get(id)? else { continue };
                 // A 410 from a target that is not its stored subscriber's (the old one, after a
-                // `PUT`) is the failure it otherwise is, not a "gone".
+                // `PUT`) is the failure it otherwise is, not a "gone"; so is every 410 recorded
+                // without a health policy, which disables nothing (kept due at once, the row
+                // would be sent again without end).
                 let result = match result {
-                    DeliveryResult::Gone { otherwise, .. } if targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())? => otherwise.as_ref(),
+                    DeliveryResult::Gone { otherwise, .. } if health.is_none() || targets.moved_from(&entry.watcher_id, sent_to.get(&id).copied())? => {
+                        not_gone.insert(id, otherwise.as_ref());
+                        otherwise.as_ref()
+                    }
                     result => result,
                 };
                 // A deleted subscriber's health was forgotten with it, not started again.
@@ -610,6 +633,18 @@ impl Store {
             }
             health_batch.finish()?
         };
+        {
+            // The attempts, as their outcomes were recorded: a 410 taken as a failure is logged
+            // as that failure (`http_410`, its retry or its dead letter), not as a gone.
+            let deferred: std::collections::HashSet<u64> = results.iter().filter(|r| matches!(r, DeliveryResult::Deferred { .. })).map(DeliveryResult::id).collect();
+            let mut log = wtx.open_table(DELIVERY_ATTEMPTS_BY_ROW)?;
+            for rec in attempts.iter().filter(|rec| !deferred.contains(&rec.outbox_id)) {
+                match not_gone.get(&rec.outbox_id) {
+                    Some(otherwise) => super::leases::log_attempt_in(&mut log, &logged_as(rec, otherwise))?,
+                    None => super::leases::log_attempt_in(&mut log, rec)?,
+                }
+            }
+        }
         if !disabled_for.is_empty() {
             let mut t = wtx.open_table(ENDPOINT_DISABLED_TARGETS)?;
             for (id, target) in &disabled_for {
@@ -627,7 +662,7 @@ impl Store {
         if let Some(m) = moved {
             super::clock_step::say_moved(&m);
         }
-        Ok(closed)
+        Ok(RecordedOutcomes { closed, not_gone: not_gone.into_iter().map(|(id, otherwise)| (id, matches!(otherwise, DeliveryResult::Dead { .. }))).collect() })
     }
 
     /// Deletes idempotency keys that expired before `now_ms`, at most `max` expiry entries per

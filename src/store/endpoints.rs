@@ -392,7 +392,7 @@ mod tests {
                 .filter(|e| e.watcher_id == watcher)
                 .map(|e| DeliveryResult::Dead { id: e.id, reason: "some reason".into(), cause })
                 .collect();
-            let closed = store.record_outcomes_with(&dead, &[], 10, Some(&policy)).unwrap();
+            let closed = store.record_outcomes_with(&dead, &[], 10, Some(&policy)).unwrap().closed;
             // The commit names the endpoint whose breaker it opened (delivery stops sending
             // that endpoint's leased rows: `notify::closed_gates`).
             let expected: &[&str] = if cause == DeadCause::Endpoint { &["remote"] } else { &[] };

@@ -46,7 +46,7 @@ mod history_index;
 mod run_retention;
 mod holds;
 
-pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult};
+pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult, RecordedOutcomes};
 pub use leases::{LeaseStep, LeasedBatch, MIN_PASS_OVER};
 pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::{DisabledBacklog, HealthPolicy};
