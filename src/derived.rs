@@ -147,8 +147,9 @@ fn overlay_set(s: &str) -> Vec<&str> {
 
 /// Whether a change of derived states alerts: a code change between two real codes
 /// (districts), or overlays gained or lost (overlays). Only those are announced
-/// (`detect::diff::step`); coverage gained or lost, parcels added, removed or reshaped in the
-/// base update the derived snapshot silently.
+/// (`detect::diff::step`); coverage gained or lost, parcels added or removed in the base, and
+/// parcels reshaped there whose winning code stays, update the derived snapshot silently (a
+/// reshape that moves the winning code alerts).
 fn alerts(layer: LayerKind, c: &RawChange) -> bool {
     if c.kind != ChangeKind::Rezoned {
         return false;

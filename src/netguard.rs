@@ -159,8 +159,11 @@ impl Guard {
 
     /// The check made before a request: a private IP literal is refused; through a proxy,
     /// so is a name that resolves to a private address now. Without a proxy names are left to
-    /// the resolver, so this costs no lookup.
-    pub async fn check(&self, host: &str, port: u16) -> Result<(), Refused> {
+    /// the resolver, so this costs no lookup. The lookup takes at most `within` (the system's
+    /// resolver can take half a minute with a few silent name servers), then fails as a name
+    /// that does not resolve: a webhook's attempt is bounded by `delivery.timeout_ms` in all
+    /// (a reviewer: its leases are sized on that).
+    pub async fn check(&self, host: &str, port: u16, within: std::time::Duration) -> Result<(), Refused> {
         if self.allow_private_targets {
             return Ok(());
         }
@@ -171,9 +174,11 @@ impl Guard {
         if !self.via_proxy || host.parse::<IpAddr>().is_ok() {
             return Ok(());
         }
-        let addrs = tokio::net::lookup_host((host, port))
-            .await
-            .map_err(|source| Refused::Dns { host: host.to_string(), source })?;
+        let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer within {} ms", within.as_millis()));
+        let addrs = match tokio::time::timeout(within, tokio::net::lookup_host((host, port))).await {
+            Ok(found) => found.map_err(|source| Refused::Dns { host: host.to_string(), source })?,
+            Err(_) => return Err(Refused::Dns { host: host.to_string(), source: timed_out() }),
+        };
         for a in addrs {
             if is_private(&a.ip()) {
                 return Err(PrivateAddress { host: host.to_string(), ip: a.ip() }.into());
@@ -225,12 +230,12 @@ mod tests {
     #[tokio::test]
     async fn the_pre_request_check() {
         let direct = Guard { allow_private_targets: false, via_proxy: false };
-        assert!(matches!(direct.check("[::1]", 80).await, Err(Refused::Private(_))));
-        assert!(direct.check("localhost", 80).await.is_ok(), "left to the resolver");
+        assert!(matches!(direct.check("[::1]", 80, std::time::Duration::from_secs(5)).await, Err(Refused::Private(_))));
+        assert!(direct.check("localhost", 80, std::time::Duration::from_secs(5)).await.is_ok(), "left to the resolver");
         let proxied = Guard { allow_private_targets: false, via_proxy: true };
-        assert!(matches!(proxied.check("localhost", 80).await, Err(Refused::Private(PrivateAddress { ref host, .. })) if host == "localhost"));
+        assert!(matches!(proxied.check("localhost", 80, std::time::Duration::from_secs(5)).await, Err(Refused::Private(PrivateAddress { ref host, .. })) if host == "localhost"));
         let open = Guard { allow_private_targets: true, via_proxy: true };
-        assert!(open.check("127.0.0.1", 80).await.is_ok());
+        assert!(open.check("127.0.0.1", 80, std::time::Duration::from_secs(5)).await.is_ok());
     }
 
     /// `localhost` resolves (from the hosts file, no network) to loopback: refused, and the

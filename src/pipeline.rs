@@ -703,8 +703,10 @@ impl Engine {
     /// the skipped parcel would be announced `removed` while it is still there. A parcel
     /// missing from both reads is removed; one the second read finds is kept as stored, with
     /// a warning, and the next run reads it: the watermark of a read whose removals were
-    /// withheld keeps neither its digest nor its probe signals, so that run is neither settled
-    /// as identical nor skipped by a probe, whichever of the two reads was the stale one.
+    /// withheld keeps its digest only with a mark no read's digest has, and says nothing a
+    /// probe could take as "not moved" (its publisher timestamp is kept, for the restatement
+    /// rule), so that run is neither settled as identical nor skipped by a probe, whichever of
+    /// the two reads was the stale one.
     /// Returns whether any removal was withheld. A second read that fails fails the run: nothing is
     /// committed, and the next run tries again (`--from-staging` too: its removals are
     /// confirmed against the portal, and wait for it when it does not answer).

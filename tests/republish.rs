@@ -161,3 +161,33 @@ async fn a_layer_written_again_with_fewer_decimals_changes_nothing_but_what_chan
     kinds.sort();
     assert_eq!(kinds, vec!["geometry_changed", "rezoned", "rezoned"]);
 }
+
+/// Two parcels written under a placeholder id (`ROW`) in the next layer, their shapes as they
+/// were, and one parcel really gone: the copies of `ROW` are quarantined `duplicate_id` and
+/// stand where the two parcels lie, which are kept, not alerted as removed (a reviewer: a
+/// feature without an id kept its parcel, a copy of a repeated one did not). The one gone is
+/// removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parcels_written_under_a_repeated_placeholder_id_are_not_alerted_as_removed() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[Sub { id: "all", aoi: rect(-72.0, 42.0, -70.0, 43.0), target: rx.url("/hook"), min_severity: "info", secret: None }], "", "");
+    let engine = ws.engine();
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    let mut v2 = v1.clone();
+    v2[5].id = "ROW".into();
+    v2[6].id = "ROW".into();
+    v2.remove(10);
+    ws.write_layer(&layer(&v2));
+    let r = run(&engine, false);
+    assert_eq!((r.record.verdict, r.record.counts.changes, r.record.counts.quarantined), (Verdict::Run, 1, 2), "{}", r.line());
+    assert!(r.record.warnings.iter().any(|w| w.starts_with("2 stored parcel(s) missing from the layer were kept") && w.contains("a copy of a parcel id the layer repeats")), "{:?}", r.record.warnings);
+    let stored = engine.store.snapshot_states("s1").unwrap();
+    assert!(stored.contains_key("P0005") && stored.contains_key("P0006") && !stored.contains_key("P0010"));
+    deliver(&engine, Duration::from_secs(5)).await;
+    let received = rx.received();
+    assert_eq!(received.len(), 1);
+    let body: serde_json::Value = serde_json::from_slice(&received[0].body).unwrap();
+    assert_eq!((body["data"]["parcel_id"].as_str(), body["data"]["change"].as_str()), (Some("P0010"), Some("removed")));
+}

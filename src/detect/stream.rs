@@ -425,10 +425,32 @@ pub fn scan_layer<R: Read + Send>(
         dup_prints.insert(run[0].0, run.iter().map(|&(_, i)| i).collect());
     }
     let is_seen = |id: &str| seen.binary_search_by(|probe| probe.0.cmp(&fingerprint(id))).is_ok();
+    let mut reader = spill.finish()?;
+
+    // Duplicates: find the ids of new ones in the spill and correct the counts. Each copy
+    // stands where a stored parcel may lie that the layer wrote under that id (a county's
+    // placeholder, `0` or `ROW`, on parcels that keep their shape): its footprint keeps such
+    // a parcel from reading as removed, as a feature without an id does (a reviewer).
+    let mut duplicate_ids: HashSet<String> = HashSet::new();
+    if !dup_prints.is_empty() {
+        // Heads, and the envelope of each copy's geometry (the commit reads the bodies, and
+        // checks them, on its own pass).
+        while let Some(entry) = reader.next_entry()? {
+            if let SpillEntry::Parcel(p) = entry {
+                if dup_prints.contains_key(&fingerprint(&p.id)) {
+                    changes -= u64::from(p.kind.is_some());
+                    if let Ok(Some(envelope)) = crate::store::SnapshotRow::body_envelope(reader.last_parcel_body()) {
+                        unidentified.add_copy(envelope);
+                    }
+                    duplicate_ids.insert(p.id);
+                }
+            }
+        }
+        reader.rewind()?;
+    }
 
     // Removals (and the ids of duplicates that were stored before).
     let mut removed = Vec::new();
-    let mut duplicate_ids: HashSet<String> = HashSet::new();
     let mut gone: Vec<String> = Vec::new();
     let stored = match index.get() {
         Some(Ok(i)) => Some(i.len() as u64),
@@ -447,10 +469,10 @@ pub fn scan_layer<R: Read + Send>(
             }
         })?,
     };
-    // A stored parcel where a feature without an id lies, nearly the same box, may be that
-    // feature: it is not taken for removed on this layer's word (it keeps its stored state,
-    // as a quarantined feature with an id does). Its envelope is read only when there are
-    // such features.
+    // A stored parcel where a feature without an id (or a copy of a repeated id) lies, nearly
+    // the same box, may be that feature: it is not taken for removed on this layer's word (it
+    // keeps its stored state, as a quarantined feature with an id does). Its envelope is read
+    // only when there are such features.
     let footprints = unidentified.footprints();
     let mut withheld: Vec<String> = Vec::new();
     for pid in gone {
@@ -466,24 +488,11 @@ pub fn scan_layer<R: Read + Send>(
         }
     }
     changes += removed.len() as u64;
-    let mut reader = spill.finish()?;
 
-    // Duplicates: find the ids of new ones in the spill, correct the counts, draft the
-    // quarantine rows (one per copy).
+    // The quarantine rows of the duplicates (one per copy).
     let mut duplicate_drafts = Vec::new();
     let mut dup_copies = 0u64;
     if !dup_prints.is_empty() {
-        // Heads only: the ids and kinds are all this pass needs (the commit reads the
-        // bodies, and checks them, on its own pass).
-        while let Some(entry) = reader.next_entry()? {
-            if let SpillEntry::Parcel(p) = entry {
-                if dup_prints.contains_key(&fingerprint(&p.id)) {
-                    changes -= u64::from(p.kind.is_some());
-                    duplicate_ids.insert(p.id);
-                }
-            }
-        }
-        reader.rewind()?;
         let mut ids: Vec<&String> = duplicate_ids.iter().collect();
         ids.sort();
         for id in ids {

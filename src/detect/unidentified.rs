@@ -38,6 +38,8 @@ pub struct Unidentified {
     unlocated: u64,
     /// The first few feature indexes, for the warning.
     first: Vec<u64>,
+    /// Copies of ids the layer repeats whose footprints are kept beside these ([`Unidentified::add_copy`]).
+    copies: u64,
 }
 
 /// The footprints of a scan's unidentified features, indexed for the removal walk.
@@ -56,6 +58,16 @@ impl Unidentified {
             Some(e) if self.footprints.len() < MAX_FOOTPRINTS => self.footprints.push(e),
             Some(_) => self.overflow += 1,
             None => self.unlocated += 1,
+        }
+    }
+
+    /// Notes the footprint of a copy of an id the layer repeats (quarantined `duplicate_id`):
+    /// it may stand for a stored parcel the layer wrote under that id, as a feature without an
+    /// id may. Within the same cap; past it, it is left out (its copies are counted apart).
+    pub fn add_copy(&mut self, footprint: Envelope) {
+        if self.footprints.len() < MAX_FOOTPRINTS {
+            self.footprints.push(footprint);
+            self.copies += 1;
         }
     }
 
@@ -81,11 +93,18 @@ impl Unidentified {
         if !withheld.is_empty() {
             let names: Vec<String> = withheld.iter().take(NAMED).map(|id| format!("{id:?}")).collect();
             let more = if withheld.len() > NAMED { ", …" } else { "" };
+            let mut lies = Vec::new();
+            if self.located > self.overflow {
+                lies.push(format!("a feature without a parcel id of its size lies ({} such feature(s) placed; {named})", self.located - self.overflow));
+            }
+            if self.copies > 0 {
+                lies.push(format!("a copy of a parcel id the layer repeats lies ({} such copies placed)", self.copies));
+            }
             out.push(format!(
-                "{} stored parcel(s) missing from the layer were kept, not removed ({}{more}): each lies where a feature without a parcel id of its size lies ({} such feature(s) placed; {named}); a later layer without such a feature removes them if they are gone",
+                "{} stored parcel(s) missing from the layer were kept, not removed ({}{more}): each lies where {}; a later layer without such a feature removes them if they are gone",
                 withheld.len(),
                 names.join(", "),
-                self.located - self.overflow,
+                lies.join(", or where "),
             ));
         }
         let unplaced = self.unlocated + self.overflow;

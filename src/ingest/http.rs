@@ -629,7 +629,7 @@ impl Session {
     /// by the client's resolver when they resolve to a private address. A name that does not
     /// resolve now (checked here only through a proxy) is retried, as a resolver failure is.
     async fn guard(&self, url: &str, host: &str, port: u16) -> Result<Result<(), Retryable>, FetchError> {
-        match self.guard.check(host, port).await {
+        match self.guard.check(host, port, self.cfg.timeout).await {
             Ok(()) => Ok(Ok(())),
             Err(crate::netguard::Refused::Private(p)) => Err(FetchError::PrivateTarget { url: url.to_string(), host: p.host, ip: p.ip }),
             Err(e @ crate::netguard::Refused::Dns { .. }) => Ok(Err(Retryable { why: format!("connection: {e}"), retry_after: None })),

@@ -914,6 +914,8 @@ impl Deliverer {
         if entry.attempts > 0 && !waits_without_charge && self.clock.now_ms() > window_end {
             return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::NotSent };
         }
+        // The attempt, its lookup through a proxy included, takes at most `timeout`.
+        let attempt_started = Instant::now();
         match self.check_target(url).await {
             Ok(()) => {}
             Err(TargetCheck::Refused(reason)) => return DeliveryResult::Dead { id, reason, cause: DeadCause::NotSent },
@@ -951,7 +953,7 @@ impl Deliverer {
         // nothing, and a disabled endpoint remembers the target it was disabled for.
         rec.target = Some(plan.target.clone());
         let started = Instant::now();
-        let mut sent = request().send().await;
+        let mut sent = request().timeout(self.cfg.timeout.saturating_sub(attempt_started.elapsed())).send().await;
         let failed_after = started.elapsed();
         if failed_after < RESEND_WITHIN.min(self.cfg.timeout / 2) && sent.as_ref().err().is_some_and(closed_under_request) {
             // A connection closed under the request at once: most often a kept-alive one the
@@ -963,7 +965,7 @@ impl Deliverer {
             // takes the request and hangs up later (a server's own write timeout) is not sent
             // it again here: that is a failed attempt.
             tracing::info!(id, key = %entry.key.0, url = %crate::util::url_for_display(url.as_str()), "connection closed under the request at once; sending it again on a fresh connection");
-            sent = request().timeout(self.cfg.timeout.saturating_sub(failed_after)).send().await;
+            sent = request().timeout(self.cfg.timeout.saturating_sub(attempt_started.elapsed())).send().await;
         }
         let (retry_after, error) = match sent {
             Ok(mut resp) => {
@@ -1063,7 +1065,7 @@ impl Deliverer {
     async fn check_target(&self, url: &reqwest::Url) -> Result<(), TargetCheck> {
         let host = url.host_str().ok_or_else(|| TargetCheck::Refused("bad_target: no host".into()))?;
         let port = url.port_or_known_default().unwrap_or(443);
-        match self.guard.check(host, port).await {
+        match self.guard.check(host, port, self.cfg.timeout).await {
             Ok(()) => Ok(()),
             Err(crate::netguard::Refused::Private(p)) => Err(TargetCheck::Refused(format!("private_target_refused: {p}"))),
             // A lookup this process could not make (out of descriptors) is deferred, as a
