@@ -367,8 +367,8 @@ min_severity = "info"
 /// sends nothing. The 2025 file renames attributes (upper case) — `zone_class` is unchanged,
 /// so no case-folding warning is expected here.
 ///
-/// **Why 398 regions alert** (396 with this build, as its run reports; not audited again;
-/// audited by `chicago_audit`, which reads both files with
+/// **Why 398 regions alert** (396 of ~75,200 fragments with this build, as its run reports;
+/// the figures below are the audit's, not taken again; audited by `chicago_audit`, which reads both files with
 /// `serde_json` only and checks every delivered region with its own point-in-polygon): about
 /// 76,400 fragments differ between the two exports, almost all boundary slivers — the exports
 /// were simplified differently, and the same line sits 0–3 m apart (vertex-to-boundary

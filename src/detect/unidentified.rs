@@ -63,7 +63,8 @@ impl Unidentified {
 
     /// Notes the footprint of a copy of an id the layer repeats (quarantined `duplicate_id`):
     /// it may stand for a stored parcel the layer wrote under that id, as a feature without an
-    /// id may. Within the same cap; past it, it is left out (its copies are counted apart).
+    /// id may (a copy equal to its id's stored parcel is not spilled, and is not noted). Within
+    /// the same cap; past it, it is left out, without a warning of its own.
     pub fn add_copy(&mut self, footprint: Envelope) {
         if self.footprints.len() < MAX_FOOTPRINTS {
             self.footprints.push(footprint);

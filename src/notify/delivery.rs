@@ -924,6 +924,13 @@ impl Deliverer {
             Err(TargetCheck::Unresolved(error)) => return self.retry_or_dead(entry, rec, None, error),
             Err(TargetCheck::Local(local)) => return self.deferred(entry, local),
         }
+        // A lookup (through a proxy) that took most of the attempt's time leaves the request
+        // none: reqwest fails a zero timeout before it connects, which would read as the
+        // endpoint's timeout (a reviewer). It is the name's slowness: retried as DNS is.
+        let looked_up = attempt_started.elapsed();
+        if looked_up > self.cfg.timeout / 2 {
+            return self.retry_or_dead(entry, rec, None, format!("connection: dns: the lookup took {} ms of the {} ms timeout", looked_up.as_millis(), self.cfg.timeout.as_millis()));
+        }
         let signers = match &plan.signers {
             Ok(signers) => signers,
             Err(reason) => return DeliveryResult::Dead { id, reason: reason.clone(), cause: DeadCause::NotSent },
