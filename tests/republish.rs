@@ -5,17 +5,19 @@ use common::*;
 use std::time::Duration;
 use zonewatch::model::Verdict;
 
+/// A workspace watching the synthetic county (1,500 parcels) with one `info` subscriber over
+/// all of it, and the county's first layer (not written yet).
+fn synthetic_county(hook: String) -> (Workspace, String) {
+    let ws = Workspace::new(&[Sub { id: "all", aoi: rect(-94.0, 44.0, -93.0, 46.0), target: hook, min_severity: "info", secret: None }], "", "");
+    ws.edit_config("bbox = [-72.0, 42.0, -70.0, 43.0]", "bbox = [-94.0, 44.0, -93.0, 46.0]");
+    let county = zonewatch::synth::generate_county(&zonewatch::synth::CountySpec { parcels: 1500, ..Default::default() });
+    (ws, zonewatch::synth::to_geojson(&county, "2026-01-01"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn republish_yields_zero_changes() {
     let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "all", aoi: rect(-94.0, 44.0, -93.0, 46.0), target: rx.url("/hook"), min_severity: "info", secret: None }],
-        "",
-        "",
-    );
-    ws.edit_config("bbox = [-72.0, 42.0, -70.0, 43.0]", "bbox = [-94.0, 44.0, -93.0, 46.0]");
-    let county = zonewatch::synth::generate_county(&zonewatch::synth::CountySpec { parcels: 1500, ..Default::default() });
-    let v1 = zonewatch::synth::to_geojson(&county, "2026-01-01");
+    let (ws, v1) = synthetic_county(rx.url("/hook"));
     let engine = ws.engine();
     ws.write_layer(&v1);
     assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
@@ -99,14 +101,7 @@ async fn a_feature_that_lost_its_id_is_not_alerted_as_a_removed_parcel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_written_again_with_fewer_decimals_changes_nothing_but_what_changed() {
     let rx = receiver(200).await;
-    let ws = Workspace::new(
-        &[Sub { id: "all", aoi: rect(-94.0, 44.0, -93.0, 46.0), target: rx.url("/hook"), min_severity: "info", secret: None }],
-        "",
-        "",
-    );
-    ws.edit_config("bbox = [-72.0, 42.0, -70.0, 43.0]", "bbox = [-94.0, 44.0, -93.0, 46.0]");
-    let county = zonewatch::synth::generate_county(&zonewatch::synth::CountySpec { parcels: 1500, ..Default::default() });
-    let v1 = zonewatch::synth::to_geojson(&county, "2026-01-01");
+    let (ws, v1) = synthetic_county(rx.url("/hook"));
     fn round_all(v: &mut serde_json::Value, f: &dyn Fn(f64) -> f64) {
         match v {
             serde_json::Value::Number(n) => {
