@@ -14,6 +14,20 @@ fn synthetic_county(hook: String) -> (Workspace, String) {
     (ws, zonewatch::synth::to_geojson(&county, "2026-01-01"))
 }
 
+/// Every number of `v` that is not whole, mapped by `f` (coordinates; a layer's ids and codes are strings).
+fn map_numbers(v: &mut serde_json::Value, f: &dyn Fn(f64) -> f64) {
+    match v {
+        serde_json::Value::Number(n) => {
+            if let Some(x) = n.as_f64().filter(|x| x.fract() != 0.0) {
+                *v = serde_json::json!(f(x));
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(|x| map_numbers(x, f)),
+        serde_json::Value::Object(o) => o.iter_mut().for_each(|(_, x)| map_numbers(x, f)),
+        _ => {}
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn republish_yields_zero_changes() {
     let rx = receiver(200).await;
@@ -102,23 +116,11 @@ async fn a_feature_that_lost_its_id_is_not_alerted_as_a_removed_parcel() {
 async fn a_layer_written_again_with_fewer_decimals_changes_nothing_but_what_changed() {
     let rx = receiver(200).await;
     let (ws, v1) = synthetic_county(rx.url("/hook"));
-    fn round_all(v: &mut serde_json::Value, f: &dyn Fn(f64) -> f64) {
-        match v {
-            serde_json::Value::Number(n) => {
-                if let Some(x) = n.as_f64().filter(|x| x.fract() != 0.0) {
-                    *v = serde_json::json!(f(x));
-                }
-            }
-            serde_json::Value::Array(a) => a.iter_mut().for_each(|x| round_all(x, f)),
-            serde_json::Value::Object(o) => o.iter_mut().for_each(|(_, x)| round_all(x, f)),
-            _ => {}
-        }
-    }
     // The synthetic county's coordinates have few decimals: given full ones (each value
     // moved within one grid step, the same value the same way, so parcels still share their
     // corners), as a county's GIS writes them.
     let mut doc: serde_json::Value = serde_json::from_str(&v1).unwrap();
-    round_all(&mut doc["features"], &|x| x + (x.to_bits() % 9973) as f64 * 1e-11);
+    map_numbers(&mut doc["features"], &|x| x + (x.to_bits() % 9973) as f64 * 1e-11);
     let engine = ws.engine();
     ws.write_layer(&doc.to_string());
     assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
@@ -134,21 +136,19 @@ async fn a_layer_written_again_with_fewer_decimals_changes_nothing_but_what_chan
     };
     let before: Vec<[u8; 32]> = features.iter().map(hash).collect();
     for f in features.iter_mut() {
-        round_all(&mut f["geometry"], &|x| (x * 1e8).round() / 1e8);
+        map_numbers(&mut f["geometry"], &|x| (x * 1e8).round() / 1e8);
     }
     let moved = features.iter().zip(&before).filter(|(f, h)| hash(f) != **h).count();
     assert!(moved * 10 > features.len(), "many parcels' hashes move: {moved} of {}", features.len());
     // One parcel shifted by ~1 m east, one rezoned.
-    round_all(&mut features[10]["geometry"], &|x| if x < -90.0 { x + 1e-5 } else { x });
+    map_numbers(&mut features[10]["geometry"], &|x| if x < -90.0 { x + 1e-5 } else { x });
     let zone = features[20]["properties"]["ZONE_CODE"].as_str().unwrap_or_default().to_string();
     features[20]["properties"]["ZONE_CODE"] = serde_json::json!(format!("{zone}-X"));
     ws.write_layer(&serde_json::json!({"type": "FeatureCollection", "features": features}).to_string());
     let r = run(&engine, false);
     assert_eq!((r.record.verdict, r.record.counts.features, r.record.counts.changes), (Verdict::Run, 1500, 2), "{}", r.line());
     // Read again (its bytes moved: one more parcel rezoned), the rounded shapes are still
-    // the stored ones, which stand. (A rounded parcel whose effective date moved, whose stored
-    // shape and hash are kept with the new date, is not exercised here: this layer maps no
-    // date field.)
+    // the stored ones, which stand. (With dates that moved, through a hold: the next test.)
     features[30]["properties"]["ZONE_CODE"] = serde_json::json!("Z-9");
     ws.write_layer(&serde_json::json!({"type": "FeatureCollection", "features": features}).to_string());
     let r = run(&engine, false);
@@ -187,4 +187,43 @@ async fn parcels_written_under_a_repeated_placeholder_id_are_not_alerted_as_remo
     assert_eq!(received.len(), 1);
     let body: serde_json::Value = serde_json::from_slice(&received[0].body).unwrap();
     assert_eq!((body["data"]["parcel_id"].as_str(), body["data"]["change"].as_str()), (Some("P0010"), Some("removed")));
+}
+
+/// The rounded-again layer of the test above, with every effective date moved and five
+/// parcels rezoned (a change spike: held), then released: the rounded parcels store the new
+/// date with their stored shape, hash and area, and the release announces only the five
+/// rezonings (it classified a rounded parcel's moved hash as `geometry_changed`, and marked
+/// an announcement that was never sent: a reviewer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rounded_layer_with_new_dates_keeps_the_stored_shapes_through_a_held_release() {
+    let rx = receiver(200).await;
+    let (ws, v1) = synthetic_county(rx.url("/hook"));
+    ws.edit_config("zoning = \"ZONE_CODE\"", "zoning = \"ZONE_CODE\"\neffective_date = \"EFF_DATE\"");
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.001");
+    let mut doc: serde_json::Value = serde_json::from_str(&v1).unwrap();
+    map_numbers(&mut doc["features"], &|x| x + (x.to_bits() % 9973) as f64 * 1e-11);
+    let engine = ws.engine();
+    ws.write_layer(&doc.to_string());
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    let before = engine.store.snapshot_states("s1").unwrap();
+
+    let mut features = doc["features"].as_array().unwrap().clone();
+    for (i, f) in features.iter_mut().enumerate() {
+        map_numbers(&mut f["geometry"], &|x| (x * 1e8).round() / 1e8);
+        f["properties"]["EFF_DATE"] = serde_json::json!("2026-06-01");
+        if i % 300 == 7 {
+            f["properties"]["ZONE_CODE"] = serde_json::json!("Z-9");
+        }
+    }
+    ws.write_layer(&serde_json::json!({"type": "FeatureCollection", "features": features}).to_string());
+    let held = run(&engine, false);
+    assert_eq!((held.record.verdict, held.record.counts.changes), (Verdict::Held, 5), "{}", held.line());
+    engine.resolve_hold(held.record.hold_id.expect("a hold"), false).expect("released");
+    let after = engine.store.snapshot_states("s1").unwrap();
+    let kept = after.iter().filter(|(id, s)| s.zoning != "Z-9" && s.geom_hash == before[*id].geom_hash && s.announced == before[*id].announced).count();
+    assert_eq!(kept, 1495, "every parcel not rezoned keeps its stored shape and announcement");
+    assert!(after.values().all(|s| s.effective_date.as_deref() == Some("2026-06-01")), "the new dates are stored");
+    deliver(&engine, Duration::from_secs(5)).await;
+    let kinds: Vec<String> = rx.received().iter().map(|m| serde_json::from_slice::<serde_json::Value>(&m.body).unwrap()["data"]["change"].as_str().unwrap_or_default().to_string()).collect();
+    assert_eq!(kinds, vec!["rezoned"; 5]);
 }
