@@ -51,6 +51,13 @@ impl ClosedGates {
         self.lock().insert(endpoint.to_string(), Some(cutoff));
     }
 
+    /// The commit recorded `endpoint`'s 410s as failures (the target that answered was not
+    /// its stored subscriber's: `DeliveryResult::Gone`), and closed nothing: its rows go out
+    /// as usual, leased before the commit or after.
+    pub(crate) fn not_closed(&self, endpoint: &str) {
+        self.lock().remove(endpoint);
+    }
+
     /// Endpoints none of whose rows a lease pass may take now (their disable not committed).
     pub(crate) fn held_back(&self) -> HashSet<String> {
         self.lock().iter().filter(|(_, m)| m.is_none()).map(|(id, _)| id.clone()).collect()
@@ -94,6 +101,12 @@ mod tests {
         assert!(gone.skips("w", after));
         gone.closed_by_commit("w");
         assert!(!gone.skips("w", gone.begin_pass()));
+        // A 410 the commit took as a failure (not the stored subscriber's target): nothing of
+        // w is held back any more, not even a row leased before.
+        let before = gone.begin_pass();
+        gone.answered_gone("w");
+        gone.not_closed("w");
+        assert!(!gone.skips("w", before) && gone.held_back().is_empty());
         // A breaker that opened: no 410 before it, the commit alone.
         let early = gone.begin_pass();
         gone.closed_by_commit("v");

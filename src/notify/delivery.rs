@@ -470,13 +470,14 @@ impl Deliverer {
                     let mut results = Vec::with_capacity(n);
                     let mut log = Vec::with_capacity(n);
                     let mut probes_done = Vec::new();
-                    let mut gone_now = Vec::new();
+                    // (endpoint, row) of each 410 answered.
+                    let mut gone_now: Vec<(String, u64)> = Vec::new();
                     for o in batch {
                         stats.count(&o.result);
                         if let Some(p) = o.probe_of {
                             probes_done.push(p);
                         }
-                        gone_now.extend(o.gone);
+                        gone_now.extend(o.gone.map(|endpoint| (endpoint, o.result.id())));
                         results.push(o.result);
                         log.push(o.attempt);
                     }
@@ -485,30 +486,41 @@ impl Deliverer {
                     let now = clock.now_ms();
                     let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now, Some(&policy))).await;
                     tracing::debug!(n, ms = tc.elapsed().as_secs_f64() * 1000.0, "outcome group commit");
-                    let closed = match r {
+                    let (closed, not_gone) = match r {
                         Ok(Ok(recorded)) => {
                             stats.commits += 1;
                             stats.not_gone(&recorded.not_gone);
-                            recorded.closed
+                            (recorded.closed, recorded.not_gone.into_iter().map(|(id, _)| id).collect::<HashSet<u64>>())
                         }
                         Ok(Err(e)) => {
                             // The entries keep their leases: they go out again (same key) once
                             // the leases expire or the store is next opened.
                             tracing::error!("recording {n} delivery outcomes failed: {e}");
                             failure.get_or_insert(DeliveryError::Store(e));
-                            Vec::new()
+                            (Vec::new(), HashSet::new())
                         }
                         Err(e) => {
                             tracing::error!("recording deliveries failed: {e}");
                             failure.get_or_insert(DeliveryError::Task(format!("outcome task: {e}")));
-                            Vec::new()
+                            (Vec::new(), HashSet::new())
                         }
                     };
                     // A 410 whose commit failed is let go as well: the store does not hold its
                     // endpoint, so later passes lease its rows again and the 410 that comes back
                     // is recorded then (rather than its rows held for the rest of the pump).
-                    for endpoint in gone_now.iter().chain(&closed) {
-                        gates.closed_by_commit(endpoint);
+                    // An endpoint whose 410s were all recorded as failures (not its stored
+                    // subscriber's target) closed nothing: its leased rows go out as usual.
+                    let reopened: HashSet<&str> = gone_now
+                        .iter()
+                        .map(|(endpoint, _)| endpoint.as_str())
+                        .filter(|endpoint| !closed.iter().any(|c| c == endpoint) && gone_now.iter().all(|(e, id)| e != endpoint || not_gone.contains(id)))
+                        .collect();
+                    for endpoint in gone_now.iter().map(|(e, _)| e).chain(&closed) {
+                        if reopened.contains(endpoint.as_str()) {
+                            gates.not_closed(endpoint);
+                        } else {
+                            gates.closed_by_commit(endpoint);
+                        }
                     }
                     {
                         let mut g = probing.lock().unwrap_or_else(|p| p.into_inner());
