@@ -591,7 +591,7 @@ fn worker(
                             out.folded.push(f);
                         }
                     }
-                    let p = n.parcel;
+                    let mut p = n.parcel;
                     let stored = match snapshot.get_or_init(|| build_index(view)) {
                         Ok(i) => i,
                         Err(e) => {
@@ -617,7 +617,6 @@ fn worker(
                             }
                         },
                     };
-                    let mut p = p;
                     let mut delta = classify(prev.as_ref(), &p.state);
                     if let (ParcelDelta::Changed(Some(ChangeKind::GeometryChanged)), Some(prev)) = (&delta, &prev) {
                         match rounded_again(view, &p) {
