@@ -175,7 +175,7 @@ const BATCH: usize = 512;
 /// effective date moved. A layer that keeps the rounded form pays this read for each such
 /// parcel at every run that reads it (its hash never matches the stored one).
 fn rounded_again(view: &SnapshotView, p: &crate::model::Parcel) -> Result<Option<crate::model::StoredGeometry>, crate::store::StoreError> {
-    let Some((_, Some(stored))) = view.get_with_geometry(&p.id)? else { return Ok(None) };
+    let Some(stored) = view.geometry(&p.id)? else { return Ok(None) };
     Ok(crate::detect::canonical::same_but_for_rounding(&stored.to_geo(), &p.geometry.to_geo()).then_some(stored))
 }
 

@@ -81,9 +81,7 @@ impl PassStats {
             DeliveryResult::Deferred { .. } => self.deferred += 1,
         }
     }
-}
 
-impl PassStats {
     /// Moves the 410s the commit recorded as the failures they otherwise are (`not_gone`:
     /// each row with whether it was dead-lettered) from `gone` to `retried` or `dead`: their
     /// endpoints were not disabled.
@@ -510,13 +508,15 @@ impl Deliverer {
                     // is recorded then (rather than its rows held for the rest of the pump).
                     // An endpoint whose 410s were all recorded as failures (not its stored
                     // subscriber's target) closed nothing: its leased rows go out as usual.
-                    let reopened: HashSet<&str> = gone_now
-                        .iter()
-                        .map(|(endpoint, _)| endpoint.as_str())
-                        .filter(|endpoint| !closed.iter().any(|c| c == endpoint) && gone_now.iter().all(|(e, id)| e != endpoint || not_gone.contains(id)))
-                        .collect();
-                    for endpoint in gone_now.iter().map(|(e, _)| e).chain(&closed) {
-                        if reopened.contains(endpoint.as_str()) {
+                    let mut all_not_gone: HashMap<&str, bool> = HashMap::new();
+                    for (endpoint, id) in &gone_now {
+                        *all_not_gone.entry(endpoint.as_str()).or_insert(true) &= not_gone.contains(id);
+                    }
+                    for endpoint in &closed {
+                        all_not_gone.insert(endpoint.as_str(), false);
+                    }
+                    for (endpoint, reopened) in all_not_gone {
+                        if reopened {
                             gates.not_closed(endpoint);
                         } else {
                             gates.closed_by_commit(endpoint);

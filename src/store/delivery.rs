@@ -621,7 +621,7 @@ impl Store {
                         // Due at once: it goes out as soon as an operator enables the endpoint.
                         let mut updated = entry.clone();
                         updated.attempts = attempts;
-                        updated.next_attempt_ms = super::clock_step::retry_due(now_ms, decided.get(&id).copied(), now_ms);
+                        updated.next_attempt_ms = now_ms;
                         updated.last_error = Some(crate::notify::delivery::HTTP_410_GONE.into());
                         outbox.move_to_retry(queue, &entry, &updated)?;
                     }

@@ -133,11 +133,12 @@ impl SnapshotView {
         }
     }
 
-    /// The stored state of one parcel and its geometry (`None` for a parcel stored without
-    /// one): what a change of shape is measured against (`canonical::same_but_for_rounding`).
-    pub fn get_with_geometry(&self, parcel_id: &str) -> Result<Option<(ParcelState, Option<StoredGeometry>)>, StoreError> {
-        match with_record(&self.table, &self.source_id, parcel_id, super::snapshot::decode_record)? {
-            Some(found) => Ok(Some(found.map_err(|m| codec_err("parcel_blocks", m))?)),
+    /// The stored geometry of one parcel (`None` for a parcel not stored, or stored without
+    /// one; its state is skipped): what a change of shape is measured against
+    /// (`canonical::same_but_for_rounding`).
+    pub fn geometry(&self, parcel_id: &str) -> Result<Option<StoredGeometry>, StoreError> {
+        match with_record(&self.table, &self.source_id, parcel_id, super::snapshot::decode_geometry)? {
+            Some(found) => found.map_err(|m| codec_err("parcel_blocks", m)),
             None => Ok(None),
         }
     }
