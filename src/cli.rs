@@ -871,6 +871,10 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                     if n > 0 {
                         tracing::info!(swept = n, "superseded holds removed past run_retention");
                     }
+                    let n = sweep_in_batches(&store, "quarantine retention sweep", move |s, max| s.sweep_quarantine(now, keep, max), RUN_SWEEP_BATCH, &rx).await;
+                    if n > 0 {
+                        tracing::info!(swept = n, "quarantined features' rows removed past run_retention (their audit rows stay)");
+                    }
                 }
             });
         }
@@ -927,7 +931,8 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
 
 /// What `run` sweeps once its sources and delivery are done (`serve` sweeps every 10
 /// minutes): expired idempotency keys, delivery attempts past `retention`, run records that
-/// committed nothing past `run_retention`; one batch each.
+/// committed nothing, superseded holds and quarantined features' rows past `run_retention`;
+/// one batch each.
 fn end_of_run_sweeps(engine: &Engine) {
     if let Err(e) = engine.store.sweep_expired_keys(engine.now(), 10_000) {
         warning_line!("sweeping expired idempotency keys failed: {e}");
@@ -942,6 +947,9 @@ fn end_of_run_sweeps(engine: &Engine) {
     }
     if let Err(e) = engine.store.sweep_superseded_holds(engine.now(), keep, RUN_SWEEP_BATCH) {
         warning_line!("retention sweep of superseded holds failed: {e}");
+    }
+    if let Err(e) = engine.store.sweep_quarantine(engine.now(), keep, RUN_SWEEP_BATCH) {
+        warning_line!("retention sweep of quarantined features failed: {e}");
     }
 }
 

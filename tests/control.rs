@@ -505,6 +505,19 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
         let dead = get("/v1/deadletters");
         let dead = dead["items"].as_array().unwrap();
         assert!(dead.len() == 2 && dead.iter().all(|x| x["watcher_id"] == "api-2" && x["reason"] == "subscriber_deleted"), "{dead:?}");
+        // A page at a time, in id order, each after the last id of the one before.
+        let first = get("/v1/deadletters?limit=1");
+        let cursor = first["next_cursor"].as_str().unwrap().to_string();
+        assert_eq!(first["items"][0]["id"], dead[0]["id"]);
+        let second = get(&format!("/v1/deadletters?limit=1&cursor={cursor}"));
+        assert_eq!(second["items"][0]["id"], dead[1]["id"]);
+        let third = get(&format!("/v1/deadletters?limit=1&cursor={}", second["next_cursor"].as_str().unwrap()));
+        assert!(third["items"].as_array().unwrap().is_empty() && third["next_cursor"].is_null(), "{third}");
+        assert!(get("/v1/deadletters")["next_cursor"].is_null(), "the whole list fits a page");
+        for bad in ["limit=0", "limit=1001", "cursor=x", "since=1"] {
+            let r = c.get(d.url(&format!("/v1/deadletters?{bad}"))).header("authorization", &auth).send().unwrap();
+            assert_eq!(r.status(), 400, "{bad}");
+        }
         assert!(state("api-2").is_null(), "a deleted subscriber's endpoint is not listed");
 
         // While no api-2 exists, a replay leaves its dead letters as they are: it would only
@@ -829,6 +842,9 @@ const FUZZ_QUERIES: &[(&str, &[&str])] = &[
     ("/v1/audit", &["parcel", "watcher", "source", "key", "lineage", "since", "order", "outcome", "limit", "cursor"]),
     ("/v1/changes/recent", &["limit"]),
     ("/v1/holds", &["state", "limit"]),
+    ("/v1/deadletters", &["limit", "cursor"]),
+    ("/v1/deadletters/quarantined", &["limit", "cursor"]),
+    ("/v1/quarantine", &["limit", "cursor"]),
 ];
 
 const QUERY_NAMES: &[&str] = &["limit", "cursor", "since", "outcome", "order", "source", "x", "", "limit%00", "LIMIT", "cursor[]"];

@@ -24,10 +24,11 @@ fn page_of(item: &str) -> Value {
 }
 
 /// Standard error responses for an authenticated operation, plus extra codes. Every one
-/// may answer 400: a query parameter it does not take is refused (`bad_query`).
+/// may answer 400: a query parameter it does not take is refused (`bad_query`); and 500
+/// when the store fails it (`internal`).
 fn with_errors(mut responses: Value, extra: &[&str]) -> Value {
     if let Some(m) = responses.as_object_mut() {
-        for code in ["400", "401", "408", "413"].iter().chain(extra) {
+        for code in ["400", "401", "408", "413", "500"].iter().chain(extra) {
             m.insert(code.to_string(), err_ref());
         }
     }
@@ -51,6 +52,7 @@ pub fn document() -> Value {
     let sub_id = path_param("id", json!({"type": "string"}));
     let limit = query_param("limit", json!({"type": "integer", "minimum": 1, "maximum": 1000}));
     let cursor = query_param("cursor", json!({"type": "integer", "minimum": 0}));
+    let page_limit = query_param("limit", json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 1000}));
     // Every outcome the ledger holds is a filter (`Outcome::ALL`, as the handler checks).
     let one_outcome = format!("({})", Outcome::ALL.map(Outcome::as_str).join("|"));
     let outcome_pattern = format!("^{one_outcome}(,{one_outcome})*$");
@@ -83,7 +85,7 @@ pub fn document() -> Value {
             "/v1/sources/{id}/run": {"post": {"operationId": "runSource", "parameters": [src_id.clone()], "responses": with_errors(json!({
                 "200": ok("the run's record", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}, "hold_reason": ns("string")}})),
                 "409": ok("a run of this source is in progress (skipped_overlap)", json!({"type": "object", "required": ["status"], "properties": {"status": s("string"), "source_id": s("string"), "message": s("string")}}))
-            }), &["404", "422"])}},
+            }), &["404", "422", "503"])}},
             "/v1/sources/{id}/watermarks": {"get": {"operationId": "sourceWatermarks", "parameters": [src_id], "responses": with_errors(json!({
                 "200": ok("watermark history, oldest first", json!({"type": "object", "required": ["source_id", "items"], "properties": {"source_id": s("string"), "items": {"type": "array", "items": {"$ref": "#/components/schemas/Watermark"}}}}))}), &["404"])}},
             "/v1/runs": {"get": {"operationId": "listRuns", "parameters": [query_param("source", s("string")), limit.clone(), cursor.clone()],
@@ -92,9 +94,9 @@ pub fn document() -> Value {
                 "parameters": [query_param("state", json!({"type": "string", "description": "comma-separated: open, released, primed, superseded"})), limit.clone()],
                 "responses": with_errors(json!({"200": ok("holds, oldest first (with limit: the newest of them)", list_of("Hold"))}), &["400"])}},
             "/v1/holds/{run}/release": {"post": {"operationId": "releaseHold", "parameters": [run_id.clone()], "responses": with_errors(json!({
-                "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429"])}},
+                "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429", "503"])}},
             "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
-                "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429"])}},
+                "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429", "503"])}},
             "/v1/subscribers": {
                 "get": {"operationId": "listSubscribers", "responses": with_errors(json!({"200": ok("subscribers", list_of("Subscriber"))}), &[])},
                 "post": {"operationId": "createSubscriber", "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubscriberInput"}}}},
@@ -119,27 +121,30 @@ pub fn document() -> Value {
                     query_param("since", json!({"type": "string", "format": "date-time"})),
                     query_param("order", json!({"type": "string", "enum": ["asc", "desc"]})),
                     query_param("outcome", json!({"type": "string", "pattern": outcome_pattern, "description": "comma-separated outcomes"})),
-                    limit.clone(), cursor],
+                    limit.clone(), cursor.clone()],
                 "responses": with_errors(json!({"200": ok("audit rows in ledger order", page_of("AuditRow"))}), &["400"])}},
             "/v1/changes/recent": {"get": {"operationId": "recentChanges", "parameters": [limit],
                 "responses": with_errors(json!({"200": ok("latest changed parcels with their current geometry", json!({"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
                     "type": "object", "required": ["source_id", "parcel_id", "ts", "outcome"], "properties": {"source_id": s("string"), "parcel_id": s("string"), "ts": s("string"), "outcome": s("string"), "detail": s("string"), "geometry": {"type": ["object", "null"]}}}}}}))}), &["400"])}},
-            "/v1/deadletters": {"get": {"operationId": "listDeadLetters", "responses": with_errors(json!({"200": ok("dead letters", list_of("DeadLetter"))}), &[])}},
+            "/v1/deadletters": {"get": {"operationId": "listDeadLetters", "parameters": [page_limit.clone(), cursor.clone()],
+                "responses": with_errors(json!({"200": ok("dead letters in id order, a page after the id `cursor` (`next_cursor`: null after the last)", page_of("DeadLetter"))}), &["400"])}},
             "/v1/deadletters/replay": {"post": {"operationId": "replayDeadLetters",
                 "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {
                     "ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
                     "since": {"type": ["string", "null"], "format": "date-time"}, "until": {"type": ["string", "null"], "format": "date-time"}}}}}},
                 "responses": with_errors(json!({"200": ok("what each dead letter became", json!({"type": "object", "required": ["requeued", "duplicates", "quarantined", "items"], "properties": {
                     "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "not_found": s("integer"), "no_subscriber": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
-                        "id": s("integer"), "outcome": {"type": "string", "enum": ["requeued", "duplicate", "quarantined", "not_found", "no_subscriber"]}, "watcher_id": s("string")}}}}}))}), &["400"])}},
-            "/v1/deadletters/quarantined": {"get": {"operationId": "listQuarantinedDeadLetters", "responses": with_errors(json!({"200": ok("dead letters set aside for a person (replayed past max_replays, invalid geometry)", list_of("DeadLetter"))}), &[])}},
+                        "id": s("integer"), "outcome": {"type": "string", "enum": ["requeued", "duplicate", "quarantined", "not_found", "no_subscriber"]}, "watcher_id": s("string")}}}}}))}), &["400", "503"])}},
+            "/v1/deadletters/quarantined": {"get": {"operationId": "listQuarantinedDeadLetters", "parameters": [page_limit.clone(), cursor.clone()],
+                "responses": with_errors(json!({"200": ok("dead letters set aside for a person (replayed past max_replays, invalid geometry), in id order, a page after the id `cursor`", page_of("DeadLetter"))}), &["400"])}},
             "/v1/deadletters/release": {"post": {"operationId": "releaseQuarantinedDeadLetters",
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "required": ["ids"], "properties": {
                     "ids": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}}}}}},
                 "responses": with_errors(json!({"200": ok("what each id became: released (a dead letter again, replay count reset) or not_found", json!({"type": "object", "required": ["released", "not_found", "items"], "properties": {
                     "released": s("integer"), "not_found": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
                         "id": s("integer"), "outcome": {"type": "string", "enum": ["released", "not_found"]}, "quarantine_reason": s("string")}}}}}))}), &["400", "409"])}},
-            "/v1/quarantine": {"get": {"operationId": "listQuarantine", "responses": with_errors(json!({"200": ok("quarantined features", list_of("Quarantined"))}), &[])}},
+            "/v1/quarantine": {"get": {"operationId": "listQuarantine", "parameters": [page_limit.clone(), cursor.clone()],
+                "responses": with_errors(json!({"200": ok("quarantined features, oldest first, a page after the row `cursor` (kept past [store] run_retention only; their audit rows stay)", page_of("Quarantined"))}), &["400"])}},
             "/v1/backup": {"post": {"operationId": "backup",
                 "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"},
                     "store": {"type": ["object", "null"], "additionalProperties": false, "required": ["dev", "ino"], "description": "the store file meant (device and inode numbers); a daemon serving another file answers 409 other_store", "properties": {"dev": s("integer"), "ino": s("integer")}}}}}}},
@@ -205,8 +210,8 @@ pub fn document() -> Value {
                             "observed_at": {"type": "string", "format": "date-time", "description": "the run that found the change (also for a held change released later); order a parcel's events by it, and an overlay's by it and the overlay"},
                             "area_m2": s("number"),
                             "geometry": {"type": ["object", "null"], "description": "GeoJSON Polygon or MultiPolygon: the new shape, the old one for a removal"}}}}},
-                "Quarantined": {"type": "object", "required": ["source_id", "reason"], "properties": {
-                    "source_id": s("string"), "run_id": s("integer"), "lineage_id": s("string"), "feature_index": s("integer"), "parcel_id": ns("string"),
+                "Quarantined": {"type": "object", "required": ["id", "source_id", "reason"], "properties": {
+                    "id": s("integer"), "source_id": s("string"), "run_id": s("integer"), "lineage_id": s("string"), "feature_index": s("integer"), "parcel_id": ns("string"),
                     "reason": s("string"), "detail": s("string"), "raw": s("string"), "ts": s("string")}}
             }
         }

@@ -6,7 +6,7 @@ use super::{auth, ControlState};
 use crate::cli::audit_json;
 use crate::model::*;
 use crate::pipeline::{PipelineError, RunOptions};
-use crate::store::{AuditFilter, StoredSubscriber};
+use crate::store::{AuditFilter, DeadLetterList, StoredSubscriber};
 use crate::util::rfc3339;
 use hyper::{Method, Request, StatusCode};
 use serde::Deserialize;
@@ -109,14 +109,10 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         }
         (&Method::GET, ["v1", "audit"]) => blocking(move || audit(&st, &q)).await,
         (&Method::GET, ["v1", "changes", "recent"]) => blocking(move || recent_changes(&st, &q)).await,
-        (&Method::GET, ["v1", "deadletters"]) => blocking(move || dead_letter_list(st.engine.store.dead_letters())).await,
-        (&Method::GET, ["v1", "quarantine"]) => blocking(move || match st.engine.store.quarantine() {
-            Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(quarantine_json).collect::<Vec<_>>()})),
-            Err(e) => internal(e),
-        })
-        .await,
+        (&Method::GET, ["v1", "deadletters"]) => blocking(move || dead_letter_list(&st, DeadLetterList::Waiting, &q)).await,
+        (&Method::GET, ["v1", "quarantine"]) => blocking(move || quarantine_list(&st, &q)).await,
         (&Method::POST, ["v1", "backup"]) => blocking(move || backup(&st, &body)).await,
-        (&Method::GET, ["v1", "deadletters", "quarantined"]) => blocking(move || dead_letter_list(st.engine.store.dlq_quarantine())).await,
+        (&Method::GET, ["v1", "deadletters", "quarantined"]) => blocking(move || dead_letter_list(&st, DeadLetterList::Quarantined, &q)).await,
         (&Method::POST, ["v1", "deadletters", "release"]) => blocking(move || release_quarantined(&st, &body)).await,
         (&Method::POST, ["v1", "deadletters", "replay"]) => {
             let r = blocking(move || replay_dead_letters(&st, &body)).await;
@@ -166,6 +162,7 @@ pub(super) fn accepted_query(seg: &[&str]) -> &'static [&'static str] {
         ["v1", "holds"] => &["state", "limit"],
         ["v1", "audit"] => &["parcel", "watcher", "source", "key", "lineage", "since", "order", "outcome", "limit", "cursor"],
         ["v1", "changes", "recent"] => &["limit"],
+        ["v1", "deadletters"] | ["v1", "deadletters", "quarantined"] | ["v1", "quarantine"] => &["limit", "cursor"],
         _ => &[],
     }
 }
@@ -223,10 +220,24 @@ fn watermark_json(w: &Watermark) -> Value {
     })
 }
 
-/// `{"items": [...]}` of dead letters (or quarantined ones).
-fn dead_letter_list(letters: Result<Vec<DeadLetter>, crate::store::StoreError>) -> Resp {
-    match letters {
-        Ok(d) => json(StatusCode::OK, &json!({"items": d.iter().map(dead_letter_json).collect::<Vec<_>>()})),
+/// `{"items": [...], "next_cursor": ...}`: a page of dead letters (or quarantined ones) in id
+/// order, `limit` of them (at most and by default 1,000) after the id `cursor`. A receiver
+/// down for a day can leave hundreds of thousands, each with its payload: the whole list in
+/// one answer was built in memory by a daemon meant to idle in 50 MiB.
+fn dead_letter_list(st: &ControlState, list: DeadLetterList, q: &std::collections::HashMap<String, String>) -> Resp {
+    let limit = match limit_or(q, MAX_PAGE) {
+        Ok(l) => l,
+        Err(r) => return *r,
+    };
+    let cursor = match query_u64(q, "cursor") {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    match st.engine.store.dead_letters_page(list, cursor, limit) {
+        Ok(d) => {
+            let next = if d.len() == limit { d.last().map(|d| d.entry.id.to_string()) } else { None };
+            json(StatusCode::OK, &json!({"items": d.iter().map(dead_letter_json).collect::<Vec<_>>(), "next_cursor": next}))
+        }
         Err(e) => internal(e),
     }
 }
@@ -240,9 +251,31 @@ fn dead_letter_json(d: &DeadLetter) -> Value {
     })
 }
 
-fn quarantine_json(q: &QuarantineRecord) -> Value {
+/// `{"items": [...], "next_cursor": ...}`: a page of quarantined features, oldest first,
+/// `limit` of them (at most and by default 1,000) after the row `cursor`. Each keeps up to
+/// 16 KiB of the feature's text, and one run of a county whose `parcel_id` was mistyped
+/// quarantines most of it: the whole table was built into one answer before.
+fn quarantine_list(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
+    let limit = match limit_or(q, MAX_PAGE) {
+        Ok(l) => l,
+        Err(r) => return *r,
+    };
+    let cursor = match query_u64(q, "cursor") {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    match st.engine.store.quarantine_page(cursor, limit) {
+        Ok(rows) => {
+            let next = if rows.len() == limit { rows.last().map(|(k, _)| k.to_string()) } else { None };
+            json(StatusCode::OK, &json!({"items": rows.iter().map(|(k, r)| quarantine_json(*k, r)).collect::<Vec<_>>(), "next_cursor": next}))
+        }
+        Err(e) => internal(e),
+    }
+}
+
+fn quarantine_json(row: u64, q: &QuarantineRecord) -> Value {
     json!({
-        "source_id": q.source_id, "run_id": q.run_id, "lineage_id": q.lineage_id, "feature_index": q.feature_index,
+        "id": row, "source_id": q.source_id, "run_id": q.run_id, "lineage_id": q.lineage_id, "feature_index": q.feature_index,
         "parcel_id": q.parcel_id, "reason": q.reason.as_str(), "detail": q.detail, "raw": q.raw, "ts": rfc3339(q.ts_ms),
     })
 }
@@ -347,12 +380,15 @@ fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Refu
     limit_or(q, 100)
 }
 
-/// `limit=N` (1 to 1000), or `default` when there is none.
+/// The most rows a page of any list route holds.
+const MAX_PAGE: usize = 1000;
+
+/// `limit=N` (1 to [`MAX_PAGE`]), or `default` when there is none.
 fn limit_or(q: &std::collections::HashMap<String, String>, default: usize) -> Result<usize, Refusal> {
     match query_u64(q, "limit")? {
         None => Ok(default),
-        Some(n) if (1..=1000).contains(&n) => Ok(n as usize),
-        Some(n) => Err(refuse(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and 1000, got {n}"))),
+        Some(n) if (1..=MAX_PAGE as u64).contains(&n) => Ok(n as usize),
+        Some(n) => Err(refuse(StatusCode::BAD_REQUEST, "bad_query", format!("limit must be between 1 and {MAX_PAGE}, got {n}"))),
     }
 }
 
@@ -803,18 +839,17 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
         (Ok(s), Ok(u)) => (s.unwrap_or(0), u.unwrap_or(u64::MAX)),
         (Err(r), _) | (_, Err(r)) => return *r,
     };
-    let mut letters = match st.engine.store.dead_letters() {
-        Ok(d) => d,
+    // Ids and observation times only; each row is read again as it is replayed.
+    let picks = match st.engine.store.replay_picks(b.ids.as_deref(), since, until) {
+        Ok(p) => p,
         Err(e) => return internal(e),
     };
-    letters.retain(|d| b.ids.as_ref().is_none_or(|ids| ids.contains(&d.entry.id)) && d.dead_at_ms >= since && d.dead_at_ms <= until);
-    letters.sort_by_key(|d| (crate::notify::replay::observed_ms(d), d.entry.id));
     let (mut requeued, mut duplicates, mut quarantined, mut not_found) = (0u64, 0u64, 0u64, 0u64);
     let mut items = Vec::new();
     // A named id that is no dead letter (in the window) is said so, as `release` and
     // `zonewatch dlq replay` say it, not dropped from the answer.
     if let Some(ids) = &b.ids {
-        let found: std::collections::HashSet<u64> = letters.iter().map(|d| d.entry.id).collect();
+        let found: std::collections::HashSet<u64> = picks.iter().map(|p| p.id).collect();
         let mut seen = std::collections::HashSet::new();
         for &id in ids {
             if !found.contains(&id) && seen.insert(id) {
@@ -823,37 +858,64 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
             }
         }
     }
-    // Left as they are until a subscriber of their id exists (`waits_for_subscriber`).
-    let (waiting, letters): (Vec<_>, Vec<_>) = letters.into_iter().partition(|d| crate::notify::replay::waits_for_subscriber(d, &st.engine.subscribers));
-    for d in &waiting {
-        items.push(json!({"id": d.entry.id, "outcome": "no_subscriber", "watcher_id": d.entry.watcher_id}));
+    // Left as they are until a subscriber of their id exists (`subscriber_missing`).
+    let (waiting, picks): (Vec<_>, Vec<_>) = picks.into_iter().partition(|p| crate::notify::replay::subscriber_missing(&p.watcher_id, &st.engine.subscribers));
+    for p in &waiting {
+        items.push(json!({"id": p.id, "outcome": "no_subscriber", "watcher_id": p.watcher_id}));
     }
-    for d in letters {
-        let geometry = crate::notify::replay::validate_entry_geometry(&d.entry);
-        match st.engine.store.replay_dead_letter(d.entry.id, st.engine.now(), st.engine.config.delivery.max_replays, geometry) {
+    // Each dead letter is its own transaction: one that fails, or a stop of the daemon, ends
+    // the replay there, and the answer still says what was replayed before (an operator
+    // told only "500" would replay again, spending a replay of each).
+    let mut ended: Option<(StatusCode, &str, String)> = None;
+    let total = picks.len();
+    for (done, p) in picks.into_iter().enumerate() {
+        if st.engine.stop.requested() {
+            ended = Some((StatusCode::SERVICE_UNAVAILABLE, "stopping", format!("zonewatch is stopping: {} of {total} dead letters were not replayed (replay them again)", total - done)));
+            break;
+        }
+        // Replayed or released meanwhile (another request, `zonewatch dlq`): not found now.
+        let geometry = match st.engine.store.dead_letter(p.id) {
+            Ok(Some(d)) => crate::notify::replay::validate_entry_geometry(&d.entry),
+            Ok(None) => Ok(()),
+            Err(e) => {
+                ended = Some((StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("dead letter {}: {e}; it and the {} after it were not replayed", p.id, total - done - 1)));
+                break;
+            }
+        };
+        match st.engine.store.replay_dead_letter(p.id, st.engine.now(), st.engine.config.delivery.max_replays, geometry) {
             Ok(crate::store::ReplayOutcome::Requeued { outbox_id, replay }) => {
                 requeued += 1;
-                items.push(json!({"id": d.entry.id, "outcome": "requeued", "outbox_id": outbox_id, "replay": replay}));
+                items.push(json!({"id": p.id, "outcome": "requeued", "outbox_id": outbox_id, "replay": replay}));
             }
             Ok(crate::store::ReplayOutcome::Duplicate) => {
                 duplicates += 1;
-                items.push(json!({"id": d.entry.id, "outcome": "duplicate"}));
+                items.push(json!({"id": p.id, "outcome": "duplicate"}));
             }
             Ok(crate::store::ReplayOutcome::Quarantined { reason }) => {
                 quarantined += 1;
-                items.push(json!({"id": d.entry.id, "outcome": "quarantined", "reason": reason}));
+                items.push(json!({"id": p.id, "outcome": "quarantined", "reason": reason}));
             }
             Ok(crate::store::ReplayOutcome::NotFound) => {
                 not_found += 1;
-                items.push(json!({"id": d.entry.id, "outcome": "not_found"}));
+                items.push(json!({"id": p.id, "outcome": "not_found"}));
             }
-            Err(e) => return internal(e),
+            Err(e) => {
+                ended = Some((StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("dead letter {}: {e}; it and the {} after it were not replayed", p.id, total - done - 1)));
+                break;
+            }
         }
     }
-    json(
-        StatusCode::OK,
-        &json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "not_found": not_found, "no_subscriber": waiting.len(), "items": items}),
-    )
+    let mut answer = json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "not_found": not_found, "no_subscriber": waiting.len(), "items": items});
+    match ended {
+        None => json(StatusCode::OK, &answer),
+        Some((status, code, message)) => {
+            if status == StatusCode::INTERNAL_SERVER_ERROR {
+                tracing::error!("control port: replay: {message}");
+            }
+            answer["error"] = json!({"code": code, "message": message});
+            json(status, &answer)
+        }
+    }
 }
 
 /// Body of `POST /v1/deadletters/release`: which quarantined dead letters (named; never all).

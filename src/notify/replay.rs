@@ -97,7 +97,12 @@ pub fn observed_ms(dl: &DeadLetter) -> u64 {
 /// (`subscriber_gone`) and count one more replay toward `max_replays`, so `dlq replay` and
 /// `POST /v1/deadletters/replay` leave it as it is until a subscriber of that id exists.
 pub fn waits_for_subscriber(dl: &DeadLetter, subscribers: &crate::notify::matcher::SubscriberIndex) -> bool {
-    subscribers.get(&dl.entry.watcher_id).is_none()
+    subscriber_missing(&dl.entry.watcher_id, subscribers)
+}
+
+/// Whether no subscriber of `watcher_id` exists (see [`waits_for_subscriber`]).
+pub fn subscriber_missing(watcher_id: &str, subscribers: &crate::notify::matcher::SubscriberIndex) -> bool {
+    subscribers.get(watcher_id).is_none()
 }
 
 /// What a replay came to.

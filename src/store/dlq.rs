@@ -243,6 +243,51 @@ mod tests {
         assert_eq!(store.outbox().unwrap().len(), 1, "only B is queued again");
     }
 
+    /// Dead letters are read a page at a time in id order, each page after the last id of
+    /// the one before, and a replay chooses from small picks: of the window, of named ids
+    /// only (an id named twice once, one that is no dead letter not at all), oldest
+    /// observation first.
+    #[test]
+    fn dead_letters_come_in_pages_and_replays_choose_from_picks() {
+        use crate::store::DeadLetterList::{Quarantined, Waiting};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let names: Vec<String> = (0..5).map(|i| format!("P{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let (mut events, claims) = super::super::delivery::sample_claims(&names);
+        // Observed in the reverse of their queue order.
+        for (i, e) in events.iter_mut().enumerate() {
+            e.observed_at_ms = 1_000 - i as u64;
+        }
+        store.enqueue(&events, &claims, "l1", 0, HOUR).unwrap();
+        let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
+        for (n, (k, id)) in rows.iter().enumerate() {
+            let refused = DeliveryResult::Dead { id: *id, reason: "rejected_400".into(), cause: crate::store::DeadCause::Endpoint };
+            store.record_outcomes(&[refused], &[attempt(k, *id, "dead_letter", 10 + n as u64)], 10 + n as u64).unwrap();
+        }
+        let mut ids: Vec<u64> = rows.iter().map(|r| r.1).collect();
+        ids.sort();
+        let page = |after: Option<u64>, limit: usize| -> Vec<u64> { store.dead_letters_page(Waiting, after, limit).unwrap().iter().map(|d| d.entry.id).collect() };
+        assert_eq!(page(None, 2), ids[..2]);
+        assert_eq!(page(Some(ids[1]), 2), ids[2..4]);
+        assert_eq!(page(Some(ids[3]), 2), ids[4..]);
+        assert!(page(Some(ids[4]), 2).is_empty());
+        assert!(page(Some(u64::MAX), 2).is_empty());
+        assert!(store.dead_letters_page(Quarantined, None, 10).unwrap().is_empty());
+
+        let picks = store.replay_picks(None, 0, u64::MAX).unwrap();
+        let observed: Vec<u64> = picks.iter().map(|p| p.observed_ms).collect();
+        assert!(observed.windows(2).all(|w| w[0] <= w[1]) && picks.len() == 5, "oldest observation first: {picks:?}");
+        let by_key: std::collections::HashMap<u64, u64> = store.dead_letters().unwrap().iter().map(|d| (d.entry.id, d.dead_at_ms)).collect();
+        let window = store.replay_picks(None, 11, 12).unwrap();
+        assert!(window.len() == 2 && window.iter().all(|p| (11..=12).contains(&by_key[&p.id])), "{window:?}");
+        let named = store.replay_picks(Some(&[ids[0], ids[0], 424242]), 0, u64::MAX).unwrap();
+        assert_eq!(named.iter().map(|p| p.id).collect::<Vec<_>>(), vec![ids[0]]);
+        assert!(store.replay_picks(Some(&[]), 0, u64::MAX).unwrap().is_empty());
+        assert_eq!(store.dead_letter(ids[0]).unwrap().map(|d| d.entry.id), Some(ids[0]));
+        assert!(store.dead_letter(424242).unwrap().is_none());
+    }
+
     /// A dead letter replayed past `max_replays` is quarantined; released, it is a dead
     /// letter again under the same id and key, its replay count starts over, the release is
     /// audited, and the next replay queues it. The store stays consistent throughout.

@@ -281,14 +281,21 @@ impl Store {
         disabled_backlog_in(&self.db.begin_read()?)
     }
 
-    /// Every endpoint with a recorded state, by subscriber id.
+    /// Every endpoint with a recorded state, by subscriber id. A record that does not decode
+    /// is left out with an error log, so its endpoint is listed as one with no record, which
+    /// is how delivery takes it (healthy): failing the whole list failed every `/metrics`
+    /// scrape and `GET /v1/endpoints` until the store was mended. `check --store` names it,
+    /// and an enable (or a new target) writes a fresh one.
     pub fn endpoints(&self) -> Result<Vec<(String, EndpointState)>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(ENDPOINTS)?;
         let mut out = Vec::new();
         for item in t.iter()? {
             let (k, v) = item?;
-            out.push((k.value().to_string(), decode(v.value()).map_err(|e| codec_err("endpoints", e))?));
+            match decode(v.value()) {
+                Ok(s) => out.push((k.value().to_string(), s)),
+                Err(e) => tracing::error!("the health record of endpoint {:?} cannot be read and is left out (delivery takes it as healthy; `zonewatch endpoints enable` writes a new one): {e}", k.value()),
+            }
         }
         Ok(out)
     }
@@ -329,8 +336,13 @@ pub(super) fn enable_in(wtx: &WriteTransaction, id: &str, reset: Reset, detail: 
     let was;
     {
         let mut t = wtx.open_table(ENDPOINTS)?;
+        // A record that cannot be read is written again, as a healthy one, which is how
+        // delivery took it: an operator's enable is the way to mend it, and failed on it.
         let s: EndpointState = match t.get(id)? {
-            Some(v) => decode(v.value()).map_err(|e| codec_err("endpoints", e))?,
+            Some(v) => decode(v.value()).unwrap_or_else(|e| {
+                tracing::warn!("the health record of endpoint {id:?} could not be read ({e}): written anew");
+                EndpointState::default()
+            }),
             None => EndpointState::default(),
         };
         was = s.disabled;
@@ -370,6 +382,28 @@ mod tests {
     use super::*;
     use crate::model::{sample_event, IdemKey, Severity};
     use crate::store::{Claim, DeadCause, DeliveryResult, Store};
+
+    /// A health record that cannot be read does not fail the list (`/metrics` and
+    /// `GET /v1/endpoints` read it: every scrape answered 500), and an operator's enable
+    /// writes it anew instead of failing on it; `check --store` still names it until then.
+    #[test]
+    fn an_unreadable_health_record_is_listed_as_none_and_mended_by_an_enable() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let wtx = store.db.begin_write().unwrap();
+        {
+            let mut t = wtx.open_table(ENDPOINTS).unwrap();
+            t.insert("bad", [0xFFu8, 0xFF].as_slice()).unwrap();
+            t.insert("good", encode(&EndpointState::default()).as_slice()).unwrap();
+        }
+        wtx.commit().unwrap();
+        let listed: Vec<String> = store.endpoints().unwrap().into_iter().map(|(id, _)| id).collect();
+        assert_eq!(listed, vec!["good".to_string()]);
+        assert!(store.check_consistency().unwrap().problems.iter().any(|p| p.contains("endpoint health record of bad")));
+        assert!(!store.enable_endpoint("bad", 5).unwrap(), "not known to be disabled");
+        assert_eq!(store.endpoints().unwrap().len(), 2, "written anew");
+        assert!(store.check_consistency().unwrap().problems.is_empty());
+    }
 
     /// Dead letters count against an endpoint's health only when they are its doing: rows
     /// that never reached it (a refused private address, an unusable target, no subscriber

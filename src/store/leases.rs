@@ -575,9 +575,12 @@ impl Store {
                 if keep.contains(key) {
                     continue;
                 }
-                let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts", m))?;
-                if rec.ts_ms < before_ms {
-                    victims.push((key.to_string(), n));
+                // One that cannot be read is stepped over (`check --store` names it): an error
+                // here stopped every later sweep at it, and the log grew without end.
+                match decode::<AttemptRecord>(v.value()) {
+                    Ok(rec) if rec.ts_ms < before_ms => victims.push((key.to_string(), n)),
+                    Ok(_) => {}
+                    Err(m) => tracing::warn!("attempt {n} of key {key} cannot be read and is left for check --store to name: {m}"),
                 }
             }
             for (key, a) in victims {
@@ -602,9 +605,10 @@ impl Store {
                 if keep_rows.contains(&row) {
                     continue;
                 }
-                let rec: AttemptRecord = decode(v.value()).map_err(|m| codec_err("delivery_attempts_by_row", m))?;
-                if rec.ts_ms < before_ms {
-                    old_rows.push((row, a));
+                match decode::<AttemptRecord>(v.value()) {
+                    Ok(rec) if rec.ts_ms < before_ms => old_rows.push((row, a)),
+                    Ok(_) => {}
+                    Err(m) => tracing::warn!("attempt {a} of outbox row {row} cannot be read and is left for check --store to name: {m}"),
                 }
             }
             for k in old_rows {
@@ -883,5 +887,32 @@ mod tests {
         assert_eq!(left(&store), [0, 1, 1, 1, 1, 1, 0]);
         assert_eq!(store.sweep_attempts(2_000, 100).unwrap(), 5);
         assert_eq!(left(&store), [0; 7]);
+    }
+
+    /// An attempt row that cannot be read is stepped over, not the end of every later sweep
+    /// (the log grew without end behind it), and `check --store` names it.
+    #[test]
+    fn an_attempt_that_cannot_be_read_does_not_stop_the_sweep() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let events: Vec<_> = (0..2).map(|i| sample_event(&format!("P{i}"))).collect();
+        let claims: Vec<Claim> = (0..2)
+            .map(|i| Claim { event: i, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) })
+            .collect();
+        store.enqueue(&events, &claims, "l", 0, 3_600_000).unwrap();
+        let rows: Vec<(String, u64)> = store.outbox().unwrap().into_iter().map(|e| (e.key.0, e.id)).collect();
+        for (key, id) in &rows {
+            store.record_outcomes(&[DeliveryResult::Sent { id: *id, status: 200 }], &[sample_attempt(key, *id, "sent", 10)], 10).unwrap();
+        }
+        // The first row's attempt damaged, in the by-row log and in the log by key.
+        let wtx = store.db.begin_write().unwrap();
+        wtx.open_table(crate::store::tables::DELIVERY_ATTEMPTS_BY_ROW).unwrap().insert((rows[0].1, 1u32), [0xffu8, 0xff].as_slice()).unwrap();
+        wtx.open_table(crate::store::tables::DELIVERY_ATTEMPTS).unwrap().insert(("k-old", 1u32), [0xffu8, 0xff].as_slice()).unwrap();
+        wtx.commit().unwrap();
+        assert_eq!(store.sweep_attempts(500, 100).unwrap(), 1, "the readable attempt behind it");
+        assert_eq!(store.attempts(&rows[1].0).unwrap().len(), 0);
+        let problems = store.check_consistency().unwrap().problems;
+        assert!(problems.iter().any(|p| p.contains(&format!("delivery attempt 1 of outbox row {}", rows[0].1))), "{problems:?}");
+        assert!(problems.iter().any(|p| p.contains("delivery attempt 1 of key k-old")), "{problems:?}");
     }
 }

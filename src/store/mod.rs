@@ -45,6 +45,7 @@ mod totals;
 mod history_index;
 mod run_retention;
 mod holds;
+mod quarantine_rows;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult, RecordedOutcomes};
 pub use leases::{LeaseStep, LeasedBatch, MIN_PASS_OVER};
@@ -52,7 +53,7 @@ pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::{DisabledBacklog, HealthPolicy};
 pub use key_scope::KeyScopeRecord;
 pub use clock_step::{say_moved, DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};
-pub use queries::{AuditFilter, KeptCounts, SnapshotView, StoreStats};
+pub use queries::{AuditFilter, DeadLetterList, KeptCounts, ReplayPick, SnapshotView, StoreStats};
 pub use derived::BaseStretch;
 pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunNote, RunWriter};
 pub use snapshot::SnapshotRow;

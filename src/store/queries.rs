@@ -30,6 +30,46 @@ pub(super) fn holds_in(rtx: &redb::ReadTransaction) -> Result<Vec<Hold>, StoreEr
     Ok(out)
 }
 
+/// The two lists of dead letters an operator pages through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterList {
+    /// Dead letters waiting for a replay (`GET /v1/deadletters`).
+    Waiting,
+    /// Dead letters set aside for a person (`GET /v1/deadletters/quarantined`).
+    Quarantined,
+}
+
+impl DeadLetterList {
+    fn table(self) -> redb::TableDefinition<'static, u64, &'static [u8]> {
+        match self {
+            DeadLetterList::Waiting => DEAD_LETTERS,
+            DeadLetterList::Quarantined => DLQ_QUARANTINE,
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            DeadLetterList::Waiting => "dead letter",
+            DeadLetterList::Quarantined => "quarantined dead letter",
+        }
+    }
+}
+
+/// What a replay needs to order and choose a dead letter before it reads the row itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayPick {
+    pub id: u64,
+    /// When its change was observed (the replay's order), see `notify::replay::observed_ms`.
+    pub observed_ms: u64,
+    pub watcher_id: String,
+}
+
+impl ReplayPick {
+    pub fn of(d: &DeadLetter) -> ReplayPick {
+        ReplayPick { id: d.entry.id, observed_ms: crate::notify::replay::observed_ms(d), watcher_id: d.entry.watcher_id.clone() }
+    }
+}
+
 /// Filters for the audit ledger; `None` matches everything.
 #[derive(Debug, Clone, Default)]
 pub struct AuditFilter {
@@ -460,6 +500,76 @@ impl Store {
             }
         }
         Ok(out)
+    }
+
+    /// Up to `limit` dead letters of `list` whose ids come after `after`, in id order. Ids
+    /// grow as rows are queued, so a page is stable while dead letters come and go: one
+    /// created after a page was read has a larger id and is on a later page. A row that
+    /// cannot be decoded is left out with an error log, as in [`Store::dead_letters`].
+    pub fn dead_letters_page(&self, list: DeadLetterList, after: Option<u64>, limit: usize) -> Result<Vec<DeadLetter>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(list.table())?;
+        let start = match after {
+            None => 0,
+            Some(u64::MAX) => return Ok(Vec::new()),
+            Some(a) => a + 1,
+        };
+        let mut out = Vec::new();
+        for item in t.range(start..)? {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, v) = item?;
+            match super::outbox_rows::decode_dead(v.value()) {
+                Ok(d) => out.push(d),
+                Err(why) => tracing::error!(dead_letter = k.value(), "{} {} cannot be read and is left out: {why}", list.noun(), k.value()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// What a replay of the dead letters chooses from, one small [`ReplayPick`] a dead letter
+    /// of the window (`dead_at` within `since..=until`; of `ids` only, when given), oldest
+    /// observation first: a replay of every dead letter holds these, not the rows with their
+    /// payloads (100,000 dead letters of a few KiB each would be hundreds of MiB).
+    pub fn replay_picks(&self, ids: Option<&[u64]>, since_ms: u64, until_ms: u64) -> Result<Vec<ReplayPick>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(DEAD_LETTERS)?;
+        let wanted: Option<std::collections::HashSet<u64>> = ids.map(|i| i.iter().copied().collect());
+        let mut out = Vec::new();
+        let keep = |v: &[u8], out: &mut Vec<ReplayPick>| match super::outbox_rows::decode_dead(v) {
+            Ok(d) if d.dead_at_ms >= since_ms && d.dead_at_ms <= until_ms => out.push(ReplayPick::of(&d)),
+            Ok(_) => {}
+            Err(why) => tracing::error!("a dead letter cannot be read and is left out of the replay: {why}"),
+        };
+        match &wanted {
+            // Named ids are point reads: naming three of a million reads three.
+            Some(w) => {
+                for id in w {
+                    if let Some(v) = t.get(*id)? {
+                        keep(v.value(), &mut out);
+                    }
+                }
+            }
+            None => {
+                for item in t.iter()? {
+                    let (_, v) = item?;
+                    keep(v.value(), &mut out);
+                }
+            }
+        }
+        out.sort_by_key(|p| (p.observed_ms, p.id));
+        Ok(out)
+    }
+
+    /// One dead letter, if `id` is one (not a quarantined one).
+    pub fn dead_letter(&self, id: u64) -> Result<Option<DeadLetter>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(DEAD_LETTERS)?;
+        match t.get(id)? {
+            None => Ok(None),
+            Some(v) => super::outbox_rows::decode_dead(v.value()).map(Some).map_err(|m| codec_err("dead_letters", m)),
+        }
     }
 
     /// How many dead letters and quarantined features are kept (counted, not decoded).
