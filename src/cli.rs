@@ -603,13 +603,26 @@ fn bind_control(addr: std::net::SocketAddr) -> Result<std::net::TcpListener, i32
     })
 }
 
+/// After the control port could not be bound: when another process holds the store, that is
+/// most likely the `serve` already running on it, whose port this is; said, so that an
+/// operator looks for that daemon rather than at the port (a tester's second `serve` was told
+/// only "Address already in use").
+fn say_if_already_served(cfg: &Config) {
+    if let Err(redb::DatabaseError::DatabaseAlreadyOpen) = redb::Builder::new().open_read_only(&cfg.store_path) {
+        error_line!(
+            "the store {} is open in another zonewatch (a `serve` already running with this config holds it and, most likely, this port): one serve per store; `systemctl status zonewatch`, or stop the other one first",
+            cfg.store_path.display()
+        );
+    }
+}
+
 fn cmd_serve(config: &std::path::Path) -> i32 {
     crate::util::limit_allocator_arenas();
     // The control port is bound before the store is opened: on a port another program holds,
     // `serve` fails without creating a store file (it created one, and its token, before).
     let mut bound = None;
     let engine = match open_engine_after(config, &mut |cfg| {
-        bound = Some(bind_control(cfg.control.listen)?);
+        bound = Some(bind_control(cfg.control.listen).inspect_err(|_| say_if_already_served(cfg))?);
         Ok(())
     }) {
         Ok(e) => Arc::new(e),
@@ -1580,6 +1593,15 @@ fn check_store(cfg: &crate::config::Config, path: &std::path::Path, explicit: bo
     // path) it may not read is noted (the config's store was warned of already), not
     // counted as a problem.
     match std::fs::File::open(path) {
+        // An empty file: the config check said so of the config's store (once, not again in
+        // redb's words); one named on the command line is said so here.
+        Ok(f) if f.metadata().is_ok_and(|m| m.is_file() && m.len() == 0) => {
+            if !explicit {
+                return 0;
+            }
+            println!("store {}: ERROR {}", path.display(), crate::store::EMPTY_STORE_FILE);
+            return 1;
+        }
         Ok(_) => {}
         // (A folder that is missing or not one is the config check's ERROR, said once.)
         Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) && !explicit => {

@@ -135,12 +135,15 @@ pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
                 }
             }
             match engine.store.enable_endpoint(&id, engine.now()) {
-                Ok(true) => {
-                    println!("endpoint {id} enabled");
-                    0
-                }
-                Ok(false) => {
-                    println!("endpoint {id} was not disabled (breaker and history reset)");
+                Ok(done) => {
+                    if done.was_disabled {
+                        println!("endpoint {id} enabled");
+                    } else {
+                        println!("endpoint {id} was not disabled (breaker and history reset)");
+                    }
+                    if done.retries_due_now > 0 {
+                        println!("{} alert(s) waiting for a later retry are due now", done.retries_due_now);
+                    }
                     0
                 }
                 Err(e) => {

@@ -142,6 +142,22 @@ async fn control_port_end_to_end() {
         let hold_id = rezone_into_a_hold(&ws, &v1, &c, &d, &auth);
         let holds: Value = c.get(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!(holds["items"][0]["state"], "open");
+        // What the hold would send, a page at a time, before an operator decides: each
+        // rezoning with the subscribers it would go to.
+        let changes = |q: &str| -> Value { c.get(d.url(&format!("/v1/holds/{hold_id}/changes{q}"))).header("authorization", &auth).send().unwrap().json().unwrap() };
+        let first = changes("?limit=15");
+        let items = first["items"].as_array().unwrap();
+        assert_eq!((items.len(), first["hold"]["run_id"].as_u64()), (15, Some(hold_id)), "{first}");
+        let goes_to = |i: &Value, who: &str| i["subscribers"].as_array().unwrap().iter().any(|s| s == who);
+        assert!(items.iter().all(|i| i["kind"] == "rezoned" && i["to"] == "M-1" && goes_to(i, "cfg-watcher") && goes_to(i, "api-watcher")), "{first}");
+        let rest = changes(&format!("?limit=15&cursor={}", first["next_cursor"].as_str().unwrap()));
+        assert!(rest["items"].as_array().unwrap().len() == 5 && rest["next_cursor"].is_null(), "20 rezonings in all: {rest}");
+        let mut parcels: Vec<&str> = items.iter().chain(rest["items"].as_array().unwrap()).map(|i| i["parcel_id"].as_str().unwrap()).collect();
+        parcels.sort();
+        parcels.dedup();
+        assert_eq!(parcels.len(), 20, "each rezoned parcel once");
+        assert_eq!(c.get(d.url("/v1/holds/999999/changes")).header("authorization", &auth).send().unwrap().status(), 404);
+        assert_eq!(c.get(d.url("/v1/holds/abc/changes")).header("authorization", &auth).send().unwrap().status(), 400);
         assert_eq!(holds["items"][0]["reprocess"], false, "a held run that was not a --reprocess");
         assert_eq!(c.post(d.url("/v1/holds/abc/release")).header("authorization", &auth).send().unwrap().status(), 400);
         assert_eq!(c.post(d.url("/v1/holds/999999/release")).header("authorization", &auth).send().unwrap().status(), 404);
@@ -714,6 +730,7 @@ const FUZZ_ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/holds"),
     ("POST", "/v1/holds/{run}/release"),
     ("POST", "/v1/holds/{run}/prime"),
+    ("GET", "/v1/holds/{run}/changes"),
     ("GET", "/v1/subscribers"),
     ("POST", "/v1/subscribers"),
     ("GET", "/v1/subscribers/{sub}"),
@@ -845,6 +862,7 @@ const FUZZ_QUERIES: &[(&str, &[&str])] = &[
     ("/v1/deadletters", &["limit", "cursor"]),
     ("/v1/deadletters/quarantined", &["limit", "cursor"]),
     ("/v1/quarantine", &["limit", "cursor"]),
+    ("/v1/holds/{run}/changes", &["limit", "cursor"]),
 ];
 
 const QUERY_NAMES: &[&str] = &["limit", "cursor", "since", "outcome", "order", "source", "x", "", "limit%00", "LIMIT", "cursor[]"];

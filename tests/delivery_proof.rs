@@ -676,6 +676,9 @@ async fn replays_beyond_max_replays_go_to_quarantine_until_released_and_recover_
     assert!(ok, "{out}{err}");
     assert!(out.contains("requeued=2") && out.contains("dead_letters=2"), "{out}");
     assert!(err.contains("recovering the oldest 2"), "{err}");
+    // The dead letters are said in the log, with why and where to look (they were not: only
+    // the command's counts said so, and `serve` said nothing at all).
+    assert!(err.contains("alert(s) dead-lettered (") && err.contains("GET /v1/deadletters"), "{err}");
     // Two more replays of everything: the two recovered keys hit max_replays (2) on the
     // second round and are quarantined; the third key is replayed twice.
     for _ in 0..2 {

@@ -95,6 +95,10 @@ pub fn document() -> Value {
                 "responses": with_errors(json!({"200": ok("holds, oldest first (with limit: the newest of them)", list_of("Hold"))}), &["400"])}},
             "/v1/holds/{run}/release": {"post": {"operationId": "releaseHold", "parameters": [run_id.clone()], "responses": with_errors(json!({
                 "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429", "503"])}},
+            "/v1/holds/{run}/changes": {"get": {"operationId": "heldChanges", "parameters": [run_id.clone(), limit.clone(), cursor.clone()],
+                "responses": with_errors(json!({"200": ok("an open hold's changes, in the order the run found them, each with the subscribers it would go to now (a resolved hold keeps none)",
+                    json!({"type": "object", "required": ["hold", "items", "next_cursor"], "properties": {"hold": {"$ref": "#/components/schemas/Hold"},
+                        "items": {"type": "array", "items": {"$ref": "#/components/schemas/HeldChange"}}, "next_cursor": ns("string")}}))}), &["404"])}},
             "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
                 "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429", "503"])}},
             "/v1/subscribers": {
@@ -113,7 +117,8 @@ pub fn document() -> Value {
             },
             "/v1/endpoints": {"get": {"operationId": "listEndpoints", "responses": with_errors(json!({"200": ok("every subscriber's endpoint and its health", list_of("Endpoint"))}), &[])}},
             "/v1/endpoints/{id}/enable": {"post": {"operationId": "enableEndpoint", "parameters": [sub_id], "responses": with_errors(json!({
-                "200": ok("re-enabled (breaker and history cleared; audited endpoint_enabled when it was disabled)", json!({"type": "object", "required": ["was_disabled", "endpoint"], "properties": {
+                "200": ok("re-enabled (breaker and history cleared; audited endpoint_enabled when it was disabled)", json!({"type": "object", "required": ["was_disabled", "retries_due_now", "endpoint"], "properties": {
+                    "retries_due_now": s("integer"),
                     "was_disabled": s("boolean"), "endpoint": {"$ref": "#/components/schemas/Endpoint"}}}))}), &["404"])}},
             "/v1/audit": {"get": {"operationId": "audit", "parameters": [
                     query_param("parcel", s("string")), query_param("watcher", s("string")), query_param("source", s("string")),
@@ -166,6 +171,10 @@ pub fn document() -> Value {
                 "Watermark": {"type": "object", "required": ["run_id", "digest"], "properties": {
                     "run_id": s("integer"), "digest": s("string"), "size": s("integer"), "consumed_at": s("string"), "content_changed_at": s("string"),
                     "publisher_ts": ns("string"), "etag": ns("string"), "last_modified": ns("string"), "probe_ts": ns("string")}},
+                "HeldChange": {"type": "object", "required": ["n", "parcel_id", "kind", "severity", "subscribers", "below_min_severity"], "properties": {
+                    "n": s("integer"), "parcel_id": s("string"), "kind": {"type": "string", "enum": ChangeKind::ALL.map(ChangeKind::as_str)}, "from": ns("string"), "to": ns("string"),
+                    "effective_date": ns("string"), "severity": {"type": "string", "enum": Severity::ALL.map(Severity::as_str)}, "area_m2": s("number"), "observed_at": s("string"),
+                    "subscribers": {"type": "array", "items": s("string")}, "below_min_severity": {"type": "array", "items": s("string")}}},
                 "Hold": {"type": "object", "required": ["run_id", "source_id", "state", "reason"], "properties": {
                     "run_id": s("integer"), "source_id": s("string"), "lineage_id": s("string"), "created": s("string"), "reason": s("string"),
                     "state": {"type": "string", "enum": ["open", "released", "primed", "superseded"]}, "resolved": {"type": ["object", "null"]},

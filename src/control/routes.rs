@@ -79,6 +79,10 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         }
         (&Method::GET, ["v1", "runs"]) => blocking(move || list_runs(&st, &q)).await,
         (&Method::GET, ["v1", "holds"]) => blocking(move || list_holds(&st, &q)).await,
+        (&Method::GET, ["v1", "holds", run, "changes"]) => match run.parse::<u64>() {
+            Ok(id) => blocking(move || held_changes(&st, id, &q)).await,
+            Err(_) => error(StatusCode::BAD_REQUEST, "bad_path", format!("hold id must be a run id (integer), got {run:?}")),
+        },
         (&Method::POST, ["v1", "holds", run, action @ ("release" | "prime")]) => {
             let prime = *action == "prime";
             match run.parse::<u64>() {
@@ -145,6 +149,7 @@ fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
         ["v1", "openapi.json"] | ["v1", "sources"] | ["v1", "runs"] | ["v1", "holds"] | ["v1", "audit"] => "GET",
         ["v1", "deadletters"] | ["v1", "quarantine"] | ["v1", "changes", "recent"] | ["v1", "sources", _, "watermarks"] => "GET",
         ["v1", "sources", _, "run"] | ["v1", "holds", _, "release" | "prime"] | ["v1", "backup"] => "POST",
+        ["v1", "holds", _, "changes"] => "GET",
         ["v1", "deadletters", "replay" | "release"] | ["v1", "endpoints", _, "enable"] => "POST",
         ["v1", "deadletters", "quarantined"] => "GET",
         ["v1", "endpoints"] => "GET",
@@ -162,7 +167,7 @@ pub(super) fn accepted_query(seg: &[&str]) -> &'static [&'static str] {
         ["v1", "holds"] => &["state", "limit"],
         ["v1", "audit"] => &["parcel", "watcher", "source", "key", "lineage", "since", "order", "outcome", "limit", "cursor"],
         ["v1", "changes", "recent"] => &["limit"],
-        ["v1", "deadletters"] | ["v1", "deadletters", "quarantined"] | ["v1", "quarantine"] => &["limit", "cursor"],
+        ["v1", "deadletters"] | ["v1", "deadletters", "quarantined"] | ["v1", "quarantine"] | ["v1", "holds", _, "changes"] => &["limit", "cursor"],
         _ => &[],
     }
 }
@@ -249,6 +254,51 @@ fn dead_letter_json(d: &DeadLetter) -> Value {
         "severity": d.entry.severity.as_str(), "attempts": d.entry.attempts, "reason": d.reason,
         "dead_at": rfc3339(d.dead_at_ms), "last_error": d.entry.last_error,
     })
+}
+
+/// `GET /v1/holds/{run}/changes`: what an open hold would send, a page at a time (`limit`, 100
+/// by default; `cursor`): each held change with the subscribers it would go to now (their
+/// AOI touches it and its severity reaches their `min_severity`) and those it touches below
+/// their `min_severity`. Matched when asked, against the subscribers of the moment, as a
+/// release matches them. Before it, an operator chose between release and prime knowing
+/// only how many changes there were (found by a black-box tester playing an operator).
+fn held_changes(st: &ControlState, hold_id: u64, q: &std::collections::HashMap<String, String>) -> Resp {
+    let limit = match limit_of(q) {
+        Ok(l) => l,
+        Err(r) => return *r,
+    };
+    let cursor = match query_u64(q, "cursor") {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let hold = match st.engine.store.hold(hold_id) {
+        Ok(Some(h)) => h,
+        Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_hold", format!("no hold {hold_id}")),
+        Err(e) => return internal(e),
+    };
+    let page = match st.engine.store.held_changes_page(hold_id, cursor, limit) {
+        Ok(p) => p,
+        Err(e) => return internal(e),
+    };
+    let (numbers, events): (Vec<u64>, Vec<ChangeEvent>) = page.into_iter().unzip();
+    let matched = st.engine.subscribers.match_batch(&events);
+    let items: Vec<Value> = numbers
+        .iter()
+        .zip(&events)
+        .zip(matched)
+        .map(|((n, e), subs)| {
+            let (to, below): (Vec<_>, Vec<_>) = subs.iter().partition(|s| e.severity >= s.min_severity);
+            json!({
+                "n": n, "parcel_id": e.parcel_id, "kind": e.kind.as_str(), "from": e.from, "to": e.to,
+                "effective_date": e.effective_date, "severity": e.severity.as_str(), "area_m2": e.area_m2,
+                "observed_at": rfc3339(e.observed_at_ms),
+                "subscribers": to.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+                "below_min_severity": below.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let next = if items.len() == limit { numbers.last().map(|n| n.to_string()) } else { None };
+    json(StatusCode::OK, &json!({"hold": hold_json(&hold), "items": items, "next_cursor": next}))
 }
 
 /// `{"items": [...], "next_cursor": ...}`: a page of quarantined features, oldest first,
@@ -746,7 +796,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
         Err(e) => return internal(e),
     };
     drop(edit);
-    if put.re_enabled {
+    if put.re_enabled || put.retries_due_now > 0 {
         st.wake.notify_one();
     }
     let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
@@ -796,14 +846,14 @@ fn enable_endpoint(st: &ControlState, id: &str) -> Resp {
         Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
         Err(e) => return internal(e),
     }
-    let was_disabled = match st.engine.store.enable_endpoint(id, st.engine.now()) {
-        Ok(w) => w,
+    let done = match st.engine.store.enable_endpoint(id, st.engine.now()) {
+        Ok(d) => d,
         Err(e) => return internal(e),
     };
     let now = st.engine.now();
     match st.engine.endpoint_listing() {
         Ok(list) => match list.iter().find(|ep| ep.id == id) {
-            Some(ep) => json(StatusCode::OK, &json!({"was_disabled": was_disabled, "endpoint": endpoint_json(ep, now)})),
+            Some(ep) => json(StatusCode::OK, &json!({"was_disabled": done.was_disabled, "retries_due_now": done.retries_due_now, "endpoint": endpoint_json(ep, now)})),
             None => error(StatusCode::NOT_FOUND, "unknown_subscriber", format!("no subscriber {id:?}")),
         },
         Err(e) => internal(e),

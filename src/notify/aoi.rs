@@ -65,11 +65,15 @@ fn repair_note(written: &MultiPolygon<f64>, repaired: &MultiPolygon<f64>) -> Str
         ring.make_ccw_winding();
         Polygon::new(ring, vec![]).geodesic_area_unsigned()
     };
+    // Whole square metres; a ring whose halves cancel (a bowtie) encloses 0, not "-0".
+    let m2 = |a: f64| format!("{:.0}", a.round().abs());
     let rings: f64 = written.0.iter().map(|p| area(p.exterior())).sum();
     let holes: f64 = written.0.iter().flat_map(|p| p.interiors()).map(area).sum();
     format!(
-        "its rings are not a valid polygon (a hole not inside its own ring, rings that cross or overlap, a ring that touches itself) and were repaired: as written they enclose {rings:.0} m² less {holes:.0} m² of holes; repaired, the AOI covers {:.0} m² in {} polygon(s). If that is not the area meant, draw it again: a hole lies inside its ring",
-        repaired.geodesic_area_unsigned(),
+        "its rings are not a valid polygon (a hole not inside its own ring, rings that cross or overlap, a ring that touches itself) and were repaired: as written they enclose {} m² less {} m² of holes; repaired, the AOI covers {} m² in {} polygon(s). If that is not the area meant, draw it again: a hole lies inside its ring",
+        m2(rings),
+        m2(holes),
+        m2(repaired.geodesic_area_unsigned()),
         repaired.0.len()
     )
 }

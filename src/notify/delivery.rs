@@ -122,6 +122,8 @@ pub const PIPE_COMMIT_MAX: usize = 8_192;
 struct Outcome {
     result: DeliveryResult,
     attempt: AttemptRecord,
+    /// The subscriber whose endpoint it went to.
+    endpoint: String,
     /// The endpoint whose half-open probe this was.
     probe_of: Option<String>,
     /// The endpoint, when it answered 410 Gone (its disable lands with this outcome's commit).
@@ -338,14 +340,16 @@ impl Deliverer {
                 if !this.lease_step(entry.id, lease_until, LeaseStep::BeginSend).await {
                     return None;
                 }
-                Some(this.attempt(&entry).await)
+                Some((this.attempt(&entry).await, entry.watcher_id))
             });
         }
         let mut results = Vec::with_capacity(batch.len());
         let mut log = Vec::with_capacity(batch.len());
+        let mut failures = super::failure_log::FailureLog::default();
         while let Some(r) = tasks.join_next().await {
             match r {
-                Ok(Some((res, rec))) => {
+                Ok(Some(((res, rec), endpoint))) => {
+                    failures.note(&endpoint, &res, rec.error.as_deref(), Instant::now());
                     results.push(res);
                     log.push(rec);
                 }
@@ -353,6 +357,7 @@ impl Deliverer {
                 Err(e) => tracing::error!("delivery task failed: {e}"),
             }
         }
+        failures.say_all();
         let mut stats = PassStats::default();
         for r in &results {
             stats.count(r);
@@ -456,6 +461,7 @@ impl Deliverer {
             tokio::spawn(async move {
                 let mut stats = PassStats::default();
                 let mut failure: Option<DeliveryError> = None;
+                let mut failures = super::failure_log::FailureLog::default();
                 while let Some(first) = orx.recv().await {
                     let mut batch = vec![first];
                     while batch.len() < PIPE_COMMIT_MAX {
@@ -472,6 +478,7 @@ impl Deliverer {
                     let mut gone_now: Vec<(String, u64)> = Vec::new();
                     for o in batch {
                         stats.count(&o.result);
+                        failures.note(&o.endpoint, &o.result, o.attempt.error.as_deref(), Instant::now());
                         if let Some(p) = o.probe_of {
                             probes_done.push(p);
                         }
@@ -531,6 +538,7 @@ impl Deliverer {
                     outstanding.fetch_sub(n, std::sync::atomic::Ordering::SeqCst);
                     committed.notify_one();
                 }
+                failures.say_all();
                 (stats, failure)
             })
         };
@@ -668,7 +676,7 @@ impl Deliverer {
                         gates.answered_gone(endpoint);
                     }
                     // The committer outlives every sender (it ends when the last sender is gone).
-                    pending.outcome_sent = otx.send(Outcome { result, attempt, probe_of, gone: gone_now }).is_ok();
+                    pending.outcome_sent = otx.send(Outcome { result, attempt, endpoint: entry.watcher_id.clone(), probe_of, gone: gone_now }).is_ok();
                 });
             }
         }
@@ -1423,7 +1431,7 @@ mod tests {
         let id = store.outbox().unwrap()[0].id;
         let gone = DeliveryResult::Gone { id, otherwise: Box::new(DeliveryResult::Retry { id, next_attempt_ms: created + 10, error: HTTP_410.into() }) };
         store.record_outcomes_with(&[gone], &[], created + 5, Some(&HealthPolicy::default())).unwrap();
-        assert!(store.enable_endpoint("a", now - 20).unwrap());
+        assert!(store.enable_endpoint("a", now - 20).unwrap().was_disabled);
         let deferred = DeliveryResult::Deferred { id, next_attempt_ms: now - 5, error: format!("{DEFERRED_PREFIX}Too many open files (os error 24)") };
         store.record_outcomes_with(&[deferred], &[], now - 10, Some(&HealthPolicy::default())).unwrap();
         let sub = Subscriber { id: "a".into(), target: rx.url("/h"), secret: None, min_severity: Severity::Info, aoi: geo::MultiPolygon::new(vec![]), secret_old: None };

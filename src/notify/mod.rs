@@ -9,6 +9,7 @@
 pub mod aoi;
 pub mod delivery;
 mod closed_gates;
+mod failure_log;
 pub mod idem;
 pub mod matcher;
 pub mod payload;

@@ -269,6 +269,7 @@ impl Store {
             // it meanwhile.
             let still = wtx.open_table(ENDPOINT_DISABLED_TARGETS)?.get(id)?.is_some_and(|t| t.value() == was);
             if still && enable_in(&wtx, id, Reset::IfDisabled, &moved_detail(" in the config", &was, target), now_ms)? {
+                retry_now_in(&wtx, id, now_ms)?;
                 enabled.push(id.to_string());
             }
         }
@@ -300,16 +301,53 @@ impl Store {
         Ok(out)
     }
 
-    /// Re-enables an endpoint (clears the breaker and its history); audited. Returns false
-    /// when the endpoint was not disabled. The command line and the control port both come
-    /// here, so an operator's enable is the same audit row whichever way it was asked for.
-    pub fn enable_endpoint(&self, id: &str, now_ms: u64) -> Result<bool, StoreError> {
+    /// Re-enables an endpoint (clears the breaker and its history; audited when it was
+    /// disabled) and makes its waiting retries due now. The command line and the control
+    /// port both come here, so an operator's enable is the same audit row whichever way it
+    /// was asked for.
+    pub fn enable_endpoint(&self, id: &str, now_ms: u64) -> Result<EndpointEnabled, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let was = enable_in(&wtx, id, Reset::Always, ENABLED_BY_OPERATOR, now_ms)?;
+        let was_disabled = enable_in(&wtx, id, Reset::Always, ENABLED_BY_OPERATOR, now_ms)?;
+        let retries_due_now = retry_now_in(&wtx, id, now_ms)?;
         wtx.commit()?;
-        Ok(was)
+        Ok(EndpointEnabled { was_disabled, retries_due_now })
     }
+}
+
+/// What an operator's [`Store::enable_endpoint`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndpointEnabled {
+    /// It was disabled (an `endpoint_enabled` audit row says it was enabled).
+    pub was_disabled: bool,
+    /// Its alerts that waited for a later retry and are due now.
+    pub retries_due_now: u64,
+}
+
+/// Makes every retry of endpoint `id` that waits past `now_ms` due at `now_ms`, inside `wtx`;
+/// returns how many. Why: an operator enables an endpoint, or gives it a new target, when its
+/// receiver was mended, and a quiet endpoint (too few attempts to open its breaker) had its
+/// alerts waiting out the retry schedule, up to 10 hours, with nothing to send them sooner
+/// (found by a black-box tester playing an operator). Reads the retries due later, and
+/// decodes only this endpoint's.
+pub(super) fn retry_now_in(wtx: &WriteTransaction, id: &str, now_ms: u64) -> Result<u64, StoreError> {
+    let mut due = wtx.open_table(OUTBOX_RETRY_DUE)?;
+    let mut retry = wtx.open_table(OUTBOX_RETRY)?;
+    let later: Vec<(u64, u64)> = due.range((now_ms.saturating_add(1), 0u64)..)?.map(|item| item.map(|(k, _)| k.value())).collect::<Result<_, _>>()?;
+    let mut moved = 0;
+    for (at, row) in later {
+        let entry = match retry.get(row)? {
+            Some(v) if super::outbox_rows::entry_watcher(v.value()).is_ok_and(|w| w == id) => super::outbox_rows::decode_entry(v.value()).ok(),
+            _ => None,
+        };
+        let Some(mut entry) = entry.filter(|e| e.next_attempt_ms == at) else { continue };
+        entry.next_attempt_ms = now_ms;
+        due.remove((at, row))?;
+        due.insert((now_ms, row), ())?;
+        retry.insert(row, super::outbox_rows::encode_entry(&entry).as_slice())?;
+        moved += 1;
+    }
+    Ok(moved)
 }
 
 /// The `endpoint_enabled` detail of an operator's enable (`zonewatch endpoints enable`,
@@ -400,7 +438,7 @@ mod tests {
         let listed: Vec<String> = store.endpoints().unwrap().into_iter().map(|(id, _)| id).collect();
         assert_eq!(listed, vec!["good".to_string()]);
         assert!(store.check_consistency().unwrap().problems.iter().any(|p| p.contains("endpoint health record of bad")));
-        assert!(!store.enable_endpoint("bad", 5).unwrap(), "not known to be disabled");
+        assert!(!store.enable_endpoint("bad", 5).unwrap().was_disabled, "not known to be disabled");
         assert_eq!(store.endpoints().unwrap().len(), 2, "written anew");
         assert!(store.check_consistency().unwrap().problems.is_empty());
     }

@@ -562,6 +562,33 @@ impl Store {
         Ok(out)
     }
 
+    /// Up to `limit` of the change events hold `hold_id` keeps (an open hold's: resolving it
+    /// clears them), after the event number `after`, in the order the run found them, each
+    /// with its number (the next page's cursor). What an operator reads to decide between a
+    /// release and a prime. An event that does not decode is left out with an error log.
+    pub fn held_changes_page(&self, hold_id: u64, after: Option<u64>, limit: usize) -> Result<Vec<(u64, ChangeEvent)>, StoreError> {
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(HELD_EVENTS)?;
+        let start = match after {
+            None => 0,
+            Some(u64::MAX) => return Ok(Vec::new()),
+            Some(a) => a + 1,
+        };
+        let mut out = Vec::new();
+        for item in t.range((hold_id, start)..=(hold_id, u64::MAX))? {
+            if out.len() >= limit {
+                break;
+            }
+            let (k, v) = item?;
+            let n = k.value().1;
+            match super::held_rows::decode_held_event(v.value()) {
+                Ok(e) => out.push((n, e)),
+                Err(why) => tracing::error!(hold = hold_id, event = n, "held event {n} of hold {hold_id} cannot be read and is left out: {why}"),
+            }
+        }
+        Ok(out)
+    }
+
     /// One dead letter, if `id` is one (not a quarantined one).
     pub fn dead_letter(&self, id: u64) -> Result<Option<DeadLetter>, StoreError> {
         let rtx = self.db.begin_read()?;

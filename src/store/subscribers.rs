@@ -113,6 +113,8 @@ pub struct SubscriberPut {
     /// The endpoint was disabled and the new record changed its target, so it was re-enabled
     /// (the disable was about the old URL).
     pub re_enabled: bool,
+    /// The target changed: the alerts waiting for a later retry are due now, to the new one.
+    pub retries_due_now: u64,
 }
 
 /// What [`Store::delete_subscriber`] did.
@@ -158,8 +160,10 @@ impl Store {
             t.insert(sub.id.as_str(), encode_subscriber(sub).as_slice())?;
             prev
         };
+        let mut retries_due_now = 0;
         let re_enabled = match &previous {
             Some(p) if p.target != sub.target => {
+                retries_due_now = super::endpoints::retry_now_in(&wtx, &sub.id, now_ms)?;
                 enable_in(&wtx, &sub.id, Reset::IfDisabled, &super::endpoints::moved_detail("", &p.target, &sub.target), now_ms)?
             }
             Some(_) => false,
@@ -169,7 +173,7 @@ impl Store {
             None => enable_in(&wtx, &sub.id, Reset::Always, "a new subscriber of this id: the earlier endpoint's state does not apply", now_ms)?,
         };
         wtx.commit()?;
-        Ok(SubscriberPut { previous, re_enabled })
+        Ok(SubscriberPut { previous, re_enabled, retries_due_now })
     }
 
     /// Deletes a subscriber (None: there was none). In the same transaction its endpoint
@@ -334,6 +338,39 @@ mod tests {
 
     /// A record written before `secret_old` (version 1) reads as one without it; this
     /// build's records carry it.
+    /// Alerts that wait for a later retry are due at once when an operator enables their
+    /// endpoint (the receiver is mended) or gives it a new target; another endpoint's stay
+    /// where they were. A quiet endpoint's alerts waited out the schedule, hours, with
+    /// nothing to send them sooner.
+    #[test]
+    fn an_enable_or_a_new_target_makes_the_waiting_retries_due_now() {
+        use crate::store::DeliveryResult;
+        let (_dir, store) = store_with_queued(3);
+        let rows: Vec<u64> = store.outbox().unwrap().iter().map(|e| e.id).collect();
+        let later = 10 * 3_600_000;
+        let retry = |id: u64, at: u64| DeliveryResult::Retry { id, next_attempt_ms: at, error: "connection: refused".into() };
+        // Two retries far off, one of them of another endpoint's row (written as `b`'s).
+        let mut other = store.outbox().unwrap().remove(2);
+        other.watcher_id = "b".into();
+        let wtx = store.db.begin_write().unwrap();
+        wtx.open_table(crate::store::tables::OUTBOX).unwrap().insert(other.id, super::super::outbox_rows::encode_entry(&other).as_slice()).unwrap();
+        wtx.commit().unwrap();
+        store.record_outcomes(&[retry(rows[0], later), retry(rows[1], later), retry(rows[2], later)], &[], 2_000).unwrap();
+        assert_eq!(store.next_due_ms().unwrap(), Some(later));
+        let done = store.enable_endpoint("a", 3_000).unwrap();
+        assert_eq!((done.was_disabled, done.retries_due_now), (false, 2));
+        let due: Vec<(u64, String)> = store.outbox().unwrap().iter().map(|e| (e.next_attempt_ms, e.watcher_id.clone())).collect();
+        assert!(due.contains(&(3_000, "a".into())) && due.contains(&(later, "b".into())) && due.len() == 3, "{due:?}");
+        assert_eq!(store.enable_endpoint("a", 3_500).unwrap().retries_due_now, 0, "nothing waits past now");
+        store.record_outcomes(&[retry(rows[0], later), retry(rows[1], later)], &[], 4_000).unwrap();
+        let mut sub = store.stored_subscriber("a").unwrap().unwrap();
+        sub.target = "https://mended/".into();
+        assert_eq!(store.put_subscriber(&sub, 5_000).unwrap().retries_due_now, 2);
+        sub.min_severity = Severity::Notice;
+        assert_eq!(store.put_subscriber(&sub, 6_000).unwrap().retries_due_now, 0, "the same target: nothing moves");
+        assert!(store.check_consistency().unwrap().problems.is_empty(), "{:?}", store.check_consistency().unwrap().problems);
+    }
+
     #[test]
     fn a_version_1_subscriber_record_reads_without_a_secret_old() {
         #[derive(Serialize)]
