@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::model::{AuditRow, HoldState};
 use crate::notify::delivery::Deliverer;
 use crate::pipeline::{Engine, RunOptions};
-use crate::store::{AuditFilter, Store, StoreError};
+use crate::store::{AuditFilter, Store, StoreError, SweepBatch};
 use crate::util::rfc3339;
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -722,7 +722,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                 runs: runs.clone(),
                 wake: wake.clone(),
                 started_ms: engine.now(),
-                resolutions_waiting: Default::default(),
+                long_requests: Default::default(),
             });
             tasks.spawn(crate::control::serve(listener, state, rx.clone()));
         }
@@ -866,25 +866,25 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = rx.changed() => break,
                     }
                     let now = clock.now_ms();
-                    let n = sweep_in_batches(&store, "key sweep", move |s, max| s.sweep_expired_keys(now, max), SWEEP_BATCH, &rx).await;
+                    let n = sweep_in_batches(&store, "key sweep", move |s, max| s.sweep_expired_keys_batch(now, max), SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "expired idempotency keys removed");
                     }
                     let horizon = clock.now_ms().saturating_sub(retention.as_millis() as u64);
-                    let n = sweep_in_batches(&store, "attempt retention sweep", move |s, max| s.sweep_attempts(horizon, max), SWEEP_BATCH, &rx).await;
+                    let n = sweep_in_batches(&store, "attempt retention sweep", move |s, max| s.sweep_attempts(horizon, max).map(SweepBatch::of_removed), SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "delivery attempts past retention removed");
                     }
                     let (now, keep) = (clock.now_ms(), run_retention.as_millis() as u64);
-                    let n = sweep_in_batches(&store, "run retention sweep", move |s, max| s.sweep_quiet_runs(now, keep, max), RUN_SWEEP_BATCH, &rx).await;
+                    let n = sweep_in_batches(&store, "run retention sweep", move |s, max| s.sweep_quiet_runs_batch(now, keep, max), RUN_SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "run records that committed nothing removed past run_retention");
                     }
-                    let n = sweep_in_batches(&store, "hold retention sweep", move |s, max| s.sweep_superseded_holds(now, keep, max), RUN_SWEEP_BATCH, &rx).await;
+                    let n = sweep_in_batches(&store, "hold retention sweep", move |s, max| s.sweep_superseded_holds(now, keep, max).map(SweepBatch::of_removed), RUN_SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "superseded holds removed past run_retention");
                     }
-                    let n = sweep_in_batches(&store, "quarantine retention sweep", move |s, max| s.sweep_quarantine(now, keep, max), RUN_SWEEP_BATCH, &rx).await;
+                    let n = sweep_in_batches(&store, "quarantine retention sweep", move |s, max| s.sweep_quarantine(now, keep, max).map(SweepBatch::of_removed), RUN_SWEEP_BATCH, &rx).await;
                     if n > 0 {
                         tracing::info!(swept = n, "quarantined features' rows removed past run_retention (their audit rows stay)");
                     }
@@ -987,7 +987,7 @@ const SWEEP_BATCHES_PER_PERIOD: usize = 100;
 async fn sweep_in_batches(
     store: &Arc<Store>,
     what: &'static str,
-    sweep: impl Fn(&Store, usize) -> Result<usize, StoreError> + Send + Copy + 'static,
+    sweep: impl Fn(&Store, usize) -> Result<crate::store::SweepBatch, StoreError> + Send + Copy + 'static,
     batch: usize,
     shutdown: &tokio::sync::watch::Receiver<bool>,
 ) -> usize {
@@ -998,12 +998,13 @@ async fn sweep_in_batches(
         }
         let s = store.clone();
         match tokio::task::spawn_blocking(move || sweep(&s, batch)).await {
-            Ok(Ok(n)) => {
-                total += n;
-                // Until a batch deletes nothing: a batch can delete fewer than it took (keys
-                // re-armed because their event is pending, stale expiry entries, attempts kept
-                // for dead letters) and still leave work behind it.
-                if n == 0 {
+            Ok(Ok(batch)) => {
+                total += batch.removed;
+                // Until a batch removes nothing and stopped short of its bound: a batch can
+                // remove fewer than it took (keys re-armed because their event is pending,
+                // stale expiry entries, attempts kept for dead letters, kept run records read
+                // past) and still leave work behind it.
+                if batch.removed == 0 && !batch.more {
                     break;
                 }
             }

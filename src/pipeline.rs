@@ -664,6 +664,7 @@ impl Engine {
             reprocess: opts.reprocess,
             previous_parcels: scan.previous_parcels,
             changed: scan.changes,
+            coverage_changed: 0,
             features: scan.features,
             systemic_quarantined: scan.systemic,
             max_change_ratio: src.max_change_ratio,

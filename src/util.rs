@@ -54,6 +54,16 @@ pub fn format_duration(d: Duration) -> String {
 }
 
 /// RFC 3339 UTC timestamp (`2026-11-30T03:53:01.123Z`) for a millisecond epoch time.
+/// Whether something said at most once per `every_ms` may be said now (by the wall clock),
+/// marking it said in `last_ms`: a damaged row read at every scrape or sweep batch is worth
+/// one line an hour, not one per read.
+pub fn now_and_then(last_ms: &std::sync::atomic::AtomicU64, every_ms: u64) -> bool {
+    use std::sync::atomic::Ordering;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let last = last_ms.load(Ordering::Relaxed);
+    (last == 0 || now.saturating_sub(last) >= every_ms) && last_ms.compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
+}
+
 pub fn rfc3339(ms: u64) -> String {
     let secs = ms / 1000;
     let millis = ms % 1000;

@@ -645,3 +645,23 @@ async fn held_area_changes_step_their_places_as_they_are_resolved() {
     assert_eq!(ids_received(&rx).iter().collect::<std::collections::HashSet<_>>().len(), 4);
     assert!(engine.store.check_consistency().expect("check").is_consistent());
 }
+
+/// In area mode a district left out of an export makes its area lose its zoning: an `info`
+/// change, alerted only to `info` subscribers, and it counts toward the change spike like
+/// any other, so an export missing most of its districts is held (a black-box tester: a
+/// half-missing layer sent 129 alerts, a lat/lon-swapped one 263, neither held).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_area_layer_missing_a_district_counts_toward_the_spike() {
+    let (rx, ws) = area_workspace().await;
+    ws.edit_config("max_change_ratio = 0.5", "max_change_ratio = 0.2");
+    let engine = ws.engine();
+    ws.write_layer(&districts("R-1"));
+    assert_eq!(run(&engine, false).record.verdict, Verdict::Baseline);
+    let d = |i: usize, zone: &str| square(&format!("D{i}"), zone, -71.15 + 0.01 * i as f64, 42.35, 0.01);
+    ws.write_layer(&layer(&[d(0, "R-1"), d(1, "R-2")]));
+    let r = run(&engine, false);
+    assert_eq!(r.record.verdict, Verdict::Held, "{}", r.line());
+    assert!(r.hold_reason.as_deref().is_some_and(|h| h.starts_with("change_spike")), "{:?}", r.hold_reason);
+    assert_eq!(deliver(&engine, Duration::from_secs(1)).await.attempted, 0);
+    assert!(rx.received().is_empty());
+}

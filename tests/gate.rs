@@ -420,3 +420,68 @@ async fn a_first_ingest_run_as_a_reprocess_is_the_baseline() {
     deliver(&engine, Duration::from_secs(5)).await;
     assert_eq!(rx.received().len(), 1);
 }
+
+/// A district layer joined to the parcel layer, exported half missing: the parcels its
+/// missing districts covered lose their coverage (not alerted), and those they were next to
+/// take their neighbour's code. The lost coverage counts toward the change spike, so the run
+/// is held, not sent (a black-box tester: 541 false `rezoned` went out for Cambridge, and 541
+/// more when the whole layer came back). The whole layer back: nothing is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_district_layer_exported_half_missing_is_held() {
+    let rx = receiver(200).await;
+    let ws = Workspace::new(&[Sub { id: "w", aoi: rect(-71.2, 42.3, -71.0, 42.5), target: rx.url("/hook"), min_severity: "info", secret: None }], "", "");
+    ws.write_layer(&layer(&grid(100)));
+    let strips = |codes: &[(&str, f64, f64)]| {
+        let features: Vec<_> = codes
+            .iter()
+            .map(|(code, x0, x1)| serde_json::json!({"type": "Feature", "properties": {"DISTRICT": code}, "geometry": rect(*x0, 42.359, *x1, 42.37)}))
+            .collect();
+        serde_json::json!({"type": "FeatureCollection", "features": features}).to_string()
+    };
+    let all = [("R-1", -71.1005, -71.0955), ("R-2", -71.0955, -71.0905), ("C-1", -71.0905, -71.0855), ("C-2", -71.0855, -71.0795)];
+    let districts = ws.path().join("districts.geojson");
+    std::fs::write(&districts, strips(&all)).unwrap();
+    let mut config = std::fs::read_to_string(ws.config_path()).unwrap();
+    config.push_str(&format!(
+        "\n[[source]]\nid = \"zoning\"\njurisdiction = \"town\"\nkind = \"file\"\npath = \"{}\"\nlayer = \"districts\"\nparcels = \"s1\"\nmax_change_ratio = 0.05\n[source.fields]\nzoning = \"DISTRICT\"\n",
+        districts.display()
+    ));
+    std::fs::write(ws.config_path(), config).unwrap();
+    let engine = ws.engine();
+    let zoning = |engine: &zonewatch::pipeline::Engine| engine.run_source_id("zoning", Default::default()).expect("district run");
+    run(&engine, false);
+    assert_eq!(zoning(&engine).record.verdict, Verdict::Baseline);
+
+    std::fs::write(&districts, strips(&all[..2])).unwrap();
+    let half = zoning(&engine);
+    assert_eq!(half.record.verdict, Verdict::Held, "{:?}", half.record);
+    let reason = half.hold_reason.unwrap_or_default();
+    assert!(reason.starts_with("change_spike") && reason.contains("district coverage"), "{reason}");
+
+    std::fs::write(&districts, strips(&all)).unwrap();
+    zoning(&engine);
+    deliver(&engine, Duration::from_secs(2)).await;
+    assert!(rx.received().is_empty(), "nothing sent: {:?}", rx.received().len());
+    assert!(engine.store.check_consistency().unwrap().is_consistent());
+}
+
+/// A parcel layer exported without its geometry (every `geometry` null) or with centroids
+/// for polygons is held, as a district layer so is: it was committed with every feature
+/// quarantined and exit 0, and a rezoning published in that form was never alerted (a
+/// black-box tester).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parcel_layer_without_its_polygons_is_held() {
+    let (_rx, ws, engine) = watched_grid(0.5).await;
+    let v1 = grid(100);
+    ws.write_layer(&layer(&v1));
+    run(&engine, false);
+    let text = layer(&with_zones(&v1, &[0], "M-1"));
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (i, f) in doc["features"].as_array_mut().unwrap().iter_mut().enumerate() {
+        f["geometry"] = if i % 2 == 0 { serde_json::Value::Null } else { serde_json::json!({"type": "Point", "coordinates": [-71.09, 42.36]}) };
+    }
+    ws.write_layer(&doc.to_string());
+    let r = run(&engine, false);
+    assert_eq!(r.record.verdict, Verdict::Held, "{:?}", r.record);
+    assert!(r.hold_reason.as_deref().is_some_and(|h| h.starts_with("quarantine_spike: 100 of 100")), "{:?}", r.hold_reason);
+}

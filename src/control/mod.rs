@@ -33,9 +33,9 @@ pub struct ControlState {
     /// Wakes the delivery loop after something was queued.
     pub wake: Arc<tokio::sync::Notify>,
     pub started_ms: u64,
-    /// Hold releases and primes waiting for a run of their source to end (at most
-    /// [`routes::MAX_WAITING_RESOLUTIONS`]; each holds a connection while it waits).
-    pub resolutions_waiting: std::sync::atomic::AtomicUsize,
+    /// Requests under way that can take long (hold releases and primes, source runs, backups,
+    /// replays; at most [`routes::MAX_LONG_REQUESTS`]; each holds a connection meanwhile).
+    pub long_requests: std::sync::atomic::AtomicUsize,
 }
 
 /// Binds the control port (port 0 picks a free port), outside the async runtime: `serve`

@@ -85,7 +85,7 @@ pub fn document() -> Value {
             "/v1/sources/{id}/run": {"post": {"operationId": "runSource", "parameters": [src_id.clone()], "responses": with_errors(json!({
                 "200": ok("the run's record", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}, "hold_reason": ns("string")}})),
                 "409": ok("a run of this source is in progress (skipped_overlap)", json!({"type": "object", "required": ["status"], "properties": {"status": s("string"), "source_id": s("string"), "message": s("string")}}))
-            }), &["404", "422", "503"])}},
+            }), &["404", "422", "429", "503"])}},
             "/v1/sources/{id}/watermarks": {"get": {"operationId": "sourceWatermarks", "parameters": [src_id], "responses": with_errors(json!({
                 "200": ok("watermark history, oldest first", json!({"type": "object", "required": ["source_id", "items"], "properties": {"source_id": s("string"), "items": {"type": "array", "items": {"$ref": "#/components/schemas/Watermark"}}}}))}), &["404"])}},
             "/v1/runs": {"get": {"operationId": "listRuns", "parameters": [query_param("source", s("string")), limit.clone(), cursor.clone()],
@@ -97,7 +97,7 @@ pub fn document() -> Value {
                 "200": ok("released (the held run was committed and its alerts queued) or primed (a held first ingest or --reprocess: committed silently, as status says)", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429", "503"])}},
             "/v1/holds/{run}/changes": {"get": {"operationId": "heldChanges", "parameters": [run_id.clone(), limit.clone(), cursor.clone()],
                 "responses": with_errors(json!({"200": ok("an open hold's changes, in the order the run found them, each with the subscribers it would go to now (a resolved hold keeps none)",
-                    json!({"type": "object", "required": ["hold", "items", "next_cursor"], "properties": {"hold": {"$ref": "#/components/schemas/Hold"},
+                    json!({"type": "object", "required": ["hold", "release_sends", "items", "next_cursor"], "properties": {"hold": {"$ref": "#/components/schemas/Hold"}, "release_sends": s("boolean"),
                         "items": {"type": "array", "items": {"$ref": "#/components/schemas/HeldChange"}}, "next_cursor": ns("string")}}))}), &["404"])}},
             "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
                 "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429", "503"])}},
@@ -128,7 +128,7 @@ pub fn document() -> Value {
                     query_param("outcome", json!({"type": "string", "pattern": outcome_pattern, "description": "comma-separated outcomes"})),
                     limit.clone(), cursor.clone()],
                 "responses": with_errors(json!({"200": ok("audit rows in ledger order", page_of("AuditRow"))}), &["400"])}},
-            "/v1/changes/recent": {"get": {"operationId": "recentChanges", "parameters": [limit],
+            "/v1/changes/recent": {"get": {"operationId": "recentChanges", "parameters": [limit.clone()],
                 "responses": with_errors(json!({"200": ok("latest changed parcels with their current geometry", json!({"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
                     "type": "object", "required": ["source_id", "parcel_id", "ts", "outcome"], "properties": {"source_id": s("string"), "parcel_id": s("string"), "ts": s("string"), "outcome": s("string"), "detail": s("string"), "geometry": {"type": ["object", "null"]}}}}}}))}), &["400"])}},
             "/v1/deadletters": {"get": {"operationId": "listDeadLetters", "parameters": [page_limit.clone(), cursor.clone()],
@@ -138,8 +138,8 @@ pub fn document() -> Value {
                     "ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
                     "since": {"type": ["string", "null"], "format": "date-time"}, "until": {"type": ["string", "null"], "format": "date-time"}}}}}},
                 "responses": with_errors(json!({"200": ok("what each dead letter became", json!({"type": "object", "required": ["requeued", "duplicates", "quarantined", "items"], "properties": {
-                    "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "not_found": s("integer"), "no_subscriber": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
-                        "id": s("integer"), "outcome": {"type": "string", "enum": ["requeued", "duplicate", "quarantined", "not_found", "no_subscriber"]}, "watcher_id": s("string")}}}}}))}), &["400", "503"])}},
+                    "requeued": s("integer"), "duplicates": s("integer"), "quarantined": s("integer"), "not_found": s("integer"), "no_subscriber": s("integer"), "items_left_out": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
+                        "id": s("integer"), "outcome": {"type": "string", "enum": ["requeued", "duplicate", "quarantined", "not_found", "no_subscriber"]}, "watcher_id": s("string")}}}}}))}), &["400", "429", "503"])}},
             "/v1/deadletters/quarantined": {"get": {"operationId": "listQuarantinedDeadLetters", "parameters": [page_limit.clone(), cursor.clone()],
                 "responses": with_errors(json!({"200": ok("dead letters set aside for a person (replayed past max_replays, invalid geometry), in id order, a page after the id `cursor`", page_of("DeadLetter"))}), &["400"])}},
             "/v1/deadletters/release": {"post": {"operationId": "releaseQuarantinedDeadLetters",
@@ -148,12 +148,12 @@ pub fn document() -> Value {
                 "responses": with_errors(json!({"200": ok("what each id became: released (a dead letter again, replay count reset) or not_found", json!({"type": "object", "required": ["released", "not_found", "items"], "properties": {
                     "released": s("integer"), "not_found": s("integer"), "items": {"type": "array", "items": {"type": "object", "required": ["id", "outcome"], "properties": {
                         "id": s("integer"), "outcome": {"type": "string", "enum": ["released", "not_found"]}, "quarantine_reason": s("string")}}}}}))}), &["400", "409"])}},
-            "/v1/quarantine": {"get": {"operationId": "listQuarantine", "parameters": [page_limit.clone(), cursor.clone()],
-                "responses": with_errors(json!({"200": ok("quarantined features, oldest first, a page after the row `cursor` (kept past [store] run_retention only; their audit rows stay)", page_of("Quarantined"))}), &["400"])}},
+            "/v1/quarantine": {"get": {"operationId": "listQuarantine", "parameters": [limit.clone(), cursor.clone()],
+                "responses": with_errors(json!({"200": ok("quarantined features, oldest first, a page after the row `cursor` (kept until [store] run_retention has passed; their audit rows stay)", page_of("Quarantined"))}), &["400"])}},
             "/v1/backup": {"post": {"operationId": "backup",
                 "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": false, "properties": {"name": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"},
                     "store": {"type": ["object", "null"], "additionalProperties": false, "required": ["dev", "ino"], "description": "the store file meant (device and inode numbers); a daemon serving another file answers 409 other_store", "properties": {"dev": s("integer"), "ino": s("integer")}}}}}}},
-                "responses": with_errors(json!({"201": ok("backup written", json!({"type": "object", "required": ["path", "bytes", "tables", "rows", "store"], "properties": {"path": s("string"), "bytes": s("integer"), "tables": s("integer"), "rows": s("integer"), "store": s("string")}}))}), &["400", "409"])}}
+                "responses": with_errors(json!({"201": ok("backup written", json!({"type": "object", "required": ["path", "bytes", "tables", "rows", "store"], "properties": {"path": s("string"), "bytes": s("integer"), "tables": s("integer"), "rows": s("integer"), "store": s("string")}}))}), &["400", "409", "429"])}}
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

@@ -115,11 +115,28 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         (&Method::GET, ["v1", "changes", "recent"]) => blocking(move || recent_changes(&st, &q)).await,
         (&Method::GET, ["v1", "deadletters"]) => blocking(move || dead_letter_list(&st, DeadLetterList::Waiting, &q)).await,
         (&Method::GET, ["v1", "quarantine"]) => blocking(move || quarantine_list(&st, &q)).await,
-        (&Method::POST, ["v1", "backup"]) => blocking(move || backup(&st, &body)).await,
+        (&Method::POST, ["v1", "backup"]) => match LongRequest::take(&state) {
+            Ok(place) => {
+                blocking(move || {
+                    let _place = place;
+                    backup(&st, &body)
+                })
+                .await
+            }
+            Err(busy) => *busy,
+        },
         (&Method::GET, ["v1", "deadletters", "quarantined"]) => blocking(move || dead_letter_list(&st, DeadLetterList::Quarantined, &q)).await,
         (&Method::POST, ["v1", "deadletters", "release"]) => blocking(move || release_quarantined(&st, &body)).await,
         (&Method::POST, ["v1", "deadletters", "replay"]) => {
-            let r = blocking(move || replay_dead_letters(&st, &body)).await;
+            let place = match LongRequest::take(&state) {
+                Ok(p) => p,
+                Err(busy) => return *busy,
+            };
+            let r = blocking(move || {
+                let _place = place;
+                replay_dead_letters(&st, &body)
+            })
+            .await;
             state.wake.notify_one();
             r
         }
@@ -298,15 +315,21 @@ fn held_changes(st: &ControlState, hold_id: u64, q: &std::collections::HashMap<S
         })
         .collect();
     let next = if items.len() == limit { numbers.last().map(|n| n.to_string()) } else { None };
-    json(StatusCode::OK, &json!({"hold": hold_json(&hold), "items": items, "next_cursor": next}))
+    // As `Engine::resolve_hold` decides: a held first ingest or `--reprocess` is primed by a
+    // release, which sends nothing.
+    let release_sends = match st.engine.store.watermark(&hold.source_id) {
+        Ok(w) => w.is_some() && !hold.reprocess,
+        Err(e) => return internal(e),
+    };
+    json(StatusCode::OK, &json!({"hold": hold_json(&hold), "release_sends": release_sends, "items": items, "next_cursor": next}))
 }
 
 /// `{"items": [...], "next_cursor": ...}`: a page of quarantined features, oldest first,
-/// `limit` of them (at most and by default 1,000) after the row `cursor`. Each keeps up to
+/// `limit` of them (100 by default, at most 1,000) after the row `cursor`. Each keeps up to
 /// 16 KiB of the feature's text, and one run of a county whose `parcel_id` was mistyped
 /// quarantines most of it: the whole table was built into one answer before.
 fn quarantine_list(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
-    let limit = match limit_or(q, MAX_PAGE) {
+    let limit = match limit_of(q) {
         Ok(l) => l,
         Err(r) => return *r,
     };
@@ -399,8 +422,13 @@ async fn run_source(st: Arc<ControlState>, id: String) -> Resp {
     if st.engine.config.source(&id).is_none() {
         return error(StatusCode::NOT_FOUND, "unknown_source", format!("no source {id:?}"));
     }
+    let place = match LongRequest::take(&st) {
+        Ok(p) => p,
+        Err(busy) => return *busy,
+    };
     let st2 = st.clone();
     let r = blocking(move || {
+        let _place = place;
         match st2.engine.run_source_id(&id, RunOptions::default()) {
             Ok(report) if report.record.verdict == Verdict::SkippedOverlap => {
                 json(StatusCode::CONFLICT, &json!({"status": "skipped_overlap", "source_id": id, "message": "a run of this source is in progress"}))
@@ -526,17 +554,22 @@ fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, Strin
         Err(r) => return *r,
     };
     // Newest first, until `limit` distinct parcels: the rows of changes are found through
-    // the outcome index, past however many rows a baseline primed.
+    // the outcome index, past however many rows a baseline primed. At most
+    // [`RECENT_ROWS_PER_PARCEL`] rows read per parcel asked for: a store whose few changed
+    // parcels each matched a thousand subscribers walked the whole index at every poll of
+    // the dashboard (a reviewer); the map then shows the parcels those rows name.
     let mut seen = std::collections::HashSet::new();
     let mut picked: Vec<AuditRow> = Vec::new();
+    let mut read = 0usize;
     let changes = AuditFilter { outcomes: Some(vec![Outcome::Queued, Outcome::Sent, Outcome::Suppressed]), without_baseline_primes: true, ..Default::default() };
     let walked = st.engine.store.audit_walk(&changes, true, None, |r| {
+        read += 1;
         if let (Some(src), Some(pid)) = (&r.source_id, &r.parcel_id) {
             if seen.insert((src.clone(), pid.clone())) {
                 picked.push(r);
             }
         }
-        picked.len() < limit
+        picked.len() < limit && read < limit.saturating_mul(RECENT_ROWS_PER_PARCEL)
     });
     if let Err(e) = walked {
         return internal(e);
@@ -553,42 +586,51 @@ fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, Strin
     json(StatusCode::OK, &json!({"items": items}))
 }
 
+/// How many ledger rows `GET /v1/changes/recent` reads per parcel it may list.
+const RECENT_ROWS_PER_PARCEL: usize = 20;
+
 /// How long a hold's release or prime waits for a run of its source to end.
 const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
-/// How many releases and primes may be under way at once (waiting for a run of their source,
-/// up to [`RELEASE_WAIT`], then committing), each on a connection of its own: without a cap, a
-/// script releasing holds in a loop while a county's long run is under way would fill the
-/// control port's [`super::MAX_CONNECTIONS`] and shut out `/healthz` and the operator. Past
-/// it: `429 busy`.
-pub const MAX_WAITING_RESOLUTIONS: usize = 8;
+/// How many requests that can take long may be under way at once: hold releases and primes
+/// (waiting for a run of their source, up to [`RELEASE_WAIT`], then committing), source runs
+/// (a county's takes minutes), backups (a copy of the whole store each) and dead-letter
+/// replays (a commit per dead letter), each on a connection of its own. Without a cap, a
+/// script releasing holds in a loop, or running every source now, would fill the control
+/// port's [`super::MAX_CONNECTIONS`] and shut out `/healthz` and the operator (a reviewer:
+/// only releases were capped). Past it: `429 busy`.
+pub const MAX_LONG_REQUESTS: usize = 8;
 
-/// A place among the [`MAX_WAITING_RESOLUTIONS`], given back when dropped.
-struct WaitingResolution(Arc<ControlState>);
+/// A place among the [`MAX_LONG_REQUESTS`], given back when dropped.
+struct LongRequest(Arc<ControlState>);
 
-impl WaitingResolution {
-    fn take(st: &Arc<ControlState>) -> Option<WaitingResolution> {
+impl LongRequest {
+    /// A place, or the `429 busy` answer when there is none.
+    fn take(st: &Arc<ControlState>) -> Result<LongRequest, Refusal> {
         use std::sync::atomic::Ordering::SeqCst;
-        let taken = st.resolutions_waiting.fetch_update(SeqCst, SeqCst, |n| (n < MAX_WAITING_RESOLUTIONS).then_some(n + 1)).is_ok();
-        taken.then(|| WaitingResolution(st.clone()))
+        if st.long_requests.fetch_update(SeqCst, SeqCst, |n| (n < MAX_LONG_REQUESTS).then_some(n + 1)).is_ok() {
+            return Ok(LongRequest(st.clone()));
+        }
+        let mut r = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "busy",
+            format!("{MAX_LONG_REQUESTS} long requests (hold releases or primes, source runs, backups, replays) are already under way; try again in a few seconds"),
+        );
+        r.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("5"));
+        Err(Box::new(r))
     }
 }
 
-impl Drop for WaitingResolution {
+impl Drop for LongRequest {
     fn drop(&mut self) {
-        self.0.resolutions_waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.long_requests.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
 async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
-    let Some(place) = WaitingResolution::take(&st) else {
-        let mut r = error(
-            StatusCode::TOO_MANY_REQUESTS,
-            "busy",
-            format!("{MAX_WAITING_RESOLUTIONS} hold releases or primes are already under way (waiting for runs of their sources to end, or committing); try again in a few seconds"),
-        );
-        r.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("5"));
-        return r;
+    let place = match LongRequest::take(&st) {
+        Ok(p) => p,
+        Err(busy) => return *busy,
     };
     let st2 = st.clone();
     let r = blocking(move || {
@@ -860,6 +902,25 @@ fn enable_endpoint(st: &ControlState, id: &str) -> Resp {
     }
 }
 
+/// The first [`MAX_PAGE`] items of an answer, and how many more there were: the counts say it
+/// all, and the items of a replay of every dead letter (100,000 after a day's outage) were
+/// an answer of tens of MB.
+#[derive(Default)]
+struct Capped {
+    items: Vec<Value>,
+    left_out: usize,
+}
+
+impl Capped {
+    fn push(&mut self, item: Value) {
+        if self.items.len() < MAX_PAGE {
+            self.items.push(item);
+        } else {
+            self.left_out += 1;
+        }
+    }
+}
+
 /// Body of `POST /v1/deadletters/replay`: which dead letters (all when both are absent).
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
@@ -895,7 +956,7 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
         Err(e) => return internal(e),
     };
     let (mut requeued, mut duplicates, mut quarantined, mut not_found) = (0u64, 0u64, 0u64, 0u64);
-    let mut items = Vec::new();
+    let mut items = Capped::default();
     // A named id that is no dead letter (in the window) is said so, as `release` and
     // `zonewatch dlq replay` say it, not dropped from the answer.
     if let Some(ids) = &b.ids {
@@ -955,7 +1016,7 @@ fn replay_dead_letters(st: &ControlState, body: &[u8]) -> Resp {
             }
         }
     }
-    let mut answer = json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "not_found": not_found, "no_subscriber": waiting.len(), "items": items});
+    let mut answer = json!({"requeued": requeued, "duplicates": duplicates, "quarantined": quarantined, "not_found": not_found, "no_subscriber": waiting.len(), "items": items.items, "items_left_out": items.left_out});
     match ended {
         None => json(StatusCode::OK, &answer),
         Some((status, code, message)) => {

@@ -761,10 +761,26 @@ fn repair(mp: &MultiPolygon<f64>) -> Result<MultiPolygon<f64>, GeomError> {
     if let Ok(fixed) = mp.make_valid() {
         candidates.extend(usable(fixed));
     }
-    let best = candidates
-        .into_iter()
-        .filter(|c| c.unsigned_area() > 0.0)
-        .min_by(|a, b| (a.unsigned_area() - published).abs().total_cmp(&(b.unsigned_area() - published).abs()));
+    // The first candidate, in the order above, whose area is nearest the published one; a
+    // later one only when it is nearer by more than a billionth of that area. Candidates of
+    // one shape differ in their area's last bits (vertex order; `MakeValid`'s order is not even
+    // the same from one call to the next), and a plain nearest flipped between the union's
+    // ring and `MakeValid`'s, which keeps the points where the parts met: the same parcel,
+    // read again unchanged, was stored and alerted `geometry_changed` run after run (a
+    // black-box tester: 8 to 13 of 200 two-part parcels at every read).
+    let tie = published.abs() * 1e-9;
+    let mut best: Option<(f64, MultiPolygon<f64>)> = None;
+    for c in candidates {
+        let area = c.unsigned_area();
+        if area <= 0.0 {
+            continue;
+        }
+        let off = (area - published).abs();
+        if best.as_ref().is_none_or(|(b, _)| off < b - tie) {
+            best = Some((off, c));
+        }
+    }
+    let best = best.map(|(_, c)| c);
     match best {
         Some(b) => Ok(orient_default(crate::detect::canonical::canonical_order(b))),
         None => Err((QuarantineReason::Unrepairable, "no repair produced a valid polygon with area".into())),
@@ -859,6 +875,30 @@ fn tidy_rings(mp: MultiPolygon<f64>) -> MultiPolygon<f64> {
 mod tests {
     use super::*;
     use crate::config::FieldMap;
+
+    /// Two lots written as one multipolygon whose parts share an edge (invalid: parts may
+    /// only touch at points) repair to the same shape at every read, in any thread. The
+    /// repair's candidates tie on area but for their last bits, and `MakeValid`'s bits vary
+    /// from call to call: a plain nearest flipped between its 8-vertex ring and the union's
+    /// 6-vertex one, about one read in three (a black-box tester: the same parcels alerted
+    /// `geometry_changed` at every unchanged read).
+    #[test]
+    fn a_two_part_parcel_whose_parts_share_an_edge_repairs_the_same_way_every_time() {
+        use geo::polygon;
+        let a = polygon![(x: -93.2691461, y: 44.95), (x: -93.2684863, y: 44.95), (x: -93.2684863, y: 44.9503144), (x: -93.2691461, y: 44.9503144), (x: -93.2691461, y: 44.95)];
+        let b = polygon![(x: -93.2684863, y: 44.95), (x: -93.2679977, y: 44.95), (x: -93.2679977, y: 44.9501572), (x: -93.2680167, y: 44.9503144), (x: -93.2684863, y: 44.9503144), (x: -93.2684863, y: 44.95)];
+        let mp = MultiPolygon::new(vec![a, b]);
+        let (first, repaired) = clean_geometry(mp.clone(), None).unwrap();
+        assert!(repaired);
+        assert_eq!((first.0.len(), first.0[0].exterior().0.len()), (1, 6), "one lot, the shared edge's ends dropped: {first:?}");
+        let reads: Vec<_> = (0..2).map(|_| {
+            let mp = mp.clone();
+            std::thread::spawn(move || (0..200).map(|_| clean_geometry(mp.clone(), None).unwrap().0).collect::<Vec<_>>())
+        }).collect();
+        for r in reads {
+            assert!(r.join().unwrap().iter().all(|g| *g == first), "a read repaired it otherwise");
+        }
+    }
 
     fn rules(fields: &FieldMap) -> NormalizeRules<'_> {
         NormalizeRules { fields, bbox: Some([-1.0, -1.0, 20.0, 20.0]) }

@@ -179,6 +179,9 @@ pub struct Deliverer {
     clock: SharedClock,
     /// How long this deliverer has been short of its own resources ([`Deliverer::deferred`]).
     shortage: Arc<LocalShortage>,
+    /// Failed sends and dead letters not said in the log yet (`failure_log.rs`), shared by
+    /// every pass of this deliverer.
+    failures: Arc<Mutex<super::failure_log::FailureLog>>,
 }
 
 /// What every attempt to one endpoint needs and that changes only when the subscriber does:
@@ -258,6 +261,7 @@ impl Deliverer {
             plans: Default::default(),
             clock: crate::clock::system(),
             shortage: Arc::default(),
+            failures: Arc::default(),
         })
     }
 
@@ -345,11 +349,10 @@ impl Deliverer {
         }
         let mut results = Vec::with_capacity(batch.len());
         let mut log = Vec::with_capacity(batch.len());
-        let mut failures = super::failure_log::FailureLog::default();
         while let Some(r) = tasks.join_next().await {
             match r {
                 Ok(Some(((res, rec), endpoint))) => {
-                    failures.note(&endpoint, &res, rec.error.as_deref(), Instant::now());
+                    self.failures.lock().unwrap_or_else(|p| p.into_inner()).note(&endpoint, &res, rec.error.as_deref(), Instant::now());
                     results.push(res);
                     log.push(rec);
                 }
@@ -357,7 +360,7 @@ impl Deliverer {
                 Err(e) => tracing::error!("delivery task failed: {e}"),
             }
         }
-        failures.say_all();
+        self.failures.lock().unwrap_or_else(|p| p.into_inner()).say_due(Instant::now());
         let mut stats = PassStats::default();
         for r in &results {
             stats.count(r);
@@ -453,6 +456,7 @@ impl Deliverer {
             let committed = committed.clone();
             let probing = probing.clone();
             let gates = gates.clone();
+            let failures = self.failures.clone();
             let policy = crate::store::HealthPolicy {
                 breaker_cooldown_ms: self.cfg.breaker_cooldown.as_millis() as u64,
                 disable_after_ms: self.cfg.disable_after.as_millis() as u64,
@@ -461,7 +465,6 @@ impl Deliverer {
             tokio::spawn(async move {
                 let mut stats = PassStats::default();
                 let mut failure: Option<DeliveryError> = None;
-                let mut failures = super::failure_log::FailureLog::default();
                 while let Some(first) = orx.recv().await {
                     let mut batch = vec![first];
                     while batch.len() < PIPE_COMMIT_MAX {
@@ -476,9 +479,15 @@ impl Deliverer {
                     let mut probes_done = Vec::new();
                     // (endpoint, row) of each 410 answered.
                     let mut gone_now: Vec<(String, u64)> = Vec::new();
+                    {
+                        let mut said = failures.lock().unwrap_or_else(|p| p.into_inner());
+                        let at = Instant::now();
+                        for o in &batch {
+                            said.note(&o.endpoint, &o.result, o.attempt.error.as_deref(), at);
+                        }
+                    }
                     for o in batch {
                         stats.count(&o.result);
-                        failures.note(&o.endpoint, &o.result, o.attempt.error.as_deref(), Instant::now());
                         if let Some(p) = o.probe_of {
                             probes_done.push(p);
                         }
@@ -538,7 +547,7 @@ impl Deliverer {
                     outstanding.fetch_sub(n, std::sync::atomic::Ordering::SeqCst);
                     committed.notify_one();
                 }
-                failures.say_all();
+                failures.lock().unwrap_or_else(|p| p.into_inner()).say_due(Instant::now());
                 (stats, failure)
             })
         };

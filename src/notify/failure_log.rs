@@ -3,10 +3,13 @@
 //! Why it exists: an endpoint's circuit breaker opens only after 10 attempts (and logs it),
 //! a 410 disables it (and logs it); short of those, a receiver refusing a small town's two
 //! alerts, and the alerts then dead-lettered, left no line at all in `serve`'s log, only a
-//! gauge of the outbox's depth (found by a black-box tester playing an operator). Each
-//! endpoint's first failure of a delivery pass is said at once, as a warning; what follows is
-//! counted and said once a minute, and at the end of the pass, so a receiver down under a
-//! county's backlog writes a line a minute, not one per alert.
+//! gauge of the outbox's depth (found by a black-box tester playing an operator). One log per
+//! deliverer, shared by its passes (`serve` runs a pass after another; one log per pass said
+//! each pass's first failure at once, hundreds of lines a minute: a reviewer): an endpoint's
+//! failure is said at once when nothing was said of it in the last minute, and what follows
+//! is counted and said once that minute is over (at the next failure, or the end of the next
+//! pass), and when the deliverer goes (`run`'s end), so a receiver down under a county's
+//! backlog writes a line a minute, not one per alert.
 
 use crate::store::DeliveryResult;
 use std::collections::{BTreeMap, HashMap};
@@ -15,7 +18,7 @@ use std::time::{Duration, Instant};
 /// The shortest time between two lines about one endpoint.
 const EVERY: Duration = Duration::from_secs(60);
 
-/// The failures of one delivery pass not said yet, by endpoint.
+/// Failures not said yet, and when each endpoint's were last said.
 #[derive(Debug, Default)]
 pub struct FailureLog {
     endpoints: HashMap<String, Tally>,
@@ -63,7 +66,18 @@ impl FailureLog {
         }
     }
 
-    /// Says what is not said yet (the end of a pass).
+    /// Says what was counted of each endpoint whose last line is a minute old (the end of a
+    /// pass).
+    pub fn say_due(&mut self, now: Instant) {
+        for (endpoint, tally) in &mut self.endpoints {
+            if tally.said_at.is_none_or(|at| now.saturating_duration_since(at) >= EVERY) && !tally.is_empty() {
+                tally.say(endpoint);
+                tally.said_at = Some(now);
+            }
+        }
+    }
+
+    /// Says whatever was counted and not said yet.
     pub fn say_all(&mut self) {
         for (endpoint, tally) in &mut self.endpoints {
             tally.say(endpoint);
@@ -71,7 +85,19 @@ impl FailureLog {
     }
 }
 
+/// The deliverer is going (the end of `run`, of a replay, of `serve`): nothing counted stays
+/// unsaid.
+impl Drop for FailureLog {
+    fn drop(&mut self) {
+        self.say_all();
+    }
+}
+
 impl Tally {
+    fn is_empty(&self) -> bool {
+        self.retried == 0 && self.dead.is_empty()
+    }
+
     /// Writes the counts as warnings and starts them again from zero.
     fn say(&mut self, endpoint: &str) {
         let error = crate::util::terminal_safe(self.last_error.as_deref().unwrap_or("no error text"));
@@ -80,7 +106,7 @@ impl Tally {
             tracing::warn!(
                 endpoint,
                 failed = self.retried,
-                "delivery to {endpoint}: {} send(s) failed ({error}); the next retry is at {next} (GET /v1/endpoints shows its health; POST /v1/endpoints/{endpoint}/enable sends what waits now, once the receiver is mended)",
+                "delivery to {endpoint}: {} send(s) failed ({error}); the next retry is at {next} (once the receiver is mended, `zonewatch endpoints enable {endpoint}`, or POST /v1/endpoints/{endpoint}/enable under serve, sends what waits now)",
                 self.retried
             );
         }
@@ -90,7 +116,7 @@ impl Tally {
             tracing::warn!(
                 endpoint,
                 dead_lettered = n,
-                "delivery to {endpoint}: {n} alert(s) dead-lettered ({}; last error: {error}): GET /v1/deadletters or zonewatch dlq list shows them, a replay sends them again",
+                "delivery to {endpoint}: {n} alert(s) dead-lettered ({}; last error: {error}): `zonewatch dlq list` (GET /v1/deadletters under serve) shows them; `dlq replay` sends them again once the cause is mended",
                 reasons.join(", ")
             );
         }
@@ -122,6 +148,11 @@ mod tests {
         log.note("w", &retry(5), None, t0 + Duration::from_secs(61));
         assert!(log.endpoints["w"].retried == 0 && log.endpoints["w"].dead.is_empty(), "a minute on: said");
         log.note("w", &retry(6), None, t0 + Duration::from_secs(62));
+        log.say_due(t0 + Duration::from_secs(100));
+        assert_eq!(log.endpoints["w"].retried, 1, "its last line is under a minute old");
+        log.say_due(t0 + Duration::from_secs(121));
+        assert_eq!(log.endpoints["w"].retried, 0, "a minute on");
+        log.note("w", &retry(7), None, t0 + Duration::from_secs(122));
         log.say_all();
         assert_eq!(log.endpoints["w"].retried, 0);
         assert_eq!(log.endpoints["w"].last_error.as_deref(), Some("connection: refused"), "the last error text is kept for the next line");

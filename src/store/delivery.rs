@@ -673,15 +673,26 @@ impl Store {
     /// claim it again while the first copy can still be sent. Its expiry is re-armed for one
     /// more TTL from `now_ms` instead, so it expires once its event is sent or suppressed.
     pub fn sweep_expired_keys(&self, now_ms: u64, max: usize) -> Result<usize, StoreError> {
+        self.sweep_expired_keys_batch(now_ms, max).map(|b| b.removed)
+    }
+
+    /// [`Store::sweep_expired_keys`], saying too whether the batch took as many expiry
+    /// entries as it could (`more`: others may be due behind them, re-armed ones included).
+    /// A removed key's replay count goes with it: a later claim of the key (a new TTL cycle)
+    /// starts its replays from 0, and the table does not grow by a row per replayed key.
+    pub fn sweep_expired_keys_batch(&self, now_ms: u64, max: usize) -> Result<super::SweepBatch, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let mut n = 0;
+        let more;
         {
             let mut expiry = ExpiryIndex::open(&wtx)?;
             let mut keys = KeyTables::open(&wtx, &self.key_index)?;
             let holding = [wtx.open_table(OUTBOX)?, wtx.open_table(OUTBOX_RETRY)?, wtx.open_table(DEAD_LETTERS)?, wtx.open_table(DLQ_QUARANTINE)?];
             let holding: Vec<_> = holding.iter().collect();
+            let mut replays = wtx.open_table(DLQ_REPLAYS)?;
             let victims = expiry.take_due(now_ms, max)?;
+            more = victims.len() >= max;
             // Re-armed keys by their new expiry (keys claimed with different TTLs differ).
             let mut rearmed: std::collections::BTreeMap<u64, Vec<String>> = std::collections::BTreeMap::new();
             for (t, key) in victims {
@@ -702,6 +713,7 @@ impl Store {
                     rearmed.entry(rec.expires_ms).or_default().push(key);
                 } else {
                     keys.remove(found_in, key.as_str())?;
+                    replays.remove(key.as_str())?;
                     n += 1;
                 }
             }
@@ -710,6 +722,6 @@ impl Store {
             }
         }
         wtx.commit()?;
-        Ok(n)
+        Ok(super::SweepBatch { removed: n, more })
     }
 }

@@ -288,6 +288,29 @@ mod tests {
         assert!(store.dead_letter(424242).unwrap().is_none());
     }
 
+    /// A key's replay count goes when the key expires (the table grew by a row per replayed
+    /// key for good, and a claim of the key in a later TTL cycle started from the old count);
+    /// a sweep batch that took all it could says there may be more, though it removed nothing
+    /// (keys re-armed because their event is still pending).
+    #[test]
+    fn an_expired_key_takes_its_replay_count_and_a_full_batch_says_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, row) = one_queued(dir.path());
+        dead(&store, row, 1);
+        let ReplayOutcome::Requeued { outbox_id, .. } = store.replay_dead_letter(row, 2, 3, Ok(())).unwrap() else { panic!("not requeued") };
+        assert_eq!(store.replay_count("key-A").unwrap(), 1);
+        store.record_outcomes(&[DeliveryResult::Sent { id: outbox_id, status: 200 }], &[attempt("key-A", outbox_id, "sent", 3)], 3).unwrap();
+        let swept = store.sweep_expired_keys_batch(10 * HOUR, 10).unwrap();
+        assert_eq!((swept.removed, swept.more), (1, false));
+        assert_eq!(store.replay_count("key-A").unwrap(), 0, "gone with its key");
+        // Two keys still queued, past their TTL: a batch of one takes one and re-arms it.
+        let (events, claims) = super::super::delivery::sample_claims(&["B", "C"]);
+        store.enqueue(&events, &claims, "l2", 11 * HOUR, HOUR).unwrap();
+        let swept = store.sweep_expired_keys_batch(20 * HOUR, 1).unwrap();
+        assert_eq!((swept.removed, swept.more), (0, true), "re-armed, and another may be due");
+        assert!(store.check_consistency().unwrap().problems.is_empty());
+    }
+
     /// A dead letter replayed past `max_replays` is quarantined; released, it is a dead
     /// letter again under the same id and key, its replay count starts over, the release is
     /// audited, and the next replay queues it. The store stays consistent throughout.

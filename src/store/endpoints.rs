@@ -286,7 +286,8 @@ impl Store {
     /// is left out with an error log, so its endpoint is listed as one with no record, which
     /// is how delivery takes it (healthy): failing the whole list failed every `/metrics`
     /// scrape and `GET /v1/endpoints` until the store was mended. `check --store` names it,
-    /// and an enable (or a new target) writes a fresh one.
+    /// and an operator's enable writes a fresh one. Said once an hour at most (every scrape
+    /// reads it).
     pub fn endpoints(&self) -> Result<Vec<(String, EndpointState)>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(ENDPOINTS)?;
@@ -295,7 +296,12 @@ impl Store {
             let (k, v) = item?;
             match decode(v.value()) {
                 Ok(s) => out.push((k.value().to_string(), s)),
-                Err(e) => tracing::error!("the health record of endpoint {:?} cannot be read and is left out (delivery takes it as healthy; `zonewatch endpoints enable` writes a new one): {e}", k.value()),
+                Err(e) => {
+                    static SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                    if crate::util::now_and_then(&SAID_MS, 3_600_000) {
+                        tracing::error!("the health record of endpoint {:?} cannot be read and is left out (delivery takes it as healthy; `zonewatch endpoints enable` writes a new one): {e}", k.value());
+                    }
+                }
             }
         }
         Ok(out)
@@ -328,26 +334,31 @@ pub struct EndpointEnabled {
 /// returns how many. Why: an operator enables an endpoint, or gives it a new target, when its
 /// receiver was mended, and a quiet endpoint (too few attempts to open its breaker) had its
 /// alerts waiting out the retry schedule, up to 10 hours, with nothing to send them sooner
-/// (found by a black-box tester playing an operator). Reads the retries due later, and
-/// decodes only this endpoint's.
+/// (found by a black-box tester playing an operator). One pass over the retry rows, in
+/// order, decoding only this endpoint's (read off each row's head): what it costs grows with
+/// the retries waiting for every endpoint, paid by an operator's action, not by delivery.
+/// A row being sent now is due already, so it is not moved (its outcome rewrites it).
 pub(super) fn retry_now_in(wtx: &WriteTransaction, id: &str, now_ms: u64) -> Result<u64, StoreError> {
-    let mut due = wtx.open_table(OUTBOX_RETRY_DUE)?;
     let mut retry = wtx.open_table(OUTBOX_RETRY)?;
-    let later: Vec<(u64, u64)> = due.range((now_ms.saturating_add(1), 0u64)..)?.map(|item| item.map(|(k, _)| k.value())).collect::<Result<_, _>>()?;
-    let mut moved = 0;
-    for (at, row) in later {
-        let entry = match retry.get(row)? {
-            Some(v) if super::outbox_rows::entry_watcher(v.value()).is_ok_and(|w| w == id) => super::outbox_rows::decode_entry(v.value()).ok(),
-            _ => None,
-        };
-        let Some(mut entry) = entry.filter(|e| e.next_attempt_ms == at) else { continue };
-        entry.next_attempt_ms = now_ms;
-        due.remove((at, row))?;
-        due.insert((now_ms, row), ())?;
-        retry.insert(row, super::outbox_rows::encode_entry(&entry).as_slice())?;
-        moved += 1;
+    let mut later = Vec::new();
+    for item in retry.iter()? {
+        let (_, v) = item?;
+        if super::outbox_rows::entry_watcher(v.value()).is_ok_and(|w| w == id) {
+            if let Ok(entry) = super::outbox_rows::decode_entry(v.value()) {
+                if entry.next_attempt_ms > now_ms {
+                    later.push(entry);
+                }
+            }
+        }
     }
-    Ok(moved)
+    let mut due = wtx.open_table(OUTBOX_RETRY_DUE)?;
+    for entry in &mut later {
+        due.remove((entry.next_attempt_ms, entry.id))?;
+        entry.next_attempt_ms = now_ms;
+        due.insert((now_ms, entry.id), ())?;
+        retry.insert(entry.id, super::outbox_rows::encode_entry(entry).as_slice())?;
+    }
+    Ok(later.len() as u64)
 }
 
 /// The `endpoint_enabled` detail of an operator's enable (`zonewatch endpoints enable`,

@@ -539,6 +539,8 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let mut n = 0;
+        // An attempt that cannot be read, said once an hour at most: every batch steps over it.
+        let mut damaged: Option<String> = None;
         {
             let mut keep = std::collections::HashSet::new();
             let mut keep_rows = std::collections::HashSet::new();
@@ -580,7 +582,7 @@ impl Store {
                 match decode::<AttemptRecord>(v.value()) {
                     Ok(rec) if rec.ts_ms < before_ms => victims.push((key.to_string(), n)),
                     Ok(_) => {}
-                    Err(m) => tracing::warn!("attempt {n} of key {key} cannot be read and is left for check --store to name: {m}"),
+                    Err(m) => damaged = Some(format!("attempt {n} of key {key}: {m}")),
                 }
             }
             for (key, a) in victims {
@@ -608,12 +610,18 @@ impl Store {
                 match decode::<AttemptRecord>(v.value()) {
                     Ok(rec) if rec.ts_ms < before_ms => old_rows.push((row, a)),
                     Ok(_) => {}
-                    Err(m) => tracing::warn!("attempt {a} of outbox row {row} cannot be read and is left for check --store to name: {m}"),
+                    Err(m) => damaged = Some(format!("attempt {a} of outbox row {row}: {m}")),
                 }
             }
             for k in old_rows {
                 log.remove(k)?;
                 n += 1;
+            }
+        }
+        if let Some(what) = damaged {
+            static SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            if crate::util::now_and_then(&SAID_MS, 3_600_000) {
+                tracing::warn!("the attempt retention sweep steps over attempts that cannot be read ({what}, the last of this batch); check --store names them");
             }
         }
         if n == 0 {

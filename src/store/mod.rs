@@ -53,6 +53,24 @@ pub use dlq::{ReleaseOutcome, ReplayOutcome};
 pub use endpoints::{DisabledBacklog, EndpointEnabled, HealthPolicy};
 pub use key_scope::KeyScopeRecord;
 pub use clock_step::{say_moved, DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};
+/// What one bounded sweep call did: the rows it removed, and whether it stopped at its bound
+/// with work left. A batch can do work and remove nothing (keys re-armed because their event
+/// is still pending, run records read past because they are kept), so `serve`'s periodic
+/// sweep goes on while either says so: it stopped at the first batch that removed nothing,
+/// and what lay behind such a batch waited for the next period (a reviewer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepBatch {
+    pub removed: usize,
+    pub more: bool,
+}
+
+impl SweepBatch {
+    /// A sweep that cannot tell work left from rows removed: more while it removes.
+    pub fn of_removed(removed: usize) -> SweepBatch {
+        SweepBatch { removed, more: removed > 0 }
+    }
+}
+
 pub use queries::{AuditFilter, DeadLetterList, KeptCounts, ReplayPick, SnapshotView, StoreStats};
 pub use derived::BaseStretch;
 pub use runs::{CommitMode, HeldChunk, QuarantineDraft, RunCommit, RunNote, RunWriter};

@@ -171,6 +171,12 @@ impl Store {
     /// for what stays). Returns how many it removed; 0 when there is nothing (more) to remove
     /// now.
     pub fn sweep_quiet_runs(&self, now_ms: u64, retention_ms: u64, max: usize) -> Result<usize, StoreError> {
+        self.sweep_quiet_runs_batch(now_ms, retention_ms, max).map(|b| b.removed)
+    }
+
+    /// [`Store::sweep_quiet_runs`], saying too whether the batch stopped at its bound (`more`:
+    /// `max` records to remove, or its read budget spent crossing kept records).
+    pub fn sweep_quiet_runs_batch(&self, now_ms: u64, retention_ms: u64, max: usize) -> Result<super::SweepBatch, StoreError> {
         let before_ms = now_ms.saturating_sub(retention_ms);
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -212,6 +218,8 @@ impl Store {
         let mut changed: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         let mut doomed: BTreeMap<u64, RunRecord> = BTreeMap::new();
         let mut next_from = cursor;
+        // The pass stopped at `max` removals or its read budget, not at the horizon.
+        let mut bounded = false;
         {
             let runs = wtx.open_table(RUNS)?;
             let index = wtx.open_table(RUNS_BY_SOURCE)?;
@@ -263,6 +271,7 @@ impl Store {
                     let run_id = k.value();
                     if doomed.len() >= max || reads >= budget {
                         resume = Some(run_id);
+                        bounded = true;
                         break;
                     }
                     reads += 1;
@@ -278,6 +287,7 @@ impl Store {
             if again.is_none() {
                 for item in runs.range(cursor..)? {
                     if doomed.len() >= max || reads >= budget {
+                        bounded = true;
                         break;
                     }
                     reads += 1;
@@ -300,7 +310,7 @@ impl Store {
         let now_waiting = (again.is_some() || waiting.is_some()).then_some(Waiting { still: waiting, resume: again });
         if doomed.is_empty() && changed.is_empty() && next_from == cursor && now_waiting == stored {
             wtx.abort()?;
-            return Ok(0);
+            return Ok(super::SweepBatch::default());
         }
         {
             let mut runs = wtx.open_table(RUNS)?;
@@ -332,7 +342,7 @@ impl Store {
             };
         }
         wtx.commit()?;
-        Ok(doomed.len())
+        Ok(super::SweepBatch { removed: doomed.len(), more: bounded })
     }
 }
 
