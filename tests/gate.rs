@@ -465,6 +465,19 @@ async fn a_district_layer_exported_half_missing_is_held() {
     assert!(engine.store.check_consistency().unwrap().is_consistent());
 }
 
+/// An effective-date field that no feature has (renamed in the export) is said on the run's
+/// line; it was silently null for every parcel (a black-box tester).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_effective_date_field_no_feature_has_is_said() {
+    let (_rx, ws, engine) = watched_grid(0.5).await;
+    drop(engine);
+    ws.edit_config(r#"zoning = "ZONE_CODE""#, "zoning = \"ZONE_CODE\"\neffective_date = \"EFF_DATE\"");
+    let engine = ws.engine();
+    ws.write_layer(&layer(&grid(10)));
+    let r = run(&engine, false);
+    assert!(r.record.warnings.iter().any(|w| w.starts_with(r#"no feature has a value in field "EFF_DATE""#)), "{:?}", r.record.warnings);
+}
+
 /// A parcel layer exported without its geometry (every `geometry` null) or with centroids
 /// for polygons is held, as a district layer so is: it was committed with every feature
 /// quarantined and exit 0, and a rezoning published in that form was never alerted (a

@@ -213,6 +213,8 @@ struct ResultBatch {
     /// The spill records of the batch's `Upsert`s, back to back.
     framed: Vec<u8>,
     repaired: u64,
+    /// Features read with an effective date.
+    dated: u64,
     folded: Vec<(String, String)>,
 }
 
@@ -283,6 +285,7 @@ pub fn scan_layer<R: Read + Send>(
     let mut unidentified = Unidentified::default();
     let mut folded: Vec<(String, String)> = Vec::new();
     let (mut repaired, mut quarantined, mut systemic, mut changes) = (0u64, 0u64, 0u64, 0u64);
+    let mut dated = 0u64;
     // Valid features whose id is in the stored snapshot (each stored id at most once when
     // there are no duplicates): when it equals the snapshot's size, nothing was removed.
     let mut known_seen = 0u64;
@@ -357,6 +360,7 @@ pub fn scan_layer<R: Read + Send>(
             while let Some(b) = pending.remove(&next_seq) {
                 next_seq += 1;
                 repaired += b.repaired;
+                dated += b.dated;
                 for f in b.folded {
                     if !folded.contains(&f) {
                         folded.push(f);
@@ -514,6 +518,14 @@ pub fn scan_layer<R: Read + Send>(
         }
     }
     let mut warnings = crate::ingest::normalize::folded_field_warnings(&folded);
+    // A configured effective-date field that no feature has, in any case: renamed or left
+    // out of the export, most likely; every parcel's date is then null, said nowhere (a
+    // black-box tester; a zoning field so is quarantined, and a case-folded match is said).
+    if let Some(field) = rules.fields.effective_date.as_deref() {
+        if dated == 0 && seen.len() as u64 > dup_copies {
+            warnings.push(format!("no feature has a value in field {field:?} (effective_date): every parcel's effective date is null this run (renamed, or left out of the export?)"));
+        }
+    }
     warnings.extend(unidentified.warnings(&withheld, removed.len()));
     Ok(ScanResult {
         spill: reader,
@@ -559,7 +571,7 @@ fn worker(
             failed = true;
             continue;
         }
-        let mut out = ResultBatch { seq: batch.seq, outcomes: Vec::with_capacity(batch.items.len()), framed: Vec::new(), repaired: 0, folded: Vec::new() };
+        let mut out = ResultBatch { seq: batch.seq, outcomes: Vec::with_capacity(batch.items.len()), framed: Vec::new(), repaired: 0, dated: 0, folded: Vec::new() };
         for &(index, a, b) in &batch.items {
             let json = &batch.text[a..b];
             let mut normalized = normalize_feature(json, rules);
@@ -586,6 +598,7 @@ fn worker(
             match normalized {
                 Ok(n) => {
                     out.repaired += u64::from(n.repaired);
+                    out.dated += u64::from(n.parcel.state.effective_date.is_some());
                     for f in n.folded_fields {
                         if !out.folded.contains(&f) {
                             out.folded.push(f);

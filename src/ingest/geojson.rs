@@ -66,6 +66,12 @@ where
     match sc.next_non_ws()? {
         Some(b'{') => {}
         None => return Err(sc.error("the document is empty (expected a FeatureCollection)")),
+        // What it most likely is, when that is plain from its first bytes (a tester's gzip file
+        // was told only "not a JSON object").
+        Some(0x1f) if sc.buf[sc.start..sc.end].get(1) == Some(&0x8b) => {
+            return Err(sc.error("the document is gzip-compressed (expected a FeatureCollection): a file source reads plain GeoJSON; gunzip it, or serve it over HTTP with Content-Encoding: gzip"))
+        }
+        Some(b'[') => return Err(sc.error("the document is a JSON array (expected a FeatureCollection object)")),
         Some(_) => return Err(sc.error("the document is not a JSON object (expected a FeatureCollection)")),
     }
     sc.start += 1;
@@ -178,7 +184,10 @@ where
             _ => return Err(sc.error("expected ',' or '}' in the top-level object")),
         }
     }
-    if sc.next_non_ws()?.is_some() {
+    if let Some(next) = sc.next_non_ws()? {
+        if next == b'{' {
+            return Err(sc.error("another JSON object after the document (expected one FeatureCollection: newline-delimited GeoJSON, one feature a line, is not read)"));
+        }
         return Err(sc.error("trailing characters after the document"));
     }
     match kind.as_deref() {
@@ -595,6 +604,18 @@ mod tests {
     /// A document that says it is one page of a larger layer (an ArcGIS query's or an OGC
     /// API items page given as a plain GeoJSON URL) is refused: read as the whole layer, the
     /// other pages' parcels would all be removals.
+    /// What a document that is not one FeatureCollection most likely is, when its bytes say
+    /// it plainly: gzip, an array, newline-delimited features.
+    #[test]
+    fn a_document_that_is_not_a_collection_says_what_it_looks_like() {
+        let says = |doc: &[u8]| for_each_feature(doc, |_| {}).unwrap_err().to_string();
+        assert!(says(&[0x1f, 0x8b, 0x08, 0x00, 0x00]).contains("gzip-compressed"));
+        assert!(says(br#"[{"type":"Feature"}]"#).contains("a JSON array"));
+        let lines = "{\"type\":\"Feature\",\"properties\":{},\"geometry\":null}\n{\"type\":\"Feature\",\"properties\":{},\"geometry\":null}\n";
+        assert!(says(lines.as_bytes()).contains("newline-delimited"));
+        assert!(says(b"{\"type\":\"FeatureCollection\",\"features\":[]} x").contains("trailing characters"));
+    }
+
     #[test]
     fn one_page_of_a_larger_layer_is_refused() {
         let f = r#"{"type":"Feature","properties":{},"geometry":null}"#;
