@@ -247,12 +247,8 @@ fn watermark_json(w: &Watermark) -> Value {
 /// down for a day can leave hundreds of thousands, each with its payload: the whole list in
 /// one answer was built in memory by a daemon meant to idle in 50 MiB.
 fn dead_letter_list(st: &ControlState, list: DeadLetterList, q: &std::collections::HashMap<String, String>) -> Resp {
-    let limit = match limit_or(q, MAX_PAGE) {
-        Ok(l) => l,
-        Err(r) => return *r,
-    };
-    let cursor = match query_u64(q, "cursor") {
-        Ok(c) => c,
+    let (limit, cursor) = match page_of(q, MAX_PAGE) {
+        Ok(p) => p,
         Err(r) => return *r,
     };
     match st.engine.store.dead_letters_page(list, cursor, limit) {
@@ -280,12 +276,8 @@ fn dead_letter_json(d: &DeadLetter) -> Value {
 /// release matches them. Before it, an operator chose between release and prime knowing
 /// only how many changes there were (found by a black-box tester playing an operator).
 fn held_changes(st: &ControlState, hold_id: u64, q: &std::collections::HashMap<String, String>) -> Resp {
-    let limit = match limit_of(q) {
-        Ok(l) => l,
-        Err(r) => return *r,
-    };
-    let cursor = match query_u64(q, "cursor") {
-        Ok(c) => c,
+    let (limit, cursor) = match page_of(q, 100) {
+        Ok(p) => p,
         Err(r) => return *r,
     };
     let hold = match st.engine.store.hold(hold_id) {
@@ -329,12 +321,8 @@ fn held_changes(st: &ControlState, hold_id: u64, q: &std::collections::HashMap<S
 /// 16 KiB of the feature's text, and one run of a county whose `parcel_id` was mistyped
 /// quarantines most of it: the whole table was built into one answer before.
 fn quarantine_list(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
-    let limit = match limit_of(q) {
-        Ok(l) => l,
-        Err(r) => return *r,
-    };
-    let cursor = match query_u64(q, "cursor") {
-        Ok(c) => c,
+    let (limit, cursor) = match page_of(q, 100) {
+        Ok(p) => p,
         Err(r) => return *r,
     };
     match st.engine.store.quarantine_page(cursor, limit) {
@@ -454,6 +442,11 @@ fn watermarks(st: &ControlState, id: &str) -> Resp {
     }
 }
 
+/// A page's `limit` (`default` without one) and `cursor` (the key its page comes after).
+fn page_of(q: &std::collections::HashMap<String, String>, default: usize) -> Result<(usize, Option<u64>), Refusal> {
+    Ok((limit_or(q, default)?, query_u64(q, "cursor")?))
+}
+
 fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Refusal> {
     limit_or(q, 100)
 }
@@ -471,12 +464,8 @@ fn limit_or(q: &std::collections::HashMap<String, String>, default: usize) -> Re
 }
 
 fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
-    let limit = match limit_of(q) {
-        Ok(l) => l,
-        Err(r) => return *r,
-    };
-    let cursor = match query_u64(q, "cursor") {
-        Ok(c) => c,
+    let (limit, cursor) = match page_of(q, 100) {
+        Ok(p) => p,
         Err(r) => return *r,
     };
     let source = q.get("source").filter(|s| !s.is_empty()).cloned();
@@ -489,12 +478,8 @@ fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -
 }
 
 fn audit(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
-    let limit = match limit_of(q) {
-        Ok(l) => l,
-        Err(r) => return *r,
-    };
-    let cursor = match query_u64(q, "cursor") {
-        Ok(c) => c,
+    let (limit, cursor) = match page_of(q, 100) {
+        Ok(p) => p,
         Err(r) => return *r,
     };
     let since_ms = match q.get("since") {

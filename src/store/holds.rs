@@ -16,7 +16,7 @@
 //! rows whose state is open (`check --store` compares them).
 
 use super::tables::{HOLDS, OPEN_HOLDS};
-use super::run_retention::FUTURE_MS;
+use super::run_retention::{remove_rows, FUTURE_MS};
 use super::watermark_rows::{encode_hold, readable_hold};
 use super::{Store, StoreError};
 use crate::model::{Hold, HoldState};
@@ -177,18 +177,7 @@ impl Store {
                 }
             }
         }
-        if doomed.is_empty() {
-            wtx.abort()?;
-            return Ok(0);
-        }
-        {
-            let mut rows = wtx.open_table(HOLDS)?;
-            for id in &doomed {
-                rows.remove(*id)?;
-            }
-        }
-        wtx.commit()?;
-        Ok(doomed.len())
+        remove_rows(wtx, HOLDS, &doomed)
     }
 }
 

@@ -20,7 +20,8 @@
 //! this; these rows have not needed one).
 
 use super::codec::decode;
-use super::run_retention::FUTURE_MS;
+use super::queries::first_after;
+use super::run_retention::{remove_rows, FUTURE_MS};
 use super::tables::QUARANTINE;
 use super::{Store, StoreError};
 use crate::model::QuarantineRecord;
@@ -33,11 +34,7 @@ impl Store {
     pub fn quarantine_page(&self, after: Option<u64>, limit: usize) -> Result<Vec<(u64, QuarantineRecord)>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(QUARANTINE)?;
-        let start = match after {
-            None => 0,
-            Some(u64::MAX) => return Ok(Vec::new()),
-            Some(a) => a + 1,
-        };
+        let Some(start) = first_after(after) else { return Ok(Vec::new()) };
         let mut out = Vec::new();
         for item in t.range(start..)? {
             if out.len() >= limit {
@@ -83,18 +80,7 @@ impl Store {
                 }
             }
         }
-        if doomed.is_empty() {
-            wtx.abort()?;
-            return Ok(0);
-        }
-        {
-            let mut rows = wtx.open_table(QUARANTINE)?;
-            for id in &doomed {
-                rows.remove(*id)?;
-            }
-        }
-        wtx.commit()?;
-        Ok(doomed.len())
+        remove_rows(wtx, QUARANTINE, &doomed)
     }
 }
 

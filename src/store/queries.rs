@@ -70,6 +70,15 @@ impl ReplayPick {
     }
 }
 
+/// The first key of a page read after the key `after` (from the start without one); `None`
+/// after the last key there can be (a cursor of `u64::MAX`: `+ 1` would overflow).
+pub(super) fn first_after(after: Option<u64>) -> Option<u64> {
+    match after {
+        None => Some(0),
+        Some(a) => a.checked_add(1),
+    }
+}
+
 /// Filters for the audit ledger; `None` matches everything.
 #[derive(Debug, Clone, Default)]
 pub struct AuditFilter {
@@ -509,11 +518,7 @@ impl Store {
     pub fn dead_letters_page(&self, list: DeadLetterList, after: Option<u64>, limit: usize) -> Result<Vec<DeadLetter>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(list.table())?;
-        let start = match after {
-            None => 0,
-            Some(u64::MAX) => return Ok(Vec::new()),
-            Some(a) => a + 1,
-        };
+        let Some(start) = first_after(after) else { return Ok(Vec::new()) };
         let mut out = Vec::new();
         for item in t.range(start..)? {
             if out.len() >= limit {
@@ -569,11 +574,7 @@ impl Store {
     pub fn held_changes_page(&self, hold_id: u64, after: Option<u64>, limit: usize) -> Result<Vec<(u64, ChangeEvent)>, StoreError> {
         let rtx = self.db.begin_read()?;
         let t = rtx.open_table(HELD_EVENTS)?;
-        let start = match after {
-            None => 0,
-            Some(u64::MAX) => return Ok(Vec::new()),
-            Some(a) => a + 1,
-        };
+        let Some(start) = first_after(after) else { return Ok(Vec::new()) };
         let mut out = Vec::new();
         for item in t.range((hold_id, start)..=(hold_id, u64::MAX))? {
             if out.len() >= limit {

@@ -155,6 +155,23 @@ fn swept_below(wtx: &WriteTransaction) -> Result<u64, StoreError> {
 /// (`holds.rs`) uses it too.
 pub(super) const FUTURE_MS: u64 = 86_400_000;
 
+/// Removes the rows `doomed` of `table` and commits `wtx` (aborts it when there are none);
+/// returns how many: the end of the retention sweeps that remove whole rows by key.
+pub(super) fn remove_rows(wtx: WriteTransaction, table: redb::TableDefinition<u64, &[u8]>, doomed: &[u64]) -> Result<usize, StoreError> {
+    if doomed.is_empty() {
+        wtx.abort()?;
+        return Ok(0);
+    }
+    {
+        let mut rows = wtx.open_table(table)?;
+        for id in doomed {
+            rows.remove(*id)?;
+        }
+    }
+    wtx.commit()?;
+    Ok(doomed.len())
+}
+
 /// Whether `record` may be removed now: it committed nothing, finished before `before_ms`, and
 /// its source has a newer record.
 fn due(index: &redb::Table<'_, (&str, u64), ()>, record: &RunRecord, before_ms: u64) -> Result<bool, StoreError> {
