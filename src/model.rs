@@ -646,23 +646,13 @@ impl QuarantineReason {
         }
     }
 
-    /// Reasons that point at a systematic feed problem (a renamed field, a datum drift, an
-    /// export that left the geometry out or wrote centroids) rather than one bad feature:
-    /// these count towards the quarantine-spike gate. A parcel layer whose every geometry
-    /// came out `null`, or as a point, was committed with every feature quarantined and exit
-    /// 0, and a rezoning published in that form was never alerted (a black-box tester; a
-    /// district layer so was held already).
+    /// Reasons that point at a systematic feed problem (a renamed field, a datum drift)
+    /// rather than one bad feature: these count towards the quarantine-spike gate. (A
+    /// feature without a polygon is not one of them: a tax roll may carry condo units without
+    /// geometry in every version. A stored parcel that loses its polygon counts toward the
+    /// change spike instead, `gate::Silent::Unreadable`.)
     pub fn is_systemic(self) -> bool {
-        matches!(
-            self,
-            QuarantineReason::MissingField
-                | QuarantineReason::OutOfBounds
-                | QuarantineReason::FieldTooLong
-                | QuarantineReason::EmptyGeometry
-                | QuarantineReason::NotPolygonal
-                | QuarantineReason::NonFinite
-                | QuarantineReason::MalformedFeature
-        )
+        matches!(self, QuarantineReason::MissingField | QuarantineReason::OutOfBounds | QuarantineReason::FieldTooLong)
     }
 }
 

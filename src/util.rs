@@ -53,17 +53,20 @@ pub fn format_duration(d: Duration) -> String {
     format!("{ms}ms")
 }
 
-/// RFC 3339 UTC timestamp (`2026-11-30T03:53:01.123Z`) for a millisecond epoch time.
-/// Whether something said at most once per `every_ms` may be said now (by the wall clock),
-/// marking it said in `last_ms`: a damaged row read at every scrape or sweep batch is worth
-/// one line an hour, not one per read.
+/// Whether something said at most once per `every_ms` may be said now, marking it said in
+/// `last_ms`: a damaged row read at every scrape or sweep batch is worth one line an hour,
+/// not one per read. Measured on the monotonic clock from the first call (no wall clock: it
+/// decides nothing but a log line).
 pub fn now_and_then(last_ms: &std::sync::atomic::AtomicU64, every_ms: u64) -> bool {
     use std::sync::atomic::Ordering;
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    // Counted from 1, so that 0 in `last_ms` means "never said".
+    let now = START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64 + 1;
     let last = last_ms.load(Ordering::Relaxed);
-    (last == 0 || now.saturating_sub(last) >= every_ms) && last_ms.compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    (last == 0 || now.saturating_sub(last) >= every_ms) && last_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
 }
 
+/// RFC 3339 UTC timestamp (`2026-11-30T03:53:01.123Z`) for a millisecond epoch time.
 pub fn rfc3339(ms: u64) -> String {
     let secs = ms / 1000;
     let millis = ms % 1000;

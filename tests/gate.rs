@@ -479,9 +479,11 @@ async fn an_effective_date_field_no_feature_has_is_said() {
 }
 
 /// A parcel layer exported without its geometry (every `geometry` null) or with centroids
-/// for polygons is held, as a district layer so is: it was committed with every feature
-/// quarantined and exit 0, and a rezoning published in that form was never alerted (a
-/// black-box tester).
+/// for polygons is held: its stored parcels that could not be read count toward the change
+/// spike. It was committed with every feature quarantined and exit 0, and a rezoning
+/// published in that form was never alerted (a black-box tester). Features that never had a
+/// polygon (a tax roll's condo units) are not stored parcels: a first ingest with them is a
+/// baseline, and so is not held for them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parcel_layer_without_its_polygons_is_held() {
     let (_rx, ws, engine) = watched_grid(0.5).await;
@@ -496,5 +498,22 @@ async fn a_parcel_layer_without_its_polygons_is_held() {
     ws.write_layer(&doc.to_string());
     let r = run(&engine, false);
     assert_eq!(r.record.verdict, Verdict::Held, "{:?}", r.record);
-    assert!(r.hold_reason.as_deref().is_some_and(|h| h.starts_with("quarantine_spike: 100 of 100")), "{:?}", r.hold_reason);
+    assert!(r.hold_reason.as_deref().is_some_and(|h| h.starts_with("change_spike: 100 of 100 parcels changed or could not be read (100 of them")), "{:?}", r.hold_reason);
+
+    // A tax roll whose condo units have no geometry, in every version: a baseline, and a
+    // rezoning among its parcels goes out.
+    let (_rx2, ws2, engine2) = watched_grid(0.5).await;
+    let condos = |v: &[P]| {
+        let mut doc: serde_json::Value = serde_json::from_str(&layer(v)).unwrap();
+        let features = doc["features"].as_array_mut().unwrap();
+        for i in 0..150 {
+            features.push(serde_json::json!({"type": "Feature", "properties": {"APN": format!("U{i:04}"), "ZONE_CODE": "R-1"}, "geometry": null}));
+        }
+        doc.to_string()
+    };
+    ws2.write_layer(&condos(&v1));
+    assert_eq!(run(&engine2, false).record.verdict, Verdict::Baseline);
+    ws2.write_layer(&condos(&with_zones(&v1, &[0], "M-1")));
+    let r = run(&engine2, false);
+    assert_eq!((r.record.verdict, r.record.counts.queued), (Verdict::Run, 1), "{:?}", r.hold_reason);
 }

@@ -3,8 +3,10 @@
 //! * first ingest of a source → baseline (nothing sent), also when run as a `--reprocess`;
 //! * `--reprocess` → keys primed, nothing sent;
 //! * change spike (changed parcels above `max_change_ratio` of the layer, counting those
-//!   that gained or lost district coverage: not alerted, but a half-missing or misplaced
-//!   district export makes thousands of them) or quarantine spike
+//!   that moved without an alert, [`Silent`]: a district layer's parcels that gained or lost
+//!   coverage, against the parcels a district covered; a parcel layer's stored parcels whose
+//!   feature could not be read; in area mode the share of the layer's area that changed) or
+//!   quarantine spike
 //!   (more than half the features quarantined as `missing_field` / `out_of_bounds` /
 //!   `field_too_long`, or copies of ids the layer repeats, `duplicate_id`: the sign of a
 //!   renamed field, a field mapped to a long text column or to one that is not unique, or a
@@ -31,13 +33,13 @@ pub struct GateInput {
     pub previous_parcels: u64,
     /// Parcels with a change event in this run.
     pub changed: u64,
-    /// Parcels of a district layer's base that gained or lost district coverage (not
-    /// alerted, `derived.rs`), counted toward the change spike: a district export half
-    /// missing, or with its coordinates swapped, uncovers thousands of parcels, and the
-    /// parcels its missing districts were next to are alerted as rezoned (a black-box tester:
-    /// 541 false alerts went out, and 541 more when the whole layer came back; a swapped one
-    /// was committed, and the next real rezonings read as parcels gaining coverage).
-    pub coverage_changed: u64,
+    /// Parcels that moved without an alert, counted toward the change spike all the same,
+    /// and what they are ([`Silent`]).
+    pub silent: Silent,
+    /// Area mode: the spike is the share of the layer's area that changed, (m² in changed
+    /// places, m² of the stored places), not a count of places (a layer dissolved to a few
+    /// features a code held a routine run for two small changes).
+    pub area: Option<(f64, f64)>,
     /// Features read this run.
     pub features: u64,
     /// Features quarantined for a systemic reason (`missing_field`, `out_of_bounds`,
@@ -48,11 +50,62 @@ pub struct GateInput {
     pub restated: Option<String>,
 }
 
+/// Parcels that moved without an alert of their own, for the change spike.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Silent {
+    #[default]
+    None,
+    /// A district layer's parcels that gained or lost district coverage (not alerted,
+    /// `derived.rs`): a district export half missing, or with its coordinates swapped,
+    /// uncovers thousands, and the parcels its missing districts were next to are alerted as
+    /// rezoned (a black-box tester: 541 false alerts went out, and 541 more when the whole
+    /// layer came back; a swapped one was committed, and the next real rezonings read as
+    /// parcels gaining coverage). Measured against the parcels a district covered before
+    /// (`previous_parcels` is that count then): a county base watched by one town's districts
+    /// would drown the town's half-missing export in parcels no district ever covered.
+    Coverage(u64),
+    /// A parcel layer's stored parcels whose feature could not be read this run (no polygon,
+    /// unreadable coordinates): each keeps its stored state, not alerted, and a layer exported
+    /// without its geometry, or with centroids, was committed so with exit 0 and every
+    /// rezoning in it unseen (a black-box tester). Features never read before (a tax roll's
+    /// condo units without geometry) are not stored parcels, so a layer that always has them
+    /// is not held for them.
+    Unreadable(u64),
+}
+
+impl Silent {
+    fn count(self) -> u64 {
+        match self {
+            Silent::None => 0,
+            Silent::Coverage(n) | Silent::Unreadable(n) => n,
+        }
+    }
+
+    /// What an operator should know before resolving such a hold: priming a broken export
+    /// stores it (a parcel it uncovered reads as gaining coverage when the real layer comes
+    /// back, and its rezoning there is never alerted; a reviewer); the next export supersedes
+    /// the hold without either.
+    fn advice(self) -> &'static str {
+        match self {
+            Silent::Coverage(n) if n > 0 => "; if this export is broken, neither release nor prime it: the next export supersedes the hold",
+            _ => "",
+        }
+    }
+
+    fn said(self) -> String {
+        match self {
+            Silent::None => String::new(),
+            Silent::Coverage(n) => format!(" or gained or lost district coverage ({n} of them)"),
+            Silent::Unreadable(n) => format!(" or could not be read ({n} of them: no polygon or unreadable coordinates)"),
+        }
+    }
+}
+
 /// Applies the gate.
 pub fn decide(i: GateInput) -> GateDecision {
     if i.features > 0 && i.systemic_quarantined * 2 > i.features {
         return GateDecision::Hold(format!(
-            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long/duplicate_id/empty_geometry/not_polygonal/non_finite/malformed_feature, or in a district layer as having no readable position (renamed field, a field mapped to a long text column, parcel_id mapped to a field that is not unique, datum drift, or geometry left out of the export or written as points?)",
+            "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long/duplicate_id, or in a district layer as having no readable position (renamed field, a field mapped to a long text column, parcel_id mapped to a field that is not unique, datum drift, or geometry left out of the export?)",
             i.systemic_quarantined, i.features
         ));
     }
@@ -73,16 +126,30 @@ pub fn decide(i: GateInput) -> GateDecision {
     if let Some(reason) = i.restated {
         return GateDecision::Hold(reason);
     }
+    if let Some((changed_m2, total_m2)) = i.area {
+        let ratio = changed_m2 / total_m2.max(1.0);
+        if ratio > i.max_change_ratio {
+            return GateDecision::Hold(format!(
+                "change_spike: {} places, {changed_m2:.0} m² of the layer's {total_m2:.0} m², changed ({:.1}% > max_change_ratio {:.1}%)",
+                i.changed,
+                ratio * 100.0,
+                i.max_change_ratio * 100.0
+            ));
+        }
+        return GateDecision::Deliver;
+    }
     let base = i.previous_parcels.max(1) as f64;
-    let moved = i.changed.saturating_add(i.coverage_changed);
+    let moved = i.changed.saturating_add(i.silent.count());
     let ratio = moved as f64 / base;
     if ratio > i.max_change_ratio {
-        let coverage = if i.coverage_changed > 0 { format!(" or gained or lost district coverage ({} of them)", i.coverage_changed) } else { String::new() };
+        let of = if matches!(i.silent, Silent::Coverage(_)) { "parcels a district covered" } else { "parcels" };
         return GateDecision::Hold(format!(
-            "change_spike: {moved} of {} parcels changed{coverage} ({:.1}% > max_change_ratio {:.1}%)",
+            "change_spike: {moved} of {} {of} changed{} ({:.1}% > max_change_ratio {:.1}%){}",
             i.previous_parcels,
+            i.silent.said(),
             ratio * 100.0,
-            i.max_change_ratio * 100.0
+            i.max_change_ratio * 100.0,
+            i.silent.advice()
         ));
     }
     GateDecision::Deliver
@@ -98,7 +165,8 @@ mod tests {
             reprocess: false,
             previous_parcels: 1000,
             changed: 10,
-            coverage_changed: 0,
+            silent: Silent::None,
+            area: None,
             features: 1000,
             systemic_quarantined: 0,
             max_change_ratio: 0.05,
@@ -111,8 +179,13 @@ mod tests {
         assert_eq!(decide(input()), GateDecision::Deliver);
         assert!(matches!(decide(GateInput { changed: 51, ..input() }), GateDecision::Hold(r) if r.starts_with("change_spike")));
         // Parcels that gained or lost district coverage count toward the spike, said so.
-        assert_eq!(decide(GateInput { changed: 20, coverage_changed: 30, ..input() }), GateDecision::Deliver);
-        assert!(matches!(decide(GateInput { changed: 20, coverage_changed: 31, ..input() }), GateDecision::Hold(r) if r.starts_with("change_spike: 51 of 1000") && r.contains("coverage (31 of them)")));
+        assert_eq!(decide(GateInput { changed: 20, silent: Silent::Coverage(30), ..input() }), GateDecision::Deliver);
+        assert!(matches!(decide(GateInput { changed: 20, silent: Silent::Coverage(31), ..input() }), GateDecision::Hold(r) if r.starts_with("change_spike: 51 of 1000 parcels a district covered") && r.contains("coverage (31 of them)")));
+        // So do stored parcels whose feature could not be read.
+        assert!(matches!(decide(GateInput { changed: 0, silent: Silent::Unreadable(51), ..input() }), GateDecision::Hold(r) if r.contains("could not be read (51 of them")));
+        // Area mode measures the share of the layer's area that changed, not a count.
+        assert_eq!(decide(GateInput { changed: 2, previous_parcels: 20, area: Some((4_000.0, 100_000.0)), ..input() }), GateDecision::Deliver);
+        assert!(matches!(decide(GateInput { changed: 2, previous_parcels: 20, area: Some((6_000.0, 100_000.0)), ..input() }), GateDecision::Hold(r) if r.starts_with("change_spike: 2 places")));
         assert!(matches!(decide(GateInput { systemic_quarantined: 501, ..input() }), GateDecision::Hold(r) if r.starts_with("quarantine_spike")));
         assert_eq!(decide(GateInput { first_ingest: true, previous_parcels: 0, changed: 1000, ..input() }), GateDecision::Baseline);
         assert_eq!(decide(GateInput { reprocess: true, changed: 900, ..input() }), GateDecision::Reprocess);

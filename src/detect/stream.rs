@@ -151,6 +151,8 @@ pub struct ScanResult {
     pub quarantined: u64,
     /// Quarantined for a reason that points at the whole layer (see `QuarantineReason`).
     pub systemic: u64,
+    /// Stored parcels whose feature was quarantined this run (each keeps its stored state).
+    pub unreadable_known: u64,
     /// Change events the run will emit: changed and added parcels plus removals.
     pub changes: u64,
     /// Warnings for the run record (fields matched case-insensitively).
@@ -460,6 +462,12 @@ pub fn scan_layer<R: Read + Send>(
         Some(Ok(i)) => Some(i.len() as u64),
         _ => None,
     };
+    // Stored parcels whose feature could not be read this run (each keeps its stored state):
+    // counted toward the change spike (`gate::Silent::Unreadable`).
+    let unreadable_known = match index.get() {
+        Some(Ok(i)) => untouchable.iter().filter(|id| i.get(fingerprint(id)).is_some()).count() as u64,
+        _ => 0,
+    };
     drop(index);
     let previous_parcels = match stored {
         // Every stored id was seen once as a valid feature: no removal, no stored duplicate;
@@ -537,6 +545,7 @@ pub fn scan_layer<R: Read + Send>(
         // whose features share ids is a `parcel_id` mapped to the wrong field, or a feed
         // that lost its ids, not a few data-entry errors.
         systemic: systemic + dup_copies,
+        unreadable_known,
         changes,
         warnings,
         duplicate_ids,

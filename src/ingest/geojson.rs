@@ -69,7 +69,7 @@ where
         // What it most likely is, when that is plain from its first bytes (a tester's gzip file
         // was told only "not a JSON object").
         Some(0x1f) if sc.buf[sc.start..sc.end].get(1) == Some(&0x8b) => {
-            return Err(sc.error("the document is gzip-compressed (expected a FeatureCollection): a file source reads plain GeoJSON; gunzip it, or serve it over HTTP with Content-Encoding: gzip"))
+            return Err(sc.error("the document is gzip-compressed (expected a FeatureCollection): a layer is read as plain GeoJSON; gunzip the file, or serve it over HTTP with Content-Encoding: gzip, which is decoded"))
         }
         Some(b'[') => return Err(sc.error("the document is a JSON array (expected a FeatureCollection object)")),
         Some(_) => return Err(sc.error("the document is not a JSON object (expected a FeatureCollection)")),
@@ -601,9 +601,6 @@ mod tests {
         assert!(for_each_feature(odd, |_| {}).unwrap_err().to_string().contains("unsupported crs"));
     }
 
-    /// A document that says it is one page of a larger layer (an ArcGIS query's or an OGC
-    /// API items page given as a plain GeoJSON URL) is refused: read as the whole layer, the
-    /// other pages' parcels would all be removals.
     /// What a document that is not one FeatureCollection most likely is, when its bytes say
     /// it plainly: gzip, an array, newline-delimited features.
     #[test]
@@ -616,6 +613,9 @@ mod tests {
         assert!(says(b"{\"type\":\"FeatureCollection\",\"features\":[]} x").contains("trailing characters"));
     }
 
+    /// A document that says it is one page of a larger layer (an ArcGIS query's or an OGC
+    /// API items page given as a plain GeoJSON URL) is refused: read as the whole layer, the
+    /// other pages' parcels would all be removals.
     #[test]
     fn one_page_of_a_larger_layer_is_refused() {
         let f = r#"{"type":"Feature","properties":{},"geometry":null}"#;

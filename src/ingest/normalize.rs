@@ -768,13 +768,15 @@ fn repair(mp: &MultiPolygon<f64>) -> Result<MultiPolygon<f64>, GeomError> {
     // ring and `MakeValid`'s, which keeps the points where the parts met: the same parcel,
     // read again unchanged, was stored and alerted `geometry_changed` run after run (a
     // black-box tester: 8 to 13 of 200 two-part parcels at every read).
-    let tie = published.abs() * 1e-9;
     let mut best: Option<(f64, MultiPolygon<f64>)> = None;
     for c in candidates {
         let area = c.unsigned_area();
         if area <= 0.0 {
             continue;
         }
+        // Scaled by the larger of the two areas: holes reaching past their ring can make the
+        // published area tiny or negative, and its billionth then below the candidates' noise.
+        let tie = published.abs().max(area) * 1e-9;
         let off = (area - published).abs();
         if best.as_ref().is_none_or(|(b, _)| off < b - tie) {
             best = Some((off, c));

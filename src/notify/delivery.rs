@@ -485,6 +485,10 @@ impl Deliverer {
                         for o in &batch {
                             said.note(&o.endpoint, &o.result, o.attempt.error.as_deref(), at);
                         }
+                        // Other endpoints' counts too, whose last line is a minute old: an
+                        // endpoint that failed and then had nothing more to send waited for
+                        // the end of the pump (hours, draining a county's backlog).
+                        said.say_due(at);
                     }
                     for o in batch {
                         stats.count(&o.result);

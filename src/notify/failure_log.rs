@@ -7,8 +7,8 @@
 //! deliverer, shared by its passes (`serve` runs a pass after another; one log per pass said
 //! each pass's first failure at once, hundreds of lines a minute: a reviewer): an endpoint's
 //! failure is said at once when nothing was said of it in the last minute, and what follows
-//! is counted and said once that minute is over (at the next failure, or the end of the next
-//! pass), and when the deliverer goes (`run`'s end), so a receiver down under a county's
+//! is counted and said once that minute is over (at the next outcome commit, or the end of
+//! the pass), and when the deliverer goes (`run`'s end), so a receiver down under a county's
 //! backlog writes a line a minute, not one per alert.
 
 use crate::store::DeliveryResult;
