@@ -42,6 +42,15 @@ pub struct GateInput {
     pub area: Option<(f64, f64)>,
     /// Features read this run.
     pub features: u64,
+    /// A parcel layer's stored parcels whose feature was quarantined this run and that no
+    /// valid feature of the layer updated (each keeps its stored state, not alerted). More
+    /// than half the stored parcels so is held: a layer exported without its geometry, or as
+    /// points, was committed with exit 0 and every rezoning in it unseen (a black-box
+    /// tester). Counted against half, not `max_change_ratio`: a layer that keeps a few
+    /// retired parcels without geometry at every version must not be held at every run
+    /// (a reviewer), and features never read before (a tax roll's condo units) are not
+    /// stored parcels at all.
+    pub unreadable_stored: u64,
     /// Features quarantined for a systemic reason (`missing_field`, `out_of_bounds`,
     /// `field_too_long`), and the copies of ids a parcel layer repeats (`duplicate_id`).
     pub systemic_quarantined: u64,
@@ -55,7 +64,7 @@ pub struct GateInput {
 pub enum Silent {
     #[default]
     None,
-    /// A district layer's parcels that gained or lost district coverage (not alerted,
+    /// A district layer's parcels that lost their district coverage (not alerted,
     /// `derived.rs`): a district export half missing, or with its coordinates swapped,
     /// uncovers thousands, and the parcels its missing districts were next to are alerted as
     /// rezoned (a black-box tester: 541 false alerts went out, and 541 more when the whole
@@ -63,21 +72,15 @@ pub enum Silent {
     /// parcels gaining coverage). Measured against the parcels a district covered before
     /// (`previous_parcels` is that count then): a county base watched by one town's districts
     /// would drown the town's half-missing export in parcels no district ever covered.
+    /// Parcels gaining coverage are not counted: a town zoning annexed land is no breakage.
     Coverage(u64),
-    /// A parcel layer's stored parcels whose feature could not be read this run (no polygon,
-    /// unreadable coordinates): each keeps its stored state, not alerted, and a layer exported
-    /// without its geometry, or with centroids, was committed so with exit 0 and every
-    /// rezoning in it unseen (a black-box tester). Features never read before (a tax roll's
-    /// condo units without geometry) are not stored parcels, so a layer that always has them
-    /// is not held for them.
-    Unreadable(u64),
 }
 
 impl Silent {
     fn count(self) -> u64 {
         match self {
             Silent::None => 0,
-            Silent::Coverage(n) | Silent::Unreadable(n) => n,
+            Silent::Coverage(n) => n,
         }
     }
 
@@ -94,9 +97,8 @@ impl Silent {
 
     fn said(self) -> String {
         match self {
-            Silent::None => String::new(),
-            Silent::Coverage(n) => format!(" or gained or lost district coverage ({n} of them)"),
-            Silent::Unreadable(n) => format!(" or could not be read ({n} of them: no polygon or unreadable coordinates)"),
+            Silent::Coverage(n) if n > 0 => format!(" or lost their district coverage ({n} of them)"),
+            _ => String::new(),
         }
     }
 }
@@ -107,6 +109,12 @@ pub fn decide(i: GateInput) -> GateDecision {
         return GateDecision::Hold(format!(
             "quarantine_spike: {} of {} features quarantined as missing_field/out_of_bounds/field_too_long/duplicate_id, or in a district layer as having no readable position (renamed field, a field mapped to a long text column, parcel_id mapped to a field that is not unique, datum drift, or geometry left out of the export?)",
             i.systemic_quarantined, i.features
+        ));
+    }
+    if i.previous_parcels > 0 && i.unreadable_stored * 2 > i.previous_parcels {
+        return GateDecision::Hold(format!(
+            "quarantine_spike: {} of {} stored parcels could not be read this run (no polygon, unreadable coordinates, a field missing: geometry left out of the export, or written as points?)",
+            i.unreadable_stored, i.previous_parcels
         ));
     }
     if i.features == 0 && i.previous_parcels > 0 {
@@ -167,6 +175,7 @@ mod tests {
             changed: 10,
             silent: Silent::None,
             area: None,
+            unreadable_stored: 0,
             features: 1000,
             systemic_quarantined: 0,
             max_change_ratio: 0.05,
@@ -181,8 +190,10 @@ mod tests {
         // Parcels that gained or lost district coverage count toward the spike, said so.
         assert_eq!(decide(GateInput { changed: 20, silent: Silent::Coverage(30), ..input() }), GateDecision::Deliver);
         assert!(matches!(decide(GateInput { changed: 20, silent: Silent::Coverage(31), ..input() }), GateDecision::Hold(r) if r.starts_with("change_spike: 51 of 1000 parcels a district covered") && r.contains("coverage (31 of them)")));
-        // So do stored parcels whose feature could not be read.
-        assert!(matches!(decide(GateInput { changed: 0, silent: Silent::Unreadable(51), ..input() }), GateDecision::Hold(r) if r.contains("could not be read (51 of them")));
+        assert!(matches!(decide(GateInput { changed: 51, ..input() }), GateDecision::Hold(r) if !r.contains("of them")), "no count of nothing");
+        // Stored parcels that could not be read hold past half of them, not past the ratio.
+        assert_eq!(decide(GateInput { changed: 0, unreadable_stored: 500, ..input() }), GateDecision::Deliver);
+        assert!(matches!(decide(GateInput { changed: 0, unreadable_stored: 501, ..input() }), GateDecision::Hold(r) if r.starts_with("quarantine_spike: 501 of 1000 stored parcels")));
         // Area mode measures the share of the layer's area that changed, not a count.
         assert_eq!(decide(GateInput { changed: 2, previous_parcels: 20, area: Some((4_000.0, 100_000.0)), ..input() }), GateDecision::Deliver);
         assert!(matches!(decide(GateInput { changed: 2, previous_parcels: 20, area: Some((6_000.0, 100_000.0)), ..input() }), GateDecision::Hold(r) if r.starts_with("change_spike: 2 places")));

@@ -151,7 +151,8 @@ pub struct ScanResult {
     pub quarantined: u64,
     /// Quarantined for a reason that points at the whole layer (see `QuarantineReason`).
     pub systemic: u64,
-    /// Stored parcels whose feature was quarantined this run (each keeps its stored state).
+    /// Stored parcels whose feature was quarantined this run and no valid feature updated
+    /// (each keeps its stored state).
     pub unreadable_known: u64,
     /// Change events the run will emit: changed and added parcels plus removals.
     pub changes: u64,
@@ -462,10 +463,11 @@ pub fn scan_layer<R: Read + Send>(
         Some(Ok(i)) => Some(i.len() as u64),
         _ => None,
     };
-    // Stored parcels whose feature could not be read this run (each keeps its stored state):
-    // counted toward the change spike (`gate::Silent::Unreadable`).
+    // Stored parcels whose feature could not be read this run and that no valid feature of
+    // the layer updated (a parent id shared by a parcel's polygon and its units' rows without
+    // geometry is read: a reviewer): each keeps its stored state (`GateInput::unreadable_stored`).
     let unreadable_known = match index.get() {
-        Some(Ok(i)) => untouchable.iter().filter(|id| i.get(fingerprint(id)).is_some()).count() as u64,
+        Some(Ok(i)) => untouchable.iter().filter(|id| !is_seen(id) && i.get(fingerprint(id)).is_some()).count() as u64,
         _ => 0,
     };
     drop(index);

@@ -29,7 +29,9 @@ pub struct FailureLog {
 struct Tally {
     /// Sends that failed and wait for a retry.
     retried: u64,
-    /// The earliest retry of those.
+    /// When the last of those is tried again (the earliest could be past by the time the
+    /// line is said, while the last is what the endpoint waits for: a tester's line named a
+    /// retry a second gone when the next was an hour off).
     next_retry_ms: Option<u64>,
     /// Alerts dead-lettered, by reason.
     dead: BTreeMap<String, u64>,
@@ -47,7 +49,7 @@ impl FailureLog {
             DeliveryResult::Retry { next_attempt_ms, .. } => {
                 let t = self.endpoints.entry(endpoint.to_string()).or_default();
                 t.retried += 1;
-                t.next_retry_ms = Some(t.next_retry_ms.map_or(*next_attempt_ms, |n| n.min(*next_attempt_ms)));
+                t.next_retry_ms = Some(*next_attempt_ms);
                 t
             }
             DeliveryResult::Dead { reason, .. } => {
@@ -106,7 +108,7 @@ impl Tally {
             tracing::warn!(
                 endpoint,
                 failed = self.retried,
-                "delivery to {endpoint}: {} send(s) failed ({error}); the next retry is at {next} (once the receiver is mended, `zonewatch endpoints enable {endpoint}`, or POST /v1/endpoints/{endpoint}/enable under serve, sends what waits now)",
+                "delivery to {endpoint}: {} send(s) failed ({error}); the last of them is tried again at {next} (once the receiver is mended, `zonewatch endpoints enable {endpoint}`, or POST /v1/endpoints/{endpoint}/enable under serve, sends what waits now)",
                 self.retried
             );
         }
