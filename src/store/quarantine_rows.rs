@@ -20,7 +20,7 @@
 //! this; these rows have not needed one).
 
 use super::codec::decode;
-use super::queries::first_after;
+use super::queries::read_page;
 use super::run_retention::{remove_rows, FUTURE_MS};
 use super::tables::QUARANTINE;
 use super::{Store, StoreError};
@@ -33,20 +33,7 @@ impl Store {
     /// error log (`check --store` names it): one damaged row must not hide every other.
     pub fn quarantine_page(&self, after: Option<u64>, limit: usize) -> Result<Vec<(u64, QuarantineRecord)>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(QUARANTINE)?;
-        let Some(start) = first_after(after) else { return Ok(Vec::new()) };
-        let mut out = Vec::new();
-        for item in t.range(start..)? {
-            if out.len() >= limit {
-                break;
-            }
-            let (k, v) = item?;
-            match decode::<QuarantineRecord>(v.value()) {
-                Ok(q) => out.push((k.value(), q)),
-                Err(why) => tracing::error!(quarantine_row = k.value(), "quarantined feature {} cannot be read and is left out: {why}", k.value()),
-            }
-        }
-        Ok(out)
+        read_page(&rtx.open_table(QUARANTINE)?, after, limit, decode::<QuarantineRecord>, "quarantined feature")
     }
 
     /// Removes up to `max` quarantined features recorded before `now_ms - retention_ms`, in one

@@ -70,6 +70,31 @@ impl ReplayPick {
     }
 }
 
+/// Up to `limit` rows of `table` after the key `after`, each decoded by `decode`; a row that
+/// does not decode is left out with an error log naming it as a `noun` (`check --store` names
+/// it too): one damaged row must not hide every other.
+pub(super) fn read_page<T>(
+    table: &impl ReadableTable<u64, &'static [u8]>,
+    after: Option<u64>,
+    limit: usize,
+    decode: impl Fn(&[u8]) -> Result<T, String>,
+    noun: &str,
+) -> Result<Vec<(u64, T)>, StoreError> {
+    let Some(start) = first_after(after) else { return Ok(Vec::new()) };
+    let mut out = Vec::new();
+    for item in table.range(start..)? {
+        if out.len() >= limit {
+            break;
+        }
+        let (k, v) = item?;
+        match decode(v.value()) {
+            Ok(row) => out.push((k.value(), row)),
+            Err(why) => tracing::error!(row = k.value(), "{noun} {} cannot be read and is left out: {why}", k.value()),
+        }
+    }
+    Ok(out)
+}
+
 /// The first key of a page read after the key `after` (from the start without one); `None`
 /// after the last key there can be (a cursor of `u64::MAX`: `+ 1` would overflow).
 pub(super) fn first_after(after: Option<u64>) -> Option<u64> {
@@ -511,26 +536,15 @@ impl Store {
         Ok(out)
     }
 
-    /// Up to `limit` dead letters of `list` whose ids come after `after`, in id order. Ids
-    /// grow as rows are queued, so a page is stable while dead letters come and go: one
-    /// created after a page was read has a larger id and is on a later page. A row that
-    /// cannot be decoded is left out with an error log, as in [`Store::dead_letters`].
+    /// Up to `limit` dead letters of `list` whose ids come after `after`, in id order. A dead
+    /// letter's id is its outbox row's, given when its change was claimed, so one that dies
+    /// after a page was read may have an id below that page's cursor (the README says to list
+    /// from the start again to see every one). A row that cannot be decoded is left out with
+    /// an error log, as in [`Store::dead_letters`].
     pub fn dead_letters_page(&self, list: DeadLetterList, after: Option<u64>, limit: usize) -> Result<Vec<DeadLetter>, StoreError> {
         let rtx = self.db.begin_read()?;
-        let t = rtx.open_table(list.table())?;
-        let Some(start) = first_after(after) else { return Ok(Vec::new()) };
-        let mut out = Vec::new();
-        for item in t.range(start..)? {
-            if out.len() >= limit {
-                break;
-            }
-            let (k, v) = item?;
-            match super::outbox_rows::decode_dead(v.value()) {
-                Ok(d) => out.push(d),
-                Err(why) => tracing::error!(dead_letter = k.value(), "{} {} cannot be read and is left out: {why}", list.noun(), k.value()),
-            }
-        }
-        Ok(out)
+        let page = read_page(&rtx.open_table(list.table())?, after, limit, super::outbox_rows::decode_dead, list.noun())?;
+        Ok(page.into_iter().map(|(_, d)| d).collect())
     }
 
     /// What a replay of the dead letters chooses from, one small [`ReplayPick`] a dead letter
