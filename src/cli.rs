@@ -1427,6 +1427,15 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     // The control token `serve` will use: one that is not a token (too short) is a problem;
     // one this user may not read, or cannot create, a warning (`check` is also run as another
     // user than the daemon's, and only `serve` reads it).
+    // Plain HTTP with a bearer token: on an address other machines reach, the token crosses
+    // the network in clear (a tester's 0.0.0.0 passed without a word).
+    if !cfg.control.listen.ip().is_loopback() {
+        warnings += 1;
+        println!(
+            "warning: control.listen {} is reachable from other machines: the control port is plain HTTP, so its token crosses the network in clear; listen on 127.0.0.1 (or ::1) and reach it through an SSH tunnel or a TLS proxy",
+            cfg.control.listen
+        );
+    }
     let token = &cfg.control.token_file;
     match crate::control::auth::read_token(token) {
         Ok(crate::control::auth::TokenFile::Token(_)) => {

@@ -93,6 +93,13 @@ fn check_reports_good_and_bad_configs() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}{err}");
     assert!(out.contains("subscriber w: aoi ok (1 polygon(s), ") && out.contains(" m²) target="), "{out}");
+    assert!(!out.contains("warning: control.listen"), "{out}");
+    // A control port other machines reach is warned of: plain HTTP, its token in clear.
+    ws.edit_config("listen = \"127.0.0.1:0\"", "listen = \"0.0.0.0:0\"");
+    let o = zonewatch(&["check", "--config", cfg.to_str().unwrap()]);
+    let out = text(&o).0;
+    assert!(o.status.success() && out.contains("warning: control.listen 0.0.0.0:0 is reachable from other machines"), "{out}");
+    ws.edit_config("listen = \"0.0.0.0:0\"", "listen = \"127.0.0.1:0\"");
     // A world-wide AOI has its extent said, not a ring area of 0 m².
     let aoi_file = ws.path().join("aoi/w.geojson");
     let kept = std::fs::read(&aoi_file).unwrap();

@@ -87,8 +87,12 @@ impl<'t> ExpiryIndex<'t> {
                 Ok(keys) => keys,
                 Err(m) => {
                     // Left in place for `zonewatch check` to report; the sweep goes on past it
-                    // (stopping here would stop sweeping every key for good).
-                    tracing::warn!(expires_ms = t, bucket = n, "idempotency key expiry bucket unreadable, skipped: {m}");
+                    // (stopping here would stop sweeping every key for good). Said once an hour:
+                    // every batch of every sweep period steps over it.
+                    static SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                    if crate::util::now_and_then(&SAID_MS, 3_600_000) {
+                        tracing::warn!(expires_ms = t, bucket = n, "idempotency key expiry bucket unreadable, skipped (check --store names it): {m}");
+                    }
                     continue;
                 }
             };
