@@ -122,8 +122,9 @@ pub const PIPE_COMMIT_MAX: usize = 8_192;
 struct Outcome {
     result: DeliveryResult,
     attempt: AttemptRecord,
-    /// The subscriber whose endpoint it went to.
-    endpoint: String,
+    /// The subscriber whose endpoint it went to, when the send failed (for the failure log;
+    /// not cloned for every send that went through).
+    failed_endpoint: Option<String>,
     /// The endpoint whose half-open probe this was.
     probe_of: Option<String>,
     /// The endpoint, when it answered 410 Gone (its disable lands with this outcome's commit).
@@ -483,7 +484,9 @@ impl Deliverer {
                         let mut said = failures.lock().unwrap_or_else(|p| p.into_inner());
                         let at = Instant::now();
                         for o in &batch {
-                            said.note(&o.endpoint, &o.result, o.attempt.error.as_deref(), at);
+                            if let Some(endpoint) = &o.failed_endpoint {
+                                said.note(endpoint, &o.result, o.attempt.error.as_deref(), at);
+                            }
                         }
                         // Other endpoints' counts too, whose last line is a minute old: an
                         // endpoint that failed and then had nothing more to send waited for
@@ -689,7 +692,8 @@ impl Deliverer {
                         gates.answered_gone(endpoint);
                     }
                     // The committer outlives every sender (it ends when the last sender is gone).
-                    pending.outcome_sent = otx.send(Outcome { result, attempt, endpoint: entry.watcher_id.clone(), probe_of, gone: gone_now }).is_ok();
+                    let failed_endpoint = matches!(result, DeliveryResult::Retry { .. } | DeliveryResult::Dead { .. }).then(|| entry.watcher_id.clone());
+                    pending.outcome_sent = otx.send(Outcome { result, attempt, failed_endpoint, probe_of, gone: gone_now }).is_ok();
                 });
             }
         }

@@ -45,20 +45,22 @@ impl FailureLog {
     /// failure said here: a 410 is said when it disables the endpoint), and says the
     /// endpoint's count when it has not been said in the last minute.
     pub fn note(&mut self, endpoint: &str, result: &DeliveryResult, error: Option<&str>, now: Instant) {
-        let tally = match result {
+        if !matches!(result, DeliveryResult::Retry { .. } | DeliveryResult::Dead { .. }) {
+            return;
+        }
+        // The endpoint's name is copied the first time only.
+        if !self.endpoints.contains_key(endpoint) {
+            self.endpoints.insert(endpoint.to_string(), Tally::default());
+        }
+        let Some(tally) = self.endpoints.get_mut(endpoint) else { return };
+        match result {
             DeliveryResult::Retry { next_attempt_ms, .. } => {
-                let t = self.endpoints.entry(endpoint.to_string()).or_default();
-                t.retried += 1;
-                t.next_retry_ms = Some(*next_attempt_ms);
-                t
+                tally.retried += 1;
+                tally.next_retry_ms = Some(*next_attempt_ms);
             }
-            DeliveryResult::Dead { reason, .. } => {
-                let t = self.endpoints.entry(endpoint.to_string()).or_default();
-                *t.dead.entry(reason.clone()).or_default() += 1;
-                t
-            }
-            DeliveryResult::Sent { .. } | DeliveryResult::Deferred { .. } | DeliveryResult::Gone { .. } => return,
-        };
+            DeliveryResult::Dead { reason, .. } => *tally.dead.entry(reason.clone()).or_default() += 1,
+            _ => {}
+        }
         if let Some(e) = error {
             tally.last_error = Some(e.to_string());
         }

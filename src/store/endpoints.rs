@@ -269,10 +269,11 @@ impl Store {
             // it meanwhile.
             let still = wtx.open_table(ENDPOINT_DISABLED_TARGETS)?.get(id)?.is_some_and(|t| t.value() == was);
             if still && enable_in(&wtx, id, Reset::IfDisabled, &moved_detail(" in the config", &was, target), now_ms)? {
-                retry_now_in(&wtx, id, now_ms)?;
                 enabled.push(id.to_string());
             }
         }
+        // One pass over the retries for every endpoint enabled (it read them once per endpoint).
+        retry_now_in(&wtx, &enabled.iter().map(String::as_str).collect::<Vec<_>>(), now_ms)?;
         wtx.commit()?;
         Ok(enabled)
     }
@@ -315,7 +316,7 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let was_disabled = enable_in(&wtx, id, Reset::Always, ENABLED_BY_OPERATOR, now_ms)?;
-        let retries_due_now = retry_now_in(&wtx, id, now_ms)?;
+        let retries_due_now = retry_now_in(&wtx, &[id], now_ms)?;
         wtx.commit()?;
         Ok(EndpointEnabled { was_disabled, retries_due_now })
     }
@@ -330,20 +331,23 @@ pub struct EndpointEnabled {
     pub retries_due_now: u64,
 }
 
-/// Makes every retry of endpoint `id` that waits past `now_ms` due at `now_ms`, inside `wtx`;
+/// Makes every retry of the endpoints `ids` that waits past `now_ms` due at `now_ms`, in `wtx`;
 /// returns how many. Why: an operator enables an endpoint, or gives it a new target, when its
 /// receiver was mended, and a quiet endpoint (too few attempts to open its breaker) had its
 /// alerts waiting out the retry schedule, up to 10 hours, with nothing to send them sooner
 /// (found by a black-box tester playing an operator). One pass over the retry rows, in
-/// order, decoding only this endpoint's (read off each row's head): what it costs grows with
+/// order, decoding only those endpoints' rows (read off each row's head): its cost grows with
 /// the retries waiting for every endpoint, paid by an operator's action, not by delivery.
 /// A row being sent now is due already, so it is not moved (its outcome rewrites it).
-pub(super) fn retry_now_in(wtx: &WriteTransaction, id: &str, now_ms: u64) -> Result<u64, StoreError> {
+pub(super) fn retry_now_in(wtx: &WriteTransaction, ids: &[&str], now_ms: u64) -> Result<u64, StoreError> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
     let mut retry = wtx.open_table(OUTBOX_RETRY)?;
     let mut later = Vec::new();
     for item in retry.iter()? {
         let (_, v) = item?;
-        if super::outbox_rows::entry_watcher(v.value()).is_ok_and(|w| w == id) {
+        if super::outbox_rows::entry_watcher(v.value()).is_ok_and(|w| ids.contains(&w)) {
             if let Ok(entry) = super::outbox_rows::decode_entry(v.value()) {
                 if entry.next_attempt_ms > now_ms {
                     later.push(entry);

@@ -163,7 +163,7 @@ impl Store {
         let mut retries_due_now = 0;
         let re_enabled = match &previous {
             Some(p) if p.target != sub.target => {
-                retries_due_now = super::endpoints::retry_now_in(&wtx, &sub.id, now_ms)?;
+                retries_due_now = super::endpoints::retry_now_in(&wtx, &[sub.id.as_str()], now_ms)?;
                 enable_in(&wtx, &sub.id, Reset::IfDisabled, &super::endpoints::moved_detail("", &p.target, &sub.target), now_ms)?
             }
             Some(_) => false,
