@@ -135,6 +135,14 @@ async fn control_port_end_to_end() {
         assert_eq!((got["managed_by"].as_str(), got["min_severity"].as_str()), (Some("api"), Some("info")));
         let list: Value = c.get(d.url("/v1/subscribers")).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!(list["items"].as_array().unwrap().len(), 2);
+        assert_eq!(list["next_cursor"], Value::Null);
+        // A page at a time, in id order, the config's and the control port's merged.
+        let page = |query: &str| -> Value { c.get(d.url(&format!("/v1/subscribers?{query}"))).header("authorization", &auth).send().unwrap().json().unwrap() };
+        let first = page("limit=1");
+        assert_eq!((first["items"][0]["id"].as_str(), first["items"][0]["managed_by"].as_str(), first["next_cursor"].as_str()), (Some("api-watcher"), Some("api"), Some("api-watcher")), "{first}");
+        let second = page("limit=1&cursor=api-watcher");
+        assert_eq!((second["items"][0]["id"].as_str(), second["items"][0]["managed_by"].as_str(), &second["next_cursor"]), (Some("cfg-watcher"), Some("config"), &Value::Null), "{second}");
+        assert_eq!(page("cursor=cfg-watcher")["items"], json!([]));
         assert_eq!(c.delete(d.url("/v1/subscribers/cfg-watcher")).header("authorization", &auth).send().unwrap().status(), 409);
         assert_eq!(c.get(d.url("/v1/subscribers/nobody")).header("authorization", &auth).send().unwrap().status(), 404);
 
@@ -245,7 +253,15 @@ async fn control_port_end_to_end() {
 
         // Unknown routes and methods.
         assert_eq!(c.get(d.url("/v1/nothing")).header("authorization", &auth).send().unwrap().status(), 404);
-        assert_eq!(c.delete(d.url("/v1/sources")).header("authorization", &auth).send().unwrap().status(), 405);
+        let r = c.delete(d.url("/v1/sources")).header("authorization", &auth).send().unwrap();
+        assert_eq!((r.status().as_u16(), r.headers().get("allow").and_then(|v| v.to_str().ok())), (405, Some("GET, HEAD")));
+        // A HEAD is answered as its GET, without the body: public where the GET is, else 401.
+        let r = c.head(d.url("/healthz")).send().unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.headers().get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok()).is_some_and(|n| n > 0));
+        assert_eq!(r.bytes().unwrap().len(), 0);
+        assert_eq!(c.head(d.url("/v1/holds")).send().unwrap().status(), 401);
+        assert_eq!(c.head(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().status(), 200);
 
         // Backup while running: over the API and with the CLI (which asks the daemon).
         let b = c.post(d.url("/v1/backup")).header("authorization", &auth).body("").send().unwrap();
@@ -863,6 +879,7 @@ const FUZZ_QUERIES: &[(&str, &[&str])] = &[
     ("/v1/deadletters/quarantined", &["limit", "cursor"]),
     ("/v1/quarantine", &["limit", "cursor"]),
     ("/v1/holds/{run}/changes", &["limit", "cursor"]),
+    ("/v1/subscribers", &["limit", "cursor"]),
 ];
 
 const QUERY_NAMES: &[&str] = &["limit", "cursor", "since", "outcome", "order", "source", "x", "", "limit%00", "LIMIT", "cursor[]"];
@@ -1581,7 +1598,9 @@ fn check_answer(a: &Answer, sent: &Sent, authenticated: bool) -> Result<(), Stri
     if !authenticated && (200..300).contains(&a.status) {
         let public = match &value {
             Some(v) => v["status"] == "ok" && v.as_object().is_some_and(|o| o.len() == 3 && o.contains_key("uptime_s")),
-            None => a.header("content-type").is_some_and(|c| c.starts_with("text/html")),
+            // A HEAD's answer has no body to tell `/healthz` by; it goes through the same
+            // token check as its GET, which the storm sends too.
+            None => sent.head || a.header("content-type").is_some_and(|c| c.starts_with("text/html")),
         };
         if !public {
             return Err(format!("a {} without the token: {}", a.status, String::from_utf8_lossy(&a.body[..a.body.len().min(300)])));

@@ -102,7 +102,8 @@ pub fn document() -> Value {
             "/v1/holds/{run}/prime": {"post": {"operationId": "primeHold", "parameters": [run_id], "responses": with_errors(json!({
                 "200": ok("primed: committed silently", json!({"type": "object", "required": ["status", "run"], "properties": {"status": s("string"), "run": {"$ref": "#/components/schemas/Run"}}}))}), &["400", "404", "409", "429", "503"])}},
             "/v1/subscribers": {
-                "get": {"operationId": "listSubscribers", "responses": with_errors(json!({"200": ok("subscribers", list_of("Subscriber"))}), &[])},
+                "get": {"operationId": "listSubscribers", "parameters": [page_limit.clone(), query_param("cursor", json!({"type": "string", "description": "the id the page comes after: the previous page's next_cursor"}))],
+                    "responses": with_errors(json!({"200": ok("subscribers, the config's and the control port's together, in id order, a page after the id `cursor` (`next_cursor`: null after the last)", page_of("Subscriber"))}), &["400"])},
                 "post": {"operationId": "createSubscriber", "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubscriberInput"}}}},
                     "responses": with_errors(json!({"201": ok("created", json!({"$ref": "#/components/schemas/Subscriber"}))}), &["400", "409"])}
             },

@@ -19,7 +19,9 @@ const DASHBOARD: &str = include_str!("dashboard.html");
 pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming>) -> Resp {
     // A Content-Length above 0, or chunked: answers given before it is read say so.
     let has_body = !hyper::body::Body::is_end_stream(req.body());
-    let method = req.method().clone();
+    // A HEAD is answered as its GET is, and hyper leaves the body out (an uptime checker may
+    // probe `/healthz` so; it was 405).
+    let method = if req.method() == Method::HEAD { Method::GET } else { req.method().clone() };
     let path = req.uri().path().to_string();
     let segments: Vec<String> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).map(crate::control::http::path_segment).collect();
     let seg: Vec<&str> = segments.iter().map(String::as_str).collect();
@@ -28,8 +30,11 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     match allowed_methods(&seg) {
         None => return before_body(has_body, error(StatusCode::NOT_FOUND, "not_found", format!("no route {path}"))),
         Some(allow) if !allow.split(", ").any(|m| m == method.as_str()) => {
-            let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("{method} is not allowed on {path}; allowed: {allow}"));
-            r.headers_mut().insert(hyper::header::ALLOW, hyper::header::HeaderValue::from_static(allow));
+            let allow = if allow.starts_with("GET") { allow.replacen("GET", "GET, HEAD", 1) } else { allow.to_string() };
+            let mut r = error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", format!("{} is not allowed on {path}; allowed: {allow}", req.method()));
+            if let Ok(v) = hyper::header::HeaderValue::from_str(&allow) {
+                r.headers_mut().insert(hyper::header::ALLOW, v);
+            }
             return before_body(has_body, r);
         }
         Some(_) => {}
@@ -90,7 +95,7 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
                 Err(_) => error(StatusCode::BAD_REQUEST, "bad_path", format!("hold id must be a run id (integer), got {run:?}")),
             }
         }
-        (&Method::GET, ["v1", "subscribers"]) => blocking(move || list_subscribers(&st)).await,
+        (&Method::GET, ["v1", "subscribers"]) => blocking(move || list_subscribers(&st, &q)).await,
         (&Method::POST, ["v1", "subscribers"]) => blocking(move || put_subscriber(&st, None, &body)).await,
         (&Method::GET, ["v1", "subscribers", id]) => {
             let id = id.to_string();
@@ -184,7 +189,7 @@ pub(super) fn accepted_query(seg: &[&str]) -> &'static [&'static str] {
         ["v1", "holds"] => &["state", "limit"],
         ["v1", "audit"] => &["parcel", "watcher", "source", "key", "lineage", "since", "order", "outcome", "limit", "cursor"],
         ["v1", "changes", "recent"] => &["limit"],
-        ["v1", "deadletters"] | ["v1", "deadletters", "quarantined"] | ["v1", "quarantine"] | ["v1", "holds", _, "changes"] => &["limit", "cursor"],
+        ["v1", "deadletters"] | ["v1", "deadletters", "quarantined"] | ["v1", "quarantine"] | ["v1", "holds", _, "changes"] | ["v1", "subscribers"] => &["limit", "cursor"],
         _ => &[],
     }
 }
@@ -686,22 +691,49 @@ fn subscriber_json(id: &str, target: &str, secrets: (Option<&str>, Option<&str>)
     json!({"id": id, "target": crate::util::url_for_display(target), "signed": signed, "rotating": rotating, "min_severity": min_severity.as_str(), "aoi": aoi, "managed_by": managed_by})
 }
 
-fn list_subscribers(st: &ControlState) -> Resp {
-    let mut items = Vec::new();
-    for c in &st.engine.config.subscribers {
-        let aoi = st.engine.subscribers.get(&c.id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
-        items.push(subscriber_json(&c.id, &c.target, (c.secret.as_deref(), c.secret_old.as_deref()), c.min_severity, aoi, "config"));
-    }
-    match st.engine.store.stored_subscribers() {
-        Ok(list) => {
-            for s in list.iter().filter(|s| !st.engine.config.has_subscriber(&s.id)) {
-                let aoi = serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null);
-                items.push(subscriber_json(&s.id, &s.target, (s.secret.as_deref(), s.secret_old.as_deref()), s.min_severity, aoi, "api"));
-            }
-        }
+/// `GET /v1/subscribers`: a page of subscribers, the config's and those managed over the
+/// control port together, in id order after the id `cursor` (`limit`, 1,000 by default and
+/// at most). Each comes with its AOI, so a few thousand of them made one answer of many
+/// megabytes, read in one go, before there were pages.
+fn list_subscribers(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
+    let limit = match limit_or(q, MAX_PAGE) {
+        Ok(l) => l,
+        Err(r) => return *r,
+    };
+    let after = q.get("cursor").map(String::as_str);
+    let beyond = |id: &str| after.is_none_or(|a| id > a);
+    let mut from_config: Vec<_> = st.engine.config.subscribers.iter().filter(|c| beyond(&c.id)).collect();
+    from_config.sort_by(|a, b| a.id.cmp(&b.id));
+    from_config.truncate(limit + 1);
+    let stored = match st.engine.store.stored_subscribers_page(after, limit + 1, |id| st.engine.config.has_subscriber(id)) {
+        Ok(list) => list,
         Err(e) => return internal(e),
+    };
+    // Merge the two id-ordered lists; one more than a page says whether another follows.
+    let (mut config_rows, mut stored_rows) = (from_config.into_iter().peekable(), stored.into_iter().peekable());
+    let mut items = Vec::new();
+    let mut last_id = None;
+    while items.len() < limit {
+        let take_config = match (config_rows.peek(), stored_rows.peek()) {
+            (Some(c), Some(s)) => c.id < s.id,
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => break,
+        };
+        if take_config {
+            let Some(c) = config_rows.next() else { break };
+            let aoi = st.engine.subscribers.get(&c.id).map(|s| crate::model::StoredGeometry::from_geo(&s.aoi).to_geojson()).unwrap_or(Value::Null);
+            items.push(subscriber_json(&c.id, &c.target, (c.secret.as_deref(), c.secret_old.as_deref()), c.min_severity, aoi, "config"));
+            last_id = Some(c.id.clone());
+        } else {
+            let Some(s) = stored_rows.next() else { break };
+            let aoi = serde_json::from_str(&s.aoi_geojson).unwrap_or(Value::Null);
+            items.push(subscriber_json(&s.id, &s.target, (s.secret.as_deref(), s.secret_old.as_deref()), s.min_severity, aoi, "api"));
+            last_id = Some(s.id);
+        }
     }
-    json(StatusCode::OK, &json!({"items": items}))
+    let more = config_rows.peek().is_some() || stored_rows.peek().is_some();
+    json(StatusCode::OK, &json!({"items": items, "next_cursor": if more { last_id } else { None }}))
 }
 
 fn get_subscriber(st: &ControlState, id: &str) -> Resp {

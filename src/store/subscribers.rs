@@ -137,6 +137,27 @@ impl Store {
         Ok(out)
     }
 
+    /// Up to `n` subscribers managed over the control port with an id after `after`, in id
+    /// order, leaving out those `hidden` names (a config subscriber of the same id hides a
+    /// stored one). A page of `GET /v1/subscribers`: it read every record, each with its AOI.
+    pub fn stored_subscribers_page(&self, after: Option<&str>, n: usize, hidden: impl Fn(&str) -> bool) -> Result<Vec<StoredSubscriber>, StoreError> {
+        use std::ops::Bound;
+        let rtx = self.db.begin_read()?;
+        let t = rtx.open_table(SUBSCRIBERS)?;
+        let from = after.map_or(Bound::Unbounded, Bound::Excluded);
+        let mut out = Vec::new();
+        for item in t.range::<&str>((from, Bound::Unbounded))? {
+            if out.len() >= n {
+                break;
+            }
+            let (k, v) = item?;
+            if !hidden(k.value()) {
+                out.push(decode_subscriber(v.value()).map_err(|m| codec_err("subscribers", m))?);
+            }
+        }
+        Ok(out)
+    }
+
     /// The subscriber `id` managed over the control port, if there is one (a point lookup).
     pub fn stored_subscriber(&self, id: &str) -> Result<Option<StoredSubscriber>, StoreError> {
         let rtx = self.db.begin_read()?;
