@@ -322,7 +322,7 @@ fn engine_by(
     open: fn(Config) -> Result<Engine, crate::pipeline::PipelineError>,
 ) -> Result<Engine, i32> {
     let config = load_config(path)?;
-    for advice in config.delivery.advisories() {
+    for advice in config.advisories() {
         tracing::warn!("{advice}");
     }
     before_store(&config)?;
@@ -721,7 +721,7 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                 token,
                 runs: runs.clone(),
                 wake: wake.clone(),
-                started_ms: engine.now(),
+                started: std::time::Instant::now(),
                 long_requests: Default::default(),
             });
             tasks.spawn(crate::control::serve(listener, state, rx.clone()));
@@ -1314,10 +1314,11 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
     // reads it, and `run` from cron needs none: a reader.)
     let mut warnings = 0usize;
     let mut refusals = 0usize;
-    for advice in cfg.delivery.advisories() {
+    for advice in cfg.advisories() {
         warnings += 1;
         println!("warning: {advice}");
     }
+    println!("delivery: {}", cfg.delivery.describe());
     println!("store: {}", cfg.store_path.display());
     let mut bad = 0;
     for s in &cfg.sources {

@@ -156,6 +156,10 @@ pub struct Config {
     /// `[ingest]`: transport settings of the HTTP source kinds.
     pub ingest: crate::ingest::settings::IngestConfig,
     pub control: ControlConfig,
+    /// Keys the config sets that nothing reads where they are (`floor` on a file source, an
+    /// area-mode setting on a parcels layer, the exponential keys beside a `retry_schedule`),
+    /// as sentences: [`Config::advisories`].
+    pub ignored: Vec<String>,
 }
 
 /// `[control]`: the operator's HTTP port (served by `zonewatch serve`).
@@ -207,10 +211,68 @@ pub struct DeliveryConfig {
 }
 
 impl DeliveryConfig {
+    /// The delay before each retry, as configured (without jitter; the exponential backoff's
+    /// cap, its full jitter drawing anything below it): one per attempt after the first.
+    pub fn nominal_retry_delays(&self) -> Vec<Duration> {
+        (1..self.max_attempts)
+            .map(|attempt| match self.retry_schedule.get(attempt as usize - 1).or(self.retry_schedule.last()) {
+                Some(d) => *d,
+                None => self.base_delay.saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX)).min(self.max_delay),
+            })
+            .collect()
+    }
+
+    /// The retry policy in effect, in one line (`zonewatch check` prints it: a config that
+    /// sets only `max_delay_ms` swaps the default schedule of a day for seconds of
+    /// exponential backoff, and nothing said so).
+    pub fn describe(&self) -> String {
+        let delays = self.nominal_retry_delays();
+        let span = delays.iter().fold(Duration::ZERO, |a, d| a.saturating_add(*d));
+        let retries = if delays.is_empty() {
+            "no retries".to_string()
+        } else if self.retry_schedule.is_empty() {
+            format!("retries after up to {} (exponential, full jitter)", delays.iter().map(|d| crate::util::format_duration(*d)).collect::<Vec<_>>().join(", "))
+        } else {
+            let jitter = if self.retry_jitter > 0.0 { format!(" (±{:.0}%)", self.retry_jitter * 100.0) } else { String::new() };
+            format!("retries after {}{jitter}", delays.iter().map(|d| crate::util::format_duration(*d)).collect::<Vec<_>>().join(", "))
+        };
+        format!(
+            "{} attempt(s), {retries}, {} in all; an alert still failing {} after it was queued is a dead letter; an endpoint failing without a success for {} is disabled",
+            self.max_attempts,
+            crate::util::format_duration(span),
+            crate::util::format_duration(self.max_retry_window),
+            crate::util::format_duration(self.disable_after)
+        )
+    }
+
     /// Settings that are valid but weaken a guarantee, as sentences for an operator
     /// (`zonewatch check` prints them, `run` and `serve` log them).
     pub fn advisories(&self) -> Vec<String> {
         let mut out = Vec::new();
+        let span = self.nominal_retry_delays().iter().fold(Duration::ZERO, |a, d| a.saturating_add(*d));
+        if self.max_attempts > 1 && span < Duration::from_secs(60) {
+            out.push(format!(
+                "delivery: an alert's retries are all over within {} ({}): a receiver down for longer (a restart, a deploy) has its alerts dead-lettered",
+                crate::util::format_duration(span),
+                self.describe()
+            ));
+        }
+        if self.max_retry_window < span {
+            out.push(format!(
+                "delivery.max_retry_window ({}) ends before the retries do ({} over {} attempts): an alert still failing is dead-lettered `retry_window_exceeded` before its last attempts",
+                crate::util::format_duration(self.max_retry_window),
+                crate::util::format_duration(span),
+                self.max_attempts
+            ));
+        }
+        if self.disable_after < self.max_retry_window {
+            out.push(format!(
+                "delivery.disable_after ({}) is shorter than max_retry_window ({}): an endpoint down for longer than {} is disabled, its alerts waiting for `zonewatch endpoints enable`, during an outage its retries would ride out",
+                crate::util::format_duration(self.disable_after),
+                crate::util::format_duration(self.max_retry_window),
+                crate::util::format_duration(self.disable_after)
+            ));
+        }
         let needed = self.idem_ttl.saturating_add(self.max_retry_window);
         if self.retention < needed {
             out.push(format!(
@@ -419,6 +481,14 @@ pub fn usable_config_id(id: &str) -> bool {
 }
 
 impl Config {
+    /// What `check` warns of and `run` and `serve` log as they start: the delivery settings
+    /// that weaken a guarantee, and the keys set where nothing reads them.
+    pub fn advisories(&self) -> Vec<String> {
+        let mut out = self.delivery.advisories();
+        out.extend(self.ignored.iter().cloned());
+        out
+    }
+
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -513,6 +583,31 @@ impl Config {
         if delivery.max_retry_window.is_zero() {
             return Err(invalid("delivery.max_retry_window must be positive (it bounds how long an alert is retried; 0 would dead-letter it at its first failure)".into()));
         }
+        // As zero: every alert whose first send failed was dead-lettered at once (`check` said
+        // all good).
+        if let Some(first) = delivery.retry_schedule.first() {
+            let earliest = first.mul_f64(1.0 - delivery.retry_jitter);
+            if delivery.max_retry_window < earliest {
+                return Err(invalid(format!(
+                    "delivery.max_retry_window ({}) is shorter than the first retry ({} at the earliest, retry_schedule's first delay less retry_jitter): an alert whose first send failed would be dead-lettered at once",
+                    crate::util::format_duration(delivery.max_retry_window),
+                    crate::util::format_duration(earliest)
+                )));
+            }
+        }
+        if delivery.disable_after.is_zero() {
+            return Err(invalid("delivery.disable_after must be positive (an endpoint failing without a success for longer is disabled until an operator enables it; 0 disabled it at its first failure)".into()));
+        }
+        let mut ignored = Vec::new();
+        if rd.retry_schedule.is_some() {
+            for (key, set) in [("base_delay_ms", rd.base_delay_ms.is_some()), ("max_delay_ms", rd.max_delay_ms.is_some())] {
+                if set {
+                    ignored.push(format!("delivery.{key} is not read: retry_schedule is set, and it alone sets the delays"));
+                }
+            }
+        } else if delivery.retry_schedule.is_empty() && rd.retry_jitter.is_some() {
+            ignored.push("delivery.retry_jitter is not read: with base_delay_ms / max_delay_ms and no retry_schedule, each delay is drawn at random below its cap (full jitter)".into());
+        }
 
         let mut seen = HashSet::new();
         let mut sources = Vec::new();
@@ -561,6 +656,9 @@ impl Config {
                 },
             };
             let every = dur(&format!("{at}.every"), &s.every, Duration::from_secs(3600))?;
+            if s.floor.is_some() && matches!(kind, SourceKind::File { .. }) {
+                ignored.push(format!("{at}: floor is not read: it bounds the probe of an HTTP source, and a file is read at every run"));
+            }
             if every < Duration::from_secs(1) {
                 return Err(invalid(format!("{at}: every must be at least 1s")));
             }
@@ -627,6 +725,13 @@ impl Config {
             let overlay_min_share = s.overlay_min_share.unwrap_or(0.1);
             if !(overlay_min_share > 0.0 && overlay_min_share <= 1.0) {
                 return Err(invalid(format!("{at}: overlay_min_share must be in (0, 1]")));
+            }
+            if layer == LayerKind::Parcels {
+                for (key, set) in [("min_change_area_m2", s.min_change_area_m2.is_some()), ("tolerance_m", s.tolerance_m.is_some()), ("overlay_min_share", s.overlay_min_share.is_some())] {
+                    if set {
+                        ignored.push(format!("{at}: {key} is not read: it is a setting of a districts or overlays layer"));
+                    }
+                }
             }
             let mut severity = SeverityRules::default();
             if let Some(rs) = &s.severity {
@@ -767,6 +872,7 @@ impl Config {
                 r => r,
             },
             delivery,
+            ignored,
             sources,
             subscribers,
             ingest: raw.ingest.validate().map_err(invalid)?,
@@ -895,6 +1001,39 @@ aoi = "aoi/w1.geojson"
 target = "http://127.0.0.1:9/hook"
 min_severity = "material"
 "#;
+
+    /// Delivery settings that disarm retries or disable endpoints at once are refused; those
+    /// that cut them short are warned of; keys nothing reads are named; `check` prints the
+    /// policy in effect (a reviewer: each of these said "all good").
+    #[test]
+    fn delivery_settings_that_defeat_retries_are_refused_or_warned_of() {
+        let with = |delivery: &str, source: &str| Config::parse_str(&GOOD.replace("[delivery]\n", &format!("[delivery]\n{delivery}\n")).replace("bbox = ", &format!("{source}\nbbox = ")), Path::new("."));
+        let good = with("", "").unwrap();
+        assert!(good.advisories().is_empty(), "{:?}", good.advisories());
+        assert_eq!(
+            good.delivery.describe(),
+            "8 attempt(s), retries after 5s, 5m, 30m, 2h, 5h, 10h, 10h (±20%), 1d3h35m5s in all; an alert still failing 3d after it was queued is a dead letter; an endpoint failing without a success for 5d is disabled"
+        );
+        let e = with("max_retry_window = \"1s\"", "").unwrap_err().to_string();
+        assert!(e.contains("delivery.max_retry_window (1s) is shorter than the first retry (4s at the earliest"), "{e}");
+        assert!(with("disable_after = \"0s\"", "").unwrap_err().to_string().contains("delivery.disable_after must be positive"));
+        let advice = with("disable_after = \"1h\"\nmax_retry_window = \"10h\"", "").unwrap().advisories();
+        assert_eq!(advice.len(), 2, "{advice:?}");
+        assert!(advice[0].starts_with("delivery.max_retry_window (10h) ends before the retries do (1d3h35m5s over 8 attempts)"), "{advice:?}");
+        assert!(advice[1].starts_with("delivery.disable_after (1h) is shorter than max_retry_window (10h)"), "{advice:?}");
+        let quick = with("max_delay_ms = 60000", "").unwrap();
+        assert_eq!(quick.delivery.nominal_retry_delays(), [500, 1000, 2000, 4000].map(Duration::from_millis));
+        assert!(quick.advisories()[0].starts_with("delivery: an alert's retries are all over within 7s500ms (5 attempt(s), retries after up to 500ms, 1s, 2s, 4s (exponential"), "{:?}", quick.advisories());
+        let ignored = with("retry_schedule = [\"1m\"]\nbase_delay_ms = 100", "floor = \"6h\"\ntolerance_m = 4").unwrap().advisories();
+        assert_eq!(
+            ignored,
+            [
+                "delivery.base_delay_ms is not read: retry_schedule is set, and it alone sets the delays",
+                "source[0] (\"s1\"): floor is not read: it bounds the probe of an HTTP source, and a file is read at every run",
+                "source[0] (\"s1\"): tolerance_m is not read: it is a setting of a districts or overlays layer",
+            ]
+        );
+    }
 
     #[test]
     fn parses_and_resolves_paths() {

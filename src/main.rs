@@ -60,7 +60,9 @@ static STDOUT_FAILED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// did not finish), instead of printing "failed printing to stdout: Broken pipe" with a
 /// backtrace. The panic unwinds to `main`, so the store is closed cleanly on the way. Any
 /// other failure to write stdout (a full disk) stops the command the same way, and `main`
-/// says why in one `error:` line, exit 1. Every other panic is reported as before.
+/// says why in one `error:` line, exit 1. A panic of the geometry library that its caller
+/// catches (`util::catch_geometry_panic`) is a debug log line. Every other panic is reported
+/// as before.
 fn quiet_on_closed_stdout() {
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -71,6 +73,11 @@ fn quiet_on_closed_stdout() {
             } else {
                 let _ = STDOUT_FAILED.set(why.to_string());
             }
+            return;
+        }
+        if zonewatch::util::panic_is_caught_geometry() {
+            // Caught and turned into a quarantine reason or a counted failure by the caller.
+            tracing::debug!(panic = %info, "the geometry library panicked; caught");
             return;
         }
         report(info);

@@ -274,7 +274,7 @@ impl IngestProgress {
     /// `progress: s1 12000 features, 3.1 MiB of 10.0 MiB (31%), 6s`
     fn line(&self, done: bool, features: u64, bytes: u64, secs: f64) -> String {
         let size = match self.total_bytes {
-            Some(t) if t > 0 => format!("{} of {} ({}%)", mib(bytes), mib(t), (bytes.min(t) * 100) / t),
+            Some(t) if t > 0 => format!("{} of {} ({}%)", mib(bytes), mib(t), (u128::from(bytes.min(t)) * 100) / u128::from(t)),
             _ => mib(bytes),
         };
         if done {

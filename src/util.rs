@@ -3,6 +3,28 @@
 
 use std::time::Duration;
 
+thread_local! {
+    /// How many [`catch_geometry_panic`] calls this thread is inside.
+    static CATCHING_GEOMETRY: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs geometry code that may panic on hostile input (the geometry library asserts on some
+/// degenerate shapes) under `catch_unwind`, the thread marked so that the panic hook stays
+/// quiet ([`panic_is_caught_geometry`]): the caller turns the panic into a quarantine reason
+/// or a counted failure, which says what failed. The hook printed each such panic, several
+/// lines of text on stderr per feature, among JSON logs under `--log-format json`.
+pub fn catch_geometry_panic<T>(f: impl FnOnce() -> T + std::panic::UnwindSafe) -> std::thread::Result<T> {
+    CATCHING_GEOMETRY.with(|c| c.set(c.get().saturating_add(1)));
+    let result = std::panic::catch_unwind(f);
+    CATCHING_GEOMETRY.with(|c| c.set(c.get().saturating_sub(1)));
+    result
+}
+
+/// Whether a panic being reported on this thread will be caught by [`catch_geometry_panic`].
+pub fn panic_is_caught_geometry() -> bool {
+    CATCHING_GEOMETRY.with(|c| c.get() > 0)
+}
+
 /// Parses durations such as `500ms`, `60s`, `5m`, `1h`, `7d`, `1h30m` (units may be chained).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let s = text.trim();
@@ -42,15 +64,22 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         .map_err(|_| format!("duration {text:?} is too large"))
 }
 
-/// Formats a duration the way `parse_duration` reads it (largest exact unit).
+/// Formats a duration the way `parse_duration` reads it (units chained, largest first).
 pub fn format_duration(d: Duration) -> String {
-    let ms = d.as_millis() as u64;
-    for (unit, f) in [("d", 86_400_000u64), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
-        if ms >= f && ms.is_multiple_of(f) {
-            return format!("{}{}", ms / f, unit);
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms < 1_000 {
+        return format!("{ms}ms");
+    }
+    // Units chained as `parse_duration` reads them: 99,305 s is `1d3h35m5s`, not `99305s`.
+    let mut out = String::new();
+    let mut rest = ms;
+    for (unit, f) in [("d", 86_400_000u64), ("h", 3_600_000), ("m", 60_000), ("s", 1_000), ("ms", 1)] {
+        if rest >= f {
+            out.push_str(&format!("{}{unit}", rest / f));
+            rest %= f;
         }
     }
-    format!("{ms}ms")
+    out
 }
 
 /// Whether something said at most once per `every_ms` may be said now, marking it said in
@@ -386,6 +415,19 @@ mod tests {
 
     use super::*;
 
+    /// The mark is up while the geometry code runs, and down after it, panic or not.
+    #[test]
+    fn a_caught_geometry_panic_is_marked_while_it_is_caught() {
+        assert!(!panic_is_caught_geometry());
+        let caught = catch_geometry_panic(|| {
+            assert!(panic_is_caught_geometry());
+            panic!("degenerate ring")
+        });
+        assert!(caught.is_err());
+        assert!(!panic_is_caught_geometry());
+        assert_eq!(catch_geometry_panic(|| 4).ok(), Some(4));
+    }
+
     #[test]
     fn hex_is_lower_case_two_digits_a_byte() {
         assert_eq!(hex(&[]), "");
@@ -401,6 +443,10 @@ mod tests {
         assert!(parse_duration("3x").is_err());
         assert!(parse_duration("").is_err());
         assert_eq!(format_duration(Duration::from_secs(3600)), "1h");
+        for (ms, text) in [(0, "0ms"), (999, "999ms"), (7_500, "7s500ms"), (99_305_000, "1d3h35m5s"), (5_400_000, "1h30m")] {
+            assert_eq!(format_duration(Duration::from_millis(ms)), text);
+            assert_eq!(parse_duration(text).unwrap(), Duration::from_millis(ms));
+        }
     }
 
     #[test]

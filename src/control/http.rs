@@ -156,7 +156,8 @@ fn percent_decode(s: &str, plus_is_space: bool) -> String {
     while i < bytes.len() {
         match bytes[i] {
             b'+' if plus_is_space => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
+            // Two hex digits exactly (`from_str_radix` took a sign: `%+F` was 0x0F).
+            b'%' if i + 2 < bytes.len() && bytes[i + 1].is_ascii_hexdigit() && bytes[i + 2].is_ascii_hexdigit() => {
                 match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
                     Ok(b) => {
                         out.push(b);
@@ -195,6 +196,8 @@ mod tests {
         assert_eq!(q["x"], "");
         assert_eq!(q["bad"], "%zz");
         assert_eq!(q["tail"], "%4");
+        // Two hex digits or nothing: a sign is not a digit.
+        assert_eq!(query(Some("a=%+F&b=%-1&c=%4a")).unwrap().into_iter().collect::<std::collections::BTreeMap<_, _>>(), [("a", "% F"), ("b", "%-1"), ("c", "J")].map(|(k, v)| (k.to_string(), v.to_string())).into());
         assert!(query_u64(&query(Some("limit=abc")).unwrap(), "limit").is_err());
         assert_eq!(query_u64(&query(Some("limit=5")).unwrap(), "limit").unwrap(), Some(5));
     }

@@ -32,7 +32,9 @@ pub struct ControlState {
     pub runs: Arc<SourceRuns>,
     /// Wakes the delivery loop after something was queued.
     pub wake: Arc<tokio::sync::Notify>,
-    pub started_ms: u64,
+    /// When `serve` started, on the monotonic clock: `/healthz`'s `uptime_s` (on the wall
+    /// clock, a day's step forward added a day to it).
+    pub started: std::time::Instant,
     /// Requests under way that can take long (hold releases and primes, source runs, backups,
     /// replays; at most [`routes::MAX_LONG_REQUESTS`]; each holds a connection meanwhile).
     pub long_requests: std::sync::atomic::AtomicUsize,

@@ -44,7 +44,7 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     // the API with the token the operator gives it, kept in the URL fragment, never sent).
     match (&method, seg.as_slice()) {
         (&Method::GET, ["healthz"]) => {
-            let uptime_s = state.engine.now().saturating_sub(state.started_ms) / 1000;
+            let uptime_s = state.started.elapsed().as_secs();
             return before_body(has_body, json(StatusCode::OK, &json!({"status": "ok", "version": env!("CARGO_PKG_VERSION"), "uptime_s": uptime_s})));
         }
         (&Method::GET, []) => return before_body(has_body, text(StatusCode::OK, "text/html; charset=utf-8", DASHBOARD)),
@@ -56,7 +56,7 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
         return before_body(has_body, r);
     }
-    let q = match query_of_route(req.uri().query(), &path, accepted_query(&seg)) {
+    let q = match query_of_route(req.uri().query(), &path, accepted_query(&method, &seg)) {
         Ok(q) => q,
         Err(r) => return before_body(has_body, *r),
     };
@@ -181,9 +181,13 @@ fn allowed_methods(seg: &[&str]) -> Option<&'static str> {
     })
 }
 
-/// The query parameters each route reads; any other is refused (`http::query_of_route`).
+/// The query parameters each route's `GET` reads (no other method reads one); any other is
+/// refused (`http::query_of_route`).
 /// The OpenAPI document lists the same (a test holds the two equal).
-pub(super) fn accepted_query(seg: &[&str]) -> &'static [&'static str] {
+pub(super) fn accepted_query(method: &Method, seg: &[&str]) -> &'static [&'static str] {
+    if method != Method::GET {
+        return &[];
+    }
     match seg {
         ["v1", "runs"] => &["source", "limit", "cursor"],
         ["v1", "holds"] => &["state", "limit"],

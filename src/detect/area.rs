@@ -127,7 +127,7 @@ fn env(r: &Rect<f64>) -> AABB<[f64; 2]> {
 }
 
 fn guarded<F: FnOnce() -> MultiPolygon<f64> + std::panic::UnwindSafe>(f: F, failed: &mut u64) -> MultiPolygon<f64> {
-    match std::panic::catch_unwind(f) {
+    match crate::util::catch_geometry_panic(f) {
         Ok(m) => m,
         Err(_) => {
             *failed += 1;

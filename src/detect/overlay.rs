@@ -179,7 +179,7 @@ fn clipped_area(
     if drect.min().x >= win.min().x && drect.max().x <= win.max().x && drect.min().y >= win.min().y && drect.max().y <= win.max().y {
         // The district is small and inside the window: no clipping needed.
         let one = MultiPolygon::new(vec![district.clone()]);
-        return std::panic::catch_unwind(|| parcel.intersection(&one).unsigned_area()).ok().filter(|a| a.is_finite());
+        return crate::util::catch_geometry_panic(|| parcel.intersection(&one).unsigned_area()).ok().filter(|a| a.is_finite());
     }
     let ext = clip_ring(district.exterior(), &win);
     if ext.0.len() < 4 {
@@ -201,7 +201,7 @@ fn clipped_area(
         return Some(total);
     }
     let one = MultiPolygon::new(vec![clipped]);
-    std::panic::catch_unwind(|| parcel.intersection(&one).unsigned_area()).ok().filter(|a| a.is_finite())
+    crate::util::catch_geometry_panic(|| parcel.intersection(&one).unsigned_area()).ok().filter(|a| a.is_finite())
 }
 
 /// Sutherland–Hodgman clip of a closed ring against an axis-aligned rectangle. The result is a

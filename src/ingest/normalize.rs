@@ -645,7 +645,7 @@ pub fn clean_geometry_within(mp: MultiPolygon<f64>, bbox: Option<[f64; 4]>, budg
     // Put rings in a canonical order first: the repair algorithms depend on where a ring
     // starts and which way it runs, and the same shape must always repair the same way.
     let tidy = crate::detect::canonical::canonical_order(tidy);
-    let result = std::panic::catch_unwind(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
+    let result = crate::util::catch_geometry_panic(move || -> Result<(MultiPolygon<f64>, bool), GeomError> {
         match super::valid::check_within(&tidy, budget).0 {
             Validity::Valid => Ok((orient_default(tidy), false)),
             Validity::Invalid => {

@@ -110,9 +110,11 @@ pub fn stale(prev: Option<&Watermark>, now_ms: u64, stale_after: Duration) -> Op
 /// The scheduler's next wait: `every` ± 10 % (uniform), so sources configured alike do not
 /// hit one county server in lock-step. Only `serve` calls this (it owns the wall clock).
 pub fn jittered(every: Duration) -> Duration {
-    let ms = every.as_millis() as u64;
+    let ms = u64::try_from(every.as_millis()).unwrap_or(u64::MAX);
     let spread = ms / 10;
-    Duration::from_millis(ms - spread + rand::random_range(0..=2 * spread))
+    // Saturating: an `every` of centuries ("never", written as a huge number) wrapped to a
+    // wait of moments.
+    Duration::from_millis((ms - spread).saturating_add(rand::random_range(0..=spread.saturating_mul(2))))
 }
 
 /// Probes and (when needed) fetches an HTTP source. `force` skips the probe shortcut
@@ -735,6 +737,18 @@ mod tests {
 
     fn wm(ts: Option<u64>, consumed: u64, changed: u64) -> Watermark {
         Watermark { publisher_ts_ms: ts, consumed_at_ms: consumed, content_changed_at_ms: changed, ..Default::default() }
+    }
+
+    /// An `every` of centuries (a way to write "never") waits at least 90% of it: the wait
+    /// wrapped to moments half the time.
+    #[test]
+    fn a_huge_every_does_not_wrap_to_a_short_wait() {
+        for every in [Duration::from_millis(u64::MAX), Duration::MAX, Duration::from_secs(60)] {
+            let least = Duration::from_millis(u64::try_from(every.as_millis()).unwrap_or(u64::MAX) / 10 * 9);
+            for _ in 0..200 {
+                assert!(jittered(every) >= least, "{every:?}");
+            }
+        }
     }
 
     #[test]

@@ -1070,8 +1070,9 @@ impl Deliverer {
         static LAST_SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let now = self.clock.now_ms();
         let lasted = self.shortage.lasted(now);
-        let said = LAST_SAID_MS.load(std::sync::atomic::Ordering::Relaxed);
-        if now.saturating_sub(said) >= 60_000 && LAST_SAID_MS.compare_exchange(said, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed).is_ok() {
+        // On the monotonic clock: after a step back of the wall clock it was silent until the
+        // clock passed its old value again.
+        if crate::util::now_and_then(&LAST_SAID_MS, 60_000) {
             tracing::error!(
                 error = %local,
                 "a webhook could not be sent: this process is out of a resource of its own (raise its open-file limit: ulimit -n, or LimitNOFILE= in the service unit); the alerts stay queued and are sent once it has room, nothing is charged to their subscribers"
@@ -1092,7 +1093,7 @@ impl Deliverer {
         match next_retry(&self.cfg, attempts_after, retry_after) {
             None => DeliveryResult::Dead { id, reason: "retries_exhausted".into(), cause: DeadCause::Endpoint },
             Some(delay) => {
-                let next = now.saturating_add(delay.as_millis() as u64);
+                let next = now.saturating_add(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
                 rec.decided_ms = Some(now);
                 if next > entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64) {
                     return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::Endpoint };

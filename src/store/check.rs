@@ -393,7 +393,7 @@ fn check_txn(rtx: &redb::ReadTransaction) -> Result<ConsistencyReport, StoreErro
             if seq != expected && gaps.len() < MAX_PROBLEMS {
                 gaps.push(format!("audit seq jumps from {} to {seq}", expected - 1));
             }
-            expected = seq + 1;
+            expected = seq.saturating_add(1);
             report.audit_rows += 1;
             let row: AuditRow = match decode(v.value()) {
                 Ok(row) => row,

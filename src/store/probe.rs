@@ -46,7 +46,7 @@ impl Store {
         let UnchangedRun { verdict, signals, features_hint, mut warnings } = run;
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
+        let run_id = next_key("runs", wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()))?;
         let wm: Option<Watermark> = {
             let t = wtx.open_table(WATERMARKS)?;
             let v = t.get(source_id)?;

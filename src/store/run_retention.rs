@@ -395,7 +395,7 @@ mod tests {
     /// watermark history row under its id as a portal's `identical` run writes one.
     fn append(store: &Store, source: &str, verdict: Verdict, finished_ms: u64, features: u64) -> u64 {
         let wtx = store.db.begin_write().expect("write");
-        let run_id = super::super::runs::next_key(wtx.open_table(RUNS).expect("runs").last().expect("last").map(|(k, _)| k.value()));
+        let run_id = super::super::runs::next_key("runs", wtx.open_table(RUNS).expect("runs").last().expect("last").map(|(k, _)| k.value())).expect("next key");
         let record = RunRecord {
             run_id,
             source_id: source.to_string(),

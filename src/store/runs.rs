@@ -86,8 +86,14 @@ pub struct RunNote<'a> {
     pub error: Option<String>,
 }
 
-pub(super) fn next_key(last: Option<u64>) -> u64 {
-    last.map(|k| k + 1).unwrap_or(1)
+/// The key after a table's last (`table` names it in the error): a damaged or crafted store
+/// whose last key is `u64::MAX` is refused, where the add wrapped to 0 and every later row of
+/// the table overwrote the one before.
+pub(super) fn next_key(table: &'static str, last: Option<u64>) -> Result<u64, StoreError> {
+    match last {
+        None => Ok(1),
+        Some(k) => k.checked_add(1).ok_or_else(|| codec_err(table, format!("its last key is {k}, the largest there can be"))),
+    }
 }
 
 pub(super) fn append_audit(
@@ -105,7 +111,7 @@ pub(super) fn append_audits<R: LedgerRow>(wtx: &WriteTransaction, rows: &mut [R]
     let mut seq = audit.last()?.map(|(k, _)| k.value()).unwrap_or(0);
     let mut tally = super::totals::OutcomeTally::default();
     for row in rows {
-        seq += 1;
+        seq = next_key("audit", Some(seq))?;
         row.set_seq(seq);
         tally.count(row.outcome());
         audit.insert(seq, encode(row).as_slice())?;
@@ -203,7 +209,7 @@ impl Store {
         let run_id = {
             let runs = wtx.open_table(RUNS)?;
             let last = runs.last()?.map(|(k, _)| k.value());
-            next_key(last)
+            next_key("runs", last)?
         };
         let lineage = lineage_for(source_id, run_id, &watermark.digest);
         watermark.run_id = run_id;
@@ -243,7 +249,7 @@ impl Store {
                 clear_staged(&wtx, id)?;
             }
         }
-        let next_quarantine = next_key(wtx.open_table(QUARANTINE)?.last()?.map(|(k, _)| k.value()));
+        let next_quarantine = next_key("quarantine", wtx.open_table(QUARANTINE)?.last()?.map(|(k, _)| k.value()))?;
         // A hold resolution that primes the source's first ingest is its baseline (read in this
         // transaction: the watermark is written by every commit that writes parcels).
         let first_ingest = matches!(mode, CommitMode::ResolveHold { prime: true, .. }) && wtx.open_table(WATERMARKS)?.get(source_id)?.is_none();
@@ -281,7 +287,7 @@ impl Store {
                 .ok_or_else(|| StoreError::NotFound(format!("source {source_id} has no watermark")))?;
             decode_watermark(v.value()).map_err(|m| codec_err("watermarks", m))?
         };
-        let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
+        let run_id = next_key("runs", wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()))?;
         wm.consumed_at_ms = now_ms;
         wtx.open_table(WATERMARKS)?.insert(source_id, encode_watermark(&wm).as_slice())?;
         let record = RunRecord {
@@ -316,7 +322,7 @@ impl Store {
         let RunNote { verdict, digest, hold_id, error } = note;
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        let run_id = next_key(wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()));
+        let run_id = next_key("runs", wtx.open_table(RUNS)?.last()?.map(|(k, _)| k.value()))?;
         let record = RunRecord {
             run_id,
             source_id: source_id.to_string(),
@@ -800,6 +806,14 @@ pub(super) fn codec_err(table: &'static str, message: String) -> StoreError {
 mod tests {
     use super::*;
     use crate::model::sample_event;
+
+    /// A table whose last key is the largest there can be is refused, not wrapped to 0.
+    #[test]
+    fn the_key_after_the_largest_is_an_error() {
+        assert_eq!(next_key("runs", None).unwrap(), 1);
+        assert_eq!(next_key("runs", Some(41)).unwrap(), 42);
+        assert!(next_key("runs", Some(u64::MAX)).unwrap_err().to_string().contains("the largest there can be"));
+    }
 
     /// A claim's borrowed audit row is stored as the owned row it stands for, and read back
     /// as one.
