@@ -30,6 +30,10 @@ install -m 0640 packaging/zonewatch.toml "$ROOT/etc/zonewatch/zonewatch.toml"
 install -m 0644 packaging/zonewatch.service "$ROOT/lib/systemd/system/zonewatch.service"
 install -m 0644 packaging/debian/copyright "$ROOT/usr/share/doc/zonewatch/copyright"
 install -m 0644 README.md "$ROOT/usr/share/doc/zonewatch/README.md"
+# What the README links to, at the same relative paths (a package user had broken links).
+install -d "$ROOT/usr/share/doc/zonewatch/docs" "$ROOT/usr/share/doc/zonewatch/fixtures"
+install -m 0644 docs/ARCHITECTURE.md docs/CHANGES.md docs/PERFORMANCE.md "$ROOT/usr/share/doc/zonewatch/docs/"
+install -m 0644 fixtures/README.md "$ROOT/usr/share/doc/zonewatch/fixtures/README.md"
 printf 'zonewatch (%s) stable; urgency=medium\n\n  * Release %s.\n\n -- zonewatch maintainers <maintainers@zonewatch.invalid>  %s\n' \
   "$VERSION" "$VERSION" "$(date -R -u -d @"$SOURCE_DATE_EPOCH")" \
   | gzip -9n > "$ROOT/usr/share/doc/zonewatch/changelog.gz"

@@ -50,6 +50,7 @@ pub enum Command {
     Demo,
     /// One pass: ingest every (or one) source, then deliver until the outbox is empty.
     Run {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
         #[arg(long)]
@@ -63,12 +64,14 @@ pub enum Command {
     },
     /// Long-running: re-ingest each source every `every`, deliver continuously.
     Serve {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
     /// Validate the config and every AOI file; with --store, also check a store's cross-table
     /// consistency (read-only)
     Check {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
         /// Also check the store's consistency: the config's store, or the file given (a
@@ -79,6 +82,7 @@ pub enum Command {
     },
     /// Show the audit ledger (one row per outcome).
     Audit {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
         #[arg(long)]
@@ -109,12 +113,14 @@ pub enum Command {
     /// running daemon over the control port).
     Backup {
         dest: PathBuf,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
     /// Replace the store with a backup. Refuses while a zonewatch is using the store.
     Restore {
         src: PathBuf,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
@@ -144,18 +150,21 @@ pub enum Command {
 pub enum HoldAction {
     /// Runs held by the publication gate: source, state, when, how many changes, and why.
     List {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
     /// Deliver a held run.
     Release {
         run_id: u64,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
     /// Accept a held run silently (snapshot and keys updated, nothing sent).
     Prime {
         run_id: u64,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
@@ -387,7 +396,13 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
                 return 2;
             }
         },
-        None => engine.config.sources.clone(),
+        // A district or overlay layer after the parcel layer it is derived onto: on a new
+        // store, one listed before its base failed its first run ("run the base first"),
+        // while `check` said all good (bb27). `serve` waits for the base's first ingest.
+        None => {
+            let (bases, derived): (Vec<_>, Vec<_>) = engine.config.sources.iter().cloned().partition(|s| s.parcels.is_none());
+            bases.into_iter().chain(derived).collect()
+        }
     };
     if from_staging {
         // Only an HTTP fetch stages a payload; a file source's file is its own copy.
@@ -1864,7 +1879,7 @@ fn write_audit_table(out: &mut impl std::io::Write, rows: &[AuditRow]) -> std::i
     for row in table {
         writeln!(out, "{}", line(row))?;
     }
-    writeln!(out, "({} rows)", rows.len())
+    writeln!(out, "({} row{})", rows.len(), if rows.len() == 1 { "" } else { "s" })
 }
 
 fn cmd_holds(action: HoldAction) -> i32 {
@@ -1910,13 +1925,14 @@ fn cmd_holds(action: HoldAction) -> i32 {
                 // A release of a held first ingest or `--reprocess` primes.
                 let prime = rec.verdict.primed();
                 println!(
-                    "hold {run_id} {}: run {} committed, {} changes, {} queued, {} duplicates, {} suppressed",
+                    "hold {run_id} {}: run {} committed, {} changes, {} queued, {} duplicates, {} suppressed, {} below min_severity",
                     if prime { "primed" } else { "released" },
                     rec.run_id,
                     rec.counts.changes,
                     rec.counts.queued,
                     rec.counts.duplicates,
-                    rec.counts.suppressed
+                    rec.counts.suppressed,
+                    rec.counts.below_min_severity
                 );
                 // Why a release primed (a held first ingest, a held reprocess).
                 for note in rec.warnings.iter().filter(|w| w.starts_with("the held run was")) {
@@ -1933,7 +1949,8 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
                         Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
                             Ok(s) => {
-                                println!("delivery: sent={} retried={} dead_letters={} gone={}{}", s.sent, s.retried, s.dead, s.gone, deferred_field(&s));
+                                let remaining = engine.store.outbox_len().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+                                println!("delivery: sent={} retried={} dead_letters={} gone={}{} outbox_remaining={remaining}", s.sent, s.retried, s.dead, s.gone, deferred_field(&s));
                                 deferred_exit(&engine.store, &s)
                             }
                             Err(e) => {
@@ -1950,6 +1967,13 @@ fn cmd_holds(action: HoldAction) -> i32 {
             }
             Err(e) => {
                 error_line!("{e}");
+                // A release stopped after its commit (a kill, a reboot) left its alerts
+                // queued, and no listing said so (bb26): they wait in the outbox.
+                if matches!(&e, crate::pipeline::PipelineError::HoldNotOpen { state, .. } if state == "released") {
+                    if let Ok(n @ 1..) = engine.store.outbox_len() {
+                        note_line!("{n} alert(s) wait in the outbox (a release stopped before it delivered them, or their retries): `zonewatch run` or `serve` sends them");
+                    }
+                }
                 1
             }
         },

@@ -17,6 +17,7 @@ use std::time::Instant;
 pub enum DlqAction {
     /// Dead letters (and quarantined ones) with their reasons.
     List {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
         /// Dead since this time (RFC 3339, or a duration meaning "ago", e.g. `2h`).
@@ -28,6 +29,7 @@ pub enum DlqAction {
     /// One dead letter (by outbox id or idempotency key): its payload and every attempt.
     Show {
         id_or_key: String,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
@@ -35,6 +37,7 @@ pub enum DlqAction {
     Replay {
         /// Outbox ids; none means every dead letter in the time window.
         ids: Vec<u64>,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
         #[arg(long)]
@@ -47,6 +50,7 @@ pub enum DlqAction {
     },
     /// Re-queue what failed and never succeeded inside a time window, capped in count.
     Recover {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
         #[arg(long)]
@@ -64,6 +68,7 @@ pub enum DlqAction {
         /// Outbox ids of quarantined dead letters (`dlq list` shows them).
         #[arg(required = true)]
         ids: Vec<u64>,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
@@ -74,12 +79,15 @@ pub enum DlqAction {
 pub enum EndpointsAction {
     /// Every subscriber endpoint: enabled or disabled (and why), breaker, last success.
     List {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },
-    /// Re-enable a disabled endpoint (by subscriber id); its waiting events are delivered.
+    /// Re-enable a disabled endpoint (by subscriber id); its alerts waiting for a retry are due
+    /// now, and the next `run` (or `serve`) sends them.
     Enable {
         id: String,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
         #[arg(long)]
         config: PathBuf,
     },

@@ -119,9 +119,24 @@ async fn control_port_end_to_end() {
         }
 
         // Subscriber CRUD; the index is rebuilt live.
-        let r = post(&json!({"id": "api-watcher", "target": rx.url("/api"), "aoi": aoi, "min_severity": "info"}).to_string());
+        // Its target carries a password (sent as basic auth), which listings mask.
+        let with_password = rx.url("/api").replacen("http://", "http://alice:s3cret@", 1);
+        let r = post(&json!({"id": "api-watcher", "target": with_password, "aoi": aoi, "min_severity": "notice"}).to_string());
         assert_eq!(r.status(), 201);
+        assert_eq!(r.headers().get("location").and_then(|v| v.to_str().ok()), Some("/v1/subscribers/api-watcher"));
         assert!(r.json::<Value>().unwrap().get("warnings").is_none(), "a valid AOI is not warned of");
+        // GET, change one member, PUT it back: the masked password is kept as stored (it
+        // stored `***`; the deliveries below carry alice's real password). Another URL with
+        // `***` for a password cannot be kept, and is refused.
+        let mut listed: Value = c.get(d.url("/v1/subscribers/api-watcher")).header("authorization", &auth).send().unwrap().json().unwrap();
+        assert!(listed["target"].as_str().is_some_and(|t| t.contains("alice:***@")), "{listed}");
+        listed["min_severity"] = json!("info");
+        let body = json!({"target": listed["target"], "aoi": listed["aoi"], "min_severity": listed["min_severity"]});
+        let put = c.put(d.url("/v1/subscribers/api-watcher")).header("authorization", &auth).json(&body).send().unwrap();
+        assert_eq!(put.status(), 200);
+        let moved = json!({"target": listed["target"].as_str().unwrap().replace("/api", "/elsewhere"), "aoi": aoi});
+        let r: Value = c.put(d.url("/v1/subscribers/api-watcher")).header("authorization", &auth).json(&moved).send().unwrap().json().unwrap();
+        assert_eq!(r["error"]["code"], "masked_password", "{r}");
         // An AOI whose rings are not a valid polygon is stored, and the answer says what the
         // repair made of it (it said nothing). Removed again: it is not part of what follows.
         let bowtie = json!({"type": "Polygon", "coordinates": [[[0.0, 0.0], [0.01, 0.01], [0.01, 0.0], [0.0, 0.01], [0.0, 0.0]]]});
@@ -192,7 +207,12 @@ async fn control_port_end_to_end() {
             std::thread::sleep(Duration::from_millis(50));
         }
         assert_eq!(rx.received().iter().filter(|r| r.path == "/api").count(), 20);
+        assert!(rx.received().iter().filter(|r| r.path == "/api").all(|r| r.header("authorization") == Some("Basic YWxpY2U6czNjcmV0")), "alice's password, kept through the PUT");
         assert_eq!(c.post(d.url("/v1/sources/nope/run")).header("authorization", &auth).send().unwrap().status(), 404);
+        // A body where none is read is refused, not ignored; `{}` is no body.
+        let r: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", &auth).body(r#"{"reprocess": true}"#).send().unwrap().json().unwrap();
+        assert_eq!(r["error"]["code"], "unexpected_body", "{r}");
+        assert_eq!(c.post(d.url("/v1/endpoints/nobody/enable")).header("authorization", &auth).body(" {} ").send().unwrap().status(), 404);
         // A route that reads no query refuses one (an operator's `?force=1` asks for nothing).
         let forced = c.post(d.url("/v1/sources/s1/run?force=1")).header("authorization", &auth).send().unwrap();
         assert_eq!(forced.status(), 400);
@@ -238,9 +258,12 @@ async fn control_port_end_to_end() {
         assert!(m.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
         let text = m.text().unwrap();
         for needle in ["zonewatch_runs_total{source=\"s1\",verdict=\"baseline\"} 1", "zonewatch_outcomes_total{outcome=\"sent\"} 40", "zonewatch_outbox_depth 0",
-            "zonewatch_holds{state=\"released\"} 1", "zonewatch_delivery_latency_seconds_count 40"] {
+            "zonewatch_holds{state=\"released\"} 1", "zonewatch_delivery_latency_seconds_count 40", "zonewatch_source_last_run_timestamp_seconds{source=\"s1\"} 1"] {
             assert!(text.contains(needle), "metrics lack {needle}:\n{text}");
         }
+        // A compressed body is refused as such.
+        let r = c.post(d.url("/v1/subscribers")).header("authorization", &auth).header("content-encoding", "gzip").body(vec![0x1f, 0x8b, 0]).send().unwrap();
+        assert_eq!(r.status(), 415);
 
         // Dead-letter replay over the API (nothing dead here: an empty, well-formed answer).
         let r: Value = c.post(d.url("/v1/deadletters/replay")).header("authorization", &auth).body("{\"since\": \"2020-01-01T00:00:00Z\"}").send().unwrap().json().unwrap();
@@ -566,6 +589,14 @@ async fn api_endpoints_are_listed_re_enabled_by_a_new_target_and_deleted_without
         // replayed later.
         let r = c.post(d.url("/v1/subscribers")).header("authorization", &auth).json(&json!({"id": "api-2", "target": good.url("/again"), "aoi": aoi, "min_severity": "info"})).send().unwrap();
         assert_eq!(r.status(), 201);
+        // Created again, it does not inherit the deleted one's alerts: they are quarantined
+        // (`subscriber_recreated`) until released, as here, where they are this subscriber's.
+        let created: Value = r.json().unwrap();
+        assert!(created["warnings"][0].as_str().is_some_and(|w| w.starts_with("2 dead letter(s) of the subscriber deleted under this id were quarantined")), "{created}");
+        assert!(get("/v1/deadletters")["items"].as_array().unwrap().is_empty());
+        let ids: Vec<u64> = dead.iter().map(|x| x["id"].as_u64().unwrap()).collect();
+        let r: Value = c.post(d.url("/v1/deadletters/release")).header("authorization", &auth).json(&json!({"ids": ids})).send().unwrap().json().unwrap();
+        assert_eq!(r["released"].as_u64(), Some(2), "{r}");
         let r = replay(json!([id0]));
         assert_eq!(r["quarantined"].as_u64(), Some(1), "{r}");
         let q = get("/v1/deadletters/quarantined");

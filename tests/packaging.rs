@@ -34,7 +34,7 @@ fn deb_builds_is_lintian_clean_and_its_default_config_checks() {
     let dir = tempfile::tempdir().unwrap();
     let x = Command::new("dpkg-deb").arg("-x").arg(&deb).arg(dir.path()).status().unwrap();
     assert!(x.success());
-    for f in ["usr/bin/zonewatch", "etc/zonewatch/zonewatch.toml", "lib/systemd/system/zonewatch.service", "usr/share/doc/zonewatch/copyright"] {
+    for f in ["usr/bin/zonewatch", "etc/zonewatch/zonewatch.toml", "lib/systemd/system/zonewatch.service", "usr/share/doc/zonewatch/copyright", "usr/share/doc/zonewatch/docs/PERFORMANCE.md"] {
         assert!(dir.path().join(f).exists(), "package lacks {f}");
     }
     let unit = std::fs::read_to_string(dir.path().join("lib/systemd/system/zonewatch.service")).unwrap();

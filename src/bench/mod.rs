@@ -53,7 +53,7 @@ pub enum Scale {
     Test,
     /// 100k parcels, 10k AOIs: a few minutes.
     Small,
-    /// The sizes: 100k / 1M / 2.5M parcels, 10k / 100k AOIs. Needs ~10 GB of disk.
+    /// County sizes: 100k / 1M / 2.5M parcels, 10k / 100k AOIs. Needs ~10 GB of disk.
     Full,
 }
 

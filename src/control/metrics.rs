@@ -47,6 +47,14 @@ pub fn render(engine: &Engine) -> Result<String, StoreError> {
     for (source, n) in &features {
         let _ = writeln!(out, "zonewatch_source_features{{source=\"{}\"}} {n}", esc(source));
     }
+    // Alert on `time() - it` growing past a source's `every`: a source that stopped running
+    // (a scheduler stuck, a daemon paused) shows nowhere else (bb27).
+    header(&mut out, "zonewatch_source_last_run_timestamp_seconds", "gauge", "When each source's latest run ended (Unix time), whatever its verdict.");
+    for src in &engine.config.sources {
+        if let Some(run) = store.last_run(&src.id)? {
+            let _ = writeln!(out, "zonewatch_source_last_run_timestamp_seconds{{source=\"{}\"}} {}", esc(&src.id), run.finished_ms / 1000);
+        }
+    }
     header(&mut out, "zonewatch_changes_total", "counter", "Change events committed, per source.");
     for (source, n) in &changes {
         let _ = writeln!(out, "zonewatch_changes_total{{source=\"{}\"}} {n}", esc(source));

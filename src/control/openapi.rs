@@ -24,11 +24,11 @@ fn page_of(item: &str) -> Value {
 }
 
 /// Standard error responses for an authenticated operation, plus extra codes. Every one
-/// may answer 400: a query parameter it does not take is refused (`bad_query`); and 500
-/// when the store fails it (`internal`).
+/// may answer 400: a query parameter it does not take is refused (`bad_query`); 415 to a
+/// compressed body (`unsupported_encoding`); and 500 when the store fails it (`internal`).
 fn with_errors(mut responses: Value, extra: &[&str]) -> Value {
     if let Some(m) = responses.as_object_mut() {
-        for code in ["400", "401", "408", "413", "500"].iter().chain(extra) {
+        for code in ["400", "401", "408", "413", "415", "500"].iter().chain(extra) {
             m.insert(code.to_string(), err_ref());
         }
     }

@@ -56,6 +56,11 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
         return before_body(has_body, r);
     }
+    // A compressed body is not read: refused as such, where it was "invalid JSON" (bb25).
+    if let Some(encoding) = req.headers().get(hyper::header::CONTENT_ENCODING).filter(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity")) {
+        let shown = String::from_utf8_lossy(encoding.as_bytes()).chars().take(40).collect::<String>();
+        return before_body(has_body, error(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_encoding", format!("Content-Encoding {shown:?} is not read: send the body uncompressed")));
+    }
     let q = match query_of_route(req.uri().query(), &path, accepted_query(&method, &seg)) {
         Ok(q) => q,
         Err(r) => return before_body(has_body, *r),
@@ -68,6 +73,12 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         // unread), or broken: the connection is closed after the answer.
         Err(r) => return before_body(true, r),
     };
+    // A body where none is read is refused, as a query parameter is: ignored, it answered
+    // another question than the one asked (`{"reprocess": true}` to a source's run ran a
+    // plain pass: an integrator, bb25). Empty, or `{}`, is no body.
+    if method == Method::POST && takes_no_body(&seg) && !(body.trim_ascii().is_empty() || serde_json::from_slice::<serde_json::Map<String, Value>>(&body).is_ok_and(|m| m.is_empty())) {
+        return error(StatusCode::BAD_REQUEST, "unexpected_body", format!("POST {path} takes no body ({} bytes sent): nothing in it would be read", body.len()));
+    }
     let st = state.clone();
     let result = match (&method, seg.as_slice()) {
         (&Method::GET, ["metrics"]) => blocking(move || match super::metrics::render(&st.engine) {
@@ -162,6 +173,11 @@ fn before_body(has_body: bool, mut r: Resp) -> Resp {
         r.headers_mut().insert(hyper::header::CONNECTION, hyper::header::HeaderValue::from_static("close"));
     }
     r
+}
+
+/// The `POST` routes that read no body.
+fn takes_no_body(seg: &[&str]) -> bool {
+    matches!(seg, ["v1", "sources", _, "run"] | ["v1", "holds", _, "release" | "prime"] | ["v1", "endpoints", _, "enable"])
 }
 
 /// The methods a known path accepts (None: no such route).
@@ -822,6 +838,22 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     if creating && existing.is_some() {
         return error(StatusCode::CONFLICT, "exists", format!("subscriber {id:?} exists; use PUT /v1/subscribers/{id}"));
     }
+    // A target sent back as a listing shows it, its password as `***` (a GET, an edit of
+    // another member, a PUT), keeps the stored password; it replaced it with `***`, and every
+    // delivery was refused by its receiver (an integrator, bb25). Another URL with `***` for
+    // a password is refused: the real one cannot be known.
+    let shows_masked_password = reqwest::Url::parse(&b.target).is_ok_and(|u| matches!(u.password(), Some("***" | "%2A%2A%2A")));
+    let target = match existing.as_ref() {
+        Some(e) if shows_masked_password && crate::util::url_for_display(&e.target) == b.target => e.target.clone(),
+        _ if shows_masked_password => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "masked_password",
+                "target: its password is `***`, as listings show a password; send the real one (a PUT of the target exactly as listed keeps the stored password)",
+            )
+        }
+        _ => b.target.clone(),
+    };
     // Left out: as stored. Stored trimmed, as it signs (a secret with a trailing space and
     // the same one without read as two, and both signatures went out: a black-box tester).
     let kept = |given: &Option<Option<String>>, stored: Option<&String>| match given {
@@ -845,7 +877,7 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     let now = st.engine.now();
     let rec = StoredSubscriber {
         id: id.clone(),
-        target: b.target.clone(),
+        target,
         secret,
         min_severity,
         aoi_geojson: aoi_text,
@@ -864,10 +896,24 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     }
     let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
     let mut body = subscriber_json(&rec.id, &rec.target, (rec.secret.as_deref(), rec.secret_old.as_deref()), rec.min_severity, b.aoi, "api");
-    if let Some(note) = repair_note {
-        body["warnings"] = json!([format!("aoi: {note}")]);
+    let mut warnings: Vec<String> = repair_note.into_iter().map(|note| format!("aoi: {note}")).collect();
+    if put.quarantined_dead_letters > 0 {
+        warnings.push(format!(
+            "{} dead letter(s) of the subscriber deleted under this id were quarantined ({}): they were matched to its area, not this one's; if they are this subscriber's, POST /v1/deadletters/release then replay them",
+            put.quarantined_dead_letters,
+            crate::store::SUBSCRIBER_RECREATED
+        ));
     }
-    json(status, &body)
+    if !warnings.is_empty() {
+        body["warnings"] = json!(warnings);
+    }
+    let mut r = json(status, &body);
+    if status == StatusCode::CREATED {
+        if let Ok(v) = hyper::header::HeaderValue::from_str(&format!("/v1/subscribers/{}", rec.id)) {
+            r.headers_mut().insert(hyper::header::LOCATION, v);
+        }
+    }
+    r
 }
 
 fn delete_subscriber(st: &ControlState, id: &str) -> Resp {

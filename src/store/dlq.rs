@@ -83,6 +83,42 @@ fn take_dead(wtx: &WriteTransaction, table: redb::TableDefinition<u64, &[u8]>, n
     Ok(Some(dead))
 }
 
+/// Why [`quarantine_letters_of_deleted_in`] quarantines a dead letter.
+pub const SUBSCRIBER_RECREATED: &str = "subscriber_recreated";
+
+/// Moves subscriber `watcher`'s dead letters `subscriber_deleted` to the quarantine inside
+/// `wtx`, each with its `quarantined` audit row: a subscriber is being created again under
+/// that id, and the alerts of the one deleted were matched to another customer's area. A
+/// replay of every dead letter sent them to the new subscriber's target (an integrator
+/// re-using ids, bb25). `zonewatch dlq release` brings them back where they are its own.
+/// Returns how many. Reads every dead letter: a creation is rare, dead letters few.
+pub(super) fn quarantine_letters_of_deleted_in(wtx: &WriteTransaction, watcher: &str, now_ms: u64) -> Result<u64, StoreError> {
+    let ids: Vec<u64> = {
+        let t = wtx.open_table(DEAD_LETTERS)?;
+        let mut ids = Vec::new();
+        for item in t.iter()? {
+            let (k, v) = item?;
+            // One that cannot be read is left as it is (`check --store` names it).
+            if super::outbox_rows::decode_dead(v.value()).is_ok_and(|d| d.entry.watcher_id == watcher && d.reason == super::subscribers::SUBSCRIBER_DELETED) {
+                ids.push(k.value());
+            }
+        }
+        ids
+    };
+    let mut rows = Vec::with_capacity(ids.len());
+    for id in &ids {
+        let Some(dl) = take_dead(wtx, DEAD_LETTERS, "dead_letters", *id)? else { continue };
+        let reason = format!("{SUBSCRIBER_RECREATED}: dead-lettered subscriber_deleted, and a subscriber was created again under the id {watcher:?}");
+        let q = DeadLetter { entry: dl.entry, reason: reason.clone(), dead_at_ms: now_ms };
+        wtx.open_table(DLQ_QUARANTINE)?.insert(*id, super::outbox_rows::encode_dead(&q).as_slice())?;
+        rows.push(AuditRow::for_entry(&q.entry, Outcome::Quarantined, now_ms, format!("dead letter {id}: {reason}")));
+    }
+    if !rows.is_empty() {
+        super::runs::append_audits(wtx, &mut rows)?;
+    }
+    Ok(rows.len() as u64)
+}
+
 impl Store {
     /// Replays dead letter `id` (see the module doc). `geometry` is the caller's re-validation
     /// of the payload geometry. One transaction.

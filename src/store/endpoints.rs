@@ -372,10 +372,11 @@ pub const ENABLED_BY_OPERATOR: &str = "enabled by operator";
 /// When [`enable_in`] resets an endpoint's health.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) enum Reset {
-    /// Always (an operator's enable also clears a breaker and its history).
+    /// Always (an operator's enable, a control-port subscriber's new target: a breaker and
+    /// its history go too).
     Always,
-    /// Only when it is disabled (a subscriber's new target: a healthy endpoint keeps its
-    /// breaker state, whichever URL it had).
+    /// Only when it is disabled (a config subscriber's new target, found as a command opens
+    /// the store).
     IfDisabled,
 }
 

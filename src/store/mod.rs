@@ -49,7 +49,7 @@ mod quarantine_rows;
 
 pub use delivery::{Claim, ClaimCounts, ClaimMode, DeadCause, DeliveryResult, RecordedOutcomes};
 pub use leases::{LeaseStep, LeasedBatch, MIN_PASS_OVER};
-pub use dlq::{ReleaseOutcome, ReplayOutcome};
+pub use dlq::{ReleaseOutcome, ReplayOutcome, SUBSCRIBER_RECREATED};
 pub use endpoints::{DisabledBacklog, EndpointEnabled, HealthPolicy};
 pub use key_scope::KeyScopeRecord;
 pub use clock_step::{say_moved, DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};

@@ -115,6 +115,9 @@ pub struct SubscriberPut {
     pub re_enabled: bool,
     /// The target changed: the alerts waiting for a later retry are due now, to the new one.
     pub retries_due_now: u64,
+    /// Created: the dead letters `subscriber_deleted` of an earlier subscriber of the id,
+    /// quarantined (`dlq::quarantine_letters_of_deleted_in`).
+    pub quarantined_dead_letters: u64,
 }
 
 /// What [`Store::delete_subscriber`] did.
@@ -182,19 +185,25 @@ impl Store {
             prev
         };
         let mut retries_due_now = 0;
+        let mut quarantined_dead_letters = 0;
         let re_enabled = match &previous {
+            // The new target starts with a closed breaker too: the failures that opened it
+            // were the old URL's (the alerts made due now waited out its cool-down).
             Some(p) if p.target != sub.target => {
                 retries_due_now = super::endpoints::retry_now_in(&wtx, &[sub.id.as_str()], now_ms)?;
-                enable_in(&wtx, &sub.id, Reset::IfDisabled, &super::endpoints::moved_detail("", &p.target, &sub.target), now_ms)?
+                enable_in(&wtx, &sub.id, Reset::Always, &super::endpoints::moved_detail("", &p.target, &sub.target), now_ms)?
             }
             Some(_) => false,
             // A new subscriber starts enabled: health left under its id (a send to a deleted
             // subscriber that answered after the delete, or a config subscriber of that id
             // removed while disabled) was another endpoint's.
-            None => enable_in(&wtx, &sub.id, Reset::Always, "a new subscriber of this id: the earlier endpoint's state does not apply", now_ms)?,
+            None => {
+                quarantined_dead_letters = super::dlq::quarantine_letters_of_deleted_in(&wtx, &sub.id, now_ms)?;
+                enable_in(&wtx, &sub.id, Reset::Always, "a new subscriber of this id: the earlier endpoint's state does not apply", now_ms)?
+            }
         };
         wtx.commit()?;
-        Ok(SubscriberPut { previous, re_enabled, retries_due_now })
+        Ok(SubscriberPut { previous, re_enabled, retries_due_now, quarantined_dead_letters })
     }
 
     /// Deletes a subscriber (None: there was none). In the same transaction its endpoint
@@ -291,6 +300,28 @@ mod tests {
         let dead = store.dead_letters().unwrap();
         assert_eq!(dead.iter().map(|d| (d.entry.id, d.reason.as_str())).collect::<Vec<_>>(), vec![(ids[0], SUBSCRIBER_DELETED), (ids[1], SUBSCRIBER_DELETED)]);
         assert_eq!(dead.iter().map(|d| d.entry.attempts).collect::<Vec<_>>(), vec![1, 0], "a deferral was no attempt");
+        let report = store.check_consistency().unwrap();
+        assert!(report.is_consistent(), "{:?}", report.problems);
+    }
+
+    /// A subscriber created under a deleted one's id does not inherit its alerts: the deleted
+    /// one's `subscriber_deleted` dead letters are quarantined in the creation's transaction,
+    /// each audited, and a release brings them back (an integrator's fleet-wide replay sent
+    /// them to the new customer's target, bb25). A replacement of a living subscriber moves
+    /// nothing.
+    #[test]
+    fn a_subscriber_created_again_has_its_predecessors_dead_letters_quarantined() {
+        let (_dir, store) = store_with_queued(2);
+        let deleted = store.delete_subscriber("a", 3_000).unwrap().unwrap();
+        assert_eq!(deleted.rows.dead_lettered, 2);
+        let again = StoredSubscriber { id: "a".into(), target: "https://other-customer/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 4_000, updated_ms: 4_000, secret_old: None };
+        let put = store.put_subscriber(&again, 4_000).unwrap();
+        assert_eq!(put.quarantined_dead_letters, 2);
+        assert!(store.dead_letters().unwrap().is_empty());
+        let quarantined = store.dlq_quarantine().unwrap();
+        assert_eq!(quarantined.len(), 2);
+        assert!(quarantined.iter().all(|q| q.reason.starts_with(crate::store::SUBSCRIBER_RECREATED)), "{quarantined:?}");
+        assert_eq!(store.put_subscriber(&again, 5_000).unwrap().quarantined_dead_letters, 0);
         let report = store.check_consistency().unwrap();
         assert!(report.is_consistent(), "{:?}", report.problems);
     }
