@@ -798,6 +798,11 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         Ok(Ok(report)) if report.record.verdict == crate::model::Verdict::SkippedOverlap => {
                             tracing::warn!(source = %src.id, "skipped_overlap: a run of this source is still going")
                         }
+                        // A held run waits for an operator: a warning, where a journal
+                        // filtered to warnings shows it at 3 a.m. (bb27's quick reference).
+                        Ok(Ok(report)) if report.record.verdict == crate::model::Verdict::Held => {
+                            tracing::warn!("{} (release or prime it: zonewatch holds list, GET /v1/holds/{{run}}/changes)", report.line());
+                        }
                         Ok(Ok(report)) => {
                             tracing::info!("{}", report.line());
                             wake.notify_one();
@@ -1476,9 +1481,12 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
                 }
             }
         }
+        // Counted: under the package `serve` may not write there, and it would not start
+        // (bb27: `all good` without a warning counted).
         Ok(crate::control::auth::TokenFile::Empty) => {
+            warnings += 1;
             println!(
-                "control: {} token {} holds no token (a first start cut short?): `serve` writes a new one in its place where it may write in that folder; otherwise (the package's /etc/zonewatch) remove it and reinstall or reconfigure the package (dpkg-reconfigure zonewatch), which writes one",
+                "warning: control {} token {} holds no token (a first start cut short?): `serve` writes a new one in its place where it may write in that folder; otherwise (the package's /etc/zonewatch) remove it and reinstall or reconfigure the package (dpkg-reconfigure zonewatch), which writes one",
                 cfg.control.listen,
                 token.display()
             )

@@ -211,35 +211,63 @@ pub struct DeliveryConfig {
 }
 
 impl DeliveryConfig {
-    /// The delay before each retry, as configured (without jitter; the exponential backoff's
-    /// cap, its full jitter drawing anything below it): one per attempt after the first.
-    pub fn nominal_retry_delays(&self) -> Vec<Duration> {
-        (1..self.max_attempts)
-            .map(|attempt| match self.retry_schedule.get(attempt as usize - 1).or(self.retry_schedule.last()) {
-                Some(d) => *d,
-                None => self.base_delay.saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX)).min(self.max_delay),
-            })
-            .collect()
+    /// The delays before the retries, as configured (without jitter; the exponential
+    /// backoff's cap, its full jitter drawing anything below it): those listed one by one,
+    /// then the delay every later retry repeats and how many retries repeat it (past the
+    /// schedule's end, or once the backoff reached its cap). Counted, not listed: a
+    /// `max_attempts` of millions is a valid config.
+    pub fn nominal_retry_delays(&self) -> (Vec<Duration>, Option<(Duration, u32)>) {
+        let retries = self.max_attempts.saturating_sub(1);
+        let mut listed = Vec::new();
+        for attempt in 1..=retries {
+            let (delay, from_here_on) = match self.retry_schedule.get(attempt as usize - 1) {
+                Some(d) => (*d, attempt as usize >= self.retry_schedule.len()),
+                None => match self.retry_schedule.last() {
+                    Some(d) => (*d, true),
+                    None => {
+                        let d = self.base_delay.saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX)).min(self.max_delay);
+                        (d, d >= self.max_delay || d.is_zero() || attempt > 20)
+                    }
+                },
+            };
+            let left = retries - attempt + 1;
+            // A few repeats are listed; more are counted.
+            if from_here_on && left > 3 {
+                return (listed, Some((delay, left)));
+            }
+            listed.push(delay);
+        }
+        (listed, None)
+    }
+
+    /// How long all the retries take, as configured (the sum of [`Self::nominal_retry_delays`]).
+    pub fn nominal_retry_span(&self) -> Duration {
+        let (listed, repeated) = self.nominal_retry_delays();
+        let tail = repeated.map_or(Duration::ZERO, |(d, n)| d.saturating_mul(n));
+        listed.iter().fold(tail, |a, d| a.saturating_add(*d))
     }
 
     /// The retry policy in effect, in one line (`zonewatch check` prints it: a config that
     /// sets only `max_delay_ms` swaps the default schedule of a day for seconds of
     /// exponential backoff, and nothing said so).
     pub fn describe(&self) -> String {
-        let delays = self.nominal_retry_delays();
-        let span = delays.iter().fold(Duration::ZERO, |a, d| a.saturating_add(*d));
+        let (listed, repeated) = self.nominal_retry_delays();
+        let mut delays: Vec<String> = listed.iter().map(|d| crate::util::format_duration(*d)).collect();
+        if let Some((d, n)) = repeated {
+            delays.push(format!("then {} ×{n}", crate::util::format_duration(d)));
+        }
         let retries = if delays.is_empty() {
             "no retries".to_string()
         } else if self.retry_schedule.is_empty() {
-            format!("retries after up to {} (exponential, full jitter)", delays.iter().map(|d| crate::util::format_duration(*d)).collect::<Vec<_>>().join(", "))
+            format!("retries after up to {} (exponential, full jitter)", delays.join(", "))
         } else {
             let jitter = if self.retry_jitter > 0.0 { format!(" (±{:.0}%)", self.retry_jitter * 100.0) } else { String::new() };
-            format!("retries after {}{jitter}", delays.iter().map(|d| crate::util::format_duration(*d)).collect::<Vec<_>>().join(", "))
+            format!("retries after {}{jitter}", delays.join(", "))
         };
         format!(
             "{} attempt(s), {retries}, {} in all; an alert still failing {} after it was queued is a dead letter; an endpoint failing without a success for {} is disabled",
             self.max_attempts,
-            crate::util::format_duration(span),
+            crate::util::format_duration(self.nominal_retry_span()),
             crate::util::format_duration(self.max_retry_window),
             crate::util::format_duration(self.disable_after)
         )
@@ -249,8 +277,10 @@ impl DeliveryConfig {
     /// (`zonewatch check` prints them, `run` and `serve` log them).
     pub fn advisories(&self) -> Vec<String> {
         let mut out = Vec::new();
-        let span = self.nominal_retry_delays().iter().fold(Duration::ZERO, |a, d| a.saturating_add(*d));
-        if self.max_attempts > 1 && span < Duration::from_secs(60) {
+        let span = self.nominal_retry_span();
+        // A retry schedule over within a minute (the exponential keys' few seconds are a
+        // choice the packaged config offers for receivers that must hear fast or not at all).
+        if self.max_attempts > 1 && !self.retry_schedule.is_empty() && span < Duration::from_secs(60) {
             out.push(format!(
                 "delivery: an alert's retries are all over within {} ({}): a receiver down for longer (a restart, a deploy) has its alerts dead-lettered",
                 crate::util::format_duration(span),
@@ -265,11 +295,13 @@ impl DeliveryConfig {
                 self.max_attempts
             ));
         }
-        if self.disable_after < self.max_retry_window {
+        // Retries ride out an outage for the shorter of the window and the schedule.
+        let ridden_out = self.max_retry_window.min(span);
+        if self.disable_after < ridden_out {
             out.push(format!(
-                "delivery.disable_after ({}) is shorter than max_retry_window ({}): an endpoint down for longer than {} is disabled, its alerts waiting for `zonewatch endpoints enable`, during an outage its retries would ride out",
+                "delivery.disable_after ({}) is shorter than the retries last ({}): an endpoint down for longer than {} is disabled, its alerts waiting for `zonewatch endpoints enable`, during an outage its retries would ride out",
                 crate::util::format_duration(self.disable_after),
-                crate::util::format_duration(self.max_retry_window),
+                crate::util::format_duration(ridden_out),
                 crate::util::format_duration(self.disable_after)
             ));
         }
@@ -661,7 +693,7 @@ impl Config {
                     Err(e) => return Err(invalid(format!("{at}: {e}"))),
                 },
             };
-            let every = dur(&format!("{at}.every"), &s.every, Duration::from_secs(3600))?;
+            let every = dur(&format!("{at}: every"), &s.every, Duration::from_secs(3600))?;
             if s.floor.is_some() && matches!(kind, SourceKind::File { .. }) {
                 ignored.push(format!("{at}: floor is not read: it bounds the probe of an HTTP source, and a file is read at every run"));
             }
@@ -767,8 +799,8 @@ impl Config {
                     effective_date: s.fields.effective_date.clone(),
                 },
                 severity,
-                floor: dur(&format!("{at}.floor"), &s.floor, Duration::from_secs(86_400))?,
-                stale_after: dur(&format!("{at}.stale_after"), &s.stale_after, Duration::from_secs(45 * 86_400))?,
+                floor: dur(&format!("{at}: floor"), &s.floor, Duration::from_secs(86_400))?,
+                stale_after: dur(&format!("{at}: stale_after"), &s.stale_after, Duration::from_secs(45 * 86_400))?,
                 layer,
                 parcels: s.parcels.as_ref().map(|p| p.trim().to_string()),
                 min_change_area_m2,
@@ -928,6 +960,8 @@ fn key_line(text: &str, message: &str) -> Option<usize> {
     for (n, line) in text.lines().enumerate() {
         let t = line.trim();
         if t.starts_with('[') {
+            // `[[ source ]]  # parcels` is `[[source]]`.
+            let t: String = t.split('#').next().unwrap_or_default().chars().filter(|c| !c.is_whitespace()).collect();
             let inside = t.trim_start_matches('[').trim_end_matches(']');
             let ours = t == header && index.is_none_or(|i| {
                 seen += 1;
@@ -1077,10 +1111,20 @@ min_severity = "material"
         let advice = with("disable_after = \"1h\"\nmax_retry_window = \"10h\"", "").unwrap().advisories();
         assert_eq!(advice.len(), 2, "{advice:?}");
         assert!(advice[0].starts_with("delivery.max_retry_window (10h) ends before the retries do (1d3h35m5s over 8 attempts)"), "{advice:?}");
-        assert!(advice[1].starts_with("delivery.disable_after (1h) is shorter than max_retry_window (10h)"), "{advice:?}");
+        assert!(advice[1].starts_with("delivery.disable_after (1h) is shorter than the retries last (10h)"), "{advice:?}");
+        // A window past the schedule's end: retries ride out what the schedule lasts.
+        assert!(with("disable_after = \"2d\"\nmax_retry_window = \"7d\"", "").unwrap().advisories().is_empty());
+        // The exponential keys' seconds of retries are a choice, not warned of.
         let quick = with("max_delay_ms = 60000", "").unwrap();
-        assert_eq!(quick.delivery.nominal_retry_delays(), [500, 1000, 2000, 4000].map(Duration::from_millis));
-        assert!(quick.advisories()[0].starts_with("delivery: an alert's retries are all over within 7s500ms (5 attempt(s), retries after up to 500ms, 1s, 2s, 4s (exponential"), "{:?}", quick.advisories());
+        assert_eq!(quick.delivery.nominal_retry_delays(), ([500, 1000, 2000, 4000].map(Duration::from_millis).to_vec(), None));
+        assert!(quick.advisories().is_empty(), "{:?}", quick.advisories());
+        assert!(quick.delivery.describe().starts_with("5 attempt(s), retries after up to 500ms, 1s, 2s, 4s (exponential, full jitter), 7s500ms in all"), "{}", quick.delivery.describe());
+        let short = with("retry_schedule = [\"1s\", \"5s\"]", "").unwrap();
+        assert!(short.advisories()[0].starts_with("delivery: an alert's retries are all over within 6s"), "{:?}", short.advisories());
+        // Millions of attempts are counted, not listed.
+        let many = with("max_attempts = 4000000000", "").unwrap().delivery;
+        assert_eq!(many.nominal_retry_delays().1, Some((Duration::from_secs(36_000), 3_999_999_993)));
+        assert!(many.describe().contains("retries after 5s, 5m, 30m, 2h, 5h, 10h, then 10h ×3999999993 (±20%)"), "{}", many.describe());
         let ignored = with("retry_schedule = [\"1m\"]\nbase_delay_ms = 100", "floor = \"6h\"\ntolerance_m = 4").unwrap().advisories();
         assert_eq!(
             ignored,
@@ -1105,6 +1149,10 @@ min_severity = "material"
         assert_eq!(key_line(text, "subscriber[0] (\"w\"): target must be an http(s) URL with a host"), Some(16));
         assert_eq!(key_line(text, "source[2] (\"c\"): every must be at least 1s"), None);
         assert_eq!(key_line(text, "control.listen \"x\" is not an address"), None);
+        // Headers with a comment or spaces inside the brackets are counted all the same.
+        let commented = text.replace("[[source]]\nid = \"a\"", "[[ source ]]   # parcels\nid = \"a\"").replace("[delivery]", "[delivery] # retries");
+        assert_eq!(key_line(&commented, "source[1] (\"b\"): every: duration \"0s\" is too short"), Some(13));
+        assert_eq!(key_line(&commented, "delivery.idem_ttl must be positive"), Some(5));
     }
 
     #[test]

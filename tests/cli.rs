@@ -952,3 +952,27 @@ fn serve_tells_systemd_when_it_is_ready_and_when_it_stops() {
     assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
     assert!(receive(&socket).is_err(), "a daemon that did not start said something");
 }
+
+/// `run` takes the parcel layers before the district layers derived from them, whatever the
+/// config's order: one listed before its base failed its first run on a new store ("run the
+/// base first") while `check` said all good (bb27).
+#[test]
+fn run_takes_a_district_layer_after_its_base_whatever_the_config_order() {
+    let (ws, cfg) = grid_workspace(20);
+    let districts = ws.path().join("districts.geojson");
+    let district = serde_json::json!({"type": "FeatureCollection", "features": [
+        {"type": "Feature", "properties": {"DISTRICT": "R-1"}, "geometry": rect(-72.0, 41.0, -70.0, 44.0)}]});
+    std::fs::write(&districts, district.to_string()).unwrap();
+    let config = std::fs::read_to_string(&cfg).unwrap();
+    let first_source = config.find("[[source]]").expect("a source table");
+    let zoning = format!(
+        "[[source]]\nid = \"zoning\"\njurisdiction = \"town\"\nkind = \"file\"\npath = \"{}\"\nlayer = \"districts\"\nparcels = \"s1\"\n[source.fields]\nzoning = \"DISTRICT\"\n\n",
+        districts.display()
+    );
+    std::fs::write(&cfg, format!("{}{zoning}{}", &config[..first_source], &config[first_source..])).unwrap();
+    let o = zonewatch(&["run", "--config", &cfg]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("s1: baseline ") && lines[1].starts_with("zoning: baseline "), "{out}");
+}

@@ -24,8 +24,9 @@ fn page_of(item: &str) -> Value {
 }
 
 /// Standard error responses for an authenticated operation, plus extra codes. Every one
-/// may answer 400: a query parameter it does not take is refused (`bad_query`); 415 to a
-/// compressed body (`unsupported_encoding`); and 500 when the store fails it (`internal`).
+/// may answer 400: a query parameter it does not take is refused (`bad_query`), and a body
+/// where none is read (`unexpected_body`); 415 to a compressed body (`unsupported_encoding`);
+/// and 500 when the store fails it (`internal`).
 fn with_errors(mut responses: Value, extra: &[&str]) -> Value {
     if let Some(m) = responses.as_object_mut() {
         for code in ["400", "401", "408", "413", "415", "500"].iter().chain(extra) {
@@ -182,7 +183,7 @@ pub fn document() -> Value {
                     "digest": s("string"), "changes": s("integer"), "features": s("integer"),
                     "reprocess": {"type": "boolean", "description": "the held run was a --reprocess: releasing it primes"}}},
                 "SubscriberInput": {"type": "object", "additionalProperties": false, "required": ["target", "aoi"], "properties": {
-                    "id": {"type": ["string", "null"], "pattern": "^(?!\\.+$)[A-Za-z0-9._-]{1,64}$", "description": "required by POST /v1/subscribers (400 missing_field without it); a PUT takes it from the path, and one given must match it"}, "target": {"type": "string", "format": "uri"},
+                    "id": {"type": ["string", "null"], "pattern": "^(?!\\.+$)[A-Za-z0-9._-]{1,64}$", "description": "required by POST /v1/subscribers (400 missing_field without it); a PUT takes it from the path, and one given must match it"}, "target": {"type": "string", "format": "uri", "description": "a password in it is sent as basic auth and listed as ***; a PUT of the target exactly as listed keeps the stored password, another URL with *** for a password is refused (400 masked_password)"},
                     "secret": {"type": ["string", "null"], "description": "whsec_ + base64 of at least 16 bytes; left out, a PUT keeps the stored one; null: deliveries are no longer signed"},
                     "secret_old": {"type": ["string", "null"], "description": "the secret being rotated out: deliveries carry both signatures while it is set (needs a secret); left out, a PUT keeps the stored one; null ends the rotation"},
                     "min_severity": {"type": ["string", "null"], "enum": ["info", "notice", "material", "critical", null]},
@@ -190,7 +191,7 @@ pub fn document() -> Value {
                 "Subscriber": {"type": "object", "required": ["id", "target", "signed", "min_severity", "managed_by"], "properties": {
                     "id": s("string"), "target": s("string"), "signed": s("boolean"), "rotating": {"type": "boolean", "description": "a secret_old is set beside the secret: deliveries carry both signatures"}, "min_severity": s("string"), "aoi": {},
                     "managed_by": {"type": "string", "enum": ["config", "api"]},
-                    "warnings": {"type": "array", "items": s("string"), "description": "in the answer to a POST or PUT: what the repair made of an aoi whose rings are not a valid polygon (it is stored as written and matched as repaired)"}}},
+                    "warnings": {"type": "array", "items": s("string"), "description": "in the answer to a POST or PUT: what the repair made of an aoi whose rings are not a valid polygon (it is stored as written and matched as repaired), and rings that do not end where they start (read as closed)"}}},
                 "Endpoint": {"type": "object", "required": ["id", "managed_by", "target", "state", "breaker", "last_success", "disabled_reason", "disabled_at"], "properties": {
                     "id": s("string"), "managed_by": {"type": "string", "enum": ["config", "api"]}, "target": s("string"),
                     "state": {"type": "string", "enum": ["enabled", "disabled"]}, "breaker": {"type": "string", "enum": ["closed", "open", "half_open"]},

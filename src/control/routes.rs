@@ -57,7 +57,7 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         return before_body(has_body, r);
     }
     // A compressed body is not read: refused as such, where it was "invalid JSON" (bb25).
-    if let Some(encoding) = req.headers().get(hyper::header::CONTENT_ENCODING).filter(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity")) {
+    if let Some(encoding) = req.headers().get(hyper::header::CONTENT_ENCODING).filter(|v| has_body && !v.as_bytes().eq_ignore_ascii_case(b"identity")) {
         let shown = String::from_utf8_lossy(encoding.as_bytes()).chars().take(40).collect::<String>();
         return before_body(has_body, error(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_encoding", format!("Content-Encoding {shown:?} is not read: send the body uncompressed")));
     }
@@ -75,8 +75,9 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     };
     // A body where none is read is refused, as a query parameter is: ignored, it answered
     // another question than the one asked (`{"reprocess": true}` to a source's run ran a
-    // plain pass: an integrator, bb25). Empty, or `{}`, is no body.
-    if method == Method::POST && takes_no_body(&seg) && !(body.trim_ascii().is_empty() || serde_json::from_slice::<serde_json::Map<String, Value>>(&body).is_ok_and(|m| m.is_empty())) {
+    // plain pass: an integrator, bb25). Empty, `{}` or `null` is no body.
+    let no_body = body.trim_ascii().is_empty() || serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_null() || v.as_object().is_some_and(|m| m.is_empty()));
+    if method == Method::POST && takes_no_body(&seg) && !no_body {
         return error(StatusCode::BAD_REQUEST, "unexpected_body", format!("POST {path} takes no body ({} bytes sent): nothing in it would be read", body.len()));
     }
     let st = state.clone();
@@ -842,9 +843,14 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     // another member, a PUT), keeps the stored password; it replaced it with `***`, and every
     // delivery was refused by its receiver (an integrator, bb25). Another URL with `***` for
     // a password is refused: the real one cannot be known.
-    let shows_masked_password = reqwest::Url::parse(&b.target).is_ok_and(|u| matches!(u.password(), Some("***" | "%2A%2A%2A")));
+    // Compared as listed: the password written `***` (or escaped, `%2A%2A%2A`).
+    let as_listed = reqwest::Url::parse(&b.target).ok().filter(|u| u.password().is_some_and(|p| p == "***" || p.eq_ignore_ascii_case("%2A%2A%2A"))).map(|mut u| {
+        let _ = u.set_password(Some("***"));
+        u.to_string()
+    });
+    let shows_masked_password = as_listed.is_some();
     let target = match existing.as_ref() {
-        Some(e) if shows_masked_password && crate::util::url_for_display(&e.target) == b.target => e.target.clone(),
+        Some(e) if as_listed.as_deref().is_some_and(|l| crate::util::url_for_display(&e.target) == l) => e.target.clone(),
         _ if shows_masked_password => {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -896,16 +902,8 @@ fn put_subscriber(st: &ControlState, path_id: Option<String>, body: &[u8]) -> Re
     }
     let status = if existing.is_some() { StatusCode::OK } else { StatusCode::CREATED };
     let mut body = subscriber_json(&rec.id, &rec.target, (rec.secret.as_deref(), rec.secret_old.as_deref()), rec.min_severity, b.aoi, "api");
-    let mut warnings: Vec<String> = repair_note.into_iter().map(|note| format!("aoi: {note}")).collect();
-    if put.quarantined_dead_letters > 0 {
-        warnings.push(format!(
-            "{} dead letter(s) of the subscriber deleted under this id were quarantined ({}): they were matched to its area, not this one's; if they are this subscriber's, POST /v1/deadletters/release then replay them",
-            put.quarantined_dead_letters,
-            crate::store::SUBSCRIBER_RECREATED
-        ));
-    }
-    if !warnings.is_empty() {
-        body["warnings"] = json!(warnings);
+    if let Some(note) = repair_note {
+        body["warnings"] = json!([format!("aoi: {note}")]);
     }
     let mut r = json(status, &body);
     if status == StatusCode::CREATED {

@@ -140,8 +140,32 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64, noted: bool) 
         }
         _ => format!("{}: {detail}", reason.as_str()),
     })?;
-    let note = written.filter(|_| repaired).map(|written| repair_note(&written, &clean));
-    Ok((clean, note))
+    let mut notes: Vec<String> = written.filter(|_| repaired).map(|written| repair_note(&written, &clean)).into_iter().collect();
+    let open = if noted { unclosed_rings(&value, 0) } else { 0 };
+    if open > 0 {
+        notes.push(format!("{open} ring(s) do not end where they start (RFC 7946 rings are closed): read as closed, each with a side from its last point back to its first"));
+    }
+    Ok((clean, (!notes.is_empty()).then(|| notes.join("; "))))
+}
+
+/// How many rings of the AOI's polygons end elsewhere than where they start: read as closed
+/// (the geometry library closes them), said, since the side it adds may not be the one meant
+/// (a black-box tester's unclosed ring was taken without a word).
+fn unclosed_rings(v: &serde_json::Value, depth: usize) -> usize {
+    let open_in = |rings: &serde_json::Value| -> usize {
+        rings.as_array().map_or(0, |rings| rings.iter().filter_map(|r| r.as_array()).filter(|r| r.len() > 1 && r.first() != r.last()).count())
+    };
+    if depth > 8 {
+        return 0;
+    }
+    match v.get("type").and_then(|t| t.as_str()) {
+        Some("FeatureCollection") => v.get("features").and_then(|f| f.as_array()).map_or(0, |fs| fs.iter().map(|f| unclosed_rings(f, depth + 1)).sum()),
+        Some("Feature") => v.get("geometry").map_or(0, |g| unclosed_rings(g, depth + 1)),
+        Some("GeometryCollection") => v.get("geometries").and_then(|g| g.as_array()).map_or(0, |gs| gs.iter().map(|g| unclosed_rings(g, depth + 1)).sum()),
+        Some("Polygon") => v.get("coordinates").map_or(0, open_in),
+        Some("MultiPolygon") => v.get("coordinates").and_then(|c| c.as_array()).map_or(0, |ps| ps.iter().map(open_in).sum()),
+        _ => 0,
+    }
 }
 
 fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, depth: usize) -> Result<(), String> {
@@ -174,6 +198,17 @@ fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, depth: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ring that does not end where it starts is read as closed, and said.
+    #[test]
+    fn an_unclosed_ring_is_read_as_closed_and_said() {
+        let open = r#"{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1]]]}}"#;
+        let (aoi, note) = parse_new_aoi_noted(open).unwrap();
+        assert!(note.is_some_and(|n| n.starts_with("1 ring(s) do not end where they start")));
+        let closed = r#"{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1],[0,0]]]}"#;
+        let (same, none) = parse_new_aoi_noted(closed).unwrap();
+        assert_eq!((aoi, none), (same, None));
+    }
 
     /// A new AOI is checked within the validity work budget; a stored one, accepted before
     /// by a build that may have had none, is not held to it (so it keeps matching).

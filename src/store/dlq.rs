@@ -83,40 +83,19 @@ fn take_dead(wtx: &WriteTransaction, table: redb::TableDefinition<u64, &[u8]>, n
     Ok(Some(dead))
 }
 
-/// Why [`quarantine_letters_of_deleted_in`] quarantines a dead letter.
+/// Why a replay quarantines a dead letter queued before its subscriber was created: the
+/// subscriber it was matched to was deleted, and this one, created again under its id over
+/// the control port, may be another customer's (a fleet-wide replay sent such alerts to the
+/// new target: an integrator re-using ids, bb25). `zonewatch dlq release` brings one back
+/// where it is this subscriber's (a release counts as that confirmation).
 pub const SUBSCRIBER_RECREATED: &str = "subscriber_recreated";
 
-/// Moves subscriber `watcher`'s dead letters `subscriber_deleted` to the quarantine inside
-/// `wtx`, each with its `quarantined` audit row: a subscriber is being created again under
-/// that id, and the alerts of the one deleted were matched to another customer's area. A
-/// replay of every dead letter sent them to the new subscriber's target (an integrator
-/// re-using ids, bb25). `zonewatch dlq release` brings them back where they are its own.
-/// Returns how many. Reads every dead letter: a creation is rare, dead letters few.
-pub(super) fn quarantine_letters_of_deleted_in(wtx: &WriteTransaction, watcher: &str, now_ms: u64) -> Result<u64, StoreError> {
-    let ids: Vec<u64> = {
-        let t = wtx.open_table(DEAD_LETTERS)?;
-        let mut ids = Vec::new();
-        for item in t.iter()? {
-            let (k, v) = item?;
-            // One that cannot be read is left as it is (`check --store` names it).
-            if super::outbox_rows::decode_dead(v.value()).is_ok_and(|d| d.entry.watcher_id == watcher && d.reason == super::subscribers::SUBSCRIBER_DELETED) {
-                ids.push(k.value());
-            }
-        }
-        ids
-    };
-    let mut rows = Vec::with_capacity(ids.len());
-    for id in &ids {
-        let Some(dl) = take_dead(wtx, DEAD_LETTERS, "dead_letters", *id)? else { continue };
-        let reason = format!("{SUBSCRIBER_RECREATED}: dead-lettered subscriber_deleted, and a subscriber was created again under the id {watcher:?}");
-        let q = DeadLetter { entry: dl.entry, reason: reason.clone(), dead_at_ms: now_ms };
-        wtx.open_table(DLQ_QUARANTINE)?.insert(*id, super::outbox_rows::encode_dead(&q).as_slice())?;
-        rows.push(AuditRow::for_entry(&q.entry, Outcome::Quarantined, now_ms, format!("dead letter {id}: {reason}")));
-    }
-    if !rows.is_empty() {
-        super::runs::append_audits(wtx, &mut rows)?;
-    }
-    Ok(rows.len() as u64)
+/// When the control-port subscriber `watcher` was created, if there is one.
+fn subscriber_created_ms(wtx: &WriteTransaction, watcher: &str) -> Result<Option<u64>, StoreError> {
+    let t = wtx.open_table(super::tables::SUBSCRIBERS)?;
+    let found = t.get(watcher)?;
+    // One that cannot be read is left to delivery to say so; its letters are replayed.
+    Ok(found.and_then(|v| super::subscribers::decode_subscriber(v.value()).ok()).map(|s| s.created_ms))
 }
 
 impl Store {
@@ -146,7 +125,11 @@ impl Store {
             // The event is still on its way under that row, which ends it.
             audit.detail = format!("replay of dead letter {id}: its key is still queued as outbox row {row}");
             ReplayOutcome::Duplicate
-        } else if let Err(reason) = geometry.map_err(|m| format!("invalid_geometry: {m}")).and_then(|_| {
+        } else if let Err(reason) = subscriber_created_ms(&wtx, &e.watcher_id)?
+            .filter(|&created| created > e.created_ms)
+            .map_or(Ok(()), |created| Err(format!("{SUBSCRIBER_RECREATED}: queued before the subscriber {:?} of now was created ({}): matched to a deleted one's area", e.watcher_id, crate::util::rfc3339(created))))
+            .and(geometry.map_err(|m| format!("invalid_geometry: {m}")))
+            .and_then(|_| {
             if replays >= max_replays {
                 Err(format!("replayed {replays} time{} (max_replays {max_replays})", if replays == 1 { "" } else { "s" }))
             } else {
@@ -209,7 +192,11 @@ impl Store {
                 return Err(StoreError::Conflict(format!("dead letter {id} is both quarantined and a dead letter; run `zonewatch check --store`")));
             }
             let was = q.reason;
-            let dead = DeadLetter { entry: q.entry, reason: format!("released from quarantine (was: {was})"), dead_at_ms: now_ms };
+            // Queued again as of now: a letter set aside as `subscriber_recreated` is then the
+            // current subscriber's, as the operator's release says (its retry window starts
+            // at its replay either way).
+            let entry = OutboxEntry { created_ms: now_ms, ..q.entry };
+            let dead = DeadLetter { entry, reason: format!("released from quarantine (was: {was})"), dead_at_ms: now_ms };
             dead_letters.insert(id, super::outbox_rows::encode_dead(&dead).as_slice())?;
             drop(dead_letters);
             wtx.open_table(DLQ_REPLAYS)?.remove(dead.entry.key.0.as_str())?;

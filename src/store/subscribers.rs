@@ -115,9 +115,6 @@ pub struct SubscriberPut {
     pub re_enabled: bool,
     /// The target changed: the alerts waiting for a later retry are due now, to the new one.
     pub retries_due_now: u64,
-    /// Created: the dead letters `subscriber_deleted` of an earlier subscriber of the id,
-    /// quarantined (`dlq::quarantine_letters_of_deleted_in`).
-    pub quarantined_dead_letters: u64,
 }
 
 /// What [`Store::delete_subscriber`] did.
@@ -185,7 +182,6 @@ impl Store {
             prev
         };
         let mut retries_due_now = 0;
-        let mut quarantined_dead_letters = 0;
         let re_enabled = match &previous {
             // The new target starts with a closed breaker too: the failures that opened it
             // were the old URL's (the alerts made due now waited out its cool-down).
@@ -197,13 +193,10 @@ impl Store {
             // A new subscriber starts enabled: health left under its id (a send to a deleted
             // subscriber that answered after the delete, or a config subscriber of that id
             // removed while disabled) was another endpoint's.
-            None => {
-                quarantined_dead_letters = super::dlq::quarantine_letters_of_deleted_in(&wtx, &sub.id, now_ms)?;
-                enable_in(&wtx, &sub.id, Reset::Always, "a new subscriber of this id: the earlier endpoint's state does not apply", now_ms)?
-            }
+            None => enable_in(&wtx, &sub.id, Reset::Always, "a new subscriber of this id: the earlier endpoint's state does not apply", now_ms)?,
         };
         wtx.commit()?;
-        Ok(SubscriberPut { previous, re_enabled, retries_due_now, quarantined_dead_letters })
+        Ok(SubscriberPut { previous, re_enabled, retries_due_now })
     }
 
     /// Deletes a subscriber (None: there was none). In the same transaction its endpoint
@@ -304,24 +297,28 @@ mod tests {
         assert!(report.is_consistent(), "{:?}", report.problems);
     }
 
-    /// A subscriber created under a deleted one's id does not inherit its alerts: the deleted
-    /// one's `subscriber_deleted` dead letters are quarantined in the creation's transaction,
-    /// each audited, and a release brings them back (an integrator's fleet-wide replay sent
-    /// them to the new customer's target, bb25). A replacement of a living subscriber moves
-    /// nothing.
+    /// A subscriber created under a deleted one's id does not inherit its alerts: a replay
+    /// quarantines the dead letters queued before it was created (`subscriber_recreated`),
+    /// those the delete made and those its predecessor had already, each audited; released,
+    /// one is this subscriber's and replays (an integrator's fleet-wide replay sent them to
+    /// the new customer's target, bb25).
     #[test]
-    fn a_subscriber_created_again_has_its_predecessors_dead_letters_quarantined() {
+    fn a_replay_does_not_send_a_deleted_subscribers_alerts_to_one_created_again() {
         let (_dir, store) = store_with_queued(2);
         let deleted = store.delete_subscriber("a", 3_000).unwrap().unwrap();
         assert_eq!(deleted.rows.dead_lettered, 2);
         let again = StoredSubscriber { id: "a".into(), target: "https://other-customer/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 4_000, updated_ms: 4_000, secret_old: None };
-        let put = store.put_subscriber(&again, 4_000).unwrap();
-        assert_eq!(put.quarantined_dead_letters, 2);
-        assert!(store.dead_letters().unwrap().is_empty());
-        let quarantined = store.dlq_quarantine().unwrap();
-        assert_eq!(quarantined.len(), 2);
-        assert!(quarantined.iter().all(|q| q.reason.starts_with(crate::store::SUBSCRIBER_RECREATED)), "{quarantined:?}");
-        assert_eq!(store.put_subscriber(&again, 5_000).unwrap().quarantined_dead_letters, 0);
+        store.put_subscriber(&again, 4_000).unwrap();
+        let ids: Vec<u64> = store.dead_letters().unwrap().iter().map(|d| d.entry.id).collect();
+        for id in &ids {
+            match store.replay_dead_letter(*id, 5_000, 3, Ok(())).unwrap() {
+                crate::store::ReplayOutcome::Quarantined { reason } => assert!(reason.starts_with(crate::store::SUBSCRIBER_RECREATED), "{reason}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(store.outbox_len().unwrap(), 0, "nothing queued for the new subscriber");
+        store.release_quarantined(&ids[..1], 6_000).unwrap();
+        assert!(matches!(store.replay_dead_letter(ids[0], 7_000, 3, Ok(())).unwrap(), crate::store::ReplayOutcome::Requeued { .. }), "released: this subscriber's");
         let report = store.check_consistency().unwrap();
         assert!(report.is_consistent(), "{:?}", report.problems);
     }
