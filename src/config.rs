@@ -724,7 +724,7 @@ impl Config {
                 Some("overlays") => LayerKind::Overlays,
                 Some(other) => {
                     return Err(invalid(format!(
-                        "{at}: unknown layer {other:?} (supported: \"parcels\", \"districts\", \"overlays\")"
+                        "{at}: layer = {other:?} is not a layer zonewatch reads (supported: \"parcels\", \"districts\", \"overlays\")"
                     )))
                 }
             };
