@@ -623,7 +623,7 @@ impl Config {
         }
         // As zero: every alert whose first send failed was dead-lettered at once (`check` said
         // all good).
-        if let Some(first) = delivery.retry_schedule.first() {
+        if let Some(first) = delivery.retry_schedule.first().filter(|_| delivery.max_attempts > 1) {
             let earliest = first.mul_f64(1.0 - delivery.retry_jitter);
             if delivery.max_retry_window < earliest {
                 return Err(invalid(format!(
