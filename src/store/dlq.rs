@@ -90,12 +90,30 @@ fn take_dead(wtx: &WriteTransaction, table: redb::TableDefinition<u64, &[u8]>, n
 /// where it is this subscriber's (a release counts as that confirmation).
 pub const SUBSCRIBER_RECREATED: &str = "subscriber_recreated";
 
-/// When the control-port subscriber `watcher` was created, if there is one.
-fn subscriber_created_ms(wtx: &WriteTransaction, watcher: &str) -> Result<Option<u64>, StoreError> {
-    let t = wtx.open_table(super::tables::SUBSCRIBERS)?;
-    let found = t.get(watcher)?;
-    // One that cannot be read is left to delivery to say so; its letters are replayed.
-    Ok(found.and_then(|v| super::subscribers::decode_subscriber(v.value()).ok()).map(|s| s.created_ms))
+/// `Err(reason)` when dead letter `dl` belongs to a subscriber deleted before the one its id
+/// names now was made: queued before the control-port subscriber of its id was created, or
+/// dead-lettered `subscriber_deleted` (a delete over the control port) while the id is now a
+/// config subscriber's, which has no creation time (bb28). Its replay is asked only while a
+/// subscriber of the id exists (`replay::waits_for_subscriber`).
+fn recreated(wtx: &WriteTransaction, dl: &DeadLetter) -> Result<Result<(), String>, StoreError> {
+    let e = &dl.entry;
+    let stored = {
+        let t = wtx.open_table(super::tables::SUBSCRIBERS)?;
+        let found = t.get(e.watcher_id.as_str())?;
+        // One that cannot be read is left to delivery to say so: its letters are replayed.
+        found.map(|v| super::subscribers::decode_subscriber(v.value()).map(|s| s.created_ms))
+    };
+    Ok(match stored {
+        Some(Ok(created)) if created > e.created_ms => Err(format!(
+            "{SUBSCRIBER_RECREATED}: queued before the subscriber {:?} of now was created ({}): matched to a deleted one's area",
+            e.watcher_id,
+            crate::util::rfc3339(created)
+        )),
+        None if dl.reason == super::subscribers::SUBSCRIBER_DELETED => {
+            Err(format!("{SUBSCRIBER_RECREATED}: its subscriber was deleted over the control port, and {:?} now names another: matched to the deleted one's area", e.watcher_id))
+        }
+        _ => Ok(()),
+    })
 }
 
 impl Store {
@@ -125,9 +143,7 @@ impl Store {
             // The event is still on its way under that row, which ends it.
             audit.detail = format!("replay of dead letter {id}: its key is still queued as outbox row {row}");
             ReplayOutcome::Duplicate
-        } else if let Err(reason) = subscriber_created_ms(&wtx, &e.watcher_id)?
-            .filter(|&created| created > e.created_ms)
-            .map_or(Ok(()), |created| Err(format!("{SUBSCRIBER_RECREATED}: queued before the subscriber {:?} of now was created ({}): matched to a deleted one's area", e.watcher_id, crate::util::rfc3339(created))))
+        } else if let Err(reason) = recreated(&wtx, &dl)?
             .and(geometry.map_err(|m| format!("invalid_geometry: {m}")))
             .and_then(|_| {
             if replays >= max_replays {

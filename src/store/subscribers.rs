@@ -319,6 +319,13 @@ mod tests {
         assert_eq!(store.outbox_len().unwrap(), 0, "nothing queued for the new subscriber");
         store.release_quarantined(&ids[..1], 6_000).unwrap();
         assert!(matches!(store.replay_dead_letter(ids[0], 7_000, 3, Ok(())).unwrap(), crate::store::ReplayOutcome::Requeued { .. }), "released: this subscriber's");
+        // A deleted subscriber's id taken by the config file (a config subscriber has no
+        // creation time, and no stored record): its `subscriber_deleted` letters are set
+        // aside too.
+        let (_dir2, other) = store_with_queued(1);
+        other.delete_subscriber("a", 3_000).unwrap().unwrap();
+        let id = other.dead_letters().unwrap()[0].entry.id;
+        assert!(matches!(other.replay_dead_letter(id, 5_000, 3, Ok(())).unwrap(), crate::store::ReplayOutcome::Quarantined { reason } if reason.contains("now names another")));
         let report = store.check_consistency().unwrap();
         assert!(report.is_consistent(), "{:?}", report.problems);
     }
