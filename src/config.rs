@@ -211,6 +211,16 @@ pub struct DeliveryConfig {
 }
 
 impl DeliveryConfig {
+    /// The delay before retry `attempt` (1: the first), jitter aside: the schedule's (its last
+    /// past its end), or the exponential backoff's cap, below which full jitter draws it
+    /// (`notify::delivery::next_retry` waits it).
+    pub fn retry_delay(&self, attempt: u32) -> Duration {
+        match self.retry_schedule.get(attempt.saturating_sub(1) as usize).or(self.retry_schedule.last()) {
+            Some(d) => *d,
+            None => crate::util::backoff_cap(self.base_delay, self.max_delay, attempt),
+        }
+    }
+
     /// The delays before the retries, as configured (without jitter; the exponential
     /// backoff's cap, its full jitter drawing anything below it): those listed one by one,
     /// then the delay every later retry repeats and how many retries repeat it (past the
@@ -220,15 +230,13 @@ impl DeliveryConfig {
         let retries = self.max_attempts.saturating_sub(1);
         let mut listed = Vec::new();
         for attempt in 1..=retries {
-            let (delay, from_here_on) = match self.retry_schedule.get(attempt as usize - 1) {
-                Some(d) => (*d, attempt as usize >= self.retry_schedule.len()),
-                None => match self.retry_schedule.last() {
-                    Some(d) => (*d, true),
-                    None => {
-                        let d = self.base_delay.saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX)).min(self.max_delay);
-                        (d, d >= self.max_delay || d.is_zero() || attempt > 20)
-                    }
-                },
+            let delay = self.retry_delay(attempt);
+            // Every later retry waits as long: past the schedule's end, or at the backoff's
+            // cap (reached, or no longer doubling).
+            let from_here_on = if self.retry_schedule.is_empty() {
+                delay >= self.max_delay || delay.is_zero() || attempt > 20
+            } else {
+                attempt as usize >= self.retry_schedule.len()
             };
             let left = retries - attempt + 1;
             // A few repeats are listed; more are counted.

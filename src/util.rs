@@ -197,14 +197,18 @@ fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
 /// `[0, min(max, base · 2^(attempt-1))]`; `retry_after` (a server's `Retry-After`) is a floor.
 /// Shared by the HTTP sources and the webhook deliveries.
 pub fn full_jitter_backoff(base: Duration, max: Duration, attempt: u32, retry_after: Option<Duration>) -> Duration {
-    let exp = base
-        .saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX))
-        .min(max);
+    let exp = backoff_cap(base, max, attempt);
     let jittered = Duration::from_millis(rand::random_range(0..=exp.as_millis() as u64));
     match retry_after {
         Some(ra) => jittered.max(ra),
         None => jittered,
     }
+}
+
+/// The cap [`full_jitter_backoff`] draws retry `attempt` (1: the first) below: `base` doubled
+/// per attempt (up to 2^20), at most `max`.
+pub fn backoff_cap(base: Duration, max: Duration, attempt: u32) -> Duration {
+    base.saturating_mul(1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX)).min(max)
 }
 
 /// A target URL as it may be shown (API listings, `endpoints list`, `dlq show`, `check`, the

@@ -76,8 +76,9 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
     // A body where none is read is refused, as a query parameter is: ignored, it answered
     // another question than the one asked (`{"reprocess": true}` to a source's run ran a
     // plain pass: an integrator, bb25). Empty, `{}` or `null` is no body.
-    let no_body = body.trim_ascii().is_empty() || serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_null() || v.as_object().is_some_and(|m| m.is_empty()));
-    if method == Method::POST && takes_no_body(&seg) && !no_body {
+    // (Parsed only on those routes: a subscriber's body of up to 1 MiB is parsed by its handler.)
+    let no_body = || body.trim_ascii().is_empty() || serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.is_null() || v.as_object().is_some_and(|m| m.is_empty()));
+    if method == Method::POST && takes_no_body(&seg) && !no_body() {
         return error(StatusCode::BAD_REQUEST, "unexpected_body", format!("POST {path} takes no body ({} byte{} sent): nothing in it would be read", body.len(), if body.len() == 1 { "" } else { "s" }));
     }
     let st = state.clone();

@@ -1308,7 +1308,7 @@ pub fn next_retry(cfg: &DeliveryConfig, attempts_done: u32, retry_after: Option<
     }
     // Past the schedule's end (a `max_attempts` above its length + 1), its last delay again:
     // the attempts configured are made, not cut short silently.
-    let base = *cfg.retry_schedule.get(attempts_done.saturating_sub(1) as usize).or(cfg.retry_schedule.last())?;
+    let base = cfg.retry_delay(attempts_done);
     let j = cfg.retry_jitter.clamp(0.0, 0.99);
     let factor = if j > 0.0 { 1.0 + rand::random_range(-j..=j) } else { 1.0 };
     let d = Duration::from_secs_f64(base.as_secs_f64() * factor);
