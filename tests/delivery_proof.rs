@@ -345,6 +345,34 @@ async fn a_retry_scheduled_before_the_clock_stepped_back_keeps_its_wait() {
     assert_eq!(rx.received().len(), 2);
 }
 
+/// A wall clock put right years forward (an edge box without a real-time clock, NTP catching
+/// up after boot) is not time an alert waited nor time its endpoint failed: the retry queued
+/// before the step goes out after it, the endpoint stays enabled, and a process opened after
+/// the step knows it too (`store::clock_forward`; before, the retry was dead-lettered
+/// `retry_window_exceeded` unsent and the endpoint disabled by `disable_after`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_forward_years_neither_dead_letters_nor_disables() {
+    let rx = Receiver::start_replies(Arc::new(|n, _| Reply::status(if n < 2 { 503 } else { 200 })), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "max_retry_window = \"1h\"\ndisable_after = \"10m\"");
+    let clock = zonewatch::clock::ManualClock::at(1_000_000_000_000);
+    let engine = ws.engine_at(clock.clone());
+    queue(&ws, &engine, &[0]);
+    let stats = deliver(&engine, Duration::from_millis(300)).await;
+    assert_eq!((stats.sent, stats.retried), (0, 1), "{stats:?}");
+    clock.step_forward(Duration::from_secs(10 * 365 * 86_400));
+    clock.advance(Duration::from_secs(1));
+    let stats = deliver(&engine, Duration::from_millis(300)).await;
+    assert_eq!((stats.attempted, stats.retried, stats.dead), (1, 1, 0), "the retry after the step is sent: {stats:?}");
+    assert!(engine.store.endpoints().unwrap().iter().all(|(_, e)| !e.disabled), "the endpoint failed for a second, not ten years");
+    drop(engine);
+    let engine = ws.engine_at(clock.clone());
+    clock.advance(Duration::from_secs(1));
+    let stats = deliver(&engine, Duration::from_secs(2)).await;
+    assert_eq!((stats.sent, stats.dead), (1, 0), "a process opened after the step knows it: {stats:?}");
+    assert_eq!(rx.received().len(), 3);
+    assert!(engine.store.dead_letters().unwrap().is_empty());
+}
+
 /// A replay with no dead letter to requeue sends nothing: it drained the whole outbox (the
 /// alerts a stopped `run` had left queued), past its `--rate`, and counted them as its own
 /// (found by a black-box tester).

@@ -238,6 +238,15 @@ pub const HTTP_410_GONE: &str = "http_410_gone";
 /// ([`DeliveryResult::Gone`]'s `otherwise`): an ordinary failure.
 pub const HTTP_410: &str = "http_410";
 
+/// Now by `clock`, looked at for a step forward by `store` (logged when one is found).
+fn now_watched(clock: &SharedClock, store: &Store) -> u64 {
+    let (now, mono) = (clock.now_ms(), clock.mono_ms());
+    if let Some(step) = store.watch_clock(now, mono) {
+        crate::store::say_forward_step(&step);
+    }
+    now
+}
+
 /// Plans kept at most; past this (subscribers come and go) the cache starts again.
 const MAX_PLANS: usize = 100_000;
 
@@ -270,8 +279,16 @@ impl Deliverer {
     /// (`store::clock_step`). Looked at before every pass, so `serve`, `run` and `deliver` all
     /// see a step, one taken while zonewatch was stopped too. A failure here is logged and the
     /// pass goes on: the rows are still there, only late.
+    /// A step forward found by an earlier look is stored here too, if no outcome commit has
+    /// stored it yet (`store::clock_forward`).
     async fn settle_clock_step(&self) {
-        let now = self.clock.now_ms();
+        let now = self.now_watched();
+        let store = self.store.clone();
+        match tokio::task::spawn_blocking(move || store.save_forward_steps()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("cannot store the steps forward of the system clock: {e}"),
+            Err(e) => tracing::warn!("storing the steps forward of the system clock: {e}"),
+        }
         match self.store.clock_stepped_back(now) {
             Ok(Some(_)) => {}
             Ok(None) => return,
@@ -292,6 +309,12 @@ impl Deliverer {
     /// Now by the deliverer's clock.
     pub fn now_ms(&self) -> u64 {
         self.clock.now_ms()
+    }
+
+    /// Now by the deliverer's clock, looked at for a step forward (`store::clock_forward`):
+    /// where a row is held to a limit counted in elapsed time.
+    fn now_watched(&self) -> u64 {
+        now_watched(&self.clock, &self.store)
     }
 
     /// The same deliverer with time taken from `clock` (the engine's, so that tests with a
@@ -504,7 +527,7 @@ impl Deliverer {
                     }
                     let st = store.clone();
                     let tc = Instant::now();
-                    let now = clock.now_ms();
+                    let now = now_watched(&clock, &store);
                     let r = tokio::task::spawn_blocking(move || st.record_outcomes_with(&results, &log, now, Some(&policy))).await;
                     tracing::debug!(n, ms = tc.elapsed().as_secs_f64() * 1000.0, "outcome group commit");
                     let (closed, not_gone) = match r {
@@ -946,9 +969,9 @@ impl Deliverer {
         // an operator enables its endpoint, as the README says; a row whose last send was
         // deferred (it never left: `deferred`) is sent too, as it stood before (reviewer: a
         // 410 row deferred once after its endpoint was enabled was dead-lettered here).
-        let window_end = entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64);
+        // Steps forward of the wall clock are not time the row waited (`store::clock_forward`).
         let waits_without_charge = entry.last_error.as_deref().is_some_and(|e| e == HTTP_410_GONE || e.starts_with(DEFERRED_PREFIX));
-        if entry.attempts > 0 && !waits_without_charge && self.clock.now_ms() > window_end {
+        if entry.attempts > 0 && !waits_without_charge && self.past_retry_window(entry, self.now_watched()) {
             return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::NotSent };
         }
         // The attempt, its lookup through a proxy included, takes at most `timeout`.
@@ -1083,19 +1106,25 @@ impl Deliverer {
         DeliveryResult::Deferred { id: entry.id, next_attempt_ms, error: format!("{DEFERRED_PREFIX}{local}") }
     }
 
+    /// Whether `at_ms` is later than `max_retry_window` after `entry` was queued, the wall
+    /// clock's steps forward between the two not counted.
+    fn past_retry_window(&self, entry: &OutboxEntry, at_ms: u64) -> bool {
+        crate::store::elapsed_ms(&self.store.forward_steps(), entry.created_ms, at_ms) > self.cfg.max_retry_window.as_millis() as u64
+    }
+
     /// A failed try: retried after the schedule's delay (at least `retry_after`), or a dead
     /// letter once the attempts or the retry window are used up.
     fn retry_or_dead(&self, entry: &OutboxEntry, rec: &mut AttemptRecord, retry_after: Option<Duration>, error: String) -> DeliveryResult {
         let id = entry.id;
         let attempts_after = entry.attempts.saturating_add(1);
         rec.error = Some(error.clone());
-        let now = self.clock.now_ms();
+        let now = self.now_watched();
         match next_retry(&self.cfg, attempts_after, retry_after) {
             None => DeliveryResult::Dead { id, reason: "retries_exhausted".into(), cause: DeadCause::Endpoint },
             Some(delay) => {
                 let next = now.saturating_add(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
                 rec.decided_ms = Some(now);
-                if next > entry.created_ms.saturating_add(self.cfg.max_retry_window.as_millis() as u64) {
+                if self.past_retry_window(entry, next) {
                     return DeliveryResult::Dead { id, reason: "retry_window_exceeded".into(), cause: DeadCause::Endpoint };
                 }
                 DeliveryResult::Retry { id, next_attempt_ms: next, error }

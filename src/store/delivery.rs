@@ -555,7 +555,7 @@ impl Store {
             let mut dead = wtx.open_table(DEAD_LETTERS)?;
             let mut endpoints = wtx.open_table(ENDPOINTS)?;
             let mut targets = super::subscribers::StoredTargets::new(&wtx);
-            let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints);
+            let mut health_batch = super::endpoints::HealthBatch::new(&mut endpoints, self.forward_steps());
             for result in results {
                 let id = result.id();
                 // Already resolved (e.g. by a concurrent recovery): nothing to record.
@@ -654,11 +654,14 @@ impl Store {
         append_audits(&wtx, &mut pending)?;
         // The clock these retry and breaker times were computed on (`clock_step.rs`).
         super::clock_step::note_due_clock_in(&wtx, now_ms)?;
+        // Steps forward of the clock found since the last commit (`clock_forward.rs`).
+        let steps_written = super::clock_forward::save_steps_in(self, &wtx)?;
         // The leases are dropped after the commit, never before (see `leases::Leases`: a lease
         // pass that no longer finds the lease opens its snapshot after this commit), marked
         // settling while it lands (see `Leases::commit_and_release`).
         let ids: Vec<u64> = results.iter().map(DeliveryResult::id).collect();
         self.leases.commit_and_release(wtx, &ids)?;
+        self.forward_steps_saved(steps_written);
         if let Some(m) = moved {
             super::clock_step::say_moved(&m);
         }

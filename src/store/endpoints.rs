@@ -91,14 +91,16 @@ fn endpoint_row(id: &str, outcome: Outcome, detail: String, now_ms: u64) -> Audi
 /// re-writing an endpoint's record per outcome was measured at ~1% of delivery CPU).
 pub(super) struct HealthBatch<'t, 'txn> {
     table: &'t mut redb::Table<'txn, &'static str, &'static [u8]>,
+    /// The wall clock's steps forward: not counted as failing time (`clock_forward.rs`).
+    steps: std::sync::Arc<[super::ForwardStep]>,
     touched: HashMap<String, EndpointState>,
     /// Endpoints whose gate this batch closed (breaker opened, endpoint disabled).
     closed: Vec<String>,
 }
 
 impl<'t, 'txn> HealthBatch<'t, 'txn> {
-    pub(super) fn new(table: &'t mut redb::Table<'txn, &'static str, &'static [u8]>) -> Self {
-        HealthBatch { table, touched: HashMap::new(), closed: Vec::new() }
+    pub(super) fn new(table: &'t mut redb::Table<'txn, &'static str, &'static [u8]>, steps: std::sync::Arc<[super::ForwardStep]>) -> Self {
+        HealthBatch { table, steps, touched: HashMap::new(), closed: Vec::new() }
     }
 
     /// Folds one attempt's result into the endpoint's state. `gone` = the endpoint answered
@@ -120,7 +122,7 @@ impl<'t, 'txn> HealthBatch<'t, 'txn> {
         }
         let Some(s) = self.touched.get_mut(id) else { return Ok(None) };
         let was_open = !closes(s, now_ms);
-        let row = observe(s, id, success, gone, now_ms, policy);
+        let row = observe(s, id, success, gone, now_ms, policy, &self.steps);
         if was_open && closes(s, now_ms) && !self.closed.iter().any(|c| c == id) {
             self.closed.push(id.to_string());
         }
@@ -145,7 +147,7 @@ fn closes(s: &EndpointState, now_ms: u64) -> bool {
 
 /// Folds one attempt's result into an endpoint's state; the `endpoint_disabled` audit row
 /// when this result disabled it.
-fn observe(s: &mut EndpointState, id: &str, success: bool, gone: bool, now_ms: u64, policy: &HealthPolicy) -> Option<AuditRow> {
+fn observe(s: &mut EndpointState, id: &str, success: bool, gone: bool, now_ms: u64, policy: &HealthPolicy, steps: &[super::ForwardStep]) -> Option<AuditRow> {
     let mut disable: Option<String> = None;
     s.recent.push(success);
     if s.recent.len() > 20 {
@@ -163,7 +165,7 @@ fn observe(s: &mut EndpointState, id: &str, success: bool, gone: bool, now_ms: u
         let since = *s.failing_since_ms.get_or_insert(now_ms);
         if gone {
             disable = Some(crate::notify::delivery::HTTP_410_GONE.into());
-        } else if now_ms.saturating_sub(since) > policy.disable_after_ms {
+        } else if super::elapsed_ms(steps, since, now_ms) > policy.disable_after_ms {
             disable = Some(format!("failing without success since {}", crate::util::rfc3339(since)));
         }
         let failures = s.recent.iter().filter(|ok| !**ok).count();
@@ -492,5 +494,28 @@ mod tests {
         let remote = &states["remote"];
         assert!(remote.recent.iter().all(|ok| !ok) && remote.recent.len() == 8 && remote.breaker_open_until_ms.is_some(), "{remote:?}");
         assert_eq!(store.dead_letters().unwrap().len(), 16, "both are dead letters all the same");
+    }
+
+    /// `disable_after` counts the time an endpoint failed, not a step forward of the wall
+    /// clock taken meanwhile (`clock_forward.rs`): failing for 20 s across a step of ten years
+    /// leaves it enabled, and failing for 20 s more than `disable_after` after it disables it.
+    #[test]
+    fn disable_after_does_not_count_a_step_forward_of_the_clock() {
+        const T: u64 = 1_000_000_000_000;
+        const STEP: u64 = 10 * 365 * 86_400_000;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let policy = HealthPolicy { disable_after_ms: 600_000, breaker_min: 1_000, ..Default::default() };
+        let claims: Vec<Claim> = (0..3).map(|i| Claim { event: 0, watcher_id: "w".into(), target: "http://127.0.0.1:9/h".into(), min_severity: Severity::Info, key: IdemKey(format!("k{i}")) }).collect();
+        store.enqueue(&[sample_event("A")], &claims, "l", T, 3_600_000).unwrap();
+        let ids: Vec<u64> = store.outbox().unwrap().iter().map(|e| e.id).collect();
+        let fail = |id: u64, at: u64| store.record_outcomes_with(&[DeliveryResult::Retry { id, next_attempt_ms: at + 1, error: "http_503".into() }], &[], at, Some(&policy)).unwrap();
+        assert_eq!(store.watch_clock(T, 0), None);
+        fail(ids[0], T);
+        assert!(store.watch_clock(T + STEP + 20_000, 20_000).is_some());
+        fail(ids[1], T + STEP + 20_000);
+        assert!(!store.endpoints().unwrap()[0].1.disabled, "failing for 20 s");
+        fail(ids[2], T + STEP + 620_001);
+        assert!(store.endpoints().unwrap()[0].1.disabled, "failing for 10 min 1 ms");
     }
 }

@@ -16,6 +16,7 @@ pub mod backup;
 pub mod check;
 pub mod codec;
 pub mod guard;
+mod clock_forward;
 mod clock_step;
 mod delivery;
 mod derived;
@@ -53,6 +54,7 @@ pub use dlq::{ReleaseOutcome, ReplayOutcome, SUBSCRIBER_RECREATED};
 pub use endpoints::{DisabledBacklog, EndpointEnabled, HealthPolicy};
 pub use key_scope::KeyScopeRecord;
 pub use clock_step::{say_moved, DueTimesMoved, CLOCK_STEP_TOLERANCE_MS};
+pub use clock_forward::{elapsed_ms, say_forward_step, ForwardStep, FORWARD_STEP_TOLERANCE_MS};
 /// What one bounded sweep call did: the rows it removed, and whether it stopped at its bound
 /// with work left. A batch can do work and remove nothing (keys re-armed because their event
 /// is still pending, run records read past because they are kept), so `serve`'s periodic
@@ -337,6 +339,8 @@ pub struct Store {
     /// What this store's idempotency keys name besides the change (`key_scope.rs`), read
     /// (and first written) at open: only a restore, with the store closed, changes it.
     key_scope: KeyScopeRecord,
+    /// The wall clock's steps forward, and the last look at it (see `clock_forward.rs`).
+    clock_watch: clock_forward::ClockWatch,
 }
 
 impl std::fmt::Debug for Store {
@@ -479,11 +483,13 @@ impl Store {
             leases: leases::Leases::default(),
             handle: std::fs::File::open(path).ok(),
             key_scope: KeyScopeRecord::default(),
+            clock_watch: clock_forward::ClockWatch::default(),
         };
         if store.init_schema()? {
             store.compact_after_upgrade()?;
         }
         store.key_scope = key_scope::ensure(&store.db, store.quick_repair())?;
+        store.clock_watch = clock_forward::ClockWatch::load(&store.db)?;
         Ok(store)
     }
 

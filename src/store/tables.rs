@@ -13,6 +13,9 @@ pub const META_COMPACT_PENDING: &str = "compact_pending";
 /// The clock of the last delivery-outcome commit, which wrote the stored retry and breaker
 /// times (`clock_step.rs`): a clock reading behind it has stepped back.
 pub const META_DUE_CLOCK: &str = "due_clock_ms";
+/// The steps forward of the wall clock seen by zonewatch (`clock_forward.rs`): elapsed-time
+/// limits leave them out. Absent: none seen.
+pub const META_FORWARD_STEPS: &str = "forward_steps";
 /// What idempotency keys are scoped to besides the change (`key_scope.rs`).
 pub const META_KEY_SCOPE: &str = "key_scope";
 /// Run id below which the run retention sweep has looked at every record (u64 LE;

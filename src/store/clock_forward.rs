@@ -1,0 +1,253 @@
+//! The wall clock's steps forward, remembered so that limits counted in elapsed time do not
+//! count them.
+//!
+//! Why it exists: two limits count wall-clock time from a stored moment, `max_retry_window`
+//! from when an alert was queued (`OutboxEntry::created_ms`) and `disable_after` from an
+//! endpoint's first failure (`EndpointState::failing_since_ms`). An edge box without a
+//! real-time clock boots years behind, and NTP puts it right later. Counted in wall time,
+//! every alert queued before that step and retried after it was dead-lettered
+//! `retry_window_exceeded` without a send, and an endpoint failing across it was disabled,
+//! whatever the seconds that really passed (a reviewer showed both with a clock shim). The
+//! steps back are `clock_step.rs`'s.
+//!
+//! How: a step forward is told from time passing by the monotonic clock (`Clock::mono_ms`),
+//! which a step does not move. Between two looks, the wall clock moving more than monotonic
+//! time by over [`FORWARD_STEP_TOLERANCE_MS`] is a step of the difference.
+//! [`Store::watch_clock`] is that look: the deliverer calls it wherever it reads the clock to
+//! hold a row to a limit. Each step is kept as a [`ForwardStep`], in memory at once, and in
+//! `meta` (`forward_steps`) by the next outcome commit, or the next pass, so that a later
+//! process knows it. [`elapsed_ms`] is the time from a stored moment to now, less the steps
+//! taken between them.
+//!
+//! Limits: only steps seen while a zonewatch process runs are known (one taken while it was
+//! stopped reads as time passing). A suspended machine counts as a step (Linux's monotonic
+//! clock stops meanwhile), so a suspend lengthens the limits by its length, which is the safe
+//! side: alerts kept, endpoints kept. Idempotency-key expiries and the retention sweeps still
+//! count wall time.
+
+use super::tables::{META, META_FORWARD_STEPS};
+use super::{Store, StoreError};
+use redb::{Database, ReadableDatabase, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use std::sync::{Arc, Mutex};
+
+/// How far the wall clock may run ahead of monotonic time between two looks before it counts
+/// as a step: the two are read a moment apart, and a second more costs a limit a second.
+pub const FORWARD_STEP_TOLERANCE_MS: u64 = 2_000;
+
+/// Steps kept at most; past this the two oldest are merged (the moments between them are then
+/// credited the older step too, so their limits run longer: the safe side).
+const MAX_STEPS: usize = 64;
+
+/// Version byte of the `forward_steps` value (then postcard of the list).
+const STEPS_VERSION: u8 = 1;
+
+/// One step forward of the wall clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardStep {
+    /// The earliest wall-clock reading after the step (ms): a moment before it was recorded
+    /// before the step.
+    pub at_ms: u64,
+    /// How far the clock went forward, at least (ms).
+    pub size_ms: u64,
+}
+
+/// Time from `since_ms` to `now_ms` (wall clock) less the steps forward taken between them.
+pub fn elapsed_ms(steps: &[ForwardStep], since_ms: u64, now_ms: u64) -> u64 {
+    let stepped = steps.iter().filter(|s| s.at_ms > since_ms && s.at_ms <= now_ms).fold(0u64, |sum, s| sum.saturating_add(s.size_ms));
+    now_ms.saturating_sub(since_ms).saturating_sub(stepped)
+}
+
+/// The store's look at the clock: the last reading and the steps found.
+#[derive(Debug, Default)]
+pub(super) struct ClockWatch {
+    state: Mutex<WatchState>,
+}
+
+#[derive(Debug, Default)]
+struct WatchState {
+    /// The last (wall, monotonic) reading looked at.
+    last: Option<(u64, u64)>,
+    steps: Arc<[ForwardStep]>,
+    /// Steps found in this process, and how many of them are in `meta` (written by a commit).
+    found: u64,
+    saved: u64,
+}
+
+impl ClockWatch {
+    /// The steps stored in `db` (none when the value is missing or cannot be read: a step
+    /// forgotten costs what it cost before this record existed).
+    pub(super) fn load(db: &Database) -> Result<ClockWatch, StoreError> {
+        let rtx = db.begin_read()?;
+        let meta = match rtx.open_table(META) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(ClockWatch::default()),
+            Err(e) => return Err(e.into()),
+        };
+        let steps = match meta.get(META_FORWARD_STEPS)? {
+            Some(v) => decode_steps(v.value()).unwrap_or_else(|why| {
+                tracing::warn!("the stored steps of the wall clock cannot be read ({why}); counting from none");
+                Vec::new()
+            }),
+            None => Vec::new(),
+        };
+        Ok(ClockWatch { state: Mutex::new(WatchState { steps: steps.into(), ..WatchState::default() }) })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, WatchState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn decode_steps(bytes: &[u8]) -> Result<Vec<ForwardStep>, String> {
+    match super::codec::split_version(bytes)? {
+        (STEPS_VERSION, rest) => super::codec::decode_postcard(rest),
+        (v, _) => Err(super::codec::unknown_version(v, "forward_steps", STEPS_VERSION)),
+    }
+}
+
+/// `steps` with `step` added, the two oldest merged while over [`MAX_STEPS`].
+fn with_step(steps: &[ForwardStep], step: ForwardStep) -> Vec<ForwardStep> {
+    let mut out = steps.to_vec();
+    out.push(step);
+    out.sort_by_key(|s| s.at_ms);
+    while out.len() > MAX_STEPS {
+        let older = out.remove(0);
+        out[0].size_ms = out[0].size_ms.saturating_add(older.size_ms);
+    }
+    out
+}
+
+impl Store {
+    /// Looks at the clock: `wall_ms` and `mono_ms` read together from the deliverer's clock.
+    /// Returns the step forward found since the last look, if any (kept at once; stored by the
+    /// next outcome commit or [`Store::save_forward_steps`]). One clock per store: readings of
+    /// two clocks would differ by a step that was never taken.
+    pub fn watch_clock(&self, wall_ms: u64, mono_ms: u64) -> Option<ForwardStep> {
+        let mut g = self.clock_watch.state();
+        let found = g.last.and_then(|(wall0, mono0)| {
+            let passed = mono_ms.saturating_sub(mono0);
+            let step = wall_ms.saturating_sub(wall0).saturating_sub(passed);
+            (step > FORWARD_STEP_TOLERANCE_MS).then(|| ForwardStep { at_ms: wall_ms.saturating_sub(passed), size_ms: step })
+        });
+        g.last = Some((wall_ms, mono_ms));
+        if let Some(step) = found {
+            g.steps = with_step(&g.steps, step).into();
+            g.found += 1;
+        }
+        found
+    }
+
+    /// The steps forward known to this store, oldest first.
+    pub fn forward_steps(&self) -> Arc<[ForwardStep]> {
+        self.clock_watch.state().steps.clone()
+    }
+
+    /// Writes the steps found since the last save into `meta` in one durable transaction;
+    /// nothing when there are none.
+    pub fn save_forward_steps(&self) -> Result<(), StoreError> {
+        {
+            let g = self.clock_watch.state();
+            if g.found == g.saved {
+                return Ok(());
+            }
+        }
+        let mut wtx = self.db.begin_write()?;
+        self.durable_commit_settings(&mut wtx);
+        let written = save_steps_in(self, &wtx)?;
+        wtx.commit()?;
+        self.forward_steps_saved(written);
+        Ok(())
+    }
+
+    /// Marks the steps a commit wrote ([`save_steps_in`]'s answer) as stored.
+    pub(super) fn forward_steps_saved(&self, written: Option<u64>) {
+        if let Some(found) = written {
+            let mut g = self.clock_watch.state();
+            g.saved = g.saved.max(found);
+        }
+    }
+}
+
+/// In `wtx`: writes the steps when some found in this process are not stored yet. Returns how
+/// many had been found then, for [`Store::forward_steps_saved`] once the commit succeeded.
+pub(super) fn save_steps_in(store: &Store, wtx: &WriteTransaction) -> Result<Option<u64>, StoreError> {
+    let (steps, found) = {
+        let g = store.clock_watch.state();
+        if g.found == g.saved {
+            return Ok(None);
+        }
+        (g.steps.clone(), g.found)
+    };
+    let mut value = vec![STEPS_VERSION];
+    value.extend(postcard::to_allocvec(&*steps).unwrap_or_default());
+    wtx.open_table(META)?.insert(META_FORWARD_STEPS, value.as_slice())?;
+    Ok(Some(found))
+}
+
+/// The log line for a step found.
+pub fn say_forward_step(step: &ForwardStep) {
+    tracing::warn!(
+        step_s = step.size_ms / 1000,
+        "the system clock went forward {} s more than time passed: retry windows and `disable_after` do not count the step",
+        step.size_ms / 1000
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T: u64 = 1_800_000_000_000;
+    const YEAR: u64 = 365 * 86_400_000;
+
+    #[test]
+    fn elapsed_time_leaves_out_the_steps_between() {
+        // A year's step taken a second after T: the first reading after it is T + a year + 1 s.
+        let steps = [ForwardStep { at_ms: T + YEAR + 1_000, size_ms: YEAR }];
+        // Recorded before the step: the year is not elapsed time.
+        assert_eq!(elapsed_ms(&steps, T, T + YEAR + 6_000), 6_000);
+        // Recorded after it, or looked at before it: wall time.
+        assert_eq!(elapsed_ms(&steps, T + YEAR + 1_000, T + YEAR + 9_000), 8_000);
+        assert_eq!(elapsed_ms(&steps, T - 5_000, T + 500), 5_500);
+        // A clock behind the moment: nothing elapsed.
+        assert_eq!(elapsed_ms(&steps, T, T - 10), 0);
+    }
+
+    #[test]
+    fn a_step_is_told_from_time_passing_once_kept_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.redb");
+        {
+            let store = Store::open(&path).unwrap();
+            assert_eq!(store.watch_clock(T, 0), None, "a first look has nothing to compare with");
+            // An hour of time passing, wall and monotonic alike, is no step; nor is a second's
+            // difference between the two readings.
+            assert_eq!(store.watch_clock(T + 3_600_000, 3_600_000), None);
+            assert_eq!(store.watch_clock(T + 3_601_000 + 1_500, 3_601_000), None);
+            // A year forward in 10 s: a step of a year (less the 1.5 s the wall clock was
+            // ahead at the last look), found once.
+            let step = store.watch_clock(T + 3_611_000 + YEAR, 3_611_000).unwrap();
+            assert_eq!(step, ForwardStep { at_ms: T + 3_601_000 + YEAR, size_ms: YEAR - 1_500 });
+            assert_eq!(store.watch_clock(T + 3_612_000 + YEAR, 3_612_000), None);
+            // A step back is not a step forward (`clock_step.rs` has those).
+            assert_eq!(store.watch_clock(T, 3_613_000), None);
+            assert_eq!(&*store.forward_steps(), &[step]);
+            store.save_forward_steps().unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(store.forward_steps().len(), 1, "the step is known to the next process");
+    }
+
+    #[test]
+    fn steps_past_the_cap_are_merged_oldest_first() {
+        let mut steps: Vec<ForwardStep> = Vec::new();
+        for i in 0..(MAX_STEPS as u64 + 3) {
+            steps = with_step(&steps, ForwardStep { at_ms: T + i * 1_000_000, size_ms: 10 });
+        }
+        assert_eq!(steps.len(), MAX_STEPS);
+        assert_eq!(steps[0], ForwardStep { at_ms: T + 3_000_000, size_ms: 40 });
+        let total: u64 = steps.iter().map(|s| s.size_ms).sum();
+        assert_eq!(total, 10 * (MAX_STEPS as u64 + 3), "no step is forgotten");
+    }
+}
