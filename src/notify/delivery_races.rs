@@ -118,6 +118,34 @@ async fn a_replay_stops_sending_to_an_endpoint_that_answers_410() {
     assert_eq!(store.outbox_len().unwrap(), 21, "the rest wait for `endpoints enable`");
 }
 
+/// After an endpoint answers 410 in the middle of a replay, its other letters are requeued
+/// (they wait in the outbox for `endpoints enable`, as before) without waiting for tokens:
+/// at one token per 1,000 s the 19 letters behind the first took 19,000 s (bb28: a large
+/// replay took its whole time and sent nothing). The 410 still gets one request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_does_not_pace_the_letters_of_an_endpoint_it_found_disabled() {
+    let status = Arc::new(AtomicU16::new(400));
+    let s = status.clone();
+    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(s.load(Ordering::SeqCst))), None).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+    let subs = Arc::new(SubscriberIndex::build(vec![sub(rx.url("/h"))]));
+    let d = Deliverer::new(store.clone(), subs, DeliveryConfig { endpoint_concurrency: 1, ..cfg() }).unwrap();
+    enqueue(&store, "dead", 20, SystemClock.now_ms());
+    d.drain(Instant::now() + Duration::from_secs(5)).await.unwrap();
+    let letters = store.dead_letters().unwrap();
+    assert_eq!(letters.len(), 20);
+    // Twenty 400s opened the breaker: closed again, as an operator's enable does.
+    store.enable_endpoint("w", SystemClock.now_ms()).unwrap();
+    status.store(410, Ordering::SeqCst);
+    let before = rx.received().len();
+    let replay = crate::notify::replay::replay(&store, &d, letters, 0.001, 3, Instant::now());
+    let report = tokio::time::timeout(Duration::from_secs(30), replay).await.expect("the replay finishes").unwrap();
+    assert_eq!((report.requeued, rx.received().len() - before), (20, 1), "{report:?}");
+    assert!(store.dead_letters().unwrap().is_empty());
+    assert_eq!(store.outbox_len().unwrap(), 20, "they wait for `endpoints enable`");
+}
+
 /// A wall clock stepped forward past a lease while its request is in flight (a VM resumed,
 /// NTP correcting a wrong clock at boot) must not let the same pump take the row over and
 /// send it again: one request, one `sent` (before the fix: two requests, the second outcome

@@ -132,34 +132,39 @@ pub async fn replay(
     // Up to a tenth of a second's tokens kept while a pass sends, so that they make a batch.
     let mut bucket = TokenBucket::new(rate, (rate / 10.0).clamp(1.0, REPLAY_BATCH as f64), Instant::now());
     let mut report = ReplayReport::default();
+    // A letter of a disabled endpoint is requeued without a token: nothing goes to that
+    // endpoint until an operator enables it (its rows wait in the outbox, as documented), so
+    // pacing it only made the replay last as long as all its letters' tokens (bb28: after a
+    // 410 the rest of a large replay took the whole time and sent nothing).
+    let mut disabled = disabled_endpoints(store)?;
     let mut letters = letters.into_iter().peekable();
-    while let Some(first) = letters.next() {
+    loop {
+        while let Some(dl) = letters.next_if(|d| disabled.contains(d.entry.watcher_id.as_str())) {
+            requeue(store, deliverer, &dl, max_replays, &mut report)?;
+        }
+        let Some(first) = letters.next() else { break };
         // The letters whose tokens are there (the bucket refills while the pass below sends),
         // then one pass for all of them: a pass per letter, each a send and a durable commit
         // waited for, held a replay near 20 a second whatever `--rate` said (bb26).
         bucket.take().await;
         let mut batch = vec![first];
-        while batch.len() < REPLAY_BATCH && letters.peek().is_some() && bucket.try_take(Instant::now()).is_ok() {
+        while batch.len() < REPLAY_BATCH && letters.peek().is_some_and(|d| !disabled.contains(d.entry.watcher_id.as_str())) && bucket.try_take(Instant::now()).is_ok() {
             batch.extend(letters.next());
         }
         let mut requeued = false;
-        for dl in batch {
-            let geometry = validate_entry_geometry(&dl.entry);
-            match store.replay_dead_letter(dl.entry.id, deliverer.now_ms(), max_replays, geometry)? {
-                ReplayOutcome::Requeued { .. } => {
-                    report.requeued += 1;
-                    requeued = true;
-                }
-                ReplayOutcome::Duplicate => report.duplicates += 1,
-                ReplayOutcome::Quarantined { .. } => report.quarantined += 1,
-                ReplayOutcome::NotFound => report.not_found += 1,
-            }
+        for dl in &batch {
+            requeued |= requeue(store, deliverer, dl, max_replays, &mut report)?;
         }
         if requeued {
             // A pump of what is due now: it holds back the rows of an endpoint that answers
             // 410 or trips its breaker meanwhile, as `serve` does (a one-pass `deliver_due`
             // would send every leased row of a gone endpoint).
-            report.delivery += deliverer.pump_until(None, Some(deliverer.now_ms())).await?;
+            let pass = deliverer.pump_until(None, Some(deliverer.now_ms())).await?;
+            // A failure may have disabled an endpoint (410, `disable_after`).
+            if pass.gone + pass.retried + pass.dead > 0 {
+                disabled = disabled_endpoints(store)?;
+            }
+            report.delivery += pass;
         }
     }
     // Nothing requeued, nothing to wait for: a replay that found no dead letter sent the
@@ -169,6 +174,26 @@ pub async fn replay(
         report.delivery += deliverer.drain(deadline).await?;
     }
     Ok(report)
+}
+
+/// Replays one dead letter (geometry re-validated); whether it was requeued.
+fn requeue(store: &Store, deliverer: &Deliverer, dl: &DeadLetter, max_replays: u32, report: &mut ReplayReport) -> Result<bool, DeliveryError> {
+    let geometry = validate_entry_geometry(&dl.entry);
+    match store.replay_dead_letter(dl.entry.id, deliverer.now_ms(), max_replays, geometry)? {
+        ReplayOutcome::Requeued { .. } => {
+            report.requeued += 1;
+            return Ok(true);
+        }
+        ReplayOutcome::Duplicate => report.duplicates += 1,
+        ReplayOutcome::Quarantined { .. } => report.quarantined += 1,
+        ReplayOutcome::NotFound => report.not_found += 1,
+    }
+    Ok(false)
+}
+
+/// The endpoints (subscriber ids) disabled now.
+fn disabled_endpoints(store: &Store) -> Result<std::collections::HashSet<String>, DeliveryError> {
+    Ok(store.endpoints()?.into_iter().filter(|(_, e)| e.disabled).map(|(id, _)| id).collect())
 }
 
 #[cfg(test)]
