@@ -1323,7 +1323,8 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
         Ok(c) => c,
         Err(code) => return code,
     };
-    println!("config {}: ok", config.display());
+    // "read", not "ok": the lines below may still find problems in what it names (bb27).
+    println!("config {}: read", config.display());
     // Warnings are said, not counted as problems: they may not stop a start, and `check` is
     // also run as another user than the daemon's. The last line says there were some.
     // What `run` and `serve` as this user would refuse in the store (`refusals`) is a warning
@@ -1346,15 +1347,14 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             crate::config::SourceKind::File { path } => path,
             other => {
                 println!(
-                    "source {}: {} every={} floor={} stale_after={} max_change_ratio={} fields: id={} zoning={}",
+                    "source {}: {} every={} floor={} stale_after={} max_change_ratio={} fields: {}",
                     s.id,
                     crate::ingest::settings::describe_kind(other),
                     crate::util::format_duration(s.every),
                     crate::util::format_duration(s.floor),
                     crate::util::format_duration(s.stale_after),
                     s.max_change_ratio,
-                    s.fields.parcel_id,
-                    s.fields.zoning
+                    s.fields.describe()
                 );
                 // A private address written in the URL is refused at every fetch unless allowed.
                 // The layer's object-id field is known only from the portal (a run refuses it
@@ -1384,14 +1384,13 @@ fn cmd_check(config: &std::path::Path, store: Option<Option<&std::path::Path>>) 
             Err(e) => (false, format!("NOT READABLE: {e}")),
         };
         println!(
-            "source {}: {}kind=file path={} ({state}) every={} max_change_ratio={} fields: id={} zoning={}",
+            "source {}: {}kind=file path={} ({state}) every={} max_change_ratio={} fields: {}",
             s.id,
             if readable { "" } else { "ERROR " },
             path.display(),
             crate::util::format_duration(s.every),
             s.max_change_ratio,
-            s.fields.parcel_id,
-            s.fields.zoning
+            s.fields.describe()
         );
         if !readable {
             bad += 1;

@@ -426,7 +426,9 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
             Ok(r) => {
                 let remaining = engine.store.outbox_len().unwrap_or(0);
                 println!(
-                    "replay: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={} no_subscriber={} outbox_remaining={remaining}{}",
+                    "{}: requeued={} duplicates={} quarantined={} sent={} retried={} dead_letters={} gone={} no_subscriber={} outbox_remaining={remaining}{}",
+                    // Named as the operator typed it (bb27: `dlq recover` said "replay:").
+                    if cap.is_some() { "recover" } else { "replay" },
                     r.requeued,
                     r.duplicates,
                     r.quarantined,

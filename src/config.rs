@@ -378,6 +378,14 @@ pub struct FieldMap {
     pub effective_date: Option<String>,
 }
 
+impl FieldMap {
+    /// `id=… zoning=…`, and `effective_date=…` when one is mapped (`check`'s source lines).
+    pub fn describe(&self) -> String {
+        let date = self.effective_date.as_deref().map(|d| format!(" effective_date={d}")).unwrap_or_default();
+        format!("id={} zoning={}{date}", self.parcel_id, self.zoning)
+    }
+}
+
 /// Zoning-code classes and the area threshold used to rank severity.
 #[derive(Debug, Clone)]
 pub struct SeverityRules {

@@ -226,6 +226,10 @@ async fn control_port_end_to_end() {
         let more: Value = c.get(d.url(&format!("/v1/runs?source=s1&limit=10&cursor={cursor}"))).header("authorization", &auth).send().unwrap().json().unwrap();
         assert!(more["items"].as_array().unwrap().iter().all(|r| r["run_id"].as_u64().unwrap() < cursor.parse::<u64>().unwrap()));
         assert_eq!(c.get(d.url("/v1/runs?limit=abc")).header("authorization", &auth).send().unwrap().status(), 400);
+        // A source named nowhere is a typo, said as such (it read as a source that never ran).
+        let typo = c.get(d.url("/v1/runs?source=s1x")).header("authorization", &auth).send().unwrap();
+        assert_eq!(typo.status(), 404);
+        assert_eq!(typo.json::<Value>().unwrap()["error"]["code"], "unknown_source");
         // The receiver has the webhook before the deliverer commits its `sent` row (the
         // outcome commit follows the response): wait for the row, not for the receipt.
         let start = std::time::Instant::now();

@@ -90,7 +90,7 @@ pub fn document() -> Value {
             "/v1/sources/{id}/watermarks": {"get": {"operationId": "sourceWatermarks", "parameters": [src_id], "responses": with_errors(json!({
                 "200": ok("watermark history, oldest first", json!({"type": "object", "required": ["source_id", "items"], "properties": {"source_id": s("string"), "items": {"type": "array", "items": {"$ref": "#/components/schemas/Watermark"}}}}))}), &["404"])}},
             "/v1/runs": {"get": {"operationId": "listRuns", "parameters": [query_param("source", s("string")), limit.clone(), cursor.clone()],
-                "responses": with_errors(json!({"200": ok("runs, newest first", page_of("Run"))}), &["400"])}},
+                "responses": with_errors(json!({"200": ok("runs, newest first", page_of("Run"))}), &["400", "404"])}},
             "/v1/holds": {"get": {"operationId": "listHolds",
                 "parameters": [query_param("state", json!({"type": "string", "description": "comma-separated: open, released, primed, superseded"})), limit.clone()],
                 "responses": with_errors(json!({"200": ok("holds, oldest first (with limit: the newest of them)", list_of("Hold"))}), &["400"])}},

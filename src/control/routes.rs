@@ -500,6 +500,12 @@ fn list_runs(st: &ControlState, q: &std::collections::HashMap<String, String>) -
         Ok(r) => r,
         Err(e) => return internal(e),
     };
+    // A source the config does not name and no run of which is kept: a typo, said as such
+    // (bb25: it read as a source that never ran). A source removed from the config keeps its
+    // runs listed.
+    if let Some(id) = source.as_deref().filter(|id| page.is_empty() && cursor.is_none() && st.engine.config.source(id).is_none()) {
+        return error(StatusCode::NOT_FOUND, "unknown_source", format!("no source {id:?} in the config, and no run of one kept"));
+    }
     let next = if page.len() == limit { page.last().map(|r| r.run_id.to_string()) } else { None };
     json(StatusCode::OK, &json!({"items": page.iter().map(run_json).collect::<Vec<_>>(), "next_cursor": next}))
 }
