@@ -92,8 +92,8 @@ pub const SUBSCRIBER_RECREATED: &str = "subscriber_recreated";
 
 /// `Err(reason)` when dead letter `dl` belongs to a subscriber deleted before the one its id
 /// names now was made: queued before the control-port subscriber of its id was created, or
-/// dead-lettered `subscriber_deleted` (a delete over the control port) while the id is now a
-/// config subscriber's, which has no creation time (bb28). Its replay is asked only while a
+/// marked `subscriber_deleted` (a delete over the control port, whatever its reason was before)
+/// while the id is now a config subscriber's, which has no creation time (bb28). Its replay is asked only while a
 /// subscriber of the id exists (`replay::waits_for_subscriber`).
 fn recreated(wtx: &WriteTransaction, dl: &DeadLetter) -> Result<Result<(), String>, StoreError> {
     let e = &dl.entry;
@@ -109,7 +109,7 @@ fn recreated(wtx: &WriteTransaction, dl: &DeadLetter) -> Result<Result<(), Strin
             e.watcher_id,
             crate::util::rfc3339(created)
         )),
-        None if dl.reason == super::subscribers::SUBSCRIBER_DELETED => {
+        None if super::subscribers::deleted_reason(&dl.reason) => {
             Err(format!("{SUBSCRIBER_RECREATED}: its subscriber was deleted over the control port, and {:?} now names another: matched to the deleted one's area", e.watcher_id))
         }
         _ => Ok(()),

@@ -213,6 +213,7 @@ impl Store {
             return Ok(None);
         }
         forget_in(&wtx, id)?;
+        mark_letters_of_deleted(&wtx, id)?;
         // Its rows are found before the lease lock is taken (lease passes are not stalled by
         // a scan of the whole outbox); which of them are in flight is asked under it, and
         // the lock is held through the commit (see `Leases::while_held`).
@@ -225,6 +226,39 @@ impl Store {
         })?;
         Ok(Some(SubscriberDeleted { rows }))
     }
+}
+
+/// Whether a dead letter's reason says its subscriber was deleted over the control port: the
+/// rows dead-lettered by the delete, and the letters it already had ([`mark_letters_of_deleted`]).
+pub(super) fn deleted_reason(reason: &str) -> bool {
+    reason.strip_prefix(SUBSCRIBER_DELETED).is_some_and(|rest| rest.is_empty() || rest.starts_with(" (was "))
+}
+
+/// In a delete's transaction: the subscriber's dead letters (of any reason) say it was
+/// deleted, their reason kept after it (`subscriber_deleted (was retries_exhausted)`). A
+/// replay then sets them aside should a config subscriber take the id, which has no creation
+/// time to compare with (bb28: such letters went to the new target). The delete is refused
+/// while a config subscriber has the id, so every letter of it is the deleted one's. Each
+/// letter's subscriber is read off its leading fields; only its own are decoded whole.
+fn mark_letters_of_deleted(wtx: &redb::WriteTransaction, id: &str) -> Result<(), StoreError> {
+    let mut letters = wtx.open_table(super::tables::DEAD_LETTERS)?;
+    let mut marked: Vec<(u64, crate::model::DeadLetter)> = Vec::new();
+    for item in letters.iter()? {
+        let (k, v) = item?;
+        if super::outbox_rows::entry_watcher(v.value()).ok() != Some(id) {
+            continue;
+        }
+        // One that cannot be read is left as it is (`check --store` names it).
+        let Ok(mut dead) = super::outbox_rows::decode_dead(v.value()) else { continue };
+        if !deleted_reason(&dead.reason) {
+            dead.reason = format!("{SUBSCRIBER_DELETED} (was {})", dead.reason);
+            marked.push((k.value(), dead));
+        }
+    }
+    for (key, dead) in &marked {
+        letters.insert(*key, super::outbox_rows::encode_dead(dead).as_slice())?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -320,12 +354,20 @@ mod tests {
         store.release_quarantined(&ids[..1], 6_000).unwrap();
         assert!(matches!(store.replay_dead_letter(ids[0], 7_000, 3, Ok(())).unwrap(), crate::store::ReplayOutcome::Requeued { .. }), "released: this subscriber's");
         // A deleted subscriber's id taken by the config file (a config subscriber has no
-        // creation time, and no stored record): its `subscriber_deleted` letters are set
-        // aside too.
-        let (_dir2, other) = store_with_queued(1);
+        // creation time, and no stored record): its letters are set aside too, those the
+        // delete made and those it had already (marked by the delete, their reason kept).
+        let (_dir2, other) = store_with_queued(2);
+        let before = other.outbox().unwrap()[0].id;
+        let dead = crate::store::DeliveryResult::Dead { id: before, reason: "retries_exhausted".into(), cause: crate::store::DeadCause::Endpoint };
+        other.record_outcomes_with(&[dead], &[], 2_500, None).unwrap();
         other.delete_subscriber("a", 3_000).unwrap().unwrap();
-        let id = other.dead_letters().unwrap()[0].entry.id;
-        assert!(matches!(other.replay_dead_letter(id, 5_000, 3, Ok(())).unwrap(), crate::store::ReplayOutcome::Quarantined { reason } if reason.contains("now names another")));
+        let mut reasons: Vec<String> = other.dead_letters().unwrap().into_iter().map(|d| d.reason).collect();
+        reasons.sort();
+        assert_eq!(reasons, [SUBSCRIBER_DELETED.to_string(), format!("{SUBSCRIBER_DELETED} (was retries_exhausted)")]);
+        for d in other.dead_letters().unwrap() {
+            assert!(matches!(other.replay_dead_letter(d.entry.id, 5_000, 3, Ok(())).unwrap(), crate::store::ReplayOutcome::Quarantined { reason } if reason.contains("now names another")), "{}", d.reason);
+        }
+        assert_eq!(other.outbox_len().unwrap(), 0);
         let report = store.check_consistency().unwrap();
         assert!(report.is_consistent(), "{:?}", report.problems);
     }
