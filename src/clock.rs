@@ -72,16 +72,19 @@ impl ManualClock {
 
     /// Moves the clock to `now_ms`: forward as time passing, backwards as a step of the wall
     /// clock (that is for the tests to decide).
+    /// (Monotonic time moves first, and is read second: a look between the two writes sees
+    /// time passing, never a step.)
     pub fn set(&self, now_ms: u64) {
-        let before = self.now_ms.swap(now_ms, Ordering::SeqCst);
+        let before = self.now_ms.load(Ordering::SeqCst);
         self.mono_ms.fetch_add(now_ms.saturating_sub(before), Ordering::SeqCst);
+        self.now_ms.store(now_ms, Ordering::SeqCst);
     }
 
     /// Moves the clock forward by `by`, as time passing.
     pub fn advance(&self, by: std::time::Duration) {
         let ms = by.as_millis() as u64;
-        self.now_ms.fetch_add(ms, Ordering::SeqCst);
         self.mono_ms.fetch_add(ms, Ordering::SeqCst);
+        self.now_ms.fetch_add(ms, Ordering::SeqCst);
     }
 
     /// Steps the wall clock forward by `by` without time passing: what NTP does to a clock

@@ -435,6 +435,9 @@ impl Engine {
             tracing::warn!("could not enable the endpoints whose target changed in the config: {e} (zonewatch endpoints enable ID does it)");
         }
         let subscribers = Arc::new(SubscriberIndex::build(subs));
+        // A first look at the clock, so that a step forward during a `run`'s ingest is seen by
+        // its delivery (`store::clock_forward`).
+        store.watch_clock(clock.now_ms(), clock.mono_ms());
         Ok(Engine { config, store, subscribers, clock, stop: Default::default(), aoi_repairs })
     }
 

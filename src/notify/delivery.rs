@@ -283,11 +283,16 @@ impl Deliverer {
     /// stored it yet (`store::clock_forward`).
     async fn settle_clock_step(&self) {
         let now = self.now_watched();
-        let store = self.store.clone();
-        match tokio::task::spawn_blocking(move || store.save_forward_steps()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!("cannot store the steps forward of the system clock: {e}"),
-            Err(e) => tracing::warn!("storing the steps forward of the system clock: {e}"),
+        if self.store.forward_steps_unsaved() {
+            let store = self.store.clone();
+            let saved = tokio::task::spawn_blocking(move || store.save_forward_steps()).await.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
+            // Tried again at every pass, said once an hour (the next outcome commit stores
+            // them too).
+            static SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            match saved {
+                Err(e) if crate::util::now_and_then(&SAID_MS, 3_600_000) => tracing::warn!("cannot store the steps forward of the system clock: {e}"),
+                _ => {}
+            }
         }
         match self.store.clock_stepped_back(now) {
             Ok(Some(_)) => {}
@@ -395,7 +400,7 @@ impl Deliverer {
             disable_after_ms: self.cfg.disable_after.as_millis() as u64,
             ..Default::default()
         };
-        let now = self.clock.now_ms();
+        let now = self.now_watched();
         match tokio::task::spawn_blocking(move || store.record_outcomes_with(&results, &log, now, Some(&policy))).await {
             Ok(r) => {
                 stats.not_gone(&r?.not_gone);

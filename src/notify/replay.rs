@@ -136,7 +136,7 @@ pub async fn replay(
     // endpoint until an operator enables it (its rows wait in the outbox, as documented), so
     // pacing it only made the replay last as long as all its letters' tokens (bb28: after a
     // 410 the rest of a large replay took the whole time and sent nothing).
-    let mut disabled = disabled_endpoints(store)?;
+    let mut disabled = store.disabled_endpoints()?;
     let mut letters = letters.into_iter().peekable();
     loop {
         while let Some(dl) = letters.next_if(|d| disabled.contains(d.entry.watcher_id.as_str())) {
@@ -148,7 +148,17 @@ pub async fn replay(
         // waited for, held a replay near 20 a second whatever `--rate` said (bb26).
         bucket.take().await;
         let mut batch = vec![first];
-        while batch.len() < REPLAY_BATCH && letters.peek().is_some_and(|d| !disabled.contains(d.entry.watcher_id.as_str())) && bucket.try_take(Instant::now()).is_ok() {
+        while batch.len() < REPLAY_BATCH {
+            // A disabled endpoint's letter among them is requeued at once, and the batch goes
+            // on: letters of one change to many subscribers come in turn, and ending the batch
+            // there made a pass per letter again (a reviewer).
+            if let Some(dl) = letters.next_if(|d| disabled.contains(d.entry.watcher_id.as_str())) {
+                requeue(store, deliverer, &dl, max_replays, &mut report)?;
+                continue;
+            }
+            if letters.peek().is_none() || bucket.try_take(Instant::now()).is_err() {
+                break;
+            }
             batch.extend(letters.next());
         }
         let mut requeued = false;
@@ -162,7 +172,7 @@ pub async fn replay(
             let pass = deliverer.pump_until(None, Some(deliverer.now_ms())).await?;
             // A failure may have disabled an endpoint (410, `disable_after`).
             if pass.gone + pass.retried + pass.dead > 0 {
-                disabled = disabled_endpoints(store)?;
+                disabled = store.disabled_endpoints()?;
             }
             report.delivery += pass;
         }
@@ -189,11 +199,6 @@ fn requeue(store: &Store, deliverer: &Deliverer, dl: &DeadLetter, max_replays: u
         ReplayOutcome::NotFound => report.not_found += 1,
     }
     Ok(false)
-}
-
-/// The endpoints (subscriber ids) disabled now.
-fn disabled_endpoints(store: &Store) -> Result<std::collections::HashSet<String>, DeliveryError> {
-    Ok(store.endpoints()?.into_iter().filter(|(_, e)| e.disabled).map(|(id, _)| id).collect())
 }
 
 #[cfg(test)]

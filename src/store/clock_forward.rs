@@ -14,10 +14,19 @@
 //! which a step does not move. Between two looks, the wall clock moving more than monotonic
 //! time by over [`FORWARD_STEP_TOLERANCE_MS`] is a step of the difference.
 //! [`Store::watch_clock`] is that look: the deliverer calls it wherever it reads the clock to
-//! hold a row to a limit. Each step is kept as a [`ForwardStep`], in memory at once, and in
+//! hold a row to a limit, and `Engine` looks once as it opens the store, so that a step during
+//! a `run`'s ingest is seen. Each step is kept as a [`ForwardStep`], in memory at once, and in
 //! `meta` (`forward_steps`) by the next outcome commit, or the next pass, so that a later
 //! process knows it. [`elapsed_ms`] is the time from a stored moment to now, less the steps
-//! taken between them.
+//! taken after it.
+//!
+//! Which moments a step is credited to: those no later than the last reading that can have
+//! come before it (`before_ms`). A clock that comes back below that reading (a board without
+//! a real-time clock that boots at the same wrong time again, and lives those wall times a
+//! second time) makes the step another era's: it is dropped, or every moment of the new era
+//! would be credited it too, with the next boot's step on top (a reviewer). A look taken
+//! before another that was applied first (concurrent tasks) is passed over, for the same
+//! reason.
 //!
 //! Limits: only steps seen while a zonewatch process runs are known (one taken while it was
 //! stopped reads as time passing). A suspended machine counts as a step (Linux's monotonic
@@ -35,26 +44,27 @@ use std::sync::{Arc, Mutex};
 /// as a step: the two are read a moment apart, and a second more costs a limit a second.
 pub const FORWARD_STEP_TOLERANCE_MS: u64 = 2_000;
 
-/// Steps kept at most; past this the two oldest are merged (the moments between them are then
-/// credited the older step too, so their limits run longer: the safe side).
+/// Steps kept at most; past this the two oldest are merged (credited to the moments before the
+/// newer of the two, so the moments between them get the older one too: their limits run
+/// longer, the safe side).
 const MAX_STEPS: usize = 64;
-
-/// Version byte of the `forward_steps` value (then postcard of the list).
-const STEPS_VERSION: u8 = 1;
 
 /// One step forward of the wall clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForwardStep {
-    /// The earliest wall-clock reading after the step (ms): a moment before it was recorded
-    /// before the step.
+    /// The latest wall-clock reading that can have come before the step (ms): the last look
+    /// before it plus the time that passed until the look that found it.
+    pub before_ms: u64,
+    /// The earliest wall-clock reading after the step (ms).
     pub at_ms: u64,
     /// How far the clock went forward, at least (ms).
     pub size_ms: u64,
 }
 
-/// Time from `since_ms` to `now_ms` (wall clock) less the steps forward taken between them.
+/// Time from `since_ms` to `now_ms` (wall clock) less the steps forward taken after
+/// `since_ms` (see the module doc for which).
 pub fn elapsed_ms(steps: &[ForwardStep], since_ms: u64, now_ms: u64) -> u64 {
-    let stepped = steps.iter().filter(|s| s.at_ms > since_ms && s.at_ms <= now_ms).fold(0u64, |sum, s| sum.saturating_add(s.size_ms));
+    let stepped = steps.iter().filter(|s| since_ms <= s.before_ms && since_ms < s.at_ms).fold(0u64, |sum, s| sum.saturating_add(s.size_ms));
     now_ms.saturating_sub(since_ms).saturating_sub(stepped)
 }
 
@@ -84,25 +94,23 @@ impl ClockWatch {
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(ClockWatch::default()),
             Err(e) => return Err(e.into()),
         };
-        let steps = match meta.get(META_FORWARD_STEPS)? {
-            Some(v) => decode_steps(v.value()).unwrap_or_else(|why| {
-                tracing::warn!("the stored steps of the wall clock cannot be read ({why}); counting from none");
-                Vec::new()
-            }),
-            None => Vec::new(),
+        // One that cannot be read is written afresh by the next commit (`found` ahead of
+        // `saved`), not warned of at every open.
+        let (steps, found) = match meta.get(META_FORWARD_STEPS)? {
+            Some(v) => match super::codec::decode::<Vec<ForwardStep>>(v.value()) {
+                Ok(steps) => (steps, 0),
+                Err(why) => {
+                    tracing::warn!("the stored steps of the wall clock cannot be read ({why}); counting from none");
+                    (Vec::new(), 1)
+                }
+            },
+            None => (Vec::new(), 0),
         };
-        Ok(ClockWatch { state: Mutex::new(WatchState { steps: steps.into(), ..WatchState::default() }) })
+        Ok(ClockWatch { state: Mutex::new(WatchState { steps: steps.into(), found, ..WatchState::default() }) })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, WatchState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-fn decode_steps(bytes: &[u8]) -> Result<Vec<ForwardStep>, String> {
-    match super::codec::split_version(bytes)? {
-        (STEPS_VERSION, rest) => super::codec::decode_postcard(rest),
-        (v, _) => Err(super::codec::unknown_version(v, "forward_steps", STEPS_VERSION)),
     }
 }
 
@@ -113,7 +121,9 @@ fn with_step(steps: &[ForwardStep], step: ForwardStep) -> Vec<ForwardStep> {
     out.sort_by_key(|s| s.at_ms);
     while out.len() > MAX_STEPS {
         let older = out.remove(0);
-        out[0].size_ms = out[0].size_ms.saturating_add(older.size_ms);
+        if let Some(newer) = out.first_mut() {
+            newer.size_ms = newer.size_ms.saturating_add(older.size_ms);
+        }
     }
     out
 }
@@ -125,17 +135,33 @@ impl Store {
     /// two clocks would differ by a step that was never taken.
     pub fn watch_clock(&self, wall_ms: u64, mono_ms: u64) -> Option<ForwardStep> {
         let mut g = self.clock_watch.state();
+        // A reading taken before the last one applied (another task's, read first and locked
+        // second) would make the time between them look like a step again.
+        if g.last.is_some_and(|(_, mono0)| mono_ms < mono0) {
+            return None;
+        }
         let found = g.last.and_then(|(wall0, mono0)| {
             let passed = mono_ms.saturating_sub(mono0);
             let step = wall_ms.saturating_sub(wall0).saturating_sub(passed);
-            (step > FORWARD_STEP_TOLERANCE_MS).then(|| ForwardStep { at_ms: wall_ms.saturating_sub(passed), size_ms: step })
+            (step > FORWARD_STEP_TOLERANCE_MS).then(|| ForwardStep { before_ms: wall0.saturating_add(passed), at_ms: wall_ms.saturating_sub(passed), size_ms: step })
         });
         g.last = Some((wall_ms, mono_ms));
+        // The clock back below where a step began: that step was another era's.
+        if g.steps.iter().any(|s| s.before_ms > wall_ms.saturating_add(FORWARD_STEP_TOLERANCE_MS)) {
+            g.steps = g.steps.iter().filter(|s| s.before_ms <= wall_ms.saturating_add(FORWARD_STEP_TOLERANCE_MS)).copied().collect();
+            g.found += 1;
+        }
         if let Some(step) = found {
             g.steps = with_step(&g.steps, step).into();
             g.found += 1;
         }
         found
+    }
+
+    /// Whether steps found (or dropped) in this process are not stored yet.
+    pub fn forward_steps_unsaved(&self) -> bool {
+        let g = self.clock_watch.state();
+        g.found != g.saved
     }
 
     /// The steps forward known to this store, oldest first.
@@ -146,11 +172,8 @@ impl Store {
     /// Writes the steps found since the last save into `meta` in one durable transaction;
     /// nothing when there are none.
     pub fn save_forward_steps(&self) -> Result<(), StoreError> {
-        {
-            let g = self.clock_watch.state();
-            if g.found == g.saved {
-                return Ok(());
-            }
+        if !self.forward_steps_unsaved() {
+            return Ok(());
         }
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
@@ -179,9 +202,7 @@ pub(super) fn save_steps_in(store: &Store, wtx: &WriteTransaction) -> Result<Opt
         }
         (g.steps.clone(), g.found)
     };
-    let mut value = vec![STEPS_VERSION];
-    value.extend(postcard::to_allocvec(&*steps).unwrap_or_default());
-    wtx.open_table(META)?.insert(META_FORWARD_STEPS, value.as_slice())?;
+    wtx.open_table(META)?.insert(META_FORWARD_STEPS, super::codec::encode(&steps.to_vec()).as_slice())?;
     Ok(Some(found))
 }
 
@@ -200,16 +221,19 @@ mod tests {
 
     const T: u64 = 1_800_000_000_000;
     const YEAR: u64 = 365 * 86_400_000;
+    const DAY: u64 = 86_400_000;
 
     #[test]
-    fn elapsed_time_leaves_out_the_steps_between() {
-        // A year's step taken a second after T: the first reading after it is T + a year + 1 s.
-        let steps = [ForwardStep { at_ms: T + YEAR + 1_000, size_ms: YEAR }];
+    fn elapsed_time_leaves_out_the_steps_taken_after_a_moment() {
+        // A year's step a second after T: the last reading before it T + 1 s, the first after
+        // it T + a year + 1 s.
+        let steps = [ForwardStep { before_ms: T + 1_000, at_ms: T + YEAR + 1_000, size_ms: YEAR }];
         // Recorded before the step: the year is not elapsed time.
         assert_eq!(elapsed_ms(&steps, T, T + YEAR + 6_000), 6_000);
-        // Recorded after it, or looked at before it: wall time.
+        // Recorded after it: wall time.
         assert_eq!(elapsed_ms(&steps, T + YEAR + 1_000, T + YEAR + 9_000), 8_000);
-        assert_eq!(elapsed_ms(&steps, T - 5_000, T + 500), 5_500);
+        // A moment the clock jumped over was another era's (a boot before): wall time.
+        assert_eq!(elapsed_ms(&steps, T + 30 * DAY, T + YEAR + 6_000), YEAR + 6_000 - 30 * DAY);
         // A clock behind the moment: nothing elapsed.
         assert_eq!(elapsed_ms(&steps, T, T - 10), 0);
     }
@@ -228,25 +252,39 @@ mod tests {
             // A year forward in 10 s: a step of a year (less the 1.5 s the wall clock was
             // ahead at the last look), found once.
             let step = store.watch_clock(T + 3_611_000 + YEAR, 3_611_000).unwrap();
-            assert_eq!(step, ForwardStep { at_ms: T + 3_601_000 + YEAR, size_ms: YEAR - 1_500 });
+            assert_eq!(step, ForwardStep { before_ms: T + 3_612_500, at_ms: T + 3_601_000 + YEAR, size_ms: YEAR - 1_500 });
             assert_eq!(store.watch_clock(T + 3_612_000 + YEAR, 3_612_000), None);
-            // A step back is not a step forward (`clock_step.rs` has those).
-            assert_eq!(store.watch_clock(T, 3_613_000), None);
+            // A reading taken before the last one applied is passed over, not compared.
+            assert_eq!(store.watch_clock(T + 3_600_000, 3_605_000), None);
+            assert_eq!(store.watch_clock(T + 3_613_000 + YEAR, 3_613_000), None, "the step is not found again");
+            // A step back not below where the step began is not a step forward
+            // (`clock_step.rs` has those), and the step stands.
+            assert_eq!(store.watch_clock(T + YEAR / 2, 3_614_000), None);
             assert_eq!(&*store.forward_steps(), &[step]);
+            assert!(store.forward_steps_unsaved());
             store.save_forward_steps().unwrap();
+            assert!(!store.forward_steps_unsaved());
         }
         let store = Store::open(&path).unwrap();
         assert_eq!(store.forward_steps().len(), 1, "the step is known to the next process");
+        // The board boots at the same wrong time again: below where the step began, the step
+        // is the other boot's, and is dropped (kept, every moment of this boot would be
+        // credited it too).
+        assert_eq!(store.watch_clock(T + 5_000, 0), None);
+        assert!(store.forward_steps().is_empty());
+        store.save_forward_steps().unwrap();
+        drop(store);
+        assert!(Store::open(&path).unwrap().forward_steps().is_empty());
     }
 
     #[test]
     fn steps_past_the_cap_are_merged_oldest_first() {
         let mut steps: Vec<ForwardStep> = Vec::new();
         for i in 0..(MAX_STEPS as u64 + 3) {
-            steps = with_step(&steps, ForwardStep { at_ms: T + i * 1_000_000, size_ms: 10 });
+            steps = with_step(&steps, ForwardStep { before_ms: T + i * 1_000_000 - 10, at_ms: T + i * 1_000_000, size_ms: 10 });
         }
         assert_eq!(steps.len(), MAX_STEPS);
-        assert_eq!(steps[0], ForwardStep { at_ms: T + 3_000_000, size_ms: 40 });
+        assert_eq!(steps[0], ForwardStep { before_ms: T + 3_000_000 - 10, at_ms: T + 3_000_000, size_ms: 40 });
         let total: u64 = steps.iter().map(|s| s.size_ms).sum();
         assert_eq!(total, 10 * (MAX_STEPS as u64 + 3), "no step is forgotten");
     }

@@ -191,6 +191,21 @@ fn observe(s: &mut EndpointState, id: &str, success: bool, gone: bool, now_ms: u
     None
 }
 
+/// The disabled endpoints' states, by id (records that cannot be read are left out).
+fn disabled_in(rtx: &redb::ReadTransaction) -> Result<Vec<(String, EndpointState)>, StoreError> {
+    let mut out = Vec::new();
+    let Some(endpoints) = super::check::open_optional(rtx, ENDPOINTS)? else { return Ok(out) };
+    for item in endpoints.iter()? {
+        let (k, v) = item?;
+        if let Ok(s) = decode::<EndpointState>(v.value()) {
+            if s.disabled {
+                out.push((k.value().to_string(), s));
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Alerts queued for an endpoint that is disabled: they wait for an operator's `endpoints
 /// enable` (or a control-port subscriber's new target), and nothing else says so (a tester
 /// fixed a config subscriber's target after a 410 and its alerts waited without a word).
@@ -209,15 +224,8 @@ pub struct DisabledBacklog {
 /// whose leading fields do not decode is left out (`check --store` names it).
 pub(super) fn disabled_backlog_in(rtx: &redb::ReadTransaction) -> Result<Vec<DisabledBacklog>, StoreError> {
     let mut disabled: std::collections::BTreeMap<String, DisabledBacklog> = std::collections::BTreeMap::new();
-    let Some(endpoints) = super::check::open_optional(rtx, ENDPOINTS)? else { return Ok(Vec::new()) };
-    for item in endpoints.iter()? {
-        let (k, v) = item?;
-        if let Ok(s) = decode::<EndpointState>(v.value()) {
-            if s.disabled {
-                let id = k.value().to_string();
-                disabled.insert(id.clone(), DisabledBacklog { endpoint: id, reason: s.disabled_reason, since_ms: s.disabled_at_ms, waiting: 0 });
-            }
-        }
+    for (id, s) in disabled_in(rtx)? {
+        disabled.insert(id.clone(), DisabledBacklog { endpoint: id, reason: s.disabled_reason, since_ms: s.disabled_at_ms, waiting: 0 });
     }
     if disabled.is_empty() {
         return Ok(Vec::new());
@@ -278,6 +286,12 @@ impl Store {
         retry_now_in(&wtx, &enabled.iter().map(String::as_str).collect::<Vec<_>>(), now_ms)?;
         wtx.commit()?;
         Ok(enabled)
+    }
+
+    /// The ids of the endpoints disabled now (a record that cannot be read counts as enabled,
+    /// as delivery takes it).
+    pub fn disabled_endpoints(&self) -> Result<std::collections::HashSet<String>, StoreError> {
+        Ok(disabled_in(&self.db.begin_read()?)?.into_iter().map(|(id, _)| id).collect())
     }
 
     /// Disabled endpoints with alerts waiting for them ([`DisabledBacklog`]).
