@@ -355,6 +355,11 @@ pub(super) fn outbox_rows_of(wtx: &WriteTransaction, watcher: &str) -> Result<Ve
     for (table, queue, name) in [(OUTBOX, super::outbox::Queue::Fresh, "outbox"), (OUTBOX_RETRY, super::outbox::Queue::Retry, "outbox_retry")] {
         for item in wtx.open_table(table)?.iter()? {
             let (k, v) = item?;
+            // Another subscriber's row is passed over on its leading fields, not decoded whole
+            // (a delete held the write lock while it decoded every change of the outbox).
+            if super::outbox_rows::entry_watcher(v.value()).is_ok_and(|w| w != watcher) {
+                continue;
+            }
             // A row that cannot be decoded is left where it is (delivery passes over it too,
             // and `check --store` names it): it must not stop every subscriber's delete.
             let entry = match decode_entry(v.value()) {
