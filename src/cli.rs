@@ -485,6 +485,7 @@ fn cmd_run(config: &std::path::Path, only: Option<&str>, reprocess: bool, from_s
             }
         }
     });
+    engine.settle_clock_watch();
     // Not when stopped by a signal: what remains is to exit.
     if !interrupted() {
         end_of_run_sweeps(&engine);
@@ -840,12 +841,17 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             let (tx, gone) = (tx.clone(), store_gone.clone());
             let mut rx = rx.clone();
             let (config, addr, addr_written) = (engine.config.clone(), addr.clone(), addr_written.clone());
+            let watcher = engine.clone();
             tasks.spawn(async move {
                 loop {
                     tokio::select! {
                         _ = tokio::time::sleep(STORE_FILE_CHECK) => {}
                         _ = rx.changed() => break,
                     }
+                    // A step forward of the clock seen and stored within seconds, however idle
+                    // delivery is (`Engine::settle_clock_watch`).
+                    let w = watcher.clone();
+                    let _ = tokio::task::spawn_blocking(move || w.settle_clock_watch()).await;
                     if !addr_written.load(std::sync::atomic::Ordering::Relaxed) && write_control_addr(&config, &addr, false) {
                         addr_written.store(true, std::sync::atomic::Ordering::Relaxed);
                         tracing::info!(path = %control_addr_file(&config).display(), "control port address written");
@@ -936,6 +942,8 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
             tracing::warn!("{text}");
         }
         while tasks.join_next().await.is_some() {}
+        let e = engine.clone();
+        let _ = tokio::task::spawn_blocking(move || e.settle_clock_watch()).await;
         None
     });
     // Dropping the runtime waits for its blocking tasks (a backup a client asked for is

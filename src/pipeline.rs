@@ -474,6 +474,17 @@ impl Engine {
         self.clock.now_ms()
     }
 
+    /// Looks at the clock for a step forward and stores the steps not stored yet
+    /// (`store::clock_forward`): `serve` every few seconds and as it stops, `run` as it ends,
+    /// so that a step seen is not lost with the process when no delivery outcome follows it
+    /// (bb29: a `serve` stopped before its next pass, up to a minute when idle, forgot it, and
+    /// the next start dead-lettered the alerts queued before it). Blocking (a durable commit
+    /// when there is something to store).
+    pub fn settle_clock_watch(&self) {
+        crate::notify::delivery::now_watched(&self.clock, &self.store);
+        crate::notify::delivery::save_forward_steps(&self.store);
+    }
+
     /// Runs one source by id.
     pub fn run_source_id(&self, id: &str, opts: RunOptions) -> Result<SourceReport, PipelineError> {
         let src = self.config.source(id).ok_or_else(|| PipelineError::UnknownSource(id.to_string()))?.clone();

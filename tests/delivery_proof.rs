@@ -393,6 +393,56 @@ async fn a_clock_stepped_forward_during_a_runs_ingest_is_seen_by_its_delivery() 
     assert_eq!(rx.received().len(), 2);
 }
 
+/// A drain whose clock steps forward under it goes on waiting for the retries scheduled after
+/// the step (bb29: its deadline on the wall clock was read once, before the step, and every
+/// retry scheduled after it fell past that: `run` ended with the alerts queued).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_goes_on_after_the_clock_steps_forward_under_it() {
+    let rx = Receiver::start_replies(Arc::new(|n, _| if n == 0 { Reply { status: 503, delay: Duration::from_millis(300), ..Default::default() } } else { Reply::status(200) }), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "max_retry_window = \"1h\"");
+    let clock = zonewatch::clock::ManualClock::at(1_000_000_000_000);
+    let engine = ws.engine_at(clock.clone());
+    queue(&ws, &engine, &[0]);
+    // Time passes 50 ms at a time; the step comes while the first (slow) request is out.
+    let ticker = tokio::spawn({
+        let clock = clock.clone();
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                clock.advance(Duration::from_millis(50));
+            }
+        }
+    });
+    let stepper = tokio::spawn({
+        let clock = clock.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            clock.step_forward(Duration::from_secs(10 * 365 * 86_400));
+        }
+    });
+    let stats = deliver(&engine, Duration::from_secs(5)).await;
+    ticker.abort();
+    stepper.await.unwrap();
+    assert_eq!((stats.sent, stats.dead), (1, 0), "{stats:?}");
+    assert_eq!(rx.received().len(), 2);
+}
+
+/// A step forward seen by `serve`'s regular look at the clock (or as it stops, or as `run`
+/// ends) is stored then, not only by a later delivery outcome: a process stopped before one
+/// forgot it (bb29), and the next start dead-lettered the alerts queued before it.
+#[test]
+fn a_step_seen_by_a_look_at_the_clock_is_stored_at_once() {
+    let ws = ws_for("http://127.0.0.1:9/hook".into(), "");
+    let clock = zonewatch::clock::ManualClock::at(1_000_000_000_000);
+    let engine = ws.engine_at(clock.clone());
+    clock.advance(Duration::from_secs(1));
+    clock.step_forward(Duration::from_secs(10 * 365 * 86_400));
+    engine.settle_clock_watch();
+    drop(engine);
+    let engine = ws.engine_at(clock.clone());
+    assert_eq!(engine.store.forward_steps().len(), 1, "the next process knows the step");
+}
+
 /// A replay with no dead letter to requeue sends nothing: it drained the whole outbox (the
 /// alerts a stopped `run` had left queued), past its `--rate`, and counted them as its own
 /// (found by a black-box tester).

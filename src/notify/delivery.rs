@@ -238,8 +238,18 @@ pub const HTTP_410_GONE: &str = "http_410_gone";
 /// ([`DeliveryResult::Gone`]'s `otherwise`): an ordinary failure.
 pub const HTTP_410: &str = "http_410";
 
+/// Stores the steps forward of the clock not stored yet; a failure is tried again at the next
+/// look, and said once an hour (the next outcome commit stores them too). Blocking.
+pub(crate) fn save_forward_steps(store: &Store) {
+    static SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    match store.save_forward_steps() {
+        Err(e) if crate::util::now_and_then(&SAID_MS, 3_600_000) => tracing::warn!("cannot store the steps forward of the system clock: {e}"),
+        _ => {}
+    }
+}
+
 /// Now by `clock`, looked at for a step forward by `store` (logged when one is found).
-fn now_watched(clock: &SharedClock, store: &Store) -> u64 {
+pub(crate) fn now_watched(clock: &SharedClock, store: &Store) -> u64 {
     let (now, mono) = (clock.now_ms(), clock.mono_ms());
     if let Some(step) = store.watch_clock(now, mono) {
         crate::store::say_forward_step(&step);
@@ -285,14 +295,7 @@ impl Deliverer {
         let now = self.now_watched();
         if self.store.forward_steps_unsaved() {
             let store = self.store.clone();
-            let saved = tokio::task::spawn_blocking(move || store.save_forward_steps()).await.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string()));
-            // Tried again at every pass, said once an hour (the next outcome commit stores
-            // them too).
-            static SAID_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            match saved {
-                Err(e) if crate::util::now_and_then(&SAID_MS, 3_600_000) => tracing::warn!("cannot store the steps forward of the system clock: {e}"),
-                _ => {}
-            }
+            let _ = tokio::task::spawn_blocking(move || save_forward_steps(&store)).await;
         }
         match self.store.clock_stepped_back(now) {
             Ok(Some(_)) => {}
@@ -761,7 +764,9 @@ impl Deliverer {
         let mut total = PassStats::default();
         // The deadline on the deliverer's clock: rows due after it are not leased, even while
         // slow sends keep a pass going (a run must not keep retrying long past `run_wait`).
-        let due_by = self.clock.now_ms().saturating_add(deadline.saturating_duration_since(Instant::now()).as_millis() as u64);
+        // Read again at each pass: a wall clock stepped forward meanwhile put every retry due
+        // after the first reading, and the drain ended with its alerts queued (bb29).
+        let due_by_now = || self.clock.now_ms().saturating_add(deadline.saturating_duration_since(Instant::now()).as_millis() as u64);
         // Pumps in a row that sent nothing because their last lease pass stopped at its
         // pass-over bound (a held backlog ahead of rows that may go out): the drain goes on
         // at once until such pumps have read past every queued row once, or it would end with
@@ -771,6 +776,7 @@ impl Deliverer {
             if is_stopped() {
                 break;
             }
+            let due_by = due_by_now();
             let pass = self.pump_until(stop, Some(due_by)).await?;
             total += pass;
             if is_stopped() {

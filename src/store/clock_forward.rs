@@ -16,8 +16,9 @@
 //! [`Store::watch_clock`] is that look: the deliverer calls it wherever it reads the clock to
 //! hold a row to a limit, and `Engine` looks once as it opens the store, so that a step during
 //! a `run`'s ingest is seen. Each step is kept as a [`ForwardStep`], in memory at once, and in
-//! `meta` (`forward_steps`) by the next outcome commit, or the next pass, so that a later
-//! process knows it. [`elapsed_ms`] is the time from a stored moment to now, less the steps
+//! `meta` (`forward_steps`) by the next outcome commit or pass, or by
+//! `Engine::settle_clock_watch` (`serve` every 5 s and as it stops, `run` as it ends), so that
+//! a later process knows it. [`elapsed_ms`] is the time from a stored moment to now, less the steps
 //! taken after it.
 //!
 //! Which moments a step is credited to: those no later than the last reading that can have
