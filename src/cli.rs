@@ -848,10 +848,6 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         _ = tokio::time::sleep(STORE_FILE_CHECK) => {}
                         _ = rx.changed() => break,
                     }
-                    // A step forward of the clock seen and stored within seconds, however idle
-                    // delivery is (`Engine::settle_clock_watch`).
-                    let w = watcher.clone();
-                    let _ = tokio::task::spawn_blocking(move || w.settle_clock_watch()).await;
                     if !addr_written.load(std::sync::atomic::Ordering::Relaxed) && write_control_addr(&config, &addr, false) {
                         addr_written.store(true, std::sync::atomic::Ordering::Relaxed);
                         tracing::info!(path = %control_addr_file(&config).display(), "control port address written");
@@ -870,6 +866,14 @@ fn cmd_serve(config: &std::path::Path) -> i32 {
                         gone.store(true, std::sync::atomic::Ordering::SeqCst);
                         let _ = tx.send(true);
                         break;
+                    }
+                    // A step forward of the clock seen and stored within seconds, however idle
+                    // delivery is (`Engine::settle_clock_watch`); after the file check, and not
+                    // holding up a shutdown (its commit may wait for a run's).
+                    let w = watcher.clone();
+                    tokio::select! {
+                        _ = tokio::task::spawn_blocking(move || w.settle_clock_watch()) => {}
+                        _ = rx.changed() => break,
                     }
                 }
             });
@@ -1960,7 +1964,7 @@ fn cmd_holds(action: HoldAction) -> i32 {
                     Ok(rt) => rt,
                     Err(c) => return c,
                 };
-                rt.block_on(async {
+                let code = rt.block_on(async {
                     match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), engine.config.delivery.clone()).map(|d| d.with_clock(engine.clock.clone())) {
                         Ok(d) => match d.drain(Instant::now() + engine.config.delivery.run_wait).await {
                             Ok(s) => {
@@ -1978,7 +1982,10 @@ fn cmd_holds(action: HoldAction) -> i32 {
                             1
                         }
                     }
-                })
+                });
+                // A step of the clock its delivery saw is stored (`Engine::settle_clock_watch`).
+                engine.settle_clock_watch();
+                code
             }
             Err(e) => {
                 error_line!("{e}");

@@ -414,7 +414,7 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
         }
     };
     let cfg = engine.config.delivery.clone();
-    rt.block_on(async {
+    let code = rt.block_on(async {
         let deliverer = match Deliverer::new(engine.store.clone(), engine.subscribers.clone(), cfg.clone()).map(|d| d.with_clock(engine.clock.clone())) {
             Ok(d) => d,
             Err(e) => {
@@ -469,5 +469,8 @@ fn run_replay(config: &std::path::Path, ids: Vec<u64>, since: Option<String>, un
                 1
             }
         }
-    })
+    });
+    // A step of the clock its delivery saw is stored (`Engine::settle_clock_watch`).
+    engine.settle_clock_watch();
+    code
 }

@@ -250,8 +250,8 @@ pub(crate) fn save_forward_steps(store: &Store) {
 
 /// Now by `clock`, looked at for a step forward by `store` (logged when one is found).
 pub(crate) fn now_watched(clock: &SharedClock, store: &Store) -> u64 {
-    let (now, mono) = (clock.now_ms(), clock.mono_ms());
-    if let Some(step) = store.watch_clock(now, mono) {
+    let (now, step) = store.watch_clock_reading(|| (clock.now_ms(), clock.mono_ms()));
+    if let Some(step) = step {
         crate::store::say_forward_step(&step);
     }
     now
@@ -766,7 +766,10 @@ impl Deliverer {
         // slow sends keep a pass going (a run must not keep retrying long past `run_wait`).
         // Read again at each pass: a wall clock stepped forward meanwhile put every retry due
         // after the first reading, and the drain ended with its alerts queued (bb29).
+        // Not past the deadline, though: a pass ending after it must not lease the retries
+        // fallen due meanwhile (a reviewer).
         let due_by_now = || self.clock.now_ms().saturating_add(deadline.saturating_duration_since(Instant::now()).as_millis() as u64);
+        let mut due_by = due_by_now();
         // Pumps in a row that sent nothing because their last lease pass stopped at its
         // pass-over bound (a held backlog ahead of rows that may go out): the drain goes on
         // at once until such pumps have read past every queued row once, or it would end with
@@ -776,7 +779,9 @@ impl Deliverer {
             if is_stopped() {
                 break;
             }
-            let due_by = due_by_now();
+            if Instant::now() < deadline {
+                due_by = due_by_now();
+            }
             let pass = self.pump_until(stop, Some(due_by)).await?;
             total += pass;
             if is_stopped() {

@@ -25,9 +25,18 @@
 //! come before it (`before_ms`). A clock that comes back below that reading (a board without
 //! a real-time clock that boots at the same wrong time again, and lives those wall times a
 //! second time) makes the step another era's: it is dropped, or every moment of the new era
-//! would be credited it too, with the next boot's step on top (a reviewer). A look taken
-//! before another that was applied first (concurrent tasks) is passed over, for the same
-//! reason.
+//! would be credited it too, with the next boot's step on top (a reviewer). A moment whose
+//! wall time the step jumped over (between `before_ms` and `at_ms`) was recorded in another
+//! era, and counts wall time. The clock is read under the watch's lock, so looks are applied
+//! in the order they were read.
+//!
+//! Not repaired (wall-clock times cannot order the moments of two eras): on a board that boots
+//! twice at the same wrong time, an alert queued in the first boot after where the second
+//! boot's step begins counts the wall gap and can be dead-lettered `retry_window_exceeded`;
+//! and when zonewatch first looks after where the first boot's step began, a failure streak
+//! moved back by `clock_step.rs` below that point is credited both boots' steps (its endpoint
+//! then is not disabled by `disable_after`). Both need the first boot to have left work
+//! behind at the same wall times the second boot lives again.
 //!
 //! Limits: only steps seen while a zonewatch process runs are known (one taken while it was
 //! stopped reads as time passing). A suspended machine counts as a step (Linux's monotonic
@@ -115,6 +124,33 @@ impl ClockWatch {
     }
 }
 
+impl WatchState {
+    /// Applies one look (see [`Store::watch_clock`]).
+    fn look(&mut self, wall_ms: u64, mono_ms: u64) -> Option<ForwardStep> {
+        // A reading taken before the last one applied (another task's, read first and locked
+        // second) would make the time between them look like a step again.
+        if self.last.is_some_and(|(_, mono0)| mono_ms < mono0) {
+            return None;
+        }
+        let found = self.last.and_then(|(wall0, mono0)| {
+            let passed = mono_ms.saturating_sub(mono0);
+            let step = wall_ms.saturating_sub(wall0).saturating_sub(passed);
+            (step > FORWARD_STEP_TOLERANCE_MS).then(|| ForwardStep { before_ms: wall0.saturating_add(passed), at_ms: wall_ms.saturating_sub(passed), size_ms: step })
+        });
+        self.last = Some((wall_ms, mono_ms));
+        // The clock back below where a step began: that step was another era's.
+        if self.steps.iter().any(|s| s.before_ms > wall_ms.saturating_add(FORWARD_STEP_TOLERANCE_MS)) {
+            self.steps = self.steps.iter().filter(|s| s.before_ms <= wall_ms.saturating_add(FORWARD_STEP_TOLERANCE_MS)).copied().collect();
+            self.found += 1;
+        }
+        if let Some(step) = found {
+            self.steps = with_step(&self.steps, step).into();
+            self.found += 1;
+        }
+        found
+    }
+}
+
 /// `steps` with `step` added, the two oldest merged while over [`MAX_STEPS`].
 fn with_step(steps: &[ForwardStep], step: ForwardStep) -> Vec<ForwardStep> {
     let mut out = steps.to_vec();
@@ -135,28 +171,17 @@ impl Store {
     /// next outcome commit or [`Store::save_forward_steps`]). One clock per store: readings of
     /// two clocks would differ by a step that was never taken.
     pub fn watch_clock(&self, wall_ms: u64, mono_ms: u64) -> Option<ForwardStep> {
+        self.watch_clock_reading(|| (wall_ms, mono_ms)).1
+    }
+
+    /// [`Store::watch_clock`] with the clock read (wall, monotonic) under the watch's lock, so
+    /// that looks are applied in the order they were read (a reviewer: a wall reading taken
+    /// before a step and applied after a later look could make one step count twice).
+    /// Returns the wall reading and the step found.
+    pub fn watch_clock_reading(&self, read: impl FnOnce() -> (u64, u64)) -> (u64, Option<ForwardStep>) {
         let mut g = self.clock_watch.state();
-        // A reading taken before the last one applied (another task's, read first and locked
-        // second) would make the time between them look like a step again.
-        if g.last.is_some_and(|(_, mono0)| mono_ms < mono0) {
-            return None;
-        }
-        let found = g.last.and_then(|(wall0, mono0)| {
-            let passed = mono_ms.saturating_sub(mono0);
-            let step = wall_ms.saturating_sub(wall0).saturating_sub(passed);
-            (step > FORWARD_STEP_TOLERANCE_MS).then(|| ForwardStep { before_ms: wall0.saturating_add(passed), at_ms: wall_ms.saturating_sub(passed), size_ms: step })
-        });
-        g.last = Some((wall_ms, mono_ms));
-        // The clock back below where a step began: that step was another era's.
-        if g.steps.iter().any(|s| s.before_ms > wall_ms.saturating_add(FORWARD_STEP_TOLERANCE_MS)) {
-            g.steps = g.steps.iter().filter(|s| s.before_ms <= wall_ms.saturating_add(FORWARD_STEP_TOLERANCE_MS)).copied().collect();
-            g.found += 1;
-        }
-        if let Some(step) = found {
-            g.steps = with_step(&g.steps, step).into();
-            g.found += 1;
-        }
-        found
+        let (wall_ms, mono_ms) = read();
+        (wall_ms, g.look(wall_ms, mono_ms))
     }
 
     /// Whether steps found (or dropped) in this process are not stored yet.
@@ -179,6 +204,11 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         let written = save_steps_in(self, &wtx)?;
+        if written.is_none() {
+            // Another save stored them meanwhile: no durable commit for nothing.
+            wtx.abort()?;
+            return Ok(());
+        }
         wtx.commit()?;
         self.forward_steps_saved(written);
         Ok(())

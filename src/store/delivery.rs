@@ -552,7 +552,7 @@ impl Store {
         // The clock each retry's due time was computed on.
         let decided: std::collections::HashMap<u64, u64> = attempts.iter().filter_map(|a| Some((a.outbox_id, a.decided_ms?))).collect();
         // Rows whose subscriber was deleted while they were sent: not left queued.
-        let revoked = self.leases.revoked(results.iter().filter(|r| matches!(r, DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } | DeliveryResult::Gone { .. })).map(DeliveryResult::id));
+        let revoked = self.leases.revoked(results.iter().filter(|r| !matches!(r, DeliveryResult::Sent { .. })).map(DeliveryResult::id));
         // 410s recorded as the failures they otherwise are, by row.
         let mut not_gone: std::collections::HashMap<u64, &DeliveryResult> = std::collections::HashMap::new();
         let closed = {
@@ -605,7 +605,11 @@ impl Store {
                     DeliveryResult::Dead { reason, .. } => {
                         let mut dead_entry = entry.clone();
                         dead_entry.attempts = attempts;
-                        pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, reason, now_ms)?);
+                        // Its subscriber was deleted while it was sent: the letter says so, as
+                        // the delete marked those it found (a replay sets it aside should a
+                        // config subscriber take the id: a reviewer).
+                        let reason = if revoked.contains(&id) { format!("{} (was {reason})", super::subscribers::SUBSCRIBER_DELETED) } else { reason.clone() };
+                        pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, &reason, now_ms)?);
                     }
                     DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } | DeliveryResult::Gone { .. } if revoked.contains(&id) => {
                         let mut dead_entry = entry.clone();

@@ -208,12 +208,17 @@ impl Store {
     pub fn delete_subscriber(&self, id: &str, now_ms: u64) -> Result<Option<SubscriberDeleted>, StoreError> {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
-        if wtx.open_table(SUBSCRIBERS)?.remove(id)?.is_none() {
+        // When it was created (a record that cannot be read: from the start).
+        let created_ms = match wtx.open_table(SUBSCRIBERS)?.remove(id)? {
+            None => None,
+            Some(v) => Some(decode_subscriber(v.value()).map(|s| s.created_ms).unwrap_or(0)),
+        };
+        let Some(created_ms) = created_ms else {
             wtx.abort()?;
             return Ok(None);
-        }
+        };
         forget_in(&wtx, id)?;
-        mark_letters_of_deleted(&wtx, id)?;
+        mark_letters_of_deleted(&wtx, id, created_ms)?;
         // Its rows are found before the lease lock is taken (lease passes are not stalled by
         // a scan of the whole outbox); which of them are in flight is asked under it, and
         // the lock is held through the commit (see `Leases::while_held`).
@@ -238,9 +243,10 @@ pub(super) fn deleted_reason(reason: &str) -> bool {
 /// deleted, their reason kept after it (`subscriber_deleted (was retries_exhausted)`). A
 /// replay then sets them aside should a config subscriber take the id, which has no creation
 /// time to compare with (bb28: such letters went to the new target). The delete is refused
-/// while a config subscriber has the id, so every letter of it is the deleted one's. Each
-/// letter's subscriber is read off its leading fields; only its own are decoded whole.
-fn mark_letters_of_deleted(wtx: &redb::WriteTransaction, id: &str) -> Result<(), StoreError> {
+/// while a config subscriber has the id; a letter queued before the deleted one was created
+/// (`created_ms`) is an earlier subscriber's of that id, and is left as it is (a reviewer).
+/// Each letter's subscriber is read off its leading fields; only its own are decoded whole.
+fn mark_letters_of_deleted(wtx: &redb::WriteTransaction, id: &str, created_ms: u64) -> Result<(), StoreError> {
     let mut letters = wtx.open_table(super::tables::DEAD_LETTERS)?;
     let mut marked: Vec<(u64, crate::model::DeadLetter)> = Vec::new();
     for item in letters.iter()? {
@@ -250,7 +256,7 @@ fn mark_letters_of_deleted(wtx: &redb::WriteTransaction, id: &str) -> Result<(),
         }
         // One that cannot be read is left as it is (`check --store` names it).
         let Ok(mut dead) = super::outbox_rows::decode_dead(v.value()) else { continue };
-        if !deleted_reason(&dead.reason) {
+        if dead.entry.created_ms >= created_ms && !deleted_reason(&dead.reason) {
             dead.reason = format!("{SUBSCRIBER_DELETED} (was {})", dead.reason);
             marked.push((k.value(), dead));
         }
@@ -301,18 +307,19 @@ mod tests {
     /// Rows a delete left to their sends: an answer that would leave one queued (a retry, a
     /// deferral) dead-letters it `subscriber_deleted`, and no pass leases them meanwhile,
     /// their leases expired and a subscriber of that id created again (reviewer: such a row
-    /// went to the new subscriber's target).
+    /// went to the new subscriber's target); an answer that dead-letters it says the delete
+    /// too (`subscriber_deleted (was http_400)`), as the letters the delete found say it.
     #[test]
     fn rows_a_delete_left_to_their_sends_are_never_queued_again() {
-        use crate::store::DeliveryResult;
-        let (_dir, store) = store_with_queued(3);
+        use crate::store::{DeadCause, DeliveryResult};
+        let (_dir, store) = store_with_queued(4);
         let batch = store.lease_due(2_000, 1, 10, 0).unwrap();
         let ids: Vec<u64> = batch.entries.iter().map(|e| e.id).collect();
         for id in &ids {
             assert!(store.lease_step(*id, batch.lease_until_ms, LeaseStep::BeginSend));
         }
         let deleted = store.delete_subscriber("a", 3_000).unwrap().unwrap();
-        assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (0, 3));
+        assert_eq!((deleted.rows.dead_lettered, deleted.rows.in_flight), (0, 4));
         let again = StoredSubscriber { id: "a".into(), target: "https://new/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 4_000, updated_ms: 4_000, secret_old: None };
         store.put_subscriber(&again, 4_000).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(5));
@@ -321,14 +328,39 @@ mod tests {
             DeliveryResult::Retry { id: ids[0], next_attempt_ms: 9_000, error: "http_503".into() },
             DeliveryResult::Deferred { id: ids[1], next_attempt_ms: 9_000, error: "EMFILE".into() },
             DeliveryResult::Sent { id: ids[2], status: 200 },
+            DeliveryResult::Dead { id: ids[3], reason: "http_400".into(), cause: DeadCause::Endpoint },
         ];
         store.record_outcomes(&results, &[], 6_000).unwrap();
         assert_eq!(store.outbox_len().unwrap(), 0, "none left queued for the new subscriber");
         let dead = store.dead_letters().unwrap();
-        assert_eq!(dead.iter().map(|d| (d.entry.id, d.reason.as_str())).collect::<Vec<_>>(), vec![(ids[0], SUBSCRIBER_DELETED), (ids[1], SUBSCRIBER_DELETED)]);
-        assert_eq!(dead.iter().map(|d| d.entry.attempts).collect::<Vec<_>>(), vec![1, 0], "a deferral was no attempt");
+        let was_400 = format!("{SUBSCRIBER_DELETED} (was http_400)");
+        assert_eq!(dead.iter().map(|d| (d.entry.id, d.reason.as_str())).collect::<Vec<_>>(), vec![(ids[0], SUBSCRIBER_DELETED), (ids[1], SUBSCRIBER_DELETED), (ids[3], was_400.as_str())]);
+        assert_eq!(dead.iter().map(|d| d.entry.attempts).collect::<Vec<_>>(), vec![1, 0, 1], "a deferral was no attempt");
         let report = store.check_consistency().unwrap();
         assert!(report.is_consistent(), "{:?}", report.problems);
+    }
+
+    /// A delete marks only the letters queued since the deleted subscriber was created: one an
+    /// earlier subscriber of the id left (a config one, say) stays as it was (a reviewer).
+    #[test]
+    fn a_delete_leaves_an_earlier_subscribers_letters_as_they_were() {
+        use crate::model::{sample_event, IdemKey};
+        use crate::store::{Claim, DeadCause, DeliveryResult};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("z.redb")).unwrap();
+        let claim = |k: &str| Claim { event: 0, watcher_id: "a".into(), target: "https://h/".into(), min_severity: Severity::Info, key: IdemKey(k.into()) };
+        store.enqueue(&[sample_event("P0")], &[claim("old")], "l", 1_000, 3_600_000).unwrap();
+        let id = store.outbox().unwrap()[0].id;
+        store.record_outcomes_with(&[DeliveryResult::Dead { id, reason: "retries_exhausted".into(), cause: DeadCause::NotSent }], &[], 1_500, None).unwrap();
+        let sub = StoredSubscriber { id: "a".into(), target: "https://h/".into(), secret: None, min_severity: Severity::Info, aoi_geojson: "{}".into(), created_ms: 2_000, updated_ms: 2_000, secret_old: None };
+        store.put_subscriber(&sub, 2_000).unwrap();
+        store.enqueue(&[sample_event("P1")], &[claim("new")], "l", 2_500, 3_600_000).unwrap();
+        let id = store.outbox().unwrap()[0].id;
+        store.record_outcomes_with(&[DeliveryResult::Dead { id, reason: "retries_exhausted".into(), cause: DeadCause::NotSent }], &[], 2_600, None).unwrap();
+        store.delete_subscriber("a", 3_000).unwrap().unwrap();
+        let mut reasons: Vec<(String, String)> = store.dead_letters().unwrap().into_iter().map(|d| (d.entry.key.0, d.reason)).collect();
+        reasons.sort();
+        assert_eq!(reasons, [("new".to_string(), format!("{SUBSCRIBER_DELETED} (was retries_exhausted)")), ("old".to_string(), "retries_exhausted".to_string())]);
     }
 
     /// A subscriber created under a deleted one's id does not inherit its alerts: a replay
