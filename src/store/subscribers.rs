@@ -209,10 +209,7 @@ impl Store {
         let mut wtx = self.db.begin_write()?;
         self.durable_commit_settings(&mut wtx);
         // When it was created (a record that cannot be read: from the start).
-        let created_ms = match wtx.open_table(SUBSCRIBERS)?.remove(id)? {
-            None => None,
-            Some(v) => Some(decode_subscriber(v.value()).map(|s| s.created_ms).unwrap_or(0)),
-        };
+        let created_ms = wtx.open_table(SUBSCRIBERS)?.remove(id)?.map(|v| decode_subscriber(v.value()).map(|s| s.created_ms).unwrap_or(0));
         let Some(created_ms) = created_ms else {
             wtx.abort()?;
             return Ok(None);
