@@ -473,6 +473,21 @@ async fn a_drain_takes_no_retry_that_falls_due_after_its_deadline_while_slow_sen
     assert_eq!(engine.store.outbox_len().unwrap(), 3, "the retries wait for the next run");
 }
 
+/// `run_wait` bounds a rate-limited endpoint's backlog too: a row whose rate token comes
+/// after the deadline is left queued for the next run, not waited for (bb30: with
+/// `endpoint_rate = 0.01` a `run` whose `run_wait` was 1 s paced its sends for minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_does_not_wait_past_its_deadline_for_rate_tokens() {
+    let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(200)), None).await.unwrap();
+    let ws = ws_for(rx.url("/hook"), "endpoint_rate = 0.2");
+    let engine = ws.engine();
+    queue(&ws, &engine, &[0, 4, 8]);
+    let stats = deliver(&engine, Duration::from_secs(1)).await;
+    assert_eq!((stats.sent, stats.dead), (1, 0), "one token by the deadline (the next is 5 s away): {stats:?}");
+    assert_eq!(engine.store.outbox_len().unwrap(), 2, "left for the next run, unsent and not dead");
+    assert_eq!(rx.received().len(), 1);
+}
+
 /// A failed connection's attempt row says what failed under reqwest's "error sending
 /// request" (here: nothing listens), so `dlq show` tells a refused connection from a
 /// protocol error.

@@ -183,6 +183,9 @@ pub struct Deliverer {
     /// Failed sends and dead letters not said in the log yet (`failure_log.rs`), shared by
     /// every pass of this deliverer.
     failures: Arc<Mutex<super::failure_log::FailureLog>>,
+    /// A drain's deadline: a row whose endpoint's rate token would come after it is left
+    /// queued rather than waited for (`Deliverer::drain_until`).
+    rate_deadline: Option<Instant>,
 }
 
 /// What every attempt to one endpoint needs and that changes only when the subscriber does:
@@ -282,6 +285,7 @@ impl Deliverer {
             clock: crate::clock::system(),
             shortage: Arc::default(),
             failures: Arc::default(),
+            rate_deadline: None,
         })
     }
 
@@ -369,10 +373,14 @@ impl Deliverer {
             tasks.spawn(async move {
                 // The endpoint's slot first, so a slow endpoint never holds global slots idle.
                 let _slot = this.endpoint_slot(&entry.watcher_id).acquire_owned().await;
-                this.endpoint_rate_ready(&entry.watcher_id).await;
+                let ready = this.endpoint_rate_ready(&entry.watcher_id).await;
                 let _permit = sem.acquire_owned().await;
-                this.endpoint_rate_wait(&entry.watcher_id).await;
-                // Not sent if an operator resolved it meanwhile (see the pump).
+                // Not sent if an operator resolved it meanwhile (see the pump), nor when its
+                // rate token comes after a drain's deadline (its lease given back).
+                if !(ready && this.endpoint_rate_wait(&entry.watcher_id).await) {
+                    this.lease_step(entry.id, lease_until, LeaseStep::GiveBack).await;
+                    return None;
+                }
                 if !this.lease_step(entry.id, lease_until, LeaseStep::BeginSend).await {
                     return None;
                 }
@@ -685,9 +693,14 @@ impl Deliverer {
                         // its own slot only, never a global permit another endpoint's alerts
                         // need; the token is taken once the permit is held, just before the
                         // send, so waiting for permits never stores up a burst of tokens.
-                        this.endpoint_rate_ready(&entry.watcher_id).await;
+                        // A token past a drain's deadline: not waited for, the row left queued.
+                        if !this.endpoint_rate_ready(&entry.watcher_id).await {
+                            return None;
+                        }
                         let permit = sem.acquire_owned().await;
-                        this.endpoint_rate_wait(&entry.watcher_id).await;
+                        if !this.endpoint_rate_wait(&entry.watcher_id).await {
+                            return None;
+                        }
                         Some((slot, permit))
                     };
                     // Stopping: a row whose send has not begun is not sent, however long its
@@ -750,6 +763,11 @@ impl Deliverer {
     /// their outcomes are committed before it returns (see [`Deliverer::pump_until`]). What
     /// is left stays queued for the next run.
     pub async fn drain_until(&self, deadline: Instant, stop: Option<&tokio::sync::watch::Receiver<bool>>) -> Result<PassStats, DeliveryError> {
+        let this = Deliverer { rate_deadline: Some(deadline), ..self.clone() };
+        this.drain_paced(deadline, stop).await
+    }
+
+    async fn drain_paced(&self, deadline: Instant, stop: Option<&tokio::sync::watch::Receiver<bool>>) -> Result<PassStats, DeliveryError> {
         let is_stopped = || stop.is_some_and(|s| *s.borrow());
         // Sleeps `wait`, or until a stop, whichever comes first.
         let pause = |wait: Duration| async move {
@@ -886,7 +904,7 @@ impl Deliverer {
 
     /// Waits until endpoint `id` has a rate token, without taking it (see the pump: a send
     /// waits for its token before it takes a global permit, and takes it after).
-    async fn endpoint_rate_ready(&self, id: &str) {
+    async fn endpoint_rate_ready(&self, id: &str) -> bool {
         self.endpoint_rate_until(id, |b, now| match b.until_available(now) {
             wait if wait.is_zero() => Ok(()),
             wait => Err(wait),
@@ -895,15 +913,18 @@ impl Deliverer {
     }
 
     /// Waits for and takes one of endpoint `id`'s rate tokens (`endpoint_rate`).
-    async fn endpoint_rate_wait(&self, id: &str) {
+    async fn endpoint_rate_wait(&self, id: &str) -> bool {
         self.endpoint_rate_until(id, TokenBucket::try_take).await
     }
 
     /// Asks endpoint `id`'s token bucket `step` (made on first use) until it says `Ok`,
     /// sleeping as long as each `Err` says in between; at once without an `endpoint_rate`.
-    async fn endpoint_rate_until(&self, id: &str, step: impl Fn(&mut TokenBucket, Instant) -> Result<(), Duration>) {
+    /// `false` when the wait would end past a drain's deadline (`rate_deadline`): the row is
+    /// then left queued, unsent (bb30: `endpoint_rate = 0.01` held a `run` whose `run_wait`
+    /// was 1 s for minutes, pacing its sends).
+    async fn endpoint_rate_until(&self, id: &str, step: impl Fn(&mut TokenBucket, Instant) -> Result<(), Duration>) -> bool {
         if self.cfg.endpoint_rate <= 0.0 {
-            return;
+            return true;
         }
         loop {
             let wait = {
@@ -912,7 +933,8 @@ impl Deliverer {
                 step(b, Instant::now())
             };
             match wait {
-                Ok(()) => return,
+                Ok(()) => return true,
+                Err(d) if self.rate_deadline.is_some_and(|end| Instant::now() + d > end) => return false,
                 Err(d) => tokio::time::sleep(d).await,
             }
         }
