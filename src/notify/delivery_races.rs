@@ -89,11 +89,10 @@ async fn a_late_410_from_the_old_target_leaves_the_new_target_enabled() {
     assert!(store.endpoints().unwrap().iter().any(|(_, e)| e.disabled), "a 410 of the current target disables it");
 }
 
-/// `dlq replay` delivers each replayed row as `serve` does: an endpoint that answers 410
-/// gets one request (its endpoint concurrency), not one per due row of its backlog (the
-/// one-pass `deliver_due` it used sent every row it had leased: 21 here).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_stops_sending_to_an_endpoint_that_answers_410() {
+/// `n` dead letters of subscriber `w` (its receiver answered 400), with the receiver (whose
+/// answer `status` sets from then on), the store (in its folder) and a deliverer with one
+/// slot per endpoint.
+async fn with_dead_letters(n: usize) -> (Receiver, Arc<AtomicU16>, tempfile::TempDir, Arc<Store>, Deliverer, Vec<crate::model::DeadLetter>) {
     let status = Arc::new(AtomicU16::new(400));
     let s = status.clone();
     let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(s.load(Ordering::SeqCst))), None).await.unwrap();
@@ -101,11 +100,20 @@ async fn a_replay_stops_sending_to_an_endpoint_that_answers_410() {
     let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
     let subs = Arc::new(SubscriberIndex::build(vec![sub(rx.url("/h"))]));
     let d = Deliverer::new(store.clone(), subs, DeliveryConfig { endpoint_concurrency: 1, ..cfg() }).unwrap();
-    // One dead letter (400 is not retried) ...
-    enqueue(&store, "dead", 1, SystemClock.now_ms());
+    enqueue(&store, "dead", n, SystemClock.now_ms());
     d.drain(Instant::now() + Duration::from_secs(5)).await.unwrap();
     let letters = store.dead_letters().unwrap();
-    assert_eq!(letters.len(), 1);
+    assert_eq!(letters.len(), n);
+    (rx, status, dir, store, d, letters)
+}
+
+/// `dlq replay` delivers each replayed row as `serve` does: an endpoint that answers 410
+/// gets one request (its endpoint concurrency), not one per due row of its backlog (the
+/// one-pass `deliver_due` it used sent every row it had leased: 21 here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_stops_sending_to_an_endpoint_that_answers_410() {
+    // One dead letter (400 is not retried) ...
+    let (rx, status, _dir, store, d, letters) = with_dead_letters(1).await;
     // ... then the receiver is gone, with 20 rows of a backlog due.
     status.store(410, Ordering::SeqCst);
     enqueue(&store, "due", 20, SystemClock.now_ms());
@@ -124,17 +132,7 @@ async fn a_replay_stops_sending_to_an_endpoint_that_answers_410() {
 /// replay took its whole time and sent nothing). The 410 still gets one request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_does_not_pace_the_letters_of_an_endpoint_it_found_disabled() {
-    let status = Arc::new(AtomicU16::new(400));
-    let s = status.clone();
-    let rx = Receiver::start_replies(Arc::new(move |_, _| Reply::status(s.load(Ordering::SeqCst))), None).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
-    let subs = Arc::new(SubscriberIndex::build(vec![sub(rx.url("/h"))]));
-    let d = Deliverer::new(store.clone(), subs, DeliveryConfig { endpoint_concurrency: 1, ..cfg() }).unwrap();
-    enqueue(&store, "dead", 20, SystemClock.now_ms());
-    d.drain(Instant::now() + Duration::from_secs(5)).await.unwrap();
-    let letters = store.dead_letters().unwrap();
-    assert_eq!(letters.len(), 20);
+    let (rx, status, _dir, store, d, letters) = with_dead_letters(20).await;
     // Twenty 400s opened the breaker: closed again, as an operator's enable does.
     store.enable_endpoint("w", SystemClock.now_ms()).unwrap();
     status.store(410, Ordering::SeqCst);
