@@ -244,11 +244,13 @@ fn a_damaged_or_foreign_store_is_refused_pointing_at_restore() {
 }
 
 /// The same behind a rate limit (one send every 5 s): the rows waiting for a rate token are
-/// not sent, and the run does not wait out their tokens before it stops.
+/// not sent, and the run does not wait out their tokens before it stops. (`run_wait` is long
+/// here: a token past it is not waited for anyway, and the run would end before the signal.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signal_does_not_wait_out_a_rate_limit() {
     let rx = Receiver::start_replies(Arc::new(|_, _| Reply::status(200)), None).await.expect("receiver");
     let ws = three_rezonings_pending(rx.url("/hook"), "endpoint_rate = 0.2", "");
+    ws.edit_config("run_wait = \"5s\"", "run_wait = \"60s\"");
     let (status, out, err) = tokio::task::block_in_place(|| run_signalled(&ws, &rx, 1, "-INT"));
     assert_eq!(shell_code(status), Some(130), "{out}{err}");
     assert!(out.contains("delivery: sent=1 retried=0 dead_letters=0 outbox_remaining=2 "), "{out}");
