@@ -19,7 +19,6 @@ macro_rules! note_line {
 pub mod bench;
 pub mod cli;
 pub mod clock;
-pub mod cli_dlq;
 pub mod config;
 pub mod control;
 pub mod demo;
