@@ -110,7 +110,7 @@ pub enum Refused {
     #[error(transparent)]
     Private(#[from] PrivateAddress),
     /// The lookup's own error is kept: one this process failed for want of its own
-    /// resources (`EMFILE`) is not the target's (`notify::delivery::local_failure`).
+    /// resources (`EMFILE`) is not the target's (`local_failure` in `notify/delivery/client.rs`).
     #[error("cannot resolve {host}: {source}")]
     Dns { host: String, source: std::io::Error },
 }

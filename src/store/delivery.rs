@@ -61,7 +61,7 @@ pub enum DeliveryResult {
     Retry { id: u64, next_attempt_ms: u64, error: String },
     Dead { id: u64, reason: String, cause: DeadCause },
     /// The request never left this machine: this process ran out of a resource of its own
-    /// (file descriptors, socket buffers, memory; `notify::delivery::local_failure`). The
+    /// (file descriptors, socket buffers, memory; `local_failure` in `notify/delivery/client.rs`). The
     /// row goes out again at `next_attempt_ms` with its attempts as they were; neither its
     /// retries nor its endpoint's health are charged, and no attempt row is logged (it would
     /// be one every few seconds for as long as the limit lasts). A tester's `ulimit -n 20`
