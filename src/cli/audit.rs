@@ -5,8 +5,17 @@
 use crate::model::AuditRow;
 use crate::store::AuditFilter;
 use crate::util::rfc3339;
-use super::AuditFormat;
 use super::open::{load_config, store_error_text, store_exit_code};
+use clap::ValueEnum;
+
+/// How `zonewatch audit` prints the ledger: a table to read, or JSON lines / CSV for other
+/// tools.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+pub enum AuditFormat {
+    Table,
+    Jsonl,
+    Csv,
+}
 
 fn csv_field(s: &str) -> String {
     if s.contains([',', '"', '\n', '\r']) {

@@ -4,9 +4,8 @@
 use crate::model::DeadLetter;
 use crate::notify::replay;
 use crate::notify::delivery::Deliverer;
-use crate::pipeline::Engine;
 use crate::util::{parse_duration, parse_rfc3339, rfc3339};
-use super::open::open_existing_engine;
+use super::open::{close_before_printing, open_existing_engine};
 use clap::Subcommand;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -94,13 +93,6 @@ fn window(since: Option<&str>, until: Option<&str>, now_ms: u64) -> Result<(u64,
     Ok((s, u))
 }
 
-/// A listing reads everything it shows first, then closes the store, then prints: a reader
-/// that stops early (`| head`) ends the command in a panic that unwinds to `main` (exit
-/// 141), and redb leaves a store dropped while panicking to be repaired on its next open.
-pub(crate) fn close_before_printing(engine: Engine) {
-    drop(engine);
-}
-
 fn line(state: &str, d: &DeadLetter) -> String {
     format!(
         "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
@@ -116,7 +108,7 @@ fn line(state: &str, d: &DeadLetter) -> String {
 }
 
 /// Runs a `dlq` subcommand; returns the exit code (0 ok, 1 failure, 2 config/store/usage).
-pub fn cmd_dlq(action: DlqAction) -> i32 {
+pub(super) fn cmd_dlq(action: DlqAction) -> i32 {
     match action {
         DlqAction::List { config, since, until } => {
             let (s, u) = match window(since.as_deref(), until.as_deref(), crate::clock::Clock::now_ms(&crate::clock::SystemClock)) {

@@ -2,8 +2,7 @@
 //! those created over the control port) and the audited way to re-enable one.
 
 use crate::util::rfc3339;
-use super::dlq::close_before_printing;
-use super::open::open_existing_engine;
+use super::open::{close_before_printing, open_existing_engine};
 use clap::Subcommand;
 use std::path::PathBuf;
 
@@ -27,7 +26,7 @@ pub enum EndpointsAction {
 }
 
 /// Runs an `endpoints` subcommand; returns the exit code.
-pub fn cmd_endpoints(action: EndpointsAction) -> i32 {
+pub(super) fn cmd_endpoints(action: EndpointsAction) -> i32 {
     match action {
         EndpointsAction::List { config } => {
             let engine = match open_existing_engine(&config) {

@@ -4,10 +4,36 @@
 use crate::model::HoldState;
 use crate::notify::delivery::Deliverer;
 use crate::util::rfc3339;
-use super::HoldAction;
 use super::open::{open_existing_engine, runtime};
 use super::run::{deferred_exit, deferred_field};
+use clap::Subcommand;
+use std::path::PathBuf;
 use std::time::Instant;
+
+/// What `zonewatch holds` does with the publication gate's held runs.
+#[derive(Subcommand, Debug)]
+pub enum HoldAction {
+    /// Runs held by the publication gate: source, state, when, how many changes, and why.
+    List {
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Deliver a held run.
+    Release {
+        run_id: u64,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Accept a held run silently (snapshot and keys updated, nothing sent).
+    Prime {
+        run_id: u64,
+        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
 
 pub(super) fn cmd_holds(action: HoldAction) -> i32 {
     let (config, op) = match &action {
@@ -28,7 +54,7 @@ pub(super) fn cmd_holds(action: HoldAction) -> i32 {
                     return 2;
                 }
             };
-            super::dlq::close_before_printing(engine);
+            super::open::close_before_printing(engine);
             println!("{:<8} {:<24} {:<11} {:<25} {:>8}  reason", "run_id", "source", "state", "created", "changes");
             for h in &holds {
                 // A held reprocess primes when released: say so where the choice is made.

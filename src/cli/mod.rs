@@ -3,8 +3,9 @@
 //! parses and dispatches.
 //!
 //! One command (or a family) per file: `run`, `serve`, `check`, `audit`, `holds`,
-//! `backup`/`restore`, `dlq`, `endpoints`; `open` is how they all load the config and open the
-//! store, `sweeps` the retention sweeps `run` and `serve` share. `demo`, `bench` and the hidden
+//! `backup`/`restore`, `dlq`, `endpoints`, each with its own subcommand or format enum;
+//! `open` is how they all load the config and open the store, `sweeps` the retention sweeps
+//! `run` and `serve` share. `demo`, `bench` and the hidden
 //! `synth` live in their own top-level modules.
 
 mod audit;
@@ -21,8 +22,9 @@ mod sweeps;
 pub use audit::audit_json;
 pub use backup::backup_dir;
 pub use dlq::DlqAction;
+pub use audit::AuditFormat;
 pub use endpoints::EndpointsAction;
-pub use serve::control_addr_file;
+pub use holds::HoldAction;
 
 use crate::config::Config;
 use crate::store::AuditFilter;
@@ -55,14 +57,6 @@ pub enum LogFormat {
     Json,
 }
 
-/// How `zonewatch audit` prints the ledger: a table to read, or JSON lines / CSV for other
-/// tools.
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
-pub enum AuditFormat {
-    Table,
-    Jsonl,
-    Csv,
-}
 
 /// The commands, one variant each, with their options.
 #[derive(Subcommand, Debug)]
@@ -166,30 +160,6 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
 }
 
-/// What `zonewatch holds` does with the publication gate's held runs.
-#[derive(Subcommand, Debug)]
-pub enum HoldAction {
-    /// Runs held by the publication gate: source, state, when, how many changes, and why.
-    List {
-        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
-        #[arg(long)]
-        config: PathBuf,
-    },
-    /// Deliver a held run.
-    Release {
-        run_id: u64,
-        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
-        #[arg(long)]
-        config: PathBuf,
-    },
-    /// Accept a held run silently (snapshot and keys updated, nothing sent).
-    Prime {
-        run_id: u64,
-        /// The config file (the package's is /etc/zonewatch/zonewatch.toml)
-        #[arg(long)]
-        config: PathBuf,
-    },
-}
 
 /// What the hidden `synth` command writes (the bundled demo fixtures are made with it).
 #[derive(Subcommand, Debug)]

@@ -50,7 +50,7 @@ pub(super) fn open_engine_after(path: &std::path::Path, before_store: &mut dyn F
 }
 
 /// [`open_engine`] for a command that steers what runs wrote: the store must exist.
-pub(crate) fn open_existing_engine(path: &std::path::Path) -> Result<Engine, i32> {
+pub(super) fn open_existing_engine(path: &std::path::Path) -> Result<Engine, i32> {
     engine_by(path, &mut |_| Ok(()), Engine::open_existing)
 }
 
@@ -83,7 +83,7 @@ fn engine_by(
 
 /// A store error as the operator reads it: redb's own words (`database error: ...`) say not
 /// which file, and a full disk would read as a broken store, so they are given the store's.
-pub(crate) fn store_error_text(store: &std::path::Path, e: &crate::store::StoreError) -> String {
+pub(super) fn store_error_text(store: &std::path::Path, e: &crate::store::StoreError) -> String {
     let text = match e {
         crate::store::StoreError::Db(_) => format!("store {}: {e}", store.display()),
         _ => e.to_string(),
@@ -96,7 +96,7 @@ pub(crate) fn store_error_text(store: &std::path::Path, e: &crate::store::StoreE
 
 /// The exit code of a command stopped by a store error: 1 when it passes by itself (the store
 /// in use, a full disk; `StoreError::passes`), else 2.
-pub(crate) fn store_exit_code(e: &crate::store::StoreError) -> i32 {
+pub(super) fn store_exit_code(e: &crate::store::StoreError) -> i32 {
     if e.passes() {
         1
     } else {
@@ -110,6 +110,13 @@ pub(super) fn runtime() -> Result<tokio::runtime::Runtime, i32> {
         error_line!("cannot start the async runtime: {e}{hint}");
         1
     })
+}
+
+/// A listing reads everything it shows first, then closes the store, then prints: a reader
+/// that stops early (`| head`) ends the command in a panic that unwinds to `main` (exit
+/// 141), and redb leaves a store dropped while panicking to be repaired on its next open.
+pub(super) fn close_before_printing(engine: Engine) {
+    drop(engine);
 }
 
 #[cfg(test)]

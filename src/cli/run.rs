@@ -1,6 +1,7 @@
 //! `zonewatch run`: one pass over every (or one) source, then delivery until the outbox is
-//! empty or `run_wait` is up; its result lines, and the notes about alerts left waiting that
-//! `serve` and `check` say too.
+//! empty or `run_wait` is up; its result lines, the notes about alerts left waiting that
+//! `serve` and `check` say too, and the delivery line's `deferred=N` and exit code that
+//! `holds release` shares.
 
 use crate::notify::delivery::Deliverer;
 use crate::pipeline::{Engine, RunOptions};

@@ -386,7 +386,7 @@ pub(super) fn cmd_serve(config: &std::path::Path) -> i32 {
 const STORE_FILE_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Where the running daemon writes its control port address (beside the store).
-pub fn control_addr_file(cfg: &Config) -> PathBuf {
+pub(super) fn control_addr_file(cfg: &Config) -> PathBuf {
     cfg.store_path.with_extension("control-addr")
 }
 

@@ -6,6 +6,9 @@ use crate::config::DeliveryConfig;
 use super::DeliveryError;
 use std::time::Duration;
 
+/// The HTTP client webhooks go out with: no redirects followed (a redirect is an answer, not
+/// a delivery), the configured timeouts, zonewatch's user agent. `zonewatch bench` measures
+/// the bare HTTP exchange with the same client (the reference of the delivery measure).
 pub fn http_client(cfg: &DeliveryConfig) -> Result<reqwest::Client, DeliveryError> {
     http_client_with(cfg, crate::netguard::Guard::new(cfg.allow_private_targets))
 }
@@ -23,12 +26,6 @@ pub(super) fn http_client_with(cfg: &DeliveryConfig, guard: crate::netguard::Gua
         // left to read the system's certificates, a tester's `ulimit -n 12`).
         .map_err(|e| DeliveryError::Client(crate::util::error_chain(&e)))
 }
-
-pub use crate::netguard::is_private;
-
-/// How soon a send must fail on a connection closed under it to be sent again at once (at
-/// most half the delivery timeout): the kept-alive race fails in milliseconds.
-pub(super) const RESEND_WITHIN: Duration = Duration::from_secs(1);
 
 /// Whether a send failed because the connection under it was closed as the request went
 /// out: hyper's "connection closed before message completed", or a reset / broken pipe on
@@ -61,7 +58,7 @@ pub(super) fn closed_under_request(e: &reqwest::Error) -> bool {
 /// dead-lettered). Anything else (refused, reset, unreachable, a name that does not resolve,
 /// no route from here to an IPv6 address: `EADDRNOTAVAIL`, which is the target's as much as
 /// ours, reviewer) is the endpoint's or the network's, and a retry.
-pub(crate) fn local_failure(e: &(dyn std::error::Error + 'static)) -> Option<std::io::Error> {
+pub(super) fn local_failure(e: &(dyn std::error::Error + 'static)) -> Option<std::io::Error> {
     // Linux's numbers (the target this is built and packaged for): EMFILE, ENFILE, ENOBUFS,
     // ENOMEM, EBUSY.
     const LOCAL: [i32; 5] = [24, 23, 105, 12, 16];
@@ -77,11 +74,9 @@ pub(crate) fn local_failure(e: &(dyn std::error::Error + 'static)) -> Option<std
     None
 }
 
-/// How long a send that failed for want of this process's own resources waits before it is
-/// tried again at least, and at most ([`Deliverer::deferred`]; jitter of up to as much again
-/// comes on top).
-pub(super) const LOCAL_FAILURE_PAUSE: Duration = Duration::from_secs(2);
-
+/// How long a shortage of this process's own resources lasts past its last deferred send, and
+/// the longest a deferred send waits before it is tried again (`send.rs`'s `LOCAL_FAILURE_PAUSE`
+/// is the shortest).
 pub(super) const LOCAL_FAILURE_PAUSE_MAX: Duration = Duration::from_secs(60);
 
 /// A shortage of this process's own resources, timed from its first deferred send: it ends

@@ -20,7 +20,8 @@
 //! Files: this one holds the `Deliverer` and the one-pass `deliver_due` and `run` (serve's
 //! loop); `pump` leases, sends and group-commits; `drain` runs pump passes to a deadline;
 //! `send` is one attempt; `client` the HTTP client and how its errors read; `retry` when a
-//! failed send goes again; `endpoint_limits` the per-endpoint slots and rate.
+//! failed send goes again; `endpoint_limits` the per-endpoint slots and rate; `tests` the
+//! unit tests that cross those files.
 
 use crate::clock::SharedClock;
 use crate::config::DeliveryConfig;
@@ -39,9 +40,8 @@ mod pump;
 mod retry;
 mod send;
 
-pub use client::{http_client, is_private};
-pub use retry::{backoff, next_retry, parse_retry_after};
-pub use send::RESPONSE_HEAD_BYTES;
+pub use client::http_client;
+pub use retry::{next_retry, parse_retry_after};
 use client::{http_client_with, LocalShortage};
 use send::SendPlan;
 
@@ -153,10 +153,6 @@ pub struct Deliverer {
     rate_deadline: Option<Instant>,
 }
 
-/// The dead-letter reason of a row whose subscriber no longer exists when delivery takes it
-/// (removed from the config, or deleted over the control port while a send was in flight).
-pub const SUBSCRIBER_GONE: &str = "subscriber_gone";
-
 /// The attempt error of a 410: the store disables the endpoint on it, and the row waits for
 /// an operator to enable it (never a dead letter on its own account).
 pub const HTTP_410_GONE: &str = "http_410_gone";
@@ -187,9 +183,6 @@ pub(crate) fn now_watched(clock: &SharedClock, store: &Store) -> u64 {
 /// How the `last_error` of a row whose last send was deferred begins ([`Deliverer::deferred`]).
 pub const DEFERRED_PREFIX: &str = "local: ";
 
-/// The HTTP client webhooks go out with: no redirects followed (a redirect is an answer, not
-/// a delivery), the configured timeouts, zonewatch's user agent. `zonewatch bench` measures
-/// the bare HTTP exchange with the same client (the reference of the delivery measure).
 /// Resolves once `stop` reads true; never, if its sender is gone without saying so.
 async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
     if stop.wait_for(|v| *v).await.is_err() {

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
 /// Rows leased per lease transaction by [`Deliverer::pump`].
-pub const PIPE_LEASE_BATCH: usize = 1_024;
+const PIPE_LEASE_BATCH: usize = 1_024;
 
 /// At most this many leased entries wait for their outcome commit in [`Deliverer::pump`].
-pub const PIPE_MAX_OUTSTANDING: usize = 4_096;
+const PIPE_MAX_OUTSTANDING: usize = 4_096;
 
 /// At most this many outcomes per group commit.
-pub const PIPE_COMMIT_MAX: usize = 8_192;
+const PIPE_COMMIT_MAX: usize = 8_192;
 
 /// One finished attempt on its way to the committer.
 struct Outcome {
@@ -393,7 +393,7 @@ impl Deliverer {
         }
     }
 
-    /// [`Store::lease_step`] from an async task: at once when the lease map is free, else
+    /// [`crate::store::Store::lease_step`] from an async task: at once when the lease map is free, else
     /// off the runtime's threads (a subscriber's delete holds it through its commit). A step
     /// that could not be taken (its blocking task failed) is a send that does not begin.
     pub(super) async fn lease_step(&self, id: u64, lease_until: u64, step: LeaseStep) -> bool {
@@ -402,5 +402,37 @@ impl Deliverer {
         }
         let store = self.store.clone();
         tokio::task::spawn_blocking(move || store.lease_step(id, lease_until, step)).await.unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DeliveryConfig;
+    use crate::notify::matcher::SubscriberIndex;
+    use crate::store::Store;
+
+    /// A lease outlasts the worst case of what can be ahead of its row: every slot of the one
+    /// endpoint holding the whole batch timing out in turn, plus that endpoint's rate; and it
+    /// saturates rather than wrapping for absurd settings.
+    #[test]
+    fn leases_outlast_every_row_ahead_and_never_wrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
+        let subs = Arc::new(SubscriberIndex::build(vec![]));
+        let deliverer = |cfg: DeliveryConfig| Deliverer::new(store.clone(), subs.clone(), cfg).unwrap();
+        let cfg = DeliveryConfig { concurrency: 64, endpoint_concurrency: 8, timeout: Duration::from_secs(15), endpoint_rate: 0.0, ..Default::default() };
+        // 4,352 rows (the pump's 4,096 plus its retry floor of 256) behind 8 slots of one
+        // endpoint: 544 rounds of 15 s, and the lease must be longer.
+        let worst = 4_352u64.div_ceil(8) * 15_000;
+        assert!(deliverer(cfg.clone()).lease_ms_for(4_352) > worst);
+        // A rate-limited endpoint waits for its tokens on top of its slots.
+        let rated = DeliveryConfig { endpoint_rate: 2.0, ..cfg.clone() };
+        assert!(deliverer(rated).lease_ms_for(4_352) > worst + 4_352 * 500);
+        // Absurd settings give a long lease, not a wrapped short one.
+        let huge = DeliveryConfig { timeout: Duration::MAX, ..cfg.clone() };
+        assert_eq!(deliverer(huge).lease_ms_for(4_352), u64::MAX);
+        let crawl = DeliveryConfig { endpoint_rate: f64::MIN_POSITIVE, ..cfg };
+        assert_eq!(deliverer(crawl).lease_ms_for(usize::MAX), u64::MAX);
     }
 }

@@ -38,7 +38,7 @@ pub fn next_retry(cfg: &DeliveryConfig, attempts_done: u32, retry_after: Option<
 }
 
 /// Capped exponential backoff with full jitter; `Retry-After` is a floor.
-pub fn backoff(cfg: &DeliveryConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
+fn backoff(cfg: &DeliveryConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
     crate::util::full_jitter_backoff(cfg.base_delay, cfg.max_delay, attempt, retry_after)
 }
 

@@ -5,9 +5,9 @@
 use crate::model::{AttemptRecord, OutboxEntry};
 use crate::notify::signing;
 use crate::store::{DeadCause, DeliveryResult};
-use super::client::{LOCAL_FAILURE_PAUSE, LOCAL_FAILURE_PAUSE_MAX, RESEND_WITHIN, closed_under_request, local_failure};
+use super::client::{LOCAL_FAILURE_PAUSE_MAX, closed_under_request, local_failure};
 use super::retry::{next_retry, parse_retry_after};
-use super::{DEFERRED_PREFIX, Deliverer, HTTP_410, HTTP_410_GONE, SUBSCRIBER_GONE};
+use super::{DEFERRED_PREFIX, Deliverer, HTTP_410, HTTP_410_GONE};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,16 +52,26 @@ impl SendPlan {
     }
 }
 
+/// The dead-letter reason of a row whose subscriber no longer exists when delivery takes it
+/// (removed from the config, or deleted over the control port while a send was in flight).
+const SUBSCRIBER_GONE: &str = "subscriber_gone";
+
+/// How soon a send must fail on a connection closed under it to be sent again at once (at
+/// most half the delivery timeout): the kept-alive race fails in milliseconds.
+const RESEND_WITHIN: Duration = Duration::from_secs(1);
+
+/// How long a send that failed for want of this process's own resources waits before it is
+/// tried again at least, and at most [`LOCAL_FAILURE_PAUSE_MAX`] ([`Deliverer::deferred`]; jitter
+/// of up to as much again comes on top).
+const LOCAL_FAILURE_PAUSE: Duration = Duration::from_secs(2);
+
 /// Plans kept at most; past this (subscribers come and go) the cache starts again.
 const MAX_PLANS: usize = 100_000;
 
 /// Header names and values that are the same on every webhook, made once.
 static CONTENT_TYPE: reqwest::header::HeaderValue = reqwest::header::HeaderValue::from_static("application/json");
-
 static WEBHOOK_ID: reqwest::header::HeaderName = reqwest::header::HeaderName::from_static("webhook-id");
-
 static WEBHOOK_TIMESTAMP: reqwest::header::HeaderName = reqwest::header::HeaderName::from_static("webhook-timestamp");
-
 static WEBHOOK_SIGNATURE: reqwest::header::HeaderName = reqwest::header::HeaderName::from_static("webhook-signature");
 
 /// Why a target was not sent to.
@@ -76,7 +86,7 @@ enum TargetCheck {
 }
 
 /// How much of a response body the attempt log keeps.
-pub const RESPONSE_HEAD_BYTES: usize = 2048;
+const RESPONSE_HEAD_BYTES: usize = 2048;
 
 /// Reads at most `max` bytes of a response body (lossy UTF-8); the rest is not read.
 async fn read_head(resp: &mut reqwest::Response, max: usize) -> String {
@@ -344,7 +354,7 @@ impl Deliverer {
     /// The [`SendPlan`] for `entry`'s endpoint: the subscriber's current target and secrets;
     /// None for a subscriber since removed (from the config, or deleted over the control
     /// port), whose rows are dead letters `subscriber_gone`.
-    pub(super) fn plan_for(&self, entry: &OutboxEntry) -> Option<Arc<SendPlan>> {
+    fn plan_for(&self, entry: &OutboxEntry) -> Option<Arc<SendPlan>> {
         let sub = self.subscribers.get(&entry.watcher_id)?;
         let (target, secret, secret_old) = (sub.target.as_str(), sub.secret.as_deref(), sub.secret_old.as_deref());
         let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());

@@ -1,30 +1,6 @@
-//! Unit tests of delivery across its files: lease lengths, drains past held backlogs, 410s.
+//! Unit tests of delivery across its files: drains past held backlogs, 410s.
 
 use super::*;
-
-/// A lease outlasts the worst case of what can be ahead of its row: every slot of the one
-/// endpoint holding the whole batch timing out in turn, plus that endpoint's rate; and it
-/// saturates rather than wrapping for absurd settings.
-#[test]
-fn leases_outlast_every_row_ahead_and_never_wrap() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(Store::open(&dir.path().join("z.redb")).unwrap());
-    let subs = Arc::new(SubscriberIndex::build(vec![]));
-    let deliverer = |cfg: DeliveryConfig| Deliverer::new(store.clone(), subs.clone(), cfg).unwrap();
-    let cfg = DeliveryConfig { concurrency: 64, endpoint_concurrency: 8, timeout: Duration::from_secs(15), endpoint_rate: 0.0, ..Default::default() };
-    // 4,352 rows (the pump's 4,096 plus its retry floor of 256) behind 8 slots of one
-    // endpoint: 544 rounds of 15 s, and the lease must be longer.
-    let worst = 4_352u64.div_ceil(8) * 15_000;
-    assert!(deliverer(cfg.clone()).lease_ms_for(4_352) > worst);
-    // A rate-limited endpoint waits for its tokens on top of its slots.
-    let rated = DeliveryConfig { endpoint_rate: 2.0, ..cfg.clone() };
-    assert!(deliverer(rated).lease_ms_for(4_352) > worst + 4_352 * 500);
-    // Absurd settings give a long lease, not a wrapped short one.
-    let huge = DeliveryConfig { timeout: Duration::MAX, ..cfg.clone() };
-    assert_eq!(deliverer(huge).lease_ms_for(4_352), u64::MAX);
-    let crawl = DeliveryConfig { endpoint_rate: f64::MIN_POSITIVE, ..cfg };
-    assert_eq!(deliverer(crawl).lease_ms_for(usize::MAX), u64::MAX);
-}
 
 /// A held backlog ahead of a row that may go out: the drain's lease passes stop at their
 /// pass-over bound having found nothing, and the drain goes on until it has read past every
