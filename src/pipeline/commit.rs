@@ -1,7 +1,8 @@
 //! A run's commit: the spill read back in chunks of `COMMIT_CHUNK` parcels on a second thread
 //! (snapshot rows copied off it, events built and matched where it can) while the writer
-//! writes the chunk before, all in the one `RunWriter` transaction that also records the
-//! watermark, the run, the claims and the outbox and audit rows.
+//! writes the chunk before, then the removals (their events and tombstones), all in the one
+//! `RunWriter` transaction that also records the watermark, the run, the claims and the
+//! outbox and audit rows.
 
 use crate::config::SourceConfig;
 use crate::detect::diff::{step, Prior, RawChange};

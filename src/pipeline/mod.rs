@@ -28,7 +28,7 @@ mod subscribers;
 pub(crate) use commit::COMMIT_CHUNK;
 pub(crate) use run::{announces_changes, commit_mode};
 pub(crate) use subscribers::shadowed_subscribers;
-pub use subscribers::EndpointListing;
+pub use subscribers::{EndpointListing, ManagedBy};
 use subscribers::{config_subscribers, stored_subscribers, AoiRepairs};
 
 /// Errors of a pipeline run.

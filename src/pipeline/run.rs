@@ -1,6 +1,8 @@
-//! One source run, from its fetch to its verdict: probe and fetch (a file, a `geojson_url`, a
-//! portal layer collected on disk), digest, decide (skip / identical / restated / run), the
-//! streaming scan, removals confirmed, the gate, then the commit (`commit.rs`).
+//! One source run, from its fetch to its commit: the per-source lease, probe and fetch (a
+//! file, a `geojson_url`, a portal layer collected on disk), the digest (a run settled as
+//! identical or still held, before the scan when the digest is known and again after it),
+//! the streaming scan, removals confirmed, the gate (a restatement is held), then the commit
+//! (`commit.rs`); a run that fails is recorded as failed.
 
 use crate::config::{SourceConfig, SourceKind};
 use crate::detect::gate::{decide, GateDecision, GateInput};

@@ -50,7 +50,7 @@ pub(super) fn stored_subscribers(stored: Vec<crate::store::StoredSubscriber>, co
 /// hides: the config's definition is used, the stored one is neither matched nor deletable
 /// (`managed_by_config`) until one of the two is renamed. Said at every start, and by
 /// `zonewatch check --store`, because nothing else would.
-pub fn shadowed_subscribers(config: &Config, stored_ids: impl IntoIterator<Item = String>) -> Vec<String> {
+pub(crate) fn shadowed_subscribers(config: &Config, stored_ids: impl IntoIterator<Item = String>) -> Vec<String> {
     stored_ids.into_iter().filter(|id| config.has_subscriber(id)).collect()
 }
 
