@@ -7,12 +7,12 @@ use crate::model::*;
 use crate::pipeline::PipelineError;
 use crate::util::rfc3339;
 use super::sources::run_json;
-use super::{LongRequest, blocking, internal, limit_or, page_of};
+use super::{blocking_long, internal, limit_or, page_of};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-pub fn hold_json(h: &Hold) -> Value {
+fn hold_json(h: &Hold) -> Value {
     let resolved = match &h.state {
         HoldState::Open => Value::Null,
         HoldState::Released { at_ms, run_id } | HoldState::Primed { at_ms, run_id } => json!({"at": rfc3339(*at_ms), "run_id": run_id}),
@@ -109,13 +109,8 @@ pub(super) fn list_holds(st: &ControlState, q: &std::collections::HashMap<String
 const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 pub(super) async fn resolve_hold(st: Arc<ControlState>, id: u64, prime: bool) -> Resp {
-    let place = match LongRequest::take(&st) {
-        Ok(p) => p,
-        Err(busy) => return *busy,
-    };
     let st2 = st.clone();
-    let r = blocking(move || {
-        let _place = place;
+    let r = blocking_long(&st, move || {
         let source = match st2.engine.store.hold(id) {
             Ok(Some(h)) => h.source_id,
             Ok(None) => return error(StatusCode::NOT_FOUND, "unknown_hold", format!("hold {id} does not exist")),

@@ -2,7 +2,8 @@
 //! work on the blocking pool) and answers JSON. Unknown routes are 404, wrong methods 405.
 //!
 //! This file holds the dispatch (`handle`: authentication, methods, query and body limits),
-//! paging and the long-request places; the handlers live by resource: `sources`, `holds`,
+//! which answers `/`, `/healthz`, `/metrics` and `/v1/openapi.json` itself, paging and the
+//! long-request places; the other handlers live by resource: `sources`, `holds`,
 //! `subscribers`, `dead_letters`, `audit`, `backup`.
 
 use super::http::{error, json, query_of_route, query_u64, read_body, refuse, text, Refusal, Resp};
@@ -20,7 +21,8 @@ mod sources;
 mod subscribers;
 
 pub use backup::FileIdentity;
-use sources::{list_runs, list_sources, quarantine_list, recent_changes, run_source, watermarks};
+use audit::recent_changes;
+use sources::{list_runs, list_sources, quarantine_list, run_source, watermarks};
 use holds::{held_changes, list_holds, resolve_hold};
 use subscribers::{delete_subscriber, enable_endpoint, get_subscriber, list_endpoints, list_subscribers, put_subscriber};
 use dead_letters::{dead_letter_list, release_quarantined, replay_dead_letters};
@@ -145,28 +147,11 @@ pub async fn handle(state: Arc<ControlState>, req: Request<hyper::body::Incoming
         (&Method::GET, ["v1", "changes", "recent"]) => blocking(move || recent_changes(&st, &q)).await,
         (&Method::GET, ["v1", "deadletters"]) => blocking(move || dead_letter_list(&st, DeadLetterList::Waiting, &q)).await,
         (&Method::GET, ["v1", "quarantine"]) => blocking(move || quarantine_list(&st, &q)).await,
-        (&Method::POST, ["v1", "backup"]) => match LongRequest::take(&state) {
-            Ok(place) => {
-                blocking(move || {
-                    let _place = place;
-                    backup::backup(&st, &body)
-                })
-                .await
-            }
-            Err(busy) => *busy,
-        },
+        (&Method::POST, ["v1", "backup"]) => blocking_long(&state, move || backup::backup(&st, &body)).await,
         (&Method::GET, ["v1", "deadletters", "quarantined"]) => blocking(move || dead_letter_list(&st, DeadLetterList::Quarantined, &q)).await,
         (&Method::POST, ["v1", "deadletters", "release"]) => blocking(move || release_quarantined(&st, &body)).await,
         (&Method::POST, ["v1", "deadletters", "replay"]) => {
-            let place = match LongRequest::take(&state) {
-                Ok(p) => p,
-                Err(busy) => return *busy,
-            };
-            let r = blocking(move || {
-                let _place = place;
-                replay_dead_letters(&st, &body)
-            })
-            .await;
+            let r = blocking_long(&state, move || replay_dead_letters(&st, &body)).await;
             state.wake.notify_one();
             r
         }
@@ -235,6 +220,20 @@ async fn blocking<F: FnOnce() -> Resp + Send + 'static>(f: F) -> Resp {
     }
 }
 
+/// [`blocking`] holding one of the long-request places ([`LongRequest`]) while `f` runs, or
+/// `429 busy` at once when every place is taken.
+async fn blocking_long<F: FnOnce() -> Resp + Send + 'static>(st: &Arc<ControlState>, f: F) -> Resp {
+    let place = match LongRequest::take(st) {
+        Ok(p) => p,
+        Err(busy) => return *busy,
+    };
+    blocking(move || {
+        let _place = place;
+        f()
+    })
+    .await
+}
+
 fn internal(e: impl std::fmt::Display) -> Resp {
     tracing::error!("control port: {e}");
     error(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string())
@@ -243,10 +242,6 @@ fn internal(e: impl std::fmt::Display) -> Resp {
 /// A page's `limit` (`default` without one) and `cursor` (the key its page comes after).
 fn page_of(q: &std::collections::HashMap<String, String>, default: usize) -> Result<(usize, Option<u64>), Refusal> {
     Ok((limit_or(q, default)?, query_u64(q, "cursor")?))
-}
-
-fn limit_of(q: &std::collections::HashMap<String, String>) -> Result<usize, Refusal> {
-    limit_or(q, 100)
 }
 
 /// The most rows a page of any list route holds.
@@ -262,7 +257,7 @@ fn limit_or(q: &std::collections::HashMap<String, String>, default: usize) -> Re
 }
 
 /// How many requests that can take long may be under way at once: hold releases and primes
-/// (waiting for a run of their source, up to `holds.rs`'s `RELEASE_WAIT`, then committing), source runs
+/// (waiting for a run of their source, up to [`holds::RELEASE_WAIT`], then committing), source runs
 /// (a county's takes minutes), backups (a copy of the whole store each) and dead-letter
 /// replays (a commit per dead letter), each on a connection of its own. Without a cap, a
 /// script releasing holds in a loop, or running every source now, would fill the control

@@ -1,14 +1,13 @@
 //! `GET /v1/sources`, `POST /v1/sources/{id}/run`, `GET /v1/sources/{id}/watermarks`,
-//! `GET /v1/runs`, `GET /v1/changes/recent` and `GET /v1/quarantine`: what each source did and
+//! `GET /v1/runs` and `GET /v1/quarantine`: what each source did and
 //! when, the features its runs set aside, and a run asked for now.
 
 use crate::control::ControlState;
 use crate::control::http::{error, json, Resp};
 use crate::model::*;
 use crate::pipeline::RunOptions;
-use crate::store::AuditFilter;
 use crate::util::rfc3339;
-use super::{LongRequest, blocking, internal, limit_of, page_of};
+use super::{blocking_long, internal, page_of};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -17,7 +16,7 @@ fn verdict_str(v: Verdict) -> &'static str {
     v.as_str()
 }
 
-pub fn run_json(r: &RunRecord) -> Value {
+pub(super) fn run_json(r: &RunRecord) -> Value {
     json!({
         "run_id": r.run_id, "source_id": r.source_id, "lineage_id": r.lineage_id,
         "started": rfc3339(r.started_ms), "finished": rfc3339(r.finished_ms),
@@ -77,13 +76,8 @@ pub(super) async fn run_source(st: Arc<ControlState>, id: String) -> Resp {
     if st.engine.config.source(&id).is_none() {
         return error(StatusCode::NOT_FOUND, "unknown_source", format!("no source {id:?}"));
     }
-    let place = match LongRequest::take(&st) {
-        Ok(p) => p,
-        Err(busy) => return *busy,
-    };
     let st2 = st.clone();
-    let r = blocking(move || {
-        let _place = place;
+    let r = blocking_long(&st, move || {
         match st2.engine.run_source_id(&id, RunOptions::default()) {
             Ok(report) if report.record.verdict == Verdict::SkippedOverlap => {
                 json(StatusCode::CONFLICT, &json!({"status": "skipped_overlap", "source_id": id, "message": "a run of this source is in progress"}))
@@ -128,48 +122,6 @@ pub(super) fn list_runs(st: &ControlState, q: &std::collections::HashMap<String,
     let next = if page.len() == limit { page.last().map(|r| r.run_id.to_string()) } else { None };
     json(StatusCode::OK, &json!({"items": page.iter().map(run_json).collect::<Vec<_>>(), "next_cursor": next}))
 }
-
-/// The latest changed parcels (from the ledger) with their current geometry, for the map.
-pub(super) fn recent_changes(st: &ControlState, q: &std::collections::HashMap<String, String>) -> Resp {
-    let limit = match limit_of(q) {
-        Ok(l) => l,
-        Err(r) => return *r,
-    };
-    // Newest first, until `limit` distinct parcels: the rows of changes are found through
-    // the outcome index, past however many rows a baseline primed. At most
-    // [`RECENT_ROWS_PER_PARCEL`] rows read per parcel asked for: a store whose few changed
-    // parcels each matched a thousand subscribers walked the whole index at every poll of
-    // the dashboard (a reviewer); the map then shows the parcels those rows name.
-    let mut seen = std::collections::HashSet::new();
-    let mut picked: Vec<AuditRow> = Vec::new();
-    let mut read = 0usize;
-    let changes = AuditFilter { outcomes: Some(vec![Outcome::Queued, Outcome::Sent, Outcome::Suppressed]), without_baseline_primes: true, ..Default::default() };
-    let walked = st.engine.store.audit_walk(&changes, true, None, |r| {
-        read += 1;
-        if let (Some(src), Some(pid)) = (&r.source_id, &r.parcel_id) {
-            if seen.insert((src.clone(), pid.clone())) {
-                picked.push(r);
-            }
-        }
-        picked.len() < limit && read < limit.saturating_mul(RECENT_ROWS_PER_PARCEL)
-    });
-    if let Err(e) = walked {
-        return internal(e);
-    }
-    let mut items = Vec::with_capacity(picked.len());
-    for r in picked {
-        let (src, pid) = (r.source_id.clone().unwrap_or_default(), r.parcel_id.clone().unwrap_or_default());
-        let geometry = match st.engine.store.parcel_geometries(&src, [pid.as_str()]) {
-            Ok(mut g) => g.remove(&pid).map(|g| g.to_geojson()).unwrap_or(Value::Null),
-            Err(e) => return internal(e),
-        };
-        items.push(json!({"source_id": src, "parcel_id": pid, "ts": rfc3339(r.ts_ms), "outcome": r.outcome.as_str(), "detail": r.detail, "geometry": geometry}));
-    }
-    json(StatusCode::OK, &json!({"items": items}))
-}
-
-/// How many ledger rows `GET /v1/changes/recent` reads per parcel it may list.
-const RECENT_ROWS_PER_PARCEL: usize = 20;
 
 /// `{"items": [...], "next_cursor": ...}`: a page of quarantined features, oldest first,
 /// `limit` of them (100 by default, at most 1,000) after the row `cursor`. Each keeps up to
