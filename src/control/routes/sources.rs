@@ -1,6 +1,6 @@
 //! `GET /v1/sources`, `POST /v1/sources/{id}/run`, `GET /v1/sources/{id}/watermarks`,
-//! `GET /v1/runs` and `GET /v1/quarantine`: what each source did and
-//! when, the features its runs set aside, and a run asked for now.
+//! `GET /v1/runs` and `GET /v1/quarantine`: what each source did and when, the features its
+//! runs set aside, and a run asked for now.
 
 use crate::control::ControlState;
 use crate::control::http::{error, json, Resp};
