@@ -1,5 +1,6 @@
 //! The dashboard in headless Chromium: it renders the sources and an open hold from the live
-//! control port, and a click on "release" releases the hold. Needs Debian's chromium and
+//! control port, a click on "release" releases the hold, and the map draws every subscriber's
+//! area across `/v1/subscribers` pages. Needs Debian's chromium and
 //! playwright-core (scripts/test installs both); skipped loudly outside CI when absent.
 
 mod common;
@@ -53,6 +54,16 @@ async fn dashboard_shows_sources_and_releases_a_hold() {
         ws.write_layer(&layer(&v2));
         let run: Value = c.post(d.url("/v1/sources/s1/run")).header("authorization", &auth).send().unwrap().json().unwrap();
         assert_eq!(run["run"]["verdict"], "held");
+        // 1,000 more subscribers over the control port, away from the layer: with the
+        // config's, one more than a page of `/v1/subscribers` (the map drew the first page
+        // only, and said nothing of the rest).
+        for i in 0..1000 {
+            let (x, y) = (-70.0 + (i % 40) as f64 * 0.01, 41.0 + (i / 40) as f64 * 0.01);
+            let aoi = serde_json::json!({"type": "Polygon", "coordinates": [[[x, y], [x + 0.005, y], [x + 0.005, y + 0.005], [x, y + 0.005], [x, y]]]});
+            let body = serde_json::json!({"id": format!("api-{i:04}"), "target": rx.url("/other"), "aoi": aoi});
+            let r = c.post(d.url("/v1/subscribers")).header("authorization", &auth).json(&body).send().unwrap();
+            assert!(r.status().is_success(), "{}", r.text().unwrap_or_default());
+        }
 
         let shot = std::env::temp_dir().join(format!("zonewatch-dashboard-{}.png", std::process::id()));
         let o = std::process::Command::new("node")
@@ -65,6 +76,8 @@ async fn dashboard_shows_sources_and_releases_a_hold() {
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "browser run failed:\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
         assert!(out.contains("\"ok\":true") && out.contains("held"), "{out}");
+        let line: Value = out.lines().find_map(|l| serde_json::from_str(l).ok()).expect("the browser run's JSON line");
+        assert_eq!((line["areas"].as_u64(), line["mapnote"].as_str()), (Some(1001), Some("")), "every area drawn, across two pages: {out}");
         eprintln!("dashboard screenshot: {}", shot.display());
 
         let holds: Value = c.get(d.url("/v1/holds")).header("authorization", &auth).send().unwrap().json().unwrap();

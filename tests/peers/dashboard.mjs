@@ -1,6 +1,6 @@
 // Drives the zonewatch dashboard in headless Chromium (Debian's chromium, no downloaded
 // browser): the page must show the sources and an open hold, and a click on "release" must
-// release it. Usage: node dashboard.mjs BASE_URL TOKEN SCREENSHOT_PNG
+// release it. It prints how many subscriber areas the map drew and the map's note. Usage: node dashboard.mjs BASE_URL TOKEN SCREENSHOT_PNG
 import { createRequire } from "node:module";
 const require = createRequire(process.env.ZW_PLAYWRIGHT_DIR + "/");
 const { chromium } = require("playwright-core");
@@ -21,12 +21,14 @@ try {
   const verdict = await page.textContent('#sources tr[data-source="s1"] td:nth-child(2)');
   await page.waitForSelector('#holds tr[data-state="open"] button[data-action="release"]', { timeout: 15000 });
   await page.waitForSelector("#map path.aoi", { timeout: 15000 });
+  const areas = await page.locator("#map path.aoi").count();
+  const mapnote = await page.textContent("#mapnote");
   if (shot) await page.screenshot({ path: shot, fullPage: true });
   await page.click('#holds tr[data-state="open"] button[data-action="release"]');
   await page.waitForSelector('#holds tr[data-state="released"]', { timeout: 15000 });
   const status = await page.textContent("#status");
   if (errors.length) throw new Error("page errors: " + errors.join("; "));
-  console.log(JSON.stringify({ ok: true, verdict, status }));
+  console.log(JSON.stringify({ ok: true, verdict, status, areas, mapnote }));
 } finally {
   await browser.close();
 }
