@@ -128,8 +128,8 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64, noted: bool) 
         }
     }
     let mut polys = Vec::new();
-    let mut open = 0;
-    collect(&value, &mut polys, &mut open, 0)?;
+    let (mut open, mut left_out) = (0, 0);
+    collect(&value, &mut polys, &mut open, &mut left_out, 0)?;
     if polys.is_empty() {
         return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
     }
@@ -144,6 +144,9 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64, noted: bool) 
     let mut notes: Vec<String> = written.filter(|_| repaired).map(|written| repair_note(&written, &clean)).into_iter().collect();
     if noted && open > 0 {
         notes.push(format!("{open} ring(s) do not end where they start (RFC 7946 rings are closed): read as closed, each with a side from its last point back to its first"));
+    }
+    if noted && left_out > 0 {
+        notes.push(format!("{left_out} member(s) of a GeometryCollection are points or lines, not areas: left out (an AOI matches by its area; draw a corridor or a buffer around a point as a Polygon)"));
     }
     Ok((clean, (!notes.is_empty()).then(|| notes.join("; "))))
 }
@@ -167,7 +170,26 @@ fn unclosed_rings(v: &serde_json::Value, depth: usize) -> usize {
     }
 }
 
-fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, open: &mut usize, depth: usize) -> Result<(), String> {
+/// How many members of the GeometryCollections in `v` are points or lines: the geometry
+/// reader keeps a collection's polygons and drops those without a word (an AOI drawn as a
+/// parcel and the road beside it would match the parcel only, and nothing said so).
+fn non_area_members(v: &serde_json::Value, depth: usize) -> usize {
+    if depth > 8 || v.get("type").and_then(|t| t.as_str()) != Some("GeometryCollection") {
+        return 0;
+    }
+    v.get("geometries").and_then(|g| g.as_array()).map_or(0, |members| {
+        members
+            .iter()
+            .map(|m| match m.get("type").and_then(|t| t.as_str()) {
+                Some("Point" | "MultiPoint" | "LineString" | "MultiLineString") => 1,
+                Some("GeometryCollection") => non_area_members(m, depth + 1),
+                _ => 0,
+            })
+            .sum()
+    })
+}
+
+fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, open: &mut usize, left_out: &mut usize, depth: usize) -> Result<(), String> {
     if depth > 8 {
         return Err("nested too deeply".into());
     }
@@ -175,12 +197,12 @@ fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, open: &mut u
         Some("FeatureCollection") => {
             let features = v.get("features").and_then(|f| f.as_array()).ok_or("FeatureCollection without features")?;
             for f in features {
-                collect(f, out, open, depth + 1)?;
+                collect(f, out, open, left_out, depth + 1)?;
             }
             Ok(())
         }
         Some("Feature") => match v.get("geometry") {
-            Some(g) if !g.is_null() => collect(g, out, open, depth + 1),
+            Some(g) if !g.is_null() => collect(g, out, open, left_out, depth + 1),
             _ => Err("Feature without geometry".into()),
         },
         Some("Polygon") | Some("MultiPolygon") | Some("GeometryCollection") => {
@@ -188,6 +210,7 @@ fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, open: &mut u
                 .map_err(|(reason, detail)| format!("{}: {detail}", reason.as_str()))?;
             out.extend(mp.0);
             *open += unclosed_rings(v, depth);
+            *left_out += non_area_members(v, depth);
             Ok(())
         }
         Some(other) => Err(format!("{other} is not an area (use Polygon or MultiPolygon)")),
@@ -208,6 +231,21 @@ mod tests {
         let closed = r#"{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1],[0,0]]]}"#;
         let (same, none) = parse_new_aoi_noted(closed).unwrap();
         assert_eq!((aoi, none), (same, None));
+    }
+
+    /// The points and lines of a GeometryCollection AOI are left out, and said; its polygons
+    /// are the AOI. A collection of polygons only says nothing.
+    #[test]
+    fn a_collections_points_and_lines_are_left_out_and_said() {
+        let square = r#"{"type":"Polygon","coordinates":[[[0,0],[1,0],[1,1],[0,1],[0,0]]]}"#;
+        let mixed = format!(
+            r#"{{"type":"Feature","geometry":{{"type":"GeometryCollection","geometries":[{square},{{"type":"LineString","coordinates":[[2,2],[3,3]]}},{{"type":"GeometryCollection","geometries":[{{"type":"Point","coordinates":[5,5]}}]}}]}}}}"#
+        );
+        let (aoi, note) = parse_new_aoi_noted(&mixed).unwrap();
+        assert_eq!(aoi, parse_new_aoi(square).unwrap(), "the polygon is the AOI");
+        assert!(note.as_deref().is_some_and(|n| n.starts_with("2 member(s) of a GeometryCollection are points or lines")), "{note:?}");
+        let polygons_only = format!(r#"{{"type":"GeometryCollection","geometries":[{square}]}}"#);
+        assert_eq!(parse_new_aoi_noted(&polygons_only).unwrap().1, None);
     }
 
     /// A new AOI is checked within the validity work budget; a stored one, accepted before
