@@ -128,8 +128,8 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64, noted: bool) 
         }
     }
     let mut polys = Vec::new();
-    let (mut open, mut left_out) = (0, 0);
-    collect(&value, &mut polys, &mut open, &mut left_out, 0)?;
+    let mut unsaid = Unsaid::default();
+    collect(&value, &mut polys, &mut unsaid, 0)?;
     if polys.is_empty() {
         return Err("no Polygon or MultiPolygon found (expected Polygon, MultiPolygon, Feature or FeatureCollection)".into());
     }
@@ -142,54 +142,53 @@ fn parse_within(text: &str, bounds: Option<[f64; 4]>, budget: u64, noted: bool) 
         _ => format!("{}: {detail}", reason.as_str()),
     })?;
     let mut notes: Vec<String> = written.filter(|_| repaired).map(|written| repair_note(&written, &clean)).into_iter().collect();
-    if noted && open > 0 {
-        notes.push(format!("{open} ring(s) do not end where they start (RFC 7946 rings are closed): read as closed, each with a side from its last point back to its first"));
+    if noted && unsaid.open_rings > 0 {
+        notes.push(format!("{} ring(s) do not end where they start (RFC 7946 rings are closed): read as closed, each with a side from its last point back to its first", unsaid.open_rings));
     }
-    if noted && left_out > 0 {
-        notes.push(format!("{left_out} member(s) of a GeometryCollection are points or lines, not areas: left out (an AOI matches by its area; draw a corridor or a buffer around a point as a Polygon)"));
+    if noted && unsaid.left_out > 0 {
+        notes.push(format!("{} member(s) of a GeometryCollection are points or lines, not areas: left out (an AOI matches by its area; draw a corridor or a buffer around a point as a Polygon)", unsaid.left_out));
     }
     Ok((clean, (!notes.is_empty()).then(|| notes.join("; "))))
 }
 
-/// How many rings of the AOI's polygons end elsewhere than where they start: read as closed
-/// (the geometry library closes them), said, since the side it adds may not be the one meant
-/// (a black-box tester's unclosed ring was taken without a word).
-/// Counted by [`collect`] on each geometry it reads.
-fn unclosed_rings(v: &serde_json::Value, depth: usize) -> usize {
-    let open_in = |rings: &serde_json::Value| -> usize {
-        rings.as_array().map_or(0, |rings| rings.iter().filter_map(|r| r.as_array()).filter(|r| r.len() > 1 && r.first() != r.last()).count())
-    };
-    if depth > 8 {
-        return 0;
-    }
-    match v.get("type").and_then(|t| t.as_str()) {
-        Some("GeometryCollection") => v.get("geometries").and_then(|g| g.as_array()).map_or(0, |gs| gs.iter().map(|g| unclosed_rings(g, depth + 1)).sum()),
-        Some("Polygon") => v.get("coordinates").map_or(0, open_in),
-        Some("MultiPolygon") => v.get("coordinates").and_then(|c| c.as_array()).map_or(0, |ps| ps.iter().map(open_in).sum()),
-        _ => 0,
+/// What the geometry reader takes without a word, and an AOI's note says, counted by
+/// [`collect`] on each geometry it reads, in one walk:
+/// * rings that end elsewhere than where they start: read as closed (the geometry library
+///   closes them), said, since the side it adds may not be the one meant (a black-box
+///   tester's unclosed ring was taken without a word);
+/// * members of a GeometryCollection that are points or lines: left out (an AOI drawn as a
+///   parcel and the road beside it would match the parcel only, and nothing said so).
+#[derive(Default)]
+struct Unsaid {
+    open_rings: usize,
+    left_out: usize,
+}
+
+impl Unsaid {
+    fn count(&mut self, v: &serde_json::Value, depth: usize) {
+        let open_in = |rings: &serde_json::Value| -> usize {
+            rings.as_array().map_or(0, |rings| rings.iter().filter_map(|r| r.as_array()).filter(|r| r.len() > 1 && r.first() != r.last()).count())
+        };
+        if depth > 8 {
+            return;
+        }
+        match v.get("type").and_then(|t| t.as_str()) {
+            Some("GeometryCollection") => {
+                for member in v.get("geometries").and_then(|g| g.as_array()).into_iter().flatten() {
+                    match member.get("type").and_then(|t| t.as_str()) {
+                        Some("Point" | "MultiPoint" | "LineString" | "MultiLineString") => self.left_out += 1,
+                        _ => self.count(member, depth + 1),
+                    }
+                }
+            }
+            Some("Polygon") => self.open_rings += v.get("coordinates").map_or(0, open_in),
+            Some("MultiPolygon") => self.open_rings += v.get("coordinates").and_then(|c| c.as_array()).map_or(0, |ps| ps.iter().map(open_in).sum()),
+            _ => {}
+        }
     }
 }
 
-/// How many members of the GeometryCollections in `v` are points or lines: the geometry
-/// reader keeps a collection's polygons and drops those without a word (an AOI drawn as a
-/// parcel and the road beside it would match the parcel only, and nothing said so).
-fn non_area_members(v: &serde_json::Value, depth: usize) -> usize {
-    if depth > 8 || v.get("type").and_then(|t| t.as_str()) != Some("GeometryCollection") {
-        return 0;
-    }
-    v.get("geometries").and_then(|g| g.as_array()).map_or(0, |members| {
-        members
-            .iter()
-            .map(|m| match m.get("type").and_then(|t| t.as_str()) {
-                Some("Point" | "MultiPoint" | "LineString" | "MultiLineString") => 1,
-                Some("GeometryCollection") => non_area_members(m, depth + 1),
-                _ => 0,
-            })
-            .sum()
-    })
-}
-
-fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, open: &mut usize, left_out: &mut usize, depth: usize) -> Result<(), String> {
+fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, unsaid: &mut Unsaid, depth: usize) -> Result<(), String> {
     if depth > 8 {
         return Err("nested too deeply".into());
     }
@@ -197,20 +196,19 @@ fn collect(v: &serde_json::Value, out: &mut Vec<geo::Polygon<f64>>, open: &mut u
         Some("FeatureCollection") => {
             let features = v.get("features").and_then(|f| f.as_array()).ok_or("FeatureCollection without features")?;
             for f in features {
-                collect(f, out, open, left_out, depth + 1)?;
+                collect(f, out, unsaid, depth + 1)?;
             }
             Ok(())
         }
         Some("Feature") => match v.get("geometry") {
-            Some(g) if !g.is_null() => collect(g, out, open, left_out, depth + 1),
+            Some(g) if !g.is_null() => collect(g, out, unsaid, depth + 1),
             _ => Err("Feature without geometry".into()),
         },
         Some("Polygon") | Some("MultiPolygon") | Some("GeometryCollection") => {
             let mp = crate::ingest::normalize::parse_geometry(&v.to_string())
                 .map_err(|(reason, detail)| format!("{}: {detail}", reason.as_str()))?;
             out.extend(mp.0);
-            *open += unclosed_rings(v, depth);
-            *left_out += non_area_members(v, depth);
+            unsaid.count(v, depth);
             Ok(())
         }
         Some(other) => Err(format!("{other} is not an area (use Polygon or MultiPolygon)")),

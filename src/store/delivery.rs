@@ -608,7 +608,7 @@ impl Store {
                         // Its subscriber was deleted while it was sent: the letter says so, as
                         // the delete marked those it found (a replay sets it aside should a
                         // config subscriber take the id: a reviewer).
-                        let reason = if revoked.contains(&id) { format!("{} (was {reason})", super::subscribers::SUBSCRIBER_DELETED) } else { reason.clone() };
+                        let reason = if revoked.contains(&id) { super::subscribers::marked_deleted(reason) } else { reason.clone() };
                         pending.push(dead_letter_in(&mut outbox, &mut dead, queue, dead_entry, &reason, now_ms)?);
                     }
                     DeliveryResult::Retry { .. } | DeliveryResult::Deferred { .. } | DeliveryResult::Gone { .. } if revoked.contains(&id) => {

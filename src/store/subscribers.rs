@@ -236,6 +236,12 @@ pub(super) fn deleted_reason(reason: &str) -> bool {
     reason.strip_prefix(SUBSCRIBER_DELETED).is_some_and(|rest| rest.is_empty() || rest.starts_with(" (was "))
 }
 
+/// A dead letter's reason once its subscriber was deleted, the reason it had kept after it
+/// (`subscriber_deleted (was retries_exhausted)`): what [`deleted_reason`] recognises.
+pub(super) fn marked_deleted(reason: &str) -> String {
+    format!("{SUBSCRIBER_DELETED} (was {reason})")
+}
+
 /// In a delete's transaction: the subscriber's dead letters (of any reason) say it was
 /// deleted, their reason kept after it (`subscriber_deleted (was retries_exhausted)`). A
 /// replay then sets them aside should a config subscriber take the id, which has no creation
@@ -254,7 +260,7 @@ fn mark_letters_of_deleted(wtx: &redb::WriteTransaction, id: &str, created_ms: u
         // One that cannot be read is left as it is (`check --store` names it).
         let Ok(mut dead) = super::outbox_rows::decode_dead(v.value()) else { continue };
         if dead.entry.created_ms >= created_ms && !deleted_reason(&dead.reason) {
-            dead.reason = format!("{SUBSCRIBER_DELETED} (was {})", dead.reason);
+            dead.reason = marked_deleted(&dead.reason);
             marked.push((k.value(), dead));
         }
     }
